@@ -1,0 +1,31 @@
+# Two entry points for a fresh machine: `make train` and `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup train test lint bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+train: $(STAMP)
+	$(BIN)/paratrain train --out runs/default
+
+test: $(STAMP)
+	$(BIN)/ruff check paratrain tests benchmarks
+	$(BIN)/python -m pytest -q tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check paratrain tests benchmarks
+
+bench: $(STAMP)
+	$(BIN)/paratrain bench single --json
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info

@@ -1,0 +1,223 @@
+"""Every collective paratrain issues goes through this file, so every byte is counted.
+
+Two numbers are kept per collective kind and per mesh axis:
+
+* ``payload`` bytes: the size of the tensor handed to the collective, seen from one rank
+  (all_reduce: the tensor; all_gather: the gathered output; reduce_scatter: the full input;
+  all_to_all: the input; send / broadcast: the tensor). This is the ``comm_bytes`` contract of
+  ``metrics.jsonl``.
+* ``wire`` bytes: what one rank sends with the bandwidth-optimal (ring) algorithm, the unit the
+  ZeRO paper counts in: all_reduce ``2(n-1)/n * S``, all_gather and reduce_scatter
+  ``(n-1)/n * S``, all_to_all ``(n-1)/n * S``, send ``S``. With it, DDP moves 2Ψ per step and
+  ZeRO-3 3Ψ, as the paper says.
+
+A collective over a group of one rank is skipped (no bytes, no call), so single-process code
+runs through the same functions without ``torch.distributed`` being initialised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "broadcast")
+
+
+@dataclass
+class CommCounter:
+    """Bytes issued by this rank, per collective kind and per mesh axis, since the last reset."""
+
+    payload: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    wire: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    by_axis: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    enabled: bool = True
+
+    def record(self, kind: str, axis: str, n_ranks: int, nbytes: int) -> None:
+        if not self.enabled:
+            return
+        self.payload[kind] += nbytes
+        self.wire[kind] += int(round(_wire_factor(kind, n_ranks) * nbytes))
+        self.by_axis[axis] += nbytes
+        self.calls[kind] += 1
+
+    def snapshot(self) -> dict:
+        return {
+            "payload": dict(self.payload),
+            "wire": dict(self.wire),
+            "by_axis": dict(self.by_axis),
+            "calls": dict(self.calls),
+        }
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Bookkeeping traffic (logging a loss, a norm) that is not part of the training step."""
+        was, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = was
+
+    def reset(self) -> None:
+        for d in (self.payload, self.wire, self.by_axis, self.calls):
+            d.clear()
+
+
+def _wire_factor(kind: str, n: int) -> float:
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    return 1.0  # send, broadcast (root's view)
+
+
+@dataclass
+class Axis:
+    """One axis of the mesh as seen from this rank: its process group and where we sit in it."""
+
+    name: str
+    size: int
+    rank: int  # our index along the axis
+    ranks: list[int]  # global ranks of our group, in axis order
+    group: dist.ProcessGroup | None
+    counter: CommCounter
+
+    @property
+    def active(self) -> bool:
+        return self.size > 1
+
+    def global_rank(self, index: int) -> int:
+        return self.ranks[index]
+
+
+def single_axis(name: str = "world", counter: CommCounter | None = None) -> Axis:
+    """A trivial axis of one rank (no communication ever happens on it)."""
+    return Axis(name, 1, 0, [0], None, counter or CommCounter())
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# --------------------------------------------------------------------------------------------
+# Plain collectives (not autograd-aware). async_op=True returns the work handle or None.
+# --------------------------------------------------------------------------------------------
+
+
+def all_reduce(t: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM, async_op: bool = False):
+    if not axis.active:
+        return None
+    axis.counter.record("all_reduce", axis.name, axis.size, _nbytes(t))
+    return dist.all_reduce(t, op=op, group=axis.group, async_op=async_op)
+
+
+def all_gather_into(out: torch.Tensor, shard: torch.Tensor, axis: Axis, async_op: bool = False):
+    """Gather equal shards into ``out`` (``out.numel() == size * shard.numel()``, concatenated on dim 0)."""
+    if not axis.active:
+        if out.data_ptr() != shard.data_ptr():
+            out.copy_(shard.view_as(out))
+        return None
+    axis.counter.record("all_gather", axis.name, axis.size, _nbytes(out))
+    return dist.all_gather_single(out, shard, group=axis.group, async_op=async_op)
+
+
+def reduce_scatter_into(
+    out: torch.Tensor, full: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM, async_op: bool = False
+):
+    """Sum ``full`` over the axis and keep our 1/size slice (dim-0 chunk) in ``out``."""
+    if not axis.active:
+        if out.data_ptr() != full.data_ptr():
+            out.copy_(full.view_as(out))
+        return None
+    axis.counter.record("reduce_scatter", axis.name, axis.size, _nbytes(full))
+    return dist.reduce_scatter_single(out, full, op=op, group=axis.group, async_op=async_op)
+
+
+def all_gather_list(t: torch.Tensor, axis: Axis) -> list[torch.Tensor]:
+    """Gather equal-shaped tensors from every rank of the axis as a list (axis order)."""
+    if not axis.active:
+        return [t]
+    out = [torch.empty_like(t) for _ in range(axis.size)]
+    axis.counter.record("all_gather", axis.name, axis.size, _nbytes(t) * axis.size)
+    dist.all_gather(out, t.contiguous(), group=axis.group)
+    return out
+
+
+def broadcast(t: torch.Tensor, axis: Axis, src_index: int = 0, async_op: bool = False):
+    if not axis.active:
+        return None
+    axis.counter.record("broadcast", axis.name, axis.size, _nbytes(t) if axis.rank == src_index else 0)
+    return dist.broadcast(t, src=axis.ranks[src_index], group=axis.group, async_op=async_op)
+
+
+def all_to_all_single(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    axis: Axis,
+    out_splits: list[int] | None = None,
+    in_splits: list[int] | None = None,
+    async_op: bool = False,
+):
+    if not axis.active:
+        out.copy_(inp)
+        return None
+    axis.counter.record("all_to_all", axis.name, axis.size, _nbytes(inp))
+    return dist.all_to_all_single(
+        out, inp, out_splits, in_splits, group=axis.group, async_op=async_op
+    )
+
+
+def broadcast_object(obj, axis: Axis, src_index: int = 0):
+    """Broadcast a picklable object (configuration, not tensors of the hot path)."""
+    if not axis.active:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=axis.ranks[src_index], group=axis.group)
+    return box[0]
+
+
+def gather_object(obj, axis: Axis, dst_index: int = 0) -> list | None:
+    """Gather picklable objects to one rank of the axis (exports and checkpoints only)."""
+    if not axis.active:
+        return [obj]
+    out = [None] * axis.size if axis.rank == dst_index else None
+    dist.gather_object(obj, out, dst=axis.ranks[dst_index], group=axis.group)
+    return out
+
+
+def all_gather_object(obj, axis: Axis) -> list:
+    if not axis.active:
+        return [obj]
+    out = [None] * axis.size
+    dist.all_gather_object(out, obj, group=axis.group)
+    return out
+
+
+def barrier(axis: Axis) -> None:
+    if axis.active:
+        dist.barrier(group=axis.group)
+
+
+# --------------------------------------------------------------------------------------------
+# Point-to-point (pipeline). Peers are given as indices along the axis.
+# --------------------------------------------------------------------------------------------
+
+
+def p2p_op_send(t: torch.Tensor, axis: Axis, peer_index: int) -> dist.P2POp:
+    axis.counter.record("send", axis.name, axis.size, _nbytes(t))
+    return dist.P2POp(dist.isend, t, axis.ranks[peer_index], group=axis.group)
+
+
+def p2p_op_recv(t: torch.Tensor, axis: Axis, peer_index: int) -> dist.P2POp:
+    return dist.P2POp(dist.irecv, t, axis.ranks[peer_index], group=axis.group)
+
+
+def batch_p2p(ops: list[dist.P2POp]) -> list:
+    """Launch sends and receives together (avoids the ordering deadlocks of blocking p2p)."""
+    if not ops:
+        return []
+    return dist.batch_isend_irecv(ops)

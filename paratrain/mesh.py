@@ -1,0 +1,140 @@
+"""The device mesh: one grid of ranks with named axes, every process group built once, here.
+
+Layout of global ranks (tp varies fastest, so tensor-parallel peers are neighbours, as on one
+node; then data parallel; pipeline stages are the slowest axis)::
+
+    rank = (pp_index * dp + dp_index) * tp + tp_index
+
+Expert parallelism subdivides the data-parallel axis: ``dp_index = edp_index * ep + ep_index``.
+The ``ep`` group holds the ep neighbours that exchange tokens with all-to-all; ``edp`` holds the
+ranks that hold the same experts and average their gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from paratrain.comm.collectives import Axis, CommCounter
+
+AXES = ("pp", "dp", "tp", "ep", "edp", "world")
+
+
+class MeshError(ValueError):
+    """A parallel layout that does not fit the world size."""
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def check(self, world_size: int) -> None:
+        """Raise a MeshError naming the numbers when the degrees do not multiply to the world."""
+        for name in ("pp", "dp", "tp", "ep"):
+            if getattr(self, name) < 1:
+                raise MeshError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.world_size != world_size:
+            raise MeshError(
+                f"dp({self.dp}) * tp({self.tp}) * pp({self.pp}) = {self.world_size} != world size "
+                f"{world_size}: change the degrees or the number of processes (--nproc)"
+            )
+        if self.dp % self.ep:
+            raise MeshError(f"ep({self.ep}) must divide dp({self.dp}): expert parallelism subdivides dp")
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Rank -> its index along each axis."""
+        tp_i = rank % self.tp
+        dp_i = (rank // self.tp) % self.dp
+        pp_i = rank // (self.tp * self.dp)
+        return {
+            "pp": pp_i,
+            "dp": dp_i,
+            "tp": tp_i,
+            "ep": dp_i % self.ep,
+            "edp": dp_i // self.ep,
+            "world": rank,
+        }
+
+    def rank_of(self, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
+        return (pp * self.dp + dp) * self.tp + tp
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """All groups along ``axis``, each a list of global ranks in axis order."""
+        ranks = range(self.world_size)
+        if axis == "world":
+            return [list(ranks)]
+        key_fn = {
+            "tp": lambda c: (c["pp"], c["dp"]),
+            "dp": lambda c: (c["pp"], c["tp"]),
+            "pp": lambda c: (c["dp"], c["tp"]),
+            "ep": lambda c: (c["pp"], c["tp"], c["edp"]),
+            "edp": lambda c: (c["pp"], c["tp"], c["ep"]),
+        }[axis]
+        buckets: dict[tuple, list[int]] = {}
+        for r in ranks:
+            buckets.setdefault(key_fn(self.coords(r)), []).append(r)
+        # Ranks inside a bucket are ascending, which is the axis order for every axis above.
+        return [buckets[k] for k in sorted(buckets)]
+
+
+class ParallelMesh:
+    """This rank's view of the mesh: an ``Axis`` (group, size, index) per named axis.
+
+    Build it once per process, after ``torch.distributed`` is initialised (or without it for a
+    single process). Every rank creates every group in the same order, as ``new_group`` requires.
+    """
+
+    def __init__(self, shape: MeshShape, rank: int = 0, device: torch.device | None = None,
+                 counter: CommCounter | None = None):
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        shape.check(world)
+        self.shape = shape
+        self.rank = rank
+        self.device = device or torch.device("cpu")
+        self.counter = counter or CommCounter()
+        coords = shape.coords(rank)
+        self.axes: dict[str, Axis] = {}
+        for name in AXES:
+            mine = None
+            for members in shape.groups(name):
+                # new_group is collective over the whole world: every rank calls it for every group.
+                group = _new_group(members, world)
+                if rank in members:
+                    mine = (members, group)
+            members, group = mine
+            self.axes[name] = Axis(name, len(members), coords[name], members, group, self.counter)
+
+    def __getattr__(self, name: str) -> Axis:
+        axes = self.__dict__.get("axes", {})
+        if name in axes:
+            return axes[name]
+        raise AttributeError(name)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.axes["pp"].rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.axes["pp"].rank == self.axes["pp"].size - 1
+
+    def describe(self) -> dict[str, int]:
+        return {"pp": self.shape.pp, "dp": self.shape.dp, "tp": self.shape.tp, "ep": self.shape.ep}
+
+
+def _new_group(members: list[int], world: int):
+    if world == 1 or len(members) == 1:
+        # Groups of one never communicate; creating them anyway would cost time on every rank.
+        return None
+    if len(members) == world:
+        return dist.group.WORLD
+    return dist.new_group(members)

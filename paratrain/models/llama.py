@@ -1,0 +1,211 @@
+"""A Llama-style decoder, written to be read top to bottom, with no parallel code in it.
+
+RMSNorm -> attention (RoPE, grouped-query heads, scaled_dot_product_attention) -> residual ->
+RMSNorm -> SwiGLU MLP -> residual, repeated; then a final RMSNorm and the LM head.
+
+Two choices make the parallel techniques possible without touching this file:
+
+* Attention reads its head counts from the projections' output sizes, so a tensor-parallel
+  column split of ``wq``/``wk``/``wv`` simply makes the layer compute its local heads.
+* Blocks live in a ``ModuleDict`` keyed by their index, and ``embed``/``norm``/``lm_head`` may be
+  ``None``: a pipeline stage is this same model with the parts it does not own removed, and every
+  remaining parameter keeps its single-device name (``layers.7.attn.wq.weight``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int = 8192
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_dim: int = 688
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def n_params(self) -> int:
+        """Parameters of the single-device model (tied embeddings counted once)."""
+        d, f, v = self.dim, self.ffn_dim, self.vocab_size
+        kv = self.n_kv_heads * self.head_dim
+        per_layer = d * d * 2 + d * kv * 2 + 3 * d * f + 2 * d
+        head = 0 if self.tie_embeddings else v * d
+        return v * d + self.n_layers * per_layer + d + head
+
+
+# Named shapes. `tiny` is for tests (8-worker runs on 2 cores), `small` for the default run on a
+# CPU, the others are real shapes for the planner (Llama 2/3 published configurations).
+PRESETS: dict[str, LlamaConfig] = {
+    "tiny": LlamaConfig(vocab_size=512, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128,
+                        max_seq_len=128),
+    "small": LlamaConfig(vocab_size=8192, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688,
+                         max_seq_len=256),
+    "base": LlamaConfig(vocab_size=8192, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1376,
+                        max_seq_len=512),
+    "llama-1b": LlamaConfig(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+                            ffn_dim=8192, max_seq_len=8192, rope_theta=500000.0, tie_embeddings=True),
+    "llama-7b": LlamaConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32,
+                            ffn_dim=11008, max_seq_len=4096),
+    "llama-13b": LlamaConfig(vocab_size=32000, dim=5120, n_layers=40, n_heads=40, n_kv_heads=40,
+                             ffn_dim=13824, max_seq_len=4096),
+    "llama-70b": LlamaConfig(vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                             ffn_dim=28672, max_seq_len=4096),
+}
+
+
+def preset(name: str, **overrides) -> LlamaConfig:
+    if name not in PRESETS:
+        raise KeyError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return replace(PRESETS[name], **overrides)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 even under autocast: the mean of squares underflows in half precision.
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y.type_as(x) * self.weight
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of the rotary angles, [seq, head_dim/2], computed in fp32."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) by the position's angle. x: [batch, seq, heads, head_dim]."""
+    x2 = x.float().unflatten(-1, (-1, 2))  # [b, s, h, hd/2, 2]
+    a, b = x2[..., 0], x2[..., 1]
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.rope_theta = cfg.rope_theta
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # Head counts come from the projections, so a column-split projection yields local heads.
+        q = self.wq(x).view(b, s, -1, self.head_dim)  # [b, s, n_heads, hd]
+        k = self.wk(x).view(b, s, -1, self.head_dim)  # [b, s, n_kv_heads, hd]
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        cos, sin = rope_tables(s, self.head_dim, self.rope_theta, x.device)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, hd]
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves a group of q heads
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, s, -1))  # [b, s, dim]
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.norm: nn.Module | None = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head: nn.Module | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """tokens [b, s] -> logits [b, s, vocab]; a pipeline stage may take/return hidden states."""
+        h = self.embed(x) if self.embed is not None else x  # [b, s, dim]
+        for block in self.layers.values():
+            h = block(h)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.lm_head(h) if self.lm_head is not None else h
+
+
+# --------------------------------------------------------------------------------------------
+# Layout-independent initialisation: a parameter's value is a function of (seed, name) only.
+# --------------------------------------------------------------------------------------------
+
+
+def param_seed(seed: int, name: str) -> int:
+    """A stable 63-bit seed from (seed, name); Python's hash() is salted per process, so not it."""
+    import hashlib
+
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def init_std(name: str, cfg: LlamaConfig) -> float | None:
+    """None for norm weights (ones); otherwise the normal std (output projections scaled by depth,
+    as in GPT-2, so the residual stream's variance does not grow with the number of layers)."""
+    if name.endswith("norm.weight"):
+        return None
+    if name.endswith(("wo.weight", "down.weight")):
+        return 0.02 / math.sqrt(2 * cfg.n_layers)
+    return 0.02
+
+
+def full_init_value(name: str, shape: tuple[int, ...], seed: int, cfg: LlamaConfig) -> torch.Tensor:
+    """The full fp32 initial value of parameter `name` of the single-device model."""
+    std = init_std(name, cfg)
+    if std is None:
+        return torch.ones(shape)
+    gen = torch.Generator().manual_seed(param_seed(seed, name))
+    return torch.empty(shape).normal_(0.0, std, generator=gen)

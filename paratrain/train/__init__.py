@@ -1,0 +1,1 @@
+"""The training loop and what it needs: data, tasks, strategies, executors, checkpoints, metrics."""

@@ -1,0 +1,66 @@
+"""Executors run forward and backward over the micro-batches of one optimizer step on this rank.
+
+``MicroBatchLoop`` is gradient accumulation: micro-batches one after another, communication
+held back (``strategy.no_sync()``) until the last one. Pipeline schedules
+(pipeline/schedules.py) are the other executors; both return the same thing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from paratrain.train.strategy import Strategy
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def autocast_for(precision: str, device: torch.device):
+    """bf16/fp16 autocast on the model's device; fp32 runs without it."""
+    if precision == "fp32":
+        return contextlib.nullcontext
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return lambda: torch.autocast(device_type=device.type, dtype=dtype)
+
+
+class MicroBatchLoop:
+    def __init__(self, model: nn.Module, loss_fn: LossFn, strategy: Strategy, precision: str,
+                 device: torch.device):
+        self.model = model
+        self.loss_fn = loss_fn
+        self.strategy = strategy
+        self.autocast = autocast_for(precision, device)
+
+    def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], divisor: float,
+            loss_scale: float = 1.0) -> torch.Tensor:
+        """Accumulate gradients of sum(loss) / divisor over the micro-batches.
+
+        Dividing every micro-batch's *sum* of losses by the global count (not by its own count)
+        makes the accumulated gradient exactly the gradient of the global mean, however the
+        global batch is cut into ranks and micro-batches. Returns this rank's share of the loss.
+        """
+        total = torch.zeros((), dtype=torch.float32)
+        last = len(micro_batches) - 1
+        for i, (x, y) in enumerate(micro_batches):
+            # Hold gradient communication until the last micro-batch: the gradients are summed
+            # locally first, so one reduction per step moves the same bytes as with no accumulation.
+            sync = self.strategy.no_sync() if i < last else contextlib.nullcontext()
+            with sync:
+                with self.autocast():
+                    loss = self.loss_fn(self.model(x), y) / divisor
+                (loss * loss_scale).backward() if loss_scale != 1.0 else loss.backward()
+            total += loss.detach().float().cpu()
+        self.strategy.after_backward()
+        return total
+
+    @torch.no_grad()
+    def evaluate(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], divisor: float) -> torch.Tensor:
+        """Forward only: this rank's share of sum(loss) / divisor."""
+        total = torch.zeros((), dtype=torch.float32)
+        for x, y in micro_batches:
+            with self.autocast():
+                total += (self.loss_fn(self.model(x), y) / divisor).float().cpu()
+        return total

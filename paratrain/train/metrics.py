@@ -1,0 +1,147 @@
+"""Metrics: one JSON object per optimizer step in ``OUT/metrics.jsonl``, a loss plot, tensorboard.
+
+Per-rank figures are gathered to rank 0: each contract key holds the maximum over ranks (the
+busiest rank for communication), and ``per_rank`` holds the full lists.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from paratrain.comm import collectives as C
+from paratrain.mesh import ParallelMesh
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated bytes on CUDA; peak resident set size of the process on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 512,
+                        seconds: float = 0.3) -> float:
+    """Measured dense matmul FLOP/s of this process on `device` (the MFU denominator)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    _sync(device)
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        count += 1
+    _sync(device)
+    return 2 * n**3 * count / (time.perf_counter() - start)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def rank_record(mesh: ParallelMesh, state_bytes: dict, extra: dict | None = None) -> dict:
+    snap = mesh.counter.snapshot()
+    return {
+        "mem_params_bytes": state_bytes["params"],
+        "mem_grads_bytes": state_bytes["grads"],
+        "mem_optim_bytes": state_bytes["optim"],
+        "mem_offloaded_bytes": state_bytes.get("offloaded", 0),
+        "mem_peak_bytes": peak_memory_bytes(mesh.device),
+        "comm_bytes": snap["payload"],
+        "comm_wire_bytes": snap["wire"],
+        "comm_by_axis": snap["by_axis"],
+        **(extra or {}),
+    }
+
+
+def merge_ranks(records: list[dict]) -> dict:
+    """Contract keys take the max over ranks; comm kinds are taken from the busiest rank."""
+    out: dict = {}
+    for key in ("mem_params_bytes", "mem_grads_bytes", "mem_optim_bytes", "mem_offloaded_bytes",
+                "mem_peak_bytes"):
+        out[key] = max(r[key] for r in records)
+    for key in ("comm_bytes", "comm_wire_bytes", "comm_by_axis"):
+        kinds = sorted({k for r in records for k in r[key]})
+        out[key] = {k: max(r[key].get(k, 0) for r in records) for k in kinds}
+    scalar_extras = [k for k in records[0] if k not in out and not isinstance(records[0][k], dict)]
+    for key in scalar_extras:
+        out[key] = max(r[key] for r in records)
+    out["per_rank"] = {k: [r[k] for r in records] for k in ("mem_params_bytes", "mem_grads_bytes",
+                                                               "mem_optim_bytes", "mem_peak_bytes")}
+    out["per_rank"]["comm_bytes_total"] = [sum(r["comm_bytes"].values()) for r in records]
+    return out
+
+
+def gather_rank_records(mesh: ParallelMesh, record: dict) -> list[dict] | None:
+    with mesh.counter.paused():
+        return C.gather_object(record, mesh.world)
+
+
+class MetricsWriter:
+    """Rank 0's sink: metrics.jsonl (appending on resume), optional tensorboard."""
+
+    def __init__(self, out: Path, resume: bool):
+        self.path = out / "metrics.jsonl"
+        out.mkdir(parents=True, exist_ok=True)
+        if not resume and self.path.exists():
+            self.path.unlink()
+        self._file = open(self.path, "a")
+        self._tb = _tensorboard(out)
+
+    def write(self, row: dict) -> None:
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key in ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
+                if isinstance(row.get(key), (int, float)):
+                    self._tb.add_scalar(key, row[key], row["step"])
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _tensorboard(out: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is an optional extra
+        return None
+    return SummaryWriter(str(out / "tensorboard"))
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_loss(metrics_path: Path, png_path: Path) -> Path:
+    """Training (and validation) loss against step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    steps = [r["step"] for r in rows if r.get("loss") is not None]
+    losses = [r["loss"] for r in rows if r.get("loss") is not None]
+    val = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, losses, label="train loss", lw=1.2)
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation loss")
+    layout = next((r["layout"] for r in rows if "layout" in r), None)
+    ax.set(xlabel="step", ylabel="cross-entropy (nats/token)",
+           title=f"paratrain {json.dumps(layout) if layout else ''}"[:90])
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return png_path

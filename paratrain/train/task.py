@@ -1,0 +1,91 @@
+"""A task ties a model to its data and its loss: what the trainer needs to know about both.
+
+``LanguageModelTask`` (the Llama decoder on token rows) is the main one; the data-parallel
+example ``cnn-tiny`` (SyncBatchNorm) is another. The loss is always a *sum* over the units of a
+batch (tokens, or samples), so the executor can divide by the global count and every layout
+computes the same mean.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from paratrain.config import Config
+from paratrain.models import build_model, init_weights, materialize, preset
+from paratrain.models.llama import LlamaConfig
+from paratrain.train.data import Corpus, TokenRows, prepare_corpus
+
+
+class Task(Protocol):
+    name: str
+    units_per_row: int  # tokens (or samples) of loss per row of the batch
+    flops_per_unit: float  # training FLOPs per unit (6N + attention), for MFU
+    n_params: int
+
+    def build_model(self, device: torch.device | str) -> nn.Module: ...
+    def materialize(self, model: nn.Module, device: torch.device) -> None: ...
+    def init_weights(self, model: nn.Module, seed: int) -> None: ...
+    def loss_sum(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor: ...
+    def train_batch(self, step: int, global_batch: int, rows: slice | None = None): ...
+    def val_batch(self, index: int, global_batch: int, rows: slice | None = None): ...
+
+
+def model_config(cfg: Config, vocab_size: int) -> LlamaConfig:
+    m = cfg.model
+    overrides = {k: getattr(m, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
+                                              "tie_embeddings") if getattr(m, k) is not None}
+    return preset(m.name, vocab_size=vocab_size, max_seq_len=max(cfg.data.seq_len, 2), **overrides)
+
+
+class LanguageModelTask:
+    name = "lm"
+
+    def __init__(self, cfg: Config, corpus: Corpus | None = None):
+        d = cfg.data
+        self.corpus = corpus or prepare_corpus(d.path, d.vocab_size, d.cache_dir, d.max_files)
+        self.model_cfg = model_config(cfg, self.corpus.vocab_size)
+        self.rows = TokenRows(self.corpus.tokens, d.seq_len, d.val_fraction, cfg.train.seed)
+        self.units_per_row = d.seq_len
+        self.n_params = self.model_cfg.n_params()
+        self.flops_per_unit = lm_flops_per_token(self.model_cfg, d.seq_len)
+
+    def build_model(self, device):
+        return build_model(self.model_cfg, device)
+
+    def materialize(self, model, device):
+        materialize(model, device)
+
+    def init_weights(self, model, seed):
+        init_weights(model, seed, self.model_cfg)
+
+    def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+
+    def train_batch(self, step, global_batch, rows=None):
+        return self.rows.train_batch(step, global_batch, rows)
+
+    def val_batch(self, index, global_batch, rows=None):
+        return self.rows.val_batch(index, global_batch, rows)
+
+
+def lm_flops_per_token(c: LlamaConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward = 3 x forward), the Megatron-LM accounting:
+    6 x the matmul parameters (every block's linears and the LM head; the embedding lookup and the
+    norms do no matmul) + attention's score and value products, 6 * L * s * d with the causal half.
+    """
+    kv = c.n_kv_heads * c.head_dim
+    per_layer = 2 * c.dim * c.dim + 2 * c.dim * kv + 3 * c.dim * c.ffn_dim
+    matmul_params = c.n_layers * per_layer + c.vocab_size * c.dim
+    return 6.0 * matmul_params + 6.0 * c.n_layers * seq_len * c.dim
+
+
+def build_task(cfg: Config, corpus: Corpus | None = None) -> Task:
+    if cfg.model.name == "cnn-tiny":
+        from paratrain.models.cnn import ImageTask
+
+        return ImageTask(cfg)
+    return LanguageModelTask(cfg, corpus)

@@ -1,0 +1,294 @@
+"""The training loop: one global batch per step, cut into data-parallel slices and micro-batches.
+
+    for each step:
+        rows of the global batch (layout-independent) -> this dp rank's slice -> micro-batches
+        executor.run: forward + backward of each micro-batch (accumulating), gradient sync
+        global grad norm -> fp16 overflow check -> unscale + clip in one multiply
+        optimizer step at the scheduled LR
+        metrics (rank 0 writes, per-rank figures gathered), eval, checkpoint
+
+``train(cfg, env)`` runs on every rank; ``paratrain train`` starts the ranks (launch.py).
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from paratrain.comm import collectives as C
+from paratrain.config import Config
+from paratrain.launch import DistEnv
+from paratrain.mesh import MeshShape, ParallelMesh
+from paratrain.parallelize import Parallelized, parallelize
+from paratrain.train import checkpoint as ckpt
+from paratrain.train.loss_scaler import LossScaler
+from paratrain.train.metrics import (
+    MetricsWriter,
+    gather_rank_records,
+    measure_matmul_peak,
+    merge_ranks,
+    plot_loss,
+    rank_record,
+)
+from paratrain.train.task import Task, build_task
+
+
+@dataclass
+class TrainResult:
+    losses: list[float] = field(default_factory=list)  # one per step run (skipped fp16 steps: nan)
+    val_losses: list[tuple[int, float]] = field(default_factory=list)
+    skipped_steps: list[int] = field(default_factory=list)
+    out: str | None = None
+    final_state: dict | None = None  # full weights (rank 0 only, when asked for)
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """Linear warmup to lr, then cosine decay to lr * min_lr_ratio at the last step."""
+    o, total = cfg.optim, cfg.train.steps
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    progress = (step - o.warmup_steps) / max(1, total - o.warmup_steps)
+    floor = o.lr * o.min_lr_ratio
+    return floor + 0.5 * (o.lr - floor) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def single_process_env() -> DistEnv:
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    return DistEnv(0, 1, 0, "none", device)
+
+
+def build_mesh(cfg: Config, env: DistEnv) -> ParallelMesh:
+    p = cfg.parallel
+    shape = MeshShape(pp=p.pp, dp=cfg.dp, tp=p.tp, ep=p.ep)
+    return ParallelMesh(shape, env.rank, env.device)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, env: DistEnv | None = None, task: Task | None = None):
+        self.cfg, self.env = cfg, env or single_process_env()
+        if self.env.world_size == 1 and cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
+        self.mesh = build_mesh(cfg, self.env)
+        self.task = task or build_task(cfg)
+        self.par: Parallelized = parallelize(self.task, cfg, self.mesh)
+        self.out = Path(cfg.train.out)
+        self.is_main = self.env.rank == 0
+        self.scaler = LossScaler(enabled=cfg.train.precision == "fp16")
+        self.start_step = 0
+        self.result = TrainResult(out=str(self.out))
+        self.peak_flops = None
+
+    # -- data ------------------------------------------------------------------------------------
+
+    def local_rows(self) -> slice:
+        per_rank = self.cfg.train.global_batch // self.mesh.dp.size
+        return slice(self.mesh.dp.rank * per_rank, (self.mesh.dp.rank + 1) * per_rank)
+
+    def micro_batches(self, x: torch.Tensor, y: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        dev, mb = self.mesh.device, self.cfg.micro_batch
+        return [(xs.to(dev), ys.to(dev)) for xs, ys in zip(x.split(mb), y.split(mb))]
+
+    @property
+    def units_per_step(self) -> int:
+        return self.cfg.train.global_batch * self.task.units_per_row
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def train_step(self, step: int) -> dict:
+        strategy = self.par.strategy
+        x, y = self.task.train_batch(step, self.cfg.train.global_batch, self.local_rows())
+        self.mesh.counter.reset()
+        start = time.perf_counter()
+        local = self.par.executor.run(self.micro_batches(x, y), float(self.units_per_step), self.scaler.scale)
+        norm = strategy.grad_norm() / self.scaler.scale
+        skipped = self.scaler.update(norm * self.scaler.scale)
+        clip = self.cfg.optim.grad_clip
+        if not skipped:
+            factor = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
+            strategy.scale_grads(factor / self.scaler.scale)
+            strategy.step(lr_at(step, self.cfg))
+        # Counted after the step (AdamW creates its moments lazily in the first one) and before
+        # the gradients are released: the moment of peak model state.
+        state_bytes = strategy.state_bytes()
+        strategy.zero_grad()
+        _sync(self.mesh.device)
+        elapsed = time.perf_counter() - start
+        return {"local_loss": local, "grad_norm": norm, "skipped": skipped, "time": elapsed,
+                "state_bytes": state_bytes}
+
+    def reduce_loss(self, local: torch.Tensor) -> float:
+        """Each dp rank holds its share of the global mean: their sum is the loss."""
+        t = local.to(self.mesh.device, torch.float64)
+        with self.mesh.counter.paused():
+            C.all_reduce(t, self.mesh.dp)
+        return t.item()
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        total = torch.zeros((), dtype=torch.float32)
+        n = self.cfg.train.eval_batches
+        for i in range(n):
+            x, y = self.task.val_batch(i, self.cfg.train.global_batch, self.local_rows())
+            total += self.par.executor.evaluate(self.micro_batches(x, y), float(self.units_per_step * n))
+        return self.reduce_loss(total)
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def fit(self) -> TrainResult:
+        cfg = self.cfg
+        if cfg.train.resume:
+            self.resume()
+        writer = MetricsWriter(self.out, resume=cfg.train.resume) if self.is_main else None
+        if self.is_main:
+            self.peak_flops = measure_matmul_peak(self.mesh.device) * self.env.world_size
+        bar = _progress(cfg, self.start_step) if self.is_main else None
+        try:
+            for step in range(self.start_step, cfg.train.steps):
+                row = self.log_step(step, self.train_step(step))
+                if cfg.train.eval_every and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps):
+                    row["val_loss"] = self.evaluate()
+                    self.result.val_losses.append((step + 1, row["val_loss"]))
+                if writer:
+                    writer.write(row)
+                if bar:
+                    bar.update(1)
+                    bar.set_postfix_str(_postfix(row))
+                if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0 and step + 1 < cfg.train.steps:
+                    self.save(step + 1)
+        finally:
+            if bar:
+                bar.close()
+            if writer:
+                writer.close()
+        self.save(cfg.train.steps)
+        self.export()
+        return self.result
+
+    def log_step(self, step: int, s: dict) -> dict:
+        loss = float("nan") if s["skipped"] else self.reduce_loss(s["local_loss"])
+        self.result.losses.append(loss)
+        if s["skipped"]:
+            self.result.skipped_steps.append(step)
+        records = gather_rank_records(self.mesh, rank_record(self.mesh, s["state_bytes"],
+                                                              {"step_time_s": s["time"]}))
+        if not self.is_main:
+            return {}
+        merged = merge_ranks(records)
+        tokens = self.units_per_step
+        row = {
+            "step": step + 1, "loss": None if s["skipped"] else loss, "lr": lr_at(step, self.cfg),
+            "grad_norm": s["grad_norm"] if math.isfinite(s["grad_norm"]) else None,
+            "tokens": tokens, "step_time_s": merged["step_time_s"],
+            "tokens_per_s": tokens / merged["step_time_s"],
+            "n_params": self.task.n_params, **{k: v for k, v in merged.items() if k != "step_time_s"},
+        }
+        achieved = self.task.flops_per_unit * tokens / merged["step_time_s"]
+        row["mfu"] = achieved / self.peak_flops if self.peak_flops else None
+        if self.cfg.train.precision == "fp16":
+            row["loss_scale"], row["skipped"] = self.scaler.scale, s["skipped"]
+        if step == self.start_step:
+            row["layout"] = self.layout()
+        return row
+
+    def layout(self) -> dict:
+        p = self.cfg.parallel
+        return {**self.mesh.describe(), "zero": p.zero, "sp": p.sp, "pp_schedule": p.pp_schedule,
+                "virtual_stages": p.virtual_stages, "dp_mode": p.dp_mode, "offload": p.offload,
+                "micro_batch": self.cfg.micro_batch, "n_micro_batches": self.cfg.n_micro_batches,
+                "precision": self.cfg.train.precision, "recompute": self.cfg.train.recompute,
+                "world_size": self.env.world_size}
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def save(self, step: int) -> None:
+        strategy = self.par.strategy
+        model_state, optim_state = strategy.full_model_state(), strategy.full_optim_state()
+        with self.mesh.counter.paused():
+            rng = C.gather_object(_rng_state(), self.mesh.world)
+        if self.is_main:
+            meta = {"layout": self.layout(), "config": self.cfg.to_dict(), "scaler": self.scaler.state_dict()}
+            ckpt.save(self.out, step, model_state, optim_state, meta, rng)
+        C.barrier(self.mesh.world)
+
+    def resume(self) -> None:
+        folder = ckpt.latest(self.out)
+        if folder is None:
+            if self.is_main:
+                print(f"no checkpoint under {self.out}/checkpoints: starting from step 0")
+            return
+        model_state, optim_state, meta, rng = ckpt.load(folder)
+        self.par.strategy.load_full_state(model_state, optim_state)
+        self.scaler.load_state_dict(meta["scaler"])
+        self.start_step = meta["step"]
+        if len(rng) == self.env.world_size:  # same world: every rank continues its own RNG stream
+            _set_rng_state(rng[self.env.rank])
+
+    def export(self) -> None:
+        """OUT/model.safetensors (full weights, single-device names) + what generate needs."""
+        state = self.par.strategy.full_model_state()
+        if not self.is_main:
+            return
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in state.items()}, str(self.out / "model.safetensors"))
+        self.result.final_state = state
+        self.task_files()
+        if (self.out / "metrics.jsonl").exists():
+            plot_loss(self.out / "metrics.jsonl", self.out / "loss.png")
+
+    def task_files(self) -> None:
+        import json
+
+        info = {"task": self.task.name, "config": self.cfg.to_dict()}
+        if hasattr(self.task, "model_cfg"):
+            info["model"] = self.task.model_cfg.to_dict()
+        if hasattr(self.task, "corpus"):
+            shutil.copy(self.task.corpus.tokenizer_path, self.out / "tokenizer.json")
+        (self.out / "run.json").write_text(json.dumps(info, indent=2))
+
+
+def train(cfg: Config, env: DistEnv | None = None) -> TrainResult:
+    """Run the whole training on this rank (every rank calls it)."""
+    return Trainer(cfg, env).fit()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _progress(cfg: Config, start: int):
+    if not cfg.train.progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.train.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+
+
+def _postfix(row: dict) -> str:
+    parts = [f"loss {row['loss']:.3f}" if row.get("loss") is not None else "loss skip",
+             f"{row['tokens_per_s']:,.0f} tok/s"]
+    if row.get("mfu") is not None:
+        parts.append(f"mfu {row['mfu']:.0%}")
+    parts.append(f"mem {row['mem_peak_bytes'] / 2**20:,.0f} MiB")
+    if row.get("val_loss") is not None:
+        parts.append(f"val {row['val_loss']:.3f}")
+    return ", ".join(parts)

@@ -1,0 +1,48 @@
+"""The spawn helper itself: results come back in rank order, failures and hangs are reported."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist import WorkerError, run
+
+
+def _sum_ranks(env):
+    t = torch.tensor([float(env.rank + 1)])
+    dist.all_reduce(t)
+    return (env.rank, torch.get_num_threads(), t.item())
+
+
+def _fail_on_rank_one(env):
+    if env.rank == 1:
+        raise ValueError("deliberate failure on rank one")
+    return env.rank
+
+
+def _hang_on_rank_one(env):
+    if env.rank == 1:
+        import time
+
+        time.sleep(60)
+    return env.rank
+
+
+def test_results_in_rank_order_with_one_thread():
+    out = run(_sum_ranks, 3)
+    assert out == [(0, 1, 6.0), (1, 1, 6.0), (2, 1, 6.0)]
+
+
+def test_failing_rank_is_reported_with_traceback():
+    with pytest.raises(WorkerError) as info:
+        run(_fail_on_rank_one, 2)
+    assert info.value.rank == 1
+    assert "deliberate failure on rank one" in str(info.value)
+    assert "_fail_on_rank_one" in str(info.value)  # the traceback names the function
+
+
+def test_hanging_rank_times_out_with_its_stack():
+    with pytest.raises(WorkerError) as info:
+        run(_hang_on_rank_one, 2, timeout=6)
+    assert "timed out" in str(info.value)
+    assert info.value.rank == 1
+    assert "_hang_on_rank_one" in str(info.value)
