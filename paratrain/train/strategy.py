@@ -115,6 +115,10 @@ class Strategy:
 
     # -- accounting -------------------------------------------------------------------------------
 
+    def step_metrics(self) -> dict[str, float]:
+        """Scalars this strategy measured during the step (e.g. exposed communication seconds)."""
+        return {}
+
     def state_bytes(self) -> dict[str, int]:
         """Model-state bytes held by this rank, counted from the tensors themselves."""
         params = sum(_nbytes(p) for _, p in self.model.named_parameters())

@@ -174,8 +174,8 @@ class Trainer:
         self.result.losses.append(loss)
         if s["skipped"]:
             self.result.skipped_steps.append(step)
-        records = gather_rank_records(self.mesh, rank_record(self.mesh, s["state_bytes"],
-                                                              {"step_time_s": s["time"]}))
+        extra = {"step_time_s": s["time"], **self.par.strategy.step_metrics()}
+        records = gather_rank_records(self.mesh, rank_record(self.mesh, s["state_bytes"], extra))
         if not self.is_main:
             return {}
         merged = merge_ranks(records)

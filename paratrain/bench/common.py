@@ -1,0 +1,86 @@
+"""What every benchmark shares: paired, alternating rounds and an honest ratio.
+
+Each round runs paratrain and the peer on the same model, data and machine, one after the other,
+alternating which goes first (the second core of a small machine is sometimes worth only half a
+core: alternating spreads that noise over both). The ratio is the median over rounds of
+paratrain / peer tokens per second within a round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, *, nproc: int = 2, steps: int = 12,
+                         rounds: int = 3) -> None:
+    parser.add_argument("--nproc", type=int, default=nproc, help="workers per side")
+    parser.add_argument("--steps", type=int, default=steps, help="timed steps per run (after warmup)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per run")
+    parser.add_argument("--rounds", type=int, default=rounds, help="paired rounds (alternating order)")
+    parser.add_argument("--model", default="small", help="model preset")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def paired_rounds(ours: Callable[[], dict], peer: Callable[[], dict], rounds: int) -> dict:
+    """Run both `rounds` times, alternating order; each callable returns {"tokens_per_s": ..., ...}."""
+    results: list[tuple[dict, dict]] = []
+    for r in range(rounds):
+        if r % 2 == 0:
+            a = ours()
+            b = peer()
+        else:
+            b = peer()
+            a = ours()
+        results.append((a, b))
+    ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in results]
+    return {
+        "paratrain_tokens_per_s": statistics.median(a["tokens_per_s"] for a, _ in results),
+        "peer_tokens_per_s": statistics.median(b["tokens_per_s"] for _, b in results),
+        "ratio": statistics.median(ratios),
+        "ratios": ratios,
+        "rounds": rounds,
+        "paratrain_runs": [a for a, _ in results],
+        "peer_runs": [b for _, b in results],
+    }
+
+
+def time_steps(step: Callable[[int], None], warmup: int, steps: int, sync: Callable[[], None]) -> float:
+    """Seconds for `steps` calls of step(i) after `warmup` untimed ones."""
+    for i in range(warmup):
+        step(i)
+    sync()
+    start = time.perf_counter()
+    for i in range(warmup, warmup + steps):
+        step(i)
+    sync()
+    return time.perf_counter() - start
+
+
+def machine() -> dict:
+    import os
+
+    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "torch": torch.__version__, "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+
+
+def report(result: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result))
+        return
+    skip = {"paratrain_runs", "peer_runs"}
+    width = max(len(k) for k in result)
+    for key, value in result.items():
+        if key in skip:
+            continue
+        if isinstance(value, float):
+            value = f"{value:,.3f}" if abs(value) < 100 else f"{value:,.0f}"
+        print(f"{key:<{width}}  {value}")

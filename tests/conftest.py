@@ -1,0 +1,8 @@
+import os
+
+import torch
+
+# One thread in the test process too: the single-process reference then runs the same kernels
+# as the one-thread workers, and tests do not fight the workers for the two cores.
+torch.set_num_threads(1)
+os.environ.setdefault("PARATRAIN_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "paratrain-tests"))
