@@ -24,6 +24,7 @@ TRAIN_FLAGS: dict[str, tuple[str, type]] = {
     "--bucket-mb": ("parallel.bucket_mb", float),
     "--pp-schedule": ("parallel.pp_schedule", str),
     "--virtual-stages": ("parallel.virtual_stages", int),
+    "--pp-split": ("parallel.pp_split", str),
     "--offload": ("parallel.offload", str),
     "--offload-dir": ("parallel.offload_dir", str),
     "--steps": ("train.steps", int),

@@ -75,7 +75,8 @@ def _worker(fn, rank, world, init_file, pg_timeout, dump_file, dump_after, resul
     torch.set_num_threads(1)  # N workers share the cores; more threads only contend
     with open(dump_file, "w") as dump:
         # If we are still here just before the parent's deadline, leave our stack for it to show.
-        faulthandler.dump_traceback_later(dump_after, exit=False, file=dump)
+        if dump_after:
+            faulthandler.dump_traceback_later(dump_after, exit=False, file=dump)
         try:
             backend = pick_backend()
             if world > 1:
@@ -95,23 +96,25 @@ def _worker(fn, rank, world, init_file, pg_timeout, dump_file, dump_after, resul
                     pass
 
 
-def spawn(fn: Callable, nproc: int, *args, timeout: float = 120.0, pg_timeout: float | None = None,
+def spawn(fn: Callable, nproc: int, *args, timeout: float | None = 120.0, pg_timeout: float | None = None,
           **kwargs) -> list:
     """Run ``fn(env, *args, **kwargs)`` on ``nproc`` local ranks; return each rank's result in order.
 
     ``fn`` must be importable by name (a module-level function). Raises ``WorkerError`` with the
-    failing rank's traceback, or with every rank's stack on timeout.
+    failing rank's traceback, or with every rank's stack on timeout. ``timeout=None`` waits for as
+    long as training takes; a hung collective then still fails after ``pg_timeout`` seconds.
     """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "paratrain"])
-    pg_timeout = pg_timeout or max(5.0, timeout - 5.0)
+    pg_timeout = pg_timeout or (max(5.0, timeout - 5.0) if timeout else 600.0)
+    dump_after = max(1.0, timeout - 2.0) if timeout else None
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="paratrain-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         dumps = [os.path.join(tmp, f"stack{r}.txt") for r in range(nproc)]
         procs = [
             ctx.Process(target=_worker, daemon=False,
-                        args=(fn, r, nproc, init_file, pg_timeout, dumps[r], max(1.0, timeout - 2.0),
+                        args=(fn, r, nproc, init_file, pg_timeout, dumps[r], dump_after,
                               results, args, kwargs))
             for r in range(nproc)
         ]
@@ -128,7 +131,7 @@ def spawn(fn: Callable, nproc: int, *args, timeout: float = 120.0, pg_timeout: f
 
 def _collect(procs, results, nproc, timeout, dumps) -> list:
     outputs: dict[int, object] = {}
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + timeout if timeout else float("inf")
     while len(outputs) < nproc:
         left = deadline - time.monotonic()
         if left <= 0:

@@ -57,7 +57,8 @@ class MicroBatchLoop:
         return total
 
     @torch.no_grad()
-    def evaluate(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], divisor: float) -> torch.Tensor:
+    def evaluate(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+                 divisor: float) -> torch.Tensor:
         """Forward only: this rank's share of sum(loss) / divisor."""
         total = torch.zeros((), dtype=torch.float32)
         for x, y in micro_batches:

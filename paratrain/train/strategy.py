@@ -137,7 +137,7 @@ class Strategy:
         out = {}
         for name, p in self.model.named_parameters():
             local = p.detach() if which == "param" else self.optimizer.state.get(p, {}).get(which)
-            if local is None:
+            if local is None or getattr(p, "pt_tied_to", None):  # a tied copy: its owner exports it
                 continue
             out[name] = shard_of(p).gather(local, self.mesh.tp).cpu()
         return out

@@ -150,16 +150,17 @@ class Trainer:
         try:
             for step in range(self.start_step, cfg.train.steps):
                 row = self.log_step(step, self.train_step(step))
-                if cfg.train.eval_every and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps):
+                done = step + 1
+                if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == cfg.train.steps):
                     row["val_loss"] = self.evaluate()
-                    self.result.val_losses.append((step + 1, row["val_loss"]))
+                    self.result.val_losses.append((done, row["val_loss"]))
                 if writer:
                     writer.write(row)
                 if bar:
                     bar.update(1)
                     bar.set_postfix_str(_postfix(row))
-                if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0 and step + 1 < cfg.train.steps:
-                    self.save(step + 1)
+                if cfg.train.save_every and done % cfg.train.save_every == 0 and done < cfg.train.steps:
+                    self.save(done)
         finally:
             if bar:
                 bar.close()
@@ -167,6 +168,8 @@ class Trainer:
                 writer.close()
         self.save(cfg.train.steps)
         self.export()
+        if hasattr(self.par.executor, "write_timeline"):  # pipelines: OUT/timeline.json for viz
+            self.par.executor.write_timeline(self.out, self.is_main)
         return self.result
 
     def log_step(self, step: int, s: dict) -> dict:
@@ -175,6 +178,8 @@ class Trainer:
         if s["skipped"]:
             self.result.skipped_steps.append(step)
         extra = {"step_time_s": s["time"], **self.par.strategy.step_metrics()}
+        if hasattr(self.par.executor, "step_metrics"):  # pipelines: the measured bubble
+            extra.update(self.par.executor.step_metrics())
         records = gather_rank_records(self.mesh, rank_record(self.mesh, s["state_bytes"], extra))
         if not self.is_main:
             return {}

@@ -1,0 +1,60 @@
+"""`paratrain generate`: sample text from a trained run folder (single process, any layout's output)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from paratrain.models import build_model
+from paratrain.models.llama import Llama, LlamaConfig
+
+
+def load_run(run: str) -> tuple[Llama, object]:
+    """The trained model (from model.safetensors) and its tokenizer, from a run folder."""
+    from tokenizers import Tokenizer
+
+    folder = Path(run)
+    for name in ("run.json", "model.safetensors", "tokenizer.json"):
+        if not (folder / name).exists():
+            raise FileNotFoundError(f"{folder / name} not found: is {run!r} the --out folder of a finished "
+                                    "language-model run?")
+    info = json.loads((folder / "run.json").read_text())
+    model = build_model(LlamaConfig(**info["model"]))
+    state = load_file(str(folder / "model.safetensors"))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (m == "lm_head.weight" and model.cfg.tie_embeddings)]
+    if missing or unexpected:
+        raise ValueError(f"{folder / 'model.safetensors'} does not match the model: missing {missing}, "
+                         f"unexpected {unexpected}")
+    return model.eval(), Tokenizer.from_file(str(folder / "tokenizer.json"))
+
+
+@torch.no_grad()
+def sample(model: Llama, ids: list[int], max_new_tokens: int, temperature: float = 0.8, top_k: int = 40,
+           seed: int = 0) -> list[int]:
+    """Top-k sampling (temperature 0: greedy). The context is cut to the model's max_seq_len."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = list(ids)
+    for _ in range(max_new_tokens):
+        context = torch.tensor([ids[-model.cfg.max_seq_len:]])
+        logits = model(context)[0, -1].float()  # [vocab]
+        if temperature <= 0:
+            ids.append(int(logits.argmax()))
+            continue
+        logits = logits / temperature
+        if top_k:
+            kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        ids.append(int(torch.multinomial(logits.softmax(-1), 1, generator=gen)))
+    return ids
+
+
+def generate_from_run(run: str, prompt: str, max_new_tokens: int = 120, temperature: float = 0.8,
+                      top_k: int = 40, seed: int = 0) -> str:
+    model, tok = load_run(run)
+    prompt_ids = tok.encode(prompt).ids or [0]
+    out = sample(model, prompt_ids, max_new_tokens, temperature, top_k, seed)
+    return tok.decode(out[len(prompt_ids):])

@@ -1,0 +1,79 @@
+"""Configuration: TOML + overrides, and validation messages that say what to change."""
+
+import pytest
+
+from paratrain import config
+from paratrain.cli import main
+
+
+def test_defaults_validate():
+    cfg = config.validate(config.load())
+    assert cfg.model.name == "small" and cfg.world_size == 1 and cfg.dp == 1
+
+
+def test_toml_then_overrides(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[model]\nname = "tiny"\n[train]\nsteps = 7\nglobal_batch = 4\n[optim]\nlr = 0.5\n')
+    cfg = config.load(str(path), {"train.steps": 9})
+    assert (cfg.model.name, cfg.train.steps, cfg.train.global_batch, cfg.optim.lr) == ("tiny", 9, 4, 0.5)
+
+
+def test_unknown_key_and_section_are_named(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[train]\nstepz = 3\n")
+    with pytest.raises(config.ConfigError, match=r"unknown key train\.stepz"):
+        config.load(str(path))
+    path.write_text("[trainer]\nsteps = 3\n")
+    with pytest.raises(config.ConfigError, match=r"unknown section \[trainer\]"):
+        config.load(str(path))
+
+
+def test_missing_config_file():
+    with pytest.raises(config.ConfigError, match="does not exist"):
+        config.load("/nonexistent/run.toml")
+
+
+def test_every_problem_is_listed_with_the_fix():
+    cfg = config.load(None, {"train.steps": 0, "optim.lr": -1.0, "train.precision": "fp8",
+                             "data.path": "/no/such/corpus"})
+    with pytest.raises(config.ConfigError) as info:
+        config.validate(cfg)
+    msg = str(info.value)
+    for fragment in ("train.steps must be >= 1", "optim.lr must be > 0", "'fp8' is not one of",
+                     "data.path '/no/such/corpus' does not exist"):
+        assert fragment in msg
+
+
+def test_degrees_must_match_world_size():
+    cfg = config.load(None, {"parallel.nproc": 4, "parallel.dp": 3})
+    with pytest.raises(config.ConfigError, match=r"dp\(3\) \* tp\(1\) \* pp\(1\) = 3 != world size 4"):
+        config.validate(cfg)
+
+
+def test_batch_divisibility():
+    cfg = config.load(None, {"parallel.dp": 3, "train.global_batch": 8})
+    with pytest.raises(config.ConfigError, match=r"global_batch \(8\) must be divisible by dp \(3\)"):
+        config.validate(cfg)
+    cfg = config.load(None, {"train.global_batch": 8, "train.micro_batch": 3})
+    with pytest.raises(config.ConfigError, match=r"micro_batch \(3\) must divide"):
+        config.validate(cfg)
+
+
+def test_technique_not_available_is_refused_not_ignored():
+    # Expert parallelism needs a mixture-of-experts model, which no issue has built yet.
+    cfg = config.load(None, {"parallel.ep": 2, "parallel.dp": 2})
+    with pytest.raises(config.ConfigError, match="parallel.ep is not available yet"):
+        config.validate(cfg)
+
+
+def test_cli_user_error_is_one_message_no_traceback(capsys):
+    code = main(["train", "--steps", "0", "--lr", "-1"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "paratrain: error: invalid configuration" in err and "train.steps must be >= 1" in err
+    assert "Traceback" not in err
+
+
+def test_cli_missing_data_path(capsys):
+    assert main(["train", "--data", "/definitely/missing"]) == 2
+    assert "point --data at" in capsys.readouterr().err

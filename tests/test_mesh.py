@@ -1,0 +1,73 @@
+"""The mesh: rank <-> coordinates, the groups of each axis, and real process groups."""
+
+import pytest
+import torch
+
+from paratrain.comm import collectives as C
+from paratrain.mesh import MeshError, MeshShape, ParallelMesh
+from tests.dist import run
+
+
+def test_tp_varies_fastest_then_dp_then_pp():
+    s = MeshShape(pp=2, dp=2, tp=2)
+    assert s.coords(0) == {"pp": 0, "dp": 0, "tp": 0, "ep": 0, "edp": 0, "world": 0}
+    assert s.coords(1)["tp"] == 1 and s.coords(2)["dp"] == 1 and s.coords(4)["pp"] == 1
+    for r in range(8):
+        c = s.coords(r)
+        assert s.rank_of(c["pp"], c["dp"], c["tp"]) == r
+
+
+@pytest.mark.parametrize("pp,dp,tp", [(1, 4, 1), (1, 2, 2), (2, 2, 2), (2, 1, 4), (4, 2, 1)])
+def test_groups_partition_the_world(pp, dp, tp):
+    s = MeshShape(pp=pp, dp=dp, tp=tp)
+    for axis, size in (("pp", pp), ("dp", dp), ("tp", tp)):
+        groups = s.groups(axis)
+        assert sorted(r for g in groups for r in g) == list(range(s.world_size))
+        assert all(len(g) == size for g in groups)
+        for g in groups:  # members differ only along `axis`, in axis order
+            coords = [s.coords(r) for r in g]
+            assert [c[axis] for c in coords] == list(range(size))
+            for other in {"pp", "dp", "tp"} - {axis}:
+                assert len({c[other] for c in coords}) == 1
+
+
+def test_2x2x2_groups_explicitly():
+    s = MeshShape(pp=2, dp=2, tp=2)
+    assert s.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert s.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert s.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_expert_parallel_subdivides_dp():
+    s = MeshShape(dp=4, ep=2)
+    assert s.groups("ep") == [[0, 1], [2, 3]]
+    assert s.groups("edp") == [[0, 2], [1, 3]]
+
+
+def test_degree_mismatch_names_the_numbers():
+    with pytest.raises(MeshError, match=r"dp\(2\) \* tp\(3\) \* pp\(1\) = 6 != world size 4"):
+        MeshShape(dp=2, tp=3).check(4)
+    with pytest.raises(MeshError, match=r"ep\(3\) must divide dp\(4\)"):
+        MeshShape(dp=4, ep=3).check(4)
+
+
+def _axis_members(env):
+    mesh = ParallelMesh(MeshShape(pp=2, dp=2, tp=2), env.rank)
+    out = {}
+    for name in ("pp", "dp", "tp", "world"):
+        axis = mesh.axes[name]
+        # all_gather of our rank along the axis proves the group really connects those ranks
+        got = C.all_gather_list(torch.tensor([env.rank]), axis)
+        out[name] = [int(t) for t in got]
+    return out, dict(mesh.counter.payload)
+
+
+def test_process_groups_connect_the_right_ranks():
+    results = run(_axis_members, 8, timeout=120)
+    s = MeshShape(pp=2, dp=2, tp=2)
+    for rank, (members, payload) in enumerate(results):
+        for name in ("pp", "dp", "tp"):
+            assert members[name] == next(g for g in s.groups(name) if rank in g)
+        assert members["world"] == list(range(8))
+        # 4 gathers of one int64 from 2 ranks (pp, dp, tp) + 8 ranks (world) = 8*(2+2+2+8) bytes
+        assert payload == {"all_gather": 8 * (2 + 2 + 2 + 8)}
