@@ -46,3 +46,26 @@ def test_hanging_rank_times_out_with_its_stack():
     assert "timed out" in str(info.value)
     assert info.value.rank == 1
     assert "_hang_on_rank_one" in str(info.value)
+
+
+def _rank_one_skips_the_collective(env):
+    from paratrain.comm import collectives as C
+    from paratrain.mesh import MeshShape, ParallelMesh
+
+    mesh = ParallelMesh(MeshShape(dp=2), env.rank)
+    if env.rank == 1:
+        import time
+
+        time.sleep(8)  # longer than the process-group timeout: rank 0 waits in vain
+        return None
+    C.all_reduce(torch.ones(4), mesh.dp)
+
+
+def test_a_hung_collective_times_out_naming_the_operation():
+    # The process-group timeout (3 s) fires long before the spawn deadline (60 s).
+    from paratrain.launch import spawn
+
+    with pytest.raises(WorkerError) as info:
+        spawn(_rank_one_skips_the_collective, 2, timeout=60, pg_timeout=3)
+    assert info.value.rank == 0
+    assert "all_reduce" in str(info.value)
