@@ -49,6 +49,7 @@ class ParallelConfig:
     sp: bool = False
     pp_schedule: str = "1f1b"
     virtual_stages: int = 1
+    pp_split: str | None = None  # blocks per pipeline stage: None (equal), "auto" (by FLOPs), "3,1"
     offload: str = "none"  # none | cpu | disk
     offload_dir: str | None = None
     reshard_after_forward: bool = True

@@ -37,19 +37,72 @@ class Parallelized:
 def parallelize(task: Task, cfg: Config, mesh: ParallelMesh) -> Parallelized:
     """Build this rank's model, wrapped in the fixed order above, with its strategy and executor."""
     model = task.build_model("meta")
+    loss_fn = task.loss_sum
+    if mesh.tp.size > 1:
+        from paratrain.tensor_parallel.cross_entropy import vocab_parallel_loss_sum
+        from paratrain.tensor_parallel.plan import apply_tensor_parallel
+
+        apply_tensor_parallel(model, mesh, sequence_parallel=cfg.parallel.sp)
+        loss_fn = vocab_parallel_loss_sum(mesh.tp)  # logits stay split over the vocabulary
     if cfg.train.recompute == "full":
         from paratrain.memory.recompute import FullRecompute
 
         FullRecompute().apply(model)
-    task.materialize(model, mesh.device)
-    task.init_weights(model, cfg.train.seed)
-    strategy = _strategy(model, cfg, mesh)
-    executor = MicroBatchLoop(model, task.loss_sum, strategy, cfg.train.precision, mesh.device)
+    chunks = None
+    if mesh.pp.size > 1:
+        from paratrain.pipeline.stage import split_for_pipeline
+
+        chunks = split_for_pipeline(model, mesh, virtual_stages=cfg.parallel.virtual_stages,
+                                    split=cfg.parallel.pp_split)
+    if cfg.parallel.zero == 3:
+        # ZeRO-3 materialises only this rank's shard of each unit, straight from the init by name.
+        strategy = _zero3(model, task, cfg, mesh)
+    else:
+        task.materialize(model, mesh.device)
+        task.init_weights(model, cfg.train.seed)
+        if mesh.dp.size > 1:
+            # BatchNorm statistics over the whole dp batch, so dp=N trains as one process would
+            # (models without BatchNorm are left untouched). Same parameter objects: init is kept.
+            from paratrain.data_parallel.sync_batchnorm import convert_sync_batchnorm
+
+            model = convert_sync_batchnorm(model, mesh.dp)
+        strategy = _strategy(model, cfg, mesh)
+    if chunks is not None:
+        from paratrain.pipeline.executor import PipelineExecutor
+
+        executor = PipelineExecutor(model, chunks, loss_fn, strategy, mesh, schedule=cfg.parallel.pp_schedule,
+                                    virtual_stages=cfg.parallel.virtual_stages, precision=cfg.train.precision)
+    else:
+        executor = MicroBatchLoop(model, loss_fn, strategy, cfg.train.precision, mesh.device)
     return Parallelized(model, strategy, executor)
+
+
+def _zero_kwargs(cfg: Config) -> dict:
+    p = cfg.parallel
+    return {"precision": cfg.train.precision, "offload": p.offload, "offload_dir": p.offload_dir}
+
+
+def _zero3(model: nn.Module, task: Task, cfg: Config, mesh: ParallelMesh) -> Strategy:
+    from paratrain.models import tied_name
+    from paratrain.models.llama import full_init_value
+    from paratrain.zero.fsdp import Zero3
+
+    mcfg, seed = task.model_cfg, cfg.train.seed
+
+    def init_value(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return full_init_value(tied_name(name, mcfg), shape, seed, mcfg)
+
+    return Zero3(model, mesh, cfg.optim, init_value=init_value,
+                 reshard_after_forward=cfg.parallel.reshard_after_forward, **_zero_kwargs(cfg))
 
 
 def _strategy(model: nn.Module, cfg: Config, mesh: ParallelMesh) -> Strategy:
     p = cfg.parallel
+    if p.zero in (1, 2):  # with dp = 1 the "shard" is everything: plain AdamW with offload options
+        from paratrain.zero.optimizer import Zero1, Zero2
+
+        cls = Zero1 if p.zero == 1 else Zero2
+        return cls(model, mesh, cfg.optim, bucket_bytes=int(p.bucket_mb * 2**20), **_zero_kwargs(cfg))
     if mesh.dp.size == 1:
         return Strategy(model, mesh, cfg.optim)
     if p.dp_mode == "plain":
@@ -64,12 +117,7 @@ def _strategy(model: nn.Module, cfg: Config, mesh: ParallelMesh) -> Strategy:
 # Techniques whose code has not landed yet: accepted by the parser, refused here with a clear
 # message (never silently ignored). Each entry leaves this table when its issue lands.
 NOT_AVAILABLE = {
-    "tp": lambda c: c.parallel.tp > 1,
-    "pp": lambda c: c.parallel.pp > 1,
     "ep": lambda c: c.parallel.ep > 1,
-    "zero": lambda c: c.parallel.zero > 0,
-    "sp": lambda c: c.parallel.sp,
-    "offload": lambda c: c.parallel.offload != "none",
 }
 
 
@@ -79,8 +127,93 @@ def check_layout(cfg: Config, problems: list[str]) -> None:
         if used(cfg):
             problems.append(f"parallel.{name} is not available yet in this version of paratrain; "
                             f"remove --{name.replace('_', '-')} (or set it to its default)")
+    _check_tensor_parallel(cfg, problems)
+    _check_pipeline(cfg, problems)
+    _check_zero(cfg, problems)
     if cfg.train.precision != "fp32" and cfg.model.name == "cnn-tiny":
         problems.append("cnn-tiny trains in fp32 only: drop --precision")
+
+
+def _check_tensor_parallel(cfg: Config, problems: list[str]) -> None:
+    """--tp / --sp: heads and widths must split evenly over tp; SP splits the sequence too."""
+    p, tp = cfg.parallel, cfg.parallel.tp
+    if p.sp and tp == 1:
+        problems.append("parallel.sp (sequence parallelism) splits the sequence over the tp ranks: "
+                        "it needs --tp > 1 (or drop --sp)")
+    if tp == 1:
+        return
+    if cfg.model.name == "cnn-tiny":
+        problems.append("cnn-tiny has no tensor-parallel plan: use --tp 1 (data parallelism) with it")
+        return
+    from paratrain.models.llama import preset
+
+    m = cfg.model
+    overrides = {k: getattr(m, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
+                 if getattr(m, k) is not None}
+    c = preset(m.name, **overrides)
+    if c.n_heads % tp:
+        problems.append(f"model n_heads ({c.n_heads}) must be divisible by tp ({tp}): tensor parallelism "
+                        "splits attention by heads; choose --tp among the divisors of n_heads")
+    if c.n_heads % c.n_kv_heads:
+        problems.append(f"model n_heads ({c.n_heads}) must be a multiple of n_kv_heads ({c.n_kv_heads})")
+    if c.ffn_dim % tp:
+        problems.append(f"model ffn_dim ({c.ffn_dim}) must be divisible by tp ({tp}): the MLP is split "
+                        "by its hidden features; change --tp or the model's ffn_dim")
+    if p.sp and cfg.data.seq_len % tp:
+        problems.append(f"data.seq_len ({cfg.data.seq_len}) must be divisible by tp ({tp}) with --sp: "
+                        "sequence parallelism gives each tp rank seq_len / tp tokens")
+
+
+def _check_pipeline(cfg: Config, problems: list[str]) -> None:
+    """--pp / --pp-schedule / --virtual-stages / pp_split: stages fit the layers and the batch."""
+    p = cfg.parallel
+    pp, v, m = p.pp, p.virtual_stages, cfg.n_micro_batches
+    if v > 1 and p.pp_schedule != "interleaved":
+        problems.append(f"parallel.virtual_stages = {v} needs --pp-schedule interleaved "
+                        f"(the {p.pp_schedule!r} schedule runs one stage per rank)")
+    if pp == 1:
+        if v > 1:
+            problems.append("parallel.virtual_stages > 1 needs a pipeline: set --pp >= 2")
+        return
+    if cfg.model.name == "cnn-tiny":
+        problems.append("cnn-tiny has no pipeline split: use --pp 1 with it")
+        return
+    from paratrain.models.llama import preset
+    from paratrain.pipeline.stage import parse_split
+
+    n_layers = cfg.model.n_layers or preset(cfg.model.name).n_layers
+    if p.pp_schedule == "interleaved":
+        if v < 2:
+            problems.append("--pp-schedule interleaved needs --virtual-stages >= 2 (with 1 it is 1f1b)")
+        if m % pp:
+            problems.append(f"interleaved 1F1B needs the number of micro-batches m = global_batch / "
+                            f"(dp * micro_batch) = {m} to be a multiple of pp ({pp}): change --micro-batch "
+                            "or --global-batch")
+        if not p.pp_split and n_layers % (pp * v):
+            problems.append(f"interleaved 1F1B cuts the model into pp * virtual_stages = {pp * v} equal "
+                            f"stages but it has {n_layers} layers: change --virtual-stages, or give "
+                            "parallel.pp_split")
+    try:
+        parse_split(p.pp_split, n_layers, pp * v)
+    except ValueError as e:
+        problems.append(str(e))
+
+
+def _check_zero(cfg: Config, problems: list[str]) -> None:
+    """--zero / --offload / reshard_after_forward: what each ZeRO stage composes with."""
+    p = cfg.parallel
+    if p.offload != "none" and p.zero < 1:
+        problems.append(f"--offload {p.offload} moves the ZeRO optimizer partition off the device: it needs "
+                        "--zero 1, 2 or 3")
+    if p.zero >= 2 and p.pp > 1:
+        problems.append(f"--zero {p.zero} shards gradients, which pipeline micro-batches keep accumulating "
+                        "across the schedule: use --zero 1 with --pp (as DeepSpeed does), or --pp 1")
+    if p.zero == 3 and cfg.model.name == "cnn-tiny":
+        problems.append("--zero 3 builds Llama units (blocks, embedding, head): cnn-tiny supports --zero 1 or 2")
+    if p.zero >= 1 and p.dp_mode == "plain":
+        problems.append("--dp-mode plain is the un-bucketed DDP; ZeRO does its own reduction: drop --dp-mode")
+    if not p.reshard_after_forward and p.zero != 3:
+        problems.append("parallel.reshard_after_forward = false only applies to --zero 3")
 
 
 def device_peak_flops(device: torch.device) -> float | None:

@@ -69,7 +69,8 @@ def machine() -> dict:
     import os
 
     return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "torch": torch.__version__, "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+            "torch": torch.__version__,
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
 def report(result: dict, as_json: bool) -> None:

@@ -101,7 +101,8 @@ class Strategy:
         """Global L2 norm: each distinct gradient element counted once, whatever the layout."""
         total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
         for g, copies in self.grads_for_norm():
-            total += g.detach().double().pow(2).sum() / copies
+            # Per-tensor norm in the gradient's dtype (fast), squares summed in fp64 across tensors.
+            total += torch.linalg.vector_norm(g.detach(), dtype=torch.float32).double() ** 2 / copies
         with self.mesh.counter.paused():  # a scalar; not part of the training traffic
             C.all_reduce(total, self.mesh.world)
         return math.sqrt(total.item()) if torch.isfinite(total) else float("inf")

@@ -1,0 +1,165 @@
+"""Autograd-aware collectives: the conjugate operator pairs of Megatron-LM tensor parallelism.
+
+Megatron-LM (Shoeybi et al. 2019) names two operators; sequence parallelism (Korthikanti et al.
+2022) adds their sequence-split counterparts. Each forward collective has its conjugate in
+backward, so autograd moves the gradients the right way without any hook::
+
+    operator              forward                         backward
+    copy_to_tp       (f)  identity                        all-reduce over tp
+    reduce_from_tp   (g)  all-reduce over tp              identity
+    gather_from_sp   (g-bar)  all-gather the sequence     reduce-scatter the sequence
+    reduce_scatter_to_sp (g-bar*) reduce-scatter seq.     all-gather the sequence
+    scatter_to_sp         keep our sequence slice         all-gather the sequence
+
+Every byte goes through ``paratrain.comm.collectives`` (counted per kind and per axis). On an
+axis of one rank every operator is the identity, so a tp=1 model runs the same code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from paratrain.comm import collectives as C
+
+
+def _all_reduce(x: torch.Tensor, axis: C.Axis) -> torch.Tensor:
+    out = x.clone(memory_format=torch.contiguous_format)  # never reduce the caller's tensor in place
+    C.all_reduce(out, axis)
+    return out
+
+
+def _gather_seq(x: torch.Tensor, axis: C.Axis, dim: int) -> torch.Tensor:
+    """[.., s/tp, ..] on each rank -> [.., s, ..] (rank order along `dim`)."""
+    # The comm layer gathers along dim 0: move the sequence there, gather, move it back.
+    local = x.movedim(dim, 0).contiguous()  # [s/tp, ...]
+    out = torch.empty((local.shape[0] * axis.size, *local.shape[1:]), dtype=x.dtype, device=x.device)
+    C.all_gather_into(out, local, axis)
+    # Contiguous once here, rather than a copy inside each of the linears that read it.
+    return out.movedim(0, dim).contiguous()
+
+
+def _reduce_scatter_seq(x: torch.Tensor, axis: C.Axis, dim: int) -> torch.Tensor:
+    """[.., s, ..] partial sums on each rank -> [.., s/tp, ..] of the sum (our slice)."""
+    full = x.movedim(dim, 0).contiguous()  # [s, ...]
+    if full.shape[0] % axis.size:
+        raise ValueError(f"sequence length {full.shape[0]} is not divisible by tp={axis.size}")
+    out = torch.empty((full.shape[0] // axis.size, *full.shape[1:]), dtype=x.dtype, device=x.device)
+    C.reduce_scatter_into(out, full, axis)
+    return out.movedim(0, dim).contiguous()
+
+
+def _slice_seq(x: torch.Tensor, axis: C.Axis, dim: int) -> torch.Tensor:
+    if x.shape[dim] % axis.size:
+        raise ValueError(f"sequence length {x.shape[dim]} is not divisible by tp={axis.size}")
+    return x.chunk(axis.size, dim=dim)[axis.rank].contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.axis), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis):
+        return _all_reduce(x, axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, dim):
+        ctx.axis, ctx.dim = axis, dim
+        return _gather_seq(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad, ctx.axis, ctx.dim), None, None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, dim):
+        ctx.axis, ctx.dim = axis, dim
+        return _reduce_scatter_seq(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad, ctx.axis, ctx.dim), None, None
+
+
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, dim):
+        ctx.axis, ctx.dim = axis, dim
+        return _slice_seq(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad, ctx.axis, ctx.dim), None, None
+
+
+def copy_to_tp(x: torch.Tensor, axis: C.Axis) -> torch.Tensor:
+    """Identity in forward, all-reduce over tp in backward: the f operator of Megatron-LM.
+
+    Sits where a replicated tensor enters a tensor-parallel region (before column-parallel
+    linears): each rank's backward only sees its shard's contribution to the input gradient.
+    Applied to a replicated *parameter* used on a sequence slice (norm weights under SP), it
+    sums that parameter's partial gradients over tp.
+    """
+    if not axis.active:
+        return x
+    return _CopyToTP.apply(x, axis)
+
+
+def reduce_from_tp(x: torch.Tensor, axis: C.Axis) -> torch.Tensor:
+    """All-reduce over tp in forward, identity in backward: the g operator of Megatron-LM.
+
+    Sits where a tensor-parallel region ends (after row-parallel linears, after the vocab
+    embedding): each rank holds a partial sum of the output.
+    """
+    if not axis.active:
+        return x
+    return _ReduceFromTP.apply(x, axis)
+
+
+def gather_from_sp(x: torch.Tensor, axis: C.Axis, dim: int = 1) -> torch.Tensor:
+    """All-gather the sequence in forward, reduce-scatter it in backward: Megatron-SP's g-bar.
+
+    Replaces f under sequence parallelism: the sequence-sharded normed input [b, s/tp, h]
+    becomes the full [b, s, h] a column-parallel linear needs.
+    """
+    if not axis.active:
+        return x
+    return _GatherFromSP.apply(x, axis, dim)
+
+
+def reduce_scatter_to_sp(x: torch.Tensor, axis: C.Axis, dim: int = 1) -> torch.Tensor:
+    """Reduce-scatter the sequence in forward, all-gather in backward: Megatron-SP's g-bar*.
+
+    Replaces g under sequence parallelism: partial sums [b, s, h] become the summed
+    sequence slice [b, s/tp, h].
+    """
+    if not axis.active:
+        return x
+    return _ReduceScatterToSP.apply(x, axis, dim)
+
+
+def scatter_to_sp(x: torch.Tensor, axis: C.Axis, dim: int = 1) -> torch.Tensor:
+    """Keep our sequence slice in forward (no communication), all-gather in backward.
+
+    For a tensor that is already replicated over tp (not a partial sum) entering the
+    sequence-parallel region.
+    """
+    if not axis.active:
+        return x
+    return _ScatterToSP.apply(x, axis, dim)

@@ -1,0 +1,250 @@
+"""Bucketed data parallelism whose all-reduces overlap the backward pass (PyTorch DDP's design).
+
+Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training" (VLDB 2020):
+
+* **Buckets.** Gradients live in a few flat buffers instead of one tensor each. One all-reduce per
+  bucket pays the per-message latency once per ~25 MB instead of once per tensor.
+* **Gradients as bucket views.** Each ``p.grad`` *is* a view into its bucket, so autograd
+  accumulates straight into the buffer that is sent: no copy in, no copy out, no second gradient
+  copy in memory.
+* **Overlap.** Parameters are assigned to buckets in reverse order of registration, which is
+  roughly the order backward produces their gradients. A post-accumulate-grad hook counts the
+  gradients of each bucket; when the last one lands, the bucket's all-reduce is launched
+  asynchronously while backward goes on computing the earlier layers. ``after_backward`` only
+  waits for what is still in flight: the *exposed* communication.
+* **In order, on every rank.** Collectives on one group are matched by the order in which ranks
+  issue them, so bucket ``i`` is launched only after buckets ``0..i-1``: a bucket that is ready
+  early waits for its predecessors. That also makes parameters without a gradient harmless: their
+  bucket is simply launched (with a zero contribution) in ``after_backward``, at the same position
+  in the sequence on every rank.
+
+The reduction is a SUM, never an average: the executor already divides every micro-batch's loss
+sum by the unit count of the *global* batch, so each rank's gradient is its share of the global
+mean gradient.
+
+Reading order: ``build_buckets`` (layout), ``_on_grad_ready`` (the hook), ``after_backward``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from paratrain.comm import collectives as C
+from paratrain.mesh import ParallelMesh
+from paratrain.train.strategy import Strategy
+
+
+@dataclass
+class Bucket:
+    """One flat gradient buffer and the parameters whose gradients are views into it."""
+
+    buffer: torch.Tensor  # [numel] flat gradients, dtype and device of its parameters
+    params: list[nn.Parameter]
+    names: list[str]
+    views: list[torch.Tensor]  # views[i] has params[i].shape and lives inside buffer
+    ready: int = 0  # gradients accumulated so far in this backward (sync pass only)
+    work: object | None = field(default=None, repr=False)  # in-flight all-reduce handle
+
+    @property
+    def full(self) -> bool:
+        return self.ready == len(self.params)
+
+
+def build_buckets(named: list[tuple[str, nn.Parameter]], bucket_bytes: int,
+                  first_bucket_bytes: int | None = None) -> list[Bucket]:
+    """Cut the parameters, in *reverse* registration order, into buckets of about bucket_bytes.
+
+    Reverse order because backward produces the last layers' gradients first, so the first bucket
+    fills first. The first bucket may be capped lower (first_bucket_bytes), as PyTorch's DDP does
+    with 1 MiB: communication then starts as soon as the last layer's gradients exist instead of
+    waiting for a whole bucket's worth of backward. A parameter larger than the cap gets a bucket
+    of its own; a bucket never mixes dtypes or devices (it is one tensor).
+    """
+    groups: list[list[tuple[str, nn.Parameter]]] = []
+    size = 0
+    for name, p in reversed(named):
+        nbytes = p.numel() * p.element_size()
+        current = groups[-1] if groups else None
+        cap = first_bucket_bytes if len(groups) == 1 and first_bucket_bytes is not None else bucket_bytes
+        if current is None or (size > 0 and size + nbytes > cap) or _kind(current[0][1]) != _kind(p):
+            groups.append([])
+            size = 0
+        groups[-1].append((name, p))
+        size += nbytes
+    buckets = []
+    for group in groups:
+        first = group[0][1]
+        buffer = torch.zeros(sum(p.numel() for _, p in group), dtype=first.dtype, device=first.device)
+        views, offset = [], 0
+        for _, p in group:
+            views.append(buffer.narrow(0, offset, p.numel()).view_as(p))
+            offset += p.numel()
+        buckets.append(Bucket(buffer, [p for _, p in group], [n for n, _ in group], views))
+    return buckets
+
+
+#: PyTorch DDP's default cap for the first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES).
+FIRST_BUCKET_BYTES = 2**20
+
+
+def _kind(p: torch.Tensor) -> tuple:
+    return (p.dtype, p.device)
+
+
+class DDP(Strategy):
+    """Distributed data parallel: bucketed, asynchronous SUM all-reduce over the dp axis.
+
+    find_unused_parameters: also all-reduce a one-byte-per-parameter "used" map each step, so a
+    parameter that no rank used keeps ``grad = None`` (AdamW then skips it, as one process would).
+    Without it such a parameter gets a zero gradient, which is its true gradient but lets AdamW's
+    weight decay and moments still move it. Either way nothing hangs.
+    """
+
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, optim_cfg, *, bucket_bytes: int,
+                 first_bucket_bytes: int | None = FIRST_BUCKET_BYTES, find_unused_parameters: bool = False,
+                 grad_dtype=None):
+        super().__init__(model, mesh, optim_cfg, grad_dtype=grad_dtype)
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be > 0 (got {bucket_bytes}): set parallel.bucket_mb > 0")
+        self.grad_copies_over_dp = mesh.dp.size  # after the sum every dp rank holds the same gradient
+        self.find_unused_parameters = find_unused_parameters
+        first = None if first_bucket_bytes is None else min(first_bucket_bytes, bucket_bytes)
+        self.buckets = build_buckets(self.named_params, bucket_bytes, first)
+        # param id -> (bucket index, position in bucket); the flat index orders the "used" map.
+        self._where: dict[int, tuple[int, int]] = {}
+        for b, bucket in enumerate(self.buckets):
+            for i, p in enumerate(bucket.params):
+                self._where[id(p)] = (b, i)
+        self._flat = {id(p): k for k, (_, p) in enumerate(self.named_params)}
+        # Python lists, not tensors: the hook runs once per parameter per backward, keep it cheap.
+        self._ready = [False] * len(self.named_params)  # gradient landed in this sync pass
+        self._used = [0] * len(self.named_params)  # gradient landed in any pass of this step
+        self._sync = True
+        self._next = 0  # index of the next bucket to launch (strictly in order)
+        self._exposed_s = 0.0
+        self._attach_views()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                       for _, p in self.named_params]
+
+    # -- gradient synchronisation ---------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulation micro-batches: the hooks do nothing, gradients just add up in the buckets.
+
+        Communicating here would send the same bytes once per micro-batch; the sum of the local
+        sums is the sum of all, so one all-reduce after the last micro-batch is enough.
+        """
+        was, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = was
+
+    @torch.no_grad()
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: p.grad is final for this backward; launch full buckets."""
+        k = self._flat[id(p)]
+        self._used[k] = 1
+        if not self._sync:
+            return
+        b, i = self._where[id(p)]
+        bucket = self.buckets[b]
+        self._keep_view(p, bucket.views[i])
+        if self._ready[k] or b < self._next:
+            raise RuntimeError(f"parameter {bucket.names[i]} received its gradient twice in one backward "
+                               "(its bucket may already be on the wire); use each parameter in one backward "
+                               "pass per micro-batch, or non-reentrant activation checkpointing")
+        self._ready[k] = True
+        bucket.ready += 1
+        while self._next < len(self.buckets) and self.buckets[self._next].full:
+            self._launch(self._next)
+
+    def _launch(self, b: int) -> None:
+        assert b == self._next, "buckets must be launched in order on every rank"
+        self.buckets[b].work = C.all_reduce(self.buckets[b].buffer, self.mesh.dp, async_op=True)
+        self._next += 1
+
+    @torch.no_grad()
+    def after_backward(self) -> None:
+        """Launch the buckets still waiting (parameters without a gradient), then wait for all."""
+        start = time.perf_counter()
+        for bucket in self.buckets[self._next:]:
+            for p, view in zip(bucket.params, bucket.views):
+                # Without a gradient this step the view holds zeros (zero_grad cleared it): this
+                # rank's share is zero, and it still joins the collective the other ranks wait in.
+                self._keep_view(p, view)
+        while self._next < len(self.buckets):
+            self._launch(self._next)
+        used = None
+        if self.find_unused_parameters:
+            used = torch.tensor(self._used, dtype=torch.uint8, device=self.mesh.device)
+            C.all_reduce(used, self.mesh.dp, op=dist.ReduceOp.MAX)
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+            bucket.work, bucket.ready = None, 0
+        if self.mesh.device.type == "cuda":
+            torch.cuda.synchronize(self.mesh.device)  # so the time below is the real wait
+        self._exposed_s = time.perf_counter() - start
+        if used is not None:
+            for k in torch.nonzero(used.cpu() == 0).flatten().tolist():
+                self.named_params[k][1].grad = None  # no rank used it: AdamW skips it this step
+        self._ready = [False] * len(self._ready)
+        self._used = [0] * len(self._used)
+        self._next = 0
+
+    @staticmethod
+    def _keep_view(p: torch.Tensor, view: torch.Tensor) -> None:
+        """Make p.grad the bucket view again if something replaced it (or set it to None)."""
+        if p.grad is None:
+            view.zero_()
+        elif p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+        else:
+            return
+        p.grad = view
+
+    def _attach_views(self) -> None:
+        for bucket in self.buckets:
+            for p, view in zip(bucket.params, bucket.views):
+                p.grad = view
+
+    def zero_grad(self) -> None:
+        """Zero the buckets in place: the gradients stay views, so autograd keeps writing into them."""
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+        self._attach_views()
+
+    # -- norm ------------------------------------------------------------------------------------
+
+    def grad_norm(self) -> float:
+        """Strategy.grad_norm's result without its float64 copy of every gradient (which cost more
+        than the all-reduce on a CPU): each tensor's norm in fp32, the sum over tensors in fp64."""
+        pairs = self.grads_for_norm()
+        total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
+        if pairs:
+            norms = torch.stack([torch.linalg.vector_norm(g.detach()) for g, _ in pairs]).double()
+            copies = torch.tensor([c for _, c in pairs], dtype=torch.float64, device=norms.device)
+            total += (norms.square() / copies).sum()
+        with self.mesh.counter.paused():  # a scalar; not part of the training traffic
+            C.all_reduce(total, self.mesh.world)
+        return math.sqrt(total.item()) if torch.isfinite(total) else float("inf")
+
+    # -- accounting -------------------------------------------------------------------------------
+
+    def step_metrics(self) -> dict[str, float]:
+        return {"comm_exposed_s": self._exposed_s, "buckets": len(self.buckets)}
+
+    def state_bytes(self) -> dict[str, int]:
+        """The bucket buffers are the gradients (p.grad are views into them): count them once."""
+        out = super().state_bytes()
+        out["grads"] = sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
+        return out

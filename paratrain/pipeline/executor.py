@@ -1,0 +1,258 @@
+"""The pipeline executor: runs any schedule's action list on this rank.
+
+Same interface as ``MicroBatchLoop`` (``run`` / ``evaluate``), so the trainer does not know it is
+pipelined. What it does per action (schedules.py has the semantics):
+
+* runs of consecutive SEND / RECV actions go out as one ``batch_isend_irecv``; a receive's
+  buffer shape is known up front ([micro_batch, seq, dim]), so no shape exchange is needed;
+* F waits for its input activation (if it was received), runs its chunk, keeps (input, output)
+  for the backward; on the last stage it computes the loss (sum over tokens / divisor);
+* B waits for the output gradient, back-propagates it through the chunk and leaves the input
+  gradient for SEND_B. Data-parallel gradient sync is held back (``strategy.no_sync()``) except
+  for the last backward of each chunk, which lets DDP overlap it with the remaining backwards.
+
+Every computation's start and end are recorded (CUDA events on GPU, the clock on CPU): the
+measured bubble and the timeline picture come from the real run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from paratrain.comm import collectives as C
+from paratrain.mesh import ParallelMesh
+from paratrain.pipeline.schedules import (
+    RECV_B,
+    RECV_F,
+    SEND_F,
+    Action,
+    B,
+    F,
+    Schedule,
+    make_schedule,
+    message,
+    stage_rank,
+)
+from paratrain.pipeline.stage import StageChunk, TiedEmbedding
+from paratrain.train.executor import LossFn, autocast_for
+from paratrain.train.strategy import Strategy
+
+
+class PipelineExecutor:
+    def __init__(self, model: nn.Module, chunks: list[StageChunk], loss_fn: LossFn, strategy: Strategy,
+                 mesh: ParallelMesh, *, schedule: str, virtual_stages: int, precision: str):
+        self.model, self.chunks = model, {c.stage: c for c in chunks}
+        self.loss_fn, self.strategy, self.mesh = loss_fn, strategy, mesh
+        self.schedule_name, self.v = schedule, virtual_stages
+        self.p = mesh.pp.size
+        self.n_stages = self.p * virtual_stages
+        self.autocast = autocast_for(precision, mesh.device)
+        self.tied = TiedEmbedding(model, mesh)
+        # Activations between stages are the residual stream: the parameters' dtype even under
+        # autocast (fp32 residual + bf16 branch promotes to fp32).
+        self.act_dtype = next(model.parameters()).dtype
+        self.dim = model.cfg.dim
+        self._schedules: dict[int, Schedule] = {}
+        self.timeline: list[dict] = []  # last training step: one dict per computation
+        self._bubble: float | None = None
+
+    def schedule(self, m: int) -> Schedule:
+        if m not in self._schedules:
+            self._schedules[m] = make_schedule(self.schedule_name, self.p, m, self.v)
+        return self._schedules[m]
+
+    # -- the two entry points ------------------------------------------------------------------------
+
+    def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], divisor: float,
+            loss_scale: float = 1.0) -> torch.Tensor:
+        """One step's forwards and backwards; returns the step's loss share, the same on every stage."""
+        actions = self.schedule(len(micro_batches)).actions()[self.mesh.pp.rank]
+        total = self._execute(actions, micro_batches, divisor, loss_scale, train=True)
+        self.strategy.after_backward()
+        self.tied.all_reduce_grads()
+        return self._loss_from_last_stage(total)
+
+    @torch.no_grad()
+    def evaluate(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+                 divisor: float) -> torch.Tensor:
+        actions = self.schedule(len(micro_batches)).forward_actions()[self.mesh.pp.rank]
+        total = self._execute(actions, micro_batches, divisor, 1.0, train=False)
+        return self._loss_from_last_stage(total)
+
+    # -- running an action list ---------------------------------------------------------------------
+
+    def _execute(self, actions: list[Action], micro_batches, divisor: float, loss_scale: float,
+                 train: bool) -> torch.Tensor:
+        dev = self.mesh.device
+        total = torch.zeros((), dtype=torch.float32, device=dev)
+        last_backward = {a.stage: i for i, a in enumerate(actions) if a.kind == B}
+        saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (mb, stage) -> (in, out)
+        received: dict[tuple, tuple] = {}  # payload -> (work, buffer)
+        sends: list[tuple] = []  # (work, tensor): the tensor must live until the send completes
+        clock = _Clock(dev) if train else None
+        i = 0
+        while i < len(actions):
+            if not actions[i].is_compute:
+                j = i
+                while j < len(actions) and not actions[j].is_compute:
+                    j += 1
+                self._post(actions[i:j], micro_batches, saved, received, sends)
+                i = j
+                continue
+            a = actions[i]
+            x, y = micro_batches[a.mb]
+            # The message this computation consumes: waiting for it is idle time, not work.
+            needs = None
+            if a.kind == F and a.stage > 0:
+                needs = _wait(received.pop(("act", a.mb, a.stage))).requires_grad_(train)
+            elif a.kind == B and a.stage < self.n_stages - 1:
+                needs = _wait(received.pop(("grad", a.mb, a.stage)))
+            if clock:
+                clock.start(a)
+            if a.kind == F:
+                inp = x if a.stage == 0 else needs
+                with self.autocast():
+                    out = self.chunks[a.stage](inp)
+                if a.stage == self.n_stages - 1:
+                    out = self.loss_fn(out, y) / divisor
+                    total += out.detach().float()
+                else:
+                    out = out.to(self.act_dtype)
+                saved[(a.mb, a.stage)] = (inp, out)
+            else:
+                inp, out = saved[(a.mb, a.stage)]
+                sync = self.strategy.no_sync() if i != last_backward[a.stage] else contextlib.nullcontext()
+                with sync:
+                    if needs is None:  # the last stage starts backward from its loss
+                        (out * loss_scale).backward() if loss_scale != 1.0 else out.backward()
+                    else:
+                        torch.autograd.backward(out, needs)
+                saved[(a.mb, a.stage)] = (inp, None)  # free the graph; keep the input for its gradient
+            if clock:
+                clock.end()
+            i += 1
+        for work, _ in sends:
+            work.wait()
+        if clock:
+            self.timeline = clock.events()
+        return total
+
+    def _post(self, comm: list[Action], micro_batches, saved: dict, received: dict, sends: list) -> None:
+        """Launch a run of sends and receives as one batch (they may pair with the same peer)."""
+        ops, kept = [], []  # kept[i]: ("recv", payload, buffer) or ("send", None, tensor)
+        for a in comm:
+            payload, src_stage, dst_stage = message(a, self.n_stages)
+            if a.kind in (RECV_F, RECV_B):
+                rows, seq = micro_batches[a.mb][0].shape[:2]
+                buf = torch.empty(rows, seq, self.dim, dtype=self.act_dtype, device=self.mesh.device)
+                ops.append(C.p2p_op_recv(buf, self.mesh.pp, stage_rank(src_stage, self.p)))
+                kept.append(("recv", payload, buf))
+                continue
+            inp, out = saved[(a.mb, a.stage)]
+            if a.kind == SEND_F:
+                t = out.detach().contiguous()  # [mb, seq, dim]
+            else:
+                t = inp.grad.contiguous()  # [mb, seq, dim]: d loss / d (this stage's input)
+                del saved[(a.mb, a.stage)]
+            ops.append(C.p2p_op_send(t, self.mesh.pp, stage_rank(dst_stage, self.p)))
+            kept.append(("send", None, t))
+        for work, (kind, payload, t) in zip(C.batch_p2p(ops), kept):
+            if kind == "recv":
+                received[payload] = (work, t)
+            else:
+                sends.append((work, t))
+
+    def _loss_from_last_stage(self, total: torch.Tensor) -> torch.Tensor:
+        """The loss lives on the last stage; every stage reports it (users should not hunt for it)."""
+        with self.mesh.counter.paused():
+            C.broadcast(total, self.mesh.pp, src_index=self.p - 1)
+        return total.cpu()
+
+    # -- measurements ---------------------------------------------------------------------------------
+
+    def step_metrics(self) -> dict[str, float]:
+        """``bubble``: the measured idle fraction of the last step (every rank calls this)."""
+        if not self.timeline:
+            return {}
+        spans = self._gather_timelines()
+        return {"bubble": measured_bubble(spans)}
+
+    def _gather_timelines(self) -> list[list[dict]]:
+        with self.mesh.counter.paused():
+            return C.all_gather_object(self.timeline, self.mesh.pp)
+
+    def write_timeline(self, out: str | Path, is_main: bool) -> None:
+        """OUT/timeline.json: the last step's computations on every stage (written by rank 0)."""
+        ranks = self._gather_timelines()
+        if not is_main:
+            return
+        sched = self._schedules.get(max(self._schedules)) if self._schedules else None
+        m = sched.m if sched else 0
+        info = {
+            "schedule": self.schedule_name, "p": self.p, "v": self.v, "m": m,
+            "bubble_measured": measured_bubble(ranks),
+            "bubble_theory": sched.theory_bubble() if sched else None,
+            "ranks": ranks,
+        }
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "timeline.json").write_text(json.dumps(info))
+
+
+def measured_bubble(ranks: list[list[dict]]) -> float:
+    """Idle fraction: 1 - mean busy time / the step's span (first start to last end, all ranks)."""
+    starts = [e["start"] for r in ranks for e in r]
+    ends = [e["end"] for r in ranks for e in r]
+    if not starts:
+        return 0.0
+    span = max(ends) - min(starts)
+    busy = sum(e["end"] - e["start"] for r in ranks for e in r) / len(ranks)
+    return max(0.0, 1.0 - busy / span) if span > 0 else 0.0
+
+
+def _wait(handle: tuple) -> torch.Tensor:
+    work, buf = handle
+    if work is not None:
+        work.wait()
+    return buf
+
+
+class _Clock:
+    """Start/end of each computation: CUDA events on GPU (no host sync until the step ends), the
+    clock otherwise. Times are seconds on the wall clock so ranks (and hosts) line up."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.wall0, self.perf0 = time.time(), time.perf_counter()
+        self.origin = self._mark()
+        self.items: list[tuple[Action, object, object]] = []
+
+    def _mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def start(self, a: Action) -> None:
+        self.items.append((a, self._mark(), None))
+
+    def end(self) -> None:
+        a, s, _ = self.items[-1]
+        self.items[-1] = (a, s, self._mark())
+
+    def _seconds(self, mark) -> float:
+        if self.cuda:
+            return self.wall0 + self.origin.elapsed_time(mark) / 1e3
+        return self.wall0 + (mark - self.perf0)
+
+    def events(self) -> list[dict]:
+        if self.cuda and self.items:
+            self.items[-1][2].synchronize()
+        return [{"kind": a.kind, "mb": a.mb, "stage": a.stage,
+                 "start": self._seconds(s), "end": self._seconds(e)} for a, s, e in self.items]

@@ -1,0 +1,417 @@
+"""Pipeline schedules as data: for every rank, the ordered list of actions it runs in one step.
+
+A model cut into ``S = p * v`` stages runs on ``p`` ranks; with ``v`` virtual stages per rank
+(Megatron-LM's interleaving) rank ``r`` holds stages ``r, r + p, r + 2p, ...`` (its *chunks*).
+One optimizer step pushes ``m`` micro-batches through every stage forward, then back.
+
+Actions (``Action(kind, mb, stage)``; the chunk of a stage is ``stage // p``):
+
+* ``F`` / ``B``: forward / backward of micro-batch ``mb`` through ``stage``;
+* ``SEND_F`` / ``RECV_F``: the activation leaving ``stage`` (to ``stage + 1``) / entering it;
+* ``SEND_B`` / ``RECV_B``: the input gradient leaving ``stage`` (to ``stage - 1``) / the output
+  gradient entering it (from ``stage + 1``).
+
+Semantics (what the executor does and what ``check_schedule`` simulates): sends and receives
+are *posted* without blocking (``isend`` / ``irecv``); a computation waits only for the message it
+consumes. Between any two ranks, messages are matched in order (as NCCL does: no tags), so the
+k-th receive a rank posts from a peer must expect exactly the k-th send of that peer to it.
+
+Schedules only say in which order each rank computes; ``place_communication`` adds the sends and
+receives by simulating the pipeline in ideal time, so every receive is posted in its sender's
+order and as early as possible (its transfer then overlaps the receiver's computation).
+
+* ``Naive``: model parallelism with one micro-batch in flight: everyone waits for everyone.
+* ``GPipe`` (Huang et al. 2019): all forwards, then all backwards; m activations held per stage.
+* ``OneFOneB`` (PipeDream-flush, Narayanan et al. 2021): ``p - r - 1`` warm-up forwards, then
+  one forward / one backward alternating; at most ``p`` micro-batches in flight per rank.
+* ``Interleaved1F1B`` (Megatron-LM, Narayanan et al. 2021): 1F1B over ``v`` chunks per rank, in
+  groups of ``p`` micro-batches; the bubble shrinks by ``v`` for ``v`` times more messages.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+F, B = "F", "B"
+SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
+COMPUTE = (F, B)
+KINDS = (F, B, SEND_F, RECV_F, SEND_B, RECV_B)
+
+
+class ScheduleError(ValueError):
+    """An action list that cannot run: a missing or repeated action, a wrong order, a deadlock."""
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str
+    mb: int
+    stage: int
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in COMPUTE
+
+    def __repr__(self) -> str:
+        return f"{self.kind}{self.mb}@s{self.stage}"
+
+
+def Forward(mb: int, stage: int) -> Action:  # noqa: N802 - reads like the paper's notation
+    return Action(F, mb, stage)
+
+
+def Backward(mb: int, stage: int) -> Action:  # noqa: N802
+    return Action(B, mb, stage)
+
+
+def stage_rank(stage: int, p: int) -> int:
+    """Stages are dealt round-robin: stage s lives on rank s mod p (its chunk is s // p)."""
+    return stage % p
+
+
+def message(a: Action, n_stages: int) -> tuple[tuple, int, int] | None:
+    """(payload, source stage, destination stage) of a communication action, else None.
+
+    The payload names what travels: ("act", mb, s) is the input of stage s, ("grad", mb, s) the
+    gradient of stage s's output. A send and the receive it matches carry the same payload.
+    """
+    mb, s = a.mb, a.stage
+    if a.kind == SEND_F:
+        return ("act", mb, s + 1), s, s + 1
+    if a.kind == RECV_F:
+        return ("act", mb, s), s - 1, s
+    if a.kind == SEND_B:
+        return ("grad", mb, s - 1), s, s - 1
+    if a.kind == RECV_B:
+        return ("grad", mb, s), s + 1, s
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Schedules: the order of computation on each rank.
+# --------------------------------------------------------------------------------------------
+
+
+class Schedule:
+    """Base: p ranks, m micro-batches, v chunks per rank. Subclasses give ``compute_order``."""
+
+    name = "schedule"
+
+    def __init__(self, p: int, m: int, v: int = 1):
+        if p < 1 or m < 1 or v < 1:
+            raise ScheduleError(f"{self.name}: p, m and v must be >= 1 (got p={p}, m={m}, v={v})")
+        if v > 1 and not isinstance(self, Interleaved1F1B):
+            raise ScheduleError(f"{self.name} runs one stage per rank: virtual stages need 'interleaved'")
+        self.p, self.m, self.v = p, m, v
+
+    @property
+    def n_stages(self) -> int:
+        return self.p * self.v
+
+    def stages_of(self, rank: int) -> list[int]:
+        return [c * self.p + rank for c in range(self.v)]
+
+    def compute_order(self, rank: int) -> list[Action]:
+        raise NotImplementedError
+
+    def actions(self) -> list[list[Action]]:
+        """Every rank's full action list, communication included."""
+        return place_communication([self.compute_order(r) for r in range(self.p)], self.p, self.n_stages)
+
+    def forward_actions(self) -> list[list[Action]]:
+        """Forward-only lists (evaluation): the same forward order, no backward."""
+        lists = [[a for a in self.compute_order(r) if a.kind == F] for r in range(self.p)]
+        return place_communication(lists, self.p, self.n_stages)
+
+    def theory_bubble(self) -> float:
+        """Idle fraction of each rank in ideal time: (p-1)/(m+p-1), the interleaved one divided by v."""
+        p, m, v = self.p, self.m, self.v
+        return ((p - 1) / v) / (m + (p - 1) / v)
+
+    def ideal_bubble(self, t_f: float = 1.0, t_b: float = 2.0) -> float:
+        """Idle fraction found by simulating the lists with free communication (per-stage times
+        t_f, t_b for a whole rank's share of the model; a chunk costs 1/v of it)."""
+        done = simulate([self.compute_order(r) for r in range(self.p)], self.p, self.n_stages,
+                        t_f / self.v, t_b / self.v)
+        makespan = max(end for _, _, _, end in done)
+        busy = self.m * (t_f + t_b)
+        return 1.0 - busy / makespan
+
+
+class Naive(Schedule):
+    """One micro-batch at a time through the whole pipeline, forward then backward."""
+
+    name = "naive"
+
+    def compute_order(self, rank: int) -> list[Action]:
+        return [a for mb in range(self.m) for a in (Forward(mb, rank), Backward(mb, rank))]
+
+    def theory_bubble(self) -> float:
+        return (self.p - 1) / self.p  # each rank works on 1 of the p stages' turn
+
+
+class GPipe(Schedule):
+    """All forwards, then all backwards (every micro-batch's activations alive at the turn)."""
+
+    name = "gpipe"
+
+    def compute_order(self, rank: int) -> list[Action]:
+        return [Forward(mb, rank) for mb in range(self.m)] + [Backward(mb, rank) for mb in range(self.m)]
+
+
+class OneFOneB(Schedule):
+    """PipeDream-flush: warm up with p - rank - 1 forwards, then alternate; drain the backwards."""
+
+    name = "1f1b"
+
+    def compute_order(self, rank: int) -> list[Action]:
+        warmup = min(self.p - rank - 1, self.m)
+        out = [Forward(mb, rank) for mb in range(warmup)]
+        for i in range(self.m - warmup):
+            out += [Forward(warmup + i, rank), Backward(i, rank)]
+        out += [Backward(mb, rank) for mb in range(self.m - warmup, self.m)]
+        return out
+
+
+class Interleaved1F1B(Schedule):
+    """Megatron-LM's interleaved 1F1B: v chunks per rank, micro-batches in groups of p.
+
+    The k-th forward of a rank runs chunk (k // p) mod v on micro-batch
+    (k // (p v)) * p + k mod p; backwards walk the chunks in reverse. Warm-up:
+    2 (p - rank - 1) + (v - 1) p forwards (all of them when m == p), as in Megatron-LM.
+    """
+
+    name = "interleaved"
+
+    def __init__(self, p: int, m: int, v: int = 2):
+        super().__init__(p, m, v)
+        if m % p:
+            raise ScheduleError(f"interleaved 1F1B needs the number of micro-batches ({m}) to be a "
+                                f"multiple of pp ({p})")
+
+    def _unit(self, k: int, forward: bool, rank: int) -> Action:
+        p, v = self.p, self.v
+        chunk = (k // p) % v
+        if not forward:
+            chunk = v - 1 - chunk
+        mb = (k // (p * v)) * p + k % p
+        return Action(F if forward else B, mb, chunk * p + rank)
+
+    def compute_order(self, rank: int) -> list[Action]:
+        p, total = self.p, self.m * self.v
+        warmup = total if self.m == p else min(total, 2 * (p - rank - 1) + (self.v - 1) * p)
+        out = [self._unit(k, True, rank) for k in range(warmup)]
+        for k in range(total - warmup):
+            out += [self._unit(warmup + k, True, rank), self._unit(k, False, rank)]
+        out += [self._unit(k, False, rank) for k in range(total - warmup, total)]
+        return out
+
+
+SCHEDULES: dict[str, type[Schedule]] = {s.name: s for s in (Naive, GPipe, OneFOneB, Interleaved1F1B)}
+
+
+def make_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
+    if name not in SCHEDULES:
+        raise ScheduleError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    return SCHEDULES[name](p, m, v)
+
+
+# --------------------------------------------------------------------------------------------
+# Ideal-time simulation and placement of the communication.
+# --------------------------------------------------------------------------------------------
+
+
+def _deps(a: Action, n_stages: int) -> list[Action]:
+    """Computations that must finish before ``a`` (anywhere in the pipeline)."""
+    if a.kind == F:
+        return [Forward(a.mb, a.stage - 1)] if a.stage > 0 else []
+    out = [Forward(a.mb, a.stage)]
+    if a.stage < n_stages - 1:
+        out.append(Backward(a.mb, a.stage + 1))
+    return out
+
+
+def simulate(compute_lists: list[list[Action]], p: int, n_stages: int, t_f: float = 1.0,
+             t_b: float = 2.0) -> list[tuple[int, Action, float, float]]:
+    """Run the compute lists in ideal time (free communication); each rank in its own order.
+
+    Returns (rank, action, start, end) in order of start time. Raises ScheduleError on deadlock.
+    """
+    pos, free = [0] * p, [0.0] * p
+    end: dict[Action, float] = {}
+    done = []
+    total = sum(len(lst) for lst in compute_lists)
+    while len(done) < total:
+        best = None
+        for r in range(p):
+            if pos[r] == len(compute_lists[r]):
+                continue
+            a = compute_lists[r][pos[r]]
+            deps = _deps(a, n_stages)
+            if any(d not in end for d in deps):
+                continue
+            start = max([free[r]] + [end[d] for d in deps])
+            if best is None or start < best[0]:
+                best = (start, r, a)
+        if best is None:
+            blocked = {r: compute_lists[r][pos[r]] for r in range(p) if pos[r] < len(compute_lists[r])}
+            raise ScheduleError(f"deadlock: every rank waits ({blocked})")
+        start, r, a = best
+        end[a] = free[r] = start + (t_f if a.kind == F else t_b)
+        pos[r] += 1
+        done.append((r, a, start, end[a]))
+    return done
+
+
+def place_communication(compute_lists: list[list[Action]], p: int, n_stages: int) -> list[list[Action]]:
+    """Insert SEND right after the computation that produces a message and the matching RECV
+    on the receiver at the same moment of the ideal-time run: receives are posted in their
+    sender's order (the in-order matching holds) and before the computation that needs them."""
+    lists: list[list[Action]] = [[] for _ in range(p)]
+    for r, a, _, _ in simulate(compute_lists, p, n_stages):
+        lists[r].append(a)
+        if a.kind == F and a.stage < n_stages - 1:
+            send, recv = Action(SEND_F, a.mb, a.stage), Action(RECV_F, a.mb, a.stage + 1)
+        elif a.kind == B and a.stage > 0:
+            send, recv = Action(SEND_B, a.mb, a.stage), Action(RECV_B, a.mb, a.stage - 1)
+        else:
+            continue
+        dst = stage_rank(recv.stage, p)
+        if dst == r:
+            raise ScheduleError(f"stages {a.stage} and {recv.stage} are both on rank {r}: "
+                                "a pipeline needs consecutive stages on different ranks (p >= 2)")
+        lists[r].append(send)
+        lists[dst].append(recv)
+    return lists
+
+
+# --------------------------------------------------------------------------------------------
+# The checker.
+# --------------------------------------------------------------------------------------------
+
+
+def check_schedule(actions_per_rank: list[list[Action]], p: int, m: int, v: int = 1,
+                   forward_only: bool = False) -> None:
+    """Verify an action list; raise ScheduleError saying what is wrong.
+
+    * every micro-batch is forwarded (and backwarded) exactly once through every stage, on the
+      rank that owns the stage; every message is sent once and received once;
+    * on a rank, a send follows the computation that produces it, a backward its forward;
+    * simulated with non-blocking posts, in-order matching per pair of ranks and computations
+      that wait for their input, every rank reaches its end (no deadlock, no mismatched pair).
+    """
+    if len(actions_per_rank) != p:
+        raise ScheduleError(f"expected action lists for {p} ranks, got {len(actions_per_rank)}")
+    n_stages = p * v
+    _check_counts(actions_per_rank, p, m, n_stages, forward_only)
+    _simulate_messages(actions_per_rank, p, n_stages)
+
+
+def _expected(p: int, m: int, n_stages: int, forward_only: bool) -> list[set[Action]]:
+    want: list[set[Action]] = [set() for _ in range(p)]
+    for s in range(n_stages):
+        r = stage_rank(s, p)
+        for mb in range(m):
+            want[r].add(Forward(mb, s))
+            if s < n_stages - 1:
+                want[r].add(Action(SEND_F, mb, s))
+            if s > 0:
+                want[r].add(Action(RECV_F, mb, s))
+            if forward_only:
+                continue
+            want[r].add(Backward(mb, s))
+            if s > 0:
+                want[r].add(Action(SEND_B, mb, s))
+            if s < n_stages - 1:
+                want[r].add(Action(RECV_B, mb, s))
+    return want
+
+
+def _check_counts(lists: list[list[Action]], p: int, m: int, n_stages: int, forward_only: bool) -> None:
+    for r, (got, want) in enumerate(zip(lists, _expected(p, m, n_stages, forward_only))):
+        seen: set[Action] = set()
+        for a in got:
+            if a.kind not in KINDS:
+                raise ScheduleError(f"rank {r}: unknown action kind {a.kind!r}")
+            if a in seen:
+                raise ScheduleError(f"rank {r}: {a} appears twice")
+            seen.add(a)
+        if seen - want:
+            raise ScheduleError(f"rank {r}: unexpected actions {sorted(seen - want, key=repr)} "
+                                f"(wrong rank for the stage, or a stage/micro-batch out of range)")
+        if want - seen:
+            raise ScheduleError(f"rank {r}: missing actions {sorted(want - seen, key=repr)}")
+
+
+def _simulate_messages(lists: list[list[Action]], p: int, n_stages: int) -> None:
+    pos = [0] * p
+    done: list[set[Action]] = [set() for _ in range(p)]
+    sent: dict[tuple[int, int], list[tuple]] = defaultdict(list)  # (src, dst) -> payloads in order
+    posted: dict[tuple[int, int], list[tuple]] = defaultdict(list)  # (src, dst) -> expected payloads
+    posted_at: list[dict[tuple, tuple[int, int, int]]] = [{} for _ in range(p)]  # payload -> slot
+
+    def arrived(r: int, payload: tuple) -> bool:
+        slot = posted_at[r].get(payload)
+        return slot is not None and len(sent[slot[:2]]) > slot[2]
+
+    def step(r: int) -> bool:
+        a = lists[r][pos[r]]
+        msg = message(a, n_stages)
+        if msg is not None:
+            payload, src_stage, dst_stage = msg
+            src, dst = stage_rank(src_stage, p), stage_rank(dst_stage, p)
+            if a.kind in (SEND_F, SEND_B):
+                producer = Forward(a.mb, a.stage) if a.kind == SEND_F else Backward(a.mb, a.stage)
+                if producer not in done[r]:
+                    raise ScheduleError(f"rank {r}: {a} comes before {producer}, which produces it")
+                k = len(sent[(src, dst)])
+                sent[(src, dst)].append(payload)
+                if k < len(posted[(src, dst)]) and posted[(src, dst)][k] != payload:
+                    raise ScheduleError(_mismatch(src, dst, k, payload, posted[(src, dst)][k]))
+            else:
+                k = len(posted[(src, dst)])
+                posted[(src, dst)].append(payload)
+                posted_at[r][payload] = (src, dst, k)
+                if k < len(sent[(src, dst)]) and sent[(src, dst)][k] != payload:
+                    raise ScheduleError(_mismatch(src, dst, k, sent[(src, dst)][k], payload))
+        else:
+            if a.kind == B and Forward(a.mb, a.stage) not in done[r]:
+                raise ScheduleError(f"rank {r}: {a} comes before its forward")
+            needs = None
+            if a.kind == F and a.stage > 0:
+                needs = ("act", a.mb, a.stage)
+            elif a.kind == B and a.stage < n_stages - 1:
+                needs = ("grad", a.mb, a.stage)
+            if needs is not None and not arrived(r, needs):
+                return False  # waits for the peer (or for a receive it never posted: deadlock)
+        done[r].add(a)
+        pos[r] += 1
+        return True
+
+    while any(pos[r] < len(lists[r]) for r in range(p)):
+        progress = False
+        for r in range(p):
+            while pos[r] < len(lists[r]) and step(r):
+                progress = True
+        if not progress:
+            blocked = ", ".join(f"rank {r} at {lists[r][pos[r]]}" for r in range(p) if pos[r] < len(lists[r]))
+            raise ScheduleError(f"deadlock: {blocked} (each waits for a message that is never sent, "
+                                "or whose receive was not posted first)")
+
+
+def _mismatch(src: int, dst: int, k: int, sent: tuple, expected: tuple) -> str:
+    return (f"messages from rank {src} to rank {dst} are matched in order, but send #{k} carries "
+            f"{sent} while receive #{k} expects {expected}")
+
+
+def peak_in_flight(actions: list[Action]) -> int:
+    """Most micro-batches forwarded but not yet backwarded at once on a rank (its activations)."""
+    live = peak = 0
+    for a in actions:
+        if a.kind == F:
+            live += 1
+            peak = max(peak, live)
+        elif a.kind == B:
+            live -= 1
+    return peak

@@ -1,0 +1,179 @@
+"""Cut the model into pipeline stages: each rank keeps only the blocks of the stages it owns.
+
+The model is built on the ``meta`` device, so the parts a rank does not own are never allocated:
+``split_for_pipeline`` deletes the other blocks from ``model.layers`` (the ones left keep their
+single-device names, ``layers.7.attn.wq.weight``), and sets ``embed`` (first stage only) and
+``norm`` / ``lm_head`` (last stage only) to ``None`` where they are not owned.
+
+With ``v`` virtual stages (interleaved 1F1B) the model is cut into ``p * v`` stages dealt
+round-robin: rank ``r`` owns stages ``r, r + p, ...``, one ``StageChunk`` each.
+
+Split of the blocks (``parallel.pp_split``):
+
+* default: the same number of blocks per stage; when they do not divide evenly the first
+  stages take one more (the last stage also runs the final norm, the LM head and the loss);
+* ``"auto"``: contiguous blocks balanced by matmul FLOPs, the LM head counted on the last stage
+  (a large vocabulary weighs several blocks) and the embedding lookup as free;
+* ``"3,1"``: explicit blocks per stage (``p * v`` numbers, each >= 1, summing to ``n_layers``).
+
+Tied embeddings across the first and last stage: the last stage's ``lm_head.weight`` is its own
+parameter, initialised from ``embed.weight`` (``tied_name``); both copies carry
+``pt_pp_copies = 2`` (the global grad norm counts them once) and their gradients are summed
+between the two ranks after backward (``TiedEmbedding``), so they stay identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from paratrain.comm import collectives as C
+from paratrain.mesh import ParallelMesh
+
+
+def parse_split(text: str | None, n_layers: int, n_stages: int, costs: tuple[float, float] = (1.0, 0.0)
+                ) -> list[int]:
+    """Blocks per stage. ``costs`` = (one block, the LM head) in any unit, used by "auto"."""
+    if n_stages > n_layers:
+        raise ValueError(f"{n_stages} pipeline stages (pp * virtual_stages) but the model has only "
+                         f"{n_layers} layers: lower --pp / --virtual-stages or use a deeper model")
+    if text is None or text == "":
+        base, extra = divmod(n_layers, n_stages)
+        return [base + (1 if s < extra else 0) for s in range(n_stages)]
+    if text == "auto":
+        return _balanced(n_layers, n_stages, *costs)
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"parallel.pp_split = {text!r}: give blocks per stage as integers, e.g. '3,1', "
+                         "or 'auto'") from None
+    if len(counts) != n_stages or min(counts) < 1 or sum(counts) != n_layers:
+        raise ValueError(f"parallel.pp_split = {text!r} must list {n_stages} stages (pp * virtual_stages), "
+                         f"each >= 1 block, summing to the model's {n_layers} layers")
+    return counts
+
+
+def _balanced(n_layers: int, n_stages: int, block: float, head: float) -> list[int]:
+    """Contiguous split minimising the most expensive stage (exhaustive over cut points: the
+    block counts are small). The last stage also pays for the head."""
+    best: tuple[float, list[int]] | None = None
+
+    def walk(prefix: list[int], left: int) -> None:
+        nonlocal best
+        stages_left = n_stages - len(prefix)
+        if stages_left == 1:
+            counts = prefix + [left]
+            cost = max([c * block for c in counts[:-1]] + [left * block + head])
+            if best is None or cost < best[0] - 1e-12:
+                best = (cost, counts)
+            return
+        for c in range(1, left - stages_left + 2):
+            walk(prefix + [c], left - c)
+
+    walk([], n_layers)
+    return best[1]
+
+
+def layer_costs(cfg) -> tuple[float, float]:
+    """(matmul parameters of one block, of the LM head): FLOPs are proportional to them."""
+    kv = cfg.n_kv_heads * cfg.head_dim
+    block = 2 * cfg.dim * cfg.dim + 2 * cfg.dim * kv + 3 * cfg.dim * cfg.ffn_dim
+    return float(block), float(cfg.vocab_size * cfg.dim)
+
+
+def stage_layers(counts: list[int]) -> list[list[int]]:
+    """Block indices of every stage, in order."""
+    out, start = [], 0
+    for c in counts:
+        out.append(list(range(start, start + c)))
+        start += c
+    return out
+
+
+@dataclass
+class StageChunk:
+    """One (virtual) stage held by this rank: a few blocks of the shared, pruned model."""
+
+    model: nn.Module
+    stage: int
+    layers: list[int]
+    is_first: bool
+    is_last: bool
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """tokens [b, s] (first stage) or hidden [b, s, dim] -> hidden [b, s, dim] or logits."""
+        h = self.model.embed(x) if self.is_first else x
+        for i in self.layers:
+            h = self.model.layers[str(i)](h)
+        if self.is_last:
+            h = self.model.lm_head(self.model.norm(h))
+        return h
+
+
+def split_for_pipeline(model: nn.Module, mesh: ParallelMesh, *, virtual_stages: int = 1,
+                       split: str | None = None) -> list[StageChunk]:
+    """Prune ``model`` (built on meta) to this rank's stages; return one chunk per stage, in order."""
+    p, rank = mesh.pp.size, mesh.pp.rank
+    n_stages = p * virtual_stages
+    counts = parse_split(split, len(model.layers), n_stages, layer_costs(model.cfg))
+    per_stage = stage_layers(counts)
+    mine = [s for s in range(n_stages) if s % p == rank]
+    keep = {i for s in mine for i in per_stage[s]}
+    for key in [k for k in model.layers if int(k) not in keep]:
+        del model.layers[key]
+    owns_first, owns_last = 0 in mine, n_stages - 1 in mine
+    if not owns_first:
+        model.embed = None
+    if not owns_last:
+        model.norm = None
+        model.lm_head = None
+    return [StageChunk(model, s, per_stage[s], s == 0, s == n_stages - 1) for s in mine]
+
+
+class TiedEmbedding:
+    """Sum the gradients of the tied embedding / LM head between the first and last stage.
+
+    Each copy's gradient is its own stage's contribution; their sum is the gradient of the
+    single-device (shared) weight. Build it on every rank, after materialize (which makes new
+    parameter objects); group creation is collective over the world.
+    """
+
+    def __init__(self, model: nn.Module, mesh: ParallelMesh):
+        self.params: list[nn.Parameter] = []
+        self.axis: C.Axis | None = None
+        if not getattr(model.cfg, "tie_embeddings", False) or mesh.pp.size == 1:
+            return
+        axis = _ends_axis(mesh)
+        if model.embed is not None:
+            self.params.append(model.embed.weight)
+        if model.lm_head is not None:
+            self.params.append(model.lm_head.weight)
+            model.lm_head.weight.pt_tied_to = "embed.weight"  # exported once, by the first stage
+        for p in self.params:
+            p.pt_pp_copies = 2  # the global grad norm counts the pair once
+        self.axis = axis if self.params else None
+
+    @torch.no_grad()
+    def all_reduce_grads(self) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                C.all_reduce(p.grad, self.axis)
+
+
+def _ends_axis(mesh: ParallelMesh) -> C.Axis:
+    """A two-rank axis joining this pipeline's first and last stage (the pp axis when p = 2)."""
+    pp = mesh.pp
+    if pp.size == 2:
+        return pp
+    mine = None
+    for members in mesh.shape.groups("pp"):
+        ends = [members[0], members[-1]]
+        group = dist.new_group(ends)  # collective over the world: every rank creates every group
+        if mesh.rank in members:
+            mine = (ends, group)
+    ends, group = mine
+    index = ends.index(mesh.rank) if mesh.rank in ends else 0
+    return C.Axis("pp", 2, index, ends, group, mesh.counter)

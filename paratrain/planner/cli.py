@@ -1,0 +1,299 @@
+"""`paratrain plan`: which layout for this model on this cluster, will it fit, how fast, and why.
+
+    paratrain plan --model llama-7b --gpus 8 --gpu a100-80g --seq-len 4096 --global-batch 512
+    paratrain plan --params 175e9 --gpus 1024 --gpu a100-80g        # model states only
+    paratrain plan --model small --cluster local --validate          # predicted vs measured here
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+
+from paratrain.models.llama import PRESETS, LlamaConfig
+from paratrain.planner.hardware import GB, GPUS, LINKS, make_cluster
+from paratrain.planner.memory import Training
+from paratrain.planner.search import Plan, PlanResult, plan, states_only
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="paratrain plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = p.add_argument_group("model (a preset, an explicit shape, or --params for model states only)")
+    m.add_argument("--model", help=f"preset: {', '.join(PRESETS)}")
+    for flag in ("--layers", "--hidden", "--heads", "--kv-heads", "--ffn", "--vocab"):
+        m.add_argument(flag, type=int)
+    m.add_argument("--tie-embeddings", action="store_true")
+    m.add_argument("--params", type=float, help="parameter count (e.g. 7e9): model-states-only answer")
+    t = p.add_argument_group("training")
+    t.add_argument("--seq-len", type=int, default=2048)
+    t.add_argument("--global-batch", type=int, default=256, help="sequences per optimizer step")
+    t.add_argument("--micro-batch", type=int, help="fix the micro-batch (default: searched)")
+    t.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
+    t.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit"])
+    t.add_argument("--margin", type=float, default=0.10, help="fraction of device memory kept free")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--cluster", choices=["local"], help="this machine, measured (one worker per core)")
+    c.add_argument("--gpus", type=int, help="devices in all (default 8; local: cores)")
+    c.add_argument("--gpus-per-node", type=int)
+    c.add_argument("--gpu", default="a100-80g", help=f"preset: {', '.join(GPUS)}")
+    c.add_argument("--gpu-memory", type=float, help="GB per device (overrides the preset)")
+    c.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per device (overrides the preset)")
+    c.add_argument("--intra-link", default="nvlink", help=f"preset: {', '.join(LINKS)}")
+    c.add_argument("--inter-link", default="infiniband", help=f"preset: {', '.join(LINKS)}")
+    c.add_argument("--efficiency", type=float, help="achieved / peak on large matmuls")
+    f = p.add_argument_group("fixed choices (evaluate these instead of searching them)")
+    for flag in ("--dp", "--tp", "--pp", "--zero", "--virtual-stages"):
+        f.add_argument(flag, type=int)
+    f.add_argument("--sp", action="store_true", default=None)
+    f.add_argument("--recompute", choices=["none", "selective", "full"])
+    f.add_argument("--pp-schedule", choices=["naive", "gpipe", "1f1b", "interleaved"])
+    f.add_argument("--offload", choices=["none", "cpu", "disk"])
+    o = p.add_argument_group("output")
+    o.add_argument("--top", type=int, default=8, help="plans to show")
+    o.add_argument("--json", action="store_true", help="one JSON object")
+    o.add_argument("--plot", metavar="FILE.png", help="memory breakdown of the top plans vs capacity")
+    o.add_argument("--validate", action="store_true",
+                   help="with --cluster local: run the top plans briefly and compare tokens/s")
+    o.add_argument("--validate-steps", type=int, default=6)
+    return p
+
+
+def model_from(args) -> LlamaConfig | None:
+    shape = {"n_layers": args.layers, "dim": args.hidden, "n_heads": args.heads, "n_kv_heads": args.kv_heads,
+             "ffn_dim": args.ffn, "vocab_size": args.vocab}
+    given = {k: v for k, v in shape.items() if v is not None}
+    if args.model is None and not given:
+        if args.params is None:
+            raise ValueError("give a model: --model PRESET, the shape (--layers --hidden --heads --ffn "
+                             "--vocab), or --params P for a model-states-only answer")
+        return None
+    if args.model is not None and args.model not in PRESETS:
+        raise ValueError(f"unknown --model {args.model!r}; choose one of {', '.join(PRESETS)}")
+    if args.model is None:
+        missing = [f"--{k}" for k in ("layers", "hidden", "heads", "ffn", "vocab")
+                   if getattr(args, k) is None]
+        if missing:
+            raise ValueError(f"an explicit shape needs {', '.join(missing)} (or start from --model PRESET)")
+        given.setdefault("n_kv_heads", args.heads)
+    base = PRESETS[args.model] if args.model else LlamaConfig()
+    for k, v in given.items():
+        if v < 1:
+            raise ValueError(f"shape values must be >= 1 (got {k} = {v})")
+    c = replace(base, max_seq_len=args.seq_len, **given,
+                **({"tie_embeddings": True} if args.tie_embeddings else {}))
+    if c.dim % c.n_heads or c.n_heads % c.n_kv_heads:
+        raise ValueError(f"--hidden ({c.dim}) must be divisible by --heads ({c.n_heads}), and --heads by "
+                         f"--kv-heads ({c.n_kv_heads})")
+    return c
+
+
+def cluster_from(args):
+    if args.cluster == "local":
+        from paratrain.planner.hardware import local_cluster
+
+        cl = local_cluster(args.gpus)
+    else:
+        cl = make_cluster(gpus=args.gpus or 8, gpus_per_node=args.gpus_per_node, gpu=args.gpu,
+                          gpu_memory_gb=args.gpu_memory, peak_tflops=args.peak_tflops,
+                          intra_link=args.intra_link, inter_link=args.inter_link)
+    if args.efficiency is not None:
+        if not 0 < args.efficiency <= 1:
+            raise ValueError(f"--efficiency must be in (0, 1] (got {args.efficiency})")
+        cl = replace(cl, efficiency=args.efficiency)
+    return cl
+
+
+def fixed_from(args) -> dict:
+    pairs = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "zero": args.zero, "v": args.virtual_stages,
+             "sp": args.sp, "recompute": args.recompute, "schedule": args.pp_schedule,
+             "offload": args.offload, "micro_batch": args.micro_batch}
+    return {k: v for k, v in pairs.items() if v is not None}
+
+
+# -- output ---------------------------------------------------------------------------------------------
+
+
+def table(result: PlanResult) -> str:
+    head = (f"{'#':>2} {'layout':<44} {'params':>7} {'grads':>7} {'optim':>7} {'acts':>7} {'other':>7} "
+            f"{'total':>7} {'usable':>7} {'step s':>8} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>5}")
+    lines = [head, "-" * len(head)]
+    for i, p in enumerate(result.plans, 1):
+        m, t = p.memory, p.time
+        other = m.comm_buffers + m.transient + m.runtime
+        mark = "" if p.fits else " (does not fit)"
+        lines.append(f"{i:>2} {p.layout.short() + mark:<44} {m.params / GB:7.2f} {m.grads / GB:7.2f} "
+                     f"{m.optim / GB:7.2f} {m.activations / GB:7.2f} {other / GB:7.2f} {m.total / GB:7.2f} "
+                     f"{m.usable / GB:7.2f} {t.total:8.3g} {t.tokens_per_s:10,.0f} "
+                     f"{t.tflops_per_device:8.3g} {t.mfu:5.0%}")
+    return "\n".join(lines)
+
+
+def report(result: PlanResult, cluster) -> str:
+    out = [f"cluster: {cluster.describe()}", "", "decision tree:"]
+    out += [f"  {i}. {s}" for i, s in enumerate(result.tree, 1)]
+    out += ["", table(result), "", ("why: " if result.feasible else "") + result.verdict,
+            f"({result.evaluated} layouts evaluated; memory in GB = 1e9 bytes, per device, busiest pipeline "
+            "stage; 'other' = communication buffers + transient peaks + runtime)"]
+    return "\n".join(out)
+
+
+def to_json(args, result: PlanResult, cluster) -> dict:
+    return {"inputs": {k: v for k, v in vars(args).items() if k not in ("json", "plot", "validate")},
+            "cluster": cluster.describe(), "feasible": result.feasible, "decision_tree": result.tree,
+            "explanation": result.verdict, "evaluated": result.evaluated,
+            "plans": [p.to_json() for p in result.plans]}
+
+
+def plot(plans: list[Plan], path: str) -> str:
+    """Stacked memory breakdown of each plan against the device's capacity."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = ["params", "grads", "optimizer", "activations", "comm_buffers", "transient", "runtime"]
+    fig, ax = plt.subplots(figsize=(max(7.5, 1.3 * len(plans) + 3.5), 4.5))
+    names = [p.layout.short().replace(" ", "\n", 3) for p in plans]
+    bottom = [0.0] * len(plans)
+    for key in keys:
+        vals = [p.memory.breakdown()[key] / GB for p in plans]
+        ax.bar(names, vals, bottom=bottom, label=key)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    cap = plans[0].memory.capacity / GB
+    ax.axhline(cap, color="k", lw=1.2, label=f"capacity {cap:.1f} GB")
+    ax.axhline(plans[0].memory.usable / GB, color="k", ls="--", lw=1, label="capacity - margin")
+    ax.set(ylabel="GB per device", title="paratrain plan: memory per device of the top layouts")
+    ax.tick_params(axis="x", labelsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, not on them
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def states_only_report(n_params: float, tr: Training, cluster) -> tuple[str, list[dict]]:
+    rows = states_only(n_params, tr, cluster)
+    lines = [f"model states only ({n_params:.3g} parameters, {tr.precision}, {tr.optimizer}; no activations: "
+             "give the shape for a full plan)", f"cluster: {cluster.describe()}",
+             f"{'ZeRO':>4} {'dp':>5} {'params GB':>10} {'grads GB':>9} {'optim GB':>9} {'total GB':>9}  fits"]
+    for r in rows:
+        lines.append(f"{r['zero']:>4} {r['dp']:>5} {r['params_bytes'] / GB:10.2f} "
+                     f"{r['grads_bytes'] / GB:9.2f} {r['optim_bytes'] / GB:9.2f} "
+                     f"{r['model_state_bytes_per_device'] / GB:9.2f}  "
+                     f"{'yes' if r['fits_model_states'] else 'no'} (usable {r['usable_bytes'] / GB:.1f} GB)")
+    return "\n".join(lines), rows
+
+
+# -- main ------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return run(args)
+    except ValueError as e:
+        print(f"paratrain plan: error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args) -> int:
+    c = model_from(args)
+    tr = Training(seq_len=args.seq_len, global_batch=args.global_batch, precision=args.precision,
+                  optimizer=args.optimizer, margin=args.margin)
+    cluster = cluster_from(args)
+    if c is None:
+        text, rows = states_only_report(args.params, tr, cluster)
+        print(json.dumps({"inputs": vars(args), "plans": rows}) if args.json else text)
+        return 0
+    if args.validate and args.cluster != "local":
+        raise ValueError("--validate runs the plans on this machine: add --cluster local")
+    runnable = None
+    if args.validate:
+        from paratrain.planner.search import runnable_here
+
+        runnable = runnable_here(base_config(args, c))
+    result = plan(c, tr, cluster, fixed_from(args), top=args.top, runnable=runnable)
+    print(json.dumps(to_json(args, result, cluster)) if args.json else report(result, cluster))
+    if args.plot:
+        print(f"memory plot: {plot(result.plans, args.plot)}", file=sys.stderr if args.json else sys.stdout)
+    if args.validate:
+        validate(args, c, result)
+    return 0
+
+
+# -- --validate: predicted vs measured on this machine ----------------------------------------------------
+
+
+def base_config(args, c: LlamaConfig):
+    """The paratrain training config the plan's layouts are applied to (a short run)."""
+    from paratrain import config
+
+    if args.model is None:
+        raise ValueError("--validate trains the model: give --model PRESET (shape flags override it)")
+    over = {"model.name": args.model, "model.dim": c.dim, "model.n_layers": c.n_layers,
+            "model.n_heads": c.n_heads, "model.n_kv_heads": c.n_kv_heads, "model.ffn_dim": c.ffn_dim,
+            "model.tie_embeddings": c.tie_embeddings, "data.vocab_size": c.vocab_size,
+            "data.seq_len": args.seq_len, "data.max_files": 40, "train.global_batch": args.global_batch,
+            "train.precision": args.precision, "train.steps": args.validate_steps, "train.eval_every": 0,
+            "train.progress": False, "train.threads": 1, "optim.warmup_steps": 1}
+    return config.load(None, over)
+
+
+def _validate_worker(env, cfg_dict: dict) -> None:
+    from paratrain.config import Config
+    from paratrain.train.trainer import Trainer
+
+    Trainer(Config.from_dict(cfg_dict), env).fit()
+
+
+def measure(cfg) -> float:
+    """Median tokens/s of a short run of `cfg` (the first two steps are warm-up)."""
+    import statistics
+
+    from paratrain.launch import spawn
+    from paratrain.train.metrics import read_metrics
+    from paratrain.train.task import build_task
+    from paratrain.train.trainer import Trainer
+
+    build_task(cfg)  # tokenize once, here
+    if cfg.world_size == 1:
+        Trainer(cfg).fit()
+    else:
+        spawn(_validate_worker, cfg.world_size, cfg.to_dict(), timeout=600)
+    rows = read_metrics(f"{cfg.train.out}/metrics.jsonl")
+    rates = [r["tokens_per_s"] for r in rows[2:]] or [r["tokens_per_s"] for r in rows]
+    return statistics.median(rates)
+
+
+def validate(args, c: LlamaConfig, result: PlanResult, top: int = 3) -> list[tuple[Plan, float]]:
+    """Run the top plans briefly through paratrain's trainer; print predicted vs measured tokens/s."""
+    import tempfile
+
+    from paratrain.planner.search import layout_to_config
+
+    base = base_config(args, c)
+    out = []
+    print(f"\nvalidating the top {min(top, len(result.plans))} plans on this machine "
+          f"({args.validate_steps} steps each)...")
+    with tempfile.TemporaryDirectory(prefix="paratrain-plan-") as tmp:
+        for i, p in enumerate([p for p in result.plans if p.fits][:top]):
+            cfg = layout_to_config(base, p.layout)
+            cfg.train.out = f"{tmp}/plan{i}"
+            out.append((p, measure(cfg)))
+    print(f"{'#':>2} {'layout':<40} {'predicted tok/s':>16} {'measured tok/s':>15} {'measured/pred':>14}")
+    for i, (p, got) in enumerate(out, 1):
+        print(f"{i:>2} {p.layout.short():<40} {p.time.tokens_per_s:16,.0f} {got:15,.0f} "
+              f"{got / p.time.tokens_per_s:14.2f}")
+    order_pred = list(range(len(out)))
+    order_meas = sorted(order_pred, key=lambda i: -out[i][1])
+    agree = ("agrees" if order_meas == order_pred
+             else f"differs (measured order: {[i + 1 for i in order_meas]})")
+    print(f"ranking by measured tokens/s {agree} with the predicted ranking")
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,284 @@
+"""Time per step of one layout: compute, communication (alpha-beta), overlap, bubble, offload.
+
+Compute: model FLOPs by the Megatron-LM accounting (Narayanan et al. 2021, Section 5.1:
+F = 96 B s l h^2 (1 + s/6h + V/16lh) for GPT with recomputation, i.e. 72 without), generalised
+to paratrain's Llama block (SwiGLU, grouped-query attention, causal attention counted half, as
+the trainer's MFU does), divided by peak x efficiency. Full recomputation adds one forward of
+every block (hardware FLOPs 8/6 of the blocks' model FLOPs).
+
+Communication: the alpha-beta model of ring collectives on n ranks moving M bytes:
+all-reduce 2(n-1) alpha + 2(n-1)/n M/beta; all-gather and reduce-scatter (n-1) alpha +
+(n-1)/n M/beta; point-to-point alpha + M/beta. A group uses the intra-node link if it fits in
+one node (tp ranks are neighbours, then dp, then pp), otherwise the inter-node link.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paratrain.models.llama import LlamaConfig
+from paratrain.planner.hardware import Cluster, Link
+from paratrain.planner.memory import (
+    ACT_BYTES,
+    Layout,
+    Training,
+    layer_params_local,
+    stage_layers,
+    stage_params,
+    state_bytes_per_param,
+)
+
+# -- published formulas -------------------------------------------------------------------------
+
+
+def megatron_params(l: int, h: int, vocab: int, seq: int) -> float:  # noqa: E741 - the paper's name
+    """Megatron-LM 2021 parameter count of a GPT: 12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h))."""
+    return 12 * l * h * h * (1 + 13 / (12 * h) + (vocab + seq) / (12 * l * h))
+
+
+def megatron_flops(batch: int, seq: int, l: int, h: int, vocab: int, recompute: bool = True) -> float:  # noqa: E741
+    """Megatron-LM 2021 FLOPs per iteration with full recomputation (four passes of the blocks, three
+    of the LM head): 96 B s l h^2 (1 + s/(6h) + V/(16 l h)). Without recomputation the blocks
+    take three passes: 72 B s l h^2 (1 + s/(6h)) + 6 B s h V."""
+    if recompute:
+        return 96 * batch * seq * l * h * h * (1 + seq / (6 * h) + vocab / (16 * l * h))
+    return 72 * batch * seq * l * h * h * (1 + seq / (6 * h)) + 6 * batch * seq * h * vocab
+
+
+def megatron_training_days(n_params: float, tokens: float, n_gpus: int, flops_per_gpu: float) -> float:
+    """Megatron-LM 2021 Eq. 4: end-to-end time ~ 8 T P / (n X) (8 = 6 + 2 of recomputation)."""
+    return 8 * tokens * n_params / (n_gpus * flops_per_gpu) / 86400
+
+
+# -- paratrain's Llama --------------------------------------------------------------------------------
+
+
+def block_matmul_params(c: LlamaConfig) -> int:
+    kv = c.n_kv_heads * c.head_dim
+    return 2 * c.dim * c.dim + 2 * c.dim * kv + 3 * c.dim * c.ffn_dim
+
+
+def model_flops_per_token(c: LlamaConfig, seq: int, causal: bool = True) -> float:
+    """Training FLOPs per token: 6 x matmul parameters (blocks + LM head) + attention's two
+    products, 12 l s h per token (6 l s h with the causal half). Equals the trainer's MFU numerator
+    (paratrain.train.task.lm_flops_per_token)."""
+    attn = (6.0 if causal else 12.0) * c.n_layers * seq * c.dim
+    return 6.0 * (c.n_layers * block_matmul_params(c) + c.vocab_size * c.dim) + attn
+
+
+def block_flops_per_token(c: LlamaConfig, seq: int) -> float:
+    """Training FLOPs of one block per token (forward 1/3, backward 2/3)."""
+    return 6.0 * block_matmul_params(c) + 6.0 * seq * c.dim
+
+
+def head_flops_per_token(c: LlamaConfig) -> float:
+    return 6.0 * c.vocab_size * c.dim
+
+
+def hardware_flops_per_token(c: LlamaConfig, seq: int, recompute: str) -> float:
+    """Model FLOPs plus what recomputation repeats: full recompute re-runs every block's forward
+    (+1/3 of its training FLOPs); selective only the attention scores' forward."""
+    extra = 0.0
+    if recompute == "full":
+        extra = c.n_layers * block_flops_per_token(c, seq) / 3
+    elif recompute == "selective":
+        extra = c.n_layers * 2.0 * seq * c.dim / 2  # forward of the causal score and value products
+    return model_flops_per_token(c, seq) + extra
+
+
+# -- alpha-beta collectives ---------------------------------------------------------------------------
+
+
+def all_reduce_time(nbytes: float, n: int, link: Link) -> float:
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) * link.latency + 2 * (n - 1) / n * nbytes / link.bandwidth
+
+
+def all_gather_time(nbytes: float, n: int, link: Link) -> float:
+    """nbytes: the full (gathered) tensor; reduce-scatter costs the same."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
+
+
+reduce_scatter_time = all_gather_time
+
+
+def p2p_time(nbytes: float, link: Link) -> float:
+    return link.latency + nbytes / link.bandwidth
+
+
+def group_link(cluster: Cluster, lay: Layout, axis: str) -> Link:
+    """The link a group's ring crosses: ranks are laid out tp fastest, then dp, then pp, so a
+    group of `size` ranks at stride `stride` spans stride * size consecutive ranks."""
+    stride, size = {"tp": (1, lay.tp), "dp": (lay.tp, lay.dp), "pp": (lay.tp * lay.dp, lay.pp)}[axis]
+    if stride * size <= cluster.devices_per_node:
+        return cluster.intra
+    return cluster.inter
+
+
+# -- the step -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepTime:
+    compute: float  # model FLOPs of the busiest stage, all micro-batches
+    recompute: float  # extra forward passes
+    bubble: float  # pipeline fill and drain
+    tp_comm: float  # exposed (tensor-parallel collectives sit on the critical path)
+    pp_comm: float
+    dp_comm: float  # exposed part of the gradient / parameter collectives
+    optimizer: float  # the step itself (memory-bound, or on the CPU with offload)
+    offload: float  # host link / disk traffic of offloaded state (not overlapped: conservative)
+    tokens_per_step: int
+    model_flops: float  # per step, whole model
+    hardware_flops: float
+    world: int
+    peak: float  # FLOP/s of one device at the run's precision
+
+    @property
+    def total(self) -> float:
+        return (self.compute + self.recompute + self.bubble + self.tp_comm + self.pp_comm + self.dp_comm
+                + self.optimizer + self.offload)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.total
+
+    @property
+    def tflops_per_device(self) -> float:
+        return self.model_flops / self.total / self.world / 1e12
+
+    @property
+    def hardware_tflops_per_device(self) -> float:
+        return self.hardware_flops / self.total / self.world / 1e12
+
+    @property
+    def mfu(self) -> float:
+        return self.tflops_per_device * 1e12 / self.peak
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.bubble / self.total
+
+    def breakdown(self) -> dict[str, float]:
+        return {"compute": self.compute, "recompute": self.recompute, "bubble": self.bubble,
+                "tp_comm": self.tp_comm, "pp_comm": self.pp_comm, "dp_comm": self.dp_comm,
+                "optimizer": self.optimizer, "offload": self.offload, "total": self.total}
+
+
+def matmul_efficiency(cluster: Cluster, rows: float) -> float:
+    """Achieved / peak: saturating in the rows of each matmul (micro-batch tokens), half at rows_half."""
+    return cluster.efficiency * rows / (rows + cluster.rows_half)
+
+
+def step_time(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster) -> StepTime:
+    """Seconds per optimizer step of `lay`, broken down (see the module docstring)."""
+    e = ACT_BYTES[tr.precision]
+    m = lay.n_micro(tr.global_batch)
+    mb_tokens = tr.seq_len * lay.micro_batch
+    peak = cluster.device.peak_for(tr.precision)
+    rate = peak * matmul_efficiency(cluster, mb_tokens)
+
+    # Compute of one micro-batch on the busiest stage (tp divides every matmul).
+    layers = stage_layers(c.n_layers, lay.pp, lay.v)
+    stage_flops = []
+    for r, n in enumerate(layers):
+        f = n * block_flops_per_token(c, tr.seq_len)
+        if r == lay.pp - 1:
+            f += head_flops_per_token(c)
+        stage_flops.append(f * mb_tokens / lay.tp)
+    busiest = max(range(lay.pp), key=lambda r: stage_flops[r])
+    mb_compute = stage_flops[busiest] / rate
+    extra_per_layer = {"full": block_flops_per_token(c, tr.seq_len) / 3,
+                       "selective": tr.seq_len * c.dim}.get(lay.recompute, 0.0)
+    mb_recompute = layers[busiest] * extra_per_layer * mb_tokens / lay.tp / rate
+
+    # Tensor parallel: Megatron's f/g operators, 2 all-reduces forward + 2 backward per block of
+    # a [b, s, h] activation (sp: the same bytes as all-gather + reduce-scatter pairs); full
+    # recompute repeats the forward's two. Exposed: they sit between dependent matmuls.
+    tp_link = group_link(cluster, lay, "tp")
+    act = mb_tokens * c.dim * e
+    per_collective = (2 * all_gather_time(act, lay.tp, tp_link) if lay.sp
+                      else all_reduce_time(act, lay.tp, tp_link))
+    n_coll = 4 + (2 if lay.recompute == "full" else 0)
+    embed = all_reduce_time(act, lay.tp, tp_link)  # the vocab-parallel embedding's output
+    mb_tp = layers[busiest] * n_coll * per_collective + embed
+
+    # Pipeline: one activation forward and one gradient backward per micro-batch and boundary.
+    pp_link = group_link(cluster, lay, "pp")
+    mb_pp = 2 * p2p_time(act / (lay.tp if lay.sp else 1), pp_link) * lay.v if lay.pp > 1 else 0.0
+
+    mb_time = mb_compute + mb_recompute + mb_tp + mb_pp
+    if lay.pp > 1 and lay.schedule == "naive":
+        bubble = m * (lay.pp - 1) * mb_time  # one micro-batch in the pipe at a time
+    else:
+        bubble = (lay.pp - 1) / lay.v * mb_time if lay.pp > 1 else 0.0
+
+    psi = stage_params(c, lay.tp, lay.pp, lay.v)[busiest]
+    dp_comm = _dp_exposed(c, tr, lay, cluster, mb_compute, m, psi)
+    optimizer, offload = _optimizer_time(tr, lay, cluster, psi, m)
+    tokens = tr.global_batch * tr.seq_len
+    return StepTime(compute=m * mb_compute, recompute=m * mb_recompute, bubble=bubble, tp_comm=m * mb_tp,
+                    pp_comm=m * mb_pp, dp_comm=dp_comm, optimizer=optimizer, offload=offload,
+                    tokens_per_step=tokens,
+                    model_flops=model_flops_per_token(c, tr.seq_len) * tokens,
+                    hardware_flops=hardware_flops_per_token(c, tr.seq_len, lay.recompute) * tokens,
+                    world=lay.world, peak=peak)
+
+
+def _dp_exposed(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster, mb_compute: float, m: int,
+                psi: float) -> float:
+    """Exposed data-parallel communication.
+
+    DDP and ZeRO-2 reduce buckets during the last micro-batch's backward (2/3 of its compute), so
+    only what exceeds it, plus the last bucket, shows. ZeRO-1 reduces after backward (all
+    exposed); ZeRO-1/2 all-gather the updated parameters after the step (exposed). ZeRO-3
+    all-gathers parameters before each unit's forward and backward and reduce-scatters gradients
+    after it, every micro-batch, prefetched under the compute (1.5x DDP's volume per step).
+    """
+    if lay.dp == 1:
+        return 0.0
+    sb = state_bytes_per_param(tr.precision, tr.optimizer)
+    link = group_link(cluster, lay, "dp")
+    grads, params = psi * sb.grads, psi * sb.params
+    hidden = cluster.overlap * (2 / 3) * mb_compute
+    bucket = min(tr.bucket_mb * 2**20, grads)
+    if lay.zero == 0:
+        comm = all_reduce_time(grads, lay.dp, link)
+        return max(comm - hidden, all_reduce_time(bucket, lay.dp, link))
+    if lay.zero == 1:
+        return reduce_scatter_time(grads, lay.dp, link) + all_gather_time(params, lay.dp, link)
+    if lay.zero == 2:
+        rs = reduce_scatter_time(grads, lay.dp, link)
+        exposed_rs = max(rs - hidden, reduce_scatter_time(bucket, lay.dp, link))
+        return exposed_rs + all_gather_time(params, lay.dp, link)
+    per_mb = 2 * all_gather_time(params, lay.dp, link) + reduce_scatter_time(grads, lay.dp, link)
+    unit = layer_params_local(c, lay.tp) * sb.params
+    first = all_gather_time(unit, lay.dp, link)  # nothing to hide the first unit's gather behind
+    return m * (max(0.0, per_mb - cluster.overlap * mb_compute) + first)
+
+
+def _optimizer_time(tr: Training, lay: Layout, cluster: Cluster, psi: float, m: int) -> tuple[float, float]:
+    """(optimizer step, offload traffic) in seconds.
+
+    AdamW is memory-bound: ~32 bytes read + written per parameter (param, grad, two moments,
+    fp32 master). With offload it runs on the CPU, and the gradient shard goes down and the
+    updated parameters come up over the host link; disk offload reads and writes the optimizer
+    state from NVMe; with ZeRO-3 the parameters themselves come up for every micro-batch's
+    forward and backward.
+    """
+    shard = psi / (lay.dp if lay.zero >= 1 else 1)
+    if lay.offload == "none":
+        return shard * 32 / cluster.device.memory_bandwidth, 0.0
+    sb = state_bytes_per_param(tr.precision, tr.optimizer)
+    traffic = 2 * p2p_time(shard * sb.params, cluster.host_link)
+    if lay.offload == "disk":
+        traffic += 2 * shard * sb.optim / cluster.disk_bandwidth
+    if lay.zero == 3:
+        per_mb = 2 * p2p_time(shard * sb.params, cluster.host_link)
+        if lay.offload == "disk":
+            per_mb += 2 * shard * sb.params / cluster.disk_bandwidth
+        traffic += m * per_mb
+    return shard / cluster.cpu_adam_params_per_s, traffic

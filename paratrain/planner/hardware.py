@@ -1,0 +1,171 @@
+"""What the planner knows about machines: devices, links, and the cluster they form.
+
+Figures are the vendors' published dense peaks (no sparsity) and nominal per-device link
+bandwidths, one direction. The ``local`` cluster is this machine, measured: each "device" is
+one paratrain worker process (1 thread, fp32 matmuls, gloo on loopback).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+GB = 1e9  # the planner reports decimal GB, as the ZeRO and Megatron-LM papers do
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    memory_bytes: float
+    peak_flops: float  # dense bf16/fp16 tensor-core peak, FLOP/s
+    fp32_peak_flops: float  # plain fp32 (torch disables TF32 matmuls by default)
+    memory_bandwidth: float  # bytes/s, bounds the optimizer step
+    runtime_overhead_bytes: float = 1.0 * GiB  # CUDA context, NCCL buffers, allocator slack
+
+    def peak_for(self, precision: str) -> float:
+        return self.fp32_peak_flops if precision == "fp32" else self.peak_flops
+
+
+@dataclass(frozen=True)
+class Link:
+    name: str
+    bandwidth: float  # bytes/s per device, one direction (the beta of the alpha-beta model)
+    latency: float  # seconds per message hop (alpha)
+
+
+GPUS: dict[str, Device] = {
+    "a100-40g": Device("a100-40g", 40 * GiB, 312e12, 19.5e12, 1.555e12),
+    "a100-80g": Device("a100-80g", 80 * GiB, 312e12, 19.5e12, 2.039e12),
+    "h100-80g": Device("h100-80g", 80 * GiB, 989e12, 67e12, 3.35e12),
+    "h200": Device("h200", 141 * GiB, 989e12, 67e12, 4.8e12),
+}
+
+LINKS: dict[str, Link] = {
+    # NVLink 3 (A100): 600 GB/s bidirectional per GPU -> 300 GB/s each way.
+    "nvlink": Link("nvlink", 300e9, 3e-6),
+    # PCIe 4.0 x16: ~32 GB/s nominal, ~25 GB/s achieved each way.
+    "pcie": Link("pcie", 25e9, 10e-6),
+    # InfiniBand HDR, one 200 Gb/s adapter per GPU.
+    "infiniband": Link("infiniband", 25e9, 5e-6),
+    # 100 Gb/s Ethernet shared by the node's GPUs is typical; per device we take the whole NIC.
+    "ethernet": Link("ethernet", 12.5e9, 30e-6),
+    # gloo over loopback, 2 ranks x 1 thread (DESIGN.md section 5: 0.5-0.9 GB/s, 0.4-0.9 ms).
+    "loopback": Link("loopback", 0.7e9, 0.6e-3),
+}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    device: Device
+    n_devices: int
+    devices_per_node: int
+    intra: Link  # between devices of one node
+    inter: Link  # between nodes
+    host_memory_per_device: float = 64 * GiB  # CPU memory a device's process may use (offload)
+    host_link: Link = LINKS["pcie"]  # device <-> host copies (offload)
+    disk_bandwidth: float = 2e9  # NVMe, bytes/s per device (disk offload)
+    cpu_adam_params_per_s: float = 1e9  # parameters per second a CPU optimizer step achieves
+    efficiency: float = 0.55  # achieved / peak on large matmuls (Megatron-LM reaches 0.5-0.6)
+    rows_half: float = 128.0  # matmul rows (tokens) at which efficiency is half its maximum
+    overlap: float = 0.9  # fraction of overlappable communication actually hidden
+    local: bool = False
+
+    def __post_init__(self):
+        if self.n_devices < 1:
+            raise ValueError(f"--gpus must be >= 1 (got {self.n_devices})")
+        if self.devices_per_node < 1:
+            raise ValueError(f"--gpus-per-node must be >= 1 (got {self.devices_per_node})")
+        if self.n_devices > self.devices_per_node and self.n_devices % self.devices_per_node:
+            raise ValueError(f"--gpus ({self.n_devices}) is not divisible by --gpus-per-node "
+                             f"({self.devices_per_node}): nodes hold equal numbers of devices")
+
+    @property
+    def n_nodes(self) -> int:
+        return max(1, self.n_devices // self.devices_per_node)
+
+    def describe(self) -> str:
+        d = self.device
+        where = "this machine (measured)" if self.local else f"{self.n_nodes} node(s)"
+        return (f"{self.n_devices} x {d.name} ({d.memory_bytes / GB:.1f} GB, "
+                f"{max(d.peak_flops, d.fp32_peak_flops) / 1e12:,.3g} TFLOP/s peak) on {where}; "
+                f"intra {self.intra.name} "
+                f"{self.intra.bandwidth / GB:g} GB/s, inter {self.inter.name} "
+                f"{self.inter.bandwidth / GB:g} GB/s")
+
+
+def device_preset(name: str) -> Device:
+    if name not in GPUS:
+        raise ValueError(f"unknown --gpu {name!r}; choose one of {', '.join(GPUS)} "
+                         "or give --gpu-memory and --peak-tflops")
+    return GPUS[name]
+
+
+def link_preset(name: str, flag: str) -> Link:
+    if name not in LINKS:
+        raise ValueError(f"unknown {flag} {name!r}; choose one of {', '.join(LINKS)}")
+    return LINKS[name]
+
+
+def make_cluster(*, gpus: int = 8, gpus_per_node: int | None = None, gpu: str = "a100-80g",
+                 gpu_memory_gb: float | None = None, peak_tflops: float | None = None,
+                 intra_link: str = "nvlink", inter_link: str = "infiniband") -> Cluster:
+    """A cluster from presets, with explicit memory (GB) / peak (TFLOP/s) overriding the preset."""
+    device = device_preset(gpu)
+    if gpu_memory_gb is not None:
+        if gpu_memory_gb <= 0:
+            raise ValueError(f"--gpu-memory must be > 0 GB (got {gpu_memory_gb})")
+        device = replace(device, name=f"{device.name}*", memory_bytes=gpu_memory_gb * GB)
+    if peak_tflops is not None:
+        if peak_tflops <= 0:
+            raise ValueError(f"--peak-tflops must be > 0 (got {peak_tflops})")
+        device = replace(device, name=f"{device.name}*", peak_flops=peak_tflops * 1e12,
+                         fp32_peak_flops=min(device.fp32_peak_flops, peak_tflops * 1e12))
+    per_node = gpus_per_node if gpus_per_node is not None else min(gpus, 8)
+    return Cluster(device, gpus, per_node, link_preset(intra_link, "--intra-link"),
+                   link_preset(inter_link, "--inter-link"))
+
+
+def host_memory_bytes() -> float:
+    """MemTotal from /proc/meminfo (falls back to 8 GiB where there is no /proc)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8.0 * GiB
+
+
+def local_cluster(n_devices: int | None = None, *, measure: bool = True) -> Cluster:
+    """This machine as paratrain uses it: n worker processes, 1 thread each, fp32, gloo loopback.
+
+    The matmul peak is measured (paratrain.train.metrics.measure_matmul_peak, 1 thread); the
+    memory of a "device" is the machine's RAM divided among the workers; link figures are those
+    measured for gloo on loopback (DESIGN.md section 5).
+    """
+    n = n_devices or os.cpu_count() or 1
+    peak = _measured_peak() if measure else 60e9
+    ram = host_memory_bytes()
+    # bf16 matmuls run 5-100x slower than fp32 on this CPU (no bf16 instructions): peak / 10.
+    device = Device("cpu-worker", ram / n, peak / 10, peak, 10e9,
+                    runtime_overhead_bytes=650 * 2**20)  # a worker with torch + gloo: ~650 MiB RSS
+    loop = LINKS["loopback"]
+    # On CPU the "host" is the device: offload moves bytes within RAM (memcpy speed).
+    return Cluster(device, n, n, loop, loop, host_memory_per_device=0.0,
+                   host_link=Link("memcpy", 5e9, 1e-6), disk_bandwidth=1e9, cpu_adam_params_per_s=2e8,
+                   efficiency=0.7, rows_half=8.0, overlap=0.3, local=True)
+
+
+def _measured_peak() -> float:
+    import torch
+
+    from paratrain.train.metrics import measure_matmul_peak
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # workers run one thread each
+    try:
+        return measure_matmul_peak(torch.device("cpu"), torch.float32, n=256, seconds=0.2)
+    finally:
+        torch.set_num_threads(threads)

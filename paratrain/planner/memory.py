@@ -1,0 +1,367 @@
+"""Bytes per device of one layout: model states, activations, communication buffers, margin.
+
+Model states follow the ZeRO paper (Rajbhandari et al. 2020, Section 3.1 and 5): with mixed
+precision and Adam a parameter costs 2 (bf16 weight) + 2 (bf16 gradient) + K = 12 (fp32 master,
+momentum, variance) bytes, and stage 1/2/3 divide the optimizer state / + gradients / +
+parameters by the data-parallel degree N_d.
+
+Activations follow the method of Korthikanti et al. 2022 ("Reducing Activation Recomputation in
+Large Transformer Models"): count the tensors each op saves for backward. ``korthikanti_layer_bytes``
+is the paper's GPT formula; ``layer_activation_bytes`` applies the same method to paratrain's
+Llama block (SwiGLU, RMSNorm in fp32, grouped-query attention through
+scaled_dot_product_attention, which keeps no s x s scores), and matches what the block saves
+exactly (tests/test_planner.py counts the saved tensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from paratrain.models.llama import LlamaConfig
+from paratrain.planner.hardware import Cluster
+
+ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
+RECOMPUTE = ("none", "selective", "full")
+OFFLOAD = ("none", "cpu", "disk")
+
+
+@dataclass(frozen=True)
+class Training:
+    seq_len: int
+    global_batch: int
+    precision: str = "bf16"  # fp32 | bf16 | fp16
+    optimizer: str = "adamw"  # adamw | adamw8bit
+    bucket_mb: float = 25.0  # DDP / ZeRO-2 gradient bucket
+    margin: float = 0.10  # fraction of device memory kept free (fragmentation, spikes)
+
+    def __post_init__(self):
+        if self.seq_len < 1 or self.global_batch < 1:
+            raise ValueError(f"--seq-len and --global-batch must be >= 1 (got {self.seq_len}, "
+                             f"{self.global_batch})")
+        if self.precision not in ACT_BYTES:
+            raise ValueError(f"--precision {self.precision!r}: choose fp32, bf16 or fp16")
+        if self.optimizer not in ("adamw", "adamw8bit"):
+            raise ValueError(f"--optimizer {self.optimizer!r}: choose adamw or adamw8bit")
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    v: int = 1  # virtual stages per pipeline rank (interleaved schedule)
+    zero: int = 0
+    sp: bool = False
+    recompute: str = "none"
+    micro_batch: int = 1
+    schedule: str = "1f1b"
+    offload: str = "none"
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def n_micro(self, global_batch: int) -> int:
+        return global_batch // (self.dp * self.micro_batch)
+
+    def short(self) -> str:
+        parts = [f"dp{self.dp}", f"tp{self.tp}" + ("+sp" if self.sp else ""), f"pp{self.pp}"]
+        if self.pp > 1:
+            parts.append(self.schedule + (f"(v{self.v})" if self.v > 1 else ""))
+        parts += [f"zero{self.zero}", f"mb{self.micro_batch}"]
+        if self.recompute != "none":
+            parts.append(f"rc-{self.recompute}")
+        if self.offload != "none":
+            parts.append(f"off-{self.offload}")
+        return " ".join(parts)
+
+
+# -- model states ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter of each model state (the ZeRO paper's 2 + 2 + K)."""
+
+    params: float
+    grads: float
+    optim: float
+
+
+def state_bytes_per_param(precision: str, optimizer: str = "adamw") -> StateBytes:
+    """fp32: 4 + 4 + 8 (two fp32 moments). Mixed: 2 + 2 + 12 (fp32 master + moments), K = 12.
+
+    8-bit AdamW (Dettmers et al. 2022): 1-byte moments with one fp32 scale per 2048-value block,
+    so K = 4 (master) + 2 + 2 * 4 / 2048 in mixed precision, 2 + 2 * 4 / 2048 in fp32.
+    """
+    moments = 2 + 8 / 2048 if optimizer == "adamw8bit" else 8
+    if precision == "fp32":
+        return StateBytes(4, 4, moments)
+    return StateBytes(2, 2, 4 + moments)
+
+
+def zero_model_state_bytes(psi: float, nd: int, stage: int, sb: StateBytes) -> dict[str, float]:
+    """Per-device bytes of params / grads / optimizer for Ψ parameters under ZeRO stage 0-3.
+
+    ZeRO paper Section 5: P_os = (2 + 2)Ψ + KΨ/N_d, P_os+g = 2Ψ + (2 + K)Ψ/N_d,
+    P_os+g+p = (2 + 2 + K)Ψ/N_d.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"--zero must be 0, 1, 2 or 3 (got {stage})")
+    return {"params": psi * sb.params / (nd if stage >= 3 else 1),
+            "grads": psi * sb.grads / (nd if stage >= 2 else 1),
+            "optim": psi * sb.optim / (nd if stage >= 1 else 1)}
+
+
+def layer_params_local(c: LlamaConfig, tp: int) -> int:
+    """One block's parameters on one tensor-parallel rank (norm gains replicated)."""
+    kv = c.n_kv_heads * c.head_dim
+    kv_local = kv // tp if c.n_kv_heads % tp == 0 else kv  # kv heads replicated when tp does not divide
+    return c.dim * c.dim // tp * 2 + 2 * c.dim * kv_local + 3 * c.dim * c.ffn_dim // tp + 2 * c.dim
+
+
+def vocab_local(c: LlamaConfig, tp: int) -> int:
+    """Vocabulary rows on one tp rank: padded to a multiple of tp (padding rows are real memory)."""
+    return -(-c.vocab_size // tp)
+
+
+def stage_layers(n_layers: int, pp: int, v: int = 1) -> list[int]:
+    """Blocks held by each pipeline rank: L split into p*v chunks as evenly as possible
+    (earlier chunks take the remainder), chunk j on rank j % p."""
+    chunks = pp * v
+    sizes = [n_layers // chunks + (1 if j < n_layers % chunks else 0) for j in range(chunks)]
+    return [sum(sizes[j] for j in range(r, chunks, pp)) for r in range(pp)]
+
+
+def stage_params(c: LlamaConfig, tp: int, pp: int, v: int = 1) -> list[int]:
+    """Local parameter count of each pipeline rank (embedding on the first, norm + head on the last;
+    a tied head is a second copy on the last stage when pp > 1)."""
+    emb = vocab_local(c, tp) * c.dim
+    out = []
+    for r, n in enumerate(stage_layers(c.n_layers, pp, v)):
+        count = n * layer_params_local(c, tp)
+        if r == 0:
+            count += emb
+        if r == pp - 1:
+            count += c.dim + (0 if (c.tie_embeddings and pp == 1) else emb)
+        out.append(count)
+    return out
+
+
+# -- activations ----------------------------------------------------------------------------------
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
+                            recompute: str = "none") -> float:
+    """Activation bytes of one GPT layer, Korthikanti et al. 2022 (Table 2), 16-bit activations.
+
+    none: sbh(34 + 5as/h); tp: sbh(10 + 24/t + 5as/(ht)); tp+sp: sbh/t (34 + 5as/h);
+    selective (attention core recomputed): the 5as/h term drops; full: 2sbh (/t with sp).
+    """
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh / (t if sp else 1)
+    attn = 0.0 if recompute == "selective" else 5 * a * s / h
+    if sp or t == 1:
+        return sbh / t * (34 + attn)
+    return sbh * (10 + 24 / t + attn / t)
+
+
+def layer_activation_bytes(c: LlamaConfig, seq: int, micro_batch: int, *, tp: int = 1, sp: bool = False,
+                           recompute: str = "none", precision: str = "bf16") -> float:
+    """Bytes one paratrain Llama block saves for backward, per micro-batch (per tp rank).
+
+    Per token, e = activation bytes (4 fp32, 2 bf16), norms computed in fp32 (4 bytes):
+      attention: norm input + normed value (4 + 4)h, projection input e*h, SDPA inputs q + k + v
+                 (e*h each: grouped k/v are repeated to all heads first), its output e*h,
+                 fp32 rstd (4) and log-sum-exp (4 * heads); no s x s scores (fused attention)
+      MLP:       (4 + 4)h + e*h norm and input, gate, up, silu(gate), product: 4 e*f, rstd 4
+    and RoPE's cos/sin tables (seq x head_dim fp32, per block, not per micro-batch row).
+    Under tp the projections' inputs stay replicated and the rest splits by t; under sp all of it
+    splits by t. Full recompute keeps the block input only; selective recomputes the attention
+    core (the SDPA inputs, output and log-sum-exp).
+    """
+    e = ACT_BYTES[precision]
+    tokens = seq * micro_batch
+    h, f, heads = c.dim, c.ffn_dim, c.n_heads
+    resid = 4  # paratrain keeps the residual stream and the norms in fp32, even under autocast
+    rope = seq * c.head_dim * 4  # the cos/sin tables RoPE's products keep, one per block call
+    if recompute == "full":
+        return tokens * h * resid / (tp if sp else 1)
+    kv = h if c.n_kv_heads != c.n_heads else c.n_kv_heads * c.head_dim
+    replicated = 2 * (2 * resid * h + 4 + e * h)  # two norms (input, normed, rstd) + two linear inputs
+    core = e * (2 * h + 2 * kv) + 4 * heads  # q, k, v, attention output; log-sum-exp
+    if recompute == "selective":
+        # Megatron's selective recompute keeps q, k, v and the output and recomputes the s x s
+        # scores; a fused kernel never stores those, so only the log-sum-exp is saved.
+        core -= 4 * heads
+    split = core + 4 * e * f
+    if sp:
+        return tokens * (replicated + split) / tp + rope
+    return tokens * (replicated + split / tp) + rope
+
+
+def output_activation_bytes(c: LlamaConfig, seq: int, micro_batch: int, *, tp: int = 1, sp: bool = False,
+                            precision: str = "bf16") -> float:
+    """Final norm + LM head + loss: norm (fp32 input, normed, rstd), head input, fp32 log-probs
+    (cross-entropy saves log_softmax's output; vocab-parallel under tp); + token ids."""
+    tokens = seq * micro_batch
+    norm = (2 * 4 * c.dim + 4) / (tp if sp else 1)
+    return tokens * (norm + ACT_BYTES[precision] * c.dim + 4 * vocab_local(c, tp) + 8)
+
+
+def in_flight(schedule: str, pp: int, m: int, v: int = 1, rank: int = 0) -> float:
+    """Micro-batches whose activations pipeline rank `rank` holds at its peak, in units of
+    "all of this rank's layers for one micro-batch".
+
+    GPipe: all m. 1F1B: p - rank warm-up forwards (capped at m). Interleaved 1F1B (Megatron's
+    warm-up of 2(p - rank - 1) + (v - 1)p chunk forwards, plus one): for rank 0 this is
+    p(1 + (p - 1)/(pv)) micro-batches of L/p layers, Korthikanti et al.'s figure. Naive runs one
+    micro-batch through all stages at a time. No pipeline: gradient accumulation holds one.
+    """
+    if pp == 1 or schedule == "naive":
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "1f1b":
+        return float(min(pp - rank, m))
+    if schedule == "interleaved":
+        chunks = min(2 * (pp - rank - 1) + (v - 1) * pp + 1, m * v)
+        return chunks / v
+    raise ValueError(f"unknown --pp-schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+
+
+# -- the whole device ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Memory:
+    """Bytes per device (the busiest pipeline rank) and the capacity it is compared with."""
+
+    params: float
+    grads: float
+    optim: float
+    activations: float
+    comm_buffers: float
+    transient: float  # peak working set in backward: recomputed block, logits gradient
+    runtime: float  # CUDA context / process baseline
+    capacity: float
+    margin: float  # bytes kept free
+    offloaded: float = 0.0  # bytes moved to host memory or disk
+    stage: int = 0  # the pipeline rank these figures are for
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def model_states(self) -> float:
+        return self.params + self.grads + self.optim
+
+    @property
+    def total(self) -> float:
+        return self.model_states + self.activations + self.comm_buffers + self.transient + self.runtime
+
+    @property
+    def usable(self) -> float:
+        return self.capacity - self.margin
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.usable
+
+    def breakdown(self) -> dict[str, float]:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optim,
+                "activations": self.activations, "comm_buffers": self.comm_buffers,
+                "transient": self.transient, "runtime": self.runtime, "total": self.total,
+                "capacity": self.capacity, "margin": self.margin, "offloaded": self.offloaded}
+
+
+def model_states_only(n_params: float, tr: Training, lay: Layout) -> dict[str, float]:
+    """Model states per device for a bare parameter count (``--params``): no shape, no activations."""
+    psi = n_params / (lay.tp * lay.pp)
+    return zero_model_state_bytes(psi, lay.dp, lay.zero, state_bytes_per_param(tr.precision, tr.optimizer))
+
+
+def device_memory(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster) -> Memory:
+    """Memory of the busiest pipeline rank of `lay` (each rank's total compared, the largest kept)."""
+    sb = state_bytes_per_param(tr.precision, tr.optimizer)
+    m = lay.n_micro(tr.global_batch)
+    layers = stage_layers(c.n_layers, lay.pp, lay.v)
+    best: Memory | None = None
+    params = stage_params(c, lay.tp, lay.pp, lay.v)
+    # The first rank holds the most layers and micro-batches in flight, the last one the head:
+    # the busiest device is one of the two.
+    for rank in sorted({0, lay.pp - 1}):
+        psi = params[rank]
+        states = zero_model_state_bytes(psi, lay.dp, lay.zero, sb)
+        offloaded = 0.0
+        if lay.offload != "none":
+            # ZeRO-Offload / ZeRO-Infinity: the optimizer state leaves the device; with stage 2 the
+            # gradient partition follows it, with stage 3 the parameters too (gathered unit by unit).
+            moved = ["optim"] + (["grads"] if lay.zero >= 2 else []) + (["params"] if lay.zero >= 3 else [])
+            for key in moved:
+                offloaded, states[key] = offloaded + states[key], 0.0
+        per_mb = layers[rank] * layer_activation_bytes(c, tr.seq_len, lay.micro_batch, tp=lay.tp, sp=lay.sp,
+                                                       recompute=lay.recompute, precision=tr.precision)
+        if rank == 0:
+            per_mb += tr.seq_len * lay.micro_batch * 8  # token ids
+        if rank == lay.pp - 1:
+            per_mb += output_activation_bytes(c, tr.seq_len, lay.micro_batch, tp=lay.tp, sp=lay.sp,
+                                              precision=tr.precision)
+        acts = per_mb * in_flight(lay.schedule, lay.pp, m, lay.v, rank)
+        mem = Memory(params=states["params"], grads=states["grads"], optim=states["optim"],
+                     activations=acts, comm_buffers=comm_buffer_bytes(c, tr, lay, sb, psi),
+                     transient=transient_bytes(c, tr, lay, rank),
+                     runtime=cluster.device.runtime_overhead_bytes,
+                     capacity=cluster.device.memory_bytes, margin=tr.margin * cluster.device.memory_bytes,
+                     offloaded=offloaded, stage=rank)
+        if best is None or mem.total > best.total:
+            best = mem
+    return best
+
+
+def comm_buffer_bytes(c: LlamaConfig, tr: Training, lay: Layout, sb: StateBytes, psi: float) -> float:
+    """Buffers that exist for communication.
+
+    DDP / ZeRO-1/2: two gradient buckets (one reducing while the next fills), at most the gradients.
+    ZeRO-3: the gathered units, current + prefetched (the largest is the biggest block or the
+    embedding), plus the unit's full gradient before its reduce-scatter.
+    Pipeline: a send and a receive buffer for the boundary activation.
+    """
+    out = 0.0
+    offload = lay.offload != "none"
+    if (lay.dp > 1 and lay.zero < 3) or (offload and lay.zero == 2):
+        out += min(2 * tr.bucket_mb * 2**20, psi * sb.grads)
+    if lay.zero == 3 and (lay.dp > 1 or offload):
+        unit = max(layer_params_local(c, lay.tp), vocab_local(c, lay.tp) * c.dim)
+        out += unit * (2 * sb.params + sb.grads)
+    if lay.pp > 1:
+        out += 2 * tr.seq_len * lay.micro_batch * c.dim * ACT_BYTES[tr.precision] / (lay.tp if lay.sp else 1)
+    return out
+
+
+def transient_bytes(c: LlamaConfig, tr: Training, lay: Layout, rank: int) -> float:
+    """Short-lived peaks in backward: under full recompute one block's activations are rebuilt;
+    on the last stage the fp32 gradient of the log-probs (tokens x vocab / tp)."""
+    out = 0.0
+    if lay.recompute == "full":
+        out += layer_activation_bytes(c, tr.seq_len, lay.micro_batch, tp=lay.tp, sp=lay.sp,
+                                      precision=tr.precision)
+    if rank == lay.pp - 1:
+        out += tr.seq_len * lay.micro_batch * vocab_local(c, lay.tp) * 4
+    return out
+
+
+def largest_unit_bytes(c: LlamaConfig, tr: Training, tp: int) -> tuple[str, float]:
+    """The largest layer's parameters + gradients in compute precision: what must exist whole on a
+    device even under ZeRO-3 (it is gathered to run). Returns (name, bytes)."""
+    sb = state_bytes_per_param(tr.precision, tr.optimizer)
+    block = layer_params_local(c, tp) * (sb.params + sb.grads)
+    embed = vocab_local(c, tp) * c.dim * (sb.params + sb.grads)
+    return ("a transformer block", block) if block >= embed else ("the embedding", embed)
+
+
+def host_bytes_needed(mem: Memory, lay: Layout) -> float:
+    """Host memory the offload needs per device (disk offload keeps only a bounded chunk there)."""
+    if lay.offload == "cpu":
+        return mem.offloaded
+    return 0.0

@@ -1,0 +1,435 @@
+"""The decision tree of "which parallelism when", made executable.
+
+    enumerate layouts (dp, tp, pp, v, ZeRO stage, sp, recompute, micro-batch, schedule, offload)
+    -> memory per device (memory.py) -> keep those that fit -> time per step (cost.py)
+    -> rank by tokens/s -> explain: the tree's path in plain words, and why #1 beats #2
+
+Offload is searched only when nothing fits without it (it trades memory for a slow host link:
+the tree's last resort). An impossible request gets the reason and what to try, never an empty
+table: the layouts closest to fitting are returned, marked as not fitting.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, replace
+
+from paratrain.models.llama import LlamaConfig
+from paratrain.planner.cost import StepTime, step_time
+from paratrain.planner.hardware import GB, Cluster
+from paratrain.planner.memory import (
+    RECOMPUTE,
+    SCHEDULES,
+    Layout,
+    Memory,
+    Training,
+    device_memory,
+    host_bytes_needed,
+    largest_unit_bytes,
+    state_bytes_per_param,
+    zero_model_state_bytes,
+)
+
+FIXABLE = ("dp", "tp", "pp", "v", "zero", "sp", "recompute", "micro_batch", "schedule", "offload")
+
+
+@dataclass
+class Plan:
+    layout: Layout
+    memory: Memory
+    time: StepTime
+    fits: bool
+    n_micro: int
+    why_not: str = ""
+
+    def explanation(self) -> str:
+        m, t = self.memory, self.time
+        fit = (f"fits: {m.total / GB:.2f} of {m.usable / GB:.2f} GB usable" if self.fits
+               else f"does not fit: {self.why_not}")
+        parts = ", ".join(f"{k} {v:.3g}" for k, v in t.breakdown().items() if k != "total" and v > 0)
+        return f"{fit}; step {t.total:.3g} s = {parts}"
+
+    def to_json(self) -> dict:
+        lay, t = self.layout, self.time
+        return {"layout": lay.__dict__ | {"n_micro_batches": self.n_micro}, "fits": self.fits,
+                "memory_bytes": self.memory.breakdown(),
+                "model_state_bytes_per_device": self.memory.model_states,
+                "activation_bytes_per_device": self.memory.activations,
+                "step_time_s": t.total, "time_breakdown_s": t.breakdown(), "tokens_per_s": t.tokens_per_s,
+                "tflops_per_device": t.tflops_per_device,
+                "hardware_tflops_per_device": t.hardware_tflops_per_device, "mfu": t.mfu,
+                "bubble_fraction": t.bubble_fraction, "explanation": self.explanation()}
+
+
+@dataclass
+class PlanResult:
+    plans: list[Plan]  # ranked; feasible ones first
+    tree: list[str]  # the decision tree's path, in words
+    verdict: str  # why the winner beats the runner-up, or why nothing fits
+    feasible: bool
+    evaluated: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+# -- enumeration ----------------------------------------------------------------------------------------
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _micro_batches(per_rank: int) -> list[int]:
+    """Powers of two dividing the rows per dp rank, and all of them."""
+    out = {per_rank}
+    b = 1
+    while b < per_rank:
+        if per_rank % b == 0:
+            out.add(b)
+        b *= 2
+    return sorted(out)
+
+
+def check_fixed(fixed: dict, c: LlamaConfig | None, tr: Training, n: int) -> None:
+    """Reject impossible fixed choices up front, naming the flag."""
+    unknown = set(fixed) - set(FIXABLE)
+    if unknown:
+        raise ValueError(f"cannot fix {', '.join(sorted(unknown))}; fixable: {', '.join(FIXABLE)}")
+    for key in ("dp", "tp", "pp", "v", "micro_batch"):
+        if key in fixed and fixed[key] < 1:
+            raise ValueError(f"--{key.replace('_', '-')} must be >= 1 (got {fixed[key]})")
+    prod = fixed.get("dp", 1) * fixed.get("tp", 1) * fixed.get("pp", 1)
+    if all(k in fixed for k in ("dp", "tp", "pp")) and prod != n or prod > n or n % prod:
+        raise ValueError(f"dp * tp * pp = {prod} does not fit --gpus {n}: the degrees must multiply to it")
+    if "zero" in fixed and fixed["zero"] not in (0, 1, 2, 3):
+        raise ValueError(f"--zero must be 0, 1, 2 or 3 (got {fixed['zero']})")
+    if "recompute" in fixed and fixed["recompute"] not in RECOMPUTE:
+        raise ValueError(f"--recompute {fixed['recompute']!r}: choose one of {', '.join(RECOMPUTE)}")
+    if "schedule" in fixed and fixed["schedule"] not in SCHEDULES:
+        raise ValueError(f"--pp-schedule {fixed['schedule']!r}: choose one of {', '.join(SCHEDULES)}")
+    if fixed.get("offload", "none") not in ("none", "cpu", "disk"):
+        raise ValueError(f"--offload {fixed['offload']!r}: choose none, cpu or disk")
+    if fixed.get("offload", "none") != "none" and fixed.get("zero") == 0:
+        raise ValueError("--offload needs --zero >= 1 (the offloaded optimizer state is a ZeRO partition)")
+    if c is not None:
+        if "tp" in fixed and c.n_heads % fixed["tp"]:
+            raise ValueError(f"--tp {fixed['tp']} must divide the {c.n_heads} attention heads")
+        if fixed.get("pp", 1) > c.n_layers:
+            raise ValueError(f"--pp {fixed['pp']} is more stages than the model's {c.n_layers} layers")
+
+
+def enumerate_layouts(c: LlamaConfig, tr: Training, n: int, fixed: dict, offload: bool) -> list[Layout]:
+    """Every layout of n devices allowed by the model's shape, the batch and the fixed choices."""
+    out = []
+    pick = lambda key, options: [fixed[key]] if key in fixed else options  # noqa: E731
+    for tp in pick("tp", [d for d in _divisors(n) if c.n_heads % d == 0]):
+        for pp in pick("pp", [d for d in _divisors(n // tp) if d <= c.n_layers]):
+            if n % (tp * pp):
+                continue
+            dp = n // (tp * pp)
+            if "dp" in fixed and fixed["dp"] != dp or tr.global_batch % dp:
+                continue
+            per_rank = tr.global_batch // dp
+            mbs = pick("micro_batch", _micro_batches(per_rank))
+            for mb in mbs:
+                if per_rank % mb:
+                    continue
+                m = per_rank // mb
+                for sched, v in _schedules(c, pp, m, fixed):
+                    zeros = [0, 1, 2, 3] if dp > 1 or offload else [0]
+                    offs = ["cpu", "disk"] if offload else ["none"]
+                    for zero, sp, rc, off in itertools.product(
+                            pick("zero", zeros), pick("sp", [False, True] if tp > 1 else [False]),
+                            pick("recompute", ["none", "full"]), pick("offload", offs)):
+                        if off != "none" and zero == 0 or sp and tp == 1:
+                            continue
+                        out.append(Layout(dp=dp, tp=tp, pp=pp, v=v, zero=zero, sp=sp, recompute=rc,
+                                          micro_batch=mb, schedule=sched, offload=off))
+    return out
+
+
+def _schedules(c: LlamaConfig, pp: int, m: int, fixed: dict) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1f1b", 1)]
+    if "schedule" in fixed:
+        names = [fixed["schedule"]]
+    else:
+        names = ["gpipe", "1f1b", "interleaved"]
+    out = []
+    for name in names:
+        if name != "interleaved":
+            out.append((name, 1))
+            continue
+        for v in ([fixed["v"]] if "v" in fixed else [2, 4]):
+            if v > 1 and m % pp == 0 and c.n_layers % (pp * v) == 0:
+                out.append((name, v))
+    return out
+
+
+# -- the search -------------------------------------------------------------------------------------------
+
+
+def evaluate(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster) -> Plan:
+    mem = device_memory(c, tr, lay, cluster)
+    fits, why = mem.fits, ""
+    if not fits:
+        why = f"needs {mem.total / GB:.2f} GB > {mem.usable / GB:.2f} GB usable"
+    host = host_bytes_needed(mem, lay)
+    if fits and host > cluster.host_memory_per_device:
+        fits, why = False, (f"offload needs {host / GB:.2f} GB of host memory per device > "
+                            f"{cluster.host_memory_per_device / GB:.2f} GB")
+    return Plan(lay, mem, step_time(c, tr, lay, cluster), fits, lay.n_micro(tr.global_batch), why)
+
+
+def plan(c: LlamaConfig, tr: Training, cluster: Cluster, fixed: dict | None = None, *, top: int = 10,
+         runnable=None) -> PlanResult:
+    """Ranked layouts for model `c`, training `tr` on `cluster`, with an explanation.
+
+    runnable: optional predicate on a Layout (e.g. what this version of paratrain can execute).
+    """
+    fixed = dict(fixed or {})
+    check_fixed(fixed, c, tr, cluster.n_devices)
+    keep = runnable or (lambda lay: True)
+    off = fixed.get("offload")
+    forced = off in ("cpu", "disk")
+    layouts = [lay for lay in enumerate_layouts(c, tr, cluster.n_devices, fixed, offload=forced) if keep(lay)]
+    plans = [evaluate(c, tr, lay, cluster) for lay in layouts]
+    if off is None and not any(p.fits for p in plans):  # the tree's last resort: offload
+        extra = [lay for lay in enumerate_layouts(c, tr, cluster.n_devices, fixed, offload=True) if keep(lay)]
+        plans += [evaluate(c, tr, lay, cluster) for lay in extra]
+    evaluated = len(plans)
+    if not plans:
+        chosen = ", ".join(f"{k}={v}" for k, v in fixed.items())
+        raise ValueError(f"no layout matches the fixed choices ({chosen})"
+                         + f" on {cluster.n_devices} devices with global batch {tr.global_batch}: "
+                         "check that dp divides the global batch and the degrees multiply to --gpus")
+    feasible = sorted((p for p in plans if p.fits), key=lambda p: (p.time.total, p.memory.total))
+    tree = decision_path(c, tr, cluster)
+    if feasible:
+        ranked = _distinct(feasible)[:top]
+        return PlanResult(ranked, tree, compare(ranked), True, evaluated)
+    closest = sorted(plans, key=lambda p: p.memory.total)[:top]
+    return PlanResult(closest, tree, infeasible_answer(c, tr, cluster, closest[0]), False, evaluated)
+
+
+def _distinct(plans: list[Plan]) -> list[Plan]:
+    """Drop layouts whose prediction is identical to a better-ranked one except for more memory
+    (e.g. recompute with nothing to gain): the table shows choices, not ties."""
+    out, seen = [], set()
+    for p in plans:
+        key = (p.layout.dp, p.layout.tp, p.layout.pp, p.layout.schedule, p.layout.v, p.layout.micro_batch,
+               p.layout.zero, p.layout.sp, p.layout.recompute, p.layout.offload)
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+    return out
+
+
+# -- explanations -----------------------------------------------------------------------------------------
+
+
+def decision_path(c: LlamaConfig, tr: Training, cluster: Cluster) -> list[str]:
+    """The classic decision tree, with this request's numbers at every branch."""
+    sb = state_bytes_per_param(tr.precision, tr.optimizer)
+    psi = c.n_params()
+    states = psi * (sb.params + sb.grads + sb.optim)
+    dev = cluster.device
+    usable = dev.memory_bytes * (1 - tr.margin) - dev.runtime_overhead_bytes
+    per = f"{sb.params:g} + {sb.grads:g} + {sb.optim:.3g} bytes"
+    count = f"{psi / 1e9:.3g} B" if psi >= 1e9 else f"{psi / 1e6:.3g} M"
+    steps = [f"model states: {count} parameters x ({per}) = {states / GB:,.1f} GB "
+             f"({tr.precision}, {tr.optimizer})",
+             f"a device offers {usable / GB:.3g} GB for training ({dev.memory_bytes / GB:.3g} GB minus the "
+             f"{tr.margin:.0%} margin and {dev.runtime_overhead_bytes / GB:.2g} GB of runtime)"]
+    one = device_memory(c, tr, Layout(recompute="full", micro_batch=1), cluster)
+    if one.fits:
+        steps.append(f"the model fits on one device ({one.total / GB:.3g} GB at micro-batch 1 with "
+                     "recompute) -> no model parallelism needed: pick micro-batch, accumulation and "
+                     "recompute by speed")
+        steps.append("more devices -> data parallelism for speed (DDP; ZeRO-1/2 cut optimizer and gradient "
+                     "memory for the same traffic, so a larger micro-batch may fit)" if cluster.n_devices > 1
+                     else "one device -> mixed precision, 8-bit optimizer, recompute and accumulation "
+                     "are the knobs")
+        return steps
+    steps.append(f"model states need {states / GB:,.1f} GB > {usable / GB:.3g} GB per device "
+                 "-> sharding (ZeRO) or model parallelism (TP/PP) needed")
+    name, unit = largest_unit_bytes(c, tr, 1)
+    if cluster.n_devices == 1:
+        steps.append("one device -> ZeRO-Offload: optimizer state to CPU memory or NVMe"
+                     + (f"; the largest layer ({name}, {unit / GB:.3g} GB) exceeds the device: tiling needed"
+                        if unit > usable else ""))
+    elif cluster.n_nodes == 1:
+        steps.append(f"one node ({cluster.intra.name}, {cluster.intra.bandwidth / GB:g} GB/s) -> ZeRO-3 "
+                     "shards everything over the fast links; TP within the node, PP if activations dominate")
+    else:
+        slow = cluster.inter.bandwidth < 0.25 * cluster.intra.bandwidth
+        steps.append(f"{cluster.n_nodes} nodes, inter-node {cluster.inter.name} "
+                     f"{cluster.inter.bandwidth / GB:g} GB/s vs intra "
+                     f"{cluster.intra.bandwidth / GB:g} GB/s -> "
+                     + ("slow links: TP inside a node, PP across nodes, DP (or ZeRO-1) for the rest" if slow
+                        else "fast links: ZeRO-3 across nodes is affordable; TP inside a node"))
+    return steps
+
+
+def compare(ranked: list[Plan]) -> str:
+    """Why the winner beats the runner-up: the time components that differ most, then memory."""
+    win = ranked[0]
+    head = f"winner: {win.layout.short()} at {win.time.tokens_per_s:,.0f} tokens/s ({win.time.mfu:.0%} MFU)"
+    if len(ranked) == 1:
+        return head + "; it is the only layout that fits"
+    run = ranked[1]
+    a, b = win.time.breakdown(), run.time.breakdown()
+    diffs = sorted(((b[k] - a[k], k) for k in a if k != "total"), key=lambda d: -abs(d[0]))
+    words = {"compute": "compute", "recompute": "recomputation", "bubble": "pipeline bubble",
+             "tp_comm": "tensor-parallel communication", "pp_comm": "pipeline send/recv",
+             "dp_comm": "exposed data-parallel communication", "optimizer": "optimizer step",
+             "offload": "offload traffic"}
+    reasons = [f"{abs(d):.3g} s {'less' if d > 0 else 'more'} {words[k]}"
+               for d, k in diffs[:2] if abs(d) > 1e-9]
+    ratio = run.time.total / win.time.total
+    mem = (f"memory {win.memory.total / GB:.3g} GB vs {run.memory.total / GB:.3g} GB per device")
+    if ratio > 1.0005:
+        why = f"{ratio:.3f}x faster than the runner-up ({run.layout.short()}): " + ", ".join(reasons)
+    else:
+        why = f"within 0.05% of the runner-up's time ({run.layout.short()})"
+        if reasons:
+            why += " (" + ", ".join(reasons) + ")"
+    return f"{head}; {why}; {mem}"
+
+
+def infeasible_answer(c: LlamaConfig, tr: Training, cluster: Cluster, closest: Plan) -> str:
+    """The clear 'no' with the reason and what to try."""
+    usable = closest.memory.usable
+    tp_max = max(d for d in _divisors(cluster.n_devices)
+                 if c.n_heads % d == 0 and d <= cluster.devices_per_node)
+    name, unit = largest_unit_bytes(c, tr, tp_max)
+    if unit > usable:
+        return (f"no layout fits: the largest layer alone ({name}, split over tp={tp_max}) needs "
+                f"{unit / GB:.3g} GB > {usable / GB:.3g} GB usable per device; try tiling the layer "
+                "(memory-centric tiling), more tensor parallelism, or a device with more memory")
+    states = zero_model_state_bytes(c.n_params(), cluster.n_devices, 3, state_bytes_per_param(tr.precision,
+                                                                                           tr.optimizer))
+    devices = max(1.0, sum(states.values()) * cluster.n_devices / usable)
+    tries = [] if closest.layout.offload != "none" else ["offload (--offload cpu|disk with --zero 3)"]
+    if tr.optimizer == "adamw":
+        tries.append("an 8-bit optimizer")
+    tries += ["shorter sequences",
+              f"more devices (fully sharded model states alone need about {devices:.0f})"]
+    return (f"no layout fits: the closest ({closest.layout.short()}) {closest.why_not}; the largest layer "
+            f"({name}) needs {unit / GB:.3g} GB, so the model, not one layer, is too big; try "
+            + ", ".join(tries))
+
+
+# -- model-states-only answers ------------------------------------------------------------------------------
+
+
+def states_only(n_params: float, tr: Training, cluster: Cluster) -> list[dict]:
+    """``--params P``: model-state bytes per device for each ZeRO stage at dp = all devices."""
+    sb = state_bytes_per_param(tr.precision, tr.optimizer)
+    usable = cluster.device.memory_bytes * (1 - tr.margin) - cluster.device.runtime_overhead_bytes
+    rows = []
+    for zero in (0, 1, 2, 3):
+        st = zero_model_state_bytes(n_params, cluster.n_devices, zero, sb)
+        total = sum(st.values())
+        rows.append({"zero": zero, "dp": cluster.n_devices, **{f"{k}_bytes": v for k, v in st.items()},
+                     "model_state_bytes_per_device": total, "fits_model_states": total <= usable,
+                     "usable_bytes": usable})
+    return rows
+
+
+# -- paratrain train --layout auto ---------------------------------------------------------------------------
+
+
+def layout_to_config(cfg, lay: Layout):
+    """A copy of `cfg` with the layout's degrees, ZeRO stage, schedule and micro-batch set."""
+    import copy
+
+    new = copy.deepcopy(cfg)
+    p = new.parallel
+    p.dp, p.tp, p.pp, p.zero, p.sp = lay.dp, lay.tp, lay.pp, lay.zero, lay.sp
+    p.nproc = lay.world
+    p.pp_schedule, p.virtual_stages, p.offload = lay.schedule, lay.v, lay.offload
+    if lay.offload == "disk" and not p.offload_dir:
+        p.offload_dir = str(__import__("pathlib").Path(new.train.out) / "offload")
+    new.train.micro_batch = lay.micro_batch
+    new.train.recompute = lay.recompute
+    return new
+
+
+def runnable_here(cfg):
+    """Predicate: can this version of paratrain run the layout? (parallelize.NOT_AVAILABLE, the
+    modules that exist, and config validation)."""
+    import importlib.util
+
+    from paratrain import config as config_mod
+    from paratrain.parallelize import NOT_AVAILABLE
+
+    def ok(lay: Layout) -> bool:
+        cand = layout_to_config(cfg, lay)
+        if any(used(cand) for used in NOT_AVAILABLE.values()):
+            return False
+        if lay.recompute == "selective":
+            return False
+        if lay.dp > 1 and lay.zero == 0 and importlib.util.find_spec(
+                f"paratrain.data_parallel.{'plain' if cfg.parallel.dp_mode == 'plain' else 'ddp'}") is None:
+            return False
+        try:
+            config_mod.validate(cand, lay.world)
+        except (config_mod.ConfigError, ValueError):
+            return False
+        return True
+
+    return ok
+
+
+def training_from_config(cfg) -> tuple[LlamaConfig, Training]:
+    from paratrain.train.task import model_config
+
+    c = model_config(cfg, cfg.data.vocab_size)
+    return c, Training(seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch,
+                       precision=cfg.train.precision, bucket_mb=cfg.parallel.bucket_mb)
+
+
+def auto_layout(cfg, cluster: Cluster | None = None, verbose: bool = True):
+    """``paratrain train --layout auto``: plan for this machine (``--nproc`` workers, default one per
+    core) among the layouts paratrain can run now, and return cfg with the winner's settings."""
+    import os
+
+    n = cfg.parallel.nproc or os.cpu_count() or 1
+    if cfg.model.name == "cnn-tiny":  # not a transformer: data parallelism is the whole tree
+        new = replace_parallel(cfg, n)
+        return new
+    from paratrain.planner.hardware import local_cluster
+
+    cluster = cluster or local_cluster(n)
+    c, tr = training_from_config(cfg)
+    fixed = {"micro_batch": cfg.train.micro_batch} if cfg.train.micro_batch else {}
+    result = None
+    for count in range(n, 0, -1):  # n workers first; fewer only if no layout of n can run
+        try:
+            result = plan(c, tr, replace(cluster, n_devices=count, devices_per_node=count), fixed, top=5,
+                          runnable=runnable_here(cfg))
+        except ValueError:
+            continue
+        if result.feasible:
+            break
+    if result is None or not result.feasible:
+        raise ValueError("--layout auto found no layout this version of paratrain can run for "
+                         f"{cfg.model.name} on this machine: " + (result.verdict if result else
+                                                                   "no degrees match the global batch"))
+    best = result.plans[0]
+    if verbose:
+        print(f"paratrain plan (auto): {best.layout.short()} -- {result.verdict}")
+    return layout_to_config(cfg, best.layout)
+
+
+def replace_parallel(cfg, n: int):
+    import copy
+
+    new = copy.deepcopy(cfg)
+    dp = max(d for d in _divisors(n) if cfg.train.global_batch % d == 0)
+    new.parallel.dp, new.parallel.nproc = dp, dp
+    return new
+
+
+__all__ = ["Plan", "PlanResult", "auto_layout", "compare", "decision_path", "enumerate_layouts", "evaluate",
+           "infeasible_answer", "plan", "states_only"]

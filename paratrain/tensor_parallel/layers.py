@@ -1,0 +1,247 @@
+"""Megatron-LM tensor-parallel layers: column/row-parallel linears, vocab-parallel embedding.
+
+Shoeybi et al. 2019 split a linear ``Y = X A`` two ways:
+
+* **column-parallel** ``A = [A_1 .. A_t]`` (output features split): ``Y_i = X A_i``; the input X
+  must be replicated on every rank (the f operator puts it there), the output stays split.
+* **row-parallel** ``A = [A_1; ..; A_t]`` (input features split): ``Y = sum_i X_i A_i``; takes a
+  split input (a column-parallel output), ends with the sum over ranks (the g operator).
+
+A column layer followed by a row layer (attention: q/k/v then o; MLP: gate/up then down)
+communicates twice per forward and twice per backward, whatever sits between them.
+
+Under sequence parallelism (Korthikanti et al. 2022) the code outside those pairs (norms,
+residuals) holds a 1/tp slice of the sequence: f becomes an all-gather of the sequence and g a
+reduce-scatter, same bytes on the wire, 1/tp of the activations in between.
+
+Every local weight carries a ``TensorShard`` (sharding.py): it is the slice of the single-device
+weight, so layout-independent init, checkpoint load and export work unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from paratrain.comm import collectives as C
+from paratrain.comm.autograd import copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp
+from paratrain.sharding import TensorShard, set_shard
+
+InputOp = Literal["copy", "gather", "none"]
+
+
+def padded(size: int, multiple: int) -> int:
+    """The smallest multiple of `multiple` that is >= size."""
+    return -(-size // multiple) * multiple
+
+
+def _param(shape: tuple[int, ...], spec: TensorShard, device, dtype) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+    set_shard(p, spec)
+    return p
+
+
+def enter_region(x: torch.Tensor, axis: C.Axis, op: InputOp) -> torch.Tensor:
+    """Make the input of a column-parallel layer whole: f (copy) or, under SP, all-gather."""
+    if op == "copy":
+        return copy_to_tp(x, axis)
+    if op == "gather":
+        return gather_from_sp(x, axis, dim=1)
+    return x
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y_i = X A_i: this rank's slice of the output features.
+
+    input_op: "copy" applies f to the input (identity forward, all-reduce of the input's gradient
+    backward), "gather" all-gathers a sequence-parallel input [b, s/tp, in] first, "none" means the
+    caller already did either once for several layers (q, k and v share one normed input).
+    pad_value: when out_features is not divisible by tp (a vocabulary), pad it to a multiple; the
+    padded outputs are filled with pad_value (-inf for logits: they never win the softmax, and
+    their zero weight rows never receive gradient).
+    """
+
+    def __init__(self, in_features: int, out_features: int, axis: C.Axis, *, bias: bool = False,
+                 input_op: InputOp = "copy", gather_output: bool = False, pad_value: float | None = None,
+                 device=None, dtype=None):
+        super().__init__()
+        tp = axis.size
+        out_padded = padded(out_features, tp) if pad_value is not None else out_features
+        if out_padded % tp:
+            raise ValueError(f"out_features ({out_features}) must be divisible by tp ({tp})")
+        self.axis, self.input_op = axis, input_op
+        self.gather_output, self.pad_value = gather_output, pad_value
+        self.in_features, self.out_features = in_features, out_features
+        self.local_out = out_padded // tp
+        self.out_start = axis.rank * self.local_out  # first global output feature held here
+        pad = out_padded if out_padded != out_features else None
+        self.weight = _param((self.local_out, in_features),
+                             TensorShard((out_features, in_features), 0, axis.rank, tp, pad), device, dtype)
+        self.bias = _param((self.local_out,), TensorShard((out_features,), 0, axis.rank, tp, pad),
+                           device, dtype) if bias else None
+        # How many of our local outputs are real (the last rank may hold padding).
+        self.local_valid = max(0, min(self.local_out, out_features - self.out_start))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = enter_region(x, self.axis, self.input_op)  # [b, s, in]
+        y = F.linear(x, self.weight, self.bias)  # [b, s, out/tp]
+        if self.local_valid < self.local_out:
+            pad_mask = torch.arange(self.local_out, device=y.device) >= self.local_valid
+            y = y.masked_fill(pad_mask, self.pad_value)
+        if self.gather_output:  # a full output on every rank (padding dropped)
+            y = torch.cat(_all_gather_last_dim(y, self.axis), dim=-1)[..., : self.out_features]
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features} (local {self.local_out}), "
+                f"tp={self.axis.size}, input_op={self.input_op}")
+
+
+def _all_gather_last_dim(y: torch.Tensor, axis: C.Axis) -> list[torch.Tensor]:
+    """Forward-only helper for gather_output (inference and tests); differentiable through f/g."""
+    return list(_GatherLastDim.apply(y, axis))
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """All-gather along the feature dim forward; backward keeps our slice of the gradient."""
+
+    @staticmethod
+    def forward(ctx, y, axis):
+        ctx.axis = axis
+        return tuple(C.all_gather_list(y.contiguous(), axis))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return grads[ctx.axis.rank], None
+
+
+class RowParallelLinear(nn.Module):
+    """Y = sum_i X_i A_i: input features split, outputs summed over tp (g) or, under sequence
+    parallelism, reduce-scattered along the sequence to [b, s/tp, out]."""
+
+    def __init__(self, in_features: int, out_features: int, axis: C.Axis, *, bias: bool = False,
+                 sequence_parallel: bool = False, device=None, dtype=None):
+        super().__init__()
+        tp = axis.size
+        if in_features % tp:
+            raise ValueError(f"in_features ({in_features}) must be divisible by tp ({tp})")
+        self.axis, self.sequence_parallel = axis, sequence_parallel
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = _param((out_features, in_features // tp),
+                             TensorShard((out_features, in_features), 1, axis.rank, tp), device, dtype)
+        # The bias is replicated and added once, after the sum.
+        self.bias = _param((out_features,), TensorShard((out_features,)), device, dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = F.linear(x, self.weight)  # [b, s, out], this rank's partial sum
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sp(partial, self.axis, dim=1)  # [b, s/tp, out]
+        else:
+            y = reduce_from_tp(partial, self.axis)  # [b, s, out]
+        if self.bias is not None:
+            # Under SP each rank adds the bias to its own tokens only: sum its gradient over tp.
+            y = y + (copy_to_tp(self.bias, self.axis) if self.sequence_parallel else self.bias)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features} (local {self.in_features // self.axis.size}), "
+                f"out={self.out_features}, tp={self.axis.size}, sp={self.sequence_parallel}")
+
+
+class ReplicatedHeadsLinear(nn.Module):
+    """A replicated k or v projection that computes only the kv heads this rank's q heads use.
+
+    Used when n_kv_heads is not divisible by tp (e.g. 8 kv heads, tp=16): the kv heads cannot be
+    split, so every rank keeps the full weight (replicated TensorShard) and selects the heads its
+    local q heads attend with. The input gradient is partial (only our q heads' share) and is
+    summed by the f operator on the input like any column layer's; the weight gradient is partial
+    too (each rank used some heads for some q heads), so f is applied to the weight itself: its
+    gradient is all-reduced over tp and every rank steps the same full gradient.
+    """
+
+    def __init__(self, in_features: int, n_kv_heads: int, head_dim: int, heads: list[int], axis: C.Axis,
+                 *, device=None, dtype=None):
+        super().__init__()
+        self.axis, self.n_kv_heads, self.head_dim = axis, n_kv_heads, head_dim
+        self.in_features = in_features
+        # A plain list, not a buffer: the model is built on the meta device and only parameters
+        # are materialised.
+        self.heads = list(heads)
+        self._contiguous = heads == list(range(heads[0], heads[0] + len(heads)))
+        out = n_kv_heads * head_dim
+        self.weight = _param((out, in_features), TensorShard((out, in_features)), device, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = copy_to_tp(self.weight, self.axis).view(self.n_kv_heads, self.head_dim, self.in_features)
+        if self._contiguous:
+            w = w.narrow(0, self.heads[0], len(self.heads))
+        else:
+            w = w.index_select(0, torch.tensor(self.heads, device=w.device))
+        w = w.flatten(0, 1)  # [len(heads) * hd, in]
+        return F.linear(x, w)  # [b, s, len(heads) * hd]
+
+    def extra_repr(self) -> str:
+        return f"kv_heads={self.n_kv_heads} (replicated, using {self.heads}), tp={self.axis.size}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank owns a contiguous vocabulary range; ids outside it give zeros, and the partial
+    embeddings are summed over tp (g) or reduce-scattered along the sequence under SP.
+
+    The vocabulary is padded to a multiple of tp; padding rows are zero and, since no id points
+    at them, never receive gradient.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, axis: C.Axis, *,
+                 sequence_parallel: bool = False, device=None, dtype=None):
+        super().__init__()
+        tp = axis.size
+        self.axis, self.sequence_parallel = axis, sequence_parallel
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        v_padded = padded(num_embeddings, tp)
+        self.local_rows = v_padded // tp
+        self.start = axis.rank * self.local_rows
+        pad = v_padded if v_padded != num_embeddings else None
+        spec = TensorShard((num_embeddings, embedding_dim), 0, axis.rank, tp, pad)
+        self.weight = _param((self.local_rows, embedding_dim), spec, device, dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.start) | (ids >= self.start + self.local_rows)  # [b, s]
+        local_ids = (ids - self.start).masked_fill(outside, 0)
+        partial = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # [b, s, h]
+        if self.sequence_parallel:
+            return reduce_scatter_to_sp(partial, self.axis, dim=1)  # [b, s/tp, h]
+        return reduce_from_tp(partial, self.axis)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim} (local rows {self.start}.."
+                f"{self.start + self.local_rows}), tp={self.axis.size}, sp={self.sequence_parallel}")
+
+
+class RegionEntryNorm(nn.Module):
+    """RMSNorm at the entry of a tensor-parallel region (before attention, the MLP, the LM head).
+
+    After normalising it makes the input whole ONCE for all the column layers that read it: f
+    (copy_to_tp) without SP, an all-gather of the sequence with SP. Under SP the norm works on
+    [b, s/tp, h]: its weight's gradient is partial per rank, so f is applied to the weight too
+    (identity forward; autograd all-reduces its gradient over tp).
+    """
+
+    def __init__(self, dim: int, eps: float, axis: C.Axis, *, sequence_parallel: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        self.axis, self.eps, self.sequence_parallel = axis, eps, sequence_parallel
+        self.weight = _param((dim,), TensorShard((dim,)), device, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = copy_to_tp(self.weight, self.axis) if self.sequence_parallel else self.weight
+        # Same arithmetic as models.llama.RMSNorm (fp32 statistics), so tp=1 is bit-identical.
+        x32 = x.float()
+        y = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * w
+        return enter_region(y, self.axis, "gather" if self.sequence_parallel else "copy")
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, tp={self.axis.size}, sp={self.sequence_parallel}"

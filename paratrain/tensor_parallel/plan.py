@@ -1,0 +1,153 @@
+"""The Llama tensor-parallel plan (a data table) and ``apply_tensor_parallel``.
+
+The plan maps submodule name patterns to styles; applying it replaces each matched module of the
+model built on the *meta* device by its tensor-parallel counterpart, under the same name, so
+every parameter keeps its single-device name (``layers.0.attn.wq.weight``) and carries a
+``TensorShard``. Nothing is allocated here: ``materialize`` + ``init_weights`` then fill each
+rank's slices of the layout-independent full weights.
+
+One block under TP (f = copy_to_tp, g = reduce_from_tp; under SP f becomes an all-gather and g
+a reduce-scatter of the sequence, and the residual stream holds [b, s/tp, h])::
+
+    x ─┬─ attn_norm ─ f ─┬ wq, wk, wv (column) ─ attention on local heads ─ wo (row) ─ g ─(+)─ h
+       └────────────────────────────────────────────────────────────────────────────────┘
+    h ─┬─ mlp_norm ── f ─┬ gate, up (column) ─ silu(gate) * up ──────────── down (row) ─ g ─(+)─ out
+       └────────────────────────────────────────────────────────────────────────────────┘
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from paratrain.comm.collectives import Axis
+from paratrain.mesh import ParallelMesh
+from paratrain.models.llama import LlamaConfig
+from paratrain.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RegionEntryNorm,
+    ReplicatedHeadsLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+
+
+@dataclass(frozen=True)
+class Context:
+    axis: Axis
+    sequence_parallel: bool
+    cfg: LlamaConfig
+
+
+# -- styles: how one module becomes its tensor-parallel counterpart -----------------------------
+
+
+class Colwise:
+    """Column-parallel linear fed by a RegionEntryNorm (which already did f / the SP gather once)."""
+
+    def build(self, old: nn.Linear, ctx: Context) -> nn.Module:
+        return ColumnParallelLinear(old.in_features, old.out_features, ctx.axis, bias=old.bias is not None,
+                                    input_op="none", device=old.weight.device, dtype=old.weight.dtype)
+
+
+class ColwiseKV:
+    """k/v projections: split by kv heads when tp divides n_kv_heads; otherwise each kv head is
+    needed by q heads on several ranks, so the weight is replicated and each rank computes just
+    the kv heads its local q heads attend with (ReplicatedHeadsLinear)."""
+
+    def build(self, old: nn.Linear, ctx: Context) -> nn.Module:
+        c, tp = ctx.cfg, ctx.axis.size
+        if c.n_kv_heads % tp == 0:
+            return Colwise().build(old, ctx)
+        heads = kv_heads_for_rank(c.n_heads, c.n_kv_heads, tp, ctx.axis.rank)
+        return ReplicatedHeadsLinear(old.in_features, c.n_kv_heads, c.head_dim, heads, ctx.axis,
+                                     device=old.weight.device, dtype=old.weight.dtype)
+
+
+class Rowwise:
+    def build(self, old: nn.Linear, ctx: Context) -> nn.Module:
+        return RowParallelLinear(old.in_features, old.out_features, ctx.axis, bias=old.bias is not None,
+                                 sequence_parallel=ctx.sequence_parallel, device=old.weight.device,
+                                 dtype=old.weight.dtype)
+
+
+class VocabEmbedding:
+    def build(self, old: nn.Embedding, ctx: Context) -> nn.Module:
+        return VocabParallelEmbedding(old.num_embeddings, old.embedding_dim, ctx.axis,
+                                      sequence_parallel=ctx.sequence_parallel, device=old.weight.device,
+                                      dtype=old.weight.dtype)
+
+
+class VocabHead:
+    """LM head: column-parallel over the (padded) vocabulary; logits stay sharded for the
+    vocab-parallel cross-entropy; padding logits are -inf."""
+
+    def build(self, old: nn.Linear, ctx: Context) -> nn.Module:
+        return ColumnParallelLinear(old.in_features, old.out_features, ctx.axis, input_op="none",
+                                    pad_value=float("-inf"), device=old.weight.device, dtype=old.weight.dtype)
+
+
+class EntryNorm:
+    def build(self, old: nn.Module, ctx: Context) -> nn.Module:
+        return RegionEntryNorm(old.weight.shape[0], old.eps, ctx.axis,
+                               sequence_parallel=ctx.sequence_parallel, device=old.weight.device,
+                               dtype=old.weight.dtype)
+
+
+# The plan: submodule pattern -> style. Every norm is a region entry: attn_norm feeds q/k/v,
+# mlp_norm feeds gate/up, the final norm feeds the LM head.
+LLAMA_TP_PLAN: dict[str, object] = {
+    "embed": VocabEmbedding(),
+    "layers.*.attn_norm": EntryNorm(),
+    "layers.*.attn.wq": Colwise(),
+    "layers.*.attn.wk": ColwiseKV(),
+    "layers.*.attn.wv": ColwiseKV(),
+    "layers.*.attn.wo": Rowwise(),
+    "layers.*.mlp_norm": EntryNorm(),
+    "layers.*.mlp.gate": Colwise(),
+    "layers.*.mlp.up": Colwise(),
+    "layers.*.mlp.down": Rowwise(),
+    "norm": EntryNorm(),
+    "lm_head": VocabHead(),
+}
+
+
+def kv_heads_for_rank(n_heads: int, n_kv_heads: int, tp: int, rank: int) -> list[int]:
+    """The kv head of each of this rank's q heads (grouped-query attention: q head i uses kv head
+    i // (n_heads / n_kv_heads)). When consecutive q heads share kv heads evenly the list is
+    de-duplicated (the Attention module repeats each kv head for its group itself)."""
+    local_q = n_heads // tp
+    group = n_heads // n_kv_heads
+    per_q = [(rank * local_q + i) // group for i in range(local_q)]
+    unique = sorted(set(per_q))
+    if all(per_q.count(h) == local_q // len(unique) for h in unique) and local_q % len(unique) == 0:
+        return unique
+    return per_q
+
+
+def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh, *, sequence_parallel: bool = False,
+                          plan: dict[str, object] | None = None) -> nn.Module:
+    """Replace the plan's submodules in place by their tp counterparts over ``mesh.tp``.
+
+    Apply to the model built on the meta device, before activation checkpointing and the pipeline
+    split (parallelize.py fixes that order). With tied embeddings the LM head re-shares the
+    embedding's (identically split) vocabulary-parallel weight.
+    """
+    ctx = Context(mesh.tp, sequence_parallel, model.cfg)
+    plan = LLAMA_TP_PLAN if plan is None else plan
+    named = dict(model.named_modules())
+    for pattern, style in plan.items():
+        for name in [n for n in named if fnmatch.fnmatchcase(n, pattern)]:
+            _set_submodule(model, name, style.build(named[name], ctx))
+    if model.cfg.tie_embeddings and getattr(model, "embed", None) is not None \
+            and getattr(model, "lm_head", None) is not None:
+        model.lm_head.weight = model.embed.weight  # both are [V_padded / tp, dim], same slice
+    return model
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)

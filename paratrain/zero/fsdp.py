@@ -1,0 +1,331 @@
+"""ZeRO-3 / FSDP: parameters partitioned too, gathered one unit at a time, with prefetch.
+
+Rajbhandari et al. 2020 (ZeRO stage 3, P_os+g+p) and Zhao et al. 2023 (PyTorch FSDP).
+
+A *unit* is one transformer block, the embedding, or the final norm + LM head. Each unit's
+parameters are one flat buffer (``FlatLayout``: back to back, padded to a multiple of dp); a rank
+keeps only its contiguous 1/dp shard. The model is built on the meta device and each rank
+materialises only its shard, parameter by parameter from ``init_value(name)`` (the
+layout-independent init), so the full model never exists on one rank.
+
+    forward   pre-hook:  all-gather unit i (wait if prefetched), then start the all-gather of
+                         unit i+1 (async: it crosses the wire while unit i computes)
+              post-hook: free unit i's gathered buffer (reshard_after_forward), and hook its
+                         output so backward announces itself
+    backward  output-grad hook of unit i: all-gather unit i again, prefetch unit i-1
+              post-accumulate-grad hooks: when unit i's last gradient lands, pack the
+              gradients, reduce-scatter them (async, SUM), keep our shard, free the buffer
+
+The gathered buffer keeps its tensor but its storage is resized to 0 when freed (FSDP's trick):
+the parameters are views into it, so autograd's saved references stay valid and see the
+re-gathered values in backward. Parameters are bound with ``p.data = view`` so they keep their
+own version counters and re-gathering does not trip autograd's in-place check.
+
+Traffic: forward all-gather Ψ + backward all-gather Ψ + reduce-scatter Ψ = 3Ψ, 1.5x DDP's 2Ψ.
+``reshard_after_forward=False`` keeps units gathered from forward to backward (no second gather:
+2Ψ, at the memory of the whole gathered model at the end of forward). Memory per rank:
+(2Ψ + 2Ψ + 12Ψ)/N in mixed precision (compute shard, gradient shard, master + moments), or
+(4Ψ + 4Ψ + 8Ψ)/N in fp32, plus the gathered units in flight: at most the current and the
+prefetched one (``gathered_peak_bytes``, checked by the tests).
+
+Accumulation (``no_sync``): micro-batches before the last keep their full gradients in p.grad and
+skip the reduce-scatter (FSDP's no_sync: fewer bytes, more memory); the last one reduces the sum.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from paratrain.comm import collectives as C
+from paratrain.mesh import ParallelMesh
+from paratrain.sharding import shard_of
+from paratrain.train.strategy import Strategy
+from paratrain.zero.offload import make_store
+from paratrain.zero.optimizer import DTYPES, FlatLayout, ShardedState, _nbytes, param_key
+
+InitFn = Callable[[str, tuple[int, ...]], torch.Tensor]  # (name, full shape) -> full fp32 value
+
+
+@dataclass
+class Unit:
+    name: str
+    modules: list[nn.Module]
+    layout: FlatLayout
+    full: torch.Tensor  # [padded] compute dtype; storage resized to 0 while resharded
+    shard: torch.Tensor  # [shard] compute dtype: what this rank keeps
+    gathered: bool = False
+    work: object = None  # in-flight all-gather
+    ready: int = 0  # gradients landed in this backward
+    grad_shard: torch.Tensor | None = None
+    grad_flat: torch.Tensor | None = None
+    rs_work: object = None
+    uses: list[int] = field(default_factory=list)  # units whose parameters this unit's modules use
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.padded * self.full.element_size()
+
+
+def llama_units(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
+    """Forward-order units of the Llama model (a pipeline stage may lack embed or head)."""
+    units = []
+    if getattr(model, "embed", None) is not None:
+        units.append(("embed", [model.embed]))
+    units += [(f"layers.{k}", [block]) for k, block in model.layers.items()]
+    head = [m for m in (getattr(model, "norm", None), getattr(model, "lm_head", None)) if m is not None]
+    if head:
+        units.append(("head", head))
+    return units
+
+
+class Zero3(ShardedState, Strategy):
+    """Fully sharded data parallel over mesh.dp; takes the model on the meta device."""
+
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, optim_cfg, *, init_value: InitFn,
+                 precision: str = "fp32", reduce_dtype: torch.dtype | None = None,
+                 reshard_after_forward: bool = True, offload: str = "none", offload_dir: str | None = None,
+                 offload_chunk: int | None = None, prefetch: bool = True):
+        self.compute_dtype = DTYPES[precision]
+        self.reduce_dtype = reduce_dtype or self.compute_dtype
+        self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
+        self.offload, self.offload_dir, self.offload_chunk = offload, offload_dir, offload_chunk
+        self._sync, self._factor = True, 1.0
+        self.gathered_bytes = self.gathered_peak_bytes = self.last_gathered_peak_bytes = 0
+        self.model, self.mesh = model, mesh
+        self._materialize(init_value)
+        super().__init__(model, mesh, optim_cfg)
+        self._install_hooks()
+
+    # -- construction: shards only, straight from the layout-independent init --------------------
+
+    @torch.no_grad()
+    def _materialize(self, init_value: InitFn) -> None:
+        dp, dev = self.mesh.dp, self.mesh.device
+        names = {id(p): n for n, p in self.model.named_parameters()}  # single-device names (meta)
+        owner: dict[int, int] = {}  # id(parameter) -> unit index (the first unit that uses it)
+        self.units: list[Unit] = []
+        masters = []
+        for uname, modules in llama_units(self.model):
+            named = []
+            for m in modules:
+                for p in m.parameters():
+                    if id(p) not in owner and all(p is not q for _, q in named):
+                        named.append((names[id(p)], p))
+            named.sort(key=lambda np_: param_key(np_[0], np_[1], self.mesh), reverse=True)
+            keys = [param_key(n, p, self.mesh) for n, p in named]
+            layout = FlatLayout.build(named, keys, dp.size, dp.rank)
+            master = torch.zeros(layout.shard, dtype=torch.float32, device=dev)
+            for name, p, off in zip(layout.names, layout.params, layout.offsets):
+                a, b = max(off, layout.lo), min(off + p.numel(), layout.lo + layout.shard)
+                if a < b:  # only this rank's part of the parameter survives the slice
+                    spec = shard_of(p)
+                    local = spec.slice(init_value(name, spec.full_shape)).reshape(-1)
+                    master[a - layout.lo:b - layout.lo].copy_(local[a - off:b - off])
+            aliased = self.compute_dtype == torch.float32 and self.offload == "none"
+            shard = master if aliased else master.to(self.compute_dtype)
+            full = torch.empty(layout.padded, dtype=self.compute_dtype, device=dev)
+            for p in layout.params:
+                owner[id(p)] = len(self.units)
+            self._swap_params(layout, full)
+            for p in layout.params:
+                owner[id(p)] = len(self.units)
+            full.untyped_storage().resize_(0)
+            masters.append(master)
+            self.units.append(Unit(uname, modules, layout, full, shard))
+        for u in self.units:
+            u.uses = sorted({owner[id(p)] for m in u.modules for p in m.parameters()})
+        self.layouts = [u.layout for u in self.units]
+        self._masters = masters
+
+    def _swap_params(self, layout: FlatLayout, full: torch.Tensor) -> None:
+        """Replace meta parameters (everywhere in the model: ties) by views into the gathered buffer."""
+        new_of: dict[int, nn.Parameter] = {}
+        for p, view in zip(layout.params, layout.views(full)):
+            new = nn.Parameter(torch.empty(0, dtype=full.dtype, device=full.device), requires_grad=p.requires_grad)
+            new.data = view
+            for attr in ("pt_shard", "pt_pp_copies", "pt_tied_to"):
+                if hasattr(p, attr):
+                    setattr(new, attr, getattr(p, attr))
+            new_of[id(p)] = new
+        for sub in self.model.modules():
+            for key, p in list(sub._parameters.items()):
+                if p is not None and id(p) in new_of:
+                    sub._parameters[key] = new_of[id(p)]
+        layout.params[:] = [new_of[id(p)] for p in layout.params]
+
+    def build_optimizer(self):
+        pieces = []
+        for i, u in enumerate(self.units):
+            pieces += u.layout.pieces(i, self.optim_cfg.weight_decay)
+        self.pieces = pieces
+        aliased = self.compute_dtype == torch.float32 and self.offload == "none"
+        self.store = make_store(self.offload, self._masters, [pc for pc, _ in pieces], self.optim_cfg,
+                                aliased=aliased, directory=self.offload_dir, rank=self.mesh.rank,
+                                chunk=self.offload_chunk)
+        if not aliased:
+            del self._masters  # the store holds its own copy (host, disk, or fp32 beside a bf16 shard)
+        return None
+
+    # -- gather / free ------------------------------------------------------------------------------
+
+    def _gather(self, i: int, async_op: bool) -> None:
+        u = self.units[i]
+        if u.gathered:
+            return
+        u.full.untyped_storage().resize_(u.nbytes)
+        u.gathered = True
+        self.gathered_bytes += u.nbytes
+        self.gathered_peak_bytes = max(self.gathered_peak_bytes, self.gathered_bytes)
+        u.work = C.all_gather_into(u.full, u.shard, self.mesh.dp, async_op=async_op)
+
+    def _wait(self, i: int) -> None:
+        self._gather(i, async_op=False)
+        u = self.units[i]
+        if u.work is not None:
+            u.work.wait()
+            u.work = None
+
+    def _free(self, i: int) -> None:
+        u = self.units[i]
+        if not u.gathered:
+            return
+        if u.work is not None:  # a prefetch nobody used (e.g. eval stopped early)
+            u.work.wait()
+            u.work = None
+        u.full.untyped_storage().resize_(0)
+        u.gathered = False
+        self.gathered_bytes -= u.nbytes
+
+    # -- hooks ------------------------------------------------------------------------------------
+
+    def _install_hooks(self) -> None:
+        for i, u in enumerate(self.units):
+            for j, m in enumerate(u.modules):
+                m.register_forward_pre_hook(self._pre_forward(i, first=j == 0))
+            u.modules[-1].register_forward_hook(self._post_forward(i))
+            for p in u.layout.params:
+                p.register_post_accumulate_grad_hook(self._grad_hook(i))
+
+    def _pre_forward(self, i: int, first: bool):
+        def hook(module, args):
+            for k in self.units[i].uses:
+                self._wait(k)
+            if first and self.prefetch and i + 1 < len(self.units):
+                self._gather(i + 1, async_op=True)
+        return hook
+
+    def _post_forward(self, i: int):
+        def hook(module, args, output):
+            grad_mode = torch.is_grad_enabled()
+            if self.reshard_after_forward or not grad_mode:
+                for k in self.units[i].uses:
+                    self._free(k)
+            if grad_mode and torch.is_tensor(output) and output.requires_grad:
+                output.register_hook(self._pre_backward(i))
+        return hook
+
+    def _pre_backward(self, i: int):
+        def hook(grad):
+            for k in self.units[i].uses:
+                self._wait(k)
+            if self.prefetch and i > 0:
+                self._gather(i - 1, async_op=True)
+            return grad
+        return hook
+
+    def _grad_hook(self, i: int):
+        def hook(p):
+            u = self.units[i]
+            u.ready += 1
+            if u.ready < len(u.layout.params):
+                return
+            u.ready = 0
+            if self._sync:
+                self._reduce(u)
+            self._free(i)  # the unit's backward is over (a tied weight's owner is freed by its own hook)
+        return hook
+
+    def _reduce(self, u: Unit) -> None:
+        """Pack the unit's gradients, free them, reduce-scatter (async) into our shard."""
+        u.grad_flat = u.layout.flatten([p.grad for p in u.layout.params], self.reduce_dtype, self.mesh.device)
+        for p in u.layout.params:
+            p.grad = None
+        u.grad_shard = torch.empty(u.layout.shard, dtype=self.reduce_dtype, device=self.mesh.device)
+        u.rs_work = C.reduce_scatter_auto(u.grad_shard, u.grad_flat, self.mesh.dp, async_op=True)
+
+    # -- Strategy ---------------------------------------------------------------------------------
+
+    def no_sync(self):
+        @contextlib.contextmanager
+        def held():
+            self._sync = False
+            try:
+                yield
+            finally:
+                self._sync = True
+
+        return held()
+
+    def after_backward(self) -> None:
+        for u in self.units:
+            if u.rs_work is None and u.grad_shard is None:  # no gradient reached it: reduce zeros
+                self._reduce(u)
+        for i, u in enumerate(self.units):
+            if u.rs_work is not None:
+                u.rs_work.wait()
+            u.rs_work, u.grad_flat, u.ready = None, None, 0
+            self._free(i)
+
+    def grads_for_norm(self) -> list[tuple[torch.Tensor, int]]:
+        return [(self.units[pc.index].grad_shard[pc.start:pc.end], copies) for pc, copies in self.pieces
+                if self.units[pc.index].grad_shard is not None]
+
+    def scale_grads(self, factor: float) -> None:
+        self._factor *= factor  # applied in fp32 inside step(), as in ZeRO-1/2
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        grads = []
+        for u in self.units:
+            g = u.grad_shard
+            grads.append(g.mul_(self._factor) if g.dtype == torch.float32 else g.float().mul_(self._factor))
+        self.store.step(grads, lr, [u.shard for u in self.units])
+        self._factor = 1.0
+
+    def zero_grad(self) -> None:
+        for u in self.units:
+            u.grad_shard, u.ready = None, 0
+            for p in u.layout.params:
+                p.grad = None
+        self.last_gathered_peak_bytes = self.gathered_peak_bytes
+        self.gathered_peak_bytes = self.gathered_bytes
+
+    def state_bytes(self) -> dict[str, int]:
+        grads = sum(_nbytes(u.grad_shard) for u in self.units if u.grad_shard is not None)
+        grads += sum(_nbytes(p.grad) for u in self.units for p in u.layout.params if p.grad is not None)
+        s = self.store.bytes()
+        return {"params": sum(_nbytes(u.shard) for u in self.units), "grads": grads, "optim": s["device"],
+                "offloaded": s["host"] + s["disk"]}
+
+    def step_metrics(self) -> dict[str, float]:
+        s = self.store.bytes()
+        out = {"zero3_gathered_peak_bytes": self.last_gathered_peak_bytes,
+               "zero3_unit_max_bytes": max(u.nbytes for u in self.units),
+               "mem_offloaded_host_bytes": s["host"], "mem_offloaded_disk_bytes": s["disk"]}
+        if hasattr(self.store, "max_resident_bytes"):
+            out["offload_resident_peak_bytes"] = self.store.max_resident_bytes
+        return out
+
+    def full_model_state(self) -> dict[str, torch.Tensor] | None:
+        return self._gather_stages(self.local_full_tensors("param"))
+
+    @torch.no_grad()
+    def load_full_state(self, model_state: dict, optim_state: dict | None) -> None:
+        self._load_flats(model_state, optim_state)
+        for i, u in enumerate(self.units):
+            u.shard.copy_(self.store.read(i, "param").to(self.mesh.device, self.compute_dtype))

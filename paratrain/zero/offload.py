@@ -1,0 +1,234 @@
+"""Where the fp32 master shard and the AdamW moments live, and where they are stepped.
+
+Every ZeRO stage hands its optimizer a list of flat fp32 *master shards* (one per flat buffer,
+``[shard]`` each), cut into *pieces* that share a weight decay. A store owns those tensors and
+steps them with AdamW; three stores, one per ``--offload`` value:
+
+* ``DeviceStore`` (``none``): masters and moments on the compute device, ``torch.optim.AdamW``
+  (``foreach=False``, the per-tensor loop whose elementwise arithmetic is that of the
+  single-process optimizer, so a slice steps bit for bit like the whole tensor).
+* ``HostStore`` (``cpu``, ZeRO-Offload): a separate host copy, pinned where CUDA; the gradient
+  shard is copied to the host, stepped there, and the updated master copied back, explicitly. On a
+  CPU-only machine this moves nothing physically, but the state is a separate buffer, counted as
+  offloaded, never aliased with the compute parameters.
+* ``DiskStore`` (``disk``, ZeRO-Infinity's NVMe idea): the master and both moments are ``np.memmap``
+  files under ``offload_dir``; the step streams them through memory ``chunk`` elements at a time
+  (map a window, step it, flush, unmap), so resident optimizer memory is ``3 * 4 * chunk`` bytes
+  whatever the model size. ``max_resident_bytes`` records it; tests assert it.
+
+All three call the same per-element AdamW (``torch.optim.adam.adam``, decoupled decay), so the
+three ``--offload`` settings produce identical weights.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+from torch.optim.adam import adam as adam_step
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+#: Elements per streamed window of the disk store (4 MiB per file at fp32). Small enough to bound
+#: resident memory, large enough that the per-window Python overhead is negligible.
+DISK_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements [start, end) of master shard ``index``, all with the same weight decay."""
+
+    index: int
+    start: int
+    end: int
+    weight_decay: float
+
+
+def _hparams(optim_cfg) -> dict:
+    o = optim_cfg
+    return {"beta1": o.beta1, "beta2": o.beta2, "eps": o.eps}
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+class DeviceStore:
+    """Masters + moments on the compute device, stepped by torch AdamW (no offload)."""
+
+    location = "device"
+
+    def __init__(self, masters: list[torch.Tensor], pieces: list[Piece], optim_cfg, *,
+                 aliased: bool = False):
+        # aliased: the masters *are* the fp32 compute parameters (fp32 without offload), so they
+        # are counted under parameters, not again under optimizer state.
+        self.masters, self.pieces, self.aliased = masters, pieces, aliased
+        self.views = [nn.Parameter(masters[pc.index][pc.start:pc.end], requires_grad=False) for pc in pieces]
+        o = optim_cfg
+        groups = [{"params": [v], "weight_decay": pc.weight_decay} for v, pc in zip(self.views, pieces)]
+        self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
+        self.steps = 0
+
+    def step(self, grads: list[torch.Tensor], lr: float, outs: list[torch.Tensor | None]) -> None:
+        """grads[i]: fp32 gradient shard of master i (device); outs[i]: where the updated values go."""
+        for v, pc in zip(self.views, self.pieces):
+            v.grad = grads[pc.index][pc.start:pc.end]
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        for v in self.views:
+            v.grad = None
+        self.steps += 1
+        for master, out in zip(self.masters, outs):
+            if out is not None and out.data_ptr() != master.data_ptr():
+                out.copy_(master)
+
+    def read(self, index: int, which: str) -> torch.Tensor:
+        """Master shard ``index`` ("param") or one of its moments, fp32 on the CPU."""
+        if which == "param":
+            return self.masters[index].detach().float().cpu()
+        out = torch.zeros(self.masters[index].numel())
+        for v, pc in zip(self.views, self.pieces):
+            if pc.index == index and which in self.optimizer.state.get(v, {}):
+                out[pc.start:pc.end] = self.optimizer.state[v][which].cpu()
+        return out
+
+    @torch.no_grad()
+    def write(self, index: int, which: str, values: torch.Tensor, step: int | None = None) -> None:
+        if which == "param":
+            self.masters[index].copy_(values)
+            return
+        for v, pc in zip(self.views, self.pieces):
+            if pc.index != index:
+                continue
+            st = self.optimizer.state[v]
+            if not st:  # AdamW creates its state lazily: create it, or the moments are lost
+                st["exp_avg"], st["exp_avg_sq"] = torch.zeros_like(v), torch.zeros_like(v)
+            st["step"] = torch.tensor(float(step if step is not None else self.steps))
+            st[which].copy_(values[pc.start:pc.end])
+        if step is not None:
+            self.steps = step
+
+    def bytes(self) -> dict[str, int]:
+        moments = sum(_nbytes(t) for st in self.optimizer.state.values() for k, t in st.items() if k in MOMENTS)
+        masters = 0 if self.aliased else sum(_nbytes(m) for m in self.masters)
+        return {"device": masters + moments, "host": 0, "disk": 0}
+
+
+class HostStore(DeviceStore):
+    """ZeRO-Offload: masters and moments in (pinned, where CUDA) host memory, stepped there."""
+
+    location = "host"
+
+    def __init__(self, masters: list[torch.Tensor], pieces: list[Piece], optim_cfg, **_):
+        pin = torch.cuda.is_available()
+        host = [m.detach().to("cpu", torch.float32, copy=True) for m in masters]
+        if pin:
+            host = [h.pin_memory() for h in host]
+        super().__init__(host, pieces, optim_cfg, aliased=False)
+
+    def step(self, grads, lr, outs) -> None:
+        # Gradients device -> host, AdamW on the host, updated masters host -> device (in outs).
+        host_grads = [g.to("cpu", torch.float32, non_blocking=True) for g in grads]
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        super().step(host_grads, lr, outs)
+
+    def bytes(self) -> dict[str, int]:
+        return {"device": 0, "host": super().bytes()["device"], "disk": 0}
+
+
+class DiskStore:
+    """ZeRO-Infinity style: master + moments in memory-mapped files, stepped ``chunk`` at a time."""
+
+    location = "disk"
+    FILES = ("param", *MOMENTS)
+
+    def __init__(self, masters: list[torch.Tensor], pieces: list[Piece], optim_cfg, *, directory: str,
+                 rank: int, chunk: int | None = None):
+        self.pieces, self.hp, self.chunk = pieces, _hparams(optim_cfg), chunk or DISK_CHUNK
+        self.sizes = [m.numel() for m in masters]
+        self.steps = 0
+        self.max_resident_bytes = 0  # largest host window (all three files) held during a step
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.paths = {(i, w): self.dir / f"rank{rank:03d}_shard{i:03d}_{w}.f32"
+                      for i in range(len(masters)) for w in self.FILES}
+        for i, m in enumerate(masters):
+            for w in self.FILES:
+                # Sparse files of zeros; the master is then written window by window.
+                with open(self.paths[i, w], "wb") as f:
+                    f.truncate(self.sizes[i] * 4)
+            for a in range(0, self.sizes[i], self.chunk):
+                b = min(a + self.chunk, self.sizes[i])
+                with self._window(i, "param", a, b) as w:
+                    w.copy_(m[a:b].detach().float().cpu())
+
+    def _window(self, index: int, which: str, a: int, b: int) -> _Window:
+        return _Window(self.paths[index, which], a, b)
+
+    def step(self, grads, lr, outs) -> None:
+        step_no = self.steps
+        for pc in self.pieces:
+            for a in range(pc.start, pc.end, self.chunk):
+                b = min(a + self.chunk, pc.end)
+                self._step_window(pc, a, b, grads[pc.index], lr, step_no, outs[pc.index])
+        self.steps += 1
+
+    def _step_window(self, pc: Piece, a: int, b: int, grad, lr, step_no, out) -> None:
+        with self._window(pc.index, "param", a, b) as p, self._window(pc.index, "exp_avg", a, b) as m, \
+                self._window(pc.index, "exp_avg_sq", a, b) as v:
+            self.max_resident_bytes = max(self.max_resident_bytes, 3 * 4 * (b - a))
+            # The step counter is per call (AdamW increments it before use): give it step_no.
+            adam_step([p], [grad[a:b].float().cpu()], [m], [v], [], [torch.tensor(float(step_no))], foreach=False,
+                      decoupled_weight_decay=True, amsgrad=False, lr=lr, weight_decay=pc.weight_decay,
+                      maximize=False, **self.hp)
+            if out is not None:
+                out[a:b].copy_(p)
+
+    def read(self, index: int, which: str) -> torch.Tensor:
+        with self._window(index, which, 0, self.sizes[index]) as w:
+            return w.clone()
+
+    def write(self, index: int, which: str, values: torch.Tensor, step: int | None = None) -> None:
+        with self._window(index, which, 0, self.sizes[index]) as w:
+            w.copy_(values)
+        if step is not None:
+            self.steps = step
+
+    def bytes(self) -> dict[str, int]:
+        return {"device": 0, "host": 0, "disk": 3 * 4 * sum(self.sizes)}
+
+
+class _Window:
+    """A mapped window [a, b) of a float32 file, as a torch tensor; flushed and unmapped on exit,
+    so its pages leave this process's resident set."""
+
+    def __init__(self, path: Path, a: int, b: int):
+        self.path, self.a, self.b = path, a, b
+
+    def __enter__(self) -> torch.Tensor:
+        self.mm = np.memmap(self.path, dtype=np.float32, mode="r+", offset=self.a * 4, shape=(self.b - self.a,))
+        return torch.from_numpy(self.mm)
+
+    def __exit__(self, *exc) -> None:
+        self.mm.flush()
+        del self.mm
+
+
+def make_store(kind: str, masters: list[torch.Tensor], pieces: list[Piece], optim_cfg, *, aliased: bool,
+               directory: str | None, rank: int, chunk: int | None = None):
+    """The store for ``--offload kind`` (none | cpu | disk)."""
+    if kind == "none":
+        return DeviceStore(masters, pieces, optim_cfg, aliased=aliased)
+    if kind == "cpu":
+        return HostStore(masters, pieces, optim_cfg)
+    if kind == "disk":
+        if not directory:
+            raise ValueError("--offload disk needs --offload-dir DIR (parallel.offload_dir)")
+        return DiskStore(masters, pieces, optim_cfg, directory=os.path.join(directory, "zero_offload"),
+                         rank=rank, chunk=chunk)
+    raise ValueError(f"parallel.offload = {kind!r} is not one of none, cpu, disk")

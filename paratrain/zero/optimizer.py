@@ -1,0 +1,408 @@
+"""ZeRO-1 and ZeRO-2: the optimizer state (ZeRO-1) and the gradients too (ZeRO-2) partitioned over dp.
+
+Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models" (2020).
+
+Parameters are laid back to back in flat buffers (``FlatLayout``), one per bucket of about
+``bucket_bytes``, with separate buffers for decayed matrices and undecayed gains (and for
+tp-split vs tp-replicated parameters, whose gradients count differently in the global norm).
+Each buffer is zero-padded to a multiple of dp; rank r owns the contiguous slice
+``[r * shard, (r + 1) * shard)``. The model's parameters become views into the buffers, so the
+all-gather after the step writes them in place.
+
+    ZeRO-1   backward accumulates into a persistent flat gradient buffer (p.grad are views);
+             after backward each buffer is reduce-scattered (SUM: the executor already divided
+             the loss by the global token count), each rank steps its slice, all-gathers params.
+    ZeRO-2   post-accumulate-grad hooks reduce-scatter a bucket as soon as backward has produced
+             its last gradient (overlapped with the rest of backward); the full gradients are
+             freed and only the shard is kept. Under ``no_sync`` (accumulation) grads accumulate
+             in p.grad as usual and the last micro-batch reduces their sum: same bytes per step.
+
+Traffic per step: reduce-scatter Ψ + all-gather Ψ = DDP's all-reduce 2Ψ (ring, per rank
+(n-1)/n of each). Memory per rank (Ψ parameters, K = 12 for mixed precision, 8 for fp32 Adam
+whose master *is* the parameter): ZeRO-1 ``2Ψ + 2Ψ + KΨ/N``; ZeRO-2 ``2Ψ + (2Ψ + KΨ/N)``... with
+the gradient term /N as well. Padding adds < dp elements per buffer.
+
+Mixed precision: parameters and gradients in ``compute_dtype`` (bf16/fp16), the fp32 master shard
+and moments in the store (offload.py); the reduction runs in ``reduce_dtype`` (default: the
+compute dtype, the paper's 2-byte gradients; pass torch.float32 to reduce in full precision).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from paratrain.comm import collectives as C
+from paratrain.mesh import ParallelMesh
+from paratrain.sharding import shard_of
+from paratrain.train.strategy import Strategy, decays
+from paratrain.zero.offload import Piece, make_store
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# --------------------------------------------------------------------------------------------
+# Flat layout: parameters back to back, padded to a multiple of dp, one contiguous slice each.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FlatLayout:
+    names: list[str]
+    params: list[nn.Parameter]
+    shapes: list[torch.Size]
+    offsets: list[int]
+    numel: int
+    padded: int  # numel rounded up to a multiple of dp
+    dp: int
+    rank: int
+    segments: list[tuple[int, int, bool, int]] = field(default_factory=list)  # (start, end, decays, copies)
+
+    @classmethod
+    def build(cls, named: list[tuple[str, nn.Parameter]], keys: list[tuple[bool, int]], dp: int,
+              rank: int) -> FlatLayout:
+        """``named`` must already be sorted by ``keys`` (decays, copies): segments are contiguous runs."""
+        offsets, o = [], 0
+        for _, p in named:
+            offsets.append(o)
+            o += p.numel()
+        padded = max(dp, math.ceil(o / dp) * dp)
+        segments: list[tuple[int, int, bool, int]] = []
+        for (_, p), off, key in zip(named, offsets, keys):
+            if segments and segments[-1][2:] == key:
+                segments[-1] = (segments[-1][0], off + p.numel(), *key)
+            else:
+                segments.append((off, off + p.numel(), *key))
+        segments[-1] = (segments[-1][0], padded, *segments[-1][2:])  # padding joins the last segment
+        return cls([n for n, _ in named], [p for _, p in named], [p.shape for _, p in named], offsets, o,
+                   padded, dp, rank, segments)
+
+    @property
+    def shard(self) -> int:
+        return self.padded // self.dp
+
+    @property
+    def lo(self) -> int:
+        return self.rank * self.shard
+
+    def flatten(self, tensors: list[torch.Tensor | None], dtype, device) -> torch.Tensor:
+        """[padded] buffer holding the tensors back to back (None -> zeros), padding zero."""
+        flat = torch.zeros(self.padded, dtype=dtype, device=device)
+        for t, off in zip(tensors, self.offsets):
+            if t is not None:
+                flat[off:off + t.numel()].copy_(t.reshape(-1))
+        return flat
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[o:o + s.numel()].view(s) for o, s in zip(self.offsets, self.shapes)]
+
+    def local(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.lo:self.lo + self.shard]
+
+    def pieces(self, index: int, weight_decay: float) -> list[tuple[Piece, int]]:
+        """This rank's slice cut at segment boundaries: (piece, copies) in shard coordinates."""
+        out = []
+        for start, end, dec, copies in self.segments:
+            a, b = max(start, self.lo), min(end, self.lo + self.shard)
+            if a < b:
+                out.append((Piece(index, a - self.lo, b - self.lo, weight_decay if dec else 0.0), copies))
+        return out
+
+
+def param_key(name: str, p: torch.Tensor, mesh: ParallelMesh) -> tuple[bool, int]:
+    """(decays, copies): copies = world ranks holding this same gradient element outside dp."""
+    spec = shard_of(p)
+    tp_copies = 1 if (spec.is_split and spec.axis == "tp") else mesh.tp.size
+    return decays(name, p), tp_copies * getattr(p, "pt_pp_copies", 1)
+
+
+def bind_views(layout: FlatLayout, flat: torch.Tensor) -> None:
+    """Make each parameter a view into ``flat`` (``p.data =`` keeps the parameter's own version
+    counter, so later in-place writes into the buffer do not trip autograd's saved-tensor check)."""
+    for p, v in zip(layout.params, layout.views(flat)):
+        p.data = v
+
+
+# --------------------------------------------------------------------------------------------
+# Shared by ZeRO-1/2/3: layout-free export and import of sharded fp32 state.
+# --------------------------------------------------------------------------------------------
+
+
+class ShardedState:
+    """Full tensors by single-device name from dp-sharded flat masters (and back)."""
+
+    layouts: list[FlatLayout]
+    mesh: ParallelMesh
+
+    def _full_flat(self, index: int, which: str) -> torch.Tensor:
+        local = self.store.read(index, which).to(self.mesh.device)
+        with self.mesh.counter.paused():  # export traffic is not part of a training step
+            parts = C.all_gather_list(local, self.mesh.dp)
+        return torch.cat(parts)
+
+    def local_full_tensors(self, which: str) -> dict[str, torch.Tensor]:
+        out = {}
+        for i, layout in enumerate(self.layouts):
+            flat = self._full_flat(i, "param" if which == "param" else which)
+            for name, p, v in zip(layout.names, layout.params, layout.views(flat)):
+                if getattr(p, "pt_tied_to", None):
+                    continue
+                with self.mesh.counter.paused():
+                    out[name] = shard_of(p).gather(v, self.mesh.tp).cpu()
+        return out
+
+    def full_optim_state(self) -> dict | None:
+        moments = {k: self._gather_stages(self.local_full_tensors(k)) for k in ("exp_avg", "exp_avg_sq")}
+        if moments["exp_avg"] is None:
+            return None
+        return {"step": self.store.steps, **moments}
+
+    def optimizer_step_count(self) -> int:
+        return self.store.steps
+
+    @torch.no_grad()
+    def _load_flats(self, model_state: dict, optim_state: dict | None) -> None:
+        from paratrain.train.strategy import _lookup
+
+        for i, layout in enumerate(self.layouts):
+            for which, state in (("param", model_state), *((k, (optim_state or {}).get(k)) for k in
+                                                            ("exp_avg", "exp_avg_sq"))):
+                if state is None:
+                    continue
+                full = [shard_of(p).slice(_lookup(state, n, self.model)) for n, p in zip(layout.names, layout.params)]
+                local = layout.local(layout.flatten(full, torch.float32, "cpu"))
+                step = None if which == "param" else int(optim_state["step"])
+                self.store.write(i, which, local.to(self.mesh.device) if which == "param" else local, step=step)
+
+
+# --------------------------------------------------------------------------------------------
+# ZeRO-1 / ZeRO-2
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Bucket:
+    layout: FlatLayout
+    flat: torch.Tensor  # [padded] compute dtype: the parameters are views into it
+    grad_flat: torch.Tensor | None = None  # ZeRO-1: [padded] persistent; ZeRO-2: [padded] in flight
+    grad_shard: torch.Tensor | None = None  # [shard] reduced gradient of our slice
+    work: object = None
+    ready: int = 0
+
+
+class ZeroDP(Strategy):
+    """Shared body of ZeRO-1 and ZeRO-2 (``stage`` picks when gradients are reduced and kept)."""
+
+    stage = 1
+
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, optim_cfg, *, precision: str = "fp32",
+                 reduce_dtype: torch.dtype | None = None, bucket_bytes: int = 25 * 2**20,
+                 offload: str = "none", offload_dir: str | None = None, offload_chunk: int | None = None):
+        self.compute_dtype = DTYPES[precision]
+        self.reduce_dtype = reduce_dtype or self.compute_dtype
+        self.bucket_bytes, self.offload, self.offload_dir = bucket_bytes, offload, offload_dir
+        self.offload_chunk = offload_chunk
+        self._sync, self._factor = True, 1.0
+        super().__init__(model, mesh, optim_cfg)
+
+    # -- construction ---------------------------------------------------------------------------
+
+    def build_optimizer(self):
+        dp, dev = self.mesh.dp, self.mesh.device
+        self.buckets: list[_Bucket] = []
+        masters, pieces = [], []
+        for named in self._bucketed():
+            keys = [param_key(n, p, self.mesh) for n, p in named]
+            layout = FlatLayout.build(named, keys, dp.size, dp.rank)
+            full32 = layout.flatten([p.detach() for _, p in named], torch.float32, dev)
+            flat = full32 if self.compute_dtype == torch.float32 else full32.to(self.compute_dtype)
+            bind_views(layout, flat)
+            aliased = self.compute_dtype == torch.float32 and self.offload == "none"
+            # fp32 without offload: the master *is* our slice of the parameters (no extra copy).
+            masters.append(layout.local(full32) if aliased else layout.local(full32).clone())
+            i = len(self.buckets)
+            pieces += layout.pieces(i, self.optim_cfg.weight_decay)
+            self.buckets.append(_Bucket(layout, flat))
+            del full32
+        self.layouts = [b.layout for b in self.buckets]
+        self.pieces = pieces
+        self.store = make_store(self.offload, masters, [pc for pc, _ in pieces], self.optim_cfg,
+                                aliased=self.compute_dtype == torch.float32 and self.offload == "none",
+                                directory=self.offload_dir, rank=self.mesh.rank, chunk=self.offload_chunk)
+        self._install_grads()
+        return None
+
+    def _bucketed(self) -> list[list[tuple[str, nn.Parameter]]]:
+        """Buckets in backward order (reverse of registration), one key (decays, copies) each."""
+        by_key: dict[tuple, list] = {}
+        for name, p in reversed(self.named_params):
+            by_key.setdefault(param_key(name, p, self.mesh), []).append((name, p))
+        buckets = []
+        for named in by_key.values():
+            current, size = [], 0
+            for name, p in named:
+                current.append((name, p))
+                size += p.numel() * self.compute_dtype.itemsize
+                if size >= self.bucket_bytes:
+                    buckets.append(current)
+                    current, size = [], 0
+            if current:
+                buckets.append(current)
+        return buckets
+
+    def _install_grads(self) -> None:
+        for b in self.buckets:
+            b.grad_flat = torch.zeros(b.layout.padded, dtype=self.compute_dtype, device=self.mesh.device)
+            for p, g in zip(b.layout.params, b.layout.views(b.grad_flat)):
+                p.grad = g  # autograd accumulates into these views in place
+
+    # -- gradient synchronisation ---------------------------------------------------------------
+
+    def after_backward(self) -> None:
+        for b in self.buckets:
+            b.grad_shard = b.layout.local(b.grad_flat)  # reduced in place: the shard is a view
+            C.reduce_scatter_auto(b.grad_shard, b.grad_flat, self.mesh.dp)
+
+    def no_sync(self):
+        return contextlib.nullcontext()  # ZeRO-1 reduces once, after the last micro-batch anyway
+
+    def grads_for_norm(self) -> list[tuple[torch.Tensor, int]]:
+        out = []
+        for (pc, copies) in self.pieces:
+            g = self.buckets[pc.index].grad_shard
+            if g is not None:
+                out.append((g[pc.start:pc.end], copies))
+        return out
+
+    def scale_grads(self, factor: float) -> None:
+        # Folded into the fp32 conversion in step(): multiplying half-precision gradients in place
+        # by 1/loss_scale would flush small ones to zero.
+        self._factor *= factor
+
+    # -- the step -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        grads = []
+        for b in self.buckets:
+            g = b.grad_shard
+            if g.dtype == torch.float32:  # in place: no extra fp32 buffer
+                grads.append(g.mul_(self._factor) if self._factor != 1.0 else g)
+            else:
+                grads.append(g.float().mul_(self._factor))
+        self.store.step(grads, lr, [b.layout.local(b.flat) for b in self.buckets])
+        for b in self.buckets:  # every rank's updated slice to every rank, in place
+            C.all_gather_into(b.flat, b.layout.local(b.flat), self.mesh.dp)
+        self._factor = 1.0
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            b.grad_shard = None
+            b.grad_flat.zero_()
+
+    # -- accounting -------------------------------------------------------------------------------
+
+    def state_bytes(self) -> dict[str, int]:
+        mine = {id(p) for b in self.buckets for p in b.layout.params}
+        others = sum(_nbytes(p) for _, p in self.model.named_parameters() if id(p) not in mine)
+        params = sum(_nbytes(b.flat) for b in self.buckets) + others
+        s = self.store.bytes()
+        return {"params": params, "grads": self._grad_bytes(), "optim": s["device"],
+                "offloaded": s["host"] + s["disk"]}
+
+    def _grad_bytes(self) -> int:
+        return sum(_nbytes(b.grad_flat) for b in self.buckets)
+
+    def step_metrics(self) -> dict[str, float]:
+        s = self.store.bytes()
+        out = {"mem_offloaded_host_bytes": s["host"], "mem_offloaded_disk_bytes": s["disk"]}
+        if hasattr(self.store, "max_resident_bytes"):
+            out["offload_resident_peak_bytes"] = self.store.max_resident_bytes
+        return out
+
+    # -- layout-free state --------------------------------------------------------------------------
+
+    def full_model_state(self) -> dict[str, torch.Tensor] | None:
+        return self._gather_stages(self.local_full_tensors("param"))
+
+    @torch.no_grad()
+    def load_full_state(self, model_state: dict, optim_state: dict | None) -> None:
+        self._load_flats(model_state, optim_state)
+        for i, b in enumerate(self.buckets):
+            local = self.store.read(i, "param").to(self.mesh.device, self.compute_dtype)
+            b.layout.local(b.flat).copy_(local)
+            with self.mesh.counter.paused():
+                C.all_gather_into(b.flat, b.layout.local(b.flat), self.mesh.dp)
+
+
+class Zero1(ShardedState, ZeroDP):
+    """ZeRO-1 (P_os): optimizer state and fp32 master partitioned; full gradients kept."""
+
+    stage = 1
+
+
+class Zero2(ShardedState, ZeroDP):
+    """ZeRO-2 (P_os+g): gradients reduce-scattered bucket by bucket during backward, shard kept."""
+
+    stage = 2
+
+    def _install_grads(self) -> None:
+        self._bucket_of = {}
+        for i, b in enumerate(self.buckets):
+            for p in b.layout.params:
+                self._bucket_of[p] = i
+                p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def no_sync(self):
+        @contextlib.contextmanager
+        def held():
+            self._sync = False
+            try:
+                yield
+            finally:
+                self._sync = True
+
+        return held()
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if not self._sync:
+            return  # accumulation micro-batch: p.grad keeps the running sum
+        b = self.buckets[self._bucket_of[p]]
+        b.ready += 1
+        if b.ready == len(b.layout.params):
+            self._reduce(b)
+
+    def _reduce(self, b: _Bucket) -> None:
+        """Pack the bucket's gradients, free them, launch the reduce-scatter (async)."""
+        b.grad_flat = b.layout.flatten([p.grad for p in b.layout.params], self.reduce_dtype, self.mesh.device)
+        for p in b.layout.params:
+            p.grad = None
+        b.grad_shard = torch.empty(b.layout.shard, dtype=self.reduce_dtype, device=self.mesh.device)
+        b.work = C.reduce_scatter_auto(b.grad_shard, b.grad_flat, self.mesh.dp, async_op=True)
+
+    def after_backward(self) -> None:
+        for b in self.buckets:  # a bucket whose parameters got no gradient: reduce zeros, in order
+            if b.work is None and b.grad_shard is None:
+                self._reduce(b)
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+            b.work, b.grad_flat, b.ready = None, None, 0  # the full gradient buffer is freed here
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            b.grad_shard, b.ready = None, 0
+            for p in b.layout.params:
+                p.grad = None
+
+    def _grad_bytes(self) -> int:
+        held = sum(_nbytes(b.grad_shard) for b in self.buckets if b.grad_shard is not None)
+        return held + sum(_nbytes(p.grad) for b in self.buckets for p in b.layout.params if p.grad is not None)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
