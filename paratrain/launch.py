@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -84,7 +85,7 @@ def _worker(fn, rank, world, init_file, pg_timeout, dump_file, dump_after, resul
                                         world_size=world, timeout=datetime.timedelta(seconds=pg_timeout))
             env = DistEnv(rank, world, rank, backend, pick_device(rank))
             out = fn(env, *args, **kwargs)
-            results.put((rank, "ok", out))
+            results.put((rank, "ok", _to_bytes(out)))
         except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
             results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         finally:
@@ -150,8 +151,20 @@ def _collect(procs, results, nproc, timeout, dumps) -> list:
             continue
         if status == "error":
             raise WorkerError(rank, f"rank {rank} failed:\n{payload}")
-        outputs[rank] = payload
+        outputs[rank] = _from_bytes(payload)
     return [outputs[r] for r in range(nproc)]
+
+
+def _to_bytes(obj) -> bytes:
+    """Results travel as bytes: a tensor put on a queue as-is is shared through a file descriptor
+    that dies with the worker, which can exit before the parent has read it."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _from_bytes(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def _read(path: str) -> str:

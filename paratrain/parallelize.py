@@ -159,6 +159,10 @@ def _check_tensor_parallel(cfg: Config, problems: list[str]) -> None:
     if c.ffn_dim % tp:
         problems.append(f"model ffn_dim ({c.ffn_dim}) must be divisible by tp ({tp}): the MLP is split "
                         "by its hidden features; change --tp or the model's ffn_dim")
+    if p.sp and p.pp > 1:
+        problems.append("parallel.sp with parallel.pp > 1 is not supported: pipeline stages exchange "
+                        "[micro_batch, seq_len, dim] activations, SP's are [micro_batch, seq_len / tp, dim]; "
+                        "drop --sp or use --pp 1")
     if p.sp and cfg.data.seq_len % tp:
         problems.append(f"data.seq_len ({cfg.data.seq_len}) must be divisible by tp ({tp}) with --sp: "
                         "sequence parallelism gives each tp rank seq_len / tp tokens")
@@ -209,7 +213,8 @@ def _check_zero(cfg: Config, problems: list[str]) -> None:
         problems.append(f"--zero {p.zero} shards gradients, which pipeline micro-batches keep accumulating "
                         "across the schedule: use --zero 1 with --pp (as DeepSpeed does), or --pp 1")
     if p.zero == 3 and cfg.model.name == "cnn-tiny":
-        problems.append("--zero 3 builds Llama units (blocks, embedding, head): cnn-tiny supports --zero 1 or 2")
+        problems.append("--zero 3 builds Llama units (blocks, embedding, head): "
+                        "cnn-tiny supports --zero 1 or 2")
     if p.zero >= 1 and p.dp_mode == "plain":
         problems.append("--dp-mode plain is the un-bucketed DDP; ZeRO does its own reduction: drop --dp-mode")
     if not p.reshard_after_forward and p.zero != 3:

@@ -35,7 +35,6 @@ from paratrain.tensor_parallel.layers import (
     VocabParallelEmbedding,
 )
 from paratrain.tensor_parallel.plan import apply_tensor_parallel, kv_heads_for_rank
-from paratrain.train.trainer import Trainer
 from tests.dist import run
 from tests.harness import RunResult, assert_same_training, run_layout, tiny_cfg
 
@@ -260,20 +259,8 @@ def test_model_gradients_match_single_device(tp, cases):
 # ------------------------------------------------------------------------------------------------
 
 
-def _train_on_rank(env, cfg_dict: dict):
-    result = Trainer(config.Config.from_dict(cfg_dict), env).fit()
-    # numpy arrays travel by value; torch tensors would be shared by file descriptor with a worker
-    # that has already exited.
-    state = {k: v.numpy() for k, v in result.final_state.items()} if result.final_state else None
-    return result.losses, state
-
-
 def _run(cfg: config.Config, nproc: int) -> RunResult:
-    config.validate(cfg, nproc)
-    outs = run(_train_on_rank, nproc, cfg.to_dict(), timeout=180)
-    for rank, (losses, _) in enumerate(outs[1:], start=1):
-        assert losses == outs[0][0], f"rank {rank} reports other losses than rank 0"
-    return RunResult(outs[0][0], {k: torch.from_numpy(v) for k, v in outs[0][1].items()})
+    return run_layout(cfg, nproc=nproc, timeout=180)
 
 
 # Losses: rtol 1e-5 (reordered fp32 sums). Weights after 4 AdamW steps at lr 1e-2: Adam divides
@@ -302,9 +289,10 @@ def reference(tmp_path_factory):
     # + gradient accumulation (norm-weight grads all-reduced per micro-batch) + recomputation
     {"parallel.tp": 2, "parallel.sp": True, "train.micro_batch": 4, "train.recompute": "full"},
     {"parallel.tp": 4, "parallel.sp": True},  # tiny has 2 kv heads: replicated at tp 4
-], ids=["tp2", "tp2-sp-accum-recompute", "tp4-sp"])
+    {"parallel.tp": 2, "parallel.pp": 2, "train.micro_batch": 2},  # TP inside pipeline stages
+], ids=["tp2", "tp2-sp-accum-recompute", "tp4-sp", "tp2-pp2"])
 def test_training_matches_single_process(layout, reference, tmp_path):
-    got = _run(tiny_cfg(tmp_path, **layout), layout["parallel.tp"])
+    got = _run(tiny_cfg(tmp_path, **layout), layout["parallel.tp"] * layout.get("parallel.pp", 1))
     torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(reference().losses), **LOSS_TOL)
     assert_same_training(got, reference(), **WEIGHT_TOL)
 
@@ -409,6 +397,7 @@ def test_comm_per_layer_and_sp_memory():
     ({"parallel.sp": True}, "needs --tp > 1"),
     ({"parallel.tp": 2, "parallel.sp": True, "data.seq_len": 33}, "seq_len (33) must be divisible by tp (2)"),
     ({"parallel.tp": 2, "model.ffn_dim": 129}, "ffn_dim (129) must be divisible by tp (2)"),
+    ({"parallel.tp": 2, "parallel.pp": 2, "parallel.sp": True}, "parallel.sp with parallel.pp > 1"),
 ])
 def test_bad_layouts_are_refused(overrides, needle, tmp_path):
     with pytest.raises(config.ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):

@@ -157,11 +157,11 @@ class DDP(Strategy):
             return
         b, i = self._where[id(p)]
         bucket = self.buckets[b]
-        self._keep_view(p, bucket.views[i])
         if self._ready[k] or b < self._next:
             raise RuntimeError(f"parameter {bucket.names[i]} received its gradient twice in one backward "
                                "(its bucket may already be on the wire); use each parameter in one backward "
                                "pass per micro-batch, or non-reentrant activation checkpointing")
+        self._keep_view(p, bucket.views[i])
         self._ready[k] = True
         bucket.ready += 1
         while self._next < len(self.buckets) and self.buckets[self._next].full:

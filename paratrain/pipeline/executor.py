@@ -60,7 +60,7 @@ class PipelineExecutor:
         self.dim = model.cfg.dim
         self._schedules: dict[int, Schedule] = {}
         self.timeline: list[dict] = []  # last training step: one dict per computation
-        self._bubble: float | None = None
+        self._trained_m: int | None = None  # micro-batches of the last training step
 
     def schedule(self, m: int) -> Schedule:
         if m not in self._schedules:
@@ -72,7 +72,8 @@ class PipelineExecutor:
     def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], divisor: float,
             loss_scale: float = 1.0) -> torch.Tensor:
         """One step's forwards and backwards; returns the step's loss share, the same on every stage."""
-        actions = self.schedule(len(micro_batches)).actions()[self.mesh.pp.rank]
+        self._trained_m = len(micro_batches)
+        actions = self.schedule(self._trained_m).actions()[self.mesh.pp.rank]
         total = self._execute(actions, micro_batches, divisor, loss_scale, train=True)
         self.strategy.after_backward()
         self.tied.all_reduce_grads()
@@ -192,7 +193,7 @@ class PipelineExecutor:
         ranks = self._gather_timelines()
         if not is_main:
             return
-        sched = self._schedules.get(max(self._schedules)) if self._schedules else None
+        sched = self.schedule(self._trained_m) if self._trained_m else None
         m = sched.m if sched else 0
         info = {
             "schedule": self.schedule_name, "p": self.p, "v": self.v, "m": m,

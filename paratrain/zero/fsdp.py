@@ -146,7 +146,8 @@ class Zero3(ShardedState, Strategy):
         """Replace meta parameters (everywhere in the model: ties) by views into the gathered buffer."""
         new_of: dict[int, nn.Parameter] = {}
         for p, view in zip(layout.params, layout.views(full)):
-            new = nn.Parameter(torch.empty(0, dtype=full.dtype, device=full.device), requires_grad=p.requires_grad)
+            new = nn.Parameter(torch.empty(0, dtype=full.dtype, device=full.device),
+                               requires_grad=p.requires_grad)
             new.data = view
             for attr in ("pt_shard", "pt_pp_copies", "pt_tied_to"):
                 if hasattr(p, attr):

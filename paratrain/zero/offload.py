@@ -69,7 +69,8 @@ class DeviceStore:
         self.views = [nn.Parameter(masters[pc.index][pc.start:pc.end], requires_grad=False) for pc in pieces]
         o = optim_cfg
         groups = [{"params": [v], "weight_decay": pc.weight_decay} for v, pc in zip(self.views, pieces)]
-        self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
+        self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                           foreach=False)
         self.steps = 0
 
     def step(self, grads: list[torch.Tensor], lr: float, outs: list[torch.Tensor | None]) -> None:
@@ -113,7 +114,8 @@ class DeviceStore:
             self.steps = step
 
     def bytes(self) -> dict[str, int]:
-        moments = sum(_nbytes(t) for st in self.optimizer.state.values() for k, t in st.items() if k in MOMENTS)
+        moments = sum(_nbytes(t) for st in self.optimizer.state.values() for k, t in st.items()
+                      if k in MOMENTS)
         masters = 0 if self.aliased else sum(_nbytes(m) for m in self.masters)
         return {"device": masters + moments, "host": 0, "disk": 0}
 
@@ -183,7 +185,8 @@ class DiskStore:
                 self._window(pc.index, "exp_avg_sq", a, b) as v:
             self.max_resident_bytes = max(self.max_resident_bytes, 3 * 4 * (b - a))
             # The step counter is per call (AdamW increments it before use): give it step_no.
-            adam_step([p], [grad[a:b].float().cpu()], [m], [v], [], [torch.tensor(float(step_no))], foreach=False,
+            step_t = torch.tensor(float(step_no))
+            adam_step([p], [grad[a:b].float().cpu()], [m], [v], [], [step_t], foreach=False,
                       decoupled_weight_decay=True, amsgrad=False, lr=lr, weight_decay=pc.weight_decay,
                       maximize=False, **self.hp)
             if out is not None:
@@ -211,7 +214,8 @@ class _Window:
         self.path, self.a, self.b = path, a, b
 
     def __enter__(self) -> torch.Tensor:
-        self.mm = np.memmap(self.path, dtype=np.float32, mode="r+", offset=self.a * 4, shape=(self.b - self.a,))
+        self.mm = np.memmap(self.path, dtype=np.float32, mode="r+", offset=self.a * 4,
+                            shape=(self.b - self.a,))
         return torch.from_numpy(self.mm)
 
     def __exit__(self, *exc) -> None:

@@ -18,9 +18,9 @@ all-gather after the step writes them in place.
              in p.grad as usual and the last micro-batch reduces their sum: same bytes per step.
 
 Traffic per step: reduce-scatter Ψ + all-gather Ψ = DDP's all-reduce 2Ψ (ring, per rank
-(n-1)/n of each). Memory per rank (Ψ parameters, K = 12 for mixed precision, 8 for fp32 Adam
-whose master *is* the parameter): ZeRO-1 ``2Ψ + 2Ψ + KΨ/N``; ZeRO-2 ``2Ψ + (2Ψ + KΨ/N)``... with
-the gradient term /N as well. Padding adds < dp elements per buffer.
+(n-1)/n of each). Model state per rank (Ψ parameters; mixed precision 2 + 2 bytes and K = 12 for
+fp32 master + moments; fp32 4 + 4 bytes and K = 8, the master *is* the parameter):
+ZeRO-1 ``2Ψ + 2Ψ + KΨ/N``, ZeRO-2 ``2Ψ + 2Ψ/N + KΨ/N``. Padding adds < dp elements per buffer.
 
 Mixed precision: parameters and gradients in ``compute_dtype`` (bf16/fp16), the fp32 master shard
 and moments in the store (offload.py); the reduction runs in ``reduce_dtype`` (default: the
@@ -173,10 +173,13 @@ class ShardedState:
                                                             ("exp_avg", "exp_avg_sq"))):
                 if state is None:
                     continue
-                full = [shard_of(p).slice(_lookup(state, n, self.model)) for n, p in zip(layout.names, layout.params)]
+                full = [shard_of(p).slice(_lookup(state, n, self.model))
+                        for n, p in zip(layout.names, layout.params)]
                 local = layout.local(layout.flatten(full, torch.float32, "cpu"))
                 step = None if which == "param" else int(optim_state["step"])
-                self.store.write(i, which, local.to(self.mesh.device) if which == "param" else local, step=step)
+                if which == "param":
+                    local = local.to(self.mesh.device)
+                self.store.write(i, which, local, step=step)
 
 
 # --------------------------------------------------------------------------------------------
@@ -401,7 +404,8 @@ class Zero2(ShardedState, ZeroDP):
 
     def _grad_bytes(self) -> int:
         held = sum(_nbytes(b.grad_shard) for b in self.buckets if b.grad_shard is not None)
-        return held + sum(_nbytes(p.grad) for b in self.buckets for p in b.layout.params if p.grad is not None)
+        full = sum(_nbytes(p.grad) for b in self.buckets for p in b.layout.params if p.grad is not None)
+        return held + full  # full: accumulation micro-batches still in flight (zero at step time)
 
 
 def _nbytes(t: torch.Tensor) -> int:
