@@ -108,9 +108,13 @@ def test_zero_stages_match_single_process_fp32(tmp_path, dp):
     for stage, g in zip((1, 2, 3), got):
         _assert_close(g, ref)
         _check_memory(g[2], stage, "fp32", dp)
-    if dp == 2:  # a sum of two is the same in any order: the three stages agree bit for bit
-        _assert_close(got[1], (got[0][0], {k: torch.from_numpy(v) for k, v in got[0][1].items()}), exact=True)
-        _assert_close(got[2], (got[0][0], {k: torch.from_numpy(v) for k, v in got[0][1].items()}), exact=True)
+    if dp == 2:
+        z1 = (got[0][0], {k: torch.from_numpy(v) for k, v in got[0][1].items()})
+        # A sum of two is the same in any order, and ZeRO-1 and ZeRO-2 share their buckets: bit for bit.
+        _assert_close(got[1], z1, exact=True)
+        # ZeRO-3 holds the same gradients cut into other tensors (units); the global norm sums
+        # per-tensor fp32 norms, so the clip factor may differ in its last bit: ~1e-7 relative.
+        _assert_close(got[2], z1, rtol=1e-5, atol=1e-6)
         _check_traffic(got, dp, m=2)
     _check_gathered_bound(got[2][2], dp)
 
