@@ -13,7 +13,8 @@ from paratrain.train.metrics import read_metrics
 from paratrain.train.trainer import Trainer, lr_at
 from tests.harness import FP32_REORDERED, assert_same_training, run_layout, tiny_cfg
 
-CONTRACT_KEYS = {"step", "loss", "lr", "grad_norm", "tokens", "step_time_s", "tokens_per_s", "mfu", "n_params",
+CONTRACT_KEYS = {"step", "loss", "lr", "grad_norm", "tokens", "step_time_s", "tokens_per_s", "mfu",
+                 "n_params",
                  "mem_params_bytes", "mem_grads_bytes", "mem_optim_bytes", "mem_offloaded_bytes",
                  "mem_peak_bytes", "comm_bytes"}
 
@@ -112,7 +113,8 @@ def test_lr_schedule_warms_up_then_decays():
 def test_cli_train_then_generate(tmp_path, capsys):
     out = tmp_path / "run"
     code = main(["train", "--model", "tiny", "--vocab-size", "512", "--max-files", "40", "--seq-len", "32",
-                 "--steps", "3", "--global-batch", "4", "--out", str(out), "--no-progress", "--eval-every", "0"])
+                 "--steps", "3", "--global-batch", "4", "--out", str(out), "--no-progress",
+                 "--eval-every", "0"])
     assert code == 0
     printed = capsys.readouterr().out
     assert f"{out}/metrics.jsonl" in printed and "sample" in printed

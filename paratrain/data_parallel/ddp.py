@@ -28,7 +28,6 @@ Reading order: ``build_buckets`` (layout), ``_on_grad_ready`` (the hook), ``afte
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -224,19 +223,6 @@ class DDP(Strategy):
         self._attach_views()
 
     # -- norm ------------------------------------------------------------------------------------
-
-    def grad_norm(self) -> float:
-        """Strategy.grad_norm's result without its float64 copy of every gradient (which cost more
-        than the all-reduce on a CPU): each tensor's norm in fp32, the sum over tensors in fp64."""
-        pairs = self.grads_for_norm()
-        total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
-        if pairs:
-            norms = torch.stack([torch.linalg.vector_norm(g.detach()) for g, _ in pairs]).double()
-            copies = torch.tensor([c for _, c in pairs], dtype=torch.float64, device=norms.device)
-            total += (norms.square() / copies).sum()
-        with self.mesh.counter.paused():  # a scalar; not part of the training traffic
-            C.all_reduce(total, self.mesh.world)
-        return math.sqrt(total.item()) if torch.isfinite(total) else float("inf")
 
     # -- accounting -------------------------------------------------------------------------------
 

@@ -143,8 +143,24 @@ class Strategy:
             out[name] = shard_of(p).gather(local, self.mesh.tp).cpu()
         return out
 
+    def persistent_buffers(self) -> dict[str, torch.Tensor]:
+        """Buffers saved with the model (BatchNorm running statistics); replicated, never sharded."""
+        out = {}
+        for prefix, module in self.model.named_modules():
+            for key, buf in module._buffers.items():
+                if buf is not None and key not in module._non_persistent_buffers_set:
+                    out[f"{prefix}.{key}" if prefix else key] = buf
+        return out
+
     def full_model_state(self) -> dict[str, torch.Tensor] | None:
-        return self._gather_stages(self.local_full_tensors("param"))
+        buffers = {k: b.detach().cpu() for k, b in self.persistent_buffers().items()}
+        return self._gather_stages({**self.local_full_tensors("param"), **buffers})
+
+    @torch.no_grad()
+    def load_buffers(self, model_state: dict[str, torch.Tensor]) -> None:
+        for name, buf in self.persistent_buffers().items():
+            if name in model_state:
+                buf.copy_(model_state[name])
 
     def full_optim_state(self) -> dict | None:
         moments = {k: self._gather_stages(self.local_full_tensors(k)) for k in ("exp_avg", "exp_avg_sq")}
@@ -175,6 +191,7 @@ class Strategy:
         """Keep this rank's slice of full tensors (every rank passes the same full dicts)."""
         for name, p in self.model.named_parameters():
             p.copy_(shard_of(p).slice(_lookup(model_state, name, self.model)).to(p.dtype))
+        self.load_buffers(model_state)
         if optim_state is None:
             return
         for name, p in self.named_params:

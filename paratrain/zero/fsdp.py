@@ -45,7 +45,7 @@ from paratrain.comm import collectives as C
 from paratrain.mesh import ParallelMesh
 from paratrain.sharding import shard_of
 from paratrain.train.strategy import Strategy
-from paratrain.zero.offload import make_store
+from paratrain.zero.offload import disk_store, make_store
 from paratrain.zero.optimizer import DTYPES, FlatLayout, ShardedState, _nbytes, param_key
 
 InitFn = Callable[[str, tuple[int, ...]], torch.Tensor]  # (name, full shape) -> full fp32 value
@@ -96,7 +96,7 @@ class Zero3(ShardedState, Strategy):
         self.offload, self.offload_dir, self.offload_chunk = offload, offload_dir, offload_chunk
         self._sync, self._factor = True, 1.0
         self.gathered_bytes = self.gathered_peak_bytes = self.last_gathered_peak_bytes = 0
-        self.model, self.mesh = model, mesh
+        self.model, self.mesh, self.optim_cfg = model, mesh, optim_cfg  # _materialize needs them
         self._materialize(init_value)
         super().__init__(model, mesh, optim_cfg)
         self._install_hooks()
@@ -105,42 +105,77 @@ class Zero3(ShardedState, Strategy):
 
     @torch.no_grad()
     def _materialize(self, init_value: InitFn) -> None:
-        dp, dev = self.mesh.dp, self.mesh.device
-        names = {id(p): n for n, p in self.model.named_parameters()}  # single-device names (meta)
-        owner: dict[int, int] = {}  # id(parameter) -> unit index (the first unit that uses it)
+        """Lay out every unit (meta, free), then materialise this rank's shard of one unit at a time.
+
+        With ``--offload disk`` the store exists before any value does: each unit's fp32 master
+        shard goes to disk as soon as it is built and is dropped, so construction holds the compute
+        shards built so far plus one unit's fp32 master and one full parameter value (the init is by
+        full tensor), never every master at once. ``init_peak_bytes`` counts exactly that.
+        """
+        dev = self.mesh.device
+        plan = self._plan_units()
+        self.layouts = [layout for _, _, layout in plan]
+        self.pieces = [pc for i, layout in enumerate(self.layouts)
+                       for pc in layout.pieces(i, self.optim_cfg.weight_decay)]
+        aliased = self.compute_dtype == torch.float32 and self.offload == "none"
+        self.store = None
+        if self.offload == "disk":
+            self.store = disk_store([layout.shard for layout in self.layouts], [pc for pc, _ in self.pieces],
+                                    self.optim_cfg, directory=self.offload_dir, rank=self.mesh.rank,
+                                    chunk=self.offload_chunk)
         self.units: list[Unit] = []
-        masters = []
+        self._masters: list[torch.Tensor] = []
+        self.init_kept_bytes = self.init_peak_bytes = 0  # bytes of tensors this constructor holds
+        for i, (uname, modules, layout) in enumerate(plan):
+            master = self._init_master(layout, init_value)  # [shard] fp32
+            shard = master if aliased else master.to(self.compute_dtype)  # fp32 + offload: the same tensor
+            extra = 0 if shard is master else _nbytes(shard)
+            self.init_peak_bytes = max(self.init_peak_bytes, self.init_kept_bytes + _nbytes(master) + extra)
+            self.init_kept_bytes += _nbytes(shard)
+            if self.store is not None:
+                self.store.write_master(i, master)  # window by window; the in-memory master is dropped
+            else:
+                self._masters.append(master)
+                self.init_kept_bytes += _nbytes(master) if shard is not master else 0
+            del master
+            full = torch.empty(layout.padded, dtype=self.compute_dtype, device=dev)
+            self._swap_params(layout, full)
+            full.untyped_storage().resize_(0)
+            self.units.append(Unit(uname, modules, layout, full, shard))
+        owner = {id(p): i for i, u in enumerate(self.units) for p in u.layout.params}
+        for u in self.units:
+            u.uses = sorted({owner[id(p)] for m in u.modules for p in m.parameters()})
+
+    def _plan_units(self) -> list[tuple[str, list[nn.Module], FlatLayout]]:
+        """Each unit's flat layout over the meta parameters it owns (a tied weight: its first unit)."""
+        names = {id(p): n for n, p in self.model.named_parameters()}  # single-device names (meta)
+        seen: set[int] = set()
+        plan = []
         for uname, modules in llama_units(self.model):
             named = []
             for m in modules:
                 for p in m.parameters():
-                    if id(p) not in owner and all(p is not q for _, q in named):
+                    if id(p) not in seen:
+                        seen.add(id(p))
                         named.append((names[id(p)], p))
             named.sort(key=lambda np_: param_key(np_[0], np_[1], self.mesh), reverse=True)
             keys = [param_key(n, p, self.mesh) for n, p in named]
-            layout = FlatLayout.build(named, keys, dp.size, dp.rank)
-            master = torch.zeros(layout.shard, dtype=torch.float32, device=dev)
-            for name, p, off in zip(layout.names, layout.params, layout.offsets):
-                a, b = max(off, layout.lo), min(off + p.numel(), layout.lo + layout.shard)
-                if a < b:  # only this rank's part of the parameter survives the slice
-                    spec = shard_of(p)
-                    local = spec.slice(init_value(name, spec.full_shape)).reshape(-1)
-                    master[a - layout.lo:b - layout.lo].copy_(local[a - off:b - off])
-            aliased = self.compute_dtype == torch.float32 and self.offload == "none"
-            shard = master if aliased else master.to(self.compute_dtype)
-            full = torch.empty(layout.padded, dtype=self.compute_dtype, device=dev)
-            for p in layout.params:
-                owner[id(p)] = len(self.units)
-            self._swap_params(layout, full)
-            for p in layout.params:
-                owner[id(p)] = len(self.units)
-            full.untyped_storage().resize_(0)
-            masters.append(master)
-            self.units.append(Unit(uname, modules, layout, full, shard))
-        for u in self.units:
-            u.uses = sorted({owner[id(p)] for m in u.modules for p in m.parameters()})
-        self.layouts = [u.layout for u in self.units]
-        self._masters = masters
+            plan.append((uname, modules, FlatLayout.build(named, keys, self.mesh.dp.size, self.mesh.dp.rank)))
+        return plan
+
+    def _init_master(self, layout: FlatLayout, init_value: InitFn) -> torch.Tensor:
+        """This rank's [shard] fp32 slice of the unit, one parameter's full init value at a time."""
+        master = torch.zeros(layout.shard, dtype=torch.float32, device=self.mesh.device)
+        for name, p, off in zip(layout.names, layout.params, layout.offsets):
+            a, b = max(off, layout.lo), min(off + p.numel(), layout.lo + layout.shard)
+            if a < b:  # only this rank's part of the parameter survives the slice
+                spec = shard_of(p)
+                value = init_value(name, spec.full_shape)
+                self.init_peak_bytes = max(self.init_peak_bytes, self.init_kept_bytes + _nbytes(master)
+                                           + _nbytes(value))
+                local = spec.slice(value).reshape(-1)
+                master[a - layout.lo:b - layout.lo].copy_(local[a - off:b - off])
+        return master
 
     def _swap_params(self, layout: FlatLayout, full: torch.Tensor) -> None:
         """Replace meta parameters (everywhere in the model: ties) by views into the gathered buffer."""
@@ -160,16 +195,14 @@ class Zero3(ShardedState, Strategy):
         layout.params[:] = [new_of[id(p)] for p in layout.params]
 
     def build_optimizer(self):
-        pieces = []
-        for i, u in enumerate(self.units):
-            pieces += u.layout.pieces(i, self.optim_cfg.weight_decay)
-        self.pieces = pieces
-        aliased = self.compute_dtype == torch.float32 and self.offload == "none"
-        self.store = make_store(self.offload, self._masters, [pc for pc, _ in pieces], self.optim_cfg,
-                                aliased=aliased, directory=self.offload_dir, rank=self.mesh.rank,
-                                chunk=self.offload_chunk)
-        if not aliased:
-            del self._masters  # the store holds its own copy (host, disk, or fp32 beside a bf16 shard)
+        if self.store is None:  # none | cpu: the store takes the masters built in _materialize
+            aliased = self.compute_dtype == torch.float32 and self.offload == "none"
+            self.store = make_store(self.offload, self._masters, [pc for pc, _ in self.pieces],
+                                    self.optim_cfg, aliased=aliased, directory=self.offload_dir,
+                                    rank=self.mesh.rank, chunk=self.offload_chunk)
+        # The store holds its own copy (host, disk, or fp32 beside a bf16 shard), or the masters are
+        # the compute shards themselves (fp32, no offload): either way this list is no longer needed.
+        del self._masters
         return None
 
     # -- gather / free ------------------------------------------------------------------------------
@@ -291,6 +324,11 @@ class Zero3(ShardedState, Strategy):
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
+        if self.offload == "disk":  # converted and scaled window by window: no whole fp32 gradient copy
+            self.store.step([u.grad_shard for u in self.units], lr, [u.shard for u in self.units],
+                            scale=self._factor)
+            self._factor = 1.0
+            return
         grads = []
         for u in self.units:
             g = u.grad_shard
@@ -322,11 +360,9 @@ class Zero3(ShardedState, Strategy):
             out["offload_resident_peak_bytes"] = self.store.max_resident_bytes
         return out
 
-    def full_model_state(self) -> dict[str, torch.Tensor] | None:
-        return self._gather_stages(self.local_full_tensors("param"))
-
     @torch.no_grad()
     def load_full_state(self, model_state: dict, optim_state: dict | None) -> None:
         self._load_flats(model_state, optim_state)
+        self.load_buffers(model_state)
         for i, u in enumerate(self.units):
             u.shard.copy_(self.store.read(i, "param").to(self.mesh.device, self.compute_dtype))

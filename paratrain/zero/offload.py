@@ -14,7 +14,10 @@ steps them with AdamW; three stores, one per ``--offload`` value:
 * ``DiskStore`` (``disk``, ZeRO-Infinity's NVMe idea): the master and both moments are ``np.memmap``
   files under ``offload_dir``; the step streams them through memory ``chunk`` elements at a time
   (map a window, step it, flush, unmap), so resident optimizer memory is ``3 * 4 * chunk`` bytes
-  whatever the model size. ``max_resident_bytes`` records it; tests assert it.
+  whatever the model size. ``max_resident_bytes`` records it; tests assert it. The files are
+  created empty (sparse zeros) and each master written with ``write_master``, one at a time, so
+  ZeRO-3 can stream its masters in as it builds them and never hold them all (fsdp.py). The
+  gradient may stay half precision: each window is converted to fp32 on its own.
 
 All three call the same per-element AdamW (``torch.optim.adam.adam``, decoupled decay), so the
 three ``--offload`` settings produce identical weights.
@@ -149,44 +152,53 @@ class DiskStore:
     location = "disk"
     FILES = ("param", *MOMENTS)
 
-    def __init__(self, masters: list[torch.Tensor], pieces: list[Piece], optim_cfg, *, directory: str,
-                 rank: int, chunk: int | None = None):
+    def __init__(self, sizes: list[int], pieces: list[Piece], optim_cfg, *, directory: str, rank: int,
+                 chunk: int | None = None):
+        """Create the (sparse, all-zero) files for master shards of ``sizes`` elements; the masters
+        are then written one at a time (``write_master``), so the caller may build them one by one."""
         self.pieces, self.hp, self.chunk = pieces, _hparams(optim_cfg), chunk or DISK_CHUNK
-        self.sizes = [m.numel() for m in masters]
+        self.sizes = list(sizes)
         self.steps = 0
-        self.max_resident_bytes = 0  # largest host window (all three files) held during a step
+        self.max_resident_bytes = 0  # largest host window held (all three files during a step)
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.paths = {(i, w): self.dir / f"rank{rank:03d}_shard{i:03d}_{w}.f32"
-                      for i in range(len(masters)) for w in self.FILES}
-        for i, m in enumerate(masters):
+                      for i in range(len(sizes)) for w in self.FILES}
+        for i in range(len(sizes)):
             for w in self.FILES:
-                # Sparse files of zeros; the master is then written window by window.
+                # Sparse files of zeros: the moments start at zero without writing a byte.
                 with open(self.paths[i, w], "wb") as f:
                     f.truncate(self.sizes[i] * 4)
-            for a in range(0, self.sizes[i], self.chunk):
-                b = min(a + self.chunk, self.sizes[i])
-                with self._window(i, "param", a, b) as w:
-                    w.copy_(m[a:b].detach().float().cpu())
+
+    def write_master(self, index: int, master: torch.Tensor) -> None:
+        """Write fp32 master shard ``index`` window by window (one mapped window resident at a time)."""
+        for a in range(0, self.sizes[index], self.chunk):
+            b = min(a + self.chunk, self.sizes[index])
+            self.max_resident_bytes = max(self.max_resident_bytes, 4 * (b - a))
+            with self._window(index, "param", a, b) as w:
+                w.copy_(master[a:b].detach().float().cpu())
 
     def _window(self, index: int, which: str, a: int, b: int) -> _Window:
         return _Window(self.paths[index, which], a, b)
 
-    def step(self, grads, lr, outs) -> None:
+    def step(self, grads, lr, outs, scale: float = 1.0) -> None:
+        """``grads`` may be half precision: each window is converted to fp32 (and multiplied by
+        ``scale``, the clip/unscale factor) on its own, so no whole fp32 gradient copy ever exists."""
         step_no = self.steps
         for pc in self.pieces:
             for a in range(pc.start, pc.end, self.chunk):
                 b = min(a + self.chunk, pc.end)
-                self._step_window(pc, a, b, grads[pc.index], lr, step_no, outs[pc.index])
+                self._step_window(pc, a, b, grads[pc.index], lr, step_no, outs[pc.index], scale)
         self.steps += 1
 
-    def _step_window(self, pc: Piece, a: int, b: int, grad, lr, step_no, out) -> None:
+    def _step_window(self, pc: Piece, a: int, b: int, grad, lr, step_no, out, scale: float) -> None:
         with self._window(pc.index, "param", a, b) as p, self._window(pc.index, "exp_avg", a, b) as m, \
                 self._window(pc.index, "exp_avg_sq", a, b) as v:
             self.max_resident_bytes = max(self.max_resident_bytes, 3 * 4 * (b - a))
             # The step counter is per call (AdamW increments it before use): give it step_no.
             step_t = torch.tensor(float(step_no))
-            adam_step([p], [grad[a:b].float().cpu()], [m], [v], [], [step_t], foreach=False,
+            g = grad[a:b].to("cpu", torch.float32)  # fp32 in fp32 out: a view, scaled as before in place
+            adam_step([p], [g.mul_(scale) if scale != 1.0 else g], [m], [v], [], [step_t], foreach=False,
                       decoupled_weight_decay=True, amsgrad=False, lr=lr, weight_decay=pc.weight_decay,
                       maximize=False, **self.hp)
             if out is not None:
@@ -231,8 +243,18 @@ def make_store(kind: str, masters: list[torch.Tensor], pieces: list[Piece], opti
     if kind == "cpu":
         return HostStore(masters, pieces, optim_cfg)
     if kind == "disk":
-        if not directory:
-            raise ValueError("--offload disk needs --offload-dir DIR (parallel.offload_dir)")
-        return DiskStore(masters, pieces, optim_cfg, directory=os.path.join(directory, "zero_offload"),
-                         rank=rank, chunk=chunk)
+        store = disk_store([m.numel() for m in masters], pieces, optim_cfg, directory=directory, rank=rank,
+                           chunk=chunk)
+        for i, m in enumerate(masters):
+            store.write_master(i, m)
+        return store
     raise ValueError(f"parallel.offload = {kind!r} is not one of none, cpu, disk")
+
+
+def disk_store(sizes: list[int], pieces: list[Piece], optim_cfg, *, directory: str | None, rank: int,
+               chunk: int | None = None) -> DiskStore:
+    """An empty disk store (zero masters and moments) under ``directory/zero_offload``."""
+    if not directory:
+        raise ValueError("--offload disk needs --offload-dir DIR (parallel.offload_dir)")
+    return DiskStore(sizes, pieces, optim_cfg, directory=os.path.join(directory, "zero_offload"), rank=rank,
+                     chunk=chunk)

@@ -329,12 +329,10 @@ class ZeroDP(Strategy):
 
     # -- layout-free state --------------------------------------------------------------------------
 
-    def full_model_state(self) -> dict[str, torch.Tensor] | None:
-        return self._gather_stages(self.local_full_tensors("param"))
-
     @torch.no_grad()
     def load_full_state(self, model_state: dict, optim_state: dict | None) -> None:
         self._load_flats(model_state, optim_state)
+        self.load_buffers(model_state)
         for i, b in enumerate(self.buckets):
             local = self.store.read(i, "param").to(self.mesh.device, self.compute_dtype)
             b.layout.local(b.flat).copy_(local)

@@ -1,0 +1,195 @@
+"""ZeRO-3 + disk offload at scale: the largest Llama this machine takes a real training step on.
+
+    .venv/bin/python benchmarks/zero_scale.py --params-b 2.0 --nproc 2 --offload-dir /tmp/pt_offload --json
+
+Builds a Llama-style config of about ``--params-b`` billion parameters (Llama-7B-wide blocks:
+dim 4096, ffn 11008, 32 heads, 8 kv heads; as many blocks as the size asks; a 512-token
+vocabulary so the embedding and head stay small), and runs ``--steps`` optimizer steps of the
+normal ``Trainer`` (``--zero 3 --offload disk``, global batch 2, seq 64) on ``--nproc`` local gloo
+workers. The fp32 master and both AdamW moments (12 bytes/param) live in memory-mapped files under
+``--offload-dir``; each rank keeps only its compute-dtype parameter shard and gradient shard.
+
+Why bf16: per rank the resident model state is then (2 + 2) Psi / N bytes (parameter + gradient
+shard) against (4 + 4) Psi / N in fp32, so at 2 B parameters the two ranks hold 8 GB of model
+state instead of 16 GB, which leaves room for the gathered units, activations and the other users
+of this 24 GiB machine. The price is speed: this CPU has no bf16 matmul instructions (5-10x
+slower than fp32); one step of 128 tokens is still a few minutes.
+
+Why not ``Trainer.fit()``: it ends with the final checkpoint and the model export, which gather
+the *full* fp32 model and both moments (12 Psi bytes) on rank 0 by design (one export format):
+at this scale that alone is more than the machine's RAM. The script drives the same per-step
+methods ``fit()`` does (``train_step``, ``log_step``, the metrics writer) and stops there.
+
+Reported (``--json``: one object): n_params, peak RSS per rank (``mem_peak_bytes`` of
+metrics.jsonl: max over ranks, and the per-rank list), total resident across ranks (sum of the
+per-rank peaks), the host's peak memory in use above the idle baseline (sampled every 0.2 s),
+bytes on disk (allocated blocks of the offload files), construction and step time, loss.
+The offload files are deleted at the end (``--keep`` keeps them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from paratrain import config  # noqa: E402
+from paratrain.launch import spawn  # noqa: E402
+from paratrain.models.llama import preset  # noqa: E402
+
+SHAPE = {"dim": 4096, "ffn_dim": 11008, "n_heads": 32, "n_kv_heads": 8}  # a Llama-7B block, GQA 4:1
+VOCAB = 512
+
+
+def n_layers_for(params_b: float) -> int:
+    """Blocks needed for about ``params_b`` billion parameters with SHAPE and VOCAB."""
+    one = preset("small", vocab_size=VOCAB, n_layers=1, **SHAPE).n_params()
+    two = preset("small", vocab_size=VOCAB, n_layers=2, **SHAPE).n_params()
+    per_block, rest = two - one, one - (two - one)
+    return max(1, round((params_b * 1e9 - rest) / per_block))
+
+
+def build_config(args: argparse.Namespace) -> config.Config:
+    return config.load(None, {
+        "model.name": "small", "model.n_layers": n_layers_for(args.params_b),
+        **{f"model.{k}": v for k, v in SHAPE.items()},
+        "data.vocab_size": VOCAB, "data.max_files": 40, "data.seq_len": args.seq_len,
+        "parallel.nproc": args.nproc, "parallel.dp": args.nproc, "parallel.zero": 3,
+        "parallel.offload": "disk", "parallel.offload_dir": args.offload_dir,
+        "parallel.timeout_s": 3600.0,  # a disk-bound step of a few minutes must not trip the watchdog
+        "train.precision": args.precision, "train.steps": args.steps, "train.global_batch": args.global_batch,
+        "train.eval_every": 0, "train.progress": False, "train.out": args.out,
+        "optim.warmup_steps": 1,
+    })
+
+
+def _worker(env, cfg_dict: dict) -> dict:
+    """One rank: build the ZeRO-3 model (streamed to disk), then the trainer's steps, no export."""
+    from paratrain.train.metrics import MetricsWriter, peak_memory_bytes
+    from paratrain.train.trainer import Trainer
+
+    cfg = config.Config.from_dict(cfg_dict)
+    start = time.perf_counter()
+    trainer = Trainer(cfg, env)
+    build_s = time.perf_counter() - start
+    rss_built = peak_memory_bytes(trainer.mesh.device)
+    writer = MetricsWriter(trainer.out, resume=False) if trainer.is_main else None
+    for step in range(cfg.train.steps):
+        row = trainer.log_step(step, trainer.train_step(step))
+        if writer:
+            writer.write(row)
+    if writer:
+        writer.close()
+    store = trainer.par.strategy.store
+    on_disk = sum(os.stat(p).st_blocks * 512 for p in store.paths.values())
+    return {"build_s": build_s, "peak_rss_after_build": rss_built, "disk_bytes": on_disk,
+            "disk_apparent_bytes": sum(os.path.getsize(p) for p in store.paths.values()),
+            "init_peak_bytes": trainer.par.strategy.init_peak_bytes}
+
+
+def _host_used() -> int:
+    """MemTotal - MemAvailable: memory in use on the whole machine (every process)."""
+    info = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, value = line.split(":")
+            info[key] = int(value.split()[0]) * 1024
+    return info["MemTotal"] - info["MemAvailable"]
+
+
+class HostSampler(threading.Thread):
+    """Peak of machine-wide memory in use while the workers run (other users included)."""
+
+    def __init__(self, period: float = 0.2):
+        super().__init__(daemon=True)
+        self.period, self.baseline, self.peak = period, _host_used(), 0
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            self.peak = max(self.peak, _host_used())
+            time.sleep(self.period)
+
+
+def run(args: argparse.Namespace) -> dict:
+    cfg = build_config(args)
+    config.validate(cfg, args.nproc)
+    from paratrain.train.task import build_task
+
+    task = build_task(cfg)  # tokenize once here (cached); the workers map the cache
+    psi = task.n_params
+    need = 12 * psi + args.nproc * 2**20
+    os.makedirs(args.offload_dir, exist_ok=True)
+    free = shutil.disk_usage(args.offload_dir).free
+    if free < 1.1 * need:
+        raise SystemExit(f"--offload-dir {args.offload_dir}: {free / 2**30:.1f} GiB free, the fp32 master "
+                         f"and moments need {need / 2**30:.1f} GiB: pick a bigger disk or a smaller --params-b")
+    sampler = HostSampler()
+    sampler.start()
+    try:
+        ranks = spawn(_worker, args.nproc, cfg.to_dict(), timeout=None, pg_timeout=cfg.parallel.timeout_s)
+    finally:
+        sampler.done.set()
+        sampler.join()
+        if not args.keep:
+            shutil.rmtree(Path(args.offload_dir) / "zero_offload", ignore_errors=True)
+    rows = [json.loads(line) for line in (Path(args.out) / "metrics.jsonl").read_text().splitlines()]
+    last = rows[-1]
+    peaks = last["per_rank"]["mem_peak_bytes"]
+    return {
+        "kind": "zero_scale", "nproc": args.nproc, "precision": args.precision, "n_params": psi,
+        "model": {"n_layers": cfg.model.n_layers, "vocab_size": task.model_cfg.vocab_size, **SHAPE},
+        "seq_len": args.seq_len, "global_batch": args.global_batch, "steps": args.steps,
+        "peak_rss_per_rank_bytes": last["mem_peak_bytes"], "peak_rss_per_rank": peaks,
+        "peak_rss_total_bytes": sum(peaks),
+        "peak_rss_after_build_bytes": max(r["peak_rss_after_build"] for r in ranks),
+        "host_used_peak_above_baseline_bytes": sampler.peak - sampler.baseline,
+        "fp32_adam_state_bytes": 16 * psi,
+        "mem_params_bytes": last["mem_params_bytes"], "mem_grads_bytes": last["mem_grads_bytes"],
+        "mem_offloaded_disk_bytes": last.get("mem_offloaded_disk_bytes"),
+        "zero3_gathered_peak_bytes": last.get("zero3_gathered_peak_bytes"),
+        "offload_resident_peak_bytes": last.get("offload_resident_peak_bytes"),
+        "init_peak_bytes": max(r["init_peak_bytes"] for r in ranks),
+        "disk_bytes": sum(r["disk_bytes"] for r in ranks),
+        "disk_apparent_bytes": sum(r["disk_apparent_bytes"] for r in ranks),
+        "build_s": max(r["build_s"] for r in ranks),
+        "step_time_s": [r["step_time_s"] for r in rows],
+        "loss": [r["loss"] for r in rows],
+        "loss_finite": all(r["loss"] is not None and math.isfinite(r["loss"]) for r in rows),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--params-b", type=float, default=0.3, help="model size in billions of parameters")
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--offload-dir", default="/tmp/pt_offload")
+    parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--global-batch", type=int, default=2)
+    parser.add_argument("--out", default="/tmp/pt_zero_scale_run", help="metrics.jsonl goes here")
+    parser.add_argument("--keep", action="store_true", help="keep the offload files")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    result = run(args)
+    if args.json:
+        print(json.dumps(result))
+        return
+    gib = 2**30
+    print(f"{result['n_params'] / 1e9:.2f} B params, {result['nproc']} ranks, {result['precision']}: "
+          f"peak RSS/rank {result['peak_rss_per_rank_bytes'] / gib:.2f} GiB, total "
+          f"{result['peak_rss_total_bytes'] / gib:.2f} GiB, disk {result['disk_bytes'] / gib:.1f} GiB, "
+          f"step {result['step_time_s']} s, loss {result['loss']}")
+
+
+if __name__ == "__main__":
+    main()
