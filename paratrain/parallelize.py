@@ -71,7 +71,8 @@ def parallelize(task: Task, cfg: Config, mesh: ParallelMesh) -> Parallelized:
         from paratrain.pipeline.executor import PipelineExecutor
 
         executor = PipelineExecutor(model, chunks, loss_fn, strategy, mesh, schedule=cfg.parallel.pp_schedule,
-                                    virtual_stages=cfg.parallel.virtual_stages, precision=cfg.train.precision)
+                                    virtual_stages=cfg.parallel.virtual_stages, precision=cfg.train.precision,
+                                    sequence_parallel=cfg.parallel.sp)
     else:
         executor = MicroBatchLoop(model, loss_fn, strategy, cfg.train.precision, mesh.device)
     return Parallelized(model, strategy, executor)
@@ -159,10 +160,6 @@ def _check_tensor_parallel(cfg: Config, problems: list[str]) -> None:
     if c.ffn_dim % tp:
         problems.append(f"model ffn_dim ({c.ffn_dim}) must be divisible by tp ({tp}): the MLP is split "
                         "by its hidden features; change --tp or the model's ffn_dim")
-    if p.sp and p.pp > 1:
-        problems.append("parallel.sp with parallel.pp > 1 is not supported: pipeline stages exchange "
-                        "[micro_batch, seq_len, dim] activations, SP's are [micro_batch, seq_len / tp, dim]; "
-                        "drop --sp or use --pp 1")
     if p.sp and cfg.data.seq_len % tp:
         problems.append(f"data.seq_len ({cfg.data.seq_len}) must be divisible by tp ({tp}) with --sp: "
                         "sequence parallelism gives each tp rank seq_len / tp tokens")
@@ -220,7 +217,3 @@ def _check_zero(cfg: Config, problems: list[str]) -> None:
     if not p.reshard_after_forward and p.zero != 3:
         problems.append("parallel.reshard_after_forward = false only applies to --zero 3")
 
-
-def device_peak_flops(device: torch.device) -> float | None:
-    """Dense bf16 peak of a known accelerator (for MFU), or None (CPU: measured by the bench)."""
-    return None

@@ -4,7 +4,8 @@ Same interface as ``MicroBatchLoop`` (``run`` / ``evaluate``), so the trainer do
 pipelined. What it does per action (schedules.py has the semantics):
 
 * runs of consecutive SEND / RECV actions go out as one ``batch_isend_irecv``; a receive's
-  buffer shape is known up front ([micro_batch, seq, dim]), so no shape exchange is needed;
+  buffer shape is known up front ([micro_batch, seq, dim]; seq / tp under sequence parallelism),
+  so no shape exchange is needed;
 * F waits for its input activation (if it was received), runs its chunk, keeps (input, output)
   for the backward; on the last stage it computes the loss (sum over tokens / divisor);
 * B waits for the output gradient, back-propagates it through the chunk and leaves the input
@@ -46,7 +47,8 @@ from paratrain.train.strategy import Strategy
 
 class PipelineExecutor:
     def __init__(self, model: nn.Module, chunks: list[StageChunk], loss_fn: LossFn, strategy: Strategy,
-                 mesh: ParallelMesh, *, schedule: str, virtual_stages: int, precision: str):
+                 mesh: ParallelMesh, *, schedule: str, virtual_stages: int, precision: str,
+                 sequence_parallel: bool = False):
         self.model, self.chunks = model, {c.stage: c for c in chunks}
         self.loss_fn, self.strategy, self.mesh = loss_fn, strategy, mesh
         self.schedule_name, self.v = schedule, virtual_stages
@@ -58,6 +60,9 @@ class PipelineExecutor:
         # autocast (fp32 residual + bf16 branch promotes to fp32).
         self.act_dtype = next(model.parameters()).dtype
         self.dim = model.cfg.dim
+        # Under sequence parallelism the residual stream between blocks, and so between stages,
+        # holds this tp rank's 1/tp slice of the sequence.
+        self.seq_shards = mesh.tp.size if sequence_parallel else 1
         self._schedules: dict[int, Schedule] = {}
         self.timeline: list[dict] = []  # last training step: one dict per computation
         self._trained_m: int | None = None  # micro-batches of the last training step
@@ -151,7 +156,8 @@ class PipelineExecutor:
             payload, src_stage, dst_stage = message(a, self.n_stages)
             if a.kind in (RECV_F, RECV_B):
                 rows, seq = micro_batches[a.mb][0].shape[:2]
-                buf = torch.empty(rows, seq, self.dim, dtype=self.act_dtype, device=self.mesh.device)
+                buf = torch.empty(rows, seq // self.seq_shards, self.dim, dtype=self.act_dtype,
+                                  device=self.mesh.device)
                 ops.append(C.p2p_op_recv(buf, self.mesh.pp, stage_rank(src_stage, self.p)))
                 kept.append(("recv", payload, buf))
                 continue
