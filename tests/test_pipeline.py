@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from paratrain import config
-from paratrain.parallelize import NOT_AVAILABLE
 from paratrain.pipeline import timeline
 from paratrain.train.data import prepare_corpus
 from paratrain.train.task import build_task
@@ -120,9 +119,11 @@ def world4(tmp_path_factory):
         "tied_m4": tiny_cfg(base / "tied", **_pp(4, "gpipe"), **M4, **TIED),
         # dp 2: each dp rank has 4 rows; micro_batch 2 -> m = 2 per pipeline, the m4 ref's micro-batches
         "pp2_dp2": tiny_cfg(base / "dp", **_pp(2, "1f1b"), **{"parallel.dp": 2, **M4}),
+        # ZeRO-1 inside each stage: optimizer state sharded over the stage's dp ranks
+        "pp2_dp2_zero1": tiny_cfg(base / "dpz1", **_pp(2, "1f1b"),
+                                  **{"parallel.dp": 2, "parallel.zero": 1, **M4}),
+        "pp2_tp2": tiny_cfg(base / "tp", **_pp(2, "1f1b"), **M4, **{"parallel.tp": 2}),
     }
-    if not NOT_AVAILABLE.get("tp", lambda c: False)(tiny_cfg(base, **{"parallel.tp": 2})):
-        cfgs["pp2_tp2"] = tiny_cfg(base / "tp", **_pp(2, "1f1b"), **M4, **{"parallel.tp": 2})
     return _layouts(4, cfgs)
 
 
@@ -152,18 +153,17 @@ def test_pp2_x_dp2(world4, refs):
     assert_same_training(world4["pp2_dp2"], refs["m4"], **SUMMED)
 
 
+def test_pp2_x_dp2_zero1(world4, refs):
+    assert_same_training(world4["pp2_dp2_zero1"], refs["m4"], **SUMMED)
+
+
 def test_pp2_x_tp2(world4, refs):
-    if "pp2_tp2" not in world4:
-        pytest.skip("tensor parallelism is not available yet (parallelize.NOT_AVAILABLE)")
     # tp all-reduces partial sums of every row-parallel product: fp32 sums in another order.
     assert_composed(world4["pp2_tp2"], refs["m4"])
 
 
 def test_pp2_x_dp2_x_tp2(tmp_path, refs):
     cfg = tiny_cfg(tmp_path, **_pp(2, "1f1b"), **{"parallel.dp": 2, "parallel.tp": 2, **M4})
-    blocked = [n for n, used in NOT_AVAILABLE.items() if used(cfg)]
-    if blocked:
-        pytest.skip(f"needs {', '.join(blocked)} (parallelize.NOT_AVAILABLE)")
     assert_composed(_layouts(8, {"3d": cfg})["3d"], refs["m4"])
 
 

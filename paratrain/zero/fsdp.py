@@ -6,7 +6,9 @@ A *unit* is one transformer block, the embedding, or the final norm + LM head. E
 parameters are one flat buffer (``FlatLayout``: back to back, padded to a multiple of dp); a rank
 keeps only its contiguous 1/dp shard. The model is built on the meta device and each rank
 materialises only its shard, parameter by parameter from ``init_value(name)`` (the
-layout-independent init), so the full model never exists on one rank.
+layout-independent init), so the full model never exists on one rank. With ``--offload disk``
+the construction streams: the disk store is created from the layouts first, and each unit's fp32
+master shard is written to it as soon as it is built, then dropped (one unit in memory at a time).
 
     forward   pre-hook:  all-gather unit i (wait if prefetched), then start the all-gather of
                          unit i+1 (async: it crosses the wire while unit i computes)
