@@ -36,7 +36,6 @@ skip the reduce-scatter (FSDP's no_sync: fewer bytes, more memory); the last one
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -48,7 +47,11 @@ from paratrain.mesh import ParallelMesh
 from paratrain.sharding import shard_of
 from paratrain.train.strategy import Strategy
 from paratrain.zero.offload import disk_store, make_store
-from paratrain.zero.optimizer import DTYPES, FlatLayout, ShardedState, _nbytes, param_key
+from paratrain.zero.optimizer import DTYPES, FlatLayout, ShardedState, _nbytes, held_sync, param_key
+
+#: Gradient reductions of units allowed in flight at once during backward (each holds a full unit's
+#: gradient until it completes): the current one and the previous one overlap with compute.
+REDUCES_IN_FLIGHT = 2
 
 InitFn = Callable[[str, tuple[int, ...]], torch.Tensor]  # (name, full shape) -> full fp32 value
 
@@ -99,6 +102,7 @@ class Zero3(ShardedState, Strategy):
         self._sync, self._factor = True, 1.0
         self.gathered_bytes = self.gathered_peak_bytes = self.last_gathered_peak_bytes = 0
         self.model, self.mesh, self.optim_cfg = model, mesh, optim_cfg  # _materialize needs them
+        self._in_flight: list[Unit] = []  # units whose gradient reduction is launched, oldest first
         self._materialize(init_value)
         super().__init__(model, mesh, optim_cfg)
         self._install_hooks()
@@ -293,29 +297,30 @@ class Zero3(ShardedState, Strategy):
             p.grad = None
         u.grad_shard = torch.empty(u.layout.shard, dtype=self.reduce_dtype, device=self.mesh.device)
         u.rs_work = C.reduce_scatter_auto(u.grad_shard, u.grad_flat, self.mesh.dp, async_op=True)
+        # Each launched reduction holds its unit's full [padded] gradient until it completes: bound
+        # how many are in flight, or backward ends holding every unit's full gradient (Psi, not Psi/N).
+        self._in_flight.append(u)
+        while len(self._in_flight) > REDUCES_IN_FLIGHT:
+            self._finish_reduce(self._in_flight.pop(0))
+
+    def _finish_reduce(self, u: Unit) -> None:
+        if u.rs_work is not None:
+            u.rs_work.wait()
+        u.rs_work, u.grad_flat = None, None
 
     # -- Strategy ---------------------------------------------------------------------------------
 
-    def no_sync(self):
-        @contextlib.contextmanager
-        def held():
-            self._sync = False
-            try:
-                yield
-            finally:
-                self._sync = True
-
-        return held()
+    no_sync = held_sync
 
     def after_backward(self) -> None:
         for u in self.units:
             if u.rs_work is None and u.grad_shard is None:  # no gradient reached it: reduce zeros
                 self._reduce(u)
         for i, u in enumerate(self.units):
-            if u.rs_work is not None:
-                u.rs_work.wait()
-            u.rs_work, u.grad_flat, u.ready = None, None, 0
+            self._finish_reduce(u)
+            u.ready = 0
             self._free(i)
+        self._in_flight = []
 
     def grads_for_norm(self) -> list[tuple[torch.Tensor, int]]:
         return [(self.units[pc.index].grad_shard[pc.start:pc.end], copies) for pc, copies in self.pieces

@@ -50,6 +50,17 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # --------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def held_sync(strategy):
+    """``no_sync`` of the strategies that reduce from backward hooks (ZeRO-2, ZeRO-3): while held,
+    the hooks see ``_sync = False`` and let gradients accumulate locally."""
+    strategy._sync = False
+    try:
+        yield
+    finally:
+        strategy._sync = True
+
+
 @dataclass
 class FlatLayout:
     names: list[str]
@@ -358,16 +369,7 @@ class Zero2(ShardedState, ZeroDP):
                 self._bucket_of[p] = i
                 p.register_post_accumulate_grad_hook(self._on_grad)
 
-    def no_sync(self):
-        @contextlib.contextmanager
-        def held():
-            self._sync = False
-            try:
-                yield
-            finally:
-                self._sync = True
-
-        return held()
+    no_sync = held_sync
 
     def _on_grad(self, p: nn.Parameter) -> None:
         if not self._sync:
