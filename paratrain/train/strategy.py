@@ -99,12 +99,18 @@ class Strategy:
 
     def grad_norm(self) -> float:
         """Global L2 norm: each distinct gradient element counted once, whatever the layout."""
+        pairs = self.grads_for_norm()
+        # Every rank holds every gradient (pure data parallelism): the local norm is the global
+        # one, and skipping the all-reduce removes a synchronisation point from each step.
+        replicated = bool(pairs) and all(c == self.mesh.world.size for _, c in pairs)
         total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
-        for g, copies in self.grads_for_norm():
+        for g, copies in pairs:
             # Per-tensor norm in the gradient's dtype (fast), squares summed in fp64 across tensors.
-            total += torch.linalg.vector_norm(g.detach(), dtype=torch.float32).double() ** 2 / copies
-        with self.mesh.counter.paused():  # a scalar; not part of the training traffic
-            C.all_reduce(total, self.mesh.world)
+            total += torch.linalg.vector_norm(g.detach(), dtype=torch.float32).double() ** 2 / (
+                1 if replicated else copies)
+        if not replicated:
+            with self.mesh.counter.paused():  # a scalar; not part of the training traffic
+                C.all_reduce(total, self.mesh.world)
         return math.sqrt(total.item()) if torch.isfinite(total) else float("inf")
 
     @torch.no_grad()
