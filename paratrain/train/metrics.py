@@ -137,8 +137,11 @@ def plot_loss(metrics_path: Path, png_path: Path) -> Path:
     if val:
         ax.plot(*zip(*val), "o-", label="validation loss")
     layout = next((r["layout"] for r in rows if "layout" in r), None)
-    ax.set(xlabel="step", ylabel="cross-entropy (nats/token)",
-           title=f"paratrain {json.dumps(layout) if layout else ''}"[:90])
+    title = "paratrain"
+    if layout:
+        title += (f"  dp{layout['dp']} tp{layout['tp']} pp{layout['pp']} zero{layout['zero']}"
+                  f"{' sp' if layout['sp'] else ''}  {layout['precision']}")
+    ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title=title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
