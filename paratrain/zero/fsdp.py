@@ -359,13 +359,8 @@ class Zero3(ShardedState, Strategy):
                 "offloaded": s["host"] + s["disk"]}
 
     def step_metrics(self) -> dict[str, float]:
-        s = self.store.bytes()
-        out = {"zero3_gathered_peak_bytes": self.last_gathered_peak_bytes,
-               "zero3_unit_max_bytes": max(u.nbytes for u in self.units),
-               "mem_offloaded_host_bytes": s["host"], "mem_offloaded_disk_bytes": s["disk"]}
-        if hasattr(self.store, "max_resident_bytes"):
-            out["offload_resident_peak_bytes"] = self.store.max_resident_bytes
-        return out
+        return {"zero3_gathered_peak_bytes": self.last_gathered_peak_bytes,
+                "zero3_unit_max_bytes": max(u.nbytes for u in self.units), **self.offload_metrics()}
 
     @torch.no_grad()
     def load_full_state(self, model_state: dict, optim_state: dict | None) -> None:

@@ -149,6 +149,14 @@ class ShardedState:
     layouts: list[FlatLayout]
     mesh: ParallelMesh
 
+    def offload_metrics(self) -> dict[str, float]:
+        """Where the optimizer partition lives (host / disk bytes) and the disk store's resident peak."""
+        s = self.store.bytes()
+        out = {"mem_offloaded_host_bytes": s["host"], "mem_offloaded_disk_bytes": s["disk"]}
+        if hasattr(self.store, "max_resident_bytes"):
+            out["offload_resident_peak_bytes"] = self.store.max_resident_bytes
+        return out
+
     def _full_flat(self, index: int, which: str) -> torch.Tensor:
         local = self.store.read(index, which).to(self.mesh.device)
         with self.mesh.counter.paused():  # export traffic is not part of a training step
@@ -332,11 +340,7 @@ class ZeroDP(Strategy):
         return sum(_nbytes(b.grad_flat) for b in self.buckets)
 
     def step_metrics(self) -> dict[str, float]:
-        s = self.store.bytes()
-        out = {"mem_offloaded_host_bytes": s["host"], "mem_offloaded_disk_bytes": s["disk"]}
-        if hasattr(self.store, "max_resident_bytes"):
-            out["offload_resident_peak_bytes"] = self.store.max_resident_bytes
-        return out
+        return self.offload_metrics()
 
     # -- layout-free state --------------------------------------------------------------------------
 
