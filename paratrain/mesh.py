@@ -119,14 +119,6 @@ class ParallelMesh:
             return axes[name]
         raise AttributeError(name)
 
-    @property
-    def is_first_stage(self) -> bool:
-        return self.axes["pp"].rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.axes["pp"].rank == self.axes["pp"].size - 1
-
     def describe(self) -> dict[str, int]:
         return {"pp": self.shape.pp, "dp": self.shape.dp, "tp": self.shape.tp, "ep": self.shape.ep}
 

@@ -90,9 +90,6 @@ class Axis:
     def active(self) -> bool:
         return self.size > 1
 
-    def global_rank(self, index: int) -> int:
-        return self.ranks[index]
-
 
 def single_axis(name: str = "world", counter: CommCounter | None = None) -> Axis:
     """A trivial axis of one rank (no communication ever happens on it)."""
@@ -220,15 +217,6 @@ def all_to_all_single(
     return dist.all_to_all_single(
         out, inp, out_splits, in_splits, group=axis.group, async_op=async_op
     )
-
-
-def broadcast_object(obj, axis: Axis, src_index: int = 0):
-    """Broadcast a picklable object (configuration, not tensors of the hot path)."""
-    if not axis.active:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=axis.ranks[src_index], group=axis.group)
-    return box[0]
 
 
 def gather_object(obj, axis: Axis, dst_index: int = 0) -> list | None:

@@ -109,9 +109,6 @@ class Schedule:
     def n_stages(self) -> int:
         return self.p * self.v
 
-    def stages_of(self, rank: int) -> list[int]:
-        return [c * self.p + rank for c in range(self.v)]
-
     def compute_order(self, rank: int) -> list[Action]:
         raise NotImplementedError
 

@@ -275,12 +275,6 @@ class Memory:
                 "capacity": self.capacity, "margin": self.margin, "offloaded": self.offloaded}
 
 
-def model_states_only(n_params: float, tr: Training, lay: Layout) -> dict[str, float]:
-    """Model states per device for a bare parameter count (``--params``): no shape, no activations."""
-    psi = n_params / (lay.tp * lay.pp)
-    return zero_model_state_bytes(psi, lay.dp, lay.zero, state_bytes_per_param(tr.precision, tr.optimizer))
-
-
 def device_memory(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster) -> Memory:
     """Memory of the busiest pipeline rank of `lay` (each rank's total compared, the largest kept)."""
     sb = state_bytes_per_param(tr.precision, tr.optimizer)
