@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from paratrain.bench.common import add_common_arguments, machine
+from paratrain.train.metrics import sync_device
 
 PEERS = {"naive": "ScheduleGPipe", "gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
          "interleaved": "ScheduleInterleaved1F1B"}
@@ -123,12 +124,12 @@ class _Side:
         for _ in range(warmup):
             self.step()
         dist.barrier()
-        _sync(self.mesh.device)
+        sync_device(self.mesh.device)
         start = time.perf_counter()
         for _ in range(steps):
             self.step()
             self.after_step()
-        _sync(self.mesh.device)
+        sync_device(self.mesh.device)
         dist.barrier()
         self.tokens_per_s = self.tokens * steps / (time.perf_counter() - start - self.excluded)
         self.excluded = 0.0
@@ -199,8 +200,3 @@ class _Peer(_Side):
         self.schedule.step(*args, **kwargs)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -96,8 +96,9 @@ def single_axis(name: str = "world", counter: CommCounter | None = None) -> Axis
     return Axis(name, 1, 0, [0], None, counter or CommCounter())
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+def nbytes(t: torch.Tensor | None) -> int:
+    """Bytes of a tensor's elements (0 for None): the unit of every count in paratrain."""
+    return 0 if t is None else t.numel() * t.element_size()
 
 
 # --------------------------------------------------------------------------------------------
@@ -108,7 +109,7 @@ def _nbytes(t: torch.Tensor) -> int:
 def all_reduce(t: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM, async_op: bool = False):
     if not axis.active:
         return None
-    axis.counter.record("all_reduce", axis.name, axis.size, _nbytes(t))
+    axis.counter.record("all_reduce", axis.name, axis.size, nbytes(t))
     return dist.all_reduce(t, op=op, group=axis.group, async_op=async_op)
 
 
@@ -118,7 +119,7 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, axis: Axis, async_op
         if out.data_ptr() != shard.data_ptr():
             out.copy_(shard.view_as(out))
         return None
-    axis.counter.record("all_gather", axis.name, axis.size, _nbytes(out))
+    axis.counter.record("all_gather", axis.name, axis.size, nbytes(out))
     return dist.all_gather_single(out, shard, group=axis.group, async_op=async_op)
 
 
@@ -130,7 +131,7 @@ def reduce_scatter_into(
         if out.data_ptr() != full.data_ptr():
             out.copy_(full.view_as(out))
         return None
-    axis.counter.record("reduce_scatter", axis.name, axis.size, _nbytes(full))
+    axis.counter.record("reduce_scatter", axis.name, axis.size, nbytes(full))
     return dist.reduce_scatter_single(out, full, op=op, group=axis.group, async_op=async_op)
 
 
@@ -190,7 +191,7 @@ def all_gather_list(t: torch.Tensor, axis: Axis) -> list[torch.Tensor]:
     if not axis.active:
         return [t]
     out = [torch.empty_like(t) for _ in range(axis.size)]
-    axis.counter.record("all_gather", axis.name, axis.size, _nbytes(t) * axis.size)
+    axis.counter.record("all_gather", axis.name, axis.size, nbytes(t) * axis.size)
     dist.all_gather(out, t.contiguous(), group=axis.group)
     return out
 
@@ -198,7 +199,7 @@ def all_gather_list(t: torch.Tensor, axis: Axis) -> list[torch.Tensor]:
 def broadcast(t: torch.Tensor, axis: Axis, src_index: int = 0, async_op: bool = False):
     if not axis.active:
         return None
-    axis.counter.record("broadcast", axis.name, axis.size, _nbytes(t) if axis.rank == src_index else 0)
+    axis.counter.record("broadcast", axis.name, axis.size, nbytes(t) if axis.rank == src_index else 0)
     return dist.broadcast(t, src=axis.ranks[src_index], group=axis.group, async_op=async_op)
 
 
@@ -213,7 +214,7 @@ def all_to_all_single(
     if not axis.active:
         out.copy_(inp)
         return None
-    axis.counter.record("all_to_all", axis.name, axis.size, _nbytes(inp))
+    axis.counter.record("all_to_all", axis.name, axis.size, nbytes(inp))
     return dist.all_to_all_single(
         out, inp, out_splits, in_splits, group=axis.group, async_op=async_op
     )
@@ -247,7 +248,7 @@ def barrier(axis: Axis) -> None:
 
 
 def p2p_op_send(t: torch.Tensor, axis: Axis, peer_index: int) -> dist.P2POp:
-    axis.counter.record("send", axis.name, axis.size, _nbytes(t))
+    axis.counter.record("send", axis.name, axis.size, nbytes(t))
     return dist.P2POp(dist.isend, t, axis.ranks[peer_index], group=axis.group)
 
 

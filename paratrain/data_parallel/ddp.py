@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from paratrain.comm import collectives as C
+from paratrain.comm.collectives import nbytes
 from paratrain.mesh import ParallelMesh
 from paratrain.train.strategy import Strategy
 
@@ -69,14 +70,14 @@ def build_buckets(named: list[tuple[str, nn.Parameter]], bucket_bytes: int,
     groups: list[list[tuple[str, nn.Parameter]]] = []
     size = 0
     for name, p in reversed(named):
-        nbytes = p.numel() * p.element_size()
+        p_bytes = nbytes(p)
         current = groups[-1] if groups else None
         cap = first_bucket_bytes if len(groups) == 1 and first_bucket_bytes is not None else bucket_bytes
-        if current is None or (size > 0 and size + nbytes > cap) or _kind(current[0][1]) != _kind(p):
+        if current is None or (size > 0 and size + p_bytes > cap) or _kind(current[0][1]) != _kind(p):
             groups.append([])
             size = 0
         groups[-1].append((name, p))
-        size += nbytes
+        size += p_bytes
     buckets = []
     for group in groups:
         first = group[0][1]
@@ -232,5 +233,5 @@ class DDP(Strategy):
     def state_bytes(self) -> dict[str, int]:
         """The bucket buffers are the gradients (p.grad are views into them): count them once."""
         out = super().state_bytes()
-        out["grads"] = sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
+        out["grads"] = sum(nbytes(b.buffer) for b in self.buckets)
         return out

@@ -31,16 +31,17 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32
     b = torch.randn(n, n, device=device, dtype=dtype)
     for _ in range(3):
         a @ b
-    _sync(device)
+    sync_device(device)
     count, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         a @ b
         count += 1
-    _sync(device)
+    sync_device(device)
     return 2 * n**3 * count / (time.perf_counter() - start)
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on CPU), so a clock reads finished work."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from paratrain.comm import collectives as C
+from paratrain.comm.collectives import nbytes
 from paratrain.mesh import ParallelMesh
 from paratrain.sharding import shard_of
 
@@ -128,9 +129,9 @@ class Strategy:
 
     def state_bytes(self) -> dict[str, int]:
         """Model-state bytes held by this rank, counted from the tensors themselves."""
-        params = sum(_nbytes(p) for _, p in self.model.named_parameters())
-        grads = sum(_nbytes(p.grad) for _, p in self.named_params if p.grad is not None)
-        optim = sum(_nbytes(t) for st in self.optimizer.state.values() for t in st.values()
+        params = sum(nbytes(p) for _, p in self.model.named_parameters())
+        grads = sum(nbytes(p.grad) for _, p in self.named_params if p.grad is not None)
+        optim = sum(nbytes(t) for st in self.optimizer.state.values() for t in st.values()
                     if torch.is_tensor(t) and t.dim() > 0)
         return {"params": params, "grads": grads, "optim": optim, "offloaded": 0}
 
@@ -214,7 +215,3 @@ def _lookup(state: dict, name: str, model: nn.Module) -> torch.Tensor:
     if name == "lm_head.weight" and "embed.weight" in state:  # tied weight on a pipeline's last stage
         return state["embed.weight"]
     raise KeyError(f"checkpoint has no tensor {name!r}: it was written for a different model")
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()

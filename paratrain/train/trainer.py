@@ -34,6 +34,7 @@ from paratrain.train.metrics import (
     merge_ranks,
     plot_loss,
     rank_record,
+    sync_device,
 )
 from paratrain.train.task import Task, build_task
 
@@ -116,7 +117,7 @@ class Trainer:
         # the gradients are released: the moment of peak model state.
         state_bytes = strategy.state_bytes()
         strategy.zero_grad()
-        _sync(self.mesh.device)
+        sync_device(self.mesh.device)
         elapsed = time.perf_counter() - start
         return {"local_loss": local, "grad_norm": norm, "skipped": skipped, "time": elapsed,
                 "state_bytes": state_bytes}
@@ -260,11 +261,6 @@ class Trainer:
 def train(cfg: Config, env: DistEnv | None = None) -> TrainResult:
     """Run the whole training on this rank (every rank calls it)."""
     return Trainer(cfg, env).fit()
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _rng_state() -> dict:

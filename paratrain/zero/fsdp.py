@@ -43,11 +43,12 @@ import torch
 import torch.nn as nn
 
 from paratrain.comm import collectives as C
+from paratrain.comm.collectives import nbytes
 from paratrain.mesh import ParallelMesh
 from paratrain.sharding import shard_of
 from paratrain.train.strategy import Strategy
 from paratrain.zero.offload import disk_store, make_store
-from paratrain.zero.optimizer import DTYPES, FlatLayout, ShardedState, _nbytes, held_sync, param_key
+from paratrain.zero.optimizer import DTYPES, FlatLayout, ShardedState, held_sync, param_key
 
 #: Gradient reductions of units allowed in flight at once during backward (each holds a full unit's
 #: gradient until it completes): the current one and the previous one overlap with compute.
@@ -135,14 +136,14 @@ class Zero3(ShardedState, Strategy):
         for i, (uname, modules, layout) in enumerate(plan):
             master = self._init_master(layout, init_value)  # [shard] fp32
             shard = master if aliased else master.to(self.compute_dtype)  # fp32 + offload: the same tensor
-            extra = 0 if shard is master else _nbytes(shard)
-            self.init_peak_bytes = max(self.init_peak_bytes, self.init_kept_bytes + _nbytes(master) + extra)
-            self.init_kept_bytes += _nbytes(shard)
+            extra = 0 if shard is master else nbytes(shard)
+            self.init_peak_bytes = max(self.init_peak_bytes, self.init_kept_bytes + nbytes(master) + extra)
+            self.init_kept_bytes += nbytes(shard)
             if self.store is not None:
                 self.store.write_master(i, master)  # window by window; the in-memory master is dropped
             else:
                 self._masters.append(master)
-                self.init_kept_bytes += _nbytes(master) if shard is not master else 0
+                self.init_kept_bytes += nbytes(master) if shard is not master else 0
             del master
             full = torch.empty(layout.padded, dtype=self.compute_dtype, device=dev)
             self._swap_params(layout, full)
@@ -177,8 +178,8 @@ class Zero3(ShardedState, Strategy):
             if a < b:  # only this rank's part of the parameter survives the slice
                 spec = shard_of(p)
                 value = init_value(name, spec.full_shape)
-                self.init_peak_bytes = max(self.init_peak_bytes, self.init_kept_bytes + _nbytes(master)
-                                           + _nbytes(value))
+                self.init_peak_bytes = max(self.init_peak_bytes, self.init_kept_bytes + nbytes(master)
+                                           + nbytes(value))
                 local = spec.slice(value).reshape(-1)
                 master[a - layout.lo:b - layout.lo].copy_(local[a - off:b - off])
         return master
@@ -352,10 +353,10 @@ class Zero3(ShardedState, Strategy):
         self.gathered_peak_bytes = self.gathered_bytes
 
     def state_bytes(self) -> dict[str, int]:
-        grads = sum(_nbytes(u.grad_shard) for u in self.units if u.grad_shard is not None)
-        grads += sum(_nbytes(p.grad) for u in self.units for p in u.layout.params if p.grad is not None)
+        grads = sum(nbytes(u.grad_shard) for u in self.units if u.grad_shard is not None)
+        grads += sum(nbytes(p.grad) for u in self.units for p in u.layout.params if p.grad is not None)
         s = self.store.bytes()
-        return {"params": sum(_nbytes(u.shard) for u in self.units), "grads": grads, "optim": s["device"],
+        return {"params": sum(nbytes(u.shard) for u in self.units), "grads": grads, "optim": s["device"],
                 "offloaded": s["host"] + s["disk"]}
 
     def step_metrics(self) -> dict[str, float]:

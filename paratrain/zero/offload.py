@@ -34,6 +34,8 @@ import torch
 import torch.nn as nn
 from torch.optim.adam import adam as adam_step
 
+from paratrain.comm.collectives import nbytes
+
 MOMENTS = ("exp_avg", "exp_avg_sq")
 #: Elements per streamed window of the disk store (4 MiB per file at fp32). Small enough to bound
 #: resident memory, large enough that the per-window Python overhead is negligible.
@@ -55,8 +57,7 @@ def _hparams(optim_cfg) -> dict:
     return {"beta1": o.beta1, "beta2": o.beta2, "eps": o.eps}
 
 
-def _nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
+
 
 
 class DeviceStore:
@@ -117,9 +118,9 @@ class DeviceStore:
             self.steps = step
 
     def bytes(self) -> dict[str, int]:
-        moments = sum(_nbytes(t) for st in self.optimizer.state.values() for k, t in st.items()
+        moments = sum(nbytes(t) for st in self.optimizer.state.values() for k, t in st.items()
                       if k in MOMENTS)
-        masters = 0 if self.aliased else sum(_nbytes(m) for m in self.masters)
+        masters = 0 if self.aliased else sum(nbytes(m) for m in self.masters)
         return {"device": masters + moments, "host": 0, "disk": 0}
 
 

@@ -37,6 +37,7 @@ import torch
 import torch.nn as nn
 
 from paratrain.comm import collectives as C
+from paratrain.comm.collectives import nbytes
 from paratrain.mesh import ParallelMesh
 from paratrain.sharding import shard_of
 from paratrain.train.strategy import Strategy, decays
@@ -330,14 +331,14 @@ class ZeroDP(Strategy):
 
     def state_bytes(self) -> dict[str, int]:
         mine = {id(p) for b in self.buckets for p in b.layout.params}
-        others = sum(_nbytes(p) for _, p in self.model.named_parameters() if id(p) not in mine)
-        params = sum(_nbytes(b.flat) for b in self.buckets) + others
+        others = sum(nbytes(p) for _, p in self.model.named_parameters() if id(p) not in mine)
+        params = sum(nbytes(b.flat) for b in self.buckets) + others
         s = self.store.bytes()
         return {"params": params, "grads": self._grad_bytes(), "optim": s["device"],
                 "offloaded": s["host"] + s["disk"]}
 
     def _grad_bytes(self) -> int:
-        return sum(_nbytes(b.grad_flat) for b in self.buckets)
+        return sum(nbytes(b.grad_flat) for b in self.buckets)
 
     def step_metrics(self) -> dict[str, float]:
         return self.offload_metrics()
@@ -407,10 +408,6 @@ class Zero2(ShardedState, ZeroDP):
                 p.grad = None
 
     def _grad_bytes(self) -> int:
-        held = sum(_nbytes(b.grad_shard) for b in self.buckets if b.grad_shard is not None)
-        full = sum(_nbytes(p.grad) for b in self.buckets for p in b.layout.params if p.grad is not None)
+        held = sum(nbytes(b.grad_shard) for b in self.buckets if b.grad_shard is not None)
+        full = sum(nbytes(p.grad) for b in self.buckets for p in b.layout.params if p.grad is not None)
         return held + full  # full: accumulation micro-batches still in flight (zero at step time)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
