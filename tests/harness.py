@@ -2,19 +2,39 @@
 
     ref = run_layout(tiny_cfg(tmp_path / "ref"), nproc=1)
     got = run_layout(tiny_cfg(tmp_path / "dp2", **{"parallel.dp": 2}), nproc=2)
-    assert_same_training(got, ref, rtol=..., atol=...)
+    assert_same_training(got, ref, **FP32_REORDERED)
 
 The corpus is tokenized once in the calling process (cached), so workers only map it.
 
-Tolerances. Where a layout sums fp32 numbers in another order (dp all-reduce, micro-batch
-accumulation, tp partial sums), each sum differs by ~1e-7 relative. Losses then agree to ~1e-6.
-Weights need more room: AdamW divides each element's step by that element's own gradient scale,
-so an element whose gradient is at rounding-noise level moves by up to ~lr in a direction the
-noise picks. With TINY's lr = 1e-2 over 4 steps we observe differences up to ~4e-5; FP32_REORDERED
-(atol 1e-4, 1% of the largest possible move lr * steps) bounds that and still fails on any real bug
-(a wrong reduction or a missing micro-batch moves weights by ~lr on every element).
-"""
+The parity criterion, and why it is not a plain elementwise tolerance. Where a layout sums fp32
+numbers in another order (dp all-reduce, micro-batch accumulation, tp partial sums), each sum
+differs by ~1e-7 relative. Losses then agree to ~1e-6 and are compared elementwise. Weights after
+AdamW are different: AdamW divides each element's step by that element's own gradient scale, so an
+element whose gradient is at rounding-noise level (|g| ~ 1e-9 while its neighbours have ~1e-3) can
+take its step in the direction the noise picks, up to a whole lr per step. Which element that is
+depends on the CPU's matmul kernels (their summation order): on an AVX2 machine the largest
+difference seen was ~4e-5; on an AVX-512/AMX machine one element of 8192 in
+layers.2.mlp.down.weight moved by 1.7e-4 and four tests failed a 1e-4 elementwise bound. No
+elementwise bound separates that from a bug without being CPU-specific, so weights are compared per
+tensor with a criterion that says what such a flip looks like and what a bug looks like:
 
+  * all elements but a few lie within ``atol + rtol * |ref|`` (the reordering noise);
+  * the few beyond it are isolated: at most ``max(1, FLIP_FRACTION * numel)`` per tensor, i.e.
+    one in a thousand (a flip needs a gradient ~1e-6 of its neighbours', which is rare);
+  * each of them is bounded by what two AdamW runs can possibly differ by: every run moves an
+    element by at most sum(lr_t) * max|m_hat / sqrt(v_hat)| <= lr * steps * 1.002 (the ratio's
+    Cauchy-Schwarz bound for 4 steps at betas (0.9, 0.95); weight decay adds lr * wd * |w|, ~1e-3
+    of that), so two runs differ by at most ~2 * lr * steps: MAX_MOVE_FACTOR * lr * steps.
+
+A real bug fails this (tests/test_harness.py shows it): gradients doubled on one dp rank, a
+skipped micro-batch or a missing tp reduction change the gradient's direction, and AdamW turns
+that into an ~lr difference on most elements of most tensors, far more than one in a thousand.
+Exact comparisons (rtol = atol = 0) allow no exception at all: they stay bit-for-bit.
+
+float64 parity (DESIGN.md 3) would make flips vanish (noise ~1e-16), but the ZeRO flat buffers,
+the pipeline's communication buffers, the fp16/bf16 paths and the metrics all assume fp32 master
+weights; running the suite in float64 would test another code path than the one users run.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -74,10 +94,48 @@ def run_layout(cfg: config.Config, nproc: int = 1, timeout: float = 180.0) -> Ru
     return RunResult(losses, state)
 
 
-def assert_same_training(got: RunResult, ref: RunResult, rtol: float, atol: float) -> None:
-    """Same losses every step and same final weights (every tensor, by single-device name)."""
+FLIP_FRACTION = 1e-3  # isolated elements per tensor allowed beyond atol/rtol (see the docstring)
+MAX_MOVE_FACTOR = 2.1  # two AdamW runs differ by at most ~2 * lr * steps per element; 5% margin
+LR_STEPS = TINY["optim.lr"] * TINY["train.steps"]  # every parity test trains with TINY's lr and steps
+
+
+def assert_same_training(got: RunResult, ref: RunResult, rtol: float, atol: float, *,
+                         lr_steps: float = LR_STEPS) -> None:
+    """Same losses every step and same final weights (every tensor, by single-device name).
+
+    Losses: elementwise within rtol/atol. Weights: see ``assert_same_weights``."""
     torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(ref.losses), rtol=rtol, atol=atol)
-    assert got.weights.keys() == ref.weights.keys()
-    for name in ref.weights:
-        torch.testing.assert_close(got.weights[name], ref.weights[name], rtol=rtol, atol=atol,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+    assert_same_weights(got.weights, ref.weights, rtol=rtol, atol=atol, lr_steps=lr_steps)
+
+
+def assert_same_weights(got: dict, ref: dict, *, rtol: float, atol: float,
+                        lr_steps: float = LR_STEPS) -> None:
+    """Per tensor: within rtol/atol except isolated AdamW sign flips (module docstring).
+
+    ``got`` and ``ref`` map names to tensors or numpy arrays; ``lr_steps`` is lr * steps of the
+    runs (it bounds a flip). rtol = atol = 0 demands bit-identical tensors."""
+    assert got.keys() == ref.keys(), f"tensor names differ: {sorted(got.keys() ^ ref.keys())}"
+    problems = [p for name in ref if (p := weight_mismatch(name, got[name], ref[name], rtol=rtol, atol=atol,
+                                                           lr_steps=lr_steps))]
+    assert not problems, "weights differ:\n" + "\n".join(problems)
+
+
+def weight_mismatch(name: str, got, ref, *, rtol: float, atol: float, lr_steps: float) -> str | None:
+    """None if ``got`` passes the criterion against ``ref``, else what is wrong with it."""
+    got, ref = torch.as_tensor(got), torch.as_tensor(ref)
+    if got.shape != ref.shape or got.dtype != ref.dtype:
+        return f"{name}: {got.dtype}{list(got.shape)} vs reference {ref.dtype}{list(ref.shape)}"
+    diff = (got.double() - ref.double()).abs()
+    beyond = ~(diff <= atol + rtol * ref.double().abs())  # NaN counts as beyond
+    n = int(beyond.sum())
+    if n == 0:
+        return None
+    allowed = max(1, int(FLIP_FRACTION * ref.numel())) if (rtol or atol) else 0
+    bound = MAX_MOVE_FACTOR * lr_steps
+    worst = float(diff[beyond].nan_to_num(float("inf")).max())
+    if n <= allowed and worst <= bound:
+        return None  # isolated flips of near-zero gradients
+    where = tuple(int(i) for i in torch.nonzero(beyond)[0])
+    return (f"{name}: {n} of {ref.numel()} elements beyond atol={atol:g} + rtol={rtol:g}*|ref| "
+            f"(allowed: {allowed} isolated, each <= {bound:.3g}); largest difference {worst:.3g}, "
+            f"first at {list(where)}: {float(got[where]):.6g} vs {float(ref[where]):.6g}")

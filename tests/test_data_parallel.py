@@ -29,7 +29,7 @@ from paratrain.data_parallel.plain import PlainDP
 from paratrain.mesh import MeshShape, ParallelMesh
 from paratrain.train.trainer import Trainer
 from tests.dist import run
-from tests.harness import tiny_cfg
+from tests.harness import assert_same_weights, tiny_cfg
 
 GLOBAL_BATCH = 16  # divisible by dp=4 with 4 micro-batches of one row
 
@@ -61,10 +61,7 @@ def _assert_same(got: dict, ref: dict) -> None:
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=2e-5, atol=0)
     norms = [torch.tensor([r["grad_norm"] for r in x["rows"]], dtype=torch.float64) for x in (got, ref)]
     torch.testing.assert_close(norms[0], norms[1], rtol=2e-5, atol=0)
-    assert got["weights"].keys() == ref["weights"].keys()
-    for name, w in ref["weights"].items():
-        torch.testing.assert_close(got["weights"][name], w, rtol=0, atol=1e-3,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+    assert_same_weights(got["weights"], ref["weights"], rtol=0, atol=1e-3)
 
 
 @pytest.fixture(scope="module")

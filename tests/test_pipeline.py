@@ -24,7 +24,7 @@ from paratrain.train.data import prepare_corpus
 from paratrain.train.task import build_task
 from paratrain.train.trainer import Trainer
 from tests.dist import run
-from tests.harness import RunResult, assert_same_training, tiny_cfg
+from tests.harness import RunResult, assert_same_training, assert_same_weights, tiny_cfg
 
 SUMMED = {"rtol": 1e-4, "atol": 1e-5}  # gradients summed over ranks in another order (see above)
 
@@ -34,9 +34,7 @@ def assert_composed(got: RunResult, ref: RunResult) -> None:
     1e-5; weights to 1e-3 absolute (a tenth of one lr-sized AdamW step: an element whose gradient
     is ~0 turns a 1e-7 reordering into a visible part of its step), the tensor-parallel tests' bound."""
     torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(ref.losses), rtol=1e-5, atol=1e-5)
-    assert got.weights.keys() == ref.weights.keys()
-    for name, w in ref.weights.items():
-        torch.testing.assert_close(got.weights[name], w, rtol=0, atol=1e-3, msg=lambda m, n=name: f"{n}: {m}")
+    assert_same_weights(got.weights, ref.weights, rtol=0, atol=1e-3)
 
 
 def _corpus(cfg: config.Config):

@@ -20,7 +20,7 @@ from paratrain.data_parallel.sync_batchnorm import SyncBatchNorm, convert_sync_b
 from paratrain.mesh import MeshShape, ParallelMesh
 from paratrain.train.trainer import Trainer
 from tests.dist import run
-from tests.harness import tiny_cfg
+from tests.harness import assert_same_weights, tiny_cfg
 
 ROWS = {0: slice(0, 3), 1: slice(3, 8)}  # uneven on purpose: 3 rows on rank 0, 5 on rank 1
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -129,6 +129,4 @@ def test_cnn_tiny_dp2_trains_like_one_process(tmp_path):
     assert l1[-1] < l1[0], "cnn-tiny should learn its synthetic classes"
     torch.testing.assert_close(torch.tensor(l2), torch.tensor(l1), rtol=2e-5, atol=0)
     torch.testing.assert_close(torch.tensor(n2), torch.tensor(n1), rtol=2e-5, atol=0)
-    assert w1.keys() == w2.keys()
-    for name in w1:
-        torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=1e-3, msg=lambda m, n=name: f"{n}: {m}")
+    assert_same_weights(w2, w1, rtol=0, atol=1e-3)
