@@ -8,17 +8,31 @@ OpenMP pool deadlocks).
 If a worker fails, the others are stopped and a ``WorkerError`` carries the failing rank and its
 traceback. If nothing finishes within ``timeout`` seconds, every still-running worker's Python
 stack is dumped (faulthandler) and reported, so a hang names the collective it is stuck in.
+
+No orphans, whatever dies first: the forkserver exits when the launcher does (its "alive" pipe
+closes); each worker asks the kernel for SIGKILL when its parent (the forkserver, or torchrun's
+agent) dies (prctl PR_SET_PDEATHSIG, Linux), and a watchdog thread also polls the launcher's pid
+(any OS, and the moment between fork and prctl). A dead worker makes the launcher kill the rest.
+
+Signals: SIGINT/SIGTERM make every rank stop at the next step boundary and save (train/guards.py);
+the launcher passes a request it received alone (SIGTERM from a scheduler) through a shared event.
+A second signal kills the workers at once and raises ``Interrupted``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import datetime
 import faulthandler
 import io
 import multiprocessing as mp
 import os
 import queue
+import signal
+import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -27,6 +41,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from paratrain.train import guards
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+WATCHDOG_INTERVAL_S = 0.5
+
 
 class WorkerError(RuntimeError):
     """A worker raised (or hung); the message holds its rank and traceback."""
@@ -34,6 +53,14 @@ class WorkerError(RuntimeError):
     def __init__(self, rank: int | None, message: str):
         super().__init__(message)
         self.rank = rank
+
+
+class Interrupted(BaseException):
+    """The launcher was signalled twice (or its workers could not stop): exit 128 + signum."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by signal {signum}")
+        self.signum = signum
 
 
 @dataclass(frozen=True)
@@ -66,13 +93,50 @@ def init_from_torchrun(timeout_s: float = 600.0) -> DistEnv:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     backend = pick_backend()
     device = pick_device(local_rank)
+    die_with_parent()  # torchrun's agent killed: this worker goes too
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     return DistEnv(rank, world, local_rank, backend, device)
 
 
-def _worker(fn, rank, world, init_file, pg_timeout, dump_file, dump_after, results, args, kwargs):
+def process_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, dead but not yet reaped by its parent, counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc (macOS): signal 0 only checks that the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def die_with_parent(watch_pid: int | None = None) -> None:
+    """End this process (SIGKILL) when its parent dies, and when ``watch_pid`` does."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if watch_pid is None:
+        return
+    if not process_alive(watch_pid):  # it died before prctl took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def watch():
+        while process_alive(watch_pid):
+            time.sleep(WATCHDOG_INTERVAL_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="paratrain-watchdog", daemon=True).start()
+
+
+def _worker(fn, rank, world, init_file, pg_timeout, dump_file, dump_after, results, args, kwargs,
+            launcher_pid=None, stop_request=None):
+    die_with_parent(launcher_pid)
+    guards.install(stop_request)
     torch.set_num_threads(1)  # N workers share the cores; more threads only contend
     with open(dump_file, "w") as dump:
         # If we are still here just before the parent's deadline, leave our stack for it to show.
@@ -109,25 +173,50 @@ def spawn(fn: Callable, nproc: int, *args, timeout: float | None = 120.0, pg_tim
     ctx.set_forkserver_preload(["torch", "torch.distributed", "paratrain"])
     pg_timeout = pg_timeout or (max(5.0, timeout - 5.0) if timeout else 600.0)
     dump_after = max(1.0, timeout - 2.0) if timeout else None
-    results = ctx.Queue()
+    results, stop_request = ctx.Queue(), ctx.Value("i", 0)  # the signal number
     with tempfile.TemporaryDirectory(prefix="paratrain-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         dumps = [os.path.join(tmp, f"stack{r}.txt") for r in range(nproc)]
         procs = [
             ctx.Process(target=_worker, daemon=False,
                         args=(fn, r, nproc, init_file, pg_timeout, dumps[r], dump_after,
-                              results, args, kwargs))
+                              results, args, kwargs, os.getpid(), stop_request))
             for r in range(nproc)
         ]
         for p in procs:
             p.start()
         try:
-            return _collect(procs, results, nproc, timeout, dumps)
+            with _forward_stop_signals(stop_request):
+                return _collect(procs, results, nproc, timeout, dumps)
         finally:
             for p in procs:
                 if p.is_alive():
                     p.kill()
                 p.join(timeout=5)
+
+
+@contextlib.contextmanager
+def _forward_stop_signals(stop_request):
+    """First SIGINT/SIGTERM: ask the workers to stop at their next step boundary (they may have
+    had the SIGINT themselves; the shared value reaches them when only we were signalled).
+    Second: raise ``Interrupted``, and ``spawn`` kills them."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_signal(signum, frame):
+        if stop_request.value:
+            raise Interrupted(signum)
+        stop_request.value = signum
+        print(f"paratrain: signal {signum}: stopping at the next step boundary (again to abort)",
+              file=sys.stderr, flush=True)
+
+    before = {sig: signal.signal(sig, on_signal) for sig in guards.STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def _collect(procs, results, nproc, timeout, dumps) -> list:

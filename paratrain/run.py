@@ -13,13 +13,14 @@ from pathlib import Path
 import torch
 
 from paratrain.config import Config
-from paratrain.launch import DistEnv, WorkerError, init_from_torchrun, spawn, under_torchrun
+from paratrain.launch import DistEnv, Interrupted, WorkerError, init_from_torchrun, spawn, under_torchrun
+from paratrain.train import guards
 from paratrain.train.task import build_task
 from paratrain.train.trainer import Trainer
 
 
-def _worker(env: DistEnv, cfg_dict: dict) -> list[float]:
-    return Trainer(Config.from_dict(cfg_dict), env).fit().losses
+def _worker(env: DistEnv, cfg_dict: dict) -> int:
+    return Trainer(Config.from_dict(cfg_dict), env).fit().stopped_by
 
 
 def run_training(cfg: Config) -> int:
@@ -31,13 +32,21 @@ def run_training(cfg: Config) -> int:
     if world == 1:
         if cfg.train.threads is None:
             torch.set_num_threads(os.cpu_count() or 1)
-        Trainer(cfg).fit()
+        guards.install()
+        stopped = Trainer(cfg).fit().stopped_by
     else:
         try:
-            spawn(_worker, world, cfg.to_dict(), timeout=None, pg_timeout=cfg.parallel.timeout_s)
+            stopped = max(spawn(_worker, world, cfg.to_dict(), timeout=None,
+                                pg_timeout=cfg.parallel.timeout_s))
+        except Interrupted as e:
+            print(f"paratrain: aborted by a second signal {e.signum}; the last complete checkpoint is intact",
+                  file=sys.stderr)
+            return guards.exit_code(e.signum)
         except WorkerError as e:
             print(f"paratrain: training failed on rank {e.rank}:\n{e}", file=sys.stderr)
             return 1
+    if stopped:
+        return guards.exit_code(stopped)
     summarize(cfg)
     return 0
 
@@ -48,7 +57,10 @@ def _run_torchrun(cfg: Config) -> int:
         build_task(cfg)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-    Trainer(cfg, env).fit()
+    guards.install()  # torchrun's agent forwards SIGINT/SIGTERM to every worker
+    stopped = Trainer(cfg, env).fit().stopped_by
+    if stopped:
+        return guards.exit_code(stopped)
     if env.rank == 0:
         summarize(cfg)
     return 0

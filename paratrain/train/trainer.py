@@ -26,6 +26,7 @@ from paratrain.launch import DistEnv
 from paratrain.mesh import MeshShape, ParallelMesh
 from paratrain.parallelize import Parallelized, parallelize
 from paratrain.train import checkpoint as ckpt
+from paratrain.train import guards
 from paratrain.train.loss_scaler import LossScaler
 from paratrain.train.metrics import (
     MetricsWriter,
@@ -46,6 +47,7 @@ class TrainResult:
     skipped_steps: list[int] = field(default_factory=list)
     out: str | None = None
     final_state: dict | None = None  # full weights (rank 0 only, when asked for)
+    stopped_by: int = 0  # the signal that stopped the run early (after saving a checkpoint), or 0
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -162,6 +164,8 @@ class Trainer:
                     bar.set_postfix_str(_postfix(row))
                 if cfg.train.save_every and done % cfg.train.save_every == 0 and done < cfg.train.steps:
                     self.save(done)
+                if done < cfg.train.steps and self.stop_requested(done):
+                    return self.result
         finally:
             if bar:
                 bar.close()
@@ -172,6 +176,17 @@ class Trainer:
         if hasattr(self.par.executor, "write_timeline"):  # pipelines: OUT/timeline.json for viz
             self.par.executor.write_timeline(self.out, self.is_main)
         return self.result
+
+    def stop_requested(self, done: int) -> bool:
+        """A signal reached any rank: all save step ``done`` together and stop (train/guards.py)."""
+        signum = guards.agreed_stop(self.mesh.world, self.mesh.device)
+        if signum:
+            self.save(done)
+            self.result.stopped_by = signum
+            if self.is_main:
+                print(f"paratrain: stopped by signal {signum} after step {done}; checkpoint saved "
+                      f"(continue with --resume)", flush=True)
+        return bool(signum)
 
     def log_step(self, step: int, s: dict) -> dict:
         loss = float("nan") if s["skipped"] else self.reduce_loss(s["local_loss"])

@@ -1,0 +1,161 @@
+"""Failures with real processes: nothing orphaned, signals stop cleanly.
+
+Every test starts its processes in a new session (``start_new_session``) so that it can find all
+of them afterwards, whatever forked them: the launcher, the forkserver, the workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from paratrain.launch import process_alive
+from paratrain.train import checkpoint as ckpt
+
+ROOT = Path(__file__).resolve().parents[1]
+GONE_WITHIN_S = 10.0
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def session_pids(sid: int) -> list[int]:
+    """Live processes of session ``sid`` (field 6 of /proc/PID/stat), zombies excluded."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] not in ("Z", "X"):
+            pids.append(int(d.name))
+    return pids
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"not within {timeout:.0f}s: {what}")
+
+
+def assert_all_gone(proc: subprocess.Popen, sid: int) -> None:
+    wait_until(lambda: proc.poll() is not None and not session_pids(sid), GONE_WITHIN_S,
+               f"every process of the run gone (left: {session_pids(sid)})")
+
+
+# ------------------------------------------------------------------------------------------------
+# No orphans: kill the launcher, the forkserver or a worker; within 10 s no process is left.
+# ------------------------------------------------------------------------------------------------
+
+def _sleep_forever(env, folder: str) -> None:
+    Path(folder, f"rank{env.rank}").write_text(f"{os.getpid()} {os.getppid()}")
+    while True:
+        time.sleep(0.2)
+
+
+def _start_sleepers(tmp_path: Path) -> tuple[subprocess.Popen, dict[str, int]]:
+    code = ("import sys; from paratrain.launch import spawn; from tests.test_failures import _sleep_forever; "
+            "spawn(_sleep_forever, 2, sys.argv[1], timeout=None)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=_env(), cwd=ROOT,
+                            start_new_session=True, stderr=subprocess.PIPE, text=True)
+    files = [tmp_path / "rank0", tmp_path / "rank1"]
+    wait_until(lambda: all(f.exists() and f.read_text() for f in files), 60, "both workers started")
+    (w0, fs0), (w1, fs1) = (map(int, f.read_text().split()) for f in files)
+    assert fs0 == fs1 != proc.pid, "workers are children of the forkserver"
+    return proc, {"launcher": proc.pid, "forkserver": fs0, "worker0": w0, "worker1": w1}
+
+
+@pytest.mark.parametrize("victim", ["launcher", "forkserver", "worker1"])
+def test_no_orphans_whatever_dies_first(tmp_path, victim):
+    proc, pids = _start_sleepers(tmp_path)
+    try:
+        assert all(process_alive(p) for p in pids.values())
+        os.kill(pids[victim], signal.SIGKILL)
+        assert_all_gone(proc, proc.pid)
+        if victim != "launcher":
+            assert proc.returncode != 0, "the launcher must report the failure"
+            assert "died" in proc.stderr.read()
+    finally:
+        for pid in session_pids(proc.pid):  # only if the test failed: never leave them behind
+            os.kill(pid, signal.SIGKILL)
+        proc.wait()
+
+
+# ------------------------------------------------------------------------------------------------
+# Signals: Ctrl-C (SIGINT to the group) or SIGTERM to the launcher alone
+# ------------------------------------------------------------------------------------------------
+
+def _train(out: Path, *extra: str) -> subprocess.Popen:
+    args = [sys.executable, "-m", "paratrain.cli", "train", "--config", str(ROOT / "configs/tiny.toml"),
+            "--nproc", "2", "--dp", "2", "--seq-len", "32", "--eval-every", "0", "--no-progress",
+            "--out", str(out), *extra]
+    return subprocess.Popen(args, env=_env(), cwd=ROOT, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _steps(out: Path) -> list[int]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("how,rc", [("sigint-group", 130), ("sigterm-launcher", 143)])
+def test_signal_stops_all_ranks_with_a_checkpoint(tmp_path, how, rc):
+    out = tmp_path / "run"
+    proc = _train(out, "--steps", "100000")
+    try:
+        wait_until(lambda: _steps(out), 120, "a first metrics row")
+        if how == "sigint-group":
+            os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        else:
+            os.kill(proc.pid, signal.SIGTERM)  # what a scheduler does
+        proc.wait(timeout=30)
+        log = proc.stdout.read()
+        assert proc.returncode == rc, log
+        assert_all_gone(proc, proc.pid)
+        folder = ckpt.latest(out)
+        assert folder is not None, log
+        saved = json.loads((folder / "state.json").read_text())["step"]
+        assert saved == max(_steps(out)), "the checkpoint is the last step logged"
+    finally:
+        for pid in session_pids(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+    if how == "sigint-group":  # resume continues from there, each step logged once
+        again = _train(out, "--steps", str(saved + 2), "--resume")
+        log = again.communicate(timeout=120)[0]
+        assert again.returncode == 0, log
+        assert _steps(out) == list(range(1, saved + 3))
+
+
+def test_second_ctrl_c_exits_at_once_keeping_the_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    proc = _train(out, "--steps", "100000", "--save-every", "2")
+    try:
+        wait_until(lambda: ckpt.latest(out), 120, "a first checkpoint")
+        os.killpg(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=10)
+        assert proc.returncode == 130, proc.stdout.read()
+        assert_all_gone(proc, proc.pid)
+        folder = ckpt.latest(out)
+        assert folder is not None and (folder / "model.safetensors").exists()
+        ckpt.load(folder)  # complete and readable
+    finally:
+        for pid in session_pids(proc.pid):
+            os.kill(pid, signal.SIGKILL)
