@@ -45,8 +45,10 @@ TRAIN_FLAGS: dict[str, tuple[str, type]] = {
     "--eval-every": ("train.eval_every", int),
     "--threads": ("train.threads", int),
     "--timeout": ("parallel.timeout_s", float),
+    "--nan-policy": ("train.nan_policy", str),
 }
-TRAIN_SWITCHES = {"--resume": "train.resume", "--sp": "parallel.sp", "--no-progress": "train.progress"}
+TRAIN_SWITCHES = {"--resume": "train.resume", "--sp": "parallel.sp", "--no-progress": "train.progress",
+                  "--overwrite": "train.overwrite"}
 
 
 class UserError(Exception):

@@ -13,7 +13,10 @@ worker starts. TOML sections mirror the dataclasses::
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import types
+import typing
 from dataclasses import dataclass, field, fields
 
 import tomllib
@@ -95,6 +98,8 @@ class TrainConfig:
     log_every: int = 1
     progress: bool = True
     threads: int | None = None  # torch threads for a single process; workers use 1
+    overwrite: bool = False  # start afresh in a folder holding another run's checkpoints (deletes them)
+    nan_policy: str = "stop"  # non-finite loss/grad norm: stop (with the tensor's name) | skip the step
 
 
 @dataclass
@@ -144,15 +149,41 @@ SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "data": DataConfig
 
 
 def apply_sections(cfg: Config, d: dict, source: str) -> None:
+    wrong_types = []
     for section, values in d.items():
         if section not in SECTIONS:
             raise ConfigError(f"{source}: unknown section [{section}]; known: {', '.join(SECTIONS)}")
         target = getattr(cfg, section)
         known = {f.name: f for f in fields(target)}
+        hints = typing.get_type_hints(type(target))
         for key, value in values.items():
             if key not in known:
                 raise ConfigError(f"{source}: unknown key {section}.{key}; known: {', '.join(known)}")
+            problem = type_problem(f"{section}.{key}", value, hints[key])
+            if problem:
+                wrong_types.append(problem)
             setattr(target, key, value)
+    if wrong_types:
+        raise ConfigError(f"{source}: wrong type:\n  - " + "\n  - ".join(wrong_types))
+
+
+def type_problem(name: str, value, hint) -> str | None:
+    """What is wrong with ``value`` for a field annotated ``hint`` (None if it fits).
+
+    TOML and JSON know int, float, bool, str: a quoted number (``steps = "5"``) is a str. An int
+    is accepted where a float is expected; a bool is never taken for a number."""
+    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    plain = tuple(typing.get_origin(t) or t for t in allowed)  # list[int] -> list
+    if not all(isinstance(t, type) for t in plain):  # Literal[...] and the like: not checked here
+        return None
+    if value is None:
+        return None if type(None) in plain else f"{name} must be set (got nothing)"
+    ok = isinstance(value, plain) and not (isinstance(value, bool) and bool not in plain)
+    if ok or (float in plain and isinstance(value, int) and not isinstance(value, bool)):
+        return None
+    want = " or ".join(t.__name__ for t in plain if t is not type(None))
+    hint_fix = " (write it without quotes)" if isinstance(value, str) and want in ("int", "float") else ""
+    return f"{name} = {value!r} has type {type(value).__name__}; it must be {want}{hint_fix}"
 
 
 def load(path: str | None = None, overrides: dict | None = None) -> Config:
@@ -177,11 +208,51 @@ def _choice(problems: list[str], name: str, value, allowed) -> None:
         problems.append(f"{name} = {value!r} is not one of {', '.join(map(str, allowed))}")
 
 
+# field -> (holds for a good value, what to write). NaN fails every comparison, so it fails here too.
+RANGES: dict[str, tuple[typing.Callable, str]] = {
+    "optim.weight_decay": (lambda v: v >= 0, ">= 0"),
+    "optim.eps": (lambda v: v > 0, "> 0"),
+    "optim.beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "optim.beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "optim.min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "train.save_every": (lambda v: v >= 0, ">= 0 (0: only the final checkpoint)"),
+    "train.eval_every": (lambda v: v >= 0, ">= 0 (0: no evaluation)"),
+    "train.eval_batches": (lambda v: v >= 1, ">= 1"),
+    "train.log_every": (lambda v: v >= 1, ">= 1"),
+    "train.threads": (lambda v: v is None or v >= 1, ">= 1"),
+    "data.max_files": (lambda v: v is None or v >= 1, ">= 1"),
+    "parallel.timeout_s": (lambda v: v > 0, "> 0 seconds"),
+}
+
+
+def _numbers(problems: list[str], cfg: Config) -> None:
+    """Every float finite (--lr nan, inf), then the table of ranges."""
+    for section in SECTIONS:
+        for f in fields(getattr(cfg, section)):
+            value = getattr(getattr(cfg, section), f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                problems.append(f"{section}.{f.name} must be a finite number (got {value})")
+    for dotted, (good, want) in RANGES.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        if isinstance(value, (int, float)) and not good(value):
+            problems.append(f"{dotted} must be {want} (got {value})")
+
+
+def _seq_len_fits(problems: list[str], cfg: Config) -> None:
+    preset = PRESETS.get(cfg.model.name)
+    if preset is not None and cfg.data.seq_len > preset.max_seq_len:
+        problems.append(f"data.seq_len ({cfg.data.seq_len}) is longer than model {cfg.model.name}'s "
+                        f"{preset.max_seq_len} positions: lower --seq-len or choose a larger --model")
+
+
 def validate(cfg: Config, world_size: int | None = None) -> Config:
     """Raise ConfigError listing every problem (with the fix); return cfg when all is well."""
     problems: list[str] = []
     p, t, d, o, m = cfg.parallel, cfg.train, cfg.data, cfg.optim, cfg.model
     world = world_size or cfg.world_size
+    _numbers(problems, cfg)
+    _seq_len_fits(problems, cfg)
     if m.name not in PRESETS and m.name != "cnn-tiny":
         problems.append(f"model.name = {m.name!r} is unknown; choose one of {', '.join(PRESETS)}, cnn-tiny")
     for name, value in (("tp", p.tp), ("pp", p.pp), ("ep", p.ep), ("virtual_stages", p.virtual_stages)):
@@ -202,6 +273,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     _choice(problems, "parallel.offload", p.offload, ("none", "cpu", "disk"))
     _choice(problems, "train.precision", t.precision, ("fp32", "bf16", "fp16"))
     _choice(problems, "train.recompute", t.recompute, ("none", "full"))
+    _choice(problems, "train.nan_policy", t.nan_policy, ("stop", "skip"))
     if p.bucket_mb <= 0:
         problems.append(f"parallel.bucket_mb must be > 0 (got {p.bucket_mb})")
     if t.steps < 1:

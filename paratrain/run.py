@@ -6,6 +6,7 @@ calling process itself when N is 1. Under torchrun: this process is one rank of 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch
 
 from paratrain.config import Config
 from paratrain.launch import DistEnv, Interrupted, WorkerError, init_from_torchrun, spawn, under_torchrun
-from paratrain.train import guards
+from paratrain.train import guards, runlock
 from paratrain.train.task import build_task
 from paratrain.train.trainer import Trainer
 
@@ -27,13 +28,22 @@ def run_training(cfg: Config) -> int:
     """Train with `cfg` (already validated); return the process exit code."""
     if under_torchrun():
         return _run_torchrun(cfg)
+    with runlock.locked_run(cfg):  # one run per --out folder; refused before any worker starts
+        return _run_local(cfg)
+
+
+def _run_local(cfg: Config) -> int:
     build_task(cfg)  # tokenize once, here; every worker then maps the cache
     world = cfg.world_size
     if world == 1:
         if cfg.train.threads is None:
             torch.set_num_threads(os.cpu_count() or 1)
-        guards.install()
-        stopped = Trainer(cfg).fit().stopped_by
+        try:
+            with guards.handling_signals():
+                stopped = Trainer(cfg).fit().stopped_by
+        except guards.NumericsError as e:
+            print(f"paratrain: training diverged: {e}", file=sys.stderr)
+            return 1
     else:
         try:
             stopped = max(spawn(_worker, world, cfg.to_dict(), timeout=None,
@@ -53,12 +63,13 @@ def run_training(cfg: Config) -> int:
 
 def _run_torchrun(cfg: Config) -> int:
     env = init_from_torchrun(cfg.parallel.timeout_s)
-    if env.local_rank == 0:
-        build_task(cfg)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-    guards.install()  # torchrun's agent forwards SIGINT/SIGTERM to every worker
-    stopped = Trainer(cfg, env).fit().stopped_by
+    with runlock.locked_run(cfg) if env.rank == 0 else contextlib.nullcontext():
+        if env.local_rank == 0:
+            build_task(cfg)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        with guards.handling_signals():  # torchrun's agent forwards SIGINT/SIGTERM to every worker
+            stopped = Trainer(cfg, env).fit().stopped_by
     if stopped:
         return guards.exit_code(stopped)
     if env.rank == 0:

@@ -159,3 +159,109 @@ def test_second_ctrl_c_exits_at_once_keeping_the_checkpoint(tmp_path):
     finally:
         for pid in session_pids(proc.pid):
             os.kill(pid, signal.SIGKILL)
+
+
+# ------------------------------------------------------------------------------------------------
+# Numerics guard: --nan-policy stop (default) | skip
+# ------------------------------------------------------------------------------------------------
+
+TINY_CLI = ["--model", "tiny", "--vocab-size", "512", "--max-files", "40", "--seq-len", "32",
+            "--eval-every", "0", "--no-progress", "--threads", "1"]
+
+
+def _cli(out: Path, *extra: str) -> int:
+    from paratrain.cli import main
+
+    return main(["train", *TINY_CLI, "--out", str(out), *extra])
+
+
+def test_divergence_stops_with_the_step_and_tensor_keeping_good_checkpoints(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _cli(out, "--lr", "1e6", "--steps", "8", "--save-every", "1") == 1
+    err = capsys.readouterr().err
+    assert "not finite" in err and "first non-finite tensor: " in err and "--nan-policy skip" in err
+    bad_step = int(err.split("step ")[1].split(":")[0])
+    folder = ckpt.latest(out)
+    assert folder is not None and folder.name == f"step_{bad_step - 1:06d}", "the last good step's"
+    import torch
+    from safetensors.torch import load_file
+
+    assert all(torch.isfinite(t).all() for t in load_file(str(folder / "model.safetensors")).values())
+
+
+def test_nan_policy_skip_skips_and_counts(tmp_path):
+    from paratrain.train.metrics import read_metrics
+
+    out = tmp_path / "run"
+    assert _cli(out, "--lr", "1e6", "--steps", "6", "--nan-policy", "skip") == 0
+    rows = read_metrics(out / "metrics.jsonl")
+    skipped = [r for r in rows if r.get("skipped")]
+    assert skipped and skipped[-1]["skipped_steps"] == len(skipped) and skipped[0]["loss"] is None
+    import torch
+    from safetensors.torch import load_file
+
+    assert all(torch.isfinite(t).all() for t in load_file(str(out / "model.safetensors")).values())
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input: exit 2 with the fix, before any worker starts
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("toml,fragment", [
+    ('[train]\nsteps = "5"\n', "train.steps = '5' has type str; it must be int (write it without quotes)"),
+    ('[train]\nsave_every = "2"\n', "train.save_every = '2' has type str"),
+    ("[train]\nresume = 1\n", "train.resume = 1 has type int; it must be bool"),
+    ("[optim]\nlr = nan\n", "optim.lr must be a finite number (got nan)"),
+    ("[optim]\nlr = inf\n", "optim.lr must be a finite number (got inf)"),
+    ("[optim]\nweight_decay = -0.1\n", "optim.weight_decay must be >= 0"),
+    ("[data]\nseq_len = 4096\n", "data.seq_len (4096) is longer than model tiny's 128 positions"),
+])
+def test_bad_config_exits_2_with_the_fix(tmp_path, capsys, toml, fragment):
+    from paratrain.cli import main
+
+    path = tmp_path / "bad.toml"
+    path.write_text('[model]\nname = "tiny"\n' + toml)
+    assert main(["train", "--config", str(path), "--out", str(tmp_path / "run")]) == 2
+    assert fragment in capsys.readouterr().err
+    assert not (tmp_path / "run").exists(), "refused before anything was written"
+
+
+def test_bad_flags_exit_2(tmp_path, capsys):
+    assert _cli(tmp_path / "a", "--lr", "nan") == 2
+    assert "optim.lr must be a finite number (got nan)" in capsys.readouterr().err
+    assert _cli(tmp_path / "b", "--seq-len", "4096") == 2
+    assert "lower --seq-len" in capsys.readouterr().err
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def _fake_checkpoint(out: Path) -> None:
+    folder = out / "checkpoints" / "step_000002"
+    folder.mkdir(parents=True)
+    (folder / "state.json").write_text('{"step": 2}')
+    (out / "checkpoints" / "latest").write_text("step_000002")
+
+
+def test_one_run_per_folder(tmp_path, capsys):
+    import socket
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".lock").write_text(f"{os.getpid()} {socket.gethostname()}\n")  # a live holder: us
+    assert _cli(out, "--steps", "1") == 2
+    assert f"in use by another run (pid {os.getpid()}" in capsys.readouterr().err
+    # A stale lock (dead pid) is taken over; the folder's checkpoints then need --resume/--overwrite.
+    (out / ".lock").write_text(f"{_dead_pid()} {socket.gethostname()}\n")
+    _fake_checkpoint(out)
+    assert _cli(out, "--steps", "1") == 2
+    err = capsys.readouterr().err
+    assert "taking over a stale lock" in err
+    assert "holds another run's checkpoints (latest: step_000002)" in err
+    assert not (out / ".lock").exists(), "released on the way out"
+    assert _cli(out, "--steps", "1", "--global-batch", "2", "--overwrite") == 0
+    assert [p.name for p in ckpt.checkpoint_dir(out).glob("step_*")] == ["step_000001"]
+    assert not (out / ".lock").exists()

@@ -12,6 +12,7 @@ Signal state is per process by nature, hence module-level here and nowhere else.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -38,14 +39,25 @@ def _on_signal(signum, frame) -> None:
     _requested = signum
 
 
-def install(shared=None) -> None:
+def install(shared=None) -> dict:
     """Turn SIGINT/SIGTERM into a stop request for this process (main thread only); ``shared``
-    (a multiprocessing Value) carries a request the launcher received."""
+    (a multiprocessing Value) carries a request the launcher received. Returns the old handlers."""
     global _requested, _shared
     _requested, _shared = 0, shared
-    if threading.current_thread() is threading.main_thread():
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, _on_signal)
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, _on_signal) for sig in STOP_SIGNALS}
+
+
+@contextlib.contextmanager
+def handling_signals(shared=None):
+    """``install`` for the duration of a run in a process that lives on (the CLI in-process)."""
+    before = install(shared)
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def request_stop(signum: int = signal.SIGTERM) -> None:
@@ -66,3 +78,37 @@ def agreed_stop(world: C.Axis, device: torch.device) -> int:
     with world.counter.paused():  # bookkeeping, not training traffic
         C.all_reduce(flag, world, op=C.dist.ReduceOp.MAX)
     return int(flag.item())
+
+
+# ------------------------------------------------------------------------------------------------
+# Numerics: a non-finite loss or gradient norm (outside the fp16 scaler, which handles its own)
+# ------------------------------------------------------------------------------------------------
+
+NAN_POLICIES = ("stop", "skip")
+
+
+class NumericsError(RuntimeError):
+    """Training diverged: the message names the step and the first non-finite tensor."""
+
+
+def first_non_finite(model: torch.nn.Module) -> str | None:
+    """Name of this rank's first parameter whose gradient (or value) is not finite."""
+    for name, p in model.named_parameters():
+        if not torch.isfinite(p).all():
+            return f"{name} (the weights themselves)"
+        if p.grad is not None and not torch.isfinite(p.grad).all():
+            return f"{name} (its gradient)"
+    return None
+
+
+def non_finite_step(step: int, norm: float, policy: str, model: torch.nn.Module) -> bool:
+    """The global gradient norm (the same on every rank) is not finite: return True to skip the
+    optimizer step (policy "skip") or raise NumericsError (policy "stop") before anything is saved,
+    so the checkpoints on disk stay the last good ones."""
+    if policy == "skip":
+        return True
+    where = first_non_finite(model) or "none on this rank (the gradients are sharded elsewhere)"
+    raise NumericsError(
+        f"step {step + 1}: the loss or gradient norm is not finite (grad norm {norm}); first "
+        f"non-finite tensor: {where}. Lower --lr, raise --warmup-steps, set --grad-clip, or "
+        f"pass --nan-policy skip to skip such steps; the checkpoints on disk are from before it")

@@ -110,6 +110,8 @@ class Trainer:
         local = self.par.executor.run(self.micro_batches(x, y), float(self.units_per_step), self.scaler.scale)
         norm = strategy.grad_norm() / self.scaler.scale
         skipped = self.scaler.update(norm * self.scaler.scale)
+        if not skipped and not math.isfinite(norm):  # no fp16 scaler to absorb it: the nan policy
+            skipped = guards.non_finite_step(step, norm, self.cfg.train.nan_policy, self.par.model)
         clip = self.cfg.optim.grad_clip
         if not skipped:
             factor = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
@@ -212,6 +214,8 @@ class Trainer:
         row["mfu"] = achieved / self.peak_flops if self.peak_flops else None
         if self.cfg.train.precision == "fp16":
             row["loss_scale"], row["skipped"] = self.scaler.scale, s["skipped"]
+        elif s["skipped"]:  # --nan-policy skip
+            row["skipped"], row["skipped_steps"] = True, len(self.result.skipped_steps)
         if step == self.start_step:
             row["layout"] = self.layout()
         return row
