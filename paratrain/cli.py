@@ -46,6 +46,7 @@ TRAIN_FLAGS: dict[str, tuple[str, type]] = {
     "--threads": ("train.threads", int),
     "--timeout": ("parallel.timeout_s", float),
     "--nan-policy": ("train.nan_policy", str),
+    "--max-restarts": ("parallel.max_restarts", int),
 }
 TRAIN_SWITCHES = {"--resume": "train.resume", "--sp": "parallel.sp", "--no-progress": "train.progress",
                   "--overwrite": "train.overwrite"}

@@ -57,6 +57,7 @@ class ParallelConfig:
     offload_dir: str | None = None
     reshard_after_forward: bool = True
     timeout_s: float = 600.0  # a collective that waits longer fails, naming the operation
+    max_restarts: int = 0  # paratrain's own launcher: restart all workers after a failure, resuming
 
 
 @dataclass
@@ -222,6 +223,7 @@ RANGES: dict[str, tuple[typing.Callable, str]] = {
     "train.threads": (lambda v: v is None or v >= 1, ">= 1"),
     "data.max_files": (lambda v: v is None or v >= 1, ">= 1"),
     "parallel.timeout_s": (lambda v: v > 0, "> 0 seconds"),
+    "parallel.max_restarts": (lambda v: v >= 0, ">= 0"),
 }
 
 

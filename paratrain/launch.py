@@ -87,6 +87,20 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
+def restart_attempt() -> int:
+    """0 on a first start; n after the n-th restart of the group (torchrun's or paratrain's)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get("PARATRAIN_RESTART_COUNT") or 0)
+
+
+def _torchrun_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
+    """torchrun's TCP store (the agent's, or one rank 0 hosts), under a prefix per restart attempt:
+    a restarted group that reuses the previous attempt's keys can hang or be refused (DESIGN 5)."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent, timeout=timeout, multi_tenant=not agent)
+    return dist.PrefixStore(f"paratrain/attempt{restart_attempt()}/", store)
+
+
 def init_from_torchrun(timeout_s: float = 600.0) -> DistEnv:
     """Join the process group torchrun describes in the environment."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -95,8 +109,9 @@ def init_from_torchrun(timeout_s: float = 600.0) -> DistEnv:
     device = pick_device(local_rank)
     die_with_parent()  # torchrun's agent killed: this worker goes too
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, store=_torchrun_store(rank, world, timeout), rank=rank,
+                                world_size=world, timeout=timeout)
     return DistEnv(rank, world, local_rank, backend, device)
 
 
@@ -239,9 +254,22 @@ def _collect(procs, results, nproc, timeout, dumps) -> list:
                                   " (killed, out of memory, or a crash in native code)") from None
             continue
         if status == "error":
-            raise WorkerError(rank, f"rank {rank} failed:\n{payload}")
+            raise _root_cause(procs, outputs) or WorkerError(rank, f"rank {rank} failed:\n{payload}")
         outputs[rank] = _from_bytes(payload)
     return [outputs[r] for r in range(nproc)]
+
+
+def _root_cause(procs, outputs, grace_s: float = 1.0) -> WorkerError | None:
+    """A rank that died (signal, crash) makes its peers fail a moment later with "connection
+    closed": name the one that died, not the first peer to notice."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        dead = [r for r, p in enumerate(procs) if r not in outputs and p.exitcode not in (None, 0)]
+        if dead:
+            return WorkerError(dead[0], f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}"
+                                        " (killed, out of memory, or a crash in native code)")
+        time.sleep(0.05)
+    return None
 
 
 def _to_bytes(obj) -> bytes:

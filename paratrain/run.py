@@ -7,6 +7,7 @@ calling process itself when N is 1. Under torchrun: this process is one rank of 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -14,13 +15,22 @@ from pathlib import Path
 import torch
 
 from paratrain.config import Config
-from paratrain.launch import DistEnv, Interrupted, WorkerError, init_from_torchrun, spawn, under_torchrun
+from paratrain.launch import (
+    DistEnv,
+    Interrupted,
+    WorkerError,
+    init_from_torchrun,
+    restart_attempt,
+    spawn,
+    under_torchrun,
+)
 from paratrain.train import guards, runlock
 from paratrain.train.task import build_task
 from paratrain.train.trainer import Trainer
 
 
-def _worker(env: DistEnv, cfg_dict: dict) -> int:
+def _worker(env: DistEnv, cfg_dict: dict, attempt: int = 0) -> int:
+    os.environ["PARATRAIN_RESTART_COUNT"] = str(attempt)  # launch.restart_attempt() reads it
     return Trainer(Config.from_dict(cfg_dict), env).fit().stopped_by
 
 
@@ -46,8 +56,7 @@ def _run_local(cfg: Config) -> int:
             return 1
     else:
         try:
-            stopped = max(spawn(_worker, world, cfg.to_dict(), timeout=None,
-                                pg_timeout=cfg.parallel.timeout_s))
+            stopped = _spawn_with_restarts(cfg)
         except Interrupted as e:
             print(f"paratrain: aborted by a second signal {e.signum}; the last complete checkpoint is intact",
                   file=sys.stderr)
@@ -61,7 +70,31 @@ def _run_local(cfg: Config) -> int:
     return 0
 
 
+def _spawn_with_restarts(cfg: Config) -> int:
+    """Start the workers; after a failure start them all again (up to parallel.max_restarts
+    times), resuming from the latest complete checkpoint. Returns the signal that stopped them."""
+    attempt = 0
+    while True:
+        try:
+            return max(spawn(_worker, cfg.world_size, cfg.to_dict(), attempt, timeout=None,
+                             pg_timeout=cfg.parallel.timeout_s))
+        except WorkerError as e:
+            if attempt == cfg.parallel.max_restarts:
+                raise
+            attempt += 1
+            print(f"paratrain: rank {e.rank} failed ({str(e).splitlines()[0]}); restart {attempt} of "
+                  f"{cfg.parallel.max_restarts}, resuming from the latest checkpoint",
+                  file=sys.stderr, flush=True)
+            cfg = resuming(cfg)
+
+
+def resuming(cfg: Config) -> Config:
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=True))
+
+
 def _run_torchrun(cfg: Config) -> int:
+    if restart_attempt() > 0:  # torchrun restarted the group: continue from the latest checkpoint
+        cfg = resuming(cfg)
     env = init_from_torchrun(cfg.parallel.timeout_s)
     with runlock.locked_run(cfg) if env.rank == 0 else contextlib.nullcontext():
         if env.local_rank == 0:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from paratrain.launch import process_alive
 from paratrain.train import checkpoint as ckpt
@@ -183,7 +184,6 @@ def test_divergence_stops_with_the_step_and_tensor_keeping_good_checkpoints(tmp_
     bad_step = int(err.split("step ")[1].split(":")[0])
     folder = ckpt.latest(out)
     assert folder is not None and folder.name == f"step_{bad_step - 1:06d}", "the last good step's"
-    import torch
     from safetensors.torch import load_file
 
     assert all(torch.isfinite(t).all() for t in load_file(str(folder / "model.safetensors")).values())
@@ -197,7 +197,6 @@ def test_nan_policy_skip_skips_and_counts(tmp_path):
     rows = read_metrics(out / "metrics.jsonl")
     skipped = [r for r in rows if r.get("skipped")]
     assert skipped and skipped[-1]["skipped_steps"] == len(skipped) and skipped[0]["loss"] is None
-    import torch
     from safetensors.torch import load_file
 
     assert all(torch.isfinite(t).all() for t in load_file(str(out / "model.safetensors")).values())
@@ -265,3 +264,49 @@ def test_one_run_per_folder(tmp_path, capsys):
     assert _cli(out, "--steps", "1", "--global-batch", "2", "--overwrite") == 0
     assert [p.name for p in ckpt.checkpoint_dir(out).glob("step_*")] == ["step_000001"]
     assert not (out / ".lock").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# Self-resuming restarts: a worker killed mid-run; the restarted group resumes by itself
+# ------------------------------------------------------------------------------------------------
+
+RESTART_RUN = [*TINY_CLI, "--steps", "6", "--save-every", "2"]
+
+
+def _run_to_end(args: list[str], crash_at: int | None, timeout: float = 300) -> str:
+    env = _env()
+    if crash_at is not None:
+        env["PARATRAIN_TEST_CRASH_AT_STEP"] = str(crash_at)  # rank 1, first attempt only
+    proc = subprocess.run(args, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=timeout, start_new_session=True)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory):
+    out = tmp_path_factory.mktemp("unbroken")
+    _run_to_end([sys.executable, "-m", "paratrain.cli", "train", *RESTART_RUN, "--nproc", "2", "--dp", "2",
+                 "--out", str(out)], crash_at=None)
+    return out
+
+
+@pytest.mark.parametrize("launcher", ["paratrain", "torchrun"])
+def test_killed_worker_restarts_and_matches_an_unbroken_run(tmp_path, unbroken, launcher):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    if launcher == "paratrain":
+        args = [sys.executable, "-m", "paratrain.cli", "train", "--nproc", "2", "--dp", "2",
+                "--max-restarts", "1"]
+    else:
+        args = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2",
+                "--max-restarts", "1", "-m", "paratrain.cli", "train", "--dp", "2"]
+    log = _run_to_end([*args, *RESTART_RUN, "--out", str(out)], crash_at=3)
+    if launcher == "paratrain":
+        assert "rank 1 died" in log and "restart 1 of 1" in log, log[-3000:]
+    assert _steps(out) == list(range(1, 7)), "every step logged exactly once"
+    got, want = load_file(str(out / "model.safetensors")), load_file(str(unbroken / "model.safetensors"))
+    assert got.keys() == want.keys()
+    for name, w in want.items():
+        assert torch.equal(got[name], w), f"{name}: not bit-identical to the unbroken run"

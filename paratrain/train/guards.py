@@ -80,6 +80,13 @@ def agreed_stop(world: C.Axis, device: torch.device) -> int:
     return int(flag.item())
 
 
+def test_crash_hook(step: int, rank: int, attempt: int) -> None:
+    """PARATRAIN_TEST_CRASH_AT_STEP=k kills rank 1 after step k on the first attempt only: the
+    tests' stand-in for a machine failure (restarts must resume and match an unbroken run)."""
+    if attempt == 0 and rank == 1 and os.environ.get("PARATRAIN_TEST_CRASH_AT_STEP") == str(step):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 # ------------------------------------------------------------------------------------------------
 # Numerics: a non-finite loss or gradient norm (outside the fp16 scaler, which handles its own)
 # ------------------------------------------------------------------------------------------------

@@ -84,6 +84,17 @@ def gather_rank_records(mesh: ParallelMesh, record: dict) -> list[dict] | None:
         return C.gather_object(record, mesh.world)
 
 
+def drop_rows_after(path: Path, step: int) -> None:
+    """On resume from the checkpoint of ``step``: forget the rows a crashed attempt logged after
+    it, so that metrics.jsonl holds every step exactly once."""
+    if not path.exists():
+        return
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+    if len(kept) < len(lines):
+        path.write_text("".join(line + "\n" for line in kept))
+
+
 class MetricsWriter:
     """Rank 0's sink: metrics.jsonl (appending on resume), optional tensorboard."""
 

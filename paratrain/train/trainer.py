@@ -22,7 +22,7 @@ import torch
 
 from paratrain.comm import collectives as C
 from paratrain.config import Config
-from paratrain.launch import DistEnv
+from paratrain.launch import DistEnv, restart_attempt
 from paratrain.mesh import MeshShape, ParallelMesh
 from paratrain.parallelize import Parallelized, parallelize
 from paratrain.train import checkpoint as ckpt
@@ -30,6 +30,7 @@ from paratrain.train import guards
 from paratrain.train.loss_scaler import LossScaler
 from paratrain.train.metrics import (
     MetricsWriter,
+    drop_rows_after,
     gather_rank_records,
     measure_matmul_peak,
     merge_ranks,
@@ -148,6 +149,8 @@ class Trainer:
         cfg = self.cfg
         if cfg.train.resume:
             self.resume()
+            if self.is_main:
+                drop_rows_after(self.out / "metrics.jsonl", self.start_step)
         writer = MetricsWriter(self.out, resume=cfg.train.resume) if self.is_main else None
         if self.is_main:
             self.peak_flops = measure_matmul_peak(self.mesh.device) * self.env.world_size
@@ -166,6 +169,7 @@ class Trainer:
                     bar.set_postfix_str(_postfix(row))
                 if cfg.train.save_every and done % cfg.train.save_every == 0 and done < cfg.train.steps:
                     self.save(done)
+                guards.test_crash_hook(done, self.env.rank, restart_attempt())
                 if done < cfg.train.steps and self.stop_requested(done):
                     return self.result
         finally:
