@@ -49,7 +49,7 @@ TRAIN_FLAGS: dict[str, tuple[str, type]] = {
     "--max-restarts": ("parallel.max_restarts", int),
 }
 TRAIN_SWITCHES = {"--resume": "train.resume", "--sp": "parallel.sp", "--no-progress": "train.progress",
-                  "--overwrite": "train.overwrite"}
+                  "--overwrite": "train.overwrite", "--check-collectives": "parallel.check_collectives"}
 
 
 class UserError(Exception):

@@ -58,6 +58,7 @@ class ParallelConfig:
     reshard_after_forward: bool = True
     timeout_s: float = 600.0  # a collective that waits longer fails, naming the operation
     max_restarts: int = 0  # paratrain's own launcher: restart all workers after a failure, resuming
+    check_collectives: bool = False  # compare each collective's fingerprint across its group first
 
 
 @dataclass

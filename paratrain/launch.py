@@ -41,10 +41,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from paratrain.comm.trace import TRACE, diagnose, read_mirror
 from paratrain.train import guards
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 WATCHDOG_INTERVAL_S = 0.5
+DIVERGENCE_GRACE_S = 5.0  # after a first failure, how long the others get to report their history
 
 
 class WorkerError(RuntimeError):
@@ -148,10 +150,15 @@ def die_with_parent(watch_pid: int | None = None) -> None:
     threading.Thread(target=watch, name="paratrain-watchdog", daemon=True).start()
 
 
+def trace_path(dump_file: str) -> str:
+    return dump_file.replace("stack", "trace")
+
+
 def _worker(fn, rank, world, init_file, pg_timeout, dump_file, dump_after, results, args, kwargs,
             launcher_pid=None, stop_request=None):
     die_with_parent(launcher_pid)
     guards.install(stop_request)
+    TRACE.attach(trace_path(dump_file))  # our collectives, readable by the launcher even if we crash
     torch.set_num_threads(1)  # N workers share the cores; more threads only contend
     with open(dump_file, "w") as dump:
         # If we are still here just before the parent's deadline, leave our stack for it to show.
@@ -248,28 +255,47 @@ def _collect(procs, results, nproc, timeout, dumps) -> list:
         try:
             rank, status, payload = results.get(timeout=min(left, 0.5))
         except queue.Empty:
-            dead = [r for r, p in enumerate(procs) if r not in outputs and p.exitcode not in (None, 0)]
-            if dead:
-                raise WorkerError(dead[0], f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}"
-                                  " (killed, out of memory, or a crash in native code)") from None
+            if _dead(procs, outputs):
+                raise _failure({}, procs, results, outputs, dumps) from None
             continue
         if status == "error":
-            raise _root_cause(procs, outputs) or WorkerError(rank, f"rank {rank} failed:\n{payload}")
+            raise _failure({rank: payload}, procs, results, outputs, dumps)
         outputs[rank] = _from_bytes(payload)
     return [outputs[r] for r in range(nproc)]
 
 
-def _root_cause(procs, outputs, grace_s: float = 1.0) -> WorkerError | None:
-    """A rank that died (signal, crash) makes its peers fail a moment later with "connection
-    closed": name the one that died, not the first peer to notice."""
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        dead = [r for r, p in enumerate(procs) if r not in outputs and p.exitcode not in (None, 0)]
-        if dead:
-            return WorkerError(dead[0], f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}"
-                                        " (killed, out of memory, or a crash in native code)")
-        time.sleep(0.05)
-    return None
+def _dead(procs, outputs) -> list[int]:
+    """Ranks that ended without a result: killed, out of memory, aborted in native code."""
+    return [r for r, p in enumerate(procs) if r not in outputs and p.exitcode not in (None, 0)]
+
+
+def _failure(errors: dict[int, str], procs, results, outputs, dumps) -> WorkerError:
+    """One message for a failed run: the root cause first (a rank that died, else the first to
+    raise), then, if the ranks' collective histories part somewhere, where and how (comm/trace.py).
+
+    A failure travels: a rank dies or skips a collective, its peers fail moments later (timeout,
+    connection closed). Wait a little for them so that every history is complete."""
+    deadline = time.monotonic() + DIVERGENCE_GRACE_S
+    def settled() -> int:
+        return len(set(errors) | set(outputs) | set(_dead(procs, outputs)))
+
+    while settled() < len(procs) and time.monotonic() < deadline:
+        try:
+            r, status, payload = results.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if status == "error":
+            errors.setdefault(r, payload)
+    dead = [r for r in _dead(procs, outputs) if r not in errors]
+    if dead:
+        rank = dead[0]
+        cause = (f"rank {rank} died with exit code {procs[rank].exitcode} "
+                 "(killed, out of memory, or a crash in native code)")
+    else:
+        rank = next(iter(errors))
+        cause = f"rank {rank} failed:\n{errors[rank]}"
+    found = diagnose({r: read_mirror(trace_path(dumps[r])) for r in range(len(procs))})
+    return WorkerError(rank, f"{cause}\n{found}" if found and found not in cause else cause)
 
 
 def _to_bytes(obj) -> bytes:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -310,3 +311,56 @@ def test_killed_worker_restarts_and_matches_an_unbroken_run(tmp_path, unbroken, 
     assert got.keys() == want.keys()
     for name, w in want.items():
         assert torch.equal(got[name], w), f"{name}: not bit-identical to the unbroken run"
+
+
+# ------------------------------------------------------------------------------------------------
+# Diverging collectives: one rank skips a ZeRO-3 gather; the message names it and where
+# ------------------------------------------------------------------------------------------------
+
+def _train_skipping(env, cfg_dict: dict, what: str):
+    from paratrain import config
+    from paratrain.train.trainer import Trainer
+
+    os.environ["PARATRAIN_TEST_SKIP_COLLECTIVE"] = what  # rank 1 skips its first such collective
+    return Trainer(config.Config.from_dict(cfg_dict), env).fit().losses
+
+
+@pytest.mark.parametrize("check", [False, True], ids=["history", "checker"])
+def test_diverging_rank_is_named(tmp_path, check):
+    from paratrain import config
+    from paratrain.launch import WorkerError
+    from tests.dist import run
+    from tests.harness import tiny_cfg
+
+    cfg = tiny_cfg(tmp_path, **{"parallel.dp": 2, "parallel.zero": 3, "parallel.timeout_s": 10.0,
+                                "train.steps": 2, "parallel.check_collectives": check})
+    config.validate(cfg, 2)
+    with pytest.raises(WorkerError) as info:
+        run(_train_skipping, 2, cfg.to_dict(), "all-gather of unit layers.1", timeout=120)
+    msg = str(info.value)
+    assert re.search(r"ranks diverged on group dp\[0, 1\] at collective #\d+: "
+                     r"rank 0 was at all-gather of unit layers\.1 \(", msg), msg[:3000]
+    if check:  # caught before rank 1's gather of layers.2 ran: the first mismatch, both ranks described
+        assert "CollectiveMismatch" in msg, msg[:3000]
+        assert "rank 1 was at all-gather of unit layers.2 (" in msg, msg[:3000]
+    else:  # rank 1 went on (and gloo aborted it on a size mismatch later): its history shows the skip
+        assert "rank 1 died with exit code" in msg, msg[:3000]
+        assert "rank 1 skipped all-gather of unit layers.1 (" in msg, msg[:3000]
+        assert "went on to all-gather of unit layers.2 (" in msg
+
+
+def _fp(seq: int, what: str):
+    from paratrain.comm.trace import Fingerprint
+
+    return Fingerprint(seq, "all_gather", "dp[0, 1, 2]", (8,), "float32", what)
+
+
+def test_diagnosis_of_histories():
+    from paratrain.comm.trace import diagnose
+
+    same = [_fp(1, "a"), _fp(2, "b")]
+    assert diagnose({0: same, 1: list(same), 2: list(same)}) is None
+    odd = diagnose({0: same, 1: [_fp(1, "a"), _fp(2, "x")], 2: list(same)})
+    assert "at collective #2: rank 0 was at b (" in odd and "rank 1 diverged: it was at x (" in odd
+    short = diagnose({0: same + [_fp(3, "c")], 1: same, 2: same + [_fp(3, "c")]})
+    assert "rank 1 never reached it (its last was #2 b (" in short

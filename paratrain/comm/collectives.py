@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from paratrain.comm.trace import TRACE, Fingerprint, test_skip
+
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "broadcast")
 
 
@@ -36,6 +38,7 @@ class CommCounter:
     by_axis: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     enabled: bool = True
+    check: bool = False  # parallel.check_collectives: compare fingerprints across the group first
 
     def record(self, kind: str, axis: str, n_ranks: int, nbytes: int) -> None:
         if not self.enabled:
@@ -102,34 +105,82 @@ def nbytes(t: torch.Tensor | None) -> int:
 
 
 # --------------------------------------------------------------------------------------------
+# Fingerprints (comm/trace.py): every collective is numbered per group and remembered; with
+# counter.check the group first compares them, so a divergence fails at the first mismatch.
+# --------------------------------------------------------------------------------------------
+
+
+class CollectiveMismatch(RuntimeError):
+    """Ranks of a group were about to issue different collectives (--check-collectives)."""
+
+
+def _enter(kind: str, axis: Axis, shape, dtype, what: str | None) -> bool:
+    """Fingerprint one collective; False if a test fault says to skip it on this rank."""
+    if test_skip(what, dist.get_rank()):
+        return False
+    fp = TRACE.next(kind, f"{axis.name}{axis.ranks}", shape, dtype, what)
+    if axis.counter.check:
+        _check(fp, axis)
+    return True
+
+
+def _check(fp: Fingerprint, axis: Axis) -> None:
+    """All-gather each member's (seq, digest) -- 16 bytes, not counted as training traffic; on a
+    mismatch every member exchanges its recent history and raises the same diagnosis."""
+    mine = torch.tensor([fp.seq, fp.digest()], dtype=torch.int64, device=_device_of(axis))
+    every = torch.empty(axis.size * 2, dtype=torch.int64, device=mine.device)
+    dist.all_gather_single(every, mine, group=axis.group)
+    if bool((every.view(axis.size, 2) == mine).all()):
+        return
+    from paratrain.comm.trace import diagnose
+
+    histories = [None] * axis.size
+    dist.all_gather_object(histories, TRACE.history(), group=axis.group)
+    found = diagnose(dict(zip(axis.ranks, histories)))
+    raise CollectiveMismatch(found or f"ranks of {fp.group} disagree on collective #{fp.seq}")
+
+
+def _device_of(axis: Axis) -> torch.device:
+    backend = dist.get_backend(axis.group)
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+# --------------------------------------------------------------------------------------------
 # Plain collectives (not autograd-aware). async_op=True returns the work handle or None.
 # --------------------------------------------------------------------------------------------
 
 
-def all_reduce(t: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM, async_op: bool = False):
-    if not axis.active:
+def all_reduce(t: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM, async_op: bool = False,
+               what: str | None = None):
+    if not axis.active or not _enter("all_reduce", axis, t.shape, t.dtype, what):
         return None
     axis.counter.record("all_reduce", axis.name, axis.size, nbytes(t))
     return dist.all_reduce(t, op=op, group=axis.group, async_op=async_op)
 
 
-def all_gather_into(out: torch.Tensor, shard: torch.Tensor, axis: Axis, async_op: bool = False):
+def all_gather_into(out: torch.Tensor, shard: torch.Tensor, axis: Axis, async_op: bool = False,
+                    what: str | None = None):
     """Gather equal shards into ``out`` (``out.numel() == size * shard.numel()``, concatenated on dim 0)."""
     if not axis.active:
         if out.data_ptr() != shard.data_ptr():
             out.copy_(shard.view_as(out))
+        return None
+    if not _enter("all_gather", axis, shard.shape, shard.dtype, what):
         return None
     axis.counter.record("all_gather", axis.name, axis.size, nbytes(out))
     return dist.all_gather_single(out, shard, group=axis.group, async_op=async_op)
 
 
 def reduce_scatter_into(
-    out: torch.Tensor, full: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM, async_op: bool = False
+    out: torch.Tensor, full: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM, async_op: bool = False,
+    what: str | None = None,
 ):
     """Sum ``full`` over the axis and keep our 1/size slice (dim-0 chunk) in ``out``."""
     if not axis.active:
         if out.data_ptr() != full.data_ptr():
             out.copy_(full.view_as(out))
+        return None
+    if not _enter("reduce_scatter", axis, full.shape, full.dtype, what):
         return None
     axis.counter.record("reduce_scatter", axis.name, axis.size, nbytes(full))
     return dist.reduce_scatter_single(out, full, op=op, group=axis.group, async_op=async_op)
@@ -157,7 +208,7 @@ class _Then:
 
 
 def reduce_scatter_auto(out: torch.Tensor, full: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM,
-                        async_op: bool = False):
+                        async_op: bool = False, what: str | None = None):
     """Reduce-scatter ``full`` into ``out`` (our dim-0 chunk) with the faster primitive for the backend.
 
     ``full`` is scratch: the all-reduce route sums it in place. ``out`` may be a view of ``full``.
@@ -169,13 +220,14 @@ def reduce_scatter_auto(out: torch.Tensor, full: torch.Tensor, axis: Axis, op=di
     via = REDUCE_SCATTER_VIA.get(dist.get_backend(axis.group), "reduce_scatter")
     if via == "all_reduce":
         mine = full.view(axis.size, -1)[axis.rank]
-        work = all_reduce(full, axis, op, async_op=True)
+        work = all_reduce(full, axis, op, async_op=True, what=what)
         handle = _Then(work, lambda: None if mine.data_ptr() == out.data_ptr() else out.copy_(mine))
     elif _overlaps(out, full):  # reduce_scatter_single needs distinct input and output memory
         tmp = torch.empty_like(out)
-        handle = _Then(reduce_scatter_into(tmp, full, axis, op, async_op=True), lambda: out.copy_(tmp))
+        work = reduce_scatter_into(tmp, full, axis, op, async_op=True, what=what)
+        handle = _Then(work, lambda: out.copy_(tmp))
     else:
-        handle = _Then(reduce_scatter_into(out, full, axis, op, async_op=True), lambda: None)
+        handle = _Then(reduce_scatter_into(out, full, axis, op, async_op=True, what=what), lambda: None)
     if async_op:
         return handle
     handle.wait()
@@ -191,13 +243,15 @@ def all_gather_list(t: torch.Tensor, axis: Axis) -> list[torch.Tensor]:
     if not axis.active:
         return [t]
     out = [torch.empty_like(t) for _ in range(axis.size)]
+    _enter("all_gather", axis, t.shape, t.dtype, None)
     axis.counter.record("all_gather", axis.name, axis.size, nbytes(t) * axis.size)
     dist.all_gather(out, t.contiguous(), group=axis.group)
     return out
 
 
-def broadcast(t: torch.Tensor, axis: Axis, src_index: int = 0, async_op: bool = False):
-    if not axis.active:
+def broadcast(t: torch.Tensor, axis: Axis, src_index: int = 0, async_op: bool = False,
+              what: str | None = None):
+    if not axis.active or not _enter("broadcast", axis, t.shape, t.dtype, what):
         return None
     axis.counter.record("broadcast", axis.name, axis.size, nbytes(t) if axis.rank == src_index else 0)
     return dist.broadcast(t, src=axis.ranks[src_index], group=axis.group, async_op=async_op)
@@ -214,6 +268,7 @@ def all_to_all_single(
     if not axis.active:
         out.copy_(inp)
         return None
+    _enter("all_to_all", axis, None, inp.dtype, None)  # uneven splits: shapes differ by design
     axis.counter.record("all_to_all", axis.name, axis.size, nbytes(inp))
     return dist.all_to_all_single(
         out, inp, out_splits, in_splits, group=axis.group, async_op=async_op
@@ -225,6 +280,7 @@ def gather_object(obj, axis: Axis, dst_index: int = 0) -> list | None:
     if not axis.active:
         return [obj]
     out = [None] * axis.size if axis.rank == dst_index else None
+    _enter("gather_object", axis, None, "object", None)
     dist.gather_object(obj, out, dst=axis.ranks[dst_index], group=axis.group)
     return out
 
@@ -233,12 +289,14 @@ def all_gather_object(obj, axis: Axis) -> list:
     if not axis.active:
         return [obj]
     out = [None] * axis.size
+    _enter("all_gather_object", axis, None, "object", None)
     dist.all_gather_object(out, obj, group=axis.group)
     return out
 
 
 def barrier(axis: Axis) -> None:
     if axis.active:
+        _enter("barrier", axis, None, "-", None)
         dist.barrier(group=axis.group)
 
 

@@ -78,6 +78,7 @@ class Trainer:
         if self.env.world_size == 1 and cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         self.mesh = build_mesh(cfg, self.env)
+        self.mesh.counter.check = cfg.parallel.check_collectives  # comm/trace.py
         self.task = task or build_task(cfg)
         self.par: Parallelized = parallelize(self.task, cfg, self.mesh)
         self.out = Path(cfg.train.out)

@@ -222,7 +222,8 @@ class Zero3(ShardedState, Strategy):
         u.gathered = True
         self.gathered_bytes += u.nbytes
         self.gathered_peak_bytes = max(self.gathered_peak_bytes, self.gathered_bytes)
-        u.work = C.all_gather_into(u.full, u.shard, self.mesh.dp, async_op=async_op)
+        u.work = C.all_gather_into(u.full, u.shard, self.mesh.dp, async_op=async_op,
+                                   what=f"all-gather of unit {u.name}")
 
     def _wait(self, i: int) -> None:
         self._gather(i, async_op=False)
@@ -297,7 +298,8 @@ class Zero3(ShardedState, Strategy):
         for p in u.layout.params:
             p.grad = None
         u.grad_shard = torch.empty(u.layout.shard, dtype=self.reduce_dtype, device=self.mesh.device)
-        u.rs_work = C.reduce_scatter_auto(u.grad_shard, u.grad_flat, self.mesh.dp, async_op=True)
+        u.rs_work = C.reduce_scatter_auto(u.grad_shard, u.grad_flat, self.mesh.dp, async_op=True,
+                                          what=f"reduce-scatter of unit {u.name}'s gradients")
         # Each launched reduction holds its unit's full [padded] gradient until it completes: bound
         # how many are in flight, or backward ends holding every unit's full gradient (Psi, not Psi/N).
         self._in_flight.append(u)
