@@ -364,3 +364,14 @@ def test_diagnosis_of_histories():
     assert "at collective #2: rank 0 was at b (" in odd and "rank 1 diverged: it was at x (" in odd
     short = diagnose({0: same + [_fp(3, "c")], 1: same, 2: same + [_fp(3, "c")]})
     assert "rank 1 never reached it (its last was #2 b (" in short
+
+
+def test_trace_mirror_reads_back_the_ring(tmp_path):
+    from paratrain.comm.trace import Trace, read_mirror
+
+    trace = Trace(size=4)
+    trace.attach(str(tmp_path / "trace0.bin"))
+    for i in range(6):
+        trace.next("all_reduce", "dp[0, 1]", (i,), "torch.float32", f"bucket {i}" if i % 2 else None)
+    assert read_mirror(str(tmp_path / "trace0.bin")) == trace.history()
+    assert [fp.seq for fp in trace.history()] == [3, 4, 5, 6]

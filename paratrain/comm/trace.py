@@ -61,6 +61,7 @@ class Trace:
         self.seq: Counter = Counter()
         self.recent: deque[Fingerprint] = deque(maxlen=size)
         self.size, self.written, self.mirror = size, 0, None
+        self._encoded: dict[tuple, bytes] = {}
 
     def next(self, kind: str, group: str, shape, dtype, what: str | None) -> Fingerprint:
         self.seq[group] += 1
@@ -78,9 +79,14 @@ class Trace:
             self.mirror = mmap.mmap(f.fileno(), 8 + self.size * SLOT)
 
     def _write(self, fp: Fingerprint) -> None:
-        record = json.dumps([fp.seq, fp.kind, fp.group, fp.shape, fp.dtype, (fp.what or "")[:120] or None])
+        # The same few collectives repeat every step: encode each once, only the number changes.
+        key = (fp.group, *fp.op)
+        rest = self._encoded.get(key)
+        if rest is None:
+            rest = json.dumps([fp.kind, fp.group, fp.shape, fp.dtype, (fp.what or "")[:120] or None])[1:]
+            rest = self._encoded[key] = rest.encode()
         at = 8 + (self.written % self.size) * SLOT
-        self.mirror[at:at + SLOT] = record.encode()[:SLOT].ljust(SLOT, b"\0")
+        self.mirror[at:at + SLOT] = (b"[%d," % fp.seq + rest)[:SLOT].ljust(SLOT, b"\0")
         self.written += 1
         self.mirror[0:8] = self.written.to_bytes(8, "little")
 
