@@ -57,8 +57,9 @@ class WorkerError(RuntimeError):
         self.rank = rank
 
 
-class Interrupted(BaseException):
-    """The launcher was signalled twice (or its workers could not stop): exit 128 + signum."""
+class Interrupted(KeyboardInterrupt):
+    """The launcher was signalled twice: the workers are killed; exit 128 + signum. (A
+    KeyboardInterrupt, so that code around the launcher, e.g. pytest, stops as for Ctrl-C.)"""
 
     def __init__(self, signum: int):
         super().__init__(f"stopped by signal {signum}")
