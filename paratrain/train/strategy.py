@@ -31,7 +31,7 @@ import torch.nn as nn
 from paratrain.comm import collectives as C
 from paratrain.comm.collectives import nbytes
 from paratrain.mesh import ParallelMesh
-from paratrain.sharding import shard_of
+from paratrain.sharding import info_of, shard_of
 
 
 def decays(name: str, p: torch.Tensor) -> bool:
@@ -50,6 +50,9 @@ class Strategy:
 
     #: How many data-parallel ranks hold an identical copy of each gradient after sync.
     grad_copies_over_dp = 1
+    #: Whether gradient reduction is launched from backward hooks (DDP, ZeRO-2/3) rather than in
+    #: ``after_backward`` (plain DP, ZeRO-1): the pipeline sums tied gradients accordingly.
+    reduces_during_backward = False
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, optim_cfg, *, grad_dtype=None):
         self.model = model
@@ -92,10 +95,8 @@ class Strategy:
         for _, p in self.named_params:
             if p.grad is None:
                 continue
-            spec = shard_of(p)
-            tp_copies = 1 if (spec.is_split and spec.axis == "tp") else self.mesh.tp.size
-            pp_copies = getattr(p, "pt_pp_copies", 1)  # a tied weight living on two stages
-            out.append((p.grad, self.grad_copies_over_dp * tp_copies * pp_copies))
+            # tp replicas and a tied weight's copy on another pipeline stage (ParamInfo)
+            out.append((p.grad, self.grad_copies_over_dp * info_of(p).copies_outside_dp(self.mesh)))
         return out
 
     def grad_norm(self) -> float:
@@ -145,7 +146,7 @@ class Strategy:
         out = {}
         for name, p in self.model.named_parameters():
             local = p.detach() if which == "param" else self.optimizer.state.get(p, {}).get(which)
-            if local is None or getattr(p, "pt_tied_to", None):  # a tied copy: its owner exports it
+            if local is None or info_of(p).tied_to:  # a tied copy: its owner exports it
                 continue
             out[name] = shard_of(p).gather(local, self.mesh.tp).cpu()
         return out

@@ -39,7 +39,7 @@ import torch.nn as nn
 from paratrain.comm import collectives as C
 from paratrain.comm.collectives import nbytes
 from paratrain.mesh import ParallelMesh
-from paratrain.sharding import shard_of
+from paratrain.sharding import info_of, shard_of
 from paratrain.train.strategy import Strategy, decays
 from paratrain.zero.offload import Piece, make_store
 
@@ -127,9 +127,7 @@ class FlatLayout:
 
 def param_key(name: str, p: torch.Tensor, mesh: ParallelMesh) -> tuple[bool, int]:
     """(decays, copies): copies = world ranks holding this same gradient element outside dp."""
-    spec = shard_of(p)
-    tp_copies = 1 if (spec.is_split and spec.axis == "tp") else mesh.tp.size
-    return decays(name, p), tp_copies * getattr(p, "pt_pp_copies", 1)
+    return decays(name, p), info_of(p).copies_outside_dp(mesh)
 
 
 def bind_views(layout: FlatLayout, flat: torch.Tensor) -> None:
@@ -169,7 +167,7 @@ class ShardedState:
         for i, layout in enumerate(self.layouts):
             flat = self._full_flat(i, "param" if which == "param" else which)
             for name, p, v in zip(layout.names, layout.params, layout.views(flat)):
-                if getattr(p, "pt_tied_to", None):
+                if info_of(p).tied_to:
                     continue
                 with self.mesh.counter.paused():
                     out[name] = shard_of(p).gather(v, self.mesh.tp).cpu()
@@ -366,6 +364,7 @@ class Zero2(ShardedState, ZeroDP):
     """ZeRO-2 (P_os+g): gradients reduce-scattered bucket by bucket during backward, shard kept."""
 
     stage = 2
+    reduces_during_backward = True
 
     def _install_grads(self) -> None:
         self._bucket_of = {}
