@@ -364,8 +364,8 @@ class Zero3(ShardedState, Strategy):
                 "zero3_unit_max_bytes": max(u.nbytes for u in self.units), **self.offload_metrics()}
 
     @torch.no_grad()
-    def load_full_state(self, model_state: dict, optim_state: dict | None) -> None:
-        self._load_flats(model_state, optim_state)
-        self.load_buffers(model_state)
+    def load_state_pieces(self, reader, optimizer_step: int) -> None:
+        self._load_flats(reader, optimizer_step)
+        self.load_buffers(reader)
         for i, u in enumerate(self.units):
             u.shard.copy_(self.store.read(i, "param").to(self.mesh.device, self.compute_dtype))
