@@ -91,7 +91,7 @@ def assign_writers(all_specs: list[list[PieceSpec]]) -> dict[PieceSpec, int]:
 
 def write_pieces(path: Path, pieces: list[Piece]) -> int:
     entries = [(p.spec.entry, (p.spec.hi - p.spec.lo,), TORCH_DTYPES[p.spec.dtype]) for p in pieces]
-    return write_safetensors(path, entries, lambda i: pieces[i].tensor)
+    return write_safetensors(path, entries, lambda i: pieces[i].value())
 
 
 class _Pending:
@@ -136,7 +136,7 @@ class Saver:
         C.barrier(self.world)
         job = _Pending(step, tmp, owner, meta, rngs)
         if self.async_save:  # snapshot now (host copies), write in the background
-            mine = [Piece(p.spec, p.tensor.detach().to("cpu", copy=True)) for p in mine]
+            mine = [Piece(p.spec, p.value().detach().to("cpu", copy=True)) for p in mine]
             job.thread = threading.Thread(target=self._write, args=(job, mine), daemon=True)
             job.thread.start()
         else:

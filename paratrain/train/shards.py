@@ -67,7 +67,12 @@ class PieceSpec:
 @dataclass
 class Piece:
     spec: PieceSpec
-    tensor: torch.Tensor  # 1-D, hi - lo elements (may be a view of live state until snapshot)
+    # 1-D, hi - lo elements: a view of live state, or a function producing it when the writer
+    # reaches it (offloaded state is read one shard at a time, never all at once)
+    tensor: torch.Tensor | Callable[[], torch.Tensor]
+
+    def value(self) -> torch.Tensor:
+        return self.tensor() if callable(self.tensor) else self.tensor
 
 
 def _slab(info: ParamInfo, local: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -79,7 +84,8 @@ def _slab(info: ParamInfo, local: torch.Tensor) -> tuple[tuple[int, ...], tuple[
 
 
 def pieces_of(info: ParamInfo, key: str, local: torch.Tensor, lo: int = 0, hi: int | None = None,
-              values: torch.Tensor | None = None, name: str | None = None) -> list[Piece]:
+              values: torch.Tensor | Callable[[], torch.Tensor] | None = None,
+              name: str | None = None) -> list[Piece]:
     """The piece of ``local`` (a rank's tensor, tensor-parallel padding included) covering its flat
     elements [lo, hi); ``values`` holds those elements when they live elsewhere (a ZeRO shard).
 
@@ -100,9 +106,11 @@ def pieces_of(info: ParamInfo, key: str, local: torch.Tensor, lo: int = 0, hi: i
     hi_v = min(hi, valid)
     if hi_v <= lo:
         return []  # only padding
+    n = hi_v - lo
+    dtype = torch.float32 if callable(flat) else flat.dtype  # produced values: fp32 state shards
     spec = PieceSpec(name or info.name, key, tuple(info.full_shape) if local.dim() else (),
-                     str(flat.dtype).removeprefix("torch."), start, shape, lo, hi_v)
-    return [Piece(spec, flat[:hi_v - lo])]
+                     str(dtype).removeprefix("torch."), start, shape, lo, hi_v)
+    return [Piece(spec, (lambda: flat()[:n]) if callable(flat) else flat[:n])]
 
 
 # --------------------------------------------------------------------------------------------

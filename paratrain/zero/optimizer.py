@@ -30,6 +30,7 @@ compute dtype, the paper's 2-byte gradients; pass torch.float32 to reduce in ful
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -167,13 +168,22 @@ class ShardedState:
         out = []
         for i, layout in enumerate(self.layouts):
             for which in ("param", *self.state_keys()):
-                flat = self.store.read(i, which)  # [shard] fp32, CPU
                 for name, p, at, a, b in _owned(layout):
                     info = info_of(p)
                     if not info.tied_to:
-                        out += pieces_of(info, which, p, a, b, values=flat[at:at + b - a],
-                                         name=info.name or name)
+                        values = functools.partial(self._shard_range, i, which, at, at + b - a)
+                        out += pieces_of(info, which, p, a, b, values=values, name=info.name or name)
         return out + self.buffer_pieces()
+
+    def _shard_range(self, index: int, which: str, a: int, b: int) -> torch.Tensor:
+        """Elements [a, b) of flat shard ``index``'s state ``which``. The writer asks shard by shard,
+        so one cached shard bounds the memory (offloaded state is read from disk once per shard)."""
+        cached = getattr(self, "_shard_cache", None)
+        if cached is None or cached[0] != (index, which):
+            cached = self._shard_cache = ((index, which), self.store.read(index, which))
+        if b >= cached[1].numel():  # the shard's last piece: release it after this read
+            self._shard_cache = None
+        return cached[1][a:b]
 
     def optimizer_step_count(self) -> int:
         return self.store.steps
