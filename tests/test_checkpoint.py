@@ -80,6 +80,34 @@ def test_zero3_dp2_checkpoint_resumes_under_tp2_pp2_dp4_and_one_process(tmp_path
         assert_same_training(got, RunResult(reference.losses[2:], reference.weights), **FP32_REORDERED)
 
 
+def _train_each(env, cfg_dicts: list[dict]) -> list:
+    out = []
+    for d in cfg_dicts:
+        result = Trainer(config.Config.from_dict(d), env).fit()
+        out.append((result.losses, result.final_state))
+    return out
+
+
+def test_tied_embeddings_cross_between_one_process_and_a_pipeline(tmp_path):
+    """The last stage's LM head is a copy of ``embed.weight``: saved by its owner, loaded from it."""
+    tied = {**STEPS4, "model.tie_embeddings": True}
+    ref = run_layout(tiny_cfg(tmp_path / "one", **tied))  # also the checkpoint the pipeline resumes
+    _continue_from(tmp_path / "one", tmp_path / "pp_from_one")
+    pp = {"parallel.pp": 2, "train.micro_batch": 4}
+    cfgs = [tiny_cfg(tmp_path / "pp", **tied, **pp),
+            tiny_cfg(tmp_path / "pp_from_one", **tied, **pp, **{"train.resume": True})]
+    for c in cfgs:
+        config.validate(c, 2)
+    (_, _), (losses, state) = run(_train_each, 2, [c.to_dict() for c in cfgs], timeout=300)[0]
+    want = RunResult(ref.losses[2:], ref.weights)
+    assert_same_training(RunResult(losses, state), want, **FP32_REORDERED)
+    index = json.loads((tmp_path / "pp" / "checkpoints" / "step_000002" / "index.json").read_text())
+    assert "lm_head.weight" not in index["tensors"]
+    _continue_from(tmp_path / "pp", tmp_path / "one_from_pp")
+    got = run_layout(tiny_cfg(tmp_path / "one_from_pp", **tied, **{"train.resume": True}))
+    assert_same_training(got, want, **FP32_REORDERED)
+
+
 def test_index_maps_every_tensor_once_and_spreads_the_bytes(tmp_path):
     """DDP dp2: every tensor is replicated, yet written once, half of the bytes by each rank."""
     run_layout(tiny_cfg(tmp_path, **{"train.steps": 1, "parallel.dp": 2}), nproc=2)
