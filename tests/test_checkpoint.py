@@ -209,9 +209,10 @@ def test_a_checkpoint_with_another_global_batch_is_refused(saved, tmp_path):
         _resume(_copy(saved, tmp_path), **{"train.global_batch": 16})
 
 
-def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(saved, tmp_path, monkeypatch):
+@pytest.mark.parametrize("background", [False, True])
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(saved, tmp_path, monkeypatch, background):
     out = _copy(saved, tmp_path)
-    trainer = _resume(out)
+    trainer = _resume(out, **{"train.async_save": background})
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -219,6 +220,7 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(saved, tmp_path
     monkeypatch.setattr(ckpt, "write_pieces", full)
     with pytest.raises(CheckpointError, match="step 6 failed \\(the disk is full.*intact"):
         trainer.save(6)
+        trainer.saver.finish()  # a background save reports at its commit (next save or the end)
     root = out / "checkpoints"
     assert not list(root.glob("*.tmp-*")) and not (root / "step_000006").exists()
     assert ckpt.latest(out).name == "step_000004" and _resume(out).start_step == 4
