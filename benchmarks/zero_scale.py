@@ -17,10 +17,11 @@ pathologically slow on it: one 4096-wide block takes 90 s of backward in bf16 ag
 ranks hold 8 bytes/param (parameter + gradient shards) and the disk holds the other 12.
 ``--precision bf16`` is there for a machine with bf16 matmuls.
 
-Why not ``Trainer.fit()``: it ends with the final checkpoint and the model export, which gather
-the *full* fp32 model and both moments (12 Psi bytes) on rank 0 by design (one export format):
-at this scale that alone is more than the machine's RAM. The script drives the same per-step
-methods ``fit()`` does (``train_step``, ``log_step``, the metrics writer) and stops there.
+Why not ``Trainer.fit()``: it ends with the model export, whose ``TrainResult.final_state`` holds
+the full fp32 model on rank 0 (the tests compare it): at this scale more than the machine's RAM.
+The script drives the same per-step methods ``fit()`` does (``train_step``, ``log_step``, the
+metrics writer); ``--checkpoint`` then saves a sharded checkpoint (each rank streams its pieces,
+one unit's shard at a time) and loads it back through ``Trainer.resume``, timed, with peak RSS.
 
 Reported (``--json``: one object): n_params, peak RSS per rank (``mem_peak_bytes`` of
 metrics.jsonl: max over ranks, and the per-rank list), total resident across ranks (sum of the
