@@ -231,6 +231,13 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(saved, tmp_path
 # --------------------------------------------------------------------------------------------
 
 
+def test_a_fresh_run_refuses_to_overwrite_another_runs_checkpoints(saved, tmp_path):
+    out = _copy(saved, tmp_path)
+    with pytest.raises(CheckpointError, match="holds step_000002, step_000004 from another run.*--resume"):
+        Trainer(tiny_cfg(out, **STEPS4)).fit()
+    assert ckpt.latest(out).name == "step_000004"
+
+
 def test_pruning_keeps_this_runs_newest_and_never_touches_other_folders(tmp_path):
     root = tmp_path / "checkpoints"
     foreign = root / "step_000009"  # another run's complete checkpoint

@@ -145,6 +145,15 @@ class Saver:
         if not self.async_save:
             self.finish()
 
+    def check_free(self, steps: list[int]) -> None:
+        """Refuse, before training, to end up replacing a folder this run did not write (a fresh
+        run into an OUT that holds another run's checkpoints at the steps it will save)."""
+        taken = [f.name for f in (self.root / f"step_{s:06d}" for s in steps)
+                 if f.exists() and (self.run_id is None or _run_of(f) != self.run_id)]
+        if taken:
+            raise CheckpointError(f"{self.root} already holds {', '.join(taken)} from another run: continue "
+                                  "that run with --resume, or use another --out (or remove those folders)")
+
     def _write(self, job: _Pending, mine: list[Piece]) -> None:
         path = job.tmp / rank_file(self.world.rank)
         try:

@@ -148,6 +148,9 @@ class Trainer:
         cfg = self.cfg
         if cfg.train.resume:
             self.resume()
+        every = cfg.train.save_every
+        self.saver.check_free([s for s in range(self.start_step + 1, cfg.train.steps)
+                               if every and s % every == 0] + [cfg.train.steps])
         writer = MetricsWriter(self.out, resume=cfg.train.resume) if self.is_main else None
         if self.is_main:
             self.peak_flops = measure_matmul_peak(self.mesh.device) * self.env.world_size
