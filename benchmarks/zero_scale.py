@@ -17,10 +17,11 @@ pathologically slow on it: one 4096-wide block takes 90 s of backward in bf16 ag
 ranks hold 8 bytes/param (parameter + gradient shards) and the disk holds the other 12.
 ``--precision bf16`` is there for a machine with bf16 matmuls.
 
-Why not ``Trainer.fit()``: it ends with the final checkpoint and the model export, which gather
-the *full* fp32 model and both moments (12 Psi bytes) on rank 0 by design (one export format):
-at this scale that alone is more than the machine's RAM. The script drives the same per-step
-methods ``fit()`` does (``train_step``, ``log_step``, the metrics writer) and stops there.
+Why not ``Trainer.fit()``: it ends with the model export, whose ``TrainResult.final_state`` holds
+the full fp32 model on rank 0 (the tests compare it): at this scale more than the machine's RAM.
+The script drives the same per-step methods ``fit()`` does (``train_step``, ``log_step``, the
+metrics writer); ``--checkpoint`` then saves a sharded checkpoint (each rank streams its pieces,
+one unit's shard at a time) and loads it back through ``Trainer.resume``, timed, with peak RSS.
 
 Reported (``--json``: one object): n_params, peak RSS per rank (``mem_peak_bytes`` of
 metrics.jsonl: max over ranks, and the per-rank list), total resident across ranks (sum of the
@@ -73,7 +74,7 @@ def build_config(args: argparse.Namespace) -> config.Config:
     })
 
 
-def _worker(env, cfg_dict: dict) -> dict:
+def _worker(env, cfg_dict: dict, checkpoint: bool = False) -> dict:
     """One rank: build the ZeRO-3 model (streamed to disk), then the trainer's steps, no export."""
     from paratrain.train.metrics import MetricsWriter, peak_memory_bytes
     from paratrain.train.trainer import Trainer
@@ -90,11 +91,28 @@ def _worker(env, cfg_dict: dict) -> dict:
             writer.write(row)
     if writer:
         writer.close()
+    ckpt = _save_and_resume(trainer) if checkpoint else {}
     store = trainer.par.strategy.store
     on_disk = sum(os.stat(p).st_blocks * 512 for p in store.paths.values())
-    return {"build_s": build_s, "peak_rss_after_build": rss_built, "disk_bytes": on_disk,
+    return {**ckpt, "build_s": build_s, "peak_rss_after_build": rss_built, "disk_bytes": on_disk,
             "disk_apparent_bytes": sum(os.path.getsize(p) for p in store.paths.values()),
             "init_peak_bytes": trainer.par.strategy.init_peak_bytes}
+
+
+def _save_and_resume(trainer) -> dict:
+    """The sharded checkpoint path at scale: each rank streams its pieces (one unit's shard of the
+    disk store at a time), then reads them back into the same strategy (resume's loading step)."""
+    from paratrain.train.metrics import peak_memory_bytes
+
+    start = time.perf_counter()
+    trainer.save(trainer.cfg.train.steps)
+    trainer.saver.finish()
+    save_s = time.perf_counter() - start
+    rss_save = peak_memory_bytes(trainer.mesh.device)
+    start = time.perf_counter()
+    trainer.resume()
+    return {"save_s": save_s, "peak_rss_after_save": rss_save, "resume_s": time.perf_counter() - start,
+            "peak_rss_after_resume": peak_memory_bytes(trainer.mesh.device)}
 
 
 def _host_used() -> int:
@@ -137,7 +155,8 @@ def run(args: argparse.Namespace) -> dict:
     sampler = HostSampler()
     sampler.start()
     try:
-        ranks = spawn(_worker, args.nproc, cfg.to_dict(), timeout=None, pg_timeout=cfg.parallel.timeout_s)
+        ranks = spawn(_worker, args.nproc, cfg.to_dict(), args.checkpoint, timeout=None,
+                      pg_timeout=cfg.parallel.timeout_s)
     finally:
         sampler.done.set()
         sampler.join()
@@ -166,6 +185,13 @@ def run(args: argparse.Namespace) -> dict:
         "step_time_s": [r["step_time_s"] for r in rows],
         "loss": [r["loss"] for r in rows],
         "loss_finite": all(r["loss"] is not None and math.isfinite(r["loss"]) for r in rows),
+        **({"checkpoint_save_s": max(r["save_s"] for r in ranks),
+            "checkpoint_resume_s": max(r["resume_s"] for r in ranks),
+            "peak_rss_after_save_per_rank": [r["peak_rss_after_save"] for r in ranks],
+            "peak_rss_after_resume_per_rank": [r["peak_rss_after_resume"] for r in ranks],
+            "checkpoint_bytes": sum(f.stat().st_size for f in
+                                    (Path(args.out) / "checkpoints" / f"step_{args.steps:06d}").iterdir())}
+           if args.checkpoint else {}),
     }
 
 
@@ -180,6 +206,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--global-batch", type=int, default=2)
     parser.add_argument("--out", default="/tmp/pt_zero_scale_run", help="metrics.jsonl goes here")
     parser.add_argument("--keep", action="store_true", help="keep the offload files")
+    parser.add_argument("--checkpoint", action="store_true",
+                        help="then save a sharded checkpoint and load it back (times, peak RSS per rank)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     result = run(args)

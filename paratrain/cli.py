@@ -42,6 +42,7 @@ TRAIN_FLAGS: dict[str, tuple[str, type]] = {
     "--max-files": ("data.max_files", int),
     "--out": ("train.out", str),
     "--save-every": ("train.save_every", int),
+    "--keep-checkpoints": ("train.keep_checkpoints", int),
     "--eval-every": ("train.eval_every", int),
     "--threads": ("train.threads", int),
     "--timeout": ("parallel.timeout_s", float),
@@ -49,7 +50,8 @@ TRAIN_FLAGS: dict[str, tuple[str, type]] = {
     "--max-restarts": ("parallel.max_restarts", int),
 }
 TRAIN_SWITCHES = {"--resume": "train.resume", "--sp": "parallel.sp", "--no-progress": "train.progress",
-                  "--overwrite": "train.overwrite", "--check-collectives": "parallel.check_collectives"}
+                  "--overwrite": "train.overwrite", "--check-collectives": "parallel.check_collectives",
+                  "--async-save": "train.async_save"}
 
 
 class UserError(Exception):
@@ -106,6 +108,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """Consolidate a run's newest usable checkpoint into one safetensors file, tensor by tensor."""
+    from paratrain.train import checkpoint as ckpt
+
+    folder, notes = ckpt.find_checkpoint(args.run)
+    for note in notes:
+        print(f"paratrain: {note}", file=sys.stderr)
+    if folder is None:
+        raise UserError(f"no checkpoint under {args.run}/checkpoints: is {args.run} the --out of a run?")
+    path = ckpt.export_safetensors(folder, args.safetensors)
+    print(f"exported {folder} -> {path}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     try:
         module = importlib.import_module(f"paratrain.bench.{args.kind.replace('-', '_')}")
@@ -145,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--temperature", type=float, default=0.8)
     g.add_argument("--top-k", type=int, default=40)
     g.add_argument("--seed", type=int, default=0)
+    e = sub.add_parser("export", help="consolidate a run's checkpoint into full tensors (safetensors)")
+    e.add_argument("run", help="run folder (the --out of paratrain train)")
+    e.add_argument("--safetensors", required=True, help="output file")
     b = sub.add_parser("bench", help="paratrain vs PyTorch's own implementation, side by side",
                        add_help=False)
     b.add_argument("kind", help="single | ddp | zero | tp | pp")
@@ -160,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
             if rest:
                 parser.error(f"unrecognized arguments: {' '.join(rest)}")
             return cmd_generate(args)
+        if args.command == "export":
+            if rest:
+                parser.error(f"unrecognized arguments: {' '.join(rest)}")
+            return cmd_export(args)
         if args.command == "bench":
             return cmd_bench(args, rest)
         if args.command == "plan":
@@ -178,8 +201,9 @@ def main(argv: list[str] | None = None) -> int:
 def _is_user_error(e: Exception) -> bool:
     from paratrain.mesh import MeshError
     from paratrain.train.data import DataError
+    from paratrain.train.shards import CheckpointError
 
-    return isinstance(e, (config.ConfigError, DataError, MeshError, UserError))
+    return isinstance(e, (config.ConfigError, DataError, MeshError, UserError, CheckpointError))
 
 
 if __name__ == "__main__":

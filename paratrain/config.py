@@ -94,6 +94,8 @@ class TrainConfig:
     recompute: str = "none"  # none | full
     out: str = "runs/default"
     save_every: int = 0  # 0: only the final checkpoint
+    keep_checkpoints: int = 2  # this run's newest complete checkpoints kept (older ones pruned)
+    async_save: bool = False  # write checkpoints from a background thread (host snapshot first)
     eval_every: int = 50
     eval_batches: int = 4
     resume: bool = False
@@ -281,6 +283,9 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         problems.append(f"parallel.bucket_mb must be > 0 (got {p.bucket_mb})")
     if t.steps < 1:
         problems.append(f"train.steps must be >= 1 (got {t.steps})")
+    if t.keep_checkpoints < 1:
+        problems.append(f"train.keep_checkpoints must be >= 1 (got {t.keep_checkpoints}): the newest "
+                        "checkpoint is always kept")
     if t.global_batch < 1:
         problems.append(f"train.global_batch must be >= 1 (got {t.global_batch})")
     elif not problems:

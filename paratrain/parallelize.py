@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from paratrain.config import Config
 from paratrain.mesh import ParallelMesh
+from paratrain.sharding import name_params
 from paratrain.train.executor import MicroBatchLoop
 from paratrain.train.strategy import Strategy
 from paratrain.train.task import Task
@@ -54,6 +55,7 @@ def parallelize(task: Task, cfg: Config, mesh: ParallelMesh) -> Parallelized:
 
         chunks = split_for_pipeline(model, mesh, virtual_stages=cfg.parallel.virtual_stages,
                                     split=cfg.parallel.pp_split)
+    name_params(model)  # every parameter's ParamInfo now knows its single-device name
     if cfg.parallel.zero == 3:
         # ZeRO-3 materialises only this rank's shard of each unit, straight from the init by name.
         strategy = _zero3(model, task, cfg, mesh)

@@ -1,14 +1,23 @@
-"""How a local tensor relates to the full tensor of the single-device model.
+"""What a local parameter is, in terms of the single-device model: one typed record per tensor.
 
 Design contract: a parameter's full value depends only on (seed, its name in the single-device
-model); a shard is a slice of that full value. Every technique that slices a parameter along a
-mesh axis (tensor parallel, vocabulary padding) attaches a ``TensorShard`` to it, and three
-places read it: weight init, checkpoint load (slice the full tensor) and export (gather it back).
+model); a shard is a slice of that full value. Every parameter carries one ``ParamInfo``:
+
+* ``name``: the full tensor's single-device name (a tied copy carries its owner's name, so the
+  last pipeline stage's LM head *is* ``embed.weight`` to the checkpoint and the exporter);
+* ``shard``: the ``TensorShard``, how the local tensor slices the full one (tensor parallel,
+  vocabulary padding);
+* ``stage_copies``: pipeline stages holding this same weight (a tied embedding: 2);
+* ``tied_to``: set on the copy that is not the owner (saved and exported by the owner).
+
+It is set where the model is split (the TP plan's layers, ``split_for_pipeline``, then
+``name_params`` in parallelize) and read by every strategy (the global grad norm's copy counts,
+ZeRO's buckets), the checkpoint and the exporter. ``shard_of(p)`` is ``info_of(p).shard``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -48,11 +57,77 @@ class TensorShard:
         return full.narrow(self.dim, 0, self.full_shape[self.dim])
 
 
+    def slab(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(start, shape) of the full tensor's region this chunk holds, padding excluded."""
+        start, shape = [0] * len(self.full_shape), list(self.full_shape)
+        if self.dim is not None and (self.is_split or self.padded_size is not None):
+            size = self.padded_size or self.full_shape[self.dim]
+            per = -(-size // self.count)  # torch.chunk's sizes
+            lo = self.index * per
+            start[self.dim] = min(lo, self.full_shape[self.dim])
+            shape[self.dim] = max(0, min(lo + per, self.full_shape[self.dim]) - start[self.dim])
+        return tuple(start), tuple(shape)
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter's place in the single-device model (see the module docstring)."""
+
+    name: str
+    shard: TensorShard
+    stage_copies: int = 1  # pipeline stages holding this same weight (tied embedding: 2)
+    tied_to: str | None = None  # on a copy: the owner that saves and exports it
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        return self.shard.full_shape
+
+    @property
+    def replicated_axes(self) -> tuple[str, ...]:
+        """Mesh axes (besides dp, which each strategy handles) whose ranks hold identical copies."""
+        return () if (self.shard.is_split and self.shard.axis == "tp") else ("tp",)
+
+    def copies_outside_dp(self, mesh) -> int:
+        """World ranks outside the data-parallel axis holding this same gradient element."""
+        tp = mesh.tp.size if "tp" in self.replicated_axes else 1
+        return tp * self.stage_copies
+
+
+_ATTR = "_pt_info"  # the one record a parameter carries
+
+
+def info_of(t: torch.Tensor) -> ParamInfo:
+    """The record attached to a parameter (an unnamed replicated one when none is attached)."""
+    info = getattr(t, _ATTR, None)
+    return info if info is not None else ParamInfo("", TensorShard(tuple(t.shape)))
+
+
+def set_info(t: torch.Tensor, info: ParamInfo) -> None:
+    setattr(t, _ATTR, info)
+
+
+def update_info(t: torch.Tensor, **changes) -> None:
+    set_info(t, replace(info_of(t), **changes))
+
+
+def copy_info(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Carry the record over to a new parameter object (materialise, ZeRO-3's views)."""
+    info = getattr(src, _ATTR, None)
+    if info is not None:
+        set_info(dst, info)
+
+
 def shard_of(t: torch.Tensor) -> TensorShard:
     """The shard description attached to a parameter (replicated when none is attached)."""
-    spec = getattr(t, "pt_shard", None)
-    return spec if spec is not None else TensorShard(tuple(t.shape))
+    return info_of(t).shard
 
 
 def set_shard(t: torch.Tensor, spec: TensorShard) -> None:
-    t.pt_shard = spec
+    update_info(t, shard=spec)
+
+
+def name_params(model) -> None:
+    """Record each parameter's single-device name (a tied copy keeps its owner's name)."""
+    for name, p in model.named_parameters():
+        info = info_of(p)
+        update_info(p, name=info.tied_to or name)

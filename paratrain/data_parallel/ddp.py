@@ -107,6 +107,8 @@ class DDP(Strategy):
     weight decay and moments still move it. Either way nothing hangs.
     """
 
+    reduces_during_backward = True
+
     def __init__(self, model: nn.Module, mesh: ParallelMesh, optim_cfg, *, bucket_bytes: int,
                  first_bucket_bytes: int | None = FIRST_BUCKET_BYTES, find_unused_parameters: bool = False,
                  grad_dtype=None):

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from paratrain.models.llama import PRESETS, Llama, LlamaConfig, full_init_value, preset
-from paratrain.sharding import shard_of
+from paratrain.sharding import copy_info, shard_of
 
 __all__ = ["PRESETS", "Llama", "LlamaConfig", "build_model", "init_weights", "preset", "tied_name"]
 
@@ -35,8 +35,7 @@ def materialize(model: nn.Module, device: torch.device | str) -> None:
                 continue
             if id(p) not in memo:
                 new = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
-                if hasattr(p, "pt_shard"):
-                    new.pt_shard = p.pt_shard
+                copy_info(p, new)
                 memo[id(p)] = new
             module._parameters[key] = memo[id(p)]
 

@@ -80,8 +80,16 @@ class PipelineExecutor:
         self._trained_m = len(micro_batches)
         actions = self.schedule(self._trained_m).actions()[self.mesh.pp.rank]
         total = self._execute(actions, micro_batches, divisor, loss_scale, train=True)
-        self.strategy.after_backward()
-        self.tied.all_reduce_grads()
+        # The tied pair's gradients are summed across stages on the side of the data-parallel
+        # reduction where the gradient is whole: after DDP's (launched from backward hooks, it
+        # must not race), before ZeRO-1's reduce-scatter (after it, each stage's dp shard covers
+        # other elements of the weight, so only the partner's reduced slice would be summed).
+        if self.strategy.reduces_during_backward:
+            self.strategy.after_backward()
+            self.tied.all_reduce_grads()
+        else:
+            self.tied.all_reduce_grads()
+            self.strategy.after_backward()
         return self._loss_from_last_stage(total)
 
     @torch.no_grad()

@@ -18,8 +18,9 @@ Split of the blocks (``parallel.pp_split``):
 
 Tied embeddings across the first and last stage: the last stage's ``lm_head.weight`` is its own
 parameter, initialised from ``embed.weight`` (``tied_name``); both copies carry
-``pt_pp_copies = 2`` (the global grad norm counts them once) and their gradients are summed
-between the two ranks after backward (``TiedEmbedding``), so they stay identical.
+``ParamInfo.stage_copies = 2``, set here at the split, before any strategy buckets them (the
+global grad norm counts them once); their gradients are summed between the two ranks after
+backward (``TiedEmbedding``), so they stay identical.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch.nn as nn
 
 from paratrain.comm import collectives as C
 from paratrain.mesh import ParallelMesh
+from paratrain.sharding import update_info
 
 
 def parse_split(text: str | None, n_layers: int, n_stages: int, costs: tuple[float, float] = (1.0, 0.0)
@@ -130,7 +132,19 @@ def split_for_pipeline(model: nn.Module, mesh: ParallelMesh, *, virtual_stages: 
     if not owns_last:
         model.norm = None
         model.lm_head = None
+    if getattr(model.cfg, "tie_embeddings", False):
+        _mark_tied(model)
     return [StageChunk(model, s, per_stage[s], s == 0, s == n_stages - 1) for s in mine]
+
+
+def _mark_tied(model: nn.Module) -> None:
+    """The embedding and the LM head live on two stages: both copies count once in the grad norm
+    (and ZeRO buckets them by that count, so this must be known before any strategy exists); the
+    head's copy is saved and exported under the embedding's name, by the first stage."""
+    if model.embed is not None:
+        update_info(model.embed.weight, stage_copies=2)
+    if model.lm_head is not None:
+        update_info(model.lm_head.weight, stage_copies=2, tied_to="embed.weight")
 
 
 class TiedEmbedding:
@@ -151,9 +165,6 @@ class TiedEmbedding:
             self.params.append(model.embed.weight)
         if model.lm_head is not None:
             self.params.append(model.lm_head.weight)
-            model.lm_head.weight.pt_tied_to = "embed.weight"  # exported once, by the first stage
-        for p in self.params:
-            p.pt_pp_copies = 2  # the global grad norm counts the pair once
         self.axis = axis if self.params else None
 
     @torch.no_grad()

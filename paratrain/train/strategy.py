@@ -14,10 +14,10 @@ This base class is the replicated, unsynchronised case: one data-parallel rank (
 tensor- and pipeline-parallel shards, whose layout it reads from each parameter's
 ``TensorShard``). DDP (data_parallel/ddp.py) and ZeRO (zero/) subclass it.
 
-Checkpoints and exports are layout-free: ``full_model_state`` / ``full_optim_state`` return
-full tensors named as in the single-device model (on global rank 0), and ``load_full_state``
-takes the same and keeps each rank's slice. A checkpoint written by any layout loads into any
-other.
+Checkpoints and exports are layout-free and sharded: ``state_pieces`` lists what this rank holds
+as pieces of full tensors named as in the single-device model (train/shards.py), and
+``load_state_pieces`` reads back exactly this rank's slices. A checkpoint written by any layout
+loads into any other, and no rank ever holds the full model.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ import torch.nn as nn
 from paratrain.comm import collectives as C
 from paratrain.comm.collectives import nbytes
 from paratrain.mesh import ParallelMesh
-from paratrain.sharding import shard_of
+from paratrain.sharding import info_of
+from paratrain.train.shards import CheckpointError, Piece, ShardReader, pieces_of
 
 
 def decays(name: str, p: torch.Tensor) -> bool:
@@ -50,6 +51,9 @@ class Strategy:
 
     #: How many data-parallel ranks hold an identical copy of each gradient after sync.
     grad_copies_over_dp = 1
+    #: Whether gradient reduction is launched from backward hooks (DDP, ZeRO-2/3) rather than in
+    #: ``after_backward`` (plain DP, ZeRO-1): the pipeline sums tied gradients accordingly.
+    reduces_during_backward = False
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, optim_cfg, *, grad_dtype=None):
         self.model = model
@@ -92,10 +96,8 @@ class Strategy:
         for _, p in self.named_params:
             if p.grad is None:
                 continue
-            spec = shard_of(p)
-            tp_copies = 1 if (spec.is_split and spec.axis == "tp") else self.mesh.tp.size
-            pp_copies = getattr(p, "pt_pp_copies", 1)  # a tied weight living on two stages
-            out.append((p.grad, self.grad_copies_over_dp * tp_copies * pp_copies))
+            # tp replicas and a tied weight's copy on another pipeline stage (ParamInfo)
+            out.append((p.grad, self.grad_copies_over_dp * info_of(p).copies_outside_dp(self.mesh)))
         return out
 
     def grad_norm(self) -> float:
@@ -135,19 +137,30 @@ class Strategy:
                     if torch.is_tensor(t) and t.dim() > 0)
         return {"params": params, "grads": grads, "optim": optim, "offloaded": 0}
 
-    # -- layout-free state --------------------------------------------------------------------------
+    # -- layout-free state: pieces of full tensors (train/shards.py) -------------------------------
 
-    def local_full_tensors(self, which: str) -> dict[str, torch.Tensor]:
-        """Tensors of this pipeline stage, gathered over tp, keyed by single-device name.
+    def state_pieces(self) -> list[Piece]:
+        """This rank's parameters, buffers and optimizer state as pieces of full tensors.
 
-        which: "param", "exp_avg" or "exp_avg_sq".
+        Replicas (dp, tp-replicated tensors) are listed by every rank that holds them; the
+        checkpoint writes each once. A tied copy on another pipeline stage is left to its owner.
+        Optimizer state is generic: every param-shaped tensor in the optimizer's state, by key.
         """
-        out = {}
+        out = []
         for name, p in self.model.named_parameters():
-            local = p.detach() if which == "param" else self.optimizer.state.get(p, {}).get(which)
-            if local is None or getattr(p, "pt_tied_to", None):  # a tied copy: its owner exports it
+            info = info_of(p)
+            if info.tied_to:
                 continue
-            out[name] = shard_of(p).gather(local, self.mesh.tp).cpu()
+            out += pieces_of(info, "param", p, name=info.name or name)
+            for key, t in self.optimizer.state.get(p, {}).items():
+                if torch.is_tensor(t) and t.shape == p.shape:
+                    out += pieces_of(info, key, t, name=info.name or name)
+        return out + self.buffer_pieces()
+
+    def buffer_pieces(self) -> list[Piece]:
+        out = []
+        for name, buf in self.persistent_buffers().items():
+            out += pieces_of(info_of(buf), "buffer", buf, name=name)
         return out
 
     def persistent_buffers(self) -> dict[str, torch.Tensor]:
@@ -159,21 +172,14 @@ class Strategy:
                     out[f"{prefix}.{key}" if prefix else key] = buf
         return out
 
-    def full_model_state(self) -> dict[str, torch.Tensor] | None:
-        buffers = {k: b.detach().cpu() for k, b in self.persistent_buffers().items()}
-        return self._gather_stages({**self.local_full_tensors("param"), **buffers})
-
     @torch.no_grad()
-    def load_buffers(self, model_state: dict[str, torch.Tensor]) -> None:
+    def load_buffers(self, reader: ShardReader) -> None:
         for name, buf in self.persistent_buffers().items():
-            if name in model_state:
-                buf.copy_(model_state[name])
-
-    def full_optim_state(self) -> dict | None:
-        moments = {k: self._gather_stages(self.local_full_tensors(k)) for k in ("exp_avg", "exp_avg_sq")}
-        if moments["exp_avg"] is None:
-            return None
-        return {"step": self.optimizer_step_count(), **moments}
+            if reader.has(name, "buffer"):
+                start, shape = (0,), (max(1, buf.numel()),)
+                if buf.dim():
+                    start, shape = (0,) * buf.dim(), tuple(buf.shape)
+                buf.copy_(reader.read(name, "buffer", start, shape).view(buf.shape))
 
     def optimizer_step_count(self) -> int:
         for st in self.optimizer.state.values():
@@ -182,36 +188,30 @@ class Strategy:
                 return int(s)
         return 0
 
-    def _gather_stages(self, local: dict) -> dict | None:
-        """Merge every pipeline stage's tensors on global rank 0 (None on other ranks)."""
-        parts = C.gather_object(local, self.mesh.pp) if self.mesh.dp.rank == 0 and self.mesh.tp.rank == 0 \
-            else None
-        if self.mesh.rank != 0:
-            return None
-        merged: dict = {}
-        for part in parts:
-            merged.update(part)
-        return merged
-
     @torch.no_grad()
-    def load_full_state(self, model_state: dict[str, torch.Tensor], optim_state: dict | None) -> None:
-        """Keep this rank's slice of full tensors (every rank passes the same full dicts)."""
+    def load_state_pieces(self, reader: ShardReader, optimizer_step: int) -> None:
+        """Read this rank's slices of every parameter and of its optimizer state (any keys)."""
         for name, p in self.model.named_parameters():
-            p.copy_(shard_of(p).slice(_lookup(model_state, name, self.model)).to(p.dtype))
-        self.load_buffers(model_state)
-        if optim_state is None:
-            return
-        for name, p in self.named_params:
-            spec = shard_of(p)
-            st = self.optimizer.state[p]
-            st["step"] = torch.tensor(float(optim_state["step"]))
-            for key in ("exp_avg", "exp_avg_sq"):
-                st[key] = spec.slice(_lookup(optim_state[key], name, self.model)).to(p.device, torch.float32)
+            info = info_of(p)
+            full = info.name or name
+            _read_local(reader, info, full, "param", p)
+            if not p.requires_grad:
+                continue
+            keys = [k for k in reader.keys(full) if k not in ("param", "buffer")]
+            st = self.optimizer.state[p] if keys else {}
+            for key in keys:  # an optimizer's state is empty before its first step: create it
+                st[key] = torch.zeros_like(p, dtype=torch.float32)
+                _read_local(reader, info, full, key, st[key])
+            if keys:
+                st["step"] = torch.tensor(float(optimizer_step))
+        self.load_buffers(reader)
 
 
-def _lookup(state: dict, name: str, model: nn.Module) -> torch.Tensor:
-    if name in state:
-        return state[name]
-    if name == "lm_head.weight" and "embed.weight" in state:  # tied weight on a pipeline's last stage
-        return state["embed.weight"]
-    raise KeyError(f"checkpoint has no tensor {name!r}: it was written for a different model")
+def _read_local(reader: ShardReader, info, name: str, key: str, local: torch.Tensor) -> None:
+    """Fill ``local`` (padding excluded) with its slab of ``name``'s ``key``."""
+    start, shape = info.shard.slab() if info.name else ((0,) * local.dim(), tuple(local.shape))
+    if not reader.has(name, key):
+        raise CheckpointError(f"{reader.folder}: no {key} for tensor {name!r}: the checkpoint was written "
+                              "for another model")
+    view = local.narrow(info.shard.dim, 0, shape[info.shard.dim]) if tuple(local.shape) != shape else local
+    view.copy_(reader.read(name, key, start, shape).view(shape))

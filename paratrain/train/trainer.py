@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ from paratrain.config import Config
 from paratrain.launch import DistEnv, restart_attempt
 from paratrain.mesh import MeshShape, ParallelMesh
 from paratrain.parallelize import Parallelized, parallelize
+from paratrain.sharding import info_of
 from paratrain.train import checkpoint as ckpt
 from paratrain.train import guards
 from paratrain.train.loss_scaler import LossScaler
@@ -87,6 +89,8 @@ class Trainer:
         self.start_step = 0
         self.result = TrainResult(out=str(self.out))
         self.peak_flops = None
+        self.saver = ckpt.Saver(self.out, self.mesh, keep=cfg.train.keep_checkpoints,
+                                async_save=cfg.train.async_save)
 
     # -- data ------------------------------------------------------------------------------------
 
@@ -152,6 +156,9 @@ class Trainer:
             self.resume()
             if self.is_main:
                 drop_rows_after(self.out / "metrics.jsonl", self.start_step)
+        every = cfg.train.save_every
+        self.saver.check_free([s for s in range(self.start_step + 1, cfg.train.steps)
+                               if every and s % every == 0] + [cfg.train.steps])
         writer = MetricsWriter(self.out, resume=cfg.train.resume) if self.is_main else None
         if self.is_main:
             self.peak_flops = measure_matmul_peak(self.mesh.device) * self.env.world_size
@@ -172,13 +179,18 @@ class Trainer:
                     self.save(done)
                 guards.test_crash_hook(done, self.env.rank, restart_attempt())
                 if done < cfg.train.steps and self.stop_requested(done):
+                    self.saver.finish()
                     return self.result
+        except BaseException:
+            self.saver.abandon()  # no collective commit while other ranks may be gone
+            raise
         finally:
             if bar:
                 bar.close()
             if writer:
                 writer.close()
         self.save(cfg.train.steps)
+        self.saver.finish()
         self.export()
         if hasattr(self.par.executor, "write_timeline"):  # pipelines: OUT/timeline.json for viz
             self.par.executor.write_timeline(self.out, self.is_main)
@@ -236,37 +248,78 @@ class Trainer:
     # -- state -----------------------------------------------------------------------------------
 
     def save(self, step: int) -> None:
+        """Checkpoint ``step``: each rank writes its own pieces (train/checkpoint.py)."""
         strategy = self.par.strategy
-        model_state, optim_state = strategy.full_model_state(), strategy.full_optim_state()
-        with self.mesh.counter.paused():
-            rng = C.gather_object(_rng_state(), self.mesh.world)
-        if self.is_main:
-            meta = {"layout": self.layout(), "config": self.cfg.to_dict(), "scaler": self.scaler.state_dict()}
-            ckpt.save(self.out, step, model_state, optim_state, meta, rng)
-        C.barrier(self.mesh.world)
+        meta = {"layout": self.layout(), "config": self.cfg.to_dict(), "scaler": self.scaler.state_dict(),
+                "optimizer_step": strategy.optimizer_step_count()}
+        start = time.perf_counter()
+        self.saver.save(step, strategy.state_pieces(), meta, _rng_state())
+        self.saver.stall_s.append(time.perf_counter() - start)
 
     def resume(self) -> None:
-        folder = ckpt.latest(self.out)
+        folder, notes = ckpt.find_checkpoint(self.out)
+        if self.is_main:
+            for note in notes:
+                print(f"paratrain: {note}", file=sys.stderr)
         if folder is None:
             if self.is_main:
                 print(f"no checkpoint under {self.out}/checkpoints: starting from step 0")
             return
-        model_state, optim_state, meta, rng = ckpt.load(folder)
-        self.par.strategy.load_full_state(model_state, optim_state)
-        self.scaler.load_state_dict(meta["scaler"])
-        self.start_step = meta["step"]
+        state = ckpt.read_state(folder)
+        self.check_compatible(folder, state)
+        reader = ckpt.open_reader(folder)
+        try:
+            self.check_model(folder, reader)
+            self.par.strategy.load_state_pieces(reader, int(state.get("optimizer_step", 0)))
+        finally:
+            reader.close()
+        self.scaler.load_state_dict(state["scaler"])
+        self.start_step = state["step"]
+        self.saver.run_id = state.get("run_id")  # a resumed run prunes its own earlier checkpoints
+        rng = ckpt.read_rng(folder)
         if len(rng) == self.env.world_size:  # same world: every rank continues its own RNG stream
             _set_rng_state(rng[self.env.rank])
 
+    def check_compatible(self, folder: Path, state: dict) -> None:
+        """The data position is step x global batch: another global batch would replay other rows."""
+        saved = state.get("config", {}).get("train", {}).get("global_batch")
+        if saved is not None and saved != self.cfg.train.global_batch:
+            raise ckpt.CheckpointError(
+                f"{folder / 'state.json'}: written with global batch {saved}, this run has "
+                f"{self.cfg.train.global_batch}; the data position is step x global batch, so resume with "
+                f"--global-batch {saved} (or start afresh with another --out)")
+
+    def check_model(self, folder: Path, reader) -> None:
+        """Every parameter of this rank's part exists in the checkpoint with its full shape (all
+        ranks agree before any loads, so a mismatch on one stage cannot leave the others waiting)."""
+        problems = []
+        for name, p in self.par.model.named_parameters():
+            info = info_of(p)
+            full = info.name or name
+            if not reader.has(full, "param"):
+                problems.append(f"{full!r} is not in it")
+            elif reader.shape(full, "param") != tuple(info.full_shape):
+                problems.append(f"{full!r} has shape {reader.shape(full, 'param')} there, "
+                                f"{tuple(info.full_shape)} here")
+        with self.mesh.counter.paused():
+            problems = sorted({q for part in C.all_gather_object(problems, self.mesh.world) for q in part})
+        if problems:
+            raise ckpt.CheckpointError(
+                f"{folder} was written for another model: {'; '.join(problems[:4])}"
+                f"{f' (and {len(problems) - 4} more)' if len(problems) > 4 else ''}. Resume with the model "
+                "it was trained with, or start afresh with another --out")
+
     def export(self) -> None:
-        """OUT/model.safetensors (full weights, single-device names) + what generate needs."""
-        state = self.par.strategy.full_model_state()
+        """OUT/model.safetensors (full weights, single-device names) + what generate needs.
+
+        Streamed from the final checkpoint by rank 0, one full tensor at a time."""
+        folder = self.saver.finish()
         if not self.is_main:
             return
-        from safetensors.torch import save_file
+        from safetensors.torch import load_file
 
-        save_file({k: v.contiguous() for k, v in state.items()}, str(self.out / "model.safetensors"))
-        self.result.final_state = state
+        path = ckpt.export_safetensors(folder, self.out / "model.safetensors")
+        self.result.final_state = load_file(str(path))  # for tests and callers: the full weights
         self.task_files()
         if (self.out / "metrics.jsonl").exists():
             plot_loss(self.out / "metrics.jsonl", self.out / "loss.png")

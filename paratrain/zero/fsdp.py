@@ -45,7 +45,7 @@ import torch.nn as nn
 from paratrain.comm import collectives as C
 from paratrain.comm.collectives import nbytes
 from paratrain.mesh import ParallelMesh
-from paratrain.sharding import shard_of
+from paratrain.sharding import copy_info, shard_of
 from paratrain.train.strategy import Strategy
 from paratrain.zero.offload import disk_store, make_store
 from paratrain.zero.optimizer import DTYPES, FlatLayout, ShardedState, held_sync, param_key
@@ -91,6 +91,8 @@ def llama_units(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
 
 class Zero3(ShardedState, Strategy):
     """Fully sharded data parallel over mesh.dp; takes the model on the meta device."""
+
+    reduces_during_backward = True
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, optim_cfg, *, init_value: InitFn,
                  precision: str = "fp32", reduce_dtype: torch.dtype | None = None,
@@ -191,9 +193,7 @@ class Zero3(ShardedState, Strategy):
             new = nn.Parameter(torch.empty(0, dtype=full.dtype, device=full.device),
                                requires_grad=p.requires_grad)
             new.data = view
-            for attr in ("pt_shard", "pt_pp_copies", "pt_tied_to"):
-                if hasattr(p, attr):
-                    setattr(new, attr, getattr(p, attr))
+            copy_info(p, new)
             new_of[id(p)] = new
         for sub in self.model.modules():
             for key, p in list(sub._parameters.items()):
@@ -366,8 +366,8 @@ class Zero3(ShardedState, Strategy):
                 "zero3_unit_max_bytes": max(u.nbytes for u in self.units), **self.offload_metrics()}
 
     @torch.no_grad()
-    def load_full_state(self, model_state: dict, optim_state: dict | None) -> None:
-        self._load_flats(model_state, optim_state)
-        self.load_buffers(model_state)
+    def load_state_pieces(self, reader, optimizer_step: int) -> None:
+        self._load_flats(reader, optimizer_step)
+        self.load_buffers(reader)
         for i, u in enumerate(self.units):
             u.shard.copy_(self.store.read(i, "param").to(self.mesh.device, self.compute_dtype))

@@ -30,6 +30,7 @@ compute dtype, the paper's 2-byte gradients; pass torch.float32 to reduce in ful
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -39,9 +40,11 @@ import torch.nn as nn
 from paratrain.comm import collectives as C
 from paratrain.comm.collectives import nbytes
 from paratrain.mesh import ParallelMesh
-from paratrain.sharding import shard_of
+from paratrain.sharding import info_of
+from paratrain.train.shards import CheckpointError, Piece, ShardReader, pieces_of
 from paratrain.train.strategy import Strategy, decays
-from paratrain.zero.offload import Piece, make_store
+from paratrain.zero.offload import MOMENTS, make_store
+from paratrain.zero.offload import Piece as FlatPiece
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -115,21 +118,19 @@ class FlatLayout:
     def local(self, flat: torch.Tensor) -> torch.Tensor:
         return flat[self.lo:self.lo + self.shard]
 
-    def pieces(self, index: int, weight_decay: float) -> list[tuple[Piece, int]]:
+    def pieces(self, index: int, weight_decay: float) -> list[tuple[FlatPiece, int]]:
         """This rank's slice cut at segment boundaries: (piece, copies) in shard coordinates."""
         out = []
         for start, end, dec, copies in self.segments:
             a, b = max(start, self.lo), min(end, self.lo + self.shard)
             if a < b:
-                out.append((Piece(index, a - self.lo, b - self.lo, weight_decay if dec else 0.0), copies))
+                out.append((FlatPiece(index, a - self.lo, b - self.lo, weight_decay if dec else 0.0), copies))
         return out
 
 
 def param_key(name: str, p: torch.Tensor, mesh: ParallelMesh) -> tuple[bool, int]:
     """(decays, copies): copies = world ranks holding this same gradient element outside dp."""
-    spec = shard_of(p)
-    tp_copies = 1 if (spec.is_split and spec.axis == "tp") else mesh.tp.size
-    return decays(name, p), tp_copies * getattr(p, "pt_pp_copies", 1)
+    return decays(name, p), info_of(p).copies_outside_dp(mesh)
 
 
 def bind_views(layout: FlatLayout, flat: torch.Tensor) -> None:
@@ -158,48 +159,67 @@ class ShardedState:
             out["offload_resident_peak_bytes"] = self.store.max_resident_bytes
         return out
 
-    def _full_flat(self, index: int, which: str) -> torch.Tensor:
-        local = self.store.read(index, which).to(self.mesh.device)
-        with self.mesh.counter.paused():  # export traffic is not part of a training step
-            parts = C.all_gather_list(local, self.mesh.dp)
-        return torch.cat(parts)
+    def state_keys(self) -> tuple[str, ...]:
+        """The store's per-element state besides the master ("param"): AdamW's two moments."""
+        return tuple(getattr(self.store, "state_keys", MOMENTS))
 
-    def local_full_tensors(self, which: str) -> dict[str, torch.Tensor]:
-        out = {}
+    def state_pieces(self) -> list[Piece]:
+        """Each flat shard cut at parameter boundaries: 1-D ranges of each (tp-local) parameter."""
+        out = []
         for i, layout in enumerate(self.layouts):
-            flat = self._full_flat(i, "param" if which == "param" else which)
-            for name, p, v in zip(layout.names, layout.params, layout.views(flat)):
-                if getattr(p, "pt_tied_to", None):
-                    continue
-                with self.mesh.counter.paused():
-                    out[name] = shard_of(p).gather(v, self.mesh.tp).cpu()
-        return out
+            for which in ("param", *self.state_keys()):
+                for name, p, at, a, b in _owned(layout):
+                    info = info_of(p)
+                    if not info.tied_to:
+                        values = functools.partial(self._shard_range, i, which, at, at + b - a)
+                        out += pieces_of(info, which, p, a, b, values=values, name=info.name or name)
+        return out + self.buffer_pieces()
 
-    def full_optim_state(self) -> dict | None:
-        moments = {k: self._gather_stages(self.local_full_tensors(k)) for k in ("exp_avg", "exp_avg_sq")}
-        if moments["exp_avg"] is None:
-            return None
-        return {"step": self.store.steps, **moments}
+    def _shard_range(self, index: int, which: str, a: int, b: int) -> torch.Tensor:
+        """Elements [a, b) of flat shard ``index``'s state ``which``. The writer asks shard by shard,
+        so one cached shard bounds the memory (offloaded state is read from disk once per shard)."""
+        cached = getattr(self, "_shard_cache", None)
+        if cached is None or cached[0] != (index, which):
+            cached = self._shard_cache = ((index, which), self.store.read(index, which))
+        if b >= cached[1].numel():  # the shard's last piece: release it after this read
+            self._shard_cache = None
+        return cached[1][a:b]
 
     def optimizer_step_count(self) -> int:
         return self.store.steps
 
     @torch.no_grad()
-    def _load_flats(self, model_state: dict, optim_state: dict | None) -> None:
-        from paratrain.train.strategy import _lookup
-
+    def _load_flats(self, reader: ShardReader, optimizer_step: int) -> None:
+        """Rebuild this rank's flat shards from the pieces that overlap them (nothing more)."""
         for i, layout in enumerate(self.layouts):
-            for which, state in (("param", model_state), *((k, (optim_state or {}).get(k)) for k in
-                                                            ("exp_avg", "exp_avg_sq"))):
-                if state is None:
-                    continue
-                full = [shard_of(p).slice(_lookup(state, n, self.model))
-                        for n, p in zip(layout.names, layout.params)]
-                local = layout.local(layout.flatten(full, torch.float32, "cpu"))
-                step = None if which == "param" else int(optim_state["step"])
+            for which in ("param", *self.state_keys()):
+                if which != "param" and not all(reader.has(info_of(p).name or n, which)
+                                                for n, p, *_ in _owned(layout)):
+                    continue  # no optimizer state in the checkpoint: keep fresh moments
+                local = torch.zeros(layout.shard, dtype=torch.float32)
+                for name, p, at, a, b in _owned(layout):
+                    info = info_of(p)
+                    full = info.name or name
+                    if not reader.has(full, which):
+                        raise CheckpointError(f"{reader.folder}: no {which} for tensor {full!r}: the "
+                                              "checkpoint was written for another model")
+                    start, shape = info.shard.slab()
+                    valid = min(b, math.prod(shape))  # tp padding rows stay zero
+                    if valid > a:
+                        local[at:at + valid - a] = reader.read(full, which, start, shape, a, valid)
                 if which == "param":
-                    local = local.to(self.mesh.device)
-                self.store.write(i, which, local, step=step)
+                    self.store.write(i, which, local.to(self.mesh.device))
+                else:
+                    self.store.write(i, which, local, step=optimizer_step)
+
+
+def _owned(layout: FlatLayout):
+    """(name, param, at, a, b): this rank's shard holds the parameter's flat elements [a, b) at
+    position ``at`` of the shard."""
+    for name, p, off in zip(layout.names, layout.params, layout.offsets):
+        a, b = max(off, layout.lo), min(off + p.numel(), layout.lo + layout.shard)
+        if a < b:
+            yield name, p, a - layout.lo, a - off, b - off
 
 
 # --------------------------------------------------------------------------------------------
@@ -346,9 +366,9 @@ class ZeroDP(Strategy):
     # -- layout-free state --------------------------------------------------------------------------
 
     @torch.no_grad()
-    def load_full_state(self, model_state: dict, optim_state: dict | None) -> None:
-        self._load_flats(model_state, optim_state)
-        self.load_buffers(model_state)
+    def load_state_pieces(self, reader: ShardReader, optimizer_step: int) -> None:
+        self._load_flats(reader, optimizer_step)
+        self.load_buffers(reader)
         for i, b in enumerate(self.buckets):
             local = self.store.read(i, "param").to(self.mesh.device, self.compute_dtype)
             b.layout.local(b.flat).copy_(local)
@@ -366,6 +386,7 @@ class Zero2(ShardedState, ZeroDP):
     """ZeRO-2 (P_os+g): gradients reduce-scattered bucket by bucket during backward, shard kept."""
 
     stage = 2
+    reduces_during_backward = True
 
     def _install_grads(self) -> None:
         self._bucket_of = {}
