@@ -22,6 +22,7 @@ import torch
 
 from paratrain.comm import collectives as C
 from paratrain.config import Config
+from paratrain.data import check_cursor, data_cursor
 from paratrain.launch import DistEnv
 from paratrain.mesh import MeshShape, ParallelMesh
 from paratrain.parallelize import Parallelized, parallelize
@@ -218,6 +219,7 @@ class Trainer:
             rng = C.gather_object(_rng_state(), self.mesh.world)
         if self.is_main:
             meta = {"layout": self.layout(), "config": self.cfg.to_dict(), "scaler": self.scaler.state_dict()}
+            meta["data"] = data_cursor(self.task, step, self.cfg.train.global_batch)  # corpus + position
             ckpt.save(self.out, step, model_state, optim_state, meta, rng)
         C.barrier(self.mesh.world)
 
@@ -228,6 +230,7 @@ class Trainer:
                 print(f"no checkpoint under {self.out}/checkpoints: starting from step 0")
             return
         model_state, optim_state, meta, rng = ckpt.load(folder)
+        check_cursor(meta, self.task, self.cfg)  # refuse another corpus/tokenizer unless allowed
         self.par.strategy.load_full_state(model_state, optim_state)
         self.scaler.load_state_dict(meta["scaler"])
         self.start_step = meta["step"]
