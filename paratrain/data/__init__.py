@@ -2,7 +2,7 @@
 
     sources.py    files, .jsonl, .parquet -> documents, cut into tasks (never a whole file in memory)
     tokenizer.py  which tokenizer (given, from --init-from, or a BPE trained on a bounded sample)
-    prepare.py    tasks -> a pool of tokenizer processes -> tokens.bin + docs.bin + manifest.json
+    tokenfile.py  tasks -> a pool of tokenizer processes -> tokens.bin + docs.bin + manifest.json
     corpus.py     the prepared folder, memory-mapped; rows per step; the checkpoint's data cursor
 
 No module here imports torch at import time: the tokenizer workers stay light.
@@ -18,8 +18,8 @@ from paratrain.data.corpus import (
     load_prepared,
     prepare_corpus,
 )
-from paratrain.data.prepare import PrepareOptions, cache_root, prepare
 from paratrain.data.sources import DataError, corpus_files, read_documents, stdlib_dir
+from paratrain.data.tokenfile import PrepareOptions, cache_root, prepare
 from paratrain.data.tokenizer import EOT, check_vocab, resolve_tokenizer, train_bpe
 
 __all__ = ["EOT", "Corpus", "DataError", "PrepareOptions", "TokenRows", "cache_root", "check_batch_fits",

@@ -10,8 +10,8 @@ import argparse
 import json
 from pathlib import Path
 
-from paratrain.data.prepare import PrepareOptions, prepare, read_manifest
 from paratrain.data.sources import DataError
+from paratrain.data.tokenfile import PrepareOptions, prepare, read_manifest
 from paratrain.data.tokenizer import tokenizer_file
 
 

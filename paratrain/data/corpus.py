@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from paratrain.data import prepare as P
+from paratrain.data import tokenfile as P
 from paratrain.data.sources import DataError
 from paratrain.data.tokenizer import file_hash, resolve_tokenizer
 
@@ -39,7 +39,7 @@ class Corpus:
 
 
 def load_prepared(folder: str | Path) -> Corpus:
-    """Map a prepared folder (see prepare.py): nothing is read into memory."""
+    """Map a prepared folder (see tokenfile.py): nothing is read into memory."""
     folder = Path(folder)
     m = P.read_manifest(folder)
     tokens = np.memmap(folder / "tokens.bin", dtype=m["dtype"], mode="r", shape=(m["n_tokens"],))
