@@ -242,3 +242,35 @@ def test_cli_refuses_bad_data_before_any_worker_starts(tmp_path, tokenizer, caps
     assert main(["data", "prepare", "--data", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "p"),
                  "--tokenizer", str(tokenizer), "--no-progress"]) == 2
     assert "bad.jsonl:2: invalid JSON" in capsys.readouterr().err
+
+
+def _cursor_cfg(tmp_path: Path, src: Path, tokenizer: Path, **kw):
+    from tests.harness import tiny_cfg
+
+    return tiny_cfg(tmp_path / "run", **{"data.path": str(src), "data.tokenizer": str(tokenizer),
+                                         "data.cache_dir": str(tmp_path / "cache"), "data.max_files": None,
+                                         "train.steps": 3, **kw})
+
+
+def test_resume_continues_at_the_same_rows_and_refuses_other_data(tmp_path, tokenizer):
+    from paratrain.train.trainer import Trainer
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(6):
+        (src / f"{i}.txt").write_text(_text(40, seed=10 + i))
+    full = Trainer(_cursor_cfg(tmp_path / "full", src, tokenizer)).fit()
+    Trainer(_cursor_cfg(tmp_path, src, tokenizer, **{"train.steps": 2})).fit()
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step_000002" / "state.json").read_text())
+    trainer = Trainer(_cursor_cfg(tmp_path, src, tokenizer, **{"train.resume": True}))
+    assert state["data"]["rows_consumed"] == 2 * 8 and state["data"]["epoch"] == 0
+    assert state["data"]["data_hash"] == trainer.task.corpus.manifest["data_hash"]
+    assert trainer.fit().losses == full.losses[2:]  # step 3 saw the same rows as the uninterrupted run
+
+    (src / "0.txt").write_text(_text(40, seed=99))  # another corpus under the same path
+    with pytest.raises(DataError, match="cannot resume: the corpus changed.*--allow-data-change"):
+        Trainer(_cursor_cfg(tmp_path, src, tokenizer, **{"train.resume": True, "train.steps": 4})).resume()
+    allowed = Trainer(_cursor_cfg(tmp_path, src, tokenizer, **{"train.resume": True, "train.steps": 4,
+                                                                 "data.allow_data_change": True}))
+    allowed.resume()
+    assert allowed.start_step == 3
