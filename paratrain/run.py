@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from paratrain.config import Config
+from paratrain.data import check_resume
 from paratrain.launch import DistEnv, WorkerError, init_from_torchrun, spawn, under_torchrun
 from paratrain.train.task import build_task
 from paratrain.train.trainer import Trainer
@@ -26,7 +27,9 @@ def run_training(cfg: Config) -> int:
     """Train with `cfg` (already validated); return the process exit code."""
     if under_torchrun():
         return _run_torchrun(cfg)
-    build_task(cfg)  # tokenize once, here; every worker then maps the cache
+    task = build_task(cfg)  # tokenize once, here; every worker then maps the cache
+    if cfg.train.resume:
+        check_resume(cfg, task)  # another corpus/tokenizer than the checkpoint's: refused here
     world = cfg.world_size
     if world == 1:
         if cfg.train.threads is None:

@@ -10,6 +10,7 @@ the corpus too, so a resume on other data is refused rather than silently mixed.
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,3 +169,16 @@ def check_cursor(meta: dict, task, cfg) -> None:
                         "--tokenizer, or pass --allow-data-change to continue on the new data")
     print("paratrain: resuming on changed data (--allow-data-change): " + "; ".join(changed),
           file=sys.stderr)
+
+
+def check_resume(cfg, task) -> None:
+    """The same check before any worker starts: the latest checkpoint's cursor against this corpus.
+
+    Reads ``state.json`` when the checkpoint has one; ``Trainer.resume`` checks again in any case.
+    """
+    from paratrain.train import checkpoint as ckpt
+
+    folder = ckpt.latest(cfg.train.out)
+    state = folder / "state.json" if folder is not None else None
+    if state is not None and state.exists():
+        check_cursor(json.loads(state.read_text()), task, cfg)
