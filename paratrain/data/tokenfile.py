@@ -24,6 +24,7 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import socket
 import sys
 import time
 from contextlib import contextmanager
@@ -95,7 +96,7 @@ def prepare(data: str | None, opts: PrepareOptions, *, out: Path | None = None,
     if out.exists() and any(out.iterdir()) and not is_prepared(out):
         raise DataError(f"{out} exists and is not a prepared folder: choose an empty or new --out")
     tasks = plan_tasks(sources, opts.chunk_bytes, opts.text_field)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    tmp = out.parent / f".{out.name}.tmp-{_owner()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
@@ -113,7 +114,7 @@ def prepare(data: str | None, opts: PrepareOptions, *, out: Path | None = None,
 
 def _install(tmp: Path, out: Path, key: str) -> None:
     """Rename the finished folder into place; another process may have finished the same first."""
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    old = out.parent / f".{out.name}.old-{_owner()}"
     if out.exists():
         out.rename(old)  # the rest of this prepare writes nothing: the swap is two renames
     try:
@@ -122,6 +123,11 @@ def _install(tmp: Path, out: Path, key: str) -> None:
         if not (is_prepared(out) and read_manifest(out).get("key") == key):
             raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _owner() -> str:
+    """Host and pid: on a shared file system, two nodes preparing at once must not share a name."""
+    return f"{socket.gethostname()}-{os.getpid()}"
 
 
 def _write_tokenizer(folder: Path, tasks: list[Task], opts: PrepareOptions) -> dict:
