@@ -274,3 +274,15 @@ def test_resume_continues_at_the_same_rows_and_refuses_other_data(tmp_path, toke
                                                                  "data.allow_data_change": True}))
     allowed.resume()
     assert allowed.start_step == 3
+
+
+def test_validation_rows_are_whole_documents_at_the_end():
+    from paratrain.data import TokenRows
+
+    tokens, doc_ends = np.arange(1000), np.array([100, 300, 600, 950, 1000])
+    rows = TokenRows(tokens, seq_len=10, val_fraction=0.1, seed=0, doc_ends=doc_ends)
+    assert rows.val_start == 600  # the last document start leaving >= 10% of the tokens after it
+    train_x, train_y = rows.train_batch(0, rows.n_train)
+    assert train_y.max() < 600 and rows.val_batch(0, 1)[0][0, 0] == 600
+    single = TokenRows(tokens, seq_len=10, val_fraction=0.1, seed=0, doc_ends=np.array([1000]))
+    assert single.n_val == 9 and single.val_start == single.n_train * 10  # one document: by rows

@@ -74,7 +74,9 @@ def _walk(root: Path, suffixes: set[str]) -> list[Path]:
     files = []
     for folder, subdirs, names in os.walk(root):
         # Prune while walking: site-packages and the test suites are most of the stdlib tree.
-        subdirs[:] = sorted(d for d in subdirs if d not in SKIP_DIRS and not d.startswith("."))
+        # A prepared folder inside the corpus (its manifest is .json) is output, not input.
+        subdirs[:] = sorted(d for d in subdirs if d not in SKIP_DIRS and not d.startswith(".")
+                            and not (Path(folder) / d / "manifest.json").exists())
         files.extend(Path(folder) / n for n in names if Path(n).suffix in suffixes and not n.startswith("."))
     return sorted(files)
 
