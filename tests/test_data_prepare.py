@@ -286,3 +286,29 @@ def test_validation_rows_are_whole_documents_at_the_end():
     assert train_y.max() < 600 and rows.val_batch(0, 1)[0][0, 0] == 600
     single = TokenRows(tokens, seq_len=10, val_fraction=0.1, seed=0, doc_ends=np.array([1000]))
     assert single.n_val == 9 and single.val_start == single.n_train * 10  # one document: by rows
+
+
+def test_a_hugging_face_folder_brings_its_tokenizer_and_end_of_text(tmp_path):
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from paratrain.data import resolve_tokenizer
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(DOCS, trainer=trainers.BpeTrainer(
+        vocab_size=280, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    tok.save(str(hf / "tokenizer.json"))
+    (hf / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "</s>"}}))
+    (tmp_path / "c.txt").write_text(DOCS[1])
+    cfg = SimpleNamespace(data=SimpleNamespace(tokenizer=None), model=SimpleNamespace(init_from=str(hf)))
+    assert resolve_tokenizer(cfg) == hf / "tokenizer.json"  # --init-from's tokenizer when none is given
+    corpus = prepare_corpus(str(tmp_path / "c.txt"), 300, cache_dir=str(tmp_path / "cache"),
+                            tokenizer=resolve_tokenizer(cfg))
+    assert corpus.manifest["tokenizer"]["eot_id"] == tok.token_to_id("</s>") == int(corpus.tokens[-1])
+    (hf / "tokenizer.json").unlink()
+    with pytest.raises(DataError, match="must hold tokenizer.json"):
+        resolve_tokenizer(cfg)
