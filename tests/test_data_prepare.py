@@ -312,3 +312,10 @@ def test_a_hugging_face_folder_brings_its_tokenizer_and_end_of_text(tmp_path):
     (hf / "tokenizer.json").unlink()
     with pytest.raises(DataError, match="must hold tokenizer.json"):
         resolve_tokenizer(cfg)
+
+
+def test_parquet_without_pyarrow_says_what_to_install(tmp_path, tokenizer, monkeypatch):
+    (tmp_path / "d.parquet").write_bytes(b"PAR1")
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # import fails as when not installed
+    with pytest.raises(DataError, match=r"needs pyarrow: pip install 'paratrain\[parquet\]'"):
+        prepare(str(tmp_path / "d.parquet"), _opts(tokenizer), out=tmp_path / "p")
