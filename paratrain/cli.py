@@ -1,4 +1,4 @@
-"""The `paratrain` command: train, generate, bench, plan, viz.
+"""The `paratrain` command: train, generate, bench, plan, viz, data.
 
 User mistakes end with a one-paragraph message and exit code 2, never a traceback.
 """
@@ -40,6 +40,9 @@ TRAIN_FLAGS: dict[str, tuple[str, type]] = {
     "--recompute": ("train.recompute", str),
     "--data": ("data.path", str),
     "--max-files": ("data.max_files", int),
+    "--tokenizer": ("data.tokenizer", str),
+    "--text-field": ("data.text_field", str),
+    "--data-workers": ("data.workers", int),
     "--out": ("train.out", str),
     "--save-every": ("train.save_every", int),
     "--keep-checkpoints": ("train.keep_checkpoints", int),
@@ -51,7 +54,7 @@ TRAIN_FLAGS: dict[str, tuple[str, type]] = {
 }
 TRAIN_SWITCHES = {"--resume": "train.resume", "--sp": "parallel.sp", "--no-progress": "train.progress",
                   "--overwrite": "train.overwrite", "--check-collectives": "parallel.check_collectives",
-                  "--async-save": "train.async_save"}
+                  "--async-save": "train.async_save", "--allow-data-change": "data.allow_data_change"}
 
 
 class UserError(Exception):
@@ -169,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("kind", help="single | ddp | zero | tp | pp")
     sub.add_parser("plan", help="choose a layout for a model and a cluster, and explain why", add_help=False)
     sub.add_parser("viz", help="pictures of a run (viz timeline OUT)", add_help=False)
+    sub.add_parser("data", help="tokenize a corpus once (data prepare --data SRC --out DIR)", add_help=False)
     args, rest = parser.parse_known_args(argv)
     try:
         if args.command == "train":
@@ -185,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_export(args)
         if args.command == "bench":
             return cmd_bench(args, rest)
+        if args.command == "data":
+            return cmd_delegate("paratrain.data.cli", rest)
         if args.command == "plan":
             return cmd_delegate("paratrain.planner.cli", rest)
         return cmd_delegate("paratrain.pipeline.timeline", rest)

@@ -63,12 +63,16 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
-    path: str | None = None  # files or folders of text / .jsonl; default: the Python stdlib sources
+    path: str | None = None  # text/.jsonl/.parquet files or folders, or a prepared folder; default: stdlib
     vocab_size: int = 8192
     seq_len: int = 256
     val_fraction: float = 0.02
     cache_dir: str | None = None  # tokenizer and token cache; default ~/.cache/paratrain
     max_files: int | None = None  # read at most this many files (quick experiments, tests)
+    tokenizer: str | None = None  # a tokenizer.json or a Hugging Face folder; default: a BPE trained here
+    text_field: str = "text"  # the field of .jsonl lines / the column of .parquet files
+    workers: int | None = None  # tokenizer processes when preparing; default: every core
+    allow_data_change: bool = False  # resume on another corpus or tokenizer than the checkpoint's
 
 
 @dataclass
@@ -300,6 +304,11 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     if d.path is not None and not os.path.exists(d.path):
         problems.append(f"data.path {d.path!r} does not exist: "
                         "point --data at a text/.jsonl file or a folder")
+    if d.tokenizer is not None and not os.path.exists(d.tokenizer):
+        problems.append(f"data.tokenizer {d.tokenizer!r} does not exist: "
+                        "give a tokenizer.json or a Hugging Face folder holding one")
+    if d.workers is not None and d.workers < 1:
+        problems.append(f"data.workers must be >= 1 (got {d.workers})")
     if o.lr <= 0:
         problems.append(f"optim.lr must be > 0 (got {o.lr})")
     if o.warmup_steps < 0:

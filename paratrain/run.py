@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from paratrain.config import Config
+from paratrain.data import check_resume
 from paratrain.launch import (
     DistEnv,
     Interrupted,
@@ -43,7 +44,9 @@ def run_training(cfg: Config) -> int:
 
 
 def _run_local(cfg: Config) -> int:
-    build_task(cfg)  # tokenize once, here; every worker then maps the cache
+    task = build_task(cfg)  # tokenize once, here; every worker then maps the cache
+    if cfg.train.resume:
+        check_resume(cfg, task)  # another corpus/tokenizer than the checkpoint's: refused here
     world = cfg.world_size
     if world == 1:
         if cfg.train.threads is None:

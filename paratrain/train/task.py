@@ -15,9 +15,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from paratrain.config import Config
+from paratrain.data import Corpus, TokenRows, check_batch_fits, check_vocab, load_corpus
 from paratrain.models import build_model, init_weights, materialize, preset
 from paratrain.models.llama import LlamaConfig
-from paratrain.train.data import Corpus, TokenRows, prepare_corpus
 
 
 class Task(Protocol):
@@ -46,9 +46,12 @@ class LanguageModelTask:
 
     def __init__(self, cfg: Config, corpus: Corpus | None = None):
         d = cfg.data
-        self.corpus = corpus or prepare_corpus(d.path, d.vocab_size, d.cache_dir, d.max_files)
+        self.corpus = corpus or load_corpus(cfg)
         self.model_cfg = model_config(cfg, self.corpus.vocab_size)
-        self.rows = TokenRows(self.corpus.tokens, d.seq_len, d.val_fraction, cfg.train.seed)
+        check_vocab(self.corpus.vocab_size, self.model_cfg.vocab_size)
+        self.rows = TokenRows(self.corpus.tokens, d.seq_len, d.val_fraction, cfg.train.seed,
+                              doc_ends=self.corpus.doc_ends)
+        check_batch_fits(self.rows, cfg.train.global_batch)
         self.units_per_row = d.seq_len
         self.n_params = self.model_cfg.n_params()
         self.flops_per_unit = lm_flops_per_token(self.model_cfg, d.seq_len)

@@ -23,6 +23,7 @@ import torch
 
 from paratrain.comm import collectives as C
 from paratrain.config import Config
+from paratrain.data import check_cursor, data_cursor
 from paratrain.launch import DistEnv, restart_attempt
 from paratrain.mesh import MeshShape, ParallelMesh
 from paratrain.parallelize import Parallelized, parallelize
@@ -251,7 +252,8 @@ class Trainer:
         """Checkpoint ``step``: each rank writes its own pieces (train/checkpoint.py)."""
         strategy = self.par.strategy
         meta = {"layout": self.layout(), "config": self.cfg.to_dict(), "scaler": self.scaler.state_dict(),
-                "optimizer_step": strategy.optimizer_step_count()}
+                "optimizer_step": strategy.optimizer_step_count(),
+                "data": data_cursor(self.task, step, self.cfg.train.global_batch)}  # corpus + position
         start = time.perf_counter()
         self.saver.save(step, strategy.state_pieces(), meta, _rng_state())
         self.saver.stall_s.append(time.perf_counter() - start)
@@ -266,6 +268,7 @@ class Trainer:
                 print(f"no checkpoint under {self.out}/checkpoints: starting from step 0")
             return
         state = ckpt.read_state(folder)
+        check_cursor(state, self.task, self.cfg)  # refuse another corpus/tokenizer unless allowed
         self.check_compatible(folder, state)
         reader = ckpt.open_reader(folder)
         try:

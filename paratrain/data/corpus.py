@@ -1,0 +1,184 @@
+"""A prepared corpus, memory-mapped; the rows of each step; the data cursor of a checkpoint.
+
+Design contract: the rows of the global batch at step k do not depend on the layout. Rows are
+fixed windows of the token stream; each epoch visits the training rows in an order drawn from
+(seed, epoch); step k takes the next ``global_batch`` of them. Data-parallel ranks then take
+contiguous slices, micro-batches slice further. The position is just the step number, so a
+resumed run continues exactly where it stopped; the checkpoint's cursor (``data_cursor``) names
+the corpus too, so a resume on other data is refused rather than silently mixed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from paratrain.data import tokenfile as P
+from paratrain.data.sources import DataError
+from paratrain.data.tokenizer import file_hash, resolve_tokenizer
+
+
+@dataclass
+class Corpus:
+    """Tokenized corpus: the token stream (memory-mapped), its document index and tokenizer."""
+
+    tokens: np.ndarray
+    tokenizer_path: Path
+    vocab_size: int
+    doc_ends: np.ndarray | None = None  # token offset where each document ends (after its EOT)
+    manifest: dict = field(default_factory=dict)
+
+    @property
+    def tokenizer(self):
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(self.tokenizer_path))
+
+
+def load_prepared(folder: str | Path) -> Corpus:
+    """Map a prepared folder (see tokenfile.py): nothing is read into memory."""
+    folder = Path(folder)
+    m = P.read_manifest(folder)
+    tokens = np.memmap(folder / "tokens.bin", dtype=m["dtype"], mode="r", shape=(m["n_tokens"],))
+    docs = np.memmap(folder / "docs.bin", dtype=np.int64, mode="r", shape=(m["n_documents"],))
+    return Corpus(tokens, folder / "tokenizer.json", m["tokenizer"]["vocab_size"], docs, m)
+
+
+def prepare_corpus(path: str | None, vocab_size: int, cache_dir: str | None = None,
+                   max_files: int | None = None, *, tokenizer: str | Path | None = None,
+                   text_field: str = "text", workers: int | None = None, progress: bool = False,
+                   val_fraction: float = 0.02) -> Corpus:
+    """Tokenize the corpus once and cache it; later calls (and every rank) just map the cache.
+
+    `path` may be a folder prepared by ``paratrain data prepare``: it is mapped as it is.
+    """
+    tok_path = Path(tokenizer) if tokenizer is not None else None
+    if P.is_prepared(path):
+        corpus = load_prepared(path)
+        if tok_path is not None and file_hash(tok_path) != corpus.manifest["tokenizer"]["hash"]:
+            raise DataError(f"{path} was prepared with another tokenizer than {str(tok_path)!r}: "
+                            "prepare it again with this tokenizer, or drop --tokenizer")
+        return corpus
+    opts = P.PrepareOptions(vocab_size=vocab_size, tokenizer=tok_path, text_field=text_field,
+                            max_files=max_files, workers=workers, val_fraction=val_fraction,
+                            progress=progress)
+    return load_prepared(P.prepare(path, opts, cache_dir=cache_dir))
+
+
+def load_corpus(cfg) -> Corpus:
+    """The corpus a config asks for (prepared on first use, from the cache afterwards)."""
+    d = cfg.data
+    return prepare_corpus(d.path, d.vocab_size, d.cache_dir, d.max_files, tokenizer=resolve_tokenizer(cfg),
+                          text_field=d.text_field, workers=d.workers, progress=cfg.train.progress,
+                          val_fraction=d.val_fraction)
+
+
+class TokenRows:
+    """Fixed windows of ``seq_len + 1`` tokens (inputs and their next-token targets).
+
+    Validation rows come from the last whole documents (``doc_ends`` given and the split leaves a
+    row on each side), else from the last ``val_fraction`` of the rows.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, val_fraction: float, seed: int,
+                 doc_ends: np.ndarray | None = None):
+        self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
+        n = len(tokens)
+        split = P.document_split(doc_ends, val_fraction) if doc_ends is not None else {"by": "rows"}
+        v = split.get("val_start_token", 0)
+        if split["by"] == "documents" and (v - 1) // seq_len >= 1 and (n - v - 1) // seq_len >= 1:
+            self.n_train, self.n_val, self.val_start = (v - 1) // seq_len, (n - v - 1) // seq_len, v
+        else:
+            n_rows = (n - 1) // seq_len
+            self.n_val = max(1, int(n_rows * val_fraction))
+            self.n_train = n_rows - self.n_val
+            self.val_start = self.n_train * seq_len
+        if self.n_train < 1:
+            raise DataError(f"the corpus has {n} tokens: too few for rows of {seq_len} "
+                            "tokens; add text or lower --seq-len")
+        self._perm_epoch, self._perm = -1, None
+
+    def _row(self, start: int):
+        import torch
+
+        return torch.from_numpy(self.tokens[start:start + self.seq_len + 1].astype(np.int64))
+
+    def _order(self, epoch: int):
+        import torch
+
+        if epoch != self._perm_epoch:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm, self._perm_epoch = torch.randperm(self.n_train, generator=gen), epoch
+        return self._perm
+
+    def train_batch(self, step: int, global_batch: int, rows: slice | None = None):
+        """(inputs, targets) of rows ``rows`` (default: all) of the global batch at ``step``."""
+        import torch
+
+        positions = range(step * global_batch, (step + 1) * global_batch)[rows or slice(None)]
+        data = torch.stack([self._row(self.seq_len * int(self._order(p // self.n_train)[p % self.n_train]))
+                            for p in positions])
+        return data[:, :-1], data[:, 1:]
+
+    def val_batch(self, index: int, global_batch: int, rows: slice | None = None):
+        import torch
+
+        positions = range(index * global_batch, (index + 1) * global_batch)[rows or slice(None)]
+        data = torch.stack([self._row(self.val_start + self.seq_len * (p % self.n_val)) for p in positions])
+        return data[:, :-1], data[:, 1:]
+
+
+def check_batch_fits(rows: TokenRows, global_batch: int) -> None:
+    if rows.n_train < global_batch:
+        raise DataError(f"the corpus has {len(rows.tokens)} tokens: {rows.n_train} training rows of "
+                        f"{rows.seq_len} tokens, fewer than one global batch ({global_batch} rows); "
+                        "add text, or lower --global-batch or --seq-len")
+
+
+# -- the data cursor in checkpoints ----------------------------------------------------------------
+
+def data_cursor(task, step: int, global_batch: int) -> dict | None:
+    """Where the data stands after `step` steps: for ``meta["data"]`` of a checkpoint."""
+    corpus, rows = getattr(task, "corpus", None), getattr(task, "rows", None)
+    if corpus is None or rows is None:
+        return None
+    consumed = step * global_batch
+    m = corpus.manifest
+    return {"epoch": consumed // rows.n_train, "rows_consumed": consumed, "rows_per_epoch": rows.n_train,
+            "seq_len": rows.seq_len, "data_hash": m.get("data_hash"),
+            "tokenizer_hash": m.get("tokenizer", {}).get("hash"), "n_tokens": len(rows.tokens)}
+
+
+def check_cursor(meta: dict, task, cfg) -> None:
+    """Refuse to resume on another corpus or tokenizer unless ``data.allow_data_change`` says so."""
+    saved = meta.get("data")
+    now = data_cursor(task, int(meta.get("step", 0)), cfg.train.global_batch)
+    if not saved or now is None:
+        return
+    changed = [f"the {what} changed (checkpoint {saved.get(key)}, now {now[key]})"
+               for what, key in (("tokenizer", "tokenizer_hash"), ("corpus", "data_hash"))
+               if saved.get(key) != now[key]]
+    if not changed:
+        return
+    if not cfg.data.allow_data_change:
+        raise DataError("cannot resume: " + "; ".join(changed) + ". Resume with the same --data and "
+                        "--tokenizer, or pass --allow-data-change to continue on the new data")
+    print("paratrain: resuming on changed data (--allow-data-change): " + "; ".join(changed),
+          file=sys.stderr)
+
+
+def check_resume(cfg, task) -> None:
+    """The same check before any worker starts: the latest checkpoint's cursor against this corpus.
+
+    Reads ``state.json`` when the checkpoint has one; ``Trainer.resume`` checks again in any case.
+    """
+    from paratrain.train import checkpoint as ckpt
+
+    folder = ckpt.latest(cfg.train.out)
+    state = folder / "state.json" if folder is not None else None
+    if state is not None and state.exists():
+        check_cursor(json.loads(state.read_text()), task, cfg)
