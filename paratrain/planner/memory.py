@@ -34,6 +34,8 @@ class Training:
     optimizer: str = "adamw"  # adamw | adamw8bit
     bucket_mb: float = 25.0  # DDP / ZeRO-2 gradient bucket
     margin: float = 0.10  # fraction of device memory kept free (fragmentation, spikes)
+    attention: str = "flash"  # flash (fused SDPA) | unfused (scores materialised: Megatron-LM 2021)
+    overlap_dp: bool = True  # DDP / ZeRO-2 reduce buckets during backward (Megatron-LM 2021: after)
 
     def __post_init__(self):
         if self.seq_len < 1 or self.global_batch < 1:
@@ -43,6 +45,12 @@ class Training:
             raise ValueError(f"--precision {self.precision!r}: choose fp32, bf16 or fp16")
         if self.optimizer not in ("adamw", "adamw8bit"):
             raise ValueError(f"--optimizer {self.optimizer!r}: choose adamw or adamw8bit")
+        if self.attention not in ("flash", "unfused"):
+            raise ValueError(f"attention {self.attention!r}: choose flash or unfused")
+        if not 0 <= self.margin < 1:
+            raise ValueError(f"--margin must be in [0, 1) (got {self.margin})")
+        if self.bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be > 0 (got {self.bucket_mb})")
 
 
 @dataclass(frozen=True)
@@ -57,6 +65,7 @@ class Layout:
     micro_batch: int = 1
     schedule: str = "1f1b"
     offload: str = "none"
+    tile: int = 1  # memory-centric tiling: each linear runs as `tile` slices
 
     @property
     def world(self) -> int:
@@ -74,6 +83,8 @@ class Layout:
             parts.append(f"rc-{self.recompute}")
         if self.offload != "none":
             parts.append(f"off-{self.offload}")
+        if self.tile > 1:
+            parts.append(f"tile{self.tile}")
         return " ".join(parts)
 
 
@@ -326,7 +337,8 @@ def comm_buffer_bytes(c: LlamaConfig, tr: Training, lay: Layout, sb: StateBytes,
     if (lay.dp > 1 and lay.zero < 3) or (offload and lay.zero == 2):
         out += min(2 * tr.bucket_mb * 2**20, psi * sb.grads)
     if lay.zero == 3 and (lay.dp > 1 or offload):
-        unit = max(layer_params_local(c, lay.tp), vocab_local(c, lay.tp) * c.dim)
+        # tiling gathers (and reduces) one slice of a linear at a time
+        unit = max(layer_params_local(c, lay.tp), vocab_local(c, lay.tp) * c.dim) / lay.tile
         out += unit * (2 * sb.params + sb.grads)
     if lay.pp > 1:
         out += 2 * tr.seq_len * lay.micro_batch * c.dim * ACT_BYTES[tr.precision] / (lay.tp if lay.sp else 1)

@@ -1,0 +1,128 @@
+"""Measure a device once: its matmul curve (achieved FLOP/s by GEMM shape) and per-op overhead.
+
+The planner's local cluster (``--cluster local``) is this machine as paratrain uses it: one worker
+process per core, one thread each. What limits a tiny model there is not the peak of a large
+matmul but (a) how slowly small matmuls run and (b) the fixed cost of every op dispatched from
+Python (autograd, allocator, the kernel call itself). Both are measured here, in seconds, and
+cached under ``~/.cache/paratrain`` (keyed by the CPU model, core count, torch version and thread
+count) so that a second ``paratrain plan --cluster local`` costs nothing.
+
+The same ``gemm_rates`` runs on a GPU to record a preset's curve (docs/planner.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+# Square-ish sizes that span what tiny..small models do per worker (rows = tokens of a micro-batch).
+LOCAL_SHAPES = [(m, n, k) for m in (32, 128, 512, 2048) for n, k in ((64, 64), (256, 256), (1024, 256),
+                                                                       (256, 1024), (1024, 1024))]
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_op(fn, device, seconds: float = 0.05, min_reps: int = 3) -> float:
+    """Median-free but warm: seconds per call of fn() after two untimed calls, over >= `seconds`."""
+    fn()
+    fn()
+    _sync(device)
+    reps, start = 0, time.perf_counter()
+    while reps < min_reps or time.perf_counter() - start < seconds:
+        fn()
+        reps += 1
+    _sync(device)
+    return (time.perf_counter() - start) / reps
+
+
+def gemm_rates(shapes, device=None, dtype=None, seconds: float = 0.05) -> list[dict]:
+    """Achieved FLOP/s of x[m, k] @ w[k, n] for each (m, n, k) on `device` (best of 3 timings)."""
+    import torch
+
+    device = device or torch.device("cpu")
+    dtype = dtype or torch.float32
+    out = []
+    for m, n, k in shapes:
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        t = min(time_op(lambda: a @ b, device, seconds) for _ in range(3))
+        out.append({"m": m, "n": n, "k": k, "seconds": t, "flops_per_s": 2.0 * m * n * k / t})
+    return out
+
+
+def op_overhead(device=None, seconds: float = 0.05) -> dict:
+    """Seconds of fixed cost per op: a tiny elementwise op forward, and a tiny linear forward+backward
+    through autograd (what one layer of a model costs when its matmul is free)."""
+    import torch
+
+    device = device or torch.device("cpu")
+    x = torch.randn(4, 4, device=device)
+    w = torch.randn(4, 4, device=device, requires_grad=True)
+    elementwise = min(time_op(lambda: x.mul(1.0001), device, seconds) for _ in range(3))
+
+    def linear_fb():
+        (x @ w).sum().backward()
+
+    autograd = min(time_op(linear_fb, device, seconds) for _ in range(3))
+    return {"elementwise_s": elementwise, "linear_fwd_bwd_s": autograd}
+
+
+def memory_bandwidth(device=None, nbytes: int = 64 * 2**20, seconds: float = 0.1) -> float:
+    """Bytes/s of a copy (read + write counted), the bound of norms, softmax and the optimizer."""
+    import torch
+
+    device = device or torch.device("cpu")
+    src = torch.empty(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    t = min(time_op(lambda: dst.copy_(src), device, seconds) for _ in range(3))
+    return 2 * nbytes / t
+
+
+def _cache_path() -> Path:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    key = f"{cpu}-{os.cpu_count()}cores-torch{torch.__version__}-1thread"
+    safe = "".join(ch if ch.isalnum() or ch in "-._" else "_" for ch in key)
+    root = Path(os.environ.get("PARATRAIN_CACHE", Path.home() / ".cache" / "paratrain"))
+    return root / f"machine-{safe}.json"
+
+
+def measure_local(refresh: bool = False) -> dict:
+    """This machine's single-thread matmul curve, op overhead and memory bandwidth (cached)."""
+    import torch
+
+    path = _cache_path()
+    if path.exists() and not refresh:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            pass  # a damaged cache is measured again
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a worker runs one thread
+    try:
+        data = {"gemm": gemm_rates(LOCAL_SHAPES), "overhead": op_overhead(),
+                "memory_bandwidth": memory_bandwidth(), "measured_at": time.time()}
+    finally:
+        torch.set_num_threads(threads)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only home still plans, measuring each time
+    return data
