@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 # Square-ish sizes that span what tiny..small models do per worker (rows = tokens of a micro-batch).
-LOCAL_SHAPES = [(m, n, k) for m in (32, 128, 512, 2048) for n, k in ((64, 64), (256, 256), (1024, 256),
-                                                                       (256, 1024), (1024, 1024))]
+LOCAL_SHAPES = [(m, n, k) for m in (32, 128, 512)
+                for n, k in ((64, 64), (256, 256), (1024, 256), (256, 1024))] + [(512, 1024, 1024)]
 
 
 def _sync(device) -> None:
@@ -30,14 +30,14 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_op(fn, device, seconds: float = 0.05, min_reps: int = 3) -> float:
-    """Median-free but warm: seconds per call of fn() after two untimed calls, over >= `seconds`."""
-    fn()
-    fn()
+def time_op(fn, device, seconds: float = 0.05, *args) -> float:
+    """Seconds per call of fn(*args) after two untimed calls, over at least `seconds` and 3 calls."""
+    fn(*args)
+    fn(*args)
     _sync(device)
     reps, start = 0, time.perf_counter()
-    while reps < min_reps or time.perf_counter() - start < seconds:
-        fn()
+    while reps < 3 or time.perf_counter() - start < seconds:
+        fn(*args)
         reps += 1
     _sync(device)
     return (time.perf_counter() - start) / reps
@@ -53,7 +53,7 @@ def gemm_rates(shapes, device=None, dtype=None, seconds: float = 0.05) -> list[d
     for m, n, k in shapes:
         a = torch.randn(m, k, device=device, dtype=dtype)
         b = torch.randn(k, n, device=device, dtype=dtype)
-        t = min(time_op(lambda: a @ b, device, seconds) for _ in range(3))
+        t = min(time_op(a.mm, device, seconds, b) for _ in range(2))
         out.append({"m": m, "n": n, "k": k, "seconds": t, "flops_per_s": 2.0 * m * n * k / t})
     return out
 
@@ -75,6 +75,54 @@ def op_overhead(device=None, seconds: float = 0.05) -> dict:
     return {"elementwise_s": elementwise, "linear_fwd_bwd_s": autograd}
 
 
+def optimizer_tensor_s(n_tensors: int = 32, seconds: float = 0.05) -> float:
+    """Seconds per parameter tensor of paratrain's optimizer step (AdamW's per-tensor loop,
+    foreach=False, as the trainer runs it) plus zero_grad, on tiny tensors: its fixed cost."""
+    import torch
+
+    params = [torch.nn.Parameter(torch.randn(64)) for _ in range(n_tensors)]
+    for p in params:
+        p.grad = torch.randn(64)
+    opt = torch.optim.AdamW(params, lr=1e-3, foreach=False)
+    return min(time_op(opt.step, torch.device("cpu"), seconds) for _ in range(3)) / n_tensors
+
+
+GEMM_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear"}
+
+
+def count_ops() -> dict:
+    """Aten ops one paratrain block dispatches in forward + backward, and those of the rest of the
+    model (embedding, final norm, head, loss), GEMMs excluded (they are timed by shape)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from paratrain.models import build_model
+    from paratrain.models.llama import preset
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] not in GEMM_OPS:
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def ops(layers: int) -> int:
+        torch.manual_seed(0)
+        model = build_model(preset("tiny", n_layers=layers))
+        x = torch.randint(0, 512, (1, 16))
+        with Count() as c:
+            logits = model(x)
+            F.cross_entropy(logits.flatten(0, 1).float(), x.flatten()).backward()
+        return c.n
+
+    one, two = ops(1), ops(2)
+    return {"block": two - one, "rest": one - (two - one)}
+
+
 def memory_bandwidth(device=None, nbytes: int = 64 * 2**20, seconds: float = 0.1) -> float:
     """Bytes/s of a copy (read + write counted), the bound of norms, softmax and the optimizer."""
     import torch
@@ -84,6 +132,24 @@ def memory_bandwidth(device=None, nbytes: int = 64 * 2**20, seconds: float = 0.1
     dst = torch.empty_like(src)
     t = min(time_op(lambda: dst.copy_(src), device, seconds) for _ in range(3))
     return 2 * nbytes / t
+
+
+def fit_gemm(points: list[dict]):
+    """Least squares in relative error of seconds = a + flops / R + bytes / B over the measured
+    points (each weighted by 1 / its time, so small and large GEMMs count alike); negative
+    coefficients are clipped to a tiny positive value."""
+    import numpy as np
+
+    from paratrain.planner.ops import FittedGemm
+
+    rows, y = [], []
+    for p in points:
+        m, n, k, t = p["m"], p["n"], p["k"], p["seconds"]
+        rows.append([1.0 / t, 2.0 * m * n * k / t, 4.0 * (m * k + k * n + m * n) / t])
+        y.append(1.0)
+    coef, *_ = np.linalg.lstsq(np.array(rows), np.array(y), rcond=None)
+    a, inv_r, inv_b = (max(float(c), 1e-15) for c in coef)
+    return FittedGemm(call_s=a, flops_per_s=1.0 / inv_r, bytes_per_s=1.0 / inv_b)
 
 
 def _cache_path() -> Path:
@@ -115,6 +181,7 @@ def measure_local(refresh: bool = False) -> dict:
     torch.set_num_threads(1)  # a worker runs one thread
     try:
         data = {"gemm": gemm_rates(LOCAL_SHAPES), "overhead": op_overhead(),
+                "optimizer_tensor_s": optimizer_tensor_s(), "ops": count_ops(),
                 "memory_bandwidth": memory_bandwidth(), "measured_at": time.time()}
     finally:
         torch.set_num_threads(threads)

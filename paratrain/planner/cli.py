@@ -31,7 +31,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--seq-len", type=int, default=2048)
     t.add_argument("--global-batch", type=int, default=256, help="sequences per optimizer step")
     t.add_argument("--micro-batch", type=int, help="fix the micro-batch (default: searched)")
-    t.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
+    t.add_argument("--precision", choices=["fp32", "bf16", "fp16"],
+                   help="default bf16; fp32 with --cluster local (a CPU without bf16 matmuls)")
     t.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit"])
     t.add_argument("--margin", type=float, default=0.10, help="fraction of device memory kept free")
     c = p.add_argument_group("cluster")
@@ -125,7 +126,8 @@ def cluster_from(args):
 
         cl = local_cluster(args.gpus)
     else:
-        cl = make_cluster(gpus=8 if args.gpus is None else args.gpus, gpus_per_node=args.gpus_per_node, gpu=args.gpu,
+        gpus = 8 if args.gpus is None else args.gpus
+        cl = make_cluster(gpus=gpus, gpus_per_node=args.gpus_per_node, gpu=args.gpu,
                           gpu_memory_gb=args.gpu_memory, peak_tflops=args.peak_tflops,
                           intra_link=args.intra_link, inter_link=args.inter_link)
     if args.efficiency is not None:
@@ -210,7 +212,8 @@ def states_only_report(n_params: float, tr: Training, cluster, fixed: dict | Non
              f"{'optim GB':>9} {'total GB':>9}  fits"]
     for r in rows:
         lines.append(f"{r['zero']:>4} {r['dp']:>5} {r['tp']:>3} {r['pp']:>3} {r['offload']:>7} "
-                     f"{r['params_bytes'] / GB:10.2f} {r['grads_bytes'] / GB:9.2f} {r['optim_bytes'] / GB:9.2f} "
+                     f"{r['params_bytes'] / GB:10.2f} {r['grads_bytes'] / GB:9.2f} "
+                     f"{r['optim_bytes'] / GB:9.2f} "
                      f"{r['model_state_bytes_per_device'] / GB:9.2f}  "
                      f"{'yes' if r['fits_model_states'] else 'no'} (usable {r['usable_bytes'] / GB:.1f} GB)")
     ignored = sorted(set(fixed or {}) & {"recompute", "schedule", "sp", "micro_batch", "v"})
@@ -234,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args) -> int:
     check_numbers(args)
+    if args.precision is None:
+        args.precision = "fp32" if args.cluster == "local" else "bf16"
     c = model_from(args)
     tr = Training(seq_len=args.seq_len, global_batch=args.global_batch, precision=args.precision,
                   optimizer=args.optimizer, margin=args.margin)

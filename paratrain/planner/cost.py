@@ -18,16 +18,15 @@ from dataclasses import dataclass
 
 from paratrain.models.llama import LlamaConfig
 from paratrain.planner.hardware import Cluster, Link
-from paratrain.planner.ops import Costs, GemmModel, OpEnv, block_costs, embed_costs, head_costs
 from paratrain.planner.memory import (
     ACT_BYTES,
     Layout,
     Training,
     layer_params_local,
-    stage_layers,
     stage_params,
     state_bytes_per_param,
 )
+from paratrain.planner.ops import GemmModel, OpEnv, block_costs, embed_costs, head_costs
 
 # -- published formulas -------------------------------------------------------------------------
 
@@ -178,7 +177,7 @@ def op_env(cluster: Cluster, precision: str) -> OpEnv:
         gemm = GemmModel(cluster.efficiency, gemm.sms, flash=gemm.flash)  # --efficiency: the ceiling
     # Streaming copies reach ~90% of the datasheet bandwidth (docs/planner.md).
     bw = dev.memory_bandwidth * (1.0 if cluster.local else 0.9)
-    return OpEnv(gemm, dev.peak_for(precision), bw, dev.op_s, dev.ops_per_block)
+    return OpEnv(gemm, dev.peak_for(precision), bw, dev.op_s, dev.ops_per_block, dev.ops_rest)
 
 
 def stage_costs(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster, counts: list[int] | None = None
@@ -187,7 +186,8 @@ def stage_costs(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster, cou
     pipeline rank (all its virtual stages), the embedding on the first stage and the final norm,
     head and loss on the last."""
     env = op_env(cluster, tr.precision)
-    kw = {"seq": tr.seq_len, "micro_batch": lay.micro_batch, "tp": lay.tp, "act_bytes": ACT_BYTES[tr.precision]}
+    kw = {"seq": tr.seq_len, "micro_batch": lay.micro_batch, "tp": lay.tp,
+          "act_bytes": ACT_BYTES[tr.precision]}
     blk = block_costs(c, env, sp=lay.sp, attention=tr.attention, tile=lay.tile, **kw)
     head, emb = head_costs(c, env, sp=lay.sp, **kw), embed_costs(c, env, **kw)
     counts = counts or stage_counts(c, tr, lay, cluster)
@@ -203,7 +203,8 @@ def stage_costs(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster, cou
 def chunk_costs(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster) -> tuple[float, float, float]:
     """(one block, the first stage's extra, the last stage's extra) in seconds per micro-batch."""
     env = op_env(cluster, tr.precision)
-    kw = {"seq": tr.seq_len, "micro_batch": lay.micro_batch, "tp": lay.tp, "act_bytes": ACT_BYTES[tr.precision]}
+    kw = {"seq": tr.seq_len, "micro_batch": lay.micro_batch, "tp": lay.tp,
+          "act_bytes": ACT_BYTES[tr.precision]}
     blk = block_costs(c, env, sp=lay.sp, attention=tr.attention, tile=lay.tile, **kw)
     return blk.total, embed_costs(c, env, **kw).total, head_costs(c, env, sp=lay.sp, **kw).total
 
@@ -243,7 +244,8 @@ def balanced_split(n_layers: int, n_stages: int, block: float, first: float = 0.
 
     # The bottleneck is one of finitely many values, k * block + extra; feasibility is monotone
     # in the limit, so binary search the smallest feasible candidate.
-    candidates = sorted({k * block + e for k in range(1, n_layers + 1) for e in (0.0, first, last, first + last)})
+    extras = (0.0, first, last, first + last)
+    candidates = sorted({k * block + e for k in range(1, n_layers + 1) for e in extras})
     lo, hi = 0, len(candidates) - 1  # the largest candidate always fits
     while lo < hi:
         mid = (lo + hi) // 2
@@ -300,6 +302,10 @@ def step_time(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster) -> St
     stage_imbalance = imbalance([x[0] for x in costs]) if lay.pp > 1 else 0.0
     dp_comm = _dp_exposed(c, tr, lay, cluster, mb_compute, m, psi)
     optimizer, offload = _optimizer_time(tr, lay, cluster, psi, m)
+    # The optimizer's fixed cost per parameter tensor (its per-tensor loop): 9 per block, the
+    # embedding on the first stage, the final norm and head on the last.
+    tensors = 9 * layers[busiest] + (1 if busiest == 0 else 0) + (2 if busiest == lay.pp - 1 else 0)
+    optimizer += tensors * cluster.device.optimizer_tensor_s
     tokens = tr.global_batch * tr.seq_len
     return StepTime(compute=m * mb_compute, recompute=m * mb_recompute, bubble=bubble, tp_comm=m * mb_tp,
                     pp_comm=m * mb_pp, dp_comm=dp_comm, optimizer=optimizer, offload=offload,

@@ -27,6 +27,8 @@ class Device:
     gemm: GemmModel | FittedGemm | None = None  # achieved matmul rate by shape (ops.py)
     op_s: float = 0.0  # fixed cost per non-GEMM op (measured on the local machine)
     ops_per_block: float = 0.0  # non-GEMM ops of one block, forward + backward (local machine)
+    ops_rest: float = 0.0  # those of the embedding, final norm, head and loss
+    optimizer_tensor_s: float = 0.0  # fixed cost of the optimizer step per parameter tensor
 
     def peak_for(self, precision: str) -> float:
         return self.fp32_peak_flops if precision == "fp32" else self.peak_flops
@@ -167,31 +169,33 @@ def host_memory_bytes() -> float:
 def local_cluster(n_devices: int | None = None, *, measure: bool = True) -> Cluster:
     """This machine as paratrain uses it: n worker processes, 1 thread each, fp32, gloo loopback.
 
-    The matmul peak is measured (paratrain.train.metrics.measure_matmul_peak, 1 thread); the
-    memory of a "device" is the machine's RAM divided among the workers; link figures are those
-    measured for gloo on loopback (DESIGN.md section 5).
+    measure=True: the single-thread matmul curve (fitted), the fixed cost of one op, the ops a block
+    dispatches, the optimizer's cost per tensor and the memory bandwidth, measured once and cached
+    (paratrain.planner.calibrate). measure=False: nominal figures of a 2020s x86 core (tests). The
+    memory of a "device" is the machine's RAM divided among the workers; links are gloo on loopback
+    (DESIGN.md section 5).
     """
     n = n_devices or os.cpu_count() or 1
-    peak = _measured_peak() if measure else 60e9
+    if measure:
+        from paratrain.planner.calibrate import fit_gemm, measure_local
+
+        data = measure_local()
+        gemm = fit_gemm(data["gemm"])
+        op_s, bw = data["overhead"]["elementwise_s"], data["memory_bandwidth"]
+        ops, opt_s = data["ops"], data["optimizer_tensor_s"]
+    else:
+        gemm, op_s, bw = FittedGemm(call_s=5e-6, flops_per_s=60e9, bytes_per_s=10e9), 5e-6, 10e9
+        # op counts as calibrate.count_ops finds them for paratrain's Llama under torch 2.13
+        ops, opt_s = {"block": 235, "rest": 48}, 60e-6
+    peak = gemm.flops_per_s
     ram = host_memory_bytes()
-    # bf16 matmuls run 5-100x slower than fp32 on this CPU (no bf16 instructions): peak / 10.
-    device = Device("cpu-worker", ram / n, peak / 10, peak, 10e9,
-                    runtime_overhead_bytes=650 * 2**20)  # a worker with torch + gloo: ~650 MiB RSS
+    # bf16 matmuls run 5-100x slower than fp32 on an AVX2 CPU (no bf16 instructions): peak / 10.
+    device = Device("cpu-worker", ram / n, peak / 10, peak, bw,
+                    runtime_overhead_bytes=650 * 2**20,  # a worker with torch + gloo: ~650 MiB RSS
+                    gemm=gemm, op_s=op_s, ops_per_block=ops["block"], ops_rest=ops["rest"],
+                    optimizer_tensor_s=opt_s)
     loop = LINKS["loopback"]
     # On CPU the "host" is the device: offload moves bytes within RAM (memcpy speed).
     return Cluster(device, n, n, loop, loop, host_memory_per_device=0.0,
                    host_link=Link("memcpy", 5e9, 1e-6), disk_bandwidth=1e9, cpu_adam_params_per_s=2e8,
                    overlap=0.3, local=True)
-
-
-def _measured_peak() -> float:
-    import torch
-
-    from paratrain.train.metrics import measure_matmul_peak
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # workers run one thread each
-    try:
-        return measure_matmul_peak(torch.device("cpu"), torch.float32, n=256, seconds=0.2)
-    finally:
-        torch.set_num_threads(threads)

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 from paratrain.models.llama import LlamaConfig
 
+EMBED_OPS = 4  # lookup forward; its backward (a dense scatter-add), zeroing, accumulation
+
 
 @dataclass(frozen=True)
 class GemmModel:
@@ -100,6 +102,7 @@ class OpEnv:
     bandwidth: float  # bytes/s of memory-bound ops
     op_s: float = 0.0  # fixed cost of one non-GEMM op (forward or backward)
     ops_per_block: float = 0.0  # non-GEMM ops of one block, forward + backward
+    ops_rest: float = 0.0  # those of the embedding, final norm, head and loss
 
 
 def block_costs(c: LlamaConfig, env: OpEnv, *, seq: int, micro_batch: int, tp: int = 1, sp: bool = False,
@@ -155,7 +158,7 @@ def head_costs(c: LlamaConfig, env: OpEnv, *, seq: int, micro_batch: int, tp: in
     # fp32 logits: log-softmax reads and writes them, backward reads the result and writes the
     # gradient; the final norm reads and writes h.
     mem = t * (4 * 4 * v + act_bytes * 2 * 2 * c.dim / (tp if sp else 1)) / env.bandwidth
-    dispatch = 30 * env.op_s
+    dispatch = max(env.ops_rest - EMBED_OPS, 0.0) * env.op_s
     return Costs(gemm=tot_g, attention=0.0, memory=mem, dispatch=dispatch, forward=fwd_g + mem / 2)
 
 
@@ -165,4 +168,5 @@ def embed_costs(c: LlamaConfig, env: OpEnv, *, seq: int, micro_batch: int, tp: i
     gradient, which is zeroed and read once per step: counted here per micro-batch)."""
     t = seq * micro_batch
     mem = 3 * t * c.dim * act_bytes / env.bandwidth
-    return Costs(gemm=0.0, attention=0.0, memory=mem, dispatch=6 * env.op_s, forward=mem / 3)
+    return Costs(gemm=0.0, attention=0.0, memory=mem, dispatch=min(EMBED_OPS, env.ops_rest) * env.op_s,
+                 forward=mem / 3)

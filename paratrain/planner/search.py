@@ -30,7 +30,8 @@ from paratrain.planner.memory import (
     zero_model_state_bytes,
 )
 
-FIXABLE = ("dp", "tp", "pp", "v", "zero", "sp", "recompute", "micro_batch", "schedule", "offload", "ep", "tile")
+FIXABLE = ("dp", "tp", "pp", "v", "zero", "sp", "recompute", "micro_batch", "schedule", "offload", "ep",
+           "tile")
 
 
 @dataclass
@@ -109,8 +110,8 @@ def check_fixed(fixed: dict, c: LlamaConfig | None, tr: Training, n: int) -> Non
     if fixed.get("offload", "none") not in ("none", "cpu", "disk"):
         raise ValueError(f"--offload {fixed['offload']!r}: choose none, cpu or disk")
     if fixed.get("ep", 1) > 1:
-        raise ValueError(f"--ep {fixed['ep']}: expert parallelism splits a mixture-of-experts model's experts, "
-                         "and the planner's models are dense (one MLP per block): use --ep 1")
+        raise ValueError(f"--ep {fixed['ep']}: expert parallelism splits a mixture-of-experts model's "
+                         "experts, and the planner's models are dense (one MLP per block): use --ep 1")
     if fixed.get("offload", "none") != "none" and fixed.get("zero") == 0:
         raise ValueError("--offload needs --zero >= 1 (the offloaded optimizer state is a ZeRO partition)")
     if c is not None:
@@ -341,7 +342,8 @@ def states_only(n_params: float, tr: Training, cluster: Cluster, fixed: dict | N
     tp, pp = fixed.get("tp", 1), fixed.get("pp", 1)
     dp = fixed.get("dp", n // (tp * pp))
     if dp * tp * pp != n:
-        raise ValueError(f"dp * tp * pp = {dp * tp * pp} does not fit --gpus {n}: the degrees must multiply to it")
+        raise ValueError(f"dp * tp * pp = {dp * tp * pp} does not fit --gpus {n}: the degrees must multiply "
+                         "to it")
     sb = state_bytes_per_param(tr.precision, tr.optimizer)
     usable = cluster.device.memory_bytes * (1 - tr.margin) - cluster.device.runtime_overhead_bytes
     offload = fixed.get("offload", "none")
