@@ -114,6 +114,10 @@ def check_fixed(fixed: dict, c: LlamaConfig | None, tr: Training, n: int) -> Non
                          "experts, and the planner's models are dense (one MLP per block): use --ep 1")
     if fixed.get("offload", "none") != "none" and fixed.get("zero") == 0:
         raise ValueError("--offload needs --zero >= 1 (the offloaded optimizer state is a ZeRO partition)")
+    if ("schedule" in fixed or fixed.get("v", 1) > 1) and fixed.get("pp") == 1:
+        raise ValueError("--pp-schedule and --virtual-stages need a pipeline: --pp > 1 (or leave --pp free)")
+    if fixed.get("v", 1) > 1 and fixed.get("schedule", "interleaved") != "interleaved":
+        raise ValueError(f"--virtual-stages {fixed['v']} needs --pp-schedule interleaved")
     if c is not None:
         if "tp" in fixed and c.n_heads % fixed["tp"]:
             raise ValueError(f"--tp {fixed['tp']} must divide the {c.n_heads} attention heads")
@@ -153,8 +157,8 @@ def enumerate_layouts(c: LlamaConfig, tr: Training, n: int, fixed: dict, offload
 
 
 def _schedules(c: LlamaConfig, pp: int, m: int, fixed: dict) -> list[tuple[str, int]]:
-    if pp == 1:
-        return [("1f1b", 1)]
+    if pp == 1:  # a fixed schedule or virtual stages ask for a pipeline
+        return [] if ("schedule" in fixed or fixed.get("v", 1) > 1) else [("1f1b", 1)]
     if "schedule" in fixed:
         names = [fixed["schedule"]]
     else:
