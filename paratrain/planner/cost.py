@@ -23,6 +23,7 @@ from paratrain.planner.memory import (
     Layout,
     Training,
     layer_params_local,
+    rank_layers,
     stage_params,
     state_bytes_per_param,
 )
@@ -274,8 +275,7 @@ def step_time(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster) -> St
     busiest = max(range(lay.pp), key=lambda r: costs[r][0])
     mb_compute = costs[busiest][0]
     mb_recompute = {"full": costs[busiest][1], "selective": costs[busiest][2]}.get(lay.recompute, 0.0)
-    chunks = lay.pp * lay.v
-    layers = [sum(counts[j] for j in range(r, chunks, lay.pp)) for r in range(lay.pp)]
+    layers = rank_layers(counts, lay.pp)
 
     # Tensor parallel: Megatron's f/g operators, 2 all-reduces forward + 2 backward per block of
     # a [b, s, h] activation (sp: the same bytes as all-gather + reduce-scatter pairs); full
@@ -298,7 +298,7 @@ def step_time(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster) -> St
     else:
         bubble = (lay.pp - 1) / lay.v * mb_time if lay.pp > 1 else 0.0
 
-    psi = stage_params(c, lay.tp, lay.pp, lay.v)[busiest]
+    psi = stage_params(c, lay.tp, lay.pp, lay.v, counts)[busiest]
     stage_imbalance = imbalance([x[0] for x in costs]) if lay.pp > 1 else 0.0
     dp_comm = _dp_exposed(c, tr, lay, cluster, mb_compute, m, psi)
     optimizer, offload = _optimizer_time(tr, lay, cluster, psi, m)

@@ -145,12 +145,18 @@ def stage_layers(n_layers: int, pp: int, v: int = 1) -> list[int]:
     return [sum(sizes[j] for j in range(r, chunks, pp)) for r in range(pp)]
 
 
-def stage_params(c: LlamaConfig, tp: int, pp: int, v: int = 1) -> list[int]:
+def rank_layers(counts: list[int], pp: int) -> list[int]:
+    """Blocks per pipeline rank from blocks per (virtual) stage, chunk j on rank j % pp."""
+    return [sum(counts[j] for j in range(r, len(counts), pp)) for r in range(pp)]
+
+
+def stage_params(c: LlamaConfig, tp: int, pp: int, v: int = 1, counts: list[int] | None = None) -> list[int]:
     """Local parameter count of each pipeline rank (embedding on the first, norm + head on the last;
     a tied head is a second copy on the last stage when pp > 1)."""
     emb = vocab_local(c, tp) * c.dim
     out = []
-    for r, n in enumerate(stage_layers(c.n_layers, pp, v)):
+    per_rank = rank_layers(counts, pp) if counts else stage_layers(c.n_layers, pp, v)
+    for r, n in enumerate(per_rank):
         count = n * layer_params_local(c, tp)
         if r == 0:
             count += emb
@@ -286,16 +292,18 @@ class Memory:
                 "capacity": self.capacity, "margin": self.margin, "offloaded": self.offloaded}
 
 
-def device_memory(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster) -> Memory:
-    """Memory of the busiest pipeline rank of `lay` (each rank's total compared, the largest kept)."""
+def device_memory(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster,
+                  counts: list[int] | None = None) -> Memory:
+    """Memory of the busiest pipeline rank of `lay` (each rank's total compared, the largest kept).
+    counts: blocks per (virtual) stage (default: even, the earlier stages taking the remainder)."""
     sb = state_bytes_per_param(tr.precision, tr.optimizer)
     m = lay.n_micro(tr.global_batch)
-    layers = stage_layers(c.n_layers, lay.pp, lay.v)
+    layers = rank_layers(counts, lay.pp) if counts else stage_layers(c.n_layers, lay.pp, lay.v)
     best: Memory | None = None
-    params = stage_params(c, lay.tp, lay.pp, lay.v)
+    params = stage_params(c, lay.tp, lay.pp, lay.v, counts)
     # The first rank holds the most layers and micro-batches in flight, the last one the head:
     # the busiest device is one of the two.
-    for rank in sorted({0, lay.pp - 1}):
+    for rank in (range(lay.pp) if counts else sorted({0, lay.pp - 1})):
         psi = params[rank]
         states = zero_model_state_bytes(psi, lay.dp, lay.zero, sb)
         offloaded = 0.0

@@ -15,7 +15,7 @@ import itertools
 from dataclasses import dataclass, field, replace
 
 from paratrain.models.llama import LlamaConfig
-from paratrain.planner.cost import StepTime, step_time
+from paratrain.planner.cost import StepTime, stage_counts, step_time
 from paratrain.planner.hardware import GB, Cluster
 from paratrain.planner.memory import (
     RECOMPUTE,
@@ -178,7 +178,8 @@ def _schedules(c: LlamaConfig, pp: int, m: int, fixed: dict) -> list[tuple[str, 
 
 
 def evaluate(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster) -> Plan:
-    mem = device_memory(c, tr, lay, cluster)
+    # memory of the stages the time model balances (the split layout_to_config asks for)
+    mem = device_memory(c, tr, lay, cluster, stage_counts(c, tr, lay, cluster))
     fits, why = mem.fits, ""
     if not fits:
         why = f"needs {mem.total / GB:.2f} GB > {mem.usable / GB:.2f} GB usable"
