@@ -123,6 +123,32 @@ def count_ops() -> dict:
     return {"block": two - one, "rest": one - (two - one)}
 
 
+OVERHEAD_TOKENS = 16  # one sequence of 16 tokens: the GEMMs are negligible, the fixed costs are not
+
+
+def block_seconds(seconds: float = 0.2) -> float:
+    """Seconds of one paratrain block's forward + backward (tiny shape, OVERHEAD_TOKENS tokens),
+    the difference of a 2-block and a 1-block model: what autograd, dispatch and the allocator
+    really cost per op, once divided by the op count (hardware.local_cluster)."""
+    import torch
+    import torch.nn.functional as F
+
+    from paratrain.models import build_model
+    from paratrain.models.llama import preset
+
+    def run(layers: int) -> float:
+        torch.manual_seed(0)
+        model = build_model(preset("tiny", n_layers=layers))
+        x = torch.randint(0, 512, (1, OVERHEAD_TOKENS))
+
+        def step():
+            F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten()).backward()
+
+        return min(time_op(step, torch.device("cpu"), seconds) for _ in range(3))
+
+    return max(run(2) - run(1), 0.0)
+
+
 def memory_bandwidth(device=None, nbytes: int = 64 * 2**20, seconds: float = 0.1) -> float:
     """Bytes/s of a copy (read + write counted), the bound of norms, softmax and the optimizer."""
     import torch
@@ -182,6 +208,7 @@ def measure_local(refresh: bool = False) -> dict:
     try:
         data = {"gemm": gemm_rates(LOCAL_SHAPES), "overhead": op_overhead(),
                 "optimizer_tensor_s": optimizer_tensor_s(), "ops": count_ops(),
+                "block_s": block_seconds(),
                 "memory_bandwidth": memory_bandwidth(), "measured_at": time.time()}
     finally:
         torch.set_num_threads(threads)

@@ -166,6 +166,22 @@ def host_memory_bytes() -> float:
     return 8.0 * GiB
 
 
+def _op_seconds(data: dict, gemm: FittedGemm, bandwidth: float) -> float:
+    """The fixed cost of one op as a model really pays it: a tiny block's measured forward +
+    backward, less its modelled GEMMs and memory traffic, over its op count (never below a bare
+    elementwise op's dispatch)."""
+    from paratrain.models.llama import preset
+    from paratrain.planner.calibrate import OVERHEAD_TOKENS
+    from paratrain.planner.ops import OpEnv, block_costs
+
+    bare = data["overhead"]["elementwise_s"]
+    if "block_s" not in data:
+        return bare
+    env = OpEnv(gemm, gemm.flops_per_s, bandwidth)
+    rest = block_costs(preset("tiny"), env, seq=OVERHEAD_TOKENS, micro_batch=1, act_bytes=4).total
+    return max(bare, (data["block_s"] - rest) / max(data["ops"]["block"], 1))
+
+
 def local_cluster(n_devices: int | None = None, *, measure: bool = True) -> Cluster:
     """This machine as paratrain uses it: n worker processes, 1 thread each, fp32, gloo loopback.
 
@@ -181,8 +197,8 @@ def local_cluster(n_devices: int | None = None, *, measure: bool = True) -> Clus
 
         data = measure_local()
         gemm = fit_gemm(data["gemm"])
-        op_s, bw = data["overhead"]["elementwise_s"], data["memory_bandwidth"]
-        ops, opt_s = data["ops"], data["optimizer_tensor_s"]
+        bw, ops, opt_s = data["memory_bandwidth"], data["ops"], data["optimizer_tensor_s"]
+        op_s = _op_seconds(data, gemm, bw)
     else:
         gemm, op_s, bw = FittedGemm(call_s=5e-6, flops_per_s=60e9, bytes_per_s=10e9), 5e-6, 10e9
         # op counts as calibrate.count_ops finds them for paratrain's Llama under torch 2.13
