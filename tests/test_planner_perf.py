@@ -154,3 +154,15 @@ def test_planner_reports_pipeline_imbalance():
     assert sum(counts) == 8 and counts[0] >= counts[1]
     assert cost.imbalance(auto) <= cost.imbalance(even)
     assert cost.step_time(c, tr, lay, cl).imbalance == pytest.approx(cost.imbalance(auto))
+
+
+def test_json_reports_the_pipeline_imbalance(capsys):
+    import json
+
+    from paratrain.planner.cli import main as plan_main
+
+    assert plan_main(["--model", "llama-7b", "--gpus", "8", "--pp", "2", "--seq-len", "2048",
+                      "--global-batch", "64", "--json", "--top", "3"]) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    assert all(p["layout"]["pp"] == 2 and 0 <= p["pipeline_imbalance"] < 0.5 for p in plans)
+    assert "balanced by cost" in plans[0]["explanation"]

@@ -12,6 +12,7 @@ table: the layouts closest to fitting are returned, marked as not fitting.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field, replace
 
 from paratrain.models.llama import LlamaConfig
@@ -48,7 +49,9 @@ class Plan:
         fit = (f"fits: {m.total / GB:.2f} of {m.usable / GB:.2f} GB usable" if self.fits
                else f"does not fit: {self.why_not}")
         parts = ", ".join(f"{k} {v:.3g}" for k, v in t.breakdown().items() if k != "total" and v > 0)
-        return f"{fit}; step {t.total:.3g} s = {parts}"
+        split = (f"; pipeline stages balanced by cost, slowest {t.imbalance:.1%} over the mean"
+                 if self.layout.pp > 1 else "")
+        return f"{fit}; step {t.total:.3g} s = {parts}{split}"
 
     def to_json(self) -> dict:
         lay, t = self.layout, self.time
@@ -59,7 +62,8 @@ class Plan:
                 "step_time_s": t.total, "time_breakdown_s": t.breakdown(), "tokens_per_s": t.tokens_per_s,
                 "tflops_per_device": t.tflops_per_device,
                 "hardware_tflops_per_device": t.hardware_tflops_per_device, "mfu": t.mfu,
-                "bubble_fraction": t.bubble_fraction, "explanation": self.explanation()}
+                "bubble_fraction": t.bubble_fraction, "pipeline_imbalance": t.imbalance,
+                "explanation": self.explanation()}
 
 
 @dataclass
@@ -323,7 +327,7 @@ def infeasible_answer(c: LlamaConfig, tr: Training, cluster: Cluster, closest: P
                 "(memory-centric tiling), more tensor parallelism, or a device with more memory")
     states = zero_model_state_bytes(c.n_params(), cluster.n_devices, 3, state_bytes_per_param(tr.precision,
                                                                                            tr.optimizer))
-    devices = max(1.0, sum(states.values()) * cluster.n_devices / usable)
+    devices = max(1, math.ceil(sum(states.values()) * cluster.n_devices / usable))
     tries = [] if closest.layout.offload != "none" else ["offload (--offload cpu|disk with --zero 3)"]
     if tr.optimizer == "adamw":
         tries.append("an 8-bit optimizer")
