@@ -1,10 +1,11 @@
 """Time per step of one layout: compute, communication (alpha-beta), overlap, bubble, offload.
 
-Compute: model FLOPs by the Megatron-LM accounting (Narayanan et al. 2021, Section 5.1:
-F = 96 B s l h^2 (1 + s/6h + V/16lh) for GPT with recomputation, i.e. 72 without), generalised
-to paratrain's Llama block (SwiGLU, grouped-query attention, causal attention counted half, as
-the trainer's MFU does), divided by peak x efficiency. Full recomputation adds one forward of
-every block (hardware FLOPs 8/6 of the blocks' model FLOPs).
+Compute: op by op (ops.py): each matmul at the efficiency of its own shape per device, attention,
+memory-bound ops at bandwidth, a fixed cost per op on the local machine; pipeline stages
+balanced by that cost (``balanced_split``). Reported FLOPs use the Megatron-LM accounting
+(Narayanan et al. 2021, Section 5.1: F = 96 B s l h^2 (1 + s/6h + V/16lh) for GPT with
+recomputation, i.e. 72 without), generalised to paratrain's Llama block (SwiGLU, grouped-query
+attention, causal attention counted half, as the trainer's MFU does).
 
 Communication: the alpha-beta model of ring collectives on n ranks moving M bytes:
 all-reduce 2(n-1) alpha + 2(n-1)/n M/beta; all-gather and reduce-scatter (n-1) alpha +
