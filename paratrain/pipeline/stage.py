@@ -12,8 +12,11 @@ Split of the blocks (``parallel.pp_split``):
 
 * default: the same number of blocks per stage; when they do not divide evenly the first
   stages take one more (the last stage also runs the final norm, the LM head and the loss);
-* ``"auto"``: contiguous blocks balanced by matmul FLOPs, the LM head counted on the last stage
-  (a large vocabulary weighs several blocks) and the embedding lookup as free;
+* ``"auto"``: contiguous blocks balanced by modelled cost (the planner's op model,
+  paratrain.planner.cost.balanced_split): the first stage also pays for the embedding, the last
+  for the final norm, the LM head and the loss (a large vocabulary weighs several blocks), so
+  block counts may be uneven (Megatron-LM's account-for-embedding / account-for-loss options
+  are the same idea, in units of one block);
 * ``"3,1"``: explicit blocks per stage (``p * v`` numbers, each >= 1, summing to ``n_layers``).
 
 Tied embeddings across the first and last stage: the last stage's ``lm_head.weight`` is its own
@@ -36,9 +39,10 @@ from paratrain.mesh import ParallelMesh
 from paratrain.sharding import update_info
 
 
-def parse_split(text: str | None, n_layers: int, n_stages: int, costs: tuple[float, float] = (1.0, 0.0)
+def parse_split(text: str | None, n_layers: int, n_stages: int, costs: tuple[float, ...] = (1.0, 0.0, 0.0)
                 ) -> list[int]:
-    """Blocks per stage. ``costs`` = (one block, the LM head) in any unit, used by "auto"."""
+    """Blocks per stage. ``costs`` = (one block, the last stage's extra[, the first stage's extra]) in
+    any unit, used by "auto"."""
     if n_stages > n_layers:
         raise ValueError(f"{n_stages} pipeline stages (pp * virtual_stages) but the model has only "
                          f"{n_layers} layers: lower --pp / --virtual-stages or use a deeper model")
@@ -46,7 +50,10 @@ def parse_split(text: str | None, n_layers: int, n_stages: int, costs: tuple[flo
         base, extra = divmod(n_layers, n_stages)
         return [base + (1 if s < extra else 0) for s in range(n_stages)]
     if text == "auto":
-        return _balanced(n_layers, n_stages, *costs)
+        from paratrain.planner.cost import balanced_split
+
+        block, last, first = (tuple(costs) + (0.0,))[:3]
+        return balanced_split(n_layers, n_stages, block, first=first, last=last)
     try:
         counts = [int(x) for x in text.split(",")]
     except ValueError:
@@ -58,32 +65,18 @@ def parse_split(text: str | None, n_layers: int, n_stages: int, costs: tuple[flo
     return counts
 
 
-def _balanced(n_layers: int, n_stages: int, block: float, head: float) -> list[int]:
-    """Contiguous split minimising the most expensive stage (exhaustive over cut points: the
-    block counts are small). The last stage also pays for the head."""
-    best: tuple[float, list[int]] | None = None
+def layer_costs(cfg, device_type: str = "cpu") -> tuple[float, float, float]:
+    """(one block, the last stage's extra, the first stage's extra) in seconds per sequence, from
+    the planner's op model of a nominal device of this type (never measured: every rank must
+    compute the same split)."""
+    from paratrain.planner.cost import chunk_costs
+    from paratrain.planner.hardware import local_cluster, make_cluster
+    from paratrain.planner.memory import Layout, Training
 
-    def walk(prefix: list[int], left: int) -> None:
-        nonlocal best
-        stages_left = n_stages - len(prefix)
-        if stages_left == 1:
-            counts = prefix + [left]
-            cost = max([c * block for c in counts[:-1]] + [left * block + head])
-            if best is None or cost < best[0] - 1e-12:
-                best = (cost, counts)
-            return
-        for c in range(1, left - stages_left + 2):
-            walk(prefix + [c], left - c)
-
-    walk([], n_layers)
-    return best[1]
-
-
-def layer_costs(cfg) -> tuple[float, float]:
-    """(matmul parameters of one block, of the LM head): FLOPs are proportional to them."""
-    kv = cfg.n_kv_heads * cfg.head_dim
-    block = 2 * cfg.dim * cfg.dim + 2 * cfg.dim * kv + 3 * cfg.dim * cfg.ffn_dim
-    return float(block), float(cfg.vocab_size * cfg.dim)
+    cluster = local_cluster(1, measure=False) if device_type == "cpu" else make_cluster(gpus=1)
+    precision = "fp32" if device_type == "cpu" else "bf16"
+    block, first, last = chunk_costs(cfg, Training(cfg.max_seq_len, 1, precision), Layout(), cluster)
+    return block, last, first
 
 
 def stage_layers(counts: list[int]) -> list[list[int]]:
@@ -120,7 +113,8 @@ def split_for_pipeline(model: nn.Module, mesh: ParallelMesh, *, virtual_stages: 
     """Prune ``model`` (built on meta) to this rank's stages; return one chunk per stage, in order."""
     p, rank = mesh.pp.size, mesh.pp.rank
     n_stages = p * virtual_stages
-    counts = parse_split(split, len(model.layers), n_stages, layer_costs(model.cfg))
+    costs = layer_costs(model.cfg, mesh.device.type) if split == "auto" else (1.0, 0.0, 0.0)
+    counts = parse_split(split, len(model.layers), n_stages, costs)
     per_stage = stage_layers(counts)
     mine = [s for s in range(n_stages) if s % p == rank]
     keep = {i for s in mine for i in per_stage[s]}

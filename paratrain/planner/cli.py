@@ -31,7 +31,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--seq-len", type=int, default=2048)
     t.add_argument("--global-batch", type=int, default=256, help="sequences per optimizer step")
     t.add_argument("--micro-batch", type=int, help="fix the micro-batch (default: searched)")
-    t.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
+    t.add_argument("--precision", choices=["fp32", "bf16", "fp16"],
+                   help="default bf16; fp32 with --cluster local (a CPU without bf16 matmuls)")
     t.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit"])
     t.add_argument("--margin", type=float, default=0.10, help="fraction of device memory kept free")
     c = p.add_argument_group("cluster")
@@ -47,7 +48,10 @@ def parser() -> argparse.ArgumentParser:
     f = p.add_argument_group("fixed choices (evaluate these instead of searching them)")
     for flag in ("--dp", "--tp", "--pp", "--zero", "--virtual-stages"):
         f.add_argument(flag, type=int)
-    f.add_argument("--sp", action="store_true", default=None)
+    f.add_argument("--ep", type=int, help="expert parallelism (mixture-of-experts models only: 1 for dense)")
+    f.add_argument("--tile", type=int, help="memory-centric tiling: split each linear into N tiles")
+    f.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
+                   help="sequence parallelism on (--sp) or off (--no-sp)")
     f.add_argument("--recompute", choices=["none", "selective", "full"])
     f.add_argument("--pp-schedule", choices=["naive", "gpipe", "1f1b", "interleaved"])
     f.add_argument("--offload", choices=["none", "cpu", "disk"])
@@ -90,18 +94,43 @@ def model_from(args) -> LlamaConfig | None:
     return c
 
 
+def check_numbers(args) -> None:
+    """Every numeric input, before anything is planned: a wrong number is an error, never a default."""
+    import math
+
+    positive = {"--gpus": args.gpus, "--gpus-per-node": args.gpus_per_node, "--seq-len": args.seq_len,
+                "--global-batch": args.global_batch, "--micro-batch": args.micro_batch, "--top": args.top,
+                "--validate-steps": args.validate_steps, "--params": args.params,
+                "--gpu-memory": args.gpu_memory, "--peak-tflops": args.peak_tflops, "--dp": args.dp,
+                "--tp": args.tp, "--pp": args.pp, "--virtual-stages": args.virtual_stages, "--ep": args.ep,
+                "--tile": args.tile}
+    for flag, value in positive.items():
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{flag} must be a positive number (got {value})")
+    if args.params is not None and args.params < 1:
+        raise ValueError(f"--params is a parameter count, e.g. 7e9 (got {args.params})")
+    if args.zero is not None and args.zero not in (0, 1, 2, 3):
+        raise ValueError(f"--zero must be 0, 1, 2 or 3 (got {args.zero})")
+    if args.efficiency is not None and not 0 < args.efficiency <= 1:
+        raise ValueError(f"--efficiency must be in (0, 1] (got {args.efficiency})")
+    if not 0 <= args.margin < 1:
+        raise ValueError(f"--margin must be in [0, 1) (got {args.margin})")
+    if args.validate_steps < 3:
+        raise ValueError(f"--validate-steps must be >= 3: the first two steps are warm-up (got "
+                         f"{args.validate_steps})")
+
+
 def cluster_from(args):
     if args.cluster == "local":
         from paratrain.planner.hardware import local_cluster
 
         cl = local_cluster(args.gpus)
     else:
-        cl = make_cluster(gpus=args.gpus or 8, gpus_per_node=args.gpus_per_node, gpu=args.gpu,
+        gpus = 8 if args.gpus is None else args.gpus
+        cl = make_cluster(gpus=gpus, gpus_per_node=args.gpus_per_node, gpu=args.gpu,
                           gpu_memory_gb=args.gpu_memory, peak_tflops=args.peak_tflops,
                           intra_link=args.intra_link, inter_link=args.inter_link)
     if args.efficiency is not None:
-        if not 0 < args.efficiency <= 1:
-            raise ValueError(f"--efficiency must be in (0, 1] (got {args.efficiency})")
         cl = replace(cl, efficiency=args.efficiency)
     return cl
 
@@ -109,7 +138,7 @@ def cluster_from(args):
 def fixed_from(args) -> dict:
     pairs = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "zero": args.zero, "v": args.virtual_stages,
              "sp": args.sp, "recompute": args.recompute, "schedule": args.pp_schedule,
-             "offload": args.offload, "micro_batch": args.micro_batch}
+             "offload": args.offload, "micro_batch": args.micro_batch, "ep": args.ep, "tile": args.tile}
     return {k: v for k, v in pairs.items() if v is not None}
 
 
@@ -174,16 +203,23 @@ def plot(plans: list[Plan], path: str) -> str:
     return path
 
 
-def states_only_report(n_params: float, tr: Training, cluster) -> tuple[str, list[dict]]:
-    rows = states_only(n_params, tr, cluster)
+def states_only_report(n_params: float, tr: Training, cluster, fixed: dict | None = None
+                       ) -> tuple[str, list[dict]]:
+    rows = states_only(n_params, tr, cluster, fixed)
     lines = [f"model states only ({n_params:.3g} parameters, {tr.precision}, {tr.optimizer}; no activations: "
              "give the shape for a full plan)", f"cluster: {cluster.describe()}",
-             f"{'ZeRO':>4} {'dp':>5} {'params GB':>10} {'grads GB':>9} {'optim GB':>9} {'total GB':>9}  fits"]
+             f"{'ZeRO':>4} {'dp':>5} {'tp':>3} {'pp':>3} {'offload':>7} {'params GB':>10} {'grads GB':>9} "
+             f"{'optim GB':>9} {'total GB':>9}  fits"]
     for r in rows:
-        lines.append(f"{r['zero']:>4} {r['dp']:>5} {r['params_bytes'] / GB:10.2f} "
-                     f"{r['grads_bytes'] / GB:9.2f} {r['optim_bytes'] / GB:9.2f} "
+        lines.append(f"{r['zero']:>4} {r['dp']:>5} {r['tp']:>3} {r['pp']:>3} {r['offload']:>7} "
+                     f"{r['params_bytes'] / GB:10.2f} {r['grads_bytes'] / GB:9.2f} "
+                     f"{r['optim_bytes'] / GB:9.2f} "
                      f"{r['model_state_bytes_per_device'] / GB:9.2f}  "
                      f"{'yes' if r['fits_model_states'] else 'no'} (usable {r['usable_bytes'] / GB:.1f} GB)")
+    ignored = sorted(set(fixed or {}) & {"recompute", "schedule", "sp", "micro_batch", "v"})
+    if ignored:
+        lines.append(f"note: {', '.join(ignored)} change activations and time, not model states: give the "
+                     "shape (--model or --layers ...) to plan them")
     return "\n".join(lines), rows
 
 
@@ -200,12 +236,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args) -> int:
+    check_numbers(args)
+    if args.precision is None:
+        args.precision = "fp32" if args.cluster == "local" else "bf16"
     c = model_from(args)
     tr = Training(seq_len=args.seq_len, global_batch=args.global_batch, precision=args.precision,
                   optimizer=args.optimizer, margin=args.margin)
     cluster = cluster_from(args)
     if c is None:
-        text, rows = states_only_report(args.params, tr, cluster)
+        text, rows = states_only_report(args.params, tr, cluster, fixed_from(args))
         print(json.dumps({"inputs": vars(args), "plans": rows}) if args.json else text)
         return 0
     if args.validate and args.cluster != "local":

@@ -1,10 +1,11 @@
 """Time per step of one layout: compute, communication (alpha-beta), overlap, bubble, offload.
 
-Compute: model FLOPs by the Megatron-LM accounting (Narayanan et al. 2021, Section 5.1:
-F = 96 B s l h^2 (1 + s/6h + V/16lh) for GPT with recomputation, i.e. 72 without), generalised
-to paratrain's Llama block (SwiGLU, grouped-query attention, causal attention counted half, as
-the trainer's MFU does), divided by peak x efficiency. Full recomputation adds one forward of
-every block (hardware FLOPs 8/6 of the blocks' model FLOPs).
+Compute: op by op (ops.py): each matmul at the efficiency of its own shape per device, attention,
+memory-bound ops at bandwidth, a fixed cost per op on the local machine; pipeline stages
+balanced by that cost (``balanced_split``). Reported FLOPs use the Megatron-LM accounting
+(Narayanan et al. 2021, Section 5.1: F = 96 B s l h^2 (1 + s/6h + V/16lh) for GPT with
+recomputation, i.e. 72 without), generalised to paratrain's Llama block (SwiGLU, grouped-query
+attention, causal attention counted half, as the trainer's MFU does).
 
 Communication: the alpha-beta model of ring collectives on n ranks moving M bytes:
 all-reduce 2(n-1) alpha + 2(n-1)/n M/beta; all-gather and reduce-scatter (n-1) alpha +
@@ -23,10 +24,11 @@ from paratrain.planner.memory import (
     Layout,
     Training,
     layer_params_local,
-    stage_layers,
+    rank_layers,
     stage_params,
     state_bytes_per_param,
 )
+from paratrain.planner.ops import GemmModel, OpEnv, block_costs, embed_costs, head_costs
 
 # -- published formulas -------------------------------------------------------------------------
 
@@ -136,6 +138,7 @@ class StepTime:
     hardware_flops: float
     world: int
     peak: float  # FLOP/s of one device at the run's precision
+    imbalance: float = 0.0  # pipeline: slowest stage / mean stage - 1 (modelled)
 
     @property
     def total(self) -> float:
@@ -168,9 +171,97 @@ class StepTime:
                 "optimizer": self.optimizer, "offload": self.offload, "total": self.total}
 
 
-def matmul_efficiency(cluster: Cluster, rows: float) -> float:
-    """Achieved / peak: saturating in the rows of each matmul (micro-batch tokens), half at rows_half."""
-    return cluster.efficiency * rows / (rows + cluster.rows_half)
+def op_env(cluster: Cluster, precision: str) -> OpEnv:
+    """The device as the op model sees it (a GEMM curve, bandwidth, fixed per-op cost)."""
+    dev = cluster.device
+    gemm = dev.gemm or GemmModel(1.0, 108)
+    if cluster.efficiency is not None and isinstance(gemm, GemmModel):
+        gemm = GemmModel(cluster.efficiency, gemm.sms, flash=gemm.flash)  # --efficiency: the ceiling
+    # Streaming copies reach ~90% of the datasheet bandwidth (docs/planner.md).
+    bw = dev.memory_bandwidth * (1.0 if cluster.local else 0.9)
+    return OpEnv(gemm, dev.peak_for(precision), bw, dev.op_s, dev.ops_per_block, dev.ops_rest)
+
+
+def stage_costs(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster, counts: list[int] | None = None
+                ) -> list[tuple[float, float, float]]:
+    """(compute, full-recompute extra, selective-recompute extra) seconds per micro-batch of every
+    pipeline rank (all its virtual stages), the embedding on the first stage and the final norm,
+    head and loss on the last."""
+    env = op_env(cluster, tr.precision)
+    kw = {"seq": tr.seq_len, "micro_batch": lay.micro_batch, "tp": lay.tp,
+          "act_bytes": ACT_BYTES[tr.precision]}
+    blk = block_costs(c, env, sp=lay.sp, attention=tr.attention, tile=lay.tile, **kw)
+    head, emb = head_costs(c, env, sp=lay.sp, **kw), embed_costs(c, env, **kw)
+    counts = counts or stage_counts(c, tr, lay, cluster)
+    chunks = lay.pp * lay.v
+    out = []
+    for r in range(lay.pp):
+        n = sum(counts[j] for j in range(r, chunks, lay.pp))
+        t = n * blk.total + (emb.total if r == 0 else 0.0) + (head.total if r == lay.pp - 1 else 0.0)
+        out.append((t, n * blk.forward, n * blk.attention_forward))
+    return out
+
+
+def chunk_costs(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster) -> tuple[float, float, float]:
+    """(one block, the first stage's extra, the last stage's extra) in seconds per micro-batch."""
+    env = op_env(cluster, tr.precision)
+    kw = {"seq": tr.seq_len, "micro_batch": lay.micro_batch, "tp": lay.tp,
+          "act_bytes": ACT_BYTES[tr.precision]}
+    blk = block_costs(c, env, sp=lay.sp, attention=tr.attention, tile=lay.tile, **kw)
+    return blk.total, embed_costs(c, env, **kw).total, head_costs(c, env, sp=lay.sp, **kw).total
+
+
+def stage_counts(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster) -> list[int]:
+    """Blocks per (virtual) stage: balanced by modelled cost (``--pp-split auto``)."""
+    if lay.pp == 1:
+        return [c.n_layers]
+    return balanced_split(c.n_layers, lay.pp * lay.v, *chunk_costs(c, tr, lay, cluster))
+
+
+def balanced_split(n_layers: int, n_stages: int, block: float, first: float = 0.0, last: float = 0.0
+                   ) -> list[int]:
+    """Contiguous blocks per stage (each >= 1) minimising the most expensive stage, the first stage
+    also paying `first` (embedding) and the last `last` (final norm, head, loss). Uneven counts are
+    the point. Binary search on the bottleneck, greedy fill: exact for contiguous splits."""
+    if n_stages > n_layers:
+        raise ValueError(f"{n_stages} pipeline stages but the model has only {n_layers} layers")
+    if n_stages == 1:
+        return [n_layers]
+
+    def fill(limit: float) -> list[int] | None:
+        counts, left = [], n_layers
+        for s in range(n_stages):
+            extra = (first if s == 0 else 0.0) + (last if s == n_stages - 1 else 0.0)
+            stages_after = n_stages - s - 1
+            if s == n_stages - 1:
+                take = left
+            else:
+                fit = int((limit - extra) / block + 1e-9) if block > 0 else left
+                take = min(fit, left - stages_after)
+            if take < 1 or take * block + extra > limit * (1 + 1e-9):
+                return None
+            counts.append(take)
+            left -= take
+        return counts
+
+    # The bottleneck is one of finitely many values, k * block + extra; feasibility is monotone
+    # in the limit, so binary search the smallest feasible candidate.
+    extras = (0.0, first, last, first + last)
+    candidates = sorted({k * block + e for k in range(1, n_layers + 1) for e in extras})
+    lo, hi = 0, len(candidates) - 1  # the largest candidate always fits
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fill(candidates[mid]) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    return fill(candidates[lo])
+
+
+def imbalance(costs: list[float]) -> float:
+    """max / mean - 1 of the stages' costs: the fraction the slowest stage adds over a perfect split."""
+    mean = sum(costs) / len(costs)
+    return max(costs) / mean - 1 if mean > 0 else 0.0
 
 
 def step_time(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster) -> StepTime:
@@ -179,21 +270,13 @@ def step_time(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster) -> St
     m = lay.n_micro(tr.global_batch)
     mb_tokens = tr.seq_len * lay.micro_batch
     peak = cluster.device.peak_for(tr.precision)
-    rate = peak * matmul_efficiency(cluster, mb_tokens)
 
-    # Compute of one micro-batch on the busiest stage (tp divides every matmul).
-    layers = stage_layers(c.n_layers, lay.pp, lay.v)
-    stage_flops = []
-    for r, n in enumerate(layers):
-        f = n * block_flops_per_token(c, tr.seq_len)
-        if r == lay.pp - 1:
-            f += head_flops_per_token(c)
-        stage_flops.append(f * mb_tokens / lay.tp)
-    busiest = max(range(lay.pp), key=lambda r: stage_flops[r])
-    mb_compute = stage_flops[busiest] / rate
-    extra_per_layer = {"full": block_flops_per_token(c, tr.seq_len) / 3,
-                       "selective": tr.seq_len * c.dim}.get(lay.recompute, 0.0)
-    mb_recompute = layers[busiest] * extra_per_layer * mb_tokens / lay.tp / rate
+    counts = stage_counts(c, tr, lay, cluster)
+    costs = stage_costs(c, tr, lay, cluster, counts)
+    busiest = max(range(lay.pp), key=lambda r: costs[r][0])
+    mb_compute = costs[busiest][0]
+    mb_recompute = {"full": costs[busiest][1], "selective": costs[busiest][2]}.get(lay.recompute, 0.0)
+    layers = rank_layers(counts, lay.pp)
 
     # Tensor parallel: Megatron's f/g operators, 2 all-reduces forward + 2 backward per block of
     # a [b, s, h] activation (sp: the same bytes as all-gather + reduce-scatter pairs); full
@@ -216,16 +299,21 @@ def step_time(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster) -> St
     else:
         bubble = (lay.pp - 1) / lay.v * mb_time if lay.pp > 1 else 0.0
 
-    psi = stage_params(c, lay.tp, lay.pp, lay.v)[busiest]
+    psi = stage_params(c, lay.tp, lay.pp, lay.v, counts)[busiest]
+    stage_imbalance = imbalance([x[0] for x in costs]) if lay.pp > 1 else 0.0
     dp_comm = _dp_exposed(c, tr, lay, cluster, mb_compute, m, psi)
     optimizer, offload = _optimizer_time(tr, lay, cluster, psi, m)
+    # The optimizer's fixed cost per parameter tensor (its per-tensor loop): 9 per block, the
+    # embedding on the first stage, the final norm and head on the last.
+    tensors = 9 * layers[busiest] + (1 if busiest == 0 else 0) + (2 if busiest == lay.pp - 1 else 0)
+    optimizer += tensors * cluster.device.optimizer_tensor_s
     tokens = tr.global_batch * tr.seq_len
     return StepTime(compute=m * mb_compute, recompute=m * mb_recompute, bubble=bubble, tp_comm=m * mb_tp,
                     pp_comm=m * mb_pp, dp_comm=dp_comm, optimizer=optimizer, offload=offload,
                     tokens_per_step=tokens,
                     model_flops=model_flops_per_token(c, tr.seq_len) * tokens,
                     hardware_flops=hardware_flops_per_token(c, tr.seq_len, lay.recompute) * tokens,
-                    world=lay.world, peak=peak)
+                    world=lay.world, peak=peak, imbalance=stage_imbalance)
 
 
 def _dp_exposed(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster, mb_compute: float, m: int,
@@ -243,7 +331,7 @@ def _dp_exposed(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster, mb_
     sb = state_bytes_per_param(tr.precision, tr.optimizer)
     link = group_link(cluster, lay, "dp")
     grads, params = psi * sb.grads, psi * sb.params
-    hidden = cluster.overlap * (2 / 3) * mb_compute
+    hidden = cluster.overlap * (2 / 3) * mb_compute if tr.overlap_dp else 0.0
     bucket = min(tr.bucket_mb * 2**20, grads)
     if lay.zero == 0:
         comm = all_reduce_time(grads, lay.dp, link)

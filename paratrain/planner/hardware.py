@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
+from paratrain.planner.ops import FittedGemm, GemmModel
+
 GB = 1e9  # the planner reports decimal GB, as the ZeRO and Megatron-LM papers do
 GiB = 2**30
 
@@ -22,6 +24,11 @@ class Device:
     fp32_peak_flops: float  # plain fp32 (torch disables TF32 matmuls by default)
     memory_bandwidth: float  # bytes/s, bounds the optimizer step
     runtime_overhead_bytes: float = 1.0 * GiB  # CUDA context, NCCL buffers, allocator slack
+    gemm: GemmModel | FittedGemm | None = None  # achieved matmul rate by shape (ops.py)
+    op_s: float = 0.0  # fixed cost per non-GEMM op (measured on the local machine)
+    ops_per_block: float = 0.0  # non-GEMM ops of one block, forward + backward (local machine)
+    ops_rest: float = 0.0  # those of the embedding, final norm, head and loss
+    optimizer_tensor_s: float = 0.0  # fixed cost of the optimizer step per parameter tensor
 
     def peak_for(self, precision: str) -> float:
         return self.fp32_peak_flops if precision == "fp32" else self.peak_flops
@@ -34,11 +41,33 @@ class Link:
     latency: float  # seconds per message hop (alpha)
 
 
+# A training run's GEMMs do not sustain a shape sweep's best: clocks drop under the whole step's
+# power draw and communication kernels share the SMs. One factor for every preset, set so that
+# Megatron-LM 2021 Table 1 comes out level on average (docs/planner.md); the trend across sizes
+# comes from the curve, not from this factor.
+SUSTAINED = 0.88
+
+
+def calibrated(sms: int, mamf: float, peak: float, best: tuple[int, int, int], flash: float) -> GemmModel:
+    """The GEMM curve whose efficiency at the published best shape equals the published maximum
+    achievable matmul FLOP/s (MAMF) / peak x SUSTAINED; the curve's form is GemmModel's."""
+    shape_factor = GemmModel(1.0, sms).efficiency(*best)
+    return GemmModel(SUSTAINED * mamf / peak / shape_factor, sms, flash=flash)
+
+
+# MAMF (bf16, the best of a shape sweep) from Stas Bekman's ml-engineering, "Maximum Achievable
+# Matmul FLOPS comparison table": A100 SXM 267.9 of 312 at 6912x16384x2048 (CUDA 12.1); H100 SXM
+# 792.1 of 989 at 6144x17920x2816; H100/H200 SXM 794.5. SM counts: A100 108, H100/H200 SXM 132.
+# Fused attention (FlashAttention-2, Dao 2023, Figures 4 and 6, causal, head dim 128, forward +
+# backward): about 0.55 of the A100's peak and 0.35 of the H100's.
+_A100 = calibrated(108, 267.9e12, 312e12, (6912, 16384, 2048), flash=0.55)
+_H100 = calibrated(132, 792.1e12, 989e12, (6144, 17920, 2816), flash=0.35)
+
 GPUS: dict[str, Device] = {
-    "a100-40g": Device("a100-40g", 40 * GiB, 312e12, 19.5e12, 1.555e12),
-    "a100-80g": Device("a100-80g", 80 * GiB, 312e12, 19.5e12, 2.039e12),
-    "h100-80g": Device("h100-80g", 80 * GiB, 989e12, 67e12, 3.35e12),
-    "h200": Device("h200", 141 * GiB, 989e12, 67e12, 4.8e12),
+    "a100-40g": Device("a100-40g", 40 * GiB, 312e12, 19.5e12, 1.555e12, gemm=_A100),
+    "a100-80g": Device("a100-80g", 80 * GiB, 312e12, 19.5e12, 2.039e12, gemm=_A100),
+    "h100-80g": Device("h100-80g", 80 * GiB, 989e12, 67e12, 3.35e12, gemm=_H100),
+    "h200": Device("h200", 141 * GiB, 989e12, 67e12, 4.8e12, gemm=_H100),
 }
 
 LINKS: dict[str, Link] = {
@@ -66,8 +95,7 @@ class Cluster:
     host_link: Link = LINKS["pcie"]  # device <-> host copies (offload)
     disk_bandwidth: float = 2e9  # NVMe, bytes/s per device (disk offload)
     cpu_adam_params_per_s: float = 1e9  # parameters per second a CPU optimizer step achieves
-    efficiency: float = 0.55  # achieved / peak on large matmuls (Megatron-LM reaches 0.5-0.6)
-    rows_half: float = 128.0  # matmul rows (tokens) at which efficiency is half its maximum
+    efficiency: float | None = None  # --efficiency: overrides the GEMM curve's ceiling (large matmuls)
     overlap: float = 0.9  # fraction of overlappable communication actually hidden
     local: bool = False
 
@@ -138,34 +166,52 @@ def host_memory_bytes() -> float:
     return 8.0 * GiB
 
 
+def _op_seconds(data: dict, gemm: FittedGemm, bandwidth: float) -> float:
+    """The fixed cost of one op as a model really pays it: a tiny block's measured forward +
+    backward, less its modelled GEMMs and memory traffic, over its op count (never below a bare
+    elementwise op's dispatch)."""
+    from paratrain.models.llama import preset
+    from paratrain.planner.calibrate import OVERHEAD_TOKENS
+    from paratrain.planner.ops import OpEnv, block_costs
+
+    bare = data["overhead"]["elementwise_s"]
+    if "block_s" not in data:
+        return bare
+    env = OpEnv(gemm, gemm.flops_per_s, bandwidth)
+    rest = block_costs(preset("tiny"), env, seq=OVERHEAD_TOKENS, micro_batch=1, act_bytes=4).total
+    return max(bare, (data["block_s"] - rest) / max(data["ops"]["block"], 1))
+
+
 def local_cluster(n_devices: int | None = None, *, measure: bool = True) -> Cluster:
     """This machine as paratrain uses it: n worker processes, 1 thread each, fp32, gloo loopback.
 
-    The matmul peak is measured (paratrain.train.metrics.measure_matmul_peak, 1 thread); the
-    memory of a "device" is the machine's RAM divided among the workers; link figures are those
-    measured for gloo on loopback (DESIGN.md section 5).
+    measure=True: the single-thread matmul curve (fitted), the fixed cost of one op, the ops a block
+    dispatches, the optimizer's cost per tensor and the memory bandwidth, measured once and cached
+    (paratrain.planner.calibrate). measure=False: nominal figures of a 2020s x86 core (tests). The
+    memory of a "device" is the machine's RAM divided among the workers; links are gloo on loopback
+    (DESIGN.md section 5).
     """
     n = n_devices or os.cpu_count() or 1
-    peak = _measured_peak() if measure else 60e9
+    if measure:
+        from paratrain.planner.calibrate import fit_gemm, measure_local
+
+        data = measure_local()
+        gemm = fit_gemm(data["gemm"])
+        bw, ops, opt_s = data["memory_bandwidth"], data["ops"], data["optimizer_tensor_s"]
+        op_s = _op_seconds(data, gemm, bw)
+    else:
+        gemm, op_s, bw = FittedGemm(call_s=5e-6, flops_per_s=60e9, bytes_per_s=10e9), 5e-6, 10e9
+        # op counts as calibrate.count_ops finds them for paratrain's Llama under torch 2.13
+        ops, opt_s = {"block": 235, "rest": 48}, 60e-6
+    peak = gemm.flops_per_s
     ram = host_memory_bytes()
-    # bf16 matmuls run 5-100x slower than fp32 on this CPU (no bf16 instructions): peak / 10.
-    device = Device("cpu-worker", ram / n, peak / 10, peak, 10e9,
-                    runtime_overhead_bytes=650 * 2**20)  # a worker with torch + gloo: ~650 MiB RSS
+    # bf16 matmuls run 5-100x slower than fp32 on an AVX2 CPU (no bf16 instructions): peak / 10.
+    device = Device("cpu-worker", ram / n, peak / 10, peak, bw,
+                    runtime_overhead_bytes=650 * 2**20,  # a worker with torch + gloo: ~650 MiB RSS
+                    gemm=gemm, op_s=op_s, ops_per_block=ops["block"], ops_rest=ops["rest"],
+                    optimizer_tensor_s=opt_s)
     loop = LINKS["loopback"]
     # On CPU the "host" is the device: offload moves bytes within RAM (memcpy speed).
     return Cluster(device, n, n, loop, loop, host_memory_per_device=0.0,
                    host_link=Link("memcpy", 5e9, 1e-6), disk_bandwidth=1e9, cpu_adam_params_per_s=2e8,
-                   efficiency=0.7, rows_half=8.0, overlap=0.3, local=True)
-
-
-def _measured_peak() -> float:
-    import torch
-
-    from paratrain.train.metrics import measure_matmul_peak
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # workers run one thread each
-    try:
-        return measure_matmul_peak(torch.device("cpu"), torch.float32, n=256, seconds=0.2)
-    finally:
-        torch.set_num_threads(threads)
+                   overlap=0.3, local=True)

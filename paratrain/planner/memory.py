@@ -34,6 +34,8 @@ class Training:
     optimizer: str = "adamw"  # adamw | adamw8bit
     bucket_mb: float = 25.0  # DDP / ZeRO-2 gradient bucket
     margin: float = 0.10  # fraction of device memory kept free (fragmentation, spikes)
+    attention: str = "flash"  # flash (fused SDPA) | unfused (scores materialised: Megatron-LM 2021)
+    overlap_dp: bool = True  # DDP / ZeRO-2 reduce buckets during backward (Megatron-LM 2021: after)
 
     def __post_init__(self):
         if self.seq_len < 1 or self.global_batch < 1:
@@ -43,6 +45,12 @@ class Training:
             raise ValueError(f"--precision {self.precision!r}: choose fp32, bf16 or fp16")
         if self.optimizer not in ("adamw", "adamw8bit"):
             raise ValueError(f"--optimizer {self.optimizer!r}: choose adamw or adamw8bit")
+        if self.attention not in ("flash", "unfused"):
+            raise ValueError(f"attention {self.attention!r}: choose flash or unfused")
+        if not 0 <= self.margin < 1:
+            raise ValueError(f"--margin must be in [0, 1) (got {self.margin})")
+        if self.bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be > 0 (got {self.bucket_mb})")
 
 
 @dataclass(frozen=True)
@@ -57,6 +65,7 @@ class Layout:
     micro_batch: int = 1
     schedule: str = "1f1b"
     offload: str = "none"
+    tile: int = 1  # memory-centric tiling: each linear runs as `tile` slices
 
     @property
     def world(self) -> int:
@@ -74,6 +83,8 @@ class Layout:
             parts.append(f"rc-{self.recompute}")
         if self.offload != "none":
             parts.append(f"off-{self.offload}")
+        if self.tile > 1:
+            parts.append(f"tile{self.tile}")
         return " ".join(parts)
 
 
@@ -134,12 +145,18 @@ def stage_layers(n_layers: int, pp: int, v: int = 1) -> list[int]:
     return [sum(sizes[j] for j in range(r, chunks, pp)) for r in range(pp)]
 
 
-def stage_params(c: LlamaConfig, tp: int, pp: int, v: int = 1) -> list[int]:
+def rank_layers(counts: list[int], pp: int) -> list[int]:
+    """Blocks per pipeline rank from blocks per (virtual) stage, chunk j on rank j % pp."""
+    return [sum(counts[j] for j in range(r, len(counts), pp)) for r in range(pp)]
+
+
+def stage_params(c: LlamaConfig, tp: int, pp: int, v: int = 1, counts: list[int] | None = None) -> list[int]:
     """Local parameter count of each pipeline rank (embedding on the first, norm + head on the last;
     a tied head is a second copy on the last stage when pp > 1)."""
     emb = vocab_local(c, tp) * c.dim
     out = []
-    for r, n in enumerate(stage_layers(c.n_layers, pp, v)):
+    per_rank = rank_layers(counts, pp) if counts else stage_layers(c.n_layers, pp, v)
+    for r, n in enumerate(per_rank):
         count = n * layer_params_local(c, tp)
         if r == 0:
             count += emb
@@ -275,16 +292,18 @@ class Memory:
                 "capacity": self.capacity, "margin": self.margin, "offloaded": self.offloaded}
 
 
-def device_memory(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster) -> Memory:
-    """Memory of the busiest pipeline rank of `lay` (each rank's total compared, the largest kept)."""
+def device_memory(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster,
+                  counts: list[int] | None = None) -> Memory:
+    """Memory of the busiest pipeline rank of `lay` (each rank's total compared, the largest kept).
+    counts: blocks per (virtual) stage (default: even, the earlier stages taking the remainder)."""
     sb = state_bytes_per_param(tr.precision, tr.optimizer)
     m = lay.n_micro(tr.global_batch)
-    layers = stage_layers(c.n_layers, lay.pp, lay.v)
+    layers = rank_layers(counts, lay.pp) if counts else stage_layers(c.n_layers, lay.pp, lay.v)
     best: Memory | None = None
-    params = stage_params(c, lay.tp, lay.pp, lay.v)
+    params = stage_params(c, lay.tp, lay.pp, lay.v, counts)
     # The first rank holds the most layers and micro-batches in flight, the last one the head:
     # the busiest device is one of the two.
-    for rank in sorted({0, lay.pp - 1}):
+    for rank in (range(lay.pp) if counts else sorted({0, lay.pp - 1})):
         psi = params[rank]
         states = zero_model_state_bytes(psi, lay.dp, lay.zero, sb)
         offloaded = 0.0
@@ -326,7 +345,8 @@ def comm_buffer_bytes(c: LlamaConfig, tr: Training, lay: Layout, sb: StateBytes,
     if (lay.dp > 1 and lay.zero < 3) or (offload and lay.zero == 2):
         out += min(2 * tr.bucket_mb * 2**20, psi * sb.grads)
     if lay.zero == 3 and (lay.dp > 1 or offload):
-        unit = max(layer_params_local(c, lay.tp), vocab_local(c, lay.tp) * c.dim)
+        # tiling gathers (and reduces) one slice of a linear at a time
+        unit = max(layer_params_local(c, lay.tp), vocab_local(c, lay.tp) * c.dim) / lay.tile
         out += unit * (2 * sb.params + sb.grads)
     if lay.pp > 1:
         out += 2 * tr.seq_len * lay.micro_batch * c.dim * ACT_BYTES[tr.precision] / (lay.tp if lay.sp else 1)

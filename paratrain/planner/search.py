@@ -12,10 +12,11 @@ table: the layouts closest to fitting are returned, marked as not fitting.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field, replace
 
 from paratrain.models.llama import LlamaConfig
-from paratrain.planner.cost import StepTime, step_time
+from paratrain.planner.cost import StepTime, stage_counts, step_time
 from paratrain.planner.hardware import GB, Cluster
 from paratrain.planner.memory import (
     RECOMPUTE,
@@ -30,7 +31,8 @@ from paratrain.planner.memory import (
     zero_model_state_bytes,
 )
 
-FIXABLE = ("dp", "tp", "pp", "v", "zero", "sp", "recompute", "micro_batch", "schedule", "offload")
+FIXABLE = ("dp", "tp", "pp", "v", "zero", "sp", "recompute", "micro_batch", "schedule", "offload", "ep",
+           "tile")
 
 
 @dataclass
@@ -47,7 +49,9 @@ class Plan:
         fit = (f"fits: {m.total / GB:.2f} of {m.usable / GB:.2f} GB usable" if self.fits
                else f"does not fit: {self.why_not}")
         parts = ", ".join(f"{k} {v:.3g}" for k, v in t.breakdown().items() if k != "total" and v > 0)
-        return f"{fit}; step {t.total:.3g} s = {parts}"
+        split = (f"; pipeline stages balanced by cost, slowest {t.imbalance:.1%} over the mean"
+                 if self.layout.pp > 1 else "")
+        return f"{fit}; step {t.total:.3g} s = {parts}{split}"
 
     def to_json(self) -> dict:
         lay, t = self.layout, self.time
@@ -58,7 +62,8 @@ class Plan:
                 "step_time_s": t.total, "time_breakdown_s": t.breakdown(), "tokens_per_s": t.tokens_per_s,
                 "tflops_per_device": t.tflops_per_device,
                 "hardware_tflops_per_device": t.hardware_tflops_per_device, "mfu": t.mfu,
-                "bubble_fraction": t.bubble_fraction, "explanation": self.explanation()}
+                "bubble_fraction": t.bubble_fraction, "pipeline_imbalance": t.imbalance,
+                "explanation": self.explanation()}
 
 
 @dataclass
@@ -94,7 +99,7 @@ def check_fixed(fixed: dict, c: LlamaConfig | None, tr: Training, n: int) -> Non
     unknown = set(fixed) - set(FIXABLE)
     if unknown:
         raise ValueError(f"cannot fix {', '.join(sorted(unknown))}; fixable: {', '.join(FIXABLE)}")
-    for key in ("dp", "tp", "pp", "v", "micro_batch"):
+    for key in ("dp", "tp", "pp", "v", "micro_batch", "ep", "tile"):
         if key in fixed and fixed[key] < 1:
             raise ValueError(f"--{key.replace('_', '-')} must be >= 1 (got {fixed[key]})")
     prod = fixed.get("dp", 1) * fixed.get("tp", 1) * fixed.get("pp", 1)
@@ -108,8 +113,15 @@ def check_fixed(fixed: dict, c: LlamaConfig | None, tr: Training, n: int) -> Non
         raise ValueError(f"--pp-schedule {fixed['schedule']!r}: choose one of {', '.join(SCHEDULES)}")
     if fixed.get("offload", "none") not in ("none", "cpu", "disk"):
         raise ValueError(f"--offload {fixed['offload']!r}: choose none, cpu or disk")
+    if fixed.get("ep", 1) > 1:
+        raise ValueError(f"--ep {fixed['ep']}: expert parallelism splits a mixture-of-experts model's "
+                         "experts, and the planner's models are dense (one MLP per block): use --ep 1")
     if fixed.get("offload", "none") != "none" and fixed.get("zero") == 0:
         raise ValueError("--offload needs --zero >= 1 (the offloaded optimizer state is a ZeRO partition)")
+    if ("schedule" in fixed or fixed.get("v", 1) > 1) and fixed.get("pp") == 1:
+        raise ValueError("--pp-schedule and --virtual-stages need a pipeline: --pp > 1 (or leave --pp free)")
+    if fixed.get("v", 1) > 1 and fixed.get("schedule", "interleaved") != "interleaved":
+        raise ValueError(f"--virtual-stages {fixed['v']} needs --pp-schedule interleaved")
     if c is not None:
         if "tp" in fixed and c.n_heads % fixed["tp"]:
             raise ValueError(f"--tp {fixed['tp']} must divide the {c.n_heads} attention heads")
@@ -143,13 +155,14 @@ def enumerate_layouts(c: LlamaConfig, tr: Training, n: int, fixed: dict, offload
                         if off != "none" and zero == 0 or sp and tp == 1:
                             continue
                         out.append(Layout(dp=dp, tp=tp, pp=pp, v=v, zero=zero, sp=sp, recompute=rc,
-                                          micro_batch=mb, schedule=sched, offload=off))
+                                          micro_batch=mb, schedule=sched, offload=off,
+                                          tile=fixed.get("tile", 1)))
     return out
 
 
 def _schedules(c: LlamaConfig, pp: int, m: int, fixed: dict) -> list[tuple[str, int]]:
-    if pp == 1:
-        return [("1f1b", 1)]
+    if pp == 1:  # a fixed schedule or virtual stages ask for a pipeline
+        return [] if ("schedule" in fixed or fixed.get("v", 1) > 1) else [("1f1b", 1)]
     if "schedule" in fixed:
         names = [fixed["schedule"]]
     else:
@@ -169,7 +182,8 @@ def _schedules(c: LlamaConfig, pp: int, m: int, fixed: dict) -> list[tuple[str, 
 
 
 def evaluate(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster) -> Plan:
-    mem = device_memory(c, tr, lay, cluster)
+    # memory of the stages the time model balances (the split layout_to_config asks for)
+    mem = device_memory(c, tr, lay, cluster, stage_counts(c, tr, lay, cluster))
     fits, why = mem.fits, ""
     if not fits:
         why = f"needs {mem.total / GB:.2f} GB > {mem.usable / GB:.2f} GB usable"
@@ -208,7 +222,12 @@ def plan(c: LlamaConfig, tr: Training, cluster: Cluster, fixed: dict | None = No
         ranked = _distinct(feasible)[:top]
         return PlanResult(ranked, tree, compare(ranked), True, evaluated)
     closest = sorted(plans, key=lambda p: p.memory.total)[:top]
-    return PlanResult(closest, tree, infeasible_answer(c, tr, cluster, closest[0]), False, evaluated)
+    verdict = infeasible_answer(c, tr, cluster, closest[0])
+    if fixed:
+        chosen = ", ".join(f"{k}={v}" for k, v in sorted(fixed.items()))
+        verdict = (f"the fixed choices ({chosen}) do not fit: the closest layout they allow "
+                   f"({closest[0].layout.short()}) {closest[0].why_not}; relax a fixed choice. " + verdict)
+    return PlanResult(closest, tree, verdict, False, evaluated)
 
 
 def _distinct(plans: list[Plan]) -> list[Plan]:
@@ -217,7 +236,7 @@ def _distinct(plans: list[Plan]) -> list[Plan]:
     out, seen = [], set()
     for p in plans:
         key = (p.layout.dp, p.layout.tp, p.layout.pp, p.layout.schedule, p.layout.v, p.layout.micro_batch,
-               p.layout.zero, p.layout.sp, p.layout.recompute, p.layout.offload)
+               p.layout.zero, p.layout.sp, p.layout.recompute, p.layout.offload, p.layout.tile)
         if key not in seen:
             seen.add(key)
             out.append(p)
@@ -308,7 +327,7 @@ def infeasible_answer(c: LlamaConfig, tr: Training, cluster: Cluster, closest: P
                 "(memory-centric tiling), more tensor parallelism, or a device with more memory")
     states = zero_model_state_bytes(c.n_params(), cluster.n_devices, 3, state_bytes_per_param(tr.precision,
                                                                                            tr.optimizer))
-    devices = max(1.0, sum(states.values()) * cluster.n_devices / usable)
+    devices = max(1, math.ceil(sum(states.values()) * cluster.n_devices / usable))
     tries = [] if closest.layout.offload != "none" else ["offload (--offload cpu|disk with --zero 3)"]
     if tr.optimizer == "adamw":
         tries.append("an 8-bit optimizer")
@@ -322,15 +341,33 @@ def infeasible_answer(c: LlamaConfig, tr: Training, cluster: Cluster, closest: P
 # -- model-states-only answers ------------------------------------------------------------------------------
 
 
-def states_only(n_params: float, tr: Training, cluster: Cluster) -> list[dict]:
-    """``--params P``: model-state bytes per device for each ZeRO stage at dp = all devices."""
+def states_only(n_params: float, tr: Training, cluster: Cluster, fixed: dict | None = None) -> list[dict]:
+    """``--params P``: model-state bytes per device for each ZeRO stage (or the fixed one), at
+    dp = the devices left by the fixed tp and pp (model states split evenly over tp x pp), with
+    the fixed offload moving the ZeRO partitions it owns off the device."""
+    fixed = dict(fixed or {})
+    n = cluster.n_devices
+    check_fixed(fixed, None, tr, n)
+    tp, pp = fixed.get("tp", 1), fixed.get("pp", 1)
+    dp = fixed.get("dp", n // (tp * pp))
+    if dp * tp * pp != n:
+        raise ValueError(f"dp * tp * pp = {dp * tp * pp} does not fit --gpus {n}: the degrees must multiply "
+                         "to it")
     sb = state_bytes_per_param(tr.precision, tr.optimizer)
     usable = cluster.device.memory_bytes * (1 - tr.margin) - cluster.device.runtime_overhead_bytes
+    offload = fixed.get("offload", "none")
     rows = []
-    for zero in (0, 1, 2, 3):
-        st = zero_model_state_bytes(n_params, cluster.n_devices, zero, sb)
+    for zero in ([fixed["zero"]] if "zero" in fixed else [0, 1, 2, 3]):
+        if offload != "none" and zero == 0:
+            continue
+        st = zero_model_state_bytes(n_params / (tp * pp), dp, zero, sb)
+        moved = 0.0
+        if offload != "none":
+            for key in ["optim"] + (["grads"] if zero >= 2 else []) + (["params"] if zero >= 3 else []):
+                moved, st[key] = moved + st[key], 0.0
         total = sum(st.values())
-        rows.append({"zero": zero, "dp": cluster.n_devices, **{f"{k}_bytes": v for k, v in st.items()},
+        rows.append({"zero": zero, "dp": dp, "tp": tp, "pp": pp, "offload": offload,
+                     **{f"{k}_bytes": v for k, v in st.items()}, "offloaded_bytes": moved,
                      "model_state_bytes_per_device": total, "fits_model_states": total <= usable,
                      "usable_bytes": usable})
     return rows
@@ -352,6 +389,8 @@ def layout_to_config(cfg, lay: Layout):
         p.offload_dir = str(__import__("pathlib").Path(new.train.out) / "offload")
     new.train.micro_batch = lay.micro_batch
     new.train.recompute = lay.recompute
+    if lay.pp > 1 and not p.pp_split:
+        p.pp_split = "auto"  # the planner's times assume stages balanced by cost
     return new
 
 

@@ -1,0 +1,172 @@
+"""Seconds of one transformer block, the embedding and the head, op by op.
+
+Every matmul is timed from its own shape per device (rows m = the micro-batch's tokens, n and k
+after tensor parallelism): a model of GEMM efficiency (``GemmModel``) calibrated on published
+measurements for each GPU preset, or fitted to this machine's measured curve (``FittedGemm``).
+Backward runs two GEMMs per forward GEMM (data gradient [m, k] = [m, n] @ [n, k] and weight
+gradient [k, n] = [k, m] @ [m, n]), each at the efficiency of its own shape.
+
+Attention: with a fused kernel (``flash``, what paratrain's scaled_dot_product_attention runs on
+a GPU) the two products run at the efficiency of a [s, s, head_dim] GEMM and the masked half of
+causal attention is skipped; ``unfused`` (Megatron-LM 2021) materialises the [s, s] scores per
+head, computes them in full, and moves them through a memory-bound softmax.
+
+Memory-bound ops (norms, residual adds, RoPE, the SwiGLU product, softmax, cross-entropy, the
+embedding lookup) cost the bytes they read and write at memory bandwidth. On the local machine
+each op also pays a fixed dispatch cost (Python, autograd, allocator), measured.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from paratrain.models.llama import LlamaConfig
+
+EMBED_OPS = 4  # lookup forward; its backward (a dense scatter-add), zeroing, accumulation
+
+
+@dataclass(frozen=True)
+class GemmModel:
+    """Achieved FLOP/s of a GEMM on a GPU, from its shape.
+
+    efficiency = ceiling * w / (w + wave_half) * k / (k + k_half), where w = m n / (sms * tile)
+    is the number of waves of output tiles the GEMM launches (a GEMM that cannot fill the SMs
+    runs partly idle; the tail wave of a large one is amortised) and k_half is the inner length
+    at which the per-tile prologue / epilogue (loading the pipeline, writing C) costs as much as
+    the k-loop. ceiling = the best large GEMM measured / the datasheet peak (docs/planner.md).
+    """
+
+    ceiling: float
+    sms: int
+    tile: int = 256 * 128  # cuBLAS's largest tensor-core tile for 16-bit GEMMs
+    wave_half: float = 0.5
+    k_half: float = 160.0
+    call_s: float = 4e-6  # launch of one kernel
+    flash: float = 0.5  # achieved / peak of fused causal attention, forward + backward (docs/planner.md)
+
+    def efficiency(self, m: float, n: float, k: float) -> float:
+        waves = m * n / (self.sms * self.tile)
+        return self.ceiling * waves / (waves + self.wave_half) * k / (k + self.k_half)
+
+    def seconds(self, m: float, n: float, k: float, peak: float) -> float:
+        return self.call_s + 2.0 * m * n * k / (peak * self.efficiency(m, n, k))
+
+
+@dataclass(frozen=True)
+class FittedGemm:
+    """This machine's GEMM time, least-squares fitted to measurements:
+    seconds = call_s + flops / flops_per_s + bytes / bytes_per_s (inputs + output, 4-byte)."""
+
+    call_s: float
+    flops_per_s: float
+    bytes_per_s: float
+
+    def seconds(self, m: float, n: float, k: float, peak: float | None = None) -> float:
+        return (self.call_s + 2.0 * m * n * k / self.flops_per_s
+                + 4.0 * (m * k + k * n + m * n) / self.bytes_per_s)
+
+    def efficiency(self, m: float, n: float, k: float) -> float:
+        """Achieved / the fitted large-GEMM rate (the local device's peak)."""
+        return 2.0 * m * n * k / self.seconds(m, n, k) / self.flops_per_s
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds per micro-batch on one device (forward + backward unless stated)."""
+
+    gemm: float
+    attention: float
+    memory: float  # memory-bound ops at bandwidth
+    dispatch: float  # fixed per-op cost (local machine)
+    forward: float  # the forward part of the above (what full recomputation repeats)
+    attention_forward: float = 0.0  # what selective recomputation repeats
+
+    @property
+    def total(self) -> float:
+        return self.gemm + self.attention + self.memory + self.dispatch
+
+
+def _fwd_bwd(gemm, m: float, n: float, k: float, peak: float) -> tuple[float, float]:
+    """(forward, forward + backward) seconds of out[m, n] = x[m, k] @ w[k, n]."""
+    f = gemm.seconds(m, n, k, peak)
+    return f, f + gemm.seconds(m, k, n, peak) + gemm.seconds(k, n, m, peak)
+
+
+@dataclass(frozen=True)
+class OpEnv:
+    """What the op model needs of a device."""
+
+    gemm: GemmModel | FittedGemm
+    peak: float  # FLOP/s at the run's precision
+    bandwidth: float  # bytes/s of memory-bound ops
+    op_s: float = 0.0  # fixed cost of one non-GEMM op (forward or backward)
+    ops_per_block: float = 0.0  # non-GEMM ops of one block, forward + backward
+    ops_rest: float = 0.0  # those of the embedding, final norm, head and loss
+
+
+def block_costs(c: LlamaConfig, env: OpEnv, *, seq: int, micro_batch: int, tp: int = 1, sp: bool = False,
+                act_bytes: int = 2, attention: str = "flash", tile: int = 1) -> Costs:
+    """One transformer block, one micro-batch, one tp rank (each linear run as `tile` slices of
+    its output columns under memory-centric tiling)."""
+    t = seq * micro_batch
+    h, f, hd = c.dim, c.ffn_dim, c.head_dim
+    kv = c.n_kv_heads * hd
+    heads = c.n_heads / tp
+    shapes = [(t, (h + 2 * kv) / tp, h), (t, h, h / tp), (t, 2 * f / tp, h), (t, h, f / tp)]
+    fwd_g = tot_g = 0.0
+    for m, n, k in shapes:
+        a, b = _fwd_bwd(env.gemm, m, n / tile, k, env.peak)
+        fwd_g, tot_g = fwd_g + tile * a, tot_g + tile * b
+
+    # Attention products per (sequence, head): scores [s, s] = q [s, hd] @ k^T, out = p @ v.
+    call = env.gemm.call_s
+    attn_fwd = micro_batch * heads * 2 * (env.gemm.seconds(seq, seq, hd, env.peak) - call) + 2 * call
+    e = act_bytes
+    scores_fwd = scores_bwd = 0.0
+    if attention == "flash":
+        flops = micro_batch * heads * 4 * seq * seq * hd * 0.5  # causal: masked blocks skipped
+        if isinstance(env.gemm, GemmModel):  # a fused GPU kernel: published efficiency
+            attn_fwd = flops / (env.peak * env.gemm.flash) + call
+        else:
+            attn_fwd *= 0.5
+        attn_tot = 3.5 * attn_fwd  # backward: 4 products + the scores recomputed
+    else:
+        attn_tot = 3.0 * attn_fwd
+        # [s, s] scores per head in 16 bits: the softmax and the dropout each read and write them
+        # (4 passes); backward: dropout (2) and softmax (read y and dy, write dx: 3)
+        one = micro_batch * heads * seq * seq * e / env.bandwidth
+        scores_fwd, scores_bwd = 4 * one, 5 * one
+
+    # Memory-bound ops per token: two norms (read + write h), two residual adds (read 2h, write h),
+    # RoPE on q and k (read + write), the SwiGLU product (read 2f, write f); backward moves ~2x.
+    replicated = e * (2 * 2 * h + 2 * 3 * h) / (tp if sp else 1)
+    split = e * (2 * (h + kv) + 3 * f) / tp
+    mem_fwd_s = t * (replicated + split) / env.bandwidth + scores_fwd
+    mem_tot_s = 3 * (mem_fwd_s - scores_fwd) + scores_fwd + scores_bwd
+    dispatch = env.ops_per_block * env.op_s
+    return Costs(gemm=tot_g, attention=attn_tot, memory=mem_tot_s, dispatch=dispatch,
+                 forward=fwd_g + attn_fwd + mem_fwd_s + dispatch / 3, attention_forward=attn_fwd + scores_fwd)
+
+
+def head_costs(c: LlamaConfig, env: OpEnv, *, seq: int, micro_batch: int, tp: int = 1, sp: bool = False,
+               act_bytes: int = 2) -> Costs:
+    """Final norm, LM head (vocab-parallel under tp) and the cross-entropy loss."""
+    t = seq * micro_batch
+    v = math.ceil(c.vocab_size / tp)
+    fwd_g, tot_g = _fwd_bwd(env.gemm, t, v, c.dim, env.peak)
+    # fp32 logits: log-softmax reads and writes them, backward reads the result and writes the
+    # gradient; the final norm reads and writes h.
+    mem = t * (4 * 4 * v + act_bytes * 2 * 2 * c.dim / (tp if sp else 1)) / env.bandwidth
+    dispatch = max(env.ops_rest - EMBED_OPS, 0.0) * env.op_s
+    return Costs(gemm=tot_g, attention=0.0, memory=mem, dispatch=dispatch, forward=fwd_g + mem / 2)
+
+
+def embed_costs(c: LlamaConfig, env: OpEnv, *, seq: int, micro_batch: int, tp: int = 1,
+                act_bytes: int = 2) -> Costs:
+    """Embedding lookup (a gather of t rows) and its backward (a scatter-add into the table's
+    gradient, which is zeroed and read once per step: counted here per micro-batch)."""
+    t = seq * micro_batch
+    mem = 3 * t * c.dim * act_bytes / env.bandwidth
+    return Costs(gemm=0.0, attention=0.0, memory=mem, dispatch=min(EMBED_OPS, env.ops_rest) * env.op_s,
+                 forward=mem / 3)
