@@ -79,7 +79,7 @@ def read_documents(files: list[Path]) -> list[str]:
     return docs
 
 
-def fingerprint(files: list[Path], vocab_size: int) -> str:
+def fingerprint(files: list[Path], vocab_size: int | str) -> str:
     h = hashlib.sha256(f"v1:{vocab_size}".encode())
     for f in files:
         st = f.stat()
@@ -118,25 +118,55 @@ class Corpus:
         return Tokenizer.from_file(str(self.tokenizer_path))
 
 
+def given_tokenizer(path: str) -> tuple[Path, str]:
+    """(tokenizer.json, its content hash) of a file or a folder holding one (e.g. an HF model)."""
+    p = Path(path)
+    file = p / "tokenizer.json" if p.is_dir() else p
+    if not file.is_file():
+        raise DataError(f"data.tokenizer {path!r}: no tokenizer.json there")
+    return file, hashlib.sha256(file.read_bytes()).hexdigest()[:16]
+
+
+def separator_id(tok, tokenizer_file: Path | None) -> int | None:
+    """The id that ends each document: paratrain's EOT, else the eos_token an HF folder declares."""
+    eot = tok.token_to_id(EOT)
+    if eot is not None or tokenizer_file is None:
+        return eot
+    cfg = tokenizer_file.parent / "tokenizer_config.json"
+    eos = json.loads(cfg.read_text()).get("eos_token") if cfg.is_file() else None
+    if isinstance(eos, dict):  # an AddedToken written out in full
+        eos = eos.get("content")
+    return tok.token_to_id(eos) if isinstance(eos, str) else None
+
+
 def prepare_corpus(path: str | None, vocab_size: int, cache_dir: str | None = None,
-                   max_files: int | None = None) -> Corpus:
+                   max_files: int | None = None, tokenizer: str | None = None) -> Corpus:
     """Tokenize the corpus once and cache it; later calls (and every worker) just map the cache.
 
+    With ``tokenizer`` (a tokenizer.json, or a folder with one) the corpus is encoded with it
+    (no special tokens added; documents end with its eos token) instead of a BPE trained here.
     Writes go to a temporary name then ``os.replace``, so concurrent or interrupted runs never
     see half a cache.
     """
     files = corpus_files(path, max_files)
-    folder = cache_root(cache_dir) / fingerprint(files, vocab_size)
+    given, key = given_tokenizer(tokenizer) if tokenizer else (None, str(vocab_size))
+    folder = cache_root(cache_dir) / fingerprint(files, key)
     tok_path, tokens_path = folder / "tokenizer.json", folder / "tokens.npy"
     if not (tok_path.exists() and tokens_path.exists()):
         folder.mkdir(parents=True, exist_ok=True)
         docs = read_documents(files)
-        tok = train_tokenizer(docs, vocab_size)
-        eot = tok.token_to_id(EOT)
+        if given is None:
+            tok = train_tokenizer(docs, vocab_size)
+        else:
+            from tokenizers import Tokenizer
+
+            tok = Tokenizer.from_file(str(given))
+        eot = separator_id(tok, given)
         ids: list[int] = []
-        for enc in tok.encode_batch(docs):
+        for enc in tok.encode_batch(docs, add_special_tokens=False):
             ids.extend(enc.ids)
-            ids.append(eot)
+            if eot is not None:
+                ids.append(eot)
         dtype = np.uint16 if tok.get_vocab_size() <= 2**16 else np.uint32
         tmp = folder / f"tokens.{os.getpid()}.tmp.npy"
         np.save(tmp, np.asarray(ids, dtype=dtype))
