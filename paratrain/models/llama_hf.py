@@ -452,7 +452,7 @@ def write_safetensors(path: Path, entries: list[Entry]) -> None:
             t = e.produce().to(e.dtype).contiguous()
             if tuple(t.shape) != e.shape:
                 raise ValueError(f"{e.name}: produced shape {tuple(t.shape)}, header says {e.shape}")
-            f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            f.write(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself: no copy
             del t
     tmp.replace(path)
 
