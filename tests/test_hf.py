@@ -60,6 +60,27 @@ def test_rope_permutation_is_inverse_and_per_head():
     assert torch.equal(rope_from_hf(t[8:16], 8), rope_from_hf(t, 8)[8:16])  # a tp shard of whole heads
 
 
+def test_config_translation_reads_both_rope_layouts_and_refuses_scaling():
+    from paratrain.models.llama_hf import check_seq_len, to_hf_config, to_llama_config
+
+    old = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+           "num_hidden_layers": 2, "intermediate_size": 96, "vocab_size": 320, "rope_theta": 1e6,
+           "rms_norm_eps": 1e-6, "max_position_embeddings": 256}  # transformers 4 style, no kv heads
+    cfg = to_llama_config(old)
+    assert (cfg.rope_theta, cfg.n_kv_heads, cfg.norm_eps, cfg.max_seq_len) == (1e6, 4, 1e-6, 256)
+    new = to_hf_config(cfg)  # what export writes: both spellings of theta
+    assert new["rope_parameters"]["rope_theta"] == new["rope_theta"] == 1e6
+    assert to_llama_config(new) == cfg
+    with pytest.raises(HFError, match="RoPE scaling type 'linear'"):
+        to_llama_config({**old, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    qwen = {**old, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 64}
+    q = to_llama_config(qwen)
+    assert q.qkv_bias and q.max_seq_len == 64
+    assert "sliding-window" in check_seq_len(q, qwen, 128)
+    assert check_seq_len(q, qwen, 64) is None
+    assert to_llama_config({**qwen, "use_sliding_window": False}).max_seq_len == 256
+
+
 def _train_imported(folder: Path, out: Path, nproc: int = 1, **overrides):
     # lr 1e-3 (TINY has 1e-2): an element whose gradient is rounding noise may flip sign between
     # layouts and AdamW then moves it by ~lr the other way (seen: one element of 6144 off by
