@@ -52,6 +52,22 @@ def test_import_logits_equal_transformers(tmp_path, family):
         torch.testing.assert_close(model(ids), ref(ids).logits, **LOGITS)
 
 
+def test_sliced_reads_equal_slices_of_the_full_tensor(tmp_path):
+    """What a tp rank reads (rows or columns, a padded vocabulary) is exactly its slice."""
+    from paratrain.models.llama_hf import HFCheckpoint, expected_shapes
+    from paratrain.sharding import TensorShard
+
+    save_hf(tmp_path, "qwen2", vocab_size=321, tokenizer=False)  # 321: padded to 322 under tp2
+    ckpt = HFCheckpoint.open(str(tmp_path))
+    for name, shape in expected_shapes(ckpt.model_cfg).items():
+        full = ckpt.read(name, TensorShard(shape))
+        for dim in range(len(shape)):
+            padded = shape[dim] + 1 if shape[dim] % 2 else None  # only the vocabulary is odd
+            for index in range(2):
+                spec = TensorShard(shape, dim, index, 2, padded)
+                assert torch.equal(ckpt.read(name, spec), spec.slice(full)), (name, dim, index)
+
+
 def test_rope_permutation_is_inverse_and_per_head():
     t = torch.arange(4 * 8 * 3, dtype=torch.float32).reshape(32, 3)  # 4 heads of 8 rows
     assert torch.equal(rope_to_hf(rope_from_hf(t, 8), 8), t)

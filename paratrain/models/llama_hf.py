@@ -326,8 +326,11 @@ class HFCheckpoint:
                     pad = [0, 0] * (len(full) - d - 1) + [0, chunk - (b - a)]
                     local = torch.nn.functional.pad(local.float(), pad)
         local = local.float()
-        if rope and not (spec.is_split and spec.dim != 0):
-            local = rope_from_hf(local, self.model_cfg.head_dim)  # rows are whole heads
+        if rope:  # a row slice holds whole heads (tp splits q/k by heads), a column slice every row
+            hd = self.model_cfg.head_dim
+            if local.shape[0] % hd:
+                raise ValueError(f"{name}: a slice of {local.shape[0]} rows is not whole heads of {hd}")
+            local = rope_from_hf(local, hd)
         return local
 
     @torch.no_grad()
