@@ -44,25 +44,27 @@ def load_model(run: str | None = None, init_from: str | None = None) -> tuple[Ll
     """(model, tokenizer.json, the imported config.json or None) from a run folder or an HF folder."""
     if (run is None) == (init_from is None):
         raise EvalError("give exactly one of --run RUN or --init-from DIR")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     if init_from is not None:
         from paratrain.models.llama_hf import load_pretrained
 
         model, ckpt = load_pretrained(init_from)
-        return model, ckpt.tokenizer_path, ckpt.hf_config
+        return model.to(device), ckpt.tokenizer_path, ckpt.hf_config
     from paratrain.generate import load_run
 
     model, _ = load_run(run)
     import json
 
     info = json.loads((Path(run) / "run.json").read_text())
-    return model, Path(run) / "tokenizer.json", (info.get("hf") or {}).get("config")
+    return model.to(device), Path(run) / "tokenizer.json", (info.get("hf") or {}).get("config")
 
 
 @torch.no_grad()
 def loss_sum(model: Llama, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
     """(sum of next-token losses, predicted tokens): inputs x [n, s], their next tokens y [n, s]."""
-    logits = model(x)  # [n, s, vocab]
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum")
+    device = next(model.parameters()).device
+    logits = model(x.to(device))  # [n, s, vocab]
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), y.to(device).flatten(), reduction="sum")
     return float(loss), y.numel()
 
 
