@@ -1,4 +1,4 @@
-"""The `paratrain` command: train, generate, bench, plan, viz, data.
+"""The `paratrain` command: train, generate, eval, export, bench, plan, viz, data.
 
 User mistakes end with a one-paragraph message and exit code 2, never a traceback.
 """
@@ -51,6 +51,7 @@ TRAIN_FLAGS: dict[str, tuple[str, type]] = {
     "--timeout": ("parallel.timeout_s", float),
     "--nan-policy": ("train.nan_policy", str),
     "--max-restarts": ("parallel.max_restarts", int),
+    "--init-from": ("model.init_from", str),
 }
 TRAIN_SWITCHES = {"--resume": "train.resume", "--sp": "parallel.sp", "--no-progress": "train.progress",
                   "--overwrite": "train.overwrite", "--check-collectives": "parallel.check_collectives",
@@ -106,23 +107,110 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from paratrain.generate import generate_from_run
 
-    print(generate_from_run(args.run, args.prompt, max_new_tokens=args.tokens,
-                            temperature=args.temperature, top_k=args.top_k, seed=args.seed))
+    run = None if args.init_from else args.run
+    temperature = 0.0 if args.greedy else args.temperature
+    print(generate_from_run(run, args.prompt, max_new_tokens=args.tokens, temperature=temperature,
+                            top_k=args.top_k, seed=args.seed, init_from=args.init_from))
     return 0
+
+
+def generate_parser(sub) -> None:
+    g = sub.add_parser("generate", help="sample text from a trained run or a Hugging Face folder")
+    g.add_argument("prompt", nargs="?", default="def ")
+    g.add_argument("--run", default="runs/default", help="run folder (the --out of paratrain train)")
+    g.add_argument("--init-from", help="a local Hugging Face model folder instead of a run")
+    g.add_argument("--tokens", type=int, default=120)
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top-k", type=int, default=40)
+    g.add_argument("--greedy", action="store_true", help="always the most likely token (temperature 0)")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def eval_parser(sub) -> None:
+    e = sub.add_parser("eval", help="mean next-token loss of a run or a Hugging Face folder on some text")
+    src = e.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run", help="run folder (the --out of paratrain train)")
+    src.add_argument("--init-from", help="a local Hugging Face model folder")
+    data = e.add_mutually_exclusive_group(required=True)
+    data.add_argument("--text-file", help="one sequence: the file's whole text, no special tokens")
+    data.add_argument("--data", help="a corpus (file or folder): loss over its held-out rows")
+    e.add_argument("--seq-len", type=int, help="rows of --data (default: the model's context, at most 1024)")
+    e.add_argument("--max-rows", type=int, help="evaluate at most this many rows of --data")
+    e.add_argument("--json", action="store_true", help='one line {"loss", "tokens", "perplexity"}')
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from paratrain.eval import EvalError, eval_corpus, eval_text, load_model
+
+    if args.seq_len is not None and args.seq_len < 1:
+        raise UserError(f"--seq-len must be >= 1 (got {args.seq_len})")
+    model, tokenizer, hf_config = load_model(args.run, args.init_from)
+    if args.text_file:
+        if not Path(args.text_file).is_file():
+            raise EvalError(f"--text-file {args.text_file!r} does not exist")
+        text = Path(args.text_file).read_bytes().decode("utf-8", errors="replace")
+        result = eval_text(model, tokenizer, text, hf_config, args.seq_len)
+    else:
+        seq_len = args.seq_len or min(model.cfg.max_seq_len, 1024)
+        result = eval_corpus(model, tokenizer, args.data, seq_len, hf_config, max_rows=args.max_rows)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print(f"loss {result.loss:.4f}  perplexity {result.perplexity:.2f}  over {result.tokens} tokens")
+    return 0
+
+
+# `paratrain export RUN --FORMAT DEST`: one writer per format, side by side.
+EXPORT_FORMATS = {
+    "hf": "a Hugging Face folder (config.json, sharded safetensors, tokenizer) of the finished run",
+    "safetensors": "one safetensors file of full tensors (paratrain names), newest usable checkpoint",
+}
+
+
+def export_parser(sub) -> None:
+    x = sub.add_parser("export", help="write a run's weights in another format")
+    x.add_argument("run", help="run folder (the --out of paratrain train)")
+    for name, what in EXPORT_FORMATS.items():
+        x.add_argument(f"--{name}", metavar="DEST", help=f"write {what}")
+    x.add_argument("--max-shard-mb", type=float, default=2048.0,
+                   help="--hf: largest safetensors file (bigger models are split, with an index)")
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    chosen = [name for name in EXPORT_FORMATS if getattr(args, name) is not None]
+    if not chosen:
+        options = " or ".join(f"--{n} DEST" for n in EXPORT_FORMATS)
+        raise UserError(f"export needs a destination: {options}")
+    if "hf" in chosen:
+        export_hf(args)
+    if "safetensors" in chosen:
+        export_checkpoint(args.run, args.safetensors)
+    return 0
+
+
+def export_hf(args: argparse.Namespace) -> None:
+    from paratrain.models.llama_hf import export_run
+
+    if args.max_shard_mb <= 0:
+        raise UserError(f"--max-shard-mb must be > 0 (got {args.max_shard_mb})")
+    files = export_run(args.run, args.hf, max_shard_bytes=int(args.max_shard_mb * 2**20))
+    print(f"wrote {args.hf}: config.json, tokenizer, {len(files)} safetensors file(s)")
+
+
+def export_checkpoint(run: str, dest: str) -> None:
     """Consolidate a run's newest usable checkpoint into one safetensors file, tensor by tensor."""
     from paratrain.train import checkpoint as ckpt
 
-    folder, notes = ckpt.find_checkpoint(args.run)
+    folder, notes = ckpt.find_checkpoint(run)
     for note in notes:
         print(f"paratrain: {note}", file=sys.stderr)
     if folder is None:
-        raise UserError(f"no checkpoint under {args.run}/checkpoints: is {args.run} the --out of a run?")
-    path = ckpt.export_safetensors(folder, args.safetensors)
+        raise UserError(f"no checkpoint under {run}/checkpoints: is {run} the --out of a run?")
+    path = ckpt.export_safetensors(folder, dest)
     print(f"exported {folder} -> {path}")
-    return 0
 
 
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
@@ -157,16 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="paratrain", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     train_parser(sub)
-    g = sub.add_parser("generate", help="sample text from a trained run")
-    g.add_argument("prompt", nargs="?", default="def ")
-    g.add_argument("--run", default="runs/default", help="run folder (the --out of paratrain train)")
-    g.add_argument("--tokens", type=int, default=120)
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--top-k", type=int, default=40)
-    g.add_argument("--seed", type=int, default=0)
-    e = sub.add_parser("export", help="consolidate a run's checkpoint into full tensors (safetensors)")
-    e.add_argument("run", help="run folder (the --out of paratrain train)")
-    e.add_argument("--safetensors", required=True, help="output file")
+    generate_parser(sub)
+    eval_parser(sub)
+    export_parser(sub)
     b = sub.add_parser("bench", help="paratrain vs PyTorch's own implementation, side by side",
                        add_help=False)
     b.add_argument("kind", help="single | ddp | zero | tp | pp")
@@ -179,14 +260,10 @@ def main(argv: list[str] | None = None) -> int:
             if rest:
                 parser.error(f"unrecognized arguments: {' '.join(rest)}")
             return cmd_train(args)
-        if args.command == "generate":
+        if args.command in SIMPLE_COMMANDS:
             if rest:
                 parser.error(f"unrecognized arguments: {' '.join(rest)}")
-            return cmd_generate(args)
-        if args.command == "export":
-            if rest:
-                parser.error(f"unrecognized arguments: {' '.join(rest)}")
-            return cmd_export(args)
+            return SIMPLE_COMMANDS[args.command](args)
         if args.command == "bench":
             return cmd_bench(args, rest)
         if args.command == "data":
@@ -205,11 +282,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _is_user_error(e: Exception) -> bool:
+    from paratrain.eval import EvalError
     from paratrain.mesh import MeshError
+    from paratrain.models.llama_hf import HFError
     from paratrain.train.data import DataError
     from paratrain.train.shards import CheckpointError
 
-    return isinstance(e, (config.ConfigError, DataError, MeshError, UserError, CheckpointError))
+    return isinstance(e, (config.ConfigError, DataError, MeshError, UserError, HFError, EvalError,
+                          CheckpointError))
+
+
+SIMPLE_COMMANDS = {"generate": cmd_generate, "eval": cmd_eval, "export": cmd_export}
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ class ModelConfig:
     n_kv_heads: int | None = None
     ffn_dim: int | None = None
     tie_embeddings: bool | None = None
+    init_from: str | None = None  # a local Hugging Face folder: shape, weights and tokenizer come from it
 
 
 @dataclass
@@ -125,7 +126,7 @@ class Config:
     def from_dict(cls, d: dict) -> Config:
         cfg = cls()
         apply_sections(cfg, d, source="dict")
-        return cfg
+        return resolve(cfg)
 
     # -- derived -------------------------------------------------------------------------------
 
@@ -208,6 +209,13 @@ def load(path: str | None = None, overrides: dict | None = None) -> Config:
     for dotted, value in (overrides or {}).items():
         section, key = dotted.split(".", 1)
         apply_sections(cfg, {section: {key: value}}, source="command line")
+    return resolve(cfg)
+
+
+def resolve(cfg: Config) -> Config:
+    """Settings implied by others, in one place: an imported model brings its own tokenizer."""
+    if cfg.model.init_from and not cfg.data.tokenizer:
+        cfg.data.tokenizer = cfg.model.init_from
     return cfg
 
 
@@ -318,6 +326,10 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     _choice(problems, "optim.name", o.name, ("adamw",))
     if p.offload == "disk" and not p.offload_dir:
         problems.append("parallel.offload = 'disk' needs parallel.offload_dir (--offload-dir DIR)")
+    if m.init_from:
+        from paratrain.models.llama_hf import check_init_from
+
+        check_init_from(cfg, problems)
     if not problems:
         from paratrain.parallelize import check_layout  # the one place that knows every technique
 

@@ -52,9 +52,18 @@ def sample(model: Llama, ids: list[int], max_new_tokens: int, temperature: float
     return ids
 
 
-def generate_from_run(run: str, prompt: str, max_new_tokens: int = 120, temperature: float = 0.8,
-                      top_k: int = 40, seed: int = 0) -> str:
-    model, tok = load_run(run)
+def generate_from_run(run: str | None, prompt: str, max_new_tokens: int = 120, temperature: float = 0.8,
+                      top_k: int = 40, seed: int = 0, init_from: str | None = None) -> str:
+    """Continue `prompt` with the model of a run folder, or of a Hugging Face folder (init_from)."""
+    if init_from is not None:
+        from tokenizers import Tokenizer
+
+        from paratrain.models.llama_hf import load_pretrained
+
+        model, ckpt = load_pretrained(init_from)
+        tok = Tokenizer.from_file(str(ckpt.tokenizer_path))
+    else:
+        model, tok = load_run(run)
     prompt_ids = tok.encode(prompt).ids or [0]
     out = sample(model, prompt_ids, max_new_tokens, temperature, top_k, seed)
     return tok.decode(out[len(prompt_ids):])

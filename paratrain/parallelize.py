@@ -95,7 +95,8 @@ def _zero3(model: nn.Module, task: Task, cfg: Config, mesh: ParallelMesh) -> Str
     def init_value(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return full_init_value(tied_name(name, mcfg), shape, seed, mcfg)
 
-    return Zero3(model, mesh, cfg.optim, init_value=init_value,
+    # An imported model's full values come from its checkpoint (task.init_value), not the seed.
+    return Zero3(model, mesh, cfg.optim, init_value=getattr(task, "init_value", init_value),
                  reshard_after_forward=cfg.parallel.reshard_after_forward, **_zero_kwargs(cfg))
 
 
@@ -148,12 +149,9 @@ def _check_tensor_parallel(cfg: Config, problems: list[str]) -> None:
     if cfg.model.name == "cnn-tiny":
         problems.append("cnn-tiny has no tensor-parallel plan: use --tp 1 (data parallelism) with it")
         return
-    from paratrain.models.llama import preset
+    from paratrain.train.task import model_shape
 
-    m = cfg.model
-    overrides = {k: getattr(m, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
-                 if getattr(m, k) is not None}
-    c = preset(m.name, **overrides)
+    c = model_shape(cfg)
     if c.n_heads % tp:
         problems.append(f"model n_heads ({c.n_heads}) must be divisible by tp ({tp}): tensor parallelism "
                         "splits attention by heads; choose --tp among the divisors of n_heads")
@@ -181,10 +179,10 @@ def _check_pipeline(cfg: Config, problems: list[str]) -> None:
     if cfg.model.name == "cnn-tiny":
         problems.append("cnn-tiny has no pipeline split: use --pp 1 with it")
         return
-    from paratrain.models.llama import preset
     from paratrain.pipeline.stage import parse_split
+    from paratrain.train.task import model_shape
 
-    n_layers = cfg.model.n_layers or preset(cfg.model.name).n_layers
+    n_layers = model_shape(cfg).n_layers
     if p.pp_schedule == "interleaved":
         if v < 2:
             problems.append("--pp-schedule interleaved needs --virtual-stages >= 2 (with 1 it is 1f1b)")

@@ -34,10 +34,16 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    # Families of the same decoder (Hugging Face import/export, models/llama_hf.py): Qwen2 adds a
+    # bias to q/k/v; some checkpoints use a head size other than dim / n_heads (then
+    # n_heads * head_dim != dim and wq/wo are not square).
+    family: str = "llama"  # llama | mistral | qwen2: the architecture an export writes
+    qkv_bias: bool = False
+    head_size: int | None = None  # None: dim // n_heads
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_size or self.dim // self.n_heads
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -45,8 +51,9 @@ class LlamaConfig:
     def n_params(self) -> int:
         """Parameters of the single-device model (tied embeddings counted once)."""
         d, f, v = self.dim, self.ffn_dim, self.vocab_size
-        kv = self.n_kv_heads * self.head_dim
-        per_layer = d * d * 2 + d * kv * 2 + 3 * d * f + 2 * d
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        bias = (q + 2 * kv) if self.qkv_bias else 0
+        per_layer = d * q * 2 + d * kv * 2 + 3 * d * f + 2 * d + bias
         head = 0 if self.tie_embeddings else v * d
         return v * d + self.n_layers * per_layer + d + head
 
@@ -111,9 +118,9 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.rope_theta = cfg.rope_theta
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -197,6 +204,8 @@ def init_std(name: str, cfg: LlamaConfig) -> float | None:
     as in GPT-2, so the residual stream's variance does not grow with the number of layers)."""
     if name.endswith("norm.weight"):
         return None
+    if name.endswith(".bias"):  # q/k/v bias (Qwen2): zeros, as nn.Linear users expect from a fresh model
+        return 0.0
     if name.endswith(("wo.weight", "down.weight")):
         return 0.02 / math.sqrt(2 * cfg.n_layers)
     return 0.02
@@ -207,5 +216,7 @@ def full_init_value(name: str, shape: tuple[int, ...], seed: int, cfg: LlamaConf
     std = init_std(name, cfg)
     if std is None:
         return torch.ones(shape)
+    if std == 0.0:
+        return torch.zeros(shape)
     gen = torch.Generator().manual_seed(param_seed(seed, name))
     return torch.empty(shape).normal_(0.0, std, generator=gen)

@@ -163,7 +163,7 @@ class ReplicatedHeadsLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, n_kv_heads: int, head_dim: int, heads: list[int], axis: C.Axis,
-                 *, device=None, dtype=None):
+                 *, bias: bool = False, device=None, dtype=None):
         super().__init__()
         self.axis, self.n_kv_heads, self.head_dim = axis, n_kv_heads, head_dim
         self.in_features = in_features
@@ -173,15 +173,21 @@ class ReplicatedHeadsLinear(nn.Module):
         self._contiguous = heads == list(range(heads[0], heads[0] + len(heads)))
         out = n_kv_heads * head_dim
         self.weight = _param((out, in_features), TensorShard((out, in_features)), device, dtype)
+        # Qwen2's k/v bias: replicated like the weight, its gradient summed over tp the same way.
+        self.bias = _param((out,), TensorShard((out,)), device, dtype) if bias else None
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        """Our heads' rows of a [n_kv_heads * hd, ...] tensor, after f (partial gradients summed)."""
+        t = copy_to_tp(t, self.axis).view(self.n_kv_heads, self.head_dim, *t.shape[1:])
+        if self._contiguous:
+            t = t.narrow(0, self.heads[0], len(self.heads))
+        else:
+            t = t.index_select(0, torch.tensor(self.heads, device=t.device))
+        return t.flatten(0, 1)  # [len(heads) * hd, ...]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = copy_to_tp(self.weight, self.axis).view(self.n_kv_heads, self.head_dim, self.in_features)
-        if self._contiguous:
-            w = w.narrow(0, self.heads[0], len(self.heads))
-        else:
-            w = w.index_select(0, torch.tensor(self.heads, device=w.device))
-        w = w.flatten(0, 1)  # [len(heads) * hd, in]
-        return F.linear(x, w)  # [b, s, len(heads) * hd]
+        b = self._heads(self.bias) if self.bias is not None else None
+        return F.linear(x, self._heads(self.weight), b)  # [b, s, len(heads) * hd]
 
     def extra_repr(self) -> str:
         return f"kv_heads={self.n_kv_heads} (replicated, using {self.heads}), tp={self.axis.size}"

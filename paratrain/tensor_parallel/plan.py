@@ -63,7 +63,8 @@ class ColwiseKV:
             return Colwise().build(old, ctx)
         heads = kv_heads_for_rank(c.n_heads, c.n_kv_heads, tp, ctx.axis.rank)
         return ReplicatedHeadsLinear(old.in_features, c.n_kv_heads, c.head_dim, heads, ctx.axis,
-                                     device=old.weight.device, dtype=old.weight.dtype)
+                                     bias=old.bias is not None, device=old.weight.device,
+                                     dtype=old.weight.dtype)
 
 
 class Rowwise:

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from paratrain.config import Config
 from paratrain.data import Corpus, TokenRows, check_batch_fits, check_vocab, load_corpus
-from paratrain.models import build_model, init_weights, materialize, preset
-from paratrain.models.llama import LlamaConfig
+from paratrain.models import build_model, init_weights, materialize, preset, tied_name
+from paratrain.models.llama import LlamaConfig, full_init_value
 
 
 class Task(Protocol):
@@ -35,10 +35,25 @@ class Task(Protocol):
 
 
 def model_config(cfg: Config, vocab_size: int) -> LlamaConfig:
+    if cfg.model.init_from:
+        return model_shape(cfg)
     m = cfg.model
     overrides = {k: getattr(m, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
                                               "tie_embeddings") if getattr(m, k) is not None}
     return preset(m.name, vocab_size=vocab_size, max_seq_len=max(cfg.data.seq_len, 2), **overrides)
+
+
+def model_shape(cfg: Config) -> LlamaConfig:
+    """The decoder's shape as configured: the imported config.json, or the preset + overrides
+    (vocabulary as the preset's: the corpus fixes it later)."""
+    if cfg.model.init_from:
+        from paratrain.models.llama_hf import HFCheckpoint
+
+        return HFCheckpoint.open(cfg.model.init_from).model_cfg
+    m = cfg.model
+    overrides = {k: getattr(m, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
+                                              "tie_embeddings") if getattr(m, k) is not None}
+    return preset(m.name, **overrides)
 
 
 class LanguageModelTask:
@@ -47,11 +62,17 @@ class LanguageModelTask:
     def __init__(self, cfg: Config, corpus: Corpus | None = None):
         d = cfg.data
         self.corpus = corpus or load_corpus(cfg)
-        self.model_cfg = model_config(cfg, self.corpus.vocab_size)
+        self.hf = None  # an imported Hugging Face checkpoint: weights come from it, not the seed
+        if cfg.model.init_from:
+            from paratrain.models.llama_hf import HFCheckpoint
+
+            self.hf = HFCheckpoint.open(cfg.model.init_from)
+        self.model_cfg = self.hf.model_cfg if self.hf else model_config(cfg, self.corpus.vocab_size)
         check_vocab(self.corpus.vocab_size, self.model_cfg.vocab_size)
         self.rows = TokenRows(self.corpus.tokens, d.seq_len, d.val_fraction, cfg.train.seed,
                               doc_ends=self.corpus.doc_ends)
         check_batch_fits(self.rows, cfg.train.global_batch)
+        self.seed = cfg.train.seed
         self.units_per_row = d.seq_len
         self.n_params = self.model_cfg.n_params()
         self.flops_per_unit = lm_flops_per_token(self.model_cfg, d.seq_len)
@@ -63,7 +84,26 @@ class LanguageModelTask:
         materialize(model, device)
 
     def init_weights(self, model, seed):
-        init_weights(model, seed, self.model_cfg)
+        if self.hf is not None:
+            self.hf.load_into(model)  # each rank reads only the slices it owns
+        else:
+            init_weights(model, seed, self.model_cfg)
+
+    def init_value(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """Full value of parameter `name` before training (ZeRO-3 materialises shards from it)."""
+        if self.hf is not None:
+            from paratrain.sharding import TensorShard
+
+            return self.hf.read(name, TensorShard(tuple(shape)))
+        return full_init_value(tied_name(name, self.model_cfg), shape, self.seed, self.model_cfg)
+
+    def run_info(self) -> dict:
+        """What run.json keeps so `paratrain export --hf` can write the model's own config back."""
+        if self.hf is None:
+            return {}
+        return {"hf": {"source": str(self.hf.folder), "config": self.hf.hf_config,
+                       "tokenizer_config": self.hf.optional_json("tokenizer_config.json"),
+                       "generation_config": self.hf.optional_json("generation_config.json")}}
 
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
@@ -80,8 +120,8 @@ def lm_flops_per_token(c: LlamaConfig, seq_len: int) -> float:
     6 x the matmul parameters (every block's linears and the LM head; the embedding lookup and the
     norms do no matmul) + attention's score and value products, 6 * L * s * d with the causal half.
     """
-    kv = c.n_kv_heads * c.head_dim
-    per_layer = 2 * c.dim * c.dim + 2 * c.dim * kv + 3 * c.dim * c.ffn_dim
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    per_layer = 2 * c.dim * q + 2 * c.dim * kv + 3 * c.dim * c.ffn_dim
     matmul_params = c.n_layers * per_layer + c.vocab_size * c.dim
     return 6.0 * matmul_params + 6.0 * c.n_layers * seq_len * c.dim
 

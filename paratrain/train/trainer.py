@@ -335,6 +335,8 @@ class Trainer:
             info["model"] = self.task.model_cfg.to_dict()
         if hasattr(self.task, "corpus"):
             shutil.copy(self.task.corpus.tokenizer_path, self.out / "tokenizer.json")
+        if hasattr(self.task, "run_info"):  # e.g. an imported model's own Hugging Face config
+            info.update(self.task.run_info())
         (self.out / "run.json").write_text(json.dumps(info, indent=2))
 
 

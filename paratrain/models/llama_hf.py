@@ -1,0 +1,564 @@
+"""Hugging Face Llama / Mistral / Qwen2 checkpoints in and out of paratrain's decoder.
+
+Everything paratrain knows about the Hugging Face format sits here, beside the model: the config
+translation (and what is refused), ONE name table, and the RoPE layout permutation.
+
+RoPE layout. paratrain rotates interleaved pairs ``(x[2i], x[2i+1])`` of each head; Hugging Face
+rotates halves (``rotate_half``: ``x[i]`` with ``x[i + head_dim/2]``). Both use the same angle
+``pos * theta^(-2i/head_dim)`` for pair i, so the two are the same function up to a fixed
+permutation of each head's rows of ``q_proj``/``k_proj`` (and their biases): on import row
+``i + j*head_dim/2`` of a Hugging Face head becomes row ``2i + j``, and the inverse on export.
+Attention scores are ``q . k`` with the same permutation applied to both, so the model computes
+exactly what transformers computes. We permute rather than adopt Hugging Face's layout so native
+checkpoints, the layout-independent init and the tensor-parallel split by heads stay unchanged
+(the permutation never crosses a head, so a tp shard of whole heads is permuted on its own).
+
+Reading is per rank and per slice: ``HFCheckpoint.read(name, spec)`` opens the safetensors file
+with ``safe_open`` and reads only the rows/columns of the shard ``spec`` describes. Writing is
+streamed: each shard file's header is computed from shapes, then tensors are converted and
+written one at a time (peak memory: one tensor).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from paratrain.models.llama import LlamaConfig
+from paratrain.sharding import TensorShard
+
+
+class HFError(ValueError):
+    """A Hugging Face folder paratrain cannot use as given; the message says what to change."""
+
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+FAMILY_ARCHITECTURE = {family: arch for arch, family in ARCHITECTURES.items()}
+
+# paratrain name -> Hugging Face name, and whether the tensor's rows follow the RoPE layout.
+NAME_TABLE: tuple[tuple[str, str, bool], ...] = (
+    ("embed.weight", "model.embed_tokens.weight", False),
+    ("layers.{i}.attn_norm.weight", "model.layers.{i}.input_layernorm.weight", False),
+    ("layers.{i}.attn.wq.weight", "model.layers.{i}.self_attn.q_proj.weight", True),
+    ("layers.{i}.attn.wq.bias", "model.layers.{i}.self_attn.q_proj.bias", True),
+    ("layers.{i}.attn.wk.weight", "model.layers.{i}.self_attn.k_proj.weight", True),
+    ("layers.{i}.attn.wk.bias", "model.layers.{i}.self_attn.k_proj.bias", True),
+    ("layers.{i}.attn.wv.weight", "model.layers.{i}.self_attn.v_proj.weight", False),
+    ("layers.{i}.attn.wv.bias", "model.layers.{i}.self_attn.v_proj.bias", False),
+    ("layers.{i}.attn.wo.weight", "model.layers.{i}.self_attn.o_proj.weight", False),
+    ("layers.{i}.mlp_norm.weight", "model.layers.{i}.post_attention_layernorm.weight", False),
+    ("layers.{i}.mlp.gate.weight", "model.layers.{i}.mlp.gate_proj.weight", False),
+    ("layers.{i}.mlp.up.weight", "model.layers.{i}.mlp.up_proj.weight", False),
+    ("layers.{i}.mlp.down.weight", "model.layers.{i}.mlp.down_proj.weight", False),
+    ("norm.weight", "model.norm.weight", False),
+    ("lm_head.weight", "lm_head.weight", False),
+)
+
+
+def _pattern(template: str) -> re.Pattern:
+    return re.compile(re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)") + "$")
+
+
+_TO_HF = [(_pattern(pt), hf, rope) for pt, hf, rope in NAME_TABLE]
+_FROM_HF = [(_pattern(hf), pt, rope) for pt, hf, rope in NAME_TABLE]
+
+
+def _translate(name: str, table) -> tuple[str, bool]:
+    for pattern, template, rope in table:
+        m = pattern.match(name)
+        if m:
+            return template.format(**m.groupdict()), rope
+    raise KeyError(name)
+
+
+def hf_name(name: str) -> tuple[str, bool]:
+    """(Hugging Face name, rope-permuted?) of a paratrain parameter name."""
+    return _translate(name, _TO_HF)
+
+
+def paratrain_name(name: str) -> tuple[str, bool]:
+    return _translate(name, _FROM_HF)
+
+
+def rope_from_hf(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rows of whole heads, halves layout -> interleaved pairs. t: [heads * head_dim, ...]."""
+    rest = t.shape[1:]
+    return t.reshape(-1, 2, head_dim // 2, *rest).transpose(1, 2).reshape(t.shape)
+
+
+def rope_to_hf(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+    rest = t.shape[1:]
+    return t.reshape(-1, head_dim // 2, 2, *rest).transpose(1, 2).reshape(t.shape)
+
+
+# --------------------------------------------------------------------------------------------
+# config.json <-> LlamaConfig
+# --------------------------------------------------------------------------------------------
+
+
+def hf_folder(path: str) -> Path:
+    """The local folder, or an error saying that nothing is downloaded."""
+    folder = Path(path)
+    if not folder.exists():
+        if re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not path.startswith("."):
+            raise HFError(f"{path!r} is not a local folder; it looks like a Hugging Face hub name. paratrain "
+                          "downloads nothing: fetch it first (e.g. `huggingface-cli download "
+                          f"{path} --local-dir DIR`) and pass --init-from DIR")
+        raise HFError(f"--init-from {path!r} does not exist: give a local Hugging Face model folder")
+    if not folder.is_dir():
+        raise HFError(f"--init-from {path!r} is a file: give the folder that holds config.json")
+    if not (folder / "config.json").is_file():
+        raise HFError(f"{folder} has no config.json: --init-from needs a Hugging Face model folder "
+                      "(config.json, *.safetensors, tokenizer.json)")
+    return folder
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise HFError(f"{path} is not valid JSON ({e})") from None
+
+
+def rope_theta(hf: dict) -> tuple[float, str]:
+    """(theta, rope type) from transformers 5's ``rope_parameters`` or the older ``rope_theta`` /
+    ``rope_scaling`` keys."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    return float(theta), kind
+
+
+def _window(hf: dict, family: str) -> int | None:
+    """The sliding-window size if any layer uses one, else None."""
+    window = hf.get("sliding_window")
+    if window is None:
+        return None
+    if family == "qwen2":
+        layers = hf.get("layer_types") or []
+        if not hf.get("use_sliding_window") and "sliding_attention" not in layers:
+            return None
+    return int(window)
+
+
+# (config key, value paratrain supports, what it means): anything else is refused, never approximated.
+FIXED_KEYS: tuple[tuple[str, object, str], ...] = (
+    ("hidden_act", "silu", "the MLP activation (paratrain's MLP is SwiGLU with SiLU)"),
+    ("mlp_bias", False, "biases in the MLP projections"),
+    ("attention_dropout", 0.0, "dropout on attention probabilities"),
+    ("partial_rotary_factor", 1.0, "RoPE on part of each head"),
+)
+
+
+def to_llama_config(hf: dict, where: str = "config.json") -> LlamaConfig:
+    """The LlamaConfig of a Hugging Face config dict; HFError lists every unsupported feature."""
+    problems = []
+    archs = hf.get("architectures") or []
+    arch = archs[0] if archs else None
+    family = ARCHITECTURES.get(arch)
+    if family is None:
+        raise HFError(f"{where}: architecture {arch!r} is not supported; paratrain imports "
+                      f"{', '.join(ARCHITECTURES)}")
+    for key, ok, what in FIXED_KEYS:
+        if key in hf and hf[key] is not None and hf[key] != ok:
+            problems.append(f"{key} = {hf[key]!r} ({what}) is not implemented; paratrain supports {ok!r}")
+    if family != "qwen2" and hf.get("attention_bias"):
+        problems.append("attention_bias = true (biases on q/k/v *and* o) is not implemented; "
+                        "paratrain supports q/k/v biases only (Qwen2)")
+    theta, kind = rope_theta(hf)
+    if kind != "default":
+        problems.append(f"RoPE scaling type {kind!r} is not implemented; paratrain supports plain RoPE "
+                        "('default')")
+    n_heads = int(hf["num_attention_heads"])
+    dim = int(hf["hidden_size"])
+    head_dim = int(hf.get("head_dim") or dim // n_heads)
+    if head_dim % 2:
+        problems.append(f"head_dim = {head_dim} is odd: RoPE rotates pairs")
+    n_kv = int(hf.get("num_key_value_heads") or n_heads)
+    if n_heads % n_kv:
+        problems.append(f"num_attention_heads ({n_heads}) must be a multiple of num_key_value_heads ({n_kv})")
+    if problems:
+        raise HFError(f"{where} ({arch}) uses what paratrain lacks:\n  - " + "\n  - ".join(problems))
+    context = int(hf.get("max_position_embeddings") or 2048)
+    window = _window(hf, family)
+    # A sliding window at least as long as the context is plain causal attention; a shorter one
+    # bounds the usable context (longer sequences are refused by check_seq_len).
+    return LlamaConfig(vocab_size=int(hf["vocab_size"]), dim=dim, n_layers=int(hf["num_hidden_layers"]),
+                       n_heads=n_heads, n_kv_heads=n_kv, ffn_dim=int(hf["intermediate_size"]),
+                       max_seq_len=min(context, window) if window else context, rope_theta=theta,
+                       norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                       tie_embeddings=bool(hf.get("tie_word_embeddings", False)), family=family,
+                       qkv_bias=family == "qwen2", head_size=None if head_dim == dim // n_heads else head_dim)
+
+
+def check_seq_len(cfg: LlamaConfig, hf: dict, seq_len: int) -> str | None:
+    """A problem (or None) with running sequences of seq_len tokens on this imported model."""
+    window = _window(hf, cfg.family)
+    if window is not None and window < seq_len:
+        return (f"the model uses sliding-window attention of {window} tokens, shorter than the sequence "
+                f"length {seq_len}: sliding windows are not implemented; use --seq-len <= {window}")
+    if seq_len > cfg.max_seq_len:
+        return (f"sequence length {seq_len} exceeds the model's max_position_embeddings "
+                f"({cfg.max_seq_len}): use --seq-len <= {cfg.max_seq_len}")
+    return None
+
+
+def to_hf_config(cfg: LlamaConfig, base: dict | None = None, **extra) -> dict:
+    """A config.json dict for `cfg` (``base``: the imported model's own config, kept verbatim)."""
+    arch = FAMILY_ARCHITECTURE[cfg.family]
+    out = dict(base or {})
+    out.update({
+        "architectures": [arch], "model_type": cfg.family, "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings, "dtype": "float32",
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_theta": cfg.rope_theta,
+    })
+    out.setdefault("max_position_embeddings", cfg.max_seq_len)
+    if cfg.family == "llama":
+        out.update({"attention_bias": False, "mlp_bias": False})
+    out.pop("torch_dtype", None)
+    out.update(extra)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Reading: a Hugging Face folder, slice by slice
+# --------------------------------------------------------------------------------------------
+
+
+def tokenizer_file(path: str | Path) -> Path:
+    """tokenizer.json of an HF folder (or the file itself)."""
+    p = Path(path)
+    file = p / "tokenizer.json" if p.is_dir() else p
+    if not file.is_file():
+        raise HFError(f"{p} has no tokenizer.json (the fast-tokenizer file): paratrain tokenizes with the "
+                      "`tokenizers` library; save one with transformers' "
+                      "AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)")
+    return file
+
+
+@dataclass
+class HFCheckpoint:
+    """A local Hugging Face model folder: its config, its weights by name, its tokenizer."""
+
+    folder: Path
+    hf_config: dict
+    model_cfg: LlamaConfig
+    weight_files: dict[str, Path]  # Hugging Face tensor name -> the safetensors file holding it
+
+    @classmethod
+    def open(cls, path: str) -> HFCheckpoint:
+        folder = hf_folder(path)
+        hf = read_json(folder / "config.json")
+        cfg = to_llama_config(hf, str(folder / "config.json"))
+        return cls(folder, hf, cfg, _weight_files(folder))
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return tokenizer_file(self.folder)
+
+    def optional_json(self, name: str) -> dict | None:
+        path = self.folder / name
+        return read_json(path) if path.is_file() else None
+
+    def source_name(self, name: str) -> tuple[str, bool]:
+        """The Hugging Face tensor that holds paratrain's `name` (a tied head reads the embedding)."""
+        hf, rope = hf_name(name)
+        if hf not in self.weight_files and name == "lm_head.weight" and self.model_cfg.tie_embeddings:
+            return "model.embed_tokens.weight", False
+        return hf, rope
+
+    def check_shapes(self, expected: dict[str, tuple[int, ...]]) -> list[str]:
+        """Problems between the tensors on disk (headers only) and the shapes config.json implies."""
+        from safetensors import safe_open
+
+        problems = []
+        for name, shape in expected.items():
+            hf, _ = self.source_name(name)
+            if hf not in self.weight_files:
+                problems.append(f"tensor {hf} (for {name}, shape {list(shape)}) is missing from "
+                                f"{self.folder}")
+                continue
+            with safe_open(str(self.weight_files[hf]), framework="pt") as f:
+                got = tuple(f.get_slice(hf).get_shape())
+            if got != tuple(shape):
+                problems.append(f"{hf} has shape {list(got)} but config.json implies {list(shape)}")
+        known = {self.source_name(n)[0] for n in expected}
+        if self.model_cfg.tie_embeddings:
+            known.add("lm_head.weight")  # some tied checkpoints store the head too; the embedding wins
+        extra = sorted(n for n in self.weight_files
+                       if n not in known and not n.endswith("rotary_emb.inv_freq"))
+        if extra:
+            problems.append(f"{len(extra)} tensors have no place in the model (first: {extra[0]}): "
+                            "is config.json the one these weights were saved with?")
+        return problems
+
+    def read(self, name: str, spec: TensorShard) -> torch.Tensor:
+        """This rank's fp32 slice (as ``spec.slice(full)`` would give) of paratrain tensor `name`,
+        reading only those rows/columns from disk."""
+        from safetensors import safe_open
+
+        hf, rope = self.source_name(name)
+        with safe_open(str(self.weight_files[hf]), framework="pt") as f:
+            part = f.get_slice(hf)
+            full = spec.full_shape
+            if not (spec.is_split or spec.padded_size is not None):
+                local = part[:]
+            else:
+                d = spec.dim
+                chunk = (spec.padded_size or full[d]) // spec.count
+                a = min(spec.index * chunk, full[d])
+                b = min(a + chunk, full[d])
+                index = tuple([slice(None)] * d + [slice(a, b)])
+                local = part[index] if b > a else torch.zeros(
+                    [0 if i == d else s for i, s in enumerate(full)])
+                if b - a < chunk:  # vocabulary padding rows are zeros
+                    pad = [0, 0] * (len(full) - d - 1) + [0, chunk - (b - a)]
+                    local = torch.nn.functional.pad(local.float(), pad)
+        local = local.float()
+        if rope:  # a row slice holds whole heads (tp splits q/k by heads), a column slice every row
+            hd = self.model_cfg.head_dim
+            if local.shape[0] % hd:
+                raise ValueError(f"{name}: a slice of {local.shape[0]} rows is not whole heads of {hd}")
+            local = rope_from_hf(local, hd)
+        return local
+
+    @torch.no_grad()
+    def load_into(self, model: torch.nn.Module) -> None:
+        """Fill every (materialised, possibly sharded) parameter from the checkpoint."""
+        from paratrain.sharding import shard_of
+
+        for name, p in model.named_parameters():  # a tied head appears once (as the embedding)
+            p.copy_(self.read(name, shard_of(p)).to(dtype=p.dtype, device=p.device))
+
+
+def _weight_files(folder: Path) -> dict[str, Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        mapping = read_json(index).get("weight_map", {})
+        return {name: folder / file for name, file in mapping.items()}
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        bins = sorted(folder.glob("*.bin"))
+        hint = " (only PyTorch .bin files: re-save with save_pretrained(DIR, safe_serialization=True))" \
+            if bins else ""
+        raise HFError(f"{folder} holds no *.safetensors weights{hint}")
+    from safetensors import safe_open
+
+    out = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            out.update({name: file for name in f.keys()})
+    return out
+
+
+def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Full shapes of the single-device model's parameters (ties listed once), built on meta."""
+    from paratrain.models import build_model
+
+    return {n: tuple(p.shape) for n, p in build_model(cfg, "meta").named_parameters()}
+
+
+def load_pretrained(path: str) -> tuple[torch.nn.Module, HFCheckpoint]:
+    """The whole imported model on the CPU in one process (eval, generate)."""
+    from paratrain.models import build_model
+
+    ckpt = HFCheckpoint.open(path)
+    problems = ckpt.check_shapes(expected_shapes(ckpt.model_cfg))
+    if problems:
+        raise HFError(f"{ckpt.folder}:\n  - " + "\n  - ".join(problems))
+    model = build_model(ckpt.model_cfg, "cpu")
+    ckpt.load_into(model)
+    return model.eval(), ckpt
+
+
+def check_init_from(cfg, problems: list[str]) -> None:
+    """config.validate's checks of ``model.init_from`` (before any worker starts)."""
+    path = cfg.model.init_from
+    if not path:
+        return
+    shape_keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings")
+    set_keys = [k for k in shape_keys if getattr(cfg.model, k) is not None]
+    if set_keys:
+        problems.append(f"model.{', model.'.join(set_keys)} cannot be set with --init-from: the shape comes "
+                        f"from {path}/config.json")
+    if cfg.model.name == "cnn-tiny":
+        problems.append("--init-from imports a decoder (Llama/Mistral/Qwen2): drop --model cnn-tiny")
+    try:
+        ckpt = HFCheckpoint.open(path)
+        tok = ckpt.tokenizer_path
+    except HFError as e:
+        problems.append(str(e))
+        return
+    problems.extend(ckpt.check_shapes(expected_shapes(ckpt.model_cfg)))
+    seq = check_seq_len(ckpt.model_cfg, ckpt.hf_config, cfg.data.seq_len)
+    if seq:
+        problems.append(seq)
+    if cfg.data.tokenizer and Path(cfg.data.tokenizer).resolve() not in (tok.resolve(), tok.parent.resolve()):
+        problems.append(f"data.tokenizer ({cfg.data.tokenizer}) differs from the imported model's "
+                        f"({tok}): token ids must be the model's; drop data.tokenizer")
+    from tokenizers import Tokenizer
+
+    n_tok = Tokenizer.from_file(str(tok)).get_vocab_size()
+    if n_tok > ckpt.model_cfg.vocab_size:
+        problems.append(f"{tok} has {n_tok} tokens but the model's vocab_size is "
+                        f"{ckpt.model_cfg.vocab_size}: the tokenizer does not belong to these weights")
+
+
+# --------------------------------------------------------------------------------------------
+# Writing: streamed safetensors, sharded, with the index transformers reads
+# --------------------------------------------------------------------------------------------
+
+DTYPE_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+
+
+@dataclass
+class Entry:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    produce: Callable[[], torch.Tensor]  # called once, when the tensor's bytes are written
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty(0, dtype=self.dtype).element_size()
+
+
+def write_safetensors(path: Path, entries: list[Entry]) -> None:
+    """The safetensors format, written header first, then one tensor at a time (peak: one tensor)."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for e in entries:
+        header[e.name] = {"dtype": DTYPE_CODES[e.dtype], "shape": list(e.shape),
+                          "data_offsets": [offset, offset + e.nbytes]}
+        offset += e.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for e in entries:
+            t = e.produce().to(e.dtype).contiguous()
+            if tuple(t.shape) != e.shape:
+                raise ValueError(f"{e.name}: produced shape {tuple(t.shape)}, header says {e.shape}")
+            f.write(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself: no copy
+            del t
+    tmp.replace(path)
+
+
+def shard_groups(entries: list[Entry], max_shard_bytes: int) -> list[list[Entry]]:
+    """Consecutive entries grouped into files of at most max_shard_bytes (a bigger tensor alone)."""
+    groups: list[list[Entry]] = [[]]
+    size = 0
+    for e in entries:
+        if groups[-1] and size + e.nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(e)
+        size += e.nbytes
+    return groups
+
+
+def write_sharded(folder: Path, entries: list[Entry], max_shard_bytes: int) -> list[Path]:
+    """model.safetensors, or model-0000i-of-0000N.safetensors + model.safetensors.index.json."""
+    groups = shard_groups(entries, max_shard_bytes)
+    if len(groups) == 1:
+        write_safetensors(folder / "model.safetensors", groups[0])
+        return [folder / "model.safetensors"]
+    paths, weight_map = [], {}
+    for i, group in enumerate(groups, start=1):
+        path = folder / f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        write_safetensors(path, group)
+        weight_map.update({e.name: path.name for e in group})
+        paths.append(path)
+    index = {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return paths
+
+
+def hf_entries(source: Path, cfg: LlamaConfig) -> Iterator[Entry]:
+    """Entries for paratrain's full-tensor file `source` (OUT/model.safetensors), in model order."""
+    from safetensors import safe_open
+
+    with safe_open(str(source), framework="pt") as f:
+        names = set(f.keys())
+        shapes = {n: tuple(f.get_slice(n).get_shape()) for n in names}
+    for name, shape in expected_shapes(cfg).items():
+        if name not in names:
+            raise HFError(f"{source} has no tensor {name}: is it the model.safetensors of this run?")
+        if shapes[name] != shape:
+            raise HFError(f"{source}: {name} has shape {list(shapes[name])}, the run's model {list(shape)}")
+        target, rope = hf_name(name)
+        yield Entry(target, torch.float32, shape, _reader(source, name, rope, cfg.head_dim))
+
+
+def _reader(source: Path, name: str, rope: bool, head_dim: int) -> Callable[[], torch.Tensor]:
+    def produce() -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(source), framework="pt") as f:
+            t = f.get_tensor(name).float()
+        return rope_to_hf(t, head_dim) if rope else t
+
+    return produce
+
+
+# --------------------------------------------------------------------------------------------
+# paratrain export RUN --hf DIR
+# --------------------------------------------------------------------------------------------
+
+NATIVE_EOS = "<|endoftext|>"  # the special token paratrain's own BPE separates documents with
+
+
+def export_run(run: str, out: str, *, max_shard_bytes: int = 2 * 2**30) -> list[Path]:
+    """Write RUN's final weights as a Hugging Face folder (config, sharded safetensors, tokenizer).
+
+    A native preset becomes LlamaForCausalLM; an imported model keeps its own architecture and
+    config (from run.json). Returns the weight files written.
+    """
+    src = Path(run)
+    for name in ("run.json", "model.safetensors", "tokenizer.json"):
+        if not (src / name).is_file():
+            raise HFError(f"{src / name} not found: is {run!r} the --out folder of a finished "
+                          "language-model run?")
+    info = read_json(src / "run.json")
+    if "model" not in info:
+        raise HFError(f"{src} is not a language-model run (task {info.get('task')!r}): only decoders export")
+    cfg = LlamaConfig(**info["model"])
+    imported = info.get("hf") or {}
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    files = write_sharded(folder, list(hf_entries(src / "model.safetensors", cfg)), max_shard_bytes)
+    import shutil
+
+    shutil.copy(src / "tokenizer.json", folder / "tokenizer.json")
+    tok_cfg, extra = imported.get("tokenizer_config"), {}
+    if tok_cfg is None:  # a native run: its BPE has one special token, the document separator
+        from tokenizers import Tokenizer
+
+        eos_id = Tokenizer.from_file(str(src / "tokenizer.json")).token_to_id(NATIVE_EOS)
+        tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len,
+                   "clean_up_tokenization_spaces": False}
+        if eos_id is not None:
+            tok_cfg["eos_token"] = NATIVE_EOS
+            extra = {"eos_token_id": eos_id, "bos_token_id": None, "pad_token_id": None}
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+    config = to_hf_config(cfg, imported.get("config"), **extra)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    if imported.get("generation_config"):
+        (folder / "generation_config.json").write_text(json.dumps(imported["generation_config"], indent=2))
+    return files
