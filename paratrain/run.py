@@ -27,6 +27,10 @@ def run_training(cfg: Config) -> int:
     if under_torchrun():
         return _run_torchrun(cfg)
     build_task(cfg)  # tokenize once, here; every worker then maps the cache
+    if cfg.train.precision == "auto":  # measure once, here; workers read the cached choice
+        from paratrain.memory.precision import choose
+
+        choose(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     world = cfg.world_size
     if world == 1:
         if cfg.train.threads is None:

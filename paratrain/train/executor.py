@@ -28,8 +28,11 @@ def autocast_for(precision: str, device: torch.device):
 
 class MicroBatchLoop:
     def __init__(self, model: nn.Module, loss_fn: LossFn, strategy: Strategy, precision: str,
-                 device: torch.device):
+                 device: torch.device,
+                 saved_tensors: Callable[[], contextlib.AbstractContextManager] | None = None):
         self.model = model
+        # Where forward's saved tensors live (activation offload hooks); default: where autograd puts them.
+        self.saved_tensors = saved_tensors or contextlib.nullcontext
         self.loss_fn = loss_fn
         self.strategy = strategy
         self.device = device
@@ -51,7 +54,7 @@ class MicroBatchLoop:
             # locally first, so one reduction per step moves the same bytes as with no accumulation.
             sync = self.strategy.no_sync() if i < last else contextlib.nullcontext()
             with sync:
-                with self.autocast():
+                with self.autocast(), self.saved_tensors():
                     loss = self.loss_fn(self.model(x), y) / divisor
                 (loss * loss_scale).backward() if loss_scale != 1.0 else loss.backward()
             total += loss.detach().float()
