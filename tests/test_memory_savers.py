@@ -90,6 +90,17 @@ def test_selective_recompute_saves_what_the_planner_says(shape):
     assert predicted == pytest.approx(sel_b, rel=0.10)
 
 
+def test_activation_offload_with_zero3_equals_without(tmp_path):
+    """ZeRO-3 binds parameters to gathered buffers during forward: the hooks leave them on the device
+    and move the rest; same operations, so the same bits."""
+    layout = {"parallel.dp": 2, "parallel.zero": 3, "train.steps": 2}
+    ref = run_layout(tiny_cfg(tmp_path / "ref", **layout), nproc=2)
+    got = run_layout(tiny_cfg(tmp_path / "off", **layout, **{"train.offload_activations": "cpu"}), nproc=2)
+    assert got.losses == ref.losses
+    for k in ref.weights:
+        assert torch.equal(got.weights[k], ref.weights[k]), k
+
+
 # -- tiling ---------------------------------------------------------------------------------------------
 
 
@@ -289,3 +300,24 @@ def test_precision_auto_measures_once_and_agrees(tmp_path, monkeypatch):
     run_layout(cfg)
     row = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]
     assert row["layout"]["precision"] == expected and row["precision_auto"]["chose"] == expected
+
+
+# -- the single-device walk of the planner ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gb, expected", [(1000, "batch"), (24, "8-bit optimizer"), (9, "offload"),
+                                          (0.5, None)])
+def test_single_device_walk_names_the_step_that_fits(gb, expected):
+    """llama-1b, seq 4096, 16 sequences per step on one device of `gb` GB: the first fitting step
+    of the seeds' order, and every step before it does not fit."""
+    from paratrain.planner.hardware import make_cluster
+    from paratrain.planner.memory import Training
+    from paratrain.planner.single_device import first_fit, walk
+
+    c = preset("llama-1b", max_seq_len=4096)
+    steps = walk(c, Training(4096, 16), make_cluster(gpus=1, gpu_memory_gb=gb))
+    assert [s.name for s in steps][:2] == ["batch", "accumulation"] and steps[-1].name == "tiling"
+    hit = first_fit(steps)
+    assert (hit.name if hit else None) == expected
+    n = steps.index(hit) if hit else len(steps)
+    assert not any(s.fits for s in steps[:n])

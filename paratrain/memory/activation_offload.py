@@ -2,7 +2,8 @@
 
 ``torch.autograd.graph.saved_tensors_hooks`` gives the two seams: ``pack`` runs when autograd
 saves a tensor in forward, ``unpack`` when backward reads it. Parameters (and views of them) are
-not moved: they stay on the device anyway, so copying them would only cost bandwidth. Small
+not moved: they stay on the device anyway (under ZeRO-3 they are gathered again for backward),
+so copying them would only cost bandwidth. Small
 tensors (below ``min_bytes``) stay too: a transfer's fixed cost outweighs their bytes.
 
 On CUDA the host copies are pinned and ``non_blocking``, so the device-to-host copy runs on the
@@ -27,14 +28,19 @@ class ActivationOffload:
 
     def __init__(self, model: nn.Module, *, min_bytes: int = 1024):
         self.model, self.min_bytes = model, min_bytes
-        self._param_storages: set[int] = set()
         self.offloaded_bytes = 0  # bytes moved to host in the last forward(s) since reset()
 
     def reset(self) -> None:
         self.offloaded_bytes = 0
 
+    def _is_parameter(self, t: torch.Tensor) -> bool:
+        # Read at every pack, not once: ZeRO-3 binds parameters to a unit's gathered buffer only
+        # while that unit runs, and DDP/ZeRO may replace storage with flat buffers.
+        ptr = t.untyped_storage().data_ptr()
+        return any(p.untyped_storage().data_ptr() == ptr for p in self.model.parameters())
+
     def _pack(self, t: torch.Tensor):
-        if t.untyped_storage().data_ptr() in self._param_storages or t.nbytes < self.min_bytes:
+        if t.nbytes < self.min_bytes or self._is_parameter(t):
             return t
         pin = t.device.type == "cuda"
         host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, device="cpu", pin_memory=pin)
@@ -50,6 +56,4 @@ class ActivationOffload:
         return host.to(device, non_blocking=device.type == "cuda")
 
     def __call__(self) -> contextlib.AbstractContextManager:
-        # Read at every forward: a strategy may replace parameter storage (flat buffers).
-        self._param_storages = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)

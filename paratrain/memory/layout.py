@@ -12,8 +12,7 @@ def check_savers(cfg: Config, problems: list[str]) -> None:
         problems.append(f"--recompute {t.recompute} recomputes transformer blocks; cnn-tiny has none: "
                         "drop it")
     _refuse(problems, "--offload-activations cpu", t.offload_activations != "none",
-            {"--pp > 1": (p.pp > 1, "the pipeline schedule keeps its own activations"),
-             "--zero 3": (p.zero == 3, "gathered parameters would be copied to the host too")})
+            {"--pp > 1": (p.pp > 1, "the pipeline schedule keeps its own activations")})
     _refuse(problems, f"--tile {t.tile}", t.tile > 1,
             {"cnn-tiny": (cnn, "it has no MLP or LM head to tile"),
              "--tp > 1": (p.tp > 1, "split linears and the vocabulary-parallel loss are not tiled"),
