@@ -217,7 +217,7 @@ def run(args) -> int:
         runnable = runnable_here(base_config(args, c))
     result = plan(c, tr, cluster, fixed_from(args), top=args.top, runnable=runnable)
     out = to_json(args, result, cluster) if args.json else report(result, cluster)
-    if cluster.n_devices == 1:  # one device: the seeds' walk (memory/single_device.py), which step fits
+    if cluster.n_devices == 1:  # one device: the seeds' walk (planner/single_device.py)
         from paratrain.planner.single_device import walk, walk_json, walk_report
 
         steps = walk(c, tr, cluster)
