@@ -14,14 +14,22 @@ from paratrain import config
 
 def micro_batch_arg(text: str) -> int | str:
     """--micro-batch: a number of rows, or "auto" (the batch-size finder)."""
-    return "auto" if text == "auto" else int(text)
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of rows or auto") from None
 
 
 def bytes_arg(text: str) -> int:
     """--memory-limit: bytes, with an optional unit (e.g. 3GiB, 512MiB, 2e9)."""
     from paratrain.memory.batch_finder import parse_bytes
 
-    return parse_bytes(text)
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 # flag -> (config key, type). Names are a contract: later techniques add flags, never rename.
