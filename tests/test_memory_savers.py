@@ -321,3 +321,13 @@ def test_single_device_walk_names_the_step_that_fits(gb, expected):
     assert (hit.name if hit else None) == expected
     n = steps.index(hit) if hit else len(steps)
     assert not any(s.fits for s in steps[:n])
+
+
+def test_plan_on_one_device_prints_the_walk(capsys):
+    from paratrain.planner.cli import main as plan_main
+
+    assert plan_main(["--model", "llama-1b", "--gpus", "1", "--gpu-memory", "24", "--seq-len", "4096",
+                      "--global-batch", "16", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "the seeds' walk" in out
+    assert "step 5 (8-bit optimizer) makes it fit: paratrain train --micro-batch 1" in out
