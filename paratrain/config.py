@@ -92,6 +92,7 @@ class TrainConfig:
     offload_activations: str = "none"  # none | cpu: tensors saved for backward kept in host memory
     tile: int = 1  # MLP and LM head + loss computed in this many tiles of tokens
     compile: bool = False  # torch.compile each transformer block
+    compile_backend: str = "inductor"  # or aot_eager (graphs + AOT autograd, no code generation)
     out: str = "runs/default"
     save_every: int = 0  # 0: only the final checkpoint
     eval_every: int = 50
@@ -209,6 +210,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     _choice(problems, "parallel.offload", p.offload, ("none", "cpu", "disk"))
     _choice(problems, "train.precision", t.precision, ("fp32", "bf16", "fp16", "auto"))
     _choice(problems, "train.recompute", t.recompute, ("none", "selective", "full"))
+    _choice(problems, "train.compile_backend", t.compile_backend, ("inductor", "aot_eager", "eager"))
     _choice(problems, "train.memory_measure", t.memory_measure, ("process", "tensors"))
     _choice(problems, "train.offload_activations", t.offload_activations, ("none", "cpu"))
     if not isinstance(t.tile, int) or t.tile < 1:

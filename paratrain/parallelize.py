@@ -56,7 +56,7 @@ def parallelize(task: Task, cfg: Config, mesh: ParallelMesh) -> Parallelized:
     if cfg.train.compile:  # last of the in-block wrappers: it compiles the forward they leave
         from paratrain.memory.compile import compile_blocks
 
-        compile_blocks(model)
+        compile_blocks(model, backend=cfg.train.compile_backend)
     chunks = None
     if mesh.pp.size > 1:
         from paratrain.pipeline.stage import split_for_pipeline
