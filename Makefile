@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 setup: $(STAMP)
 
 train: $(STAMP)
-	$(BIN)/paratrain train --out runs/default
+	$(BIN)/paratrain train --precision auto --out runs/default
 
 test: $(STAMP)
 	$(BIN)/ruff check paratrain tests benchmarks

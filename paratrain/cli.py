@@ -11,6 +11,27 @@ import sys
 
 from paratrain import config
 
+
+def micro_batch_arg(text: str) -> int | str:
+    """--micro-batch: a number of rows, or "auto" (the batch-size finder)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of rows or auto") from None
+
+
+def bytes_arg(text: str) -> int:
+    """--memory-limit: bytes, with an optional unit (e.g. 3GiB, 512MiB, 2e9)."""
+    from paratrain.memory.batch_finder import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 # flag -> (config key, type). Names are a contract: later techniques add flags, never rename.
 TRAIN_FLAGS: dict[str, tuple[str, type]] = {
     "--model": ("model.name", str),
@@ -29,7 +50,9 @@ TRAIN_FLAGS: dict[str, tuple[str, type]] = {
     "--offload-dir": ("parallel.offload_dir", str),
     "--steps": ("train.steps", int),
     "--global-batch": ("train.global_batch", int),
-    "--micro-batch": ("train.micro_batch", int),
+    "--micro-batch": ("train.micro_batch", micro_batch_arg),
+    "--memory-limit": ("train.memory_limit", bytes_arg),
+    "--memory-measure": ("train.memory_measure", str),
     "--seq-len": ("data.seq_len", int),
     "--vocab-size": ("data.vocab_size", int),
     "--seed": ("train.seed", int),
@@ -38,6 +61,8 @@ TRAIN_FLAGS: dict[str, tuple[str, type]] = {
     "--grad-clip": ("optim.grad_clip", float),
     "--precision": ("train.precision", str),
     "--recompute": ("train.recompute", str),
+    "--offload-activations": ("train.offload_activations", str),
+    "--tile": ("train.tile", int),
     "--data": ("data.path", str),
     "--max-files": ("data.max_files", int),
     "--tokenizer": ("data.tokenizer", str),
@@ -55,7 +80,8 @@ TRAIN_FLAGS: dict[str, tuple[str, type]] = {
 }
 TRAIN_SWITCHES = {"--resume": "train.resume", "--sp": "parallel.sp", "--no-progress": "train.progress",
                   "--overwrite": "train.overwrite", "--check-collectives": "parallel.check_collectives",
-                  "--async-save": "train.async_save", "--allow-data-change": "data.allow_data_change"}
+                  "--async-save": "train.async_save", "--allow-data-change": "data.allow_data_change",
+                  "--compile": "train.compile"}
 
 
 class UserError(Exception):

@@ -93,10 +93,16 @@ class OptimConfig:
 class TrainConfig:
     steps: int = 150
     global_batch: int = 8  # rows (sequences) per optimizer step, over all data-parallel ranks
-    micro_batch: int | None = None  # rows per forward/backward on one rank; default: all of them
+    micro_batch: int | str | None = None  # rows per forward/backward on one rank; default: all; "auto": found
+    memory_limit: int | None = None  # bytes per rank for micro_batch "auto" (default: the GPU's memory)
+    memory_measure: str = "process"  # micro_batch "auto" trials: process (RSS / CUDA peak) | tensors
     seed: int = 1234
-    precision: str = "fp32"  # fp32 | bf16 | fp16
-    recompute: str = "none"  # none | full
+    precision: str = "fp32"  # fp32 | bf16 | fp16 | auto (measured: bf16 where it is faster)
+    recompute: str = "none"  # none | selective (core attention) | full (whole blocks)
+    offload_activations: str = "none"  # none | cpu: tensors saved for backward kept in host memory
+    tile: int = 1  # MLP and LM head + loss computed in this many tiles of tokens
+    compile: bool = False  # torch.compile each transformer block
+    compile_backend: str = "inductor"  # or aot_eager (graphs + AOT autograd, no code generation)
     out: str = "runs/default"
     save_every: int = 0  # 0: only the final checkpoint
     keep_checkpoints: int = 2  # this run's newest complete checkpoints kept (older ones pruned)
@@ -146,7 +152,9 @@ class Config:
 
     @property
     def micro_batch(self) -> int:
-        return self.train.micro_batch or self.train.global_batch // self.dp
+        """Rows per micro-batch; "auto" counts as all rows until the trainer's finder resolves it."""
+        mb = self.train.micro_batch
+        return mb if isinstance(mb, int) and mb > 0 else self.train.global_batch // self.dp
 
     @property
     def n_micro_batches(self) -> int:
@@ -288,9 +296,16 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     _choice(problems, "parallel.dp_mode", p.dp_mode, ("ddp", "plain"))
     _choice(problems, "parallel.pp_schedule", p.pp_schedule, ("naive", "gpipe", "1f1b", "interleaved"))
     _choice(problems, "parallel.offload", p.offload, ("none", "cpu", "disk"))
-    _choice(problems, "train.precision", t.precision, ("fp32", "bf16", "fp16"))
-    _choice(problems, "train.recompute", t.recompute, ("none", "full"))
     _choice(problems, "train.nan_policy", t.nan_policy, ("stop", "skip"))
+    _choice(problems, "train.precision", t.precision, ("fp32", "bf16", "fp16", "auto"))
+    _choice(problems, "train.recompute", t.recompute, ("none", "selective", "full"))
+    _choice(problems, "train.compile_backend", t.compile_backend, ("inductor", "aot_eager", "eager"))
+    _choice(problems, "train.memory_measure", t.memory_measure, ("process", "tensors"))
+    _choice(problems, "train.offload_activations", t.offload_activations, ("none", "cpu"))
+    if not isinstance(t.tile, int) or t.tile < 1:
+        problems.append(f"train.tile must be an integer >= 1 (got {t.tile!r}); 1 disables tiling")
+    if t.memory_limit is not None and (not isinstance(t.memory_limit, int) or t.memory_limit <= 0):
+        problems.append(f"train.memory_limit must be a positive number of bytes (got {t.memory_limit!r})")
     if p.bucket_mb <= 0:
         problems.append(f"parallel.bucket_mb must be > 0 (got {p.bucket_mb})")
     if t.steps < 1:
@@ -346,6 +361,11 @@ def _check_batch(problems: list[str], cfg: Config) -> None:
                         "each data-parallel rank takes an equal slice")
         return
     per_rank = t.global_batch // dp
+    if t.micro_batch == "auto":
+        return
+    if isinstance(t.micro_batch, str):
+        problems.append(f"train.micro_batch must be a number of rows or \"auto\" (got {t.micro_batch!r})")
+        return
     if t.micro_batch is not None and (t.micro_batch < 1 or per_rank % t.micro_batch):
         problems.append(f"train.micro_batch ({t.micro_batch}) must divide the rows per dp rank "
                         f"(global_batch {t.global_batch} / dp {dp} = {per_rank})")

@@ -1,6 +1,7 @@
 """The one place that fixes the order in which techniques wrap the model.
 
-    build (meta device) -> tensor/sequence parallel -> activation checkpointing -> pipeline split
+    build (meta device) -> tensor/sequence parallel -> tiling -> activation checkpointing
+    -> torch.compile per block -> pipeline split
     -> materialise + layout-independent init -> data-parallel strategy (DDP or ZeRO-1/2/3)
     -> optimizer (inside the strategy) -> executor (micro-batch loop or pipeline schedule)
 
@@ -45,10 +46,18 @@ def parallelize(task: Task, cfg: Config, mesh: ParallelMesh) -> Parallelized:
 
         apply_tensor_parallel(model, mesh, sequence_parallel=cfg.parallel.sp)
         loss_fn = vocab_parallel_loss_sum(mesh.tp)  # logits stay split over the vocabulary
-    if cfg.train.recompute == "full":
-        from paratrain.memory.recompute import FullRecompute
+    if cfg.train.tile > 1:  # before recompute and compile: they wrap the forward tiling leaves
+        from paratrain.memory.tiling import apply_tiling
 
-        FullRecompute().apply(model)
+        loss_fn = apply_tiling(model, cfg.train.tile)  # the LM head now runs inside the loss
+    if cfg.train.recompute != "none":
+        from paratrain.memory.recompute import apply_recompute
+
+        apply_recompute(model, cfg.train.recompute)
+    if cfg.train.compile:  # last of the in-block wrappers: it compiles the forward they leave
+        from paratrain.memory.compile import compile_blocks
+
+        compile_blocks(model, backend=cfg.train.compile_backend)
     chunks = None
     if mesh.pp.size > 1:
         from paratrain.pipeline.stage import split_for_pipeline
@@ -76,7 +85,12 @@ def parallelize(task: Task, cfg: Config, mesh: ParallelMesh) -> Parallelized:
                                     virtual_stages=cfg.parallel.virtual_stages, precision=cfg.train.precision,
                                     sequence_parallel=cfg.parallel.sp)
     else:
-        executor = MicroBatchLoop(model, loss_fn, strategy, cfg.train.precision, mesh.device)
+        offload = None
+        if cfg.train.offload_activations == "cpu":
+            from paratrain.memory.activation_offload import ActivationOffload
+
+            offload = ActivationOffload(model)
+        executor = MicroBatchLoop(model, loss_fn, strategy, cfg.train.precision, mesh.device, offload)
     return Parallelized(model, strategy, executor)
 
 
@@ -134,7 +148,10 @@ def check_layout(cfg: Config, problems: list[str]) -> None:
     _check_tensor_parallel(cfg, problems)
     _check_pipeline(cfg, problems)
     _check_zero(cfg, problems)
-    if cfg.train.precision != "fp32" and cfg.model.name == "cnn-tiny":
+    from paratrain.memory.layout import check_savers
+
+    check_savers(cfg, problems)
+    if cfg.train.precision not in ("fp32", "auto") and cfg.model.name == "cnn-tiny":
         problems.append("cnn-tiny trains in fp32 only: drop --precision")
 
 

@@ -47,6 +47,10 @@ def _run_local(cfg: Config) -> int:
     task = build_task(cfg)  # tokenize once, here; every worker then maps the cache
     if cfg.train.resume:
         check_resume(cfg, task)  # another corpus/tokenizer than the checkpoint's: refused here
+    if cfg.train.precision == "auto":  # measure once, here; workers read the cached choice
+        from paratrain.memory.precision import choose
+
+        choose(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     world = cfg.world_size
     if world == 1:
         if cfg.train.threads is None:

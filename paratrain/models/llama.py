@@ -113,11 +113,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.flatten(-2).type_as(x)
 
 
+class CoreAttention(nn.Module):
+    """softmax(q k^T / sqrt(d)) v over grouped-query heads: the "core attention" of Korthikanti et
+    al. 2022, a module of its own (no parameters, so no name changes) so that selective
+    recomputation can checkpoint exactly this part. q, k, v: [b, heads, s, hd] -> [b, heads, s, hd]."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves a group of q heads
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.rope_theta = cfg.rope_theta
+        self.core = CoreAttention()
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
@@ -132,10 +145,7 @@ class Attention(nn.Module):
         cos, sin = rope_tables(s, self.head_dim, self.rope_theta, x.device)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, hd]
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves a group of q heads
-            group = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.core(q, k, v)
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))  # [b, s, dim]
 
 

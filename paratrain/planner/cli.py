@@ -255,7 +255,14 @@ def run(args) -> int:
 
         runnable = runnable_here(base_config(args, c))
     result = plan(c, tr, cluster, fixed_from(args), top=args.top, runnable=runnable)
-    print(json.dumps(to_json(args, result, cluster)) if args.json else report(result, cluster))
+    out = to_json(args, result, cluster) if args.json else report(result, cluster)
+    if cluster.n_devices == 1:  # one device: the seeds' walk (planner/single_device.py)
+        from paratrain.planner.single_device import walk, walk_json, walk_report
+
+        steps = walk(c, tr, cluster)
+        walked = walk_json(steps) if args.json else walk_report(steps)
+        out = {**out, "single_device_walk": walked} if args.json else f"{out}\n\n{walked}"
+    print(json.dumps(out) if args.json else out)
     if args.plot:
         print(f"memory plot: {plot(result.plans, args.plot)}", file=sys.stderr if args.json else sys.stdout)
     if args.validate:

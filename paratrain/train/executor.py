@@ -28,8 +28,12 @@ def autocast_for(precision: str, device: torch.device):
 
 class MicroBatchLoop:
     def __init__(self, model: nn.Module, loss_fn: LossFn, strategy: Strategy, precision: str,
-                 device: torch.device):
+                 device: torch.device,
+                 saved_tensors: Callable[[], contextlib.AbstractContextManager] | None = None):
         self.model = model
+        # Where forward's saved tensors live (activation offload hooks); default: where autograd puts them.
+        self.saved_tensors = saved_tensors or contextlib.nullcontext
+        self.offload = saved_tensors if hasattr(saved_tensors, "offloaded_bytes") else None
         self.loss_fn = loss_fn
         self.strategy = strategy
         self.device = device
@@ -45,18 +49,26 @@ class MicroBatchLoop:
         """
         # Accumulated on the device: a .cpu() per micro-batch would synchronise a GPU each time.
         total = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.offload is not None:
+            self.offload.reset()
         last = len(micro_batches) - 1
         for i, (x, y) in enumerate(micro_batches):
             # Hold gradient communication until the last micro-batch: the gradients are summed
             # locally first, so one reduction per step moves the same bytes as with no accumulation.
             sync = self.strategy.no_sync() if i < last else contextlib.nullcontext()
             with sync:
-                with self.autocast():
+                with self.autocast(), self.saved_tensors():
                     loss = self.loss_fn(self.model(x), y) / divisor
                 (loss * loss_scale).backward() if loss_scale != 1.0 else loss.backward()
             total += loss.detach().float()
         self.strategy.after_backward()
         return total.cpu()
+
+    def step_metrics(self) -> dict:
+        """Activation offload: bytes of saved tensors moved to host memory in the last step."""
+        if self.offload is None:
+            return {}
+        return {"mem_activations_offloaded_bytes": self.offload.offloaded_bytes}
 
     @torch.no_grad()
     def evaluate(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],

@@ -82,8 +82,18 @@ class Trainer:
             torch.set_num_threads(cfg.train.threads)
         self.mesh = build_mesh(cfg, self.env)
         self.mesh.counter.check = cfg.parallel.check_collectives  # comm/trace.py
+        self.precision_choice = None
+        if cfg.train.precision == "auto":  # measured once per machine, agreed by every rank
+            from paratrain.memory.precision import resolve_precision
+
+            self.precision_choice = resolve_precision(cfg, self.mesh)
         self.task = task or build_task(cfg)
         self.par: Parallelized = parallelize(self.task, cfg, self.mesh)
+        self.finder = None
+        if cfg.train.micro_batch == "auto":  # trials on real steps; sets cfg.train.micro_batch
+            from paratrain.memory.batch_finder import resolve_micro_batch
+
+            self.finder = resolve_micro_batch(self)
         self.out = Path(cfg.train.out)
         self.is_main = self.env.rank == 0
         self.scaler = LossScaler(enabled=cfg.train.precision == "fp16")
@@ -234,8 +244,13 @@ class Trainer:
             row["loss_scale"], row["skipped"] = self.scaler.scale, s["skipped"]
         elif s["skipped"]:  # --nan-policy skip
             row["skipped"], row["skipped_steps"] = True, len(self.result.skipped_steps)
+        row["micro_batch"] = self.cfg.micro_batch
         if step == self.start_step:
             row["layout"] = self.layout()
+            if self.finder is not None:
+                row["batch_finder"] = self.finder.summary()
+            if self.precision_choice is not None:
+                row["precision_auto"] = self.precision_choice
         return row
 
     def layout(self) -> dict:

@@ -1,0 +1,254 @@
+"""The largest micro-batch that fits, agreed by every rank (``--micro-batch auto``).
+
+Each trial runs one real forward + backward of a candidate micro-batch (no optimizer update,
+gradients held back from any collective: the strategy's ``no_sync``), measures its peak memory,
+and ends with an agreement: an all-reduce of "it fit" with MIN over the group, so every rank
+sees the same answer and all adopt the same size (accelerate's finder decides per process;
+Lightning disables its finder under DDP). Candidates are the divisors of the rows per rank, tried
+in increasing order until one does not fit on some rank; the largest that fitted everywhere is
+chosen (the real largest, not a fraction of it). Gradient accumulation keeps the global batch, so
+training then equals a run with that micro-batch fixed.
+
+How a trial's peak is measured (``measure``):
+
+* ``process`` on CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``;
+  a ``torch.OutOfMemoryError`` is a failure (caught before the agreement, so no rank hangs).
+* ``process`` on CPU: the process's peak resident set size (``VmHWM``), reset to the current
+  RSS before each trial by writing 5 to ``/proc/self/clear_refs`` (Linux >= 4.0) so each trial has
+  its own high-water mark. It counts everything the OS would count before killing the process
+  (torch runtime, allocator caches), which is what a limit on a CPU is about. Where the reset is
+  not allowed the high-water mark since start is used (conservative: never larger than the truth).
+* ``tensors`` (any device; deterministic, used by the tests): parameters + gradients + the distinct
+  storages autograd saved for backward (counted with ``saved_tensors_hooks``, the method the
+  planner's activation formulas are checked with).
+
+AdamW creates its two fp32 moments in the first step, after the finder: ``reserve_bytes`` (the
+trainer passes the moments' bytes) is held during the trials (allocated on CUDA, added on CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+MEASURES = ("process", "tensors")
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'3GiB', '512MiB', '2e9', 1000 -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as bytes: write e.g. 4GiB, 512MiB, 2e9")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass
+class Trial:
+    micro_batch: int
+    peak_bytes: int | None  # this rank's measured peak (None: out of memory)
+    fits_here: bool
+    fits_everywhere: bool  # the agreement (MIN over ranks)
+    seconds: float
+
+
+@dataclass
+class FinderResult:
+    micro_batch: int
+    trials: list[Trial] = field(default_factory=list)
+    seconds: float = 0.0
+    measure: str = "process"
+
+    def summary(self) -> dict:
+        trials = [{"micro_batch": t.micro_batch, "peak_bytes": t.peak_bytes, "fits_here": t.fits_here,
+                   "fits_everywhere": t.fits_everywhere} for t in self.trials]
+        return {"chosen": self.micro_batch, "seconds": round(self.seconds, 3), "measure": self.measure,
+                "trials": trials}
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def find_executable_batch_size(trial: Callable[[int], int | None], candidates: Sequence[int], *,
+                               memory_limit: int, group=None, device: torch.device | None = None,
+                               measure: str = "process", reserve_bytes: int = 0,
+                               log: Callable[[str], None] | None = None) -> FinderResult:
+    """The largest candidate every rank of `group` can run within `memory_limit` bytes.
+
+    trial(n) runs one forward + backward of n rows and leaves no gradient behind; it returns the
+    trial's own byte count when ``measure == "tensors"`` (else None: the process is measured here).
+    group: a torch ProcessGroup, a paratrain ``Axis`` (its group is used, uncounted), or None
+    (one process). Every rank must call this with the same candidates (in any order).
+    """
+    if measure not in MEASURES:
+        raise ValueError(f"measure must be one of {', '.join(MEASURES)} (got {measure!r})")
+    device = device or torch.device("cpu")
+    result, start = FinderResult(0, measure=measure), time.perf_counter()
+    for n in sorted(set(candidates)):
+        t0 = time.perf_counter()
+        peak = _measured(trial, n, device, measure, reserve_bytes)
+        here = peak is not None and peak <= memory_limit
+        everywhere = _agree(here, group, device)
+        result.trials.append(Trial(n, peak, here, everywhere, time.perf_counter() - t0))
+        if log:
+            shown = "out of memory" if peak is None else f"{peak / 2**20:,.1f} MiB"
+            log(f"batch finder: micro-batch {n}: peak {shown} (limit {memory_limit / 2**20:,.1f} MiB) -> "
+                f"{'fits' if here else 'too big'} here, {'fits' if everywhere else 'too big'} on every rank")
+        if not everywhere:
+            break
+        result.micro_batch = n
+    result.seconds = time.perf_counter() - start
+    if result.micro_batch == 0:
+        raise MemoryError(f"micro-batch {min(candidates)} does not fit in {memory_limit:,} bytes on every "
+                          f"rank (trials: {[t.peak_bytes for t in result.trials]}): raise --memory-limit, "
+                          "shorten --seq-len, or use --recompute / --offload / --tile")
+    return result
+
+
+def _measured(trial: Callable[[int], int | None], n: int, device: torch.device, measure: str,
+              reserve_bytes: int) -> int | None:
+    """Run trial(n); its peak bytes (None when it ran out of memory)."""
+    reserve = None
+    try:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            if reserve_bytes and measure == "process":
+                reserve = torch.empty(reserve_bytes, dtype=torch.uint8, device=device)
+        elif measure == "process":
+            _reset_rss_peak()
+        counted = trial(n)
+        if measure == "tensors":
+            return int(counted) + reserve_bytes
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            return int(torch.cuda.max_memory_allocated(device))
+        return _rss_peak() + reserve_bytes
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        del reserve
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _reset_rss_peak() -> None:
+    with contextlib.suppress(OSError):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS (proc(5), Linux >= 4.0)
+
+
+def _rss_peak() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _agree(fits: bool, group, device: torch.device) -> bool:
+    """MIN over the group: True only if the trial fitted on every rank."""
+    pg = getattr(group, "group", group)
+    if pg is None or not dist.is_initialized() or dist.get_world_size(pg) == 1:
+        return fits
+    t = torch.tensor([int(fits)], dtype=torch.int32, device=device)
+    counter = getattr(group, "counter", None)
+    with counter.paused() if counter is not None else contextlib.nullcontext():  # bookkeeping, uncounted
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=pg)
+    return bool(t.item())
+
+
+# -- the trainer's trial ------------------------------------------------------------------------------
+
+
+def saved_tensor_bytes(model: torch.nn.Module):
+    """A context counting the distinct non-parameter storages autograd saves (``.bytes``)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    class Count(torch.autograd.graph.saved_tensors_hooks):
+        def __init__(self):
+            self.seen: dict[int, int] = {}
+
+            def pack(t):
+                st = t.untyped_storage()
+                if st.data_ptr() not in params:
+                    self.seen[st.data_ptr()] = st.nbytes()
+                return t
+
+            super().__init__(pack, lambda t: t)
+
+        @property
+        def bytes(self) -> int:
+            return sum(self.seen.values())
+
+    return Count()
+
+
+def executor_trial(executor, x: torch.Tensor, y: torch.Tensor, divisor: float) -> Callable[[int], int]:
+    """trial(n) for paratrain's micro-batch loop: forward + backward of the first n local rows under
+    the strategy's no_sync, gradients and module buffers (BatchNorm statistics) restored after.
+    Returns parameters + gradients + saved-for-backward bytes (the ``tensors`` measure)."""
+    model, strategy = executor.model, executor.strategy
+
+    def trial(n: int) -> int:
+        buffers = {k: b.clone() for k, b in model.named_buffers()}
+        count = saved_tensor_bytes(model)
+        try:
+            with strategy.no_sync(), executor.autocast(), executor.saved_tensors(), count:
+                loss = executor.loss_fn(model(x[:n]), y[:n]) / divisor
+            loss.backward()
+            params = sum(p.nbytes for p in model.parameters())
+            grads = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+            return params + grads + count.bytes
+        finally:
+            strategy.zero_grad()
+            with torch.no_grad():
+                for k, b in model.named_buffers():
+                    b.copy_(buffers[k])
+
+    return trial
+
+
+def adam_moment_bytes(model: torch.nn.Module, shards: int = 1) -> int:
+    """Bytes of AdamW's two fp32 moments for this rank (divided by the dp degree under ZeRO)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad) * 8 // shards
+
+
+def resolve_micro_batch(trainer) -> FinderResult:
+    """``--micro-batch auto`` for the trainer: find, agree, and set ``cfg.train.micro_batch``."""
+    cfg, mesh = trainer.cfg, trainer.mesh
+    device = mesh.device
+    limit = cfg.train.memory_limit
+    if limit is None:
+        if device.type != "cuda":
+            raise ValueError("--micro-batch auto on a CPU needs --memory-limit BYTES per rank")
+        limit = torch.cuda.get_device_properties(device).total_memory
+    per_rank = cfg.train.global_batch // mesh.dp.size
+    x, y = trainer.task.train_batch(0, cfg.train.global_batch, trainer.local_rows())
+    executor = trainer.par.executor
+    shards = mesh.dp.size if cfg.parallel.zero >= 1 else 1
+    log = print if trainer.env.rank == 0 else None
+    result = find_executable_batch_size(
+        executor_trial(executor, x.to(device), y.to(device), float(trainer.units_per_step)),
+        divisors(per_rank), memory_limit=limit, group=mesh.world, device=device,
+        measure=cfg.train.memory_measure, reserve_bytes=adam_moment_bytes(executor.model, shards), log=log)
+    cfg.train.micro_batch = result.micro_batch
+    if log:
+        log(f"batch finder: micro-batch {result.micro_batch} x {per_rank // result.micro_batch} accumulation "
+            f"steps per rank ({len(result.trials)} trials, {result.seconds:.2f} s)")
+    return result

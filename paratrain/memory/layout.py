@@ -1,0 +1,50 @@
+"""What the memory savers compose with: their constraints, checked before any worker starts."""
+
+from __future__ import annotations
+
+from paratrain.config import Config
+
+
+def check_savers(cfg: Config, problems: list[str]) -> None:
+    """--micro-batch auto, --recompute, --offload-activations, --tile, --compile (config.validate)."""
+    p, t, cnn = cfg.parallel, cfg.train, cfg.model.name == "cnn-tiny"
+    if t.recompute != "none" and cnn:
+        problems.append(f"--recompute {t.recompute} recomputes transformer blocks; cnn-tiny has none: "
+                        "drop it")
+    _refuse(problems, "--offload-activations cpu", t.offload_activations != "none",
+            {"--pp > 1": (p.pp > 1, "the pipeline schedule keeps its own activations")})
+    _refuse(problems, f"--tile {t.tile}", t.tile > 1,
+            {"cnn-tiny": (cnn, "it has no MLP or LM head to tile"),
+             "--tp > 1": (p.tp > 1, "split linears and the vocabulary-parallel loss are not tiled"),
+             "--pp > 1": (p.pp > 1, "the tiled loss fuses the LM head, which a pipeline stage runs"),
+             "--zero 3": (p.zero == 3, "ZeRO-3 gathers a whole block, not one tile at a time "
+                                       "(ZeRO-Infinity's tile-by-tile gathering is not implemented); "
+                                       "use --zero 0, 1 or 2 with --tile")})
+    _refuse(problems, "--compile", t.compile,
+            {"cnn-tiny": (cnn, "it has no transformer blocks"),
+             "--tp > 1": (p.tp > 1, "tensor-parallel collectives run in Python inside forward"),
+             "--pp > 1": (p.pp > 1, "not tested with pipeline schedules"),
+             "--tile > 1": (t.tile > 1, "the tiled layers recompute tiles in a Python autograd function"),
+             "--zero 3": (p.zero == 3, "ZeRO-3 gathers parameters in forward hooks")})
+    auto = t.micro_batch == "auto"
+    _refuse(problems, "--micro-batch auto", auto,
+            {"--pp > 1": (p.pp > 1, "the schedule's micro-batch count must be fixed before it is built"),
+             "--tp > 1": (p.tp > 1, "a trial failing inside a tensor-parallel collective would hang"),
+             "--zero 3": (p.zero == 3, "a trial failing inside a ZeRO-3 all-gather would hang")})
+    if t.memory_limit is not None and not auto:
+        problems.append("train.memory_limit (--memory-limit) is the budget of --micro-batch auto: "
+                        "add --micro-batch auto or drop --memory-limit")
+    if auto and t.memory_limit is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            problems.append("--micro-batch auto on a CPU needs --memory-limit BYTES per rank (e.g. 4GiB): "
+                            "the OS kills a process over its memory instead of raising an error")
+
+
+def _refuse(problems: list[str], what: str, used: bool, table: dict[str, tuple[bool, str]]) -> None:
+    if not used:
+        return
+    for other, (clash, why) in table.items():
+        if clash:
+            problems.append(f"{what} does not compose with {other}: {why}")

@@ -1,0 +1,98 @@
+"""``--precision auto``: bf16 where this device multiplies bf16 faster than fp32, else fp32.
+
+CPUs differ: with AVX2 only, bf16 matmul is 5-100x slower than fp32 (no native bf16 kernels);
+with AVX-512 BF16 / AMX it is several times faster (shared/DESIGN.md section 5). GPUs from
+Ampere on are faster in bf16. So the choice is measured, not guessed: square matmuls of
+``MEASURE_N`` in each dtype for a fixed time, once per machine, cached in
+``~/.cache/paratrain/precision.json`` under a key naming the device (CPU model and its bf16/AMX
+flags, or the GPU's name) and the torch version. bf16 is chosen when it is at least ``MARGIN``
+times faster than fp32: half the activation memory is not worth a slower step. Every rank
+measures (or reads the cache) and the ranks agree (bf16 only if every rank chose it), so one
+world trains in one precision. Models that train in fp32 only (cnn-tiny) resolve to fp32.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+MEASURE_N = 512
+MARGIN = 1.1
+
+
+def device_key(device: torch.device) -> str:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name, flags = platform.processor() or platform.machine(), ""
+        try:
+            with open("/proc/cpuinfo") as f:
+                text = f.read()
+            model = [ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")]
+            name = model[0] if model else name
+            have = set(text.split())
+            wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+            flags = ",".join(f for f in wanted if f in have)
+        except OSError:
+            pass
+        name = f"{name} [{flags}]"
+    return f"{device.type}:{name}:torch {torch.__version__}"
+
+
+def _cache_path() -> Path:
+    root = os.environ.get("PARATRAIN_CACHE") or Path.home() / ".cache" / "paratrain"
+    return Path(root) / "precision.json"
+
+
+def measure(device: torch.device, seconds: float = 0.3) -> dict:
+    """Matmul FLOP/s in fp32 and bf16 on `device`, and the choice."""
+    from paratrain.train.metrics import measure_matmul_peak
+
+    fp32 = measure_matmul_peak(device, torch.float32, n=MEASURE_N, seconds=seconds)
+    bf16 = measure_matmul_peak(device, torch.bfloat16, n=MEASURE_N, seconds=seconds)
+    return {"fp32_flops": fp32, "bf16_flops": bf16, "bf16_over_fp32": bf16 / fp32,
+            "chose": "bf16" if bf16 >= MARGIN * fp32 else "fp32"}
+
+
+def choose(device: torch.device, *, use_cache: bool = True) -> dict:
+    """The measured choice for this device (read from the cache when it is there)."""
+    key, path = device_key(device), _cache_path()
+    cache = {}
+    if use_cache and path.exists():
+        try:
+            cache = json.loads(path.read_text())
+        except (OSError, ValueError):
+            cache = {}
+    if key in cache:
+        return {**cache[key], "cached": True, "device": key}
+    result = measure(device)
+    if use_cache:
+        cache[key] = result
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(cache, indent=1))
+            tmp.replace(path)  # atomic: ranks measuring at once never read half a file
+        except OSError:
+            pass  # an unwritable cache only costs a measurement next time
+    return {**result, "cached": False, "device": key}
+
+
+def resolve_precision(cfg, mesh) -> dict:
+    """Replace ``cfg.train.precision == "auto"`` by the agreed choice; return what was measured."""
+    if cfg.model.name == "cnn-tiny":
+        cfg.train.precision = "fp32"
+        return {"chose": "fp32", "why": "cnn-tiny trains in fp32 only"}
+    result = choose(mesh.device)
+    vote = torch.tensor([int(result["chose"] == "bf16")], dtype=torch.int32, device=mesh.device)
+    if mesh.world.active:
+        import torch.distributed as dist
+
+        with mesh.counter.paused():
+            dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=mesh.world.group)
+    cfg.train.precision = "bf16" if vote.item() else "fp32"
+    return {**result, "chose": cfg.train.precision}

@@ -1,0 +1,190 @@
+"""Memory-centric tiling: the MLP and the LM head + loss computed in N tiles of tokens.
+
+ZeRO-Infinity (Rajbhandari et al. 2021, Section 5.1.3) splits an operator too large for the device
+into tiles run one after another, so its working memory is that of one tile. The large
+intermediates of a Llama block are the MLP's (gate, up, silu(gate), their product: 4 x tokens x
+ffn_dim), and of the whole model the LM head's logits with their log-softmax and gradient
+(3 x tokens x vocab, fp32). Both are row-wise in the tokens, so tiling over tokens is exact:
+
+    forward:  for each tile: y_i = f(x_i) under no_grad (nothing inside is saved); keep x only
+    backward: for each tile: recompute f(x_i) with grad, d x_i and d params of this tile alone;
+              parameter gradients are summed over tiles and handed to autograd once
+
+so a tile's intermediates exist only while that tile runs: the peak working memory of the
+layer falls about N-fold (``tiled_*_bytes`` below; measured in docs/memory.md). The cost is the
+recomputed forward of the tiled parts (as full recompute, but of these layers only).
+
+The head is applied inside the loss (``TiledHeadLoss``): with N = 1 the logits [tokens, vocab]
+would exist whole, which is what tiling avoids. The model's ``lm_head`` then returns its input
+(the normed hidden state); its weight stays the same parameter under the same name.
+
+Parameter gradients reach ``.grad`` once per backward (summed over tiles here, not accumulated
+tile by tile), so data-parallel gradient hooks fire exactly as without tiling.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class _Tiled(torch.autograd.Function):
+    """y = reduce(f(x_i, t_i) for tiles i), recomputing each tile in backward.
+
+    ``reduce`` is "cat" (f returns rows of an output, like an MLP) or "sum" (f returns a scalar,
+    like a summed loss). ``targets`` is an optional tensor split with x (the loss's token ids).
+    """
+
+    @staticmethod
+    def forward(ctx, f, n_tiles, reduce, x, targets, *params):
+        ctx.f, ctx.n_tiles, ctx.reduce = f, n_tiles, reduce
+        ctx.autocast = _autocast_state(x.device.type)
+        ctx.save_for_backward(x, targets)
+        with torch.no_grad():
+            outs = [f(xi, ti) for xi, ti in _tiles(x, targets, n_tiles)]
+        return torch.cat(outs, dim=0) if reduce == "cat" else torch.stack(outs).sum()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, targets = ctx.saved_tensors
+        params = [p for p in ctx.f.params() if p.requires_grad]
+        grad_x = torch.empty_like(x)
+        grad_params = [None] * len(params)
+        row = 0
+        grads_out = grad_out.split(_tile_rows(x.shape[0], ctx.n_tiles)) if ctx.reduce == "cat" else None
+        with torch.enable_grad(), torch.autocast(**ctx.autocast):
+            for i, (xi, ti) in enumerate(_tiles(x, targets, ctx.n_tiles)):
+                xi = xi.detach().requires_grad_(True)
+                out = ctx.f(xi, ti)
+                g = grads_out[i] if grads_out is not None else grad_out
+                gx, *gp = torch.autograd.grad(out, [xi, *params], g, allow_unused=True)
+                grad_x[row:row + xi.shape[0]] = gx
+                row += xi.shape[0]
+                grad_params = [_add(a, b) for a, b in zip(grad_params, gp)]
+        all_params = list(ctx.f.params())
+        by_id = {id(p): g for p, g in zip(params, grad_params)}
+        return (None, None, None, grad_x, None, *[by_id.get(id(p)) for p in all_params])
+
+
+def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    return a if b is None else (b if a is None else a + b)
+
+
+def _autocast_state(device_type: str) -> dict:
+    """The autocast state of forward, re-entered in backward so the recompute matches it."""
+    return {"device_type": device_type, "enabled": torch.is_autocast_enabled(device_type),
+            "dtype": torch.get_autocast_dtype(device_type)}
+
+
+def _tile_rows(rows: int, n_tiles: int) -> list[int]:
+    size = math.ceil(rows / n_tiles)
+    return [min(size, rows - s) for s in range(0, rows, size)]
+
+
+def _tiles(x: torch.Tensor, targets: torch.Tensor | None, n_tiles: int):
+    sizes = _tile_rows(x.shape[0], n_tiles)
+    xs = x.split(sizes)
+    ts = targets.split(sizes) if targets is not None else [None] * len(xs)
+    return zip(xs, ts)
+
+
+class _ModuleFn:
+    """A callable over (rows, targets) with the parameters it reads (the Function's inputs)."""
+
+    def __init__(self, fn: Callable, module: nn.Module):
+        self.fn, self.module = fn, module
+
+    def __call__(self, x, t):
+        return self.fn(x, t)
+
+    def params(self):
+        return self.module.parameters()
+
+
+def tiled_rows(module: nn.Module, forward: Callable, x: torch.Tensor, n_tiles: int) -> torch.Tensor:
+    """``forward(x)`` of a row-wise module, computed in n_tiles tiles of tokens (x: [..., dim])."""
+    flat = x.reshape(-1, x.shape[-1])  # [tokens, dim]
+    f = _ModuleFn(lambda xi, _t: forward(xi), module)
+    y = _Tiled.apply(f, n_tiles, "cat", flat, None, *module.parameters())
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+class TiledHeadLoss:
+    """sum of cross-entropy(lm_head(h), targets) over tokens, in n_tiles tiles of tokens.
+
+    A loss function for the executor: (hidden [b, s, dim], targets [b, s]) -> scalar sum.
+    Logits are computed as the untiled model computes them (the head's linear, then fp32
+    cross-entropy), one tile at a time.
+    """
+
+    def __init__(self, head: nn.Linear, n_tiles: int):
+        self.head, self.n_tiles = head, n_tiles
+        self._fn = _ModuleFn(self._tile_loss, head)
+
+    def _tile_loss(self, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(h, self.head.weight, self.head.bias)  # [tile, vocab]
+        return F.cross_entropy(logits.float(), t, reduction="sum")
+
+    def __call__(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        return _Tiled.apply(self._fn, self.n_tiles, "sum", h, t, *self.head.parameters())
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def apply_tiling(model: nn.Module, n_tiles: int) -> Callable:
+    """Tile every block's MLP and the LM head + loss; returns the loss function to train with.
+
+    Forwards are wrapped in place (no module inserted), so parameter names do not change.
+    """
+    if n_tiles < 1:
+        raise ValueError(f"--tile must be >= 1 (got {n_tiles})")
+    for block in model.layers.values():
+        mlp = block.mlp
+        inner = mlp.forward
+        mlp.forward = lambda x, _m=mlp, _f=inner: tiled_rows(_m, _f, x, n_tiles)
+    head = model.lm_head
+    loss = TiledHeadLoss(head, n_tiles)
+    head.forward = _identity  # the head runs inside the tiled loss
+    return loss
+
+
+# -- the memory it saves (pure; for the planner) -------------------------------------------------------
+
+
+def tiled_mlp_bytes(tokens: int, dim: int, ffn_dim: int, n_tiles: int, act_bytes: int = 4) -> float:
+    """Peak working bytes of one SwiGLU MLP over `tokens` (forward + backward), in n_tiles tiles.
+
+    Untiled (n = 1) it keeps its input and gate, up, silu(gate), their product (4 x ffn per
+    token) for backward. Tiled, only the input persists; one tile's intermediates exist at a time
+    (in backward, while that tile is recomputed), plus that tile's output gradient.
+    """
+    tile = math.ceil(tokens / n_tiles)
+    if n_tiles == 1:
+        return act_bytes * tokens * (dim + 4 * ffn_dim)
+    return act_bytes * (tokens * dim + tile * (4 * ffn_dim + dim))
+
+
+def tiled_head_bytes(tokens: int, dim: int, vocab: int, n_tiles: int, act_bytes: int = 4) -> float:
+    """Peak working bytes of LM head + cross-entropy over `tokens`: the logits, fp32 log-softmax
+    and the logits' gradient (3 x vocab x 4 bytes per token) for one tile at a time, plus the
+    head's input kept for backward."""
+    tile = math.ceil(tokens / n_tiles)
+    return act_bytes * tokens * dim + tile * vocab * (act_bytes + 4 + 4)
+
+
+def tiles_needed(working_bytes: Callable[[int], float], limit_bytes: float,
+                 max_tiles: int = 1024) -> int | None:
+    """Smallest N (a power of two) whose working memory fits in limit_bytes; None if none does."""
+    n = 1
+    while n <= max_tiles:
+        if working_bytes(n) <= limit_bytes:
+            return n
+        n *= 2
+    return None
