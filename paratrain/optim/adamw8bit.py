@@ -1,0 +1,144 @@
+"""8-bit AdamW: both moments stored block-wise quantised (quant.py), the update computed in fp32.
+
+Each step, per tensor: dequantise exp_avg (signed map) and exp_avg_sq (unsigned map) -> the
+AdamW update in fp32 (decoupled weight decay, bias correction) -> requantise. State per tensor:
+
+    quantised (full size >= min_8bit_size)   small tensors (norm gains, biases)
+    "exp_avg.q"        uint8 [numel]          "exp_avg"     fp32, the parameter's shape
+    "exp_avg.absmax"   fp32  [n_blocks]       "exp_avg_sq"  fp32, the parameter's shape
+    "exp_avg_sq.q"     uint8 [numel]
+    "exp_avg_sq.absmax" fp32 [n_blocks]
+
+i.e. 2 bytes per element + 8 bytes per block, against AdamW's 8 bytes per element. Small tensors
+keep fp32 state (as bitsandbytes does: the bytes saved are negligible and their statistics are the
+most sensitive); the decision reads the *full* tensor's size (``full_numel``), never a shard's, so
+the precision of a tensor's state does not depend on the layout.
+
+Block size: 2048 by default, the paper's choice (Dettmers et al. 2022, §2: blocks of 2048 bound an
+outlier's damage to one block and cost 8 / 2048 = 0.4% extra bytes for the two fp32 scales;
+bitsandbytes' current CUDA kernels use 256 for speed of their thread blocks, which costs 3%). On a
+CPU the per-block work is vectorised torch either way, so the paper's lower overhead wins. It is a
+setting (``optim.block_size``); tests use small blocks so tiny models have many of them.
+
+Every operation is elementwise or per block, written without fused multiply-adds (no ``alpha=``
+or ``addcmul``: their vector and scalar-tail paths may round differently), so a block-aligned
+slice of a tensor steps to exactly the bits of the same elements of the whole tensor. ZeRO relies
+on it (zero/store8.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from paratrain.optim.quant import SIGNED, UNSIGNED, dequantise, quantise
+
+#: Tensors with fewer elements keep fp32 moments (bitsandbytes' ``min_8bit_size`` default).
+MIN_8BIT_SIZE = 4096
+BLOCK_SIZE = 2048
+MOMENTS8 = (("exp_avg", SIGNED), ("exp_avg_sq", UNSIGNED))
+#: Every per-tensor state key this optimizer may hold (besides "step").
+STATE_KEYS = ("exp_avg.q", "exp_avg.absmax", "exp_avg_sq.q", "exp_avg_sq.absmax", "exp_avg", "exp_avg_sq")
+
+
+def full_numel(p: torch.Tensor) -> int:
+    """Elements of the full (unsharded) tensor ``p`` is a slice of (tp shards carry their spec)."""
+    spec = getattr(p, "pt_shard", None)
+    return math.prod(spec.full_shape) if spec is not None else p.numel()
+
+
+def new_state(numel: int, *, quantised: bool, block: int, device=None) -> dict[str, torch.Tensor]:
+    """Zero moments for ``numel`` elements (flat; the caller reshapes fp32 ones if it wants)."""
+    if not quantised:
+        return {k: torch.zeros(numel, device=device) for k, _ in MOMENTS8}
+    nb = math.ceil(numel / block)
+    out = {}
+    for k, _ in MOMENTS8:
+        out[f"{k}.q"], _ = quantise(torch.zeros(numel, device=device), SIGNED if k == "exp_avg" else UNSIGNED,
+                                    block)
+        out[f"{k}.absmax"] = torch.zeros(nb, device=device)
+    return out
+
+
+@torch.no_grad()
+def adamw8bit_update(p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], *, step: int, lr: float,
+                     weight_decay: float, beta1: float, beta2: float, eps: float, block: int) -> None:
+    """One AdamW step of flat fp32 ``p`` (in place) with gradient ``g``; ``state`` holds either the
+    quantised keys or fp32 "exp_avg"/"exp_avg_sq" (flat views), updated in place. ``step`` counts
+    from 1 (bias correction)."""
+    quantised = "exp_avg.q" in state
+    if quantised:
+        m = dequantise(state["exp_avg.q"], state["exp_avg.absmax"], SIGNED, block)
+        v = dequantise(state["exp_avg_sq.q"], state["exp_avg_sq.absmax"], UNSIGNED, block)
+    else:
+        m, v = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
+    g = g.view(-1).float()
+    m.mul_(beta1).add_(g * (1 - beta1))
+    v.mul_(beta2).add_((g * g).mul_(1 - beta2))
+    if weight_decay:
+        p.mul_(1 - lr * weight_decay)
+    denom = (v / (1 - beta2 ** step)).sqrt_().add_(eps)
+    p.sub_((m / denom).mul_(lr / (1 - beta1 ** step)))
+    if quantised:
+        for (key, code), value in zip(MOMENTS8, (m, v)):
+            q, absmax = quantise(value, code, block)
+            state[f"{key}.q"].copy_(q)
+            state[f"{key}.absmax"].copy_(absmax)
+
+
+class AdamW8bit(torch.optim.Optimizer):
+    """AdamW with block-wise 8-bit moments, for your own training loop.
+
+    >>> opt = AdamW8bit(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+    ``min_8bit_size``: tensors whose *full* size is below it keep fp32 moments. ``block_size``:
+    elements per quantisation block (one fp32 absmax each). State keys: ``STATE_KEYS``.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, block_size: int = BLOCK_SIZE, min_8bit_size: int = MIN_8BIT_SIZE):
+        if lr <= 0 or eps < 0 or not all(0 <= b < 1 for b in betas) or weight_decay < 0:
+            raise ValueError(f"AdamW8bit: need lr > 0, eps >= 0, 0 <= betas < 1, weight_decay >= 0 "
+                             f"(got lr={lr}, eps={eps}, betas={betas}, weight_decay={weight_decay})")
+        if block_size < 1 or min_8bit_size < 0:
+            raise ValueError(f"AdamW8bit: block_size must be >= 1 and min_8bit_size >= 0 "
+                             f"(got {block_size}, {min_8bit_size})")
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        self.block_size, self.min_8bit_size = block_size, min_8bit_size
+
+    def quantised(self, p: torch.Tensor) -> bool:
+        return full_numel(p) >= self.min_8bit_size
+
+    def init_state(self, p: torch.Tensor) -> dict:
+        """Create ``p``'s (zero) state now; a resume must do this before loading into it."""
+        st = self.state[p]
+        if not st:
+            st["step"] = torch.tensor(0.0)
+            fresh = new_state(p.numel(), quantised=self.quantised(p), block=self.block_size, device=p.device)
+            st.update({k: (t.view(p.shape) if t.numel() == p.numel() and t.dtype != torch.uint8 else t)
+                       for k, t in fresh.items()})
+        return st
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("AdamW8bit does not support sparse gradients")
+                st = self.init_state(p)
+                st["step"] += 1
+                flat = p.view(-1) if p.is_contiguous() else p.detach().clone().view(-1)
+                adamw8bit_update(flat, p.grad.reshape(-1), st, step=int(st["step"]), lr=group["lr"],
+                                 weight_decay=group["weight_decay"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                                 block=self.block_size)
+                if not p.is_contiguous():
+                    p.copy_(flat.view(p.shape))
+        return loss
