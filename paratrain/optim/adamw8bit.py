@@ -62,8 +62,9 @@ def new_state(numel: int, *, quantised: bool, block: int, device=None) -> dict[s
 
 
 @torch.no_grad()
-def adamw8bit_update(p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], *, step: int, lr: float,
-                     weight_decay: float, beta1: float, beta2: float, eps: float, block: int) -> None:
+def adamw8bit_update(p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], *, step: int,
+                     lr: float, weight_decay: float, beta1: float, beta2: float, eps: float,
+                     block: int) -> None:
     """One AdamW step of flat fp32 ``p`` (in place) with gradient ``g``; ``state`` holds either the
     quantised keys or fp32 "exp_avg"/"exp_avg_sq" (flat views), updated in place. ``step`` counts
     from 1 (bias correction)."""
@@ -96,8 +97,11 @@ class AdamW8bit(torch.optim.Optimizer):
     elements per quantisation block (one fp32 absmax each). State keys: ``STATE_KEYS``.
     """
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, *, block_size: int = BLOCK_SIZE, min_8bit_size: int = MIN_8BIT_SIZE):
+    STATE_KEYS = STATE_KEYS
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, block_size: int = BLOCK_SIZE,
+                 min_8bit_size: int = MIN_8BIT_SIZE):
         if lr <= 0 or eps < 0 or not all(0 <= b < 1 for b in betas) or weight_decay < 0:
             raise ValueError(f"AdamW8bit: need lr > 0, eps >= 0, 0 <= betas < 1, weight_decay >= 0 "
                              f"(got lr={lr}, eps={eps}, betas={betas}, weight_decay={weight_decay})")
@@ -121,6 +125,14 @@ class AdamW8bit(torch.optim.Optimizer):
         return st
 
     @torch.no_grad()
+    def load_named(self, p: torch.Tensor, tensors: dict[str, torch.Tensor], *, step: int) -> None:
+        """Set ``p``'s state from flat tensors by state key (as ``named_state`` returns them)."""
+        st = self.init_state(p)
+        st["step"] = torch.tensor(float(step))
+        for key, t in tensors.items():
+            st[key].copy_(t.reshape(st[key].shape))
+
+    @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
@@ -137,8 +149,8 @@ class AdamW8bit(torch.optim.Optimizer):
                 st["step"] += 1
                 flat = p.view(-1) if p.is_contiguous() else p.detach().clone().view(-1)
                 adamw8bit_update(flat, p.grad.reshape(-1), st, step=int(st["step"]), lr=group["lr"],
-                                 weight_decay=group["weight_decay"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                                 block=self.block_size)
+                                 weight_decay=group["weight_decay"], beta1=beta1, beta2=beta2,
+                                 eps=group["eps"], block=self.block_size)
                 if not p.is_contiguous():
                     p.copy_(flat.view(p.shape))
         return loss

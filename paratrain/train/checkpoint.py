@@ -3,7 +3,8 @@
 A checkpoint is a folder ``OUT/checkpoints/step_000120/`` with
 
 * ``model.safetensors``: full fp32 weights named as in the single-device model;
-* ``optim.safetensors``: AdamW moments, ``exp_avg.<name>`` / ``exp_avg_sq.<name>``, full tensors;
+* ``optim.safetensors``: AdamW moments, ``exp_avg.<name>`` / ``exp_avg_sq.<name>``, full tensors
+  (8-bit AdamW: also ``exp_avg.q.<name>``, ``exp_avg.absmax.<name>``, ...; state.json lists the keys);
 * ``state.json``: step, optimizer step count, loss-scaler state, layout and configuration;
 * ``rng.pt``: every rank's RNG states.
 
@@ -53,9 +54,10 @@ def save(out: str | Path, step: int, model_state: dict, optim_state: dict | None
     tmp.mkdir()
     save_file(_contiguous(model_state), str(tmp / "model.safetensors"))
     if optim_state is not None:
-        flat = {f"{k}.{n}": t for k in ("exp_avg", "exp_avg_sq") for n, t in optim_state[k].items()}
+        keys = [k for k, v in optim_state.items() if isinstance(v, dict)]  # AdamW: exp_avg, exp_avg_sq
+        flat = {f"{k}.{n}": t for k in keys for n, t in optim_state[k].items()}
         save_file(_contiguous(flat), str(tmp / "optim.safetensors"))
-        meta = {**meta, "optimizer_step": optim_state["step"]}
+        meta = {**meta, "optimizer_step": optim_state["step"], "optimizer_state_keys": keys}
     torch.save(rng_states, tmp / "rng.pt")
     # state.json last: its presence marks the folder complete.
     (tmp / "state.json").write_text(json.dumps({**meta, "step": step}, indent=2))
@@ -75,10 +77,12 @@ def load(folder: Path) -> tuple[dict, dict | None, dict, list]:
     optim_state = None
     if (folder / "optim.safetensors").exists():
         flat = load_file(str(folder / "optim.safetensors"))
-        optim_state = {"step": meta.get("optimizer_step", 0), "exp_avg": {}, "exp_avg_sq": {}}
+        keys = meta.get("optimizer_state_keys", ["exp_avg", "exp_avg_sq"])
+        optim_state = {"step": meta.get("optimizer_step", 0), **{k: {} for k in keys}}
         for key, t in flat.items():
-            kind, name = key.split(".", 1)
-            optim_state[kind][name] = t
+            # State keys may hold dots ("exp_avg.q"): the longest key that prefixes this name is its kind.
+            kind = max((k for k in keys if key.startswith(k + ".")), key=len)
+            optim_state[kind][key[len(kind) + 1:]] = t
     rng = torch.load(folder / "rng.pt", weights_only=False) if (folder / "rng.pt").exists() else []
     return model_state, optim_state, meta, rng
 

@@ -63,6 +63,11 @@ class Strategy:
     def build_optimizer(self) -> torch.optim.Optimizer:
         o = self.optim_cfg
         groups = adamw_param_groups(self.named_params, o.weight_decay)
+        if getattr(o, "name", "adamw") == "adamw8bit":
+            from paratrain.optim.adamw8bit import AdamW8bit  # same elementwise update as ZeRO's 8-bit store
+
+            return AdamW8bit(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, block_size=o.block_size,
+                             min_8bit_size=o.min_8bit_size)
         # foreach=False: the plain per-tensor loop, whose per-element arithmetic is identical to
         # what a sharded (ZeRO) step does on a flat slice, so layouts agree bit for bit.
         return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
@@ -170,7 +175,8 @@ class Strategy:
                 buf.copy_(model_state[name])
 
     def full_optim_state(self) -> dict | None:
-        moments = {k: self._gather_stages(self.local_full_tensors(k)) for k in ("exp_avg", "exp_avg_sq")}
+        keys = getattr(self.optimizer, "STATE_KEYS", ("exp_avg", "exp_avg_sq"))  # AdamW8bit: quantised keys
+        moments = {k: self._gather_stages(self.local_full_tensors(k)) for k in keys}
         if moments["exp_avg"] is None:
             return None
         return {"step": self.optimizer_step_count(), **moments}
@@ -200,6 +206,14 @@ class Strategy:
             p.copy_(shard_of(p).slice(_lookup(model_state, name, self.model)).to(p.dtype))
         self.load_buffers(model_state)
         if optim_state is None:
+            return
+        if hasattr(self.optimizer, "load_named"):  # AdamW8bit: quantised state keys
+            from paratrain.zero.store8 import named_state
+
+            for name, p in self.named_params:
+                opt = self.optimizer
+                opt.load_named(p, named_state(optim_state, name, self.model, quantised=opt.quantised(p),
+                                              block=opt.block_size), step=int(optim_state["step"]))
             return
         for name, p in self.named_params:
             spec = shard_of(p)

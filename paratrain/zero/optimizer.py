@@ -41,6 +41,7 @@ from paratrain.comm.collectives import nbytes
 from paratrain.mesh import ParallelMesh
 from paratrain.sharding import shard_of
 from paratrain.train.strategy import Strategy, decays
+from paratrain.zero import store8
 from paratrain.zero.offload import Piece, make_store
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -76,13 +77,20 @@ class FlatLayout:
 
     @classmethod
     def build(cls, named: list[tuple[str, nn.Parameter]], keys: list[tuple[bool, int]], dp: int,
-              rank: int) -> FlatLayout:
-        """``named`` must already be sorted by ``keys`` (decays, copies): segments are contiguous runs."""
+              rank: int, *, align: int = 1, aligned: list[bool] | None = None) -> FlatLayout:
+        """``named`` must already be sorted by ``keys`` (decays, copies): segments are contiguous runs.
+
+        ``align`` > 1 (8-bit optimizer state, zero/store8.py): each parameter flagged in ``aligned``
+        (default: all) starts at a multiple of ``align`` and the buffer is padded to a multiple of
+        ``dp * align``, so shard boundaries never cut a quantisation block."""
         offsets, o = [], 0
-        for _, p in named:
+        for k, (_, p) in enumerate(named):
+            if align > 1 and (aligned is None or aligned[k]):
+                o = math.ceil(o / align) * align
             offsets.append(o)
             o += p.numel()
-        padded = max(dp, math.ceil(o / dp) * dp)
+        unit = dp * align
+        padded = max(unit, math.ceil(o / unit) * unit)
         segments: list[tuple[int, int, bool, int]] = []
         for (_, p), off, key in zip(named, offsets, keys):
             if segments and segments[-1][2:] == key:
@@ -176,6 +184,8 @@ class ShardedState:
         return out
 
     def full_optim_state(self) -> dict | None:
+        if isinstance(self.store, store8.Store8):
+            return store8.full_state(self)
         moments = {k: self._gather_stages(self.local_full_tensors(k)) for k in ("exp_avg", "exp_avg_sq")}
         if moments["exp_avg"] is None:
             return None
@@ -188,6 +198,9 @@ class ShardedState:
     def _load_flats(self, model_state: dict, optim_state: dict | None) -> None:
         from paratrain.train.strategy import _lookup
 
+        if optim_state is not None and isinstance(self.store, store8.Store8):
+            store8.load_full(self, optim_state)
+            optim_state = None  # the parameters are loaded below as usual
         for i, layout in enumerate(self.layouts):
             for which, state in (("param", model_state), *((k, (optim_state or {}).get(k)) for k in
                                                             ("exp_avg", "exp_avg_sq"))):
@@ -240,7 +253,8 @@ class ZeroDP(Strategy):
         masters, pieces = [], []
         for named in self._bucketed():
             keys = [param_key(n, p, self.mesh) for n, p in named]
-            layout = FlatLayout.build(named, keys, dp.size, dp.rank)
+            align = store8.align_kwargs(named, self.optim_cfg)  # 8-bit state: block-aligned shards
+            layout = FlatLayout.build(named, keys, dp.size, dp.rank, **align)
             full32 = layout.flatten([p.detach() for _, p in named], torch.float32, dev)
             flat = full32 if self.compute_dtype == torch.float32 else full32.to(self.compute_dtype)
             bind_views(layout, flat)
@@ -253,9 +267,14 @@ class ZeroDP(Strategy):
             del full32
         self.layouts = [b.layout for b in self.buckets]
         self.pieces = pieces
-        self.store = make_store(self.offload, masters, [pc for pc, _ in pieces], self.optim_cfg,
-                                aliased=self.compute_dtype == torch.float32 and self.offload == "none",
-                                directory=self.offload_dir, rank=self.mesh.rank, chunk=self.offload_chunk)
+        aliased = self.compute_dtype == torch.float32 and self.offload == "none"
+        if store8.is_8bit(self.optim_cfg):
+            self.store = store8.make_store8(self.offload, masters, self.layouts, self.optim_cfg,
+                                            aliased=aliased)
+        else:
+            self.store = make_store(self.offload, masters, [pc for pc, _ in pieces], self.optim_cfg,
+                                    aliased=aliased, directory=self.offload_dir, rank=self.mesh.rank,
+                                    chunk=self.offload_chunk)
         self._install_grads()
         return None
 
