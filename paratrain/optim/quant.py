@@ -45,10 +45,47 @@ def dynamic_map(*, signed: bool, decades: int = 7) -> torch.Tensor:
     return code
 
 
+#: Low bits of a float32 dropped to find its cell in the lookup table: cells are 2^-11 relative wide,
+#: finer than the maps' closest codes (0.7% apart), so at most one midpoint falls in a cell.
+_CELL_BITS = 12
+
+
+def _ordered(bits: torch.Tensor) -> torch.Tensor:
+    """int32 keys in the order of the float32 values whose bits they are (an involution)."""
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+class _Nearest:
+    """Index of the nearest code, exactly ``torch.bucketize(y, midpoints)``, ~10x faster.
+
+    bucketize is a branchy binary search per element (~185 ns here). Instead: a table over the
+    float's top bits (sign, exponent, 11 mantissa bits) gives the number of midpoints below the
+    cell's lowest value; as a cell holds at most one midpoint (checked when built), one comparison
+    with that midpoint finishes the count. Everything is a vectorised gather or compare.
+    """
+
+    def __init__(self, code: torch.Tensor):
+        self.mid = (code[1:] + code[:-1]) / 2  # [255] decision boundaries
+        lo = int(_ordered(torch.tensor([-1.0]).view(torch.int32))) >> _CELL_BITS
+        hi = int(_ordered(torch.tensor([1.0]).view(torch.int32))) >> _CELL_BITS
+        cells = torch.arange(lo, hi + 2, dtype=torch.int64) << _CELL_BITS  # one past: the top cell's end
+        lows = _ordered(cells.to(torch.int32)).view(torch.float32)  # each cell's smallest value
+        below = torch.bucketize(lows, self.mid)  # midpoints strictly below it
+        assert int((below[1:] - below[:-1]).max()) <= 1, "a cell holds two midpoints: use more bits"
+        self.lo, self.table = lo, below[:-1].to(torch.uint8)  # uint8: 0.5 MB, stays in cache
+        self.mid_ext = torch.cat([self.mid, torch.tensor([float("inf")])])
+
+    def __call__(self, y: torch.Tensor) -> torch.Tensor:
+        """uint8 code indices of ``y`` (values in [-1, 1])."""
+        cell = (_ordered(y.view(torch.int32)) >> _CELL_BITS).sub_(self.lo)
+        cell = cell.clamp_(0, self.table.numel() - 1).long()
+        t = self.table.to(y.device).take(cell)
+        return t + (y > self.mid_ext.to(y.device).take(t.long()))  # <= 255: the top cell is 1.0 itself
+
+
 SIGNED = dynamic_map(signed=True)
 UNSIGNED = dynamic_map(signed=False)
-_MIDPOINTS = {id(c): (c[1:] + c[:-1]) / 2 for c in (SIGNED, UNSIGNED)}
-_ZERO = {id(c): int(torch.nonzero(c == 0)[0]) for c in (SIGNED, UNSIGNED)}
+_NEAREST = {id(c): _Nearest(c) for c in (SIGNED, UNSIGNED)}
 
 
 def n_blocks(numel: int, block: int) -> int:
@@ -76,11 +113,10 @@ def quantise(x: torch.Tensor, code: torch.Tensor, block: int) -> tuple[torch.Ten
     absmax = xb.abs().amax(dim=1)  # [n_blocks]
     scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
     y = xb / scale[:, None]  # [n_blocks, block] in [-1, 1]
-    q = torch.bucketize(y, _MIDPOINTS[id(code)].to(y.device))  # index of the nearest code
-    if code is UNSIGNED:
-        zero = _ZERO[id(code)]
-        q = torch.where((y > 0) & (q == zero), torch.full_like(q, zero + 1), q)
-    return q.reshape(-1)[:x.numel()].to(torch.uint8), absmax
+    q = _NEAREST[id(code)](y)  # index of the nearest code
+    if code is UNSIGNED:  # code 0 is zero: lift positive values that rounded there to code 1
+        q += (q == 0) & (y > 0)
+    return q.reshape(-1)[:x.numel()].clone(), absmax
 
 
 @torch.no_grad()
