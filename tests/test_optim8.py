@@ -259,3 +259,18 @@ def test_learns_like_fp32_adamw_in_an_own_loop():
         curves.append(sum(losses[-20:]) / 20)
     assert curves[0] < 0.5 * torch.nn.functional.mse_loss(torch.zeros_like(y), y).item()
     assert abs(curves[0] - curves[1]) <= 0.05 * curves[1], curves
+
+
+def test_an_adamw_checkpoint_resumes_into_8bit_state(tmp_path):
+    Trainer(tiny_cfg(tmp_path, **{"train.steps": 2})).fit()  # fp32 AdamW moments on disk
+    trainer = Trainer(tiny_cfg(tmp_path, **EIGHT, **{"train.steps": 3, "train.resume": True}))
+    trainer.resume()
+    _, optim, _, _ = ckpt.load(ckpt.latest(tmp_path))
+    opt = trainer.par.strategy.optimizer
+    w = dict(trainer.par.model.named_parameters())["layers.0.attn.wq.weight"]
+    st = opt.state[w]
+    assert int(st["step"]) == 2 and st["exp_avg.q"].dtype == torch.uint8
+    # The fp32 moments were quantised on load: dequantised, they are within one code of the originals.
+    m = dequantise(st["exp_avg.q"], st["exp_avg.absmax"], SIGNED, BLOCK)
+    scale = st["exp_avg.absmax"].repeat_interleave(BLOCK)[:m.numel()]
+    assert torch.all((m - optim["exp_avg"]["layers.0.attn.wq.weight"].reshape(-1)).abs() <= 0.008 * scale)
