@@ -29,6 +29,7 @@ on it (zero/store8.py).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -88,6 +89,33 @@ def adamw8bit_update(p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Te
             state[f"{key}.absmax"].copy_(absmax)
 
 
+def named_state(optim_state: dict, lookup: Callable[[dict], torch.Tensor], *, name: str, quantised: bool,
+                block: int) -> dict[str, torch.Tensor]:
+    """One parameter's flat state tensors by key from a full optimizer state ({key: {name: tensor}});
+    ``lookup(named)`` finds the parameter's tensor in one key's dict (KeyError: absent). fp32 moments
+    of a tensor this optimizer quantises (a plain AdamW checkpoint) are quantised here."""
+
+    def get(key):
+        try:
+            return lookup(optim_state.get(key, {}))
+        except KeyError:
+            return None
+
+    if not quantised or get("exp_avg.q") is not None:
+        out = {k: get(k) for k in STATE_KEYS if ("." in k) == quantised}
+    else:  # fp32 moments for a tensor this run quantises
+        out = {}
+        for key, code in MOMENTS8:
+            full = get(key)
+            if full is not None:
+                out[f"{key}.q"], out[f"{key}.absmax"] = quantise(full.reshape(-1).float(), code, block)
+    missing = [k for k, t in out.items() if t is None] or ([] if out else ["exp_avg"])
+    if missing:
+        raise KeyError(f"checkpoint has no optimizer state {missing} for {name!r}: it was written by a "
+                       "different optimizer or model")
+    return {k: t.reshape(-1) for k, t in out.items()}
+
+
 class AdamW8bit(torch.optim.Optimizer):
     """AdamW with block-wise 8-bit moments, for your own training loop.
 
@@ -120,8 +148,8 @@ class AdamW8bit(torch.optim.Optimizer):
         if not st:
             st["step"] = torch.tensor(0.0)
             fresh = new_state(p.numel(), quantised=self.quantised(p), block=self.block_size, device=p.device)
-            st.update({k: (t.view(p.shape) if t.numel() == p.numel() and t.dtype != torch.uint8 else t)
-                       for k, t in fresh.items()})
+            # fp32 moments take the parameter's shape (as torch's AdamW); quantised keys stay flat.
+            st.update({k: t.view(p.shape) if k in ("exp_avg", "exp_avg_sq") else t for k, t in fresh.items()})
         return st
 
     @torch.no_grad()

@@ -208,12 +208,13 @@ class Strategy:
         if optim_state is None:
             return
         if hasattr(self.optimizer, "load_named"):  # AdamW8bit: quantised state keys
-            from paratrain.zero.store8 import named_state
+            from paratrain.optim.adamw8bit import named_state
 
+            opt = self.optimizer
             for name, p in self.named_params:
-                opt = self.optimizer
-                opt.load_named(p, named_state(optim_state, name, self.model, quantised=opt.quantised(p),
-                                              block=opt.block_size), step=int(optim_state["step"]))
+                state = named_state(optim_state, lambda d, n=name: _lookup(d, n, self.model), name=name,
+                                    quantised=opt.quantised(p), block=opt.block_size)
+                opt.load_named(p, state, step=int(optim_state["step"]))
             return
         for name, p in self.named_params:
             spec = shard_of(p)

@@ -24,6 +24,7 @@ parameter, the quantised bytes and scales of the single-process layout.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -32,8 +33,7 @@ import torch.nn as nn
 
 from paratrain.comm.collectives import nbytes
 from paratrain.optim import adamw8bit as a8
-from paratrain.optim.adamw8bit import MOMENTS8, STATE_KEYS, full_numel
-from paratrain.optim.quant import quantise
+from paratrain.optim.adamw8bit import STATE_KEYS, full_numel
 from paratrain.train.strategy import decays
 
 QUANT_KEYS = tuple(k for k in STATE_KEYS if "." in k)
@@ -205,43 +205,19 @@ def full_state(s) -> dict | None:
     return None if merged["exp_avg"] is None else {"step": store.steps, **merged}
 
 
-def named_state(optim_state: dict, name: str, model: nn.Module, *, quantised: bool, block: int) -> dict:
-    """Parameter ``name``'s state tensors (flat) from a full optimizer state, quantising fp32 moments
-    when a plain AdamW checkpoint resumes into 8-bit state."""
-    from paratrain.train.strategy import _lookup
-
-    def get(key):
-        try:
-            return _lookup(optim_state.get(key, {}), name, model)
-        except KeyError:
-            return None
-
-    if not quantised or get("exp_avg.q") is not None:
-        keys = QUANT_KEYS if quantised else tuple(k for k in STATE_KEYS if k not in QUANT_KEYS)
-        out = {k: get(k) for k in keys}
-    else:  # fp32 moments for a tensor this run quantises
-        out = {}
-        for key, code in MOMENTS8:
-            full = get(key)
-            if full is not None:
-                out[f"{key}.q"], out[f"{key}.absmax"] = quantise(full.reshape(-1).float(), code, block)
-    missing = [k for k, t in out.items() if t is None] or ([] if out else ["exp_avg"])
-    if missing:
-        raise KeyError(f"checkpoint has no optimizer state {missing} for {name!r}: it was written by a "
-                       "different optimizer or model")
-    return {k: t.reshape(-1) for k, t in out.items()}
-
-
 @torch.no_grad()
 def load_full(s, optim_state: dict) -> None:
     """``ShardedState._load_flats`` for an 8-bit store: keep this rank's slots of every key."""
+    from paratrain.train.strategy import _lookup
+
     block, step = s.store.block, int(optim_state["step"])
     for i, layout in enumerate(s.layouts):
         flats = {k: s.store._flat(i, k) for k in STATE_KEYS}  # [shard] sized: grown to [padded] below
         flats = {k: t.new_zeros(t.numel() * layout.dp) for k, t in flats.items()}
         for name, p, off in zip(layout.names, layout.params, layout.offsets):
             q = quantised(p, s.optim_cfg)
-            for key, t in named_state(optim_state, name, s.model, quantised=q, block=block).items():
+            lookup = functools.partial(_lookup, name=name, model=s.model)
+            for key, t in a8.named_state(optim_state, lookup, name=name, quantised=q, block=block).items():
                 a, b = _param_slots(key, off, p.numel(), block)
                 flats[key][a:b] = t
         for key, flat in flats.items():
