@@ -178,7 +178,8 @@ def test_every_zero_stage_at_dp2_trains_the_same_bits_and_resumes_any_layout(tmp
     more = {"train.steps": 6, "train.resume": True}
     res1 = run_layout(tiny_cfg(tmp_path / "res1", **EIGHT, **more, **{"train.micro_batch": 4,
                                                                       "train.threads": 1}))
-    layouts = [{"parallel.zero": z} for z in (0, 1, 2, 3)] + [{"parallel.zero": 2, "parallel.offload": "cpu"}]
+    # ZeRO-2 runs with --offload cpu: its gradient path and the host store in one training.
+    layouts = [{"parallel.zero": z} for z in (0, 1, 3)] + [{"parallel.zero": 2, "parallel.offload": "cpu"}]
     cfgs = [tiny_cfg(tmp_path / f"l{i}", **EIGHT, **{"parallel.dp": 2}, **lay)
             for i, lay in enumerate(layouts)]
     cfgs.append(tiny_cfg(tmp_path / "res3", **EIGHT, **more, **{"parallel.dp": 2, "parallel.zero": 3}))
