@@ -37,7 +37,8 @@ def _bnb_optimizer(strategy: Strategy):
 def _train(args, name: str) -> dict:
     overrides = {"model.name": args.model, "train.steps": args.steps, "train.out": f"{args.out}/{name}",
                  "train.eval_every": 0, "train.progress": False, "train.threads": args.threads,
-                 "data.seq_len": args.seq_len, "optim.name": "adamw" if name == "bnb" else name}
+                 "data.seq_len": args.seq_len, "optim.name": "adamw" if name == "bnb" else name,
+                 "data.cache_dir": f"{args.out}/cache"}  # its own: the shared cache may be wiped meanwhile
     cfg = config.validate(config.load(None, overrides))
     build = Strategy.build_optimizer
     if name == "bnb":

@@ -77,10 +77,13 @@ class _Nearest:
 
     def __call__(self, y: torch.Tensor) -> torch.Tensor:
         """uint8 code indices of ``y`` (values in [-1, 1])."""
-        cell = (_ordered(y.view(torch.int32)) >> _CELL_BITS).sub_(self.lo)
-        cell = cell.clamp_(0, self.table.numel() - 1).long()
-        t = self.table.to(y.device).take(cell)
-        return t + (y > self.mid_ext.to(y.device).take(t.long()))  # <= 255: the top cell is 1.0 itself
+        flat = y.reshape(-1)
+        cell = (_ordered(flat.view(torch.int32)) >> _CELL_BITS).sub_(self.lo)
+        cell.clamp_(0, self.table.numel() - 1)
+        # index_select with int32 indices: several times faster here than take() with int64 ones.
+        t = self.table.to(y.device).index_select(0, cell)
+        above = flat > self.mid_ext.to(y.device).index_select(0, t.int())
+        return (t + above).view(y.shape)  # <= 255: the top cell holds 1.0 only
 
 
 SIGNED = dynamic_map(signed=True)
@@ -124,4 +127,4 @@ def dequantise(q: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, block:
     """fp32 [n] values of (q, absmax): code[q] times its block's absmax."""
     n = q.numel()
     scale = absmax.repeat_interleave(block)[:n]
-    return code.to(q.device)[q.long()] * scale
+    return code.to(q.device).index_select(0, q.int()) * scale
