@@ -275,3 +275,13 @@ def test_an_adamw_checkpoint_resumes_into_8bit_state(tmp_path):
     m = dequantise(st["exp_avg.q"], st["exp_avg.absmax"], SIGNED, BLOCK)
     scale = st["exp_avg.absmax"].repeat_interleave(BLOCK)[:m.numel()]
     assert torch.all((m - optim["exp_avg"]["layers.0.attn.wq.weight"].reshape(-1)).abs() <= 0.008 * scale)
+
+
+@pytest.mark.parametrize("bad, says", [({"optim.name": "adam8"}, "optim.name"),
+                                       ({"parallel.tp": 2}, "--tp 1"),
+                                       ({"parallel.zero": 1, "parallel.offload": "disk",
+                                         "parallel.offload_dir": "/tmp"}, "--offload none or cpu")])
+def test_config_refuses_what_8bit_does_not_support(tmp_path, bad, says):
+    cfg = tiny_cfg(tmp_path, **{"optim.name": "adamw8bit", **bad})
+    with pytest.raises(config.ConfigError, match=says):
+        config.validate(cfg, cfg.world_size)
