@@ -56,6 +56,7 @@ TRAIN_FLAGS: dict[str, tuple[str, type]] = {
     "--seq-len": ("data.seq_len", int),
     "--vocab-size": ("data.vocab_size", int),
     "--seed": ("train.seed", int),
+    "--optimizer": ("optim.name", str),
     "--lr": ("optim.lr", float),
     "--warmup-steps": ("optim.warmup_steps", int),
     "--grad-clip": ("optim.grad_clip", float),

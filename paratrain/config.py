@@ -78,7 +78,9 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"
+    name: str = "adamw"  # adamw | adamw8bit (block-wise 8-bit moments, paratrain/optim/)
+    block_size: int = 2048  # adamw8bit: elements per quantisation block (one fp32 absmax each)
+    min_8bit_size: int = 4096  # adamw8bit: tensors with fewer elements (full size) keep fp32 moments
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 10
@@ -338,7 +340,9 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         problems.append(f"optim.warmup_steps must be >= 0 (got {o.warmup_steps})")
     if o.grad_clip < 0:
         problems.append(f"optim.grad_clip must be >= 0 (got {o.grad_clip}); 0 disables clipping")
-    _choice(problems, "optim.name", o.name, ("adamw",))
+    _choice(problems, "optim.name", o.name, ("adamw", "adamw8bit"))
+    if o.name == "adamw8bit":
+        _check_8bit(problems, cfg)
     if p.offload == "disk" and not p.offload_dir:
         problems.append("parallel.offload = 'disk' needs parallel.offload_dir (--offload-dir DIR)")
     if m.init_from:
@@ -352,6 +356,20 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
     return cfg
+
+
+def _check_8bit(problems: list[str], cfg: Config) -> None:
+    o, p = cfg.optim, cfg.parallel
+    if o.block_size < 1 or o.min_8bit_size < 0:
+        problems.append(f"optim.block_size must be >= 1 and optim.min_8bit_size >= 0 "
+                        f"(got {o.block_size}, {o.min_8bit_size})")
+    if p.offload == "disk":
+        problems.append("--optimizer adamw8bit keeps its quantised state in memory: use --offload none or "
+                        "cpu, or --optimizer adamw with --offload disk")
+    if p.tp > 1:
+        problems.append("--optimizer adamw8bit quantises whole tensors in blocks; a tensor-parallel slice's "
+                        "blocks are not the full tensor's, so its state would depend on the layout: "
+                        "use --tp 1, or --optimizer adamw with --tp > 1")
 
 
 def _check_batch(problems: list[str], cfg: Config) -> None:

@@ -156,8 +156,7 @@ def test_second_ctrl_c_exits_at_once_keeping_the_checkpoint(tmp_path):
         assert proc.returncode == 130, proc.stdout.read()
         assert_all_gone(proc, proc.pid)
         folder = ckpt.latest(out)
-        assert folder is not None and (folder / "model.safetensors").exists()
-        ckpt.load(folder)  # complete and readable
+        assert folder is not None and not ckpt.problems_of(folder)  # complete and readable
     finally:
         for pid in session_pids(proc.pid):
             os.kill(pid, signal.SIGKILL)

@@ -12,6 +12,9 @@ A checkpoint is a folder ``OUT/checkpoints/step_000120/`` with
 * ``state.json``: the trainer's meta (a free dict: step, layout, config, scaler, data cursor...),
   the optimizer step count and this run's id. Written last.
 
+An optimizer whose state is not parameter-shaped (8-bit AdamW's codes and per-block scales) writes
+it as 1-D full tensors in the single-process order (optim/adamw8bit.py), pieces being flat ranges.
+
 Loading under any layout reads, on each rank, only the pieces that overlap what that rank holds.
 
 Atomicity: every rank writes into ``step_000120.tmp-<run id>/``; once every rank reports its file
@@ -352,7 +355,8 @@ def read_rng(folder: Path) -> list:
 
 
 def open_reader(folder: Path) -> ShardReader:
-    return ShardReader(folder, json.loads((folder / "index.json").read_text())["tensors"])
+    meta = read_state(folder) if (folder / "state.json").exists() else {}
+    return ShardReader(folder, json.loads((folder / "index.json").read_text())["tensors"], meta)
 
 
 # --------------------------------------------------------------------------------------------

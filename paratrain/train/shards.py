@@ -173,8 +173,9 @@ def check_coverage(tensors: dict) -> list[str]:
 class ShardReader:
     """Reads ranges of full tensors from a checkpoint folder's shard files (``index.json``)."""
 
-    def __init__(self, folder: Path, tensors: dict):
+    def __init__(self, folder: Path, tensors: dict, meta: dict | None = None):
         self.folder, self.tensors = folder, tensors
+        self.meta = meta or {}  # the checkpoint's state.json (its config: e.g. the 8-bit block size)
         self._files: dict[str, object] = {}
 
     def close(self) -> None:

@@ -31,6 +31,7 @@ import torch.nn as nn
 from paratrain.comm import collectives as C
 from paratrain.comm.collectives import nbytes
 from paratrain.mesh import ParallelMesh
+from paratrain.optim import adamw8bit as a8
 from paratrain.sharding import info_of
 from paratrain.train.shards import CheckpointError, Piece, ShardReader, pieces_of
 
@@ -67,6 +68,10 @@ class Strategy:
     def build_optimizer(self) -> torch.optim.Optimizer:
         o = self.optim_cfg
         groups = adamw_param_groups(self.named_params, o.weight_decay)
+        if getattr(o, "name", "adamw") == "adamw8bit":
+            # the same elementwise update as ZeRO's 8-bit store (zero/store8.py)
+            return a8.AdamW8bit(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, block_size=o.block_size,
+                             min_8bit_size=o.min_8bit_size)
         # foreach=False: the plain per-tensor loop, whose per-element arithmetic is identical to
         # what a sharded (ZeRO) step does on a flat slice, so layouts agree bit for bit.
         return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
@@ -155,6 +160,10 @@ class Strategy:
             for key, t in self.optimizer.state.get(p, {}).items():
                 if torch.is_tensor(t) and t.shape == p.shape:
                     out += pieces_of(info, key, t, name=info.name or name)
+                elif key in a8.QUANT_KEYS:  # 8-bit codes and scales: flat (tp is refused for them)
+                    block = self.optimizer.block_size
+                    out.append(a8.quantised_piece(info.name or name, key, p.numel(), block, 0, p.numel(),
+                                                  t.reshape(-1)))
         return out + self.buffer_pieces()
 
     def buffer_pieces(self) -> list[Piece]:
@@ -197,7 +206,12 @@ class Strategy:
             _read_local(reader, info, full, "param", p)
             if not p.requires_grad:
                 continue
-            keys = [k for k in reader.keys(full) if k not in ("param", "buffer")]
+            if isinstance(self.optimizer, a8.AdamW8bit):
+                self._load_8bit(reader, full, p, optimizer_step)
+                continue
+            # 8-bit moments in the checkpoint ("exp_avg.q", ".absmax") load as fp32 "exp_avg"
+            keys = sorted({k.removesuffix(".q").removesuffix(".absmax") for k in reader.keys(full)}
+                          - {"param", "buffer"})
             st = self.optimizer.state[p] if keys else {}
             for key in keys:  # an optimizer's state is empty before its first step: create it
                 st[key] = torch.zeros_like(p, dtype=torch.float32)
@@ -206,12 +220,23 @@ class Strategy:
                 st["step"] = torch.tensor(float(optimizer_step))
         self.load_buffers(reader)
 
+    def _load_8bit(self, reader: ShardReader, name: str, p: torch.Tensor, optimizer_step: int) -> None:
+        opt = self.optimizer
+        state = a8.read_param_state(reader, name, tuple(p.shape), 0, p.numel(), quantised=opt.quantised(p),
+                                    block=opt.block_size)
+        if state is not None:  # else: a checkpoint without optimizer state, fresh moments
+            opt.load_named(p, state, step=optimizer_step)
+
 
 def _read_local(reader: ShardReader, info, name: str, key: str, local: torch.Tensor) -> None:
     """Fill ``local`` (padding excluded) with its slab of ``name``'s ``key``."""
     start, shape = info.shard.slab() if info.name else ((0,) * local.dim(), tuple(local.shape))
-    if not reader.has(name, key):
+    if not reader.has(name, key) and not (key in a8.FP32_KEYS and reader.has(name, f"{key}.q")):
         raise CheckpointError(f"{reader.folder}: no {key} for tensor {name!r}: the checkpoint was written "
                               "for another model")
     view = local.narrow(info.shard.dim, 0, shape[info.shard.dim]) if tuple(local.shape) != shape else local
-    view.copy_(reader.read(name, key, start, shape).view(shape))
+    if reader.has(name, key):
+        values = reader.read(name, key, start, shape)
+    else:  # an 8-bit moment, dequantised
+        values = a8.read_fp32_moment(reader, name, key, info.full_shape, start, shape, 0, math.prod(shape))
+    view.copy_(values.view(shape))

@@ -47,6 +47,7 @@ from paratrain.comm.collectives import nbytes
 from paratrain.mesh import ParallelMesh
 from paratrain.sharding import copy_info, shard_of
 from paratrain.train.strategy import Strategy
+from paratrain.zero import store8
 from paratrain.zero.offload import disk_store, make_store
 from paratrain.zero.optimizer import DTYPES, FlatLayout, ShardedState, held_sync, param_key
 
@@ -169,7 +170,8 @@ class Zero3(ShardedState, Strategy):
                         named.append((names[id(p)], p))
             named.sort(key=lambda np_: param_key(np_[0], np_[1], self.mesh), reverse=True)
             keys = [param_key(n, p, self.mesh) for n, p in named]
-            plan.append((uname, modules, FlatLayout.build(named, keys, self.mesh.dp.size, self.mesh.dp.rank)))
+            plan.append((uname, modules, FlatLayout.build(named, keys, self.mesh.dp.size, self.mesh.dp.rank,
+                                                          **store8.align_kwargs(named, self.optim_cfg))))
         return plan
 
     def _init_master(self, layout: FlatLayout, init_value: InitFn) -> torch.Tensor:
@@ -202,8 +204,11 @@ class Zero3(ShardedState, Strategy):
         layout.params[:] = [new_of[id(p)] for p in layout.params]
 
     def build_optimizer(self):
+        aliased = self.compute_dtype == torch.float32 and self.offload == "none"
+        if store8.is_8bit(self.optim_cfg):
+            self.store = store8.make_store8(self.offload, self._masters, self.layouts, self.optim_cfg,
+                                            aliased=aliased)
         if self.store is None:  # none | cpu: the store takes the masters built in _materialize
-            aliased = self.compute_dtype == torch.float32 and self.offload == "none"
             self.store = make_store(self.offload, self._masters, [pc for pc, _ in self.pieces],
                                     self.optim_cfg, aliased=aliased, directory=self.offload_dir,
                                     rank=self.mesh.rank, chunk=self.offload_chunk)

@@ -40,9 +40,11 @@ import torch.nn as nn
 from paratrain.comm import collectives as C
 from paratrain.comm.collectives import nbytes
 from paratrain.mesh import ParallelMesh
+from paratrain.optim import adamw8bit as a8
 from paratrain.sharding import info_of
 from paratrain.train.shards import CheckpointError, Piece, ShardReader, pieces_of
 from paratrain.train.strategy import Strategy, decays
+from paratrain.zero import store8
 from paratrain.zero.offload import MOMENTS, make_store
 from paratrain.zero.offload import Piece as FlatPiece
 
@@ -79,13 +81,20 @@ class FlatLayout:
 
     @classmethod
     def build(cls, named: list[tuple[str, nn.Parameter]], keys: list[tuple[bool, int]], dp: int,
-              rank: int) -> FlatLayout:
-        """``named`` must already be sorted by ``keys`` (decays, copies): segments are contiguous runs."""
+              rank: int, *, align: int = 1, aligned: list[bool] | None = None) -> FlatLayout:
+        """``named`` must already be sorted by ``keys`` (decays, copies): segments are contiguous runs.
+
+        ``align`` > 1 (8-bit optimizer state, zero/store8.py): each parameter flagged in ``aligned``
+        (default: all) starts at a multiple of ``align`` and the buffer is padded to a multiple of
+        ``dp * align``, so shard boundaries never cut a quantisation block."""
         offsets, o = [], 0
-        for _, p in named:
+        for k, (_, p) in enumerate(named):
+            if align > 1 and (aligned is None or aligned[k]):
+                o = math.ceil(o / align) * align
             offsets.append(o)
             o += p.numel()
-        padded = max(dp, math.ceil(o / dp) * dp)
+        unit = dp * align
+        padded = max(unit, math.ceil(o / unit) * unit)
         segments: list[tuple[int, int, bool, int]] = []
         for (_, p), off, key in zip(named, offsets, keys):
             if segments and segments[-1][2:] == key:
@@ -164,16 +173,23 @@ class ShardedState:
         return tuple(getattr(self.store, "state_keys", MOMENTS))
 
     def state_pieces(self) -> list[Piece]:
-        """Each flat shard cut at parameter boundaries: 1-D ranges of each (tp-local) parameter."""
+        """Each flat shard cut at parameter boundaries: 1-D ranges of each (tp-local) parameter.
+        Key by key, so the writer reads one shard of one key at a time (``_shard_range``)."""
         out = []
         for i, layout in enumerate(self.layouts):
             for which in ("param", *self.state_keys()):
                 for name, p, at, a, b in _owned(layout):
                     info = info_of(p)
                     if not info.tied_to:
-                        values = functools.partial(self._shard_range, i, which, at, at + b - a)
-                        out += pieces_of(info, which, p, a, b, values=values, name=info.name or name)
+                        out += self._pieces(i, which, info, info.name or name, p, at, a, b)
         return out + self.buffer_pieces()
+
+    def _pieces(self, i: int, which: str, info, name: str, p, at: int, a: int, b: int) -> list[Piece]:
+        """The piece of ``which`` for parameter elements [a, b), held at ``at`` of flat shard ``i``."""
+        if isinstance(self.store, store8.Store8) and which != "param":
+            return store8.state_pieces(self, i, which, name, p, at, a, b)
+        values = functools.partial(self._shard_range, i, which, at, at + b - a)
+        return pieces_of(info, which, p, a, b, values=values, name=name)
 
     def _shard_range(self, index: int, which: str, a: int, b: int) -> torch.Tensor:
         """Elements [a, b) of flat shard ``index``'s state ``which``. The writer asks shard by shard,
@@ -192,25 +208,31 @@ class ShardedState:
     def _load_flats(self, reader: ShardReader, optimizer_step: int) -> None:
         """Rebuild this rank's flat shards from the pieces that overlap them (nothing more)."""
         for i, layout in enumerate(self.layouts):
-            for which in ("param", *self.state_keys()):
-                if which != "param" and not all(reader.has(info_of(p).name or n, which)
-                                                for n, p, *_ in _owned(layout)):
-                    continue  # no optimizer state in the checkpoint: keep fresh moments
-                local = torch.zeros(layout.shard, dtype=torch.float32)
-                for name, p, at, a, b in _owned(layout):
-                    info = info_of(p)
-                    full = info.name or name
-                    if not reader.has(full, which):
-                        raise CheckpointError(f"{reader.folder}: no {which} for tensor {full!r}: the "
-                                              "checkpoint was written for another model")
-                    start, shape = info.shard.slab()
-                    valid = min(b, math.prod(shape))  # tp padding rows stay zero
-                    if valid > a:
-                        local[at:at + valid - a] = reader.read(full, which, start, shape, a, valid)
+            self.store.write(i, "param", self._read_shard(reader, layout, "param").to(self.mesh.device))
+            if isinstance(self.store, store8.Store8):
+                store8.load_state(self, reader, i, layout, optimizer_step)
+            elif all(a8.has_moments(reader, info_of(p).name or n) for n, p, *_ in _owned(layout)):
+                for which in self.state_keys():  # else no optimizer state in the checkpoint: fresh moments
+                    self.store.write(i, which, self._read_shard(reader, layout, which), step=optimizer_step)
+
+    def _read_shard(self, reader: ShardReader, layout: FlatLayout, which: str) -> torch.Tensor:
+        """This rank's flat fp32 shard of ``which`` ("param" or a moment, stored fp32 or 8-bit)."""
+        local = torch.zeros(layout.shard, dtype=torch.float32)
+        for name, p, at, a, b in _owned(layout):
+            info = info_of(p)
+            full = info.name or name
+            if which == "param" and not reader.has(full, which):
+                raise CheckpointError(f"{reader.folder}: no {which} for tensor {full!r}: the "
+                                      "checkpoint was written for another model")
+            start, shape = info.shard.slab()
+            valid = min(b, math.prod(shape))  # tp padding rows stay zero
+            if valid > a:
                 if which == "param":
-                    self.store.write(i, which, local.to(self.mesh.device))
+                    local[at:at + valid - a] = reader.read(full, which, start, shape, a, valid)
                 else:
-                    self.store.write(i, which, local, step=optimizer_step)
+                    local[at:at + valid - a] = a8.read_fp32_moment(reader, full, which, info.full_shape,
+                                                                   start, shape, a, valid)
+        return local
 
 
 def _owned(layout: FlatLayout):
@@ -260,7 +282,8 @@ class ZeroDP(Strategy):
         masters, pieces = [], []
         for named in self._bucketed():
             keys = [param_key(n, p, self.mesh) for n, p in named]
-            layout = FlatLayout.build(named, keys, dp.size, dp.rank)
+            align = store8.align_kwargs(named, self.optim_cfg)  # 8-bit state: block-aligned shards
+            layout = FlatLayout.build(named, keys, dp.size, dp.rank, **align)
             full32 = layout.flatten([p.detach() for _, p in named], torch.float32, dev)
             flat = full32 if self.compute_dtype == torch.float32 else full32.to(self.compute_dtype)
             bind_views(layout, flat)
@@ -273,9 +296,14 @@ class ZeroDP(Strategy):
             del full32
         self.layouts = [b.layout for b in self.buckets]
         self.pieces = pieces
-        self.store = make_store(self.offload, masters, [pc for pc, _ in pieces], self.optim_cfg,
-                                aliased=self.compute_dtype == torch.float32 and self.offload == "none",
-                                directory=self.offload_dir, rank=self.mesh.rank, chunk=self.offload_chunk)
+        aliased = self.compute_dtype == torch.float32 and self.offload == "none"
+        if store8.is_8bit(self.optim_cfg):
+            self.store = store8.make_store8(self.offload, masters, self.layouts, self.optim_cfg,
+                                            aliased=aliased)
+        else:
+            self.store = make_store(self.offload, masters, [pc for pc, _ in pieces], self.optim_cfg,
+                                    aliased=aliased, directory=self.offload_dir, rank=self.mesh.rank,
+                                    chunk=self.offload_chunk)
         self._install_grads()
         return None
 

@@ -1,0 +1,225 @@
+"""ZeRO with 8-bit AdamW state: block-aligned shards, a store of quantised moments, layout-free I/O.
+
+The algorithm is paratrain/optim/adamw8bit.py; this module is how ZeRO-1/2/3 shard it.
+
+Alignment. With 8-bit state on, ``FlatLayout.build(..., align=block, aligned=flags)`` starts every
+quantised parameter at a multiple of ``block`` in its flat buffer and pads the buffer to a multiple
+of ``dp * block``, so every shard boundary is a block boundary of every quantised parameter: no
+block straddles two ranks, and each block of a rank's shard holds exactly the elements (hence the
+absmax, the codes and the update) of the same block in one process. Padding costs < ``block``
+elements per quantised parameter in the flat parameter and gradient buffers, nothing in the state.
+
+Regions. A rank's master shard is cut into ``Region``s, one per parameter it (partly) holds, each
+quantised or not by the parameter's *full* size (``full_numel``: a slice at dp4 of a tensor
+quantised at dp1 is quantised too), with the parameter's weight decay. Each region keeps the state
+``adamw8bit_update`` steps: 2 bytes per element + 8 per block, or 8 per element for small tensors.
+
+Layout-free state. ``read(i, key)`` / ``write(i, key, values)`` move one state key of master shard
+``i`` in *flat* coordinates: per element for "exp_avg.q", "exp_avg_sq.q", "exp_avg", "exp_avg_sq"
+(the master's [shard]), per block for "*.absmax" ([shard / block]; a quantised parameter at offset
+``off`` owns slots ``off / block ...``). ``state_pieces`` cuts each rank's slots at parameter
+boundaries into pieces of the single-process 1-D tensors (no gather: each rank writes its own);
+``load_state`` reads back exactly this rank's slots. So a checkpoint holds, per parameter, the
+quantised bytes and scales of the single-process layout, whatever layout wrote it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from paratrain.comm.collectives import nbytes
+from paratrain.optim import adamw8bit as a8
+from paratrain.optim.adamw8bit import QUANT_KEYS, STATE_KEYS, full_numel
+from paratrain.sharding import info_of
+from paratrain.train.shards import pieces_of
+from paratrain.train.strategy import decays
+
+
+def is_8bit(optim_cfg) -> bool:
+    return getattr(optim_cfg, "name", "adamw") == "adamw8bit"
+
+
+def block_of(optim_cfg) -> int:
+    return getattr(optim_cfg, "block_size", a8.BLOCK_SIZE)
+
+
+def quantised(p: torch.Tensor, optim_cfg) -> bool:
+    """Quantised state or fp32, decided on the full tensor's size (never on a shard's)."""
+    return full_numel(p) >= getattr(optim_cfg, "min_8bit_size", a8.MIN_8BIT_SIZE)
+
+
+def align_kwargs(named: list[tuple[str, nn.Parameter]], optim_cfg) -> dict:
+    """``FlatLayout.build`` arguments: block alignment of quantised parameters when 8-bit is on."""
+    if not is_8bit(optim_cfg):
+        return {}
+    return {"align": block_of(optim_cfg), "aligned": [quantised(p, optim_cfg) for _, p in named]}
+
+
+@dataclass(frozen=True)
+class Region:
+    """Elements [start, end) of master shard ``index``: one parameter's part of it."""
+
+    index: int
+    start: int
+    end: int
+    quantised: bool
+    weight_decay: float
+
+
+def regions_of(layout, index: int, optim_cfg) -> list[Region]:
+    """This rank's regions of master shard ``index`` (shard coordinates), one per parameter."""
+    out = []
+    for name, p, off in zip(layout.names, layout.params, layout.offsets):
+        a, b = max(off, layout.lo), min(off + p.numel(), layout.lo + layout.shard)
+        if a < b:
+            wd = optim_cfg.weight_decay if decays(name, p) else 0.0
+            out.append(Region(index, a - layout.lo, b - layout.lo, quantised(p, optim_cfg), wd))
+    return out
+
+
+class Store8:
+    """8-bit AdamW over master shards (the fp32 masters stay; the moments are quantised)."""
+
+    location = "device"
+    state_keys = STATE_KEYS  # what a checkpoint holds of it (ShardedState.state_pieces)
+
+    def __init__(self, masters: list[torch.Tensor], regions: list[Region], optim_cfg, *,
+                 aliased: bool = False):
+        self.masters, self.regions, self.aliased = masters, regions, aliased
+        self.block = block_of(optim_cfg)
+        o = optim_cfg
+        self.hp = {"beta1": o.beta1, "beta2": o.beta2, "eps": o.eps}
+        self.state = [a8.new_state(r.end - r.start, quantised=r.quantised, block=self.block,
+                                device=masters[r.index].device) for r in regions]
+        self.steps = 0
+
+    def step(self, grads: list[torch.Tensor], lr: float, outs: list[torch.Tensor | None]) -> None:
+        """grads[i]: fp32 gradient shard of master i; outs[i]: where the updated values go."""
+        self.steps += 1
+        for r, st in zip(self.regions, self.state):
+            g = grads[r.index][r.start:r.end].to(self.masters[r.index].device)
+            a8.adamw8bit_update(self.masters[r.index][r.start:r.end], g, st, step=self.steps, lr=lr,
+                             weight_decay=r.weight_decay, block=self.block, **self.hp)
+        for master, out in zip(self.masters, outs):
+            if out is not None and out.data_ptr() != master.data_ptr():
+                out.copy_(master)
+
+    # -- flat coordinates of each state key ---------------------------------------------------------
+
+    def _slots(self, r: Region, key: str) -> tuple[int, int] | None:
+        """Where region ``r``'s tensor of ``key`` lies in the key's flat shard (None: not held)."""
+        if r.quantised != (key in QUANT_KEYS):
+            return None
+        if key.endswith(".absmax"):
+            return r.start // self.block, r.start // self.block + math.ceil((r.end - r.start) / self.block)
+        return r.start, r.end
+
+    def _flat(self, index: int, key: str) -> torch.Tensor:
+        n = self.masters[index].numel()
+        if key.endswith(".absmax"):
+            return torch.zeros(n // self.block)
+        return torch.zeros(n, dtype=torch.uint8 if key.endswith(".q") else torch.float32)
+
+    def read(self, index: int, which: str) -> torch.Tensor:
+        """Master shard ``index`` ("param") or one state key in flat coordinates, on the CPU."""
+        if which == "param":
+            return self.masters[index].detach().float().cpu()
+        out = self._flat(index, which)
+        for r, st in zip(self.regions, self.state):
+            slots = self._slots(r, which) if r.index == index else None
+            if slots:
+                out[slots[0]:slots[1]] = st[which].reshape(-1).cpu()
+        return out
+
+    @torch.no_grad()
+    def write(self, index: int, which: str, values: torch.Tensor, step: int | None = None) -> None:
+        if which == "param":
+            self.masters[index].copy_(values)
+        else:
+            for r, st in zip(self.regions, self.state):
+                slots = self._slots(r, which) if r.index == index else None
+                if slots:
+                    st[which].copy_(values[slots[0]:slots[1]].reshape(st[which].shape))
+        if step is not None:
+            self.steps = step
+
+    def bytes(self) -> dict[str, int]:
+        state = sum(nbytes(t) for st in self.state for t in st.values())
+        masters = 0 if self.aliased else sum(nbytes(m) for m in self.masters)
+        return {"device": state + masters, "host": 0, "disk": 0}
+
+
+class HostStore8(Store8):
+    """ZeRO-Offload with 8-bit state: masters and quantised moments in host memory, stepped there."""
+
+    location = "host"
+
+    def __init__(self, masters: list[torch.Tensor], regions: list[Region], optim_cfg, **_):
+        host = [m.detach().to("cpu", torch.float32, copy=True) for m in masters]
+        if torch.cuda.is_available():
+            host = [h.pin_memory() for h in host]
+        super().__init__(host, regions, optim_cfg, aliased=False)
+
+    def bytes(self) -> dict[str, int]:
+        return {"device": 0, "host": super().bytes()["device"], "disk": 0}
+
+
+def make_store8(kind: str, masters: list[torch.Tensor], layouts: list, optim_cfg, *, aliased: bool):
+    """The 8-bit store of master shards laid out by ``layouts`` for ``--offload kind`` (none | cpu;
+    disk is refused by config.validate)."""
+    regions = [r for i, layout in enumerate(layouts) for r in regions_of(layout, i, optim_cfg)]
+    if kind == "none":
+        return Store8(masters, regions, optim_cfg, aliased=aliased)
+    if kind == "cpu":
+        return HostStore8(masters, regions, optim_cfg)
+    raise ValueError(f"--optimizer adamw8bit supports --offload none or cpu, not {kind!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoints: per parameter, the single-process layout (optim/adamw8bit.py, train/shards.py).
+# --------------------------------------------------------------------------------------------
+
+
+def holds(p: torch.Tensor, key: str, optim_cfg) -> bool:
+    """Whether parameter ``p`` has state ``key`` (quantised keys for quantised tensors only)."""
+    return quantised(p, optim_cfg) == (key in QUANT_KEYS)
+
+
+def state_pieces(s, i: int, key: str, name: str, p: torch.Tensor, at: int, a: int, b: int) -> list:
+    """ZeRO ``_pieces`` for 8-bit state: the piece of ``key`` for elements [a, b) of ``p``, which
+    master shard ``i`` holds at ``at`` (block-aligned, so its absmax slots are whole blocks)."""
+    if not holds(p, key, s.optim_cfg):
+        return []
+    if key not in QUANT_KEYS:  # a small tensor's fp32 moment: parameter-shaped, like AdamW's
+        values = functools.partial(s._shard_range, i, key, at, at + b - a)
+        return pieces_of(info_of(p), key, p, a, b, values=values, name=name)
+    block = s.store.block
+    sa, sb = a8.key_range(key, at, at + b - a, block)
+    values = functools.partial(s._shard_range, i, key, sa, sb)
+    return [a8.quantised_piece(name, key, p.numel(), block, a, b, values)]
+
+
+@torch.no_grad()
+def load_state(s, reader, i: int, layout, optimizer_step: int) -> None:
+    """ZeRO ``_load_flats`` for 8-bit state: this rank's slots of master shard ``i``, converted
+    from whatever the checkpoint holds (8-bit of another block size or plain AdamW: requantised)."""
+    from paratrain.zero.optimizer import _owned
+
+    store, block = s.store, s.store.block
+    flats = {k: store._flat(i, k) for k in STATE_KEYS}
+    for name, p, at, a, b in _owned(layout):
+        full = info_of(p).name or name
+        state = a8.read_param_state(reader, full, tuple(p.shape), a, b, quantised=quantised(p, s.optim_cfg),
+                                    block=block)
+        if state is None:
+            return  # a checkpoint without optimizer state: fresh moments
+        for key, values in state.items():
+            lo, hi = a8.key_range(key, at, at + b - a, block)
+            flats[key][lo:hi] = values
+    for key, flat in flats.items():
+        store.write(i, key, flat, step=optimizer_step)
