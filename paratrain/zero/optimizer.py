@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -121,15 +122,24 @@ class FlatLayout:
         for start, end, dec, copies in self.segments:
             a, b = max(start, self.lo), min(end, self.lo + self.shard)
             if a < b:
-                out.append((Piece(index, a - self.lo, b - self.lo, weight_decay if dec else 0.0), copies))
+                out.append((Piece(index, a - self.lo, b - self.lo, weight_decay if dec else 0.0, int(dec)),
+                            copies))
         return out
 
 
-def param_key(name: str, p: torch.Tensor, mesh: ParallelMesh) -> tuple[bool, int]:
-    """(decays, copies): copies = world ranks holding this same gradient element outside dp."""
+GroupOf = Callable[[str, torch.Tensor], int]  # (name, parameter) -> the user's param-group index
+
+
+def param_key(name: str, p: torch.Tensor, mesh: ParallelMesh,
+              group_of: GroupOf | None = None) -> tuple[bool, int]:
+    """(group, copies): copies = world ranks holding this same gradient element outside dp.
+
+    group: whether it decays (the CLI's AdamW, two groups), or the index of the user's param group
+    (``group_of``, the library): flat segments and optimizer pieces never mix two groups."""
     spec = shard_of(p)
     tp_copies = 1 if (spec.is_split and spec.axis == "tp") else mesh.tp.size
-    return decays(name, p), tp_copies * getattr(p, "pt_pp_copies", 1)
+    group = decays(name, p) if group_of is None else group_of(name, p)
+    return group, tp_copies * getattr(p, "pt_pp_copies", 1)
 
 
 def bind_views(layout: FlatLayout, flat: torch.Tensor) -> None:
@@ -224,9 +234,11 @@ class ZeroDP(Strategy):
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, optim_cfg, *, precision: str = "fp32",
                  reduce_dtype: torch.dtype | None = None, bucket_bytes: int = 25 * 2**20,
-                 offload: str = "none", offload_dir: str | None = None, offload_chunk: int | None = None):
+                 offload: str = "none", offload_dir: str | None = None, offload_chunk: int | None = None,
+                 group_of: GroupOf | None = None):
         self.compute_dtype = DTYPES[precision]
         self.reduce_dtype = reduce_dtype or self.compute_dtype
+        self.group_of = group_of
         self.bucket_bytes, self.offload, self.offload_dir = bucket_bytes, offload, offload_dir
         self.offload_chunk = offload_chunk
         self._sync, self._factor = True, 1.0
@@ -239,7 +251,7 @@ class ZeroDP(Strategy):
         self.buckets: list[_Bucket] = []
         masters, pieces = [], []
         for named in self._bucketed():
-            keys = [param_key(n, p, self.mesh) for n, p in named]
+            keys = [param_key(n, p, self.mesh, self.group_of) for n, p in named]
             layout = FlatLayout.build(named, keys, dp.size, dp.rank)
             full32 = layout.flatten([p.detach() for _, p in named], torch.float32, dev)
             flat = full32 if self.compute_dtype == torch.float32 else full32.to(self.compute_dtype)
@@ -263,7 +275,7 @@ class ZeroDP(Strategy):
         """Buckets in backward order (reverse of registration), one key (decays, copies) each."""
         by_key: dict[tuple, list] = {}
         for name, p in reversed(self.named_params):
-            by_key.setdefault(param_key(name, p, self.mesh), []).append((name, p))
+            by_key.setdefault(param_key(name, p, self.mesh, self.group_of), []).append((name, p))
         buckets = []
         for named in by_key.values():
             current, size = [], 0
