@@ -52,8 +52,9 @@ class Parallel:
     shard an optimizer class it does not know to be element-wise.
     """
 
-    def __init__(self, *, dp: int | None = None, tp: int = 1, pp: int = 1, zero: int = 0, offload: str = "none",
-                 offload_dir: str | None = None, bucket_mb: float = 25.0, precision: str = "fp32",
+    def __init__(self, *, dp: int | None = None, tp: int = 1, pp: int = 1, zero: int = 0,
+                 offload: str = "none", offload_dir: str | None = None, bucket_mb: float = 25.0,
+                 precision: str = "fp32",
                  timeout: float = 600.0, check_collectives: bool = False, units: list[str] | None = None,
                  unit_min_params: int | None = None, tp_plan: dict[str, str] | None = None,
                  allow_non_elementwise: bool = False):
@@ -99,7 +100,8 @@ class Parallel:
 
     # -- prepare -----------------------------------------------------------------------------------
 
-    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, ParallelOptimizer]:
+    def prepare(self, model: nn.Module,
+                optimizer: torch.optim.Optimizer) -> tuple[nn.Module, ParallelOptimizer]:
         """Wrap the user's model and optimizer (built on one device, before any step) for this layout.
 
         Returns the same module (parameters sharded in place, names kept) and an optimizer whose
@@ -226,7 +228,8 @@ class Parallel:
         """Objects with state_dict / load_state_dict (an LR scheduler, a data sampler) saved by save()."""
         for obj in objects:
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-                raise TypeError(f"{type(obj).__name__} has no state_dict/load_state_dict: it cannot be checkpointed")
+                raise TypeError(f"{type(obj).__name__} has no state_dict/load_state_dict: "
+                                "it cannot be checkpointed")
             self._objects.append(obj)
 
     def save(self, directory: str | os.PathLike) -> None:
@@ -306,11 +309,19 @@ class ParallelOptimizer(torch.optim.Optimizer):
         scalars (every rank calls it: the shards are gathered)."""
         from paratrain.api_state import full_optimizer_state
 
-        return {**full_optimizer_state(self.strategy), "steps": self.steps}
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        return {**full_optimizer_state(self.strategy), "steps": self.steps, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Also restores each group's settings (lr ...), as torch's Optimizer.load_state_dict does:
+        a scheduler's own state does not hold the lr it last wrote."""
         from paratrain.api_state import load_optimizer_state
 
+        if len(state_dict["param_groups"]) != len(self.param_groups):
+            raise ValueError(f"the checkpoint's optimizer has {len(state_dict['param_groups'])} param "
+                             f"groups, this one {len(self.param_groups)}: build it with the same groups")
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            group.update(saved)
         load_optimizer_state(self.strategy, state_dict)
         self.steps = state_dict["steps"]
 
@@ -321,7 +332,8 @@ class ParallelOptimizer(torch.optim.Optimizer):
 # -- checks ----------------------------------------------------------------------------------------
 
 
-def _check_args(*, tp, pp, zero, offload, offload_dir, bucket_mb, precision, timeout, units, tp_plan) -> list[str]:
+def _check_args(*, tp: int, pp: int, zero: int, offload: str, offload_dir: str | None, bucket_mb: float,
+                precision: str, timeout: float, units: list[str] | None, tp_plan: dict | None) -> list[str]:
     problems = []
     if pp != 1:
         problems.append(f"pp = {pp}: a pipeline schedule runs every stage's micro-batches itself, so it owns "
@@ -338,8 +350,8 @@ def _check_args(*, tp, pp, zero, offload, offload_dir, bucket_mb, precision, tim
     if bucket_mb <= 0:
         problems.append(f"bucket_mb = {bucket_mb} must be > 0")
     if precision != "fp32":
-        problems.append(f"precision = {precision!r}: the library keeps parameters in fp32; for mixed precision "
-                        "run your forward under torch.autocast")
+        problems.append(f"precision = {precision!r}: the library keeps parameters in fp32; for mixed "
+                        "precision run your forward under torch.autocast")
     if timeout <= 0:
         problems.append(f"timeout = {timeout} must be > 0 seconds")
     if units is not None and zero != 3:
@@ -347,8 +359,8 @@ def _check_args(*, tp, pp, zero, offload, offload_dir, bucket_mb, precision, tim
     if tp_plan and tp == 1:
         problems.append("tp_plan splits linears over tensor-parallel ranks: it needs tp > 1")
     if tp > 1 and not tp_plan:
-        problems.append(f"tp = {tp} needs tp_plan = {{'<Linear name>': 'colwise' | 'rowwise', ...}} naming how "
-                        "to split your model's linears")
+        problems.append(f"tp = {tp} needs tp_plan = {{'<Linear name>': 'colwise' | 'rowwise', ...}} naming "
+                        "how to split your model's linears")
     return problems
 
 
@@ -364,7 +376,8 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None
                          "(the optimizer already holds state)")
     mine = {id(p) for p in model.parameters()}
     if any(id(p) not in mine for g in optimizer.param_groups for p in g["params"]):
-        raise ValueError("the optimizer holds tensors that are not parameters of the model given to prepare()")
+        raise ValueError("the optimizer holds tensors that are not parameters of the model given to "
+                         "prepare()")
 
 
 def _group_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:

@@ -32,7 +32,8 @@ def _keys_and_scalars(strategy: Strategy) -> tuple[list[str], dict]:
         per_element = {k for k, t in st.items() if torch.is_tensor(t) and t.shape == p.shape and p.dim() > 0}
         keys |= per_element
         if st and not scalars:
-            scalars = {k: t.clone() if torch.is_tensor(t) else t for k, t in st.items() if k not in per_element}
+            scalars = {k: t.clone() if torch.is_tensor(t) else t for k, t in st.items()
+                       if k not in per_element}
     return sorted(keys), scalars
 
 

@@ -7,6 +7,8 @@ paratrain at all): losses every step and the final full weights, at the harness'
 
 from __future__ import annotations
 
+import contextlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -59,8 +61,8 @@ def make_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
     if kind == "adamw":  # two groups, decay on matrices only: groups must survive sharding
         mats = [p for p in model.parameters() if p.dim() >= 2]
         vecs = [p for p in model.parameters() if p.dim() < 2]
-        return torch.optim.AdamW([{"params": mats, "weight_decay": 0.1}, {"params": vecs, "weight_decay": 0.0}],
-                                 lr=3e-3)
+        groups = [{"params": mats, "weight_decay": 0.1}, {"params": vecs, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=3e-3)
     if kind == "sgd":
         return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     return torch.optim.Adagrad(model.parameters(), lr=0.05)
@@ -80,7 +82,7 @@ def build(kind: str):
     return model, opt, sched
 
 
-def reference(kind: str, steps: int = STEPS) -> tuple[list[float], dict]:
+def reference(kind: str, steps: int = STEPS, clip: float | None = None) -> tuple[list[float], dict]:
     """One plain process, plain torch, the whole global batch."""
     model, opt, sched = build(kind)
     losses = []
@@ -88,6 +90,8 @@ def reference(kind: str, steps: int = STEPS) -> tuple[list[float], dict]:
         x, y = batch(k)
         loss = F.cross_entropy(model(x), y)
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
         sched.step()
@@ -95,13 +99,22 @@ def reference(kind: str, steps: int = STEPS) -> tuple[list[float], dict]:
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def train_steps(par, model, opt, sched, first: int, last: int) -> list[float]:
-    rows = slice(par.dp_rank * BATCH // par.dp_size, (par.dp_rank + 1) * BATCH // par.dp_size)
+def train_steps(par, model, opt, sched, first: int, last: int, accum: int = 1,
+                clip: float | None = None) -> list[float]:
+    per_rank = BATCH // par.dp_size
+    lo = par.dp_rank * per_rank
     losses = []
     for k in range(first, last):
         x, y = batch(k)
-        loss = F.cross_entropy(model(x[rows]), y[rows])  # this rank's mean
-        par.backward(loss)
+        loss = 0.0
+        for m in range(accum):  # micro-batches: all but the last under no_sync
+            rows = slice(lo + m * per_rank // accum, lo + (m + 1) * per_rank // accum)
+            micro = F.cross_entropy(model(x[rows]), y[rows]) / accum
+            with par.no_sync() if m < accum - 1 else contextlib.nullcontext():
+                par.backward(micro)
+            loss += micro.detach()
+        if clip is not None:
+            par.clip_grad_norm_(clip)
         opt.step()
         opt.zero_grad()
         sched.step()
@@ -117,7 +130,7 @@ def _global_mean(loss: torch.Tensor, par) -> float:
     return loss.item()
 
 
-def _train_with(env, kinds: list[str], par_kwargs: dict) -> dict:
+def _train_with(env, kinds: list[str], par_kwargs: dict, accum: int = 1, clip: float | None = None) -> dict:
     out = {}
     for kind in kinds:
         kw = dict(par_kwargs)
@@ -126,7 +139,7 @@ def _train_with(env, kinds: list[str], par_kwargs: dict) -> dict:
         par = paratrain.Parallel(**kw)
         model, opt, sched = build(kind)
         model, opt = par.prepare(model, opt)
-        losses = train_steps(par, model, opt, sched, 0, STEPS)
+        losses = train_steps(par, model, opt, sched, 0, STEPS, accum=accum, clip=clip)
         out[kind] = (losses, par.full_state_dict(model))
     return out
 
@@ -141,30 +154,141 @@ def assert_same(got, ref) -> None:
 
 
 KINDS = ["adamw", "sgd", "adagrad"]
+# layout -> (Parallel arguments, optimizers, loop options): zero 0-3 with all three classes; the
+# offload stores with the class whose state they must carry; accumulation and clipping on some.
 LAYOUTS = {
-    "ddp": {"zero": 0},
-    "zero1": {"zero": 1},
-    "zero2": {"zero": 2, "bucket_mb": 0.002},  # several buckets, so hooks fire mid-backward
-    "zero3": {"zero": 3},
-    "zero3_units": {"zero": 3, "units": ["blocks.0", "blocks.1.up", "head"]},
-    "zero1_cpu": {"zero": 1, "offload": "cpu"},
-    "zero3_cpu": {"zero": 3, "offload": "cpu"},
-    "zero2_disk": {"zero": 2, "offload": "disk"},
-    "zero3_disk": {"zero": 3, "offload": "disk"},
+    "ddp": ({"zero": 0}, KINDS, {"clip": 0.5}),
+    "zero1": ({"zero": 1}, KINDS, {"clip": 0.5}),
+    "zero2": ({"zero": 2, "bucket_mb": 0.002}, KINDS, {"accum": 2}),  # several buckets: hooks mid-backward
+    "zero3": ({"zero": 3}, KINDS, {"accum": 2, "clip": 0.5}),
+    "zero3_units": ({"zero": 3, "units": ["blocks.0", "blocks.1.up", "head"]}, ["adamw"], {}),
+    "zero1_cpu": ({"zero": 1, "offload": "cpu"}, ["sgd"], {}),
+    "zero3_cpu": ({"zero": 3, "offload": "cpu"}, ["adamw"], {}),
+    "zero2_disk": ({"zero": 2, "offload": "disk"}, ["adagrad", "sgd"], {}),
+    "zero3_disk": ({"zero": 3, "offload": "disk"}, ["adamw"], {"clip": 0.5}),
 }
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_dp2_equals_one_process(layout, tmp_path):
-    kw = dict(LAYOUTS[layout])
+    kw, kinds, loop = LAYOUTS[layout]
+    kw = dict(kw)
     if kw.get("offload") == "disk":
         kw["offload_dir"] = str(tmp_path)
-    got = run(_train_with, 2, KINDS, kw)[0]
-    for kind in KINDS:
-        assert_same(got[kind], reference(kind))
+    got = run(_train_with, 2, kinds, kw, **loop)[0]
+    for kind in kinds:
+        assert_same(got[kind], reference(kind, clip=loop.get("clip")))
 
 
 def test_one_plain_process_zero3():
     """No process group at all: Parallel runs as world 1 (ZeRO-3 over one rank)."""
     got = _train_with(None, ["sgd"], {"zero": 3})
     assert_same(got["sgd"], reference("sgd"))
+
+
+# -- save / load --------------------------------------------------------------------------------------
+
+
+def _train_and_save(env, kind: str, kw: dict, ckpt: str, first: int, last: int, load: bool) -> tuple:
+    par = paratrain.Parallel(**kw)
+    model, opt, sched = build(kind)
+    model, opt = par.prepare(model, opt)
+    par.register_for_checkpointing(sched)
+    if load:
+        par.load(ckpt)
+    losses = train_steps(par, model, opt, sched, first, last)
+    if not load:
+        par.save(ckpt)
+    return losses, par.full_state_dict(model)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_save_under_zero3_dp2_resumes_in_one_process(kind, tmp_path):
+    """Half the steps under ZeRO-3 dp2, save; the rest in one plain process (ZeRO-1) after load:
+    the same losses and weights as one uninterrupted process (moments, momentum, scheduler kept)."""
+    ckpt = str(tmp_path / "ckpt")
+    first, _ = run(_train_and_save, 2, kind, {"zero": 3}, ckpt, 0, STEPS // 2, False)[0]
+    rest, weights = run(_train_and_save, 1, kind, {"zero": 1}, ckpt, STEPS // 2, STEPS, True)[0]
+    assert_same((first + rest, weights), reference(kind))
+
+
+def test_save_load_same_layout_continues_identically(tmp_path):
+    """DDP dp2 saves, DDP dp2 loads: no reordering anywhere, so the continuation is bit-identical."""
+    ckpt = str(tmp_path / "ckpt")
+    run(_train_and_save, 2, "adagrad", {"zero": 0}, ckpt, 0, STEPS // 2, False)
+    resumed = run(_train_and_save, 2, "adagrad", {"zero": 0}, ckpt, STEPS // 2, STEPS, True)[0]
+    straight = run(_train_with, 2, ["adagrad"], {"zero": 0})[0]["adagrad"]
+    assert resumed[0] == straight[0][STEPS // 2:]
+    for name, w in straight[1].items():
+        assert torch.equal(resumed[1][name], w), name
+
+
+# -- tensor parallelism by a user plan ----------------------------------------------------------------
+
+TP_PLAN = {"blocks.0.up": "colwise", "blocks.0.down": "rowwise", "blocks.1.up": "colwise",
+           "blocks.1.down": "rowwise", "head.1": "colwise_gather"}
+
+
+def _train_tp(env, kind: str) -> tuple:
+    with pytest.raises(ValueError, match="'blocks.9.up', which is not a submodule of Net"):
+        paratrain.Parallel(tp=2, tp_plan={"blocks.9.up": "colwise"}).prepare(*build(kind)[:2])
+    par = paratrain.Parallel(tp=2, tp_plan=TP_PLAN)
+    model, opt, sched = build(kind)
+    model, opt = par.prepare(model, opt)
+    assert model.blocks[0].up.weight.shape == (DIM, DIM)  # half of the 2*DIM output features
+    return train_steps(par, model, opt, sched, 0, STEPS), par.full_state_dict(model)
+
+
+def test_tp2_user_plan_equals_one_process():
+    got = run(_train_tp, 2, "adamw")[0]
+    assert_same(got, reference("adamw"))
+
+
+# -- bad input ------------------------------------------------------------------------------------------
+
+
+def test_bad_input_is_refused_with_what_to_change():
+    model, _, _ = build("sgd")
+    with pytest.raises(NotElementwiseError, match="LBFGS is not known to be element-wise.*allow_non_elem"):
+        paratrain.Parallel(zero=2).prepare(model, torch.optim.LBFGS(model.parameters()))
+    # The user's word is enough to shard it (here with a class ZeRO really can step exactly).
+    paratrain.Parallel(zero=1, allow_non_elementwise=True).prepare(*build("sgd")[:2])
+    with pytest.raises(ValueError, match="pp = 2: a pipeline schedule .* owns the training loop"):
+        paratrain.Parallel(pp=2)
+    with pytest.raises(ValueError, match="needs zero = 1, 2 or 3"):
+        paratrain.Parallel(offload="cpu")
+    with pytest.raises(ValueError, match="offload_dir"):
+        paratrain.Parallel(zero=3, offload="disk")
+    with pytest.raises(ValueError, match="tp = 2 needs tp_plan"):
+        paratrain.Parallel(tp=2)
+    with pytest.raises(ValueError, match=r"units=\['nope'\] name no submodule of Net"):
+        paratrain.Parallel(zero=3, units=["nope"]).prepare(*build("sgd")[:2])
+    model, opt, _ = build("sgd")
+    model.extra = nn.Linear(2, 2)  # trainable, but the optimizer does not know it
+    with pytest.raises(ValueError, match=r"\['extra.weight', 'extra.bias'\] require grad but are in no"):
+        paratrain.Parallel(zero=1).prepare(model, opt)
+
+
+# -- the runnable example, under torchrun and as one plain process ------------------------------------
+
+
+def _example(tmp_path: Path, name: str, *launcher: str, args: tuple = ()) -> dict:
+    from safetensors.torch import load_file
+
+    out = tmp_path / f"{name}.safetensors"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [*launcher, str(ROOT / "examples" / "own_loop.py"), "--steps", "4", "--out", str(out), *args]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return load_file(str(out))
+
+
+def test_example_own_loop_torchrun_equals_one_process(tmp_path):
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    ref = _example(tmp_path, "one", sys.executable)
+    got = _example(tmp_path, "two", torchrun, "--standalone", "--nproc-per-node", "2",
+                   args=("--zero", "3", "--offload", "cpu", "--save", str(tmp_path / "ckpt")))
+    assert got.keys() == ref.keys() and len(ref) == 8
+    for name, w in ref.items():
+        torch.testing.assert_close(got[name], w, **FP32_REORDERED, msg=lambda m, n=name: f"{n}: {m}")
+    assert (tmp_path / "ckpt" / "checkpoints" / "latest").exists()

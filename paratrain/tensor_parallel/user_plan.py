@@ -54,8 +54,8 @@ def check_plan(model: nn.Module, plan: dict[str, str], tp: int) -> list[str]:
             lin = modules[name]
             size, what = (lin.in_features, "in") if style == "rowwise" else (lin.out_features, "out")
             if size % tp:
-                problems.append(f"tp_plan[{name!r}] ({style}) splits {what}_features = {size}, which tp = {tp} "
-                                "does not divide: change tp or the layer's width")
+                problems.append(f"tp_plan[{name!r}] ({style}) splits {what}_features = {size}, which "
+                                f"tp = {tp} does not divide: change tp or the layer's width")
     return problems
 
 

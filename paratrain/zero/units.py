@@ -51,11 +51,15 @@ def named_units(model: nn.Module, names: list[str]) -> list[tuple[str, list[nn.M
     missing = [n for n in names if n not in modules or n == ""]
     if missing:
         have = ", ".join(n for n in modules if n) or "(none)"
-        raise ValueError(f"units={missing} name no submodule of {type(model).__name__}; its submodules are: {have}")
+        raise ValueError(f"units={missing} name no submodule of {type(model).__name__}; "
+                         f"its submodules are: {have}")
     return _with_rest(model, [(n, [modules[n]]) for n in names])
 
 
-def _with_rest(model: nn.Module, units: list[tuple[str, list[nn.Module]]]) -> list[tuple[str, list[nn.Module]]]:
+Units = list[tuple[str, list[nn.Module]]]
+
+
+def _with_rest(model: nn.Module, units: Units) -> Units:
     owned = {id(p) for _, mods in units for m in mods for p in m.parameters()}
     if any(id(p) not in owned for p in model.parameters()):
         units.append((REST, [model]))
