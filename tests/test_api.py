@@ -156,12 +156,16 @@ def assert_same(got, ref) -> None:
 KINDS = ["adamw", "sgd", "adagrad"]
 # layout -> (Parallel arguments, optimizers, loop options): zero 0-3 with all three classes; the
 # offload stores with the class whose state they must carry; accumulation and clipping on some.
+# Layouts run in the same two workers, one after the other (a fresh Parallel each): worker start-up,
+# not the tiny model, is what costs time here.
 LAYOUTS = {
     "ddp": ({"zero": 0}, KINDS, {"clip": 0.5}),
     "zero1": ({"zero": 1}, KINDS, {"clip": 0.5}),
     "zero2": ({"zero": 2, "bucket_mb": 0.002}, KINDS, {"accum": 2}),  # several buckets: hooks mid-backward
     "zero3": ({"zero": 3}, KINDS, {"accum": 2, "clip": 0.5}),
     "zero3_units": ({"zero": 3, "units": ["blocks.0", "blocks.1.up", "head"]}, ["adamw"], {}),
+}
+OFFLOAD_LAYOUTS = {
     "zero1_cpu": ({"zero": 1, "offload": "cpu"}, ["sgd"], {}),
     "zero3_cpu": ({"zero": 3, "offload": "cpu"}, ["adamw"], {}),
     "zero2_disk": ({"zero": 2, "offload": "disk"}, ["adagrad", "sgd"], {}),
@@ -169,15 +173,33 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_dp2_equals_one_process(layout, tmp_path):
-    kw, kinds, loop = LAYOUTS[layout]
-    kw = dict(kw)
-    if kw.get("offload") == "disk":
-        kw["offload_dir"] = str(tmp_path)
-    got = run(_train_with, 2, kinds, kw, **loop)[0]
-    for kind in kinds:
-        assert_same(got[kind], reference(kind, clip=loop.get("clip")))
+def _train_layouts(env, layouts: dict, offload_dir: str) -> dict:
+    out = {}
+    for name, (kw, kinds, loop) in layouts.items():
+        kw = {**kw, "offload_dir": f"{offload_dir}/{name}"} if kw.get("offload") == "disk" else kw
+        for kind, result in _train_with(env, kinds, kw, **loop).items():
+            out[name, kind] = result
+    return out
+
+
+def _check_layouts(layouts: dict, got: dict) -> None:
+    refs: dict = {}
+    for name, (_, kinds, loop) in layouts.items():
+        for kind in kinds:
+            key = (kind, loop.get("clip"))
+            refs[key] = refs.get(key) or reference(kind, clip=loop.get("clip"))
+            try:
+                assert_same(got[name, kind], refs[key])
+            except AssertionError as e:
+                raise AssertionError(f"layout {name}, optimizer {kind}: {e}") from None
+
+
+def test_dp_and_zero_stages_at_dp2_equal_one_process(tmp_path):
+    _check_layouts(LAYOUTS, run(_train_layouts, 2, LAYOUTS, str(tmp_path), timeout=240)[0])
+
+
+def test_offload_cpu_and_disk_at_dp2_equal_one_process(tmp_path):
+    _check_layouts(OFFLOAD_LAYOUTS, run(_train_layouts, 2, OFFLOAD_LAYOUTS, str(tmp_path), timeout=240)[0])
 
 
 def test_one_plain_process_zero3():
@@ -189,35 +211,42 @@ def test_one_plain_process_zero3():
 # -- save / load --------------------------------------------------------------------------------------
 
 
-def _train_and_save(env, kind: str, kw: dict, ckpt: str, first: int, last: int, load: bool) -> tuple:
-    par = paratrain.Parallel(**kw)
-    model, opt, sched = build(kind)
-    model, opt = par.prepare(model, opt)
-    par.register_for_checkpointing(sched)
-    if load:
-        par.load(ckpt)
-    losses = train_steps(par, model, opt, sched, first, last)
-    if not load:
-        par.save(ckpt)
-    return losses, par.full_state_dict(model)
+def _train_and_save(env, kinds: list[str], kw: dict, ckpt: str, first: int, last: int, load: bool) -> dict:
+    out = {}
+    for kind in kinds:
+        par = paratrain.Parallel(**kw)
+        model, opt, sched = build(kind)
+        model, opt = par.prepare(model, opt)
+        par.register_for_checkpointing(sched)
+        if load:
+            par.load(f"{ckpt}/{kind}")
+        losses = train_steps(par, model, opt, sched, first, last)
+        if not load:
+            par.save(f"{ckpt}/{kind}")
+        out[kind] = (losses, par.full_state_dict(model))
+    return out
 
 
-@pytest.mark.parametrize("kind", ["adamw", "sgd"])
-def test_save_under_zero3_dp2_resumes_in_one_process(kind, tmp_path):
+def test_save_under_zero3_dp2_resumes_in_one_process(tmp_path):
     """Half the steps under ZeRO-3 dp2, save; the rest in one plain process (ZeRO-1) after load:
     the same losses and weights as one uninterrupted process (moments, momentum, scheduler kept)."""
-    ckpt = str(tmp_path / "ckpt")
-    first, _ = run(_train_and_save, 2, kind, {"zero": 3}, ckpt, 0, STEPS // 2, False)[0]
-    rest, weights = run(_train_and_save, 1, kind, {"zero": 1}, ckpt, STEPS // 2, STEPS, True)[0]
-    assert_same((first + rest, weights), reference(kind))
+    ckpt, kinds = str(tmp_path / "ckpt"), ["adamw", "sgd"]
+    first = run(_train_and_save, 2, kinds, {"zero": 3}, ckpt, 0, STEPS // 2, False)[0]
+    rest = run(_train_and_save, 1, kinds, {"zero": 1}, ckpt, STEPS // 2, STEPS, True)[0]
+    for kind in kinds:
+        assert_same((first[kind][0] + rest[kind][0], rest[kind][1]), reference(kind))
+
+
+def _resume_same_layout(env, ckpt: str) -> tuple:
+    straight = _train_with(env, ["adagrad"], {"zero": 0})["adagrad"]
+    _train_and_save(env, ["adagrad"], {"zero": 0}, ckpt, 0, STEPS // 2, False)
+    resumed = _train_and_save(env, ["adagrad"], {"zero": 0}, ckpt, STEPS // 2, STEPS, True)["adagrad"]
+    return straight, resumed
 
 
 def test_save_load_same_layout_continues_identically(tmp_path):
     """DDP dp2 saves, DDP dp2 loads: no reordering anywhere, so the continuation is bit-identical."""
-    ckpt = str(tmp_path / "ckpt")
-    run(_train_and_save, 2, "adagrad", {"zero": 0}, ckpt, 0, STEPS // 2, False)
-    resumed = run(_train_and_save, 2, "adagrad", {"zero": 0}, ckpt, STEPS // 2, STEPS, True)[0]
-    straight = run(_train_with, 2, ["adagrad"], {"zero": 0})[0]["adagrad"]
+    straight, resumed = run(_resume_same_layout, 2, str(tmp_path / "ckpt"))[0]
     assert resumed[0] == straight[0][STEPS // 2:]
     for name, w in straight[1].items():
         assert torch.equal(resumed[1][name], w), name
@@ -267,6 +296,10 @@ def test_bad_input_is_refused_with_what_to_change():
     model.extra = nn.Linear(2, 2)  # trainable, but the optimizer does not know it
     with pytest.raises(ValueError, match=r"\['extra.weight', 'extra.bias'\] require grad but are in no"):
         paratrain.Parallel(zero=1).prepare(model, opt)
+    model, opt, _ = build("sgd")
+    model.inp.weight.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"frozen parameters \['inp.weight'\] never get one"):
+        paratrain.Parallel(zero=3).prepare(model, opt)
 
 
 # -- the runnable example, under torchrun and as one plain process ------------------------------------
