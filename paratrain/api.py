@@ -48,8 +48,9 @@ class Parallel:
     zero: 0 (DDP) or ZeRO stage 1, 2, 3; offload: where ZeRO keeps the optimizer partition
     ("none", "cpu", "disk" under ``offload_dir``); bucket_mb: gradient bucket size; timeout: seconds
     before a collective that never completes fails (process-group timeout); units / unit_min_params:
-    ZeRO-3 units (names, or the size threshold of zero/units.py); allow_non_elementwise: let ZeRO
-    shard an optimizer class it does not know to be element-wise.
+    ZeRO-3 units (names, or the size threshold of zero/units.py); tp_plan: how to split the user's
+    linears (paratrain's own Llama has its declared plan; sequence_parallel applies it with SP);
+    allow_non_elementwise: let ZeRO shard an optimizer class it does not know to be element-wise.
     """
 
     def __init__(self, *, dp: int | None = None, tp: int = 1, pp: int = 1, zero: int = 0,
@@ -57,16 +58,16 @@ class Parallel:
                  precision: str = "fp32",
                  timeout: float = 600.0, check_collectives: bool = False, units: list[str] | None = None,
                  unit_min_params: int | None = None, tp_plan: dict[str, str] | None = None,
-                 allow_non_elementwise: bool = False):
+                 sequence_parallel: bool = False, allow_non_elementwise: bool = False):
         problems = _check_args(tp=tp, pp=pp, zero=zero, offload=offload, offload_dir=offload_dir,
                                bucket_mb=bucket_mb, precision=precision, timeout=timeout, units=units,
-                               tp_plan=tp_plan)
+                               tp_plan=tp_plan, sequence_parallel=sequence_parallel)
         if problems:
             raise ValueError("paratrain.Parallel: " + "; ".join(problems))
         self.zero, self.offload, self.offload_dir, self.bucket_mb = zero, offload, offload_dir, bucket_mb
         self.precision, self.timeout, self.check_collectives = precision, timeout, check_collectives
         self.units, self.unit_min_params, self.tp_plan = units, unit_min_params, tp_plan or {}
-        self.allow_non_elementwise = allow_non_elementwise
+        self.allow_non_elementwise, self.sequence_parallel = allow_non_elementwise, sequence_parallel
         rank, world, self.device = _join(timeout)
         dp = dp if dp is not None else max(1, world // (tp * pp))
         self.mesh = ParallelMesh(MeshShape(pp=pp, dp=dp, tp=tp), rank, self.device)
@@ -117,18 +118,16 @@ class Parallel:
         model.to(self.device)
         self._broadcast(model)  # every rank starts from rank 0's weights, as DDP does
         full = {n: p.detach() for n, p in model.named_parameters()}  # full values by single-device name
-        if self.tp_plan:
-            from paratrain.tensor_parallel.user_plan import apply_user_plan, check_plan
-
-            problems = check_plan(model, self.tp_plan, self.mesh.tp.size)
-            if problems:
-                raise ValueError("paratrain.Parallel tp_plan: " + "; ".join(problems))
-            _repoint(optimizer, apply_user_plan(model, self.tp_plan, self.mesh.tp))
+        if self.mesh.tp.size > 1:
+            _repoint(optimizer, self._split_tensor_parallel(model, full))
         names = _group_names(model, optimizer)
         recipe = None
         if self.zero >= 1:
             check_elementwise(optimizer, allow_non_elementwise=self.allow_non_elementwise)
             recipe = OptimizerRecipe.of(optimizer)
+            # ZeRO's stores build their own state on the shards: drop any the class made eagerly
+            # (Adagrad's sums), which would keep full-size tensors of the old parameters alive.
+            optimizer.state.clear()
         if self.dp_size > 1:
             from paratrain.data_parallel.sync_batchnorm import convert_sync_batchnorm
 
@@ -140,6 +139,25 @@ class Parallel:
         self.model = model
         self.optimizer = ParallelOptimizer(optimizer, self.strategy, recipe)
         return model, self.optimizer
+
+    def _split_tensor_parallel(self, model: nn.Module, full: dict) -> dict[int, nn.Parameter]:
+        """The user's plan, or the declared plan of paratrain's own Llama; old param id -> new."""
+        from paratrain.models import Llama
+        from paratrain.tensor_parallel.user_plan import apply_native_plan, apply_user_plan, check_plan
+
+        if not self.tp_plan:
+            if not isinstance(model, Llama):
+                raise ValueError(f"tp = {self.mesh.tp.size}: paratrain has no tensor-parallel plan for "
+                                 f"{type(model).__name__}; pass tp_plan = {{'<Linear name>': 'colwise' | "
+                                 "'rowwise', ...}} naming how to split its linears")
+            return apply_native_plan(model, self.mesh, full, sequence_parallel=self.sequence_parallel)
+        if self.sequence_parallel:
+            raise ValueError("sequence_parallel needs the model's declared plan (paratrain's Llama); a user "
+                             "tp_plan splits linears only: drop sequence_parallel")
+        problems = check_plan(model, self.tp_plan, self.mesh.tp.size)
+        if problems:
+            raise ValueError("paratrain.Parallel tp_plan: " + "; ".join(problems))
+        return apply_user_plan(model, self.tp_plan, self.mesh.tp)
 
     def _strategy(self, model: nn.Module, optimizer, recipe, names: list[list[str]], full: dict) -> Strategy:
         bucket_bytes = int(self.bucket_mb * 2**20)
@@ -337,7 +355,8 @@ class ParallelOptimizer(torch.optim.Optimizer):
 
 
 def _check_args(*, tp: int, pp: int, zero: int, offload: str, offload_dir: str | None, bucket_mb: float,
-                precision: str, timeout: float, units: list[str] | None, tp_plan: dict | None) -> list[str]:
+                precision: str, timeout: float, units: list[str] | None, tp_plan: dict | None,
+                sequence_parallel: bool) -> list[str]:
     problems = []
     if pp != 1:
         problems.append(f"pp = {pp}: a pipeline schedule runs every stage's micro-batches itself, so it owns "
@@ -362,9 +381,9 @@ def _check_args(*, tp: int, pp: int, zero: int, offload: str, offload_dir: str |
         problems.append("units = [...] chooses ZeRO-3's units: it needs zero = 3")
     if tp_plan and tp == 1:
         problems.append("tp_plan splits linears over tensor-parallel ranks: it needs tp > 1")
-    if tp > 1 and not tp_plan:
-        problems.append(f"tp = {tp} needs tp_plan = {{'<Linear name>': 'colwise' | 'rowwise', ...}} naming "
-                        "how to split your model's linears")
+    if sequence_parallel and tp == 1:
+        problems.append("sequence_parallel splits the sequence over the tensor-parallel ranks: it needs "
+                        "tp > 1")
     return problems
 
 

@@ -261,6 +261,8 @@ TP_PLAN = {"blocks.0.up": "colwise", "blocks.0.down": "rowwise", "blocks.1.up": 
 def _train_tp(env, kind: str) -> tuple:
     with pytest.raises(ValueError, match="'blocks.9.up', which is not a submodule of Net"):
         paratrain.Parallel(tp=2, tp_plan={"blocks.9.up": "colwise"}).prepare(*build(kind)[:2])
+    with pytest.raises(ValueError, match="no tensor-parallel plan for Net; pass tp_plan"):
+        paratrain.Parallel(tp=2).prepare(*build(kind)[:2])
     par = paratrain.Parallel(tp=2, tp_plan=TP_PLAN)
     model, opt, sched = build(kind)
     model, opt = par.prepare(model, opt)
@@ -271,6 +273,46 @@ def _train_tp(env, kind: str) -> tuple:
 def test_tp2_user_plan_equals_one_process():
     got = run(_train_tp, 2, "adamw")[0]
     assert_same(got, reference("adamw"))
+
+
+def _llama(steps: int, par_kwargs: dict | None) -> tuple[list[float], dict]:
+    """paratrain's own tiny Llama, built by the user, trained by a plain loop (par None: plain torch)."""
+    from paratrain.models import build_model, init_weights, preset
+
+    cfg = preset("tiny")
+    torch.manual_seed(0)
+    model = build_model(cfg, "cpu")
+    init_weights(model, 0, cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    par = paratrain.Parallel(**par_kwargs) if par_kwargs is not None else None
+    if par is not None:
+        model, opt = par.prepare(model, opt)
+    losses = []
+    for k in range(steps):
+        g = torch.Generator().manual_seed(k)
+        ids = torch.randint(0, cfg.vocab_size, (4, 33), generator=g)
+        loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+        if par is not None:
+            par.backward(loss)
+        else:
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    state = par.full_state_dict(model) if par is not None else model.state_dict()
+    return losses, {k: v.detach().clone() for k, v in state.items()}
+
+
+def _train_llama_tp(env) -> dict:
+    return {sp: _llama(STEPS, {"tp": 2, "sequence_parallel": sp}) for sp in (False, True)}
+
+
+def test_tp2_and_sp_native_llama_plan_equals_one_process():
+    """paratrain's Llama needs no plan: its declared TP (and SP) plan applies, with whole logits."""
+    got = run(_train_llama_tp, 2)[0]
+    ref = _llama(STEPS, None)
+    for sp in (False, True):
+        assert_same(got[sp], ref)
 
 
 # -- bad input ------------------------------------------------------------------------------------------
@@ -288,8 +330,8 @@ def test_bad_input_is_refused_with_what_to_change():
         paratrain.Parallel(offload="cpu")
     with pytest.raises(ValueError, match="offload_dir"):
         paratrain.Parallel(zero=3, offload="disk")
-    with pytest.raises(ValueError, match="tp = 2 needs tp_plan"):
-        paratrain.Parallel(tp=2)
+    with pytest.raises(ValueError, match="sequence_parallel .* needs tp > 1"):
+        paratrain.Parallel(sequence_parallel=True)
     with pytest.raises(ValueError, match=r"units=\['nope'\] name no submodule of Net"):
         paratrain.Parallel(zero=3, units=["nope"]).prepare(*build("sgd")[:2])
     model, opt, _ = build("sgd")

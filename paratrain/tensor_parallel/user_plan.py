@@ -79,3 +79,32 @@ def apply_user_plan(model: nn.Module, plan: dict[str, str], axis: Axis) -> dict[
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
     return new_of
+
+
+class _GatheredVocabHead:
+    """The Llama LM head for a user's loop: column-parallel over the (padded) vocabulary like the
+    trainer's, but its logits are all-gathered (padding dropped), because the user's own loss
+    expects whole logits rather than paratrain's vocabulary-parallel cross-entropy."""
+
+    def build(self, old: nn.Linear, ctx) -> nn.Module:
+        return ColumnParallelLinear(old.in_features, old.out_features, ctx.axis, input_op="none",
+                                    gather_output=True, pad_value=float("-inf"), device=old.weight.device,
+                                    dtype=old.weight.dtype)
+
+
+@torch.no_grad()
+def apply_native_plan(model: nn.Module, axis_mesh, full: dict[str, torch.Tensor], *,
+                      sequence_parallel: bool) -> dict[int, nn.Parameter]:
+    """paratrain's own Llama: its declared TP/SP plan (tensor_parallel/plan.py), with a gathered
+    head; each new parameter takes its slice of ``full`` (the weights the model held, by name)."""
+    from paratrain.tensor_parallel.plan import LLAMA_TP_PLAN, apply_tensor_parallel
+
+    before = dict(model.named_parameters())
+    apply_tensor_parallel(model, axis_mesh, sequence_parallel=sequence_parallel,
+                          plan={**LLAMA_TP_PLAN, "lm_head": _GatheredVocabHead()})
+    new_of = {}
+    for name, p in model.named_parameters():
+        if p is not before.get(name):
+            p.copy_(shard_of(p).slice(full[name]))
+            new_of[id(before[name])] = p
+    return new_of
