@@ -208,6 +208,16 @@ def test_one_plain_process_zero3():
     assert_same(got["sgd"], reference("sgd"))
 
 
+def test_size_units_policy_stops_at_the_first_module_big_enough():
+    from paratrain.models import build_model, preset
+    from paratrain.zero.units import size_units
+
+    assert [n for n, _ in size_units(Net())] == ["inp", "blocks.0", "blocks.1", "head.0", "head.1", "(rest)"]
+    llama = build_model(preset("tiny"), "meta")  # containers are opened, blocks are not
+    assert [n for n, _ in size_units(llama)] == ["embed", "layers.0", "layers.1", "layers.2", "layers.3",
+                                                 "lm_head", "(rest)"]
+
+
 # -- save / load --------------------------------------------------------------------------------------
 
 
