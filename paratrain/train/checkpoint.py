@@ -98,8 +98,9 @@ def write_pieces(path: Path, pieces: list[Piece]) -> int:
 
 
 class _Pending:
-    def __init__(self, step: int, tmp: Path, owner: dict, meta: dict, rngs: list | None):
+    def __init__(self, step: int, tmp: Path, owner: dict, meta: dict, rngs: list | None, files: dict):
         self.step, self.tmp, self.owner, self.meta, self.rngs = step, tmp, owner, meta, rngs
+        self.files = files
         self.error: str | None = None
         self.size = 0
         self.thread: threading.Thread | None = None
@@ -121,8 +122,11 @@ class Saver:
     def world(self):
         return self.mesh.world
 
-    def save(self, step: int, pieces: list[Piece], meta: dict, rng_state: dict) -> None:
-        """Write this rank's pieces of checkpoint ``step`` (collective: every rank calls it)."""
+    def save(self, step: int, pieces: list[Piece], meta: dict, rng_state: dict,
+             files: dict[str, bytes] | None = None) -> None:
+        """Write this rank's pieces of checkpoint ``step`` (collective: every rank calls it).
+        ``files`` (rank 0's): more files of the checkpoint, committed with it (the library's
+        optimizer settings and registered objects)."""
         self.finish()
         rank = self.world.rank
         with self.mesh.counter.paused():  # bookkeeping, not training traffic
@@ -137,7 +141,7 @@ class Saver:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         C.barrier(self.world)
-        job = _Pending(step, tmp, owner, meta, rngs)
+        job = _Pending(step, tmp, owner, meta, rngs, files or {})
         if self.async_save:  # snapshot now (host copies), write in the background
             mine = [Piece(p.spec, p.value().detach().to("cpu", copy=True)) for p in mine]
             job.thread = threading.Thread(target=self._write, args=(job, mine), daemon=True)
@@ -215,6 +219,8 @@ class Saver:
                  "tensors": tensors}
         _write_synced(job.tmp / "index.json", json.dumps(index).encode())
         torch.save(job.rngs, job.tmp / "rng.pt")
+        for name, data in job.files.items():
+            _write_synced(job.tmp / name, data)
         state = {**job.meta, "step": job.step, "run_id": self.run_id, "world_size": len(sizes)}
         _write_synced(job.tmp / "state.json", json.dumps(state, indent=2).encode())
         final = self.root / f"step_{job.step:06d}"

@@ -113,6 +113,26 @@ def pieces_of(info: ParamInfo, key: str, local: torch.Tensor, lo: int = 0, hi: i
     return [Piece(spec, (lambda: flat()[:n]) if callable(flat) else flat[:n])]
 
 
+def assemble(pieces: Iterable[tuple[PieceSpec, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+    """Full tensors ({key: {name: tensor}}) from pieces that cover them (replicas may repeat)."""
+    slabs: dict[tuple, tuple[PieceSpec, torch.Tensor]] = {}
+    for spec, values in pieces:
+        at = (spec.key, spec.name, spec.start, spec.shape)
+        if at not in slabs:
+            slabs[at] = (spec, torch.zeros(math.prod(spec.shape), dtype=TORCH_DTYPES[spec.dtype]))
+        slabs[at][1][spec.lo:spec.hi] = values.reshape(-1)
+    full: dict[str, dict[str, torch.Tensor]] = {}
+    for spec, slab in slabs.values():
+        t = full.setdefault(spec.key, {}).get(spec.name)
+        if t is None:
+            t = full[spec.key][spec.name] = torch.zeros(spec.full_shape, dtype=slab.dtype)
+        if t.dim() == 0:  # a 0-d buffer is a 1-element slab
+            t.copy_(slab[0])
+        else:
+            t[tuple(slice(a, a + n) for a, n in zip(spec.start, spec.shape))] = slab.view(spec.shape)
+    return full
+
+
 # --------------------------------------------------------------------------------------------
 # Streaming safetensors writer
 # --------------------------------------------------------------------------------------------

@@ -66,6 +66,8 @@ class Strategy:
     # -- optimizer ------------------------------------------------------------------------------
 
     def build_optimizer(self) -> torch.optim.Optimizer:
+        if isinstance(self.optim_cfg, torch.optim.Optimizer):
+            return self.optim_cfg  # the library: the optimizer the user built, over these parameters
         o = self.optim_cfg
         groups = adamw_param_groups(self.named_params, o.weight_decay)
         if getattr(o, "name", "adamw") == "adamw8bit":
@@ -76,9 +78,11 @@ class Strategy:
         # what a sharded (ZeRO) step does on a flat slice, so layouts agree bit for bit.
         return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
 
-    def step(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+    def step(self, lr: float | None) -> None:
+        """lr None: keep the groups' own lr (the library's user sets it, e.g. with a scheduler)."""
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
         self.optimizer.step()
 
     def zero_grad(self) -> None:

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_leaves
 
 from paratrain.comm import collectives as C
 from paratrain.comm.collectives import nbytes
@@ -49,13 +50,14 @@ from paratrain.sharding import copy_info, shard_of
 from paratrain.train.strategy import Strategy
 from paratrain.zero import store8
 from paratrain.zero.offload import disk_store, make_store
-from paratrain.zero.optimizer import DTYPES, FlatLayout, ShardedState, held_sync, param_key
+from paratrain.zero.optimizer import DTYPES, FlatLayout, GroupOf, ShardedState, held_sync, param_key
 
 #: Gradient reductions of units allowed in flight at once during backward (each holds a full unit's
 #: gradient until it completes): the current one and the previous one overlap with compute.
 REDUCES_IN_FLIGHT = 2
 
 InitFn = Callable[[str, tuple[int, ...]], torch.Tensor]  # (name, full shape) -> full fp32 value
+UnitsFn = Callable[[nn.Module], list[tuple[str, list[nn.Module]]]]  # model -> (unit name, modules)
 
 
 @dataclass
@@ -98,8 +100,11 @@ class Zero3(ShardedState, Strategy):
     def __init__(self, model: nn.Module, mesh: ParallelMesh, optim_cfg, *, init_value: InitFn,
                  precision: str = "fp32", reduce_dtype: torch.dtype | None = None,
                  reshard_after_forward: bool = True, offload: str = "none", offload_dir: str | None = None,
-                 offload_chunk: int | None = None, prefetch: bool = True):
+                 offload_chunk: int | None = None, prefetch: bool = True, units: UnitsFn | None = None,
+                 group_of: GroupOf | None = None):
         self.compute_dtype = DTYPES[precision]
+        # units: which modules form each unit, in forward order (the library passes its policy).
+        self.units_of, self.group_of = units or llama_units, group_of
         self.reduce_dtype = reduce_dtype or self.compute_dtype
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.offload, self.offload_dir, self.offload_chunk = offload, offload_dir, offload_chunk
@@ -153,23 +158,26 @@ class Zero3(ShardedState, Strategy):
             full.untyped_storage().resize_(0)
             self.units.append(Unit(uname, modules, layout, full, shard))
         owner = {id(p): i for i, u in enumerate(self.units) for p in u.layout.params}
-        for u in self.units:
-            u.uses = sorted({owner[id(p)] for m in u.modules for p in m.parameters()})
+        for i, u in enumerate(self.units):
+            # The whole model as a unit's module (the library's unit of leftover parameters) uses
+            # only that unit: its submodules gather their own units in their own hooks.
+            u.uses = sorted({i} | {owner[id(p)] for m in u.modules if m is not self.model
+                                   for p in m.parameters()})
 
     def _plan_units(self) -> list[tuple[str, list[nn.Module], FlatLayout]]:
         """Each unit's flat layout over the meta parameters it owns (a tied weight: its first unit)."""
         names = {id(p): n for n, p in self.model.named_parameters()}  # single-device names (meta)
         seen: set[int] = set()
         plan = []
-        for uname, modules in llama_units(self.model):
+        for uname, modules in self.units_of(self.model):
             named = []
             for m in modules:
                 for p in m.parameters():
                     if id(p) not in seen:
                         seen.add(id(p))
                         named.append((names[id(p)], p))
-            named.sort(key=lambda np_: param_key(np_[0], np_[1], self.mesh), reverse=True)
-            keys = [param_key(n, p, self.mesh) for n, p in named]
+            named.sort(key=lambda np_: param_key(np_[0], np_[1], self.mesh, self.group_of), reverse=True)
+            keys = [param_key(n, p, self.mesh, self.group_of) for n, p in named]
             plan.append((uname, modules, FlatLayout.build(named, keys, self.mesh.dp.size, self.mesh.dp.rank,
                                                           **store8.align_kwargs(named, self.optim_cfg))))
         return plan
@@ -272,8 +280,10 @@ class Zero3(ShardedState, Strategy):
             if self.reshard_after_forward or not grad_mode:
                 for k in self.units[i].uses:
                     self._free(k)
-            if grad_mode and torch.is_tensor(output) and output.requires_grad:
-                output.register_hook(self._pre_backward(i))
+            if grad_mode:  # the first output that carries a gradient announces the unit's backward
+                first = next((t for t in tree_leaves(output) if torch.is_tensor(t) and t.requires_grad), None)
+                if first is not None:
+                    first.register_hook(self._pre_backward(i))
         return hook
 
     def _pre_backward(self, i: int):

@@ -25,6 +25,7 @@ three ``--offload`` settings produce identical weights.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ import torch.nn as nn
 from torch.optim.adam import adam as adam_step
 
 from paratrain.comm.collectives import nbytes
+from paratrain.zero.recipe import OptimizerRecipe
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 #: Elements per streamed window of the disk store (4 MiB per file at fp32). Small enough to bound
@@ -50,6 +52,7 @@ class Piece:
     start: int
     end: int
     weight_decay: float
+    group: int = 0  # the user's param group this piece was cut from (OptimizerRecipe)
 
 
 def _hparams(optim_cfg) -> dict:
@@ -71,18 +74,27 @@ class DeviceStore:
         # are counted under parameters, not again under optimizer state.
         self.masters, self.pieces, self.aliased = masters, pieces, aliased
         self.views = [nn.Parameter(masters[pc.index][pc.start:pc.end], requires_grad=False) for pc in pieces]
-        o = optim_cfg
-        groups = [{"params": [v], "weight_decay": pc.weight_decay} for v, pc in zip(self.views, pieces)]
-        self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                           foreach=False)
+        # The user's own optimizer class and groups (library), or AdamW from the OptimConfig (CLI).
+        self.recipe = optim_cfg if isinstance(optim_cfg, OptimizerRecipe) else None
+        if self.recipe is not None:
+            self.optimizer = self.recipe.build(self.views, [pc.group for pc in pieces])
+        else:
+            o = optim_cfg
+            groups = [{"params": [v], "weight_decay": pc.weight_decay} for v, pc in zip(self.views, pieces)]
+            self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                               foreach=False)
         self.steps = 0
 
-    def step(self, grads: list[torch.Tensor], lr: float, outs: list[torch.Tensor | None]) -> None:
-        """grads[i]: fp32 gradient shard of master i (device); outs[i]: where the updated values go."""
+    def step(self, grads: list[torch.Tensor], lr: float | None, outs: list[torch.Tensor | None]) -> None:
+        """grads[i]: fp32 gradient shard of master i (device); outs[i]: where the updated values go.
+        lr None: keep the groups' own settings (a recipe takes the user's current ones)."""
         for v, pc in zip(self.views, self.pieces):
             v.grad = grads[pc.index][pc.start:pc.end]
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        if self.recipe is not None:
+            self.recipe.apply(self.optimizer, [pc.group for pc in self.pieces])
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
         self.optimizer.step()
         for v in self.views:
             v.grad = None
@@ -110,16 +122,36 @@ class DeviceStore:
             if pc.index != index:
                 continue
             st = self.optimizer.state[v]
-            if not st:  # AdamW creates its state lazily: create it, or the moments are lost
-                st["exp_avg"], st["exp_avg_sq"] = torch.zeros_like(v), torch.zeros_like(v)
+            if which not in st:  # optimizers create their state lazily: create it, or it is lost
+                st[which] = torch.zeros_like(v)
             st["step"] = torch.tensor(float(step if step is not None else self.steps))
             st[which].copy_(values[pc.start:pc.end])
         if step is not None:
             self.steps = step
 
+    def state_keys(self) -> list[str]:
+        """Per-element state tensors the optimizer holds (beyond the master)."""
+        return sorted({k for v in self.views for k, t in self.optimizer.state.get(v, {}).items()
+                       if torch.is_tensor(t) and t.shape == v.shape and v.dim() > 0})
+
+    def scalars(self) -> dict[str, torch.Tensor]:
+        """Per-parameter scalar state (step counts, NAdam's mu product): the same for every piece."""
+        for v in self.views:
+            st = self.optimizer.state.get(v, {})
+            if st:
+                keys = self.state_keys()
+                return {k: t.clone() if torch.is_tensor(t) else t for k, t in st.items() if k not in keys}
+        return {}
+
+    def set_scalars(self, values: dict) -> None:
+        for v in self.views:
+            st = self.optimizer.state[v]
+            for k, t in values.items():
+                st[k] = t.clone() if torch.is_tensor(t) else t
+
     def bytes(self) -> dict[str, int]:
         moments = sum(nbytes(t) for st in self.optimizer.state.values() for k, t in st.items()
-                      if k in MOMENTS)
+                      if k in MOMENTS or (self.recipe is not None and torch.is_tensor(t) and t.dim() > 0))
         masters = 0 if self.aliased else sum(nbytes(m) for m in self.masters)
         return {"device": masters + moments, "host": 0, "disk": 0}
 
@@ -157,7 +189,7 @@ class DiskStore:
                  chunk: int | None = None):
         """Create the (sparse, all-zero) files for master shards of ``sizes`` elements; the masters
         are then written one at a time (``write_master``), so the caller may build them one by one."""
-        self.pieces, self.hp, self.chunk = pieces, _hparams(optim_cfg), chunk or DISK_CHUNK
+        self.pieces, self.hp, self.chunk = pieces, self._hyper(optim_cfg), chunk or DISK_CHUNK
         self.sizes = list(sizes)
         self.steps = 0
         self.max_resident_bytes = 0  # largest host window held (all three files during a step)
@@ -170,6 +202,8 @@ class DiskStore:
                 # Sparse files of zeros: the moments start at zero without writing a byte.
                 with open(self.paths[i, w], "wb") as f:
                     f.truncate(self.sizes[i] * 4)
+
+    _hyper = staticmethod(_hparams)
 
     def write_master(self, index: int, master: torch.Tensor) -> None:
         """Write fp32 master shard ``index`` window by window (one mapped window resident at a time)."""
@@ -216,7 +250,67 @@ class DiskStore:
             self.steps = step
 
     def bytes(self) -> dict[str, int]:
-        return {"device": 0, "host": 0, "disk": 3 * 4 * sum(self.sizes)}
+        return {"device": 0, "host": 0, "disk": len(self.FILES) * 4 * sum(self.sizes)}
+
+
+class RecipeDiskStore(DiskStore):
+    """Disk offload for the user's own optimizer class: one file per per-element state tensor (learnt
+    from the class, e.g. SGD's momentum_buffer, Adagrad's sum), stepped ``chunk`` elements at a time
+    by an instance of that class over the mapped window; per-piece scalars (step counts) in memory."""
+
+    def __init__(self, sizes: list[int], pieces: list[Piece], recipe: OptimizerRecipe, *, directory: str,
+                 rank: int, chunk: int | None = None):
+        self.recipe = recipe
+        self.keys = {g: recipe.state_keys(g) for g in {pc.group for pc in pieces}}
+        self.FILES = ("param", *sorted({k for ks in self.keys.values() for k in ks}))
+        self.piece_scalars: list[dict] = [{} for _ in pieces]
+        super().__init__(sizes, pieces, recipe, directory=directory, rank=rank, chunk=chunk)
+
+    @staticmethod
+    def _hyper(recipe) -> dict:
+        return {}  # the recipe's groups carry them
+
+    def step(self, grads, lr, outs, scale: float = 1.0) -> None:
+        new_scalars = []
+        for k, pc in enumerate(self.pieces):
+            for a in range(pc.start, pc.end, self.chunk):
+                b = min(a + self.chunk, pc.end)
+                after = self._recipe_window(k, pc, a, b, grads[pc.index], outs[pc.index], scale)
+            new_scalars.append(after if pc.end > pc.start else self.piece_scalars[k])
+        self.piece_scalars = new_scalars  # every window of a piece started from the same scalars
+        self.steps += 1
+
+    def _recipe_window(self, k: int, pc: Piece, a: int, b: int, grad, out, scale: float) -> dict:
+        keys = self.keys[pc.group]
+        with contextlib.ExitStack() as stack:
+            p = stack.enter_context(self._window(pc.index, "param", a, b))
+            state = {key: stack.enter_context(self._window(pc.index, key, a, b)) for key in keys}
+            self.max_resident_bytes = max(self.max_resident_bytes, (1 + len(keys)) * 4 * (b - a))
+            param = nn.Parameter(p, requires_grad=False)  # shares the mapped window
+            g = grad[a:b].to("cpu", torch.float32)
+            param.grad = g.mul_(scale) if scale != 1.0 else g
+            opt = self.recipe.build([param], [pc.group])
+            if self.steps > 0:  # before the first step the class creates its own state, as unsharded
+                opt.state[param].update({**{key: t.clone() if torch.is_tensor(t) else t
+                                            for key, t in self.piece_scalars[k].items()}, **state})
+            with torch.no_grad():
+                opt.step()
+            st = opt.state[param]
+            for key in keys:
+                if st[key].data_ptr() != state[key].data_ptr():
+                    state[key].copy_(st[key])
+            if out is not None:
+                out[a:b].copy_(p)
+            return {key: t for key, t in st.items() if key not in keys}
+
+    def state_keys(self) -> list[str]:
+        return list(self.FILES[1:])
+
+    def scalars(self) -> dict:
+        return dict(self.piece_scalars[0]) if self.piece_scalars else {}
+
+    def set_scalars(self, values: dict) -> None:
+        self.piece_scalars = [dict(values) for _ in self.pieces]
 
 
 class _Window:
@@ -257,5 +351,6 @@ def disk_store(sizes: list[int], pieces: list[Piece], optim_cfg, *, directory: s
     """An empty disk store (zero masters and moments) under ``directory/zero_offload``."""
     if not directory:
         raise ValueError("--offload disk needs --offload-dir DIR (parallel.offload_dir)")
-    return DiskStore(sizes, pieces, optim_cfg, directory=os.path.join(directory, "zero_offload"), rank=rank,
-                     chunk=chunk)
+    cls = RecipeDiskStore if isinstance(optim_cfg, OptimizerRecipe) else DiskStore
+    return cls(sizes, pieces, optim_cfg, directory=os.path.join(directory, "zero_offload"), rank=rank,
+               chunk=chunk)

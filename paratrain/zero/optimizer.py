@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -133,13 +134,22 @@ class FlatLayout:
         for start, end, dec, copies in self.segments:
             a, b = max(start, self.lo), min(end, self.lo + self.shard)
             if a < b:
-                out.append((FlatPiece(index, a - self.lo, b - self.lo, weight_decay if dec else 0.0), copies))
+                wd = weight_decay if dec else 0.0
+                out.append((FlatPiece(index, a - self.lo, b - self.lo, wd, int(dec)), copies))
         return out
 
 
-def param_key(name: str, p: torch.Tensor, mesh: ParallelMesh) -> tuple[bool, int]:
-    """(decays, copies): copies = world ranks holding this same gradient element outside dp."""
-    return decays(name, p), info_of(p).copies_outside_dp(mesh)
+GroupOf = Callable[[str, torch.Tensor], int]  # (name, parameter) -> the user's param-group index
+
+
+def param_key(name: str, p: torch.Tensor, mesh: ParallelMesh,
+              group_of: GroupOf | None = None) -> tuple[bool | int, int]:
+    """(group, copies): copies = world ranks holding this same gradient element outside dp.
+
+    group: whether it decays (the CLI's AdamW, two groups), or the index of the user's param group
+    (``group_of``, the library): flat segments and optimizer pieces never mix two groups."""
+    group = decays(name, p) if group_of is None else group_of(name, p)
+    return group, info_of(p).copies_outside_dp(mesh)
 
 
 def bind_views(layout: FlatLayout, flat: torch.Tensor) -> None:
@@ -169,8 +179,10 @@ class ShardedState:
         return out
 
     def state_keys(self) -> tuple[str, ...]:
-        """The store's per-element state besides the master ("param"): AdamW's two moments."""
-        return tuple(getattr(self.store, "state_keys", MOMENTS))
+        """The store's per-element state besides the master ("param"): AdamW's two moments, the
+        8-bit store's codes and scales, or what the library user's optimizer class keeps."""
+        keys = getattr(self.store, "state_keys", None)
+        return tuple(keys()) if keys is not None else MOMENTS
 
     def state_pieces(self) -> list[Piece]:
         """Each flat shard cut at parameter boundaries: 1-D ranges of each (tp-local) parameter.
@@ -211,8 +223,8 @@ class ShardedState:
             self.store.write(i, "param", self._read_shard(reader, layout, "param").to(self.mesh.device))
             if isinstance(self.store, store8.Store8):
                 store8.load_state(self, reader, i, layout, optimizer_step)
-            elif all(a8.has_moments(reader, info_of(p).name or n) for n, p, *_ in _owned(layout)):
-                for which in self.state_keys():  # else no optimizer state in the checkpoint: fresh moments
+            else:
+                for which in _checkpoint_keys(reader, layout):
                     self.store.write(i, which, self._read_shard(reader, layout, which), step=optimizer_step)
 
     def _read_shard(self, reader: ShardReader, layout: FlatLayout, which: str) -> torch.Tensor:
@@ -233,6 +245,14 @@ class ShardedState:
                     local[at:at + valid - a] = a8.read_fp32_moment(reader, full, which, info.full_shape,
                                                                    start, shape, a, valid)
         return local
+
+
+def _checkpoint_keys(reader: ShardReader, layout: FlatLayout) -> list[str]:
+    """The optimizer-state keys the checkpoint holds for every parameter of this layout (8-bit
+    moments count as their fp32 key); none (fresh state) when it holds no optimizer state."""
+    held = [{k.removesuffix(".q").removesuffix(".absmax") for k in reader.keys(info_of(p).name or n)}
+            - {"param", "buffer"} for n, p, *_ in _owned(layout)]
+    return sorted(set.intersection(*held)) if held else []
 
 
 def _owned(layout: FlatLayout):
@@ -266,9 +286,11 @@ class ZeroDP(Strategy):
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, optim_cfg, *, precision: str = "fp32",
                  reduce_dtype: torch.dtype | None = None, bucket_bytes: int = 25 * 2**20,
-                 offload: str = "none", offload_dir: str | None = None, offload_chunk: int | None = None):
+                 offload: str = "none", offload_dir: str | None = None, offload_chunk: int | None = None,
+                 group_of: GroupOf | None = None):
         self.compute_dtype = DTYPES[precision]
         self.reduce_dtype = reduce_dtype or self.compute_dtype
+        self.group_of = group_of
         self.bucket_bytes, self.offload, self.offload_dir = bucket_bytes, offload, offload_dir
         self.offload_chunk = offload_chunk
         self._sync, self._factor = True, 1.0
@@ -281,7 +303,7 @@ class ZeroDP(Strategy):
         self.buckets: list[_Bucket] = []
         masters, pieces = [], []
         for named in self._bucketed():
-            keys = [param_key(n, p, self.mesh) for n, p in named]
+            keys = [param_key(n, p, self.mesh, self.group_of) for n, p in named]
             align = store8.align_kwargs(named, self.optim_cfg)  # 8-bit state: block-aligned shards
             layout = FlatLayout.build(named, keys, dp.size, dp.rank, **align)
             full32 = layout.flatten([p.detach() for _, p in named], torch.float32, dev)
@@ -311,7 +333,7 @@ class ZeroDP(Strategy):
         """Buckets in backward order (reverse of registration), one key (decays, copies) each."""
         by_key: dict[tuple, list] = {}
         for name, p in reversed(self.named_params):
-            by_key.setdefault(param_key(name, p, self.mesh), []).append((name, p))
+            by_key.setdefault(param_key(name, p, self.mesh, self.group_of), []).append((name, p))
         buckets = []
         for named in by_key.values():
             current, size = [], 0

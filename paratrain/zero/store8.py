@@ -86,7 +86,6 @@ class Store8:
     """8-bit AdamW over master shards (the fp32 masters stay; the moments are quantised)."""
 
     location = "device"
-    state_keys = STATE_KEYS  # what a checkpoint holds of it (ShardedState.state_pieces)
 
     def __init__(self, masters: list[torch.Tensor], regions: list[Region], optim_cfg, *,
                  aliased: bool = False):
@@ -147,6 +146,10 @@ class Store8:
                     st[which].copy_(values[slots[0]:slots[1]].reshape(st[which].shape))
         if step is not None:
             self.steps = step
+
+    def state_keys(self) -> tuple[str, ...]:
+        """What a checkpoint holds of it (ShardedState.state_pieces)."""
+        return STATE_KEYS
 
     def bytes(self) -> dict[str, int]:
         state = sum(nbytes(t) for st in self.state for t in st.values())

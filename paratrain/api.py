@@ -1,0 +1,506 @@
+"""paratrain as a library: the user's own nn.Module, optimizer and training loop.
+
+    par = paratrain.Parallel(zero=3, offload="cpu")      # torchrun's environment, or one plain process
+    model, optimizer = par.prepare(model, optimizer)     # the user's model and optimizer, already built
+    for x, y in batches:                                 # each rank takes its slice: par.dp_rank / dp_size
+        loss = loss_fn(model(x), y)                      # this rank's mean
+        par.backward(loss)                               # gradients = the mean over dp ranks (DDP)
+        optimizer.step(); optimizer.zero_grad()
+    state = par.full_state_dict(model)                   # every rank calls it; full tensors, user's names
+    par.save(ckpt_dir); par.load(ckpt_dir)               # model + optimizer + registered objects + RNG
+
+The same engine as ``paratrain train``: the strategies of train/strategy.py, data_parallel/ddp.py
+and zero/ do the work; this module only adapts the user's objects to them:
+
+* ``backward`` divides the loss by dp before backward: the strategies SUM gradients over dp (the
+  trainer pre-divides by the global token count), so the sum of ``loss / dp`` is DDP's mean.
+* ZeRO rebuilds the user's optimizer class over its flat shards (zero/recipe.py) and refuses one
+  whose update is not element-wise; the returned optimizer keeps the user's ``param_groups``, so LR
+  schedulers work, and their settings are copied in before each step.
+* ZeRO-3 picks units by size or by name (zero/units.py); TP splits the linears the user names
+  (tensor_parallel/user_plan.py). Pipeline parallelism owns the loop, so it is refused here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from paratrain.comm import collectives as C
+from paratrain.launch import init_from_torchrun, pick_device, under_torchrun
+from paratrain.mesh import MeshShape, ParallelMesh
+from paratrain.sharding import name_params, shard_of
+from paratrain.train.shards import assemble
+from paratrain.train.strategy import Strategy
+from paratrain.zero.recipe import OptimizerRecipe, check_elementwise
+
+OFFLOADS = ("none", "cpu", "disk")
+LIBRARY_FILE = "library.pt"  # in each checkpoint folder: optimizer settings/scalars, registered objects
+
+
+class Parallel:
+    """How this process takes part: the mesh, the strategy, and the user's prepared objects.
+
+    dp: data-parallel degree (default: world / (tp * pp)); tp: tensor parallel over ``tp_plan``;
+    zero: 0 (DDP) or ZeRO stage 1, 2, 3; offload: where ZeRO keeps the optimizer partition
+    ("none", "cpu", "disk" under ``offload_dir``); bucket_mb: gradient bucket size; timeout: seconds
+    before a collective that never completes fails (process-group timeout); units / unit_min_params:
+    ZeRO-3 units (names, or the size threshold of zero/units.py); tp_plan: how to split the user's
+    linears (paratrain's own Llama has its declared plan; sequence_parallel applies it with SP);
+    allow_non_elementwise: let ZeRO shard an optimizer class it does not know to be element-wise.
+    """
+
+    def __init__(self, *, dp: int | None = None, tp: int = 1, pp: int = 1, zero: int = 0,
+                 offload: str = "none", offload_dir: str | None = None, bucket_mb: float = 25.0,
+                 precision: str = "fp32",
+                 timeout: float = 600.0, check_collectives: bool = False, units: list[str] | None = None,
+                 unit_min_params: int | None = None, tp_plan: dict[str, str] | None = None,
+                 sequence_parallel: bool = False, allow_non_elementwise: bool = False):
+        problems = _check_args(tp=tp, pp=pp, zero=zero, offload=offload, offload_dir=offload_dir,
+                               bucket_mb=bucket_mb, precision=precision, timeout=timeout, units=units,
+                               tp_plan=tp_plan, sequence_parallel=sequence_parallel)
+        if problems:
+            raise ValueError("paratrain.Parallel: " + "; ".join(problems))
+        self.zero, self.offload, self.offload_dir, self.bucket_mb = zero, offload, offload_dir, bucket_mb
+        self.precision, self.timeout, self.check_collectives = precision, timeout, check_collectives
+        self.units, self.unit_min_params, self.tp_plan = units, unit_min_params, tp_plan or {}
+        self.allow_non_elementwise, self.sequence_parallel = allow_non_elementwise, sequence_parallel
+        rank, world, self.device = _join(timeout)
+        dp = dp if dp is not None else max(1, world // (tp * pp))
+        self.mesh = ParallelMesh(MeshShape(pp=pp, dp=dp, tp=tp), rank, self.device)
+        self.strategy: Strategy | None = None
+        self.model: nn.Module | None = None
+        self.optimizer: ParallelOptimizer | None = None
+        self._objects: list = []
+        self._accumulating = False
+        self._saver = None  # train/checkpoint.py's Saver, made by the first save()
+
+    # -- where this process stands ---------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self.mesh.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.world.size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.dp.rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.dp.size
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # -- prepare -----------------------------------------------------------------------------------
+
+    def prepare(self, model: nn.Module,
+                optimizer: torch.optim.Optimizer) -> tuple[nn.Module, ParallelOptimizer]:
+        """Wrap the user's model and optimizer (built on one device, before any step) for this layout.
+
+        Returns the same module (parameters sharded in place, names kept) and an optimizer whose
+        ``step`` / ``zero_grad`` / ``param_groups`` the loop uses as before.
+        """
+        if self.strategy is not None:
+            raise RuntimeError("Parallel.prepare was already called: use one Parallel per model")
+        _check_optimizer(model, optimizer)
+        frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+        if self.zero == 3 and frozen:
+            raise ValueError(f"zero = 3 reduces each unit's gradients once all of them exist; frozen "
+                             f"parameters {frozen[:5]} never get one: use zero <= 2 with frozen parameters")
+        model.to(self.device)
+        self._broadcast(model)  # every rank starts from rank 0's weights, as DDP does
+        full = {n: p.detach() for n, p in model.named_parameters()}  # full values by single-device name
+        if self.mesh.tp.size > 1:
+            _repoint(optimizer, self._split_tensor_parallel(model, full))
+        name_params(model)  # each parameter's single-device name: checkpoints and gathers use it
+        names = _group_names(model, optimizer)
+        recipe = None
+        if self.zero >= 1:
+            check_elementwise(optimizer, allow_non_elementwise=self.allow_non_elementwise)
+            recipe = OptimizerRecipe.of(optimizer)
+            # ZeRO's stores build their own state on the shards: drop any the class made eagerly
+            # (Adagrad's sums), which would keep full-size tensors of the old parameters alive.
+            optimizer.state.clear()
+        if self.dp_size > 1:
+            from paratrain.data_parallel.sync_batchnorm import convert_sync_batchnorm
+
+            model = convert_sync_batchnorm(model, self.mesh.dp)  # batch statistics over the whole dp batch
+        self.strategy = self._strategy(model, optimizer, recipe, names, full)
+        by_name = dict(model.named_parameters())
+        for group, group_names in zip(optimizer.param_groups, names):  # ZeRO-3 made new parameters
+            group["params"] = [by_name[n] for n in group_names]
+        self.model = model
+        self.optimizer = ParallelOptimizer(optimizer, self.strategy, recipe)
+        return model, self.optimizer
+
+    def _split_tensor_parallel(self, model: nn.Module, full: dict) -> dict[int, nn.Parameter]:
+        """The user's plan, or the declared plan of paratrain's own Llama; old param id -> new."""
+        from paratrain.models import Llama
+        from paratrain.tensor_parallel.user_plan import apply_native_plan, apply_user_plan, check_plan
+
+        if not self.tp_plan:
+            if not isinstance(model, Llama):
+                raise ValueError(f"tp = {self.mesh.tp.size}: paratrain has no tensor-parallel plan for "
+                                 f"{type(model).__name__}; pass tp_plan = {{'<Linear name>': 'colwise' | "
+                                 "'rowwise', ...}} naming how to split its linears")
+            return apply_native_plan(model, self.mesh, full, sequence_parallel=self.sequence_parallel)
+        if self.sequence_parallel:
+            raise ValueError("sequence_parallel needs the model's declared plan (paratrain's Llama); a user "
+                             "tp_plan splits linears only: drop sequence_parallel")
+        problems = check_plan(model, self.tp_plan, self.mesh.tp.size)
+        if problems:
+            raise ValueError("paratrain.Parallel tp_plan: " + "; ".join(problems))
+        return apply_user_plan(model, self.tp_plan, self.mesh.tp)
+
+    def _strategy(self, model: nn.Module, optimizer, recipe, names: list[list[str]], full: dict) -> Strategy:
+        bucket_bytes = int(self.bucket_mb * 2**20)
+        if self.zero == 0:
+            if self.dp_size == 1:
+                return Strategy(model, self.mesh, optimizer)
+            from paratrain.data_parallel.ddp import DDP
+
+            return DDP(model, self.mesh, optimizer, bucket_bytes=bucket_bytes)
+        group_index = {n: g for g, group_names in enumerate(names) for n in group_names}
+
+        def group_of(name: str, p: torch.Tensor) -> int:
+            return group_index[name]
+
+        kwargs = {"offload": self.offload, "offload_dir": self.offload_dir, "group_of": group_of,
+                  "precision": self.precision}
+        if self.zero in (1, 2):
+            from paratrain.zero.optimizer import Zero1, Zero2
+
+            return (Zero1 if self.zero == 1 else Zero2)(model, self.mesh, recipe, bucket_bytes=bucket_bytes,
+                                                         **kwargs)
+        from paratrain.zero.fsdp import Zero3
+        from paratrain.zero.units import named_units, size_units
+
+        def units(m: nn.Module):
+            return named_units(m, self.units) if self.units else size_units(m, self.unit_min_params)
+
+        def init_value(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            return full[name]  # the user's own (rank 0's) weights; Zero3 keeps this rank's slice
+
+        return Zero3(model, self.mesh, recipe, init_value=init_value, units=units, **kwargs)
+
+    @torch.no_grad()
+    def _broadcast(self, model: nn.Module) -> None:
+        if self.world_size == 1:
+            return
+        with self.mesh.counter.paused():
+            for t in [*model.parameters(), *model.buffers()]:
+                C.broadcast(t.data, self.mesh.world)
+
+    # -- the loop ------------------------------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward() with DDP's semantics: each gradient is the mean over the dp ranks.
+
+        Inside ``no_sync()`` gradients only accumulate; the first backward outside it synchronises.
+        """
+        self._require_prepared()
+        (loss / self.dp_size if self.dp_size > 1 else loss).backward()
+        if not self._accumulating:
+            self.strategy.after_backward()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation: backward passes inside accumulate locally, with no communication."""
+        self._require_prepared()
+        self._accumulating = True
+        try:
+            with self.strategy.no_sync():
+                yield
+        finally:
+            self._accumulating = False
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip like torch.nn.utils.clip_grad_norm_, with the global norm over every shard and rank."""
+        self._require_prepared()
+        norm = self.strategy.grad_norm()
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            self.strategy.scale_grads(coef)
+        return torch.tensor(norm)
+
+    # -- state ---------------------------------------------------------------------------------------
+
+    def full_state_dict(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """Full tensors under the model's own state_dict names, on every rank (every rank calls it)."""
+        self._require_prepared()
+        model = model or self.model
+        full = gather_full(self.strategy, ("param", "buffer"))
+        tensors = {**full.get("param", {}), **full.get("buffer", {})}
+        canonical = {}  # a tied parameter appears once in named_parameters() but under each name here
+        for name, p in model.named_parameters(remove_duplicate=False):
+            canonical.setdefault(id(p), name)
+        aliases = {n: canonical[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
+        return {k: tensors[aliases.get(k, k)] for k in model.state_dict() if aliases.get(k, k) in tensors}
+
+    def register_for_checkpointing(self, *objects) -> None:
+        """Objects with state_dict / load_state_dict (an LR scheduler, a data sampler) saved by save()."""
+        for obj in objects:
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise TypeError(f"{type(obj).__name__} has no state_dict/load_state_dict: "
+                                "it cannot be checkpointed")
+            self._objects.append(obj)
+
+    def save(self, directory: str | os.PathLike) -> None:
+        """Model, optimizer, registered objects and every rank's RNG (every rank calls it).
+
+        The project's sharded checkpoint (train/checkpoint.py): each rank writes its own pieces of
+        the full tensors, committed atomically under ``directory/checkpoints/step_N``; any layout
+        loads it. The optimizer's settings, scalars and the registered objects go in one more file
+        of the same checkpoint."""
+        from paratrain.api_state import optimizer_scalars
+        from paratrain.train import checkpoint as ckpt
+
+        self._require_prepared()
+        if self._saver is None or self._saver.root != ckpt.checkpoint_dir(directory):
+            self._saver = ckpt.Saver(directory, self.mesh)
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        extra = {"param_groups": groups,
+                 "scalars": optimizer_scalars(self.strategy), "steps": self.optimizer.steps,
+                 "objects": [o.state_dict() for o in self._objects]}
+        files = {}
+        if self.is_main:
+            buf = io.BytesIO()
+            torch.save(extra, buf)
+            files[LIBRARY_FILE] = buf.getvalue()
+        meta = {"library": True, "optimizer_step": self.optimizer.steps}
+        self._saver.save(self.optimizer.steps, self.strategy.state_pieces(), meta, _rng_state(), files)
+
+    def load(self, directory: str | os.PathLike) -> None:
+        """Load what save() wrote, under any layout (every rank calls it); each rank reads only the
+        pieces it holds. Also reads the weights (and AdamW state) of a ``paratrain train`` run."""
+        from paratrain.api_state import set_optimizer_scalars
+        from paratrain.train import checkpoint as ckpt
+
+        self._require_prepared()
+        folder, notes = ckpt.find_checkpoint(directory)
+        if self.is_main:
+            for note in notes:
+                print(f"paratrain: {note}", file=sys.stderr)
+        if folder is None:
+            raise FileNotFoundError(f"no checkpoint under {directory}: save() one there first")
+        state = ckpt.read_state(folder)
+        reader = ckpt.open_reader(folder)
+        try:
+            self.strategy.load_state_pieces(reader, int(state.get("optimizer_step", 0)))
+        finally:
+            reader.close()
+        extra = {"param_groups": None, "scalars": {}, "steps": state.get("optimizer_step", 0), "objects": []}
+        if (folder / LIBRARY_FILE).exists():
+            extra = torch.load(folder / LIBRARY_FILE, weights_only=False)
+        if len(extra["objects"]) != len(self._objects):
+            raise ValueError(f"the checkpoint holds {len(extra['objects'])} registered objects, this run "
+                             f"registered {len(self._objects)}: register the same objects in the same order")
+        if extra["param_groups"] is not None:
+            self.optimizer.restore_groups(extra["param_groups"])
+        set_optimizer_scalars(self.strategy, extra["scalars"])
+        self.optimizer.steps = extra["steps"]
+        for obj, saved in zip(self._objects, extra["objects"]):
+            obj.load_state_dict(saved)
+        rng = ckpt.read_rng(folder)
+        if len(rng) == self.world_size:  # same world: each rank continues its own stream
+            _set_rng_state(rng[self.rank])
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            with self.mesh.counter.paused():
+                C.barrier(self.mesh.world)
+
+    def _require_prepared(self) -> None:
+        if self.strategy is None:
+            raise RuntimeError("call Parallel.prepare(model, optimizer) first")
+
+
+class ParallelOptimizer(torch.optim.Optimizer):
+    """The user's optimizer as the strategy steps it. ``param_groups`` are the user's own groups
+    (schedulers read and write them); the state lives in the strategy (ZeRO: sharded over dp).
+
+    Optimizer.__init__ is deliberately not called: it would take the parameters over again.
+    """
+
+    def __init__(self, inner: torch.optim.Optimizer, strategy: Strategy, recipe: OptimizerRecipe | None):
+        self.inner, self.strategy, self.recipe = inner, strategy, recipe
+        self.defaults = inner.defaults
+        self.steps = 0
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state  # ZeRO: empty here, the shards' state is in the strategy's store
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.recipe is not None:
+            self.recipe.refresh(self.inner.param_groups)
+        self.strategy.step(None)
+        # An LR scheduler built on the user's optimizer checks that its step ran (ZeRO steps shards).
+        self.inner._opt_called = True
+        self.steps += 1
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.strategy.zero_grad()
+
+    def state_dict(self) -> dict:
+        """Layout-free: per-element state as full tensors by parameter name, plus per-parameter
+        scalars and the groups' settings (every rank calls it: the shards are gathered)."""
+        from paratrain.api_state import optimizer_scalars
+
+        tensors = gather_full(self.strategy, None)
+        tensors = {k: v for k, v in tensors.items() if k not in ("param", "buffer")}
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        return {"keys": sorted(tensors), "tensors": tensors, "scalars": optimizer_scalars(self.strategy),
+                "steps": self.steps, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Also restores each group's settings (lr ...), as torch's Optimizer.load_state_dict does:
+        a scheduler's own state does not hold the lr it last wrote."""
+        from paratrain.api_state import load_optimizer_state
+
+        self.restore_groups(state_dict["param_groups"])
+        load_optimizer_state(self.strategy, state_dict)
+        self.steps = state_dict["steps"]
+
+    def restore_groups(self, saved: list[dict]) -> None:
+        if len(saved) != len(self.param_groups):
+            raise ValueError(f"the checkpoint's optimizer has {len(saved)} param groups, this one "
+                             f"{len(self.param_groups)}: build it with the same groups")
+        for group, values in zip(self.param_groups, saved):
+            group.update(values)
+
+    def __repr__(self) -> str:
+        return f"ParallelOptimizer({type(self.inner).__name__}, {type(self.strategy).__name__})"
+
+
+# -- checks ----------------------------------------------------------------------------------------
+
+
+def _check_args(*, tp: int, pp: int, zero: int, offload: str, offload_dir: str | None, bucket_mb: float,
+                precision: str, timeout: float, units: list[str] | None, tp_plan: dict | None,
+                sequence_parallel: bool) -> list[str]:
+    problems = []
+    if pp != 1:
+        problems.append(f"pp = {pp}: a pipeline schedule runs every stage's micro-batches itself, so it owns "
+                        "the training loop; the library runs yours. Use pp=1 here, or `paratrain train --pp` "
+                        "(paratrain's own models)")
+    if zero not in (0, 1, 2, 3):
+        problems.append(f"zero = {zero!r} must be 0 (DDP), 1, 2 or 3")
+    if offload not in OFFLOADS:
+        problems.append(f"offload = {offload!r} must be one of {', '.join(OFFLOADS)}")
+    elif offload != "none" and zero == 0:
+        problems.append(f"offload = {offload!r} moves ZeRO's optimizer partition: it needs zero = 1, 2 or 3")
+    if offload == "disk" and not offload_dir:
+        problems.append('offload = "disk" needs offload_dir = a directory for the optimizer files')
+    if bucket_mb <= 0:
+        problems.append(f"bucket_mb = {bucket_mb} must be > 0")
+    if precision != "fp32":
+        problems.append(f"precision = {precision!r}: the library keeps parameters in fp32; for mixed "
+                        "precision run your forward under torch.autocast")
+    if timeout <= 0:
+        problems.append(f"timeout = {timeout} must be > 0 seconds")
+    if units is not None and zero != 3:
+        problems.append("units = [...] chooses ZeRO-3's units: it needs zero = 3")
+    if tp_plan and tp == 1:
+        problems.append("tp_plan splits linears over tensor-parallel ranks: it needs tp > 1")
+    if sequence_parallel and tp == 1:
+        problems.append("sequence_parallel splits the sequence over the tensor-parallel ranks: it needs "
+                        "tp > 1")
+    return problems
+
+
+def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Every optimized tensor is a parameter of the model, and no step has been taken yet."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"prepare(model, optimizer): optimizer is a {type(optimizer).__name__}, "
+                        "not a torch.optim.Optimizer")
+    # Some classes create their state in __init__ (Adagrad, with step 0): only a taken step counts.
+    if any(not torch.is_tensor(st.get("step", 1)) or float(st.get("step", 1)) > 0
+           for st in optimizer.state.values() if st):
+        raise ValueError("prepare(model, optimizer) must come before the first optimizer step "
+                         "(the optimizer already holds state)")
+    mine = {id(p) for p in model.parameters()}
+    if any(id(p) not in mine for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError("the optimizer holds tensors that are not parameters of the model given to "
+                         "prepare()")
+
+
+def _group_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """Each param group's parameters by single-device name; every trainable parameter in a group."""
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    names = [[name_of[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    grouped = {n for group in names for n in group}
+    left = [n for n, p in model.named_parameters() if p.requires_grad and n not in grouped]
+    if left:
+        raise ValueError(f"parameters {left[:5]} require grad but are in no param group of the optimizer: "
+                         "add them to the optimizer or set requires_grad=False")
+    return names
+
+
+def _repoint(optimizer: torch.optim.Optimizer, new_of: dict[int, nn.Parameter]) -> None:
+    """Point the optimizer at the split parameters; eagerly created state is sliced like them."""
+    for group in optimizer.param_groups:
+        for i, p in enumerate(group["params"]):
+            new = new_of.get(id(p))
+            if new is None:
+                continue
+            st = optimizer.state.pop(p, None)
+            if st:
+                optimizer.state[new] = {k: shard_of(new).slice(t).clone() if torch.is_tensor(t) and
+                                        t.shape == p.shape else t for k, t in st.items()}
+            group["params"][i] = new
+
+
+def _join(timeout: float) -> tuple[int, int, torch.device]:
+    """(rank, world, device): an existing process group, torchrun's environment, or one process."""
+    if dist.is_initialized():
+        local = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+        return dist.get_rank(), dist.get_world_size(), pick_device(local)
+    if under_torchrun():
+        env = init_from_torchrun(timeout)
+        return env.rank, env.world_size, env.device
+    return 0, 1, pick_device(0)
+
+
+def _rng_state() -> dict:
+    from paratrain.train.trainer import _rng_state as trainer_rng
+
+    return trainer_rng()
+
+
+def _set_rng_state(state: dict) -> None:
+    from paratrain.train.trainer import _set_rng_state as trainer_set
+
+    trainer_set(state)
+
+
+def gather_full(strategy: Strategy, keys: tuple[str, ...] | None) -> dict[str, dict[str, torch.Tensor]]:
+    """Full tensors of state ``keys`` (None: every key) on every rank, from every rank's pieces
+    (the checkpoint's description of what each rank holds, train/shards.py)."""
+    mine = [(p.spec, p.value().detach().cpu()) for p in strategy.state_pieces()
+            if keys is None or p.spec.key in keys]
+    if strategy.mesh.world.size > 1:
+        with strategy.mesh.counter.paused():
+            mine = [x for rank in C.all_gather_object(mine, strategy.mesh.world) for x in rank]
+    return assemble(mine)
