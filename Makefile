@@ -18,11 +18,11 @@ train: $(STAMP)
 	$(BIN)/paratrain train --precision auto --out runs/default
 
 test: $(STAMP)
-	$(BIN)/ruff check paratrain tests benchmarks
+	$(BIN)/ruff check paratrain tests benchmarks examples
 	$(BIN)/python -m pytest -q tests
 
 lint: $(STAMP)
-	$(BIN)/ruff check paratrain tests benchmarks
+	$(BIN)/ruff check paratrain tests benchmarks examples
 
 bench: $(STAMP)
 	$(BIN)/paratrain bench single --json

@@ -57,6 +57,9 @@ class WorkerError(RuntimeError):
         self.rank = rank
 
 
+ABORT_CODES = {guards.exit_code(s) for s in guards.STOP_SIGNALS}  # a worker left on a second signal
+
+
 class Interrupted(KeyboardInterrupt):
     """The launcher was signalled twice: the workers are killed; exit 128 + signum. (A
     KeyboardInterrupt, so that code around the launcher, e.g. pytest, stops as for Ctrl-C.)"""
@@ -211,6 +214,12 @@ def spawn(fn: Callable, nproc: int, *args, timeout: float | None = 120.0, pg_tim
         try:
             with _forward_stop_signals(stop_request):
                 return _collect(procs, results, nproc, timeout, dumps)
+        except WorkerError:
+            # Two signals to the whole group can reach us as one (Python coalesces a signal that
+            # arrives again before its handler ran) while a worker saw both and left at once.
+            if stop_request.value and any(p.exitcode in ABORT_CODES for p in procs):
+                raise Interrupted(stop_request.value) from None
+            raise
         finally:
             for p in procs:
                 if p.is_alive():

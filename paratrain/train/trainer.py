@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import shutil
 import sys
@@ -50,8 +51,17 @@ class TrainResult:
     val_losses: list[tuple[int, float]] = field(default_factory=list)
     skipped_steps: list[int] = field(default_factory=list)
     out: str | None = None
-    final_state: dict | None = None  # full weights (rank 0 only, when asked for)
+    final_path: str | None = None  # OUT/model.safetensors (rank 0)
     stopped_by: int = 0  # the signal that stopped the run early (after saving a checkpoint), or 0
+
+    @functools.cached_property
+    def final_state(self) -> dict | None:
+        """The full final weights, read on first use (the run itself never holds them all)."""
+        if self.final_path is None:
+            return None
+        from safetensors.torch import load_file
+
+        return load_file(self.final_path)
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -334,10 +344,7 @@ class Trainer:
         folder = self.saver.finish()
         if not self.is_main:
             return
-        from safetensors.torch import load_file
-
-        path = ckpt.export_safetensors(folder, self.out / "model.safetensors")
-        self.result.final_state = load_file(str(path))  # for tests and callers: the full weights
+        self.result.final_path = str(ckpt.export_safetensors(folder, self.out / "model.safetensors"))
         self.task_files()
         if (self.out / "metrics.jsonl").exists():
             plot_loss(self.out / "metrics.jsonl", self.out / "loss.png")
