@@ -19,7 +19,7 @@ import numpy as np
 
 from paratrain.data import tokenfile as P
 from paratrain.data.sources import DataError
-from paratrain.data.tokenizer import file_hash, resolve_tokenizer
+from paratrain.data.tokenizer import file_hash, resolve_tokenizer, tokenizer_file
 
 
 @dataclass
@@ -56,7 +56,7 @@ def prepare_corpus(path: str | None, vocab_size: int, cache_dir: str | None = No
 
     `path` may be a folder prepared by ``paratrain data prepare``: it is mapped as it is.
     """
-    tok_path = Path(tokenizer) if tokenizer is not None else None
+    tok_path = tokenizer_file(str(tokenizer)) if tokenizer is not None else None  # a file or a folder
     if P.is_prepared(path):
         corpus = load_prepared(path)
         if tok_path is not None and file_hash(tok_path) != corpus.manifest["tokenizer"]["hash"]:
