@@ -210,7 +210,8 @@ class Trainer:
                 bar.close()
             if writer:
                 writer.close()
-        self.save(cfg.train.steps)
+        if self.start_step < cfg.train.steps:
+            self.save(cfg.train.steps)
         self.saver.finish()
         self.export()
         if hasattr(self.par.executor, "write_timeline"):  # pipelines: OUT/timeline.json for viz
@@ -304,12 +305,19 @@ class Trainer:
         self.scaler.load_state_dict(state["scaler"])
         self.start_step = state["step"]
         self.saver.run_id = state.get("run_id")  # a resumed run prunes its own earlier checkpoints
+        self.saver.last = folder  # a run resumed at its last step has nothing to save: export this
         rng = ckpt.read_rng(folder)
         if len(rng) == self.env.world_size:  # same world: every rank continues its own RNG stream
             _set_rng_state(rng[self.env.rank])
 
     def check_compatible(self, folder: Path, state: dict) -> None:
-        """The data position is step x global batch: another global batch would replay other rows."""
+        """The data position is step x global batch: another global batch would replay other rows.
+        The learning-rate schedule spans ``steps``: a checkpoint beyond it has nothing left to run."""
+        if state["step"] > self.cfg.train.steps:
+            raise ckpt.CheckpointError(
+                f"{folder} is at step {state['step']}, beyond this run's {self.cfg.train.steps} steps: "
+                "raise --steps to train on (the learning-rate schedule spans --steps), or start afresh "
+                "with another --out")
         saved = state.get("config", {}).get("train", {}).get("global_batch")
         if saved is not None and saved != self.cfg.train.global_batch:
             raise ckpt.CheckpointError(
