@@ -139,3 +139,17 @@ def weight_mismatch(name: str, got, ref, *, rtol: float, atol: float, lr_steps: 
     return (f"{name}: {n} of {ref.numel()} elements beyond atol={atol:g} + rtol={rtol:g}*|ref| "
             f"(allowed: {allowed} isolated, each <= {bound:.3g}); largest difference {worst:.3g}, "
             f"first at {list(where)}: {float(got[where]):.6g} vs {float(ref[where]):.6g}")
+
+
+class InterruptedAt(Trainer):
+    """A trainer that is interrupted (KeyboardInterrupt) when it reaches ``at_step``: a crash
+    between two checkpoints, for resume tests."""
+
+    def __init__(self, cfg, at_step: int):
+        super().__init__(cfg)
+        self.at_step = at_step
+
+    def train_step(self, step):
+        if step == self.at_step:
+            raise KeyboardInterrupt
+        return super().train_step(step)

@@ -31,7 +31,7 @@ from paratrain.train.trainer import Trainer
 from paratrain.zero import store8
 from paratrain.zero.optimizer import FlatLayout
 from tests.dist import run
-from tests.harness import run_layout, tiny_cfg
+from tests.harness import InterruptedAt, run_layout, tiny_cfg
 
 BLOCK, MIN8 = 256, 2048  # small blocks so the tiny model has many, cut by shard boundaries
 EIGHT = {"optim.name": "adamw8bit", "optim.block_size": BLOCK, "optim.min_8bit_size": MIN8,
@@ -201,7 +201,7 @@ def test_checkpoint_holds_the_quantised_state_and_resumes_bit_for_bit(tmp_path):
     full = Trainer(tiny_cfg(tmp_path / "full", **EIGHT, **{"train.steps": 6})).fit()
     part = tiny_cfg(tmp_path / "part", **EIGHT, **{"train.steps": 6, "train.save_every": 3})
     with pytest.raises(KeyboardInterrupt):
-        _InterruptedAt(part, at_step=3).fit()
+        InterruptedAt(part, at_step=3).fit()
     folder = ckpt.latest(tmp_path / "part")
     reader = ckpt.open_reader(folder)
     assert ckpt.read_state(folder)["optimizer_step"] == 3
@@ -217,16 +217,6 @@ def test_checkpoint_holds_the_quantised_state_and_resumes_bit_for_bit(tmp_path):
     for name, t in full.final_state.items():
         assert torch.equal(resumed.final_state[name], t), name
 
-
-class _InterruptedAt(Trainer):
-    def __init__(self, cfg, at_step):
-        super().__init__(cfg)
-        self.at_step = at_step
-
-    def train_step(self, step):
-        if step == self.at_step:
-            raise KeyboardInterrupt
-        return super().train_step(step)
 
 
 def test_dp4_zero_stages_match_one_process(tmp_path):

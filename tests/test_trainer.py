@@ -11,7 +11,7 @@ from paratrain.train import checkpoint as ckpt
 from paratrain.train.loss_scaler import LossScaler
 from paratrain.train.metrics import read_metrics
 from paratrain.train.trainer import Trainer, lr_at
-from tests.harness import FP32_REORDERED, assert_same_training, run_layout, tiny_cfg
+from tests.harness import FP32_REORDERED, InterruptedAt, assert_same_training, run_layout, tiny_cfg
 
 CONTRACT_KEYS = {"step", "loss", "lr", "grad_norm", "tokens", "step_time_s", "tokens_per_s", "mfu",
                  "n_params",
@@ -45,23 +45,13 @@ def test_resume_equals_an_uninterrupted_run(tmp_path):
     # Interrupt the same 6-step run during step 4 (a checkpoint every 3), then resume it.
     part = tiny_cfg(tmp_path / "part", **{"train.steps": 6, "train.save_every": 3})
     with pytest.raises(KeyboardInterrupt):
-        _InterruptedAt(part, at_step=3).fit()
+        InterruptedAt(part, at_step=3).fit()
     part.train.resume = True
     resumed = Trainer(part).fit()
     assert resumed.losses == full.losses[3:]  # bit-identical on CPU
     for name, t in full.final_state.items():
         assert torch.equal(resumed.final_state[name], t), name
 
-
-class _InterruptedAt(Trainer):
-    def __init__(self, cfg, at_step):
-        super().__init__(cfg)
-        self.at_step = at_step
-
-    def train_step(self, step):
-        if step == self.at_step:
-            raise KeyboardInterrupt
-        return super().train_step(step)
 
 
 def test_checkpoint_loads_with_another_micro_batch_layout(tmp_path):

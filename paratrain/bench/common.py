@@ -30,6 +30,16 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, nproc: int = 2, ste
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def bench_config(args: dict, out: str, **overrides):
+    """The trainer's config for a benchmark worker: the shared model/sequence/batch arguments."""
+    from paratrain import config
+
+    return config.load(None, {"model.name": args["model"], "data.seq_len": args["seq_len"],
+                              "train.global_batch": args["global_batch"], "parallel.dp": args["nproc"],
+                              "train.progress": False, "train.eval_every": 0, "train.out": out,
+                              "data.max_files": 200, **overrides})
+
+
 def paired_rounds(ours: Callable[[], dict], peer: Callable[[], dict], rounds: int) -> dict:
     """Run both `rounds` times, alternating order; each callable returns {"tokens_per_s": ..., ...}."""
     results: list[tuple[dict, dict]] = []

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from paratrain.bench.common import add_common_arguments, machine
+from paratrain.bench.common import add_common_arguments, bench_config, machine
 from paratrain.launch import spawn
 from paratrain.train.metrics import peak_memory_bytes
 
@@ -30,12 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _cfg(args: dict, zero: int):
-    from paratrain import config
-
-    return config.load(None, {"model.name": args["model"], "data.seq_len": args["seq_len"],
-                              "train.global_batch": args["global_batch"], "parallel.dp": args["nproc"],
-                              "parallel.zero": zero, "train.progress": False, "train.eval_every": 0,
-                              "train.out": "/tmp/paratrain-bench-zero", "data.max_files": 200})
+    return bench_config(args, "/tmp/paratrain-bench-zero", **{"parallel.zero": zero})
 
 
 def _worker(env, name: str, args: dict) -> dict:
