@@ -134,7 +134,7 @@ class Config:
     def from_dict(cls, d: dict) -> Config:
         cfg = cls()
         apply_sections(cfg, d, source="dict")
-        return resolve(cfg)
+        return cfg
 
     # -- derived -------------------------------------------------------------------------------
 
@@ -219,13 +219,6 @@ def load(path: str | None = None, overrides: dict | None = None) -> Config:
     for dotted, value in (overrides or {}).items():
         section, key = dotted.split(".", 1)
         apply_sections(cfg, {section: {key: value}}, source="command line")
-    return resolve(cfg)
-
-
-def resolve(cfg: Config) -> Config:
-    """Settings implied by others, in one place: an imported model brings its own tokenizer."""
-    if cfg.model.init_from and not cfg.data.tokenizer:
-        cfg.data.tokenizer = cfg.model.init_from
     return cfg
 
 
