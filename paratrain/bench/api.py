@@ -21,6 +21,7 @@ The headline ``ratio`` is library_z0 / trainer_z0: the library's overhead over t
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import time
@@ -143,6 +144,10 @@ def run(args: argparse.Namespace) -> dict:
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         raise ValueError(f"unknown configs {unknown}; choose among {', '.join(CONFIGS)}")
+    skipped = {}
+    if "accelerate" in names and importlib.util.find_spec("accelerate") is None:
+        names.remove("accelerate")  # an optional peer: not a dependency of paratrain
+        skipped["accelerate"] = "not installed (pip install accelerate to compare with it)"
     a = {k: getattr(args, k) for k in ("nproc", "steps", "warmup", "model", "seq_len", "global_batch")}
     from paratrain.train.task import build_task
 
@@ -156,7 +161,8 @@ def run(args: argparse.Namespace) -> dict:
     result = {"kind": "api", "nproc": args.nproc, "model": args.model, "seq_len": args.seq_len,
               "global_batch": args.global_batch, "precision": "fp32", "rounds": args.rounds,
               "machine": machine(),
-              "configs": {n: {"tokens_per_s": statistics.median(v), "runs": v} for n, v in runs.items()}}
+              "configs": {n: {"tokens_per_s": statistics.median(v), "runs": v} for n, v in runs.items()},
+              **({"skipped": skipped} if skipped else {})}
     for ours, peer in PAIRS:
         if ours in runs and peer in runs:
             ratios = [x / y for x, y in zip(runs[ours], runs[peer])]
