@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import time
 
@@ -40,6 +41,7 @@ def _train(args, name: str) -> dict:
                  "data.seq_len": args.seq_len, "optim.name": "adamw" if name == "bnb" else name,
                  "data.cache_dir": f"{args.out}/cache"}  # its own: the shared cache may be wiped meanwhile
     cfg = config.validate(config.load(None, overrides))
+    shutil.rmtree(cfg.train.out, ignore_errors=True)  # this benchmark's own run folder: start afresh
     build = Strategy.build_optimizer
     if name == "bnb":
         Strategy.build_optimizer = _bnb_optimizer

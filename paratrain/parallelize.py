@@ -100,14 +100,14 @@ def _zero_kwargs(cfg: Config) -> dict:
 
 
 def _zero3(model: nn.Module, task: Task, cfg: Config, mesh: ParallelMesh) -> Strategy:
-    from paratrain.models import tied_name
-    from paratrain.models.llama import full_init_value
+    from paratrain.models import family_of, tied_name
     from paratrain.zero.fsdp import Zero3
 
     mcfg, seed = task.model_cfg, cfg.train.seed
+    full_value = family_of(model, "ZeRO-3 (its layout-independent init)").init_value
 
     def init_value(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        return full_init_value(tied_name(name, mcfg), shape, seed, mcfg)
+        return full_value(tied_name(name, mcfg), shape, seed, mcfg)
 
     # An imported model's full values come from its checkpoint (task.init_value), not the seed.
     return Zero3(model, mesh, cfg.optim, init_value=getattr(task, "init_value", init_value),

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from paratrain.models.family import family_of
+
 
 def compile_blocks(model: nn.Module, *, backend: str = "inductor") -> nn.Module:
-    for block in model.layers.values():
+    for block in family_of(model, "--compile (its blocks)").blocks_of(model).values():
         block.compile(backend=backend, dynamic=False)
     return model

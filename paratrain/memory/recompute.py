@@ -20,24 +20,33 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from paratrain.models.family import family_of
 
-class FullRecompute:
+
+class Recompute:
+    """Checkpoint, in every block, the submodule the model family declares for this policy."""
+
+    policy = ""
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        family = family_of(model, f"--recompute {self.policy} (its targets)")
+        target = family.recompute[self.policy]
+        for block in family.blocks_of(model).values():
+            region = block.get_submodule(target) if target else block
+            region.forward = _checkpointed_forward(region.forward)
+        return model
+
+
+class FullRecompute(Recompute):
     """Recompute every transformer block (Megatron's "full" recomputation)."""
 
-    def apply(self, model: nn.Module) -> nn.Module:
-        for block in model.layers.values():
-            block.forward = _checkpointed_forward(block.forward)
-        return model
+    policy = "full"
 
 
-class SelectiveRecompute:
+class SelectiveRecompute(Recompute):
     """Recompute the core attention of every block (Megatron's "selective" recomputation)."""
 
-    def apply(self, model: nn.Module) -> nn.Module:
-        for block in model.layers.values():
-            core = block.attn.core
-            core.forward = _checkpointed_forward(core.forward)
-        return model
+    policy = "selective"
 
 
 POLICIES: dict[str, type | None] = {"none": None, "full": FullRecompute, "selective": SelectiveRecompute}

@@ -31,6 +31,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from paratrain.models.family import family_of
+
 
 class _Tiled(torch.autograd.Function):
     """y = reduce(f(x_i, t_i) for tiles i), recomputing each tile in backward.
@@ -145,11 +147,12 @@ def apply_tiling(model: nn.Module, n_tiles: int) -> Callable:
     """
     if n_tiles < 1:
         raise ValueError(f"--tile must be >= 1 (got {n_tiles})")
-    for block in model.layers.values():
-        mlp = block.mlp
+    family = family_of(model, "--tile (its MLP and head)")
+    for block in family.blocks_of(model).values():
+        mlp = block.get_submodule(family.mlp)
         inner = mlp.forward
         mlp.forward = lambda x, _m=mlp, _f=inner: tiled_rows(_m, _f, x, n_tiles)
-    head = model.lm_head
+    head = model.get_submodule(family.head)
     loss = TiledHeadLoss(head, n_tiles)
     head.forward = _identity  # the head runs inside the tiled loss
     return loss

@@ -12,7 +12,21 @@ import torch.nn as nn
 from paratrain.models.llama import PRESETS, Llama, LlamaConfig, full_init_value, preset
 from paratrain.sharding import copy_info, shard_of
 
-__all__ = ["PRESETS", "Llama", "LlamaConfig", "build_model", "init_weights", "preset", "tied_name"]
+__all__ = ["FAMILIES", "PRESETS", "Llama", "LlamaConfig", "build_model", "family_of", "init_weights",
+           "preset", "tied_name"]
+
+
+def __getattr__(name: str):
+    """``FAMILIES``: model class -> its family's declaration (models/family.py), imported on first
+    use (a declaration imports the techniques' styles, which import the models)."""
+    if name == "FAMILIES":
+        from paratrain.models.llama_parallel import LLAMA
+
+        return {Llama: LLAMA}
+    raise AttributeError(name)
+
+
+from paratrain.models.family import family_of  # noqa: E402
 
 
 def build_model(cfg: LlamaConfig, device: torch.device | str = "cpu") -> Llama:

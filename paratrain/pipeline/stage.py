@@ -1,9 +1,10 @@
 """Cut the model into pipeline stages: each rank keeps only the blocks of the stages it owns.
 
 The model is built on the ``meta`` device, so the parts a rank does not own are never allocated:
-``split_for_pipeline`` deletes the other blocks from ``model.layers`` (the ones left keep their
-single-device names, ``layers.7.attn.wq.weight``), and sets ``embed`` (first stage only) and
-``norm`` / ``lm_head`` (last stage only) to ``None`` where they are not owned.
+``split_for_pipeline`` deletes the other blocks from the model family's block dict (``layers`` for
+the Llama family; the ones left keep their single-device names, ``layers.7.attn.wq.weight``), and
+sets the modules the family runs before the blocks (``embed``: first stage only) and after them
+(``norm``, ``lm_head``: last stage only) to ``None`` where they are not owned (models/family.py).
 
 With ``v`` virtual stages (interleaved 1F1B) the model is cut into ``p * v`` stages dealt
 round-robin: rank ``r`` owns stages ``r, r + p, ...``, one ``StageChunk`` each.
@@ -36,6 +37,7 @@ import torch.nn as nn
 
 from paratrain.comm import collectives as C
 from paratrain.mesh import ParallelMesh
+from paratrain.models.family import family_of
 from paratrain.sharding import update_info
 
 
@@ -100,45 +102,47 @@ class StageChunk:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """tokens [b, s] (first stage) or hidden [b, s, dim] -> hidden [b, s, dim] or logits."""
-        h = self.model.embed(x) if self.is_first else x
-        for i in self.layers:
-            h = self.model.layers[str(i)](h)
-        if self.is_last:
-            h = self.model.lm_head(self.model.norm(h))
-        return h
+        return family_of(self.model).forward_stage(self.model, x, self.layers, self.is_first, self.is_last)
 
 
 def split_for_pipeline(model: nn.Module, mesh: ParallelMesh, *, virtual_stages: int = 1,
                        split: str | None = None) -> list[StageChunk]:
     """Prune ``model`` (built on meta) to this rank's stages; return one chunk per stage, in order."""
+    family = family_of(model, "pipeline parallelism (its blocks and split points)")
     p, rank = mesh.pp.size, mesh.pp.rank
     n_stages = p * virtual_stages
+    layers = family.blocks_of(model)
     costs = layer_costs(model.cfg, mesh.device.type) if split == "auto" else (1.0, 0.0, 0.0)
-    counts = parse_split(split, len(model.layers), n_stages, costs)
+    counts = parse_split(split, len(layers), n_stages, costs)
     per_stage = stage_layers(counts)
     mine = [s for s in range(n_stages) if s % p == rank]
     keep = {i for s in mine for i in per_stage[s]}
-    for key in [k for k in model.layers if int(k) not in keep]:
-        del model.layers[key]
-    owns_first, owns_last = 0 in mine, n_stages - 1 in mine
-    if not owns_first:
-        model.embed = None
-    if not owns_last:
-        model.norm = None
-        model.lm_head = None
-    if getattr(model.cfg, "tie_embeddings", False):
-        _mark_tied(model)
+    for key in [k for k in layers if int(k) not in keep]:
+        del layers[key]
+    for name in family.before if 0 not in mine else ():
+        setattr(model, name, None)
+    for name in family.after if n_stages - 1 not in mine else ():
+        setattr(model, name, None)
+    if family.is_tied(model):
+        _mark_tied(model, *family.tied)
     return [StageChunk(model, s, per_stage[s], s == 0, s == n_stages - 1) for s in mine]
 
 
-def _mark_tied(model: nn.Module) -> None:
-    """The embedding and the LM head live on two stages: both copies count once in the grad norm
-    (and ZeRO buckets them by that count, so this must be known before any strategy exists); the
-    head's copy is saved and exported under the embedding's name, by the first stage."""
-    if model.embed is not None:
-        update_info(model.embed.weight, stage_copies=2)
-    if model.lm_head is not None:
-        update_info(model.lm_head.weight, stage_copies=2, tied_to="embed.weight")
+def _held(model: nn.Module, name: str) -> nn.Parameter | None:
+    """Parameter ``name`` if this stage still holds its module."""
+    module_name, _, attr = name.rpartition(".")
+    module = getattr(model, module_name, None) if "." not in module_name else None
+    return getattr(module, attr) if module is not None else None
+
+
+def _mark_tied(model: nn.Module, copy: str, owner: str) -> None:
+    """The owner (embedding) and its copy (LM head) live on two stages: both count once in the
+    grad norm (and ZeRO buckets them by that count, so this must be known before any strategy
+    exists); the copy is saved and exported under the owner's name, by the first stage."""
+    if (w := _held(model, owner)) is not None:
+        update_info(w, stage_copies=2)
+    if (w := _held(model, copy)) is not None:
+        update_info(w, stage_copies=2, tied_to=owner)
 
 
 class TiedEmbedding:
@@ -152,13 +156,11 @@ class TiedEmbedding:
     def __init__(self, model: nn.Module, mesh: ParallelMesh):
         self.params: list[nn.Parameter] = []
         self.axis: C.Axis | None = None
-        if not getattr(model.cfg, "tie_embeddings", False) or mesh.pp.size == 1:
+        family = family_of(model)
+        if not family.is_tied(model) or mesh.pp.size == 1:
             return
         axis = _ends_axis(mesh)
-        if model.embed is not None:
-            self.params.append(model.embed.weight)
-        if model.lm_head is not None:
-            self.params.append(model.lm_head.weight)
+        self.params = [w for w in (_held(model, n) for n in reversed(family.tied)) if w is not None]
         self.axis = axis if self.params else None
 
     @torch.no_grad()

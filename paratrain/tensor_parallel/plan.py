@@ -1,6 +1,7 @@
-"""The Llama tensor-parallel plan (a data table) and ``apply_tensor_parallel``.
+"""Tensor-parallel styles and ``apply_tensor_parallel`` (the plan itself is the model family's).
 
-The plan maps submodule name patterns to styles; applying it replaces each matched module of the
+A plan (a data table declared beside the model, e.g. models/llama_parallel.py) maps submodule name
+patterns to the styles below; applying it replaces each matched module of the
 model built on the *meta* device by its tensor-parallel counterpart, under the same name, so
 every parameter keeps its single-device name (``layers.0.attn.wq.weight``) and carries a
 ``TensorShard``. Nothing is allocated here: ``materialize`` + ``init_weights`` then fill each
@@ -24,7 +25,7 @@ import torch.nn as nn
 
 from paratrain.comm.collectives import Axis
 from paratrain.mesh import ParallelMesh
-from paratrain.models.llama import LlamaConfig
+from paratrain.models.family import family_of
 from paratrain.tensor_parallel.layers import (
     ColumnParallelLinear,
     RegionEntryNorm,
@@ -38,7 +39,7 @@ from paratrain.tensor_parallel.layers import (
 class Context:
     axis: Axis
     sequence_parallel: bool
-    cfg: LlamaConfig
+    cfg: object  # the model's config: head counts for the k/v style
 
 
 # -- styles: how one module becomes its tensor-parallel counterpart -----------------------------
@@ -97,24 +98,6 @@ class EntryNorm:
                                dtype=old.weight.dtype)
 
 
-# The plan: submodule pattern -> style. Every norm is a region entry: attn_norm feeds q/k/v,
-# mlp_norm feeds gate/up, the final norm feeds the LM head.
-LLAMA_TP_PLAN: dict[str, object] = {
-    "embed": VocabEmbedding(),
-    "layers.*.attn_norm": EntryNorm(),
-    "layers.*.attn.wq": Colwise(),
-    "layers.*.attn.wk": ColwiseKV(),
-    "layers.*.attn.wv": ColwiseKV(),
-    "layers.*.attn.wo": Rowwise(),
-    "layers.*.mlp_norm": EntryNorm(),
-    "layers.*.mlp.gate": Colwise(),
-    "layers.*.mlp.up": Colwise(),
-    "layers.*.mlp.down": Rowwise(),
-    "norm": EntryNorm(),
-    "lm_head": VocabHead(),
-}
-
-
 def kv_heads_for_rank(n_heads: int, n_kv_heads: int, tp: int, rank: int) -> list[int]:
     """The kv head of each of this rank's q heads (grouped-query attention: q head i uses kv head
     i // (n_heads / n_kv_heads)). When consecutive q heads share kv heads evenly the list is
@@ -136,16 +119,22 @@ def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh, *, sequence_para
     split (parallelize.py fixes that order). With tied embeddings the LM head re-shares the
     embedding's (identically split) vocabulary-parallel weight.
     """
+    family = family_of(model, "tensor parallelism (its plan)")
     ctx = Context(mesh.tp, sequence_parallel, model.cfg)
-    plan = LLAMA_TP_PLAN if plan is None else plan
+    plan = family.tp_plan if plan is None else plan
     named = dict(model.named_modules())
     for pattern, style in plan.items():
         for name in [n for n in named if fnmatch.fnmatchcase(n, pattern)]:
             _set_submodule(model, name, style.build(named[name], ctx))
-    if model.cfg.tie_embeddings and getattr(model, "embed", None) is not None \
-            and getattr(model, "lm_head", None) is not None:
-        model.lm_head.weight = model.embed.weight  # both are [V_padded / tp, dim], same slice
+    if family.is_tied(model):  # the copy re-shares the owner's identically split weight
+        copy, owner = family.tied
+        _tie(model, copy, owner)
     return model
+
+
+def _tie(model: nn.Module, copy: str, owner: str) -> None:
+    module_name, _, attr = copy.rpartition(".")
+    setattr(model.get_submodule(module_name), attr, model.get_parameter(owner))
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:

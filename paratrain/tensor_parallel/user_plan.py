@@ -95,13 +95,15 @@ class _GatheredVocabHead:
 @torch.no_grad()
 def apply_native_plan(model: nn.Module, axis_mesh, full: dict[str, torch.Tensor], *,
                       sequence_parallel: bool) -> dict[int, nn.Parameter]:
-    """paratrain's own Llama: its declared TP/SP plan (tensor_parallel/plan.py), with a gathered
-    head; each new parameter takes its slice of ``full`` (the weights the model held, by name)."""
-    from paratrain.tensor_parallel.plan import LLAMA_TP_PLAN, apply_tensor_parallel
+    """A paratrain model family's declared TP/SP plan, with a gathered head (the user's loss sees
+    whole logits); each new parameter takes its slice of ``full`` (the weights held, by name)."""
+    from paratrain.models import family_of
+    from paratrain.tensor_parallel.plan import apply_tensor_parallel
 
+    family = family_of(model, "tensor parallelism")
     before = dict(model.named_parameters())
     apply_tensor_parallel(model, axis_mesh, sequence_parallel=sequence_parallel,
-                          plan={**LLAMA_TP_PLAN, "lm_head": _GatheredVocabHead()})
+                          plan={**family.tp_plan, family.head: _GatheredVocabHead()})
     new_of = {}
     for name, p in model.named_parameters():
         if p is not before.get(name):

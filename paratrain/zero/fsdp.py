@@ -80,16 +80,11 @@ class Unit:
         return self.layout.padded * self.full.element_size()
 
 
-def llama_units(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
-    """Forward-order units of the Llama model (a pipeline stage may lack embed or head)."""
-    units = []
-    if getattr(model, "embed", None) is not None:
-        units.append(("embed", [model.embed]))
-    units += [(f"layers.{k}", [block]) for k, block in model.layers.items()]
-    head = [m for m in (getattr(model, "norm", None), getattr(model, "lm_head", None)) if m is not None]
-    if head:
-        units.append(("head", head))
-    return units
+def family_units(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
+    """Forward-order units the model's family declares (a pipeline stage may lack some)."""
+    from paratrain.models import family_of
+
+    return family_of(model, "ZeRO-3 (its units; or pass units=)").zero3_units(model)
 
 
 class Zero3(ShardedState, Strategy):
@@ -104,7 +99,7 @@ class Zero3(ShardedState, Strategy):
                  group_of: GroupOf | None = None):
         self.compute_dtype = DTYPES[precision]
         # units: which modules form each unit, in forward order (the library passes its policy).
-        self.units_of, self.group_of = units or llama_units, group_of
+        self.units_of, self.group_of = units or family_units, group_of
         self.reduce_dtype = reduce_dtype or self.compute_dtype
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.offload, self.offload_dir, self.offload_chunk = offload, offload_dir, offload_chunk

@@ -1,8 +1,8 @@
 """ZeRO-3 units for any module: which submodules are gathered together (the library's policy).
 
-A unit is the set of parameters all-gathered before its modules run and freed after. The native
-Llama declares its units (``fsdp.llama_units``: embedding, each block, norm + head). For a module
-paratrain does not know, the policy is size-based, top-down, and stops at the first module big
+A unit is the set of parameters all-gathered before its modules run and freed after. A paratrain
+model family declares its units (``ModelFamily.zero3_units``: embedding, each block, the head). For
+a module paratrain does not know, the policy is size-based, top-down, and stops at the first module big
 enough (as FSDP users wrap per block, not per linear: fewer, larger units mean fewer collectives):
 
 * a child module holding at least ``min_params`` parameters is one unit, unless it is a container

@@ -1,0 +1,96 @@
+"""What the parallel techniques need to know about a family of models, declared beside the model.
+
+Techniques (tensor_parallel/, zero/, pipeline/, memory/) know no model by name: they ask
+``family_of(model)`` and read its declaration. A family says
+
+* ``blocks``: the attribute holding the repeated blocks, a ``ModuleDict`` keyed by index (pipeline
+  stages keep some of them; recompute, tiling and compile wrap each);
+* ``before`` / ``after``: the modules that run before and after the blocks, in forward order
+  (only the first / last pipeline stage keeps them; ZeRO-3 makes each ``before`` module a unit
+  and the ``after`` modules one unit together, named "head");
+* ``tp_plan``: submodule-name pattern -> tensor-parallel style (a data table; styles live in
+  tensor_parallel/plan.py);
+* ``recompute``: policy -> the submodule of a block that policy checkpoints ("" = the block);
+* ``mlp`` / ``head``: the block's MLP submodule and the model's output projection (memory-centric
+  tiling splits both; the library gathers the head's logits under tensor parallelism);
+* ``tied``: (copy, owner) parameter names when weights may be tied (the LM head and embedding):
+  the copy takes the owner's value, and across pipeline stages both count once;
+* ``init_value(name, shape, seed, cfg)``: the layout-independent full initial value;
+* ``hf``: the module that maps the family to and from Hugging Face checkpoints.
+
+A model class joins by an entry in ``FAMILIES`` (models/__init__.py). A model without one (the
+CNN example, a user's own module) still trains under DP, DDP and ZeRO-1/2 — those need no
+declaration — and the techniques that do say which declaration is missing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str
+    blocks: str
+    before: tuple[str, ...] = ()
+    after: tuple[str, ...] = ()
+    tp_plan: dict[str, object] = field(default_factory=dict)
+    recompute: dict[str, str] = field(default_factory=dict)
+    mlp: str = ""
+    head: str = ""
+    tied: tuple[str, str] | None = None
+    init_value: Callable[..., torch.Tensor] | None = None
+    hf: str | None = None
+
+    def blocks_of(self, model: nn.Module) -> nn.ModuleDict:
+        return getattr(model, self.blocks)
+
+    def present(self, model: nn.Module, names: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
+        """The modules of ``names`` this rank still holds (a pipeline stage may have dropped them)."""
+        return [(n, getattr(model, n)) for n in names if getattr(model, n, None) is not None]
+
+    def zero3_units(self, model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
+        """Forward-order ZeRO-3 units: each module before the blocks, each block, the rest together."""
+        units = [(n, [m]) for n, m in self.present(model, self.before)]
+        units += [(f"{self.blocks}.{k}", [b]) for k, b in self.blocks_of(model).items()]
+        after = self.present(model, self.after)
+        if after:
+            units.append(("head", [m for _, m in after]))
+        return units
+
+    def forward_stage(self, model: nn.Module, x: torch.Tensor, blocks: list[int], first: bool,
+                      last: bool) -> torch.Tensor:
+        """One pipeline stage: the ``before`` modules (first stage), its blocks, the ``after`` ones."""
+        h = x
+        if first:
+            for _, m in self.present(model, self.before):
+                h = m(h)
+        layers = self.blocks_of(model)
+        for i in blocks:
+            h = layers[str(i)](h)
+        if last:
+            for _, m in self.present(model, self.after):
+                h = m(h)
+        return h
+
+    def is_tied(self, model: nn.Module) -> bool:
+        return self.tied is not None and bool(getattr(getattr(model, "cfg", None), "tie_embeddings", False))
+
+
+class NoFamilyError(ValueError):
+    """A technique needs a model family's declaration and the model has none."""
+
+
+def family_of(model: nn.Module, needed_for: str = "this technique") -> ModelFamily:
+    """The declaration of ``model``'s family (models/__init__.py FAMILIES)."""
+    from paratrain.models import FAMILIES
+
+    for cls, family in FAMILIES.items():
+        if isinstance(model, cls):
+            return family
+    raise NoFamilyError(f"{type(model).__name__} declares no model family (paratrain/models/family.py), "
+                        f"which {needed_for} needs: add one beside the model, or use DP/DDP/ZeRO-1/2")
