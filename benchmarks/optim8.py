@@ -22,8 +22,8 @@ import time
 import torch
 
 from paratrain import config
+from paratrain.engine.strategy import Strategy, adamw_param_groups
 from paratrain.train.metrics import read_metrics
-from paratrain.train.strategy import Strategy, adamw_param_groups
 from paratrain.train.trainer import Trainer
 
 

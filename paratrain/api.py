@@ -9,7 +9,7 @@
     state = par.full_state_dict(model)                   # every rank calls it; full tensors, user's names
     par.save(ckpt_dir); par.load(ckpt_dir)               # model + optimizer + registered objects + RNG
 
-The same engine as ``paratrain train``: the strategies of train/strategy.py, data_parallel/ddp.py
+The same engine as ``paratrain train``: the strategies of engine/strategy.py, data_parallel/ddp.py
 and zero/ do the work; this module only adapts the user's objects to them:
 
 * ``backward`` divides the loss by dp before backward: the strategies SUM gradients over dp (the
@@ -33,11 +33,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from paratrain.comm import collectives as C
+from paratrain.engine.shards import assemble
+from paratrain.engine.strategy import Strategy
 from paratrain.launch import init_from_torchrun, pick_device, under_torchrun
 from paratrain.mesh import MeshShape, ParallelMesh
 from paratrain.sharding import name_params, shard_of
-from paratrain.train.shards import assemble
-from paratrain.train.strategy import Strategy
 from paratrain.zero.recipe import OptimizerRecipe, check_elementwise
 
 OFFLOADS = ("none", "cpu", "disk")
@@ -497,7 +497,7 @@ def _set_rng_state(state: dict) -> None:
 
 def gather_full(strategy: Strategy, keys: tuple[str, ...] | None) -> dict[str, dict[str, torch.Tensor]]:
     """Full tensors of state ``keys`` (None: every key) on every rank, from every rank's pieces
-    (the checkpoint's description of what each rank holds, train/shards.py)."""
+    (the checkpoint's description of what each rank holds, engine/shards.py)."""
     mine = [(p.spec, p.value().detach().cpu()) for p in strategy.state_pieces()
             if keys is None or p.spec.key in keys]
     if strategy.mesh.world.size > 1:

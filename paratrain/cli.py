@@ -309,11 +309,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _is_user_error(e: Exception) -> bool:
+    from paratrain.engine.shards import CheckpointError
     from paratrain.eval import EvalError
     from paratrain.mesh import MeshError
     from paratrain.models.llama_hf import HFError
     from paratrain.train.data import DataError
-    from paratrain.train.shards import CheckpointError
 
     return isinstance(e, (config.ConfigError, DataError, MeshError, UserError, HFError, EvalError,
                           CheckpointError))

@@ -17,16 +17,19 @@ remain, and owns the optimizer because ZeRO shards the optimizer's state.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
-from paratrain.config import Config
+from paratrain.engine.executor import MicroBatchLoop
+from paratrain.engine.strategy import Strategy
 from paratrain.mesh import ParallelMesh
 from paratrain.sharding import name_params
-from paratrain.train.executor import MicroBatchLoop
-from paratrain.train.strategy import Strategy
-from paratrain.train.task import Task
+
+if TYPE_CHECKING:  # types only: config imports this module's checks, never the reverse
+    from paratrain.config import Config
+    from paratrain.train.task import Task
 
 
 @dataclass

@@ -100,6 +100,7 @@ def pp2(tmp_path_factory):
         "1f1b_m4": tiny_cfg(base / "1f1b_m4", **_pp(2, "1f1b"), **M4, **{"train.eval_every": 2}),
         "interleaved_m4": tiny_cfg(base / "inter", **_pp(2, "interleaved", 2), **M4),
         "tied_m4": tiny_cfg(base / "tied", **_pp(2, "1f1b"), **M4, **TIED),
+        "interleaved_tied": tiny_cfg(base / "inter_t", **_pp(2, "interleaved", 2), **M4, **TIED),
     }
     return _layouts(2, cfgs), base
 
@@ -123,6 +124,8 @@ def world4(tmp_path_factory):
         # the tied pair's gradient copy count must be known before ZeRO-1 buckets it (ParamInfo)
         "pp2_dp2_zero1_tied": tiny_cfg(base / "dpz1t", **_pp(2, "1f1b"),
                                        **{"parallel.dp": 2, "parallel.zero": 1, **M4, **TIED}),
+        "pp2_dp2_tied": tiny_cfg(base / "dpt", **_pp(2, "1f1b"), **{"parallel.dp": 2, **M4, **TIED}),
+        "pp2_tp2_tied": tiny_cfg(base / "tpt", **_pp(2, "1f1b"), **M4, **{"parallel.tp": 2, **TIED}),
     }
     return _layouts(4, cfgs)
 
@@ -162,6 +165,18 @@ def test_pp2_x_dp2_zero1_tied_embeddings(world4, refs):
     got = world4["pp2_dp2_zero1_tied"]
     assert "lm_head.weight" not in got.weights
     assert_same_training(got, refs["tied"], **SUMMED)
+
+
+@pytest.mark.parametrize("fixture,name", [("pp2", "interleaved_tied"), ("world4", "pp2_dp2_tied"),
+                                          ("world4", "pp2_tp2_tied")])
+def test_tied_embeddings_in_every_pipeline_composition(request, refs, fixture, name):
+    results = request.getfixturevalue(fixture)
+    got = (results[0] if fixture == "pp2" else results)[name]
+    assert "lm_head.weight" not in got.weights
+    if "tp2" in name:  # tp all-reduces partial sums: fp32 sums in another order
+        assert_composed(got, refs["tied"])
+    else:
+        assert_same_training(got, refs["tied"], **SUMMED)
 
 
 def test_pp2_x_tp2(world4, refs):

@@ -260,6 +260,18 @@ def test_zero3_disk_offload_streams_construction(tmp_path, monkeypatch):
         assert torch.equal(got.final_state[name], w), name
 
 
+def test_tied_embeddings_under_ddp_and_every_zero_stage(tmp_path):
+    """The tied head = embedding counted and reduced once under DDP and ZeRO-1/2/3 at dp2 (the
+    parity matrix's tied row; pipelines and tensor parallelism have theirs in their files)."""
+    tied = {"model.tie_embeddings": True, "train.micro_batch": 2}
+    ref = _reference(tmp_path, **tied)
+    cfgs = [tiny_cfg(tmp_path / f"t{z}", **tied, **{"parallel.dp": 2, "parallel.zero": z})
+            for z in (0, 1, 2, 3)]
+    for z, got in zip((0, 1, 2, 3), _spawn(cfgs, 2)):
+        assert "lm_head.weight" not in got[1], z  # exported once, as the embedding
+        _assert_close(got, ref)
+
+
 def test_zero3_with_tied_embeddings_and_recompute(tmp_path):
     """ZeRO-3 gathers units inside checkpointed blocks (recompute gathers again in backward) and
     keeps the tied head = embedding in one unit: same training as one process."""

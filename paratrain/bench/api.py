@@ -66,8 +66,8 @@ def _user_loop(name: str, cfg, env):
     """The loop a user writes around each wrapper: the same model, rows, AdamW, clipping."""
     import torch.nn.functional as F
 
+    from paratrain.engine.strategy import adamw_param_groups
     from paratrain.models import build_model, init_weights
-    from paratrain.train.strategy import adamw_param_groups
     from paratrain.train.task import build_task
     from paratrain.train.trainer import lr_at
 

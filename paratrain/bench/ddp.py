@@ -23,8 +23,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from paratrain import config
 from paratrain.bench.common import add_common_arguments, machine, paired_rounds, time_steps
+from paratrain.engine.strategy import adamw_param_groups
 from paratrain.launch import DistEnv, spawn
-from paratrain.train.strategy import adamw_param_groups
 from paratrain.train.task import LanguageModelTask, build_task
 from paratrain.train.trainer import Trainer, lr_at
 

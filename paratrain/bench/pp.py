@@ -144,10 +144,10 @@ class _Ours(_Side):
     def __init__(self, cfg, mesh, name, v, a, x, y):
         super().__init__(mesh, a, x, y)
         from paratrain.config import OptimConfig
+        from paratrain.engine.strategy import Strategy
         from paratrain.models import build_model, init_weights, materialize
         from paratrain.pipeline.executor import PipelineExecutor
         from paratrain.pipeline.stage import split_for_pipeline
-        from paratrain.train.strategy import Strategy
 
         model = build_model(cfg, "meta")
         chunks = split_for_pipeline(model, mesh, virtual_stages=v, split=a["split"])

@@ -37,8 +37,8 @@ import torch.nn as nn
 
 from paratrain.comm import collectives as C
 from paratrain.comm.collectives import nbytes
+from paratrain.engine.strategy import Strategy
 from paratrain.mesh import ParallelMesh
-from paratrain.train.strategy import Strategy
 
 
 @dataclass

@@ -22,8 +22,8 @@ import torch
 import torch.nn as nn
 
 from paratrain.comm import collectives as C
+from paratrain.engine.strategy import Strategy
 from paratrain.mesh import ParallelMesh
-from paratrain.train.strategy import Strategy
 
 
 class PlainDP(Strategy):

@@ -27,6 +27,8 @@ import torch
 import torch.nn as nn
 
 from paratrain.comm import collectives as C
+from paratrain.engine.executor import LossFn, autocast_for
+from paratrain.engine.strategy import Strategy
 from paratrain.mesh import ParallelMesh
 from paratrain.pipeline.schedules import (
     RECV_B,
@@ -41,8 +43,6 @@ from paratrain.pipeline.schedules import (
     stage_rank,
 )
 from paratrain.pipeline.stage import StageChunk, TiedEmbedding
-from paratrain.train.executor import LossFn, autocast_for
-from paratrain.train.strategy import Strategy
 
 
 class PipelineExecutor:

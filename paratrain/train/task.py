@@ -8,16 +8,18 @@ computes the same mean.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from paratrain.config import Config
 from paratrain.data import Corpus, TokenRows, check_batch_fits, check_vocab, load_corpus
 from paratrain.models import build_model, init_weights, materialize, preset, tied_name
 from paratrain.models.llama import LlamaConfig, full_init_value
+
+if TYPE_CHECKING:  # types only: config imports this module's checks, never the reverse
+    from paratrain.config import Config
 
 
 class Task(Protocol):

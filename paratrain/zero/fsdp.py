@@ -45,9 +45,9 @@ from torch.utils._pytree import tree_leaves
 
 from paratrain.comm import collectives as C
 from paratrain.comm.collectives import nbytes
+from paratrain.engine.strategy import Strategy
 from paratrain.mesh import ParallelMesh
 from paratrain.sharding import copy_info, shard_of
-from paratrain.train.strategy import Strategy
 from paratrain.zero import store8
 from paratrain.zero.offload import disk_store, make_store
 from paratrain.zero.optimizer import DTYPES, FlatLayout, GroupOf, ShardedState, held_sync, param_key

@@ -40,11 +40,11 @@ import torch.nn as nn
 
 from paratrain.comm import collectives as C
 from paratrain.comm.collectives import nbytes
+from paratrain.engine.shards import CheckpointError, Piece, ShardReader, pieces_of
+from paratrain.engine.strategy import Strategy, decays
 from paratrain.mesh import ParallelMesh
 from paratrain.optim import adamw8bit as a8
 from paratrain.sharding import info_of
-from paratrain.train.shards import CheckpointError, Piece, ShardReader, pieces_of
-from paratrain.train.strategy import Strategy, decays
 from paratrain.zero import store8
 from paratrain.zero.offload import MOMENTS, make_store
 from paratrain.zero.offload import Piece as FlatPiece

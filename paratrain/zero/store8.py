@@ -33,11 +33,11 @@ import torch
 import torch.nn as nn
 
 from paratrain.comm.collectives import nbytes
+from paratrain.engine.shards import pieces_of
+from paratrain.engine.strategy import decays
 from paratrain.optim import adamw8bit as a8
 from paratrain.optim.adamw8bit import QUANT_KEYS, STATE_KEYS, full_numel
 from paratrain.sharding import info_of
-from paratrain.train.shards import pieces_of
-from paratrain.train.strategy import decays
 
 
 def is_8bit(optim_cfg) -> bool:
@@ -184,7 +184,7 @@ def make_store8(kind: str, masters: list[torch.Tensor], layouts: list, optim_cfg
 
 
 # --------------------------------------------------------------------------------------------
-# Checkpoints: per parameter, the single-process layout (optim/adamw8bit.py, train/shards.py).
+# Checkpoints: per parameter, the single-process layout (optim/adamw8bit.py, engine/shards.py).
 # --------------------------------------------------------------------------------------------
 
 

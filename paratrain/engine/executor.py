@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from paratrain.train.strategy import Strategy
+from paratrain.engine.strategy import Strategy
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
