@@ -54,6 +54,8 @@ class Parallel:
     ZeRO-3 units (names, or the size threshold of zero/units.py); tp_plan: how to split the user's
     linears (paratrain's own Llama has its declared plan; sequence_parallel applies it with SP);
     allow_non_elementwise: let ZeRO shard an optimizer class it does not know to be element-wise.
+    pp / pp_schedule / virtual_stages: pipeline stages for a paratrain model family (the schedule
+    runs forward and backward: the loop calls ``pipeline_step`` instead of ``backward``).
     """
 
     def __init__(self, *, dp: int | None = None, tp: int = 1, pp: int = 1, zero: int = 0,
@@ -61,7 +63,8 @@ class Parallel:
                  precision: str = "fp32",
                  timeout: float = 600.0, check_collectives: bool = False, units: list[str] | None = None,
                  unit_min_params: int | None = None, tp_plan: dict[str, str] | None = None,
-                 sequence_parallel: bool = False, allow_non_elementwise: bool = False):
+                 sequence_parallel: bool = False, allow_non_elementwise: bool = False,
+                 pp_schedule: str = "1f1b", virtual_stages: int = 1):
         problems = _check_args(tp=tp, pp=pp, zero=zero, offload=offload, offload_dir=offload_dir,
                                bucket_mb=bucket_mb, precision=precision, timeout=timeout, units=units,
                                tp_plan=tp_plan, sequence_parallel=sequence_parallel)
@@ -71,6 +74,8 @@ class Parallel:
         self.precision, self.timeout, self.check_collectives = precision, timeout, check_collectives
         self.units, self.unit_min_params, self.tp_plan = units, unit_min_params, tp_plan or {}
         self.allow_non_elementwise, self.sequence_parallel = allow_non_elementwise, sequence_parallel
+        self.pp_schedule, self.virtual_stages = pp_schedule, virtual_stages
+        self.executor = None  # the pipeline schedule (pp > 1)
         rank, world, self.device = _join(timeout)
         dp = dp if dp is not None else max(1, world // (tp * pp))
         self.mesh = ParallelMesh(MeshShape(pp=pp, dp=dp, tp=tp), rank, self.device)
@@ -124,8 +129,9 @@ class Parallel:
         full = {n: p.detach() for n, p in model.named_parameters()}  # full values by single-device name
         if self.mesh.tp.size > 1:
             _repoint(optimizer, self._split_tensor_parallel(model, full))
-        name_params(model)  # each parameter's single-device name: checkpoints and gathers use it
         names = _group_names(model, optimizer)
+        chunks = self._split_pipeline(model, names) if self.mesh.pp.size > 1 else None
+        name_params(model)  # each parameter's single-device name: checkpoints and gathers use it
         recipe = None
         if self.zero >= 1:
             check_elementwise(optimizer, allow_non_elementwise=self.allow_non_elementwise)
@@ -138,12 +144,34 @@ class Parallel:
 
             model = convert_sync_batchnorm(model, self.mesh.dp)  # batch statistics over the whole dp batch
         self.strategy = self._strategy(model, optimizer, recipe, names, full)
+        if chunks is not None:
+            from paratrain.pipeline.executor import PipelineExecutor
+
+            self.executor = PipelineExecutor(
+                model, chunks, _token_loss_sum, self.strategy, self.mesh, schedule=self.pp_schedule,
+                virtual_stages=self.virtual_stages, precision=self.precision,
+                sequence_parallel=self.sequence_parallel)
         by_name = dict(model.named_parameters())
         for group, group_names in zip(optimizer.param_groups, names):  # ZeRO-3 made new parameters
             group["params"] = [by_name[n] for n in group_names]
         self.model = model
         self.optimizer = ParallelOptimizer(optimizer, self.strategy, recipe)
         return model, self.optimizer
+
+    def _split_pipeline(self, model: nn.Module, names: list[list[str]]) -> list:
+        """Keep this rank's stages of a paratrain model family (pipeline/stage.py); the optimizer's
+        groups keep the names this rank still holds (a tied head's copy joins its owner's group)."""
+        from paratrain.models import family_of
+        from paratrain.pipeline.stage import split_for_pipeline
+
+        family = family_of(model, f"pp = {self.mesh.pp.size} through the library (its blocks and stages)")
+        chunks = split_for_pipeline(model, self.mesh, virtual_stages=self.virtual_stages)
+        held = {n for n, _ in model.named_parameters()}
+        for group in names:
+            if family.is_tied(model) and family.tied[1] in group and family.tied[0] in held:
+                group.append(family.tied[0])
+            group[:] = [n for n in group if n in held]
+        return chunks
 
     def _split_tensor_parallel(self, model: nn.Module, full: dict) -> dict[int, nn.Parameter]:
         """The user's plan, or the declared plan of paratrain's own Llama; old param id -> new."""
@@ -211,9 +239,29 @@ class Parallel:
         Inside ``no_sync()`` gradients only accumulate; the first backward outside it synchronises.
         """
         self._require_prepared()
+        if self.executor is not None:
+            raise RuntimeError("with pp > 1 the schedule runs forward and backward: call "
+                               "par.pipeline_step(x, y, micro_batches=m) instead of model(x) + backward")
         (loss / self.dp_size if self.dp_size > 1 else loss).backward()
         if not self._accumulating:
             self.strategy.after_backward()
+
+    def pipeline_step(self, x: torch.Tensor, y: torch.Tensor, *, micro_batches: int) -> torch.Tensor:
+        """Forward and backward of this dp rank's rows through the pipeline schedule (pp > 1).
+
+        ``x``: token ids [rows, seq] (the same on every stage of this pipeline), ``y``: next-token
+        targets; split into ``micro_batches`` equal micro-batches. Gradients end as ``backward``
+        leaves them (the mean over the dp ranks' tokens); returns the mean token loss of these
+        rows, on every stage. Then clip, ``optimizer.step()`` and ``zero_grad()`` as usual.
+        """
+        self._require_prepared()
+        if self.executor is None:
+            raise RuntimeError("pipeline_step needs pp > 1: with pp = 1 call model(x) and par.backward(loss)")
+        if micro_batches < 1 or x.shape[0] % micro_batches:
+            raise ValueError(f"micro_batches = {micro_batches} must divide this rank's {x.shape[0]} rows")
+        pairs = list(zip(x.to(self.device).chunk(micro_batches), y.to(self.device).chunk(micro_batches)))
+        share = self.executor.run(pairs, float(y.numel() * self.dp_size))  # this rank's share of the mean
+        return share * self.dp_size
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -243,11 +291,22 @@ class Parallel:
         model = model or self.model
         full = gather_full(self.strategy, ("param", "buffer"))
         tensors = {**full.get("param", {}), **full.get("buffer", {})}
+        if self.executor is not None:  # pipeline stages: every stage's tensors, single-device names
+            return self._with_tied_copy(tensors)
         canonical = {}  # a tied parameter appears once in named_parameters() but under each name here
         for name, p in model.named_parameters(remove_duplicate=False):
             canonical.setdefault(id(p), name)
         aliases = {n: canonical[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
         return {k: tensors[aliases.get(k, k)] for k in model.state_dict() if aliases.get(k, k) in tensors}
+
+    def _with_tied_copy(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        from paratrain.models import family_of
+
+        family = family_of(self.model)
+        if family.is_tied(self.model):  # as the unsplit model's state_dict lists it: under both names
+            copy, owner = family.tied
+            tensors.setdefault(copy, tensors[owner])
+        return tensors
 
     def register_for_checkpointing(self, *objects) -> None:
         """Objects with state_dict / load_state_dict (an LR scheduler, a data sampler) saved by save()."""
@@ -401,10 +460,11 @@ def _check_args(*, tp: int, pp: int, zero: int, offload: str, offload_dir: str |
                 precision: str, timeout: float, units: list[str] | None, tp_plan: dict | None,
                 sequence_parallel: bool) -> list[str]:
     problems = []
-    if pp != 1:
-        problems.append(f"pp = {pp}: a pipeline schedule runs every stage's micro-batches itself, so it owns "
-                        "the training loop; the library runs yours. Use pp=1 here, or `paratrain train --pp` "
-                        "(paratrain's own models)")
+    if pp > 1 and zero >= 2:
+        problems.append(f"pp = {pp} with zero = {zero}: gradients must stay whole across the schedule's "
+                        "micro-batches (as in `paratrain train`); use zero 0 or 1 with pp > 1")
+    if pp < 1:
+        problems.append(f"pp = {pp} must be >= 1 (pipeline stages of a paratrain model family)")
     if zero not in (0, 1, 2, 3):
         problems.append(f"zero = {zero!r} must be 0 (DDP), 1, 2 or 3")
     if offload not in OFFLOADS:
@@ -493,6 +553,11 @@ def _set_rng_state(state: dict) -> None:
     from paratrain.train.trainer import _set_rng_state as trainer_set
 
     trainer_set(state)
+
+
+def _token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy (the pipeline divides by the global token count)."""
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
 
 
 def gather_full(strategy: Strategy, keys: tuple[str, ...] | None) -> dict[str, dict[str, torch.Tensor]]:

@@ -285,11 +285,12 @@ def test_tp2_user_plan_equals_one_process():
     assert_same(got, reference("adamw"))
 
 
-def _llama(steps: int, par_kwargs: dict | None) -> tuple[list[float], dict]:
-    """paratrain's own tiny Llama, built by the user, trained by a plain loop (par None: plain torch)."""
+def _llama(steps: int, par_kwargs: dict | None, tie: bool = False) -> tuple[list[float], dict]:
+    """paratrain's own tiny Llama, built by the user, trained by a plain loop (par None: plain torch);
+    with pp > 1 the loop calls ``pipeline_step`` (two micro-batches) instead of forward + backward."""
     from paratrain.models import build_model, init_weights, preset
 
-    cfg = preset("tiny")
+    cfg = preset("tiny", tie_embeddings=tie)
     torch.manual_seed(0)
     model = build_model(cfg, "cpu")
     init_weights(model, 0, cfg)
@@ -301,11 +302,14 @@ def _llama(steps: int, par_kwargs: dict | None) -> tuple[list[float], dict]:
     for k in range(steps):
         g = torch.Generator().manual_seed(k)
         ids = torch.randint(0, cfg.vocab_size, (4, 33), generator=g)
-        loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
-        if par is not None:
-            par.backward(loss)
+        if par is not None and par.executor is not None:
+            loss = par.pipeline_step(ids[:, :-1], ids[:, 1:], micro_batches=2)
         else:
-            loss.backward()
+            loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+            if par is not None:
+                par.backward(loss)
+            else:
+                loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -325,6 +329,18 @@ def test_tp2_and_sp_native_llama_plan_equals_one_process():
         assert_same(got[sp], ref)
 
 
+def _train_llama_pp(env) -> dict:
+    return {(schedule, tie): _llama(STEPS, {"pp": 2, "pp_schedule": schedule}, tie=tie)
+            for schedule, tie in (("1f1b", False), ("gpipe", True))}
+
+
+def test_pp2_native_llama_through_the_library_equals_one_process():
+    """A paratrain family's pipeline through the user's loop (pipeline_step), tied embeddings too."""
+    got = run(_train_llama_pp, 2)[0]
+    for (_schedule, tie), result in got.items():
+        assert_same(result, _llama(STEPS, None, tie=tie))
+
+
 # -- bad input ------------------------------------------------------------------------------------------
 
 
@@ -334,8 +350,8 @@ def test_bad_input_is_refused_with_what_to_change():
         paratrain.Parallel(zero=2).prepare(model, torch.optim.LBFGS(model.parameters()))
     # The user's word is enough to shard it (here with a class ZeRO really can step exactly).
     paratrain.Parallel(zero=1, allow_non_elementwise=True).prepare(*build("sgd")[:2])
-    with pytest.raises(ValueError, match="pp = 2: a pipeline schedule .* owns the training loop"):
-        paratrain.Parallel(pp=2)
+    with pytest.raises(ValueError, match="pp = 2 with zero = 2: gradients must stay whole"):
+        paratrain.Parallel(pp=2, zero=2)
     with pytest.raises(ValueError, match="needs zero = 1, 2 or 3"):
         paratrain.Parallel(offload="cpu")
     with pytest.raises(ValueError, match="offload_dir"):
