@@ -18,7 +18,9 @@ and zero/ do the work; this module only adapts the user's objects to them:
   whose update is not element-wise; the returned optimizer keeps the user's ``param_groups``, so LR
   schedulers work, and their settings are copied in before each step.
 * ZeRO-3 picks units by size or by name (zero/units.py); TP splits the linears the user names
-  (tensor_parallel/user_plan.py). Pipeline parallelism owns the loop, so it is refused here.
+  (tensor_parallel/user_plan.py), or applies a paratrain model family's declared plan.
+* Pipeline parallelism (a paratrain model family) runs its schedule in ``pipeline_step``, which
+  replaces the loop's forward + backward.
 """
 
 from __future__ import annotations
@@ -174,18 +176,20 @@ class Parallel:
         return chunks
 
     def _split_tensor_parallel(self, model: nn.Module, full: dict) -> dict[int, nn.Parameter]:
-        """The user's plan, or the declared plan of paratrain's own Llama; old param id -> new."""
-        from paratrain.models import Llama
+        """The user's plan, or the plan a paratrain model family declares; old param id -> new."""
+        from paratrain.models.family import NoFamilyError, family_of
         from paratrain.tensor_parallel.user_plan import apply_native_plan, apply_user_plan, check_plan
 
         if not self.tp_plan:
-            if not isinstance(model, Llama):
+            try:
+                family_of(model)
+            except NoFamilyError:
                 raise ValueError(f"tp = {self.mesh.tp.size}: paratrain has no tensor-parallel plan for "
                                  f"{type(model).__name__}; pass tp_plan = {{'<Linear name>': 'colwise' | "
-                                 "'rowwise', ...}} naming how to split its linears")
+                                 "'rowwise', ...}} naming how to split its linears") from None
             return apply_native_plan(model, self.mesh, full, sequence_parallel=self.sequence_parallel)
         if self.sequence_parallel:
-            raise ValueError("sequence_parallel needs the model's declared plan (paratrain's Llama); a user "
+            raise ValueError("sequence_parallel needs a model family's declared plan; a user "
                              "tp_plan splits linears only: drop sequence_parallel")
         problems = check_plan(model, self.tp_plan, self.mesh.tp.size)
         if problems:

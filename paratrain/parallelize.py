@@ -106,14 +106,15 @@ def _zero3(model: nn.Module, task: Task, cfg: Config, mesh: ParallelMesh) -> Str
     from paratrain.models import family_of, tied_name
     from paratrain.zero.fsdp import Zero3
 
-    mcfg, seed = task.model_cfg, cfg.train.seed
-    full_value = family_of(model, "ZeRO-3 (its layout-independent init)").init_value
+    init_value = getattr(task, "init_value", None)  # an imported model's come from its checkpoint
+    if init_value is None:  # else the family's layout-independent init by name
+        mcfg, seed = task.model_cfg, cfg.train.seed
+        full_value = family_of(model, "ZeRO-3 (its layout-independent init)").init_value
 
-    def init_value(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        return full_value(tied_name(name, mcfg), shape, seed, mcfg)
+        def init_value(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            return full_value(tied_name(name, mcfg), shape, seed, mcfg)
 
-    # An imported model's full values come from its checkpoint (task.init_value), not the seed.
-    return Zero3(model, mesh, cfg.optim, init_value=getattr(task, "init_value", init_value),
+    return Zero3(model, mesh, cfg.optim, init_value=init_value,
                  reshard_after_forward=cfg.parallel.reshard_after_forward, **_zero_kwargs(cfg))
 
 

@@ -1,7 +1,8 @@
 """Single-device models and their layout-independent initialisation.
 
-`build_model(name, ...)` returns a model on the requested device (``meta`` for sharded builds);
-`init_weights(model, seed)` fills every parameter with the slice of its full initial value.
+`build_model(cfg, device)` returns a model on the requested device (``meta`` for sharded builds);
+`init_weights(model, seed, cfg)` fills every parameter with the slice of its full initial value;
+`family_of(model)` is the declaration the parallel techniques read (models/family.py).
 """
 
 from __future__ import annotations

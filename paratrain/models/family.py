@@ -15,8 +15,10 @@ Techniques (tensor_parallel/, zero/, pipeline/, memory/) know no model by name: 
   tiling splits both; the library gathers the head's logits under tensor parallelism);
 * ``tied``: (copy, owner) parameter names when weights may be tied (the LM head and embedding):
   the copy takes the owner's value, and across pipeline stages both count once;
-* ``init_value(name, shape, seed, cfg)``: the layout-independent full initial value;
-* ``hf``: the module that maps the family to and from Hugging Face checkpoints.
+* ``init_value(name, shape, seed, cfg)``: the layout-independent full initial value.
+
+The Hugging Face mapping of a family (config translation, name table, RoPE permutation) lives
+beside it too (models/llama_hf.py), used by the commands that import and export, not by techniques.
 
 A model class joins by an entry in ``FAMILIES`` (models/__init__.py). A model without one (the
 CNN example, a user's own module) still trains under DP, DDP and ZeRO-1/2 — those need no
@@ -44,7 +46,6 @@ class ModelFamily:
     head: str = ""
     tied: tuple[str, str] | None = None
     init_value: Callable[..., torch.Tensor] | None = None
-    hf: str | None = None
 
     def blocks_of(self, model: nn.Module) -> nn.ModuleDict:
         return getattr(model, self.blocks)

@@ -39,5 +39,4 @@ LLAMA = ModelFamily(
     head="lm_head",
     tied=("lm_head.weight", "embed.weight"),
     init_value=full_init_value,
-    hf="paratrain.models.llama_hf",
 )
