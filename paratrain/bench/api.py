@@ -37,8 +37,7 @@ PAIRS = (("library_z0", "trainer_z0"), ("library_z0", "torch_ddp"), ("library_z0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_common_arguments(parser, nproc=2, steps=6, rounds=3)
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset")
+    add_common_arguments(parser, nproc=2, steps=6, rounds=3, configs=CONFIGS)
 
 
 def _cfg(args: dict, zero: int):

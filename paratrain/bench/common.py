@@ -19,7 +19,10 @@ import torch
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, *, nproc: int = 2, steps: int = 12,
-                         rounds: int = 3) -> None:
+                         rounds: int = 3, configs: tuple[str, ...] = ()) -> None:
+    """The arguments every benchmark takes; ``configs``: the sides it can run (``--configs`` subset)."""
+    if configs:
+        parser.add_argument("--configs", default=",".join(configs), help="comma-separated subset")
     parser.add_argument("--nproc", type=int, default=nproc, help="workers per side")
     parser.add_argument("--steps", type=int, default=steps, help="timed steps per run (after warmup)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per run")

@@ -25,8 +25,7 @@ CONFIGS = ("zero1", "zero2", "zero3", "torch_zero_redundancy", "torch_fsdp2")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_common_arguments(parser, nproc=2, steps=6, rounds=3)
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset")
+    add_common_arguments(parser, nproc=2, steps=6, rounds=3, configs=CONFIGS)
 
 
 def _cfg(args: dict, zero: int):
