@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from paratrain.bench.common import add_common_arguments, bench_config, machine
+from paratrain.bench.common import add_common_arguments, bench_config, machine, rotating_rounds, worker_args
 from paratrain.launch import spawn
 
 CONFIGS = ("library_z0", "trainer_z0", "torch_ddp", "accelerate", "library_z3", "trainer_z3", "torch_fsdp2")
@@ -147,16 +147,12 @@ def run(args: argparse.Namespace) -> dict:
     if "accelerate" in names and importlib.util.find_spec("accelerate") is None:
         names.remove("accelerate")  # an optional peer: not a dependency of paratrain
         skipped["accelerate"] = "not installed (pip install accelerate to compare with it)"
-    a = {k: getattr(args, k) for k in ("nproc", "steps", "warmup", "model", "seq_len", "global_batch")}
+    a = worker_args(args)
     from paratrain.train.task import build_task
 
     build_task(_cfg(a, 0))  # tokenize once here; workers map the cache
-    runs: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(args.rounds):
-        order = names[r % len(names):] + names[:r % len(names)]  # rotate who goes first
-        for name in order:
-            outs = spawn(_worker, args.nproc, name, a, timeout=None)
-            runs[name].append(min(o["tokens_per_s"] for o in outs))
+    runs = rotating_rounds(names, args.rounds, lambda name: min(
+        o["tokens_per_s"] for o in spawn(_worker, args.nproc, name, a, timeout=None)))
     result = {"kind": "api", "nproc": args.nproc, "model": args.model, "seq_len": args.seq_len,
               "global_batch": args.global_batch, "precision": "fp32", "rounds": args.rounds,
               "machine": machine(),

@@ -33,6 +33,20 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, nproc: int = 2, ste
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def worker_args(args: argparse.Namespace) -> dict:
+    """The common arguments as a plain dict (what workers receive)."""
+    return {k: getattr(args, k) for k in ("nproc", "steps", "warmup", "model", "seq_len", "global_batch")}
+
+
+def rotating_rounds(names: list[str], rounds: int, run_one: Callable[[str], object]) -> dict[str, list]:
+    """Every side once per round, rotating who goes first (load drifts; no side always runs first)."""
+    runs: dict[str, list] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            runs[name].append(run_one(name))
+    return runs
+
+
 def bench_config(args: dict, out: str, **overrides):
     """The trainer's config for a benchmark worker: the shared model/sequence/batch arguments."""
     from paratrain import config

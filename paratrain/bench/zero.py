@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from paratrain.bench.common import add_common_arguments, bench_config, machine
+from paratrain.bench.common import add_common_arguments, bench_config, machine, rotating_rounds, worker_args
 from paratrain.launch import spawn
 from paratrain.train.metrics import peak_memory_bytes
 
@@ -96,17 +96,17 @@ def _torch_peer(name: str, cfg, env):
 
 def run(args: argparse.Namespace) -> dict:
     names = [c for c in args.configs.split(",") if c]
-    a = {k: getattr(args, k) for k in ("nproc", "steps", "warmup", "model", "seq_len", "global_batch")}
+    a = worker_args(args)
     from paratrain.train.task import build_task
 
     build_task(_cfg(a, 0))  # tokenize once here; workers map the cache
-    runs: dict[str, list[dict]] = {n: [] for n in names}
-    for r in range(args.rounds):
-        order = names[r % len(names):] + names[:r % len(names)]  # rotate who goes first
-        for name in order:
-            outs = spawn(_worker, args.nproc, name, a, timeout=None)
-            runs[name].append({"tokens_per_s": min(o["tokens_per_s"] for o in outs),
-                               "peak_bytes": max(o["peak_bytes"] for o in outs)})
+
+    def run_one(name: str) -> dict:
+        outs = spawn(_worker, args.nproc, name, a, timeout=None)
+        return {"tokens_per_s": min(o["tokens_per_s"] for o in outs),
+                "peak_bytes": max(o["peak_bytes"] for o in outs)}
+
+    runs = rotating_rounds(names, args.rounds, run_one)
     table = {n: {"tokens_per_s": statistics.median(x["tokens_per_s"] for x in rs),
                  "peak_mib": max(x["peak_bytes"] for x in rs) / 2**20} for n, rs in runs.items()}
     result = {"kind": "zero", "nproc": args.nproc, "model": args.model, "rounds": args.rounds,
