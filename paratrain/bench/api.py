@@ -24,12 +24,19 @@ import argparse
 import importlib.util
 import os
 import statistics
-import time
 
 import torch
 
-from paratrain.bench.common import add_common_arguments, bench_config, machine, rotating_rounds, worker_args
+from paratrain.bench.common import (
+    add_common_arguments,
+    bench_config,
+    machine,
+    rotating_rounds,
+    time_steps,
+    worker_args,
+)
 from paratrain.launch import spawn
+from paratrain.train.metrics import sync_device
 
 CONFIGS = ("library_z0", "trainer_z0", "torch_ddp", "accelerate", "library_z3", "trainer_z3", "torch_fsdp2")
 PAIRS = (("library_z0", "trainer_z0"), ("library_z0", "torch_ddp"), ("library_z0", "accelerate"),
@@ -52,12 +59,7 @@ def _worker(env, name: str, args: dict) -> dict:
         step = Trainer(cfg, env).train_step
     else:
         step = _user_loop(name, cfg, env)
-    for i in range(args["warmup"]):
-        step(i)
-    start = time.perf_counter()
-    for i in range(args["warmup"], args["warmup"] + args["steps"]):
-        step(i)
-    elapsed = time.perf_counter() - start
+    elapsed = time_steps(step, args["warmup"], args["steps"], lambda: sync_device(env.device))
     return {"tokens_per_s": args["steps"] * args["global_batch"] * args["seq_len"] / elapsed}
 
 

@@ -13,13 +13,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
-from paratrain.bench.common import add_common_arguments, bench_config, machine, rotating_rounds, worker_args
+from paratrain.bench.common import (
+    add_common_arguments,
+    bench_config,
+    machine,
+    rotating_rounds,
+    time_steps,
+    worker_args,
+)
 from paratrain.launch import spawn
-from paratrain.train.metrics import peak_memory_bytes
+from paratrain.train.metrics import peak_memory_bytes, sync_device
 
 CONFIGS = ("zero1", "zero2", "zero3", "torch_zero_redundancy", "torch_fsdp2")
 
@@ -41,12 +47,7 @@ def _worker(env, name: str, args: dict) -> dict:
         step = trainer.train_step
     else:
         step = _torch_peer(name, cfg, env)
-    for i in range(args["warmup"]):
-        step(i)
-    start = time.perf_counter()
-    for i in range(args["warmup"], args["warmup"] + args["steps"]):
-        step(i)
-    elapsed = time.perf_counter() - start
+    elapsed = time_steps(step, args["warmup"], args["steps"], lambda: sync_device(env.device))
     tokens = args["steps"] * args["global_batch"] * args["seq_len"]
     return {"tokens_per_s": tokens / elapsed, "peak_bytes": peak_memory_bytes(env.device)}
 
