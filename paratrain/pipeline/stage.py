@@ -37,7 +37,7 @@ import torch.nn as nn
 
 from paratrain.comm import collectives as C
 from paratrain.mesh import ParallelMesh
-from paratrain.models.family import family_of
+from paratrain.models.family import ModelFamily, family_of
 from paratrain.sharding import update_info
 
 
@@ -99,10 +99,11 @@ class StageChunk:
     layers: list[int]
     is_first: bool
     is_last: bool
+    family: ModelFamily  # looked up once: this is called for every micro-batch
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """tokens [b, s] (first stage) or hidden [b, s, dim] -> hidden [b, s, dim] or logits."""
-        return family_of(self.model).forward_stage(self.model, x, self.layers, self.is_first, self.is_last)
+        return self.family.forward_stage(self.model, x, self.layers, self.is_first, self.is_last)
 
 
 def split_for_pipeline(model: nn.Module, mesh: ParallelMesh, *, virtual_stages: int = 1,
@@ -125,7 +126,7 @@ def split_for_pipeline(model: nn.Module, mesh: ParallelMesh, *, virtual_stages: 
         setattr(model, name, None)
     if family.is_tied(model):
         _mark_tied(model, *family.tied)
-    return [StageChunk(model, s, per_stage[s], s == 0, s == n_stages - 1) for s in mine]
+    return [StageChunk(model, s, per_stage[s], s == 0, s == n_stages - 1, family) for s in mine]
 
 
 def _held(model: nn.Module, name: str) -> nn.Parameter | None:
