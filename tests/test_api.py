@@ -384,11 +384,15 @@ def _example(tmp_path: Path, name: str, *launcher: str, args: tuple = ()) -> dic
     return load_file(str(out))
 
 
-def test_example_own_loop_torchrun_equals_one_process(tmp_path):
+@pytest.mark.parametrize("zero_args", [("--zero", "0"), ("--zero", "1"), ("--zero", "2"),
+                                       ("--zero", "3", "--offload", "cpu")],
+                         ids=["ddp", "z1", "z2", "z3-cpu"])
+def test_example_own_loop_torchrun_equals_one_process(tmp_path, zero_args):
+    """The README's script, unchanged, under torchrun with 2 workers = one plain process."""
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     ref = _example(tmp_path, "one", sys.executable)
     got = _example(tmp_path, "two", torchrun, "--standalone", "--nproc-per-node", "2",
-                   args=("--zero", "3", "--offload", "cpu", "--save", str(tmp_path / "ckpt")))
+                   args=(*zero_args, "--save", str(tmp_path / "ckpt")))
     assert got.keys() == ref.keys() and len(ref) == 8
     for name, w in ref.items():
         torch.testing.assert_close(got[name], w, **FP32_REORDERED, msg=lambda m, n=name: f"{n}: {m}")
