@@ -107,3 +107,19 @@ def test_dense_model_unchanged_and_moe_presets_count_every_expert():
     assert round(mixtral.n_active_params() / 1e9, 1) == 12.9
     every2 = preset("tiny-moe", moe_every=2)
     assert [every2.is_moe_block(i) for i in range(4)] == [False, True, False, True]
+
+
+def test_an_expert_without_tokens_still_gets_a_zero_gradient():
+    """Else its DDP bucket / ZeRO-3 unit waits forever on the rank where it got no token (seen:
+    ranks diverged at a ZeRO-3 reduce-scatter) and AdamW skips it in one layout but not another."""
+    m = make_moe()
+    with torch.no_grad():
+        m.router.weight.zero_()
+        m.router.weight[0, 0] = m.router.weight[1, 0] = 50.0  # experts 0 and 1 take every token
+    x = torch.randn(1, 8, 16, dtype=torch.float64).abs()
+    m(x).sum().backward()
+    assert int(m.stats.load[2]) == int(m.stats.load[3]) == 0
+    for e in ("2", "3"):
+        grads = [p.grad for p in m.experts[e].parameters()]
+        assert all(g is not None and not g.any() for g in grads)
+    assert m.experts["0"].gate.weight.grad.abs().sum() > 0

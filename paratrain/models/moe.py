@@ -124,8 +124,10 @@ class MoE(nn.Module):
         per_slot = tokens.new_zeros(t * k, tokens.shape[-1])
         for name, expert in self.experts.items():
             idx = ((flat_expert == int(name)) & flat_keep).nonzero().squeeze(-1)
-            if idx.numel():
-                per_slot = per_slot.index_copy(0, idx, expert(tokens[idx // k]))
+            # Run even an expert that got no token: its weights then get a (zero) gradient in
+            # every layout and on every rank, so gradient hooks (DDP buckets, ZeRO-3 units) fire
+            # everywhere and AdamW treats the expert the same as in one process.
+            per_slot = per_slot.index_copy(0, idx, expert(tokens[idx // k]))
         w = (weights * keep).to(tokens.dtype)  # a dropped assignment contributes nothing
         return (per_slot.view(t, k, -1) * w.unsqueeze(-1)).sum(1)
 
