@@ -123,3 +123,11 @@ def test_an_expert_without_tokens_still_gets_a_zero_gradient():
         grads = [p.grad for p in m.experts[e].parameters()]
         assert all(g is not None and not g.any() for g in grads)
     assert m.experts["0"].gate.weight.grad.abs().sum() > 0
+
+
+def test_mfu_counts_the_active_experts_and_the_router():
+    from paratrain.train.task import lm_flops_per_token
+
+    dense, moe = preset("tiny"), preset("tiny-moe")
+    extra = 6 * moe.n_layers * (moe.dim * moe.ffn_dim * 3 + moe.dim * moe.n_experts)  # 2nd expert + router
+    assert lm_flops_per_token(moe, 32) - lm_flops_per_token(dense, 32) == extra

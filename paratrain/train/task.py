@@ -133,7 +133,9 @@ def lm_flops_per_token(c: LlamaConfig, seq_len: int) -> float:
     """
     q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     per_layer = 2 * c.dim * q + 2 * c.dim * kv + 3 * c.dim * c.ffn_dim
-    matmul_params = c.n_layers * per_layer + c.vocab_size * c.dim
+    # MoE: the top_k experts a token runs through (one is in per_layer) and the router
+    moe = c.n_moe_layers * ((c.top_k - 1) * 3 * c.dim * c.ffn_dim + c.dim * c.n_experts)
+    matmul_params = c.n_layers * per_layer + moe + c.vocab_size * c.dim
     return 6.0 * matmul_params + 6.0 * c.n_layers * seq_len * c.dim
 
 
