@@ -37,6 +37,11 @@ class ModelConfig:
     n_kv_heads: int | None = None
     ffn_dim: int | None = None
     tie_embeddings: bool | None = None
+    n_experts: int | None = None  # mixture of experts (models/moe.py); None: the preset's (0: dense)
+    top_k: int | None = None
+    capacity_factor: float | None = None  # 0: dropless
+    aux_loss_coef: float | None = None
+    z_loss_coef: float | None = None
     init_from: str | None = None  # a local Hugging Face folder: shape, weights and tokenizer come from it
 
 

@@ -149,6 +149,9 @@ def check_layout(cfg: Config, problems: list[str]) -> None:
         if used(cfg):
             problems.append(f"parallel.{name} is not available yet in this version of paratrain; "
                             f"remove --{name.replace('_', '-')} (or set it to its default)")
+    from paratrain.models.moe_train import check_moe
+
+    check_moe(cfg, problems)
     _check_tensor_parallel(cfg, problems)
     _check_pipeline(cfg, problems)
     _check_zero(cfg, problems)

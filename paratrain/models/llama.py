@@ -40,6 +40,13 @@ class LlamaConfig:
     family: str = "llama"  # llama | mistral | qwen2: the architecture an export writes
     qkv_bias: bool = False
     head_size: int | None = None  # None: dim // n_heads
+    # Mixture of experts (models/moe.py). n_experts = 0: the dense model, unchanged.
+    n_experts: int = 0
+    top_k: int = 2
+    moe_every: int = 1  # block i is sparse when (i + 1) % moe_every == 0
+    capacity_factor: float = 0.0  # 0: dropless; > 0: tokens beyond an expert's capacity are dropped
+    aux_loss_coef: float = 0.01  # Switch load balancing
+    z_loss_coef: float = 0.001  # router z-loss (ST-MoE)
 
     @property
     def head_dim(self) -> int:
@@ -48,14 +55,27 @@ class LlamaConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def n_params(self) -> int:
-        """Parameters of the single-device model (tied embeddings counted once)."""
+    def is_moe_block(self, index: int) -> bool:
+        return self.n_experts > 0 and (index + 1) % self.moe_every == 0
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.is_moe_block(i) for i in range(self.n_layers))
+
+    def n_params(self, *, active: bool = False) -> int:
+        """Parameters of the single-device model (tied embeddings counted once); every expert
+        counts, or with ``active`` only the top_k experts a token runs through."""
         d, f, v = self.dim, self.ffn_dim, self.vocab_size
         q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         bias = (q + 2 * kv) if self.qkv_bias else 0
         per_layer = d * q * 2 + d * kv * 2 + 3 * d * f + 2 * d + bias
         head = 0 if self.tie_embeddings else v * d
-        return v * d + self.n_layers * per_layer + d + head
+        experts = self.top_k if active else self.n_experts
+        moe_extra = self.n_moe_layers * ((experts - 1) * 3 * d * f + d * self.n_experts)  # + router
+        return v * d + self.n_layers * per_layer + moe_extra + d + head
+
+    def n_active_params(self) -> int:
+        return self.n_params(active=True)
 
 
 # Named shapes. `tiny` is for tests (8-worker runs on 2 cores), `small` for the default run on a
@@ -75,6 +95,17 @@ PRESETS: dict[str, LlamaConfig] = {
                              ffn_dim=13824, max_seq_len=4096),
     "llama-70b": LlamaConfig(vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
                              ffn_dim=28672, max_seq_len=4096),
+    # Mixture of experts: tiny/small shapes with 4 experts, and Mixtral's published shapes.
+    "tiny-moe": LlamaConfig(vocab_size=512, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128,
+                            max_seq_len=128, n_experts=4, top_k=2),
+    "small-moe": LlamaConfig(vocab_size=8192, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688,
+                             max_seq_len=256, n_experts=4, top_k=2),
+    "mixtral-8x7b": LlamaConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                                ffn_dim=14336, max_seq_len=32768, rope_theta=1e6, n_experts=8, top_k=2,
+                                aux_loss_coef=0.02),
+    "mixtral-8x22b": LlamaConfig(vocab_size=32768, dim=6144, n_layers=56, n_heads=48, n_kv_heads=8,
+                                 ffn_dim=16384, max_seq_len=65536, rope_theta=1e6, n_experts=8, top_k=2,
+                                 aux_loss_coef=0.001),
 }
 
 
@@ -163,16 +194,23 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, index: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = moe_mlp(cfg) if cfg.is_moe_block(index) else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
         return x + self.mlp(self.mlp_norm(x))
+
+
+def moe_mlp(cfg: LlamaConfig) -> nn.Module:
+    from paratrain.models.moe import MoE
+
+    return MoE(dim=cfg.dim, ffn_dim=cfg.ffn_dim, n_experts=cfg.n_experts, top_k=cfg.top_k,
+               capacity_factor=cfg.capacity_factor)
 
 
 class Llama(nn.Module):
@@ -180,7 +218,7 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm: nn.Module | None = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head: nn.Module | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:

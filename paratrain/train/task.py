@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from paratrain.data import Corpus, TokenRows, check_batch_fits, check_vocab, load_corpus
 from paratrain.models import build_model, init_weights, materialize, preset, tied_name
 from paratrain.models.llama import LlamaConfig, full_init_value
+from paratrain.models.moe_train import MoEAccounting
 
 if TYPE_CHECKING:  # types only: config imports this module's checks, never the reverse
     from paratrain.config import Config
@@ -36,12 +37,15 @@ class Task(Protocol):
     def val_batch(self, index: int, global_batch: int, rows: slice | None = None): ...
 
 
+MOE_FIELDS = ("n_experts", "top_k", "capacity_factor", "aux_loss_coef", "z_loss_coef")
+
+
 def model_config(cfg: Config, vocab_size: int) -> LlamaConfig:
     if cfg.model.init_from:
         return model_shape(cfg)
     m = cfg.model
     overrides = {k: getattr(m, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
-                                              "tie_embeddings") if getattr(m, k) is not None}
+                                              "tie_embeddings", *MOE_FIELDS) if getattr(m, k) is not None}
     return preset(m.name, vocab_size=vocab_size, max_seq_len=max(cfg.data.seq_len, 2), **overrides)
 
 
@@ -54,7 +58,7 @@ def model_shape(cfg: Config) -> LlamaConfig:
         return HFCheckpoint.open(cfg.model.init_from).model_cfg
     m = cfg.model
     overrides = {k: getattr(m, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
-                                              "tie_embeddings") if getattr(m, k) is not None}
+                                              "tie_embeddings", *MOE_FIELDS) if getattr(m, k) is not None}
     return preset(m.name, **overrides)
 
 
@@ -75,12 +79,15 @@ class LanguageModelTask:
                               doc_ends=self.corpus.doc_ends)
         check_batch_fits(self.rows, cfg.train.global_batch)
         self.seed = cfg.train.seed
+        self.moe = None
         self.units_per_row = d.seq_len
         self.n_params = self.model_cfg.n_params()
         self.flops_per_unit = lm_flops_per_token(self.model_cfg, d.seq_len)
 
     def build_model(self, device):
-        return build_model(self.model_cfg, device)
+        model = build_model(self.model_cfg, device)
+        self.moe = MoEAccounting(model, self.model_cfg) if self.model_cfg.n_experts else None
+        return model
 
     def materialize(self, model, device):
         materialize(model, device)
@@ -108,7 +115,11 @@ class LanguageModelTask:
                        "generation_config": self.hf.optional_json("generation_config.json")}}
 
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+        ce = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+        return ce if self.moe is None else self.moe.add_aux(ce)
+
+    def step_metrics(self) -> dict:
+        return {} if self.moe is None else self.moe.metrics()
 
     def train_batch(self, step, global_batch, rows=None):
         return self.rows.train_batch(step, global_batch, rows)
@@ -124,7 +135,9 @@ def lm_flops_per_token(c: LlamaConfig, seq_len: int) -> float:
     """
     q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     per_layer = 2 * c.dim * q + 2 * c.dim * kv + 3 * c.dim * c.ffn_dim
-    matmul_params = c.n_layers * per_layer + c.vocab_size * c.dim
+    # MoE: the top_k experts a token runs through (one is in per_layer) and the router
+    moe = c.n_moe_layers * ((c.top_k - 1) * 3 * c.dim * c.ffn_dim + c.dim * c.n_experts)
+    matmul_params = c.n_layers * per_layer + moe + c.vocab_size * c.dim
     return 6.0 * matmul_params + 6.0 * c.n_layers * seq_len * c.dim
 
 

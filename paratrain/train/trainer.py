@@ -256,6 +256,7 @@ class Trainer:
         elif s["skipped"]:  # --nan-policy skip
             row["skipped"], row["skipped_steps"] = True, len(self.result.skipped_steps)
         row["micro_batch"] = self.cfg.micro_batch
+        row.update(getattr(self.task, "step_metrics", dict)())  # e.g. moe_aux_loss (models/moe_train.py)
         if step == self.start_step:
             row["layout"] = self.layout()
             if self.finder is not None:

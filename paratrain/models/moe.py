@@ -1,0 +1,164 @@
+"""A sparse mixture-of-experts MLP (Mixtral-style), a drop-in for the decoder's SwiGLU MLP.
+
+router (linear dim -> E, in fp32) -> softmax over the experts -> top-k -> weights renormalised over
+the chosen k (Mixtral's rule) -> each token's k SwiGLU experts -> weighted sum. Dropless by
+default; with ``capacity_factor > 0`` each expert takes at most ceil(cf * T * k / E) of the T*k
+assignments of one forward call (Switch/GShard: first choices before second choices, then token
+order), and the rest are dropped (the residual stream carries those tokens unchanged).
+
+Auxiliary losses, and why they are defined per row. The Switch load-balancing loss
+alpha * E * sum_i f_i * P_i is a *product* of two means, so its value depends on the set of tokens
+it is computed over: over a micro-batch it would change with the micro-batch size and the number
+of data-parallel ranks (the accounting bug of transformers #28093 / #31464 is a variant of this).
+Here f_i (fraction of the row's k*s assignments routed to expert i) and P_i (mean router
+probability of expert i over the row's s tokens) are computed **per sequence (row)**, whose
+tokens are the same in every layout. The training loss is then
+
+    CE mean over all tokens of the global batch
+    + aux_loss_coef * mean over rows and over MoE layers of E * sum_i f_i(row) P_i(row)
+    + z_loss_coef   * mean over tokens and over MoE layers of logsumexp(router logits)^2
+
+and each layer records it as a *sum in token units* (row value x seq_len, summed over the rows it
+saw), the same form as the cross-entropy sum the executor divides by the global token count. So
+one process, any dp degree and any number of micro-batches add up the same total.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class MoEStats:
+    """What one MoE layer saw in its last forward call (a rank's micro-batch)."""
+
+    aux_sum: torch.Tensor  # sum over rows of E * sum_i f_i P_i, times seq_len (token units), with grad
+    z_sum: torch.Tensor  # sum over tokens of logsumexp(logits)^2, with grad
+    assigned: int  # token-expert assignments made (tokens * k)
+    dropped: int  # of which dropped by the capacity limit
+    load: torch.Tensor  # [E] assignments per expert (before dropping), detached
+
+
+class Expert(nn.Module):
+    """One SwiGLU expert: down(silu(gate(x)) * up(x)); Mixtral's w1 = gate, w3 = up, w2 = down."""
+
+    def __init__(self, dim: int, ffn_dim: int):
+        super().__init__()
+        self.gate = nn.Linear(dim, ffn_dim, bias=False)
+        self.up = nn.Linear(dim, ffn_dim, bias=False)
+        self.down = nn.Linear(ffn_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 logits [T, E] -> (probs [T, E], weights [T, k] renormalised over the k, experts [T, k])."""
+    probs = logits.softmax(dim=-1)
+    weights, experts = probs.topk(top_k, dim=-1)
+    return probs, weights / weights.sum(dim=-1, keepdim=True), experts
+
+
+def capacity_keep(experts: torch.Tensor, n_experts: int, capacity_factor: float) -> torch.Tensor:
+    """Which assignments [T, k] fit their expert's capacity. Priority: slot first (every token's
+    first choice before any second choice), then token order, as in GShard/Switch."""
+    t, k = experts.shape
+    if capacity_factor <= 0:
+        return torch.ones_like(experts, dtype=torch.bool)
+    capacity = math.ceil(capacity_factor * t * k / n_experts)
+    onehot = F.one_hot(experts.t().reshape(-1), n_experts)  # [k*T, E], slot-major
+    position = (onehot.cumsum(0) * onehot).sum(-1) - 1  # place of each assignment in its expert's queue
+    return (position < capacity).view(k, t).t()
+
+
+def balance_loss_rows(probs: torch.Tensor, experts: torch.Tensor, rows: int) -> torch.Tensor:
+    """E * sum_i f_i P_i for each row: probs [T, E], experts [T, k], T = rows * seq -> [rows]."""
+    n_experts = probs.shape[-1]
+    p = probs.view(rows, -1, n_experts).mean(1)  # [rows, E]
+    counts = F.one_hot(experts, n_experts).view(rows, -1, n_experts).sum(1)  # [rows, E] (k per token)
+    f = counts.float() / (experts.shape[-1] * (experts.shape[0] // rows))
+    return n_experts * (f * p).sum(-1)
+
+
+class MoE(nn.Module):
+    """Sparse MoE MLP. x [b, s, dim] -> [b, s, dim]; ``self.stats`` holds the last call's losses.
+
+    ``self.experts`` holds experts by their global index as strings (``experts.5.gate.weight``), so
+    an expert-parallel rank keeps the single-device names of the experts it owns."""
+
+    def __init__(self, *, dim: int, ffn_dim: int, n_experts: int, top_k: int, capacity_factor: float = 0.0):
+        super().__init__()
+        self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
+        self.router = nn.Linear(dim, n_experts, bias=False)
+        self.experts = nn.ModuleDict({str(e): Expert(dim, ffn_dim) for e in range(n_experts)})
+        self.stats: MoEStats | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        tokens = x.reshape(-1, d)  # [T, dim]
+        # Router in (at least) fp32 even under autocast: top-k of near-equal bf16 logits is noise.
+        dtype = torch.promote_types(tokens.dtype, torch.float32)
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(tokens.to(dtype), self.router.weight.to(dtype))  # [T, E]
+        probs, weights, experts = route(logits, self.top_k)
+        keep = capacity_keep(experts, self.n_experts, self.capacity_factor)
+        out = self.combine(tokens, weights, experts, keep)
+        self.stats = MoEStats(
+            aux_sum=balance_loss_rows(probs, experts, b).sum() * s,
+            z_sum=torch.logsumexp(logits, dim=-1).pow(2).sum(),
+            assigned=experts.numel(), dropped=int((~keep).sum()),
+            load=torch.bincount(experts.flatten(), minlength=self.n_experts).detach())
+        return out.view(b, s, d)
+
+    def combine(self, tokens: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                keep: torch.Tensor) -> torch.Tensor:
+        """Run each expert on its tokens; sum each token's k outputs in slot order (so the result
+        does not depend on which rank ran which expert)."""
+        t, k = experts.shape
+        flat_expert, flat_keep = experts.reshape(-1), keep.reshape(-1)  # [T*k], token-major
+        per_slot = tokens.new_zeros(t * k, tokens.shape[-1])
+        for name, expert in self.experts.items():
+            idx = ((flat_expert == int(name)) & flat_keep).nonzero().squeeze(-1)
+            # Run even an expert that got no token: its weights then get a (zero) gradient in
+            # every layout and on every rank, so gradient hooks (DDP buckets, ZeRO-3 units) fire
+            # everywhere and AdamW treats the expert the same as in one process.
+            per_slot = per_slot.index_copy(0, idx, expert(tokens[idx // k]))
+        w = (weights * keep).to(tokens.dtype)  # a dropped assignment contributes nothing
+        return (per_slot.view(t, k, -1) * w.unsqueeze(-1)).sum(1)
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def moe_loss_sum(model: nn.Module, *, aux_loss_coef: float, z_loss_coef: float, n_moe_layers: int
+                 ) -> torch.Tensor | None:
+    """The auxiliary losses of the model's last forward, in token-sum units (add to the CE sum;
+    the executor's division by the global token count makes them means). ``n_moe_layers`` is the
+    single-device model's count (a pipeline stage holds fewer), so the layer mean is global. None
+    when the model has no MoE layer that ran."""
+    stats = [m.stats for m in moe_layers(model) if m.stats is not None]
+    if not stats:
+        return None
+    aux = torch.stack([st.aux_sum for st in stats]).sum()
+    z = torch.stack([st.z_sum for st in stats]).sum()
+    return (aux_loss_coef * aux + z_loss_coef * z) / n_moe_layers
+
+
+def moe_metrics(model: nn.Module, *, n_tokens: int) -> dict:
+    """Detached figures of the last forward: per-token aux and z (means over layers), dropped
+    fraction, expert load (fraction of assignments per expert, averaged over layers)."""
+    stats = [m.stats for m in moe_layers(model) if m.stats is not None]
+    if not stats:
+        return {}
+    n = len(stats)
+    load = torch.stack([st.load.float() / st.assigned for st in stats]).mean(0)
+    return {"moe_aux_loss": float(sum(st.aux_sum.detach() for st in stats)) / (n * n_tokens),
+            "moe_z_loss": float(sum(st.z_sum.detach() for st in stats)) / (n * n_tokens),
+            "moe_dropped_fraction": sum(st.dropped for st in stats) / sum(st.assigned for st in stats),
+            "moe_expert_load": [round(v, 6) for v in load.tolist()]}
