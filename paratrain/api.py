@@ -540,7 +540,8 @@ def _join(timeout: float) -> tuple[int, int, torch.device]:
     """(rank, world, device): an existing process group, torchrun's environment, or one process."""
     if dist.is_initialized():
         local = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
-        return dist.get_rank(), dist.get_world_size(), pick_device(local)
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        return dist.get_rank(), dist.get_world_size(), pick_device(local, local_ranks)
     if under_torchrun():
         env = init_from_torchrun(timeout)
         return env.rank, env.world_size, env.device

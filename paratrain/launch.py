@@ -82,8 +82,28 @@ def pick_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def pick_device(local_rank: int) -> torch.device:
+class DeviceError(RuntimeError):
+    """More ranks on this node than GPUs: NCCL refuses two ranks on one GPU."""
+
+
+def gpu_shortage(local_ranks: int) -> str | None:
+    """The message for ``local_ranks`` ranks on a node with fewer visible GPUs, else None.
+
+    NCCL needs one GPU per rank ("Duplicate GPU detected" otherwise, after the workers started);
+    saying so before they start names the fix."""
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n == 0 or local_ranks <= n:
+        return None
+    return (f"{local_ranks} ranks on this node but {n} CUDA GPU(s) visible, and NCCL needs one GPU per "
+            f"rank: use at most {n} ranks here (--nproc, or dp*tp*pp), add nodes with torchrun, or "
+            "train on the CPU with gloo by hiding the GPUs (CUDA_VISIBLE_DEVICES=)")
+
+
+def pick_device(local_rank: int, local_ranks: int = 1) -> torch.device:
     if torch.cuda.is_available():
+        problem = gpu_shortage(local_ranks)
+        if problem:
+            raise DeviceError(problem)
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -112,7 +132,7 @@ def init_from_torchrun(timeout_s: float = 600.0) -> DistEnv:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     backend = pick_backend()
-    device = pick_device(local_rank)
+    device = pick_device(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     die_with_parent()  # torchrun's agent killed: this worker goes too
     if world > 1 and not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -169,11 +189,11 @@ def _worker(fn, rank, world, init_file, pg_timeout, dump_file, dump_after, resul
         if dump_after:
             faulthandler.dump_traceback_later(dump_after, exit=False, file=dump)
         try:
-            backend = pick_backend()
+            backend, device = pick_backend(), pick_device(rank, world)
             if world > 1:
                 dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                                         world_size=world, timeout=datetime.timedelta(seconds=pg_timeout))
-            env = DistEnv(rank, world, rank, backend, pick_device(rank))
+            env = DistEnv(rank, world, rank, backend, device)
             out = fn(env, *args, **kwargs)
             results.put((rank, "ok", _to_bytes(out)))
         except BaseException as e:  # noqa: BLE001 - every failure must reach the parent

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import torch
 
-from paratrain.config import Config
+from paratrain.config import Config, ConfigError
 from paratrain.data import check_resume
 from paratrain.launch import (
     DistEnv,
     Interrupted,
     WorkerError,
+    gpu_shortage,
     init_from_torchrun,
     restart_attempt,
     spawn,
@@ -39,6 +40,9 @@ def run_training(cfg: Config) -> int:
     """Train with `cfg` (already validated); return the process exit code."""
     if under_torchrun():
         return _run_torchrun(cfg)
+    problem = gpu_shortage(cfg.world_size)
+    if problem:  # before the run folder, the data and any worker
+        raise ConfigError(problem)
     with runlock.locked_run(cfg):  # one run per --out folder; refused before any worker starts
         return _run_local(cfg)
 

@@ -77,3 +77,19 @@ def test_cli_user_error_is_one_message_no_traceback(capsys):
 def test_cli_missing_data_path(capsys):
     assert main(["train", "--data", "/definitely/missing"]) == 2
     assert "point --data at" in capsys.readouterr().err
+
+
+def test_more_ranks_than_gpus_is_refused_before_workers_start(monkeypatch, capsys, tmp_path):
+    # Seen on a one-GPU machine: --dp 2 started two workers and NCCL failed with "Duplicate GPU
+    # detected". The launcher now says so first (a fake 1-GPU machine: nothing touches CUDA).
+    import paratrain.launch as launch
+
+    monkeypatch.setattr(launch.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(launch.torch.cuda, "device_count", lambda: 1)
+    assert launch.gpu_shortage(1) is None
+    code = main(["train", "--model", "tiny", "--seq-len", "32", "--dp", "2", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and "2 ranks on this node but 1 CUDA GPU(s) visible" in err
+    assert "CUDA_VISIBLE_DEVICES=" in err and not (tmp_path / "run").exists()
+    with pytest.raises(launch.DeviceError, match="one GPU per rank"):
+        launch.pick_device(1, 2)

@@ -131,3 +131,27 @@ def test_mfu_counts_the_active_experts_and_the_router():
     dense, moe = preset("tiny"), preset("tiny-moe")
     extra = 6 * moe.n_layers * (moe.dim * moe.ffn_dim * 3 + moe.dim * moe.n_experts)  # 2nd expert + router
     assert lm_flops_per_token(moe, 32) - lm_flops_per_token(dense, 32) == extra
+
+
+class _Bf16Out(torch.nn.Module):
+    """An expert whose output is bf16 while its input is fp32: what CUDA autocast gives."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x).bfloat16()
+
+
+def test_moe_combines_bf16_expert_outputs_into_the_fp32_stream():
+    # Seen on a GPU with --precision bf16: index_copy of the bf16 expert output into the fp32 slot
+    # buffer failed (CPU autocast promotes index_copy, CUDA's does not: simulated here).
+    m = make_moe().float()
+    x = torch.randn(2, 6, 16)
+    want = m(x)
+    m.experts = torch.nn.ModuleDict({name: _Bf16Out(e) for name, e in m.experts.items()})
+    got = m(x)
+    got.sum().backward()
+    assert got.dtype == torch.float32 and m.router.weight.grad is not None
+    torch.testing.assert_close(got, want, rtol=0.02, atol=0.02)  # outputs rounded to bf16 (8 bits)

@@ -25,6 +25,7 @@ from paratrain import config
 from paratrain.bench.common import add_common_arguments, machine, paired_rounds, time_steps
 from paratrain.engine.strategy import adamw_param_groups
 from paratrain.launch import DistEnv, spawn
+from paratrain.train.metrics import sync_device
 from paratrain.train.task import LanguageModelTask, build_task
 from paratrain.train.trainer import Trainer, lr_at
 
@@ -46,7 +47,7 @@ def bench_config(args, out: str) -> config.Config:
 
 
 def _slowest(seconds: float, env: DistEnv) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
+    t = torch.tensor([seconds], dtype=torch.float64, device=env.device)  # NCCL reduces device tensors
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # raw torch: not part of either side's counted traffic
     return float(t.item())
 
@@ -60,7 +61,7 @@ def _paratrain_side(trainer: Trainer, args, env: DistEnv):
 
     def go() -> dict:
         exposed.clear()
-        seconds = _slowest(time_steps(step, args.warmup, args.steps, lambda: None), env)
+        seconds = _slowest(time_steps(step, args.warmup, args.steps, lambda: sync_device(env.device)), env)
         timed = sum(exposed[args.warmup:])
         return {"tokens_per_s": args.steps * trainer.units_per_step / seconds,
                 "exposed_comm_fraction": timed / seconds}
@@ -92,7 +93,7 @@ def _torch_ddp_side(cfg: config.Config, task: LanguageModelTask, args, env: Dist
         opt.zero_grad(set_to_none=True)
 
     def go() -> dict:
-        seconds = _slowest(time_steps(step, args.warmup, args.steps, lambda: None), env)
+        seconds = _slowest(time_steps(step, args.warmup, args.steps, lambda: sync_device(env.device)), env)
         return {"tokens_per_s": args.steps * units / seconds}
 
     return go

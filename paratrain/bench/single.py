@@ -17,9 +17,9 @@ import torch.nn.functional as F
 
 from paratrain import config
 from paratrain.bench.common import add_common_arguments, machine, paired_rounds, time_steps
-from paratrain.train.metrics import measure_matmul_peak
+from paratrain.train.metrics import measure_matmul_peak, sync_device
 from paratrain.train.task import LanguageModelTask
-from paratrain.train.trainer import Trainer, lr_at
+from paratrain.train.trainer import Trainer, lr_at, single_process_env
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,13 +39,15 @@ def bench_config(args, out: str) -> config.Config:
 
 def run_paratrain(cfg: config.Config, task: LanguageModelTask, args) -> dict:
     trainer = Trainer(cfg, task=task)
-    seconds = time_steps(trainer.train_step, args.warmup, args.steps, lambda: None)
+    seconds = time_steps(trainer.train_step, args.warmup, args.steps, lambda: sync_device(trainer.env.device))
     return {"tokens_per_s": args.steps * trainer.units_per_step / seconds}
 
 
 def run_plain_pytorch(cfg: config.Config, task: LanguageModelTask, args) -> dict:
-    """The hand-written loop a PyTorch user would write, on the same model and rows."""
-    model = task.build_model("cpu")
+    """The hand-written loop a PyTorch user would write, on the same model, rows and device."""
+    device = single_process_env().device  # the trainer's device, so both sides run on it
+    model = task.build_model("meta")
+    task.materialize(model, device)
     task.init_weights(model, cfg.train.seed)
     o = cfg.optim
     decay = [p for p in model.parameters() if p.ndim >= 2]
@@ -56,6 +58,7 @@ def run_plain_pytorch(cfg: config.Config, task: LanguageModelTask, args) -> dict
 
     def step(i: int) -> None:
         x, y = task.train_batch(i, cfg.train.global_batch)
+        x, y = x.to(device), y.to(device)
         for xs, ys in zip(x.split(mb), y.split(mb)):
             logits = model(xs)
             loss = F.cross_entropy(logits.flatten(0, 1), ys.flatten()) * xs.shape[0] / x.shape[0]
@@ -66,7 +69,7 @@ def run_plain_pytorch(cfg: config.Config, task: LanguageModelTask, args) -> dict
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    seconds = time_steps(step, args.warmup, args.steps, lambda: None)
+    seconds = time_steps(step, args.warmup, args.steps, lambda: sync_device(device))
     return {"tokens_per_s": args.steps * cfg.train.global_batch * cfg.data.seq_len / seconds}
 
 
@@ -77,7 +80,7 @@ def run(args) -> dict:
         task = LanguageModelTask(cfg)
         result = paired_rounds(lambda: run_paratrain(cfg, task, args),
                                lambda: run_plain_pytorch(cfg, task, args), args.rounds)
-    peak = measure_matmul_peak(torch.device("cpu"), seconds=1.0)
+    peak = measure_matmul_peak(single_process_env().device, seconds=1.0)
     flops = task.flops_per_unit
     return {
         "kind": "single", "nproc": 1, "threads": args.threads, "model": args.model,

@@ -127,7 +127,9 @@ class MoE(nn.Module):
             # Run even an expert that got no token: its weights then get a (zero) gradient in
             # every layout and on every rank, so gradient hooks (DDP buckets, ZeRO-3 units) fire
             # everywhere and AdamW treats the expert the same as in one process.
-            per_slot = per_slot.index_copy(0, idx, expert(tokens[idx // k]))
+            # Under autocast the expert's output is bf16/fp16 while the residual stream is fp32:
+            # slots are combined in the stream's dtype (what the dense MLP's residual add does).
+            per_slot = per_slot.index_copy(0, idx, expert(tokens[idx // k]).to(per_slot.dtype))
         w = (weights * keep).to(tokens.dtype)  # a dropped assignment contributes nothing
         return (per_slot.view(t, k, -1) * w.unsqueeze(-1)).sum(1)
 
