@@ -95,7 +95,7 @@ def gpu_shortage(local_ranks: int) -> str | None:
     if n == 0 or local_ranks <= n:
         return None
     return (f"{local_ranks} ranks on this node but {n} CUDA GPU(s) visible, and NCCL needs one GPU per "
-            f"rank: use at most {n} ranks here (--nproc, or dp*tp*pp), add nodes with torchrun, or "
+            f"rank: use at most {n} rank(s) here (--nproc, or dp*tp*pp), add nodes with torchrun, or "
             "train on the CPU with gloo by hiding the GPUs (CUDA_VISIBLE_DEVICES=)")
 
 

@@ -41,6 +41,15 @@ def decays(name: str, p: torch.Tensor) -> bool:
     return p.ndim >= 2
 
 
+def multi_tensor_kernels(device: torch.device) -> bool:
+    """AdamW's ``foreach``. On a CPU, False: the per-tensor loop, whose per-element arithmetic is
+    what a sharded (ZeRO) step does on a flat slice, so layouts agree bit for bit (and CPU foreach
+    is that same loop). On an accelerator, True: one launch for many tensors, as torch's default;
+    measured on an H100 the per-tensor loop made a small model's step launch-bound (0.78x a plain
+    PyTorch loop)."""
+    return device.type != "cpu"
+
+
 def adamw_param_groups(named: list[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
     decay = [p for n, p in named if decays(n, p)]
     no_decay = [p for n, p in named if not decays(n, p)]
@@ -74,9 +83,8 @@ class Strategy:
             # the same elementwise update as ZeRO's 8-bit store (zero/store8.py)
             return a8.AdamW8bit(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, block_size=o.block_size,
                              min_8bit_size=o.min_8bit_size)
-        # foreach=False: the plain per-tensor loop, whose per-element arithmetic is identical to
-        # what a sharded (ZeRO) step does on a flat slice, so layouts agree bit for bit.
-        return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
+        return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                 foreach=multi_tensor_kernels(self.mesh.device))
 
     def step(self, lr: float | None) -> None:
         """lr None: keep the groups' own lr (the library's user sets it, e.g. with a scheduler)."""
@@ -116,10 +124,11 @@ class Strategy:
         # one, and skipping the all-reduce removes a synchronisation point from each step.
         replicated = bool(pairs) and all(c == self.mesh.world.size for _, c in pairs)
         total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
-        for g, copies in pairs:
-            # Per-tensor norm in the gradient's dtype (fast), squares summed in fp64 across tensors.
-            total += torch.linalg.vector_norm(g.detach(), dtype=torch.float32).double() ** 2 / (
-                1 if replicated else copies)
+        if pairs:
+            # Per-tensor fp32 norms (one multi-tensor launch on a GPU), squares summed in fp64.
+            norms = torch._foreach_norm([g.detach() for g, _ in pairs], 2, dtype=torch.float32)
+            copies = torch.tensor([1 if replicated else c for _, c in pairs], dtype=torch.float64)
+            total += (torch.stack(norms).double() ** 2 / copies.to(total.device)).sum()
         if not replicated:
             with self.mesh.counter.paused():  # a scalar; not part of the training traffic
                 C.all_reduce(total, self.mesh.world)
@@ -129,8 +138,9 @@ class Strategy:
     def scale_grads(self, factor: float) -> None:
         if factor == 1.0:
             return
-        for g, _ in self.grads_for_norm():
-            g.mul_(factor)
+        grads = [g for g, _ in self.grads_for_norm()]
+        if grads:
+            torch._foreach_mul_(grads, factor)
 
     # -- accounting -------------------------------------------------------------------------------
 
