@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 from paratrain import cli
 from paratrain.models.llama_hf import HFCheckpoint, HFError, expected_shapes, load_pretrained
 from paratrain.sharding import TensorShard
-from tests.harness import run_layout, tiny_cfg
+from tests.harness import FP32_REORDERED, assert_same_training, run_layout, tiny_cfg
 from tests.hf_models import save_tokenizer
 
 pytest.importorskip("transformers")
@@ -236,13 +236,27 @@ def test_native_moe_run_exports_as_mixtral(tmp_path):
     torch.testing.assert_close(ours, theirs.logits, **LOGITS)
 
 
+def test_imported_mixtral_trains_under_zero3_as_one_process(tmp_path):
+    """ZeRO-3 materialises each rank's flat shards through ``init_value`` (full tensors read per
+    expert from the fused file) rather than ``load_into``; training then equals one process."""
+    src = tmp_path / "src"
+    save_mixtral(src, "fused")
+    common = {"model.init_from": str(src), "train.steps": 3, "optim.lr": 1e-3}  # lr: see test_hf.py
+    ref = run_layout(tiny_cfg(tmp_path / "ref", **common))
+    got = run_layout(tiny_cfg(tmp_path / "got", **common, **{"parallel.dp": 2, "parallel.zero": 3}), nproc=2)
+    assert_same_training(got, ref, **FP32_REORDERED, lr_steps=3e-3)
+
+
 def _edit_config(folder: Path, **changes) -> None:
     cfg = json.loads((folder / "config.json").read_text())
     cfg.update(changes)
     (folder / "config.json").write_text(json.dumps(cfg))
 
 
-@pytest.mark.parametrize("case", ["jitter", "top-k", "expert-count", "missing-expert", "experts-flag"])
+BAD_CASES = ["jitter", "top-k", "expert-count", "missing-expert", "window", "experts-flag"]
+
+
+@pytest.mark.parametrize("case", BAD_CASES)
 def test_bad_mixtral_is_refused_before_training(tmp_path, capsys, case):
     folder = tmp_path / "m"
     save_mixtral(folder, "fused" if case == "expert-count" else "classic")
@@ -263,6 +277,9 @@ def test_bad_mixtral_is_refused_before_training(tmp_path, capsys, case):
         _edit_config(folder, num_local_experts=8)
         message = ("model.layers.0.mlp.experts.gate_up_proj has shape [4, 192, 64] but config.json "
                    "implies [8, 192, 64]")
+    elif case == "window":  # as for Mistral: a window shorter than the sequence is refused
+        _edit_config(folder, sliding_window=16)
+        message = "sliding-window attention of 16 tokens"
     else:
         extra = ["--experts", "8"]
         message = "model.n_experts cannot be set with --init-from"
