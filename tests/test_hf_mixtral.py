@@ -93,6 +93,8 @@ def save_mixtral(folder: Path, layout: str = "save_pretrained", **overrides):
         for file in folder.glob("model*.safetensors*"):
             file.unlink()
         state = classic_state(model) if layout == "classic" else model.state_dict()
+        if model.config.tie_word_embeddings:  # a tied checkpoint stores the embedding only
+            del state["lm_head.weight"]
         save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
     save_tokenizer(folder)
     return model
@@ -111,11 +113,13 @@ def _check_margin(model, ids: torch.Tensor) -> None:
         assert (top[:, k - 1] - top[:, k]).min() > MIN_MARGIN, "fixture has a near-tie in its routing"
 
 
-@pytest.mark.parametrize("layout", ["save_pretrained", "classic", "fused"])
+@pytest.mark.parametrize("layout", ["save_pretrained", "classic", "fused", "classic-tied"])
 def test_import_logits_equal_transformers(tmp_path, layout):
     from transformers import AutoModelForCausalLM
 
-    ref = save_mixtral(tmp_path, layout)
+    tied = layout.endswith("-tied")
+    layout = layout.removesuffix("-tied")
+    ref = save_mixtral(tmp_path, layout, **({"tie_word_embeddings": True} if tied else {}))
     names = set(HFCheckpoint.open(str(tmp_path)).weight_files)
     fused = "model.layers.0.mlp.experts.gate_up_proj" in names
     assert fused == (layout == "fused")
@@ -125,6 +129,7 @@ def test_import_logits_equal_transformers(tmp_path, layout):
     model, ckpt = load_pretrained(str(tmp_path))
     c = model.cfg
     assert (c.family, c.n_experts, c.top_k, c.moe_every, c.capacity_factor) == ("mixtral", 4, 2, 1, 0.0)
+    assert c.tie_embeddings == tied
     assert c.aux_loss_coef == pytest.approx(0.02 * 2) and c.z_loss_coef == 0.0
     ids = _ids()
     _check_margin(ref, ids)
@@ -181,6 +186,18 @@ def test_eval_equals_transformers_loss(tmp_path, capsys):
     want, tokens = _hf_loss(ref, tmp_path / "m", TEXT)
     assert got["tokens"] == tokens
     assert got["loss"] == pytest.approx(want, rel=1e-5)
+
+
+def test_generate_greedy_equals_transformers(tmp_path, capsys):
+    from tokenizers import Tokenizer
+
+    ref = save_mixtral(tmp_path)
+    assert cli.main(["generate", "def ", "--init-from", str(tmp_path), "--greedy", "--tokens", "6"]) == 0
+    out = capsys.readouterr().out.rstrip("\n")
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    prompt = torch.tensor([tok.encode("def ").ids])
+    want = ref.generate(prompt, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert out == tok.decode(want[0, prompt.shape[1]:].tolist())
 
 
 def test_import_train_export_roundtrip(tmp_path, capsys):
