@@ -158,6 +158,24 @@ def test_sliced_reads_of_both_layouts_equal_slices_of_the_full_tensor(tmp_path):
                 assert torch.equal(classic.read(name, spec), spec.slice(full)), (name, dim, index)
 
 
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_aux_coefficient_conversion_matches_transformers_definition(top_k):
+    """Why import multiplies router_aux_loss_coef by k: on one sequence and one layer,
+    transformers' load-balancing loss is exactly k times paratrain's (fᵢ summing to k vs 1)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from paratrain.models.mixtral_hf import moe_fields
+    from paratrain.models.moe import balance_loss_rows, route
+
+    logits = torch.randn(24, 6, generator=torch.Generator().manual_seed(top_k), dtype=torch.float64)
+    probs, _, experts = route(logits, top_k)
+    ours = balance_loss_rows(probs, experts, rows=1)[0]
+    theirs = load_balancing_loss_func((logits,), num_experts=6, top_k=top_k)
+    torch.testing.assert_close(theirs.double(), top_k * ours, rtol=1e-6, atol=0)
+    assert moe_fields({"num_experts_per_tok": top_k, "num_local_experts": 6,
+                       "router_aux_loss_coef": 0.25}, [])["aux_loss_coef"] == 0.25 * top_k
+
+
 def _eval(capsys, *args: str) -> dict:
     assert cli.main(["eval", *args, "--json"]) == 0
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
