@@ -1,8 +1,8 @@
 """Small random Hugging Face checkpoints built by transformers, offline, for the import/export tests.
 
 transformers is a test-only oracle: it builds LlamaForCausalLM / MistralForCausalLM /
-Qwen2ForCausalLM from a config (random weights, nothing downloaded) and a tiny byte-level BPE
-wrapped as a PreTrainedTokenizerFast, saved with save_pretrained like any hub folder.
+Qwen2ForCausalLM / MixtralForCausalLM from a config (random weights, nothing downloaded) and a tiny
+byte-level BPE wrapped as a PreTrainedTokenizerFast, saved with save_pretrained like any hub folder.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def hf_config(family: str, **overrides):
     import transformers
 
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-           "qwen2": transformers.Qwen2Config}[family]
+           "qwen2": transformers.Qwen2Config, "mixtral": transformers.MixtralConfig}[family]
     return cls(**{**SHAPE, **overrides})
 
 
@@ -52,7 +52,7 @@ def build_hf(family: str, seed: int = 0, **overrides):
     import transformers
 
     cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
-           "qwen2": transformers.Qwen2ForCausalLM}[family]
+           "qwen2": transformers.Qwen2ForCausalLM, "mixtral": transformers.MixtralForCausalLM}[family]
     torch.manual_seed(seed)
     model = cls(hf_config(family, **overrides)).float().eval()
     with torch.no_grad():  # non-trivial norms and biases, so a wrong mapping cannot hide behind ones/zeros

@@ -1,4 +1,4 @@
-"""Hugging Face Llama / Mistral / Qwen2 checkpoints in and out of paratrain's decoder.
+"""Hugging Face Llama / Mistral / Qwen2 / Mixtral checkpoints in and out of paratrain's decoder.
 
 Everything paratrain knows about the Hugging Face format sits here, beside the model: the config
 translation (and what is refused), ONE name table, and the RoPE layout permutation.
@@ -25,11 +25,12 @@ import json
 import re
 import struct
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from paratrain.models import mixtral_hf
 from paratrain.models.llama import LlamaConfig
 from paratrain.sharding import TensorShard
 
@@ -38,7 +39,8 @@ class HFError(ValueError):
     """A Hugging Face folder paratrain cannot use as given; the message says what to change."""
 
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                 mixtral_hf.ARCHITECTURE: "mixtral"}
 FAMILY_ARCHITECTURE = {family: arch for arch, family in ARCHITECTURES.items()}
 
 # paratrain name -> Hugging Face name, and whether the tensor's rows follow the RoPE layout.
@@ -58,11 +60,14 @@ NAME_TABLE: tuple[tuple[str, str, bool], ...] = (
     ("layers.{i}.mlp.down.weight", "model.layers.{i}.mlp.down_proj.weight", False),
     ("norm.weight", "model.norm.weight", False),
     ("lm_head.weight", "lm_head.weight", False),
+    *mixtral_hf.NAME_TABLE,  # the MoE block's router and experts
 )
 
 
 def _pattern(template: str) -> re.Pattern:
-    return re.compile(re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)") + "$")
+    """``{i}`` (block) and ``{e}`` (expert) match indices."""
+    escaped = re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{e\}", r"(?P<e>\d+)")
+    return re.compile(escaped + "$")
 
 
 _TO_HF = [(_pattern(pt), hf, rope) for pt, hf, rope in NAME_TABLE]
@@ -184,6 +189,7 @@ def to_llama_config(hf: dict, where: str = "config.json") -> LlamaConfig:
     n_kv = int(hf.get("num_key_value_heads") or n_heads)
     if n_heads % n_kv:
         problems.append(f"num_attention_heads ({n_heads}) must be a multiple of num_key_value_heads ({n_kv})")
+    moe = mixtral_hf.moe_fields(hf, problems) if family == "mixtral" else {}
     if problems:
         raise HFError(f"{where} ({arch}) uses what paratrain lacks:\n  - " + "\n  - ".join(problems))
     context = int(hf.get("max_position_embeddings") or 2048)
@@ -195,7 +201,8 @@ def to_llama_config(hf: dict, where: str = "config.json") -> LlamaConfig:
                        max_seq_len=min(context, window) if window else context, rope_theta=theta,
                        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), family=family,
-                       qkv_bias=family == "qwen2", head_size=None if head_dim == dim // n_heads else head_dim)
+                       qkv_bias=family == "qwen2", head_size=None if head_dim == dim // n_heads else head_dim,
+                       **moe)
 
 
 def check_seq_len(cfg: LlamaConfig, hf: dict, seq_len: int) -> str | None:
@@ -211,11 +218,12 @@ def check_seq_len(cfg: LlamaConfig, hf: dict, seq_len: int) -> str | None:
 
 
 def to_hf_config(cfg: LlamaConfig, base: dict | None = None, **extra) -> dict:
-    """A config.json dict for `cfg` (``base``: the imported model's own config, kept verbatim)."""
-    arch = FAMILY_ARCHITECTURE[cfg.family]
+    """A config.json dict for `cfg` (``base``: the imported model's own config, kept verbatim).
+    A mixture-of-experts model is a MixtralForCausalLM whatever its attention family."""
+    arch = mixtral_hf.ARCHITECTURE if cfg.n_experts else FAMILY_ARCHITECTURE[cfg.family]
     out = dict(base or {})
     out.update({
-        "architectures": [arch], "model_type": cfg.family, "vocab_size": cfg.vocab_size,
+        "architectures": [arch], "model_type": ARCHITECTURES[arch], "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
@@ -224,8 +232,10 @@ def to_hf_config(cfg: LlamaConfig, base: dict | None = None, **extra) -> dict:
         "rope_theta": cfg.rope_theta,
     })
     out.setdefault("max_position_embeddings", cfg.max_seq_len)
-    if cfg.family == "llama":
+    if arch == "LlamaForCausalLM":
         out.update({"attention_bias": False, "mlp_bias": False})
+    if cfg.n_experts:
+        out.update(mixtral_hf.moe_hf_config(cfg))
     out.pop("torch_dtype", None)
     out.update(extra)
     return out
@@ -247,6 +257,11 @@ def tokenizer_file(path: str | Path) -> Path:
     return file
 
 
+# [model] keys an imported model may override: they change the training loss or routing capacity,
+# not the weights. The shape keys (and n_experts, top_k) always come from config.json.
+TRAIN_OVERRIDES = ("capacity_factor", "aux_loss_coef", "z_loss_coef")
+
+
 @dataclass
 class HFCheckpoint:
     """A local Hugging Face model folder: its config, its weights by name, its tokenizer."""
@@ -257,11 +272,21 @@ class HFCheckpoint:
     weight_files: dict[str, Path]  # Hugging Face tensor name -> the safetensors file holding it
 
     @classmethod
-    def open(cls, path: str) -> HFCheckpoint:
+    def open(cls, path: str, **train_overrides) -> HFCheckpoint:
+        """``train_overrides``: LlamaConfig fields that shape training, not the weights (the MoE
+        coefficients of TRAIN_OVERRIDES) and replace what config.json implies."""
         folder = hf_folder(path)
         hf = read_json(folder / "config.json")
-        cfg = to_llama_config(hf, str(folder / "config.json"))
+        cfg = replace(to_llama_config(hf, str(folder / "config.json")), **train_overrides)
         return cls(folder, hf, cfg, _weight_files(folder))
+
+    @classmethod
+    def for_config(cls, cfg) -> HFCheckpoint:
+        """The checkpoint of ``cfg.model.init_from`` with the run's --capacity-factor,
+        --aux-loss-coef, --z-loss-coef applied (what training and export use)."""
+        m = cfg.model
+        overrides = {k: getattr(m, k) for k in TRAIN_OVERRIDES if getattr(m, k) is not None}
+        return cls.open(m.init_from, **overrides)
 
     @property
     def tokenizer_path(self) -> Path:
@@ -272,11 +297,21 @@ class HFCheckpoint:
         return read_json(path) if path.is_file() else None
 
     def source_name(self, name: str) -> tuple[str, bool]:
-        """The Hugging Face tensor that holds paratrain's `name` (a tied head reads the embedding)."""
+        """The Hugging Face tensor that holds paratrain's `name` (a tied head reads the embedding;
+        an expert of a fused-layout Mixtral file, the fused tensor: see ``fused``)."""
         hf, rope = hf_name(name)
         if hf not in self.weight_files and name == "lm_head.weight" and self.model_cfg.tie_embeddings:
             return "model.embed_tokens.weight", False
-        return hf, rope
+        fused = self.fused(name)
+        return (fused.hf, False) if fused else (hf, rope)
+
+    def fused(self, name: str) -> mixtral_hf.FusedSource | None:
+        """Where an MoE tensor lies when the file holds transformers 5's fused in-memory names
+        instead of the per-expert ones (checked per tensor, so either layout loads)."""
+        if not self.model_cfg.n_experts or hf_name(name)[0] in self.weight_files:
+            return None
+        fused = mixtral_hf.fused_source(name, self.model_cfg)
+        return fused if fused and fused.hf in self.weight_files else None
 
     def check_shapes(self, expected: dict[str, tuple[int, ...]]) -> list[str]:
         """Problems between the tensors on disk (headers only) and the shapes config.json implies."""
@@ -291,6 +326,8 @@ class HFCheckpoint:
                 continue
             with safe_open(str(self.weight_files[hf]), framework="pt") as f:
                 got = tuple(f.get_slice(hf).get_shape())
+            fused = self.fused(name)
+            shape = fused.hf_shape(tuple(shape), self.model_cfg) if fused else shape
             if got != tuple(shape):
                 problems.append(f"{hf} has shape {list(got)} but config.json implies {list(shape)}")
         known = {self.source_name(n)[0] for n in expected}
@@ -309,17 +346,20 @@ class HFCheckpoint:
         from safetensors import safe_open
 
         hf, rope = self.source_name(name)
+        fused = self.fused(name)
+        full = spec.full_shape
+        where = [slice(None)] * len(full)  # this rank's slice, per dimension of the paratrain tensor
         with safe_open(str(self.weight_files[hf]), framework="pt") as f:
             part = f.get_slice(hf)
-            full = spec.full_shape
             if not (spec.is_split or spec.padded_size is not None):
-                local = part[:]
+                local = part[fused.index(where, full)] if fused else part[:]
             else:
                 d = spec.dim
                 chunk = (spec.padded_size or full[d]) // spec.count
                 a = min(spec.index * chunk, full[d])
                 b = min(a + chunk, full[d])
-                index = tuple([slice(None)] * d + [slice(a, b)])
+                where[d] = slice(a, b)
+                index = fused.index(where, full) if fused else tuple(where[:d + 1])
                 local = part[index] if b > a else torch.zeros(
                     [0 if i == d else s for i, s in enumerate(full)])
                 if b - a < chunk:  # vocabulary padding rows are zeros
@@ -387,15 +427,16 @@ def check_init_from(cfg, problems: list[str]) -> None:
     path = cfg.model.init_from
     if not path:
         return
-    shape_keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings")
+    shape_keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings", "n_experts",
+                  "top_k")
     set_keys = [k for k in shape_keys if getattr(cfg.model, k) is not None]
     if set_keys:
         problems.append(f"model.{', model.'.join(set_keys)} cannot be set with --init-from: the shape comes "
                         f"from {path}/config.json")
     if cfg.model.name == "cnn-tiny":
-        problems.append("--init-from imports a decoder (Llama/Mistral/Qwen2): drop --model cnn-tiny")
+        problems.append("--init-from imports a decoder (Llama/Mistral/Qwen2/Mixtral): drop --model cnn-tiny")
     try:
-        ckpt = HFCheckpoint.open(path)
+        ckpt = HFCheckpoint.for_config(cfg)
         tok = ckpt.tokenizer_path
     except HFError as e:
         problems.append(str(e))
@@ -527,8 +568,8 @@ NATIVE_EOS = "<|endoftext|>"  # the special token paratrain's own BPE separates 
 def export_run(run: str, out: str, *, max_shard_bytes: int = 2 * 2**30) -> list[Path]:
     """Write RUN's final weights as a Hugging Face folder (config, sharded safetensors, tokenizer).
 
-    A native preset becomes LlamaForCausalLM; an imported model keeps its own architecture and
-    config (from run.json). Returns the weight files written.
+    A native preset becomes LlamaForCausalLM (MixtralForCausalLM with experts); an imported model
+    keeps its own architecture and config (from run.json). Returns the weight files written.
     """
     src = Path(run)
     for name in ("run.json", "model.safetensors", "tokenizer.json"):
@@ -539,6 +580,10 @@ def export_run(run: str, out: str, *, max_shard_bytes: int = 2 * 2**30) -> list[
     if "model" not in info:
         raise HFError(f"{src} is not a language-model run (task {info.get('task')!r}): only decoders export")
     cfg = LlamaConfig(**info["model"])
+    problems = mixtral_hf.export_problems(cfg) if cfg.n_experts else []
+    if problems:
+        raise HFError(f"{src} cannot be written as a {mixtral_hf.ARCHITECTURE}:\n  - "
+                      + "\n  - ".join(problems))
     imported = info.get("hf") or {}
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)

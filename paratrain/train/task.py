@@ -55,7 +55,7 @@ def model_shape(cfg: Config) -> LlamaConfig:
     if cfg.model.init_from:
         from paratrain.models.llama_hf import HFCheckpoint
 
-        return HFCheckpoint.open(cfg.model.init_from).model_cfg
+        return HFCheckpoint.for_config(cfg).model_cfg
     m = cfg.model
     overrides = {k: getattr(m, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
                                               "tie_embeddings", *MOE_FIELDS) if getattr(m, k) is not None}
@@ -72,7 +72,7 @@ class LanguageModelTask:
         if cfg.model.init_from:
             from paratrain.models.llama_hf import HFCheckpoint
 
-            self.hf = HFCheckpoint.open(cfg.model.init_from)
+            self.hf = HFCheckpoint.for_config(cfg)
         self.model_cfg = self.hf.model_cfg if self.hf else model_config(cfg, self.corpus.vocab_size)
         check_vocab(self.corpus.vocab_size, self.model_cfg.vocab_size)
         self.rows = TokenRows(self.corpus.tokens, d.seq_len, d.val_fraction, cfg.train.seed,
