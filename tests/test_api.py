@@ -105,7 +105,7 @@ def train_steps(par, model, opt, sched, first: int, last: int, accum: int = 1,
     lo = par.dp_rank * per_rank
     losses = []
     for k in range(first, last):
-        x, y = batch(k)
+        x, y = (t.to(par.device) for t in batch(k))  # the user's loop moves its data to par.device
         loss = 0.0
         for m in range(accum):  # micro-batches: all but the last under no_sync
             rows = slice(lo + m * per_rank // accum, lo + (m + 1) * per_rank // accum)
@@ -150,7 +150,7 @@ def assert_same(got, ref) -> None:
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **FP32_REORDERED)
     assert weights.keys() == ref_weights.keys()
     for name, w in ref_weights.items():
-        torch.testing.assert_close(weights[name], w, **FP32_REORDERED, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(weights[name].cpu(), w, **FP32_REORDERED, msg=lambda m, n=name: f"{n}: {m}")
 
 
 KINDS = ["adamw", "sgd", "adagrad"]
