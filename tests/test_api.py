@@ -150,7 +150,9 @@ def assert_same(got, ref) -> None:
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **FP32_REORDERED)
     assert weights.keys() == ref_weights.keys()
     for name, w in ref_weights.items():
-        torch.testing.assert_close(weights[name].cpu(), w, **FP32_REORDERED, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            weights[name].cpu(), w, **FP32_REORDERED, msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
 KINDS = ["adamw", "sgd", "adagrad"]
