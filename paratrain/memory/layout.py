@@ -17,9 +17,10 @@ def check_savers(cfg: Config, problems: list[str]) -> None:
             {"cnn-tiny": (cnn, "it has no MLP or LM head to tile"),
              "--tp > 1": (p.tp > 1, "split linears and the vocabulary-parallel loss are not tiled"),
              "--pp > 1": (p.pp > 1, "the tiled loss fuses the LM head, which a pipeline stage runs"),
-             "--zero 3": (p.zero == 3, "ZeRO-3 gathers a whole block, not one tile at a time "
-                                       "(ZeRO-Infinity's tile-by-tile gathering is not implemented); "
-                                       "use --zero 0, 1 or 2 with --tile")})
+             "--optimizer adamw8bit with --zero 3": (
+                 p.zero == 3 and cfg.optim.name == "adamw8bit",
+                 "a weight tile's rows need not start on a quantisation block of the full tensor; "
+                 "use --optimizer adamw, or --zero 1/2")})
     _refuse(problems, "--compile", t.compile,
             {"cnn-tiny": (cnn, "it has no transformer blocks"),
              "--tp > 1": (p.tp > 1, "tensor-parallel collectives run in Python inside forward"),
