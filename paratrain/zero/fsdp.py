@@ -101,7 +101,8 @@ def nest_units(units: list[tuple[str, list[nn.Module]]]) -> list[tuple[str, list
     for uname, modules in units:
         out.append((uname, modules))
         for m in modules:
-            out += [(f"{uname}/{sub}", [s]) for sub, s in m.named_modules() if s is not m and getattr(s, NESTED, False)]
+            out += [(f"{uname}/{sub}", [s]) for sub, s in m.named_modules()
+                    if s is not m and getattr(s, NESTED, False)]
     return out
 
 
