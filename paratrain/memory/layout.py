@@ -23,10 +23,9 @@ def check_savers(cfg: Config, problems: list[str]) -> None:
                  "use --optimizer adamw, or --zero 1/2")})
     _refuse(problems, "--compile", t.compile,
             {"cnn-tiny": (cnn, "it has no transformer blocks"),
-             "--tp > 1": (p.tp > 1, "tensor-parallel collectives run in Python inside forward"),
              "--pp > 1": (p.pp > 1, "not tested with pipeline schedules"),
-             "--tile > 1": (t.tile > 1, "the tiled layers recompute tiles in a Python autograd function"),
-             "--zero 3": (p.zero == 3, "ZeRO-3 gathers parameters in forward hooks")})
+             "--tile > 1": (t.tile > 1, "token tiles recompute in a Python autograd function; under "
+                                        "ZeRO-3 each weight tile's gather hook would break the graph")})
     auto = t.micro_batch == "auto"
     _refuse(problems, "--micro-batch auto", auto,
             {"--pp > 1": (p.pp > 1, "the schedule's micro-batch count must be fixed before it is built"),
