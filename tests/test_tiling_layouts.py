@@ -87,6 +87,10 @@ def runs(tmp_path_factory):
         "z3": {"parallel.zero": 3},
         "z3_tile2": {"parallel.zero": 3, "train.tile": 2},
         "z3_tile4": {"parallel.zero": 3, "train.tile": 4},
+        # with the savers it must compose with: full recompute (tiles re-gathered by the recomputed
+        # forward), accumulation over two micro-batches (no_sync), optimizer state on the host
+        "z3_tile4_composed": {"parallel.zero": 3, "train.tile": 4, "train.recompute": "full",
+                              "train.micro_batch": 2, "parallel.offload": "cpu"},
         "ddp_tile4": {"train.tile": 4},
         "z1_tile4": {"parallel.zero": 1, "train.tile": 4},
         "z2_tile4": {"parallel.zero": 2, "train.tile": 4},
@@ -107,7 +111,8 @@ def runs(tmp_path_factory):
     return ref, results
 
 
-@pytest.mark.parametrize("name", ["z3_tile2", "z3_tile4", "ddp_tile4", "z1_tile4", "z2_tile4"])
+@pytest.mark.parametrize("name", ["z3_tile2", "z3_tile4", "z3_tile4_composed", "ddp_tile4", "z1_tile4",
+                                  "z2_tile4"])
 def test_tiled_dp2_training_equals_one_untiled_process(runs, name):
     ref, results = runs
     losses, weights, _ = results[name]
