@@ -30,6 +30,12 @@ Traffic: forward all-gather Ψ + backward all-gather Ψ + reduce-scatter Ψ = 3�
 (4Ψ + 4Ψ + 8Ψ)/N in fp32, plus the gathered units in flight: at most the current and the
 prefetched one (``gathered_peak_bytes``, checked by the tests).
 
+Nested units (``NESTED``; ``--tile N``'s weight tiles, memory/tiled_linear.py): a submodule flagged
+``zero3_unit`` is a unit of its own, listed right after the unit that holds it, owning its own
+parameters; the outer unit does not gather them, each is gathered by its own hooks when it runs.
+Backward prefetch then follows the order in which forward finished the units (the tiles, then
+their block), reversed, instead of ``i - 1``.
+
 Accumulation (``no_sync``): micro-batches before the last keep their full gradients in p.grad and
 skip the reduce-scatter (FSDP's no_sync: fewer bytes, more memory); the last one reduces the sum.
 """
