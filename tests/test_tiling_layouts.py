@@ -146,3 +146,14 @@ def test_zero3_gathered_peak_falls_with_the_tile_count(runs):
         assert peak[n] == high, (n, peak[n], high)
     assert peak[1] > peak[2] > peak[4]
     assert peak[1] / peak[4] > 2.5  # the MLP dominates this model's blocks
+
+
+def test_backward_prefetch_follows_the_order_forward_finished_units():
+    """Units: embed, block 0 with two tiles, block 1 with one tile. Forward finishes
+    embed, t0, t1, block0, t2, block1; backward runs that reversed, and each unit prefetches the
+    unit finished just before it. Without nested units it is i - 1, as before."""
+    from paratrain.zero.fsdp import _backward_order
+
+    nested = [False, False, True, True, False, True]  # embed, b0, t0, t1, b1, t2
+    assert _backward_order(nested) == [None, 3, 0, 2, 5, 1]
+    assert _backward_order([False] * 4) == [None, 0, 1, 2]
