@@ -4,6 +4,7 @@
     python benchmarks/savers.py tiling [--tokens 4096 --dim 512 --ffn 2048 --vocab 8192]
     python benchmarks/savers.py compile [--model small --seq 256 --batch 8 --rounds 3]
     python benchmarks/savers.py precision
+    python benchmarks/savers.py zero3-tiles [--model small --ffn 2048 --tiles 1 2 4 8 --seq 256]
 
 Each prints one JSON object. Step times are medians of alternating rounds (the configurations
 take turns, so a load change hits all of them). Memory: bytes saved for backward (recompute), and
@@ -161,6 +162,52 @@ def compile_bench(args) -> dict:
             "speedup": times["eager"] / times["compiled"]}
 
 
+def _gathered_bound(n: int, rest: int, mlp: int, embed: int, norm: int) -> int:
+    """Untiled: two adjacent units (a block R + 3W and its neighbour: a block or the embedding/head).
+    N tiles: the block's rest R, the current tile t and one prefetched unit (t = the largest of an MLP
+    linear W and the head, over N; the embedding E is not tiled)."""
+    if n == 1:
+        block = rest + 3 * mlp
+        return block + max(block, embed + norm)  # the head unit: final norm + LM head
+    tile = -(-max(mlp, embed) // n)
+    return rest + tile + max(embed, rest, tile)
+
+
+def zero3_tiles(args) -> dict:
+    """``paratrain train --dp 2 --zero 3 --tile N`` for each N: the ZeRO-3 gathered-bytes counter
+    (max over steps) against the unit sizes (tests/test_tiling_layouts.py states the bound)."""
+    import tempfile
+
+    from paratrain.models.llama import preset
+    from paratrain.train.metrics import read_metrics
+
+    c = preset(args.model, ffn_dim=args.ffn)
+    kv, e = c.n_kv_heads * c.head_dim, 4
+    rest = e * (2 * c.dim * c.n_heads * c.head_dim + 2 * c.dim * kv + 2 * c.dim)  # attention + norms
+    embed, mlp = e * c.vocab_size * c.dim, e * c.ffn_dim * c.dim
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = f"{tmp}/model.toml"
+        with open(cfg, "w") as f:
+            f.write(f'[model]\nname = "{args.model}"\nffn_dim = {args.ffn}\n')
+        for n in args.tiles:
+            out = f"{tmp}/t{n}"
+            cmd = [sys.executable, "-m", "paratrain.cli", "train", "--config", cfg, "--nproc", "2",
+                   "--dp", "2", "--zero", "3", "--tile", str(n), "--steps", str(args.rounds),
+                   "--seq-len", str(args.seq), "--global-batch", str(2 * args.batch),
+                   "--micro-batch", str(args.batch), "--max-files", "40", "--eval-every", "0",
+                   "--threads", str(args.threads), "--no-progress", "--out", out]
+            subprocess.run(cmd, check=True, capture_output=True)
+            m = read_metrics(f"{out}/metrics.jsonl")
+            rows.append({"tiles": n, "gathered_peak_bytes": max(r["zero3_gathered_peak_bytes"] for r in m),
+                         "bound_bytes": _gathered_bound(n, rest, mlp, embed, e * c.dim),
+                         "step_s_median": statistics.median(r["step_time_s"] for r in m[1:] or m),
+                         "mem_peak_bytes": max(r["mem_peak_bytes"] for r in m)})
+    return {"kind": "zero3-tiles", "model": args.model, "ffn": args.ffn, "seq": args.seq, "dp": 2,
+            "unit_bytes": {"embedding": embed, "block_rest": rest, "mlp_linear": mlp, "lm_head": embed},
+            "precision": "fp32", "rows": rows}
+
+
 def precision(args) -> dict:
     from paratrain.memory.precision import device_key, measure
 
@@ -171,7 +218,7 @@ def precision(args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("kind", choices=["recompute", "tiling", "compile", "precision"])
+    p.add_argument("kind", choices=["recompute", "tiling", "compile", "precision", "zero3-tiles"])
     p.add_argument("--model", default="small")
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=8)
@@ -185,7 +232,8 @@ def main() -> None:
     p.add_argument("--tiles", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    kinds = {"recompute": recompute, "tiling": tiling, "compile": compile_bench, "precision": precision}
+    kinds = {"recompute": recompute, "tiling": tiling, "compile": compile_bench, "precision": precision,
+             "zero3-tiles": zero3_tiles}
     print(json.dumps(kinds[args.kind](args)))
 
 

@@ -107,7 +107,7 @@ class TrainConfig:
     precision: str = "fp32"  # fp32 | bf16 | fp16 | auto (measured: bf16 where it is faster)
     recompute: str = "none"  # none | selective (core attention) | full (whole blocks)
     offload_activations: str = "none"  # none | cpu: tensors saved for backward kept in host memory
-    tile: int = 1  # MLP and LM head + loss computed in this many tiles of tokens
+    tile: int = 1  # MLP and LM head + loss in this many tiles of tokens (of weights under ZeRO-3)
     compile: bool = False  # torch.compile each transformer block
     compile_backend: str = "inductor"  # or aot_eager (graphs + AOT autograd, no code generation)
     out: str = "runs/default"

@@ -1,6 +1,7 @@
 """The one place that fixes the order in which techniques wrap the model.
 
-    build (meta device) -> tensor/sequence parallel -> tiling -> activation checkpointing
+    build (meta device) -> tensor/sequence parallel -> tiling (of tokens; of weights under ZeRO-3)
+    -> activation checkpointing
     -> torch.compile per block -> pipeline split
     -> materialise + layout-independent init -> data-parallel strategy (DDP or ZeRO-1/2/3)
     -> optimizer (inside the strategy) -> executor (micro-batch loop or pipeline schedule)
@@ -49,7 +50,11 @@ def parallelize(task: Task, cfg: Config, mesh: ParallelMesh) -> Parallelized:
 
         apply_tensor_parallel(model, mesh, sequence_parallel=cfg.parallel.sp)
         loss_fn = vocab_parallel_loss_sum(mesh.tp)  # logits stay split over the vocabulary
-    if cfg.train.tile > 1:  # before recompute and compile: they wrap the forward tiling leaves
+    if cfg.train.tile > 1 and cfg.parallel.zero == 3:  # tiles of the weights, each gathered alone
+        from paratrain.memory.tiled_linear import apply_weight_tiling
+
+        apply_weight_tiling(model, cfg.train.tile)
+    elif cfg.train.tile > 1:  # before recompute and compile: they wrap the forward tiling leaves
         from paratrain.memory.tiling import apply_tiling
 
         loss_fn = apply_tiling(model, cfg.train.tile)  # the LM head now runs inside the loss

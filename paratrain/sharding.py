@@ -130,4 +130,6 @@ def name_params(model) -> None:
     """Record each parameter's single-device name (a tied copy keeps its owner's name)."""
     for name, p in model.named_parameters():
         info = info_of(p)
-        update_info(p, name=info.tied_to or name)
+        # a weight tile (memory/tiled_linear.py) already names the full tensor it is a row block of
+        tile = info.shard.axis == "tile" and info.name
+        update_info(p, name=info.tied_to or (info.name if tile else name))

@@ -17,15 +17,15 @@ def check_savers(cfg: Config, problems: list[str]) -> None:
             {"cnn-tiny": (cnn, "it has no MLP or LM head to tile"),
              "--tp > 1": (p.tp > 1, "split linears and the vocabulary-parallel loss are not tiled"),
              "--pp > 1": (p.pp > 1, "the tiled loss fuses the LM head, which a pipeline stage runs"),
-             "--zero 3": (p.zero == 3, "ZeRO-3 gathers a whole block, not one tile at a time "
-                                       "(ZeRO-Infinity's tile-by-tile gathering is not implemented); "
-                                       "use --zero 0, 1 or 2 with --tile")})
+             "--optimizer adamw8bit with --zero 3": (
+                 p.zero == 3 and cfg.optim.name == "adamw8bit",
+                 "a weight tile's rows need not start on a quantisation block of the full tensor; "
+                 "use --optimizer adamw, or --zero 1/2")})
     _refuse(problems, "--compile", t.compile,
             {"cnn-tiny": (cnn, "it has no transformer blocks"),
-             "--tp > 1": (p.tp > 1, "tensor-parallel collectives run in Python inside forward"),
              "--pp > 1": (p.pp > 1, "not tested with pipeline schedules"),
-             "--tile > 1": (t.tile > 1, "the tiled layers recompute tiles in a Python autograd function"),
-             "--zero 3": (p.zero == 3, "ZeRO-3 gathers parameters in forward hooks")})
+             "--tile > 1": (t.tile > 1, "token tiles recompute in a Python autograd function; under "
+                                        "ZeRO-3 each weight tile's gather hook would break the graph")})
     auto = t.micro_batch == "auto"
     _refuse(problems, "--micro-batch auto", auto,
             {"--pp > 1": (p.pp > 1, "the schedule's micro-batch count must be fixed before it is built"),

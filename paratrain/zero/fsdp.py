@@ -30,6 +30,12 @@ Traffic: forward all-gather Ψ + backward all-gather Ψ + reduce-scatter Ψ = 3�
 (4Ψ + 4Ψ + 8Ψ)/N in fp32, plus the gathered units in flight: at most the current and the
 prefetched one (``gathered_peak_bytes``, checked by the tests).
 
+Nested units (``NESTED``; ``--tile N``'s weight tiles, memory/tiled_linear.py): a submodule flagged
+``zero3_unit`` is a unit of its own, listed right after the unit that holds it, owning its own
+parameters; the outer unit does not gather them, each is gathered by its own hooks when it runs.
+Backward prefetch then follows the order in which forward finished the units (the tiles, then
+their block), reversed, instead of ``i - 1``.
+
 Accumulation (``no_sync``): micro-batches before the last keep their full gradients in p.grad and
 skip the reduce-scatter (FSDP's no_sync: fewer bytes, more memory); the last one reduces the sum.
 """
@@ -47,10 +53,13 @@ from paratrain.comm import collectives as C
 from paratrain.comm.collectives import nbytes
 from paratrain.engine.strategy import Strategy
 from paratrain.mesh import ParallelMesh
-from paratrain.sharding import copy_info, shard_of
+from paratrain.sharding import copy_info, info_of, shard_of
 from paratrain.zero import store8
 from paratrain.zero.offload import disk_store, make_store
 from paratrain.zero.optimizer import DTYPES, FlatLayout, GroupOf, ShardedState, held_sync, param_key
+
+#: A module carrying this attribute (set True) is a ZeRO-3 unit nested in the unit that holds it.
+NESTED = "zero3_unit"
 
 #: Gradient reductions of units allowed in flight at once during backward (each holds a full unit's
 #: gradient until it completes): the current one and the previous one overlap with compute.
@@ -85,6 +94,44 @@ def family_units(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
     from paratrain.models import family_of
 
     return family_of(model, "ZeRO-3 (its units; or pass units=)").zero3_units(model)
+
+
+def _is_nested(modules: list[nn.Module]) -> bool:
+    return len(modules) == 1 and getattr(modules[0], NESTED, False)
+
+
+def nest_units(units: list[tuple[str, list[nn.Module]]]) -> list[tuple[str, list[nn.Module]]]:
+    """Submodules flagged ``NESTED`` (memory/tiled_linear.py's weight tiles) become units of their own,
+    right after the unit that holds them, in registration (= forward) order; they own their parameters."""
+    out = []
+    for uname, modules in units:
+        out.append((uname, modules))
+        for m in modules:
+            out += [(f"{uname}/{sub}", [s]) for sub, s in m.named_modules()
+                    if s is not m and getattr(s, NESTED, False)]
+    return out
+
+
+def _backward_order(nested: list[bool]) -> list[int | None]:
+    """For each unit, the unit whose backward comes next (what its pre-backward hook prefetches).
+
+    Forward *finishes* units in post-order (a block's tiles, then the block); backward runs that
+    order reversed. Without nested units this is simply i - 1."""
+    finished: list[int] = []
+    parent = None
+    for i, is_nested in enumerate(nested):
+        if not is_nested:
+            if parent is not None:
+                finished.append(parent)
+            parent = i
+        else:
+            finished.append(i)
+    if parent is not None:
+        finished.append(parent)
+    nxt: list[int | None] = [None] * len(nested)
+    for before, unit in zip(finished, finished[1:]):
+        nxt[unit] = before
+    return nxt
 
 
 class Zero3(ShardedState, Strategy):
@@ -153,21 +200,28 @@ class Zero3(ShardedState, Strategy):
             full.untyped_storage().resize_(0)
             self.units.append(Unit(uname, modules, layout, full, shard))
         owner = {id(p): i for i, u in enumerate(self.units) for p in u.layout.params}
+        nested = {id(p) for u in self.units if _is_nested(u.modules) for p in u.layout.params}
         for i, u in enumerate(self.units):
             # The whole model as a unit's module (the library's unit of leftover parameters) uses
-            # only that unit: its submodules gather their own units in their own hooks.
+            # only that unit: its submodules gather their own units in their own hooks (so do nested
+            # units: a block does not gather its tiles, each tile gathers itself).
             u.uses = sorted({i} | {owner[id(p)] for m in u.modules if m is not self.model
-                                   for p in m.parameters()})
+                                   for p in m.parameters() if id(p) not in nested or _is_nested(u.modules)})
+        self._backward_next = _backward_order([_is_nested(u.modules) for u in self.units])
 
     def _plan_units(self) -> list[tuple[str, list[nn.Module], FlatLayout]]:
         """Each unit's flat layout over the meta parameters it owns (a tied weight: its first unit)."""
-        names = {id(p): n for n, p in self.model.named_parameters()}  # single-device names (meta)
-        seen: set[int] = set()
+        # single-device names (meta): a weight tile's record names the full tensor it slices
+        names = {id(p): info_of(p).name or n for n, p in self.model.named_parameters()}
+        units = nest_units(self.units_of(self.model))
+        seen = {id(p) for _, modules in units if _is_nested(modules) for m in modules for p in m.parameters()}
         plan = []
-        for uname, modules in self.units_of(self.model):
+        for uname, modules in units:
             named = []
             for m in modules:
                 for p in m.parameters():
+                    if _is_nested(modules) and id(p) in seen:
+                        seen.discard(id(p))  # a nested unit claims its own parameters
                     if id(p) not in seen:
                         seen.add(id(p))
                         named.append((names[id(p)], p))
@@ -285,8 +339,9 @@ class Zero3(ShardedState, Strategy):
         def hook(grad):
             for k in self.units[i].uses:
                 self._wait(k)
-            if self.prefetch and i > 0:
-                self._gather(i - 1, async_op=True)
+            nxt = self._backward_next[i]
+            if self.prefetch and nxt is not None:
+                self._gather(nxt, async_op=True)
             return grad
         return hook
 
