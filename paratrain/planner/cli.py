@@ -163,16 +163,23 @@ def table(result: PlanResult) -> str:
 def report(result: PlanResult, cluster) -> str:
     out = [f"cluster: {cluster.describe()}", "", "decision tree:"]
     out += [f"  {i}. {s}" for i, s in enumerate(result.tree, 1)]
-    out += ["", table(result), "", ("why: " if result.feasible else "") + result.verdict,
+    out += ["", table(result), "", ("why: " if result.feasible else "") + result.verdict, *result.notes,
             f"({result.evaluated} layouts evaluated; memory in GB = 1e9 bytes, per device, busiest pipeline "
             "stage; 'other' = communication buffers + transient peaks + runtime)"]
     return "\n".join(out)
 
 
-def to_json(args, result: PlanResult, cluster) -> dict:
+def model_params(c: LlamaConfig) -> dict:
+    """Total and active parameters (equal for a dense model; an MoE token runs top_k experts)."""
+    return {"total": c.n_params(), "active": c.n_active_params(), "n_experts": c.n_experts,
+            "top_k": c.top_k if c.n_experts else None, "moe_layers": c.n_moe_layers}
+
+
+def to_json(args, result: PlanResult, cluster, c: LlamaConfig | None = None) -> dict:
     return {"inputs": {k: v for k, v in vars(args).items() if k not in ("json", "plot", "validate")},
             "cluster": cluster.describe(), "feasible": result.feasible, "decision_tree": result.tree,
-            "explanation": result.verdict, "evaluated": result.evaluated,
+            "explanation": result.verdict, "notes": result.notes, "evaluated": result.evaluated,
+            **({"model_params": model_params(c)} if c is not None else {}),
             "plans": [p.to_json() for p in result.plans]}
 
 
@@ -255,7 +262,7 @@ def run(args) -> int:
 
         runnable = runnable_here(base_config(args, c))
     result = plan(c, tr, cluster, fixed_from(args), top=args.top, runnable=runnable)
-    out = to_json(args, result, cluster) if args.json else report(result, cluster)
+    out = to_json(args, result, cluster, c) if args.json else report(result, cluster)
     if cluster.n_devices == 1:  # one device: the seeds' walk (planner/single_device.py)
         from paratrain.planner.single_device import walk, walk_json, walk_report
 
