@@ -110,12 +110,20 @@ def test_plan_cli_json_for_moe(capsys):
     assert out["model_params"]["active"] == MIXTRAL.n_active_params()
     assert all(p["layout"]["ep"] == 4 for p in out["plans"])
     assert out["notes"] and "ep_comm" in out["plans"][0]["time_breakdown_s"]
+    # a dense preset made sparse by the shape flags
+    assert plan_main(["--model", "llama-7b", "--experts", "8", "--top-k", "1", "--moe-every", "2",
+                      "--gpus", "16", "--pp", "1", "--json", "--top", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    c = replace(PRESETS["llama-7b"], n_experts=8, top_k=1, moe_every=2)
+    assert out["model_params"] == {"total": c.n_params(), "active": c.n_active_params(), "n_experts": 8,
+                                   "top_k": 1, "moe_layers": 16}
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--model", "mixtral-8x7b", "--ep", "3"], "--ep 3 must divide the model's 8 experts"),
     (["--model", "mixtral-8x7b", "--dp", "2", "--tp", "4", "--ep", "4"], "--ep 4 must divide --dp 2"),
     (["--model", "tiny", "--ep", "2"], "this model is dense"),
+    (["--model", "tiny-moe", "--top-k", "5"], "--top-k 5 must be between 1 and the 4 experts"),
 ])
 def test_bad_ep_exits_2_with_the_fix(argv, message, capsys):
     assert plan_main(argv) == 2
