@@ -194,6 +194,7 @@ def _result(args, c, dense, runs: dict, skipped: dict) -> dict:
         if ours in runs and peer in runs:
             ratios = [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(runs[ours], runs[peer])]
             result[f"ratio_{ours}_vs_{peer}"] = statistics.median(ratios)
+            result[f"ratios_{ours}_vs_{peer}"] = ratios  # per round: the spread says how noisy
     ours = "moe_ep" if "moe_ep" in runs else "moe_replicated"
     if ours in runs and "dense_equal_active" in runs:  # the contract's headline pair
         peer = "dense_equal_active"

@@ -115,9 +115,11 @@ def check_fixed(fixed: dict, c: LlamaConfig | None, tr: Training, n: int) -> Non
     if fixed.get("offload", "none") not in ("none", "cpu", "disk"):
         raise ValueError(f"--offload {fixed['offload']!r}: choose none, cpu or disk")
     if fixed.get("ep", 1) > 1 and (c is None or not c.n_moe_layers):
+        what = ("a model-states-only answer (--params) knows no experts" if c is None
+                else "this model is dense (one MLP per block)")
         raise ValueError(f"--ep {fixed['ep']}: expert parallelism splits a mixture-of-experts model's "
-                         "experts, and this model is dense (one MLP per block): use --ep 1, or a MoE model "
-                         "(--model mixtral-8x7b, or --experts N)")
+                         f"experts, and {what}: use --ep 1, or a MoE model (--model mixtral-8x7b, or "
+                         "--experts N)")
     if fixed.get("ep", 1) > 1:
         ep = fixed["ep"]
         if c.n_experts % ep:
@@ -344,9 +346,11 @@ def infeasible_answer(c: LlamaConfig, tr: Training, cluster: Cluster, closest: P
     usable = closest.memory.usable
     tp_max = max(d for d in _divisors(cluster.n_devices)
                  if c.n_heads % d == 0 and d <= cluster.devices_per_node)
-    name, unit = largest_unit_bytes(c, tr, tp_max)
+    ep_max = max(d for d in _divisors(cluster.n_devices) if c.n_experts % d == 0) if c.n_moe_layers else 1
+    name, unit = largest_unit_bytes(c, tr, tp_max, ep_max)
     if unit > usable:
-        return (f"no layout fits: the largest layer alone ({name}, split over tp={tp_max}) needs "
+        split = f"tp={tp_max}" + (f", ep={ep_max}" if ep_max > 1 else "")
+        return (f"no layout fits: the largest layer alone ({name}, split over {split}) needs "
                 f"{unit / GB:.3g} GB > {usable / GB:.3g} GB usable per device; try tiling the layer "
                 "(memory-centric tiling), more tensor parallelism, or a device with more memory")
     states = zero_model_state_bytes(c.n_params(), cluster.n_devices, 3, state_bytes_per_param(tr.precision,
