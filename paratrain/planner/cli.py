@@ -26,6 +26,9 @@ def parser() -> argparse.ArgumentParser:
     for flag in ("--layers", "--hidden", "--heads", "--kv-heads", "--ffn", "--vocab"):
         m.add_argument(flag, type=int)
     m.add_argument("--tie-embeddings", action="store_true")
+    m.add_argument("--experts", type=int, help="mixture of experts: experts per MoE block (0: dense)")
+    m.add_argument("--top-k", type=int, help="mixture of experts: experts each token runs through")
+    m.add_argument("--moe-every", type=int, help="mixture of experts: every k-th block is sparse")
     m.add_argument("--params", type=float, help="parameter count (e.g. 7e9): model-states-only answer")
     t = p.add_argument_group("training")
     t.add_argument("--seq-len", type=int, default=2048)
@@ -69,6 +72,8 @@ def model_from(args) -> LlamaConfig | None:
     shape = {"n_layers": args.layers, "dim": args.hidden, "n_heads": args.heads, "n_kv_heads": args.kv_heads,
              "ffn_dim": args.ffn, "vocab_size": args.vocab}
     given = {k: v for k, v in shape.items() if v is not None}
+    moe = {"n_experts": args.experts, "top_k": args.top_k, "moe_every": args.moe_every}
+    moe = {k: v for k, v in moe.items() if v is not None}
     if args.model is None and not given:
         if args.params is None:
             raise ValueError("give a model: --model PRESET, the shape (--layers --hidden --heads --ffn "
@@ -86,8 +91,12 @@ def model_from(args) -> LlamaConfig | None:
     for k, v in given.items():
         if v < 1:
             raise ValueError(f"shape values must be >= 1 (got {k} = {v})")
-    c = replace(base, max_seq_len=args.seq_len, **given,
+    if moe.get("n_experts", 0) < 0 or any(v < 1 for k, v in moe.items() if k != "n_experts"):
+        raise ValueError("--experts must be >= 0, --top-k and --moe-every >= 1")
+    c = replace(base, max_seq_len=args.seq_len, **given, **moe,
                 **({"tie_embeddings": True} if args.tie_embeddings else {}))
+    if c.n_experts and not 1 <= c.top_k <= c.n_experts:
+        raise ValueError(f"--top-k {c.top_k} must be between 1 and the {c.n_experts} experts")
     if c.dim % c.n_heads or c.n_heads % c.n_kv_heads:
         raise ValueError(f"--hidden ({c.dim}) must be divisible by --heads ({c.n_heads}), and --heads by "
                          f"--kv-heads ({c.n_kv_heads})")
@@ -163,16 +172,23 @@ def table(result: PlanResult) -> str:
 def report(result: PlanResult, cluster) -> str:
     out = [f"cluster: {cluster.describe()}", "", "decision tree:"]
     out += [f"  {i}. {s}" for i, s in enumerate(result.tree, 1)]
-    out += ["", table(result), "", ("why: " if result.feasible else "") + result.verdict,
+    out += ["", table(result), "", ("why: " if result.feasible else "") + result.verdict, *result.notes,
             f"({result.evaluated} layouts evaluated; memory in GB = 1e9 bytes, per device, busiest pipeline "
             "stage; 'other' = communication buffers + transient peaks + runtime)"]
     return "\n".join(out)
 
 
-def to_json(args, result: PlanResult, cluster) -> dict:
+def model_params(c: LlamaConfig) -> dict:
+    """Total and active parameters (equal for a dense model; an MoE token runs top_k experts)."""
+    return {"total": c.n_params(), "active": c.n_active_params(), "n_experts": c.n_experts,
+            "top_k": c.top_k if c.n_experts else None, "moe_layers": c.n_moe_layers}
+
+
+def to_json(args, result: PlanResult, cluster, c: LlamaConfig | None = None) -> dict:
     return {"inputs": {k: v for k, v in vars(args).items() if k not in ("json", "plot", "validate")},
             "cluster": cluster.describe(), "feasible": result.feasible, "decision_tree": result.tree,
-            "explanation": result.verdict, "evaluated": result.evaluated,
+            "explanation": result.verdict, "notes": result.notes, "evaluated": result.evaluated,
+            **({"model_params": model_params(c)} if c is not None else {}),
             "plans": [p.to_json() for p in result.plans]}
 
 
@@ -255,7 +271,7 @@ def run(args) -> int:
 
         runnable = runnable_here(base_config(args, c))
     result = plan(c, tr, cluster, fixed_from(args), top=args.top, runnable=runnable)
-    out = to_json(args, result, cluster) if args.json else report(result, cluster)
+    out = to_json(args, result, cluster, c) if args.json else report(result, cluster)
     if cluster.n_devices == 1:  # one device: the seeds' walk (planner/single_device.py)
         from paratrain.planner.single_device import walk, walk_json, walk_report
 

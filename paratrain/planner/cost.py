@@ -11,6 +11,12 @@ Communication: the alpha-beta model of ring collectives on n ranks moving M byte
 all-reduce 2(n-1) alpha + 2(n-1)/n M/beta; all-gather and reduce-scatter (n-1) alpha +
 (n-1)/n M/beta; point-to-point alpha + M/beta. A group uses the intra-node link if it fits in
 one node (tp ranks are neighbours, then dp, then pp), otherwise the inter-node link.
+
+Mixture of experts: compute and MFU from the ACTIVE parameters (the top_k experts a token runs
+through and the router); expert parallelism adds 2 all-to-alls forward and 2 backward per MoE
+block (dispatch and return), exposed, on the link the ep group spans (ep neighbours inside the
+dp axis: ``dp_index = edp_index * ep + ep_index``); expert gradients are reduced over the
+expert-data-parallel group (dp / ep ranks), the rest over dp.
 """
 
 from __future__ import annotations
@@ -23,8 +29,11 @@ from paratrain.planner.memory import (
     ACT_BYTES,
     Layout,
     Training,
+    a2a_bytes,
     layer_params_local,
     rank_layers,
+    stage_expert_params,
+    stage_moe_layers,
     stage_params,
     state_bytes_per_param,
 )
@@ -55,22 +64,31 @@ def megatron_training_days(n_params: float, tokens: float, n_gpus: int, flops_pe
 # -- paratrain's Llama --------------------------------------------------------------------------------
 
 
-def block_matmul_params(c: LlamaConfig) -> int:
+def block_matmul_params(c: LlamaConfig, moe: bool = False) -> int:
+    """Matmul parameters one token runs through in a block: an MoE block's top_k experts and its
+    router (the active parameters), not all E experts."""
     kv = c.n_kv_heads * c.head_dim
-    return 2 * c.dim * c.dim + 2 * c.dim * kv + 3 * c.dim * c.ffn_dim
+    mlp = (c.top_k * 3 * c.dim * c.ffn_dim + c.dim * c.n_experts) if moe else 3 * c.dim * c.ffn_dim
+    return 2 * c.dim * c.dim + 2 * c.dim * kv + mlp
+
+
+def blocks_matmul_params(c: LlamaConfig) -> int:
+    """Active matmul parameters of all blocks (dense blocks and MoE blocks)."""
+    n_moe = c.n_moe_layers
+    return (c.n_layers - n_moe) * block_matmul_params(c) + n_moe * block_matmul_params(c, moe=True)
 
 
 def model_flops_per_token(c: LlamaConfig, seq: int, causal: bool = True) -> float:
-    """Training FLOPs per token: 6 x matmul parameters (blocks + LM head) + attention's two
-    products, 12 l s h per token (6 l s h with the causal half). Equals the trainer's MFU numerator
-    (paratrain.train.task.lm_flops_per_token)."""
+    """Training FLOPs per token: 6 x (active) matmul parameters (blocks + LM head) + attention's
+    two products, 12 l s h per token (6 l s h with the causal half). Equals the trainer's MFU
+    numerator (paratrain.train.task.lm_flops_per_token)."""
     attn = (6.0 if causal else 12.0) * c.n_layers * seq * c.dim
-    return 6.0 * (c.n_layers * block_matmul_params(c) + c.vocab_size * c.dim) + attn
+    return 6.0 * (blocks_matmul_params(c) + c.vocab_size * c.dim) + attn
 
 
-def block_flops_per_token(c: LlamaConfig, seq: int) -> float:
+def block_flops_per_token(c: LlamaConfig, seq: int, moe: bool = False) -> float:
     """Training FLOPs of one block per token (forward 1/3, backward 2/3)."""
-    return 6.0 * block_matmul_params(c) + 6.0 * seq * c.dim
+    return 6.0 * block_matmul_params(c, moe) + 6.0 * seq * c.dim
 
 
 def head_flops_per_token(c: LlamaConfig) -> float:
@@ -82,7 +100,7 @@ def hardware_flops_per_token(c: LlamaConfig, seq: int, recompute: str) -> float:
     (+1/3 of its training FLOPs); selective only the attention scores' forward."""
     extra = 0.0
     if recompute == "full":
-        extra = c.n_layers * block_flops_per_token(c, seq) / 3
+        extra = (6.0 * blocks_matmul_params(c) + 6.0 * c.n_layers * seq * c.dim) / 3
     elif recompute == "selective":
         extra = c.n_layers * 2.0 * seq * c.dim / 2  # forward of the causal score and value products
     return model_flops_per_token(c, seq) + extra
@@ -111,16 +129,32 @@ def p2p_time(nbytes: float, link: Link) -> float:
     return link.latency + nbytes / link.bandwidth
 
 
+def all_to_all_time(nbytes: float, n: int, link: Link) -> float:
+    """nbytes: one rank's whole buffer; it keeps 1/n and sends (n-1)/n of it, one message to each
+    of the n - 1 others (pairwise exchange)."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
+
+
 def group_link(cluster: Cluster, lay: Layout, axis: str) -> Link:
     """The link a group's ring crosses: ranks are laid out tp fastest, then dp, then pp, so a
-    group of `size` ranks at stride `stride` spans stride * size consecutive ranks."""
-    stride, size = {"tp": (1, lay.tp), "dp": (lay.tp, lay.dp), "pp": (lay.tp * lay.dp, lay.pp)}[axis]
+    group of `size` ranks at stride `stride` spans stride * size consecutive ranks. ep groups are
+    neighbours inside dp (stride tp), edp groups stride over them (tp * ep)."""
+    stride, size = {"tp": (1, lay.tp), "dp": (lay.tp, lay.dp), "pp": (lay.tp * lay.dp, lay.pp),
+                    "ep": (lay.tp, lay.ep), "edp": (lay.tp * lay.ep, lay.edp)}[axis]
     if stride * size <= cluster.devices_per_node:
         return cluster.intra
     return cluster.inter
 
 
 # -- the step -------------------------------------------------------------------------------------------
+
+# StepTime's components in words (explanations: why one plan beats another)
+TIME_WORDS = {"compute": "compute", "recompute": "recomputation", "bubble": "pipeline bubble",
+              "tp_comm": "tensor-parallel communication", "pp_comm": "pipeline send/recv",
+              "dp_comm": "exposed data-parallel communication", "ep_comm": "expert-parallel all-to-all",
+              "optimizer": "optimizer step", "offload": "offload traffic"}
 
 
 @dataclass
@@ -139,11 +173,12 @@ class StepTime:
     world: int
     peak: float  # FLOP/s of one device at the run's precision
     imbalance: float = 0.0  # pipeline: slowest stage / mean stage - 1 (modelled)
+    ep_comm: float = 0.0  # expert-parallel all-to-all (dispatch and return), exposed
 
     @property
     def total(self) -> float:
         return (self.compute + self.recompute + self.bubble + self.tp_comm + self.pp_comm + self.dp_comm
-                + self.optimizer + self.offload)
+                + self.optimizer + self.offload + self.ep_comm)
 
     @property
     def tokens_per_s(self) -> float:
@@ -168,7 +203,8 @@ class StepTime:
     def breakdown(self) -> dict[str, float]:
         return {"compute": self.compute, "recompute": self.recompute, "bubble": self.bubble,
                 "tp_comm": self.tp_comm, "pp_comm": self.pp_comm, "dp_comm": self.dp_comm,
-                "optimizer": self.optimizer, "offload": self.offload, "total": self.total}
+                "ep_comm": self.ep_comm, "optimizer": self.optimizer, "offload": self.offload,
+                "total": self.total}
 
 
 def op_env(cluster: Cluster, precision: str) -> OpEnv:
@@ -191,24 +227,32 @@ def stage_costs(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster, cou
     kw = {"seq": tr.seq_len, "micro_batch": lay.micro_batch, "tp": lay.tp,
           "act_bytes": ACT_BYTES[tr.precision]}
     blk = block_costs(c, env, sp=lay.sp, attention=tr.attention, tile=lay.tile, **kw)
+    moe = (block_costs(c, env, sp=lay.sp, attention=tr.attention, tile=lay.tile, moe=True, ep=lay.ep, **kw)
+           if c.n_moe_layers else blk)
     head, emb = head_costs(c, env, sp=lay.sp, **kw), embed_costs(c, env, **kw)
     counts = counts or stage_counts(c, tr, lay, cluster)
     chunks = lay.pp * lay.v
     out = []
-    for r in range(lay.pp):
-        n = sum(counts[j] for j in range(r, chunks, lay.pp))
-        t = n * blk.total + (emb.total if r == 0 else 0.0) + (head.total if r == lay.pp - 1 else 0.0)
-        out.append((t, n * blk.forward, n * blk.attention_forward))
+    for r, n_moe in enumerate(stage_moe_layers(c, lay.pp, lay.v, counts)):
+        n = sum(counts[j] for j in range(r, chunks, lay.pp)) - n_moe  # dense blocks
+        t = (n * blk.total + n_moe * moe.total + (emb.total if r == 0 else 0.0)
+             + (head.total if r == lay.pp - 1 else 0.0))
+        out.append((t, n * blk.forward + n_moe * moe.forward,
+                    n * blk.attention_forward + n_moe * moe.attention_forward))
     return out
 
 
 def chunk_costs(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster) -> tuple[float, float, float]:
-    """(one block, the first stage's extra, the last stage's extra) in seconds per micro-batch."""
+    """(one block, the first stage's extra, the last stage's extra) in seconds per micro-batch;
+    with MoE blocks every `moe_every` blocks, the mean block."""
     env = op_env(cluster, tr.precision)
     kw = {"seq": tr.seq_len, "micro_batch": lay.micro_batch, "tp": lay.tp,
           "act_bytes": ACT_BYTES[tr.precision]}
-    blk = block_costs(c, env, sp=lay.sp, attention=tr.attention, tile=lay.tile, **kw)
-    return blk.total, embed_costs(c, env, **kw).total, head_costs(c, env, sp=lay.sp, **kw).total
+    blk = block_costs(c, env, sp=lay.sp, attention=tr.attention, tile=lay.tile, **kw).total
+    if c.n_moe_layers:
+        moe = block_costs(c, env, sp=lay.sp, attention=tr.attention, tile=lay.tile, moe=True, ep=lay.ep, **kw)
+        blk = (blk * (c.n_layers - c.n_moe_layers) + moe.total * c.n_moe_layers) / c.n_layers
+    return blk, embed_costs(c, env, **kw).total, head_costs(c, env, sp=lay.sp, **kw).total
 
 
 def stage_counts(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster) -> list[int]:
@@ -293,19 +337,28 @@ def step_time(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster) -> St
     pp_link = group_link(cluster, lay, "pp")
     mb_pp = 2 * p2p_time(act / (lay.tp if lay.sp else 1), pp_link) * lay.v if lay.pp > 1 else 0.0
 
-    mb_time = mb_compute + mb_recompute + mb_tp + mb_pp
+    # Expert parallel: dispatch + return forward, their gradients backward (4 all-to-alls per MoE
+    # block, 6 with full recompute); exposed, the experts wait for their tokens.
+    n_moe = stage_moe_layers(c, lay.pp, lay.v, counts)[busiest]
+    mb_ep = n_moe * (6 if lay.recompute == "full" else 4) * all_to_all_time(
+        a2a_bytes(c, tr, lay), lay.ep, group_link(cluster, lay, "ep"))
+
+    mb_time = mb_compute + mb_recompute + mb_tp + mb_pp + mb_ep
     if lay.pp > 1 and lay.schedule == "naive":
         bubble = m * (lay.pp - 1) * mb_time  # one micro-batch in the pipe at a time
     else:
         bubble = (lay.pp - 1) / lay.v * mb_time if lay.pp > 1 else 0.0
 
-    psi = stage_params(c, lay.tp, lay.pp, lay.v, counts)[busiest]
+    psi = stage_params(c, lay.tp, lay.pp, lay.v, counts, lay.ep)[busiest]
+    experts = stage_expert_params(c, lay.tp, lay.pp, lay.v, counts, lay.ep)[busiest]
     stage_imbalance = imbalance([x[0] for x in costs]) if lay.pp > 1 else 0.0
-    dp_comm = _dp_exposed(c, tr, lay, cluster, mb_compute, m, psi)
-    optimizer, offload = _optimizer_time(tr, lay, cluster, psi, m)
-    # The optimizer's fixed cost per parameter tensor (its per-tensor loop): 9 per block, the
-    # embedding on the first stage, the final norm and head on the last.
-    tensors = 9 * layers[busiest] + (1 if busiest == 0 else 0) + (2 if busiest == lay.pp - 1 else 0)
+    dp_comm = _dp_exposed(c, tr, lay, cluster, mb_compute, m, psi - experts, experts)
+    optimizer, offload = _optimizer_time(tr, lay, cluster, _shard(psi - experts, experts, lay), m)
+    # The optimizer's fixed cost per parameter tensor (its per-tensor loop): 9 per block (an MoE
+    # block: 6, the router and 3 per local expert), the embedding on the first stage, the final
+    # norm and head on the last.
+    tensors = (9 * layers[busiest] + n_moe * (3 * (c.n_experts // lay.ep) + 1 - 3)
+               + (1 if busiest == 0 else 0) + (2 if busiest == lay.pp - 1 else 0))
     optimizer += tensors * cluster.device.optimizer_tensor_s
     tokens = tr.global_batch * tr.seq_len
     return StepTime(compute=m * mb_compute, recompute=m * mb_recompute, bubble=bubble, tp_comm=m * mb_tp,
@@ -313,11 +366,19 @@ def step_time(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster) -> St
                     tokens_per_step=tokens,
                     model_flops=model_flops_per_token(c, tr.seq_len) * tokens,
                     hardware_flops=hardware_flops_per_token(c, tr.seq_len, lay.recompute) * tokens,
-                    world=lay.world, peak=peak, imbalance=stage_imbalance)
+                    world=lay.world, peak=peak, imbalance=stage_imbalance, ep_comm=m * mb_ep)
+
+
+def _shard(dense: float, experts: float, lay: Layout) -> float:
+    """Parameters whose optimizer state this rank updates: ZeRO shards the dense part over dp and
+    the local experts over edp."""
+    if lay.zero == 0:
+        return dense + experts
+    return dense / lay.dp + experts / lay.edp
 
 
 def _dp_exposed(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster, mb_compute: float, m: int,
-                psi: float) -> float:
+                psi: float, experts: float = 0.0) -> float:
     """Exposed data-parallel communication.
 
     DDP and ZeRO-2 reduce buckets during the last micro-batch's backward (2/3 of its compute), so
@@ -325,39 +386,46 @@ def _dp_exposed(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster, mb_
     exposed); ZeRO-1/2 all-gather the updated parameters after the step (exposed). ZeRO-3
     all-gathers parameters before each unit's forward and backward and reduce-scatters gradients
     after it, every micro-batch, prefetched under the compute (1.5x DDP's volume per step).
+    MoE: `psi` dense parameters go over dp, `experts` (this rank's local experts) over edp = dp/ep.
     """
     if lay.dp == 1:
         return 0.0
     sb = state_bytes_per_param(tr.precision, tr.optimizer)
     link = group_link(cluster, lay, "dp")
-    grads, params = psi * sb.grads, psi * sb.params
+    groups = [(psi, lay.dp, link)]
+    if experts:
+        groups.append((experts, lay.edp, group_link(cluster, lay, "edp")))
+
+    def over(fn, per_param: float) -> float:  # one collective over each group's parameters
+        return sum(fn(n_params * per_param, n, lk) for n_params, n, lk in groups)
+
+    grads = (psi + experts) * sb.grads
     hidden = cluster.overlap * (2 / 3) * mb_compute if tr.overlap_dp else 0.0
     bucket = min(tr.bucket_mb * 2**20, grads)
     if lay.zero == 0:
-        comm = all_reduce_time(grads, lay.dp, link)
+        comm = over(all_reduce_time, sb.grads)
         return max(comm - hidden, all_reduce_time(bucket, lay.dp, link))
     if lay.zero == 1:
-        return reduce_scatter_time(grads, lay.dp, link) + all_gather_time(params, lay.dp, link)
+        return over(reduce_scatter_time, sb.grads) + over(all_gather_time, sb.params)
     if lay.zero == 2:
-        rs = reduce_scatter_time(grads, lay.dp, link)
+        rs = over(reduce_scatter_time, sb.grads)
         exposed_rs = max(rs - hidden, reduce_scatter_time(bucket, lay.dp, link))
-        return exposed_rs + all_gather_time(params, lay.dp, link)
-    per_mb = 2 * all_gather_time(params, lay.dp, link) + reduce_scatter_time(grads, lay.dp, link)
+        return exposed_rs + over(all_gather_time, sb.params)
+    per_mb = 2 * over(all_gather_time, sb.params) + over(reduce_scatter_time, sb.grads)
     unit = layer_params_local(c, lay.tp) * sb.params
     first = all_gather_time(unit, lay.dp, link)  # nothing to hide the first unit's gather behind
     return m * (max(0.0, per_mb - cluster.overlap * mb_compute) + first)
 
 
-def _optimizer_time(tr: Training, lay: Layout, cluster: Cluster, psi: float, m: int) -> tuple[float, float]:
+def _optimizer_time(tr: Training, lay: Layout, cluster: Cluster, shard: float, m: int) -> tuple[float, float]:
     """(optimizer step, offload traffic) in seconds.
 
     AdamW is memory-bound: ~32 bytes read + written per parameter (param, grad, two moments,
     fp32 master). With offload it runs on the CPU, and the gradient shard goes down and the
     updated parameters come up over the host link; disk offload reads and writes the optimizer
     state from NVMe; with ZeRO-3 the parameters themselves come up for every micro-batch's
-    forward and backward.
+    forward and backward. `shard`: the parameters this rank updates (its ZeRO partition).
     """
-    shard = psi / (lay.dp if lay.zero >= 1 else 1)
     if lay.offload == "none":
         return shard * 32 / cluster.device.memory_bandwidth, 0.0
     sb = state_bytes_per_param(tr.precision, tr.optimizer)

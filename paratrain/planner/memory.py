@@ -11,6 +11,11 @@ is the paper's GPT formula; ``layer_activation_bytes`` applies the same method t
 Llama block (SwiGLU, RMSNorm in fp32, grouped-query attention through
 scaled_dot_product_attention, which keeps no s x s scores), and matches what the block saves
 exactly (tests/test_planner.py counts the saved tensors).
+
+Mixture of experts (docs/planner.md, "Mixture of experts"): an MoE block holds the router and its
+E / ep local experts (each a SwiGLU MLP, split by tp like the dense MLP); expert parameters and
+their gradients and optimizer state are sharded by ZeRO over the expert-data-parallel group
+(dp / ep ranks that hold the same experts), everything else over dp as for a dense model.
 """
 
 from __future__ import annotations
@@ -66,16 +71,24 @@ class Layout:
     schedule: str = "1f1b"
     offload: str = "none"
     tile: int = 1  # memory-centric tiling: each linear runs as `tile` slices
+    ep: int = 1  # expert parallelism (MoE): E / ep experts per rank, carved out of dp
 
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel degree: the dp ranks holding the same experts."""
+        return self.dp // self.ep
 
     def n_micro(self, global_batch: int) -> int:
         return global_batch // (self.dp * self.micro_batch)
 
     def short(self) -> str:
         parts = [f"dp{self.dp}", f"tp{self.tp}" + ("+sp" if self.sp else ""), f"pp{self.pp}"]
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
         if self.pp > 1:
             parts.append(self.schedule + (f"(v{self.v})" if self.v > 1 else ""))
         parts += [f"zero{self.zero}", f"mb{self.micro_batch}"]
@@ -125,11 +138,46 @@ def zero_model_state_bytes(psi: float, nd: int, stage: int, sb: StateBytes) -> d
             "optim": psi * sb.optim / (nd if stage >= 1 else 1)}
 
 
-def layer_params_local(c: LlamaConfig, tp: int) -> int:
-    """One block's parameters on one tensor-parallel rank (norm gains replicated)."""
+def layer_params_local(c: LlamaConfig, tp: int, *, moe: bool = False, ep: int = 1) -> int:
+    """One block's parameters on one tensor-parallel rank (norm gains replicated); an MoE block
+    (``moe``) holds the router (replicated) and E / ep experts in place of the MLP."""
     kv = c.n_kv_heads * c.head_dim
     kv_local = kv // tp if c.n_kv_heads % tp == 0 else kv  # kv heads replicated when tp does not divide
-    return c.dim * c.dim // tp * 2 + 2 * c.dim * kv_local + 3 * c.dim * c.ffn_dim // tp + 2 * c.dim
+    mlp = moe_mlp_params_local(c, tp, ep) if moe else 3 * c.dim * c.ffn_dim // tp
+    return c.dim * c.dim // tp * 2 + 2 * c.dim * kv_local + mlp + 2 * c.dim
+
+
+def expert_params_local(c: LlamaConfig, tp: int, ep: int) -> int:
+    """The experts one rank holds in one MoE block: E / ep SwiGLU experts, each split by tp."""
+    return c.n_experts // ep * (3 * c.dim * c.ffn_dim // tp)
+
+
+def moe_mlp_params_local(c: LlamaConfig, tp: int, ep: int) -> int:
+    """An MoE block's MLP on one rank: the router (dim x E, replicated) + the local experts."""
+    return c.dim * c.n_experts + expert_params_local(c, tp, ep)
+
+
+def chunk_sizes(n_layers: int, pp: int, v: int = 1, counts: list[int] | None = None) -> list[int]:
+    """Blocks per (virtual) stage, in model order: `counts`, or the even split of stage_layers."""
+    if counts:
+        return list(counts)
+    chunks = pp * v
+    return [n_layers // chunks + (1 if j < n_layers % chunks else 0) for j in range(chunks)]
+
+
+def stage_moe_layers(c: LlamaConfig, pp: int, v: int = 1, counts: list[int] | None = None) -> list[int]:
+    """MoE blocks held by each pipeline rank (chunk j of contiguous blocks on rank j % pp)."""
+    out, start = [0] * pp, 0
+    for j, size in enumerate(chunk_sizes(c.n_layers, pp, v, counts)):
+        out[j % pp] += sum(c.is_moe_block(i) for i in range(start, start + size))
+        start += size
+    return out
+
+
+def stage_expert_params(c: LlamaConfig, tp: int, pp: int, v: int = 1, counts: list[int] | None = None,
+                        ep: int = 1) -> list[int]:
+    """Expert parameters of each pipeline rank (the part ZeRO shards over edp, not dp)."""
+    return [n * expert_params_local(c, tp, ep) for n in stage_moe_layers(c, pp, v, counts)]
 
 
 def vocab_local(c: LlamaConfig, tp: int) -> int:
@@ -150,14 +198,17 @@ def rank_layers(counts: list[int], pp: int) -> list[int]:
     return [sum(counts[j] for j in range(r, len(counts), pp)) for r in range(pp)]
 
 
-def stage_params(c: LlamaConfig, tp: int, pp: int, v: int = 1, counts: list[int] | None = None) -> list[int]:
+def stage_params(c: LlamaConfig, tp: int, pp: int, v: int = 1, counts: list[int] | None = None,
+                 ep: int = 1) -> list[int]:
     """Local parameter count of each pipeline rank (embedding on the first, norm + head on the last;
-    a tied head is a second copy on the last stage when pp > 1)."""
+    a tied head is a second copy on the last stage when pp > 1; MoE blocks with their E / ep
+    local experts)."""
     emb = vocab_local(c, tp) * c.dim
     out = []
     per_rank = rank_layers(counts, pp) if counts else stage_layers(c.n_layers, pp, v)
-    for r, n in enumerate(per_rank):
-        count = n * layer_params_local(c, tp)
+    moe_extra = layer_params_local(c, tp, moe=True, ep=ep) - layer_params_local(c, tp)
+    for r, (n, n_moe) in enumerate(zip(per_rank, stage_moe_layers(c, pp, v, counts))):
+        count = n * layer_params_local(c, tp) + n_moe * moe_extra
         if r == 0:
             count += emb
         if r == pp - 1:
@@ -186,7 +237,7 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
 
 
 def layer_activation_bytes(c: LlamaConfig, seq: int, micro_batch: int, *, tp: int = 1, sp: bool = False,
-                           recompute: str = "none", precision: str = "bf16") -> float:
+                           recompute: str = "none", precision: str = "bf16", moe: bool = False) -> float:
     """Bytes one paratrain Llama block saves for backward, per micro-batch (per tp rank).
 
     Per token, e = activation bytes (4 fp32, 2 bf16), norms computed in fp32 (4 bytes):
@@ -198,6 +249,11 @@ def layer_activation_bytes(c: LlamaConfig, seq: int, micro_batch: int, *, tp: in
     Under tp the projections' inputs stay replicated and the rest splits by t; under sp all of it
     splits by t. Full recompute keeps the block input only; selective recomputes the attention
     core (the SDPA inputs, output and log-sum-exp).
+
+    An MoE block (``moe``): each token runs through top_k experts, so the MLP's 4 e*f become
+    k * 4 e*f, plus per assignment the gathered expert input and the expert output (2 e*h, kept
+    for the weighted combine), and the fp32 router input, logits and probabilities (4h + 8E).
+    Balanced routing is assumed (each expert receives T*k/E assignments).
     """
     e = ACT_BYTES[precision]
     tokens = seq * micro_batch
@@ -213,7 +269,11 @@ def layer_activation_bytes(c: LlamaConfig, seq: int, micro_batch: int, *, tp: in
         # Megatron's selective recompute keeps q, k, v and the output and recomputes the s x s
         # scores; a fused kernel never stores those, so only the log-sum-exp is saved.
         core -= 4 * heads
-    split = core + 4 * e * f
+    mlp = 4 * e * f
+    if moe:
+        mlp *= c.top_k
+        replicated += c.top_k * 2 * e * h + 4 * h + 8 * c.n_experts
+    split = core + mlp
     if sp:
         return tokens * (replicated + split) / tp + rope
     return tokens * (replicated + split / tp) + rope
@@ -300,12 +360,15 @@ def device_memory(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster,
     m = lay.n_micro(tr.global_batch)
     layers = rank_layers(counts, lay.pp) if counts else stage_layers(c.n_layers, lay.pp, lay.v)
     best: Memory | None = None
-    params = stage_params(c, lay.tp, lay.pp, lay.v, counts)
+    params = stage_params(c, lay.tp, lay.pp, lay.v, counts, lay.ep)
+    experts = stage_expert_params(c, lay.tp, lay.pp, lay.v, counts, lay.ep)
+    n_moe = stage_moe_layers(c, lay.pp, lay.v, counts)
     # The first rank holds the most layers and micro-batches in flight, the last one the head:
-    # the busiest device is one of the two.
-    for rank in (range(lay.pp) if counts else sorted({0, lay.pp - 1})):
+    # the busiest device is one of the two (with MoE blocks every `moe_every`, check every rank).
+    ranks = range(lay.pp) if counts or c.moe_every > 1 else sorted({0, lay.pp - 1})
+    for rank in ranks:
         psi = params[rank]
-        states = zero_model_state_bytes(psi, lay.dp, lay.zero, sb)
+        states = model_state_bytes(psi - experts[rank], experts[rank], lay, sb)
         offloaded = 0.0
         if lay.offload != "none":
             # ZeRO-Offload / ZeRO-Infinity: the optimizer state leaves the device; with stage 2 the
@@ -313,8 +376,9 @@ def device_memory(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster,
             moved = ["optim"] + (["grads"] if lay.zero >= 2 else []) + (["params"] if lay.zero >= 3 else [])
             for key in moved:
                 offloaded, states[key] = offloaded + states[key], 0.0
-        per_mb = layers[rank] * layer_activation_bytes(c, tr.seq_len, lay.micro_batch, tp=lay.tp, sp=lay.sp,
-                                                       recompute=lay.recompute, precision=tr.precision)
+        kw = {"tp": lay.tp, "sp": lay.sp, "recompute": lay.recompute, "precision": tr.precision}
+        per_mb = ((layers[rank] - n_moe[rank]) * layer_activation_bytes(c, tr.seq_len, lay.micro_batch, **kw)
+                  + n_moe[rank] * layer_activation_bytes(c, tr.seq_len, lay.micro_batch, moe=True, **kw))
         if rank == 0:
             per_mb += tr.seq_len * lay.micro_batch * 8  # token ids
         if rank == lay.pp - 1:
@@ -332,6 +396,16 @@ def device_memory(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster,
     return best
 
 
+def model_state_bytes(dense: float, experts: float, lay: Layout, sb: StateBytes) -> dict[str, float]:
+    """Per-device params / grads / optimizer bytes: the dense parameters sharded by ZeRO over dp,
+    the local experts' (already E / ep of them) over the expert-data-parallel group, dp / ep."""
+    states = zero_model_state_bytes(dense, lay.dp, lay.zero, sb)
+    if experts:
+        for key, value in zero_model_state_bytes(experts, lay.edp, lay.zero, sb).items():
+            states[key] += value
+    return states
+
+
 def comm_buffer_bytes(c: LlamaConfig, tr: Training, lay: Layout, sb: StateBytes, psi: float) -> float:
     """Buffers that exist for communication.
 
@@ -339,6 +413,7 @@ def comm_buffer_bytes(c: LlamaConfig, tr: Training, lay: Layout, sb: StateBytes,
     ZeRO-3: the gathered units, current + prefetched (the largest is the biggest block or the
     embedding), plus the unit's full gradient before its reduce-scatter.
     Pipeline: a send and a receive buffer for the boundary activation.
+    Expert parallelism: the all-to-all's send and receive buffers (tokens x top_k x dim).
     """
     out = 0.0
     offload = lay.offload != "none"
@@ -346,11 +421,21 @@ def comm_buffer_bytes(c: LlamaConfig, tr: Training, lay: Layout, sb: StateBytes,
         out += min(2 * tr.bucket_mb * 2**20, psi * sb.grads)
     if lay.zero == 3 and (lay.dp > 1 or offload):
         # tiling gathers (and reduces) one slice of a linear at a time
-        unit = max(layer_params_local(c, lay.tp), vocab_local(c, lay.tp) * c.dim) / lay.tile
+        block = layer_params_local(c, lay.tp, moe=c.n_moe_layers > 0, ep=lay.ep)
+        unit = max(block, vocab_local(c, lay.tp) * c.dim) / lay.tile
         out += unit * (2 * sb.params + sb.grads)
     if lay.pp > 1:
         out += 2 * tr.seq_len * lay.micro_batch * c.dim * ACT_BYTES[tr.precision] / (lay.tp if lay.sp else 1)
+    if lay.ep > 1:
+        out += 2 * a2a_bytes(c, tr, lay)
     return out
+
+
+def a2a_bytes(c: LlamaConfig, tr: Training, lay: Layout) -> float:
+    """One rank's buffer of one expert-parallel all-to-all: its micro-batch's tokens (split by tp
+    under sp) x top_k assignments x dim, in activation precision."""
+    tokens = tr.seq_len * lay.micro_batch / (lay.tp if lay.sp else 1)
+    return tokens * c.top_k * c.dim * ACT_BYTES[tr.precision]
 
 
 def transient_bytes(c: LlamaConfig, tr: Training, lay: Layout, rank: int) -> float:
@@ -359,17 +444,17 @@ def transient_bytes(c: LlamaConfig, tr: Training, lay: Layout, rank: int) -> flo
     out = 0.0
     if lay.recompute == "full":
         out += layer_activation_bytes(c, tr.seq_len, lay.micro_batch, tp=lay.tp, sp=lay.sp,
-                                      precision=tr.precision)
+                                      precision=tr.precision, moe=c.n_moe_layers > 0)
     if rank == lay.pp - 1:
         out += tr.seq_len * lay.micro_batch * vocab_local(c, lay.tp) * 4
     return out
 
 
-def largest_unit_bytes(c: LlamaConfig, tr: Training, tp: int) -> tuple[str, float]:
+def largest_unit_bytes(c: LlamaConfig, tr: Training, tp: int, ep: int = 1) -> tuple[str, float]:
     """The largest layer's parameters + gradients in compute precision: what must exist whole on a
     device even under ZeRO-3 (it is gathered to run). Returns (name, bytes)."""
     sb = state_bytes_per_param(tr.precision, tr.optimizer)
-    block = layer_params_local(c, tp) * (sb.params + sb.grads)
+    block = layer_params_local(c, tp, moe=c.n_moe_layers > 0, ep=ep) * (sb.params + sb.grads)
     embed = vocab_local(c, tp) * c.dim * (sb.params + sb.grads)
     return ("a transformer block", block) if block >= embed else ("the embedding", embed)
 

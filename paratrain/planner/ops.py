@@ -105,19 +105,34 @@ class OpEnv:
     ops_rest: float = 0.0  # those of the embedding, final norm, head and loss
 
 
+def mlp_shapes(c: LlamaConfig, t: float, *, tp: int = 1, moe: bool = False, ep: int = 1
+               ) -> list[tuple[float, float, float, int]]:
+    """(m, n, k, calls) of the MLP's GEMMs on one rank. Dense: gate+up [t, 2f/tp] and down.
+    MoE: the router [t, E], then each of the E / ep local experts on the tokens routed to it from
+    the ep group's ranks, t * k * ep / E rows under balanced routing (so ep makes each expert's
+    GEMMs larger, and more efficient, for the same FLOPs per rank)."""
+    h, f = c.dim, c.ffn_dim
+    if not moe:
+        return [(t, 2 * f / tp, h, 1), (t, h, f / tp, 1)]
+    rows = t * c.top_k * ep / c.n_experts
+    local = c.n_experts // ep
+    return [(t, c.n_experts, h, 1), (rows, 2 * f / tp, h, local), (rows, h, f / tp, local)]
+
+
 def block_costs(c: LlamaConfig, env: OpEnv, *, seq: int, micro_batch: int, tp: int = 1, sp: bool = False,
-                act_bytes: int = 2, attention: str = "flash", tile: int = 1) -> Costs:
+                act_bytes: int = 2, attention: str = "flash", tile: int = 1, moe: bool = False,
+                ep: int = 1) -> Costs:
     """One transformer block, one micro-batch, one tp rank (each linear run as `tile` slices of
-    its output columns under memory-centric tiling)."""
+    its output columns under memory-centric tiling); ``moe``: an MoE block on an ep group."""
     t = seq * micro_batch
     h, f, hd = c.dim, c.ffn_dim, c.head_dim
     kv = c.n_kv_heads * hd
     heads = c.n_heads / tp
-    shapes = [(t, (h + 2 * kv) / tp, h), (t, h, h / tp), (t, 2 * f / tp, h), (t, h, f / tp)]
+    shapes = [(t, (h + 2 * kv) / tp, h, 1), (t, h, h / tp, 1)] + mlp_shapes(c, t, tp=tp, moe=moe, ep=ep)
     fwd_g = tot_g = 0.0
-    for m, n, k in shapes:
+    for m, n, k, calls in shapes:
         a, b = _fwd_bwd(env.gemm, m, n / tile, k, env.peak)
-        fwd_g, tot_g = fwd_g + tile * a, tot_g + tile * b
+        fwd_g, tot_g = fwd_g + calls * tile * a, tot_g + calls * tile * b
 
     # Attention products per (sequence, head): scores [s, s] = q [s, hd] @ k^T, out = p @ v.
     call = env.gemm.call_s
@@ -142,6 +157,9 @@ def block_costs(c: LlamaConfig, env: OpEnv, *, seq: int, micro_batch: int, tp: i
     # RoPE on q and k (read + write), the SwiGLU product (read 2f, write f); backward moves ~2x.
     replicated = e * (2 * 2 * h + 2 * 3 * h) / (tp if sp else 1)
     split = e * (2 * (h + kv) + 3 * f) / tp
+    if moe:  # k SwiGLU products per token; gathering each assignment's input, scattering its output
+        split = e * (2 * (h + kv) + 3 * f * c.top_k) / tp
+        replicated += e * 4 * h * c.top_k
     mem_fwd_s = t * (replicated + split) / env.bandwidth + scores_fwd
     mem_tot_s = 3 * (mem_fwd_s - scores_fwd) + scores_fwd + scores_bwd
     dispatch = env.ops_per_block * env.op_s

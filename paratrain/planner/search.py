@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from paratrain.models.llama import LlamaConfig
-from paratrain.planner.cost import StepTime, stage_counts, step_time
+from paratrain.planner.cost import TIME_WORDS, StepTime, stage_counts, step_time
 from paratrain.planner.hardware import GB, Cluster
 from paratrain.planner.memory import (
     RECOMPUTE,
@@ -30,6 +30,7 @@ from paratrain.planner.memory import (
     state_bytes_per_param,
     zero_model_state_bytes,
 )
+from paratrain.planner.moe import ep_choice, moe_tree
 
 FIXABLE = ("dp", "tp", "pp", "v", "zero", "sp", "recompute", "micro_batch", "schedule", "offload", "ep",
            "tile")
@@ -113,9 +114,19 @@ def check_fixed(fixed: dict, c: LlamaConfig | None, tr: Training, n: int) -> Non
         raise ValueError(f"--pp-schedule {fixed['schedule']!r}: choose one of {', '.join(SCHEDULES)}")
     if fixed.get("offload", "none") not in ("none", "cpu", "disk"):
         raise ValueError(f"--offload {fixed['offload']!r}: choose none, cpu or disk")
-    if fixed.get("ep", 1) > 1:
+    if fixed.get("ep", 1) > 1 and (c is None or not c.n_moe_layers):
+        what = ("a model-states-only answer (--params) knows no experts" if c is None
+                else "this model is dense (one MLP per block)")
         raise ValueError(f"--ep {fixed['ep']}: expert parallelism splits a mixture-of-experts model's "
-                         "experts, and the planner's models are dense (one MLP per block): use --ep 1")
+                         f"experts, and {what}: use --ep 1, or a MoE model (--model mixtral-8x7b, or "
+                         "--experts N)")
+    if fixed.get("ep", 1) > 1:
+        ep = fixed["ep"]
+        if c.n_experts % ep:
+            raise ValueError(f"--ep {ep} must divide the model's {c.n_experts} experts")
+        if "dp" in fixed and fixed["dp"] % ep:
+            raise ValueError(f"--ep {ep} must divide --dp {fixed['dp']}: expert parallelism is carved out "
+                             "of the data-parallel ranks")
     if fixed.get("offload", "none") != "none" and fixed.get("zero") == 0:
         raise ValueError("--offload needs --zero >= 1 (the offloaded optimizer state is a ZeRO partition)")
     if ("schedule" in fixed or fixed.get("v", 1) > 1) and fixed.get("pp") == 1:
@@ -149,15 +160,26 @@ def enumerate_layouts(c: LlamaConfig, tr: Training, n: int, fixed: dict, offload
                 for sched, v in _schedules(c, pp, m, fixed):
                     zeros = [0, 1, 2, 3] if dp > 1 or offload else [0]
                     offs = ["cpu", "disk"] if offload else ["none"]
-                    for zero, sp, rc, off in itertools.product(
+                    for zero, sp, rc, off, ep in itertools.product(
                             pick("zero", zeros), pick("sp", [False, True] if tp > 1 else [False]),
-                            pick("recompute", ["none", "full"]), pick("offload", offs)):
+                            pick("recompute", ["none", "full"]), pick("offload", offs),
+                            ep_degrees(c, dp, fixed)):
                         if off != "none" and zero == 0 or sp and tp == 1:
                             continue
                         out.append(Layout(dp=dp, tp=tp, pp=pp, v=v, zero=zero, sp=sp, recompute=rc,
                                           micro_batch=mb, schedule=sched, offload=off,
-                                          tile=fixed.get("tile", 1)))
+                                          tile=fixed.get("tile", 1), ep=ep))
     return out
+
+
+def ep_degrees(c: LlamaConfig, dp: int, fixed: dict) -> list[int]:
+    """Expert-parallel degrees to search: those dividing both dp and the number of experts
+    (1 only for a dense model)."""
+    if "ep" in fixed:
+        return [fixed["ep"]] if dp % fixed["ep"] == 0 else []
+    if not c.n_moe_layers:
+        return [1]
+    return [e for e in _divisors(dp) if c.n_experts % e == 0]
 
 
 def _schedules(c: LlamaConfig, pp: int, m: int, fixed: dict) -> list[tuple[str, int]]:
@@ -218,16 +240,23 @@ def plan(c: LlamaConfig, tr: Training, cluster: Cluster, fixed: dict | None = No
                          "check that dp divides the global batch and the degrees multiply to --gpus")
     feasible = sorted((p for p in plans if p.fits), key=lambda p: (p.time.total, p.memory.total))
     tree = decision_path(c, tr, cluster)
+    tree[2:2] = moe_tree(c, tr, cluster)  # after the model states and what a device offers
     if feasible:
         ranked = _distinct(feasible)[:top]
-        return PlanResult(ranked, tree, compare(ranked), True, evaluated)
+        notes = _ep_notes(c, plans, ranked[0], cluster)
+        return PlanResult(ranked, tree, compare(ranked), True, evaluated, notes)
     closest = sorted(plans, key=lambda p: p.memory.total)[:top]
     verdict = infeasible_answer(c, tr, cluster, closest[0])
     if fixed:
         chosen = ", ".join(f"{k}={v}" for k, v in sorted(fixed.items()))
         verdict = (f"the fixed choices ({chosen}) do not fit: the closest layout they allow "
                    f"({closest[0].layout.short()}) {closest[0].why_not}; relax a fixed choice. " + verdict)
-    return PlanResult(closest, tree, verdict, False, evaluated)
+    return PlanResult(closest, tree, verdict, False, evaluated, _ep_notes(c, plans, closest[0], cluster))
+
+
+def _ep_notes(c: LlamaConfig, plans: list[Plan], winner: Plan, cluster: Cluster) -> list[str]:
+    why = ep_choice(c, plans, winner, cluster)
+    return [f"expert parallelism: {why}"] if why else []
 
 
 def _distinct(plans: list[Plan]) -> list[Plan]:
@@ -236,7 +265,7 @@ def _distinct(plans: list[Plan]) -> list[Plan]:
     out, seen = [], set()
     for p in plans:
         key = (p.layout.dp, p.layout.tp, p.layout.pp, p.layout.schedule, p.layout.v, p.layout.micro_batch,
-               p.layout.zero, p.layout.sp, p.layout.recompute, p.layout.offload, p.layout.tile)
+               p.layout.zero, p.layout.sp, p.layout.recompute, p.layout.offload, p.layout.tile, p.layout.ep)
         if key not in seen:
             seen.add(key)
             out.append(p)
@@ -298,10 +327,7 @@ def compare(ranked: list[Plan]) -> str:
     run = ranked[1]
     a, b = win.time.breakdown(), run.time.breakdown()
     diffs = sorted(((b[k] - a[k], k) for k in a if k != "total"), key=lambda d: -abs(d[0]))
-    words = {"compute": "compute", "recompute": "recomputation", "bubble": "pipeline bubble",
-             "tp_comm": "tensor-parallel communication", "pp_comm": "pipeline send/recv",
-             "dp_comm": "exposed data-parallel communication", "optimizer": "optimizer step",
-             "offload": "offload traffic"}
+    words = TIME_WORDS
     reasons = [f"{abs(d):.3g} s {'less' if d > 0 else 'more'} {words[k]}"
                for d, k in diffs[:2] if abs(d) > 1e-9]
     ratio = run.time.total / win.time.total
@@ -320,9 +346,11 @@ def infeasible_answer(c: LlamaConfig, tr: Training, cluster: Cluster, closest: P
     usable = closest.memory.usable
     tp_max = max(d for d in _divisors(cluster.n_devices)
                  if c.n_heads % d == 0 and d <= cluster.devices_per_node)
-    name, unit = largest_unit_bytes(c, tr, tp_max)
+    ep_max = max(d for d in _divisors(cluster.n_devices) if c.n_experts % d == 0) if c.n_moe_layers else 1
+    name, unit = largest_unit_bytes(c, tr, tp_max, ep_max)
     if unit > usable:
-        return (f"no layout fits: the largest layer alone ({name}, split over tp={tp_max}) needs "
+        split = f"tp={tp_max}" + (f", ep={ep_max}" if ep_max > 1 else "")
+        return (f"no layout fits: the largest layer alone ({name}, split over {split}) needs "
                 f"{unit / GB:.3g} GB > {usable / GB:.3g} GB usable per device; try tiling the layer "
                 "(memory-centric tiling), more tensor parallelism, or a device with more memory")
     states = zero_model_state_bytes(c.n_params(), cluster.n_devices, 3, state_bytes_per_param(tr.precision,
@@ -384,6 +412,7 @@ def layout_to_config(cfg, lay: Layout):
     p = new.parallel
     p.dp, p.tp, p.pp, p.zero, p.sp = lay.dp, lay.tp, lay.pp, lay.zero, lay.sp
     p.nproc = lay.world
+    p.ep = lay.ep
     p.pp_schedule, p.virtual_stages, p.offload = lay.schedule, lay.v, lay.offload
     if lay.offload == "disk" and not p.offload_dir:
         p.offload_dir = str(__import__("pathlib").Path(new.train.out) / "offload")
