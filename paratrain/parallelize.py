@@ -1,6 +1,7 @@
 """The one place that fixes the order in which techniques wrap the model.
 
-    build (meta device) -> expert parallel (drop the experts other ranks hold) -> tensor/sequence parallel -> tiling -> activation checkpointing
+    build (meta device) -> expert parallel (drop the experts other ranks hold)
+    -> tensor/sequence parallel -> tiling -> activation checkpointing
     -> torch.compile per block -> pipeline split
     -> materialise + layout-independent init -> data-parallel strategy (DDP or ZeRO-1/2/3)
     -> optimizer (inside the strategy) -> executor (micro-batch loop or pipeline schedule)

@@ -18,6 +18,7 @@ runs through the same functions without ``torch.distributed`` being initialised.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -272,7 +273,7 @@ def all_to_all_single(
         return None
     _enter("all_to_all", axis, None, inp.dtype, None)  # uneven splits: shapes differ by design
     # wire: everything but the rows we send to ourselves (exact for uneven splits too)
-    row = inp[0].numel() * inp.element_size() if inp.dim() > 1 else inp.element_size()
+    row = math.prod(inp.shape[1:]) * inp.element_size()  # bytes per row (a rank may send none)
     own = in_splits[axis.rank] if in_splits is not None else inp.shape[0] // axis.size
     axis.counter.record("all_to_all", axis.name, axis.size, nbytes(inp), wire=nbytes(inp) - own * row)
     return dist.all_to_all_single(

@@ -85,7 +85,8 @@ class FlatLayout:
 
     @classmethod
     def build(cls, named: list[tuple[str, nn.Parameter]], keys: list[tuple[bool, int]], dp: int,
-              rank: int, *, align: int = 1, aligned: list[bool] | None = None, axis: str = "dp") -> FlatLayout:
+              rank: int, *, align: int = 1, aligned: list[bool] | None = None,
+              axis: str = "dp") -> FlatLayout:
         """``named`` must already be sorted by ``keys`` (decays, copies): segments are contiguous runs.
 
         ``align`` > 1 (8-bit optimizer state, zero/store8.py): each parameter flagged in ``aligned``
@@ -160,7 +161,8 @@ def axis_of(named: list[tuple[str, nn.Parameter]], mesh: ParallelMesh) -> C.Axis
     expert-parallel experts; a buffer never mixes them)."""
     axes = {info_of(p).dp_axis for _, p in named}
     if len(axes) != 1:
-        raise ValueError(f"a flat buffer mixes the data-parallel axes {sorted(axes)}: {[n for n, _ in named][:4]}")
+        raise ValueError(f"a flat buffer mixes the data-parallel axes {sorted(axes)}: "
+                         f"{[n for n, _ in named][:4]}")
     return getattr(mesh, axes.pop())
 
 
