@@ -128,19 +128,26 @@ def test_all_to_all_bytes_per_step_match_the_formula(runs, layout):
 
 # --- the dispatch alone, on two ranks -------------------------------------------------------------
 
-# Each rank's (token, slot) -> expert, with uneven counts; expert 3 receives nothing from anyone,
-# and one assignment per rank is dropped (keep = False).
-ROUTES = {0: [[0, 1], [0, 2], [1, 0], [0, 1], [2, 0]], 1: [[1, 0], [2, 1], [0, 2]]}
-DROPPED = {0: (3, 1), 1: (1, 0)}
+# Each rank's (token, slot) -> expert and its dropped assignment (keep = False).
+ROUTINGS = {
+    # uneven counts; expert 3 receives nothing from anyone; one assignment per rank dropped
+    "uneven": ({0: [[0, 1], [0, 2], [1, 0], [0, 1], [2, 0]], 1: [[1, 0], [2, 1], [0, 2]]},
+               {0: (3, 1), 1: (1, 0)}),
+    # everything to rank 0's experts (a zero-initialised router's ties do this): rank 1 receives
+    # no row at all, and its experts still run
+    "one_rank": ({0: [[0, 1], [1, 0], [0, 1]], 1: [[1, 0], [0, 1]]}, {0: None, 1: None}),
+}
 
 
-def _dispatch(env) -> dict:
+def _dispatch(env, routing: str) -> dict:
+    routes, dropped = ROUTINGS[routing]
     torch.manual_seed(0)
     layer = MoE(dim=8, ffn_dim=16, n_experts=4, top_k=2).double()  # float64: comparisons exact in practice
     mesh = ParallelMesh(MeshShape(dp=2, ep=2), env.rank)
-    experts = torch.tensor(ROUTES[env.rank])
+    experts = torch.tensor(routes[env.rank])
     keep = torch.ones_like(experts, dtype=torch.bool)
-    keep[DROPPED[env.rank]] = False
+    if dropped[env.rank] is not None:
+        keep[dropped[env.rank]] = False
     torch.manual_seed(1 + env.rank)
     tokens = torch.randn(len(experts), 8, dtype=torch.float64, requires_grad=True)
     probe = torch.randn(len(experts) * 2, 8, dtype=torch.float64)
@@ -160,8 +167,9 @@ def _dispatch(env) -> dict:
             "wire": snap["wire"].get("all_to_all", 0), "calls": snap["calls"].get("all_to_all", 0)}
 
 
-def test_dispatch_round_trip_uneven_counts():
-    out = run(_dispatch, 2)
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+def test_dispatch_round_trip_uneven_counts(routing):
+    out = run(_dispatch, 2, routing)
     for rank, r in enumerate(out):
         torch.testing.assert_close(r["got"], r["ref"], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(r["tok_grad"], r["ref_tok_grad"], rtol=1e-12, atol=1e-12)
@@ -170,8 +178,9 @@ def test_dispatch_round_trip_uneven_counts():
         for name, g in r["grads"].items():  # our experts ran both ranks' tokens: both ranks' gradients
             torch.testing.assert_close(g, out[0]["ref_grads"][name] + out[1]["ref_grads"][name],
                                        rtol=1e-12, atol=1e-12)
-        if "3.gate.weight" in r["grads"]:  # expert 3 got no row from anyone: ran on zero rows
-            assert r["grads"]["3.gate.weight"].abs().sum() == 0
+        for e in mine:  # an expert that got no row from anyone ran on zero rows: a zero gradient
+            if not any(e in o["kept"] for o in out):
+                assert r["grads"][f"{e}.gate.weight"].abs().sum() == 0
     # Bytes, from the counts: rows = 8 * 8 bytes (dim 8, float64); counts = 4 int64 per rank.
     row = 8 * 8
     to_expert = [[sum(1 for e in out[src]["kept"] if e in owned_experts(4, 2, dst)) for dst in (0, 1)]
