@@ -34,7 +34,10 @@ RESUMES = {  # name: (the run whose step-4 checkpoint it resumes, its layout)
     "dp2_from_ep2": ("ep2", {"parallel.ep": 1}),  # experts replicated again
     "ep2_from_one": ("ref", {}),  # one process's checkpoint spread over ep2
 }
-LAYOUTS_4 = {"ep4": {"parallel.dp": 4, "parallel.ep": 4}, "ep2_dp4": {"parallel.dp": 4, "parallel.ep": 2}}
+DP4_EP2 = {"parallel.dp": 4, "parallel.ep": 2}  # edp = 2: experts replicated (or ZeRO-sharded) twice
+LAYOUTS_4 = {"ep4": {"parallel.dp": 4, "parallel.ep": 4}, "ep2_dp4": DP4_EP2,
+             "ep2_dp4_zero2": {**DP4_EP2, "parallel.zero": 2},
+             "ep2_dp4_zero3": {**DP4_EP2, "parallel.zero": 3}}
 
 
 def _continue_from(src: Path, dst: Path, step: int = 4) -> None:

@@ -159,7 +159,7 @@ def param_key(name: str, p: torch.Tensor, mesh: ParallelMesh,
 def axis_of(named: list[tuple[str, nn.Parameter]], mesh: ParallelMesh) -> C.Axis:
     """The one data-parallel axis a flat buffer's parameters are sharded over (dp, or edp for
     expert-parallel experts; a buffer never mixes them)."""
-    axes = {info_of(p).dp_axis for _, p in named}
+    axes = {info_of(p).dp_axis for _, p in named} or {"dp"}
     if len(axes) != 1:
         raise ValueError(f"a flat buffer mixes the data-parallel axes {sorted(axes)}: "
                          f"{[n for n, _ in named][:4]}")
