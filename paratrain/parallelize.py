@@ -1,6 +1,7 @@
 """The one place that fixes the order in which techniques wrap the model.
 
-    build (meta device) -> tensor/sequence parallel -> tiling (of tokens; of weights under ZeRO-3)
+    build (meta device) -> expert parallel (drop the experts other ranks hold)
+    -> tensor/sequence parallel -> tiling (of tokens; of weights under ZeRO-3)
     -> activation checkpointing
     -> torch.compile per block -> pipeline split
     -> materialise + layout-independent init -> data-parallel strategy (DDP or ZeRO-1/2/3)
@@ -44,6 +45,10 @@ def parallelize(task: Task, cfg: Config, mesh: ParallelMesh) -> Parallelized:
     """Build this rank's model, wrapped in the fixed order above, with its strategy and executor."""
     model = task.build_model("meta")
     loss_fn = task.loss_sum
+    if mesh.ep.size > 1:  # first: the experts this rank does not hold are never materialised
+        from paratrain.expert_parallel import apply_expert_parallel
+
+        apply_expert_parallel(model, mesh.ep)
     if mesh.tp.size > 1:
         from paratrain.tensor_parallel.cross_entropy import vocab_parallel_loss_sum
         from paratrain.tensor_parallel.plan import apply_tensor_parallel
@@ -143,9 +148,7 @@ def _strategy(model: nn.Module, cfg: Config, mesh: ParallelMesh) -> Strategy:
 
 # Techniques whose code has not landed yet: accepted by the parser, refused here with a clear
 # message (never silently ignored). Each entry leaves this table when its issue lands.
-NOT_AVAILABLE = {
-    "ep": lambda c: c.parallel.ep > 1,
-}
+NOT_AVAILABLE: dict = {}
 
 
 def check_layout(cfg: Config, problems: list[str]) -> None:

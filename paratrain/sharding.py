@@ -8,7 +8,10 @@ model); a shard is a slice of that full value. Every parameter carries one ``Par
 * ``shard``: the ``TensorShard``, how the local tensor slices the full one (tensor parallel,
   vocabulary padding);
 * ``stage_copies``: pipeline stages holding this same weight (a tied embedding: 2);
-* ``tied_to``: set on the copy that is not the owner (saved and exported by the owner).
+* ``tied_to``: set on the copy that is not the owner (saved and exported by the owner);
+* ``dp_axis``: the data-parallel axis whose ranks hold this same tensor and reduce its gradient:
+  ``dp`` for every dense parameter, ``edp`` for an expert held by one expert-parallel rank
+  (expert_parallel/: its gradient is summed over the edp group only).
 
 It is set where the model is split (the TP plan's layers, ``split_for_pipeline``, then
 ``name_params`` in parallelize) and read by every strategy (the global grad norm's copy counts,
@@ -77,6 +80,7 @@ class ParamInfo:
     shard: TensorShard
     stage_copies: int = 1  # pipeline stages holding this same weight (tied embedding: 2)
     tied_to: str | None = None  # on a copy: the owner that saves and exports it
+    dp_axis: str = "dp"  # the axis its gradient is reduced (and ZeRO-sharded) over: "dp" or "edp"
 
     @property
     def full_shape(self) -> tuple[int, ...]:

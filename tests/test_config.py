@@ -60,9 +60,9 @@ def test_batch_divisibility():
 
 
 def test_technique_not_available_is_refused_not_ignored():
-    # Expert parallelism needs a mixture-of-experts model, which no issue has built yet.
+    # Expert parallelism needs a mixture-of-experts model: with the dense default it is refused.
     cfg = config.load(None, {"parallel.ep": 2, "parallel.dp": 2})
-    with pytest.raises(config.ConfigError, match="parallel.ep is not available yet"):
+    with pytest.raises(config.ConfigError, match="this model is dense: drop --ep"):
         config.validate(cfg)
 
 

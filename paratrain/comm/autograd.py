@@ -10,6 +10,7 @@ backward, so autograd moves the gradients the right way without any hook::
     gather_from_sp   (g-bar)  all-gather the sequence     reduce-scatter the sequence
     reduce_scatter_to_sp (g-bar*) reduce-scatter seq.     all-gather the sequence
     scatter_to_sp         keep our sequence slice         all-gather the sequence
+    all_to_all            rows to each rank (uneven)      the reverse all-to-all (splits swapped)
 
 Every byte goes through ``paratrain.comm.collectives`` (counted per kind and per axis). On an
 axis of one rank every operator is the identity, so a tp=1 model runs the same code.
@@ -163,3 +164,33 @@ def scatter_to_sp(x: torch.Tensor, axis: C.Axis, dim: int = 1) -> torch.Tensor:
     if not axis.active:
         return x
     return _ScatterToSP.apply(x, axis, dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, out_splits, in_splits):
+        ctx.axis, ctx.out_splits, ctx.in_splits = axis, out_splits, in_splits
+        return _all_to_all(x, axis, out_splits, in_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.axis, ctx.in_splits, ctx.out_splits), None, None, None
+
+
+def _all_to_all(x: torch.Tensor, axis: C.Axis, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    C.all_to_all_single(out, x, axis, out_splits, in_splits)
+    return out
+
+
+def all_to_all(x: torch.Tensor, axis: C.Axis, *, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+    """Rows of ``x`` [sum(in_splits), ...] to the ranks of ``axis`` (``in_splits[j]`` rows to rank
+    j, in order), ``out_splits[j]`` rows received from rank j: an uneven ``all_to_all_single``.
+
+    Backward is the same exchange reversed (the gradient of each received row goes back to the
+    rank that sent it): the dispatch/combine pair of expert parallelism (GShard, Lepikhin et al.
+    2020). Bytes are counted as ``all_to_all`` on the axis, in both directions."""
+    if not axis.active:
+        return x
+    return _AllToAll.apply(x, axis, list(out_splits), list(in_splits))

@@ -18,6 +18,7 @@ runs through the same functions without ``torch.distributed`` being initialised.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -40,11 +41,13 @@ class CommCounter:
     enabled: bool = True
     check: bool = False  # parallel.check_collectives: compare fingerprints across the group first
 
-    def record(self, kind: str, axis: str, n_ranks: int, nbytes: int) -> None:
+    def record(self, kind: str, axis: str, n_ranks: int, nbytes: int, wire: int | None = None) -> None:
+        """``wire``: the exact bytes sent to other ranks when the ring formula does not apply
+        (an uneven all-to-all); by default ``_wire_factor(kind, n_ranks) * nbytes``."""
         if not self.enabled:
             return
         self.payload[kind] += nbytes
-        self.wire[kind] += int(round(_wire_factor(kind, n_ranks) * nbytes))
+        self.wire[kind] += int(round(_wire_factor(kind, n_ranks) * nbytes)) if wire is None else wire
         self.by_axis[axis] += nbytes
         self.calls[kind] += 1
 
@@ -269,7 +272,10 @@ def all_to_all_single(
         out.copy_(inp)
         return None
     _enter("all_to_all", axis, None, inp.dtype, None)  # uneven splits: shapes differ by design
-    axis.counter.record("all_to_all", axis.name, axis.size, nbytes(inp))
+    # wire: everything but the rows we send to ourselves (exact for uneven splits too)
+    row = math.prod(inp.shape[1:]) * inp.element_size()  # bytes per row (a rank may send none)
+    own = in_splits[axis.rank] if in_splits is not None else inp.shape[0] // axis.size
+    axis.counter.record("all_to_all", axis.name, axis.size, nbytes(inp), wire=nbytes(inp) - own * row)
     return dist.all_to_all_single(
         out, inp, out_splits, in_splits, group=axis.group, async_op=async_op
     )

@@ -39,6 +39,7 @@ from paratrain.comm import collectives as C
 from paratrain.comm.collectives import nbytes
 from paratrain.engine.strategy import Strategy
 from paratrain.mesh import ParallelMesh
+from paratrain.sharding import info_of
 
 
 @dataclass
@@ -51,6 +52,7 @@ class Bucket:
     views: list[torch.Tensor]  # views[i] has params[i].shape and lives inside buffer
     ready: int = 0  # gradients accumulated so far in this backward (sync pass only)
     work: object | None = field(default=None, repr=False)  # in-flight all-reduce handle
+    axis: str = "dp"  # the mesh axis it is summed over (ParamInfo.dp_axis: edp for experts)
 
     @property
     def full(self) -> bool:
@@ -65,7 +67,8 @@ def build_buckets(named: list[tuple[str, nn.Parameter]], bucket_bytes: int,
     fills first. The first bucket may be capped lower (first_bucket_bytes), as PyTorch's DDP does
     with 1 MiB: communication then starts as soon as the last layer's gradients exist instead of
     waiting for a whole bucket's worth of backward. A parameter larger than the cap gets a bucket
-    of its own; a bucket never mixes dtypes or devices (it is one tensor).
+    of its own; a bucket never mixes dtypes or devices (it is one tensor), nor data-parallel axes
+    (an expert-parallel expert's gradient is summed over edp, the rest over dp).
     """
     groups: list[list[tuple[str, nn.Parameter]]] = []
     size = 0
@@ -86,7 +89,8 @@ def build_buckets(named: list[tuple[str, nn.Parameter]], bucket_bytes: int,
         for _, p in group:
             views.append(buffer.narrow(0, offset, p.numel()).view_as(p))
             offset += p.numel()
-        buckets.append(Bucket(buffer, [p for _, p in group], [n for n, _ in group], views))
+        buckets.append(Bucket(buffer, [p for _, p in group], [n for n, _ in group], views,
+                              axis=info_of(first).dp_axis))
     return buckets
 
 
@@ -95,7 +99,7 @@ FIRST_BUCKET_BYTES = 2**20
 
 
 def _kind(p: torch.Tensor) -> tuple:
-    return (p.dtype, p.device)
+    return (p.dtype, p.device, info_of(p).dp_axis)
 
 
 class DDP(Strategy):
@@ -171,7 +175,8 @@ class DDP(Strategy):
 
     def _launch(self, b: int) -> None:
         assert b == self._next, "buckets must be launched in order on every rank"
-        self.buckets[b].work = C.all_reduce(self.buckets[b].buffer, self.mesh.dp, async_op=True)
+        bucket = self.buckets[b]
+        bucket.work = C.all_reduce(bucket.buffer, getattr(self.mesh, bucket.axis), async_op=True)
         self._next += 1
 
     @torch.no_grad()

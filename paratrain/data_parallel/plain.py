@@ -3,7 +3,7 @@
 The simplest correct data parallelism, kept as the reference that DDP (ddp.py) must agree with:
 
     for every parameter, in the same order on every rank:
-        grad = all_reduce(grad, SUM over dp)
+        grad = all_reduce(grad, SUM over dp)   (over edp for an expert-parallel expert)
 
 Why SUM and not an average: the executor divides each micro-batch's loss *sum* by the number of
 loss units in the whole global batch (all ranks together), so each rank's gradient is already its
@@ -24,6 +24,7 @@ import torch.nn as nn
 from paratrain.comm import collectives as C
 from paratrain.engine.strategy import Strategy
 from paratrain.mesh import ParallelMesh
+from paratrain.sharding import info_of
 
 
 class PlainDP(Strategy):
@@ -42,7 +43,7 @@ class PlainDP(Strategy):
                 # A rank whose forward skipped this parameter still joins the collective (the other
                 # ranks wait for it): it contributes a zero gradient, which is exactly its share.
                 p.grad = torch.zeros_like(p)
-            C.all_reduce(p.grad, self.mesh.dp)
+            C.all_reduce(p.grad, getattr(self.mesh, info_of(p).dp_axis))  # experts: over edp
         if self.mesh.device.type == "cuda":
             torch.cuda.synchronize(self.mesh.device)
         self._exposed_s = time.perf_counter() - start

@@ -114,8 +114,13 @@ class Strategy:
             if p.grad is None:
                 continue
             # tp replicas and a tied weight's copy on another pipeline stage (ParamInfo)
-            out.append((p.grad, self.grad_copies_over_dp * info_of(p).copies_outside_dp(self.mesh)))
+            out.append((p.grad, self.dp_copies(info_of(p)) * info_of(p).copies_outside_dp(self.mesh)))
         return out
+
+    def dp_copies(self, info) -> int:
+        """Data-parallel ranks holding this same gradient after sync: its dp axis's size (dp, or
+        edp for an expert-parallel expert) once gradients are synchronised, else 1."""
+        return 1 if self.grad_copies_over_dp == 1 else getattr(self.mesh, info.dp_axis).size
 
     def grad_norm(self) -> float:
         """Global L2 norm: each distinct gradient element counted once, whatever the layout."""

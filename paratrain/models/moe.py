@@ -97,6 +97,9 @@ class MoE(nn.Module):
         self.router = nn.Linear(dim, n_experts, bias=False)
         self.experts = nn.ModuleDict({str(e): Expert(dim, ffn_dim) for e in range(n_experts)})
         self.stats: MoEStats | None = None
+        # The expert-parallel axis (expert_parallel/): set, with only this rank's experts kept in
+        # ``self.experts``, by apply_expert_parallel; None (or an axis of one rank) runs all here.
+        self.ep = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
@@ -120,6 +123,18 @@ class MoE(nn.Module):
         """Run each expert on its tokens; sum each token's k outputs in slot order (so the result
         does not depend on which rank ran which expert)."""
         t, k = experts.shape
+        if self.ep is not None and self.ep.active:  # the experts live on the ep ranks: all-to-all
+            from paratrain.expert_parallel.dispatch import dispatch_and_run
+
+            per_slot = dispatch_and_run(tokens, experts, keep, self.experts, self.n_experts, self.ep)
+        else:
+            per_slot = self.run_local(tokens, experts, keep)
+        w = (weights * keep).to(tokens.dtype)  # a dropped assignment contributes nothing
+        return (per_slot.view(t, k, -1) * w.unsqueeze(-1)).sum(1)
+
+    def run_local(self, tokens: torch.Tensor, experts: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """Every expert on its kept assignments, here: outputs [T*k, dim] token-major."""
+        t, k = experts.shape
         flat_expert, flat_keep = experts.reshape(-1), keep.reshape(-1)  # [T*k], token-major
         per_slot = tokens.new_zeros(t * k, tokens.shape[-1])
         for name, expert in self.experts.items():
@@ -130,8 +145,7 @@ class MoE(nn.Module):
             # Under autocast the expert's output is bf16/fp16 while the residual stream is fp32:
             # slots are combined in the stream's dtype (what the dense MLP's residual add does).
             per_slot = per_slot.index_copy(0, idx, expert(tokens[idx // k]).to(per_slot.dtype))
-        w = (weights * keep).to(tokens.dtype)  # a dropped assignment contributes nothing
-        return (per_slot.view(t, k, -1) * w.unsqueeze(-1)).sum(1)
+        return per_slot
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

@@ -47,11 +47,23 @@ NOT_WITH_MOE = {
 }
 
 
+# Expert parallelism composes with DDP, plain DP and ZeRO-1/2/3 (expert_parallel/); not yet with these.
+NOT_WITH_EP = {
+    "--tp": (lambda c: c.parallel.tp > 1, "use --tp 1 with --ep, or --ep 1 with --tp"),
+    "--pp": (lambda c: c.parallel.pp > 1, "use --pp 1 with --ep, or --ep 1 with --pp"),
+}
+
+
 def check_moe(cfg, problems: list[str]) -> None:
     """MoE settings and the layouts that cannot hold them (called by parallelize.check_layout)."""
     from paratrain.train.task import model_shape
 
+    ep = cfg.parallel.ep
+    dense_ep = (f"--ep {ep} spreads the experts of a mixture-of-experts model; this model is dense: "
+                "drop --ep, or give it experts (--experts N, or a -moe preset)")
     if cfg.model.name == "cnn-tiny":
+        if ep > 1:
+            problems.append(dense_ep)
         return
     try:
         c = model_shape(cfg)
@@ -59,7 +71,9 @@ def check_moe(cfg, problems: list[str]) -> None:
         return  # an unknown model or folder is reported elsewhere
     if c.n_experts < 0:
         problems.append(f"--experts must be >= 0 (got {c.n_experts}); 0 is the dense model")
-    if c.n_experts == 0:
+    if c.n_experts <= 0:
+        if ep > 1:
+            problems.append(dense_ep)
         return
     if not 1 <= c.top_k <= c.n_experts:
         problems.append(f"--top-k ({c.top_k}) must be between 1 and the number of experts ({c.n_experts})")
@@ -68,7 +82,6 @@ def check_moe(cfg, problems: list[str]) -> None:
     for name in ("aux_loss_coef", "z_loss_coef"):
         if getattr(c, name) < 0:
             problems.append(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(c, name)})")
-    ep = cfg.parallel.ep
     if ep > 1 and cfg.dp % ep:
         problems.append(f"--ep ({ep}) must divide the data-parallel degree ({cfg.dp}): change --ep or --dp")
     if ep > 1 and c.n_experts % ep:
@@ -77,3 +90,6 @@ def check_moe(cfg, problems: list[str]) -> None:
     for name, (used, fix) in NOT_WITH_MOE.items():
         if used(cfg):
             problems.append(f"{name} with a mixture-of-experts model is not supported yet: {fix}")
+    for name, (used, fix) in NOT_WITH_EP.items():
+        if ep > 1 and used(cfg):
+            problems.append(f"--ep with {name} is not built yet: {fix}")

@@ -76,6 +76,8 @@ def merge_ranks(records: list[dict]) -> dict:
     out["per_rank"] = {k: [r[k] for r in records] for k in ("mem_params_bytes", "mem_grads_bytes",
                                                                "mem_optim_bytes", "mem_peak_bytes")}
     out["per_rank"]["comm_bytes_total"] = [sum(r["comm_bytes"].values()) for r in records]
+    # expert parallelism: each rank's all-to-all payload (uneven: the sum over ranks has a formula)
+    out["per_rank"]["comm_all_to_all_bytes"] = [r["comm_bytes"].get("all_to_all", 0) for r in records]
     return out
 
 

@@ -2,7 +2,9 @@
 
 Rajbhandari et al. 2020 (ZeRO stage 3, P_os+g+p) and Zhao et al. 2023 (PyTorch FSDP).
 
-A *unit* is one transformer block, the embedding, or the final norm + LM head. Each unit's
+A *unit* is one transformer block, the embedding, or the final norm + LM head (with expert
+parallelism, a block's experts are a unit of their own, sharded and gathered over edp: the ranks
+holding the same experts; expert_parallel/). Each unit's
 parameters are one flat buffer (``FlatLayout``: back to back, padded to a multiple of dp); a rank
 keeps only its contiguous 1/dp shard. The model is built on the meta device and each rank
 materialises only its shard, parameter by parameter from ``init_value(name)`` (the
@@ -56,7 +58,7 @@ from paratrain.mesh import ParallelMesh
 from paratrain.sharding import copy_info, info_of, shard_of
 from paratrain.zero import store8
 from paratrain.zero.offload import disk_store, make_store
-from paratrain.zero.optimizer import DTYPES, FlatLayout, GroupOf, ShardedState, held_sync, param_key
+from paratrain.zero.optimizer import DTYPES, FlatLayout, GroupOf, ShardedState, axis_of, held_sync, param_key
 
 #: A module carrying this attribute (set True) is a ZeRO-3 unit nested in the unit that holds it.
 NESTED = "zero3_unit"
@@ -213,7 +215,12 @@ class Zero3(ShardedState, Strategy):
         """Each unit's flat layout over the meta parameters it owns (a tied weight: its first unit)."""
         # single-device names (meta): a weight tile's record names the full tensor it slices
         names = {id(p): info_of(p).name or n for n, p in self.model.named_parameters()}
-        units = nest_units(self.units_of(self.model))
+        units = self.units_of(self.model)
+        if self.mesh.ep.size > 1:  # expert-parallel experts: units of their own, over edp
+            from paratrain.expert_parallel import split_expert_units
+
+            units = split_expert_units(units)
+        units = nest_units(units)
         seen = {id(p) for _, modules in units if _is_nested(modules) for m in modules for p in m.parameters()}
         plan = []
         for uname, modules in units:
@@ -227,7 +234,8 @@ class Zero3(ShardedState, Strategy):
                         named.append((names[id(p)], p))
             named.sort(key=lambda np_: param_key(np_[0], np_[1], self.mesh, self.group_of), reverse=True)
             keys = [param_key(n, p, self.mesh, self.group_of) for n, p in named]
-            plan.append((uname, modules, FlatLayout.build(named, keys, self.mesh.dp.size, self.mesh.dp.rank,
+            dp = axis_of(named, self.mesh)
+            plan.append((uname, modules, FlatLayout.build(named, keys, dp.size, dp.rank, axis=dp.name,
                                                           **store8.align_kwargs(named, self.optim_cfg))))
         return plan
 
@@ -284,7 +292,7 @@ class Zero3(ShardedState, Strategy):
         u.gathered = True
         self.gathered_bytes += u.nbytes
         self.gathered_peak_bytes = max(self.gathered_peak_bytes, self.gathered_bytes)
-        u.work = C.all_gather_into(u.full, u.shard, self.mesh.dp, async_op=async_op,
+        u.work = C.all_gather_into(u.full, u.shard, getattr(self.mesh, u.layout.axis), async_op=async_op,
                                    what=f"all-gather of unit {u.name}")
 
     def _wait(self, i: int) -> None:
@@ -363,7 +371,8 @@ class Zero3(ShardedState, Strategy):
         for p in u.layout.params:
             p.grad = None
         u.grad_shard = torch.empty(u.layout.shard, dtype=self.reduce_dtype, device=self.mesh.device)
-        u.rs_work = C.reduce_scatter_auto(u.grad_shard, u.grad_flat, self.mesh.dp, async_op=True,
+        u.rs_work = C.reduce_scatter_auto(u.grad_shard, u.grad_flat, getattr(self.mesh, u.layout.axis),
+                                          async_op=True,
                                           what=f"reduce-scatter of unit {u.name}'s gradients")
         # Each launched reduction holds its unit's full [padded] gradient until it completes: bound
         # how many are in flight, or backward ends holding every unit's full gradient (Psi, not Psi/N).

@@ -6,7 +6,9 @@ Parameters are laid back to back in flat buffers (``FlatLayout``), one per bucke
 ``bucket_bytes``, with separate buffers for decayed matrices and undecayed gains (and for
 tp-split vs tp-replicated parameters, whose gradients count differently in the global norm).
 Each buffer is zero-padded to a multiple of dp; rank r owns the contiguous slice
-``[r * shard, (r + 1) * shard)``. The model's parameters become views into the buffers, so the
+``[r * shard, (r + 1) * shard)``. Expert-parallel experts (``ParamInfo.dp_axis == "edp"``) get
+buffers of their own, padded, sharded and reduced over edp (the ranks holding the same experts)
+instead of dp. The model's parameters become views into the buffers, so the
 all-gather after the step writes them in place.
 
     ZeRO-1   backward accumulates into a persistent flat gradient buffer (p.grad are views);
@@ -79,10 +81,12 @@ class FlatLayout:
     dp: int
     rank: int
     segments: list[tuple[int, int, bool, int]] = field(default_factory=list)  # (start, end, decays, copies)
+    axis: str = "dp"  # the mesh axis it is sharded over (ParamInfo.dp_axis: edp for experts)
 
     @classmethod
     def build(cls, named: list[tuple[str, nn.Parameter]], keys: list[tuple[bool, int]], dp: int,
-              rank: int, *, align: int = 1, aligned: list[bool] | None = None) -> FlatLayout:
+              rank: int, *, align: int = 1, aligned: list[bool] | None = None,
+              axis: str = "dp") -> FlatLayout:
         """``named`` must already be sorted by ``keys`` (decays, copies): segments are contiguous runs.
 
         ``align`` > 1 (8-bit optimizer state, zero/store8.py): each parameter flagged in ``aligned``
@@ -104,7 +108,7 @@ class FlatLayout:
                 segments.append((off, off + p.numel(), *key))
         segments[-1] = (segments[-1][0], padded, *segments[-1][2:])  # padding joins the last segment
         return cls([n for n, _ in named], [p for _, p in named], [p.shape for _, p in named], offsets, o,
-                   padded, dp, rank, segments)
+                   padded, dp, rank, segments, axis)
 
     @property
     def shard(self) -> int:
@@ -150,6 +154,16 @@ def param_key(name: str, p: torch.Tensor, mesh: ParallelMesh,
     (``group_of``, the library): flat segments and optimizer pieces never mix two groups."""
     group = decays(name, p) if group_of is None else group_of(name, p)
     return group, info_of(p).copies_outside_dp(mesh)
+
+
+def axis_of(named: list[tuple[str, nn.Parameter]], mesh: ParallelMesh) -> C.Axis:
+    """The one data-parallel axis a flat buffer's parameters are sharded over (dp, or edp for
+    expert-parallel experts; a buffer never mixes them)."""
+    axes = {info_of(p).dp_axis for _, p in named} or {"dp"}
+    if len(axes) != 1:
+        raise ValueError(f"a flat buffer mixes the data-parallel axes {sorted(axes)}: "
+                         f"{[n for n, _ in named][:4]}")
+    return getattr(mesh, axes.pop())
 
 
 def bind_views(layout: FlatLayout, flat: torch.Tensor) -> None:
@@ -299,13 +313,14 @@ class ZeroDP(Strategy):
     # -- construction ---------------------------------------------------------------------------
 
     def build_optimizer(self):
-        dp, dev = self.mesh.dp, self.mesh.device
+        dev = self.mesh.device
         self.buckets: list[_Bucket] = []
         masters, pieces = [], []
         for named in self._bucketed():
             keys = [param_key(n, p, self.mesh, self.group_of) for n, p in named]
             align = store8.align_kwargs(named, self.optim_cfg)  # 8-bit state: block-aligned shards
-            layout = FlatLayout.build(named, keys, dp.size, dp.rank, **align)
+            dp = axis_of(named, self.mesh)  # dp, or edp for a bucket of expert-parallel experts
+            layout = FlatLayout.build(named, keys, dp.size, dp.rank, axis=dp.name, **align)
             full32 = layout.flatten([p.detach() for _, p in named], torch.float32, dev)
             flat = full32 if self.compute_dtype == torch.float32 else full32.to(self.compute_dtype)
             bind_views(layout, flat)
@@ -330,10 +345,12 @@ class ZeroDP(Strategy):
         return None
 
     def _bucketed(self) -> list[list[tuple[str, nn.Parameter]]]:
-        """Buckets in backward order (reverse of registration), one key (decays, copies) each."""
+        """Buckets in backward order (reverse of registration), one key (decays, copies) and one
+        data-parallel axis (dp, edp) each."""
         by_key: dict[tuple, list] = {}
         for name, p in reversed(self.named_params):
-            by_key.setdefault(param_key(name, p, self.mesh, self.group_of), []).append((name, p))
+            key = (*param_key(name, p, self.mesh, self.group_of), info_of(p).dp_axis)
+            by_key.setdefault(key, []).append((name, p))
         buckets = []
         for named in by_key.values():
             current, size = [], 0
@@ -358,7 +375,7 @@ class ZeroDP(Strategy):
     def after_backward(self) -> None:
         for b in self.buckets:
             b.grad_shard = b.layout.local(b.grad_flat)  # reduced in place: the shard is a view
-            C.reduce_scatter_auto(b.grad_shard, b.grad_flat, self.mesh.dp)
+            C.reduce_scatter_auto(b.grad_shard, b.grad_flat, self._axis(b))
 
     def no_sync(self):
         return contextlib.nullcontext()  # ZeRO-1 reduces once, after the last micro-batch anyway
@@ -389,8 +406,11 @@ class ZeroDP(Strategy):
                 grads.append(g.float().mul_(self._factor))
         self.store.step(grads, lr, [b.layout.local(b.flat) for b in self.buckets])
         for b in self.buckets:  # every rank's updated slice to every rank, in place
-            C.all_gather_into(b.flat, b.layout.local(b.flat), self.mesh.dp)
+            C.all_gather_into(b.flat, b.layout.local(b.flat), self._axis(b))
         self._factor = 1.0
+
+    def _axis(self, b: _Bucket) -> C.Axis:
+        return getattr(self.mesh, b.layout.axis)
 
     def zero_grad(self) -> None:
         for b in self.buckets:
@@ -423,7 +443,7 @@ class ZeroDP(Strategy):
             local = self.store.read(i, "param").to(self.mesh.device, self.compute_dtype)
             b.layout.local(b.flat).copy_(local)
             with self.mesh.counter.paused():
-                C.all_gather_into(b.flat, b.layout.local(b.flat), self.mesh.dp)
+                C.all_gather_into(b.flat, b.layout.local(b.flat), self._axis(b))
 
 
 class Zero1(ShardedState, ZeroDP):
@@ -461,7 +481,7 @@ class Zero2(ShardedState, ZeroDP):
         for p in b.layout.params:
             p.grad = None
         b.grad_shard = torch.empty(b.layout.shard, dtype=self.reduce_dtype, device=self.mesh.device)
-        b.work = C.reduce_scatter_auto(b.grad_shard, b.grad_flat, self.mesh.dp, async_op=True)
+        b.work = C.reduce_scatter_auto(b.grad_shard, b.grad_flat, self._axis(b), async_op=True)
 
     def after_backward(self) -> None:
         for b in self.buckets:  # a bucket whose parameters got no gradient: reduce zeros, in order
