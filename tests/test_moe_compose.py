@@ -24,7 +24,7 @@ from paratrain.models.moe_train import MoEAccounting
 from paratrain.train.task import build_task
 from paratrain.train.trainer import Trainer
 from tests.dist import run
-from tests.harness import FP32_REORDERED, RunResult, assert_same_training, tiny_cfg
+from tests.harness import FP32_REORDERED, TINY, RunResult, assert_same_training, tiny_cfg
 
 # Coefficients large enough that an aux loss counted twice (or not at all) moves the weights.
 MOE = {"model.name": "tiny-moe", "model.aux_loss_coef": 0.1, "model.z_loss_coef": 0.01,
@@ -39,6 +39,10 @@ LAYOUTS = {  # one 2-rank launch trains them all
                         "parallel.virtual_stages": 2},
     "pp2_full_recompute": {"parallel.pp": 2, "train.recompute": "full"},
 }
+DENSE_TP = {"dense_tp2": {"model.name": "tiny", "parallel.tp": 2},
+            "dense_tp2_sp": {"model.name": "tiny", "parallel.tp": 2, "parallel.sp": True}}
+WIDE = {"dp2_tp2": {"parallel.dp": 2, "parallel.tp": 2},
+        "pp2_tp2_sp": {"parallel.pp": 2, "parallel.tp": 2, "parallel.sp": True}}
 ONE_PROCESS = {"full_recompute": {"train.recompute": "full"},
                "selective_recompute": {"train.recompute": "selective"}}
 
@@ -69,12 +73,16 @@ def runs(tmp_path_factory):
     ref = _result(*_train(tiny_cfg(base / "ref", **MOE)))
     got = {name: _result(*_train(tiny_cfg(base / name, **MOE, **extra)))
            for name, extra in ONE_PROCESS.items()}
-    cfgs = [tiny_cfg(base / name, **MOE, **extra) for name, extra in LAYOUTS.items()]
-    for cfg in cfgs:
-        config.validate(cfg, 2)
-    outs = run(_train_many, 2, [c.to_dict() for c in cfgs], timeout=600)
-    got.update({name: _result(*outs[0][i]) for i, name in enumerate(LAYOUTS)})
+    got.update(_launch(base, {**LAYOUTS, **DENSE_TP}, 2))
     return ref, got, base
+
+
+def _launch(base, layouts: dict, nproc: int) -> dict:
+    cfgs = [tiny_cfg(base / name, **{**MOE, **extra}) for name, extra in layouts.items()]
+    for cfg in cfgs:
+        config.validate(cfg, nproc)
+    outs = run(_train_many, nproc, [c.to_dict() for c in cfgs], timeout=600)
+    return {name: _result(*outs[0][i]) for i, name in enumerate(layouts)}
 
 
 @pytest.mark.parametrize("layout", [*LAYOUTS, *ONE_PROCESS])
@@ -94,6 +102,29 @@ def test_moe_metrics_cover_every_stage(runs, layout):
         for key in ("moe_aux_loss", "moe_z_loss", "moe_dropped_fraction"):
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
         assert got["moe_expert_load"] == pytest.approx(want["moe_expert_load"], abs=1e-4)
+
+
+def test_moe_under_tp_communicates_like_the_dense_mlp(runs):
+    """One reduction of the combined output per MoE layer, as the dense MLP's down projection:
+    the tp bytes differ from the dense model's by the router gradient's all-reduce only (per
+    micro-batch: n_moe_layers * E * dim fp32). Reducing per expert would add k reductions."""
+    _, _, base = runs
+    c = preset("tiny-moe")
+    micro_batches = TINY["train.global_batch"] // MOE["train.micro_batch"]
+    router_grads = micro_batches * c.n_moe_layers * c.n_experts * c.dim * 4
+    for sp in ("", "_sp"):
+        moe, dense = _rows(base / f"tp2{sp}"), _rows(base / f"dense_tp2{sp}")
+        for got, want in zip(moe, dense, strict=True):
+            assert got["comm_by_axis"]["tp"] - want["comm_by_axis"]["tp"] == router_grads
+
+
+def test_moe_dp2_tp2_and_pp2_tp2_sp_equal_one_process(runs):
+    ref, _, base = runs
+    for name, got in _launch(base, WIDE, 4).items():
+        try:
+            assert_same_training(got, ref, **FP32_REORDERED)
+        except AssertionError as err:
+            raise AssertionError(f"{name}: {err}") from None
 
 
 def _grads_after_one_backward(policy: str) -> tuple[dict, list, float]:
