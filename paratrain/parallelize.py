@@ -71,6 +71,7 @@ def parallelize(task: Task, cfg: Config, mesh: ParallelMesh) -> Parallelized:
         from paratrain.memory.compile import compile_blocks
 
         compile_blocks(model, backend=cfg.train.compile_backend)
+    side_loss = getattr(task, "side_loss_sum", None)  # MoE aux losses, added by the executor
     chunks = None
     if mesh.pp.size > 1:
         from paratrain.pipeline.stage import split_for_pipeline
@@ -96,14 +97,15 @@ def parallelize(task: Task, cfg: Config, mesh: ParallelMesh) -> Parallelized:
 
         executor = PipelineExecutor(model, chunks, loss_fn, strategy, mesh, schedule=cfg.parallel.pp_schedule,
                                     virtual_stages=cfg.parallel.virtual_stages, precision=cfg.train.precision,
-                                    sequence_parallel=cfg.parallel.sp)
+                                    sequence_parallel=cfg.parallel.sp, side_loss=side_loss)
     else:
         offload = None
         if cfg.train.offload_activations == "cpu":
             from paratrain.memory.activation_offload import ActivationOffload
 
             offload = ActivationOffload(model)
-        executor = MicroBatchLoop(model, loss_fn, strategy, cfg.train.precision, mesh.device, offload)
+        executor = MicroBatchLoop(model, loss_fn, strategy, cfg.train.precision, mesh.device, offload,
+                                  side_loss=side_loss)
     return Parallelized(model, strategy, executor)
 
 

@@ -16,6 +16,16 @@ import torch.nn as nn
 from paratrain.engine.strategy import Strategy
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# Losses the model's layers produced in the forward just run (mixture-of-experts aux losses), in
+# the loss's sum units: side_loss(modules that ran, train) -> tensor or None. Executors add them
+# to the loss of the backward that runs through those modules.
+SideLossFn = Callable[[list[nn.Module], bool], "torch.Tensor | None"]
+
+
+def with_side_loss(loss: torch.Tensor, side_loss: SideLossFn | None, modules: list[nn.Module],
+                   train: bool) -> torch.Tensor:
+    side = side_loss(modules, train) if side_loss is not None else None
+    return loss if side is None else loss + side
 
 
 def autocast_for(precision: str, device: torch.device):
@@ -29,8 +39,10 @@ def autocast_for(precision: str, device: torch.device):
 class MicroBatchLoop:
     def __init__(self, model: nn.Module, loss_fn: LossFn, strategy: Strategy, precision: str,
                  device: torch.device,
-                 saved_tensors: Callable[[], contextlib.AbstractContextManager] | None = None):
+                 saved_tensors: Callable[[], contextlib.AbstractContextManager] | None = None,
+                 side_loss: SideLossFn | None = None):
         self.model = model
+        self.side_loss = side_loss
         # Where forward's saved tensors live (activation offload hooks); default: where autograd puts them.
         self.saved_tensors = saved_tensors or contextlib.nullcontext
         self.offload = saved_tensors if hasattr(saved_tensors, "offloaded_bytes") else None
@@ -58,7 +70,8 @@ class MicroBatchLoop:
             sync = self.strategy.no_sync() if i < last else contextlib.nullcontext()
             with sync:
                 with self.autocast(), self.saved_tensors():
-                    loss = self.loss_fn(self.model(x), y) / divisor
+                    loss = self.loss_fn(self.model(x), y)
+                    loss = with_side_loss(loss, self.side_loss, [self.model], True) / divisor
                 (loss * loss_scale).backward() if loss_scale != 1.0 else loss.backward()
             total += loss.detach().float()
         self.strategy.after_backward()
@@ -77,5 +90,6 @@ class MicroBatchLoop:
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for x, y in micro_batches:
             with self.autocast():
-                total += (self.loss_fn(self.model(x), y) / divisor).float()
+                loss = with_side_loss(self.loss_fn(self.model(x), y), self.side_loss, [self.model], False)
+                total += (loss / divisor).float()
         return total.cpu()

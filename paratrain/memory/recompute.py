@@ -13,14 +13,44 @@ Models"), small classes with ``.apply(model)``, chosen from the ``POLICIES`` tab
 
 Both wrap ``forward`` in place instead of inserting a module, so parameter names (checkpoints,
 exports, tensor-parallel plans) stay exactly those of the single-device model.
+
+A layer whose forward has a side effect besides its output (a mixture-of-experts layer records
+its auxiliary losses for the loss to take) asks ``recomputing()``: the re-run in backward must
+not replace what the first forward recorded (the loss already holds it) nor add it again.
 """
 
 from __future__ import annotations
+
+import contextlib
+import threading
 
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from paratrain.models.family import family_of
+
+# The recomputation runs in whichever thread executes the backward (the autograd engine's
+# device thread on CUDA): a thread-local flag set by checkpoint's recompute context there.
+_state = threading.local()
+
+
+def recomputing() -> bool:
+    """True while activation checkpointing re-runs a forward during backward."""
+    return getattr(_state, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _recompute_context():
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _state.depth -= 1
+
+
+def _contexts():
+    """checkpoint's context_fn: nothing around the first forward, the flag around the re-run."""
+    return contextlib.nullcontext(), _recompute_context()
 
 
 class Recompute:
@@ -62,6 +92,6 @@ def apply_recompute(model: nn.Module, policy: str) -> nn.Module:
 
 def _checkpointed_forward(forward):
     def run(*args):
-        return checkpoint(forward, *args, use_reentrant=False)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=_contexts)
 
     return run

@@ -5,12 +5,17 @@ tensor_parallel/plan.py). Every norm is a region entry: ``attn_norm`` feeds q/k/
 feeds gate/up, the final ``norm`` feeds the LM head; ``wo`` and ``down`` are row-parallel (their
 output is reduced, or reduce-scattered over the sequence under SP). k/v split by kv heads when tp
 divides them, else each rank computes the kv heads its q heads need (``ColwiseKV``).
+
+A mixture-of-experts block (models/moe.py) splits every expert like the dense MLP, except that the
+experts' ``down`` outputs stay partial and the layer reduces their weighted sum once (``reduce``);
+the router is replicated with its gradient summed over tp (models/moe_parallel.py says why).
 """
 
 from __future__ import annotations
 
 from paratrain.models.family import ModelFamily
 from paratrain.models.llama import full_init_value
+from paratrain.models.moe_parallel import ExpertRowwise, ExpertsReduce, ReplicatedRouter
 from paratrain.tensor_parallel.plan import Colwise, ColwiseKV, EntryNorm, Rowwise, VocabEmbedding, VocabHead
 
 LLAMA_TP_PLAN: dict[str, object] = {
@@ -24,6 +29,11 @@ LLAMA_TP_PLAN: dict[str, object] = {
     "layers.*.mlp.gate": Colwise(),
     "layers.*.mlp.up": Colwise(),
     "layers.*.mlp.down": Rowwise(),
+    "layers.*.mlp.router": ReplicatedRouter(),  # mixture-of-experts blocks
+    "layers.*.mlp.experts.*.gate": Colwise(),
+    "layers.*.mlp.experts.*.up": Colwise(),
+    "layers.*.mlp.experts.*.down": ExpertRowwise(),
+    "layers.*.mlp.reduce": ExpertsReduce(),
     "norm": EntryNorm(),
     "lm_head": VocabHead(),
 }

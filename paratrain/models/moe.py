@@ -32,6 +32,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from paratrain.memory.recompute import recomputing
+
 
 @dataclass
 class MoEStats:
@@ -42,6 +44,26 @@ class MoEStats:
     assigned: int  # token-expert assignments made (tokens * k)
     dropped: int  # of which dropped by the capacity limit
     load: torch.Tensor  # [E] assignments per expert (before dropping), detached
+
+
+class Router(nn.Linear):
+    """dim -> E logits in (at least) fp32 even under autocast: top-k of near-equal bf16 logits is
+    noise. Under tensor parallelism the plan replaces it by ``TPRouter`` (models/moe_parallel.py)."""
+
+    def __init__(self, dim: int, n_experts: int, *, device=None, dtype=None):
+        super().__init__(dim, n_experts, bias=False, device=device, dtype=dtype)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(tokens.dtype, torch.float32)
+        with torch.autocast(tokens.device.type, enabled=False):
+            return F.linear(tokens.to(dtype), self.routing_weight().to(dtype))  # [T, E]
+
+    def routing_weight(self) -> torch.Tensor:
+        return self.weight
+
+    def count_once(self, loss: torch.Tensor) -> torch.Tensor:
+        """A loss computed from the logits; on one device it is counted as it is (see TPRouter)."""
+        return loss
 
 
 class Expert(nn.Module):
@@ -94,8 +116,11 @@ class MoE(nn.Module):
     def __init__(self, *, dim: int, ffn_dim: int, n_experts: int, top_k: int, capacity_factor: float = 0.0):
         super().__init__()
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
-        self.router = nn.Linear(dim, n_experts, bias=False)
+        self.router = Router(dim, n_experts)
         self.experts = nn.ModuleDict({str(e): Expert(dim, ffn_dim) for e in range(n_experts)})
+        # The sum of the experts' outputs over tensor-parallel ranks, once per layer: identity on
+        # one device; the tp plan makes it g (or a reduce-scatter of the sequence under SP).
+        self.reduce = nn.Identity()
         self.stats: MoEStats | None = None
         # The expert-parallel axis (expert_parallel/): set, with only this rank's experts kept in
         # ``self.experts``, by apply_expert_parallel; None (or an axis of one rank) runs all here.
@@ -104,19 +129,20 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         tokens = x.reshape(-1, d)  # [T, dim]
-        # Router in (at least) fp32 even under autocast: top-k of near-equal bf16 logits is noise.
-        dtype = torch.promote_types(tokens.dtype, torch.float32)
-        with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(tokens.to(dtype), self.router.weight.to(dtype))  # [T, E]
+        logits = self.router(tokens)  # [T, E], fp32
         probs, weights, experts = route(logits, self.top_k)
         keep = capacity_keep(experts, self.n_experts, self.capacity_factor)
-        out = self.combine(tokens, weights, experts, keep)
-        self.stats = MoEStats(
-            aux_sum=balance_loss_rows(probs, experts, b).sum() * s,
-            z_sum=torch.logsumexp(logits, dim=-1).pow(2).sum(),
+        out = self.reduce(self.combine(tokens, weights, experts, keep).view(b, s, d))
+        stats = MoEStats(
+            aux_sum=self.router.count_once(balance_loss_rows(probs, experts, b).sum() * s),
+            z_sum=self.router.count_once(torch.logsumexp(logits, dim=-1).pow(2).sum()),
             assigned=experts.numel(), dropped=int((~keep).sum()),
             load=torch.bincount(experts.flatten(), minlength=self.n_experts).detach())
-        return out.view(b, s, d)
+        # Activation checkpointing re-runs this forward in backward: the stats the loss already
+        # took are this forward's, so a re-run must not replace them (nor double-count them).
+        if not recomputing():
+            self.stats = stats
+        return out  # [b, s, dim] ([b, s/tp, dim] under sequence parallelism)
 
     def combine(self, tokens: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                 keep: torch.Tensor) -> torch.Tensor:
@@ -152,13 +178,14 @@ def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def moe_loss_sum(model: nn.Module, *, aux_loss_coef: float, z_loss_coef: float, n_moe_layers: int
-                 ) -> torch.Tensor | None:
-    """The auxiliary losses of the model's last forward, in token-sum units (add to the CE sum;
-    the executor's division by the global token count makes them means). ``n_moe_layers`` is the
-    single-device model's count (a pipeline stage holds fewer), so the layer mean is global. None
-    when the model has no MoE layer that ran."""
-    stats = [m.stats for m in moe_layers(model) if m.stats is not None]
+def moe_loss_sum(model: nn.Module | list[MoE], *, aux_loss_coef: float, z_loss_coef: float,
+                 n_moe_layers: int) -> torch.Tensor | None:
+    """The auxiliary losses of the last forward of the model's MoE layers (or of the given
+    layers), in token-sum units (add to the CE sum; the executor's division by the global token
+    count makes them means). ``n_moe_layers`` is the single-device model's count (a pipeline
+    stage holds fewer), so the layer mean is global. None when no MoE layer ran."""
+    layers = model if isinstance(model, list) else moe_layers(model)
+    stats = [m.stats for m in layers if m.stats is not None]
     if not stats:
         return None
     aux = torch.stack([st.aux_sum for st in stats]).sum()

@@ -7,43 +7,73 @@ import torch
 import torch.nn as nn
 
 from paratrain.models.llama import LlamaConfig
-from paratrain.models.moe import moe_layers, moe_loss_sum, moe_metrics
+from paratrain.models.moe import moe_layers, moe_loss_sum
 
 
 class MoEAccounting:
-    """Adds the MoE layers' aux and z losses of the forward just run to the cross-entropy sum.
+    """The MoE layers' aux and z losses of the forward just run, for the executor to add to the loss.
 
     Both are token-unit sums (models/moe.py says why per row), so the executor's division by the
-    global token count gives the one-process mean whatever dp and the micro-batching are."""
+    global token count gives the one-process mean whatever dp and the micro-batching are. The
+    executor asks right after each forward, for the modules that forward ran (the whole model, or
+    one pipeline stage's chunk): each stage's losses then enter that stage's own backward."""
 
     def __init__(self, model: nn.Module, cfg: LlamaConfig):
         self.model, self.cfg = model, cfg
+        self.last: dict[int, dict] = {}  # id(layer) -> figures of its last training forward
 
-    def add_aux(self, ce_sum: torch.Tensor) -> torch.Tensor:
-        aux = moe_loss_sum(self.model, aux_loss_coef=self.cfg.aux_loss_coef, z_loss_coef=self.cfg.z_loss_coef,
+    def side_loss_sum(self, modules: list[nn.Module], train: bool = True) -> torch.Tensor | None:
+        layers = [m for module in modules for m in moe_layers(module) if m.stats is not None]
+        if not layers:
+            return None
+        aux = moe_loss_sum(layers, aux_loss_coef=self.cfg.aux_loss_coef, z_loss_coef=self.cfg.z_loss_coef,
                            n_moe_layers=self.cfg.n_moe_layers)
-        for layer in moe_layers(self.model):  # the loss holds the graph; the layers need not
-            if layer.stats is not None:
-                _detach(layer.stats)
-        return ce_sum if aux is None else ce_sum + aux
+        for layer in layers:  # taken: the loss holds the graph now, the layer need not
+            if train:
+                self.last[id(layer)] = _figures(layer.stats)
+            layer.stats = None
+        return aux
 
-    def metrics(self) -> dict:
-        """This rank's last micro-batch (rank 0 writes the row): unweighted means per token."""
-        stats = [m.stats for m in moe_layers(self.model) if m.stats is not None]
-        n_tokens = stats[0].assigned // self.cfg.top_k if stats else 1
-        return moe_metrics(self.model, n_tokens=n_tokens)
+    def metric_parts(self) -> list[dict]:
+        """This rank's MoE layers, each as of its last training forward (a micro-batch)."""
+        return list(self.last.values())
+
+    def metrics(self, parts: list[dict] | None = None) -> dict:
+        """moe_* of the metrics row from ``parts`` (default: this rank's layers; a pipeline
+        gathers every stage's)."""
+        return combine_figures(self.metric_parts() if parts is None else parts, self.cfg.top_k)
 
 
-def _detach(stats) -> None:
-    stats.aux_sum, stats.z_sum = stats.aux_sum.detach(), stats.z_sum.detach()
+def _figures(stats) -> dict:
+    return {"aux_sum": float(stats.aux_sum.detach()), "z_sum": float(stats.z_sum.detach()),
+            "assigned": stats.assigned, "dropped": stats.dropped, "load": stats.load.tolist()}
 
 
-# Compositions not built yet for MoE models: refused before workers start, with the fix.
+def combine_figures(parts: list[dict], top_k: int) -> dict:
+    """Per-token aux and z (means over layers), dropped fraction, expert load (fraction of
+    assignments per expert, mean over layers)."""
+    if not parts:
+        return {}
+    n = len(parts)
+    load = torch.tensor([p["load"] for p in parts], dtype=torch.float64)
+    assigned = torch.tensor([p["assigned"] for p in parts], dtype=torch.float64)
+    per_layer = load / assigned.unsqueeze(-1)
+    return {"moe_aux_loss": sum(p["aux_sum"] / (p["assigned"] / top_k) for p in parts) / n,
+            "moe_z_loss": sum(p["z_sum"] / (p["assigned"] / top_k) for p in parts) / n,
+            "moe_dropped_fraction": sum(p["dropped"] for p in parts) / float(assigned.sum()),
+            "moe_expert_load": [round(v, 6) for v in per_layer.mean(0).tolist()]}
+
+
+# Compositions not built for MoE models: refused before workers start, with the fix. TP, SP, PP
+# and recompute compose (docs/moe.md); expert parallelism with TP or PP is composed later.
 NOT_WITH_MOE = {
-    "tp": (lambda c: c.parallel.tp > 1, "remove --tp (experts are not tensor-parallel yet)"),
-    "pp": (lambda c: c.parallel.pp > 1, "remove --pp (pipeline stages do not carry the aux loss yet)"),
     "tile": (lambda c: c.train.tile > 1, "use --tile 1 (tiling replaces the dense MLP)"),
-    "recompute": (lambda c: c.train.recompute != "none", "use --recompute none"),
+    "ep with tp": (lambda c: c.parallel.ep > 1 and c.parallel.tp > 1,
+                   "use --ep 1 with --tp, or --tp 1 with --ep (expert parallelism does not compose "
+                   "with tensor parallelism yet)"),
+    "ep with pp": (lambda c: c.parallel.ep > 1 and c.parallel.pp > 1,
+                   "use --ep 1 with --pp, or --pp 1 with --ep (expert parallelism does not compose "
+                   "with pipeline parallelism yet)"),
 }
 
 

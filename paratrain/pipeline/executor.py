@@ -7,7 +7,11 @@ pipelined. What it does per action (schedules.py has the semantics):
   buffer shape is known up front ([micro_batch, seq, dim]; seq / tp under sequence parallelism),
   so no shape exchange is needed;
 * F waits for its input activation (if it was received), runs its chunk, keeps (input, output)
-  for the backward; on the last stage it computes the loss (sum over tokens / divisor);
+  for the backward; on the last stage it computes the loss (sum over tokens / divisor). Losses
+  the chunk's layers produced (``side_loss``: mixture-of-experts aux losses) are this stage's:
+  added to the loss on the last stage, and on the others back-propagated together with the
+  received output gradient, so they reach the stage's own parameters; the reported loss is the
+  sum over stages;
 * B waits for the output gradient, back-propagates it through the chunk and leaves the input
   gradient for SEND_B. Data-parallel gradient sync is held back (``strategy.no_sync()``) except
   for the last backward of each chunk, which lets DDP overlap it with the remaining backwards.
@@ -27,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from paratrain.comm import collectives as C
-from paratrain.engine.executor import LossFn, autocast_for
+from paratrain.engine.executor import LossFn, SideLossFn, autocast_for, with_side_loss
 from paratrain.engine.strategy import Strategy
 from paratrain.mesh import ParallelMesh
 from paratrain.pipeline.schedules import (
@@ -48,8 +52,9 @@ from paratrain.pipeline.stage import StageChunk, TiedEmbedding
 class PipelineExecutor:
     def __init__(self, model: nn.Module, chunks: list[StageChunk], loss_fn: LossFn, strategy: Strategy,
                  mesh: ParallelMesh, *, schedule: str, virtual_stages: int, precision: str,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, side_loss: SideLossFn | None = None):
         self.model, self.chunks = model, {c.stage: c for c in chunks}
+        self.side_loss = side_loss
         self.loss_fn, self.strategy, self.mesh = loss_fn, strategy, mesh
         self.schedule_name, self.v = schedule, virtual_stages
         self.p = mesh.pp.size
@@ -107,6 +112,7 @@ class PipelineExecutor:
         total = torch.zeros((), dtype=torch.float32, device=dev)
         last_backward = {a.stage: i for i, a in enumerate(actions) if a.kind == B}
         saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (mb, stage) -> (in, out)
+        sides: dict[tuple[int, int], torch.Tensor] = {}  # (mb, stage) -> side loss / divisor (not last)
         received: dict[tuple, tuple] = {}  # payload -> (work, buffer)
         sends: list[tuple] = []  # (work, tensor): the tensor must live until the send completes
         clock = _Clock(dev) if train else None
@@ -131,13 +137,19 @@ class PipelineExecutor:
                 clock.start(a)
             if a.kind == F:
                 inp = x if a.stage == 0 else needs
+                chunk = self.chunks[a.stage]
                 with self.autocast():
-                    out = self.chunks[a.stage](inp)
+                    out = chunk(inp)
                 if a.stage == self.n_stages - 1:
-                    out = self.loss_fn(out, y) / divisor
+                    out = self.loss_fn(out, y)
+                    out = with_side_loss(out, self.side_loss, chunk.modules(), train) / divisor
                     total += out.detach().float()
                 else:
                     out = out.to(self.act_dtype)
+                    side = self.side_loss(chunk.modules(), train) if self.side_loss is not None else None
+                    if side is not None:
+                        sides[(a.mb, a.stage)] = side / divisor
+                        total += sides[(a.mb, a.stage)].detach().float()
                 saved[(a.mb, a.stage)] = (inp, out)
             else:
                 inp, out = saved[(a.mb, a.stage)]
@@ -145,6 +157,9 @@ class PipelineExecutor:
                 with sync:
                     if needs is None:  # the last stage starts backward from its loss
                         (out * loss_scale).backward() if loss_scale != 1.0 else out.backward()
+                    elif (a.mb, a.stage) in sides:  # this stage's own losses join the backward
+                        side = sides.pop((a.mb, a.stage))
+                        torch.autograd.backward([out, side], [needs, torch.full_like(side, loss_scale)])
                     else:
                         torch.autograd.backward(out, needs)
                 saved[(a.mb, a.stage)] = (inp, None)  # free the graph; keep the input for its gradient
@@ -184,9 +199,10 @@ class PipelineExecutor:
                 sends.append((work, t))
 
     def _loss_from_last_stage(self, total: torch.Tensor) -> torch.Tensor:
-        """The loss lives on the last stage; every stage reports it (users should not hunt for it)."""
+        """The loss lives on the last stage, plus each stage's side losses: every stage reports the
+        sum (users should not hunt for it; without side losses the other stages add zeros)."""
         with self.mesh.counter.paused():
-            C.broadcast(total, self.mesh.pp, src_index=self.p - 1)
+            C.all_reduce(total, self.mesh.pp)
         return total.cpu()
 
     # -- measurements ---------------------------------------------------------------------------------

@@ -105,6 +105,13 @@ class StageChunk:
         """tokens [b, s] (first stage) or hidden [b, s, dim] -> hidden [b, s, dim] or logits."""
         return self.family.forward_stage(self.model, x, self.layers, self.is_first, self.is_last)
 
+    def modules(self) -> list[nn.Module]:
+        """The modules this chunk runs (its side losses are this stage's: executor.py)."""
+        f, blocks = self.family, self.family.blocks_of(self.model)
+        first = [m for _, m in f.present(self.model, f.before)] if self.is_first else []
+        last = [m for _, m in f.present(self.model, f.after)] if self.is_last else []
+        return first + [blocks[str(i)] for i in self.layers] + last
+
 
 def split_for_pipeline(model: nn.Module, mesh: ParallelMesh, *, virtual_stages: int = 1,
                        split: str | None = None) -> list[StageChunk]:

@@ -115,11 +115,23 @@ class LanguageModelTask:
                        "generation_config": self.hf.optional_json("generation_config.json")}}
 
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        ce = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
-        return ce if self.moe is None else self.moe.add_aux(ce)
+        """Cross-entropy sum; the MoE losses come from ``side_loss_sum`` (the executors add them)."""
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
 
-    def step_metrics(self) -> dict:
-        return {} if self.moe is None else self.moe.metrics()
+    @property
+    def side_loss_sum(self):
+        """Losses the layers of ``modules`` produced in the forward just run (MoE aux and z), in
+        the loss's sum units, or None: ``fn(modules, train) -> tensor | None``; None for a dense model."""
+        return None if self.moe is None else self.moe.side_loss_sum
+
+    def step_metrics(self, gather=None) -> dict:
+        """moe_* rows; ``gather(obj) -> [obj of every pipeline stage]`` when stages hold the layers."""
+        if self.moe is None:
+            return {}
+        parts = self.moe.metric_parts()
+        if gather is not None:
+            parts = [p for stage in gather(parts) for p in stage]
+        return self.moe.metrics(parts)
 
     def train_batch(self, step, global_batch, rows=None):
         return self.rows.train_batch(step, global_batch, rows)

@@ -238,6 +238,7 @@ class Trainer:
         if hasattr(self.par.executor, "step_metrics"):  # pipelines: the measured bubble
             extra.update(self.par.executor.step_metrics())
         records = gather_rank_records(self.mesh, rank_record(self.mesh, s["state_bytes"], extra))
+        task_row = self.task_metrics()  # every rank: pipeline stages hold different MoE layers
         if not self.is_main:
             return {}
         merged = merge_ranks(records)
@@ -256,7 +257,7 @@ class Trainer:
         elif s["skipped"]:  # --nan-policy skip
             row["skipped"], row["skipped_steps"] = True, len(self.result.skipped_steps)
         row["micro_batch"] = self.cfg.micro_batch
-        row.update(getattr(self.task, "step_metrics", dict)())  # e.g. moe_aux_loss (models/moe_train.py)
+        row.update(task_row)  # e.g. moe_aux_loss (models/moe_train.py)
         if step == self.start_step:
             row["layout"] = self.layout()
             if self.finder is not None:
@@ -264,6 +265,20 @@ class Trainer:
             if self.precision_choice is not None:
                 row["precision_auto"] = self.precision_choice
         return row
+
+    def task_metrics(self) -> dict:
+        """The task's rows (moe_*), from every pipeline stage's layers."""
+        metrics = getattr(self.task, "step_metrics", None)
+        if metrics is None:
+            return {}
+        if self.mesh.pp.size == 1:
+            return metrics() if self.is_main else {}
+
+        def gather(obj):
+            with self.mesh.counter.paused():
+                return C.all_gather_object(obj, self.mesh.pp)
+
+        return metrics(gather=gather)
 
     def layout(self) -> dict:
         p = self.cfg.parallel
