@@ -1,16 +1,18 @@
 """The one place that fixes the order in which techniques wrap the model.
 
-    build (meta device) -> expert parallel (drop the experts other ranks hold)
-    -> tensor/sequence parallel -> tiling (of tokens; of weights under ZeRO-3)
-    -> activation checkpointing
+    build (meta device) -> tensor/sequence parallel -> expert parallel (drop the experts other
+    ranks hold) -> tiling (of tokens; of weights under ZeRO-3) -> activation checkpointing
     -> torch.compile per block -> pipeline split
     -> materialise + layout-independent init -> data-parallel strategy (DDP or ZeRO-1/2/3)
     -> optimizer (inside the strategy) -> executor (micro-batch loop or pipeline schedule)
 
 Why this order: tensor parallel replaces linears *inside* blocks, so it must see the whole
-block; checkpointing wraps whole (already split) blocks; the pipeline split only drops blocks,
-so it can come after both; parameters are materialised only once each rank knows which slices it
-owns, so no rank ever holds the full model; the data-parallel strategy hooks the parameters that
+block; expert parallelism comes after it because it marks the gradient axis (edp) of the expert
+parameters it keeps, and tensor parallelism replaces those linears by new parameters (on the meta
+device, splitting experts that are then dropped costs nothing); checkpointing wraps whole
+(already split) blocks; the pipeline split only drops blocks, so it can come after both;
+parameters are materialised only once each rank knows which slices it owns, so no rank ever
+holds the full model; the data-parallel strategy hooks the parameters that
 remain, and owns the optimizer because ZeRO shards the optimizer's state.
 
 ``check_layout`` is the matching validation: every technique's constraints, before any worker.
@@ -45,16 +47,16 @@ def parallelize(task: Task, cfg: Config, mesh: ParallelMesh) -> Parallelized:
     """Build this rank's model, wrapped in the fixed order above, with its strategy and executor."""
     model = task.build_model("meta")
     loss_fn = task.loss_sum
-    if mesh.ep.size > 1:  # first: the experts this rank does not hold are never materialised
-        from paratrain.expert_parallel import apply_expert_parallel
-
-        apply_expert_parallel(model, mesh.ep)
     if mesh.tp.size > 1:
         from paratrain.tensor_parallel.cross_entropy import vocab_parallel_loss_sum
         from paratrain.tensor_parallel.plan import apply_tensor_parallel
 
         apply_tensor_parallel(model, mesh, sequence_parallel=cfg.parallel.sp)
         loss_fn = vocab_parallel_loss_sum(mesh.tp)  # logits stay split over the vocabulary
+    if mesh.ep.size > 1:  # on the meta model: the experts this rank does not hold never materialise
+        from paratrain.expert_parallel import apply_expert_parallel
+
+        apply_expert_parallel(model, mesh.ep)
     if cfg.train.tile > 1 and cfg.parallel.zero == 3:  # tiles of the weights, each gathered alone
         from paratrain.memory.tiled_linear import apply_weight_tiling
 

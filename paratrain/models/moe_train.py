@@ -64,23 +64,10 @@ def combine_figures(parts: list[dict], top_k: int) -> dict:
             "moe_expert_load": [round(v, 6) for v in per_layer.mean(0).tolist()]}
 
 
-# Compositions not built for MoE models: refused before workers start, with the fix. TP, SP, PP
-# and recompute compose (docs/moe.md); expert parallelism with TP or PP is composed later.
+# Compositions not built for MoE models: refused before workers start, with the fix. EP, TP, SP,
+# PP, ZeRO and recompute compose, EP with each of the others too (docs/moe.md).
 NOT_WITH_MOE = {
     "tile": (lambda c: c.train.tile > 1, "use --tile 1 (tiling replaces the dense MLP)"),
-    "ep with tp": (lambda c: c.parallel.ep > 1 and c.parallel.tp > 1,
-                   "use --ep 1 with --tp, or --tp 1 with --ep (expert parallelism does not compose "
-                   "with tensor parallelism yet)"),
-    "ep with pp": (lambda c: c.parallel.ep > 1 and c.parallel.pp > 1,
-                   "use --ep 1 with --pp, or --pp 1 with --ep (expert parallelism does not compose "
-                   "with pipeline parallelism yet)"),
-}
-
-
-# Expert parallelism composes with DDP, plain DP and ZeRO-1/2/3 (expert_parallel/); not yet with these.
-NOT_WITH_EP = {
-    "--tp": (lambda c: c.parallel.tp > 1, "use --tp 1 with --ep, or --ep 1 with --tp"),
-    "--pp": (lambda c: c.parallel.pp > 1, "use --pp 1 with --ep, or --ep 1 with --pp"),
 }
 
 
@@ -120,6 +107,3 @@ def check_moe(cfg, problems: list[str]) -> None:
     for name, (used, fix) in NOT_WITH_MOE.items():
         if used(cfg):
             problems.append(f"{name} with a mixture-of-experts model is not supported yet: {fix}")
-    for name, (used, fix) in NOT_WITH_EP.items():
-        if ep > 1 and used(cfg):
-            problems.append(f"--ep with {name} is not built yet: {fix}")
