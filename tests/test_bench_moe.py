@@ -38,18 +38,14 @@ def test_dense_model_has_the_active_parameters(name):
 
 
 def test_a_refused_configuration_is_skipped_with_the_reason(tmp_path):
-    from paratrain.parallelize import NOT_AVAILABLE
-
     _, a = _args(["--model", "tiny-moe", "--seq-len", "32"], tmp_path)
     assert bench_moe._refusal("moe_replicated", a) is None
     assert bench_moe._refusal("dense_equal_active", a) is None
     cfg = bench_moe._cfg("moe_ep", a)
     assert cfg.parallel.ep == 2
-    why = bench_moe._refusal("moe_ep", a)
-    if "ep" in NOT_AVAILABLE and NOT_AVAILABLE["ep"](cfg):
-        assert "parallel.ep is not available" in why
-    else:
-        assert why is None
+    assert bench_moe._refusal("moe_ep", a) is None  # --ep has landed: nothing skips it
+    a_dense = {**a, "model": "tiny"}  # a dense model cannot take --ep: skipped, with the reason
+    assert "this model is dense" in bench_moe._refusal("moe_ep", a_dense)
     result = bench_moe._result(argparse.Namespace(nproc=2, model="tiny-moe", seq_len=32, global_batch=8,
                                                   rounds=1, steps=1), PRESETS["tiny-moe"], PRESETS["tiny"],
                                {"moe_replicated": [{"tokens_per_s": 2.0}], "dense_equal_active":
@@ -89,15 +85,13 @@ def test_all_to_all_timer_sees_the_comm_layers_calls():
 @pytest.mark.parametrize("name", ["moe_ep", "moe_replicated"])
 def test_one_tiny_timed_run(name, tmp_path):
     """One worker run (1 warm-up + 1 timed step of tiny-moe, the tests' small corpus): tokens/s and
-    the all-to-all counts come back; moe_ep only where --ep is available."""
+    the all-to-all counts come back (the all-to-all runs in moe_ep only)."""
     from paratrain.train.task import build_task
     from tests.dist import run
 
     _, a = _args(["--model", "tiny-moe", "--seq-len", "32", "--steps", "1", "--warmup", "1"], tmp_path)
     a["extra"] = {"data.max_files": 40, "data.vocab_size": 512}  # the corpus the other tests cache
-    why = bench_moe._refusal(name, a)
-    if why:
-        pytest.skip(why)
+    assert bench_moe._refusal(name, a) is None
     build_task(bench_moe._cfg(name, a))
     outs = run(bench_moe._worker, 2, name, a, timeout=120)
     for o in outs:
