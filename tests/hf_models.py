@@ -71,3 +71,17 @@ def save_hf(folder: Path, family: str = "llama", seed: int = 0, max_shard_size: 
     if tokenizer:
         save_tokenizer(folder)
     return model
+
+
+def assert_greedy_generation_matches(ref, folder, capsys) -> None:
+    """`paratrain generate --greedy` on the HF folder prints what transformers' ``ref`` generates."""
+    from tokenizers import Tokenizer
+
+    from paratrain import cli
+
+    assert cli.main(["generate", "def ", "--init-from", str(folder), "--greedy", "--tokens", "6"]) == 0
+    out = capsys.readouterr().out.rstrip("\n")
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    prompt = torch.tensor([tok.encode("def ").ids])
+    want = ref.generate(prompt, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert out == tok.decode(want[0, prompt.shape[1]:].tolist())

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from paratrain import cli
 from paratrain.models.llama_hf import HFError, load_pretrained, rope_from_hf, rope_to_hf
 from tests.harness import FP32_REORDERED, assert_same_training, run_layout, tiny_cfg
-from tests.hf_models import save_hf
+from tests.hf_models import assert_greedy_generation_matches, save_hf
 
 pytest.importorskip("transformers")
 
@@ -212,15 +212,7 @@ def test_eval_data_equals_transformers_on_the_held_out_rows(tmp_path, capsys):
 
 
 def test_generate_greedy_equals_transformers(tmp_path, capsys):
-    from tokenizers import Tokenizer
-
-    ref = save_hf(tmp_path, "llama", **VARIANTS["llama"])
-    assert cli.main(["generate", "def ", "--init-from", str(tmp_path), "--greedy", "--tokens", "6"]) == 0
-    out = capsys.readouterr().out.rstrip("\n")
-    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
-    prompt = torch.tensor([tok.encode("def ").ids])
-    want = ref.generate(prompt, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert out == tok.decode(want[0, prompt.shape[1]:].tolist())
+    assert_greedy_generation_matches(save_hf(tmp_path, "llama", **VARIANTS["llama"]), tmp_path, capsys)
 
 
 def _bad(tmp_path: Path, edit) -> Path:

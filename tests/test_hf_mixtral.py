@@ -35,7 +35,7 @@ from paratrain import cli
 from paratrain.models.llama_hf import HFCheckpoint, HFError, expected_shapes, load_pretrained
 from paratrain.sharding import TensorShard
 from tests.harness import FP32_REORDERED, assert_same_training, run_layout, tiny_cfg
-from tests.hf_models import save_tokenizer
+from tests.hf_models import assert_greedy_generation_matches, save_tokenizer
 
 pytest.importorskip("transformers")
 
@@ -206,15 +206,7 @@ def test_eval_equals_transformers_loss(tmp_path, capsys):
 
 
 def test_generate_greedy_equals_transformers(tmp_path, capsys):
-    from tokenizers import Tokenizer
-
-    ref = save_mixtral(tmp_path)
-    assert cli.main(["generate", "def ", "--init-from", str(tmp_path), "--greedy", "--tokens", "6"]) == 0
-    out = capsys.readouterr().out.rstrip("\n")
-    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
-    prompt = torch.tensor([tok.encode("def ").ids])
-    want = ref.generate(prompt, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert out == tok.decode(want[0, prompt.shape[1]:].tolist())
+    assert_greedy_generation_matches(save_mixtral(tmp_path), tmp_path, capsys)
 
 
 def test_import_train_export_roundtrip(tmp_path, capsys):

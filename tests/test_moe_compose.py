@@ -16,15 +16,13 @@ import pytest
 import torch
 
 from paratrain import config
-from paratrain.data import prepare_corpus
 from paratrain.memory.recompute import apply_recompute
 from paratrain.models import build_model, init_weights, preset
 from paratrain.models.moe import moe_layers
 from paratrain.models.moe_train import MoEAccounting
-from paratrain.train.task import build_task
-from paratrain.train.trainer import Trainer
 from tests.dist import run
-from tests.harness import FP32_REORDERED, TINY, RunResult, assert_same_training, tiny_cfg
+from tests.harness import FP32_REORDERED, TINY, assert_same_training, tiny_cfg
+from tests.test_moe_parity import _result, _train, _train_many
 
 # Coefficients large enough that an aux loss counted twice (or not at all) moves the weights.
 MOE = {"model.name": "tiny-moe", "model.aux_loss_coef": 0.1, "model.z_loss_coef": 0.01,
@@ -45,22 +43,6 @@ WIDE = {"dp2_tp2": {"parallel.dp": 2, "parallel.tp": 2},
         "pp2_tp2_sp": {"parallel.pp": 2, "parallel.tp": 2, "parallel.sp": True}}
 ONE_PROCESS = {"full_recompute": {"train.recompute": "full"},
                "selective_recompute": {"train.recompute": "selective"}}
-
-
-def _train(cfg: config.Config, env=None) -> tuple[list[float], dict]:
-    d = cfg.data
-    corpus = prepare_corpus(d.path, d.vocab_size, d.cache_dir, d.max_files)
-    result = Trainer(cfg, env, task=build_task(cfg, corpus)).fit()
-    state = {k: v.numpy() for k, v in result.final_state.items()} if result.final_state else None
-    return result.losses, state
-
-
-def _train_many(env, cfg_dicts: list[dict]):
-    return [_train(config.Config.from_dict(d), env) for d in cfg_dicts]
-
-
-def _result(losses, state) -> RunResult:
-    return RunResult(losses, {k: torch.from_numpy(v) for k, v in state.items()})
 
 
 def _rows(out) -> list[dict]:

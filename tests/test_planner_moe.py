@@ -178,22 +178,7 @@ def test_moe_model_states_match_measured(name, tmp_path):
 def test_moe_activations_match_saved_tensors(recompute, shape):
     """The MoE block's activation estimate against the storage autograd keeps in one fp32 forward of
     tiny-moe (the dense test's method, tests/test_planner.py); 10% as there (measured: within 4%)."""
-    import torch
-
-    from paratrain.memory.recompute import FullRecompute
-    from paratrain.models import build_model, init_weights
     from paratrain.models.llama import preset
-    from tests.test_planner import _saved_activation_bytes
+    from tests.test_planner import assert_activations_match_saved_tensors
 
-    c = preset("tiny-moe", max_seq_len=64, **shape)
-    model = build_model(c)
-    init_weights(model, 0, c)
-    if recompute == "full":
-        FullRecompute().apply(model)
-    b, s = 4, 32
-    x, y = torch.randint(0, c.vocab_size, (b, s)), torch.randint(0, c.vocab_size, (b, s))
-    measured = _saved_activation_bytes(model, x, y)
-    lay = Layout(micro_batch=b, recompute=recompute)
-    predicted = memory.device_memory(c, Training(s, b, precision="fp32"), lay,
-                                     local_cluster(1, measure=False)).activations
-    assert predicted == pytest.approx(measured, rel=0.10)
+    assert_activations_match_saved_tensors(preset("tiny-moe", max_seq_len=64, **shape), recompute)

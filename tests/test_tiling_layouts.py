@@ -146,6 +146,11 @@ def test_zero3_gathered_peak_falls_with_the_tile_count(runs):
         assert peak[n] == high, (n, peak[n], high)
     assert peak[1] > peak[2] > peak[4]
     assert peak[1] / peak[4] > 2.5  # the MLP dominates this model's blocks
+    # the planner's figure for the gathered parameters is this measured peak (fp32 here)
+    from paratrain.planner.memory import Layout, zero3_gathered_elements
+
+    for n in (2, 4):
+        assert BYTES * zero3_gathered_elements(c, Layout(dp=2, zero=3, tile=n))[0] == peak[n], n
 
 
 def test_backward_prefetch_follows_the_order_forward_finished_units():

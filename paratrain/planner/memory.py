@@ -420,15 +420,34 @@ def comm_buffer_bytes(c: LlamaConfig, tr: Training, lay: Layout, sb: StateBytes,
     if (lay.dp > 1 and lay.zero < 3) or (offload and lay.zero == 2):
         out += min(2 * tr.bucket_mb * 2**20, psi * sb.grads)
     if lay.zero == 3 and (lay.dp > 1 or offload):
-        # tiling gathers (and reduces) one slice of a linear at a time
-        block = layer_params_local(c, lay.tp, moe=c.n_moe_layers > 0, ep=lay.ep)
-        unit = max(block, vocab_local(c, lay.tp) * c.dim) / lay.tile
-        out += unit * (2 * sb.params + sb.grads)
+        gathered, reduced = zero3_gathered_elements(c, lay)
+        out += gathered * sb.params + reduced * sb.grads
     if lay.pp > 1:
         out += 2 * tr.seq_len * lay.micro_batch * c.dim * ACT_BYTES[tr.precision] / (lay.tp if lay.sp else 1)
     if lay.ep > 1:
         out += 2 * a2a_bytes(c, tr, lay)
     return out
+
+
+def zero3_gathered_elements(c: LlamaConfig, lay: Layout) -> tuple[int, int]:
+    """ZeRO-3's gathered parameters at their peak and the largest unit's full gradient (elements).
+
+    Untiled: the current unit and the prefetched one, each up to the largest unit (a block or the
+    embedding). With ``--tile N`` (memory/tiled_linear.py) each MLP linear and the head are N units
+    nested in their block's: the gathered set is at most the block's rest R, the current tile t and
+    one prefetched unit: at most R + t + max(E, R, t), t the largest tile (docs/memory.md; an upper
+    bound, which tests/test_tiling_layouts.py measures reached where MLP and head tiles are equal)."""
+    block = layer_params_local(c, lay.tp, moe=c.n_moe_layers > 0, ep=lay.ep)
+    embed = vocab_local(c, lay.tp) * c.dim
+    if lay.tile <= 1:
+        unit = max(block, embed)
+        return 2 * unit, unit
+    mlp_linear = c.ffn_dim * c.dim // lay.tp
+    rest = block - 3 * mlp_linear
+    n = lay.tile  # row blocks as torch.chunk cuts them: the largest is ceil(rows / n) rows
+    vocab = vocab_local(c, lay.tp)
+    tile = max(-(-c.ffn_dim // n) * c.dim, -(-c.dim // n) * c.ffn_dim, -(-vocab // n) * c.dim)
+    return rest + tile + max(embed, rest, tile), max(rest, tile, embed)
 
 
 def a2a_bytes(c: LlamaConfig, tr: Training, lay: Layout) -> float:
