@@ -22,11 +22,12 @@ from paratrain.models.moe import moe_layers
 from paratrain.models.moe_train import MoEAccounting
 from tests.dist import run
 from tests.harness import FP32_REORDERED, TINY, assert_same_training, tiny_cfg
+from tests.test_moe_parity import MOE as MOE_DP
 from tests.test_moe_parity import _result, _train, _train_many
 
-# Coefficients large enough that an aux loss counted twice (or not at all) moves the weights.
-MOE = {"model.name": "tiny-moe", "model.aux_loss_coef": 0.1, "model.z_loss_coef": 0.01,
-       "train.micro_batch": 2}
+# Coefficients large enough that an aux loss counted twice (or not at all) moves the weights; AdamW's
+# eps as in test_moe_parity.py (why: there).
+MOE = {**MOE_DP, "train.micro_batch": 2}
 LAYOUTS = {  # one 2-rank launch trains them all
     "tp2": {"parallel.tp": 2},
     "tp2_sp": {"parallel.tp": 2, "parallel.sp": True},

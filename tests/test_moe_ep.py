@@ -137,69 +137,37 @@ def test_all_to_all_bytes_per_step_match_the_formula(runs, layout):
 # stage's ep group dispatches that stage's layers. Two micro-batches per rank: the pipelines fill.
 EP2_TP2 = {"parallel.dp": 2, "parallel.ep": 2, "parallel.tp": 2, "train.micro_batch": 2}
 EP2_PP2 = {"parallel.dp": 2, "parallel.ep": 2, "parallel.pp": 2, "train.micro_batch": 2}
-WITH_PP = {
+COMPOSED = {
     "ep2_pp2": EP2_PP2,  # 1F1B
     "ep2_pp2_interleaved_zero1": {**EP2_PP2, "parallel.pp_schedule": "interleaved",
                                   "parallel.virtual_stages": 2, "parallel.zero": 1},
-}
-WITH_TP = {
     "ep2_tp2": EP2_TP2,
     "ep2_tp2_sp_recompute_zero1": {**EP2_TP2, "parallel.sp": True, "train.recompute": "full",
                                    "parallel.zero": 1},
 }
-DP2_TP2 = {**EP2_TP2, "parallel.ep": 1}  # the same TP with every expert on every rank: no all-to-all
-FOUR_STEPS = {"train.steps": 4, "train.save_every": 0}
 
 
 @pytest.fixture(scope="module")
 def composed(runs):
-    """Final weights of the WITH_PP and WITH_TP runs (8 steps), of dp2_tp2 (8 steps) and of
-    ep2_tp2 and one process over 4 steps."""
     _, _, base = runs
-    layouts = {**{name: {**STEPS, **extra} for name, extra in {**WITH_PP, **WITH_TP}.items()},
-               "dp2_tp2": {**STEPS, **DP2_TP2}, "ep2_tp2_4": {**EP2_TP2, **FOUR_STEPS}}
-    cfgs = [tiny_cfg(base / name, **MOE, **extra) for name, extra in layouts.items()]
+    cfgs = [tiny_cfg(base / name, **MOE, **STEPS, **extra) for name, extra in COMPOSED.items()]
     for cfg in cfgs:
         config.validate(cfg, 4)
     outs = run(_train_then_resume, 4, [c.to_dict() for c in cfgs], [], timeout=500)[0]
-    got = {name: _result(*o) for name, o in zip(layouts, outs)}
-    got["ref_4"] = _result(*_train(tiny_cfg(base / "ref_4", **MOE, **FOUR_STEPS)))
-    return got
+    return {name: _result(*o) for name, o in zip(COMPOSED, outs)}
 
 
-def _assert_same_steps(got: RunResult, got_dir: Path, ref: RunResult, ref_dir: Path) -> None:
-    assert_same_training(got, ref, **FP32_REORDERED)
-    assert sorted(got.weights) == sorted(ref.weights)  # every expert exported, same names
-    for mine, want in zip(_rows(got_dir), _rows(ref_dir), strict=True):
-        assert mine["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), mine["step"]
-
-
-@pytest.mark.parametrize("layout", list(WITH_PP))
-def test_ep_with_pp_equals_one_process(runs, composed, layout):
+@pytest.mark.parametrize("layout", list(COMPOSED))
+def test_ep_with_tp_or_pp_equals_one_process(runs, composed, layout):
+    """The bug this caught first: TP replacing the expert linears by new parameters that forgot
+    their edp gradient axis (parallelize.py applies EP after TP for that reason)."""
     ref, _, base = runs
-    _assert_same_steps(composed[layout], base / layout, ref, base / "ref")
-
-
-@pytest.mark.parametrize("layout", list(WITH_TP))
-def test_ep_with_tp_equals_the_same_tp_without_ep(runs, composed, layout):
-    """8 steps against dp2 x tp2 with the experts replicated: EP is the only difference. The bug
-    this catches first: TP replacing the expert linears by new parameters that forget their edp
-    gradient axis (parallelize.py applies EP after TP for that reason).
-
-    Why not against one process for all 8 steps: top-k routing is discontinuous. TP sums the
-    attention's and the experts' partial products in another order (~1e-7 relative in the residual
-    stream); AdamW turns a near-zero router gradient's noise into an lr-sized step (harness.py),
-    and once a token's second and third expert swap, two experts' gradients differ for real. On
-    this machine dp2 x tp2 *without* EP leaves the one-process run at step 5 that way (57 of 32768
-    embedding elements, experts of layer 0), exactly as ep2 x tp2 does; before that, both equal it
-    (the next test). It is a property of MoE under TP's reordering, not of the all-to-all."""
-    _, _, base = runs
-    _assert_same_steps(composed[layout], base / layout, composed["dp2_tp2"], base / "dp2_tp2")
-
-
-def test_ep_with_tp_equals_one_process_over_four_steps(runs, composed):
-    _, _, base = runs
-    _assert_same_steps(composed["ep2_tp2_4"], base / "ep2_tp2_4", composed["ref_4"], base / "ref_4")
+    assert_same_training(composed[layout], ref, **FP32_REORDERED)
+    assert sorted(composed[layout].weights) == sorted(ref.weights)  # every expert, same names
+    # 1e-4, not 1e-5 as above: TP reorders the forward's sums too, and by step 4 the norm has moved
+    # by ~1e-5 (measured 1.1e-5). A wrong expert-gradient scale moves it by tens of percent.
+    for mine, want in zip(_rows(base / layout), _rows(base / "ref"), strict=True):
+        assert mine["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), mine["step"]
 
 
 # --- the dispatch alone, on two ranks -------------------------------------------------------------

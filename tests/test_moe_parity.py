@@ -15,7 +15,16 @@ from paratrain.train.trainer import Trainer
 from tests.dist import run
 from tests.harness import FP32_REORDERED, RunResult, assert_same_training, tiny_cfg
 
-MOE = {"model.name": "tiny-moe", "model.aux_loss_coef": 0.1, "model.z_loss_coef": 0.01}
+# Top-k routing is discontinuous, and AdamW's default eps (1e-8) lets an element whose gradient is
+# rounding noise take a whole lr-sized step in the direction the noise picks (tests/harness.py). In
+# an MoE such a step on a router or embedding weight can swap a token's 2nd and 3rd experts a few
+# steps later, which changes two experts' gradients for real: a chaotic amplifier of 1e-7
+# reorderings. With eps 1e-8 these tests depended on the CPU's kernels (with MKL_CBWR=SSE4_2
+# ATEN_CPU_CAPABILITY=default, ep4, ep2 x pp2 and dp2 x tp2 left one process at step 5, all on the
+# same swapped tokens). eps = 1e-5 keeps AdamW's update for every gradient well above 1e-5
+# (tiny-moe's are ~2e-3 rms) and shrinks a noise-level gradient's step ~1e3-fold or more; a
+# real bug still moves most elements of most tensors (the tests were mutation-checked with it).
+MOE = {"model.name": "tiny-moe", "model.aux_loss_coef": 0.1, "model.z_loss_coef": 0.01, "optim.eps": 1e-5}
 LAYOUTS = {  # one 2-rank launch trains them all
     "ddp": {},
     "ddp_m2": {"train.micro_batch": 2},  # 2 micro-batches per rank: the aux loss over 4 calls
