@@ -451,9 +451,11 @@ def zero3_gathered_elements(c: LlamaConfig, lay: Layout) -> tuple[int, int]:
 
 
 def a2a_bytes(c: LlamaConfig, tr: Training, lay: Layout) -> float:
-    """One rank's buffer of one expert-parallel all-to-all: its micro-batch's tokens (split by tp
-    under sp) x top_k assignments x dim, in activation precision."""
-    tokens = tr.seq_len * lay.micro_batch / (lay.tp if lay.sp else 1)
+    """One rank's buffer of one expert-parallel all-to-all: its micro-batch's tokens x top_k
+    assignments x dim, in activation precision. Whole tokens under sp too: the MoE's input is
+    gathered over tp before routing, so every tp rank dispatches all of them on its own ep group
+    (expert_parallel/dispatch.py; docs/moe.md)."""
+    tokens = tr.seq_len * lay.micro_batch
     return tokens * c.top_k * c.dim * ACT_BYTES[tr.precision]
 
 
