@@ -150,17 +150,8 @@ def _strategy(model: nn.Module, cfg: Config, mesh: ParallelMesh) -> Strategy:
     return DDP(model, mesh, cfg.optim, bucket_bytes=int(p.bucket_mb * 2**20))
 
 
-# Techniques whose code has not landed yet: accepted by the parser, refused here with a clear
-# message (never silently ignored). Each entry leaves this table when its issue lands.
-NOT_AVAILABLE: dict = {}
-
-
 def check_layout(cfg: Config, problems: list[str]) -> None:
     """Every technique's constraints on the configuration (called by config.validate)."""
-    for name, used in NOT_AVAILABLE.items():
-        if used(cfg):
-            problems.append(f"parallel.{name} is not available yet in this version of paratrain; "
-                            f"remove --{name.replace('_', '-')} (or set it to its default)")
     from paratrain.models.moe_train import check_moe
 
     check_moe(cfg, problems)

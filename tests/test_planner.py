@@ -344,15 +344,11 @@ def test_model_states_match_measured(name, tmp_path):
     """Predicted model-state bytes per rank vs the counted mem_params/grads/optim_bytes (max over ranks)
     of a 2-step run of the tiny model. Goal 3%: the only slack is ZeRO's padding to a multiple of dp."""
     from paratrain import config as config_mod
-    from paratrain.parallelize import NOT_AVAILABLE
     from paratrain.train.metrics import read_metrics
     from tests.harness import tiny_cfg
 
     overrides, nproc = REALITY[name]
     cfg = tiny_cfg(tmp_path, **{"train.steps": 2, **overrides})
-    missing = [k for k, used in NOT_AVAILABLE.items() if used(cfg)]
-    if missing:
-        pytest.skip(f"{', '.join(missing)} not landed yet (parallelize.NOT_AVAILABLE)")
     lay = Layout(dp=cfg.dp, tp=cfg.parallel.tp, pp=cfg.parallel.pp, zero=cfg.parallel.zero,
                  micro_batch=cfg.micro_batch, schedule=cfg.parallel.pp_schedule,
                  recompute=cfg.train.recompute)

@@ -149,9 +149,8 @@ REALITY = {  # name -> (overrides, nproc)
 @pytest.mark.parametrize("name", list(REALITY))
 def test_moe_model_states_match_measured(name, tmp_path):
     """Predicted model-state bytes per rank of tiny-moe vs the counted mem_params/grads/optim_bytes
-    of a 2-step run (3%: ZeRO pads to a multiple of dp). The ep case skips until --ep lands."""
+    of a 2-step run (3%: ZeRO pads to a multiple of dp), with the experts replicated and at ep2."""
     from paratrain import config as config_mod
-    from paratrain.parallelize import NOT_AVAILABLE
     from paratrain.train.metrics import read_metrics
     from paratrain.train.task import model_config
     from tests.harness import tiny_cfg
@@ -159,9 +158,6 @@ def test_moe_model_states_match_measured(name, tmp_path):
 
     overrides, nproc = REALITY[name]
     cfg = tiny_cfg(tmp_path, **{"model.name": "tiny-moe", "train.steps": 2, **overrides})
-    missing = [k for k, used in NOT_AVAILABLE.items() if used(cfg)]
-    if missing:
-        pytest.skip(f"{', '.join(missing)} not landed yet (parallelize.NOT_AVAILABLE)")
     config_mod.validate(cfg, nproc)
     _fit(cfg, nproc)
     row = read_metrics(tmp_path / "metrics.jsonl")[-1]

@@ -312,10 +312,6 @@ def test_training_vocab_not_divisible_tied(reference, tmp_path):
 @pytest.mark.parametrize("zero", [0, 1, 3], ids=["ddp", "zero1", "zero3"])
 def test_training_tp2_dp2(zero, reference, tmp_path):
     """A 2-D mesh: tp ranks adjacent, DDP (zero 0) or ZeRO over dp; SP on for DDP."""
-    from paratrain.parallelize import NOT_AVAILABLE
-
-    if zero and "zero" in NOT_AVAILABLE:
-        pytest.skip("ZeRO has not landed yet (parallel.zero is in parallelize.NOT_AVAILABLE)")
     layout = {"parallel.tp": 2, "parallel.dp": 2, "parallel.zero": zero, "parallel.sp": zero == 0}
     got = _run(tiny_cfg(tmp_path, **layout), 4)
     torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(reference().losses), **LOSS_TOL)

@@ -7,8 +7,8 @@ Three configurations of paratrain's trainer, the same data rows, fp32, AdamW, fr
 workers per run (one thread each), in rounds whose order rotates (bench/common.py):
 
 * ``moe_ep``: the MoE model (``--model``, default ``small-moe``) with ``--ep nproc``: each rank
-  holds E / ep experts, tokens travel by all-to-all. Needs expert parallelism: where this version
-  of paratrain refuses ``--ep``, the configuration is skipped and the JSON says why.
+  holds E / ep experts, tokens travel by all-to-all. A configuration paratrain refuses (e.g.
+  ``--model`` a dense model, or ``--nproc`` not dividing the experts) is skipped, with the reason.
 * ``moe_replicated``: the same model, every expert on every rank (plain dp DDP, ep = 1).
 * ``dense_equal_active``: the dense model of the same shape with ``ffn_dim`` chosen so that its
   parameters equal the MoE's ACTIVE ones (a token's top_k experts and the router):

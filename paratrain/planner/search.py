@@ -424,21 +424,13 @@ def layout_to_config(cfg, lay: Layout):
 
 
 def runnable_here(cfg):
-    """Predicate: can this version of paratrain run the layout? (parallelize.NOT_AVAILABLE, the
-    modules that exist, and config validation)."""
-    import importlib.util
-
+    """Predicate: can paratrain's trainer run the layout? (config validation: every technique's
+    constraints)."""
     from paratrain import config as config_mod
-    from paratrain.parallelize import NOT_AVAILABLE
 
     def ok(lay: Layout) -> bool:
         cand = layout_to_config(cfg, lay)
-        if any(used(cand) for used in NOT_AVAILABLE.values()):
-            return False
         if lay.recompute == "selective":
-            return False
-        if lay.dp > 1 and lay.zero == 0 and importlib.util.find_spec(
-                f"paratrain.data_parallel.{'plain' if cfg.parallel.dp_mode == 'plain' else 'ddp'}") is None:
             return False
         try:
             config_mod.validate(cand, lay.world)
