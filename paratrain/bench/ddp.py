@@ -8,6 +8,14 @@ norm, clipping, AdamW); the peer is the loop a PyTorch user writes around DDP (`
 accumulation, ``clip_grad_norm_``, AdamW). Tokens per second are global (all ranks) and timed on
 the slowest rank. ``exposed_comm_fraction`` is the share of paratrain's step spent waiting for
 communication after backward (what overlap did not hide).
+
+``scaling``: the same per-rank work in ONE single-thread process, run first while the machine is
+otherwise idle, is the ceiling: n such processes' worth of tokens/s (on a 2-core machine, the
+2-core limit). Both runs time the phases of the trainer's step (``Trainer.phase_s``: forwards and
+backwards, grad norm, update; the strategy's exposed communication is split out of the first), so
+the tokens/s data parallelism loses are attributed per step: compute that got slower because n
+workers share the machine (caches, memory bandwidth, the communication threads), communication
+backward could not hide, the grad norm and the update, and the rest (data, the loop).
 """
 
 from __future__ import annotations
@@ -52,21 +60,82 @@ def _slowest(seconds: float, env: DistEnv) -> float:
     return float(t.item())
 
 
+def _phases(trainer: Trainer) -> dict[str, float]:
+    """The last step's phases in seconds, the exposed communication split out of the backward."""
+    exposed = trainer.par.strategy.step_metrics().get("comm_exposed_s", 0.0)
+    ph = dict(trainer.phase_s)
+    return {"compute": ph["forward_backward"] - exposed, "exposed_comm": exposed,
+            "grad_norm": ph["grad_norm"], "update": ph["update"]}
+
+
+def _per_step_ms(phases: list[dict], seconds_per_step: float) -> dict[str, float]:
+    """Median of each phase over the timed steps, in ms; ``other``: the rest of the measured step."""
+    out = {k: 1e3 * statistics.median(p[k] for p in phases) for k in phases[0]}
+    out["other"] = max(0.0, 1e3 * seconds_per_step - sum(out.values()))
+    out["step"] = 1e3 * seconds_per_step
+    return out
+
+
 def _paratrain_side(trainer: Trainer, args, env: DistEnv):
     exposed: list[float] = []
+    phases: list[dict] = []  # every timed step of every round
 
     def step(i: int) -> None:
         trainer.train_step(i)
         exposed.append(trainer.par.strategy.step_metrics()["comm_exposed_s"])
+        if i >= args.warmup:
+            phases.append(_phases(trainer))
 
     def go() -> dict:
         exposed.clear()
-        seconds = _slowest(time_steps(step, args.warmup, args.steps, lambda: sync_device(env.device)), env)
+        mine = time_steps(step, args.warmup, args.steps, lambda: sync_device(env.device))
+        seconds = _slowest(mine, env)
         timed = sum(exposed[args.warmup:])
         return {"tokens_per_s": args.steps * trainer.units_per_step / seconds,
-                "exposed_comm_fraction": timed / seconds}
+                "exposed_comm_fraction": timed / seconds, "seconds_per_step": mine / args.steps}
 
+    go.phases = phases
     return go
+
+
+def single_reference(args, per_rank_batch: int, micro_batch: int) -> dict:
+    """The dp run's per-rank work (same rows per step, same micro-batches) in this one process, one
+    thread, nothing else running: tokens/s and the step's phases (ms)."""
+    threads = torch.get_num_threads()
+    with tempfile.TemporaryDirectory(prefix="paratrain-bench-single-") as out:
+        cfg = config.validate(config.load(None, {
+            "model.name": args.model, "data.seq_len": args.seq_len, "train.global_batch": per_rank_batch,
+            "train.micro_batch": micro_batch, "train.steps": args.warmup + args.steps * args.rounds,
+            "train.out": out, "train.progress": False, "train.eval_every": 0, "train.threads": 1,
+            "parallel.nproc": 1}), 1)
+        try:
+            trainer = Trainer(cfg)
+            trainer.phase_sync = True
+            phases: list[dict] = []
+
+            def step(i: int) -> None:
+                trainer.train_step(i)
+                if i >= args.warmup:
+                    phases.append(_phases(trainer))
+
+            steps = args.steps * args.rounds
+            seconds = time_steps(step, args.warmup, steps, lambda: sync_device(trainer.mesh.device))
+        finally:
+            torch.set_num_threads(threads)
+    return {"tokens_per_s": steps * trainer.units_per_step / seconds,
+            "per_step_ms": _per_step_ms(phases, seconds / steps)}
+
+
+def scaling(single: dict, dp: dict, nproc: int) -> dict:
+    """dp tokens/s against n single processes' worth, and the per-step milliseconds that separate
+    them (the slowest rank's step minus the single process's, phase by phase)."""
+    ideal = nproc * single["tokens_per_s"]
+    one, many = single["per_step_ms"], dp["per_step_ms"]
+    lost = {k: many[k] - one[k] for k in one if k != "step"}
+    lost["total"] = many["step"] - one["step"]
+    return {"single_tokens_per_s": single["tokens_per_s"], "ideal_tokens_per_s": ideal,
+            "dp_tokens_per_s": dp["tokens_per_s"], "efficiency": dp["tokens_per_s"] / ideal,
+            "single_step_ms": one, "dp_step_ms": many, "lost_ms_per_step": lost}
 
 
 def _torch_ddp_side(cfg: config.Config, task: LanguageModelTask, args, env: DistEnv, rows: slice):
@@ -103,12 +172,18 @@ def _worker(env: DistEnv, cfg_dict: dict, args: argparse.Namespace) -> dict:
     cfg = config.Config.from_dict(cfg_dict)
     task = build_task(cfg)  # the token cache was built by the parent: this only maps it
     trainer = Trainer(cfg, env, task=task)
+    trainer.phase_sync = True
     ours = _paratrain_side(trainer, args, env)
     peer = _torch_ddp_side(cfg, task, args, env, trainer.local_rows())
     result = paired_rounds(ours, peer, args.rounds)
     runs = result["paratrain_runs"]
     result["exposed_comm_fraction"] = statistics.median(r["exposed_comm_fraction"] for r in runs)
     result["buckets"] = len(trainer.par.strategy.buckets)
+    # The slowest rank's phases (the step time is the slowest rank's too).
+    mine = _per_step_ms(ours.phases, statistics.median(r["seconds_per_step"] for r in runs))
+    every = [None] * env.world_size
+    dist.all_gather_object(every, mine)  # raw torch: not part of either side's counted traffic
+    result["per_step_ms"] = max(every, key=lambda ms: ms["step"])
     return result
 
 
@@ -116,12 +191,15 @@ def run(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="paratrain-bench-ddp-") as out:
         cfg = bench_config(args, out)
         task = build_task(cfg)  # tokenise once, here, before the workers start
+        single = single_reference(args, args.global_batch // args.nproc, cfg.micro_batch)
         result = spawn(_worker, args.nproc, cfg.to_dict(), args, timeout=None)[0]
+    dp = {"tokens_per_s": result["paratrain_tokens_per_s"], "per_step_ms": result.pop("per_step_ms")}
     return {
         "kind": "ddp", "nproc": args.nproc, "threads_per_worker": 1, "model": args.model,
         "n_params": task.n_params, "seq_len": args.seq_len, "global_batch": args.global_batch,
         "micro_batch": cfg.micro_batch, "bucket_mb": args.bucket_mb, "buckets": result.pop("buckets"),
         "peer": "torch DDP",
         **result,
+        "scaling": scaling(single, dp, args.nproc),
         "machine": machine(),
     }

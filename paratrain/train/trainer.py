@@ -44,6 +44,10 @@ from paratrain.train.metrics import (
 )
 from paratrain.train.task import Task, build_task
 
+# The parts of a step ``Trainer.phase_s`` times: forwards and backwards (with the data-parallel
+# communication they could not hide), the global grad norm (a collective under sharding), and the
+# update (clipping, the optimizer, ZeRO's parameter all-gather, zeroing the gradients).
+PHASES = ("forward_backward", "grad_norm", "update")
 
 @dataclass
 class TrainResult:
@@ -110,6 +114,8 @@ class Trainer:
         self.start_step = 0
         self.result = TrainResult(out=str(self.out))
         self.peak_flops = None
+        self.phase_s: dict[str, float] = {}  # the last step's PHASES in seconds
+        self.phase_sync = False  # drain the device queue at each phase boundary (benchmarks)
         self.saver = ckpt.Saver(self.out, self.mesh, keep=cfg.train.keep_checkpoints,
                                 async_save=cfg.train.async_save)
 
@@ -135,7 +141,9 @@ class Trainer:
         self.mesh.counter.reset()
         start = time.perf_counter()
         local = self.par.executor.run(self.micro_batches(x, y), float(self.units_per_step), self.scaler.scale)
+        marks = [start, self._phase_mark()]
         norm = strategy.grad_norm() / self.scaler.scale
+        marks.append(self._phase_mark())
         skipped = self.scaler.update(norm * self.scaler.scale)
         if not skipped and not math.isfinite(norm):  # no fp16 scaler to absorb it: the nan policy
             skipped = guards.non_finite_step(step, norm, self.cfg.train.nan_policy, self.par.model)
@@ -150,8 +158,16 @@ class Trainer:
         strategy.zero_grad()
         sync_device(self.mesh.device)
         elapsed = time.perf_counter() - start
+        self.phase_s = {name: b - a for name, a, b in zip(PHASES, marks, marks[1:] + [start + elapsed])}
         return {"local_loss": local, "grad_norm": norm, "skipped": skipped, "time": elapsed,
                 "state_bytes": state_bytes}
+
+    def _phase_mark(self) -> float:
+        """A phase boundary of the step on the host clock; with ``phase_sync`` (benchmarks) the
+        device queue is drained first, so GPU phases are not just their launch time."""
+        if self.phase_sync:
+            sync_device(self.mesh.device)
+        return time.perf_counter()
 
     def reduce_loss(self, local: torch.Tensor) -> float:
         """Each dp rank holds its share of the global mean: their sum is the loss."""

@@ -1,0 +1,56 @@
+"""`paratrain bench ddp`'s scaling report: the trainer's step phases, the single-process reference
+on the same per-rank work, and the attribution of what data parallelism loses."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from paratrain.bench import ddp as bench_ddp
+from paratrain.train.trainer import PHASES
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench_ddp.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_single_reference_times_every_phase_of_the_step():
+    args = _args(["--model", "tiny", "--seq-len", "32", "--steps", "2", "--warmup", "1", "--rounds", "1"])
+    ref = bench_ddp.single_reference(args, per_rank_batch=4, micro_batch=2)
+    ms = ref["per_step_ms"]
+    assert set(ms) == {"compute", "exposed_comm", "grad_norm", "update", "other", "step"}
+    assert ms["exposed_comm"] == 0.0  # one process: nothing to communicate
+    assert ms["compute"] > 0 and ms["update"] > 0
+    parts = sum(v for k, v in ms.items() if k != "step")
+    assert parts == pytest.approx(ms["step"], rel=1e-6)  # the phases and the rest make up the step
+    assert ref["tokens_per_s"] == pytest.approx(4 * 32 / (ms["step"] / 1e3), rel=1e-6)
+
+
+def test_trainer_phases_are_the_timed_step(tmp_path):
+    from paratrain import config
+    from paratrain.train.trainer import Trainer
+
+    cfg = config.validate(config.load(None, {
+        "model.name": "tiny", "data.seq_len": 32, "train.global_batch": 4, "train.steps": 2,
+        "train.out": str(tmp_path), "train.progress": False, "train.eval_every": 0}), 1)
+    trainer = Trainer(cfg)
+    s = trainer.train_step(0)
+    assert tuple(trainer.phase_s) == PHASES
+    assert all(v >= 0 for v in trainer.phase_s.values())
+    assert sum(trainer.phase_s.values()) == pytest.approx(s["time"], rel=1e-9)
+
+
+def test_scaling_attributes_the_lost_time_phase_by_phase():
+    single = {"tokens_per_s": 1000.0, "per_step_ms": {"compute": 100.0, "exposed_comm": 0.0, "grad_norm": 1.0,
+                                                     "update": 10.0, "other": 2.0, "step": 113.0}}
+    dp = {"tokens_per_s": 1600.0, "per_step_ms": {"compute": 120.0, "exposed_comm": 5.0, "grad_norm": 2.0,
+                                                 "update": 12.0, "other": 2.5, "step": 141.5}}
+    out = bench_ddp.scaling(single, dp, nproc=2)
+    assert out["ideal_tokens_per_s"] == 2000.0 and out["efficiency"] == pytest.approx(0.8)
+    lost = out["lost_ms_per_step"]
+    assert lost == pytest.approx({"compute": 20.0, "exposed_comm": 5.0, "grad_norm": 1.0, "update": 2.0,
+                                  "other": 0.5, "total": 28.5})
+    assert sum(v for k, v in lost.items() if k != "total") == pytest.approx(lost["total"])
