@@ -430,8 +430,6 @@ def runnable_here(cfg):
 
     def ok(lay: Layout) -> bool:
         cand = layout_to_config(cfg, lay)
-        if lay.recompute == "selective":
-            return False
         try:
             config_mod.validate(cand, lay.world)
         except (config_mod.ConfigError, ValueError):
