@@ -43,14 +43,31 @@ def test_trainer_phases_are_the_timed_step(tmp_path):
     assert sum(trainer.phase_s.values()) == pytest.approx(s["time"], rel=1e-9)
 
 
+def _ms(compute, comm, norm, update, other):
+    return {"compute": compute, "exposed_comm": comm, "grad_norm": norm, "update": update, "other": other,
+            "step": compute + comm + norm + update + other}
+
+
 def test_scaling_attributes_the_lost_time_phase_by_phase():
-    single = {"tokens_per_s": 1000.0, "per_step_ms": {"compute": 100.0, "exposed_comm": 0.0, "grad_norm": 1.0,
-                                                     "update": 10.0, "other": 2.0, "step": 113.0}}
-    dp = {"tokens_per_s": 1600.0, "per_step_ms": {"compute": 120.0, "exposed_comm": 5.0, "grad_norm": 2.0,
-                                                 "update": 12.0, "other": 2.5, "step": 141.5}}
-    out = bench_ddp.scaling(single, dp, nproc=2)
+    alone = {"tokens_per_s": 1000.0, "per_step_ms": _ms(100.0, 0.0, 1.0, 10.0, 2.0)}
+    together = {"tokens_per_s": 900.0, "per_step_ms": _ms(110.0, 0.0, 1.0, 11.0, 2.0)}
+    dp = {"tokens_per_s": 1600.0, "per_step_ms": _ms(120.0, 5.0, 2.0, 12.0, 2.5)}
+    out = bench_ddp.scaling(alone, together, dp, nproc=2)
     assert out["ideal_tokens_per_s"] == 2000.0 and out["efficiency"] == pytest.approx(0.8)
+    assert out["concurrent_tokens_per_s"] == 1800.0
+    assert out["efficiency_vs_concurrent"] == pytest.approx(1600 / 1800)
     lost = out["lost_ms_per_step"]
-    assert lost == pytest.approx({"compute": 20.0, "exposed_comm": 5.0, "grad_norm": 1.0, "update": 2.0,
-                                  "other": 0.5, "total": 28.5})
-    assert sum(v for k, v in lost.items() if k != "total") == pytest.approx(lost["total"])
+    assert lost["sharing_the_machine"] == pytest.approx(
+        {"compute": 10.0, "exposed_comm": 0.0, "grad_norm": 0.0, "update": 1.0, "other": 0.0, "total": 11.0})
+    assert lost["data_parallelism"] == pytest.approx(
+        {"compute": 10.0, "exposed_comm": 5.0, "grad_norm": 1.0, "update": 1.0, "other": 0.5, "total": 17.5})
+    # the two parts make up everything between the lone process and the dp run
+    both = lost["sharing_the_machine"]["total"] + lost["data_parallelism"]["total"]
+    assert both == pytest.approx(dp["per_step_ms"]["step"] - alone["per_step_ms"]["step"])
+
+
+def test_concurrent_reference_runs_n_processes_at_once():
+    args = _args(["--model", "tiny", "--seq-len", "32", "--steps", "2", "--warmup", "1", "--rounds", "1"])
+    ref = bench_ddp.concurrent_reference(args, per_rank_batch=2, micro_batch=2, n=2, timeout=300)
+    assert ref["per_step_ms"]["compute"] > 0 and ref["per_step_ms"]["exposed_comm"] == 0.0
+    assert ref["tokens_per_s"] == pytest.approx(2 * 32 / (ref["per_step_ms"]["step"] / 1e3), rel=1e-6)

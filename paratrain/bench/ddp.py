@@ -11,11 +11,13 @@ communication after backward (what overlap did not hide).
 
 ``scaling``: the same per-rank work in ONE single-thread process, run first while the machine is
 otherwise idle, is the ceiling: n such processes' worth of tokens/s (on a 2-core machine, the
-2-core limit). Both runs time the phases of the trainer's step (``Trainer.phase_s``: forwards and
-backwards, grad norm, update; the strategy's exposed communication is split out of the first), so
-the tokens/s data parallelism loses are attributed per step: compute that got slower because n
-workers share the machine (caches, memory bandwidth, the communication threads), communication
-backward could not hide, the grad norm and the update, and the rest (data, the loop).
+2-core limit). Then n such processes run at once, with no communication at all: what n busy
+workers cost each other (shared caches, memory bandwidth). Every run times the phases of the
+trainer's step (``Trainer.phase_s``: forwards and backwards, grad norm, update; the strategy's
+exposed communication is split out of the first), so the milliseconds per step the dp run loses
+are attributed phase by phase: to sharing the machine (concurrent - alone), and to data
+parallelism itself (dp - concurrent: the communication threads competing with compute, the
+communication backward could not hide, the grad norm's collective, the rest of the loop).
 """
 
 from __future__ import annotations
@@ -69,8 +71,9 @@ def _phases(trainer: Trainer) -> dict[str, float]:
 
 
 def _per_step_ms(phases: list[dict], seconds_per_step: float) -> dict[str, float]:
-    """Median of each phase over the timed steps, in ms; ``other``: the rest of the measured step."""
-    out = {k: 1e3 * statistics.median(p[k] for p in phases) for k in phases[0]}
+    """Mean of each phase over the timed steps, in ms (means, like the step time, so that a slow
+    step shows in its phase); ``other``: the rest of the measured step (data, the loop)."""
+    out = {k: 1e3 * statistics.fmean(p[k] for p in phases) for k in phases[0]}
     out["other"] = max(0.0, 1e3 * seconds_per_step - sum(out.values()))
     out["step"] = 1e3 * seconds_per_step
     return out
@@ -98,16 +101,21 @@ def _paratrain_side(trainer: Trainer, args, env: DistEnv):
     return go
 
 
-def single_reference(args, per_rank_batch: int, micro_batch: int) -> dict:
+def _single_config(args, per_rank_batch: int, micro_batch: int, out: str) -> config.Config:
+    return config.validate(config.load(None, {
+        "model.name": args.model, "data.seq_len": args.seq_len, "train.global_batch": per_rank_batch,
+        "train.micro_batch": micro_batch, "train.steps": args.warmup + args.steps * args.rounds,
+        "train.out": out, "train.progress": False, "train.eval_every": 0, "train.threads": 1,
+        "parallel.nproc": 1}), 1)
+
+
+def single_reference(args, per_rank_batch: int, micro_batch: int, ready=None) -> dict:
     """The dp run's per-rank work (same rows per step, same micro-batches) in this one process, one
-    thread, nothing else running: tokens/s and the step's phases (ms)."""
+    thread: tokens/s and the step's phases (ms). ``ready()`` is called once the trainer is built,
+    just before the timed steps (``concurrent_reference`` lines its processes up there)."""
     threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory(prefix="paratrain-bench-single-") as out:
-        cfg = config.validate(config.load(None, {
-            "model.name": args.model, "data.seq_len": args.seq_len, "train.global_batch": per_rank_batch,
-            "train.micro_batch": micro_batch, "train.steps": args.warmup + args.steps * args.rounds,
-            "train.out": out, "train.progress": False, "train.eval_every": 0, "train.threads": 1,
-            "parallel.nproc": 1}), 1)
+        cfg = _single_config(args, per_rank_batch, micro_batch, out)
         try:
             trainer = Trainer(cfg)
             trainer.phase_sync = True
@@ -118,6 +126,8 @@ def single_reference(args, per_rank_batch: int, micro_batch: int) -> dict:
                 if i >= args.warmup:
                     phases.append(_phases(trainer))
 
+            if ready is not None:
+                ready()
             steps = args.steps * args.rounds
             seconds = time_steps(step, args.warmup, steps, lambda: sync_device(trainer.mesh.device))
         finally:
@@ -126,16 +136,57 @@ def single_reference(args, per_rank_batch: int, micro_batch: int) -> dict:
             "per_step_ms": _per_step_ms(phases, seconds / steps)}
 
 
-def scaling(single: dict, dp: dict, nproc: int) -> dict:
+def _concurrent_one(args, per_rank_batch: int, micro_batch: int, barrier, results) -> None:
+    results.put(single_reference(args, per_rank_batch, micro_batch, ready=barrier.wait))
+
+
+def concurrent_reference(args, per_rank_batch: int, micro_batch: int, n: int, timeout: float = 900.0) -> dict:
+    """n independent single-thread processes, each running ``single_reference`` at the same time (no
+    communication at all): what the machine gives n busy workers. Returns the slowest one."""
+    import multiprocessing as mp
+    import queue
+
+    with tempfile.TemporaryDirectory(prefix="paratrain-bench-single-") as out:
+        build_task(_single_config(args, per_rank_batch, micro_batch, out))  # tokenise once, here
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(n), ctx.Queue()
+    procs = [ctx.Process(target=_concurrent_one, args=(args, per_rank_batch, micro_batch, barrier, results),
+                         daemon=True) for _ in range(n)]
+    for p in procs:
+        p.start()
+    try:
+        out = [results.get(timeout=timeout) for _ in procs]
+    except queue.Empty:
+        raise RuntimeError(f"bench ddp: the {n} concurrent single processes did not finish in "
+                           f"{timeout:.0f} s") from None
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return min(out, key=lambda r: r["tokens_per_s"])
+
+
+def scaling(alone: dict, together: dict, dp: dict, nproc: int) -> dict:
     """dp tokens/s against n single processes' worth, and the per-step milliseconds that separate
-    them (the slowest rank's step minus the single process's, phase by phase)."""
-    ideal = nproc * single["tokens_per_s"]
-    one, many = single["per_step_ms"], dp["per_step_ms"]
-    lost = {k: many[k] - one[k] for k in one if k != "step"}
-    lost["total"] = many["step"] - one["step"]
-    return {"single_tokens_per_s": single["tokens_per_s"], "ideal_tokens_per_s": ideal,
-            "dp_tokens_per_s": dp["tokens_per_s"], "efficiency": dp["tokens_per_s"] / ideal,
-            "single_step_ms": one, "dp_step_ms": many, "lost_ms_per_step": lost}
+    them, phase by phase on the slowest rank: first what n busy processes cost each other with no
+    communication at all (``sharing_the_machine``: together - alone), then what data parallelism
+    adds on top (``data_parallelism``: dp - together)."""
+    def diff(a: dict, b: dict) -> dict:
+        out = {k: b[k] - a[k] for k in a if k != "step"}
+        out["total"] = b["step"] - a["step"]
+        return out
+
+    ideal = nproc * alone["tokens_per_s"]
+    limit = nproc * together["tokens_per_s"]
+    return {"single_tokens_per_s": alone["tokens_per_s"], "ideal_tokens_per_s": ideal,
+            "concurrent_tokens_per_s": limit, "dp_tokens_per_s": dp["tokens_per_s"],
+            "efficiency": dp["tokens_per_s"] / ideal, "efficiency_vs_concurrent": dp["tokens_per_s"] / limit,
+            "step_ms": {"alone": alone["per_step_ms"], "concurrent": together["per_step_ms"],
+                        "dp": dp["per_step_ms"]},
+            "lost_ms_per_step": {
+                "sharing_the_machine": diff(alone["per_step_ms"], together["per_step_ms"]),
+                "data_parallelism": diff(together["per_step_ms"], dp["per_step_ms"])}}
 
 
 def _torch_ddp_side(cfg: config.Config, task: LanguageModelTask, args, env: DistEnv, rows: slice):
@@ -180,7 +231,7 @@ def _worker(env: DistEnv, cfg_dict: dict, args: argparse.Namespace) -> dict:
     result["exposed_comm_fraction"] = statistics.median(r["exposed_comm_fraction"] for r in runs)
     result["buckets"] = len(trainer.par.strategy.buckets)
     # The slowest rank's phases (the step time is the slowest rank's too).
-    mine = _per_step_ms(ours.phases, statistics.median(r["seconds_per_step"] for r in runs))
+    mine = _per_step_ms(ours.phases, statistics.fmean(r["seconds_per_step"] for r in runs))
     every = [None] * env.world_size
     dist.all_gather_object(every, mine)  # raw torch: not part of either side's counted traffic
     result["per_step_ms"] = max(every, key=lambda ms: ms["step"])
@@ -191,7 +242,9 @@ def run(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="paratrain-bench-ddp-") as out:
         cfg = bench_config(args, out)
         task = build_task(cfg)  # tokenise once, here, before the workers start
-        single = single_reference(args, args.global_batch // args.nproc, cfg.micro_batch)
+        per_rank = args.global_batch // args.nproc
+        alone = single_reference(args, per_rank, cfg.micro_batch)
+        together = concurrent_reference(args, per_rank, cfg.micro_batch, args.nproc)
         result = spawn(_worker, args.nproc, cfg.to_dict(), args, timeout=None)[0]
     dp = {"tokens_per_s": result["paratrain_tokens_per_s"], "per_step_ms": result.pop("per_step_ms")}
     return {
@@ -200,6 +253,6 @@ def run(args) -> dict:
         "micro_batch": cfg.micro_batch, "bucket_mb": args.bucket_mb, "buckets": result.pop("buckets"),
         "peer": "torch DDP",
         **result,
-        "scaling": scaling(single, dp, args.nproc),
+        "scaling": scaling(alone, together, dp, args.nproc),
         "machine": machine(),
     }
