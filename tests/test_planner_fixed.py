@@ -146,27 +146,6 @@ def test_fit_gemm_recovers_a_known_machine():
     assert got.bytes_per_s == pytest.approx(truth.bytes_per_s, rel=1e-3)
 
 
-def test_local_measurement_is_cached(tmp_path, monkeypatch):
-    from paratrain.planner.hardware import local_cluster
-
-    monkeypatch.setenv("PARATRAIN_CACHE", str(tmp_path))
-    calls = []
-    fake = FittedGemm(call_s=10e-6, flops_per_s=40e9, bytes_per_s=5e9)
-    monkeypatch.setattr(calibrate, "gemm_rates", lambda shapes: calls.append(1) or [
-        {"m": m, "n": n, "k": k, "seconds": fake.seconds(m, n, k)} for m, n, k in shapes])
-    monkeypatch.setattr(calibrate, "op_overhead", lambda: {"elementwise_s": 7e-6, "linear_fwd_bwd_s": 5e-5})
-    monkeypatch.setattr(calibrate, "optimizer_tensor_s", lambda: 3e-5)
-    monkeypatch.setattr(calibrate, "memory_bandwidth", lambda: 6e9)
-    monkeypatch.setattr(calibrate, "block_seconds", lambda: 0.01)
-    first = local_cluster(2)
-    second = local_cluster(2)
-    assert len(calls) == 1 and len(list(tmp_path.glob("machine-*.json"))) == 1
-    assert first.device == second.device
-    # the per-op cost is the measured block's time less its modelled GEMMs and bytes, per op
-    assert 7e-6 < first.device.op_s < 0.01 / first.device.ops_per_block
-    assert first.device.fp32_peak_flops == pytest.approx(40e9, rel=1e-3)
-
-
 def test_op_counts_are_those_of_the_model():
     counts = calibrate.count_ops()
     assert counts["block"] > 20 and counts["rest"] > 5

@@ -2,10 +2,13 @@
 
 The planner's local cluster (``--cluster local``) is this machine as paratrain uses it: one worker
 process per core, one thread each. What limits a tiny model there is not the peak of a large
-matmul but (a) how slowly small matmuls run and (b) the fixed cost of every op dispatched from
-Python (autograd, allocator, the kernel call itself). Both are measured here, in seconds, and
-cached under ``~/.cache/paratrain`` (keyed by the CPU model, core count, torch version and thread
-count) so that a second ``paratrain plan --cluster local`` costs nothing.
+matmul but (a) how slowly small matmuls run, (b) the fixed cost of every op dispatched from
+Python (autograd, allocator, the kernel call itself), (c) the work after backward (norm, clip,
+AdamW's per-tensor loop, zero_grad) and, with several workers, (d) gloo's per-collective latency
+and the workers' contention (calibrate_workers.py). All are measured here, in seconds (~10 s,
+most of it starting two workers), and cached under ``~/.cache/paratrain`` (keyed by the CPU model,
+core count, torch version, thread count and ``CACHE_VERSION``) so that a second
+``paratrain plan --cluster local`` costs nothing.
 
 The same ``gemm_rates`` runs on a GPU to record a preset's curve (docs/planner.md).
 """
@@ -75,16 +78,45 @@ def op_overhead(device=None, seconds: float = 0.05) -> dict:
     return {"elementwise_s": elementwise, "linear_fwd_bwd_s": autograd}
 
 
-def optimizer_tensor_s(n_tensors: int = 32, seconds: float = 0.05) -> float:
-    """Seconds per parameter tensor of paratrain's optimizer step (AdamW's per-tensor loop,
-    foreach=False, as the trainer runs it) plus zero_grad, on tiny tensors: its fixed cost."""
+def post_step_seconds(seconds: float = 0.05) -> dict:
+    """Seconds of the trainer's work after backward, per parameter tensor and per element: the
+    gradient norm, the clip multiply, AdamW's step (foreach=False: the per-tensor loop the trainer
+    runs on a CPU, engine/strategy.py ``multi_tensor_kernels``), the state count and zero_grad,
+    run by paratrain's own ``Strategy`` on 64 tiny tensors and on 4 large ones (2**18 elements:
+    out of the caches, as a real model's state is). ZeRO runs the same steps on its flat pieces."""
     import torch
+    import torch.nn as nn
 
-    params = [torch.nn.Parameter(torch.randn(64)) for _ in range(n_tensors)]
-    for p in params:
-        p.grad = torch.randn(64)
-    opt = torch.optim.AdamW(params, lr=1e-3, foreach=False)
-    return min(time_op(opt.step, torch.device("cpu"), seconds) for _ in range(3)) / n_tensors
+    from paratrain.config import OptimConfig
+    from paratrain.engine.strategy import Strategy
+    from paratrain.mesh import MeshShape, ParallelMesh
+
+    def per_step(n_tensors: int, numel: int) -> float:
+        module = nn.Module()
+        module.ps = nn.ParameterList([nn.Parameter(torch.randn(numel)) for _ in range(n_tensors)])
+        strategy = Strategy(module, ParallelMesh(MeshShape(1, 1, 1)), OptimConfig())
+        grads = [torch.randn(numel) for _ in range(n_tensors)]
+
+        def step():
+            for p, g in zip(module.parameters(), grads):
+                p.grad = g.clone()
+            start = time.perf_counter()
+            strategy.grad_norm()
+            strategy.scale_grads(0.5)
+            strategy.step(1e-3)
+            strategy.state_bytes()
+            strategy.zero_grad()
+            return time.perf_counter() - start
+
+        step()
+        times, start = [], time.perf_counter()
+        while len(times) < 5 or time.perf_counter() - start < seconds:
+            times.append(step())
+        return sorted(times)[len(times) // 2]
+
+    small, large = per_step(64, 64), per_step(4, 2**18)
+    tensor_s = small / 64
+    return {"tensor_s": tensor_s, "element_s": max(large - 4 * tensor_s, 0.0) / (4 * 2**18)}
 
 
 GEMM_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear"}
@@ -123,30 +155,57 @@ def count_ops() -> dict:
     return {"block": two - one, "rest": one - (two - one)}
 
 
-OVERHEAD_TOKENS = 16  # one sequence of 16 tokens: the GEMMs are negligible, the fixed costs are not
+CONTEXT_TOKENS = (32, 256)  # one sequence of 32 tokens (fixed costs dominate) and 8 of them
 
 
-def block_seconds(seconds: float = 0.2) -> float:
-    """Seconds of one paratrain block's forward + backward (tiny shape, OVERHEAD_TOKENS tokens),
-    the difference of a 2-block and a 1-block model: what autograd, dispatch and the allocator
-    really cost per op, once divided by the op count (hardware.local_cluster)."""
+def context_seconds(seconds: float = 0.3, rounds: int = 3) -> dict:
+    """Forward + backward of a 1-block and a 2-block tiny paratrain model at CONTEXT_TOKENS tokens,
+    each timed inside a training loop (an AdamW step and zero_grad between the timed passes, as the
+    trainer runs them, so caches and the allocator are in the state a real step finds them).
+
+    The difference of the two models is one block; the 1-block model less a block is the rest
+    (embedding, final norm, head, loss). At the small count the fixed cost per op dominates; the
+    growth to the large count is what the token-proportional work (GEMMs, attention, elementwise
+    ops) really costs in a model, which standalone GEMM timings with hot caches underestimate
+    (hardware.local_cluster turns both into the op model's constants). The same models with full
+    recomputation (``*_rc``, memory/recompute.py) give what re-running a block's forward under
+    torch's checkpoint really costs."""
     import torch
     import torch.nn.functional as F
 
+    from paratrain.memory.recompute import apply_recompute
     from paratrain.models import build_model
     from paratrain.models.llama import preset
 
-    def run(layers: int) -> float:
+    def loop(layers: int, tokens: int, recompute: bool):
         torch.manual_seed(0)
-        model = build_model(preset("tiny", n_layers=layers))
-        x = torch.randint(0, 512, (1, OVERHEAD_TOKENS))
+        model = apply_recompute(build_model(preset("tiny", n_layers=layers)), "full" if recompute else "none")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+        x = torch.randint(0, 512, (tokens // 32, 32))
 
-        def step():
+        def timed() -> float:
+            start = time.perf_counter()
             F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten()).backward()
+            elapsed = time.perf_counter() - start
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return elapsed
+        timed()
+        return timed
 
-        return min(time_op(step, torch.device("cpu"), seconds) for _ in range(3))
-
-    return max(run(2) - run(1), 0.0)
+    # Rounds alternate the four cases, so a slow spell of the host (a shared core) hits all alike.
+    cases = {(layers, tokens, rc): loop(layers, tokens, rc)
+             for tokens in CONTEXT_TOKENS for layers in (1, 2) for rc in (False, True)}
+    times: dict = {key: [] for key in cases}
+    for _ in range(rounds):
+        for key, timed in cases.items():
+            start = time.perf_counter()
+            while time.perf_counter() - start < seconds / rounds or len(times[key]) < 3:
+                times[key].append(timed())
+    median = {key: sorted(ts)[len(ts) // 2] for key, ts in times.items()}
+    return {"tokens": list(CONTEXT_TOKENS), **{
+        f"{name}{'_rc' if rc else ''}": [median[layers, t, rc] for t in CONTEXT_TOKENS]
+        for name, layers in (("one", 1), ("two", 2)) for rc in (False, True)}}
 
 
 def memory_bandwidth(device=None, nbytes: int = 64 * 2**20, seconds: float = 0.1) -> float:
@@ -178,6 +237,10 @@ def fit_gemm(points: list[dict]):
     return FittedGemm(call_s=a, flops_per_s=1.0 / inv_r, bytes_per_s=1.0 / inv_b)
 
 
+#: Bumped whenever what is measured changes, so an older cache is measured again.
+CACHE_VERSION = 2
+
+
 def _cache_path() -> Path:
     import torch
 
@@ -187,14 +250,16 @@ def _cache_path() -> Path:
             cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
     except OSError:
         pass
-    key = f"{cpu}-{os.cpu_count()}cores-torch{torch.__version__}-1thread"
+    key = f"{cpu}-{os.cpu_count()}cores-torch{torch.__version__}-1thread-v{CACHE_VERSION}"
     safe = "".join(ch if ch.isalnum() or ch in "-._" else "_" for ch in key)
     root = Path(os.environ.get("PARATRAIN_CACHE", Path.home() / ".cache" / "paratrain"))
     return root / f"machine-{safe}.json"
 
 
 def measure_local(refresh: bool = False) -> dict:
-    """This machine's single-thread matmul curve, op overhead and memory bandwidth (cached)."""
+    """This machine as paratrain's workers see it (cached): the single-thread matmul curve, op
+    overhead, a block in context, the post-backward step, the memory bandwidth, and with two or
+    more cores gloo's collectives and the workers' contention (calibrate_workers.py)."""
     import torch
 
     path = _cache_path()
@@ -207,11 +272,16 @@ def measure_local(refresh: bool = False) -> dict:
     torch.set_num_threads(1)  # a worker runs one thread
     try:
         data = {"gemm": gemm_rates(LOCAL_SHAPES), "overhead": op_overhead(),
-                "optimizer_tensor_s": optimizer_tensor_s(), "ops": count_ops(),
-                "block_s": block_seconds(),
-                "memory_bandwidth": memory_bandwidth(), "measured_at": time.time()}
+                "post_step": post_step_seconds(), "ops": count_ops(), "context": context_seconds(),
+                "memory_bandwidth": memory_bandwidth()}
     finally:
         torch.set_num_threads(threads)
+    workers = os.cpu_count() or 1
+    if workers > 1:
+        from paratrain.planner.calibrate_workers import measure_workers
+
+        data["workers"] = measure_workers(workers)
+    data["measured_at"] = time.time()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")

@@ -65,6 +65,7 @@ def parser() -> argparse.ArgumentParser:
     o.add_argument("--validate", action="store_true",
                    help="with --cluster local: run the top plans briefly and compare tokens/s")
     o.add_argument("--validate-steps", type=int, default=6)
+    o.add_argument("--validate-top", type=int, default=3, help="how many of the top plans --validate runs")
     return p
 
 
@@ -109,7 +110,8 @@ def check_numbers(args) -> None:
 
     positive = {"--gpus": args.gpus, "--gpus-per-node": args.gpus_per_node, "--seq-len": args.seq_len,
                 "--global-batch": args.global_batch, "--micro-batch": args.micro_batch, "--top": args.top,
-                "--validate-steps": args.validate_steps, "--params": args.params,
+                "--validate-steps": args.validate_steps, "--validate-top": args.validate_top,
+                "--params": args.params,
                 "--gpu-memory": args.gpu_memory, "--peak-tflops": args.peak_tflops, "--dp": args.dp,
                 "--tp": args.tp, "--pp": args.pp, "--virtual-stages": args.virtual_stages, "--ep": args.ep,
                 "--tile": args.tile}
@@ -282,7 +284,7 @@ def run(args) -> int:
     if args.plot:
         print(f"memory plot: {plot(result.plans, args.plot)}", file=sys.stderr if args.json else sys.stdout)
     if args.validate:
-        validate(args, c, result)
+        validate(args, c, result, top=args.validate_top)
     return 0
 
 

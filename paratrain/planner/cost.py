@@ -109,9 +109,31 @@ def hardware_flops_per_token(c: LlamaConfig, seq: int, recompute: str) -> float:
 # -- alpha-beta collectives ---------------------------------------------------------------------------
 
 
+def measured_time(kind: str, nbytes: float, n: int, link: Link) -> float | None:
+    """Seconds of one `kind` collective of `nbytes` payload from the link's measured curve (the
+    local machine), or None when the link has none: linear between the measured sizes, the last
+    segment's slope beyond the largest, the smallest's time below it. A group of n ranks other than
+    the measured one scales by the ring's hop count, (n - 1) / (measured - 1)."""
+    curve = link.curve(kind)
+    if curve is None:
+        return None
+    ranks, points = curve
+    points = sorted(points)
+    if nbytes <= points[0][0]:
+        t = points[0][1]
+    else:
+        (b0, t0), (b1, t1) = next(((a, b) for a, b in zip(points, points[1:]) if nbytes <= b[0]),
+                                  tuple(points[-2:]))
+        t = t0 + (nbytes - b0) * max(t1 - t0, 0.0) / (b1 - b0)
+    return t * (n - 1) / max(ranks - 1, 1)
+
+
 def all_reduce_time(nbytes: float, n: int, link: Link) -> float:
     if n <= 1:
         return 0.0
+    measured = measured_time("all_reduce", nbytes, n, link)
+    if measured is not None:
+        return measured
     return 2 * (n - 1) * link.latency + 2 * (n - 1) / n * nbytes / link.bandwidth
 
 
@@ -119,14 +141,23 @@ def all_gather_time(nbytes: float, n: int, link: Link) -> float:
     """nbytes: the full (gathered) tensor; reduce-scatter costs the same."""
     if n <= 1:
         return 0.0
+    measured = measured_time("all_gather", nbytes, n, link)
+    if measured is not None:
+        return measured
     return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
 
 
-reduce_scatter_time = all_gather_time
+def reduce_scatter_time(nbytes: float, n: int, link: Link) -> float:
+    """nbytes: the full (input) tensor."""
+    if n <= 1:
+        return 0.0
+    measured = measured_time("reduce_scatter", nbytes, n, link)
+    return all_gather_time(nbytes, n, link) if measured is None else measured
 
 
 def p2p_time(nbytes: float, link: Link) -> float:
-    return link.latency + nbytes / link.bandwidth
+    measured = measured_time("send", nbytes, 2, link)
+    return link.latency + nbytes / link.bandwidth if measured is None else measured
 
 
 def all_to_all_time(nbytes: float, n: int, link: Link) -> float:
@@ -215,7 +246,8 @@ def op_env(cluster: Cluster, precision: str) -> OpEnv:
         gemm = GemmModel(cluster.efficiency, gemm.sms, flash=gemm.flash)  # --efficiency: the ceiling
     # Streaming copies reach ~90% of the datasheet bandwidth (docs/planner.md).
     bw = dev.memory_bandwidth * (1.0 if cluster.local else 0.9)
-    return OpEnv(gemm, dev.peak_for(precision), bw, dev.op_s, dev.ops_per_block, dev.ops_rest)
+    return OpEnv(gemm, dev.peak_for(precision), bw, dev.op_s, dev.ops_per_block, dev.ops_rest,
+                 dev.in_context)
 
 
 def stage_costs(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster, counts: list[int] | None = None
@@ -327,10 +359,14 @@ def step_time(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster) -> St
     # recompute repeats the forward's two. Exposed: they sit between dependent matmuls.
     tp_link = group_link(cluster, lay, "tp")
     act = mb_tokens * c.dim * e
-    per_collective = (2 * all_gather_time(act, lay.tp, tp_link) if lay.sp
-                      else all_reduce_time(act, lay.tp, tp_link))
+    per_collective = (all_gather_time(act, lay.tp, tp_link) + reduce_scatter_time(act, lay.tp, tp_link)
+                      if lay.sp else all_reduce_time(act, lay.tp, tp_link))
     n_coll = 4 + (2 if lay.recompute == "full" else 0)
     embed = all_reduce_time(act, lay.tp, tp_link)  # the vocab-parallel embedding's output
+    if cluster.local and lay.tp > 1 and busiest == lay.pp - 1:
+        # as paratrain's trainer issues them: the head's input operator f (an all-reduce of its
+        # input gradient) and the vocab-parallel loss's max and sum all-reduces ([tokens] floats)
+        embed += all_reduce_time(act, lay.tp, tp_link) + 2 * all_reduce_time(mb_tokens * 4, lay.tp, tp_link)
     mb_tp = layers[busiest] * n_coll * per_collective + embed
 
     # Pipeline: one activation forward and one gradient backward per micro-batch and boundary.
@@ -343,7 +379,17 @@ def step_time(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster) -> St
     mb_ep = n_moe * (6 if lay.recompute == "full" else 4) * all_to_all_time(
         a2a_bytes(c, tr, lay), lay.ep, group_link(cluster, lay, "ep"))
 
-    mb_time = mb_compute + mb_recompute + mb_tp + mb_pp + mb_ep
+    if cluster.local:  # full recompute as torch's checkpoint really costs it (measured)
+        mb_recompute *= cluster.device.recompute_scale if lay.recompute == "full" else 1.0
+    mb_time = mb_compute + mb_recompute + mb_tp + mb_pp + mb_ep  # (the bubble: stages idle)
+    if cluster.local and lay.world > 1:  # workers computing at once slow each other (measured)
+        slow = cluster.contention
+        if lay.pp == lay.world:  # a pipeline alone: during its fill and drain only one stage computes
+            alone = m if lay.schedule == "naive" else min(m, (lay.pp - 1) / lay.v)
+            slow = 1 + (slow - 1) * (m - alone) / m
+        else:
+            mb_time += (slow - 1) * (mb_compute + mb_recompute)
+        mb_compute, mb_recompute = mb_compute * slow, mb_recompute * slow
     if lay.pp > 1 and lay.schedule == "naive":
         bubble = m * (lay.pp - 1) * mb_time  # one micro-batch in the pipe at a time
     else:
@@ -352,14 +398,22 @@ def step_time(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster) -> St
     psi = stage_params(c, lay.tp, lay.pp, lay.v, counts, lay.ep)[busiest]
     experts = stage_expert_params(c, lay.tp, lay.pp, lay.v, counts, lay.ep)[busiest]
     stage_imbalance = imbalance([x[0] for x in costs]) if lay.pp > 1 else 0.0
-    dp_comm = _dp_exposed(c, tr, lay, cluster, mb_compute, m, psi - experts, experts)
-    optimizer, offload = _optimizer_time(tr, lay, cluster, _shard(psi - experts, experts, lay), m)
-    # The optimizer's fixed cost per parameter tensor (its per-tensor loop): 9 per block (an MoE
-    # block: 6, the router and 3 per local expert), the embedding on the first stage, the final
-    # norm and head on the last.
+    first, last = busiest == 0, busiest == lay.pp - 1
+    # Parameter tensors of the busiest rank: 9 per block (an MoE block: 6, the router and 3 per
+    # local expert), the embedding on the first stage, the final norm and head on the last.
     tensors = (9 * layers[busiest] + n_moe * (3 * (c.n_experts // lay.ep) + 1 - 3)
-               + (1 if busiest == 0 else 0) + (2 if busiest == lay.pp - 1 else 0))
-    optimizer += tensors * cluster.device.optimizer_tensor_s
+               + (1 if first else 0) + (2 if last else 0))
+    if cluster.local and lay.offload == "none":
+        from paratrain.planner.local import local_dp_comm, post_step
+
+        dp_comm = local_dp_comm(c, tr, lay, cluster, mb_compute, m, psi, layers[busiest], first, last)
+        optimizer = post_step(c, tr, lay, cluster, psi, tensors, layers[busiest], first, last)
+        offload = 0.0
+    else:
+        dp_comm = _dp_exposed(c, tr, lay, cluster, mb_compute, m, psi - experts, experts)
+        optimizer, offload = _optimizer_time(tr, lay, cluster, _shard(psi - experts, experts, lay), m)
+        # The optimizer's fixed cost per parameter tensor (its per-tensor loop).
+        optimizer += tensors * cluster.device.optimizer_tensor_s
     tokens = tr.global_batch * tr.seq_len
     return StepTime(compute=m * mb_compute, recompute=m * mb_recompute, bubble=bubble, tp_comm=m * mb_tp,
                     pp_comm=m * mb_pp, dp_comm=dp_comm, optimizer=optimizer, offload=offload,

@@ -28,7 +28,10 @@ class Device:
     op_s: float = 0.0  # fixed cost per non-GEMM op (measured on the local machine)
     ops_per_block: float = 0.0  # non-GEMM ops of one block, forward + backward (local machine)
     ops_rest: float = 0.0  # those of the embedding, final norm, head and loss
-    optimizer_tensor_s: float = 0.0  # fixed cost of the optimizer step per parameter tensor
+    optimizer_tensor_s: float = 0.0  # the post-backward step (norm, clip, AdamW, zero_grad) per tensor
+    optimizer_element_s: float = 0.0  # ... and per element (local machine; 0: the bytes model instead)
+    in_context: float = 1.0  # local: token-proportional work in a model / its standalone model (measured)
+    recompute_scale: float = 1.0  # local: measured cost of full recompute / the modelled block forward
 
     def peak_for(self, precision: str) -> float:
         return self.fp32_peak_flops if precision == "fp32" else self.peak_flops
@@ -39,6 +42,13 @@ class Link:
     name: str
     bandwidth: float  # bytes/s per device, one direction (the beta of the alpha-beta model)
     latency: float  # seconds per message hop (alpha)
+    # Measured collectives (the local machine): (kind, ranks, ((payload bytes, seconds), ...)),
+    # used instead of alpha-beta for that kind (cost.collective_seconds).
+    measured: tuple = ()
+
+    def curve(self, kind: str):
+        """(ranks, points) measured for `kind`, or None."""
+        return next(((n, pts) for k, n, pts in self.measured if k == kind), None)
 
 
 # A training run's GEMMs do not sustain a shape sweep's best: clocks drop under the whole step's
@@ -98,6 +108,7 @@ class Cluster:
     efficiency: float | None = None  # --efficiency: overrides the GEMM curve's ceiling (large matmuls)
     overlap: float = 0.9  # fraction of overlappable communication actually hidden
     local: bool = False
+    contention: float = 1.0  # local: compute slowdown when every worker computes at once (measured)
 
     def __post_init__(self):
         if self.n_devices < 1:
@@ -166,52 +177,109 @@ def host_memory_bytes() -> float:
     return 8.0 * GiB
 
 
-def _op_seconds(data: dict, gemm: FittedGemm, bandwidth: float) -> float:
-    """The fixed cost of one op as a model really pays it: a tiny block's measured forward +
-    backward, less its modelled GEMMs and memory traffic, over its op count (never below a bare
-    elementwise op's dispatch)."""
+def _in_context(data: dict, gemm: FittedGemm, bandwidth: float, ops: dict, bare: float
+                ) -> tuple[float, float]:
+    """(op_s, in_context) from the 1- and 2-block tiny models timed in a training loop
+    (calibrate.context_seconds): seconds = ops x op_s + in_context x (the op model's GEMMs,
+    attention and memory-bound bytes), least squares in relative error over the four timings.
+
+    op_s is what each dispatched op costs beyond its arithmetic (Python, autograd, allocator);
+    in_context how much slower the token-proportional work runs inside a model than the
+    standalone GEMM fit and copy bandwidth say (caches shared with the rest of the step)."""
+    import numpy as np
+
     from paratrain.models.llama import preset
-    from paratrain.planner.calibrate import OVERHEAD_TOKENS
+    from paratrain.planner.ops import OpEnv, block_costs, embed_costs, head_costs
+
+    env = OpEnv(gemm, gemm.flops_per_s, bandwidth)
+    tiny = preset("tiny")
+    ctx = data["context"]
+    rows, y = [], []
+    for tokens, one, two in zip(ctx["tokens"], ctx["one"], ctx["two"]):
+        kw = {"seq": 32, "micro_batch": tokens // 32, "act_bytes": 4}
+        blk = block_costs(tiny, env, **kw).total
+        rest = head_costs(tiny, env, **kw).total + embed_costs(tiny, env, **kw).total
+        for layers, t in ((1, one), (2, two)):
+            rows.append([(layers * ops["block"] + ops["rest"]) / t, (layers * blk + rest) / t])
+            y.append(1.0)
+    (op_s, scale), *_ = np.linalg.lstsq(np.array(rows), np.array(y), rcond=None)
+    return max(float(op_s), bare), max(float(scale), 1.0)
+
+
+def _recompute_scale(data: dict, gemm: FittedGemm, bandwidth: float, ops: dict, op_s: float,
+                     in_context: float) -> float:
+    """Measured extra seconds of full recomputation (the ``*_rc`` context timings less the plain
+    ones) over the op model's block forward times the blocks, least squares over the four cases:
+    torch's checkpoint re-runs the forward and adds its own bookkeeping."""
+    from paratrain.models.llama import preset
     from paratrain.planner.ops import OpEnv, block_costs
 
-    bare = data["overhead"]["elementwise_s"]
-    if "block_s" not in data:
-        return bare
-    env = OpEnv(gemm, gemm.flops_per_s, bandwidth)
-    rest = block_costs(preset("tiny"), env, seq=OVERHEAD_TOKENS, micro_batch=1, act_bytes=4).total
-    return max(bare, (data["block_s"] - rest) / max(data["ops"]["block"], 1))
+    ctx = data["context"]
+    if "two_rc" not in ctx:
+        return 1.0
+    env = OpEnv(gemm, gemm.flops_per_s, bandwidth, op_s, ops["block"], ops["rest"], in_context)
+    num = den = 0.0
+    for i, tokens in enumerate(ctx["tokens"]):
+        fwd = block_costs(preset("tiny"), env, seq=32, micro_batch=tokens // 32, act_bytes=4).forward
+        for layers, name in ((1, "one"), (2, "two")):
+            extra, model = ctx[f"{name}_rc"][i] - ctx[name][i], layers * fwd
+            num, den = num + extra * model, den + model * model
+    return max(num / den, 1.0) if den > 0 else 1.0
+
+
+def _loopback(workers: dict | None) -> Link:
+    """gloo on loopback: the measured collectives (calibrate_workers.py), or the nominal link."""
+    loop = LINKS["loopback"]
+    if not workers:
+        return loop
+    from paratrain.planner.calibrate_workers import fit_collective
+
+    n = workers["n"]
+    measured = tuple((kind, n, tuple((r["bytes"], r["seconds"]) for r in rows))
+                     for kind, rows in workers["collectives"].items())
+    a, c = fit_collective(workers["collectives"]["all_reduce"])  # alpha-beta for the description
+    return Link("loopback (measured)", 2 * (n - 1) / n / c, a / (2 * (n - 1)), measured)
 
 
 def local_cluster(n_devices: int | None = None, *, measure: bool = True) -> Cluster:
     """This machine as paratrain uses it: n worker processes, 1 thread each, fp32, gloo loopback.
 
-    measure=True: the single-thread matmul curve (fitted), the fixed cost of one op, the ops a block
-    dispatches, the optimizer's cost per tensor and the memory bandwidth, measured once and cached
-    (paratrain.planner.calibrate). measure=False: nominal figures of a 2020s x86 core (tests). The
-    memory of a "device" is the machine's RAM divided among the workers; links are gloo on loopback
-    (DESIGN.md section 5).
+    measure=True (calibrate.measure_local, once, cached): the single-thread matmul curve (fitted);
+    the fixed cost of one op and how much slower token-proportional work runs inside a model than
+    standalone (``_in_context``, from a real block timed in a training loop at two token counts);
+    full recompute's real cost (``_recompute_scale``); the step after backward per tensor and per
+    element; the memory bandwidth; and, with two or more cores, gloo's collectives (the links'
+    measured curves, ``_loopback``) and the contention factor of busy workers
+    (calibrate_workers.py). measure=False: nominal figures of a 2020s x86 core and the nominal
+    loopback link (tests). The memory of a "device" is the machine's RAM divided among the workers.
     """
     n = n_devices or os.cpu_count() or 1
+    workers, contention = None, 1.0
     if measure:
         from paratrain.planner.calibrate import fit_gemm, measure_local
 
         data = measure_local()
         gemm = fit_gemm(data["gemm"])
-        bw, ops, opt_s = data["memory_bandwidth"], data["ops"], data["optimizer_tensor_s"]
-        op_s = _op_seconds(data, gemm, bw)
+        bw, ops = data["memory_bandwidth"], data["ops"]
+        op_s, in_context = _in_context(data, gemm, bw, ops, data["overhead"]["elementwise_s"])
+        recompute = _recompute_scale(data, gemm, bw, ops, op_s, in_context)
+        opt_s, opt_e = data["post_step"]["tensor_s"], data["post_step"]["element_s"]
+        workers = data.get("workers")
+        contention = workers["contention"] if workers else 1.0
     else:
         gemm, op_s, bw = FittedGemm(call_s=5e-6, flops_per_s=60e9, bytes_per_s=10e9), 5e-6, 10e9
         # op counts as calibrate.count_ops finds them for paratrain's Llama under torch 2.13
-        ops, opt_s = {"block": 235, "rest": 48}, 60e-6
+        ops, opt_s, opt_e, in_context, recompute = {"block": 235, "rest": 48}, 60e-6, 4e-9, 1.0, 1.0
     peak = gemm.flops_per_s
     ram = host_memory_bytes()
     # bf16 matmuls run 5-100x slower than fp32 on an AVX2 CPU (no bf16 instructions): peak / 10.
     device = Device("cpu-worker", ram / n, peak / 10, peak, bw,
                     runtime_overhead_bytes=650 * 2**20,  # a worker with torch + gloo: ~650 MiB RSS
                     gemm=gemm, op_s=op_s, ops_per_block=ops["block"], ops_rest=ops["rest"],
-                    optimizer_tensor_s=opt_s)
-    loop = LINKS["loopback"]
+                    optimizer_tensor_s=opt_s, optimizer_element_s=opt_e, in_context=in_context,
+                    recompute_scale=recompute)
+    loop = _loopback(workers)
     # On CPU the "host" is the device: offload moves bytes within RAM (memcpy speed).
     return Cluster(device, n, n, loop, loop, host_memory_per_device=0.0,
                    host_link=Link("memcpy", 5e9, 1e-6), disk_bandwidth=1e9, cpu_adam_params_per_s=2e8,
-                   overlap=0.3, local=True)
+                   overlap=0.3, local=True, contention=contention)

@@ -103,6 +103,9 @@ class OpEnv:
     op_s: float = 0.0  # fixed cost of one non-GEMM op (forward or backward)
     ops_per_block: float = 0.0  # non-GEMM ops of one block, forward + backward
     ops_rest: float = 0.0  # those of the embedding, final norm, head and loss
+    # Local machine: how much slower GEMMs, attention and memory-bound ops run inside a model's
+    # training step than standalone (measured: hardware._in_context); 1 on a GPU preset.
+    in_context: float = 1.0
 
 
 def mlp_shapes(c: LlamaConfig, t: float, *, tp: int = 1, moe: bool = False, ep: int = 1
@@ -163,8 +166,10 @@ def block_costs(c: LlamaConfig, env: OpEnv, *, seq: int, micro_batch: int, tp: i
     mem_fwd_s = t * (replicated + split) / env.bandwidth + scores_fwd
     mem_tot_s = 3 * (mem_fwd_s - scores_fwd) + scores_fwd + scores_bwd
     dispatch = env.ops_per_block * env.op_s
-    return Costs(gemm=tot_g, attention=attn_tot, memory=mem_tot_s, dispatch=dispatch,
-                 forward=fwd_g + attn_fwd + mem_fwd_s + dispatch / 3, attention_forward=attn_fwd + scores_fwd)
+    k = env.in_context
+    return Costs(gemm=k * tot_g, attention=k * attn_tot, memory=k * mem_tot_s, dispatch=dispatch,
+                 forward=k * (fwd_g + attn_fwd + mem_fwd_s) + dispatch / 3,
+                 attention_forward=k * (attn_fwd + scores_fwd))
 
 
 def head_costs(c: LlamaConfig, env: OpEnv, *, seq: int, micro_batch: int, tp: int = 1, sp: bool = False,
@@ -177,7 +182,9 @@ def head_costs(c: LlamaConfig, env: OpEnv, *, seq: int, micro_batch: int, tp: in
     # gradient; the final norm reads and writes h.
     mem = t * (4 * 4 * v + act_bytes * 2 * 2 * c.dim / (tp if sp else 1)) / env.bandwidth
     dispatch = max(env.ops_rest - EMBED_OPS, 0.0) * env.op_s
-    return Costs(gemm=tot_g, attention=0.0, memory=mem, dispatch=dispatch, forward=fwd_g + mem / 2)
+    k = env.in_context
+    return Costs(gemm=k * tot_g, attention=0.0, memory=k * mem, dispatch=dispatch,
+                 forward=k * (fwd_g + mem / 2))
 
 
 def embed_costs(c: LlamaConfig, env: OpEnv, *, seq: int, micro_batch: int, tp: int = 1,
@@ -185,6 +192,6 @@ def embed_costs(c: LlamaConfig, env: OpEnv, *, seq: int, micro_batch: int, tp: i
     """Embedding lookup (a gather of t rows) and its backward (a scatter-add into the table's
     gradient, which is zeroed and read once per step: counted here per micro-batch)."""
     t = seq * micro_batch
-    mem = 3 * t * c.dim * act_bytes / env.bandwidth
+    mem = 3 * t * c.dim * act_bytes / env.bandwidth * env.in_context
     return Costs(gemm=0.0, attention=0.0, memory=mem, dispatch=min(EMBED_OPS, env.ops_rest) * env.op_s,
                  forward=mem / 3)

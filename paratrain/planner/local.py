@@ -1,0 +1,173 @@
+"""The local machine's per-step terms: collectives counted as paratrain issues them, and the work
+after backward, per tensor and per element.
+
+On a GPU cluster a collective's latency is microseconds and the optimizer is a bandwidth-bound
+sweep: cost.py's alpha-beta volumes and bytes/bandwidth suffice. On this machine (gloo on loopback,
+one thread per worker, a tiny model) each collective costs ~0.2-1 ms whatever its size and the
+optimizer's per-tensor Python loop dominates its arithmetic, so the *number* of collectives and
+of tensors decides between layouts. Both are counted here from the code that issues them:
+
+* DDP (data_parallel/ddp.py): one all-reduce per bucket; the first bucket is capped at 1 MiB
+  (``FIRST_BUCKET_BYTES``, as PyTorch's DDP), the others at ``bucket_mb``. The gradient norm needs
+  no collective (every rank holds every gradient).
+* ZeRO-1/2 (zero/optimizer.py): buckets per key (decayed matrices, undecayed norm gains), each
+  closed at ``bucket_mb``; per bucket one reduction (on gloo an all-reduce of the whole bucket,
+  comm/collectives.py ``REDUCE_SCATTER_VIA``) and one all-gather of the updated parameters after the
+  step. ZeRO-2 launches the reductions from backward hooks (overlappable), ZeRO-1 after backward.
+* ZeRO-3 (zero/fsdp.py): per micro-batch each unit (the embedding, each block, final norm + head)
+  is all-gathered before its forward and again before its backward (prefetched one unit ahead);
+  its gradients are reduced once per step (the last micro-batch; ``no_sync`` before it).
+* Every layout but pure data parallelism all-reduces the squared gradient norm (a scalar).
+
+The step after backward (norm, clip, AdamW, state count, zero_grad; calibrate.post_step_seconds)
+costs per tensor it loops over and per element: the parameters' tensors without ZeRO, the flat
+pieces of the rank's shard with it. Everything computed at once by all workers is slowed by the
+measured contention factor (calibrate_workers.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+from paratrain.models.llama import LlamaConfig
+from paratrain.planner.cost import all_gather_time, all_reduce_time, group_link
+from paratrain.planner.hardware import Cluster
+from paratrain.planner.memory import Layout, Training, layer_params_local, state_bytes_per_param
+
+FIRST_BUCKET_BYTES = 2**20  # data_parallel/ddp.py: PyTorch DDP's cap for the first bucket
+
+
+def param_numels(c: LlamaConfig, tp: int, blocks: int, first: bool, last: bool) -> list[tuple[int, bool]]:
+    """(elements, is a norm gain) of a stage's parameter tensors on one tp rank, in registration
+    order (models/llama.py): the embedding; per block the attention norm, wq, wk, wv, wo, the MLP
+    norm, gate, up, down; the final norm and the LM head."""
+    kv = c.n_kv_heads * c.head_dim
+    kv_local = kv // tp if c.n_kv_heads % tp == 0 else kv
+    h, f = c.dim, c.ffn_dim
+    vocab = math.ceil(c.vocab_size / tp) * h
+    mlp = [(h * f // tp, False)] * 3
+    block = [(h, True), (h * h // tp, False), (h * kv_local, False), (h * kv_local, False),
+             (h * h // tp, False), (h, True), *mlp]
+    out = [(vocab, False)] if first else []
+    out += block * blocks
+    if last:
+        out += [(h, True)] + ([] if c.tie_embeddings and first else [(vocab, False)])
+    return out
+
+
+def ddp_buckets(sizes: list[float], bucket_mb: float) -> list[float]:
+    """Bytes of DDP's buckets over tensors of `sizes` bytes (registration order), as
+    data_parallel/ddp.build_buckets cuts them: in reverse order, a bucket closes before a tensor
+    that would overflow it, the first capped at 1 MiB (PyTorch DDP's), the others at bucket_mb."""
+    cap = bucket_mb * 2**20
+    buckets: list[float] = []
+    for size in reversed(sizes):
+        limit = min(FIRST_BUCKET_BYTES, cap) if len(buckets) == 1 else cap
+        if not buckets or (buckets[-1] > 0 and buckets[-1] + size > limit):
+            buckets.append(0.0)
+        buckets[-1] += size
+    return buckets
+
+
+def zero_buckets(sizes: list[tuple[float, bool]], bucket_mb: float) -> list[float]:
+    """Bytes of ZeRO-1/2's flat buckets (zero/optimizer.py ``_bucketed``): tensors grouped by key
+    (decayed matrices, norm gains) in reverse order, a bucket closed once it reaches bucket_mb."""
+    cap = bucket_mb * 2**20
+    out = []
+    for norm in (False, True):
+        size = 0.0
+        for nbytes, is_norm in reversed(sizes):
+            if is_norm == norm:
+                size += nbytes
+                if size >= cap:
+                    out.append(size)
+                    size = 0.0
+        if size:
+            out.append(size)
+    return out
+
+
+def zero3_units(c: LlamaConfig, lay: Layout, blocks: int, first: bool, last: bool, per_param: float
+                ) -> list[tuple[float, int]]:
+    """(bytes, pieces on the busiest rank) of each ZeRO-3 unit of a stage, in forward order: the
+    embedding, each block, the final norm + head. A unit's flat buffer holds its matrices then its
+    norm gains; the last dp rank's shard takes the tail of both, so two pieces where a unit has both."""
+    v = math.ceil(c.vocab_size / lay.tp) * c.dim
+    units = [(v * per_param, 1)] if first else []
+    units += [(layer_params_local(c, lay.tp) * per_param, 2)] * blocks
+    if last:
+        units.append(((c.dim + (0 if c.tie_embeddings and first else v)) * per_param, 2))
+    return units
+
+
+def collectives(c: LlamaConfig, tr: Training, lay: Layout, psi: float, blocks: int, first: bool,
+                last: bool, m: int) -> dict[str, list[float]]:
+    """The data-parallel collectives of one step on the busiest rank, by phase: kind and payload
+    bytes as cost.py counts them ('reduce': on gloo an all-reduce of the full buffer)."""
+    sb = state_bytes_per_param(tr.precision, tr.optimizer)
+    out: dict[str, list[float]] = {"reduce": [], "gather": [], "norm": []}
+    if lay.world > 1 and not (lay.zero == 0 and lay.dp == lay.world):
+        out["norm"] = [8.0]  # the fp64 squared norm, over the world
+    if lay.dp == 1:
+        return out
+    sizes = [(n * sb.grads, norm) for n, norm in param_numels(c, lay.tp, blocks, first, last)]
+    if lay.zero == 0:
+        out["reduce"] = ddp_buckets([b for b, _ in sizes], tr.bucket_mb)
+    elif lay.zero in (1, 2):
+        buckets = zero_buckets(sizes, tr.bucket_mb)
+        out["reduce"] = buckets
+        out["gather"] = [b * sb.params / sb.grads for b in buckets]
+    else:
+        units = zero3_units(c, lay, blocks, first, last, sb.params)
+        out["reduce"] = [b * sb.grads / sb.params for b, _ in units]
+        out["gather"] = [b for b, _ in units] * (2 * m)
+    return out
+
+
+def local_dp_comm(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster, mb_compute: float, m: int,
+                  psi: float, blocks: int, first: bool, last: bool) -> float:
+    """Exposed seconds of the step's data-parallel collectives and the gradient-norm all-reduce.
+
+    Reductions launched from backward hooks (DDP, ZeRO-2, ZeRO-3) hide behind the rest of the last
+    micro-batch's backward, at most `overlap` x 2/3 of its compute, all but the last; ZeRO-3's
+    prefetched gathers hide behind the compute of the unit before, at most `overlap` x the
+    micro-batch's compute, all but the first of each pass."""
+    link = group_link(cluster, lay, "dp")
+    coll = collectives(c, tr, lay, psi, blocks, first, last, m)
+    world = cluster.intra if lay.world <= cluster.devices_per_node else cluster.inter
+    norm = sum(all_reduce_time(b, lay.world, world) for b in coll["norm"])
+    reduce = [all_reduce_time(b, lay.dp, link) for b in coll["reduce"]]
+    gather = [all_gather_time(b, lay.dp, link) for b in coll["gather"]]
+    if not reduce:
+        return norm
+    hidden = cluster.overlap * (2 / 3) * mb_compute if tr.overlap_dp else 0.0
+    overlapped = max(sum(reduce) - hidden, reduce[-1])
+    if lay.zero == 0:
+        return overlapped + norm
+    if lay.zero == 1:
+        return sum(reduce) + sum(gather) + norm
+    if lay.zero == 2:
+        return overlapped + sum(gather) + norm
+    per_pass = gather[:len(gather) // (2 * m)]
+    exposed = m * max(sum(per_pass) * 2 - cluster.overlap * mb_compute, 2 * per_pass[0])
+    return exposed + overlapped + norm
+
+
+def post_step(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster, psi: float, tensors: int,
+              blocks: int, first: bool, last: bool) -> float:
+    """Seconds of the work after backward (norm, clip, AdamW, zero_grad) on the busiest rank: per
+    tensor looped over (the parameters without ZeRO; with it the flat pieces of the rank's shard)
+    and per element updated."""
+    dev = cluster.device
+    if lay.zero == 0 or lay.dp == 1:
+        pieces, elements = tensors, psi
+    elif lay.zero in (1, 2):
+        sb = state_bytes_per_param(tr.precision, tr.optimizer)
+        sizes = [(n * sb.grads, norm) for n, norm in param_numels(c, lay.tp, blocks, first, last)]
+        pieces = len(zero_buckets(sizes, tr.bucket_mb))
+        elements = psi / lay.dp
+    else:
+        pieces = sum(p for _, p in zero3_units(c, lay, blocks, first, last, 1.0))
+        elements = psi / lay.dp
+    t = pieces * dev.optimizer_tensor_s + elements * dev.optimizer_element_s
+    return t * (cluster.contention if lay.world > 1 else 1.0)

@@ -1,0 +1,226 @@
+"""The local machine's model (`--cluster local`): what is calibrated, how it enters the prediction,
+and that it is cached. Mechanics only: whether the prediction matches a measurement on this
+machine is a benchmark figure (docs/benchmarks.md, "Local planner vs measured"), never a timed
+assert."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from paratrain.models import build_model
+from paratrain.models.llama import preset
+from paratrain.planner import calibrate, calibrate_workers, cost, hardware, local
+from paratrain.planner.cli import main as plan_main
+from paratrain.planner.hardware import Link, local_cluster
+from paratrain.planner.memory import Layout, Training, stage_params
+from paratrain.planner.ops import FittedGemm, OpEnv, block_costs, embed_costs, head_costs
+
+TINY = preset("tiny")
+TR = Training(seq_len=32, global_batch=8, precision="fp32")
+GEMM = FittedGemm(call_s=10e-6, flops_per_s=40e9, bytes_per_s=5e9)
+OPS = {"block": 235, "rest": 48}
+
+
+def _context(op_s: float, scale: float, rc: float = 1.0) -> dict:
+    """calibrate.context_seconds' result on a machine that follows the model exactly."""
+    out: dict = {"tokens": list(calibrate.CONTEXT_TOKENS), "one": [], "two": [], "one_rc": [], "two_rc": []}
+    env = OpEnv(GEMM, GEMM.flops_per_s, 6e9, op_s, OPS["block"], OPS["rest"], scale)
+    for tokens in calibrate.CONTEXT_TOKENS:
+        kw = {"seq": 32, "micro_batch": tokens // 32, "act_bytes": 4}
+        blk = block_costs(TINY, env, **kw)
+        rest = head_costs(TINY, env, **kw).total + embed_costs(TINY, env, **kw).total
+        for name, layers in (("one", 1), ("two", 2)):
+            out[name].append(layers * blk.total + rest)
+            out[f"{name}_rc"].append(layers * blk.total + rest + rc * layers * blk.forward)
+    return out
+
+
+def _workers(latency: float = 0.5e-3, contention: float = 1.4) -> dict:
+    rows = [{"bytes": b, "seconds": latency + b / 1e9} for b in calibrate_workers.SIZES]
+    return {"n": 2, "collectives": {k: rows for k in calibrate_workers.KINDS}, "solo_s": 0.01,
+            "together_s": 0.01 * contention, "contention": contention}
+
+
+@pytest.fixture
+def fake_machine(tmp_path, monkeypatch):
+    """measure_local with every measurement replaced by a known machine; returns the call log."""
+    monkeypatch.setenv("PARATRAIN_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(calibrate, "gemm_rates", lambda shapes: calls.append("gemm") or [
+        {"m": m, "n": n, "k": k, "seconds": GEMM.seconds(m, n, k)} for m, n, k in shapes])
+    monkeypatch.setattr(calibrate, "op_overhead", lambda: {"elementwise_s": 3e-6, "linear_fwd_bwd_s": 5e-5})
+    monkeypatch.setattr(calibrate, "post_step_seconds", lambda: {"tensor_s": 70e-6, "element_s": 4e-9})
+    monkeypatch.setattr(calibrate, "memory_bandwidth", lambda: 6e9)
+    monkeypatch.setattr(calibrate, "count_ops", lambda: OPS)
+    monkeypatch.setattr(calibrate, "context_seconds", lambda: _context(9e-6, 2.0, 2.5))
+    monkeypatch.setattr(calibrate_workers, "measure_workers", lambda n: calls.append("workers") or _workers())
+    monkeypatch.setattr(calibrate.os, "cpu_count", lambda: 2)
+    return tmp_path, calls
+
+
+def test_calibration_is_measured_once_and_versioned(fake_machine):
+    tmp_path, calls = fake_machine
+    first, second = local_cluster(2), local_cluster(2)
+    assert calls == ["gemm", "workers"]  # the second cluster read the cache
+    files = list(tmp_path.glob("machine-*.json"))
+    assert len(files) == 1 and f"-v{calibrate.CACHE_VERSION}" in files[0].name
+    assert first.device == second.device and first.intra == second.intra
+    assert first.contention == pytest.approx(1.4)
+
+
+def test_a_cache_of_an_older_version_is_measured_again(fake_machine):
+    tmp_path, calls = fake_machine
+    local_cluster(2)
+    old = calibrate._cache_path()
+    stale = old.with_name(old.name.replace(f"-v{calibrate.CACHE_VERSION}", "-v1"))
+    old.rename(stale)  # what the previous version left behind
+    local_cluster(2)
+    assert calls == ["gemm", "workers", "gemm", "workers"]
+
+
+def test_in_context_fit_recovers_the_per_op_cost_and_the_slowdown(fake_machine):
+    d = local_cluster(2).device
+    assert d.op_s == pytest.approx(9e-6, rel=1e-6)
+    assert d.in_context == pytest.approx(2.0, rel=1e-6)
+    assert d.recompute_scale == pytest.approx(2.5, rel=1e-6)
+    assert (d.optimizer_tensor_s, d.optimizer_element_s) == (70e-6, 4e-9)
+
+
+def test_measured_collectives_replace_the_nominal_link(fake_machine):
+    link = local_cluster(2).intra
+    assert link.curve("all_reduce") is not None and link.name.startswith("loopback (measured)")
+    # between measured sizes: linear; at 1 MiB exactly the measured point
+    assert cost.all_reduce_time(2**20, 2, link) == pytest.approx(0.5e-3 + 2**20 / 1e9)
+    assert cost.all_gather_time(4, 2, link) == pytest.approx(0.5e-3 + 4e-9)
+    assert cost.p2p_time(16 * 2**10, link) == pytest.approx(0.5e-3 + 16 * 2**10 / 1e9)
+    # beyond the largest size: the last segment's slope; 4 ranks: three hops instead of one
+    assert cost.all_reduce_time(8 * 2**20, 2, link) == pytest.approx(0.5e-3 + 8 * 2**20 / 1e9)
+    assert cost.all_reduce_time(2**20, 4, link) == pytest.approx(3 * (0.5e-3 + 2**20 / 1e9))
+    nominal = hardware.LINKS["loopback"]
+    alpha_beta = 2 * nominal.latency + 2**20 / nominal.bandwidth
+    assert cost.all_reduce_time(2**20, 2, nominal) == pytest.approx(alpha_beta)
+
+
+def test_collective_fit_recovers_latency_and_bandwidth():
+    rows = [{"bytes": b, "seconds": 3e-4 + b / 8e8} for b in calibrate_workers.SIZES]
+    a, c = calibrate_workers.fit_collective(rows)
+    assert a == pytest.approx(3e-4, rel=1e-6) and 1 / c == pytest.approx(8e8, rel=1e-6)
+
+
+# -- collectives and tensors counted as the trainer issues them ----------------------------------------
+
+
+def _named(name: str):
+    torch.manual_seed(0)
+    return [(n, p) for n, p in build_model(preset(name)).named_parameters()]
+
+
+@pytest.mark.parametrize("name", ["tiny", "small"])
+@pytest.mark.parametrize("bucket_mb", [25.0, 0.25])
+def test_bucket_counts_are_those_of_ddp_and_zero(name, bucket_mb):
+    from paratrain.data_parallel.ddp import FIRST_BUCKET_BYTES, build_buckets
+    from paratrain.mesh import MeshShape, ParallelMesh
+    from paratrain.zero.optimizer import ZeroDP
+
+    named = _named(name)
+    c = preset(name)
+    sizes = [(4 * n, norm) for n, norm in local.param_numels(c, 1, c.n_layers, True, True)]
+    assert [n for n, _ in sizes] == [4 * p.numel() for _, p in named]  # the model's tensors, in order
+    cap = int(bucket_mb * 2**20)
+    ddp = build_buckets(named, cap, min(FIRST_BUCKET_BYTES, cap))  # as the DDP strategy calls it
+    assert local.ddp_buckets([n for n, _ in sizes], bucket_mb) == [4 * b.buffer.numel() for b in ddp]
+    fake = SimpleNamespace(named_params=named, mesh=ParallelMesh(MeshShape(1, 1, 1)), group_of=None,
+                           bucket_bytes=bucket_mb * 2**20, compute_dtype=torch.float32)
+    zero = ZeroDP._bucketed(fake)
+    assert len(local.zero_buckets(sizes, bucket_mb)) == len(zero)
+
+
+def test_zero3_units_are_the_model_familys():
+    from paratrain.zero.fsdp import family_units
+
+    model = build_model(TINY)
+    units = local.zero3_units(TINY, Layout(dp=2, zero=3), TINY.n_layers, True, True, 4.0)
+    assert len(units) == len(family_units(model))
+    assert sum(b for b, _ in units) == pytest.approx(4.0 * sum(p.numel() for p in model.parameters()))
+
+
+def test_collectives_per_step_by_layout():
+    psi = stage_params(TINY, 1, 1)[0]
+
+    def count(**kw):
+        lay = Layout(**kw)
+        m = lay.n_micro(TR.global_batch)
+        out = local.collectives(TINY, TR, lay, psi, TINY.n_layers, True, True, m)
+        return {k: len(v) for k, v in out.items()}
+
+    assert count(dp=2, zero=0, micro_batch=4) == {"reduce": 1, "gather": 0, "norm": 0}  # tiny < 1 MiB
+    assert count(dp=2, zero=1, micro_batch=4) == {"reduce": 2, "gather": 2, "norm": 1}
+    assert count(dp=2, zero=3, micro_batch=4) == {"reduce": 6, "gather": 12, "norm": 1}
+    assert count(dp=2, zero=3, micro_batch=2) == {"reduce": 6, "gather": 24, "norm": 1}  # per micro-batch
+    assert count(dp=1, tp=2, micro_batch=4) == {"reduce": 0, "gather": 0, "norm": 1}
+
+
+# -- each measured term enters the prediction, and moves it the right way ---------------------------
+
+
+def _cluster(**changes):
+    cl = local_cluster(2, measure=False)
+    dev = {k: changes.pop(k) for k in list(changes) if hasattr(cl.device, k)}
+    return replace(cl, device=replace(cl.device, **dev), **changes)
+
+
+def _step(cl, **kw):
+    return cost.step_time(TINY, TR, Layout(**{"micro_batch": 4, **kw}), cl)
+
+
+def test_contention_slows_only_layouts_with_several_workers():
+    base, busy = _cluster(), _cluster(contention=1.5)
+    assert _step(busy, dp=2).compute == pytest.approx(1.5 * _step(base, dp=2).compute)
+    assert _step(busy, dp=2).optimizer == pytest.approx(1.5 * _step(base, dp=2).optimizer)
+    assert _step(busy, dp=1).total == pytest.approx(_step(base, dp=1).total)
+
+
+def test_collective_latency_ranks_zero3_below_zero2():
+    def link(latency):
+        rows = tuple((b, latency + b / 1e9) for b in calibrate_workers.SIZES)
+        return Link("loopback (measured)", 1e9, latency, tuple((k, 2, rows) for k in calibrate_workers.KINDS))
+
+    fast, slow = (_cluster(intra=link(t), inter=link(t)) for t in (1e-6, 1e-3))
+    gap = {name: _step(cl, dp=2, zero=3).total - _step(cl, dp=2, zero=2).total
+           for name, cl in (("fast", fast), ("slow", slow))}
+    assert gap["slow"] > gap["fast"] + 10 * 1e-3  # ZeRO-3 issues ~14 more collectives per step here
+    assert _step(slow, dp=2, zero=3).tokens_per_s < _step(slow, dp=2, zero=2).tokens_per_s
+
+
+def test_post_step_counts_tensors_without_zero_and_pieces_with_it():
+    cl = _cluster(optimizer_tensor_s=1e-3, optimizer_element_s=0.0)
+    assert _step(cl, dp=1).optimizer == pytest.approx(39e-3)  # 9 per block + embedding + norm + head
+    assert _step(cl, dp=2, zero=1).optimizer == pytest.approx(2e-3)  # matrices, norm gains
+    per_element = _cluster(optimizer_tensor_s=0.0, optimizer_element_s=1e-9)
+    psi = stage_params(TINY, 1, 1)[0]
+    assert _step(per_element, dp=2, zero=2).optimizer == pytest.approx(psi / 2 * 1e-9)
+
+
+def test_in_context_and_recompute_scale_raise_compute():
+    assert _step(_cluster(in_context=2.0), dp=1).compute > 1.2 * _step(_cluster(), dp=1).compute
+    plain, scaled = _cluster(), _cluster(recompute_scale=3.0)
+    assert _step(scaled, dp=1, recompute="full").recompute == pytest.approx(
+        3.0 * _step(plain, dp=1, recompute="full").recompute)
+    assert _step(scaled, dp=1).total == pytest.approx(_step(plain, dp=1).total)
+
+
+def test_validate_top_must_be_positive(capsys):
+    assert plan_main(["--model", "tiny", "--cluster", "local", "--validate-top", "0"]) == 2
+    assert "--validate-top" in capsys.readouterr().err
+
+
+def test_a_pipeline_alone_is_not_slowed_in_its_fill_and_drain():
+    base, busy = _cluster(), _cluster(contention=1.5)
+    one = {cl: _step(cl, pp=2, schedule="gpipe", micro_batch=8) for cl in (base, busy)}  # m = 1
+    assert one[busy].total == pytest.approx(one[base].total, rel=0.05)  # the stages never overlap
+    two = {cl: _step(cl, pp=2, schedule="1f1b") for cl in (base, busy)}  # m = 2: one overlaps
+    assert two[base].compute < two[busy].compute < 1.5 * two[base].compute
