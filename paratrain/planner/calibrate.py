@@ -256,6 +256,9 @@ def _cache_path() -> Path:
     return root / f"machine-{safe}.json"
 
 
+MAX_CALIBRATION_WORKERS = 8
+
+
 def measure_local(refresh: bool = False) -> dict:
     """This machine as paratrain's workers see it (cached): the single-thread matmul curve, op
     overhead, a block in context, the post-backward step, the memory bandwidth, and with two or
@@ -276,7 +279,9 @@ def measure_local(refresh: bool = False) -> dict:
                 "memory_bandwidth": memory_bandwidth()}
     finally:
         torch.set_num_threads(threads)
-    workers = os.cpu_count() or 1
+    # Up to 8 workers: enough to fit the ring's per-hop cost (cost.measured_time scales larger
+    # groups by their hop count), while a 64-core host does not start 64 torch processes to plan.
+    workers = min(os.cpu_count() or 1, MAX_CALIBRATION_WORKERS)
     if workers > 1:
         from paratrain.planner.calibrate_workers import measure_workers
 
