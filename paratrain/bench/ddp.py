@@ -17,7 +17,9 @@ trainer's step (``Trainer.phase_s``: forwards and backwards, grad norm, update; 
 exposed communication is split out of the first), so the milliseconds per step the dp run loses
 are attributed phase by phase: to sharing the machine (concurrent - alone), and to data
 parallelism itself (dp - concurrent: the communication threads competing with compute, the
-communication backward could not hide, the grad norm's collective, the rest of the loop).
+communication backward could not hide, the grad norm's collective, the rest of the loop). On a GPU
+the phase boundaries drain the device queue (``Trainer.phase_sync``), which only paratrain's side
+pays: its ratio is, if anything, understated.
 """
 
 from __future__ import annotations
