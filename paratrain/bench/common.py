@@ -100,15 +100,29 @@ def machine() -> dict:
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
+def _fmt(value):
+    if isinstance(value, list) and value and all(isinstance(v, float) for v in value):
+        return "[" + ", ".join(_fmt(v) for v in value) + "]"
+    if isinstance(value, float):
+        return f"{value:,.3f}" if abs(value) < 100 else f"{value:,.0f}"
+    return value
+
+
+def _print_dict(d: dict, indent: int) -> None:
+    """key  value lines; a nested dict of numbers on one line, other nested dicts indented below."""
+    width = max(len(k) for k in d)
+    for key, value in d.items():
+        if isinstance(value, dict) and value and all(isinstance(v, (int, float)) for v in value.values()):
+            value = "  ".join(f"{k} {_fmt(v)}" for k, v in value.items())
+        elif isinstance(value, dict) and value:
+            print(f"{' ' * indent}{key}")
+            _print_dict(value, indent + 2)
+            continue
+        print(f"{' ' * indent}{key:<{width}}  {_fmt(value)}")
+
+
 def report(result: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(result))
         return
-    skip = {"paratrain_runs", "peer_runs"}
-    width = max(len(k) for k in result)
-    for key, value in result.items():
-        if key in skip:
-            continue
-        if isinstance(value, float):
-            value = f"{value:,.3f}" if abs(value) < 100 else f"{value:,.0f}"
-        print(f"{key:<{width}}  {value}")
+    _print_dict({k: v for k, v in result.items() if k not in ("paratrain_runs", "peer_runs")}, 0)
