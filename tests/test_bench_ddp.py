@@ -71,3 +71,15 @@ def test_concurrent_reference_runs_n_processes_at_once():
     ref = bench_ddp.concurrent_reference(args, per_rank_batch=2, micro_batch=2, n=2, timeout=300)
     assert ref["per_step_ms"]["compute"] > 0 and ref["per_step_ms"]["exposed_comm"] == 0.0
     assert ref["tokens_per_s"] == pytest.approx(2 * 32 / (ref["per_step_ms"]["step"] / 1e3), rel=1e-6)
+
+
+def test_report_prints_nested_results_as_lines(capsys):
+    from paratrain.bench.common import report
+
+    report({"ratio": 0.9981, "ratios": [1.0529, 0.8798], "paratrain_runs": [{"x": 1}],
+            "scaling": {"efficiency": 0.8093, "step_ms": {"dp": {"compute": 742.8, "step": 825.2}}}}, False)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["ratio", "0.998"] and out[1].split() == ["ratios", "[1.053,", "0.880]"]
+    assert out[2] == "scaling" and out[3].split() == ["efficiency", "0.809"]
+    assert out[4].strip() == "step_ms" and out[5].split() == ["dp", "compute", "743", "step", "825"]
+    assert not any("paratrain_runs" in line or "{" in line for line in out)
