@@ -25,17 +25,29 @@ GEMM = FittedGemm(call_s=10e-6, flops_per_s=40e9, bytes_per_s=5e9)
 OPS = {"block": 235, "rest": 48}
 
 
-def _context(op_s: float, scale: float, rc: float = 1.0) -> dict:
-    """calibrate.context_seconds' result on a machine that follows the model exactly."""
+WIDE = preset("tiny", **calibrate.CONTEXT_WIDE)
+
+
+def _context(op_s: float, scale: float, rc: float = 1.0, scale_bytes: float | None = None,
+             wide: bool = True) -> dict:
+    """calibrate.context_seconds' result on a machine that follows the model exactly: arithmetic
+    `scale` x, data movement `scale_bytes` x (default: the same) slower in context."""
     out: dict = {"tokens": list(calibrate.CONTEXT_TOKENS), "one": [], "two": [], "one_rc": [], "two_rc": []}
-    env = OpEnv(GEMM, GEMM.flops_per_s, 6e9, op_s, OPS["block"], OPS["rest"], scale)
+    env = OpEnv(GEMM, GEMM.flops_per_s, 6e9, op_s, OPS["block"], OPS["rest"], scale,
+                scale if scale_bytes is None else scale_bytes)
+    if wide:
+        out["wide"] = {"one": [], "two": []}
     for tokens in calibrate.CONTEXT_TOKENS:
         kw = {"seq": 32, "micro_batch": tokens // 32, "act_bytes": 4}
-        blk = block_costs(TINY, env, **kw)
-        rest = head_costs(TINY, env, **kw).total + embed_costs(TINY, env, **kw).total
-        for name, layers in (("one", 1), ("two", 2)):
-            out[name].append(layers * blk.total + rest)
-            out[f"{name}_rc"].append(layers * blk.total + rest + rc * layers * blk.forward)
+        for c, times, recompute in ((TINY, out, True), (WIDE, out.get("wide"), False)):
+            if times is None:
+                continue
+            blk = block_costs(c, env, **kw)
+            rest = head_costs(c, env, **kw).total + embed_costs(c, env, **kw).total
+            for name, layers in (("one", 1), ("two", 2)):
+                times[name].append(layers * blk.total + rest)
+                if recompute:
+                    times[f"{name}_rc"].append(layers * blk.total + rest + rc * layers * blk.forward)
     return out
 
 
@@ -56,7 +68,7 @@ def fake_machine(tmp_path, monkeypatch):
     monkeypatch.setattr(calibrate, "post_step_seconds", lambda: {"tensor_s": 70e-6, "element_s": 4e-9})
     monkeypatch.setattr(calibrate, "memory_bandwidth", lambda: 6e9)
     monkeypatch.setattr(calibrate, "count_ops", lambda: OPS)
-    monkeypatch.setattr(calibrate, "context_seconds", lambda: _context(9e-6, 2.0, 2.5))
+    monkeypatch.setattr(calibrate, "context_seconds", lambda: _context(9e-6, 1.2, 2.5, scale_bytes=5.0))
     monkeypatch.setattr(calibrate_workers, "measure_workers", lambda n: calls.append("workers") or _workers())
     monkeypatch.setattr(calibrate.os, "cpu_count", lambda: 2)
     return tmp_path, calls
@@ -85,9 +97,35 @@ def test_a_cache_of_an_older_version_is_measured_again(fake_machine):
 def test_in_context_fit_recovers_the_per_op_cost_and_the_slowdown(fake_machine):
     d = local_cluster(2).device
     assert d.op_s == pytest.approx(9e-6, rel=1e-6)
-    assert d.in_context == pytest.approx(2.0, rel=1e-6)
+    assert d.in_context == pytest.approx(1.2, rel=1e-6)  # arithmetic
+    assert d.in_context_bytes == pytest.approx(5.0, rel=1e-6)  # calls, bytes, memory-bound ops
     assert d.recompute_scale == pytest.approx(2.5, rel=1e-6)
     assert (d.optimizer_tensor_s, d.optimizer_element_s) == (70e-6, 4e-9)
+
+
+def test_a_cache_without_the_wide_block_fits_one_factor():
+    data = {"context": _context(9e-6, 2.0, wide=False), "memory_bandwidth": 6e9}
+    op_s, kf, kb = hardware._in_context(data, GEMM, 6e9, OPS, 1e-6)
+    assert op_s == pytest.approx(9e-6, rel=1e-6)
+    assert kf == kb == pytest.approx(2.0, rel=1e-6)
+
+
+def test_in_context_splits_arithmetic_from_data_movement():
+    """The data-movement factor slows tiny's 64-wide block relatively more than a 256-wide block
+    of the same tokens, whose GEMMs are arithmetic-bound; the arithmetic factor the other way."""
+    def block(c, kf=1.0, kb=1.0):
+        env = OpEnv(GEMM, GEMM.flops_per_s, 6e9, 0.0, 0.0, 0.0, kf, kb)
+        return block_costs(c, env, seq=32, micro_batch=8, act_bytes=4).total
+
+    def slowdown(c, **k):
+        return block(c, **k) / block(c)
+    assert slowdown(TINY, kb=4.0) > slowdown(WIDE, kb=4.0) > 1.0
+    assert slowdown(WIDE, kf=4.0) > slowdown(TINY, kf=4.0) > 1.0
+    assert slowdown(TINY, kf=3.0, kb=3.0) == pytest.approx(3.0)  # one factor: the old model
+    kw = {"seq": 64, "micro_batch": 4, "act_bytes": 4}
+    head = head_costs(preset("small"), OpEnv(GEMM, GEMM.flops_per_s, 6e9, in_context_bytes=5.0), **kw)
+    plain = head_costs(preset("small"), OpEnv(GEMM, GEMM.flops_per_s, 6e9), **kw)
+    assert 1.0 < head.gemm / plain.gemm < 5.0 and head.memory == pytest.approx(5.0 * plain.memory)
 
 
 def test_measured_collectives_replace_the_nominal_link(fake_machine):
@@ -207,6 +245,7 @@ def test_post_step_counts_tensors_without_zero_and_pieces_with_it():
 
 def test_in_context_and_recompute_scale_raise_compute():
     assert _step(_cluster(in_context=2.0), dp=1).compute > 1.2 * _step(_cluster(), dp=1).compute
+    assert _step(_cluster(in_context_bytes=2.0), dp=1).compute > 1.1 * _step(_cluster(), dp=1).compute
     plain, scaled = _cluster(), _cluster(recompute_scale=3.0)
     assert _step(scaled, dp=1, recompute="full").recompute == pytest.approx(
         3.0 * _step(plain, dp=1, recompute="full").recompute)

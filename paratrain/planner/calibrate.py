@@ -156,20 +156,28 @@ def count_ops() -> dict:
 
 
 CONTEXT_TOKENS = (32, 256)  # one sequence of 32 tokens (fixed costs dominate) and 8 of them
+# A second block width: tiny's block at small's width (dim 256, 8 heads, 4 KV heads, ffn 688), tiny's
+# vocabulary. Tiny's 64-wide GEMMs are bound by moving their data, this block's by arithmetic, so
+# the two together separate how much each slows down inside a model (hardware._in_context).
+CONTEXT_WIDE = {"dim": 256, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 688}
 
 
-def context_seconds(seconds: float = 0.3, rounds: int = 3) -> dict:
-    """Forward + backward of a 1-block and a 2-block tiny paratrain model at CONTEXT_TOKENS tokens,
-    each timed inside a training loop (an AdamW step and zero_grad between the timed passes, as the
-    trainer runs them, so caches and the allocator are in the state a real step finds them).
+def context_seconds(seconds: float = 1.5, rounds: int = 5) -> dict:
+    """Forward + backward of a 1-block and a 2-block paratrain model at CONTEXT_TOKENS tokens, each
+    timed inside a training loop (an AdamW step and zero_grad between the timed passes, as the
+    trainer runs them, so caches and the allocator are in the state a real step finds them): tiny
+    (dim 64; also with full recomputation, ``*_rc``) and the same at CONTEXT_WIDE (``wide``).
 
-    The difference of the two models is one block; the 1-block model less a block is the rest
+    The difference of the two depths is one block; the 1-block model less a block is the rest
     (embedding, final norm, head, loss). At the small count the fixed cost per op dominates; the
     growth to the large count is what the token-proportional work (GEMMs, attention, elementwise
     ops) really costs in a model, which standalone GEMM timings with hot caches underestimate
-    (hardware.local_cluster turns both into the op model's constants). The same models with full
-    recomputation (``*_rc``, memory/recompute.py) give what re-running a block's forward under
-    torch's checkpoint really costs."""
+    (hardware.local_cluster turns the timings into the op model's constants). The recompute cases
+    give what re-running a block's forward under torch's checkpoint really costs.
+
+    Robustness on a shared, noisy host: `rounds` rounds each run every case in turn (a slow spell
+    hits all cases alike, not one), two passes per case per round at least, and the median of all
+    of a case's passes is kept; ~`seconds` in all."""
     import torch
     import torch.nn.functional as F
 
@@ -177,9 +185,10 @@ def context_seconds(seconds: float = 0.3, rounds: int = 3) -> dict:
     from paratrain.models import build_model
     from paratrain.models.llama import preset
 
-    def loop(layers: int, tokens: int, recompute: bool):
+    def loop(layers: int, tokens: int, recompute: bool, wide: bool):
         torch.manual_seed(0)
-        model = apply_recompute(build_model(preset("tiny", n_layers=layers)), "full" if recompute else "none")
+        cfg = preset("tiny", n_layers=layers, **(CONTEXT_WIDE if wide else {}))
+        model = apply_recompute(build_model(cfg), "full" if recompute else "none")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
         x = torch.randint(0, 512, (tokens // 32, 32))
 
@@ -193,19 +202,24 @@ def context_seconds(seconds: float = 0.3, rounds: int = 3) -> dict:
         timed()
         return timed
 
-    # Rounds alternate the four cases, so a slow spell of the host (a shared core) hits all alike.
-    cases = {(layers, tokens, rc): loop(layers, tokens, rc)
-             for tokens in CONTEXT_TOKENS for layers in (1, 2) for rc in (False, True)}
+    pairs = [(layers, tokens) for tokens in CONTEXT_TOKENS for layers in (1, 2)]
+    keys = [(layers, tokens, rc, False) for layers, tokens in pairs for rc in (False, True)]
+    keys += [(layers, tokens, False, True) for layers, tokens in pairs]
+    cases = {key: loop(*key) for key in keys}
     times: dict = {key: [] for key in cases}
     for _ in range(rounds):
         for key, timed in cases.items():
-            start = time.perf_counter()
-            while time.perf_counter() - start < seconds / rounds or len(times[key]) < 3:
+            start, passes = time.perf_counter(), 0
+            while passes < 2 or time.perf_counter() - start < seconds / rounds / len(cases):
                 times[key].append(timed())
+                passes += 1
     median = {key: sorted(ts)[len(ts) // 2] for key, ts in times.items()}
-    return {"tokens": list(CONTEXT_TOKENS), **{
-        f"{name}{'_rc' if rc else ''}": [median[layers, t, rc] for t in CONTEXT_TOKENS]
+    out = {"tokens": list(CONTEXT_TOKENS), **{
+        f"{name}{'_rc' if rc else ''}": [median[layers, t, rc, False] for t in CONTEXT_TOKENS]
         for name, layers in (("one", 1), ("two", 2)) for rc in (False, True)}}
+    out["wide"] = {name: [median[layers, t, False, True] for t in CONTEXT_TOKENS]
+                   for name, layers in (("one", 1), ("two", 2))}
+    return out
 
 
 def memory_bandwidth(device=None, nbytes: int = 64 * 2**20, seconds: float = 0.1) -> float:
@@ -238,7 +252,7 @@ def fit_gemm(points: list[dict]):
 
 
 #: Bumped whenever what is measured changes, so an older cache is measured again.
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 
 
 def _cache_path() -> Path:

@@ -247,7 +247,7 @@ def op_env(cluster: Cluster, precision: str) -> OpEnv:
     # Streaming copies reach ~90% of the datasheet bandwidth (docs/planner.md).
     bw = dev.memory_bandwidth * (1.0 if cluster.local else 0.9)
     return OpEnv(gemm, dev.peak_for(precision), bw, dev.op_s, dev.ops_per_block, dev.ops_rest,
-                 dev.in_context)
+                 dev.in_context, dev.in_context_bytes)
 
 
 def stage_costs(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster, counts: list[int] | None = None

@@ -30,7 +30,8 @@ class Device:
     ops_rest: float = 0.0  # those of the embedding, final norm, head and loss
     optimizer_tensor_s: float = 0.0  # the post-backward step (norm, clip, AdamW, zero_grad) per tensor
     optimizer_element_s: float = 0.0  # ... and per element (local machine; 0: the bytes model instead)
-    in_context: float = 1.0  # local: token-proportional work in a model / its standalone model (measured)
+    in_context: float = 1.0  # local: a GEMM's arithmetic in a model / standalone (measured, ops.OpEnv)
+    in_context_bytes: float = 1.0  # local: the same for moving data and starting kernels (measured)
     recompute_scale: float = 1.0  # local: measured cost of full recompute / the modelled block forward
 
     def peak_for(self, precision: str) -> float:
@@ -177,47 +178,77 @@ def host_memory_bytes() -> float:
     return 8.0 * GiB
 
 
-def _in_context(data: dict, gemm: FittedGemm, bandwidth: float, ops: dict, bare: float
-                ) -> tuple[float, float]:
-    """(op_s, in_context) from the 1- and 2-block tiny models timed in a training loop
-    (calibrate.context_seconds): seconds = ops x op_s + in_context x (the op model's GEMMs,
-    attention and memory-bound bytes), least squares in relative error over the four timings.
+def _context_rows(data: dict, gemm: FittedGemm, bandwidth: float, ops: dict):
+    """(model, layers, tokens, seconds) of each forward + backward timed in a training loop
+    (calibrate.context_seconds): tiny's 64-wide block and, where measured, the 256-wide one."""
+    from paratrain.models.llama import preset
+    from paratrain.planner.calibrate import CONTEXT_WIDE
 
-    op_s is what each dispatched op costs beyond its arithmetic (Python, autograd, allocator);
-    in_context how much slower the token-proportional work runs inside a model than the
-    standalone GEMM fit and copy bandwidth say (caches shared with the rest of the step)."""
+    ctx = data["context"]
+    models = [(preset("tiny"), ctx)]
+    if "wide" in ctx:
+        models.append((preset("tiny", **CONTEXT_WIDE), ctx["wide"]))
+    for c, times in models:
+        for i, tokens in enumerate(ctx["tokens"]):
+            for layers, name in ((1, "one"), (2, "two")):
+                yield c, layers, tokens, times[name][i]
+
+
+def _work(c, env, layers: int, tokens: int) -> float:
+    """Modelled seconds of `layers` blocks, the embedding and the head (dispatch included)."""
+    from paratrain.planner.ops import block_costs, embed_costs, head_costs
+
+    kw = {"seq": 32, "micro_batch": tokens // 32, "act_bytes": 4}
+    return (layers * block_costs(c, env, **kw).total + head_costs(c, env, **kw).total
+            + embed_costs(c, env, **kw).total)
+
+
+def _in_context(data: dict, gemm: FittedGemm, bandwidth: float, ops: dict, bare: float
+                ) -> tuple[float, float, float]:
+    """(op_s, in_context, in_context_bytes) from 1- and 2-block models timed in a training loop at
+    two token counts (calibrate.context_seconds), least squares in relative error:
+
+        seconds = ops x op_s + in_context x (the op model's arithmetic: GEMM flops / flops_per_s)
+                  + in_context_bytes x (the rest of its work: GEMM calls and bytes, memory-bound ops)
+
+    op_s is what each dispatched op costs beyond its work (Python, autograd, allocator). Inside a
+    step the operands of every kernel come cold from memory (the step between passes evicts them),
+    which the standalone GEMM curve, timed with hot caches, does not see: the data-moving part of
+    the work slows several-fold (~5.5x here), the arithmetic barely (~1.0-1.1x). One factor for
+    both, fitted on tiny's 64-wide block alone, charged a 256-wide model's large GEMMs the small
+    ones' slowdown (small predicted 2-3x too slow); the 256-wide block (calibrate.CONTEXT_WIDE),
+    whose work is mostly arithmetic, separates the two. A cache without it fits one factor."""
     import numpy as np
 
-    from paratrain.models.llama import preset
-    from paratrain.planner.ops import OpEnv, block_costs, embed_costs, head_costs
+    from paratrain.planner.ops import FittedGemm as Fg
+    from paratrain.planner.ops import OpEnv
 
-    env = OpEnv(gemm, gemm.flops_per_s, bandwidth)
-    tiny = preset("tiny")
-    ctx = data["context"]
-    rows, y = [], []
-    for tokens, one, two in zip(ctx["tokens"], ctx["one"], ctx["two"]):
-        kw = {"seq": 32, "micro_batch": tokens // 32, "act_bytes": 4}
-        blk = block_costs(tiny, env, **kw).total
-        rest = head_costs(tiny, env, **kw).total + embed_costs(tiny, env, **kw).total
-        for layers, t in ((1, one), (2, two)):
-            rows.append([(layers * ops["block"] + ops["rest"]) / t, (layers * blk + rest) / t])
-            y.append(1.0)
-    (op_s, scale), *_ = np.linalg.lstsq(np.array(rows), np.array(y), rcond=None)
-    return max(float(op_s), bare), max(float(scale), 1.0)
+    arith = OpEnv(Fg(call_s=1e-30, flops_per_s=gemm.flops_per_s, bytes_per_s=1e30), gemm.flops_per_s, 1e30)
+    moving = OpEnv(Fg(call_s=gemm.call_s, flops_per_s=1e30, bytes_per_s=gemm.bytes_per_s), 1e30, bandwidth)
+    rows = list(_context_rows(data, gemm, bandwidth, ops))
+    a = np.array([[(layers * ops["block"] + ops["rest"]) / t, _work(c, arith, layers, tokens) / t,
+                   _work(c, moving, layers, tokens) / t] for c, layers, tokens, t in rows])
+    wide = "wide" in data["context"]
+    if not wide:  # one factor for both parts
+        a = np.column_stack([a[:, 0], a[:, 1] + a[:, 2]])
+    coef, *_ = np.linalg.lstsq(a, np.ones(len(rows)), rcond=None)
+    op_s, kf = max(float(coef[0]), bare), max(float(coef[1]), 1.0)
+    return op_s, kf, max(float(coef[2]), 1.0) if wide else kf
 
 
 def _recompute_scale(data: dict, gemm: FittedGemm, bandwidth: float, ops: dict, op_s: float,
-                     in_context: float) -> float:
-    """Measured extra seconds of full recomputation (the ``*_rc`` context timings less the plain
-    ones) over the op model's block forward times the blocks, least squares over the four cases:
-    torch's checkpoint re-runs the forward and adds its own bookkeeping."""
+                     in_context: float, in_context_bytes: float) -> float:
+    """Measured extra seconds of full recomputation (the ``*_rc`` context timings of tiny less the
+    plain ones) over the op model's block forward times the blocks, least squares over the four
+    cases: torch's checkpoint re-runs the forward and adds its own bookkeeping."""
     from paratrain.models.llama import preset
     from paratrain.planner.ops import OpEnv, block_costs
 
     ctx = data["context"]
     if "two_rc" not in ctx:
         return 1.0
-    env = OpEnv(gemm, gemm.flops_per_s, bandwidth, op_s, ops["block"], ops["rest"], in_context)
+    env = OpEnv(gemm, gemm.flops_per_s, bandwidth, op_s, ops["block"], ops["rest"], in_context,
+                in_context_bytes)
     num = den = 0.0
     for i, tokens in enumerate(ctx["tokens"]):
         fwd = block_costs(preset("tiny"), env, seq=32, micro_batch=tokens // 32, act_bytes=4).forward
@@ -245,8 +276,9 @@ def local_cluster(n_devices: int | None = None, *, measure: bool = True) -> Clus
     """This machine as paratrain uses it: n worker processes, 1 thread each, fp32, gloo loopback.
 
     measure=True (calibrate.measure_local, once, cached): the single-thread matmul curve (fitted);
-    the fixed cost of one op and how much slower token-proportional work runs inside a model than
-    standalone (``_in_context``, from a real block timed in a training loop at two token counts);
+    the fixed cost of one op and how much slower a kernel's arithmetic and its data movement run
+    inside a model than standalone (``_in_context``, from real blocks of two widths timed in a
+    training loop at two token counts);
     full recompute's real cost (``_recompute_scale``); the step after backward per tensor and per
     element; the memory bandwidth; and, with two or more cores, gloo's collectives (the links'
     measured curves, ``_loopback``) and the contention factor of busy workers
@@ -261,8 +293,8 @@ def local_cluster(n_devices: int | None = None, *, measure: bool = True) -> Clus
         data = measure_local()
         gemm = fit_gemm(data["gemm"])
         bw, ops = data["memory_bandwidth"], data["ops"]
-        op_s, in_context = _in_context(data, gemm, bw, ops, data["overhead"]["elementwise_s"])
-        recompute = _recompute_scale(data, gemm, bw, ops, op_s, in_context)
+        op_s, in_context, in_bytes = _in_context(data, gemm, bw, ops, data["overhead"]["elementwise_s"])
+        recompute = _recompute_scale(data, gemm, bw, ops, op_s, in_context, in_bytes)
         opt_s, opt_e = data["post_step"]["tensor_s"], data["post_step"]["element_s"]
         workers = data.get("workers")
         contention = workers["contention"] if workers else 1.0
@@ -270,6 +302,7 @@ def local_cluster(n_devices: int | None = None, *, measure: bool = True) -> Clus
         gemm, op_s, bw = FittedGemm(call_s=5e-6, flops_per_s=60e9, bytes_per_s=10e9), 5e-6, 10e9
         # op counts as calibrate.count_ops finds them for paratrain's Llama under torch 2.13
         ops, opt_s, opt_e, in_context, recompute = {"block": 235, "rest": 48}, 60e-6, 4e-9, 1.0, 1.0
+        in_bytes = 1.0
     peak = gemm.flops_per_s
     ram = host_memory_bytes()
     # bf16 matmuls run 5-100x slower than fp32 on an AVX2 CPU (no bf16 instructions): peak / 10.
@@ -277,7 +310,7 @@ def local_cluster(n_devices: int | None = None, *, measure: bool = True) -> Clus
                     runtime_overhead_bytes=650 * 2**20,  # a worker with torch + gloo: ~650 MiB RSS
                     gemm=gemm, op_s=op_s, ops_per_block=ops["block"], ops_rest=ops["rest"],
                     optimizer_tensor_s=opt_s, optimizer_element_s=opt_e, in_context=in_context,
-                    recompute_scale=recompute)
+                    in_context_bytes=in_bytes, recompute_scale=recompute)
     loop = _loopback(workers)
     # On CPU the "host" is the device: offload moves bytes within RAM (memcpy speed).
     return Cluster(device, n, n, loop, loop, host_memory_per_device=0.0,

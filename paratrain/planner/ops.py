@@ -19,7 +19,7 @@ each op also pays a fixed dispatch cost (Python, autograd, allocator), measured.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from paratrain.models.llama import LlamaConfig
 
@@ -103,9 +103,32 @@ class OpEnv:
     op_s: float = 0.0  # fixed cost of one non-GEMM op (forward or backward)
     ops_per_block: float = 0.0  # non-GEMM ops of one block, forward + backward
     ops_rest: float = 0.0  # those of the embedding, final norm, head and loss
-    # Local machine: how much slower GEMMs, attention and memory-bound ops run inside a model's
-    # training step than standalone (measured: hardware._in_context); 1 on a GPU preset.
+    # Local machine: how much slower work runs inside a model's training step than standalone
+    # (measured: hardware._in_context), split by what the work is bound by. ``in_context``
+    # multiplies the arithmetic (a GEMM's flops / flops_per_s), ``in_context_bytes`` what a
+    # kernel pays to move its data and to start (a GEMM's call_s and bytes / bytes_per_s, and
+    # the memory-bound ops): inside a step the operands come cold from memory, so small GEMMs
+    # and elementwise work slow down several-fold while large GEMMs run near their standalone
+    # rate. 1 and 1 on a GPU preset.
     in_context: float = 1.0
+    in_context_bytes: float = 1.0
+
+
+def in_context_env(env: OpEnv) -> OpEnv:
+    """`env` with its in-context factors folded into the GEMM curve and the bandwidth: a fitted
+    curve's call and bytes terms and the memory-bound ops' bandwidth slowed by
+    ``in_context_bytes``, its flops term by ``in_context``; factors of 1 (every GPU preset)
+    leave `env` as it is. A GPU curve (``GemmModel``) has no such split: its ceiling and call
+    are scaled by ``in_context``."""
+    kf, kb = env.in_context, env.in_context_bytes
+    if kf == 1.0 and kb == 1.0:
+        return env
+    g = env.gemm
+    if isinstance(g, FittedGemm):
+        g = FittedGemm(call_s=g.call_s * kb, flops_per_s=g.flops_per_s / kf, bytes_per_s=g.bytes_per_s / kb)
+    else:
+        g = replace(g, call_s=g.call_s * kf, ceiling=g.ceiling / kf)
+    return replace(env, gemm=g, bandwidth=env.bandwidth / kb, in_context=1.0, in_context_bytes=1.0)
 
 
 def mlp_shapes(c: LlamaConfig, t: float, *, tp: int = 1, moe: bool = False, ep: int = 1
@@ -127,6 +150,7 @@ def block_costs(c: LlamaConfig, env: OpEnv, *, seq: int, micro_batch: int, tp: i
                 ep: int = 1) -> Costs:
     """One transformer block, one micro-batch, one tp rank (each linear run as `tile` slices of
     its output columns under memory-centric tiling); ``moe``: an MoE block on an ep group."""
+    env = in_context_env(env)
     t = seq * micro_batch
     h, f, hd = c.dim, c.ffn_dim, c.head_dim
     kv = c.n_kv_heads * hd
@@ -166,15 +190,15 @@ def block_costs(c: LlamaConfig, env: OpEnv, *, seq: int, micro_batch: int, tp: i
     mem_fwd_s = t * (replicated + split) / env.bandwidth + scores_fwd
     mem_tot_s = 3 * (mem_fwd_s - scores_fwd) + scores_fwd + scores_bwd
     dispatch = env.ops_per_block * env.op_s
-    k = env.in_context
-    return Costs(gemm=k * tot_g, attention=k * attn_tot, memory=k * mem_tot_s, dispatch=dispatch,
-                 forward=k * (fwd_g + attn_fwd + mem_fwd_s) + dispatch / 3,
-                 attention_forward=k * (attn_fwd + scores_fwd))
+    return Costs(gemm=tot_g, attention=attn_tot, memory=mem_tot_s, dispatch=dispatch,
+                 forward=fwd_g + attn_fwd + mem_fwd_s + dispatch / 3,
+                 attention_forward=attn_fwd + scores_fwd)
 
 
 def head_costs(c: LlamaConfig, env: OpEnv, *, seq: int, micro_batch: int, tp: int = 1, sp: bool = False,
                act_bytes: int = 2) -> Costs:
     """Final norm, LM head (vocab-parallel under tp) and the cross-entropy loss."""
+    env = in_context_env(env)
     t = seq * micro_batch
     v = math.ceil(c.vocab_size / tp)
     fwd_g, tot_g = _fwd_bwd(env.gemm, t, v, c.dim, env.peak)
@@ -182,16 +206,15 @@ def head_costs(c: LlamaConfig, env: OpEnv, *, seq: int, micro_batch: int, tp: in
     # gradient; the final norm reads and writes h.
     mem = t * (4 * 4 * v + act_bytes * 2 * 2 * c.dim / (tp if sp else 1)) / env.bandwidth
     dispatch = max(env.ops_rest - EMBED_OPS, 0.0) * env.op_s
-    k = env.in_context
-    return Costs(gemm=k * tot_g, attention=0.0, memory=k * mem, dispatch=dispatch,
-                 forward=k * (fwd_g + mem / 2))
+    return Costs(gemm=tot_g, attention=0.0, memory=mem, dispatch=dispatch, forward=fwd_g + mem / 2)
 
 
 def embed_costs(c: LlamaConfig, env: OpEnv, *, seq: int, micro_batch: int, tp: int = 1,
                 act_bytes: int = 2) -> Costs:
     """Embedding lookup (a gather of t rows) and its backward (a scatter-add into the table's
     gradient, which is zeroed and read once per step: counted here per micro-batch)."""
+    env = in_context_env(env)
     t = seq * micro_batch
-    mem = 3 * t * c.dim * act_bytes / env.bandwidth * env.in_context
+    mem = 3 * t * c.dim * act_bytes / env.bandwidth
     return Costs(gemm=0.0, attention=0.0, memory=mem, dispatch=min(EMBED_OPS, env.ops_rest) * env.op_s,
                  forward=mem / 3)
