@@ -109,11 +109,27 @@ def test_fully_fixed_feasible_request_is_plans0():
     (["--model", "tiny", "--tile", "0"], "--tile"),
     (["--model", "tiny", "--validate-steps", "1"], "--validate-steps"),
     (["--params", "7e9", "--gpus", "4", "--dp", "3"], "does not fit --gpus 4"),
+    (["--model", "small", "--cluster", "local", "--validate", "--seq-len", "512"],
+     "--validate trains small, which has 256 positions: give --seq-len 256 or less"),
 ])
 def test_bad_numbers_exit_2_with_the_fix(argv, message, capsys):
     assert plan_main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_validate_defaults_to_a_short_run_the_trainer_accepts():
+    from paratrain.planner.cli import parser, resolve_defaults
+
+    args = parser().parse_args(["--model", "small", "--cluster", "local", "--validate"])
+    resolve_defaults(args)
+    assert (args.seq_len, args.global_batch) == (PRESETS["small"].max_seq_len, 16)
+    args = parser().parse_args(["--model", "tiny", "--cluster", "local", "--validate"])
+    resolve_defaults(args)
+    assert args.seq_len == PRESETS["tiny"].max_seq_len  # 128: below the 256 cap
+    args = parser().parse_args(["--model", "small"])
+    resolve_defaults(args)
+    assert (args.seq_len, args.global_batch) == (2048, 256)  # planning only: any length
 
 
 def test_adamw8bit_changes_model_states():

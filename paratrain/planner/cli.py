@@ -31,8 +31,10 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--moe-every", type=int, help="mixture of experts: every k-th block is sparse")
     m.add_argument("--params", type=float, help="parameter count (e.g. 7e9): model-states-only answer")
     t = p.add_argument_group("training")
-    t.add_argument("--seq-len", type=int, default=2048)
-    t.add_argument("--global-batch", type=int, default=256, help="sequences per optimizer step")
+    t.add_argument("--seq-len", type=int,
+                   help="default 2048; with --validate the preset's positions, at most 256 (a short run)")
+    t.add_argument("--global-batch", type=int,
+                   help="sequences per optimizer step: default 256; with --validate 16 (a short run)")
     t.add_argument("--micro-batch", type=int, help="fix the micro-batch (default: searched)")
     t.add_argument("--precision", choices=["fp32", "bf16", "fp16"],
                    help="default bf16; fp32 with --cluster local (a CPU without bf16 matmuls)")
@@ -253,7 +255,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def resolve_defaults(args) -> None:
+    """Defaults that depend on the mode: --validate trains each plan here for a few steps, so it
+    plans a short run the trainer accepts (the preset's positions, capped at 256; 16 sequences a
+    step) unless told otherwise, and refuses a --seq-len the preset cannot run, before planning."""
+    validating = args.validate and args.model in PRESETS
+    positions = PRESETS[args.model].max_seq_len if validating else None
+    if args.seq_len is None:
+        args.seq_len = min(positions, 256) if validating else 2048
+    if args.global_batch is None:
+        args.global_batch = 16 if args.validate else 256
+    if validating and args.seq_len > positions:
+        raise ValueError(f"--validate trains {args.model}, which has {positions} positions: give "
+                         f"--seq-len {positions} or less (got {args.seq_len})")
+
+
 def run(args) -> int:
+    resolve_defaults(args)
     check_numbers(args)
     if args.precision is None:
         args.precision = "fp32" if args.cluster == "local" else "bf16"
