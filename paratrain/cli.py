@@ -126,6 +126,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.layout == "auto":
         from paratrain.planner.search import auto_layout
 
+        if under_torchrun():  # every rank would plan (and measure) on its own and could disagree
+            raise config.ConfigError(
+                "--layout auto plans for paratrain's own workers on this machine (it measures them); "
+                "under torchrun, run `paratrain plan --model ... --gpus N` once and pass the layout it "
+                "prints (--dp/--tp/--pp/--zero ...) to every rank")
+
         cfg = auto_layout(cfg)
     if under_torchrun():
         import os

@@ -261,6 +261,18 @@ def test_auto_layout_picks_a_runnable_layout(tmp_path):
                                      v=chosen.parallel.virtual_stages, recompute=chosen.train.recompute))
 
 
+def test_auto_layout_under_torchrun_is_refused_with_the_fix(monkeypatch, capsys, tmp_path):
+    """Every torchrun rank would plan (and measure this machine) on its own and could pick another
+    layout: refused before any planning, with what to do instead."""
+    from paratrain.cli import main
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["train", "--model", "tiny", "--layout", "auto", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "under torchrun, run `paratrain plan" in err and "Traceback" not in err
+
+
 # -- checked against reality -----------------------------------------------------------------------
 
 
