@@ -339,3 +339,12 @@ def test_tp_collectives_are_those_the_tp_layers_issue(monkeypatch, sp, recompute
                          else {"all_gather": 4, "reduce_scatter": 4, "all_reduce": 2})
     else:
         assert kinds == {"all_reduce": 5 if recompute == "full" else 4}
+
+
+def test_tp_comm_counts_each_collective_and_its_python_once():
+    """tp_comm per step = m x (blocks x the block's collectives + the edges'), each on its curve plus
+    TP_WRAPPER_OPS x op_s; SP issues more collectives than plain TP, so it costs more per op_s."""
+    for sp, per_mb in ((False, 4 * 4 + 4), (True, 4 * 10 + 7)):
+        slow, fast = (_step(_cluster(op_s=s), tp=2, sp=sp).tp_comm for s in (2e-5, 1e-5))
+        m = TR.global_batch // 4
+        assert slow - fast == pytest.approx(m * per_mb * local.TP_WRAPPER_OPS * 1e-5)

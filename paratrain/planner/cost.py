@@ -371,9 +371,10 @@ def step_time(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster) -> St
         from paratrain.planner.local import tp_collectives, tp_seconds
 
         tpc = tp_collectives(c, lay, mb_tokens, e, lay.recompute)
-        mb_tp = (layers[busiest] * tp_seconds(tpc["block"], lay.tp, tp_link)
-                 + tp_seconds(tpc["first"] if busiest == 0 else [], lay.tp, tp_link)
-                 + tp_seconds(tpc["last"] if busiest == lay.pp - 1 else [], lay.tp, tp_link))
+        edges = (tpc["first"] if busiest == 0 else []) + (tpc["last"] if busiest == lay.pp - 1 else [])
+        op_s = cluster.device.op_s
+        mb_tp = (layers[busiest] * tp_seconds(tpc["block"], lay.tp, tp_link, op_s)
+                 + tp_seconds(edges, lay.tp, tp_link, op_s))
 
     # Pipeline: one activation forward and one gradient backward per micro-batch and boundary.
     pp_link = group_link(cluster, lay, "pp")

@@ -223,8 +223,18 @@ def tp_collectives(c: LlamaConfig, lay: Layout, tokens: int, act_bytes: float, r
     return {"block": block, "first": first, "last": last}
 
 
-def tp_seconds(colls: list[tuple[str, float]], n: int, link) -> float:
+#: Torch ops' worth of Python around each tp collective, on top of the collective itself
+#: (calibrate_workers.py times the bare ``dist`` call): the autograd Function, the clone / movedim /
+#: contiguous copies and the output allocation of comm/autograd.py, the fingerprint and the counter
+#: of comm/collectives.py. Measured with the collective replaced by a no-op (4 x 32 x 64 fp32, one
+#: thread, 2 cores AVX2 AMD EPYC): 60-70 us per collective, gather / reduce-scatter / all-reduce
+#: alike, about 10 x the calibrated per-op cost ``op_s`` (6-9 us here).
+TP_WRAPPER_OPS = 10
+
+
+def tp_seconds(colls: list[tuple[str, float]], n: int, link, op_s: float = 0.0) -> float:
     """Seconds of a list of (kind, payload bytes) collectives over `n` ranks on `link`: each on
-    the measured curve of its kind (cost.py falls back to alpha-beta where none was measured)."""
+    the measured curve of its kind (cost.py falls back to alpha-beta where none was measured),
+    plus ``TP_WRAPPER_OPS`` x `op_s` of Python around each."""
     fn = {"all_reduce": all_reduce_time, "all_gather": all_gather_time, "reduce_scatter": reduce_scatter_time}
-    return sum(fn[kind](nbytes, n, link) for kind, nbytes in colls)
+    return sum(fn[kind](nbytes, n, link) + TP_WRAPPER_OPS * op_s for kind, nbytes in colls)
