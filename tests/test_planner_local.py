@@ -263,3 +263,88 @@ def test_a_pipeline_alone_is_not_slowed_in_its_fill_and_drain():
     assert one[busy].total == pytest.approx(one[base].total, rel=0.05)  # the stages never overlap
     two = {cl: _step(cl, pp=2, schedule="1f1b") for cl in (base, busy)}  # m = 2: one overlaps
     assert two[base].compute < two[busy].compute < 1.5 * two[base].compute
+
+
+# -- tensor-parallel collectives: counted against what the tp layers issue ---------------------------
+
+
+class _CountingDist:
+    """Stands in for torch.distributed under comm/collectives.py: one rank of a tp=2 group whose
+    collectives are logged as (kind, payload bytes) and return shape-correct data, so a model's
+    forward + backward runs in one process."""
+
+    ReduceOp = torch.distributed.ReduceOp
+
+    def __init__(self):
+        self.log: list[tuple[str, float]] = []
+
+    def get_rank(self):
+        return 0
+
+    def get_backend(self, group=None):
+        return "gloo"
+
+    def all_reduce(self, t, op=None, group=None, async_op=False):
+        self.log.append(("all_reduce", float(t.numel() * t.element_size())))
+
+    def all_gather_single(self, out, shard, group=None, async_op=False):
+        self.log.append(("all_gather", float(out.numel() * out.element_size())))
+        out.copy_(shard.flatten().repeat(out.numel() // shard.numel()).view_as(out))
+
+    def reduce_scatter_single(self, out, full, op=None, group=None, async_op=False):
+        self.log.append(("reduce_scatter", float(full.numel() * full.element_size())))
+        out.copy_(full.reshape(2, -1)[0].view_as(out))
+
+
+def _tp_issued(monkeypatch, layers: int, sp: bool, recompute: str) -> list[tuple[str, float]]:
+    """(kind, bytes) of every collective one tp=2 rank issues in a forward + backward of tiny with
+    `layers` blocks, micro-batch 4 x 32 tokens, through paratrain's own tp layers and loss."""
+    from paratrain.comm import collectives as C
+    from paratrain.memory.recompute import apply_recompute
+    from paratrain.tensor_parallel.cross_entropy import vocab_parallel_loss_sum
+    from paratrain.tensor_parallel.plan import apply_tensor_parallel
+
+    fake = _CountingDist()
+    monkeypatch.setattr(C, "dist", fake)
+    axis = C.Axis("tp", 2, 0, [0, 1], None, C.CommCounter())
+    torch.manual_seed(0)
+    model = build_model(preset("tiny", n_layers=layers))
+    apply_tensor_parallel(model, SimpleNamespace(tp=axis), sequence_parallel=sp)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    apply_recompute(model, recompute)
+    ids = torch.randint(0, TINY.vocab_size, (4, 32))
+    vocab_parallel_loss_sum(axis)(model(ids), ids).backward()
+    assert axis.counter.calls and sum(axis.counter.calls.values()) == len(fake.log)
+    return fake.log
+
+
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_tp_collectives_are_those_the_tp_layers_issue(monkeypatch, sp, recompute):
+    """Per block (2 blocks minus 1) and at the edges (1 block minus a block), kind and bytes."""
+    from collections import Counter
+
+    one = Counter(_tp_issued(monkeypatch, 1, sp, recompute))
+    two = Counter(_tp_issued(monkeypatch, 2, sp, recompute))
+    block = two - one
+    lay = Layout(tp=2, sp=sp, micro_batch=4)
+    predicted = local.tp_collectives(TINY, lay, 4 * 32, 4, recompute)
+    assert Counter(predicted["block"]) == block
+    assert Counter(predicted["first"] + predicted["last"]) == one - block
+    kinds = Counter(k for k, _ in predicted["block"])
+    if sp:  # 4 all-gathers, 4 reduce-scatters, the 2 norm weights' all-reduces (+ recompute's 3)
+        assert kinds == ({"all_gather": 6, "reduce_scatter": 5, "all_reduce": 2} if recompute == "full"
+                         else {"all_gather": 4, "reduce_scatter": 4, "all_reduce": 2})
+    else:
+        assert kinds == {"all_reduce": 5 if recompute == "full" else 4}
+
+
+def test_tp_comm_counts_each_collective_and_its_python_once():
+    """tp_comm per step = m x (blocks x the block's collectives + the edges'), each on its curve plus
+    TP_WRAPPER_OPS x op_s; SP issues more collectives than plain TP, so it costs more per op_s."""
+    for sp, per_mb in ((False, 4 * 4 + 4), (True, 4 * 10 + 7)):
+        slow, fast = (_step(_cluster(op_s=s), tp=2, sp=sp).tp_comm for s in (2e-5, 1e-5))
+        m = TR.global_batch // 4
+        assert slow - fast == pytest.approx(m * per_mb * local.TP_WRAPPER_OPS * 1e-5)

@@ -363,11 +363,18 @@ def step_time(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster) -> St
                       if lay.sp else all_reduce_time(act, lay.tp, tp_link))
     n_coll = 4 + (2 if lay.recompute == "full" else 0)
     embed = all_reduce_time(act, lay.tp, tp_link)  # the vocab-parallel embedding's output
-    if cluster.local and lay.tp > 1 and busiest == lay.pp - 1:
-        # as paratrain's trainer issues them: the head's input operator f (an all-reduce of its
-        # input gradient) and the vocab-parallel loss's max and sum all-reduces ([tokens] floats)
-        embed += all_reduce_time(act, lay.tp, tp_link) + 2 * all_reduce_time(mb_tokens * 4, lay.tp, tp_link)
     mb_tp = layers[busiest] * n_coll * per_collective + embed
+    if cluster.local:
+        # Counted as paratrain's tp layers issue them, kind by kind, each on gloo's measured curve
+        # (local.tp_collectives: SP's norm-weight all-reduces, the embedding's and the head's
+        # operators, the loss's two all-reduces, full recompute's early stop).
+        from paratrain.planner.local import tp_collectives, tp_seconds
+
+        tpc = tp_collectives(c, lay, mb_tokens, e, lay.recompute)
+        edges = (tpc["first"] if busiest == 0 else []) + (tpc["last"] if busiest == lay.pp - 1 else [])
+        op_s = cluster.device.op_s
+        mb_tp = (layers[busiest] * tp_seconds(tpc["block"], lay.tp, tp_link, op_s)
+                 + tp_seconds(edges, lay.tp, tp_link, op_s))
 
     # Pipeline: one activation forward and one gradient backward per micro-batch and boundary.
     pp_link = group_link(cluster, lay, "pp")

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 
 from paratrain.models.llama import LlamaConfig
-from paratrain.planner.cost import all_gather_time, all_reduce_time, group_link
+from paratrain.planner.cost import all_gather_time, all_reduce_time, group_link, reduce_scatter_time
 from paratrain.planner.hardware import Cluster
 from paratrain.planner.memory import Layout, Training, layer_params_local, state_bytes_per_param
 
@@ -171,3 +171,70 @@ def post_step(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster, psi: 
         elements = psi / lay.dp
     t = pieces * dev.optimizer_tensor_s + elements * dev.optimizer_element_s
     return t * (cluster.contention if lay.world > 1 else 1.0)
+
+
+def tp_collectives(c: LlamaConfig, lay: Layout, tokens: int, act_bytes: float, recompute: str = "none"
+                   ) -> dict[str, list[tuple[str, float]]]:
+    """The tensor-parallel collectives of one micro-batch, as (kind, payload bytes) per block and
+    at the stage edges, exactly as the tp layers issue them (tensor_parallel/layers.py,
+    comm/autograd.py; counted against a real forward + backward in tests/test_planner_local.py).
+
+    A [tokens, h] activation is ``act``. Per block, without SP: f before attention and the MLP
+    (identity forward, an all-reduce of the input gradient backward) and g after wo and down (an
+    all-reduce forward): 4 all-reduces of ``act``. With SP: each f is an all-gather forward and a
+    reduce-scatter backward, each g a reduce-scatter forward and an all-gather backward, and each
+    norm's replicated weight passes f too (an all-reduce of its [h] fp32 gradient backward): 4
+    all-gathers, 4 reduce-scatters and 2 small all-reduces. SP's reduce-scatter is gloo's real
+    ``reduce_scatter_single`` (comm/autograd.py calls ``reduce_scatter_into``, not the
+    ``REDUCE_SCATTER_VIA`` route ZeRO takes), so it is priced on that curve.
+
+    Full recompute (torch's non-reentrant checkpoint) re-runs the block's forward in backward but
+    stops once every saved tensor is rebuilt: the last g (down's all-reduce or reduce-scatter)
+    feeds only the residual add and is not repeated. Without SP that repeats 1 all-reduce, with SP
+    2 all-gathers and 1 reduce-scatter.
+
+    k/v projections replicated because tp does not divide the kv heads (ReplicatedHeadsLinear)
+    all-reduce their weight's (and bias's) gradient each.
+
+    Edges: the first stage's vocab-parallel embedding ends with g (an all-reduce; with SP a
+    reduce-scatter forward and an all-gather backward); the last stage's final norm enters the
+    head's region like a block's (f; with SP an all-gather, a reduce-scatter and the weight's
+    all-reduce) and the vocab-parallel loss all-reduces the max [tokens] and the sum and target
+    logit together [2, tokens] (fp32)."""
+    if lay.tp <= 1:
+        return {"block": [], "first": [], "last": []}
+    act = tokens * c.dim * act_bytes
+    gain = 4.0 * c.dim  # a norm weight's fp32 gradient
+    if lay.sp:
+        block = [("all_gather", act), ("reduce_scatter", act)] * 4 + [("all_reduce", gain)] * 2
+        repeat = [("all_gather", act)] * 2 + [("reduce_scatter", act)]
+        first = [("reduce_scatter", act), ("all_gather", act)]
+        last = [("all_gather", act), ("reduce_scatter", act), ("all_reduce", gain)]
+    else:
+        block, repeat = [("all_reduce", act)] * 4, [("all_reduce", act)]
+        first, last = [("all_reduce", act)], [("all_reduce", act)]
+    if c.n_kv_heads % lay.tp:
+        kv = c.n_kv_heads * c.head_dim
+        block += [("all_reduce", 4.0 * c.dim * kv)] * 2
+        block += [("all_reduce", 4.0 * kv)] * 2 if c.qkv_bias else []
+    if recompute == "full":
+        block += repeat
+    last += [("all_reduce", 4.0 * tokens), ("all_reduce", 8.0 * tokens)]
+    return {"block": block, "first": first, "last": last}
+
+
+#: Torch ops' worth of Python around each tp collective, on top of the collective itself
+#: (calibrate_workers.py times the bare ``dist`` call): the autograd Function, the clone / movedim /
+#: contiguous copies and the output allocation of comm/autograd.py, the fingerprint and the counter
+#: of comm/collectives.py. Measured with the collective replaced by a no-op (4 x 32 x 64 fp32, one
+#: thread, 2 cores AVX2 AMD EPYC): 60-70 us per collective, gather / reduce-scatter / all-reduce
+#: alike, about 10 x the calibrated per-op cost ``op_s`` (6-9 us here).
+TP_WRAPPER_OPS = 10
+
+
+def tp_seconds(colls: list[tuple[str, float]], n: int, link, op_s: float = 0.0) -> float:
+    """Seconds of a list of (kind, payload bytes) collectives over `n` ranks on `link`: each on
+    the measured curve of its kind (cost.py falls back to alpha-beta where none was measured),
+    plus ``TP_WRAPPER_OPS`` x `op_s` of Python around each."""
+    fn = {"all_reduce": all_reduce_time, "all_gather": all_gather_time, "reduce_scatter": reduce_scatter_time}
+    return sum(fn[kind](nbytes, n, link) + TP_WRAPPER_OPS * op_s for kind, nbytes in colls)
