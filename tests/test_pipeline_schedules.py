@@ -7,6 +7,7 @@ from paratrain.pipeline.schedules import (
     RECV_B,
     RECV_F,
     SCHEDULES,
+    SEND_B,
     SEND_F,
     Action,
     Backward,
@@ -153,3 +154,44 @@ def test_bad_schedule_parameters():
         make_schedule("zigzag", 2, 4)
     with pytest.raises(ScheduleError, match="different ranks"):
         Interleaved1F1B(1, 2, 2).actions()
+
+
+def test_receives_are_posted_one_computation_ahead():
+    """A 1F1B cycle's next input must be on its way while the current backward runs: the last
+    stage posts mb 2's activation receive before B1 (ideal time would post it after), the first
+    stage posts mb 1's gradient receive before B0. Measured: this removes a handshake of a few ms
+    from each cycle's critical path on gloo."""
+    lists = OneFOneB(2, 4).actions()
+    assert lists[1].index(Action(RECV_F, 2, 1)) < lists[1].index(Backward(1, 1))
+    assert lists[0].index(Action(RECV_B, 1, 0)) < lists[0].index(Backward(0, 0))
+
+
+@pytest.mark.parametrize("name,p,m,v", [c for c in CASES if c[1] > 1])
+def test_early_receives_keep_each_senders_order(name, p, m, v):
+    """Receives from one peer stay in the order that peer sends (no tags: order is the match)."""
+    lists = make_schedule(name, p, m, v).actions()
+    for r, actions in enumerate(lists):
+        for src in range(p):
+            received = [(a.mb, a.stage) for a in actions if a.kind in (RECV_F, RECV_B)
+                        and (a.stage - 1 if a.kind == RECV_F else a.stage + 1) % p == src]
+            sent = [(a.mb, _peer_stage(a)) for a in lists[src]
+                    if a.kind in (SEND_F, SEND_B) and _peer_stage(a) % p == r]
+            assert received == sent
+
+
+def _peer_stage(send: Action) -> int:
+    return send.stage + 1 if send.kind == SEND_F else send.stage - 1
+
+
+def test_receive_buffers_bound_every_schedule():
+    """The planner counts RECEIVE_BUFFERS boundary tensors per rank: the real lists reach it and
+    never exceed it (p up to 8, m up to 32, v up to 4)."""
+    from paratrain.pipeline.schedules import RECEIVE_BUFFERS, peak_receives_posted
+
+    for name in SCHEDULES:
+        peaks = [peak_receives_posted(actions, p * v)
+                 for p in (2, 3, 4, 8) for m in (1, 2, 4, 8, 32)
+                 for v in ((2, 3, 4) if name == "interleaved" else (1,))
+                 if not (name == "interleaved" and m % p)
+                 for actions in make_schedule(name, p, m, v).actions()]
+        assert max(peaks) == RECEIVE_BUFFERS[name], name

@@ -174,6 +174,7 @@ class PipelineExecutor:
 
     def _post(self, comm: list[Action], micro_batches, saved: dict, received: dict, sends: list) -> None:
         """Launch a run of sends and receives as one batch (they may pair with the same peer)."""
+        sends[:] = [(w, t) for w, t in sends if not w.is_completed()]  # free delivered tensors
         ops, kept = [], []  # kept[i]: ("recv", payload, buffer) or ("send", None, tensor)
         for a in comm:
             payload, src_stage, dst_stage = message(a, self.n_stages)

@@ -18,7 +18,8 @@ k-th receive a rank posts from a peer must expect exactly the k-th send of that 
 
 Schedules only say in which order each rank computes; ``place_communication`` adds the sends and
 receives by simulating the pipeline in ideal time, so every receive is posted in its sender's
-order and as early as possible (its transfer then overlaps the receiver's computation).
+order, then moves each receive one computation earlier: its transfer overlaps the receiver's
+current computation instead of waiting for a handshake after it.
 
 * ``Naive``: model parallelism with one micro-batch in flight: everyone waits for everyone.
 * ``GPipe`` (Huang et al. 2019): all forwards, then all backwards; m activations held per stage.
@@ -280,7 +281,46 @@ def place_communication(compute_lists: list[list[Action]], p: int, n_stages: int
                                 "a pipeline needs consecutive stages on different ranks (p >= 2)")
         lists[r].append(send)
         lists[dst].append(recv)
-    return lists
+    return [_post_receives_early(lst, p, n_stages) for lst in lists]
+
+
+RECEIVE_LOOKAHEAD = 1  # computations a receive is posted ahead of where ideal time puts it
+# Most receives a rank has posted and not yet consumed, over every p, m and v (each is one
+# micro-batch's boundary activation or its gradient): the planner's buffer count, which
+# tests/test_pipeline_schedules.py checks against the real action lists.
+RECEIVE_BUFFERS = {"naive": 2, "gpipe": 3, "1f1b": 3, "interleaved": 5}
+
+
+def _post_receives_early(actions: list[Action], p: int, n_stages: int,
+                         lookahead: int = RECEIVE_LOOKAHEAD) -> list[Action]:
+    """Move every receive ``lookahead`` computations earlier on its rank.
+
+    Ideal time posts a receive when its sender starts the producing computation; on a real run
+    the sender often finishes first, and gloo (like NCCL for large messages) moves the data only
+    once the receive is posted: the handshake then lands on the critical path of every 1F1B cycle
+    (measured: a few ms per message on a loaded 2-core host). Posted one computation earlier, the
+    transfer overlaps the receiver's current computation. Receives never block, so no deadlock can
+    follow; a receive never passes an earlier one from the same rank (messages match in order),
+    and each costs one buffer of one micro-batch's activation while it waits.
+    """
+    out = list(actions)
+    for i in range(len(out)):
+        a = out[i]
+        if a.kind not in (RECV_F, RECV_B):
+            continue
+        source = stage_rank(message(a, n_stages)[1], p)
+        j, passed = i, 0
+        while j > 0:
+            prev = out[j - 1]
+            if prev.kind in (RECV_F, RECV_B) and stage_rank(message(prev, n_stages)[1], p) == source:
+                break
+            if prev.is_compute:
+                if passed == lookahead:
+                    break
+                passed += 1
+            j -= 1
+        out.insert(j, out.pop(i))
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -400,6 +440,21 @@ def _simulate_messages(lists: list[list[Action]], p: int, n_stages: int) -> None
 def _mismatch(src: int, dst: int, k: int, sent: tuple, expected: tuple) -> str:
     return (f"messages from rank {src} to rank {dst} are matched in order, but send #{k} carries "
             f"{sent} while receive #{k} expects {expected}")
+
+
+def peak_receives_posted(actions: list[Action], n_stages: int) -> int:
+    """Most receives posted on a rank and not yet consumed at once (its receive buffers)."""
+    waiting: set[tuple] = set()
+    peak = 0
+    for a in actions:
+        if a.kind in (RECV_F, RECV_B):
+            waiting.add(message(a, n_stages)[0])
+        elif a.kind == F:
+            waiting.discard(("act", a.mb, a.stage))
+        elif a.kind == B:
+            waiting.discard(("grad", a.mb, a.stage))
+        peak = max(peak, len(waiting))
+    return peak
 
 
 def peak_in_flight(actions: list[Action]) -> int:

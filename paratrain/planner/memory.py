@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from paratrain.models.llama import LlamaConfig
+from paratrain.pipeline.schedules import RECEIVE_BUFFERS
 from paratrain.planner.hardware import Cluster
 
 ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -412,7 +413,8 @@ def comm_buffer_bytes(c: LlamaConfig, tr: Training, lay: Layout, sb: StateBytes,
     DDP / ZeRO-1/2: two gradient buckets (one reducing while the next fills), at most the gradients.
     ZeRO-3: the gathered units, current + prefetched (the largest is the biggest block or the
     embedding), plus the unit's full gradient before its reduce-scatter.
-    Pipeline: a send and a receive buffer for the boundary activation.
+    Pipeline: the boundary activations (or their gradients) a rank has posted receives for, at
+    most ``RECEIVE_BUFFERS`` of its schedule, plus the one it is sending.
     Expert parallelism: the all-to-all's send and receive buffers (tokens x top_k x dim).
     """
     out = 0.0
@@ -423,7 +425,8 @@ def comm_buffer_bytes(c: LlamaConfig, tr: Training, lay: Layout, sb: StateBytes,
         gathered, reduced = zero3_gathered_elements(c, lay)
         out += gathered * sb.params + reduced * sb.grads
     if lay.pp > 1:
-        out += 2 * tr.seq_len * lay.micro_batch * c.dim * ACT_BYTES[tr.precision] / (lay.tp if lay.sp else 1)
+        boundary = tr.seq_len * lay.micro_batch * c.dim * ACT_BYTES[tr.precision] / (lay.tp if lay.sp else 1)
+        out += (RECEIVE_BUFFERS[lay.schedule] + 1) * boundary
     if lay.ep > 1:
         out += 2 * a2a_bytes(c, tr, lay)
     return out
