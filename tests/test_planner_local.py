@@ -257,6 +257,21 @@ def test_validate_top_must_be_positive(capsys):
     assert "--validate-top" in capsys.readouterr().err
 
 
+def test_ranking_is_judged_only_where_the_run_tells_layouts_apart():
+    """--validate's ranking check: layouts whose step rates overlap (quartiles) are not ordered
+    by the run; a layout ranked lower that measured clearly faster is reported."""
+    from paratrain.planner.cli import Measured, ranking_disagreements, summarize
+
+    steady = summarize([100.0, 101.0, 99.0, 100.0, 102.0])
+    assert (steady.low, steady.median, steady.high) == (100.0, 100.0, 101.0)
+    close = Measured(101.5, 99.0, 103.0)  # faster median, but inside the noise of the first
+    clear = Measured(130.0, 125.0, 135.0)
+    assert ranking_disagreements([steady, close]) == []
+    assert ranking_disagreements([steady, close, clear]) == [(0, 2), (1, 2)]
+    assert ranking_disagreements([clear, steady, close]) == []
+    assert summarize([7.0]) == Measured(7.0, 7.0, 7.0)
+
+
 def test_a_pipeline_alone_is_not_slowed_in_its_fill_and_drain():
     base, busy = _cluster(), _cluster(contention=1.5)
     one = {cl: _step(cl, pp=2, schedule="gpipe", micro_batch=8) for cl in (base, busy)}  # m = 1

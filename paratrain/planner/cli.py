@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from paratrain.models.llama import PRESETS, LlamaConfig
 from paratrain.planner.hardware import GB, GPUS, LINKS, make_cluster
@@ -331,10 +331,18 @@ def _validate_worker(env, cfg_dict: dict) -> None:
     Trainer(Config.from_dict(cfg_dict), env).fit()
 
 
-def measure(cfg) -> float:
-    """Median tokens/s of a short run of `cfg` (the first two steps are warm-up)."""
-    import statistics
+@dataclass(frozen=True)
+class Measured:
+    """Tokens/s of a short run, per step after warm-up: the median and the quartiles (the run's
+    own noise, which decides whether two layouts are told apart)."""
 
+    median: float
+    low: float  # 25th percentile
+    high: float  # 75th percentile
+
+
+def measure(cfg) -> Measured:
+    """Tokens/s of a short run of `cfg` (the first two steps are warm-up)."""
     from paratrain.launch import spawn
     from paratrain.train.metrics import read_metrics
     from paratrain.train.task import build_task
@@ -347,10 +355,27 @@ def measure(cfg) -> float:
         spawn(_validate_worker, cfg.world_size, cfg.to_dict(), timeout=600)
     rows = read_metrics(f"{cfg.train.out}/metrics.jsonl")
     rates = [r["tokens_per_s"] for r in rows[2:]] or [r["tokens_per_s"] for r in rows]
-    return statistics.median(rates)
+    return summarize(rates)
 
 
-def validate(args, c: LlamaConfig, result: PlanResult, top: int = 3) -> list[tuple[Plan, float]]:
+def summarize(rates: list[float]) -> Measured:
+    import statistics
+
+    if len(rates) < 2:
+        return Measured(rates[0], rates[0], rates[0])
+    q1, _, q3 = statistics.quantiles(rates, n=4, method="inclusive")
+    return Measured(statistics.median(rates), q1, q3)
+
+
+def ranking_disagreements(measured: list[Measured]) -> list[tuple[int, int]]:
+    """Pairs (i, j), i ranked above j by the planner, where j measured clearly faster: its lower
+    quartile above i's upper one. Layouts whose step rates overlap are not told apart by the run,
+    so no order between them can disagree with it."""
+    return [(i, j) for i in range(len(measured)) for j in range(i + 1, len(measured))
+            if measured[j].low > measured[i].high]
+
+
+def validate(args, c: LlamaConfig, result: PlanResult, top: int = 3) -> list[tuple[Plan, Measured]]:
     """Run the top plans briefly through paratrain's trainer; print predicted vs measured tokens/s."""
     import tempfile
 
@@ -365,15 +390,22 @@ def validate(args, c: LlamaConfig, result: PlanResult, top: int = 3) -> list[tup
             cfg = layout_to_config(base, p.layout)
             cfg.train.out = f"{tmp}/plan{i}"
             out.append((p, measure(cfg)))
-    print(f"{'#':>2} {'layout':<40} {'predicted tok/s':>16} {'measured tok/s':>15} {'measured/pred':>14}")
+    print(f"{'#':>2} {'layout':<40} {'predicted tok/s':>16} {'measured tok/s':>15} {'quartiles':>17} "
+          f"{'measured/pred':>14}")
     for i, (p, got) in enumerate(out, 1):
-        print(f"{i:>2} {p.layout.short():<40} {p.time.tokens_per_s:16,.0f} {got:15,.0f} "
-              f"{got / p.time.tokens_per_s:14.2f}")
+        print(f"{i:>2} {p.layout.short():<40} {p.time.tokens_per_s:16,.0f} {got.median:15,.0f} "
+              f"{got.low:8,.0f}-{got.high:<8,.0f} {got.median / p.time.tokens_per_s:14.2f}")
     order_pred = list(range(len(out)))
-    order_meas = sorted(order_pred, key=lambda i: -out[i][1])
-    agree = ("agrees" if order_meas == order_pred
-             else f"differs (measured order: {[i + 1 for i in order_meas]})")
-    print(f"ranking by measured tokens/s {agree} with the predicted ranking")
+    order_meas = sorted(order_pred, key=lambda i: -out[i][1].median)
+    strict = ("agrees" if order_meas == order_pred
+              else f"differs (measured order: {[i + 1 for i in order_meas]})")
+    print(f"ranking by measured median tokens/s {strict} with the predicted ranking")
+    wrong = ranking_disagreements([m for _, m in out])
+    if wrong:
+        pairs = ", ".join(f"#{j + 1} above #{i + 1}" for i, j in wrong)
+        print(f"told apart by the run (quartiles not overlapping), the ranking differs: {pairs}")
+    else:
+        print("every pair the run tells apart (quartiles not overlapping) is ranked as predicted")
     return out
 
 
