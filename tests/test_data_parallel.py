@@ -232,3 +232,15 @@ def test_unused_parameters_and_overlap():
     Then: buckets launch during backward."""
     for launched in run(_strategy_worker, 2, timeout=120):
         assert len(launched) == 8 and all(launched)
+
+
+def test_bucketing_rules():
+    """DDP closes a bucket before an overflow (first bucket capped lower, a kind change closes
+    too, an oversized tensor stands alone); ZeRO fills per key and closes once the cap is reached.
+    The planner counts collectives with these same functions (planner/local.py)."""
+    from paratrain.data_parallel.bucketing import cut_before_overflow, fill_per_key
+
+    sizes, kinds = [4, 4, 4, 9, 2, 2], ["a", "a", "a", "a", "b", "b"]
+    assert cut_before_overflow(sizes, kinds, cap=8, first_cap=4) == [[0], [1, 2], [3], [4, 5]]
+    assert cut_before_overflow(sizes, kinds, cap=100) == [[0, 1, 2, 3], [4, 5]]
+    assert fill_per_key([4, 1, 4, 1, 4], ["w", "n", "w", "n", "w"], cap=8) == [[0, 2], [4], [1, 3]]

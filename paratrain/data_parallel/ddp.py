@@ -37,6 +37,7 @@ import torch.nn as nn
 
 from paratrain.comm import collectives as C
 from paratrain.comm.collectives import nbytes
+from paratrain.data_parallel.bucketing import FIRST_BUCKET_BYTES, cut_before_overflow
 from paratrain.engine.strategy import Strategy
 from paratrain.mesh import ParallelMesh
 from paratrain.sharding import info_of
@@ -70,17 +71,10 @@ def build_buckets(named: list[tuple[str, nn.Parameter]], bucket_bytes: int,
     of its own; a bucket never mixes dtypes or devices (it is one tensor), nor data-parallel axes
     (an expert-parallel expert's gradient is summed over edp, the rest over dp).
     """
-    groups: list[list[tuple[str, nn.Parameter]]] = []
-    size = 0
-    for name, p in reversed(named):
-        p_bytes = nbytes(p)
-        current = groups[-1] if groups else None
-        cap = first_bucket_bytes if len(groups) == 1 and first_bucket_bytes is not None else bucket_bytes
-        if current is None or (size > 0 and size + p_bytes > cap) or _kind(current[0][1]) != _kind(p):
-            groups.append([])
-            size = 0
-        groups[-1].append((name, p))
-        size += p_bytes
+    order = list(reversed(named))
+    cut = cut_before_overflow([nbytes(p) for _, p in order], [_kind(p) for _, p in order], bucket_bytes,
+                              first_bucket_bytes)
+    groups = [[order[i] for i in bucket] for bucket in cut]
     buckets = []
     for group in groups:
         first = group[0][1]
@@ -92,10 +86,6 @@ def build_buckets(named: list[tuple[str, nn.Parameter]], bucket_bytes: int,
         buckets.append(Bucket(buffer, [p for _, p in group], [n for n, _ in group], views,
                               axis=info_of(first).dp_axis))
     return buckets
-
-
-#: PyTorch DDP's default cap for the first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES).
-FIRST_BUCKET_BYTES = 2**20
 
 
 def _kind(p: torch.Tensor) -> tuple:

@@ -29,12 +29,11 @@ from __future__ import annotations
 
 import math
 
+from paratrain.data_parallel.bucketing import FIRST_BUCKET_BYTES, cut_before_overflow, fill_per_key
 from paratrain.models.llama import LlamaConfig
 from paratrain.planner.cost import all_gather_time, all_reduce_time, group_link, reduce_scatter_time
 from paratrain.planner.hardware import Cluster
 from paratrain.planner.memory import Layout, Training, layer_params_local, state_bytes_per_param
-
-FIRST_BUCKET_BYTES = 2**20  # data_parallel/ddp.py: PyTorch DDP's cap for the first bucket
 
 
 def param_numels(c: LlamaConfig, tp: int, blocks: int, first: bool, last: bool) -> list[tuple[int, bool]]:
@@ -56,35 +55,21 @@ def param_numels(c: LlamaConfig, tp: int, blocks: int, first: bool, last: bool) 
 
 
 def ddp_buckets(sizes: list[float], bucket_mb: float) -> list[float]:
-    """Bytes of DDP's buckets over tensors of `sizes` bytes (registration order), as
-    data_parallel/ddp.build_buckets cuts them: in reverse order, a bucket closes before a tensor
-    that would overflow it, the first capped at 1 MiB (PyTorch DDP's), the others at bucket_mb."""
+    """Bytes of DDP's buckets over tensors of `sizes` bytes (registration order), cut by DDP's own
+    rule (data_parallel/bucketing.py), with the caps the DDP strategy passes it."""
     cap = bucket_mb * 2**20
-    buckets: list[float] = []
-    for size in reversed(sizes):
-        limit = min(FIRST_BUCKET_BYTES, cap) if len(buckets) == 1 else cap
-        if not buckets or (buckets[-1] > 0 and buckets[-1] + size > limit):
-            buckets.append(0.0)
-        buckets[-1] += size
-    return buckets
+    backward = list(reversed(sizes))
+    cut = cut_before_overflow(backward, [None] * len(backward), cap, min(FIRST_BUCKET_BYTES, cap))
+    return [sum(backward[i] for i in bucket) for bucket in cut]
 
 
 def zero_buckets(sizes: list[tuple[float, bool]], bucket_mb: float) -> list[float]:
-    """Bytes of ZeRO-1/2's flat buckets (zero/optimizer.py ``_bucketed``): tensors grouped by key
-    (decayed matrices, norm gains) in reverse order, a bucket closed once it reaches bucket_mb."""
-    cap = bucket_mb * 2**20
-    out = []
-    for norm in (False, True):
-        size = 0.0
-        for nbytes, is_norm in reversed(sizes):
-            if is_norm == norm:
-                size += nbytes
-                if size >= cap:
-                    out.append(size)
-                    size = 0.0
-        if size:
-            out.append(size)
-    return out
+    """Bytes of ZeRO-1/2's flat buckets over (bytes, is a norm gain) in registration order, by
+    ZeRO's own rule (data_parallel/bucketing.py): keyed by weight decay, which here is "not a
+    norm gain"."""
+    backward = list(reversed(sizes))
+    cut = fill_per_key([b for b, _ in backward], [norm for _, norm in backward], bucket_mb * 2**20)
+    return [sum(backward[i][0] for i in bucket) for bucket in cut]
 
 
 def zero3_units(c: LlamaConfig, lay: Layout, blocks: int, first: bool, last: bool, per_param: float

@@ -42,6 +42,7 @@ import torch.nn as nn
 
 from paratrain.comm import collectives as C
 from paratrain.comm.collectives import nbytes
+from paratrain.data_parallel.bucketing import fill_per_key
 from paratrain.engine.shards import CheckpointError, Piece, ShardReader, pieces_of
 from paratrain.engine.strategy import Strategy, decays
 from paratrain.mesh import ParallelMesh
@@ -347,22 +348,10 @@ class ZeroDP(Strategy):
     def _bucketed(self) -> list[list[tuple[str, nn.Parameter]]]:
         """Buckets in backward order (reverse of registration), one key (decays, copies) and one
         data-parallel axis (dp, edp) each."""
-        by_key: dict[tuple, list] = {}
-        for name, p in reversed(self.named_params):
-            key = (*param_key(name, p, self.mesh, self.group_of), info_of(p).dp_axis)
-            by_key.setdefault(key, []).append((name, p))
-        buckets = []
-        for named in by_key.values():
-            current, size = [], 0
-            for name, p in named:
-                current.append((name, p))
-                size += p.numel() * self.compute_dtype.itemsize
-                if size >= self.bucket_bytes:
-                    buckets.append(current)
-                    current, size = [], 0
-            if current:
-                buckets.append(current)
-        return buckets
+        order = list(reversed(self.named_params))
+        keys = [(*param_key(name, p, self.mesh, self.group_of), info_of(p).dp_axis) for name, p in order]
+        sizes = [p.numel() * self.compute_dtype.itemsize for _, p in order]
+        return [[order[i] for i in bucket] for bucket in fill_per_key(sizes, keys, self.bucket_bytes)]
 
     def _install_grads(self) -> None:
         for b in self.buckets:
