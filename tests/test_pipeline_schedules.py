@@ -18,8 +18,10 @@ from paratrain.pipeline.schedules import (
     OneFOneB,
     ScheduleError,
     check_schedule,
+    check_stream_order,
     make_schedule,
     peak_in_flight,
+    receive_lookahead_for,
 )
 
 CASES = [(name, p, m, v)
@@ -33,8 +35,9 @@ CASES = [(name, p, m, v)
 @pytest.mark.parametrize("name,p,m,v", CASES)
 def test_every_schedule_passes_the_checker(name, p, m, v):
     s = make_schedule(name, p, m, v)
-    check_schedule(s.actions(), p, m, v)
-    check_schedule(s.forward_actions(), p, m, v, forward_only=True)
+    for lookahead in (0, 1):  # GPU placement, CPU placement (receive_lookahead_for)
+        check_schedule(s.actions(lookahead), p, m, v)
+        check_schedule(s.forward_actions(lookahead), p, m, v, forward_only=True)
 
 
 @pytest.mark.parametrize("name,p,m,v", CASES)
@@ -161,7 +164,7 @@ def test_receives_are_posted_one_computation_ahead():
     stage posts mb 2's activation receive before B1 (ideal time would post it after), the first
     stage posts mb 1's gradient receive before B0. Measured: this removes a handshake of a few ms
     from each cycle's critical path on gloo."""
-    lists = OneFOneB(2, 4).actions()
+    lists = OneFOneB(2, 4).actions(receive_lookahead_for("cpu"))
     assert lists[1].index(Action(RECV_F, 2, 1)) < lists[1].index(Backward(1, 1))
     assert lists[0].index(Action(RECV_B, 1, 0)) < lists[0].index(Backward(0, 0))
 
@@ -169,7 +172,7 @@ def test_receives_are_posted_one_computation_ahead():
 @pytest.mark.parametrize("name,p,m,v", [c for c in CASES if c[1] > 1])
 def test_early_receives_keep_each_senders_order(name, p, m, v):
     """Receives from one peer stay in the order that peer sends (no tags: order is the match)."""
-    lists = make_schedule(name, p, m, v).actions()
+    lists = make_schedule(name, p, m, v).actions(1)
     for r, actions in enumerate(lists):
         for src in range(p):
             received = [(a.mb, a.stage) for a in actions if a.kind in (RECV_F, RECV_B)
@@ -185,7 +188,7 @@ def _peer_stage(send: Action) -> int:
 
 def test_receive_buffers_bound_every_schedule():
     """The planner counts RECEIVE_BUFFERS boundary tensors per rank: the real lists reach it and
-    never exceed it (p up to 8, m up to 32, v up to 4)."""
+    never exceed it (p up to 8, m up to 32, v up to 4, both placements)."""
     from paratrain.pipeline.schedules import RECEIVE_BUFFERS, peak_receives_posted
 
     for name in SCHEDULES:
@@ -193,5 +196,28 @@ def test_receive_buffers_bound_every_schedule():
                  for p in (2, 3, 4, 8) for m in (1, 2, 4, 8, 32)
                  for v in ((2, 3, 4) if name == "interleaved" else (1,))
                  if not (name == "interleaved" and m % p)
-                 for actions in make_schedule(name, p, m, v).actions()]
+                 for lookahead in (0, 1)
+                 for actions in make_schedule(name, p, m, v).actions(lookahead)]
         assert max(peaks) == RECEIVE_BUFFERS[name], name
+
+
+@pytest.mark.parametrize("name,p,m,v", [c for c in CASES if c[1] > 1])
+def test_gpu_placement_runs_on_stream_ordered_p2p(name, p, m, v):
+    """On a GPU (NCCL: a rank's groups run in issue order on one stream) the ideal-time placement
+    cannot deadlock."""
+    s = make_schedule(name, p, m, v)
+    assert receive_lookahead_for("cuda") == 0
+    check_stream_order(s.actions(0), p, p * v)
+    check_stream_order(s.forward_actions(0), p, p * v)
+
+
+def test_early_receives_are_for_independent_p2p_only():
+    """Receives posted a computation early are fine where operations are independent (gloo:
+    check_schedule) but deadlock stream-ordered p2p: rank 0's receive of mb 0's gradient, posted
+    with the send of mb 0's activation, holds back the send of mb 1's, which rank 1 needs before
+    it can produce that gradient. So only the CPU places them early."""
+    lists = OneFOneB(2, 4).actions(1)
+    check_schedule(lists, 2, 4)
+    with pytest.raises(ScheduleError, match="stream-ordered"):
+        check_stream_order(lists, 2, 2)
+    assert receive_lookahead_for("cpu") == 1

@@ -44,6 +44,7 @@ from paratrain.pipeline.schedules import (
     Schedule,
     make_schedule,
     message,
+    receive_lookahead_for,
     stage_rank,
 )
 from paratrain.pipeline.stage import StageChunk, TiedEmbedding
@@ -69,6 +70,7 @@ class PipelineExecutor:
         # holds this tp rank's 1/tp slice of the sequence.
         self.seq_shards = mesh.tp.size if sequence_parallel else 1
         self._schedules: dict[int, Schedule] = {}
+        self.receive_lookahead = receive_lookahead_for(mesh.device.type)
         self.timeline: list[dict] = []  # last training step: one dict per computation
         self._trained_m: int | None = None  # micro-batches of the last training step
 
@@ -83,7 +85,7 @@ class PipelineExecutor:
             loss_scale: float = 1.0) -> torch.Tensor:
         """One step's forwards and backwards; returns the step's loss share, the same on every stage."""
         self._trained_m = len(micro_batches)
-        actions = self.schedule(self._trained_m).actions()[self.mesh.pp.rank]
+        actions = self.schedule(self._trained_m).actions(self.receive_lookahead)[self.mesh.pp.rank]
         total = self._execute(actions, micro_batches, divisor, loss_scale, train=True)
         # The tied pair's gradients are summed across stages on the side of the data-parallel
         # reduction where the gradient is whole: after DDP's (launched from backward hooks, it
@@ -100,7 +102,7 @@ class PipelineExecutor:
     @torch.no_grad()
     def evaluate(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
                  divisor: float) -> torch.Tensor:
-        actions = self.schedule(len(micro_batches)).forward_actions()[self.mesh.pp.rank]
+        actions = self.schedule(len(micro_batches)).forward_actions(self.receive_lookahead)[self.mesh.pp.rank]
         total = self._execute(actions, micro_batches, divisor, 1.0, train=False)
         return self._loss_from_last_stage(total)
 

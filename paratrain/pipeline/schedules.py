@@ -113,14 +113,16 @@ class Schedule:
     def compute_order(self, rank: int) -> list[Action]:
         raise NotImplementedError
 
-    def actions(self) -> list[list[Action]]:
-        """Every rank's full action list, communication included."""
-        return place_communication([self.compute_order(r) for r in range(self.p)], self.p, self.n_stages)
+    def actions(self, receive_lookahead: int = 0) -> list[list[Action]]:
+        """Every rank's full action list, communication included (``receive_lookahead``:
+        ``place_communication``)."""
+        return place_communication([self.compute_order(r) for r in range(self.p)], self.p, self.n_stages,
+                                   receive_lookahead)
 
-    def forward_actions(self) -> list[list[Action]]:
+    def forward_actions(self, receive_lookahead: int = 0) -> list[list[Action]]:
         """Forward-only lists (evaluation): the same forward order, no backward."""
         lists = [[a for a in self.compute_order(r) if a.kind == F] for r in range(self.p)]
-        return place_communication(lists, self.p, self.n_stages)
+        return place_communication(lists, self.p, self.n_stages, receive_lookahead)
 
     def theory_bubble(self) -> float:
         """Idle fraction of each rank in ideal time: (p-1)/(m+p-1), the interleaved one divided by v."""
@@ -262,10 +264,13 @@ def simulate(compute_lists: list[list[Action]], p: int, n_stages: int, t_f: floa
     return done
 
 
-def place_communication(compute_lists: list[list[Action]], p: int, n_stages: int) -> list[list[Action]]:
+def place_communication(compute_lists: list[list[Action]], p: int, n_stages: int,
+                        receive_lookahead: int = 0) -> list[list[Action]]:
     """Insert SEND right after the computation that produces a message and the matching RECV
     on the receiver at the same moment of the ideal-time run: receives are posted in their
-    sender's order (the in-order matching holds) and before the computation that needs them."""
+    sender's order (the in-order matching holds) and before the computation that needs them.
+    With ``receive_lookahead`` > 0 each receive then moves that many computations earlier
+    (``_post_receives_early``: for backends whose point-to-point operations are independent)."""
     lists: list[list[Action]] = [[] for _ in range(p)]
     for r, a, _, _ in simulate(compute_lists, p, n_stages):
         lists[r].append(a)
@@ -281,27 +286,37 @@ def place_communication(compute_lists: list[list[Action]], p: int, n_stages: int
                                 "a pipeline needs consecutive stages on different ranks (p >= 2)")
         lists[r].append(send)
         lists[dst].append(recv)
-    return [_post_receives_early(lst, p, n_stages) for lst in lists]
+    if receive_lookahead > 0:
+        lists = [_post_receives_early(lst, p, n_stages, receive_lookahead) for lst in lists]
+    return lists
 
 
-RECEIVE_LOOKAHEAD = 1  # computations a receive is posted ahead of where ideal time puts it
-# Most receives a rank has posted and not yet consumed, over every p, m and v (each is one
-# micro-batch's boundary activation or its gradient): the planner's buffer count, which
-# tests/test_pipeline_schedules.py checks against the real action lists.
+def receive_lookahead_for(device_type: str) -> int:
+    """Computations a receive is posted ahead of its ideal-time place, by device.
+
+    On a CPU (gloo) the host computes synchronously: a receive posted at its ideal-time place is
+    posted only when the receiver's previous computation has finished, and gloo moves a message
+    only once its receive is posted, so the handshake lands on the critical path of every 1F1B
+    cycle (measured: 3-7 ms per message on a 2-core host). One computation earlier, the transfer
+    overlaps that computation; gloo's operations are independent, so an early receive delays
+    nothing else. On a GPU the host runs ahead of the device, so ideal-time receives are already
+    posted early in device time; and NCCL runs a rank's point-to-point groups in issue order on
+    one stream, where a receive moved before a send can deadlock (``check_stream_order``)."""
+    return 1 if device_type == "cpu" else 0
+
+
+# Most receives a rank has posted and not yet consumed, over every p, m and v and both placements
+# (each is one micro-batch's boundary activation or its gradient): the planner's buffer count,
+# which tests/test_pipeline_schedules.py checks against the real action lists.
 RECEIVE_BUFFERS = {"naive": 2, "gpipe": 3, "1f1b": 3, "interleaved": 5}
 
 
-def _post_receives_early(actions: list[Action], p: int, n_stages: int,
-                         lookahead: int = RECEIVE_LOOKAHEAD) -> list[Action]:
+def _post_receives_early(actions: list[Action], p: int, n_stages: int, lookahead: int) -> list[Action]:
     """Move every receive ``lookahead`` computations earlier on its rank.
 
-    Ideal time posts a receive when its sender starts the producing computation; on a real run
-    the sender often finishes first, and gloo (like NCCL for large messages) moves the data only
-    once the receive is posted: the handshake then lands on the critical path of every 1F1B cycle
-    (measured: a few ms per message on a loaded 2-core host). Posted one computation earlier, the
-    transfer overlaps the receiver's current computation. Receives never block, so no deadlock can
-    follow; a receive never passes an earlier one from the same rank (messages match in order),
-    and each costs one buffer of one micro-batch's activation while it waits.
+    Under non-blocking semantics (gloo) receives never block, so no deadlock can follow; a receive
+    never passes an earlier one from the same rank (messages match in order), and each costs one
+    buffer of one micro-batch's activation while it waits.
     """
     out = list(actions)
     for i in range(len(out)):
@@ -435,6 +450,83 @@ def _simulate_messages(lists: list[list[Action]], p: int, n_stages: int) -> None
             blocked = ", ".join(f"rank {r} at {lists[r][pos[r]]}" for r in range(p) if pos[r] < len(lists[r]))
             raise ScheduleError(f"deadlock: {blocked} (each waits for a message that is never sent, "
                                 "or whose receive was not posted first)")
+
+
+def check_stream_order(actions_per_rank: list[list[Action]], p: int, n_stages: int) -> None:
+    """Verify the lists also run where point-to-point is stream-ordered (NCCL); raise on deadlock.
+
+    The executor posts each run of consecutive sends and receives as one group
+    (``batch_isend_irecv``). Under NCCL a rank's groups run one after another on one stream, each
+    once the computations issued before it are done, and a group finishes only when every one of
+    its operations has met its counterpart in a running group of the peer. A computation waits for
+    the group holding the receive it consumes. ``check_schedule`` assumes independent operations
+    (gloo), which a list can satisfy and still deadlock here.
+    """
+    items = [_host_items(lst) for lst in actions_per_rank]
+    group_of: dict[tuple, tuple[int, int]] = {}  # payload -> (rank, item) of its receive / send
+    for r, rank_items in enumerate(items):
+        for i, item in enumerate(rank_items):
+            if isinstance(item, list):
+                for a in item:
+                    group_of[(a.kind in (RECV_F, RECV_B), message(a, n_stages)[0])] = (r, i)
+    started: set[tuple[int, int]] = set()
+    done: set[tuple[int, int]] = set()
+
+    def ready(r: int, i: int) -> bool:
+        item = items[r][i]
+        before = [j for j in range(i) if (isinstance(items[r][j], list)) != isinstance(item, list)]
+        if isinstance(item, list):  # waits for its stream's previous group and the host's computations
+            prev = max((j for j in range(i) if isinstance(items[r][j], list)), default=None)
+            return (prev is None or (r, prev) in done) and all((r, j) in done for j in before)
+        prev = max((j for j in range(i) if not isinstance(items[r][j], list)), default=None)
+        needs = _consumes(item, n_stages)
+        return ((prev is None or (r, prev) in done)
+                and (needs is None or group_of[(True, needs)] in done))
+
+    def matched(r: int, i: int) -> bool:
+        return all(group_of[(a.kind not in (RECV_F, RECV_B), message(a, n_stages)[0])] in started
+                   for a in items[r][i])
+
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            for i in range(len(items[r])):
+                key = (r, i)
+                if key in done:
+                    continue
+                if key not in started and ready(r, i):
+                    started.add(key)
+                    progress = True
+                if key in started and (not isinstance(items[r][i], list) or matched(r, i)):
+                    done.add(key)
+                    progress = True
+    stuck = [f"rank {r} at {items[r][i]}" for r in range(p) for i in range(len(items[r]))
+             if (r, i) not in done and (i == 0 or (r, i - 1) in done)]
+    if stuck:
+        raise ScheduleError(f"deadlock under stream-ordered point-to-point (NCCL): {', '.join(stuck)}")
+
+
+def _host_items(actions: list[Action]) -> list:
+    """A rank's list as the executor issues it: computations, and runs of communication (groups)."""
+    out: list = []
+    for a in actions:
+        if a.is_compute:
+            out.append(a)
+        elif out and isinstance(out[-1], list):
+            out[-1].append(a)
+        else:
+            out.append([a])
+    return out
+
+
+def _consumes(a: Action, n_stages: int) -> tuple | None:
+    """The payload a computation waits for: its input activation or its output's gradient."""
+    if a.kind == F and a.stage > 0:
+        return ("act", a.mb, a.stage)
+    if a.kind == B and a.stage < n_stages - 1:
+        return ("grad", a.mb, a.stage)
+    return None
 
 
 def _mismatch(src: int, dst: int, k: int, sent: tuple, expected: tuple) -> str:
