@@ -18,8 +18,9 @@ k-th receive a rank posts from a peer must expect exactly the k-th send of that 
 
 Schedules only say in which order each rank computes; ``place_communication`` adds the sends and
 receives by simulating the pipeline in ideal time, so every receive is posted in its sender's
-order, then moves each receive one computation earlier: its transfer overlaps the receiver's
-current computation instead of waiting for a handshake after it.
+order; on a CPU it then moves each receive one computation earlier, so its transfer overlaps the
+receiver's current computation instead of waiting for a handshake after it
+(``receive_lookahead_for``; ``check_stream_order`` says why not on a GPU).
 
 * ``Naive``: model parallelism with one micro-batch in flight: everyone waits for everyone.
 * ``GPipe`` (Huang et al. 2019): all forwards, then all backwards; m activations held per stage.
