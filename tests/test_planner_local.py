@@ -5,6 +5,7 @@ assert."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -363,3 +364,22 @@ def test_tp_comm_counts_each_collective_and_its_python_once():
         slow, fast = (_step(_cluster(op_s=s), tp=2, sp=sp).tp_comm for s in (2e-5, 1e-5))
         m = TR.global_batch // 4
         assert slow - fast == pytest.approx(m * per_mb * local.TP_WRAPPER_OPS * 1e-5)
+
+
+def test_validate_runs_the_top_plan_and_reports_it(fake_machine, capsys, tmp_path, monkeypatch):
+    """`plan --validate` end to end on tiny: the top plan is trained for a few steps through the
+    real trainer and its measured tokens/s, quartiles and ratio are printed with the ranking
+    verdicts (whether the ratio meets 30 % on this machine is a benchmark, not asserted here)."""
+    monkeypatch.chdir(tmp_path)
+    assert plan_main(["--model", "tiny", "--cluster", "local", "--gpus", "1", "--validate",
+                      "--validate-top", "1", "--validate-steps", "4", "--seq-len", "16",
+                      "--global-batch", "2"]) == 0
+    out = capsys.readouterr().out
+    row = out.split("measured/pred")[1].strip().splitlines()[0]
+    numbers = re.search(r"([\d,]+)\s+([\d,]+)\s+([\d,]+)-([\d,]+)\s+([\d.]+)$", row.strip())
+    assert numbers, row
+    predicted, measured, low, high, ratio = (float(x.replace(",", "")) for x in numbers.groups())
+    assert predicted > 0 and measured > 0 and low <= measured <= high
+    assert ratio == pytest.approx(measured / predicted, rel=0.01, abs=0.006)
+    assert "ranking by measured median tokens/s agrees" in out
+    assert "every pair the run tells apart" in out
