@@ -21,14 +21,18 @@ Dispatch, per MoE layer and forward call (``dispatch_and_run``)::
     each local expert runs on its rows (on zero rows if none came: every rank's gradient hooks fire)
     output rows --the reverse all_to_all--> back to the rank and the slot they came from
 
+Under tensor parallelism each tp rank dispatches only its share of the tokens, the counts carry
+every share's ([tp, E]) and the received rows are gathered over tp around the tp-split experts
+(tp_share.py says how, and why the gradients stay exact).
+
 The caller (``MoE.combine``) then sums each token's k outputs in slot order, as without EP, so the
 result does not depend on which rank ran which expert. Backward runs both row exchanges reversed
 (comm/autograd.py ``all_to_all``).
 
 Bytes (payload = rows handed to all_to_all, counted per rank): per layer and call,
-``E * 8`` (the counts) ``+ (A_send + A_recv) * dim * bytes`` forward and the same rows backward,
-where A_send = this rank's kept assignments (T * k dropless) and A_recv = the assignments its
-experts receive. Summed over an ep group both are the group's T * k, so the group's total per step
+``tp * E * 8`` (the counts) ``+ (A_send + A_recv) * dim * bytes`` forward and the same rows
+backward, where A_send = this rank's kept assignments (T * k / tp dropless, its share's) and
+A_recv = the assignments it receives for its experts. Summed over an ep group both are the group's T * k, so the group's total per step
 is exact whatever the routing; wire bytes leave out the rows a rank sends to itself.
 """
 
