@@ -32,8 +32,9 @@ result does not depend on which rank ran which expert. Backward runs both row ex
 Bytes (payload = rows handed to all_to_all, counted per rank): per layer and call,
 ``tp * E * 8`` (the counts) ``+ (A_send + A_recv) * dim * bytes`` forward and the same rows
 backward, where A_send = this rank's kept assignments (T * k / tp dropless, its share's) and
-A_recv = the assignments it receives for its experts. Summed over an ep group both are the group's T * k, so the group's total per step
-is exact whatever the routing; wire bytes leave out the rows a rank sends to itself.
+A_recv = the assignments it receives for its experts. Summed over an ep group both are the
+group's T * k, so the group's total per step is exact whatever the routing; wire bytes leave out
+the rows a rank sends to itself.
 """
 
 from __future__ import annotations
