@@ -56,7 +56,7 @@ def parallelize(task: Task, cfg: Config, mesh: ParallelMesh) -> Parallelized:
     if mesh.ep.size > 1:  # on the meta model: the experts this rank does not hold never materialise
         from paratrain.expert_parallel import apply_expert_parallel
 
-        apply_expert_parallel(model, mesh.ep)
+        apply_expert_parallel(model, mesh.ep, tp=mesh.tp, sequence_parallel=cfg.parallel.sp)
     if cfg.train.tile > 1 and cfg.parallel.zero == 3:  # tiles of the weights, each gathered alone
         from paratrain.memory.tiled_linear import apply_weight_tiling
 

@@ -267,3 +267,23 @@ def test_ep_mesh_places_every_expert_once():
         c = shape.coords(rank)
         held.setdefault(c["edp"], []).extend(owned_experts(8, 2, c["ep"]))
     assert all(sorted(v) == list(range(8)) for v in held.values())  # each edp replica: every expert
+
+
+def test_ep_with_tp_sends_each_row_once(runs, composed):
+    """ep2 x tp2: each tp rank dispatches its half of the tokens (expert_parallel/tp_share.py), so a
+    row crosses the all-to-all once per ep group, not once per tp rank. Summed over the four ranks
+    per step: layers * (calls * tp * E * 8 + 4 * G * k * dim * 4), calls = 4 ranks x 2 micro-batches
+    (every tp share's counts go out, int64). ep2 on two ranks with the same micro-batches (ep2_m2)
+    moves the same rows in all, so per rank ep2 x tp2 moves half of ep2's: exact whatever the routing."""
+    _, _, base = runs
+    layers, e, k, dim, g = 4, 4, 2, 64, 8 * 32
+    rows = layers * 4 * g * k * dim * 4
+    counts_split, counts_whole = layers * 8 * 2 * e * 8, layers * 4 * e * 8
+    for split, whole in zip(_rows(base / "ep2_tp2"), _rows(base / "ep2_m2"), strict=True):
+        per_rank_split = split["per_rank"]["comm_all_to_all_bytes"]
+        per_rank_whole = whole["per_rank"]["comm_all_to_all_bytes"]
+        assert sum(per_rank_split) == counts_split + rows, split["step"]
+        assert sum(per_rank_whole) == counts_whole + rows, whole["step"]
+        assert (sum(per_rank_split) - counts_split) / 4 == (sum(per_rank_whole) - counts_whole) / 2 / 2
+        # the new tp collectives around the experts are counted too
+        assert split["comm_bytes"]["all_gather"] > 0 and split["comm_bytes"]["reduce_scatter"] > 0

@@ -42,9 +42,10 @@ def test_mixtral_model_states_per_device_by_hand():
     # ZeRO-3: the experts' parameters too are sharded over dp/ep, the rest over dp
     z3 = memory.device_memory(MIXTRAL, Training(4096, 256), replace(lay, zero=3), make_cluster(gpus=16))
     assert z3.params == pytest.approx(2 * dense / dp + 2 * experts / (dp // ep))
-    # the all-to-all's send and receive buffers: tokens x top_k x dim in bf16
+    # the all-to-all's send and receive buffers: tokens / tp (each tp rank dispatches its share) x
+    # top_k x dim in bf16
     plain = memory.device_memory(MIXTRAL, Training(4096, 256), replace(lay, ep=1), make_cluster(gpus=16))
-    assert mem.comm_buffers - plain.comm_buffers == 2 * 4096 * 2 * d * 2
+    assert mem.comm_buffers - plain.comm_buffers == 2 * 4096 // tp * 2 * d * 2
 
 
 def test_stage_params_count_every_expert_once():
@@ -75,19 +76,63 @@ def test_flops_from_active_parameters(name):
 
 def test_all_to_all_time_by_hand():
     """4 exchanges per MoE block per micro-batch (dispatch + return, forward and backward), each
-    (ep - 1) latencies + tokens * top_k * dim * bytes * (ep - 1)/ep over the ep group's link."""
+    (ep - 1) latencies + tokens / tp * top_k * dim * bytes * (ep - 1)/ep over the ep group's link
+    (each tp rank dispatches 1/tp of the tokens)."""
     cl = make_cluster(gpus=16)  # 2 nodes of 8
     tr = Training(4096, 64)
     lay = Layout(dp=8, tp=2, ep=4, zero=1, micro_batch=2)  # ep ranks at stride 2 span 8: one node
     t = evaluate(MIXTRAL, tr, lay, cl).time
     nvlink = cl.intra
-    per = 3 * nvlink.latency + 4096 * 2 * 2 * 4096 * 2 * 3 / 4 / nvlink.bandwidth
+    share = 4096 * 2 // 2  # the micro-batch's tokens over tp2
+    per = 3 * nvlink.latency + share * 2 * 4096 * 2 * 3 / 4 / nvlink.bandwidth
     m = 64 // (8 * 2)
     assert t.ep_comm == pytest.approx(m * 32 * 4 * per)
     across = evaluate(MIXTRAL, tr, replace(lay, ep=8), cl).time  # stride 2 x 8 = 16 ranks: two nodes
     ib = cl.inter
-    assert across.ep_comm == pytest.approx(m * 32 * 4 * (7 * ib.latency + 4096 * 2 * 2 * 4096 * 2 * 7 / 8
+    assert across.ep_comm == pytest.approx(m * 32 * 4 * (7 * ib.latency + share * 2 * 4096 * 2 * 7 / 8
                                                          / ib.bandwidth))
+    # tp1 (dp16): every token dispatched by its one rank
+    whole = evaluate(MIXTRAL, tr, Layout(dp=16, ep=4, zero=1, micro_batch=2), cl).time  # ep spans 4: a node
+    m = 64 // (16 * 2)
+    assert whole.ep_comm == pytest.approx(m * 32 * 4 * (3 * nvlink.latency + 2 * share * 2 * 4096 * 2 * 3 / 4
+                                                        / nvlink.bandwidth))
+
+
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_ep_tp_block_collectives_by_hand(sp, recompute):
+    """An MoE block under ep2 x tp2: the dense MLP's tp collectives out, the dispatch's in (2
+    all-gathers and 2 reduce-scatters of the T*k rows, the router's gradient; without SP the entry's
+    f and an all-gather of the tokens, under SP the logits' gather and its reduce-scatter)."""
+    from collections import Counter
+
+    from paratrain.planner import local
+
+    c, tokens, e = PRESETS["tiny-moe"], 4 * 32, 4
+    act, rows, logits, router = tokens * 64 * e, tokens * 2 * 64 * e, tokens * 4 * 4, 4 * 64 * 4
+    lay = Layout(dp=2, tp=2, ep=2, sp=sp, micro_batch=4, recompute=recompute)
+    tpc = local.tp_collectives(c, lay, tokens, e, recompute)
+    added = Counter(tpc["moe_block"]) - Counter(tpc["block"])
+    removed = Counter(tpc["block"]) - Counter(tpc["moe_block"])
+    pair = 3 if recompute == "full" else 2  # the rows' gather and reduce-scatter (+ recompute's)
+    if sp:
+        assert removed == Counter({("all_gather", act): pair, ("reduce_scatter", act): 2})
+        assert added == Counter({("all_gather", rows): pair, ("reduce_scatter", rows): pair,
+                                 ("all_gather", logits): pair - 1, ("reduce_scatter", logits): 1,
+                                 ("all_reduce", router): 1})
+    else:
+        assert removed == Counter({("all_reduce", act): 1})
+        assert added == Counter({("all_gather", act): 1, ("all_gather", rows): pair,
+                                 ("reduce_scatter", rows): pair, ("all_reduce", router): 1})
+    assert local.tp_collectives(c, replace(lay, ep=1), tokens, e, recompute)["moe_block"] == tpc["block"]
+    # and the step time counts them once per MoE block and micro-batch
+    cl = make_cluster(gpus=4)
+    tr = Training(32, 8, precision="fp32")
+    with_ep = evaluate(c, tr, lay, cl).time.tp_comm
+    link = cl.intra
+    per_block = (local.tp_seconds(tpc["moe_block"], 2, link) - local.tp_seconds(tpc["block"], 2, link))
+    base = evaluate(c, tr, replace(lay, ep=1), cl).time.tp_comm
+    assert with_ep - base == pytest.approx(lay.n_micro(tr.global_batch) * c.n_moe_layers * per_block)
     assert evaluate(MIXTRAL, tr, replace(lay, ep=1), cl).time.ep_comm == 0.0
 
 

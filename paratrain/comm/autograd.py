@@ -11,6 +11,14 @@ backward, so autograd moves the gradients the right way without any hook::
     reduce_scatter_to_sp (g-bar*) reduce-scatter seq.     all-gather the sequence
     scatter_to_sp         keep our sequence slice         all-gather the sequence
     all_to_all            rows to each rank (uneven)      the reverse all-to-all (splits swapped)
+    gather_rows           all-gather rows (uneven)        reduce-scatter them
+    reduce_scatter_rows   reduce-scatter rows (uneven)    all-gather them
+    gather_replicated_rows  all-gather rows (uneven)      keep our rows (the gradient is replicated)
+
+The ``*_rows`` operators serve expert parallelism under tensor parallelism
+(expert_parallel/tp_share.py): each tp rank holds its own number of rows there, and gloo has no
+all-gather of unequal sizes, so every rank pads its rows to the largest count (the padding is sent,
+and counted).
 
 Every byte goes through ``paratrain.comm.collectives`` (counted per kind and per axis). On an
 axis of one rank every operator is the identity, so a tp=1 model runs the same code.
@@ -29,27 +37,48 @@ def _all_reduce(x: torch.Tensor, axis: C.Axis) -> torch.Tensor:
     return out
 
 
-def _gather_seq(x: torch.Tensor, axis: C.Axis, dim: int) -> torch.Tensor:
-    """[.., s/tp, ..] on each rank -> [.., s, ..] (rank order along `dim`)."""
+Sizes = list[int] | None  # rows each rank holds along the gathered dim; None: equal shares
+
+
+def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [n, ...] -> [rows, ...], zero rows appended."""
+    return x if x.shape[0] == rows else torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))])
+
+
+def _gather_seq(x: torch.Tensor, axis: C.Axis, dim: int, sizes: Sizes = None) -> torch.Tensor:
+    """[.., s/tp, ..] on each rank -> [.., s, ..] (rank order along `dim`); with ``sizes``, rank j
+    holds sizes[j] of them (padded to the largest for the collective, the padding dropped after)."""
     # The comm layer gathers along dim 0: move the sequence there, gather, move it back.
     local = x.movedim(dim, 0).contiguous()  # [s/tp, ...]
-    out = torch.empty((local.shape[0] * axis.size, *local.shape[1:]), dtype=x.dtype, device=x.device)
-    C.all_gather_into(out, local, axis)
+    width = max(sizes) if sizes else local.shape[0]
+    out = torch.empty((width * axis.size, *local.shape[1:]), dtype=x.dtype, device=x.device)
+    C.all_gather_into(out, _padded(local, width), axis)
+    if sizes and min(sizes) < width:
+        out = torch.cat([chunk[:n] for chunk, n in zip(out.split(width), sizes)])
     # Contiguous once here, rather than a copy inside each of the linears that read it.
     return out.movedim(0, dim).contiguous()
 
 
-def _reduce_scatter_seq(x: torch.Tensor, axis: C.Axis, dim: int) -> torch.Tensor:
-    """[.., s, ..] partial sums on each rank -> [.., s/tp, ..] of the sum (our slice)."""
+def _reduce_scatter_seq(x: torch.Tensor, axis: C.Axis, dim: int, sizes: Sizes = None) -> torch.Tensor:
+    """[.., s, ..] partial sums on each rank -> [.., s/tp, ..] of the sum (our slice); with
+    ``sizes``, rank j's slice is the next sizes[j] rows (each padded to the largest)."""
     full = x.movedim(dim, 0).contiguous()  # [s, ...]
-    if full.shape[0] % axis.size:
-        raise ValueError(f"sequence length {full.shape[0]} is not divisible by tp={axis.size}")
-    out = torch.empty((full.shape[0] // axis.size, *full.shape[1:]), dtype=x.dtype, device=x.device)
+    if sizes is None:
+        if full.shape[0] % axis.size:
+            raise ValueError(f"sequence length {full.shape[0]} is not divisible by tp={axis.size}")
+        sizes = [full.shape[0] // axis.size] * axis.size
+    width = max(sizes)
+    if min(sizes) < width:
+        full = torch.cat([_padded(chunk, width) for chunk in full.split(sizes)])
+    out = torch.empty((width, *full.shape[1:]), dtype=x.dtype, device=x.device)
     C.reduce_scatter_into(out, full, axis)
-    return out.movedim(0, dim).contiguous()
+    return out[: sizes[axis.rank]].movedim(0, dim).contiguous()
 
 
-def _slice_seq(x: torch.Tensor, axis: C.Axis, dim: int) -> torch.Tensor:
+def _slice_seq(x: torch.Tensor, axis: C.Axis, dim: int, sizes: Sizes = None) -> torch.Tensor:
+    if sizes is not None:
+        start = sum(sizes[: axis.rank])
+        return x.narrow(dim, start, sizes[axis.rank]).contiguous()
     if x.shape[dim] % axis.size:
         raise ValueError(f"sequence length {x.shape[dim]} is not divisible by tp={axis.size}")
     return x.chunk(axis.size, dim=dim)[axis.rank].contiguous()
@@ -78,24 +107,37 @@ class _ReduceFromTP(torch.autograd.Function):
 
 class _GatherFromSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, axis, dim):
-        ctx.axis, ctx.dim = axis, dim
-        return _gather_seq(x, axis, dim)
+    def forward(ctx, x, axis, dim, sizes):
+        ctx.axis, ctx.dim, ctx.sizes = axis, dim, sizes
+        return _gather_seq(x, axis, dim, sizes)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_seq(grad, ctx.axis, ctx.dim), None, None
+        return _reduce_scatter_seq(grad, ctx.axis, ctx.dim, ctx.sizes), None, None, None
 
 
 class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, axis, dim):
-        ctx.axis, ctx.dim = axis, dim
-        return _reduce_scatter_seq(x, axis, dim)
+    def forward(ctx, x, axis, dim, sizes):
+        ctx.axis, ctx.dim, ctx.sizes = axis, dim, sizes
+        return _reduce_scatter_seq(x, axis, dim, sizes)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_seq(grad, ctx.axis, ctx.dim), None, None
+        return _gather_seq(grad, ctx.axis, ctx.dim, ctx.sizes), None, None, None
+
+
+class _GatherReplicated(torch.autograd.Function):
+    """All-gather forward; backward keeps our rows of a gradient every rank holds whole."""
+
+    @staticmethod
+    def forward(ctx, x, axis, dim, sizes):
+        ctx.axis, ctx.dim, ctx.sizes = axis, dim, sizes
+        return _gather_seq(x, axis, dim, sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _slice_seq(grad, ctx.axis, ctx.dim, ctx.sizes), None, None, None
 
 
 class _ScatterToSP(torch.autograd.Function):
@@ -141,7 +183,7 @@ def gather_from_sp(x: torch.Tensor, axis: C.Axis, dim: int = 1) -> torch.Tensor:
     """
     if not axis.active:
         return x
-    return _GatherFromSP.apply(x, axis, dim)
+    return _GatherFromSP.apply(x, axis, dim, None)
 
 
 def reduce_scatter_to_sp(x: torch.Tensor, axis: C.Axis, dim: int = 1) -> torch.Tensor:
@@ -152,7 +194,7 @@ def reduce_scatter_to_sp(x: torch.Tensor, axis: C.Axis, dim: int = 1) -> torch.T
     """
     if not axis.active:
         return x
-    return _ReduceScatterToSP.apply(x, axis, dim)
+    return _ReduceScatterToSP.apply(x, axis, dim, None)
 
 
 def scatter_to_sp(x: torch.Tensor, axis: C.Axis, dim: int = 1) -> torch.Tensor:
@@ -194,3 +236,33 @@ def all_to_all(x: torch.Tensor, axis: C.Axis, *, out_splits: list[int], in_split
     if not axis.active:
         return x
     return _AllToAll.apply(x, axis, list(out_splits), list(in_splits))
+
+
+def gather_rows(x: torch.Tensor, axis: C.Axis, sizes: list[int]) -> torch.Tensor:
+    """Every rank's rows, in rank order: x [sizes[rank], ...] -> [sum(sizes), ...]; backward
+    reduce-scatters the gradient (each rank's rows get the sum of every rank's gradient for them).
+
+    Megatron-SP's g-bar on dim 0 with a row count per rank: the expert-parallel rows that arrived on
+    each tp rank, gathered so each tp rank's slice of the experts runs all of them."""
+    if not axis.active:
+        return x
+    return _GatherFromSP.apply(x, axis, 0, list(sizes))
+
+
+def reduce_scatter_rows(x: torch.Tensor, axis: C.Axis, sizes: list[int]) -> torch.Tensor:
+    """Sum x [sum(sizes), ...] over the ranks and keep our rows [sizes[rank], ...]; backward
+    all-gathers the gradient. The conjugate of ``gather_rows`` (the experts' partial outputs,
+    summed over tp and returned to the tp rank that gathered those rows)."""
+    if not axis.active:
+        return x
+    return _ReduceScatterToSP.apply(x, axis, 0, list(sizes))
+
+
+def gather_replicated_rows(x: torch.Tensor, axis: C.Axis, sizes: list[int]) -> torch.Tensor:
+    """All-gather rows as ``gather_rows`` does; backward keeps our rows of the gradient, no
+    communication. For an output every rank then uses whole and alike (outside a tp region, as
+    after g): each rank's gradient is already the whole one, and a reduce-scatter would count it tp
+    times. Megatron's gather_from_sequence_parallel_region with tensor_parallel_output_grad=False."""
+    if not axis.active:
+        return x
+    return _GatherReplicated.apply(x, axis, 0, list(sizes))

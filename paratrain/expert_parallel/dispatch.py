@@ -21,15 +21,20 @@ Dispatch, per MoE layer and forward call (``dispatch_and_run``)::
     each local expert runs on its rows (on zero rows if none came: every rank's gradient hooks fire)
     output rows --the reverse all_to_all--> back to the rank and the slot they came from
 
+Under tensor parallelism each tp rank dispatches only its share of the tokens, the counts carry
+every share's ([tp, E]) and the received rows are gathered over tp around the tp-split experts
+(tp_share.py says how, and why the gradients stay exact).
+
 The caller (``MoE.combine``) then sums each token's k outputs in slot order, as without EP, so the
 result does not depend on which rank ran which expert. Backward runs both row exchanges reversed
 (comm/autograd.py ``all_to_all``).
 
 Bytes (payload = rows handed to all_to_all, counted per rank): per layer and call,
-``E * 8`` (the counts) ``+ (A_send + A_recv) * dim * bytes`` forward and the same rows backward,
-where A_send = this rank's kept assignments (T * k dropless) and A_recv = the assignments its
-experts receive. Summed over an ep group both are the group's T * k, so the group's total per step
-is exact whatever the routing; wire bytes leave out the rows a rank sends to itself.
+``tp * E * 8`` (the counts) ``+ (A_send + A_recv) * dim * bytes`` forward and the same rows
+backward, where A_send = this rank's kept assignments (T * k / tp dropless, its share's) and
+A_recv = the assignments it receives for its experts. Summed over an ep group both are the
+group's T * k, so the group's total per step is exact whatever the routing; wire bytes leave out
+the rows a rank sends to itself.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import torch
 import torch.nn as nn
 
 from paratrain.comm import collectives as C
-from paratrain.comm.autograd import all_to_all
+from paratrain.comm.autograd import all_to_all, gather_rows, reduce_scatter_rows
 from paratrain.sharding import info_of, update_info
 
 
@@ -48,11 +53,19 @@ def owned_experts(n_experts: int, ep: int, ep_index: int) -> range:
     return range(ep_index * per, (ep_index + 1) * per)
 
 
-def apply_expert_parallel(model: nn.Module, axis: C.Axis) -> None:
+def apply_expert_parallel(model: nn.Module, axis: C.Axis, *, tp: C.Axis | None = None,
+                          sequence_parallel: bool = False) -> None:
     """Keep only this ep rank's experts (on the meta model), mark them ``dp_axis="edp"`` and attach
-    the ep axis to every MoE layer so its forward dispatches with all-to-all."""
+    the ep axis to every MoE layer so its forward dispatches with all-to-all.
+
+    Under tensor parallelism (``tp`` of more than one rank; apply TP first) each tp rank then
+    dispatches only its share of the tokens (tp_share.py): the layer's sum over tp moves from its
+    ``reduce`` (now the identity) into the dispatch, and under sequence parallelism the norm that
+    feeds the layer stops gathering the sequence (the layer dispatches the slice it holds)."""
+    from paratrain.expert_parallel.tp_share import TokenShare, keep_sequence_slices
     from paratrain.models.moe import moe_layers
 
+    split = tp is not None and tp.active
     for layer in moe_layers(model):
         mine = owned_experts(layer.n_experts, axis.size, axis.rank)
         for name in list(layer.experts.keys()):
@@ -61,34 +74,71 @@ def apply_expert_parallel(model: nn.Module, axis: C.Axis) -> None:
         for p in layer.experts.parameters():
             update_info(p, dp_axis="edp")
         layer.ep = axis
+        if split:
+            layer.share = TokenShare(tp, sequence_parallel=sequence_parallel)
+            layer.reduce = nn.Identity()
+    if split and sequence_parallel:
+        keep_sequence_slices(model)
+
+
+def share_counts(experts: torch.Tensor, keep: torch.Tensor, owner: torch.Tensor, shares: int,
+                 n_experts: int) -> torch.Tensor:
+    """Kept assignments per (share, expert) [shares, E]: experts/keep [T, k], owner [T] the share
+    (tp rank) that dispatches each token."""
+    k = experts.shape[1]
+    kept = keep.reshape(-1)
+    cell = owner.repeat_interleave(k)[kept] * n_experts + experts.reshape(-1)[kept]
+    return torch.bincount(cell, minlength=shares * n_experts).view(shares, n_experts)
 
 
 def dispatch_and_run(tokens: torch.Tensor, experts: torch.Tensor, keep: torch.Tensor,
-                     local: nn.ModuleDict, n_experts: int, axis: C.Axis) -> torch.Tensor:
+                     local: nn.ModuleDict, n_experts: int, axis: C.Axis, *, tp: C.Axis | None = None,
+                     owner: torch.Tensor | None = None) -> torch.Tensor:
     """tokens [T, dim], experts/keep [T, k] -> per-assignment outputs [T*k, dim] (token-major;
     zeros where dropped), the local experts in ``local`` (keyed by global index) running every
-    ep rank's assignments routed to them."""
-    t, k = experts.shape
+    ep rank's assignments routed to them.
+
+    Under tensor parallelism (tp_share.py) ``experts``/``keep`` are the routing of every token (the
+    same on each tp rank), ``owner`` [T] the tp rank that dispatches each token, ``tokens``
+    [T_mine, dim] this tp rank's, in token order; the result covers only their assignments
+    [T_mine*k, dim], full sums (not tp-partial), and the experts' sum over tp happens here."""
+    k = experts.shape[1]
     n, per = axis.size, n_experts // axis.size
-    flat = experts.reshape(-1)  # [T*k]
-    kept = keep.reshape(-1).nonzero().squeeze(-1)  # [A] kept assignment ids
-    order = torch.argsort(flat[kept], stable=True)
-    slots = kept[order]  # [A] sorted by expert, then token
-    counts = torch.bincount(flat[kept], minlength=n_experts)  # [E] int64
-    recv_counts = torch.empty_like(counts)  # [n * per]: source rank j's count for our expert l
-    C.all_to_all_single(recv_counts, counts, axis)
-    in_splits = counts.view(n, per).sum(1).tolist()
-    out_splits = recv_counts.view(n, per).sum(1).tolist()
-    received = all_to_all(tokens[slots // k], axis, out_splits=out_splits, in_splits=in_splits)  # [R, dim]
-    local_id = torch.repeat_interleave(torch.arange(per, device=counts.device).repeat(n), recv_counts)
-    outputs = received.new_zeros(received.shape)
-    first = axis.rank * per
+    shares, me = (tp.size, tp.rank) if tp is not None else (1, 0)
+    if owner is None:
+        owner = experts.new_zeros(experts.shape[0])
+    mine = (owner == me).nonzero().squeeze(-1)  # [T_mine] this rank's tokens (all of them without tp)
+    flat, kept = experts[mine].reshape(-1), keep[mine].reshape(-1).nonzero().squeeze(-1)  # [A] kept ids
+    slots = kept[torch.argsort(flat[kept], stable=True)]  # [A] sorted by expert, then token
+    # Every share's counts (each tp rank can tell: the routing is the same on all of them), so each
+    # rank learns how many rows every tp peer receives: the sizes of the gather over tp below.
+    counts = share_counts(experts, keep, owner, shares, n_experts)  # [shares, E] int64
+    sent = counts.view(shares, n, per).transpose(0, 1).contiguous()  # [n, shares, per]: to ep rank j
+    got = torch.empty_like(sent)  # [n, shares, per]: source rank j's counts for our experts
+    C.all_to_all_single(got, sent, axis)
+    in_splits = counts[me].view(n, per).sum(1).tolist()
+    out_splits = got[:, me].sum(1).tolist()
+    received = all_to_all(tokens[slots // k], axis, out_splits=out_splits, in_splits=in_splits)  # [R_me, dim]
+    rows = got.sum((0, 2)).tolist()  # [shares] rows each tp rank of ours received
+    received = gather_rows(received, tp, rows) if shares > 1 else received  # [R, dim]: share-major
+    outputs = run_experts(received, got.transpose(0, 1), local, axis.rank * per)
+    outputs = reduce_scatter_rows(outputs, tp, rows) if shares > 1 else outputs  # [R_me, dim], summed
+    back = all_to_all(outputs, axis, out_splits=in_splits, in_splits=out_splits)  # [A, dim], `slots` order
+    return tokens.new_zeros(len(mine) * k, tokens.shape[-1]).index_copy(0, slots, back.to(tokens.dtype))
+
+
+def run_experts(rows: torch.Tensor, counts: torch.Tensor, local: nn.ModuleDict, first: int) -> torch.Tensor:
+    """rows [R, dim] received for the local experts, laid out as ``counts`` [..., per] says (for
+    each leading index in order, each local expert's rows) -> each row's expert output [R, dim]."""
+    per = counts.shape[-1]
+    local_id = torch.repeat_interleave(torch.arange(per, device=counts.device).repeat(counts.numel() // per),
+                                       counts.reshape(-1))  # [R] local expert of each row
+    outputs = rows.new_zeros(rows.shape)
     for name, expert in local.items():
         idx = (local_id == int(name) - first).nonzero().squeeze(-1)
         # Every local expert runs, on zero rows if none came (see MoE.combine).
-        outputs = outputs.index_copy(0, idx, expert(received[idx]).to(outputs.dtype))
-    back = all_to_all(outputs, axis, out_splits=in_splits, in_splits=out_splits)  # [A, dim], `slots` order
-    return tokens.new_zeros(t * k, tokens.shape[-1]).index_copy(0, slots, back.to(tokens.dtype))
+        outputs = outputs.index_copy(0, idx, expert(rows[idx]).to(outputs.dtype))
+    return outputs
 
 
 def split_expert_units(units: list[tuple[str, list[nn.Module]]]) -> list[tuple[str, list[nn.Module]]]:

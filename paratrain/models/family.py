@@ -13,6 +13,8 @@ Techniques (tensor_parallel/, zero/, pipeline/, memory/) know no model by name: 
 * ``recompute``: policy -> the submodule of a block that policy checkpoints ("" = the block);
 * ``mlp`` / ``head``: the block's MLP submodule and the model's output projection (memory-centric
   tiling splits both; the library gathers the head's logits under tensor parallelism);
+* ``mlp_norm``: the block's norm that feeds ``mlp``, its tensor-parallel region entry (expert
+  parallelism under SP turns its sequence gather off: the MoE dispatches the slice it holds);
 * ``tied``: (copy, owner) parameter names when weights may be tied (the LM head and embedding):
   the copy takes the owner's value, and across pipeline stages both count once;
 * ``init_value(name, shape, seed, cfg)``: the layout-independent full initial value.
@@ -43,6 +45,7 @@ class ModelFamily:
     tp_plan: dict[str, object] = field(default_factory=dict)
     recompute: dict[str, str] = field(default_factory=dict)
     mlp: str = ""
+    mlp_norm: str = ""
     head: str = ""
     tied: tuple[str, str] | None = None
     init_value: Callable[..., torch.Tensor] | None = None

@@ -46,6 +46,7 @@ LLAMA = ModelFamily(
     tp_plan=LLAMA_TP_PLAN,
     recompute={"full": "", "selective": "attn.core"},  # attn.core: softmax(qk^T)v, no parameters
     mlp="mlp",
+    mlp_norm="mlp_norm",
     head="lm_head",
     tied=("lm_head.weight", "embed.weight"),
     init_value=full_init_value,

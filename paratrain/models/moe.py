@@ -119,22 +119,33 @@ class MoE(nn.Module):
         self.router = Router(dim, n_experts)
         self.experts = nn.ModuleDict({str(e): Expert(dim, ffn_dim) for e in range(n_experts)})
         # The sum of the experts' outputs over tensor-parallel ranks, once per layer: identity on
-        # one device; the tp plan makes it g (or a reduce-scatter of the sequence under SP).
+        # one device; the tp plan makes it g (or a reduce-scatter of the sequence under SP); under
+        # expert parallelism too the identity again (the dispatch sums over tp: tp_share.py).
         self.reduce = nn.Identity()
         self.stats: MoEStats | None = None
         # The expert-parallel axis (expert_parallel/): set, with only this rank's experts kept in
         # ``self.experts``, by apply_expert_parallel; None (or an axis of one rank) runs all here.
         self.ep = None
+        # Under expert and tensor parallelism, which tokens this tp rank dispatches
+        # (expert_parallel/tp_share.py: a TokenShare); None: all of them.
+        self.share = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        tokens = x.reshape(-1, d)  # [T, dim]
-        logits = self.router(tokens)  # [T, E], fp32
+        b, s, d = x.shape  # under EP x TP x SP, s is this tp rank's sequence slice
+        tokens = x.reshape(-1, d)  # [b*s, dim]
+        logits = self.router(tokens)  # [b*s, E], fp32
+        if self.share is not None:  # EP x TP: every tp rank routes every token, dispatches its share
+            logits = self.share.whole_logits(logits, b)  # [T, E]
         probs, weights, experts = route(logits, self.top_k)
         keep = capacity_keep(experts, self.n_experts, self.capacity_factor)
-        out = self.reduce(self.combine(tokens, weights, experts, keep).view(b, s, d))
+        if self.share is None:
+            mixed = self.combine(tokens, weights, experts, keep)
+        else:
+            mixed = self.share.combine(self, tokens, weights, experts, keep, rows=b)
+        out = self.reduce(mixed.view(b, s, d))
+        seq = logits.shape[0] // b  # the whole sequence: the aux loss is per row
         stats = MoEStats(
-            aux_sum=self.router.count_once(balance_loss_rows(probs, experts, b).sum() * s),
+            aux_sum=self.router.count_once(balance_loss_rows(probs, experts, b).sum() * seq),
             z_sum=self.router.count_once(torch.logsumexp(logits, dim=-1).pow(2).sum()),
             assigned=experts.numel(), dropped=int((~keep).sum()),
             load=torch.bincount(experts.flatten(), minlength=self.n_experts).detach())
@@ -148,15 +159,13 @@ class MoE(nn.Module):
                 keep: torch.Tensor) -> torch.Tensor:
         """Run each expert on its tokens; sum each token's k outputs in slot order (so the result
         does not depend on which rank ran which expert)."""
-        t, k = experts.shape
         if self.ep is not None and self.ep.active:  # the experts live on the ep ranks: all-to-all
             from paratrain.expert_parallel.dispatch import dispatch_and_run
 
             per_slot = dispatch_and_run(tokens, experts, keep, self.experts, self.n_experts, self.ep)
         else:
             per_slot = self.run_local(tokens, experts, keep)
-        w = (weights * keep).to(tokens.dtype)  # a dropped assignment contributes nothing
-        return (per_slot.view(t, k, -1) * w.unsqueeze(-1)).sum(1)
+        return weighted_sum(per_slot, weights, keep)
 
     def run_local(self, tokens: torch.Tensor, experts: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """Every expert on its kept assignments, here: outputs [T*k, dim] token-major."""
@@ -172,6 +181,14 @@ class MoE(nn.Module):
             # slots are combined in the stream's dtype (what the dense MLP's residual add does).
             per_slot = per_slot.index_copy(0, idx, expert(tokens[idx // k]).to(per_slot.dtype))
         return per_slot
+
+
+def weighted_sum(per_slot: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Per-assignment outputs [T*k, dim] (token-major) -> [T, dim]: each token's k outputs times
+    their weights [T, k], summed in slot order; a dropped assignment contributes nothing."""
+    t, k = weights.shape
+    w = (weights * keep).to(per_slot.dtype)
+    return (per_slot.view(t, k, -1) * w.unsqueeze(-1)).sum(1)
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

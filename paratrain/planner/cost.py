@@ -364,16 +364,21 @@ def step_time(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster) -> St
     n_coll = 4 + (2 if lay.recompute == "full" else 0)
     embed = all_reduce_time(act, lay.tp, tp_link)  # the vocab-parallel embedding's output
     mb_tp = layers[busiest] * n_coll * per_collective + embed
+    n_moe = stage_moe_layers(c, lay.pp, lay.v, counts)[busiest]
+    from paratrain.planner.local import tp_collectives, tp_seconds
+
+    tpc = tp_collectives(c, lay, mb_tokens, e, lay.recompute)
+    op_s = cluster.device.op_s if cluster.local else 0.0
+    # An MoE block under ep x tp issues other collectives than a dense one (planner/moe.py).
+    moe_extra = n_moe * (tp_seconds(tpc["moe_block"], lay.tp, tp_link, op_s)
+                         - tp_seconds(tpc["block"], lay.tp, tp_link, op_s))
+    mb_tp += moe_extra
     if cluster.local:
         # Counted as paratrain's tp layers issue them, kind by kind, each on gloo's measured curve
         # (local.tp_collectives: SP's norm-weight all-reduces, the embedding's and the head's
         # operators, the loss's two all-reduces, full recompute's early stop).
-        from paratrain.planner.local import tp_collectives, tp_seconds
-
-        tpc = tp_collectives(c, lay, mb_tokens, e, lay.recompute)
         edges = (tpc["first"] if busiest == 0 else []) + (tpc["last"] if busiest == lay.pp - 1 else [])
-        op_s = cluster.device.op_s
-        mb_tp = (layers[busiest] * tp_seconds(tpc["block"], lay.tp, tp_link, op_s)
+        mb_tp = (layers[busiest] * tp_seconds(tpc["block"], lay.tp, tp_link, op_s) + moe_extra
                  + tp_seconds(edges, lay.tp, tp_link, op_s))
 
     # Pipeline: one activation forward and one gradient backward per micro-batch and boundary.
@@ -382,7 +387,6 @@ def step_time(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster) -> St
 
     # Expert parallel: dispatch + return forward, their gradients backward (4 all-to-alls per MoE
     # block, 6 with full recompute); exposed, the experts wait for their tokens.
-    n_moe = stage_moe_layers(c, lay.pp, lay.v, counts)[busiest]
     mb_ep = n_moe * (6 if lay.recompute == "full" else 4) * all_to_all_time(
         a2a_bytes(c, tr, lay), lay.ep, group_link(cluster, lay, "ep"))
 

@@ -187,7 +187,7 @@ def tp_collectives(c: LlamaConfig, lay: Layout, tokens: int, act_bytes: float, r
     all-reduce) and the vocab-parallel loss all-reduces the max [tokens] and the sum and target
     logit together [2, tokens] (fp32)."""
     if lay.tp <= 1:
-        return {"block": [], "first": [], "last": []}
+        return {"block": [], "first": [], "last": [], "moe_block": []}
     act = tokens * c.dim * act_bytes
     gain = 4.0 * c.dim  # a norm weight's fp32 gradient
     if lay.sp:
@@ -205,7 +205,22 @@ def tp_collectives(c: LlamaConfig, lay: Layout, tokens: int, act_bytes: float, r
     if recompute == "full":
         block += repeat
     last += [("all_reduce", 4.0 * tokens), ("all_reduce", 8.0 * tokens)]
-    return {"block": block, "first": first, "last": last}
+    return {"block": block, "first": first, "last": last, "moe_block": moe_block(c, lay, block, tokens,
+                                                                                   act_bytes, recompute)}
+
+
+def moe_block(c: LlamaConfig, lay: Layout, block: list[tuple[str, float]], tokens: int, act_bytes: float,
+              recompute: str) -> list[tuple[str, float]]:
+    """An MoE block's tp collectives: a dense block's, except under expert parallelism, where the
+    MLP's are replaced (planner/moe.py ``ep_tp_mlp_collectives``)."""
+    if not c.n_moe_layers or lay.ep <= 1:
+        return block
+    from collections import Counter
+
+    from paratrain.planner.moe import ep_tp_mlp_collectives
+
+    dense, moe = ep_tp_mlp_collectives(c, lay, tokens, act_bytes, recompute)
+    return list((Counter(block) - Counter(dense)).elements()) + moe
 
 
 #: Torch ops' worth of Python around each tp collective, on top of the collective itself

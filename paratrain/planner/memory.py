@@ -415,7 +415,7 @@ def comm_buffer_bytes(c: LlamaConfig, tr: Training, lay: Layout, sb: StateBytes,
     embedding), plus the unit's full gradient before its reduce-scatter.
     Pipeline: the boundary activations (or their gradients) a rank has posted receives for, at
     most ``RECEIVE_BUFFERS`` of its schedule, plus the one it is sending.
-    Expert parallelism: the all-to-all's send and receive buffers (tokens x top_k x dim).
+    Expert parallelism: the all-to-all's send and receive buffers (tokens / tp x top_k x dim).
     """
     out = 0.0
     offload = lay.offload != "none"
@@ -454,11 +454,11 @@ def zero3_gathered_elements(c: LlamaConfig, lay: Layout) -> tuple[int, int]:
 
 
 def a2a_bytes(c: LlamaConfig, tr: Training, lay: Layout) -> float:
-    """One rank's buffer of one expert-parallel all-to-all: its micro-batch's tokens x top_k
-    assignments x dim, in activation precision. Whole tokens under sp too: the MoE's input is
-    gathered over tp before routing, so every tp rank dispatches all of them on its own ep group
-    (expert_parallel/dispatch.py; docs/moe.md)."""
-    tokens = tr.seq_len * lay.micro_batch
+    """One rank's buffer of one expert-parallel all-to-all: its share of the micro-batch's tokens
+    x top_k assignments x dim, in activation precision. Under tp each tp rank dispatches 1/tp of
+    the tokens (the larger share when tp does not divide them; expert_parallel/tp_share.py), its
+    peers' rows reaching it by a gather over tp afterwards (the experts' input, an activation)."""
+    tokens = -(-tr.seq_len * lay.micro_batch // lay.tp)
     return tokens * c.top_k * c.dim * ACT_BYTES[tr.precision]
 
 

@@ -100,3 +100,37 @@ def ep_choice(c: LlamaConfig, plans: list, winner, cluster: Cluster) -> str | No
                      f"{cluster.inter.name} in the best layout whose ep group spans nodes "
                      f"({p.layout.short()}, {p.time.total / winner.time.total:.3f}x the winner's step)")
     return "; ".join(parts)
+
+
+def ep_tp_mlp_collectives(c: LlamaConfig, lay, tokens: int, act_bytes: float, recompute: str = "none"
+                          ) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
+    """An MoE block's tensor-parallel collectives under expert parallelism with tp > 1, per micro-batch,
+    as (kind, payload bytes): (the dense MLP's, which it does not issue; its own, instead).
+
+    Each tp rank dispatches 1/tp of the tokens (expert_parallel/tp_share.py; the all-to-all itself
+    is ``memory.a2a_bytes``, divided by tp). Around the experts: the rows all tp ranks received are
+    all-gathered and the outputs reduce-scattered, forward and (conjugates) backward: 2 all-gathers
+    and 2 reduce-scatters of the T*k rows (balanced routing; each rank pads to the largest share).
+    The router weight's fp32 gradient is all-reduced (f). Without SP the entry's f stays and the
+    output's all-reduce becomes an all-gather of the tokens (backward: none). Under SP the entry no
+    longer gathers the sequence and the output is not reduce-scattered: the router's T x E fp32
+    logits are gathered instead (reduce-scatter backward). Full recompute re-runs the MoE forward up
+    to the weighted sum (the rows' gather and reduce-scatter; under SP the logits' gather), not
+    the output's gather (it feeds only the residual add)."""
+    act = tokens * c.dim * act_bytes
+    rows = tokens * c.top_k * c.dim * act_bytes
+    router = 4.0 * c.dim * c.n_experts
+    experts = [("all_gather", rows), ("reduce_scatter", rows)] * 2 + [("all_reduce", router)]
+    if lay.sp:
+        logits = 4.0 * tokens * c.n_experts
+        dense = [("all_gather", act), ("reduce_scatter", act)] * 2
+        moe = [("all_gather", logits), ("reduce_scatter", logits)] + experts
+        dense_repeat, moe_repeat = [("all_gather", act)], [("all_gather", logits)]
+    else:
+        dense = [("all_reduce", act)] * 2
+        moe = [("all_reduce", act), ("all_gather", act)] + experts
+        dense_repeat, moe_repeat = [], []
+    if recompute == "full":
+        dense += dense_repeat
+        moe += moe_repeat + [("all_gather", rows), ("reduce_scatter", rows)]
+    return dense, moe

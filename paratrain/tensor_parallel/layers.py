@@ -241,13 +241,18 @@ class RegionEntryNorm(nn.Module):
         super().__init__()
         self.axis, self.eps, self.sequence_parallel = axis, eps, sequence_parallel
         self.weight = _param((dim,), TensorShard((dim,)), device, dtype)
+        # How the output enters the region. "none" when the consumer takes the sequence slice as it
+        # is: a mixture of experts under expert parallelism dispatches its slice itself
+        # (expert_parallel/tp_share.py), so gathering the sequence would only be undone.
+        self.entry: InputOp = "gather" if sequence_parallel else "copy"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = copy_to_tp(self.weight, self.axis) if self.sequence_parallel else self.weight
         # Same arithmetic as models.llama.RMSNorm (fp32 statistics), so tp=1 is bit-identical.
         x32 = x.float()
         y = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * w
-        return enter_region(y, self.axis, "gather" if self.sequence_parallel else "copy")
+        return enter_region(y, self.axis, self.entry)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}, tp={self.axis.size}, sp={self.sequence_parallel}"
+        return (f"{self.weight.shape[0]}, eps={self.eps}, tp={self.axis.size}, sp={self.sequence_parallel}, "
+                f"entry={self.entry}")
