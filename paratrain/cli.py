@@ -134,12 +134,24 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         cfg = auto_layout(cfg)
     if under_torchrun():
-        import os
-
-        config.validate(cfg, int(os.environ["WORLD_SIZE"]))
+        config.validate(adopt_torchrun_world(cfg), cfg.parallel.nproc)
     else:
         config.validate(cfg)
     return run_training(cfg)
+
+
+def adopt_torchrun_world(cfg: config.Config) -> config.Config:
+    """Under torchrun the world is torchrun's (nnodes x nproc-per-node): it stands in for --nproc,
+    so an unset --dp defaults to world / (tp * pp) as it does with paratrain's own workers."""
+    import os
+
+    world = int(os.environ["WORLD_SIZE"])
+    if cfg.parallel.nproc not in (None, world):
+        raise config.ConfigError(
+            f"--nproc {cfg.parallel.nproc} disagrees with torchrun's world size {world}: under torchrun, "
+            "--nnodes x --nproc-per-node sets the processes; drop --nproc (parallel.nproc)")
+    cfg.parallel.nproc = world
+    return cfg
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -210,6 +210,56 @@ def test_one_plain_process_zero3():
     assert_same(got["sgd"], reference("sgd"))
 
 
+class TiedNet(nn.Module):
+    """A user's language model with its head tied to the embedding: under the size policy the head
+    is a unit that owns no parameter of its own (seen: an IndexError in FlatLayout.build)."""
+
+    def __init__(self, vocab: int = 24):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, DIM)
+        self.blocks = nn.ModuleList([Block(DIM), Block(DIM)])
+        self.head = nn.Linear(DIM, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+def _tied_steps(par) -> tuple[list[float], dict]:
+    torch.manual_seed(0)
+    model = TiedNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if par is not None:
+        model, opt = par.prepare(model, opt)
+    rows = slice(None) if par is None else slice(par.dp_rank * BATCH // par.dp_size,
+                                                 (par.dp_rank + 1) * BATCH // par.dp_size)
+    losses = []
+    for k in range(STEPS):
+        ids = torch.randint(0, 24, (BATCH, 7), generator=torch.Generator().manual_seed(k))
+        loss = F.cross_entropy(model(ids[rows, :-1]).flatten(0, 1), ids[rows, 1:].flatten())
+        loss.backward() if par is None else par.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item() if par is None else _global_mean(loss.detach(), par))
+    state = model.state_dict() if par is None else par.full_state_dict(model)
+    return losses, {k: v.detach().clone() for k, v in state.items()}
+
+
+def _train_tied_zero3(env) -> tuple:
+    return _tied_steps(paratrain.Parallel(zero=3))
+
+
+def test_zero3_user_model_with_a_tied_head_equals_one_process():
+    from paratrain.zero.units import size_units
+
+    # the head is a unit that owns nothing new
+    assert [n for n, _ in size_units(TiedNet())] == ["embed", "blocks.0", "blocks.1", "head"]
+    assert_same(run(_train_tied_zero3, 2, timeout=120)[0], _tied_steps(None))
+
+
 def test_size_units_policy_stops_at_the_first_module_big_enough():
     from paratrain.models import build_model, preset
     from paratrain.zero.units import size_units
@@ -362,6 +412,10 @@ def test_bad_input_is_refused_with_what_to_change():
         paratrain.Parallel(sequence_parallel=True)
     with pytest.raises(ValueError, match=r"units=\['nope'\] name no submodule of Net"):
         paratrain.Parallel(zero=3, units=["nope"]).prepare(*build("sgd")[:2])
+    model, opt, _ = build("sgd")
+    model.act = nn.GELU()  # registered, never a unit: it has nothing to gather
+    with pytest.raises(ValueError, match=r"units=\['act'\] hold no parameters"):
+        paratrain.Parallel(zero=3, units=["blocks.0", "act"]).prepare(model, opt)
     model, opt, _ = build("sgd")
     model.extra = nn.Linear(2, 2)  # trainable, but the optimizer does not know it
     with pytest.raises(ValueError, match=r"\['extra.weight', 'extra.bias'\] require grad but are in no"):

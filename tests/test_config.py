@@ -93,3 +93,18 @@ def test_more_ranks_than_gpus_is_refused_before_workers_start(monkeypatch, capsy
     assert "CUDA_VISIBLE_DEVICES=" in err and not (tmp_path / "run").exists()
     with pytest.raises(launch.DeviceError, match="one GPU per rank"):
         launch.pick_device(1, 2)
+
+
+def test_torchrun_world_sets_the_default_dp(monkeypatch, capsys, tmp_path):
+    # Seen: `torchrun --nproc-per-node 2 -m paratrain.cli train` (no --dp) was refused with
+    # "dp(1) * tp(1) * pp(1) = 1 != world size 2"; with paratrain's own --nproc 2, dp defaults to 2.
+    import paratrain.run as run
+
+    seen = {}
+    monkeypatch.setattr(run, "run_training", lambda cfg: seen.setdefault("cfg", cfg) and 0)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert main(["train", "--model", "tiny", "--seq-len", "32", "--tp", "2", "--out", str(tmp_path)]) == 0
+    assert seen["cfg"].dp == 2 and seen["cfg"].world_size == 4
+    assert main(["train", "--model", "tiny", "--seq-len", "32", "--nproc", "2", "--out", str(tmp_path)]) == 2
+    assert "--nproc 2 disagrees with torchrun's world size 4" in capsys.readouterr().err

@@ -197,6 +197,30 @@ def test_bad_sources_are_refused_with_what_to_change(tmp_path, tokenizer):
 
 
 @pytest.mark.parametrize("workers", [1, 2])
+def test_files_that_are_not_utf8_are_read_and_named(tmp_path, tokenizer, capsys, workers):
+    # A Latin-1 file trained silently on U+FFFD where its accents were: it still trains, but the
+    # user is told which file, and a clean corpus says nothing.
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a_clean.txt").write_text(_text(40))
+    (tmp_path / "src" / "b_latin1.txt").write_bytes(("caf\xe9 na\xefve\n" * 40).encode("latin-1"))
+    prepare(str(tmp_path / "src"), _opts(tokenizer, workers=workers), out=tmp_path / "out")
+    err = capsys.readouterr().err
+    assert "1 file(s) are not valid UTF-8" in err and "b_latin1.txt" in err and "iconv" in err
+    (tmp_path / "src" / "b_latin1.txt").unlink()
+    prepare(str(tmp_path / "src"), _opts(tokenizer, workers=workers), out=tmp_path / "out2")
+    assert "UTF-8" not in capsys.readouterr().err
+
+
+def test_a_blank_corpus_names_its_files(tmp_path, tokenizer):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "blank.txt").write_text("  \n\n")
+    for tok in (tokenizer, None):  # the given tokenizer, and the BPE trained on the corpus
+        with pytest.raises(DataError, match=r"corpus is empty: the 1 file\(s\) found hold no text "
+                                            r"\(e\.g\. .*blank\.txt\)"):
+            prepare(str(tmp_path / "src"), _opts(tok), out=tmp_path / "out")
+
+
+@pytest.mark.parametrize("workers", [1, 2])
 def test_bad_jsonl_lines_name_the_file_and_line(tmp_path, tokenizer, workers):
     good = "".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(40))  # > 1 task of 256 B
     (tmp_path / "a").mkdir()

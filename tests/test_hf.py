@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from paratrain import cli
 from paratrain.models.llama_hf import HFError, load_pretrained, rope_from_hf, rope_to_hf
@@ -129,6 +129,28 @@ def test_export_roundtrip_and_transformers_loads(tmp_path):
     ids = _ids()
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), hf(ids).logits, **LOGITS)
+
+
+def test_export_over_a_previous_export_replaces_its_weights(tmp_path):
+    # Seen: exporting again into the same folder with fewer shards left the old shards and their
+    # index beside the new model.safetensors; paratrain's --init-from followed the stale index.
+    run = tmp_path / "run"
+    run_layout(tiny_cfg(run, **{"train.steps": 1}))
+    dst = tmp_path / "hf"
+    dst.mkdir()
+    (dst / "README.md").write_text("my notes")  # the user's own files stay
+    assert cli.main(["export", str(run), "--hf", str(dst), "--max-shard-mb", "0.05"]) == 0
+    assert (dst / "model.safetensors.index.json").exists()
+    (run / "model.safetensors").rename(run / "first.safetensors")
+    first = load_file(str(run / "first.safetensors"))
+    save_file({k: v + 1 for k, v in first.items()}, str(run / "model.safetensors"))  # "trained on"
+    assert cli.main(["export", str(run), "--hf", str(dst)]) == 0
+    names = sorted(p.name for p in dst.iterdir())
+    assert "model.safetensors.index.json" not in names and not any(n.startswith("model-") for n in names)
+    assert "README.md" in names and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no tmp
+    ours, _ = load_pretrained(str(dst))
+    for name, p in ours.named_parameters():
+        assert torch.equal(p, first[name] + 1), name
 
 
 def test_native_run_exports_as_llama(tmp_path):

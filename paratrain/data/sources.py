@@ -281,6 +281,32 @@ def _where(piece: Piece, data: bytes, index: int) -> str:
 READERS = {"text": _read_text, "jsonl": _read_jsonl, "parquet": _read_parquet}
 
 
+def empty_corpus(paths: list[str]) -> DataError:
+    """The error for a corpus whose files hold no text, naming them."""
+    return DataError(f"the corpus is empty: the {len(paths)} file(s) found hold no text "
+                     f"(e.g. {paths[0]}): point --data at files holding text" if paths else
+                     "the corpus is empty: no file was found")
+
+
+def task_paths(tasks: list[Task]) -> list[str]:
+    """The files the tasks read, in order, once each."""
+    return list(dict.fromkeys(piece.path for task in tasks for piece in task.pieces))
+
+
+def invalid_utf8(task: Task) -> list[str]:
+    """Files of `task` holding bytes that are not UTF-8 (the readers replaced them by U+FFFD).
+
+    Called only when a document of the task contains U+FFFD, so a clean corpus is read once."""
+    bad = []
+    for piece in task.pieces:
+        if piece.kind in ("text", "jsonl") and piece.path not in bad:
+            try:
+                _read_range(piece).decode("utf-8")
+            except UnicodeDecodeError:
+                bad.append(piece.path)
+    return bad
+
+
 def read_documents(files: list[Path], text_field: str = "text") -> list[str]:
     """Whole documents in memory: for small corpora and tests (prepare streams instead)."""
     sources = [Source(str(f), kind_of(f), f.stat().st_size, 0) for f in files]
@@ -293,5 +319,5 @@ def read_documents(files: list[Path], text_field: str = "text") -> list[str]:
                 docs.append("".join(parts))
                 parts = []
     if not docs:
-        raise DataError("the corpus is empty: every file found was blank")
+        raise empty_corpus([str(f) for f in files])
     return docs

@@ -34,7 +34,18 @@ from pathlib import Path
 import numpy as np
 
 from paratrain.data import tokenizer as T
-from paratrain.data.sources import CHUNK_BYTES, DataError, Source, Task, list_sources, plan_tasks, read_task
+from paratrain.data.sources import (
+    CHUNK_BYTES,
+    DataError,
+    Source,
+    Task,
+    empty_corpus,
+    invalid_utf8,
+    list_sources,
+    plan_tasks,
+    read_task,
+    task_paths,
+)
 
 FORMAT, VERSION = "paratrain-tokens", 1
 MANIFEST = "manifest.json"
@@ -154,10 +165,12 @@ def _init_worker(tok_path: str, eot: int, text_field: str) -> None:
     _worker_state.update(tok=T.load_tokenizer(Path(tok_path)), eot=eot, field=text_field)
 
 
-def encode_task(task: Task) -> tuple[np.ndarray, np.ndarray, int]:
-    """(tokens with an end-of-text after each finished document, document end offsets, input bytes)."""
+def encode_task(task: Task) -> tuple[np.ndarray, np.ndarray, int, list[str]]:
+    """(tokens with an end-of-text after each finished document, document end offsets, input bytes,
+    the task's files that are not valid UTF-8)."""
     tok, eot, field = _worker_state["tok"], _worker_state["eot"], _worker_state["field"]
     parts = list(read_task(task, field))
+    not_utf8 = invalid_utf8(task) if any("\ufffd" in text for text, _ in parts) else []
     encodings = tok.encode_batch([text for text, _ in parts], add_special_tokens=False)
     pieces, ends, n = [], [], 0
     for enc, (_, closes) in zip(encodings, parts):
@@ -167,18 +180,20 @@ def encode_task(task: Task) -> tuple[np.ndarray, np.ndarray, int]:
         if closes:
             ends.append(n)
     tokens = np.concatenate(pieces) if pieces else np.zeros(0, np.uint32)
-    return tokens, np.asarray(ends, dtype=np.int64), task.nbytes
+    return tokens, np.asarray(ends, dtype=np.int64), task.nbytes, not_utf8
 
 
 def _tokenize(folder: Path, tasks: list[Task], tok_info: dict, opts: PrepareOptions) -> dict:
     dtype = np.uint16 if tok_info["vocab_size"] <= 2**16 else np.uint32
     digest, n_tokens, n_docs = hashlib.sha256(), 0, 0
+    not_utf8: list[str] = []
     workers = max(1, min(opts.workers or os.cpu_count() or 1, len(tasks)))
     start = time.perf_counter()
     init = (str(folder / "tokenizer.json"), tok_info["eot_id"], opts.text_field)
     with open(folder / "tokens.bin", "wb") as ftok, open(folder / "docs.bin", "wb") as fdoc, \
             _results(tasks, workers, init) as results, _bar(opts, tasks) as bar:
-        for tokens, ends, nbytes in results:
+        for tokens, ends, nbytes, bad in results:
+            not_utf8.extend(p for p in bad if p not in not_utf8)
             data = tokens.astype(dtype)
             data.tofile(ftok)
             digest.update(data.tobytes())
@@ -187,7 +202,11 @@ def _tokenize(folder: Path, tasks: list[Task], tok_info: dict, opts: PrepareOpti
             if bar is not None:
                 bar.update(nbytes)
     if n_tokens == 0:
-        raise DataError("the corpus is empty: every file found was blank")
+        raise empty_corpus(task_paths(tasks))
+    if not_utf8:  # decoded anyway (the readers replace what is not UTF-8), but the user should know
+        print(f"paratrain: {len(not_utf8)} file(s) are not valid UTF-8 (e.g. {not_utf8[0]}); their "
+              "undecodable bytes became U+FFFD. Convert them (e.g. iconv -f latin1 -t utf-8) if that "
+              "was not intended", file=sys.stderr)
     seconds = time.perf_counter() - start
     total = sum(t.nbytes for t in tasks)
     return {"dtype": np.dtype(dtype).name, "n_tokens": n_tokens, "n_documents": n_docs,

@@ -13,7 +13,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from paratrain.data.sources import DataError, Task, read_task
+from paratrain.data.sources import DataError, Task, empty_corpus, read_task, task_paths
 
 EOT = "<|endoftext|>"
 # End-of-text names of common tokenizers, tried in order when a folder does not name its eos token.
@@ -100,7 +100,7 @@ def train_bpe(tasks: list[Task], vocab_size: int, text_field: str = "text"):
 
     tok.train_from_iterator(texts(), trainer=trainer)
     if seen == 0:
-        raise DataError("the corpus is empty: every file found was blank")
+        raise empty_corpus(task_paths(tasks))
     return tok
 
 

@@ -585,11 +585,47 @@ def export_run(run: str, out: str, *, max_shard_bytes: int = 2 * 2**30) -> list[
         raise HFError(f"{src} cannot be written as a {mixtral_hf.ARCHITECTURE}:\n  - "
                       + "\n  - ".join(problems))
     imported = info.get("hf") or {}
-    folder = Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
-    files = write_sharded(folder, list(hf_entries(src / "model.safetensors", cfg)), max_shard_bytes)
+    dest = Path(out)
+    if dest.exists() and not dest.is_dir():
+        raise HFError(f"{dest} is a file: --hf takes a folder")
+    import os
     import shutil
 
+    # Written beside DEST first, so an interrupted export leaves DEST as it was; then moved in.
+    folder = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    try:
+        _write_export(src, folder, cfg, imported, max_shard_bytes)
+        return _move_in(folder, dest)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+# the index first: never an index naming files that are gone
+WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "model-*-of-*.safetensors")
+
+
+def _move_in(new: Path, dest: Path) -> list[Path]:
+    """Move the finished export NEW into DEST, removing DEST's previous weights first: a previous
+    export's shards left beside new weights would be read instead of them (its index names them).
+    Other files in DEST (a README, .git) stay."""
+    import os
+
+    dest.mkdir(parents=True, exist_ok=True)
+    for pattern in WEIGHT_FILES:
+        for stale in dest.glob(pattern):
+            stale.unlink()
+    for f in sorted(new.iterdir()):
+        os.replace(f, dest / f.name)
+    return sorted(dest.glob("*.safetensors"))
+
+
+def _write_export(src: Path, folder: Path, cfg: LlamaConfig, imported: dict, max_shard_bytes: int) -> None:
+    """The weights (permuted to Hugging Face's RoPE layout), tokenizer and configs into FOLDER."""
+    import shutil
+
+    write_sharded(folder, list(hf_entries(src / "model.safetensors", cfg)), max_shard_bytes)
     shutil.copy(src / "tokenizer.json", folder / "tokenizer.json")
     tok_cfg, extra = imported.get("tokenizer_config"), {}
     if tok_cfg is None:  # a native run: its BPE has one special token, the document separator
@@ -606,4 +642,3 @@ def export_run(run: str, out: str, *, max_shard_bytes: int = 2 * 2**30) -> list[
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     if imported.get("generation_config"):
         (folder / "generation_config.json").write_text(json.dumps(imported["generation_config"], indent=2))
-    return files

@@ -114,6 +114,21 @@ def nest_units(units: list[tuple[str, list[nn.Module]]]) -> list[tuple[str, list
     return out
 
 
+def _join_owner(plan: list, uname: str, modules: list[nn.Module]) -> None:
+    """A unit that owns nothing (a user's LM head whose weight is the embedding's) joins the unit
+    that owns its first parameter: that unit is then gathered around these modules' forward and
+    backward too, and released once the shared gradient is complete (an empty unit of its own
+    would gather and reduce nothing)."""
+    params = [p for m in modules for p in m.parameters()]
+    if not params:
+        raise ValueError(f"ZeRO-3 unit {uname!r} has no parameters: name modules that hold some")
+    for _, owner_modules, layout in plan:
+        if any(q is params[0] for q in layout.params):
+            owner_modules.extend(modules)
+            return
+    raise AssertionError(f"unit {uname!r}: the unit owning its parameters was not found")
+
+
 def _backward_order(nested: list[bool]) -> list[int | None]:
     """For each unit, the unit whose backward comes next (what its pre-backward hook prefetches).
 
@@ -232,6 +247,9 @@ class Zero3(ShardedState, Strategy):
                     if id(p) not in seen:
                         seen.add(id(p))
                         named.append((names[id(p)], p))
+            if not named:  # every parameter is tied to an earlier unit's: that unit serves these modules too
+                _join_owner(plan, uname, modules)
+                continue
             named.sort(key=lambda np_: param_key(np_[0], np_[1], self.mesh, self.group_of), reverse=True)
             keys = [param_key(n, p, self.mesh, self.group_of) for n, p in named]
             dp = axis_of(named, self.mesh)

@@ -57,6 +57,10 @@ def named_units(model: nn.Module, names: list[str]) -> Units:
         have = ", ".join(n for n in modules if n) or "(none)"
         raise ValueError(f"units={missing} name no submodule of {type(model).__name__}; "
                          f"its submodules are: {have}")
+    empty = [n for n in names if next(modules[n].parameters(), None) is None]
+    if empty:
+        raise ValueError(f"units={empty} hold no parameters (a ZeRO-3 unit is the parameters it gathers): "
+                         "name modules that hold some")
     return _with_rest(model, [(n, [modules[n]]) for n in names])
 
 
