@@ -62,7 +62,11 @@ TINY = {
 
 
 def tiny_cfg(out: str | Path, **overrides) -> config.Config:
-    return config.load(None, {**TINY, "train.out": str(out), **overrides})
+    base = dict(TINY)
+    if overrides.get("model.init_from"):  # the imported model brings its shape and vocabulary
+        base.pop("model.name")
+        base.pop("data.vocab_size")
+    return config.load(None, {**base, "train.out": str(out), **overrides})
 
 
 FP32_REORDERED = {"rtol": 1e-4, "atol": 1e-4}

@@ -291,3 +291,16 @@ def test_example_runs(tmp_path):
                          text=True, timeout=300, cwd=str(example.parents[1]))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "max |logits difference|" in out.stdout
+
+
+def test_model_and_vocab_flags_are_refused_with_init_from(tmp_path, capsys):
+    """The imported model brings its shape and vocabulary: --model / --vocab-size would be
+    silently ignored, so they are refused with the fix (before any worker starts)."""
+    save_hf(tmp_path / "m", "llama")
+    cases = ((["--model", "tiny"], "drop --model"), (["--vocab-size", "512"], "drop --vocab-size"))
+    for flags, message in cases:
+        code = cli.main(["train", "--init-from", str(tmp_path / "m"), "--steps", "1", "--seq-len", "32",
+                         "--out", str(tmp_path / "out"), "--no-progress", *flags])
+        assert code == 2
+        assert message in capsys.readouterr().err
+        assert not (tmp_path / "out").exists()

@@ -422,6 +422,20 @@ def load_pretrained(path: str) -> tuple[torch.nn.Module, HFCheckpoint]:
     return model.eval(), ckpt
 
 
+def _ignored_with_init_from(cfg, path: str) -> list[str]:
+    """Settings the imported model replaces: a run must not look as if they took effect."""
+    from paratrain.config import DataConfig, ModelConfig
+
+    out = []
+    if cfg.model.name != ModelConfig.name:
+        out.append(f"model.name = {cfg.model.name!r} cannot be combined with --init-from: the model is "
+                   f"{path}; drop --model")
+    if cfg.data.vocab_size != DataConfig.vocab_size:
+        out.append(f"data.vocab_size = {cfg.data.vocab_size} cannot be combined with --init-from: the "
+                   f"vocabulary is the imported model's and its tokenizer's; drop --vocab-size")
+    return out
+
+
 def check_init_from(cfg, problems: list[str]) -> None:
     """config.validate's checks of ``model.init_from`` (before any worker starts)."""
     path = cfg.model.init_from
@@ -435,6 +449,8 @@ def check_init_from(cfg, problems: list[str]) -> None:
                         f"from {path}/config.json")
     if cfg.model.name == "cnn-tiny":
         problems.append("--init-from imports a decoder (Llama/Mistral/Qwen2/Mixtral): drop --model cnn-tiny")
+    else:
+        problems.extend(_ignored_with_init_from(cfg, path))
     try:
         ckpt = HFCheckpoint.for_config(cfg)
         tok = ckpt.tokenizer_path
