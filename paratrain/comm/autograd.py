@@ -105,50 +105,18 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-class _GatherFromSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, axis, dim, sizes):
-        ctx.axis, ctx.dim, ctx.sizes = axis, dim, sizes
-        return _gather_seq(x, axis, dim, sizes)
+class _SeqPair(torch.autograd.Function):
+    """A sequence (or row) collective forward and its conjugate on the gradient: the operators
+    below are each one such pair of the ``_*_seq`` functions, on (axis, dim, sizes)."""
 
     @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_seq(grad, ctx.axis, ctx.dim, ctx.sizes), None, None, None
-
-
-class _ReduceScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, axis, dim, sizes):
-        ctx.axis, ctx.dim, ctx.sizes = axis, dim, sizes
-        return _reduce_scatter_seq(x, axis, dim, sizes)
+    def forward(ctx, x, axis, dim, sizes, forward_op, backward_op):
+        ctx.args, ctx.backward_op = (axis, dim, sizes), backward_op
+        return forward_op(x, axis, dim, sizes)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_seq(grad, ctx.axis, ctx.dim, ctx.sizes), None, None, None
-
-
-class _GatherReplicated(torch.autograd.Function):
-    """All-gather forward; backward keeps our rows of a gradient every rank holds whole."""
-
-    @staticmethod
-    def forward(ctx, x, axis, dim, sizes):
-        ctx.axis, ctx.dim, ctx.sizes = axis, dim, sizes
-        return _gather_seq(x, axis, dim, sizes)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _slice_seq(grad, ctx.axis, ctx.dim, ctx.sizes), None, None, None
-
-
-class _ScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, axis, dim):
-        ctx.axis, ctx.dim = axis, dim
-        return _slice_seq(x, axis, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_seq(grad, ctx.axis, ctx.dim), None, None
+        return ctx.backward_op(grad, *ctx.args), None, None, None, None, None
 
 
 def copy_to_tp(x: torch.Tensor, axis: C.Axis) -> torch.Tensor:
@@ -183,7 +151,7 @@ def gather_from_sp(x: torch.Tensor, axis: C.Axis, dim: int = 1) -> torch.Tensor:
     """
     if not axis.active:
         return x
-    return _GatherFromSP.apply(x, axis, dim, None)
+    return _SeqPair.apply(x, axis, dim, None, _gather_seq, _reduce_scatter_seq)
 
 
 def reduce_scatter_to_sp(x: torch.Tensor, axis: C.Axis, dim: int = 1) -> torch.Tensor:
@@ -194,7 +162,7 @@ def reduce_scatter_to_sp(x: torch.Tensor, axis: C.Axis, dim: int = 1) -> torch.T
     """
     if not axis.active:
         return x
-    return _ReduceScatterToSP.apply(x, axis, dim, None)
+    return _SeqPair.apply(x, axis, dim, None, _reduce_scatter_seq, _gather_seq)
 
 
 def scatter_to_sp(x: torch.Tensor, axis: C.Axis, dim: int = 1) -> torch.Tensor:
@@ -205,7 +173,7 @@ def scatter_to_sp(x: torch.Tensor, axis: C.Axis, dim: int = 1) -> torch.Tensor:
     """
     if not axis.active:
         return x
-    return _ScatterToSP.apply(x, axis, dim)
+    return _SeqPair.apply(x, axis, dim, None, _slice_seq, _gather_seq)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -246,7 +214,7 @@ def gather_rows(x: torch.Tensor, axis: C.Axis, sizes: list[int]) -> torch.Tensor
     each tp rank, gathered so each tp rank's slice of the experts runs all of them."""
     if not axis.active:
         return x
-    return _GatherFromSP.apply(x, axis, 0, list(sizes))
+    return _SeqPair.apply(x, axis, 0, list(sizes), _gather_seq, _reduce_scatter_seq)
 
 
 def reduce_scatter_rows(x: torch.Tensor, axis: C.Axis, sizes: list[int]) -> torch.Tensor:
@@ -255,7 +223,7 @@ def reduce_scatter_rows(x: torch.Tensor, axis: C.Axis, sizes: list[int]) -> torc
     summed over tp and returned to the tp rank that gathered those rows)."""
     if not axis.active:
         return x
-    return _ReduceScatterToSP.apply(x, axis, 0, list(sizes))
+    return _SeqPair.apply(x, axis, 0, list(sizes), _reduce_scatter_seq, _gather_seq)
 
 
 def gather_replicated_rows(x: torch.Tensor, axis: C.Axis, sizes: list[int]) -> torch.Tensor:
@@ -265,4 +233,4 @@ def gather_replicated_rows(x: torch.Tensor, axis: C.Axis, sizes: list[int]) -> t
     times. Megatron's gather_from_sequence_parallel_region with tensor_parallel_output_grad=False."""
     if not axis.active:
         return x
-    return _GatherReplicated.apply(x, axis, 0, list(sizes))
+    return _SeqPair.apply(x, axis, 0, list(sizes), _gather_seq, _slice_seq)
