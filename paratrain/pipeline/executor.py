@@ -70,6 +70,7 @@ class PipelineExecutor:
         # holds this tp rank's 1/tp slice of the sequence.
         self.seq_shards = mesh.tp.size if sequence_parallel else 1
         self._schedules: dict[int, Schedule] = {}
+        self._actions: dict[tuple[int, bool], list[Action]] = {}  # (m, train) -> this rank's list
         self.receive_lookahead = receive_lookahead_for(mesh.device.type)
         self.timeline: list[dict] = []  # last training step: one dict per computation
         self._trained_m: int | None = None  # micro-batches of the last training step
@@ -79,13 +80,23 @@ class PipelineExecutor:
             self._schedules[m] = make_schedule(self.schedule_name, self.p, m, self.v)
         return self._schedules[m]
 
+    def _rank_actions(self, m: int, train: bool) -> list[Action]:
+        """This rank's action list, placed once per micro-batch count (a simulation per step
+        would be work in the step's critical path)."""
+        if (m, train) not in self._actions:
+            sched = self.schedule(m)
+            place = sched.actions if train else sched.forward_actions
+            lists = place(self.receive_lookahead)
+            self._actions[(m, train)] = lists[self.mesh.pp.rank]
+        return self._actions[(m, train)]
+
     # -- the two entry points ------------------------------------------------------------------------
 
     def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], divisor: float,
             loss_scale: float = 1.0) -> torch.Tensor:
         """One step's forwards and backwards; returns the step's loss share, the same on every stage."""
         self._trained_m = len(micro_batches)
-        actions = self.schedule(self._trained_m).actions(self.receive_lookahead)[self.mesh.pp.rank]
+        actions = self._rank_actions(self._trained_m, train=True)
         total = self._execute(actions, micro_batches, divisor, loss_scale, train=True)
         # The tied pair's gradients are summed across stages on the side of the data-parallel
         # reduction where the gradient is whole: after DDP's (launched from backward hooks, it
@@ -102,7 +113,7 @@ class PipelineExecutor:
     @torch.no_grad()
     def evaluate(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
                  divisor: float) -> torch.Tensor:
-        actions = self.schedule(len(micro_batches)).forward_actions(self.receive_lookahead)[self.mesh.pp.rank]
+        actions = self._rank_actions(len(micro_batches), train=False)
         total = self._execute(actions, micro_batches, divisor, 1.0, train=False)
         return self._loss_from_last_stage(total)
 
