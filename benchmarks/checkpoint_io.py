@@ -22,8 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from paratrain import config  # noqa: E402
+from paratrain.engine import checkpoint as ckpt  # noqa: E402
 from paratrain.launch import spawn  # noqa: E402
-from paratrain.train import checkpoint as ckpt  # noqa: E402
 from paratrain.train.task import build_task  # noqa: E402
 from paratrain.train.trainer import Trainer  # noqa: E402
 

@@ -22,7 +22,7 @@ import time
 import torch
 
 from paratrain import config
-from paratrain.engine.strategy import Strategy, adamw_param_groups
+from paratrain.base.strategy import Strategy, adamw_param_groups
 from paratrain.train.metrics import read_metrics
 from paratrain.train.trainer import Trainer
 

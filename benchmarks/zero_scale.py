@@ -76,7 +76,8 @@ def build_config(args: argparse.Namespace) -> config.Config:
 
 def _worker(env, cfg_dict: dict, checkpoint: bool = False) -> dict:
     """One rank: build the ZeRO-3 model (streamed to disk), then the trainer's steps, no export."""
-    from paratrain.train.metrics import MetricsWriter, peak_memory_bytes
+    from paratrain.device import peak_memory_bytes
+    from paratrain.train.metrics import MetricsWriter
     from paratrain.train.trainer import Trainer
 
     cfg = config.Config.from_dict(cfg_dict)
@@ -102,7 +103,7 @@ def _worker(env, cfg_dict: dict, checkpoint: bool = False) -> dict:
 def _save_and_resume(trainer) -> dict:
     """The sharded checkpoint path at scale: each rank streams its pieces (one unit's shard of the
     disk store at a time), then reads them back into the same strategy (resume's loading step)."""
-    from paratrain.train.metrics import peak_memory_bytes
+    from paratrain.device import peak_memory_bytes
 
     start = time.perf_counter()
     trainer.save(trainer.cfg.train.steps)

@@ -9,7 +9,7 @@
     state = par.full_state_dict(model)                   # every rank calls it; full tensors, user's names
     par.save(ckpt_dir); par.load(ckpt_dir)               # model + optimizer + registered objects + RNG
 
-The same engine as ``paratrain train``: the strategies of engine/strategy.py, data_parallel/ddp.py
+The same engine as ``paratrain train``: the strategies of base/strategy.py, data_parallel/ddp.py
 and zero/ do the work; this module only adapts the user's objects to them:
 
 * ``backward`` divides the loss by dp before backward: the strategies SUM gradients over dp (the
@@ -34,12 +34,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from paratrain.base.strategy import Strategy
 from paratrain.comm import collectives as C
-from paratrain.engine.shards import assemble
-from paratrain.engine.strategy import Strategy
 from paratrain.launch import init_from_torchrun, pick_device, under_torchrun
 from paratrain.mesh import MeshShape, ParallelMesh
 from paratrain.sharding import name_params, shard_of
+from paratrain.shards import assemble
 from paratrain.zero.recipe import OptimizerRecipe, check_elementwise
 
 OFFLOADS = ("none", "cpu", "disk")
@@ -86,7 +86,7 @@ class Parallel:
         self.optimizer: ParallelOptimizer | None = None
         self._objects: list = []
         self._accumulating = False
-        self._saver = None  # train/checkpoint.py's Saver, made by the first save()
+        self._saver = None  # engine/checkpoint.py's Saver, made by the first save()
 
     # -- where this process stands ---------------------------------------------------------------
 
@@ -323,12 +323,12 @@ class Parallel:
     def save(self, directory: str | os.PathLike) -> None:
         """Model, optimizer, registered objects and every rank's RNG (every rank calls it).
 
-        The project's sharded checkpoint (train/checkpoint.py): each rank writes its own pieces of
+        The project's sharded checkpoint (engine/checkpoint.py): each rank writes its own pieces of
         the full tensors, committed atomically under ``directory/checkpoints/step_N``; any layout
         loads it. The optimizer's settings, scalars and the registered objects go in one more file
         of the same checkpoint."""
         from paratrain.api_state import optimizer_scalars
-        from paratrain.train import checkpoint as ckpt
+        from paratrain.engine import checkpoint as ckpt
 
         self._require_prepared()
         if self._saver is None or self._saver.root != ckpt.checkpoint_dir(directory):
@@ -349,7 +349,7 @@ class Parallel:
         """Load what save() wrote, under any layout (every rank calls it); each rank reads only the
         pieces it holds. Also reads the weights (and AdamW state) of a ``paratrain train`` run."""
         from paratrain.api_state import set_optimizer_scalars
-        from paratrain.train import checkpoint as ckpt
+        from paratrain.engine import checkpoint as ckpt
 
         self._require_prepared()
         folder, notes = ckpt.find_checkpoint(directory)
@@ -567,7 +567,7 @@ def _token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 
 def gather_full(strategy: Strategy, keys: tuple[str, ...] | None) -> dict[str, dict[str, torch.Tensor]]:
     """Full tensors of state ``keys`` (None: every key) on every rank, from every rank's pieces
-    (the checkpoint's description of what each rank holds, engine/shards.py)."""
+    (the checkpoint's description of what each rank holds, shards.py)."""
     mine = [(p.spec, p.value().detach().cpu()) for p in strategy.state_pieces()
             if keys is None or p.spec.key in keys]
     if strategy.mesh.world.size > 1:

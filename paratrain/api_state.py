@@ -1,7 +1,7 @@
 """The library's optimizer state beyond per-element tensors, for any element-wise optimizer class.
 
 Per-element state tensors (exp_avg, momentum_buffer, sum, ...) travel as pieces of full tensors,
-like the parameters (``Strategy.state_pieces``: the checkpoint format of engine/shards.py).
+like the parameters (``Strategy.state_pieces``: the checkpoint format of shards.py).
 What remains are *scalars*: per-parameter values that are the same for every parameter stepped
 together (the step count, NAdam's mu product); they are saved once and set on every parameter
 (or every ZeRO piece) on load. ``load_optimizer_state`` reads the full-tensor form that
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from paratrain.engine.strategy import Strategy
+from paratrain.base.strategy import Strategy
 from paratrain.sharding import info_of, shard_of
 
 

@@ -252,7 +252,7 @@ def export_hf(args: argparse.Namespace) -> None:
 
 def export_checkpoint(run: str, dest: str) -> None:
     """Consolidate a run's newest usable checkpoint into one safetensors file, tensor by tensor."""
-    from paratrain.train import checkpoint as ckpt
+    from paratrain.engine import checkpoint as ckpt
 
     folder, notes = ckpt.find_checkpoint(run)
     for note in notes:
@@ -332,10 +332,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _is_user_error(e: Exception) -> bool:
-    from paratrain.engine.shards import CheckpointError
     from paratrain.eval import EvalError
     from paratrain.mesh import MeshError
     from paratrain.models.llama_hf import HFError
+    from paratrain.shards import CheckpointError
     from paratrain.train.data import DataError
 
     return isinstance(e, (config.ConfigError, DataError, MeshError, UserError, HFError, EvalError,

@@ -348,7 +348,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
 
         check_init_from(cfg, problems)
     if not problems:
-        from paratrain.parallelize import check_layout  # the one place that knows every technique
+        from paratrain.engine.parallelize import check_layout  # the one place that knows every technique
 
         check_layout(cfg, problems)
     if problems:

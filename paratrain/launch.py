@@ -14,7 +14,7 @@ closes); each worker asks the kernel for SIGKILL when its parent (the forkserver
 agent) dies (prctl PR_SET_PDEATHSIG, Linux), and a watchdog thread also polls the launcher's pid
 (any OS, and the moment between fork and prctl). A dead worker makes the launcher kill the rest.
 
-Signals: SIGINT/SIGTERM make every rank stop at the next step boundary and save (train/guards.py);
+Signals: SIGINT/SIGTERM make every rank stop at the next step boundary and save (signals.py);
 the launcher passes a request it received alone (SIGTERM from a scheduler) through a shared event.
 A second signal kills the workers at once and raises ``Interrupted``.
 """
@@ -42,8 +42,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from paratrain import signals
 from paratrain.comm.trace import TRACE, diagnose, read_mirror
-from paratrain.train import guards
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 WATCHDOG_INTERVAL_S = 0.5
@@ -58,7 +58,7 @@ class WorkerError(RuntimeError):
         self.rank = rank
 
 
-ABORT_CODES = {guards.exit_code(s) for s in guards.STOP_SIGNALS}  # a worker left on a second signal
+ABORT_CODES = {signals.exit_code(s) for s in signals.STOP_SIGNALS}  # a worker left on a second signal
 
 
 class Interrupted(KeyboardInterrupt):
@@ -192,7 +192,7 @@ def trace_path(dump_file: str) -> str:
 def _worker(fn, rank, world, init_file, pg_timeout, dump_file, dump_after, results, args, kwargs,
             launcher_pid=None, stop_request=None):
     die_with_parent(launcher_pid)
-    guards.install(stop_request)
+    signals.install(stop_request)
     TRACE.attach(trace_path(dump_file))  # our collectives, readable by the launcher even if we crash
     torch.set_num_threads(1)  # N workers share the cores; more threads only contend
     with open(dump_file, "w") as dump:
@@ -274,7 +274,7 @@ def _forward_stop_signals(stop_request):
         print(f"paratrain: signal {signum}: stopping at the next step boundary (again to abort)",
               file=sys.stderr, flush=True)
 
-    before = {sig: signal.signal(sig, on_signal) for sig in guards.STOP_SIGNALS}
+    before = {sig: signal.signal(sig, on_signal) for sig in signals.STOP_SIGNALS}
     try:
         yield
     finally:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from paratrain import signals
 from paratrain.config import Config, ConfigError
 from paratrain.data import check_resume
 from paratrain.launch import (
@@ -60,7 +61,7 @@ def _run_local(cfg: Config) -> int:
         if cfg.train.threads is None:
             torch.set_num_threads(os.cpu_count() or 1)
         try:
-            with guards.handling_signals():
+            with signals.handling_signals():
                 stopped = Trainer(cfg).fit().stopped_by
         except guards.NumericsError as e:
             print(f"paratrain: training diverged: {e}", file=sys.stderr)
@@ -71,12 +72,12 @@ def _run_local(cfg: Config) -> int:
         except Interrupted as e:
             print(f"paratrain: aborted by a second signal {e.signum}; the last complete checkpoint is intact",
                   file=sys.stderr)
-            return guards.exit_code(e.signum)
+            return signals.exit_code(e.signum)
         except WorkerError as e:
             print(f"paratrain: training failed on rank {e.rank}:\n{e}", file=sys.stderr)
             return 1
     if stopped:
-        return guards.exit_code(stopped)
+        return signals.exit_code(stopped)
     summarize(cfg)
     return 0
 
@@ -112,10 +113,10 @@ def _run_torchrun(cfg: Config) -> int:
             build_task(cfg)
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
-        with guards.handling_signals():  # torchrun's agent forwards SIGINT/SIGTERM to every worker
+        with signals.handling_signals():  # torchrun's agent forwards SIGINT/SIGTERM to every worker
             stopped = Trainer(cfg, env).fit().stopped_by
     if stopped:
-        return guards.exit_code(stopped)
+        return signals.exit_code(stopped)
     if env.rank == 0:
         summarize(cfg)
     return 0

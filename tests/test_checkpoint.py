@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 from paratrain import config
 from paratrain.cli import main
 from paratrain.comm import collectives as C
-from paratrain.engine.shards import CheckpointError
-from paratrain.train import checkpoint as ckpt
+from paratrain.engine import checkpoint as ckpt
+from paratrain.shards import CheckpointError
 from paratrain.train.trainer import Trainer
 from tests.dist import run
 from tests.harness import FP32_REORDERED, RunResult, assert_same_training, run_layout, tiny_cfg

@@ -238,7 +238,7 @@ def test_bucketing_rules():
     """DDP closes a bucket before an overflow (first bucket capped lower, a kind change closes
     too, an oversized tensor stands alone); ZeRO fills per key and closes once the cap is reached.
     The planner counts collectives with these same functions (planner/local.py)."""
-    from paratrain.data_parallel.bucketing import cut_before_overflow, fill_per_key
+    from paratrain.comm.bucketing import cut_before_overflow, fill_per_key
 
     sizes, kinds = [4, 4, 4, 9, 2, 2], ["a", "a", "a", "a", "b", "b"]
     assert cut_before_overflow(sizes, kinds, cap=8, first_cap=4) == [[0], [1, 2], [3], [4, 5]]

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from paratrain.engine import checkpoint as ckpt
 from paratrain.launch import process_alive
-from paratrain.train import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[1]
 GONE_WITHIN_S = 10.0

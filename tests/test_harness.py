@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from paratrain import config
-from paratrain.engine.executor import MicroBatchLoop
+from paratrain.base.executor import MicroBatchLoop
 from tests.dist import run
 from tests.harness import (
     FP32_REORDERED,

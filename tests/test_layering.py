@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "paratrain"
-TECHNIQUES = ["parallelize.py", "tensor_parallel/plan.py", "tensor_parallel/layers.py", "zero/fsdp.py",
+TECHNIQUES = ["engine/parallelize.py", "tensor_parallel/plan.py", "tensor_parallel/layers.py", "zero/fsdp.py",
               "zero/optimizer.py", "zero/offload.py", "zero/store8.py", "pipeline/stage.py",
               "pipeline/executor.py", "pipeline/schedules.py", "memory/recompute.py", "memory/tiling.py",
               "memory/compile.py", "memory/activation_offload.py", "data_parallel/ddp.py",
-              "data_parallel/plain.py", "engine/strategy.py", "engine/executor.py", "engine/shards.py"]
+              "data_parallel/plain.py", "base/strategy.py", "base/executor.py", "shards.py"]
 MODEL_NAMES = {"Llama", "LlamaConfig", "lm_head", "embed", "attn", "tok_emb"}
 MODEL_STRINGS = ("lm_head", "embed.", "attn.", "layers.")
 
@@ -45,7 +45,7 @@ def test_techniques_name_no_model(module):
 
 def test_techniques_and_engine_import_neither_config_nor_the_loop():
     code = ("import sys\n"
-            "import paratrain.parallelize, paratrain.engine.strategy, paratrain.engine.executor\n"
+            "import paratrain.engine.parallelize, paratrain.base.strategy, paratrain.base.executor\n"
             "import paratrain.zero.fsdp, paratrain.zero.optimizer, paratrain.pipeline.stage\n"
             "import paratrain.tensor_parallel.plan, paratrain.memory.recompute, paratrain.data_parallel.ddp\n"
             "print(sorted(m for m in sys.modules\n"

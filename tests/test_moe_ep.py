@@ -160,7 +160,7 @@ def composed(runs):
 @pytest.mark.parametrize("layout", list(COMPOSED))
 def test_ep_with_tp_or_pp_equals_one_process(runs, composed, layout):
     """The bug this caught first: TP replacing the expert linears by new parameters that forgot
-    their edp gradient axis (parallelize.py applies EP after TP for that reason)."""
+    their edp gradient axis (engine/parallelize.py applies EP after TP for that reason)."""
     ref, _, base = runs
     assert_same_training(composed[layout], ref, **FP32_REORDERED)
     assert sorted(composed[layout].weights) == sorted(ref.weights)  # every expert, same names

@@ -21,11 +21,11 @@ import pytest
 import torch
 
 from paratrain import config
+from paratrain.engine import checkpoint as ckpt
 from paratrain.optim import AdamW8bit
 from paratrain.optim.adamw8bit import QUANT_KEYS, STATE_KEYS, key_range
 from paratrain.optim.quant import SIGNED, UNSIGNED, dequantise, quantise
 from paratrain.sharding import TensorShard, set_shard
-from paratrain.train import checkpoint as ckpt
 from paratrain.train.metrics import read_metrics
 from paratrain.train.trainer import Trainer
 from paratrain.zero import store8

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from paratrain.cli import main
-from paratrain.train import checkpoint as ckpt
+from paratrain.engine import checkpoint as ckpt
 from paratrain.train.loss_scaler import LossScaler
 from paratrain.train.metrics import read_metrics
 from paratrain.train.trainer import Trainer, lr_at

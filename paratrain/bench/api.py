@@ -35,8 +35,8 @@ from paratrain.bench.common import (
     time_steps,
     worker_args,
 )
+from paratrain.device import sync_device
 from paratrain.launch import spawn
-from paratrain.train.metrics import sync_device
 
 CONFIGS = ("library_z0", "trainer_z0", "torch_ddp", "accelerate", "library_z3", "trainer_z3", "torch_fsdp2")
 PAIRS = (("library_z0", "trainer_z0"), ("library_z0", "torch_ddp"), ("library_z0", "accelerate"),
@@ -67,7 +67,7 @@ def _user_loop(name: str, cfg, env):
     """The loop a user writes around each wrapper: the same model, rows, AdamW, clipping."""
     import torch.nn.functional as F
 
-    from paratrain.engine.strategy import adamw_param_groups
+    from paratrain.base.strategy import adamw_param_groups
     from paratrain.models import build_model, init_weights
     from paratrain.train.task import build_task
     from paratrain.train.trainer import lr_at

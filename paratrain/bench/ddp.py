@@ -34,10 +34,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from paratrain import config
+from paratrain.base.strategy import adamw_param_groups
 from paratrain.bench.common import add_common_arguments, machine, paired_rounds, time_steps
-from paratrain.engine.strategy import adamw_param_groups
+from paratrain.device import sync_device
 from paratrain.launch import DistEnv, spawn
-from paratrain.train.metrics import sync_device
 from paratrain.train.task import LanguageModelTask, build_task
 from paratrain.train.trainer import Trainer, lr_at
 

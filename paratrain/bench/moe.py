@@ -38,8 +38,8 @@ from paratrain.bench.common import (
     worker_args,
 )
 from paratrain.config import ConfigError
+from paratrain.device import sync_device
 from paratrain.launch import spawn
-from paratrain.train.metrics import sync_device
 
 CONFIGS = ("moe_ep", "moe_replicated", "dense_equal_active")
 

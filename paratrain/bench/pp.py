@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from paratrain.bench.common import add_common_arguments, machine
-from paratrain.train.metrics import sync_device
+from paratrain.device import sync_device
 
 PEERS = {"naive": "ScheduleGPipe", "gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
          "interleaved": "ScheduleInterleaved1F1B"}
@@ -143,8 +143,8 @@ class _Side:
 class _Ours(_Side):
     def __init__(self, cfg, mesh, name, v, a, x, y):
         super().__init__(mesh, a, x, y)
+        from paratrain.base.strategy import Strategy
         from paratrain.config import OptimConfig
-        from paratrain.engine.strategy import Strategy
         from paratrain.models import build_model, init_weights, materialize
         from paratrain.pipeline.executor import PipelineExecutor
         from paratrain.pipeline.stage import split_for_pipeline

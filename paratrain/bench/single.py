@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from paratrain import config
 from paratrain.bench.common import add_common_arguments, machine, paired_rounds, time_steps
-from paratrain.train.metrics import measure_matmul_peak, sync_device
+from paratrain.device import measure_matmul_peak, sync_device
 from paratrain.train.task import LanguageModelTask
 from paratrain.train.trainer import Trainer, lr_at, single_process_env
 

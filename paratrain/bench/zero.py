@@ -24,8 +24,8 @@ from paratrain.bench.common import (
     time_steps,
     worker_args,
 )
+from paratrain.device import peak_memory_bytes, sync_device
 from paratrain.launch import spawn
-from paratrain.train.metrics import peak_memory_bytes, sync_device
 
 CONFIGS = ("zero1", "zero2", "zero3", "torch_zero_redundancy", "torch_fsdp2")
 

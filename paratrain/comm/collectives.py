@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from paratrain.comm.trace import TRACE, Fingerprint, test_skip
+from paratrain.comm.trace import TRACE, Fingerprint
+from paratrain.faults import skip_collective
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "broadcast")
 
@@ -119,7 +120,7 @@ class CollectiveMismatch(RuntimeError):
 
 def _enter(kind: str, axis: Axis, shape, dtype, what: str | None) -> bool:
     """Fingerprint one collective; False if a test fault says to skip it on this rank."""
-    if test_skip(what, dist.get_rank()):
+    if skip_collective(what, dist.get_rank()):
         return False
     fp = TRACE.next(kind, f"{axis.name}{axis.ranks}", shape, dtype, what)
     if axis.counter.check:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import mmap
-import os
 import zlib
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -116,19 +115,6 @@ def read_mirror(path: str) -> list[Fingerprint]:
             continue
         out.append(Fingerprint(seq, kind, group, None if shape is None else tuple(shape), dtype, what))
     return out
-
-# A test-only fault: the first collective whose purpose equals this is skipped on rank 1.
-_SKIP_ENV = "PARATRAIN_TEST_SKIP_COLLECTIVE"
-_skipped = False
-
-
-def test_skip(what: str | None, global_rank: int) -> bool:
-    global _skipped
-    if _skipped or what is None or global_rank != 1 or os.environ.get(_SKIP_ENV) != what:
-        return False
-    _skipped = True
-    return True
-
 
 # ------------------------------------------------------------------------------------------------
 # Diagnosis: histories of several ranks -> one message

@@ -176,7 +176,7 @@ def check_resume(cfg, task) -> None:
 
     Reads ``state.json`` when the checkpoint has one; ``Trainer.resume`` checks again in any case.
     """
-    from paratrain.train import checkpoint as ckpt
+    from paratrain.engine import checkpoint as ckpt
 
     folder = ckpt.latest(cfg.train.out)
     state = folder / "state.json" if folder is not None else None

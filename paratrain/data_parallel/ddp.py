@@ -35,10 +35,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from paratrain.base.strategy import Strategy
 from paratrain.comm import collectives as C
+from paratrain.comm.bucketing import FIRST_BUCKET_BYTES, cut_before_overflow
 from paratrain.comm.collectives import nbytes
-from paratrain.data_parallel.bucketing import FIRST_BUCKET_BYTES, cut_before_overflow
-from paratrain.engine.strategy import Strategy
 from paratrain.mesh import ParallelMesh
 from paratrain.sharding import info_of
 

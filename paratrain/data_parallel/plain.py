@@ -21,8 +21,8 @@ import time
 import torch
 import torch.nn as nn
 
+from paratrain.base.strategy import Strategy
 from paratrain.comm import collectives as C
-from paratrain.engine.strategy import Strategy
 from paratrain.mesh import ParallelMesh
 from paratrain.sharding import info_of
 

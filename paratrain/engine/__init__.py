@@ -6,5 +6,5 @@
 * ``shards``: pieces of full tensors, the one description of what a rank holds (checkpoints,
   exports and the library's gathers are built from it).
 
-Nothing here imports the trainer, the config or the dispatcher (parallelize.py).
+Nothing here imports the trainer, the config or the dispatcher (engine/parallelize.py).
 """

@@ -50,7 +50,7 @@ def _cache_path() -> Path:
 
 def measure(device: torch.device, seconds: float = 0.3) -> dict:
     """Matmul FLOP/s in fp32 and bf16 on `device`, and the choice."""
-    from paratrain.train.metrics import measure_matmul_peak
+    from paratrain.device import measure_matmul_peak
 
     fp32 = measure_matmul_peak(device, torch.float32, n=MEASURE_N, seconds=seconds)
     bf16 = measure_matmul_peak(device, torch.bfloat16, n=MEASURE_N, seconds=seconds)

@@ -32,9 +32,9 @@ import math
 
 import torch
 
-from paratrain.engine.shards import Piece, PieceSpec, ShardReader
 from paratrain.optim.quant import SIGNED, UNSIGNED, dequantise, n_blocks, quantise
 from paratrain.sharding import info_of
+from paratrain.shards import Piece, PieceSpec, ShardReader
 
 #: Tensors with fewer elements keep fp32 moments (bitsandbytes' ``min_8bit_size`` default).
 MIN_8BIT_SIZE = 4096
@@ -160,7 +160,7 @@ class AdamW8bit(torch.optim.Optimizer):
 
 
 # --------------------------------------------------------------------------------------------
-# Checkpoints (engine/shards.py): the single-process layout, whatever the layout that writes it.
+# Checkpoints (shards.py): the single-process layout, whatever the layout that writes it.
 #
 # A quantised tensor's "*.q" state is a 1-D full tensor of ``numel`` uint8 codes and its
 # "*.absmax" one of ``n_blocks`` fp32 scales, both in the order one process holds them; a ZeRO

@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from paratrain.base.executor import LossFn, SideLossFn, autocast_for, with_side_loss
+from paratrain.base.strategy import Strategy
 from paratrain.comm import collectives as C
-from paratrain.engine.executor import LossFn, SideLossFn, autocast_for, with_side_loss
-from paratrain.engine.strategy import Strategy
 from paratrain.mesh import ParallelMesh
 from paratrain.pipeline.schedules import (
     RECV_B,

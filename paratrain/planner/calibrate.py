@@ -81,14 +81,14 @@ def op_overhead(device=None, seconds: float = 0.05) -> dict:
 def post_step_seconds(seconds: float = 0.05) -> dict:
     """Seconds of the trainer's work after backward, per parameter tensor and per element: the
     gradient norm, the clip multiply, AdamW's step (foreach=False: the per-tensor loop the trainer
-    runs on a CPU, engine/strategy.py ``multi_tensor_kernels``), the state count and zero_grad,
+    runs on a CPU, base/strategy.py ``multi_tensor_kernels``), the state count and zero_grad,
     run by paratrain's own ``Strategy`` on 64 tiny tensors and on 4 large ones (2**18 elements:
     out of the caches, as a real model's state is). ZeRO runs the same steps on its flat pieces."""
     import torch
     import torch.nn as nn
 
+    from paratrain.base.strategy import Strategy
     from paratrain.config import OptimConfig
-    from paratrain.engine.strategy import Strategy
     from paratrain.mesh import MeshShape, ParallelMesh
 
     def per_step(n_tensors: int, numel: int) -> float:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 
-from paratrain.data_parallel.bucketing import FIRST_BUCKET_BYTES, cut_before_overflow, fill_per_key
+from paratrain.comm.bucketing import FIRST_BUCKET_BYTES, cut_before_overflow, fill_per_key
 from paratrain.models.llama import LlamaConfig
 from paratrain.planner.cost import all_gather_time, all_reduce_time, group_link, reduce_scatter_time
 from paratrain.planner.hardware import Cluster
@@ -56,7 +56,7 @@ def param_numels(c: LlamaConfig, tp: int, blocks: int, first: bool, last: bool) 
 
 def ddp_buckets(sizes: list[float], bucket_mb: float) -> list[float]:
     """Bytes of DDP's buckets over tensors of `sizes` bytes (registration order), cut by DDP's own
-    rule (data_parallel/bucketing.py), with the caps the DDP strategy passes it."""
+    rule (comm/bucketing.py), with the caps the DDP strategy passes it."""
     cap = bucket_mb * 2**20
     backward = list(reversed(sizes))
     cut = cut_before_overflow(backward, [None] * len(backward), cap, min(FIRST_BUCKET_BYTES, cap))
@@ -65,7 +65,7 @@ def ddp_buckets(sizes: list[float], bucket_mb: float) -> list[float]:
 
 def zero_buckets(sizes: list[tuple[float, bool]], bucket_mb: float) -> list[float]:
     """Bytes of ZeRO-1/2's flat buckets over (bytes, is a norm gain) in registration order, by
-    ZeRO's own rule (data_parallel/bucketing.py): keyed by weight decay, which here is "not a
+    ZeRO's own rule (comm/bucketing.py): keyed by weight decay, which here is "not a
     norm gain"."""
     backward = list(reversed(sizes))
     cut = fill_per_key([b for b, _ in backward], [norm for _, norm in backward], bucket_mb * 2**20)

@@ -116,7 +116,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh, *, sequence_para
     """Replace the plan's submodules in place by their tp counterparts over ``mesh.tp``.
 
     Apply to the model built on the meta device, before activation checkpointing and the pipeline
-    split (parallelize.py fixes that order). With tied embeddings the LM head re-shares the
+    split (engine/parallelize.py fixes that order). With tied embeddings the LM head re-shares the
     embedding's (identically split) vocabulary-parallel weight.
     """
     family = family_of(model, "tensor parallelism (its plan)")

@@ -7,43 +7,11 @@ busiest rank for communication), and ``per_rank`` holds the full lists.
 from __future__ import annotations
 
 import json
-import resource
-import time
 from pathlib import Path
 
-import torch
-
 from paratrain.comm import collectives as C
+from paratrain.device import peak_memory_bytes
 from paratrain.mesh import ParallelMesh
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak allocated bytes on CUDA; peak resident set size of the process on CPU."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 512,
-                        seconds: float = 0.3) -> float:
-    """Measured dense matmul FLOP/s of this process on `device` (the MFU denominator)."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    sync_device(device)
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        a @ b
-        count += 1
-    sync_device(device)
-    return 2 * n**3 * count / (time.perf_counter() - start)
-
-
-def sync_device(device: torch.device) -> None:
-    """Wait for the device's queued work (a no-op on CPU), so a clock reads finished work."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def rank_record(mesh: ParallelMesh, state_bytes: dict, extra: dict | None = None) -> dict:

@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 from paratrain.config import Config, ConfigError
+from paratrain.engine import checkpoint as ckpt
 from paratrain.launch import process_alive
-from paratrain.train import checkpoint as ckpt
 
 LOCK_NAME = ".lock"
 

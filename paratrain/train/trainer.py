@@ -22,25 +22,25 @@ from pathlib import Path
 
 import torch
 
+from paratrain import faults, signals
 from paratrain.comm import collectives as C
 from paratrain.config import Config
 from paratrain.data import check_cursor, data_cursor
+from paratrain.device import measure_matmul_peak, sync_device
+from paratrain.engine import checkpoint as ckpt
+from paratrain.engine.parallelize import Parallelized, parallelize
 from paratrain.launch import DistEnv, restart_attempt
 from paratrain.mesh import MeshShape, ParallelMesh
-from paratrain.parallelize import Parallelized, parallelize
 from paratrain.sharding import info_of
-from paratrain.train import checkpoint as ckpt
 from paratrain.train import guards
 from paratrain.train.loss_scaler import LossScaler
 from paratrain.train.metrics import (
     MetricsWriter,
     drop_rows_after,
     gather_rank_records,
-    measure_matmul_peak,
     merge_ranks,
     plot_loss,
     rank_record,
-    sync_device,
 )
 from paratrain.train.task import Task, build_task
 
@@ -214,7 +214,7 @@ class Trainer:
                     bar.set_postfix_str(_postfix(row))
                 if cfg.train.save_every and done % cfg.train.save_every == 0 and done < cfg.train.steps:
                     self.save(done)
-                guards.test_crash_hook(done, self.env.rank, restart_attempt())
+                faults.crash_point(done, self.env.rank, restart_attempt())
                 if done < cfg.train.steps and self.stop_requested(done):
                     self.saver.finish()
                     return self.result
@@ -235,8 +235,8 @@ class Trainer:
         return self.result
 
     def stop_requested(self, done: int) -> bool:
-        """A signal reached any rank: all save step ``done`` together and stop (train/guards.py)."""
-        signum = guards.agreed_stop(self.mesh.world, self.mesh.device)
+        """A signal reached any rank: all save step ``done`` together and stop (signals.py)."""
+        signum = signals.agreed_stop(self.mesh.world, self.mesh.device)
         if signum:
             self.save(done)
             self.result.stopped_by = signum
@@ -307,7 +307,7 @@ class Trainer:
     # -- state -----------------------------------------------------------------------------------
 
     def save(self, step: int) -> None:
-        """Checkpoint ``step``: each rank writes its own pieces (train/checkpoint.py)."""
+        """Checkpoint ``step``: each rank writes its own pieces (engine/checkpoint.py)."""
         strategy = self.par.strategy
         meta = {"layout": self.layout(), "config": self.cfg.to_dict(), "scaler": self.scaler.state_dict(),
                 "optimizer_step": strategy.optimizer_step_count(),

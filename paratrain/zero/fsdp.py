@@ -51,9 +51,9 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
+from paratrain.base.strategy import Strategy
 from paratrain.comm import collectives as C
 from paratrain.comm.collectives import nbytes
-from paratrain.engine.strategy import Strategy
 from paratrain.mesh import ParallelMesh
 from paratrain.sharding import copy_info, info_of, shard_of
 from paratrain.zero import store8

@@ -40,14 +40,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from paratrain.base.strategy import Strategy, decays
 from paratrain.comm import collectives as C
+from paratrain.comm.bucketing import fill_per_key
 from paratrain.comm.collectives import nbytes
-from paratrain.data_parallel.bucketing import fill_per_key
-from paratrain.engine.shards import CheckpointError, Piece, ShardReader, pieces_of
-from paratrain.engine.strategy import Strategy, decays
 from paratrain.mesh import ParallelMesh
 from paratrain.optim import adamw8bit as a8
 from paratrain.sharding import info_of
+from paratrain.shards import CheckpointError, Piece, ShardReader, pieces_of
 from paratrain.zero import store8
 from paratrain.zero.offload import MOMENTS, make_store
 from paratrain.zero.offload import Piece as FlatPiece

@@ -32,12 +32,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from paratrain.base.strategy import decays
 from paratrain.comm.collectives import nbytes
-from paratrain.engine.shards import pieces_of
-from paratrain.engine.strategy import decays
 from paratrain.optim import adamw8bit as a8
 from paratrain.optim.adamw8bit import QUANT_KEYS, STATE_KEYS, full_numel
 from paratrain.sharding import info_of
+from paratrain.shards import pieces_of
 
 
 def is_8bit(optim_cfg) -> bool:
@@ -184,7 +184,7 @@ def make_store8(kind: str, masters: list[torch.Tensor], layouts: list, optim_cfg
 
 
 # --------------------------------------------------------------------------------------------
-# Checkpoints: per parameter, the single-process layout (optim/adamw8bit.py, engine/shards.py).
+# Checkpoints: per parameter, the single-process layout (optim/adamw8bit.py, shards.py).
 # --------------------------------------------------------------------------------------------
 
 

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from paratrain.engine.executor import MicroBatchLoop
-from paratrain.engine.strategy import Strategy
+from paratrain.base.executor import MicroBatchLoop
+from paratrain.base.strategy import Strategy
 from paratrain.mesh import ParallelMesh
 from paratrain.sharding import name_params
 

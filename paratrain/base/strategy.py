@@ -15,7 +15,7 @@ tensor- and pipeline-parallel shards, whose layout it reads from each parameter'
 ``TensorShard``). DDP (data_parallel/ddp.py) and ZeRO (zero/) subclass it.
 
 Checkpoints and exports are layout-free and sharded: ``state_pieces`` lists what this rank holds
-as pieces of full tensors named as in the single-device model (engine/shards.py), and
+as pieces of full tensors named as in the single-device model (shards.py), and
 ``load_state_pieces`` reads back exactly this rank's slices. A checkpoint written by any layout
 loads into any other, and no rank ever holds the full model.
 """
@@ -30,10 +30,10 @@ import torch.nn as nn
 
 from paratrain.comm import collectives as C
 from paratrain.comm.collectives import nbytes
-from paratrain.engine.shards import CheckpointError, Piece, ShardReader, pieces_of
 from paratrain.mesh import ParallelMesh
 from paratrain.optim import adamw8bit as a8
 from paratrain.sharding import info_of
+from paratrain.shards import CheckpointError, Piece, ShardReader, pieces_of
 
 
 def decays(name: str, p: torch.Tensor) -> bool:
@@ -161,7 +161,7 @@ class Strategy:
                     if torch.is_tensor(t) and t.dim() > 0)
         return {"params": params, "grads": grads, "optim": optim, "offloaded": 0}
 
-    # -- layout-free state: pieces of full tensors (engine/shards.py) -------------------------------
+    # -- layout-free state: pieces of full tensors (shards.py) -------------------------------
 
     def state_pieces(self) -> list[Piece]:
         """This rank's parameters, buffers and optimizer state as pieces of full tensors.

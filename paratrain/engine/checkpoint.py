@@ -2,7 +2,7 @@
 
 A checkpoint is a folder ``OUT/checkpoints/step_000120/`` with
 
-* ``rank_00000.safetensors`` ...: each rank's pieces of full tensors (engine/shards.py): its
+* ``rank_00000.safetensors`` ...: each rank's pieces of full tensors (shards.py): its
   parameter slices, its optimizer-state slices (ZeRO: 1-D ranges), under any state key. A tensor
   held by several ranks (dp replicas, tp-replicated norms) is written once, by one of its holders,
   chosen to balance the bytes per file;
@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from paratrain.comm import collectives as C
-from paratrain.engine.shards import (
+from paratrain.shards import (
     TORCH_DTYPES,
     CheckpointError,
     Piece,

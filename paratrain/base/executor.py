@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from paratrain.engine.strategy import Strategy
+from paratrain.base.strategy import Strategy
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # Losses the model's layers produced in the forward just run (mixture-of-experts aux losses), in

@@ -1,0 +1,35 @@
+"""Fault injection for the failure tests, in one documented place (docs/failures.md).
+
+The product never changes behaviour unless one of these environment variables is set; each hook
+is a single dictionary lookup when it is not:
+
+* ``PARATRAIN_TEST_CRASH_AT_STEP=k``: rank 1 kills itself (SIGKILL) after step k, on the first
+  attempt only: the stand-in for a machine failure (restarts must resume and match an unbroken run);
+* ``PARATRAIN_TEST_SKIP_COLLECTIVE=what``: rank 1 skips its first collective whose purpose is
+  ``what``: the stand-in for diverged code paths (the collective checker must name it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+CRASH_AT_STEP = "PARATRAIN_TEST_CRASH_AT_STEP"
+SKIP_COLLECTIVE = "PARATRAIN_TEST_SKIP_COLLECTIVE"
+
+_skipped = False  # the skip fires once per process
+
+
+def crash_point(step: int, rank: int, attempt: int) -> None:
+    """Called by the trainer after each step."""
+    if attempt == 0 and rank == 1 and os.environ.get(CRASH_AT_STEP) == str(step):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def skip_collective(what: str | None, global_rank: int) -> bool:
+    """Called by the collectives before each call: True to skip this one."""
+    global _skipped
+    if _skipped or what is None or global_rank != 1 or os.environ.get(SKIP_COLLECTIVE) != what:
+        return False
+    _skipped = True
+    return True

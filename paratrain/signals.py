@@ -1,0 +1,74 @@
+"""Stopping cleanly: a signal becomes a request that every rank honours at the same step boundary.
+
+Ctrl-C sends SIGINT to the whole process group (launcher and workers); a scheduler sends SIGTERM
+to the launcher alone, which passes the request on through a shared event. Either way each rank
+only *records* the request in its handler (a signal can land inside a collective, where raising
+would leave the peers waiting); at the end of each step the ranks agree with one tiny max
+all-reduce, save a checkpoint together and return. A second signal ends the process at once: the
+checkpoint being written is a temporary folder, so the previous complete one stays intact.
+
+Signal state is per process by nature, hence module-level here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+
+import torch
+
+from paratrain.comm import collectives as C
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+_requested = 0  # the signal number of the first stop request in this process, 0 if none
+_shared = None  # a shared int the launcher sets to the signal it received (workers it started)
+
+
+def exit_code(signum: int) -> int:
+    """The shell's convention: 128 + signal number (130 for SIGINT, 143 for SIGTERM)."""
+    return 128 + signum
+
+
+def _on_signal(signum, frame) -> None:
+    global _requested
+    if _requested:
+        os._exit(exit_code(signum))  # second signal: leave now, nothing half-written is used
+    _requested = signum
+
+
+def install(shared=None) -> dict:
+    """Turn SIGINT/SIGTERM into a stop request for this process (main thread only); ``shared``
+    (a multiprocessing Value) carries a request the launcher received. Returns the old handlers."""
+    global _requested, _shared
+    _requested, _shared = 0, shared
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, _on_signal) for sig in STOP_SIGNALS}
+
+
+@contextlib.contextmanager
+def handling_signals(shared=None):
+    """``install`` for the duration of a run in a process that lives on (the CLI in-process)."""
+    before = install(shared)
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def local_request() -> int:
+    if not _requested and _shared is not None:
+        return int(_shared.value)
+    return _requested
+
+
+def agreed_stop(world: C.Axis, device: torch.device) -> int:
+    """The signal any rank received (0 if none), the same on every rank: one max all-reduce."""
+    flag = torch.tensor([local_request()], dtype=torch.int32, device=device)
+    with world.counter.paused():  # bookkeeping, not training traffic
+        C.all_reduce(flag, world, op=C.dist.ReduceOp.MAX)
+    return int(flag.item())
