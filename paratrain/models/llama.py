@@ -59,6 +59,10 @@ class LlamaConfig:
         return self.n_experts > 0 and (index + 1) % self.moe_every == 0
 
     @property
+    def mlp_matrices(self) -> int:
+        return 3  # SwiGLU: gate, up, down
+
+    @property
     def n_moe_layers(self) -> int:
         return sum(self.is_moe_block(i) for i in range(self.n_layers))
 

@@ -15,7 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from paratrain.data import Corpus, TokenRows, check_batch_fits, check_vocab, load_corpus
-from paratrain.models import build_model, init_weights, materialize, preset, tied_name
+from paratrain.models import build_model, init_weights, materialize, tied_name
+from paratrain.models.from_config import model_config, model_shape  # noqa: F401  (re-exported)
 from paratrain.models.llama import LlamaConfig, full_init_value
 from paratrain.models.moe_train import MoEAccounting
 
@@ -35,31 +36,6 @@ class Task(Protocol):
     def loss_sum(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor: ...
     def train_batch(self, step: int, global_batch: int, rows: slice | None = None): ...
     def val_batch(self, index: int, global_batch: int, rows: slice | None = None): ...
-
-
-MOE_FIELDS = ("n_experts", "top_k", "capacity_factor", "aux_loss_coef", "z_loss_coef")
-
-
-def model_config(cfg: Config, vocab_size: int) -> LlamaConfig:
-    if cfg.model.init_from:
-        return model_shape(cfg)
-    m = cfg.model
-    overrides = {k: getattr(m, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
-                                              "tie_embeddings", *MOE_FIELDS) if getattr(m, k) is not None}
-    return preset(m.name, vocab_size=vocab_size, max_seq_len=max(cfg.data.seq_len, 2), **overrides)
-
-
-def model_shape(cfg: Config) -> LlamaConfig:
-    """The decoder's shape as configured: the imported config.json, or the preset + overrides
-    (vocabulary as the preset's: the corpus fixes it later)."""
-    if cfg.model.init_from:
-        from paratrain.models.llama_hf import HFCheckpoint
-
-        return HFCheckpoint.for_config(cfg).model_cfg
-    m = cfg.model
-    overrides = {k: getattr(m, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
-                                              "tie_embeddings", *MOE_FIELDS) if getattr(m, k) is not None}
-    return preset(m.name, **overrides)
 
 
 class LanguageModelTask:

@@ -1,0 +1,32 @@
+"""The bridge from the configuration (plain data) to a model's shape: an imported config.json, or a
+preset with the overrides the user gave."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from paratrain.config import Config
+from paratrain.models.llama import LlamaConfig, preset
+from paratrain.models.llama_hf import HFCheckpoint
+
+MOE_FIELDS = ("n_experts", "top_k", "capacity_factor", "aux_loss_coef", "z_loss_coef")
+
+
+def model_config(cfg: Config, vocab_size: int) -> LlamaConfig:
+    """The shape the run builds: an imported model's own, or the preset's with the corpus's vocabulary
+    and the configured sequence length."""
+    shape = model_shape(cfg)
+    if cfg.model.init_from:
+        return shape
+    return replace(shape, vocab_size=vocab_size, max_seq_len=max(cfg.data.seq_len, 2))
+
+
+def model_shape(cfg: Config) -> LlamaConfig:
+    """The decoder's shape as configured: the imported config.json, or the preset + overrides
+    (vocabulary as the preset's: the corpus fixes it later)."""
+    if cfg.model.init_from:
+        return HFCheckpoint.for_config(cfg).model_cfg
+    m = cfg.model
+    overrides = {k: getattr(m, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
+                                              "tie_embeddings", *MOE_FIELDS) if getattr(m, k) is not None}
+    return preset(m.name, **overrides)

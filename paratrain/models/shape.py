@@ -1,0 +1,35 @@
+"""The plain description of a decoder that the planner, the cost model and the FLOP counts read.
+
+A family's config class satisfies it (``LlamaConfig``, ``GPT2Config``); nothing here is a module or
+a tensor, so readers of shapes (planner/, perf/) never depend on how a family builds its layers.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class ModelShape(Protocol):
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    max_seq_len: int
+    tie_embeddings: bool
+    n_experts: int  # 0: dense
+    top_k: int
+
+    @property
+    def head_dim(self) -> int: ...
+
+    @property
+    def n_moe_layers(self) -> int: ...
+
+    @property
+    def mlp_matrices(self) -> int:
+        """Weight matrices of one MLP (SwiGLU: gate, up, down = 3; GELU: fc, proj = 2)."""
+        ...
+
+    def n_params(self, *, active: bool = False) -> int: ...
