@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from paratrain import config  # noqa: E402
 from paratrain.engine import checkpoint as ckpt  # noqa: E402
+from paratrain.engine import checks
 from paratrain.launch import spawn  # noqa: E402
 from paratrain.train.task import build_task  # noqa: E402
 from paratrain.train.trainer import Trainer  # noqa: E402
@@ -65,7 +66,7 @@ def main() -> None:
     cfgs = []
     for mode, extra in (("blocking", {}), ("async", {"train.async_save": True})):
         cfg = config.load(None, {**common, **extra, "train.out": str(tmp / mode)})
-        config.validate(cfg, args.nproc)
+        checks.validate(cfg, args.nproc)
         cfgs.append((mode, cfg.to_dict()))
     build_task(config.Config.from_dict(cfgs[0][1]))
     res = spawn(_worker, args.nproc, cfgs, timeout=1800)

@@ -23,6 +23,7 @@ import torch
 
 from paratrain import config
 from paratrain.base.strategy import Strategy, adamw_param_groups
+from paratrain.engine import checks
 from paratrain.train.metrics import read_metrics
 from paratrain.train.trainer import Trainer
 
@@ -40,7 +41,7 @@ def _train(args, name: str) -> dict:
                  "train.eval_every": 0, "train.progress": False, "train.threads": args.threads,
                  "data.seq_len": args.seq_len, "optim.name": "adamw" if name == "bnb" else name,
                  "data.cache_dir": f"{args.out}/cache"}  # its own: the shared cache may be wiped meanwhile
-    cfg = config.validate(config.load(None, overrides))
+    cfg = checks.validate(config.load(None, overrides))
     shutil.rmtree(cfg.train.out, ignore_errors=True)  # this benchmark's own run folder: start afresh
     build = Strategy.build_optimizer
     if name == "bnb":

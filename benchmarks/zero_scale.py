@@ -45,6 +45,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from paratrain import config  # noqa: E402
+from paratrain.engine import checks
 from paratrain.launch import spawn  # noqa: E402
 from paratrain.models.llama import preset  # noqa: E402
 
@@ -142,7 +143,7 @@ class HostSampler(threading.Thread):
 
 def run(args: argparse.Namespace) -> dict:
     cfg = build_config(args)
-    config.validate(cfg, args.nproc)
+    checks.validate(cfg, args.nproc)
     from paratrain.train.task import build_task
 
     task = build_task(cfg)  # tokenize once here (cached); the workers map the cache

@@ -34,13 +34,25 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from paratrain.api_state import load_optimizer_state, optimizer_scalars, set_optimizer_scalars
 from paratrain.base.strategy import Strategy
 from paratrain.comm import collectives as C
+from paratrain.data_parallel.ddp import DDP
+from paratrain.data_parallel.sync_batchnorm import convert_sync_batchnorm
+from paratrain.engine import checkpoint as ckpt
+from paratrain.engine.rng import rng_state, set_rng_state
 from paratrain.launch import init_from_torchrun, pick_device, under_torchrun
 from paratrain.mesh import MeshShape, ParallelMesh
+from paratrain.models.family import NoFamilyError, family_of
+from paratrain.pipeline.executor import PipelineExecutor
+from paratrain.pipeline.stage import split_for_pipeline
 from paratrain.sharding import name_params, shard_of
 from paratrain.shards import assemble
+from paratrain.tensor_parallel.user_plan import apply_native_plan, apply_user_plan, check_plan
+from paratrain.zero.fsdp import Zero3
+from paratrain.zero.optimizer import Zero1, Zero2
 from paratrain.zero.recipe import OptimizerRecipe, check_elementwise
+from paratrain.zero.units import named_units, size_units
 
 OFFLOADS = ("none", "cpu", "disk")
 LIBRARY_FILE = "library.pt"  # in each checkpoint folder: optimizer settings/scalars, registered objects
@@ -81,6 +93,7 @@ class Parallel:
         rank, world, self.device = _join(timeout)
         dp = dp if dp is not None else max(1, world // (tp * pp))
         self.mesh = ParallelMesh(MeshShape(pp=pp, dp=dp, tp=tp), rank, self.device)
+        self.mesh.counter.check = check_collectives  # comm/trace.py: fingerprints compared first
         self.strategy: Strategy | None = None
         self.model: nn.Module | None = None
         self.optimizer: ParallelOptimizer | None = None
@@ -142,13 +155,9 @@ class Parallel:
             # (Adagrad's sums), which would keep full-size tensors of the old parameters alive.
             optimizer.state.clear()
         if self.dp_size > 1:
-            from paratrain.data_parallel.sync_batchnorm import convert_sync_batchnorm
-
             model = convert_sync_batchnorm(model, self.mesh.dp)  # batch statistics over the whole dp batch
         self.strategy = self._strategy(model, optimizer, recipe, names, full)
         if chunks is not None:
-            from paratrain.pipeline.executor import PipelineExecutor
-
             self.executor = PipelineExecutor(
                 model, chunks, _token_loss_sum, self.strategy, self.mesh, schedule=self.pp_schedule,
                 virtual_stages=self.virtual_stages, precision=self.precision,
@@ -163,9 +172,6 @@ class Parallel:
     def _split_pipeline(self, model: nn.Module, names: list[list[str]]) -> list:
         """Keep this rank's stages of a paratrain model family (pipeline/stage.py); the optimizer's
         groups keep the names this rank still holds (a tied head's copy joins its owner's group)."""
-        from paratrain.models import family_of
-        from paratrain.pipeline.stage import split_for_pipeline
-
         family = family_of(model, f"pp = {self.mesh.pp.size} through the library (its blocks and stages)")
         chunks = split_for_pipeline(model, self.mesh, virtual_stages=self.virtual_stages)
         held = {n for n, _ in model.named_parameters()}
@@ -177,9 +183,6 @@ class Parallel:
 
     def _split_tensor_parallel(self, model: nn.Module, full: dict) -> dict[int, nn.Parameter]:
         """The user's plan, or the plan a paratrain model family declares; old param id -> new."""
-        from paratrain.models.family import NoFamilyError, family_of
-        from paratrain.tensor_parallel.user_plan import apply_native_plan, apply_user_plan, check_plan
-
         if not self.tp_plan:
             try:
                 family_of(model)
@@ -201,7 +204,6 @@ class Parallel:
         if self.zero == 0:
             if self.dp_size == 1:
                 return Strategy(model, self.mesh, optimizer)
-            from paratrain.data_parallel.ddp import DDP
 
             return DDP(model, self.mesh, optimizer, bucket_bytes=bucket_bytes)
         group_index = {n: g for g, group_names in enumerate(names) for n in group_names}
@@ -212,12 +214,8 @@ class Parallel:
         kwargs = {"offload": self.offload, "offload_dir": self.offload_dir, "group_of": group_of,
                   "precision": self.precision}
         if self.zero in (1, 2):
-            from paratrain.zero.optimizer import Zero1, Zero2
-
             return (Zero1 if self.zero == 1 else Zero2)(model, self.mesh, recipe, bucket_bytes=bucket_bytes,
                                                          **kwargs)
-        from paratrain.zero.fsdp import Zero3
-        from paratrain.zero.units import named_units, size_units
 
         def units(m: nn.Module):
             return named_units(m, self.units) if self.units else size_units(m, self.unit_min_params)
@@ -304,8 +302,6 @@ class Parallel:
         return {k: tensors[aliases.get(k, k)] for k in model.state_dict() if aliases.get(k, k) in tensors}
 
     def _with_tied_copy(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        from paratrain.models import family_of
-
         family = family_of(self.model)
         if family.is_tied(self.model):  # as the unsplit model's state_dict lists it: under both names
             copy, owner = family.tied
@@ -327,9 +323,6 @@ class Parallel:
         the full tensors, committed atomically under ``directory/checkpoints/step_N``; any layout
         loads it. The optimizer's settings, scalars and the registered objects go in one more file
         of the same checkpoint."""
-        from paratrain.api_state import optimizer_scalars
-        from paratrain.engine import checkpoint as ckpt
-
         self._require_prepared()
         if self._saver is None or self._saver.root != ckpt.checkpoint_dir(directory):
             self._saver = ckpt.Saver(directory, self.mesh)
@@ -343,14 +336,11 @@ class Parallel:
             torch.save(extra, buf)
             files[LIBRARY_FILE] = buf.getvalue()
         meta = {"library": True, "optimizer_step": self.optimizer.steps}
-        self._saver.save(self.optimizer.steps, self.strategy.state_pieces(), meta, _rng_state(), files)
+        self._saver.save(self.optimizer.steps, self.strategy.state_pieces(), meta, rng_state(), files)
 
     def load(self, directory: str | os.PathLike) -> None:
         """Load what save() wrote, under any layout (every rank calls it); each rank reads only the
         pieces it holds. Also reads the weights (and AdamW state) of a ``paratrain train`` run."""
-        from paratrain.api_state import set_optimizer_scalars
-        from paratrain.engine import checkpoint as ckpt
-
         self._require_prepared()
         folder, notes = ckpt.find_checkpoint(directory)
         if self.is_main:
@@ -378,7 +368,7 @@ class Parallel:
             obj.load_state_dict(saved)
         rng = ckpt.read_rng(folder)
         if len(rng) == self.world_size:  # same world: each rank continues its own stream
-            _set_rng_state(rng[self.rank])
+            set_rng_state(rng[self.rank])
 
     def _barrier(self) -> None:
         if self.world_size > 1:
@@ -429,8 +419,6 @@ class ParallelOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """Layout-free: per-element state as full tensors by parameter name, plus per-parameter
         scalars and the groups' settings (every rank calls it: the shards are gathered)."""
-        from paratrain.api_state import optimizer_scalars
-
         tensors = gather_full(self.strategy, None)
         tensors = {k: v for k, v in tensors.items() if k not in ("param", "buffer")}
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
@@ -440,8 +428,6 @@ class ParallelOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Also restores each group's settings (lr ...), as torch's Optimizer.load_state_dict does:
         a scheduler's own state does not hold the lr it last wrote."""
-        from paratrain.api_state import load_optimizer_state
-
         self.restore_groups(state_dict["param_groups"])
         load_optimizer_state(self.strategy, state_dict)
         self.steps = state_dict["steps"]
@@ -546,18 +532,6 @@ def _join(timeout: float) -> tuple[int, int, torch.device]:
         env = init_from_torchrun(timeout)
         return env.rank, env.world_size, env.device
     return 0, 1, pick_device(0)
-
-
-def _rng_state() -> dict:
-    from paratrain.train.trainer import _rng_state as trainer_rng
-
-    return trainer_rng()
-
-
-def _set_rng_state(state: dict) -> None:
-    from paratrain.train.trainer import _set_rng_state as trainer_set
-
-    trainer_set(state)
 
 
 def _token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ import importlib
 import sys
 
 from paratrain import config
+from paratrain.engine import checks
 
 
 def micro_batch_arg(text: str) -> int | str:
@@ -134,9 +135,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         cfg = auto_layout(cfg)
     if under_torchrun():
-        config.validate(adopt_torchrun_world(cfg), cfg.parallel.nproc)
+        checks.validate(adopt_torchrun_world(cfg), cfg.parallel.nproc)
     else:
-        config.validate(cfg)
+        checks.validate(cfg)
     return run_training(cfg)
 
 

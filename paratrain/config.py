@@ -1,6 +1,8 @@
 """Typed configuration: dataclasses, loaded from TOML, overridden by command-line flags.
 
-``validate(cfg, world_size)`` lists *every* problem with what to change, and runs before any
+This module is plain data: it imports nothing of paratrain. ``check_values`` lists the problems
+the settings alone show; ``paratrain.engine.checks.validate(cfg, world_size)`` adds those that need
+the model and the techniques, lists *every* problem with what to change, and runs before any
 worker starts. TOML sections mirror the dataclasses::
 
     [model]     name = "small"
@@ -20,8 +22,6 @@ import typing
 from dataclasses import dataclass, field, fields
 
 import tomllib
-
-from paratrain.models.llama import PRESETS
 
 
 class ConfigError(ValueError):
@@ -264,22 +264,13 @@ def _numbers(problems: list[str], cfg: Config) -> None:
             problems.append(f"{dotted} must be {want} (got {value})")
 
 
-def _seq_len_fits(problems: list[str], cfg: Config) -> None:
-    preset = PRESETS.get(cfg.model.name)
-    if preset is not None and cfg.data.seq_len > preset.max_seq_len:
-        problems.append(f"data.seq_len ({cfg.data.seq_len}) is longer than model {cfg.model.name}'s "
-                        f"{preset.max_seq_len} positions: lower --seq-len or choose a larger --model")
-
-
-def validate(cfg: Config, world_size: int | None = None) -> Config:
-    """Raise ConfigError listing every problem (with the fix); return cfg when all is well."""
-    problems: list[str] = []
-    p, t, d, o, m = cfg.parallel, cfg.train, cfg.data, cfg.optim, cfg.model
+def check_values(cfg: Config, problems: list[str], world_size: int | None = None) -> None:
+    """Append every problem the settings alone show (numbers, ranges, choices, degrees, batch), each
+    with its fix. What needs a model or the techniques is checked above this module, where they are
+    (engine/checks.py ``validate``, which calls this)."""
+    p, t, d, o = cfg.parallel, cfg.train, cfg.data, cfg.optim
     world = world_size or cfg.world_size
     _numbers(problems, cfg)
-    _seq_len_fits(problems, cfg)
-    if m.name not in PRESETS and m.name != "cnn-tiny":
-        problems.append(f"model.name = {m.name!r} is unknown; choose one of {', '.join(PRESETS)}, cnn-tiny")
     for name, value in (("tp", p.tp), ("pp", p.pp), ("ep", p.ep), ("virtual_stages", p.virtual_stages)):
         if value < 1:
             problems.append(f"parallel.{name} must be >= 1 (got {value})")
@@ -343,17 +334,6 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         _check_8bit(problems, cfg)
     if p.offload == "disk" and not p.offload_dir:
         problems.append("parallel.offload = 'disk' needs parallel.offload_dir (--offload-dir DIR)")
-    if m.init_from:
-        from paratrain.models.llama_hf import check_init_from
-
-        check_init_from(cfg, problems)
-    if not problems:
-        from paratrain.engine.parallelize import check_layout  # the one place that knows every technique
-
-        check_layout(cfg, problems)
-    if problems:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
-    return cfg
 
 
 def _check_8bit(problems: list[str], cfg: Config) -> None:

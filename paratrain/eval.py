@@ -20,7 +20,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from paratrain.data import TokenRows, prepare_corpus
+from paratrain.generate import load_run
 from paratrain.models.llama import Llama
+from paratrain.models.llama_hf import check_seq_len, load_pretrained
 
 
 class EvalError(ValueError):
@@ -46,11 +49,8 @@ def load_model(run: str | None = None, init_from: str | None = None) -> tuple[Ll
         raise EvalError("give exactly one of --run RUN or --init-from DIR")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if init_from is not None:
-        from paratrain.models.llama_hf import load_pretrained
-
         model, ckpt = load_pretrained(init_from)
         return model.to(device), ckpt.tokenizer_path, ckpt.hf_config
-    from paratrain.generate import load_run
 
     model, _ = load_run(run)
     import json
@@ -70,8 +70,6 @@ def loss_sum(model: Llama, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int
 
 def check_context(model: Llama, hf_config: dict | None, seq_len: int) -> None:
     if hf_config is not None:
-        from paratrain.models.llama_hf import check_seq_len
-
         problem = check_seq_len(model.cfg, hf_config, seq_len)
         if problem:
             raise EvalError(problem)
@@ -101,8 +99,6 @@ def eval_text(model: Llama, tokenizer: Path, text: str, hf_config: dict | None =
 def eval_corpus(model: Llama, tokenizer: Path, data: str, seq_len: int, hf_config: dict | None = None,
                 batch: int = 8, max_rows: int | None = None, cache_dir: str | None = None) -> EvalResult:
     """The held-out rows of a corpus (as `paratrain train` splits it), tokenized by the model's tokenizer."""
-    from paratrain.train.data import TokenRows, prepare_corpus
-
     check_context(model, hf_config, seq_len)
     corpus = prepare_corpus(data, 0, cache_dir, tokenizer=str(tokenizer))
     if int(corpus.tokens.max()) >= model.cfg.vocab_size:

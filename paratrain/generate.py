@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from paratrain.models import build_model
 from paratrain.models.llama import Llama, LlamaConfig
+from paratrain.models.llama_hf import load_pretrained
 
 
 def load_run(run: str) -> tuple[Llama, object]:
@@ -58,7 +59,6 @@ def generate_from_run(run: str | None, prompt: str, max_new_tokens: int = 120, t
     if init_from is not None:
         from tokenizers import Tokenizer
 
-        from paratrain.models.llama_hf import load_pretrained
 
         model, ckpt = load_pretrained(init_from)
         tok = Tokenizer.from_file(str(ckpt.tokenizer_path))

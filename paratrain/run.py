@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import sys
 from pathlib import Path
@@ -16,7 +17,9 @@ import torch
 
 from paratrain import signals
 from paratrain.config import Config, ConfigError
-from paratrain.data import check_resume
+from paratrain.data import check_cursor
+from paratrain.engine import checkpoint as ckpt
+from paratrain.generate import generate_from_run
 from paratrain.launch import (
     DistEnv,
     Interrupted,
@@ -27,6 +30,7 @@ from paratrain.launch import (
     spawn,
     under_torchrun,
 )
+from paratrain.memory.precision import choose as choose_precision
 from paratrain.train import guards, runlock
 from paratrain.train.task import build_task
 from paratrain.train.trainer import Trainer
@@ -51,11 +55,9 @@ def run_training(cfg: Config) -> int:
 def _run_local(cfg: Config) -> int:
     task = build_task(cfg)  # tokenize once, here; every worker then maps the cache
     if cfg.train.resume:
-        check_resume(cfg, task)  # another corpus/tokenizer than the checkpoint's: refused here
+        _check_resume(cfg, task)  # another corpus/tokenizer than the checkpoint's: refused here
     if cfg.train.precision == "auto":  # measure once, here; workers read the cached choice
-        from paratrain.memory.precision import choose
-
-        choose(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+        choose_precision(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     world = cfg.world_size
     if world == 1:
         if cfg.train.threads is None:
@@ -80,6 +82,15 @@ def _run_local(cfg: Config) -> int:
         return signals.exit_code(stopped)
     summarize(cfg)
     return 0
+
+
+def _check_resume(cfg: Config, task) -> None:
+    """The latest checkpoint's data cursor against this corpus, before any worker starts (from
+    ``state.json`` when the checkpoint has one; ``Trainer.resume`` checks again in any case)."""
+    folder = ckpt.latest(cfg.train.out)
+    state = folder / "state.json" if folder is not None else None
+    if state is not None and state.exists():
+        check_cursor(json.loads(state.read_text()), task, cfg)
 
 
 def _spawn_with_restarts(cfg: Config) -> int:
@@ -133,8 +144,6 @@ def summarize(cfg: Config) -> None:
         if (out / name).exists():
             print(f"  {out / name}: {what}")
     if (out / "tokenizer.json").exists():
-        from paratrain.generate import generate_from_run
-
         prompt = "def "
         print(f"\nsample (paratrain generate --run {out} {prompt!r}):")
         print(prompt + generate_from_run(str(out), prompt, max_new_tokens=80))

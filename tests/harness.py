@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from paratrain import config
+from paratrain.engine import checks
 from paratrain.train.task import build_task
 from paratrain.train.trainer import Trainer
 from tests.dist import run
@@ -85,7 +86,7 @@ def _train_on_rank(env, cfg_dict: dict):
 
 
 def run_layout(cfg: config.Config, nproc: int = 1, timeout: float = 180.0) -> RunResult:
-    config.validate(cfg, nproc)
+    checks.validate(cfg, nproc)
     if cfg.model.name != "cnn-tiny":
         build_task(cfg)  # tokenize once here; workers map the cache
     if nproc == 1:

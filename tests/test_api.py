@@ -453,3 +453,30 @@ def test_example_own_loop_torchrun_equals_one_process(tmp_path, zero_args):
     for name, w in ref.items():
         torch.testing.assert_close(got[name], w, **FP32_REORDERED, msg=lambda m, n=name: f"{n}: {m}")
     assert (tmp_path / "ckpt" / "checkpoints" / "latest").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# check_collectives: the library turns on the trainer's collective checker
+# ------------------------------------------------------------------------------------------------
+
+def _library_skipping(env, check: bool) -> None:
+    os.environ["PARATRAIN_TEST_SKIP_COLLECTIVE"] = "all-gather of unit 2"  # rank 1 skips it (faults.py)
+    par = paratrain.Parallel(zero=3, units=["0", "2"], timeout=10, check_collectives=check)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    model, optimizer = par.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    x = torch.randn(4, 8)
+    for _ in range(2):
+        par.backward(model(x).square().mean())
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("check", [False, True], ids=["off", "on"])
+def test_check_collectives_names_the_diverging_rank(check):
+    from paratrain.launch import WorkerError
+
+    with pytest.raises(WorkerError) as info:
+        run(_library_skipping, 2, check, timeout=120)
+    msg = str(info.value)
+    assert ("CollectiveMismatch" in msg) == check, msg[:3000]

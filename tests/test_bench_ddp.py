@@ -31,9 +31,10 @@ def test_single_reference_times_every_phase_of_the_step():
 
 def test_trainer_phases_are_the_timed_step(tmp_path):
     from paratrain import config
+    from paratrain.engine import checks
     from paratrain.train.trainer import Trainer
 
-    cfg = config.validate(config.load(None, {
+    cfg = checks.validate(config.load(None, {
         "model.name": "tiny", "data.seq_len": 32, "train.global_batch": 4, "train.steps": 2,
         "train.out": str(tmp_path), "train.progress": False, "train.eval_every": 0}), 1)
     trainer = Trainer(cfg)

@@ -23,6 +23,7 @@ from paratrain import config
 from paratrain.cli import main
 from paratrain.comm import collectives as C
 from paratrain.engine import checkpoint as ckpt
+from paratrain.engine import checks
 from paratrain.shards import CheckpointError
 from paratrain.train.trainer import Trainer
 from tests.dist import run
@@ -68,7 +69,7 @@ def test_zero3_dp2_checkpoint_resumes_under_tp2_pp2_dp4_and_one_process(tmp_path
     resumes = {"tp2": {"parallel.tp": 2}, "pp2": {"parallel.pp": 2, "train.micro_batch": 4}}
     cfgs = [tiny_cfg(tmp_path / k, **STEPS4, **v, **{"train.resume": True}) for k, v in resumes.items()]
     for c in (save, *cfgs):
-        config.validate(c, 2)
+        checks.validate(c, 2)
     results = run(_save_then_resume, 2, save.to_dict(), [c.to_dict() for c in cfgs], timeout=300)[0]
     for name, (losses, state) in zip(resumes, results):
         assert len(losses) == 2, name
@@ -97,7 +98,7 @@ def test_tied_embeddings_cross_between_one_process_and_a_pipeline(tmp_path):
     cfgs = [tiny_cfg(tmp_path / "pp", **tied, **pp),
             tiny_cfg(tmp_path / "pp_from_one", **tied, **pp, **{"train.resume": True})]
     for c in cfgs:
-        config.validate(c, 2)
+        checks.validate(c, 2)
     (_, _), (losses, state) = run(_train_each, 2, [c.to_dict() for c in cfgs], timeout=300)[0]
     want = RunResult(ref.losses[2:], ref.weights)
     assert_same_training(RunResult(losses, state), want, **FP32_REORDERED)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import pytest
 
 from paratrain import config
+from paratrain.engine import checks
 from paratrain.train.metrics import read_metrics
 from paratrain.train.trainer import Trainer
 from tests.dist import run
@@ -55,7 +56,7 @@ def runs(tmp_path_factory):
     ref = run_layout(tiny_cfg(tmp / "ref"))
     cfgs = [tiny_cfg(tmp / name, **v) for name, v in LAYOUTS.items()]
     for c in cfgs:
-        config.validate(c, 2)
+        checks.validate(c, 2)
     outs = run(_train_each, 2, [c.to_dict() for c in cfgs], timeout=600)[0]
     return ref, dict(zip(LAYOUTS, outs))
 

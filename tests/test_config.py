@@ -4,10 +4,11 @@ import pytest
 
 from paratrain import config
 from paratrain.cli import main
+from paratrain.engine import checks
 
 
 def test_defaults_validate():
-    cfg = config.validate(config.load())
+    cfg = checks.validate(config.load())
     assert cfg.model.name == "small" and cfg.world_size == 1 and cfg.dp == 1
 
 
@@ -37,7 +38,7 @@ def test_every_problem_is_listed_with_the_fix():
     cfg = config.load(None, {"train.steps": 0, "optim.lr": -1.0, "train.precision": "fp8",
                              "data.path": "/no/such/corpus"})
     with pytest.raises(config.ConfigError) as info:
-        config.validate(cfg)
+        checks.validate(cfg)
     msg = str(info.value)
     for fragment in ("train.steps must be >= 1", "optim.lr must be > 0", "'fp8' is not one of",
                      "data.path '/no/such/corpus' does not exist"):
@@ -47,23 +48,23 @@ def test_every_problem_is_listed_with_the_fix():
 def test_degrees_must_match_world_size():
     cfg = config.load(None, {"parallel.nproc": 4, "parallel.dp": 3})
     with pytest.raises(config.ConfigError, match=r"dp\(3\) \* tp\(1\) \* pp\(1\) = 3 != world size 4"):
-        config.validate(cfg)
+        checks.validate(cfg)
 
 
 def test_batch_divisibility():
     cfg = config.load(None, {"parallel.dp": 3, "train.global_batch": 8})
     with pytest.raises(config.ConfigError, match=r"global_batch \(8\) must be divisible by dp \(3\)"):
-        config.validate(cfg)
+        checks.validate(cfg)
     cfg = config.load(None, {"train.global_batch": 8, "train.micro_batch": 3})
     with pytest.raises(config.ConfigError, match=r"micro_batch \(3\) must divide"):
-        config.validate(cfg)
+        checks.validate(cfg)
 
 
 def test_technique_not_available_is_refused_not_ignored():
     # Expert parallelism needs a mixture-of-experts model: with the dense default it is refused.
     cfg = config.load(None, {"parallel.ep": 2, "parallel.dp": 2})
     with pytest.raises(config.ConfigError, match="this model is dense: drop --ep"):
-        config.validate(cfg)
+        checks.validate(cfg)
 
 
 def test_cli_user_error_is_one_message_no_traceback(capsys):

@@ -5,11 +5,12 @@ import glob
 import pytest
 
 from paratrain import config
+from paratrain.engine import checks
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob("configs/*.toml")))
 def test_shipped_config_validates(path):
-    config.validate(config.load(path))
+    checks.validate(config.load(path))
 
 
 def test_default_toml_matches_the_embedded_default():

@@ -26,6 +26,7 @@ from paratrain import config
 from paratrain.config import OptimConfig
 from paratrain.data_parallel.ddp import DDP, build_buckets
 from paratrain.data_parallel.plain import PlainDP
+from paratrain.engine import checks
 from paratrain.mesh import MeshShape, ParallelMesh
 from paratrain.train.trainer import Trainer
 from tests.dist import run
@@ -46,7 +47,7 @@ def _train_on_rank(env, cfg_dict: dict) -> list[float]:
 def _train(out: Path, nproc: int, **overrides) -> dict:
     """Train; return losses, per-step metrics and the exported weights (model.safetensors)."""
     cfg = tiny_cfg(out, **{"train.global_batch": GLOBAL_BATCH, **overrides})
-    config.validate(cfg, nproc)
+    checks.validate(cfg, nproc)
     if nproc == 1:
         losses = Trainer(cfg).fit().losses
     else:

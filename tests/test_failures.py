@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from paratrain.engine import checkpoint as ckpt
+from paratrain.engine import checks
 from paratrain.launch import process_alive
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -327,14 +328,13 @@ def _train_skipping(env, cfg_dict: dict, what: str):
 
 @pytest.mark.parametrize("check", [False, True], ids=["history", "checker"])
 def test_diverging_rank_is_named(tmp_path, check):
-    from paratrain import config
     from paratrain.launch import WorkerError
     from tests.dist import run
     from tests.harness import tiny_cfg
 
     cfg = tiny_cfg(tmp_path, **{"parallel.dp": 2, "parallel.zero": 3, "parallel.timeout_s": 10.0,
                                 "train.steps": 2, "parallel.check_collectives": check})
-    config.validate(cfg, 2)
+    checks.validate(cfg, 2)
     with pytest.raises(WorkerError) as info:
         run(_train_skipping, 2, cfg.to_dict(), "all-gather of unit layers.1", timeout=120)
     msg = str(info.value)

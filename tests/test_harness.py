@@ -12,6 +12,7 @@ import torch
 
 from paratrain import config
 from paratrain.base.executor import MicroBatchLoop
+from paratrain.engine import checks
 from tests.dist import run
 from tests.harness import (
     FP32_REORDERED,
@@ -136,7 +137,7 @@ def test_real_bugs_fail_and_their_correct_twins_pass(tmp_path, monkeypatch, bug,
     ref = run_layout(tiny_cfg(tmp_path / "ref", **{"train.micro_batch": 2}))
     cfgs = [tiny_cfg(tmp_path / name, **layout) for name in ("ok", "bug")]
     for cfg in cfgs:
-        config.validate(cfg, nproc)
+        checks.validate(cfg, nproc)
     if nproc == 1:
         ok = run_layout(cfgs[0])
         monkeypatch.setattr(MicroBatchLoop, "run", MicroBatchLoop.run)  # restored after the test

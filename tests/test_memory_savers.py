@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from paratrain import config
+from paratrain.engine import checks
 from paratrain.memory import batch_finder as bf
 from paratrain.memory.activation_offload import ActivationOffload
 from paratrain.memory.recompute import apply_recompute
@@ -283,7 +284,7 @@ def test_savers_refuse_what_does_not_compose(tmp_path, overrides, message):
         pytest.skip("on a GPU the limit defaults to the device's memory")
     cfg = tiny_cfg(tmp_path, **overrides)
     with pytest.raises(config.ConfigError, match=message):
-        config.validate(cfg)
+        checks.validate(cfg)
 
 
 # -- precision auto -------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 
-from paratrain import config
+from paratrain.engine import checks
 from paratrain.memory.recompute import apply_recompute
 from paratrain.models import build_model, init_weights, preset
 from paratrain.models.moe import moe_layers
@@ -63,7 +63,7 @@ def runs(tmp_path_factory):
 def _launch(base, layouts: dict, nproc: int) -> dict:
     cfgs = [tiny_cfg(base / name, **{**MOE, **extra}) for name, extra in layouts.items()]
     for cfg in cfgs:
-        config.validate(cfg, nproc)
+        checks.validate(cfg, nproc)
     outs = run(_train_many, nproc, [c.to_dict() for c in cfgs], timeout=600)
     return {name: _result(*outs[0][i]) for i, name in enumerate(layouts)}
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from paratrain import config
+from paratrain.engine import checks
 from paratrain.expert_parallel import apply_expert_parallel, dispatch_and_run, owned_experts
 from paratrain.mesh import MeshShape, ParallelMesh
 from paratrain.models.moe import MoE
@@ -71,13 +72,13 @@ def runs(tmp_path_factory):
     resumes = [(str(base / src), tiny_cfg(base / name, **{**resume, **extra}))
                for name, (src, extra) in RESUMES.items()]
     for cfg in cfgs + [c for _, c in resumes]:
-        config.validate(cfg, 2)
+        checks.validate(cfg, 2)
     outs = run(_train_then_resume, 2, [c.to_dict() for c in cfgs], [(s, c.to_dict()) for s, c in resumes],
                timeout=500)[0]
     got = {name: _result(*o) for name, o in zip([*LAYOUTS_2, *RESUMES], outs)}
     cfgs4 = [tiny_cfg(base / name, **MOE, **STEPS, **extra) for name, extra in LAYOUTS_4.items()]
     for cfg in cfgs4:
-        config.validate(cfg, 4)
+        checks.validate(cfg, 4)
     outs4 = run(_train_then_resume, 4, [c.to_dict() for c in cfgs4], [], timeout=500)[0]
     got.update({name: _result(*o) for name, o in zip(LAYOUTS_4, outs4)})
     return ref, got, base
@@ -152,7 +153,7 @@ def composed(runs):
     _, _, base = runs
     cfgs = [tiny_cfg(base / name, **MOE, **STEPS, **extra) for name, extra in COMPOSED.items()]
     for cfg in cfgs:
-        config.validate(cfg, 4)
+        checks.validate(cfg, 4)
     outs = run(_train_then_resume, 4, [c.to_dict() for c in cfgs], [], timeout=500)[0]
     return {name: _result(*o) for name, o in zip(COMPOSED, outs)}
 
@@ -248,7 +249,7 @@ def test_dispatch_round_trip_uneven_counts(routing):
 ])
 def test_bad_ep_is_refused_with_the_fix(tmp_path, overrides, needle):
     with pytest.raises(config.ConfigError) as err:
-        config.validate(tiny_cfg(tmp_path, **{**MOE, **overrides}), overrides["parallel.dp"])
+        checks.validate(tiny_cfg(tmp_path, **{**MOE, **overrides}), overrides["parallel.dp"])
     assert needle in str(err.value)
 
 

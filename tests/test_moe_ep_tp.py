@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from paratrain import config
+from paratrain.engine import checks
 from paratrain.expert_parallel import apply_expert_parallel, dispatch_and_run, owned_experts
 from paratrain.expert_parallel.tp_share import TokenShare, split_sizes
 from paratrain.mesh import MeshShape, ParallelMesh
@@ -232,7 +232,7 @@ def trained(tmp_path_factory):
     cfgs = [tiny_cfg(base / name, **{**MOE, **shared, **EP2_TP2, **extra})
             for name, (shared, extra) in CASES.items()]
     for cfg in cfgs:
-        config.validate(cfg, 4)
+        checks.validate(cfg, 4)
     outs = run(_train_many, 4, [c.to_dict() for c in cfgs], timeout=600)[0]
     return refs, {name: _result(*o) for name, o in zip(CASES, outs)}, base
 

@@ -10,6 +10,7 @@ import torch
 
 from paratrain import config
 from paratrain.data import prepare_corpus
+from paratrain.engine import checks
 from paratrain.train.task import build_task
 from paratrain.train.trainer import Trainer
 from tests.dist import run
@@ -57,7 +58,7 @@ def runs(tmp_path_factory):
     ref = _result(*_train(tiny_cfg(base / "ref", **MOE)))
     cfgs = [tiny_cfg(base / name, **MOE, **{"parallel.dp": 2}, **extra) for name, extra in LAYOUTS.items()]
     for cfg in cfgs:
-        config.validate(cfg, 2)
+        checks.validate(cfg, 2)
     outs = run(_train_many, 2, [c.to_dict() for c in cfgs], timeout=400)
     got = {name: _result(*outs[0][i]) for i, name in enumerate(LAYOUTS)}
     return ref, got, base
@@ -91,5 +92,5 @@ def test_aux_loss_is_in_the_loss_and_metrics_are_written(runs, tmp_path):
 ])
 def test_bad_moe_configuration_is_refused(tmp_path, overrides, needle):
     with pytest.raises(config.ConfigError) as err:
-        config.validate(tiny_cfg(tmp_path, **{**MOE, "parallel.dp": 2, **overrides}), 2)
+        checks.validate(tiny_cfg(tmp_path, **{**MOE, "parallel.dp": 2, **overrides}), 2)
     assert needle in str(err.value)

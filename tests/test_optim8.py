@@ -22,6 +22,7 @@ import torch
 
 from paratrain import config
 from paratrain.engine import checkpoint as ckpt
+from paratrain.engine import checks
 from paratrain.optim import AdamW8bit
 from paratrain.optim.adamw8bit import QUANT_KEYS, STATE_KEYS, key_range
 from paratrain.optim.quant import SIGNED, UNSIGNED, dequantise, quantise
@@ -159,7 +160,7 @@ def _train(env, runs: list[dict]) -> list:
 
 def _spawn(cfgs: list[config.Config], nproc: int) -> list:
     for cfg in cfgs:
-        config.validate(cfg, nproc)
+        checks.validate(cfg, nproc)
     return run(_train, nproc, [c.to_dict() for c in cfgs], timeout=300)[0]
 
 
@@ -293,4 +294,4 @@ def test_an_adamw_checkpoint_resumes_into_8bit_state_and_back(tmp_path):
 def test_config_refuses_what_8bit_does_not_support(tmp_path, bad, says):
     cfg = tiny_cfg(tmp_path, **{"optim.name": "adamw8bit", **bad})
     with pytest.raises(config.ConfigError, match=says):
-        config.validate(cfg, cfg.world_size)
+        checks.validate(cfg, cfg.world_size)

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from paratrain import config
+from paratrain.engine import checks
 from paratrain.pipeline import timeline
 from paratrain.train.data import prepare_corpus
 from paratrain.train.task import build_task
@@ -55,7 +56,7 @@ def _train_many(env, cfg_dicts: list[dict]):
 
 def _layouts(nproc: int, cfgs: dict[str, config.Config]) -> dict[str, RunResult]:
     for cfg in cfgs.values():
-        config.validate(cfg, nproc)
+        checks.validate(cfg, nproc)
     outs = run(_train_many, nproc, [c.to_dict() for c in cfgs.values()], timeout=400)
     results = {}
     for i, name in enumerate(cfgs):
@@ -221,7 +222,7 @@ def test_metrics_report_bubble_and_timeline_renders(pp2, tmp_path):
 def test_bad_pipeline_configuration(tmp_path, overrides, needle):
     cfg = tiny_cfg(tmp_path, **overrides)
     with pytest.raises(config.ConfigError, match="parallel|pipeline|interleaved") as info:
-        config.validate(cfg)
+        checks.validate(cfg)
     assert needle in str(info.value)
 
 

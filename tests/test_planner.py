@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from paratrain.engine import checks
 from paratrain.models import build_model, init_weights
 from paratrain.models.llama import PRESETS, preset
 from paratrain.planner import cost, memory
@@ -367,7 +368,7 @@ def test_model_states_match_measured(name, tmp_path):
     if not runnable_here(cfg)(lay):
         pytest.skip(f"layout {lay.short()} cannot run in this version of paratrain yet")
     try:
-        config_mod.validate(cfg, nproc)
+        checks.validate(cfg, nproc)
     except config_mod.ConfigError as e:
         pytest.skip(f"not runnable yet: {e}")
     _fit(cfg, nproc)

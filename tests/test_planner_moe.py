@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 
+from paratrain.engine import checks
 from paratrain.models.llama import PRESETS
 from paratrain.planner import cost, memory
 from paratrain.planner.cli import main as plan_main
@@ -195,7 +196,6 @@ REALITY = {  # name -> (overrides, nproc)
 def test_moe_model_states_match_measured(name, tmp_path):
     """Predicted model-state bytes per rank of tiny-moe vs the counted mem_params/grads/optim_bytes
     of a 2-step run (3%: ZeRO pads to a multiple of dp), with the experts replicated and at ep2."""
-    from paratrain import config as config_mod
     from paratrain.train.metrics import read_metrics
     from paratrain.train.task import model_config
     from tests.harness import tiny_cfg
@@ -203,7 +203,7 @@ def test_moe_model_states_match_measured(name, tmp_path):
 
     overrides, nproc = REALITY[name]
     cfg = tiny_cfg(tmp_path, **{"model.name": "tiny-moe", "train.steps": 2, **overrides})
-    config_mod.validate(cfg, nproc)
+    checks.validate(cfg, nproc)
     _fit(cfg, nproc)
     row = read_metrics(tmp_path / "metrics.jsonl")[-1]
     measured = row["mem_params_bytes"] + row["mem_grads_bytes"] + row["mem_optim_bytes"]

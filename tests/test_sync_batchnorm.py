@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from paratrain import config
 from paratrain.comm import collectives as C
 from paratrain.data_parallel.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
+from paratrain.engine import checks
 from paratrain.mesh import MeshShape, ParallelMesh
 from paratrain.train.trainer import Trainer
 from tests.dist import run
@@ -118,7 +119,7 @@ def test_cnn_tiny_dp2_trains_like_one_process(tmp_path):
     for dp in (1, 2):
         out = tmp_path / f"dp{dp}"
         cfg = tiny_cfg(out, **common, **{"parallel.dp": dp})
-        config.validate(cfg, dp)
+        checks.validate(cfg, dp)
         if dp == 1:
             losses = Trainer(cfg).fit().losses
         else:

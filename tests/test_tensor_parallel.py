@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from paratrain import config
 from paratrain.comm import collectives as C
+from paratrain.engine import checks
 from paratrain.mesh import MeshShape, ParallelMesh
 from paratrain.models import build_model, init_weights, materialize
 from paratrain.models.llama import LlamaConfig, RMSNorm
@@ -397,4 +398,4 @@ def test_comm_per_layer_and_sp_memory():
 ])
 def test_bad_layouts_are_refused(overrides, needle, tmp_path):
     with pytest.raises(config.ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
-        config.validate(tiny_cfg(tmp_path, **overrides))
+        checks.validate(tiny_cfg(tmp_path, **overrides))

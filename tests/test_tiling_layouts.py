@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from paratrain import config
+from paratrain.engine import checks
 from paratrain.train.metrics import read_metrics
 from paratrain.train.trainer import Trainer
 from tests.dist import run
@@ -56,7 +57,7 @@ def _train_all(env, runs: list[dict], resumes: list[tuple[str, dict]]) -> list:
 
 def _cfg(path: Path, **overrides) -> config.Config:
     cfg = tiny_cfg(path, **SHAPE, **overrides)
-    config.validate(cfg, 2)
+    checks.validate(cfg, 2)
     return cfg
 
 
@@ -131,7 +132,7 @@ def test_resume_across_tiled_and_untiled(runs, name):
 def test_zero3_gathered_peak_falls_with_the_tile_count(runs):
     """zero3_gathered_peak_bytes (the counter of every all-gathered buffer alive) against the unit
     sizes: untiled it holds two blocks, with N tiles one block's rest and two tiles' worth."""
-    from paratrain.train.task import model_shape
+    from paratrain.models.from_config import model_shape
 
     _, results = runs
     c = model_shape(_cfg(Path("/nonexistent"), **DP2))

@@ -18,6 +18,7 @@ import torch
 
 from paratrain import config
 from paratrain.comm import collectives as C
+from paratrain.engine import checks
 from paratrain.models.llama import preset
 from paratrain.train.metrics import read_metrics
 from paratrain.train.trainer import Trainer
@@ -46,7 +47,7 @@ def _train_many(env, runs: list[dict], rs_via: str | None = None, disk_chunk: in
 
 def _spawn(cfgs: list[config.Config], nproc: int, **kw) -> list:
     for cfg in cfgs:
-        config.validate(cfg, nproc)
+        checks.validate(cfg, nproc)
     return run(_train_many, nproc, [c.to_dict() for c in cfgs], timeout=300, **kw)[0]
 
 
@@ -195,7 +196,7 @@ def test_check_layout_rejects_bad_zero_settings(tmp_path):
     for overrides, message in bad:
         cfg = tiny_cfg(tmp_path, **overrides)
         with pytest.raises(config.ConfigError, match=message):
-            config.validate(cfg, cfg.world_size)
+            checks.validate(cfg, cfg.world_size)
 
 
 def _live_fp32_bytes() -> int:

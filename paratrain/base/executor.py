@@ -83,6 +83,10 @@ class MicroBatchLoop:
             return {}
         return {"mem_activations_offloaded_bytes": self.offload.offloaded_bytes}
 
+    def write_timeline(self, out, is_main: bool) -> None:
+        """Pipeline schedules write OUT/timeline.json (``paratrain viz timeline``); a micro-batch
+        loop has no timeline to write."""
+
     @torch.no_grad()
     def evaluate(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
                  divisor: float) -> torch.Tensor:

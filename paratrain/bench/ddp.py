@@ -37,6 +37,7 @@ from paratrain import config
 from paratrain.base.strategy import adamw_param_groups
 from paratrain.bench.common import add_common_arguments, machine, paired_rounds, time_steps
 from paratrain.device import sync_device
+from paratrain.engine import checks
 from paratrain.launch import DistEnv, spawn
 from paratrain.train.task import LanguageModelTask, build_task
 from paratrain.train.trainer import Trainer, lr_at
@@ -55,7 +56,7 @@ def bench_config(args, out: str) -> config.Config:
         "train.progress": False, "train.eval_every": 0, "parallel.nproc": args.nproc,
         "parallel.dp": args.nproc, "parallel.bucket_mb": args.bucket_mb,
     })
-    return config.validate(cfg, args.nproc)
+    return checks.validate(cfg, args.nproc)
 
 
 def _slowest(seconds: float, env: DistEnv) -> float:
@@ -104,7 +105,7 @@ def _paratrain_side(trainer: Trainer, args, env: DistEnv):
 
 
 def _single_config(args, per_rank_batch: int, micro_batch: int, out: str) -> config.Config:
-    return config.validate(config.load(None, {
+    return checks.validate(config.load(None, {
         "model.name": args.model, "data.seq_len": args.seq_len, "train.global_batch": per_rank_batch,
         "train.micro_batch": micro_batch, "train.steps": args.warmup + args.steps * args.rounds,
         "train.out": out, "train.progress": False, "train.eval_every": 0, "train.threads": 1,

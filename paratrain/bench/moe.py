@@ -140,16 +140,18 @@ def _worker(env, name: str, args: dict) -> dict:
 def _refusal(name: str, args: dict) -> str | None:
     """Why this version of paratrain refuses a configuration (None if it runs)."""
     from paratrain import config
+    from paratrain.engine import checks
 
     try:
-        config.validate(_cfg(name, args), args["nproc"])
+        checks.validate(_cfg(name, args), args["nproc"])
     except (config.ConfigError, ValueError) as e:
         return str(e)
     return None
 
 
 def run(args: argparse.Namespace) -> dict:
-    from paratrain.train.task import build_task, model_config
+    from paratrain.models.from_config import model_config
+    from paratrain.train.task import build_task
 
     names = [c for c in args.configs.split(",") if c]
     unknown = set(names) - set(CONFIGS)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from paratrain import config
 from paratrain.bench.common import add_common_arguments, machine, paired_rounds, time_steps
 from paratrain.device import measure_matmul_peak, sync_device
+from paratrain.engine import checks
 from paratrain.train.task import LanguageModelTask
 from paratrain.train.trainer import Trainer, lr_at, single_process_env
 
@@ -34,7 +35,7 @@ def bench_config(args, out: str) -> config.Config:
         "train.micro_batch": args.micro_batch, "train.steps": args.warmup + args.steps, "train.out": out,
         "train.progress": False, "train.eval_every": 0,
     })
-    return config.validate(cfg, 1)
+    return checks.validate(cfg, 1)
 
 
 def run_paratrain(cfg: config.Config, task: LanguageModelTask, args) -> dict:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from paratrain import config
 from paratrain.bench.common import add_common_arguments, machine, time_steps
+from paratrain.engine import checks
 from paratrain.launch import spawn
 from paratrain.train.task import LanguageModelTask
 from paratrain.train.trainer import Trainer, lr_at
@@ -39,7 +40,7 @@ def bench_config(args, out: str, sp: bool) -> config.Config:
         "train.steps": args.warmup + args.steps, "train.out": out, "train.progress": False,
         "train.eval_every": 0, "parallel.tp": args.nproc, "parallel.dp": 1, "parallel.sp": sp,
     })
-    return config.validate(cfg, args.nproc)
+    return checks.validate(cfg, args.nproc)
 
 
 def _barrier() -> None:

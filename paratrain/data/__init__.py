@@ -13,7 +13,6 @@ from paratrain.data.corpus import (
     TokenRows,
     check_batch_fits,
     check_cursor,
-    check_resume,
     data_cursor,
     load_corpus,
     load_prepared,
@@ -24,6 +23,6 @@ from paratrain.data.tokenfile import PrepareOptions, cache_root, prepare
 from paratrain.data.tokenizer import EOT, check_vocab, resolve_tokenizer, train_bpe
 
 __all__ = ["EOT", "Corpus", "DataError", "PrepareOptions", "TokenRows", "cache_root", "check_batch_fits",
-           "check_cursor", "check_resume", "check_vocab", "corpus_files", "data_cursor", "load_corpus",
+           "check_cursor", "check_vocab", "corpus_files", "data_cursor", "load_corpus",
            "load_prepared", "prepare", "prepare_corpus", "read_documents", "resolve_tokenizer", "stdlib_dir",
            "train_bpe"]

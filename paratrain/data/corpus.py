@@ -10,7 +10,6 @@ the corpus too, so a resume on other data is refused rather than silently mixed.
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,7 +142,7 @@ def check_batch_fits(rows: TokenRows, global_batch: int) -> None:
 
 def data_cursor(task, step: int, global_batch: int) -> dict | None:
     """Where the data stands after `step` steps: for ``meta["data"]`` of a checkpoint."""
-    corpus, rows = getattr(task, "corpus", None), getattr(task, "rows", None)
+    corpus, rows = task.corpus, task.rows
     if corpus is None or rows is None:
         return None
     consumed = step * global_batch
@@ -171,14 +170,3 @@ def check_cursor(meta: dict, task, cfg) -> None:
           file=sys.stderr)
 
 
-def check_resume(cfg, task) -> None:
-    """The same check before any worker starts: the latest checkpoint's cursor against this corpus.
-
-    Reads ``state.json`` when the checkpoint has one; ``Trainer.resume`` checks again in any case.
-    """
-    from paratrain.engine import checkpoint as ckpt
-
-    folder = ckpt.latest(cfg.train.out)
-    state = folder / "state.json" if folder is not None else None
-    if state is not None and state.exists():
-        check_cursor(json.loads(state.read_text()), task, cfg)

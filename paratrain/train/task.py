@@ -8,37 +8,22 @@ computes the same mean.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
-
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
+from paratrain.config import Config
 from paratrain.data import Corpus, TokenRows, check_batch_fits, check_vocab, load_corpus
+from paratrain.engine.task import Task
 from paratrain.models import build_model, init_weights, materialize, tied_name
 from paratrain.models.from_config import model_config, model_shape  # noqa: F401  (re-exported)
 from paratrain.models.llama import LlamaConfig, full_init_value
+from paratrain.models.llama_hf import HFCheckpoint
 from paratrain.models.moe_train import MoEAccounting
-
-if TYPE_CHECKING:  # types only: config imports this module's checks, never the reverse
-    from paratrain.config import Config
-
-
-class Task(Protocol):
-    name: str
-    units_per_row: int  # tokens (or samples) of loss per row of the batch
-    flops_per_unit: float  # training FLOPs per unit (6N + attention), for MFU
-    n_params: int
-
-    def build_model(self, device: torch.device | str) -> nn.Module: ...
-    def materialize(self, model: nn.Module, device: torch.device) -> None: ...
-    def init_weights(self, model: nn.Module, seed: int) -> None: ...
-    def loss_sum(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor: ...
-    def train_batch(self, step: int, global_batch: int, rows: slice | None = None): ...
-    def val_batch(self, index: int, global_batch: int, rows: slice | None = None): ...
+from paratrain.sharding import TensorShard
+from paratrain.train.image_task import ImageTask
 
 
-class LanguageModelTask:
+class LanguageModelTask(Task):
     name = "lm"
 
     def __init__(self, cfg: Config, corpus: Corpus | None = None):
@@ -46,8 +31,6 @@ class LanguageModelTask:
         self.corpus = corpus or load_corpus(cfg)
         self.hf = None  # an imported Hugging Face checkpoint: weights come from it, not the seed
         if cfg.model.init_from:
-            from paratrain.models.llama_hf import HFCheckpoint
-
             self.hf = HFCheckpoint.for_config(cfg)
         self.model_cfg = self.hf.model_cfg if self.hf else model_config(cfg, self.corpus.vocab_size)
         check_vocab(self.corpus.vocab_size, self.model_cfg.vocab_size)
@@ -77,8 +60,6 @@ class LanguageModelTask:
     def init_value(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """Full value of parameter `name` before training (ZeRO-3 materialises shards from it)."""
         if self.hf is not None:
-            from paratrain.sharding import TensorShard
-
             return self.hf.read(name, TensorShard(tuple(shape)))
         return full_init_value(tied_name(name, self.model_cfg), shape, self.seed, self.model_cfg)
 
@@ -131,7 +112,5 @@ def lm_flops_per_token(c: LlamaConfig, seq_len: int) -> float:
 
 def build_task(cfg: Config, corpus: Corpus | None = None) -> Task:
     if cfg.model.name == "cnn-tiny":
-        from paratrain.models.cnn import ImageTask
-
         return ImageTask(cfg)
     return LanguageModelTask(cfg, corpus)

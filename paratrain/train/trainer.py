@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import math
 import shutil
 import sys
@@ -29,7 +30,11 @@ from paratrain.data import check_cursor, data_cursor
 from paratrain.device import measure_matmul_peak, sync_device
 from paratrain.engine import checkpoint as ckpt
 from paratrain.engine.parallelize import Parallelized, parallelize
+from paratrain.engine.rng import rng_state, set_rng_state
+from paratrain.engine.task import Task
 from paratrain.launch import DistEnv, restart_attempt
+from paratrain.memory.batch_finder import resolve_micro_batch
+from paratrain.memory.precision import resolve_precision
 from paratrain.mesh import MeshShape, ParallelMesh
 from paratrain.sharding import info_of
 from paratrain.train import guards
@@ -42,7 +47,7 @@ from paratrain.train.metrics import (
     plot_loss,
     rank_record,
 )
-from paratrain.train.task import Task, build_task
+from paratrain.train.task import build_task
 
 # The parts of a step ``Trainer.phase_s`` times: forwards and backwards (with the data-parallel
 # communication they could not hide), the global grad norm (a collective under sharding), and the
@@ -98,14 +103,12 @@ class Trainer:
         self.mesh.counter.check = cfg.parallel.check_collectives  # comm/trace.py
         self.precision_choice = None
         if cfg.train.precision == "auto":  # measured once per machine, agreed by every rank
-            from paratrain.memory.precision import resolve_precision
 
             self.precision_choice = resolve_precision(cfg, self.mesh)
         self.task = task or build_task(cfg)
         self.par: Parallelized = parallelize(self.task, cfg, self.mesh)
         self.finder = None
         if cfg.train.micro_batch == "auto":  # trials on real steps; sets cfg.train.micro_batch
-            from paratrain.memory.batch_finder import resolve_micro_batch
 
             self.finder = resolve_micro_batch(self)
         self.out = Path(cfg.train.out)
@@ -230,8 +233,7 @@ class Trainer:
             self.save(cfg.train.steps)
         self.saver.finish()
         self.export()
-        if hasattr(self.par.executor, "write_timeline"):  # pipelines: OUT/timeline.json for viz
-            self.par.executor.write_timeline(self.out, self.is_main)
+        self.par.executor.write_timeline(self.out, self.is_main)  # pipelines: OUT/timeline.json
         return self.result
 
     def stop_requested(self, done: int) -> bool:
@@ -251,8 +253,7 @@ class Trainer:
         if s["skipped"]:
             self.result.skipped_steps.append(step)
         extra = {"step_time_s": s["time"], **self.par.strategy.step_metrics()}
-        if hasattr(self.par.executor, "step_metrics"):  # pipelines: the measured bubble
-            extra.update(self.par.executor.step_metrics())
+        extra.update(self.par.executor.step_metrics())  # pipelines: the measured bubble
         records = gather_rank_records(self.mesh, rank_record(self.mesh, s["state_bytes"], extra))
         task_row = self.task_metrics()  # every rank: pipeline stages hold different MoE layers
         if not self.is_main:
@@ -284,9 +285,7 @@ class Trainer:
 
     def task_metrics(self) -> dict:
         """The task's rows (moe_*), from every pipeline stage's layers."""
-        metrics = getattr(self.task, "step_metrics", None)
-        if metrics is None:
-            return {}
+        metrics = self.task.step_metrics
         if self.mesh.pp.size == 1:
             return metrics() if self.is_main else {}
 
@@ -313,7 +312,7 @@ class Trainer:
                 "optimizer_step": strategy.optimizer_step_count(),
                 "data": data_cursor(self.task, step, self.cfg.train.global_batch)}  # corpus + position
         start = time.perf_counter()
-        self.saver.save(step, strategy.state_pieces(), meta, _rng_state())
+        self.saver.save(step, strategy.state_pieces(), meta, rng_state())
         self.saver.stall_s.append(time.perf_counter() - start)
 
     def resume(self) -> None:
@@ -340,7 +339,7 @@ class Trainer:
         self.saver.last = folder  # a run resumed at its last step has nothing to save: export this
         rng = ckpt.read_rng(folder)
         if len(rng) == self.env.world_size:  # same world: every rank continues its own RNG stream
-            _set_rng_state(rng[self.env.rank])
+            set_rng_state(rng[self.env.rank])
 
     def check_compatible(self, folder: Path, state: dict) -> None:
         """The data position is step x global batch: another global batch would replay other rows.
@@ -390,34 +389,18 @@ class Trainer:
             plot_loss(self.out / "metrics.jsonl", self.out / "loss.png")
 
     def task_files(self) -> None:
-        import json
-
         info = {"task": self.task.name, "config": self.cfg.to_dict()}
-        if hasattr(self.task, "model_cfg"):
+        if self.task.model_cfg is not None:
             info["model"] = self.task.model_cfg.to_dict()
-        if hasattr(self.task, "corpus"):
+        if self.task.corpus is not None:
             shutil.copy(self.task.corpus.tokenizer_path, self.out / "tokenizer.json")
-        if hasattr(self.task, "run_info"):  # e.g. an imported model's own Hugging Face config
-            info.update(self.task.run_info())
+        info.update(self.task.run_info())  # e.g. an imported model's own Hugging Face config
         (self.out / "run.json").write_text(json.dumps(info, indent=2))
 
 
 def train(cfg: Config, env: DistEnv | None = None) -> TrainResult:
     """Run the whole training on this rank (every rank calls it)."""
     return Trainer(cfg, env).fit()
-
-
-def _rng_state() -> dict:
-    state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 def _progress(cfg: Config, start: int):

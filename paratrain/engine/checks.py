@@ -1,0 +1,130 @@
+"""Every check of a run's configuration, before any worker starts: ``validate`` lists *every*
+problem with the setting and the fix (``dp(2) * tp(3) * pp(1) = 6 != world size 4: change
+--dp/--tp/--pp or --nproc``) and raises one ``ConfigError``.
+
+The settings alone are checked by config.py (plain data); what needs the model (its preset, its
+imported config.json, its shape) or a technique's rules is checked here, the one place that knows
+every technique, so config.py imports nothing of paratrain.
+"""
+
+from __future__ import annotations
+
+from paratrain.config import Config, ConfigError, check_values
+from paratrain.memory.layout import check_savers
+from paratrain.models.from_config import model_shape
+from paratrain.models.llama import PRESETS
+from paratrain.models.llama_hf import check_init_from
+from paratrain.models.moe_train import check_moe
+from paratrain.pipeline.stage import parse_split
+
+
+def validate(cfg: Config, world_size: int | None = None) -> Config:
+    """Raise ConfigError listing every problem (with the fix); return cfg when all is well."""
+    problems: list[str] = []
+    _check_model_name(cfg, problems)
+    check_values(cfg, problems, world_size)
+    if cfg.model.init_from:
+        check_init_from(cfg, problems)
+    if not problems:
+        check_layout(cfg, problems)
+    if problems:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+    return cfg
+
+
+def _check_model_name(cfg: Config, problems: list[str]) -> None:
+    """A known preset, whose positions hold the sequence."""
+    m = cfg.model
+    preset = PRESETS.get(m.name)
+    if preset is not None and cfg.data.seq_len > preset.max_seq_len:
+        problems.append(f"data.seq_len ({cfg.data.seq_len}) is longer than model {m.name}'s "
+                        f"{preset.max_seq_len} positions: lower --seq-len or choose a larger --model")
+    if m.name not in PRESETS and m.name != "cnn-tiny":
+        problems.append(f"model.name = {m.name!r} is unknown; choose one of {', '.join(PRESETS)}, cnn-tiny")
+
+
+def check_layout(cfg: Config, problems: list[str]) -> None:
+    """Every technique's constraints on the configuration."""
+    check_moe(cfg, problems)
+    _check_tensor_parallel(cfg, problems)
+    _check_pipeline(cfg, problems)
+    _check_zero(cfg, problems)
+    check_savers(cfg, problems)
+    if cfg.train.precision not in ("fp32", "auto") and cfg.model.name == "cnn-tiny":
+        problems.append("cnn-tiny trains in fp32 only: drop --precision")
+
+
+def _check_tensor_parallel(cfg: Config, problems: list[str]) -> None:
+    """--tp / --sp: heads and widths must split evenly over tp; SP splits the sequence too."""
+    p, tp = cfg.parallel, cfg.parallel.tp
+    if p.sp and tp == 1:
+        problems.append("parallel.sp (sequence parallelism) splits the sequence over the tp ranks: "
+                        "it needs --tp > 1 (or drop --sp)")
+    if tp == 1:
+        return
+    if cfg.model.name == "cnn-tiny":
+        problems.append("cnn-tiny has no tensor-parallel plan: use --tp 1 (data parallelism) with it")
+        return
+    c = model_shape(cfg)
+    if c.n_heads % tp:
+        problems.append(f"model n_heads ({c.n_heads}) must be divisible by tp ({tp}): tensor parallelism "
+                        "splits attention by heads; choose --tp among the divisors of n_heads")
+    if c.n_heads % c.n_kv_heads:
+        problems.append(f"model n_heads ({c.n_heads}) must be a multiple of n_kv_heads ({c.n_kv_heads})")
+    if c.ffn_dim % tp:
+        problems.append(f"model ffn_dim ({c.ffn_dim}) must be divisible by tp ({tp}): the MLP is split "
+                        "by its hidden features; change --tp or the model's ffn_dim")
+    if p.sp and cfg.data.seq_len % tp:
+        problems.append(f"data.seq_len ({cfg.data.seq_len}) must be divisible by tp ({tp}) with --sp: "
+                        "sequence parallelism gives each tp rank seq_len / tp tokens")
+
+
+def _check_pipeline(cfg: Config, problems: list[str]) -> None:
+    """--pp / --pp-schedule / --virtual-stages / pp_split: stages fit the layers and the batch."""
+    p = cfg.parallel
+    pp, v, m = p.pp, p.virtual_stages, cfg.n_micro_batches
+    if v > 1 and p.pp_schedule != "interleaved":
+        problems.append(f"parallel.virtual_stages = {v} needs --pp-schedule interleaved "
+                        f"(the {p.pp_schedule!r} schedule runs one stage per rank)")
+    if pp == 1:
+        if v > 1:
+            problems.append("parallel.virtual_stages > 1 needs a pipeline: set --pp >= 2")
+        return
+    if cfg.model.name == "cnn-tiny":
+        problems.append("cnn-tiny has no pipeline split: use --pp 1 with it")
+        return
+    n_layers = model_shape(cfg).n_layers
+    if p.pp_schedule == "interleaved":
+        if v < 2:
+            problems.append("--pp-schedule interleaved needs --virtual-stages >= 2 (with 1 it is 1f1b)")
+        if m % pp:
+            problems.append(f"interleaved 1F1B needs the number of micro-batches m = global_batch / "
+                            f"(dp * micro_batch) = {m} to be a multiple of pp ({pp}): change --micro-batch "
+                            "or --global-batch")
+        if not p.pp_split and n_layers % (pp * v):
+            problems.append(f"interleaved 1F1B cuts the model into pp * virtual_stages = {pp * v} equal "
+                            f"stages but it has {n_layers} layers: change --virtual-stages, or give "
+                            "parallel.pp_split")
+    try:
+        parse_split(p.pp_split, n_layers, pp * v)
+    except ValueError as e:
+        problems.append(str(e))
+
+
+def _check_zero(cfg: Config, problems: list[str]) -> None:
+    """--zero / --offload / reshard_after_forward: what each ZeRO stage composes with."""
+    p = cfg.parallel
+    if p.offload != "none" and p.zero < 1:
+        problems.append(f"--offload {p.offload} moves the ZeRO optimizer partition off the device: it needs "
+                        "--zero 1, 2 or 3")
+    if p.zero >= 2 and p.pp > 1:
+        problems.append(f"--zero {p.zero} shards gradients, which pipeline micro-batches keep accumulating "
+                        "across the schedule: use --zero 1 with --pp (as DeepSpeed does), or --pp 1")
+    if p.zero == 3 and cfg.model.name == "cnn-tiny":
+        problems.append("--zero 3 builds Llama units (blocks, embedding, head): "
+                        "cnn-tiny supports --zero 1 or 2")
+    if p.zero >= 1 and p.dp_mode == "plain":
+        problems.append("--dp-mode plain is the un-bucketed DDP; ZeRO does its own reduction: drop --dp-mode")
+    if not p.reshard_after_forward and p.zero != 3:
+        problems.append("parallel.reshard_after_forward = false only applies to --zero 3")
+

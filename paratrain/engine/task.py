@@ -1,0 +1,60 @@
+"""What the engine needs of a model, its data and its loss: the ``Task`` every task subclasses.
+
+Every member the engine, the trainer or the checkpoint code reads is declared here, with the
+default a task without that capability has, so nobody probes a task with ``hasattr``. The loss is
+always a *sum* over the units of a batch (tokens, or samples), so the executor can divide by the
+global count and every layout computes the same mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+SideLossFn = Callable[[list[nn.Module], bool], "torch.Tensor | None"]
+
+
+class Task:
+    name: str = "task"
+    units_per_row: int = 1  # tokens (or samples) of loss per row of the batch
+    flops_per_unit: float = 0.0  # training FLOPs per unit (6N + attention), for MFU
+    n_params: int = 0  # parameters of the single-device model
+    model_cfg = None  # the model's config (a dataclass with ``to_dict``): written to run.json
+    corpus = None  # a token corpus (data/corpus.py), if the task reads one: tokenizer and cursor
+    rows = None  # its rows (data/corpus.py TokenRows), for the data cursor in checkpoints
+    side_loss_sum: SideLossFn | None = None  # extra losses the layers produced (MoE aux and z)
+
+    def build_model(self, device: torch.device | str) -> nn.Module:
+        raise NotImplementedError
+
+    def materialize(self, model: nn.Module, device: torch.device) -> None:
+        """Give the meta-built model real (uninitialised) storage on ``device``."""
+        raise NotImplementedError
+
+    def init_weights(self, model: nn.Module, seed: int) -> None:
+        """Fill every parameter with its slice of the layout-independent initial value."""
+        raise NotImplementedError
+
+    def init_value(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The full initial value of parameter ``name`` (ZeRO-3 materialises its shards from it)."""
+        raise NotImplementedError(f"task {self.name!r} has no initial value by name, which ZeRO-3 needs")
+
+    def loss_sum(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def train_batch(self, step: int, global_batch: int, rows: slice | None = None):
+        raise NotImplementedError
+
+    def val_batch(self, index: int, global_batch: int, rows: slice | None = None):
+        raise NotImplementedError
+
+    def step_metrics(self, gather=None) -> dict:
+        """The task's rows of metrics.jsonl (moe_*); ``gather(obj) -> [obj of every pipeline
+        stage]`` when stages hold different layers."""
+        return {}
+
+    def run_info(self) -> dict:
+        """What run.json keeps beside the config (an imported model's own Hugging Face config)."""
+        return {}
