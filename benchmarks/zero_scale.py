@@ -94,11 +94,11 @@ def _worker(env, cfg_dict: dict, checkpoint: bool = False) -> dict:
     if writer:
         writer.close()
     ckpt = _save_and_resume(trainer) if checkpoint else {}
-    store = trainer.par.strategy.store
+    store = trainer.engine.strategy.store
     on_disk = sum(os.stat(p).st_blocks * 512 for p in store.paths.values())
     return {**ckpt, "build_s": build_s, "peak_rss_after_build": rss_built, "disk_bytes": on_disk,
             "disk_apparent_bytes": sum(os.path.getsize(p) for p in store.paths.values()),
-            "init_peak_bytes": trainer.par.strategy.init_peak_bytes}
+            "init_peak_bytes": trainer.engine.strategy.init_peak_bytes}
 
 
 def _save_and_resume(trainer) -> dict:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -37,20 +36,17 @@ import torch.nn as nn
 from paratrain.api_state import load_optimizer_state, optimizer_scalars, set_optimizer_scalars
 from paratrain.base.strategy import Strategy
 from paratrain.comm import collectives as C
-from paratrain.data_parallel.ddp import DDP
 from paratrain.data_parallel.sync_batchnorm import convert_sync_batchnorm
 from paratrain.engine import checkpoint as ckpt
-from paratrain.engine.rng import rng_state, set_rng_state
+from paratrain.engine.engine import Engine, find_checkpoint, make_mesh, make_strategy
 from paratrain.launch import init_from_torchrun, pick_device, under_torchrun
-from paratrain.mesh import MeshShape, ParallelMesh
+from paratrain.mesh import MeshShape
 from paratrain.models.family import NoFamilyError, family_of
 from paratrain.pipeline.executor import PipelineExecutor
 from paratrain.pipeline.stage import split_for_pipeline
 from paratrain.sharding import name_params, shard_of
 from paratrain.shards import assemble
 from paratrain.tensor_parallel.user_plan import apply_native_plan, apply_user_plan, check_plan
-from paratrain.zero.fsdp import Zero3
-from paratrain.zero.optimizer import Zero1, Zero2
 from paratrain.zero.recipe import OptimizerRecipe, check_elementwise
 from paratrain.zero.units import named_units, size_units
 
@@ -89,12 +85,11 @@ class Parallel:
         self.units, self.unit_min_params, self.tp_plan = units, unit_min_params, tp_plan or {}
         self.allow_non_elementwise, self.sequence_parallel = allow_non_elementwise, sequence_parallel
         self.pp_schedule, self.virtual_stages = pp_schedule, virtual_stages
-        self.executor = None  # the pipeline schedule (pp > 1)
         rank, world, self.device = _join(timeout)
         dp = dp if dp is not None else max(1, world // (tp * pp))
-        self.mesh = ParallelMesh(MeshShape(pp=pp, dp=dp, tp=tp), rank, self.device)
-        self.mesh.counter.check = check_collectives  # comm/trace.py: fingerprints compared first
-        self.strategy: Strategy | None = None
+        self.mesh = make_mesh(MeshShape(pp=pp, dp=dp, tp=tp), rank, self.device,
+                              check_collectives=check_collectives)
+        self.engine: Engine | None = None  # what prepare builds: the trainer's engine (engine/engine.py)
         self.model: nn.Module | None = None
         self.optimizer: ParallelOptimizer | None = None
         self._objects: list = []
@@ -122,6 +117,15 @@ class Parallel:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def strategy(self) -> Strategy | None:
+        return self.engine.strategy if self.engine else None
+
+    @property
+    def executor(self) -> PipelineExecutor | None:
+        """The pipeline schedule (pp > 1), else None."""
+        return self.engine.executor if self.engine else None
 
     # -- prepare -----------------------------------------------------------------------------------
 
@@ -156,12 +160,14 @@ class Parallel:
             optimizer.state.clear()
         if self.dp_size > 1:
             model = convert_sync_batchnorm(model, self.mesh.dp)  # batch statistics over the whole dp batch
-        self.strategy = self._strategy(model, optimizer, recipe, names, full)
+        strategy = self._strategy(model, optimizer, recipe, names, full)
+        executor = None  # the user's loop runs forward and backward, or with pp > 1 the schedule does
         if chunks is not None:
-            self.executor = PipelineExecutor(
-                model, chunks, _token_loss_sum, self.strategy, self.mesh, schedule=self.pp_schedule,
+            executor = PipelineExecutor(
+                model, chunks, _token_loss_sum, strategy, self.mesh, schedule=self.pp_schedule,
                 virtual_stages=self.virtual_stages, precision=self.precision,
                 sequence_parallel=self.sequence_parallel)
+        self.engine = Engine(model, strategy, executor, self.mesh)
         by_name = dict(model.named_parameters())
         for group, group_names in zip(optimizer.param_groups, names):  # ZeRO-3 made new parameters
             group["params"] = [by_name[n] for n in group_names]
@@ -200,22 +206,11 @@ class Parallel:
         return apply_user_plan(model, self.tp_plan, self.mesh.tp)
 
     def _strategy(self, model: nn.Module, optimizer, recipe, names: list[list[str]], full: dict) -> Strategy:
-        bucket_bytes = int(self.bucket_mb * 2**20)
-        if self.zero == 0:
-            if self.dp_size == 1:
-                return Strategy(model, self.mesh, optimizer)
-
-            return DDP(model, self.mesh, optimizer, bucket_bytes=bucket_bytes)
+        """The trainer's strategies (engine.make_strategy) over the user's optimizer (ZeRO: its recipe)."""
         group_index = {n: g for g, group_names in enumerate(names) for n in group_names}
 
         def group_of(name: str, p: torch.Tensor) -> int:
             return group_index[name]
-
-        kwargs = {"offload": self.offload, "offload_dir": self.offload_dir, "group_of": group_of,
-                  "precision": self.precision}
-        if self.zero in (1, 2):
-            return (Zero1 if self.zero == 1 else Zero2)(model, self.mesh, recipe, bucket_bytes=bucket_bytes,
-                                                         **kwargs)
 
         def units(m: nn.Module):
             return named_units(m, self.units) if self.units else size_units(m, self.unit_min_params)
@@ -223,7 +218,10 @@ class Parallel:
         def init_value(name: str, shape: tuple[int, ...]) -> torch.Tensor:
             return full[name]  # the user's own (rank 0's) weights; Zero3 keeps this rank's slice
 
-        return Zero3(model, self.mesh, recipe, init_value=init_value, units=units, **kwargs)
+        return make_strategy(model, self.mesh, recipe if self.zero else optimizer, zero=self.zero,
+                             bucket_bytes=int(self.bucket_mb * 2**20), precision=self.precision,
+                             offload=self.offload, offload_dir=self.offload_dir, init_value=init_value,
+                             units=units, group_of=group_of if self.zero else None)
 
     @torch.no_grad()
     def _broadcast(self, model: nn.Module) -> None:
@@ -280,9 +278,7 @@ class Parallel:
         """Clip like torch.nn.utils.clip_grad_norm_, with the global norm over every shard and rank."""
         self._require_prepared()
         norm = self.strategy.grad_norm()
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            self.strategy.scale_grads(coef)
+        self.engine.clip_grads(norm, max_norm)
         return torch.tensor(norm)
 
     # -- state ---------------------------------------------------------------------------------------
@@ -336,24 +332,17 @@ class Parallel:
             torch.save(extra, buf)
             files[LIBRARY_FILE] = buf.getvalue()
         meta = {"library": True, "optimizer_step": self.optimizer.steps}
-        self._saver.save(self.optimizer.steps, self.strategy.state_pieces(), meta, rng_state(), files)
+        self.engine.save(self._saver, self.optimizer.steps, meta, files)
 
     def load(self, directory: str | os.PathLike) -> None:
         """Load what save() wrote, under any layout (every rank calls it); each rank reads only the
         pieces it holds. Also reads the weights (and AdamW state) of a ``paratrain train`` run."""
         self._require_prepared()
-        folder, notes = ckpt.find_checkpoint(directory)
-        if self.is_main:
-            for note in notes:
-                print(f"paratrain: {note}", file=sys.stderr)
+        folder = find_checkpoint(directory, self.is_main)
         if folder is None:
             raise FileNotFoundError(f"no checkpoint under {directory}: save() one there first")
         state = ckpt.read_state(folder)
-        reader = ckpt.open_reader(folder)
-        try:
-            self.strategy.load_state_pieces(reader, int(state.get("optimizer_step", 0)))
-        finally:
-            reader.close()
+        self.engine.load(folder, state)
         extra = {"param_groups": None, "scalars": {}, "steps": state.get("optimizer_step", 0), "objects": []}
         if (folder / LIBRARY_FILE).exists():
             extra = torch.load(folder / LIBRARY_FILE, weights_only=False)
@@ -366,9 +355,6 @@ class Parallel:
         self.optimizer.steps = extra["steps"]
         for obj, saved in zip(self._objects, extra["objects"]):
             obj.load_state_dict(saved)
-        rng = ckpt.read_rng(folder)
-        if len(rng) == self.world_size:  # same world: each rank continues its own stream
-            set_rng_state(rng[self.rank])
 
     def _barrier(self) -> None:
         if self.world_size > 1:

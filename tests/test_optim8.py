@@ -264,7 +264,7 @@ def test_an_adamw_checkpoint_resumes_into_8bit_state_and_back(tmp_path):
     name = "layers.0.attn.wq.weight"
     reader = ckpt.open_reader(ckpt.latest(tmp_path / "a"))
     saved = reader.read(name, "exp_avg", (0, 0), (64, 64))
-    st = trainer.par.strategy.optimizer.state[dict(trainer.par.model.named_parameters())[name]]
+    st = trainer.engine.strategy.optimizer.state[dict(trainer.engine.model.named_parameters())[name]]
     assert int(st["step"]) == 2 and st["exp_avg.q"].dtype == torch.uint8
     # The fp32 moments were quantised on load: dequantised, they are within one code of the originals.
     m = dequantise(st["exp_avg.q"], st["exp_avg.absmax"], SIGNED, BLOCK)
@@ -276,10 +276,10 @@ def test_an_adamw_checkpoint_resumes_into_8bit_state_and_back(tmp_path):
         back = Trainer(tiny_cfg(tmp_path / "a", **{"train.steps": 4, "train.resume": True, **extra}))
         back.resume()
         if extra:
-            got = back.par.strategy.store.read(0, "exp_avg")  # one rank: its shard is everything
+            got = back.engine.strategy.store.read(0, "exp_avg")  # one rank: its shard is everything
             assert got.abs().sum() > 0
         else:
-            st = back.par.strategy.optimizer.state[dict(back.par.model.named_parameters())[name]]
+            st = back.engine.strategy.optimizer.state[dict(back.engine.model.named_parameters())[name]]
             reader = ckpt.open_reader(ckpt.latest(tmp_path / "a"))
             q = reader.read(name, "exp_avg.q", (0,), (64 * 64,))
             absmax = reader.read(name, "exp_avg.absmax", (0,), (64 * 64 // BLOCK,))

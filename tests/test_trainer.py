@@ -84,11 +84,11 @@ def test_a_crash_while_saving_keeps_the_last_good_checkpoint(tmp_path, monkeypat
 def test_fp16_scaler_skips_an_overflowing_step(tmp_path):
     cfg = tiny_cfg(tmp_path, **{"train.steps": 2, "train.precision": "fp16"})
     trainer = Trainer(cfg)
-    before = {n: p.detach().clone() for n, p in trainer.par.model.named_parameters()}
+    before = {n: p.detach().clone() for n, p in trainer.engine.model.named_parameters()}
     trainer.scaler = LossScaler(init_scale=2.0**120)  # the scaled loss overflows fp16 (max 65504)
     info = trainer.train_step(0)
     assert info["skipped"] and trainer.scaler.scale == 2.0**119
-    for n, p in trainer.par.model.named_parameters():
+    for n, p in trainer.engine.model.named_parameters():
         assert torch.equal(p, before[n]), f"{n} changed on a skipped step"
     trainer.scaler = LossScaler(init_scale=2.0**8)
     assert not trainer.train_step(1)["skipped"]

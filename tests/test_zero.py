@@ -236,7 +236,7 @@ def test_zero3_disk_offload_streams_construction(tmp_path, monkeypatch):
     disk = tiny_cfg(tmp_path / "disk", **common, **{"parallel.offload": "disk",
                                                      "parallel.offload_dir": str(tmp_path / "off")})
     trainer = Trainer(disk)
-    z = trainer.par.strategy
+    z = trainer.engine.strategy
     units = [u.layout.shard for u in z.units]
     assert len(live) == len(units) >= 3
     # Tensors: live fp32 memory never grows by more than one unit's master from one write to the next
@@ -252,7 +252,7 @@ def test_zero3_disk_offload_streams_construction(tmp_path, monkeypatch):
         assert torch.equal(z.store.read(i, "param").to(torch.bfloat16), u.shard)
     # Contrast: the cpu store needs every master before it exists (that is what the disk path avoids).
     host = Trainer(tiny_cfg(tmp_path / "cpu", **common, **{"parallel.offload": "cpu"}))
-    assert host.par.strategy.init_peak_bytes >= shards + 4 * sum(units)
+    assert host.engine.strategy.init_peak_bytes >= shards + 4 * sum(units)
     # The window-by-window fp32 conversion and clip scaling of bf16 gradients steps exactly like
     # the cpu store's whole-tensor conversion (elementwise arithmetic, same AdamW).
     got, want = trainer.fit(), host.fit()

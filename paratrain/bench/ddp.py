@@ -67,7 +67,7 @@ def _slowest(seconds: float, env: DistEnv) -> float:
 
 def _phases(trainer: Trainer) -> dict[str, float]:
     """The last step's phases in seconds, the exposed communication split out of the backward."""
-    exposed = trainer.par.strategy.step_metrics().get("comm_exposed_s", 0.0)
+    exposed = trainer.engine.strategy.step_metrics().get("comm_exposed_s", 0.0)
     ph = dict(trainer.phase_s)
     return {"compute": ph["forward_backward"] - exposed, "exposed_comm": exposed,
             "grad_norm": ph["grad_norm"], "update": ph["update"]}
@@ -88,7 +88,7 @@ def _paratrain_side(trainer: Trainer, args, env: DistEnv):
 
     def step(i: int) -> None:
         trainer.train_step(i)
-        exposed.append(trainer.par.strategy.step_metrics()["comm_exposed_s"])
+        exposed.append(trainer.engine.strategy.step_metrics()["comm_exposed_s"])
         if i >= args.warmup:
             phases.append(_phases(trainer))
 
@@ -232,7 +232,7 @@ def _worker(env: DistEnv, cfg_dict: dict, args: argparse.Namespace) -> dict:
     result = paired_rounds(ours, peer, args.rounds)
     runs = result["paratrain_runs"]
     result["exposed_comm_fraction"] = statistics.median(r["exposed_comm_fraction"] for r in runs)
-    result["buckets"] = len(trainer.par.strategy.buckets)
+    result["buckets"] = len(trainer.engine.strategy.buckets)
     # The slowest rank's phases (the step time is the slowest rank's too).
     mine = _per_step_ms(ours.phases, statistics.fmean(r["seconds_per_step"] for r in runs))
     every = [None] * env.world_size

@@ -20,16 +20,13 @@ The matching validation (every technique's constraints, before any worker) is en
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch.nn as nn
 
 from paratrain.base.executor import MicroBatchLoop
 from paratrain.base.strategy import Strategy
 from paratrain.config import Config
-from paratrain.data_parallel.ddp import DDP
-from paratrain.data_parallel.plain import PlainDP
 from paratrain.data_parallel.sync_batchnorm import convert_sync_batchnorm
+from paratrain.engine.engine import Engine, make_strategy
 from paratrain.engine.task import Task
 from paratrain.expert_parallel import apply_expert_parallel
 from paratrain.memory.activation_offload import ActivationOffload
@@ -43,18 +40,9 @@ from paratrain.pipeline.stage import split_for_pipeline
 from paratrain.sharding import name_params
 from paratrain.tensor_parallel.cross_entropy import vocab_parallel_loss_sum
 from paratrain.tensor_parallel.plan import apply_tensor_parallel
-from paratrain.zero.fsdp import Zero3
-from paratrain.zero.optimizer import Zero1, Zero2
 
 
-@dataclass
-class Parallelized:
-    model: nn.Module  # this rank's part: local shards, single-device parameter names
-    strategy: Strategy  # gradients, their synchronisation, the optimizer, layout-free state
-    executor: MicroBatchLoop  # runs one step's micro-batches (or a pipeline schedule)
-
-
-def parallelize(task: Task, cfg: Config, mesh: ParallelMesh) -> Parallelized:
+def parallelize(task: Task, cfg: Config, mesh: ParallelMesh) -> Engine:
     """Build this rank's model, wrapped in the fixed order above, with its strategy and executor."""
     model = task.build_model("meta")
     loss_fn = task.loss_sum
@@ -79,7 +67,7 @@ def parallelize(task: Task, cfg: Config, mesh: ParallelMesh) -> Parallelized:
     name_params(model)  # every parameter's ParamInfo now knows its single-device name
     if cfg.parallel.zero == 3:
         # ZeRO-3 materialises only this rank's shard of each unit, straight from the init by name.
-        strategy = _zero3(model, task, cfg, mesh)
+        strategy = _strategy(model, task, cfg, mesh)
     else:
         task.materialize(model, mesh.device)
         task.init_weights(model, cfg.train.seed)
@@ -87,7 +75,7 @@ def parallelize(task: Task, cfg: Config, mesh: ParallelMesh) -> Parallelized:
             # BatchNorm statistics over the whole dp batch, so dp=N trains as one process would
             # (models without BatchNorm are left untouched). Same parameter objects: init is kept.
             model = convert_sync_batchnorm(model, mesh.dp)
-        strategy = _strategy(model, cfg, mesh)
+        strategy = _strategy(model, task, cfg, mesh)
     if chunks is not None:
         executor = PipelineExecutor(model, chunks, loss_fn, strategy, mesh, schedule=cfg.parallel.pp_schedule,
                                     virtual_stages=cfg.parallel.virtual_stages, precision=cfg.train.precision,
@@ -98,27 +86,14 @@ def parallelize(task: Task, cfg: Config, mesh: ParallelMesh) -> Parallelized:
             offload = ActivationOffload(model)
         executor = MicroBatchLoop(model, loss_fn, strategy, cfg.train.precision, mesh.device, offload,
                                   side_loss=side_loss)
-    return Parallelized(model, strategy, executor)
+    return Engine(model, strategy, executor, mesh)
 
 
-def _zero_kwargs(cfg: Config) -> dict:
+def _strategy(model: nn.Module, task: Task, cfg: Config, mesh: ParallelMesh) -> Strategy:
     p = cfg.parallel
-    return {"precision": cfg.train.precision, "offload": p.offload, "offload_dir": p.offload_dir}
-
-
-def _zero3(model: nn.Module, task: Task, cfg: Config, mesh: ParallelMesh) -> Strategy:
-    # the full initial value by name: the family's init, or an imported checkpoint's slice
-    return Zero3(model, mesh, cfg.optim, init_value=task.init_value,
-                 reshard_after_forward=cfg.parallel.reshard_after_forward, **_zero_kwargs(cfg))
-
-
-def _strategy(model: nn.Module, cfg: Config, mesh: ParallelMesh) -> Strategy:
-    p = cfg.parallel
-    if p.zero in (1, 2):  # with dp = 1 the "shard" is everything: plain AdamW with offload options
-        cls = Zero1 if p.zero == 1 else Zero2
-        return cls(model, mesh, cfg.optim, bucket_bytes=int(p.bucket_mb * 2**20), **_zero_kwargs(cfg))
-    if mesh.dp.size == 1:
-        return Strategy(model, mesh, cfg.optim)
-    if p.dp_mode == "plain":
-        return PlainDP(model, mesh, cfg.optim)
-    return DDP(model, mesh, cfg.optim, bucket_bytes=int(p.bucket_mb * 2**20))
+    # ZeRO-3 materialises this rank's shards from the full initial value by name: the family's
+    # init, or an imported checkpoint's slice (task.init_value)
+    return make_strategy(model, mesh, cfg.optim, zero=p.zero, dp_mode=p.dp_mode,
+                         bucket_bytes=int(p.bucket_mb * 2**20), precision=cfg.train.precision,
+                         offload=p.offload, offload_dir=p.offload_dir, init_value=task.init_value,
+                         reshard_after_forward=p.reshard_after_forward)

@@ -240,7 +240,7 @@ def resolve_micro_batch(trainer) -> FinderResult:
         limit = torch.cuda.get_device_properties(device).total_memory
     per_rank = cfg.train.global_batch // mesh.dp.size
     x, y = trainer.task.train_batch(0, cfg.train.global_batch, trainer.local_rows())
-    executor = trainer.par.executor
+    executor = trainer.engine.executor
     shards = mesh.dp.size if cfg.parallel.zero >= 1 else 1
     log = print if trainer.env.rank == 0 else None
     result = find_executable_batch_size(

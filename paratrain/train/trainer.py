@@ -16,7 +16,6 @@ import functools
 import json
 import math
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,8 +28,8 @@ from paratrain.config import Config
 from paratrain.data import check_cursor, data_cursor
 from paratrain.device import measure_matmul_peak, sync_device
 from paratrain.engine import checkpoint as ckpt
-from paratrain.engine.parallelize import Parallelized, parallelize
-from paratrain.engine.rng import rng_state, set_rng_state
+from paratrain.engine.engine import Engine, find_checkpoint, make_mesh
+from paratrain.engine.parallelize import parallelize
 from paratrain.engine.task import Task
 from paratrain.launch import DistEnv, restart_attempt
 from paratrain.memory.batch_finder import resolve_micro_batch
@@ -91,7 +90,7 @@ def single_process_env() -> DistEnv:
 def build_mesh(cfg: Config, env: DistEnv) -> ParallelMesh:
     p = cfg.parallel
     shape = MeshShape(pp=p.pp, dp=cfg.dp, tp=p.tp, ep=p.ep)
-    return ParallelMesh(shape, env.rank, env.device)
+    return make_mesh(shape, env.rank, env.device, check_collectives=p.check_collectives)
 
 
 class Trainer:
@@ -100,13 +99,12 @@ class Trainer:
         if self.env.world_size == 1 and cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         self.mesh = build_mesh(cfg, self.env)
-        self.mesh.counter.check = cfg.parallel.check_collectives  # comm/trace.py
         self.precision_choice = None
         if cfg.train.precision == "auto":  # measured once per machine, agreed by every rank
 
             self.precision_choice = resolve_precision(cfg, self.mesh)
         self.task = task or build_task(cfg)
-        self.par: Parallelized = parallelize(self.task, cfg, self.mesh)
+        self.engine: Engine = parallelize(self.task, cfg, self.mesh)
         self.finder = None
         if cfg.train.micro_batch == "auto":  # trials on real steps; sets cfg.train.micro_batch
 
@@ -139,21 +137,21 @@ class Trainer:
     # -- one step --------------------------------------------------------------------------------
 
     def train_step(self, step: int) -> dict:
-        strategy = self.par.strategy
+        strategy = self.engine.strategy
         x, y = self.task.train_batch(step, self.cfg.train.global_batch, self.local_rows())
         self.mesh.counter.reset()
         start = time.perf_counter()
-        local = self.par.executor.run(self.micro_batches(x, y), float(self.units_per_step), self.scaler.scale)
+        batches = self.micro_batches(x, y)
+        local = self.engine.executor.run(batches, float(self.units_per_step), self.scaler.scale)
         marks = [start, self._phase_mark()]
         norm = strategy.grad_norm() / self.scaler.scale
         marks.append(self._phase_mark())
         skipped = self.scaler.update(norm * self.scaler.scale)
         if not skipped and not math.isfinite(norm):  # no fp16 scaler to absorb it: the nan policy
-            skipped = guards.non_finite_step(step, norm, self.cfg.train.nan_policy, self.par.model)
-        clip = self.cfg.optim.grad_clip
+            skipped = guards.non_finite_step(step, norm, self.cfg.train.nan_policy, self.engine.model)
         if not skipped:
-            factor = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
-            strategy.scale_grads(factor / self.scaler.scale)
+            clip = self.cfg.optim.grad_clip or math.inf  # 0: no clipping
+            self.engine.clip_grads(norm, clip, self.scaler.scale)
             strategy.step(lr_at(step, self.cfg))
         # Counted after the step (AdamW creates its moments lazily in the first one) and before
         # the gradients are released: the moment of peak model state.
@@ -185,7 +183,7 @@ class Trainer:
         n = self.cfg.train.eval_batches
         for i in range(n):
             x, y = self.task.val_batch(i, self.cfg.train.global_batch, self.local_rows())
-            total += self.par.executor.evaluate(self.micro_batches(x, y), float(self.units_per_step * n))
+            total += self.engine.executor.evaluate(self.micro_batches(x, y), float(self.units_per_step * n))
         return self.reduce_loss(total)
 
     # -- the loop --------------------------------------------------------------------------------
@@ -233,7 +231,7 @@ class Trainer:
             self.save(cfg.train.steps)
         self.saver.finish()
         self.export()
-        self.par.executor.write_timeline(self.out, self.is_main)  # pipelines: OUT/timeline.json
+        self.engine.executor.write_timeline(self.out, self.is_main)  # pipelines: OUT/timeline.json
         return self.result
 
     def stop_requested(self, done: int) -> bool:
@@ -252,8 +250,8 @@ class Trainer:
         self.result.losses.append(loss)
         if s["skipped"]:
             self.result.skipped_steps.append(step)
-        extra = {"step_time_s": s["time"], **self.par.strategy.step_metrics()}
-        extra.update(self.par.executor.step_metrics())  # pipelines: the measured bubble
+        extra = {"step_time_s": s["time"], **self.engine.strategy.step_metrics()}
+        extra.update(self.engine.executor.step_metrics())  # pipelines: the measured bubble
         records = gather_rank_records(self.mesh, rank_record(self.mesh, s["state_bytes"], extra))
         task_row = self.task_metrics()  # every rank: pipeline stages hold different MoE layers
         if not self.is_main:
@@ -307,19 +305,16 @@ class Trainer:
 
     def save(self, step: int) -> None:
         """Checkpoint ``step``: each rank writes its own pieces (engine/checkpoint.py)."""
-        strategy = self.par.strategy
+        strategy = self.engine.strategy
         meta = {"layout": self.layout(), "config": self.cfg.to_dict(), "scaler": self.scaler.state_dict(),
                 "optimizer_step": strategy.optimizer_step_count(),
                 "data": data_cursor(self.task, step, self.cfg.train.global_batch)}  # corpus + position
         start = time.perf_counter()
-        self.saver.save(step, strategy.state_pieces(), meta, rng_state())
+        self.engine.save(self.saver, step, meta)
         self.saver.stall_s.append(time.perf_counter() - start)
 
     def resume(self) -> None:
-        folder, notes = ckpt.find_checkpoint(self.out)
-        if self.is_main:
-            for note in notes:
-                print(f"paratrain: {note}", file=sys.stderr)
+        folder = find_checkpoint(self.out, self.is_main)
         if folder is None:
             if self.is_main:
                 print(f"no checkpoint under {self.out}/checkpoints: starting from step 0")
@@ -327,19 +322,11 @@ class Trainer:
         state = ckpt.read_state(folder)
         check_cursor(state, self.task, self.cfg)  # refuse another corpus/tokenizer unless allowed
         self.check_compatible(folder, state)
-        reader = ckpt.open_reader(folder)
-        try:
-            self.check_model(folder, reader)
-            self.par.strategy.load_state_pieces(reader, int(state.get("optimizer_step", 0)))
-        finally:
-            reader.close()
+        self.engine.load(folder, state, check=self.check_model)
         self.scaler.load_state_dict(state["scaler"])
         self.start_step = state["step"]
         self.saver.run_id = state.get("run_id")  # a resumed run prunes its own earlier checkpoints
         self.saver.last = folder  # a run resumed at its last step has nothing to save: export this
-        rng = ckpt.read_rng(folder)
-        if len(rng) == self.env.world_size:  # same world: every rank continues its own RNG stream
-            set_rng_state(rng[self.env.rank])
 
     def check_compatible(self, folder: Path, state: dict) -> None:
         """The data position is step x global batch: another global batch would replay other rows.
@@ -360,7 +347,7 @@ class Trainer:
         """Every parameter of this rank's part exists in the checkpoint with its full shape (all
         ranks agree before any loads, so a mismatch on one stage cannot leave the others waiting)."""
         problems = []
-        for name, p in self.par.model.named_parameters():
+        for name, p in self.engine.model.named_parameters():
             info = info_of(p)
             full = info.name or name
             if not reader.has(full, "param"):

@@ -1,0 +1,110 @@
+"""The one engine both doors drive: ``paratrain train`` (train/trainer.py, a loop over it) and
+``paratrain.Parallel`` (api.py, the user's loop over it).
+
+Its lifecycle, and the file of each part:
+
+    build    make_mesh (the mesh and its collective checker) and make_strategy (DDP, plain DP,
+             ZeRO-1/2/3 or none), here; the model wrapped in the fixed order by
+             engine/parallelize.py (the trainer: a Task built on the meta device) or by
+             ``Parallel.prepare`` (the library: the user's module, already built)
+    prepare  the executor: base/executor.py MicroBatchLoop, or pipeline/executor.py's schedule
+    step     executor.run (forward + backward of the micro-batches, gradient sync) ->
+             strategy.grad_norm -> Engine.clip_grads -> strategy.step(lr) -> strategy.zero_grad
+    save     Engine.save: every rank's pieces of full tensors + its RNG (engine/checkpoint.py)
+    load     Engine.load: each rank reads the pieces it holds, in any layout, and its RNG stream
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from paratrain.base.executor import MicroBatchLoop
+from paratrain.base.strategy import Strategy
+from paratrain.data_parallel.ddp import DDP
+from paratrain.data_parallel.plain import PlainDP
+from paratrain.engine import checkpoint as ckpt
+from paratrain.engine.rng import rng_state, set_rng_state
+from paratrain.mesh import MeshShape, ParallelMesh
+from paratrain.shards import ShardReader
+from paratrain.zero.fsdp import Zero3
+from paratrain.zero.optimizer import Zero1, Zero2
+
+
+@dataclass
+class Engine:
+    model: nn.Module  # this rank's part: local shards, single-device parameter names
+    strategy: Strategy  # gradients, their synchronisation, the optimizer, layout-free state
+    executor: MicroBatchLoop | None  # one step's micro-batches or a pipeline schedule (None: the
+    #                                  library's own loop runs forward and backward itself)
+    mesh: ParallelMesh
+
+    def clip_grads(self, norm: float, max_norm: float, loss_scale: float = 1.0) -> None:
+        """Gradients times min(1, max_norm / norm), as torch.nn.utils.clip_grad_norm_ (``inf``: no
+        clipping), with a loss scale undone in the same multiply; nothing when the factor is 1."""
+        factor = min(1.0, max_norm / (norm + 1e-6))
+        if factor / loss_scale != 1.0:
+            self.strategy.scale_grads(factor / loss_scale)
+
+    def save(self, saver: ckpt.Saver, step: int, meta: dict, files: dict[str, bytes] | None = None) -> None:
+        """Checkpoint ``step``: each rank writes its own pieces, committed atomically together."""
+        saver.save(step, self.strategy.state_pieces(), meta, rng_state(), files)
+
+    def load(self, folder: Path, state: dict,
+             check: Callable[[Path, ShardReader], None] | None = None) -> None:
+        """Read what ``save`` wrote, under any layout: each rank only the pieces it holds (``check``
+        sees the reader first); every rank continues its own RNG stream when the world is the same."""
+        reader = ckpt.open_reader(folder)
+        try:
+            if check is not None:
+                check(folder, reader)
+            self.strategy.load_state_pieces(reader, int(state.get("optimizer_step", 0)))
+        finally:
+            reader.close()
+        rng = ckpt.read_rng(folder)
+        if len(rng) == self.mesh.world.size:
+            set_rng_state(rng[self.mesh.world.rank])
+
+
+def make_mesh(shape: MeshShape, rank: int, device: torch.device, *, check_collectives: bool) -> ParallelMesh:
+    """The process groups of every axis, built once, with the collective checker (comm/trace.py) on
+    or off: before each collective the group's ranks compare fingerprints."""
+    mesh = ParallelMesh(shape, rank, device)
+    mesh.counter.check = check_collectives
+    return mesh
+
+
+def make_strategy(model: nn.Module, mesh: ParallelMesh, optim, *, zero: int, dp_mode: str = "ddp",
+                  bucket_bytes: int, precision: str = "fp32", offload: str = "none",
+                  offload_dir: str | None = None, init_value: Callable | None = None,
+                  reshard_after_forward: bool = True, units: Callable | None = None,
+                  group_of: Callable | None = None) -> Strategy:
+    """The data-parallel strategy both doors use. ``optim`` is the trainer's optimizer settings or
+    the library's optimizer (its recipe under ZeRO); ZeRO-3 takes the model on the meta device and
+    ``init_value(name, shape)``; ``units`` and ``group_of`` are the library's (ZeRO-3 units of a
+    user's module, the user's param groups)."""
+    sharded = {"precision": precision, "offload": offload, "offload_dir": offload_dir, "group_of": group_of}
+    if zero == 3:
+        return Zero3(model, mesh, optim, init_value=init_value, reshard_after_forward=reshard_after_forward,
+                     units=units, **sharded)
+    if zero in (1, 2):  # with dp = 1 the "shard" is everything: plain AdamW with offload options
+        return (Zero1 if zero == 1 else Zero2)(model, mesh, optim, bucket_bytes=bucket_bytes, **sharded)
+    if mesh.dp.size == 1:
+        return Strategy(model, mesh, optim)
+    if dp_mode == "plain":
+        return PlainDP(model, mesh, optim)
+    return DDP(model, mesh, optim, bucket_bytes=bucket_bytes)
+
+
+def find_checkpoint(directory: str | Path, is_main: bool) -> Path | None:
+    """The newest complete checkpoint under ``directory`` (damaged ones skipped and named)."""
+    folder, notes = ckpt.find_checkpoint(directory)
+    if is_main:
+        for note in notes:
+            print(f"paratrain: {note}", file=sys.stderr)
+    return folder
