@@ -58,29 +58,33 @@ class Parallel:
     """How this process takes part: the mesh, the strategy, and the user's prepared objects.
 
     dp: data-parallel degree (default: world / (tp * pp)); tp: tensor parallel over ``tp_plan``;
-    zero: 0 (DDP) or ZeRO stage 1, 2, 3; offload: where ZeRO keeps the optimizer partition
-    ("none", "cpu", "disk" under ``offload_dir``); bucket_mb: gradient bucket size; timeout: seconds
-    before a collective that never completes fails (process-group timeout); units / unit_min_params:
-    ZeRO-3 units (names, or the size threshold of zero/units.py); tp_plan: how to split the user's
-    linears (paratrain's own Llama has its declared plan; sequence_parallel applies it with SP);
+    zero: 0 (DDP) or ZeRO stage 1, 2, 3; dp_mode: with zero 0, "ddp" (gradient buckets reduced
+    while backward runs) or "plain" (each gradient all-reduced after backward); offload: where
+    ZeRO keeps the optimizer partition ("none", "cpu", "disk" under ``offload_dir``); bucket_mb:
+    gradient bucket size; timeout: seconds before a collective that never completes fails
+    (process-group timeout); units / unit_min_params: ZeRO-3 units (names, or the size threshold
+    of zero/units.py); tp_plan: how to split the user's linears (a paratrain model family has its
+    declared plan; sequence_parallel applies it with SP);
     allow_non_elementwise: let ZeRO shard an optimizer class it does not know to be element-wise.
     pp / pp_schedule / virtual_stages: pipeline stages for a paratrain model family (the schedule
     runs forward and backward: the loop calls ``pipeline_step`` instead of ``backward``).
     """
 
     def __init__(self, *, dp: int | None = None, tp: int = 1, pp: int = 1, zero: int = 0,
-                 offload: str = "none", offload_dir: str | None = None, bucket_mb: float = 25.0,
-                 precision: str = "fp32",
+                 dp_mode: str = "ddp", offload: str = "none", offload_dir: str | None = None,
+                 bucket_mb: float = 25.0, precision: str = "fp32",
                  timeout: float = 600.0, check_collectives: bool = False, units: list[str] | None = None,
                  unit_min_params: int | None = None, tp_plan: dict[str, str] | None = None,
                  sequence_parallel: bool = False, allow_non_elementwise: bool = False,
                  pp_schedule: str = "1f1b", virtual_stages: int = 1):
-        problems = _check_args(tp=tp, pp=pp, zero=zero, offload=offload, offload_dir=offload_dir,
-                               bucket_mb=bucket_mb, precision=precision, timeout=timeout, units=units,
-                               tp_plan=tp_plan, sequence_parallel=sequence_parallel)
+        problems = _check_args(tp=tp, pp=pp, zero=zero, dp_mode=dp_mode, offload=offload,
+                               offload_dir=offload_dir, bucket_mb=bucket_mb, precision=precision,
+                               timeout=timeout, units=units, tp_plan=tp_plan,
+                               sequence_parallel=sequence_parallel)
         if problems:
             raise ValueError("paratrain.Parallel: " + "; ".join(problems))
         self.zero, self.offload, self.offload_dir, self.bucket_mb = zero, offload, offload_dir, bucket_mb
+        self.dp_mode = dp_mode
         self.precision, self.timeout, self.check_collectives = precision, timeout, check_collectives
         self.units, self.unit_min_params, self.tp_plan = units, unit_min_params, tp_plan or {}
         self.allow_non_elementwise, self.sequence_parallel = allow_non_elementwise, sequence_parallel
@@ -219,7 +223,8 @@ class Parallel:
             return full[name]  # the user's own (rank 0's) weights; Zero3 keeps this rank's slice
 
         return make_strategy(model, self.mesh, recipe if self.zero else optimizer, zero=self.zero,
-                             bucket_bytes=int(self.bucket_mb * 2**20), precision=self.precision,
+                             dp_mode=self.dp_mode, bucket_bytes=int(self.bucket_mb * 2**20),
+                             precision=self.precision,
                              offload=self.offload, offload_dir=self.offload_dir, init_value=init_value,
                              units=units, group_of=group_of if self.zero else None)
 
@@ -432,9 +437,9 @@ class ParallelOptimizer(torch.optim.Optimizer):
 # -- checks ----------------------------------------------------------------------------------------
 
 
-def _check_args(*, tp: int, pp: int, zero: int, offload: str, offload_dir: str | None, bucket_mb: float,
-                precision: str, timeout: float, units: list[str] | None, tp_plan: dict | None,
-                sequence_parallel: bool) -> list[str]:
+def _check_args(*, tp: int, pp: int, zero: int, dp_mode: str, offload: str, offload_dir: str | None,
+                bucket_mb: float, precision: str, timeout: float, units: list[str] | None,
+                tp_plan: dict | None, sequence_parallel: bool) -> list[str]:
     problems = []
     if pp > 1 and zero >= 2:
         problems.append(f"pp = {pp} with zero = {zero}: gradients must stay whole across the schedule's "
@@ -443,6 +448,11 @@ def _check_args(*, tp: int, pp: int, zero: int, offload: str, offload_dir: str |
         problems.append(f"pp = {pp} must be >= 1 (pipeline stages of a paratrain model family)")
     if zero not in (0, 1, 2, 3):
         problems.append(f"zero = {zero!r} must be 0 (DDP), 1, 2 or 3")
+    if dp_mode not in ("ddp", "plain"):
+        problems.append(f"dp_mode = {dp_mode!r} must be 'ddp' (buckets overlapped with backward) or 'plain' "
+                        "(one all-reduce per gradient after backward)")
+    elif dp_mode == "plain" and zero >= 1:
+        problems.append("dp_mode = 'plain' is the un-bucketed DDP; ZeRO does its own reduction: drop dp_mode")
     if offload not in OFFLOADS:
         problems.append(f"offload = {offload!r} must be one of {', '.join(OFFLOADS)}")
     elif offload != "none" and zero == 0:

@@ -162,6 +162,7 @@ KINDS = ["adamw", "sgd", "adagrad"]
 # not the tiny model, is what costs time here.
 LAYOUTS = {
     "ddp": ({"zero": 0}, KINDS, {"clip": 0.5}),
+    "plain": ({"zero": 0, "dp_mode": "plain"}, ["adamw"], {"accum": 2}),
     "zero1": ({"zero": 1}, KINDS, {"clip": 0.5}),
     "zero2": ({"zero": 2, "bucket_mb": 0.002}, KINDS, {"accum": 2}),  # several buckets: hooks mid-backward
     "zero3": ({"zero": 3}, KINDS, {"accum": 2, "clip": 0.5}),
@@ -410,6 +411,10 @@ def test_bad_input_is_refused_with_what_to_change():
         paratrain.Parallel(zero=3, offload="disk")
     with pytest.raises(ValueError, match="sequence_parallel .* needs tp > 1"):
         paratrain.Parallel(sequence_parallel=True)
+    with pytest.raises(ValueError, match="dp_mode = 'plain' is the un-bucketed DDP; ZeRO does its own"):
+        paratrain.Parallel(zero=1, dp_mode="plain")
+    with pytest.raises(ValueError, match="dp_mode = 'bucketed' must be 'ddp'"):
+        paratrain.Parallel(dp_mode="bucketed")
     with pytest.raises(ValueError, match=r"units=\['nope'\] name no submodule of Net"):
         paratrain.Parallel(zero=3, units=["nope"]).prepare(*build("sgd")[:2])
     model, opt, _ = build("sgd")

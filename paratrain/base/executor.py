@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn as nn
@@ -36,16 +37,23 @@ def autocast_for(precision: str, device: torch.device):
     return lambda: torch.autocast(device_type=device.type, dtype=dtype)
 
 
+class SavedTensors(Protocol):
+    """Where forward's saved tensors live (memory/activation_offload.py's hooks)."""
+
+    offloaded_bytes: int  # moved off the device in the last step
+
+    def __call__(self) -> contextlib.AbstractContextManager: ...
+
+
 class MicroBatchLoop:
     def __init__(self, model: nn.Module, loss_fn: LossFn, strategy: Strategy, precision: str,
-                 device: torch.device,
-                 saved_tensors: Callable[[], contextlib.AbstractContextManager] | None = None,
+                 device: torch.device, offload: SavedTensors | None = None,
                  side_loss: SideLossFn | None = None):
         self.model = model
         self.side_loss = side_loss
-        # Where forward's saved tensors live (activation offload hooks); default: where autograd puts them.
-        self.saved_tensors = saved_tensors or contextlib.nullcontext
-        self.offload = saved_tensors if hasattr(saved_tensors, "offloaded_bytes") else None
+        # Default: saved tensors stay where autograd puts them.
+        self.saved_tensors = offload or contextlib.nullcontext
+        self.offload = offload
         self.loss_fn = loss_fn
         self.strategy = strategy
         self.device = device

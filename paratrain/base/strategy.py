@@ -79,7 +79,7 @@ class Strategy:
             return self.optim_cfg  # the library: the optimizer the user built, over these parameters
         o = self.optim_cfg
         groups = adamw_param_groups(self.named_params, o.weight_decay)
-        if getattr(o, "name", "adamw") == "adamw8bit":
+        if o.name == "adamw8bit":
             # the same elementwise update as ZeRO's 8-bit store (zero/store8.py)
             return a8.AdamW8bit(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, block_size=o.block_size,
                              min_8bit_size=o.min_8bit_size)
