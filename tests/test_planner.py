@@ -16,11 +16,13 @@ import torch.nn.functional as F
 
 from paratrain.models import build_model, init_weights
 from paratrain.models.llama import PRESETS, preset
-from paratrain.planner import cost, memory
-from paratrain.planner.cli import main as plan_main
-from paratrain.planner.hardware import GB, Link, device_preset, local_cluster, make_cluster
+from paratrain.perf.hardware import GB, Link, device_preset, make_cluster
+from paratrain.plan_cli import auto_layout, runnable_here
+from paratrain.plan_cli import main as plan_main
+from paratrain.planner import collectives, cost, memory
+from paratrain.planner.machine import local_cluster
 from paratrain.planner.memory import Layout, Training
-from paratrain.planner.search import auto_layout, plan, runnable_here
+from paratrain.planner.search import plan
 
 # -- published figures -----------------------------------------------------------------------------
 
@@ -85,7 +87,7 @@ def test_korthikanti_formulas_by_hand():
 
 @pytest.mark.parametrize("name", ["tiny", "small", "llama-7b"])
 def test_flops_match_the_trainers_mfu_numerator(name):
-    from paratrain.train.task import lm_flops_per_token
+    from paratrain.perf.flops import lm_flops_per_token
 
     c = PRESETS[name]
     assert cost.model_flops_per_token(c, 256) == pytest.approx(lm_flops_per_token(c, 256))
@@ -93,18 +95,18 @@ def test_flops_match_the_trainers_mfu_numerator(name):
 
 def test_alpha_beta_by_hand():
     link = Link("test", 1e9, 1e-3)
-    assert cost.all_reduce_time(1e9, 4, link) == pytest.approx(6e-3 + 1.5)
-    assert cost.all_gather_time(1e9, 4, link) == pytest.approx(3e-3 + 0.75)
-    assert cost.p2p_time(1e9, link) == pytest.approx(1.001)
-    assert cost.all_reduce_time(1e9, 1, link) == 0
+    assert collectives.all_reduce_time(1e9, 4, link) == pytest.approx(6e-3 + 1.5)
+    assert collectives.all_gather_time(1e9, 4, link) == pytest.approx(3e-3 + 0.75)
+    assert collectives.p2p_time(1e9, link) == pytest.approx(1.001)
+    assert collectives.all_reduce_time(1e9, 1, link) == 0
 
 
 def test_groups_pick_their_link():
     cl = make_cluster(gpus=16, gpus_per_node=8, intra_link="nvlink", inter_link="ethernet")
     lay = Layout(dp=2, tp=8)
-    assert cost.group_link(cl, lay, "tp").name == "nvlink"  # tp ranks are neighbours
-    assert cost.group_link(cl, lay, "dp").name == "ethernet"  # stride 8 x 2 spans both nodes
-    assert cost.group_link(cl, Layout(dp=4, tp=2, pp=2), "dp").name == "nvlink"
+    assert collectives.group_link(cl, lay, "tp").name == "nvlink"  # tp ranks are neighbours
+    assert collectives.group_link(cl, lay, "dp").name == "ethernet"  # stride 8 x 2 spans both nodes
+    assert collectives.group_link(cl, Layout(dp=4, tp=2, pp=2), "dp").name == "nvlink"
 
 
 def test_in_flight_per_schedule():
@@ -254,7 +256,7 @@ def test_auto_layout_picks_a_runnable_layout(tmp_path):
     from tests.harness import tiny_cfg
 
     cfg = tiny_cfg(tmp_path, **{"parallel.nproc": 2})
-    chosen = auto_layout(cfg, cluster=local_cluster(2, measure=False), verbose=False)
+    chosen = auto_layout(cfg, cluster=local_cluster(2), verbose=False)
     assert runnable_here(cfg)(Layout(dp=chosen.dp, tp=chosen.parallel.tp, pp=chosen.parallel.pp,
                                      zero=chosen.parallel.zero, sp=chosen.parallel.sp,
                                      micro_batch=chosen.micro_batch, schedule=chosen.parallel.pp_schedule,
@@ -314,7 +316,7 @@ def assert_activations_match_saved_tensors(c, recompute: str) -> None:
     measured = _saved_activation_bytes(model, x, y)
     lay = Layout(micro_batch=b, recompute=recompute)
     predicted = memory.device_memory(c, Training(s, b, precision="fp32"), lay,
-                                     local_cluster(1, measure=False)).activations
+                                     local_cluster(1)).activations
     assert predicted == pytest.approx(measured, rel=0.10)
 
 
@@ -377,5 +379,5 @@ def test_model_states_match_measured(name, tmp_path):
 
     c = model_config(cfg, cfg.data.vocab_size)
     predicted = memory.device_memory(c, Training(cfg.data.seq_len, cfg.train.global_batch, precision="fp32"),
-                                     lay, local_cluster(nproc, measure=False)).model_states
+                                     lay, local_cluster(nproc)).model_states
     assert predicted == pytest.approx(measured, rel=0.03), (name, predicted, measured)

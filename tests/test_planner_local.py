@@ -14,11 +14,14 @@ import torch
 
 from paratrain.models import build_model
 from paratrain.models.llama import preset
-from paratrain.planner import calibrate, calibrate_workers, cost, hardware, local
-from paratrain.planner.cli import main as plan_main
-from paratrain.planner.hardware import Link, local_cluster
+from paratrain.perf import hardware
+from paratrain.perf.hardware import Link
+from paratrain.perf.ops import FittedGemm, OpEnv, block_costs, embed_costs, head_costs
+from paratrain.plan_cli import calibrate, calibrate_workers
+from paratrain.plan_cli import main as plan_main
+from paratrain.planner import collectives, cost, local, machine
+from paratrain.planner.machine import local_cluster
 from paratrain.planner.memory import Layout, Training, stage_params
-from paratrain.planner.ops import FittedGemm, OpEnv, block_costs, embed_costs, head_costs
 
 TINY = preset("tiny")
 TR = Training(seq_len=32, global_batch=8, precision="fp32")
@@ -77,7 +80,7 @@ def fake_machine(tmp_path, monkeypatch):
 
 def test_calibration_is_measured_once_and_versioned(fake_machine):
     tmp_path, calls = fake_machine
-    first, second = local_cluster(2), local_cluster(2)
+    first, second = local_cluster(2, calibrate.measure_local()), local_cluster(2, calibrate.measure_local())
     assert calls == ["gemm", "workers"]  # the second cluster read the cache
     files = list(tmp_path.glob("machine-*.json"))
     assert len(files) == 1 and f"-v{calibrate.CACHE_VERSION}" in files[0].name
@@ -87,16 +90,16 @@ def test_calibration_is_measured_once_and_versioned(fake_machine):
 
 def test_a_cache_of_an_older_version_is_measured_again(fake_machine):
     tmp_path, calls = fake_machine
-    local_cluster(2)
+    local_cluster(2, calibrate.measure_local())
     old = calibrate._cache_path()
     stale = old.with_name(old.name.replace(f"-v{calibrate.CACHE_VERSION}", "-v1"))
     old.rename(stale)  # what the previous version left behind
-    local_cluster(2)
+    local_cluster(2, calibrate.measure_local())
     assert calls == ["gemm", "workers", "gemm", "workers"]
 
 
 def test_in_context_fit_recovers_the_per_op_cost_and_the_slowdown(fake_machine):
-    d = local_cluster(2).device
+    d = local_cluster(2, calibrate.measure_local()).device
     assert d.op_s == pytest.approx(9e-6, rel=1e-6)
     assert d.in_context == pytest.approx(1.2, rel=1e-6)  # arithmetic
     assert d.in_context_bytes == pytest.approx(5.0, rel=1e-6)  # calls, bytes, memory-bound ops
@@ -106,7 +109,7 @@ def test_in_context_fit_recovers_the_per_op_cost_and_the_slowdown(fake_machine):
 
 def test_a_cache_without_the_wide_block_fits_one_factor():
     data = {"context": _context(9e-6, 2.0, wide=False), "memory_bandwidth": 6e9}
-    op_s, kf, kb = hardware._in_context(data, GEMM, 6e9, OPS, 1e-6)
+    op_s, kf, kb = machine._in_context(data, GEMM, 6e9, OPS, 1e-6)
     assert op_s == pytest.approx(9e-6, rel=1e-6)
     assert kf == kb == pytest.approx(2.0, rel=1e-6)
 
@@ -130,23 +133,23 @@ def test_in_context_splits_arithmetic_from_data_movement():
 
 
 def test_measured_collectives_replace_the_nominal_link(fake_machine):
-    link = local_cluster(2).intra
+    link = local_cluster(2, calibrate.measure_local()).intra
     assert link.curve("all_reduce") is not None and link.name.startswith("loopback (measured)")
     # between measured sizes: linear; at 1 MiB exactly the measured point
-    assert cost.all_reduce_time(2**20, 2, link) == pytest.approx(0.5e-3 + 2**20 / 1e9)
-    assert cost.all_gather_time(4, 2, link) == pytest.approx(0.5e-3 + 4e-9)
-    assert cost.p2p_time(16 * 2**10, link) == pytest.approx(0.5e-3 + 16 * 2**10 / 1e9)
+    assert collectives.all_reduce_time(2**20, 2, link) == pytest.approx(0.5e-3 + 2**20 / 1e9)
+    assert collectives.all_gather_time(4, 2, link) == pytest.approx(0.5e-3 + 4e-9)
+    assert collectives.p2p_time(16 * 2**10, link) == pytest.approx(0.5e-3 + 16 * 2**10 / 1e9)
     # beyond the largest size: the last segment's slope; 4 ranks: three hops instead of one
-    assert cost.all_reduce_time(8 * 2**20, 2, link) == pytest.approx(0.5e-3 + 8 * 2**20 / 1e9)
-    assert cost.all_reduce_time(2**20, 4, link) == pytest.approx(3 * (0.5e-3 + 2**20 / 1e9))
+    assert collectives.all_reduce_time(8 * 2**20, 2, link) == pytest.approx(0.5e-3 + 8 * 2**20 / 1e9)
+    assert collectives.all_reduce_time(2**20, 4, link) == pytest.approx(3 * (0.5e-3 + 2**20 / 1e9))
     nominal = hardware.LINKS["loopback"]
     alpha_beta = 2 * nominal.latency + 2**20 / nominal.bandwidth
-    assert cost.all_reduce_time(2**20, 2, nominal) == pytest.approx(alpha_beta)
+    assert collectives.all_reduce_time(2**20, 2, nominal) == pytest.approx(alpha_beta)
 
 
 def test_collective_fit_recovers_latency_and_bandwidth():
     rows = [{"bytes": b, "seconds": 3e-4 + b / 8e8} for b in calibrate_workers.SIZES]
-    a, c = calibrate_workers.fit_collective(rows)
+    a, c = machine.fit_collective(rows)
     assert a == pytest.approx(3e-4, rel=1e-6) and 1 / c == pytest.approx(8e8, rel=1e-6)
 
 
@@ -207,7 +210,7 @@ def test_collectives_per_step_by_layout():
 
 
 def _cluster(**changes):
-    cl = local_cluster(2, measure=False)
+    cl = local_cluster(2)
     dev = {k: changes.pop(k) for k in list(changes) if hasattr(cl.device, k)}
     return replace(cl, device=replace(cl.device, **dev), **changes)
 
@@ -261,7 +264,7 @@ def test_validate_top_must_be_positive(capsys):
 def test_ranking_is_judged_only_where_the_run_tells_layouts_apart():
     """--validate's ranking check: layouts whose step rates overlap (quartiles) are not ordered
     by the run; a layout ranked lower that measured clearly faster is reported."""
-    from paratrain.planner.cli import Measured, ranking_disagreements, summarize
+    from paratrain.plan_cli import Measured, ranking_disagreements, summarize
 
     steady = summarize([100.0, 101.0, 99.0, 100.0, 102.0])
     assert (steady.low, steady.median, steady.high) == (100.0, 100.0, 101.0)

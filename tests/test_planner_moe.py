@@ -10,9 +10,10 @@ from dataclasses import replace
 import pytest
 
 from paratrain.models.llama import PRESETS
+from paratrain.perf.hardware import make_cluster
+from paratrain.plan_cli import main as plan_main
 from paratrain.planner import cost, memory
-from paratrain.planner.cli import main as plan_main
-from paratrain.planner.hardware import local_cluster, make_cluster
+from paratrain.planner.machine import local_cluster
 from paratrain.planner.memory import Layout, Training
 from paratrain.planner.search import evaluate, plan
 
@@ -60,7 +61,7 @@ def test_stage_params_count_every_expert_once():
 @pytest.mark.parametrize("name", ["tiny-moe", "small-moe", "mixtral-8x7b", "mixtral-8x22b"])
 def test_flops_from_active_parameters(name):
     """Model FLOPs per token = 6 x active matmul parameters + attention = the trainer's MFU numerator."""
-    from paratrain.train.task import lm_flops_per_token
+    from paratrain.perf.flops import lm_flops_per_token
 
     c = PRESETS[name]
     seq = 256
@@ -210,7 +211,7 @@ def test_moe_model_states_match_measured(name, tmp_path):
     lay = Layout(dp=cfg.dp, zero=cfg.parallel.zero, ep=cfg.parallel.ep, micro_batch=cfg.micro_batch)
     c = model_config(cfg, cfg.data.vocab_size)
     predicted = memory.device_memory(c, Training(cfg.data.seq_len, cfg.train.global_batch, precision="fp32"),
-                                     lay, local_cluster(nproc, measure=False)).model_states
+                                     lay, local_cluster(nproc)).model_states
     assert predicted == pytest.approx(measured, rel=0.03), (name, predicted, measured)
 
 
