@@ -14,8 +14,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from paratrain import config as config_mod
+from paratrain.cli import main
+from paratrain.config import Config
+from paratrain.memory.recompute import FullRecompute
 from paratrain.models import build_model, init_weights
+from paratrain.models.from_config import model_config
 from paratrain.models.llama import PRESETS, preset
+from paratrain.perf.flops import lm_flops_per_token
 from paratrain.perf.hardware import GB, Link, device_preset, make_cluster
 from paratrain.plan_cli import auto_layout, runnable_here
 from paratrain.plan_cli import main as plan_main
@@ -23,6 +29,9 @@ from paratrain.planner import collectives, cost, memory
 from paratrain.planner.machine import local_cluster
 from paratrain.planner.memory import Layout, Training
 from paratrain.planner.search import plan
+from paratrain.train.metrics import read_metrics
+from paratrain.train.task import build_task
+from paratrain.train.trainer import Trainer
 
 # -- published figures -----------------------------------------------------------------------------
 
@@ -103,8 +112,6 @@ def test_korthikanti_formulas_by_hand():
 
 @pytest.mark.parametrize("name", ["tiny", "small", "llama-7b"])
 def test_flops_match_the_trainers_mfu_numerator(name):
-    from paratrain.perf.flops import lm_flops_per_token
-
     c = PRESETS[name]
     assert cost.model_flops_per_token(c, 256) == pytest.approx(lm_flops_per_token(c, 256))
 
@@ -282,8 +289,6 @@ def test_auto_layout_picks_a_runnable_layout(tmp_path):
 def test_auto_layout_under_torchrun_is_refused_with_the_fix(monkeypatch, capsys, tmp_path):
     """Every torchrun rank would plan (and measure this machine) on its own and could pick another
     layout: refused before any planning, with what to do instead."""
-    from paratrain.cli import main
-
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(["train", "--model", "tiny", "--layout", "auto", "--out", str(tmp_path)]) == 2
@@ -321,8 +326,6 @@ def test_activations_match_saved_tensors(recompute, shape):
 def assert_activations_match_saved_tensors(c, recompute: str) -> None:
     """The planner's activation bytes for one fp32 micro-batch of 4 x 32 tokens of model ``c``
     within 10% of what autograd saves for backward."""
-    from paratrain.memory.recompute import FullRecompute
-
     model = build_model(c)
     init_weights(model, 0, c)
     if recompute == "full":
@@ -337,9 +340,6 @@ def assert_activations_match_saved_tensors(c, recompute: str) -> None:
 
 
 def _fit_on_rank(env, cfg_dict: dict) -> None:
-    from paratrain.config import Config
-    from paratrain.train.trainer import Trainer
-
     Trainer(Config.from_dict(cfg_dict), env).fit()
 
 
@@ -347,8 +347,6 @@ def _fit(cfg, nproc: int) -> None:
     """Train and write metrics.jsonl. Unlike harness.run_layout no weights come back: only the
     metrics are needed, and tensors in the result queue race the worker's exit (their shared-memory
     file descriptors vanish with it)."""
-    from paratrain.train.task import build_task
-    from paratrain.train.trainer import Trainer
     from tests.dist import run
 
     build_task(cfg)  # tokenize once here; workers map the cache
@@ -373,8 +371,6 @@ REALITY = {  # name -> (overrides, nproc)
 def test_model_states_match_measured(name, tmp_path):
     """Predicted model-state bytes per rank vs the counted mem_params/grads/optim_bytes (max over ranks)
     of a 2-step run of the tiny model. Goal 3%: the only slack is ZeRO's padding to a multiple of dp."""
-    from paratrain import config as config_mod
-    from paratrain.train.metrics import read_metrics
     from tests.harness import tiny_cfg
 
     overrides, nproc = REALITY[name]
@@ -387,7 +383,6 @@ def test_model_states_match_measured(name, tmp_path):
     _fit(cfg, nproc)
     row = read_metrics(tmp_path / "metrics.jsonl")[-1]
     measured = row["mem_params_bytes"] + row["mem_grads_bytes"] + row["mem_optim_bytes"]
-    from paratrain.train.task import model_config
 
     c = model_config(cfg, cfg.data.vocab_size)
     predicted = memory.device_memory(c, Training(cfg.data.seq_len, cfg.train.global_batch, precision="fp32"),

@@ -11,7 +11,7 @@ import pytest
 from paratrain.models.llama import PRESETS
 from paratrain.perf.hardware import make_cluster
 from paratrain.perf.ops import FittedGemm
-from paratrain.plan_cli import calibrate
+from paratrain.plan_cli import calibrate, parser, resolve_defaults
 from paratrain.plan_cli import main as plan_main
 from paratrain.planner import machine
 from paratrain.planner.memory import Layout, Training
@@ -120,8 +120,6 @@ def test_bad_numbers_exit_2_with_the_fix(argv, message, capsys):
 
 
 def test_validate_defaults_to_a_short_run_the_trainer_accepts():
-    from paratrain.plan_cli import parser, resolve_defaults
-
     args = parser().parse_args(["--model", "small", "--cluster", "local", "--validate"])
     resolve_defaults(args)
     assert (args.seq_len, args.global_batch) == (PRESETS["small"].max_seq_len, 16)

@@ -12,16 +12,24 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from paratrain.comm import collectives as C
+from paratrain.data_parallel.ddp import FIRST_BUCKET_BYTES, build_buckets
+from paratrain.memory.recompute import apply_recompute
+from paratrain.mesh import MeshShape, ParallelMesh
 from paratrain.models import build_model
 from paratrain.models.llama import preset
 from paratrain.perf import hardware
 from paratrain.perf.hardware import Link
 from paratrain.perf.ops import FittedGemm, OpEnv, block_costs, embed_costs, head_costs
-from paratrain.plan_cli import calibrate, calibrate_workers
+from paratrain.plan_cli import Measured, calibrate, calibrate_workers, ranking_disagreements, summarize
 from paratrain.plan_cli import main as plan_main
 from paratrain.planner import collectives, cost, local, machine
 from paratrain.planner.machine import local_cluster
 from paratrain.planner.memory import Layout, Training, stage_params
+from paratrain.tensor_parallel.cross_entropy import vocab_parallel_loss_sum
+from paratrain.tensor_parallel.plan import apply_tensor_parallel
+from paratrain.zero.fsdp import family_units
+from paratrain.zero.optimizer import ZeroDP
 
 TINY = preset("tiny")
 TR = Training(seq_len=32, global_batch=8, precision="fp32")
@@ -164,10 +172,6 @@ def _named(name: str):
 @pytest.mark.parametrize("name", ["tiny", "small"])
 @pytest.mark.parametrize("bucket_mb", [25.0, 0.25])
 def test_bucket_counts_are_those_of_ddp_and_zero(name, bucket_mb):
-    from paratrain.data_parallel.ddp import FIRST_BUCKET_BYTES, build_buckets
-    from paratrain.mesh import MeshShape, ParallelMesh
-    from paratrain.zero.optimizer import ZeroDP
-
     named = _named(name)
     c = preset(name)
     sizes = [(4 * n, norm) for n, norm in local.param_numels(c, 1, c.n_layers, True, True)]
@@ -182,8 +186,6 @@ def test_bucket_counts_are_those_of_ddp_and_zero(name, bucket_mb):
 
 
 def test_zero3_units_are_the_model_familys():
-    from paratrain.zero.fsdp import family_units
-
     model = build_model(TINY)
     units = local.zero3_units(TINY, Layout(dp=2, zero=3), TINY.n_layers, True, True, 4.0)
     assert len(units) == len(family_units(model))
@@ -264,8 +266,6 @@ def test_validate_top_must_be_positive(capsys):
 def test_ranking_is_judged_only_where_the_run_tells_layouts_apart():
     """--validate's ranking check: layouts whose step rates overlap (quartiles) are not ordered
     by the run; a layout ranked lower that measured clearly faster is reported."""
-    from paratrain.plan_cli import Measured, ranking_disagreements, summarize
-
     steady = summarize([100.0, 101.0, 99.0, 100.0, 102.0])
     assert (steady.low, steady.median, steady.high) == (100.0, 100.0, 101.0)
     close = Measured(101.5, 99.0, 103.0)  # faster median, but inside the noise of the first
@@ -318,11 +318,6 @@ class _CountingDist:
 def _tp_issued(monkeypatch, layers: int, sp: bool, recompute: str) -> list[tuple[str, float]]:
     """(kind, bytes) of every collective one tp=2 rank issues in a forward + backward of tiny with
     `layers` blocks, micro-batch 4 x 32 tokens, through paratrain's own tp layers and loss."""
-    from paratrain.comm import collectives as C
-    from paratrain.memory.recompute import apply_recompute
-    from paratrain.tensor_parallel.cross_entropy import vocab_parallel_loss_sum
-    from paratrain.tensor_parallel.plan import apply_tensor_parallel
-
     fake = _CountingDist()
     monkeypatch.setattr(C, "dist", fake)
     axis = C.Axis("tp", 2, 0, [0, 1], None, C.CommCounter())

@@ -18,9 +18,10 @@ from __future__ import annotations
 import pytest
 
 from paratrain.models.llama import PRESETS, LlamaConfig
-from paratrain.perf.hardware import GPUS, make_cluster
+from paratrain.perf.hardware import GPUS, SUSTAINED, make_cluster
 from paratrain.perf.ops import GemmModel
 from paratrain.perf.stages import balanced_split
+from paratrain.plan_cli import main as plan_main
 from paratrain.planner import cost
 from paratrain.planner.memory import Layout, Training
 from paratrain.planner.search import plan
@@ -96,8 +97,6 @@ def test_gemm_efficiency_monotone_in_size_and_below_peak(gpu):
 def test_gemm_curve_hits_the_published_maximum_at_its_shape():
     """ml-engineering's MAMF table: A100 SXM 267.9 of 312 TFLOP/s at 6912x16384x2048 (derated by
     the sustained-clock factor)."""
-    from paratrain.perf.hardware import SUSTAINED
-
     assert GPUS["a100-80g"].gemm.efficiency(6912, 16384, 2048) == pytest.approx(SUSTAINED * 267.9 / 312)
     assert GPUS["h100-80g"].gemm.efficiency(6144, 17920, 2816) == pytest.approx(SUSTAINED * 792.1 / 989)
 
@@ -160,7 +159,6 @@ def test_planner_reports_pipeline_imbalance():
 def test_json_reports_the_pipeline_imbalance(capsys):
     import json
 
-    from paratrain.plan_cli import main as plan_main
 
     assert plan_main(["--model", "llama-7b", "--gpus", "8", "--pp", "2", "--seq-len", "2048",
                       "--global-batch", "64", "--json", "--top", "3"]) == 0
