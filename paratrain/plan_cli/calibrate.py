@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -46,7 +47,7 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_op(fn, device, seconds: float = 0.05, *args) -> float:
+def time_op(fn: Callable, device: torch.device, seconds: float = 0.05, *args) -> float:
     """Seconds per call of fn(*args) after two untimed calls, over at least `seconds` and 3 calls."""
     fn(*args)
     fn(*args)
@@ -59,7 +60,8 @@ def time_op(fn, device, seconds: float = 0.05, *args) -> float:
     return (time.perf_counter() - start) / reps
 
 
-def gemm_rates(shapes, device=None, dtype=None, seconds: float = 0.05) -> list[dict]:
+def gemm_rates(shapes: list[tuple[int, int, int]], device: torch.device | None = None,
+               dtype: torch.dtype | None = None, seconds: float = 0.05) -> list[dict]:
     """Achieved FLOP/s of x[m, k] @ w[k, n] for each (m, n, k) on `device` (best of 3 timings)."""
     device = device or torch.device("cpu")
     dtype = dtype or torch.float32
@@ -72,7 +74,7 @@ def gemm_rates(shapes, device=None, dtype=None, seconds: float = 0.05) -> list[d
     return out
 
 
-def op_overhead(device=None, seconds: float = 0.05) -> dict:
+def op_overhead(device: torch.device | None = None, seconds: float = 0.05) -> dict:
     """Seconds of fixed cost per op: a tiny elementwise op forward, and a tiny linear forward+backward
     through autograd (what one layer of a model costs when its matmul is free)."""
     device = device or torch.device("cpu")
@@ -203,7 +205,8 @@ def context_seconds(seconds: float = 1.5, rounds: int = 5) -> dict:
     return out
 
 
-def memory_bandwidth(device=None, nbytes: int = 64 * 2**20, seconds: float = 0.1) -> float:
+def memory_bandwidth(device: torch.device | None = None, nbytes: int = 64 * 2**20, seconds: float = 0.1
+                     ) -> float:
     """Bytes/s of a copy (read + write counted), the bound of norms, softmax and the optimizer."""
     device = device or torch.device("cpu")
     src = torch.empty(nbytes // 4, device=device)

@@ -119,7 +119,7 @@ def _worker(env, sizes, rounds: int, reps: int) -> dict:
     return out
 
 
-def measure_workers(n: int = 2, *, sizes=SIZES, rounds: int = 3, reps: int = 15) -> dict:
+def measure_workers(n: int = 2, *, sizes: tuple[int, ...] = SIZES, rounds: int = 3, reps: int = 15) -> dict:
     """Collective timings and the contention factor of `n` workers (see the module docstring)."""
     results = spawn(_worker, n, sizes, rounds, reps, timeout=120)
     collectives = {}
