@@ -125,7 +125,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = config.load(args.config, overrides_from(args))
     if args.layout == "auto":
-        from paratrain.planner.search import auto_layout
+        from paratrain.plan_cli import auto_layout
 
         if under_torchrun():  # every rank would plan (and measure) on its own and could disagree
             raise config.ConfigError(
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "data":
             return cmd_delegate("paratrain.data.cli", rest)
         if args.command == "plan":
-            return cmd_delegate("paratrain.planner.cli", rest)
+            return cmd_delegate("paratrain.plan_cli", rest)
         return cmd_delegate("paratrain.pipeline.timeline", rest)
     except (UserError, config.ConfigError, ValueError, FileNotFoundError) as e:
         if isinstance(e, ValueError) and not _is_user_error(e):

@@ -76,7 +76,7 @@ def test_selective_recompute_saves_what_the_planner_says(shape):
     Exact for full multi-head attention; with grouped-query heads paratrain keeps k and v before
     their repeat (the repeat is inside the recomputed core), 5% below the formula here."""
     from paratrain.planner import memory
-    from paratrain.planner.hardware import local_cluster
+    from paratrain.planner.machine import local_cluster
     from paratrain.planner.memory import Layout, Training
     from tests.test_planner import _saved_activation_bytes
 
@@ -86,7 +86,7 @@ def test_selective_recompute_saves_what_the_planner_says(shape):
     none_b, sel_b = _saved_activation_bytes(plain, x, y), _saved_activation_bytes(selective, x, y)
     lay = Layout(micro_batch=4, recompute="selective")
     predicted = memory.device_memory(c, Training(32, 4, precision="fp32"), lay,
-                                     local_cluster(1, measure=False)).activations
+                                     local_cluster(1)).activations
     assert sel_b < none_b
     assert predicted == pytest.approx(sel_b, rel=0.10)
 
@@ -313,7 +313,7 @@ def test_precision_auto_measures_once_and_agrees(tmp_path, monkeypatch):
 def test_single_device_walk_names_the_step_that_fits(gb, expected):
     """llama-1b, seq 4096, 16 sequences per step on one device of `gb` GB: the first fitting step
     of the seeds' order, and every step before it does not fit."""
-    from paratrain.planner.hardware import make_cluster
+    from paratrain.perf.hardware import make_cluster
     from paratrain.planner.memory import Training
     from paratrain.planner.single_device import first_fit, walk
 
@@ -327,7 +327,7 @@ def test_single_device_walk_names_the_step_that_fits(gb, expected):
 
 
 def test_plan_on_one_device_prints_the_walk(capsys):
-    from paratrain.planner.cli import main as plan_main
+    from paratrain.plan_cli import main as plan_main
 
     assert plan_main(["--model", "llama-1b", "--gpus", "1", "--gpu-memory", "24", "--seq-len", "4096",
                       "--global-batch", "16", "--top", "1"]) == 0

@@ -126,7 +126,7 @@ def test_an_expert_without_tokens_still_gets_a_zero_gradient():
 
 
 def test_mfu_counts_the_active_experts_and_the_router():
-    from paratrain.train.task import lm_flops_per_token
+    from paratrain.perf.flops import lm_flops_per_token
 
     dense, moe = preset("tiny"), preset("tiny-moe")
     extra = 6 * moe.n_layers * (moe.dim * moe.ffn_dim * 3 + moe.dim * moe.n_experts)  # 2nd expert + router

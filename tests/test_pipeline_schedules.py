@@ -189,7 +189,8 @@ def _peer_stage(send: Action) -> int:
 def test_receive_buffers_bound_every_schedule():
     """The planner counts RECEIVE_BUFFERS boundary tensors per rank: the real lists reach it and
     never exceed it (p up to 8, m up to 32, v up to 4, both placements)."""
-    from paratrain.pipeline.schedules import RECEIVE_BUFFERS, peak_receives_posted
+    from paratrain.perf.stages import RECEIVE_BUFFERS
+    from paratrain.pipeline.schedules import peak_receives_posted
 
     for name in SCHEDULES:
         peaks = [peak_receives_posted(actions, p * v)

@@ -9,11 +9,12 @@ import json
 import pytest
 
 from paratrain.models.llama import PRESETS
-from paratrain.planner import calibrate
-from paratrain.planner.cli import main as plan_main
-from paratrain.planner.hardware import make_cluster
+from paratrain.perf.hardware import make_cluster
+from paratrain.perf.ops import FittedGemm
+from paratrain.plan_cli import calibrate, parser, resolve_defaults
+from paratrain.plan_cli import main as plan_main
+from paratrain.planner import machine
 from paratrain.planner.memory import Layout, Training
-from paratrain.planner.ops import FittedGemm
 from paratrain.planner.search import plan, states_only
 
 # flag -> (fixed key, value, Layout attribute); each is fixed alone, on 8 devices
@@ -119,8 +120,6 @@ def test_bad_numbers_exit_2_with_the_fix(argv, message, capsys):
 
 
 def test_validate_defaults_to_a_short_run_the_trainer_accepts():
-    from paratrain.planner.cli import parser, resolve_defaults
-
     args = parser().parse_args(["--model", "small", "--cluster", "local", "--validate"])
     resolve_defaults(args)
     assert (args.seq_len, args.global_batch) == (PRESETS["small"].max_seq_len, 16)
@@ -156,7 +155,7 @@ def test_fit_gemm_recovers_a_known_machine():
     truth = FittedGemm(call_s=20e-6, flops_per_s=50e9, bytes_per_s=8e9)
     points = [{"m": m, "n": n, "k": k, "seconds": truth.seconds(m, n, k)}
               for m, n, k in calibrate.LOCAL_SHAPES]
-    got = calibrate.fit_gemm(points)
+    got = machine.fit_gemm(points)
     assert got.call_s == pytest.approx(truth.call_s, rel=1e-3)
     assert got.flops_per_s == pytest.approx(truth.flops_per_s, rel=1e-3)
     assert got.bytes_per_s == pytest.approx(truth.bytes_per_s, rel=1e-3)

@@ -12,13 +12,24 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from paratrain.comm import collectives as C
+from paratrain.data_parallel.ddp import FIRST_BUCKET_BYTES, build_buckets
+from paratrain.memory.recompute import apply_recompute
+from paratrain.mesh import MeshShape, ParallelMesh
 from paratrain.models import build_model
 from paratrain.models.llama import preset
-from paratrain.planner import calibrate, calibrate_workers, cost, hardware, local
-from paratrain.planner.cli import main as plan_main
-from paratrain.planner.hardware import Link, local_cluster
+from paratrain.perf import hardware
+from paratrain.perf.hardware import Link
+from paratrain.perf.ops import FittedGemm, OpEnv, block_costs, embed_costs, head_costs
+from paratrain.plan_cli import Measured, calibrate, calibrate_workers, ranking_disagreements, summarize
+from paratrain.plan_cli import main as plan_main
+from paratrain.planner import collectives, cost, local, machine
+from paratrain.planner.machine import local_cluster
 from paratrain.planner.memory import Layout, Training, stage_params
-from paratrain.planner.ops import FittedGemm, OpEnv, block_costs, embed_costs, head_costs
+from paratrain.tensor_parallel.cross_entropy import vocab_parallel_loss_sum
+from paratrain.tensor_parallel.plan import apply_tensor_parallel
+from paratrain.zero.fsdp import family_units
+from paratrain.zero.optimizer import ZeroDP
 
 TINY = preset("tiny")
 TR = Training(seq_len=32, global_batch=8, precision="fp32")
@@ -77,7 +88,7 @@ def fake_machine(tmp_path, monkeypatch):
 
 def test_calibration_is_measured_once_and_versioned(fake_machine):
     tmp_path, calls = fake_machine
-    first, second = local_cluster(2), local_cluster(2)
+    first, second = local_cluster(2, calibrate.measure_local()), local_cluster(2, calibrate.measure_local())
     assert calls == ["gemm", "workers"]  # the second cluster read the cache
     files = list(tmp_path.glob("machine-*.json"))
     assert len(files) == 1 and f"-v{calibrate.CACHE_VERSION}" in files[0].name
@@ -87,16 +98,16 @@ def test_calibration_is_measured_once_and_versioned(fake_machine):
 
 def test_a_cache_of_an_older_version_is_measured_again(fake_machine):
     tmp_path, calls = fake_machine
-    local_cluster(2)
+    local_cluster(2, calibrate.measure_local())
     old = calibrate._cache_path()
     stale = old.with_name(old.name.replace(f"-v{calibrate.CACHE_VERSION}", "-v1"))
     old.rename(stale)  # what the previous version left behind
-    local_cluster(2)
+    local_cluster(2, calibrate.measure_local())
     assert calls == ["gemm", "workers", "gemm", "workers"]
 
 
 def test_in_context_fit_recovers_the_per_op_cost_and_the_slowdown(fake_machine):
-    d = local_cluster(2).device
+    d = local_cluster(2, calibrate.measure_local()).device
     assert d.op_s == pytest.approx(9e-6, rel=1e-6)
     assert d.in_context == pytest.approx(1.2, rel=1e-6)  # arithmetic
     assert d.in_context_bytes == pytest.approx(5.0, rel=1e-6)  # calls, bytes, memory-bound ops
@@ -106,7 +117,7 @@ def test_in_context_fit_recovers_the_per_op_cost_and_the_slowdown(fake_machine):
 
 def test_a_cache_without_the_wide_block_fits_one_factor():
     data = {"context": _context(9e-6, 2.0, wide=False), "memory_bandwidth": 6e9}
-    op_s, kf, kb = hardware._in_context(data, GEMM, 6e9, OPS, 1e-6)
+    op_s, kf, kb = machine._in_context(data, GEMM, 6e9, OPS, 1e-6)
     assert op_s == pytest.approx(9e-6, rel=1e-6)
     assert kf == kb == pytest.approx(2.0, rel=1e-6)
 
@@ -130,23 +141,23 @@ def test_in_context_splits_arithmetic_from_data_movement():
 
 
 def test_measured_collectives_replace_the_nominal_link(fake_machine):
-    link = local_cluster(2).intra
+    link = local_cluster(2, calibrate.measure_local()).intra
     assert link.curve("all_reduce") is not None and link.name.startswith("loopback (measured)")
     # between measured sizes: linear; at 1 MiB exactly the measured point
-    assert cost.all_reduce_time(2**20, 2, link) == pytest.approx(0.5e-3 + 2**20 / 1e9)
-    assert cost.all_gather_time(4, 2, link) == pytest.approx(0.5e-3 + 4e-9)
-    assert cost.p2p_time(16 * 2**10, link) == pytest.approx(0.5e-3 + 16 * 2**10 / 1e9)
+    assert collectives.all_reduce_time(2**20, 2, link) == pytest.approx(0.5e-3 + 2**20 / 1e9)
+    assert collectives.all_gather_time(4, 2, link) == pytest.approx(0.5e-3 + 4e-9)
+    assert collectives.p2p_time(16 * 2**10, link) == pytest.approx(0.5e-3 + 16 * 2**10 / 1e9)
     # beyond the largest size: the last segment's slope; 4 ranks: three hops instead of one
-    assert cost.all_reduce_time(8 * 2**20, 2, link) == pytest.approx(0.5e-3 + 8 * 2**20 / 1e9)
-    assert cost.all_reduce_time(2**20, 4, link) == pytest.approx(3 * (0.5e-3 + 2**20 / 1e9))
+    assert collectives.all_reduce_time(8 * 2**20, 2, link) == pytest.approx(0.5e-3 + 8 * 2**20 / 1e9)
+    assert collectives.all_reduce_time(2**20, 4, link) == pytest.approx(3 * (0.5e-3 + 2**20 / 1e9))
     nominal = hardware.LINKS["loopback"]
     alpha_beta = 2 * nominal.latency + 2**20 / nominal.bandwidth
-    assert cost.all_reduce_time(2**20, 2, nominal) == pytest.approx(alpha_beta)
+    assert collectives.all_reduce_time(2**20, 2, nominal) == pytest.approx(alpha_beta)
 
 
 def test_collective_fit_recovers_latency_and_bandwidth():
     rows = [{"bytes": b, "seconds": 3e-4 + b / 8e8} for b in calibrate_workers.SIZES]
-    a, c = calibrate_workers.fit_collective(rows)
+    a, c = machine.fit_collective(rows)
     assert a == pytest.approx(3e-4, rel=1e-6) and 1 / c == pytest.approx(8e8, rel=1e-6)
 
 
@@ -161,10 +172,6 @@ def _named(name: str):
 @pytest.mark.parametrize("name", ["tiny", "small"])
 @pytest.mark.parametrize("bucket_mb", [25.0, 0.25])
 def test_bucket_counts_are_those_of_ddp_and_zero(name, bucket_mb):
-    from paratrain.data_parallel.ddp import FIRST_BUCKET_BYTES, build_buckets
-    from paratrain.mesh import MeshShape, ParallelMesh
-    from paratrain.zero.optimizer import ZeroDP
-
     named = _named(name)
     c = preset(name)
     sizes = [(4 * n, norm) for n, norm in local.param_numels(c, 1, c.n_layers, True, True)]
@@ -179,8 +186,6 @@ def test_bucket_counts_are_those_of_ddp_and_zero(name, bucket_mb):
 
 
 def test_zero3_units_are_the_model_familys():
-    from paratrain.zero.fsdp import family_units
-
     model = build_model(TINY)
     units = local.zero3_units(TINY, Layout(dp=2, zero=3), TINY.n_layers, True, True, 4.0)
     assert len(units) == len(family_units(model))
@@ -207,7 +212,7 @@ def test_collectives_per_step_by_layout():
 
 
 def _cluster(**changes):
-    cl = local_cluster(2, measure=False)
+    cl = local_cluster(2)
     dev = {k: changes.pop(k) for k in list(changes) if hasattr(cl.device, k)}
     return replace(cl, device=replace(cl.device, **dev), **changes)
 
@@ -261,8 +266,6 @@ def test_validate_top_must_be_positive(capsys):
 def test_ranking_is_judged_only_where_the_run_tells_layouts_apart():
     """--validate's ranking check: layouts whose step rates overlap (quartiles) are not ordered
     by the run; a layout ranked lower that measured clearly faster is reported."""
-    from paratrain.planner.cli import Measured, ranking_disagreements, summarize
-
     steady = summarize([100.0, 101.0, 99.0, 100.0, 102.0])
     assert (steady.low, steady.median, steady.high) == (100.0, 100.0, 101.0)
     close = Measured(101.5, 99.0, 103.0)  # faster median, but inside the noise of the first
@@ -315,11 +318,6 @@ class _CountingDist:
 def _tp_issued(monkeypatch, layers: int, sp: bool, recompute: str) -> list[tuple[str, float]]:
     """(kind, bytes) of every collective one tp=2 rank issues in a forward + backward of tiny with
     `layers` blocks, micro-batch 4 x 32 tokens, through paratrain's own tp layers and loss."""
-    from paratrain.comm import collectives as C
-    from paratrain.memory.recompute import apply_recompute
-    from paratrain.tensor_parallel.cross_entropy import vocab_parallel_loss_sum
-    from paratrain.tensor_parallel.plan import apply_tensor_parallel
-
     fake = _CountingDist()
     monkeypatch.setattr(C, "dist", fake)
     axis = C.Axis("tp", 2, 0, [0, 1], None, C.CommCounter())

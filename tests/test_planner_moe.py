@@ -10,12 +10,16 @@ from dataclasses import replace
 import pytest
 
 from paratrain.engine import checks
-from paratrain.models.llama import PRESETS
-from paratrain.planner import cost, memory
-from paratrain.planner.cli import main as plan_main
-from paratrain.planner.hardware import local_cluster, make_cluster
+from paratrain.models.from_config import model_config
+from paratrain.models.llama import PRESETS, preset
+from paratrain.perf.flops import lm_flops_per_token
+from paratrain.perf.hardware import make_cluster
+from paratrain.plan_cli import main as plan_main
+from paratrain.planner import cost, local, memory
+from paratrain.planner.machine import local_cluster
 from paratrain.planner.memory import Layout, Training
 from paratrain.planner.search import evaluate, plan
+from paratrain.train.metrics import read_metrics
 
 MIXTRAL = PRESETS["mixtral-8x7b"]
 
@@ -61,8 +65,6 @@ def test_stage_params_count_every_expert_once():
 @pytest.mark.parametrize("name", ["tiny-moe", "small-moe", "mixtral-8x7b", "mixtral-8x22b"])
 def test_flops_from_active_parameters(name):
     """Model FLOPs per token = 6 x active matmul parameters + attention = the trainer's MFU numerator."""
-    from paratrain.train.task import lm_flops_per_token
-
     c = PRESETS[name]
     seq = 256
     norms = (2 * c.n_layers + 1) * c.dim
@@ -107,7 +109,6 @@ def test_ep_tp_block_collectives_by_hand(sp, recompute):
     f and an all-gather of the tokens, under SP the logits' gather and its reduce-scatter)."""
     from collections import Counter
 
-    from paratrain.planner import local
 
     c, tokens, e = PRESETS["tiny-moe"], 4 * 32, 4
     act, rows, logits, router = tokens * 64 * e, tokens * 2 * 64 * e, tokens * 4 * 4, 4 * 64 * 4
@@ -196,8 +197,6 @@ REALITY = {  # name -> (overrides, nproc)
 def test_moe_model_states_match_measured(name, tmp_path):
     """Predicted model-state bytes per rank of tiny-moe vs the counted mem_params/grads/optim_bytes
     of a 2-step run (3%: ZeRO pads to a multiple of dp), with the experts replicated and at ep2."""
-    from paratrain.train.metrics import read_metrics
-    from paratrain.train.task import model_config
     from tests.harness import tiny_cfg
     from tests.test_planner import _fit
 
@@ -210,7 +209,7 @@ def test_moe_model_states_match_measured(name, tmp_path):
     lay = Layout(dp=cfg.dp, zero=cfg.parallel.zero, ep=cfg.parallel.ep, micro_batch=cfg.micro_batch)
     c = model_config(cfg, cfg.data.vocab_size)
     predicted = memory.device_memory(c, Training(cfg.data.seq_len, cfg.train.global_batch, precision="fp32"),
-                                     lay, local_cluster(nproc, measure=False)).model_states
+                                     lay, local_cluster(nproc)).model_states
     assert predicted == pytest.approx(measured, rel=0.03), (name, predicted, measured)
 
 
@@ -219,7 +218,6 @@ def test_moe_model_states_match_measured(name, tmp_path):
 def test_moe_activations_match_saved_tensors(recompute, shape):
     """The MoE block's activation estimate against the storage autograd keeps in one fp32 forward of
     tiny-moe (the dense test's method, tests/test_planner.py); 10% as there (measured: within 4%)."""
-    from paratrain.models.llama import preset
     from tests.test_planner import assert_activations_match_saved_tensors
 
     assert_activations_match_saved_tensors(preset("tiny-moe", max_seq_len=64, **shape), recompute)

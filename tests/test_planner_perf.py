@@ -18,10 +18,12 @@ from __future__ import annotations
 import pytest
 
 from paratrain.models.llama import PRESETS, LlamaConfig
+from paratrain.perf.hardware import GPUS, SUSTAINED, make_cluster
+from paratrain.perf.ops import GemmModel
+from paratrain.perf.stages import balanced_split
+from paratrain.plan_cli import main as plan_main
 from paratrain.planner import cost
-from paratrain.planner.hardware import GPUS, make_cluster
 from paratrain.planner.memory import Layout, Training
-from paratrain.planner.ops import GemmModel
 from paratrain.planner.search import plan
 
 # billions of parameters, heads, hidden, layers, tp, pp, GPUs, batch, published TFLOP/s per GPU
@@ -95,8 +97,6 @@ def test_gemm_efficiency_monotone_in_size_and_below_peak(gpu):
 def test_gemm_curve_hits_the_published_maximum_at_its_shape():
     """ml-engineering's MAMF table: A100 SXM 267.9 of 312 TFLOP/s at 6912x16384x2048 (derated by
     the sustained-clock factor)."""
-    from paratrain.planner.hardware import SUSTAINED
-
     assert GPUS["a100-80g"].gemm.efficiency(6912, 16384, 2048) == pytest.approx(SUSTAINED * 267.9 / 312)
     assert GPUS["h100-80g"].gemm.efficiency(6144, 17920, 2816) == pytest.approx(SUSTAINED * 792.1 / 989)
 
@@ -111,13 +111,13 @@ def test_small_gemms_cost_more_per_flop():
 
 
 def test_balanced_split_by_hand():
-    assert cost.balanced_split(8, 2, 1.0) == [4, 4]
-    assert cost.balanced_split(8, 2, 1.0, last=2.0) == [5, 3]  # the head weighs two blocks
-    assert cost.balanced_split(8, 2, 1.0, first=0.5, last=0.5) == [4, 4]
-    assert cost.balanced_split(9, 3, 1.0, last=3.0) == [4, 4, 1]
-    assert cost.balanced_split(4, 4, 1.0, last=10.0) == [1, 1, 1, 1]  # every stage keeps a block
+    assert balanced_split(8, 2, 1.0) == [4, 4]
+    assert balanced_split(8, 2, 1.0, last=2.0) == [5, 3]  # the head weighs two blocks
+    assert balanced_split(8, 2, 1.0, first=0.5, last=0.5) == [4, 4]
+    assert balanced_split(9, 3, 1.0, last=3.0) == [4, 4, 1]
+    assert balanced_split(4, 4, 1.0, last=10.0) == [1, 1, 1, 1]  # every stage keeps a block
     with pytest.raises(ValueError, match="only 2 layers"):
-        cost.balanced_split(2, 3, 1.0)
+        balanced_split(2, 3, 1.0)
 
 
 @pytest.mark.parametrize("n_layers,stages,block,first,last", [
@@ -134,7 +134,7 @@ def test_balanced_split_is_optimal(n_layers, stages, block, first, last):
 
     best = min(worst(list(c)) for c in itertools.product(range(1, n_layers - stages + 2), repeat=stages)
                if sum(c) == n_layers)
-    got = cost.balanced_split(n_layers, stages, block, first, last)
+    got = balanced_split(n_layers, stages, block, first, last)
     assert sum(got) == n_layers and min(got) >= 1
     assert worst(got) == pytest.approx(best)
 
@@ -159,7 +159,6 @@ def test_planner_reports_pipeline_imbalance():
 def test_json_reports_the_pipeline_imbalance(capsys):
     import json
 
-    from paratrain.planner.cli import main as plan_main
 
     assert plan_main(["--model", "llama-7b", "--gpus", "8", "--pp", "2", "--seq-len", "2048",
                       "--global-batch", "64", "--json", "--top", "3"]) == 0

@@ -19,8 +19,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from paratrain.base.strategy import Strategy
 from paratrain.bench.common import add_common_arguments, machine
+from paratrain.config import OptimConfig
 from paratrain.device import sync_device
+from paratrain.launch import spawn
+from paratrain.mesh import MeshShape, ParallelMesh
+from paratrain.models import build_model, init_weights, materialize, preset
+from paratrain.pipeline.executor import PipelineExecutor
+from paratrain.pipeline.stage import layer_costs, parse_split, split_for_pipeline, stage_layers
 
 PEERS = {"naive": "ScheduleGPipe", "gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
          "interleaved": "ScheduleInterleaved1F1B"}
@@ -37,8 +44,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from paratrain.launch import spawn
-
     names = list(PEERS) if args.schedule == "all" else [args.schedule]
     per_schedule = spawn(_worker, args.nproc, vars(args), names, timeout=None, pg_timeout=600.0)[0]
     main = per_schedule.get("1f1b") or per_schedule[names[0]]
@@ -56,9 +61,6 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _worker(env, a: dict, names: list[str]) -> dict:
-    from paratrain.mesh import MeshShape, ParallelMesh
-    from paratrain.models import preset
-
     cfg = preset(a["model"], n_layers=a["n_layers"], vocab_size=a["vocab_size"], max_seq_len=a["seq_len"])
     mesh = ParallelMesh(MeshShape(pp=env.world_size), env.rank, env.device)
     gen = torch.Generator().manual_seed(0)
@@ -90,9 +92,6 @@ def _worker(env, a: dict, names: list[str]) -> dict:
 
 def _stage_model(cfg, mesh, stages: list[int], n_stages: int, counts: list[int]):
     """A Llama holding only ``stages``' blocks (embedding / head where owned), initialised."""
-    from paratrain.models import build_model, init_weights, materialize
-    from paratrain.pipeline.stage import stage_layers
-
     model = build_model(cfg, "meta")
     layers = stage_layers(counts)
     keep = {i for s in stages for i in layers[s]}
@@ -143,12 +142,6 @@ class _Side:
 class _Ours(_Side):
     def __init__(self, cfg, mesh, name, v, a, x, y):
         super().__init__(mesh, a, x, y)
-        from paratrain.base.strategy import Strategy
-        from paratrain.config import OptimConfig
-        from paratrain.models import build_model, init_weights, materialize
-        from paratrain.pipeline.executor import PipelineExecutor
-        from paratrain.pipeline.stage import split_for_pipeline
-
         model = build_model(cfg, "meta")
         chunks = split_for_pipeline(model, mesh, virtual_stages=v, split=a["split"])
         materialize(model, mesh.device)
@@ -174,8 +167,6 @@ class _Peer(_Side):
     def __init__(self, cfg, mesh, name, v, a, x, y):
         super().__init__(mesh, a, x, y)
         from torch.distributed import pipelining
-
-        from paratrain.pipeline.stage import layer_costs, parse_split
 
         p, rank = mesh.pp.size, mesh.pp.rank
         n_stages = p * v

@@ -306,12 +306,6 @@ def receive_lookahead_for(device_type: str) -> int:
     return 1 if device_type == "cpu" else 0
 
 
-# Most receives a rank has posted and not yet consumed, over every p, m and v and both placements
-# (each is one micro-batch's boundary activation or its gradient): the planner's buffer count,
-# which tests/test_pipeline_schedules.py checks against the real action lists.
-RECEIVE_BUFFERS = {"naive": 2, "gpipe": 3, "1f1b": 3, "interleaved": 5}
-
-
 def _post_receives_early(actions: list[Action], p: int, n_stages: int, lookahead: int) -> list[Action]:
     """Move every receive ``lookahead`` computations earlier on its rank.
 

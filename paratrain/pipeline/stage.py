@@ -13,11 +13,11 @@ Split of the blocks (``parallel.pp_split``):
 
 * default: the same number of blocks per stage; when they do not divide evenly the first
   stages take one more (the last stage also runs the final norm, the LM head and the loss);
-* ``"auto"``: contiguous blocks balanced by modelled cost (the planner's op model,
-  paratrain.planner.cost.balanced_split): the first stage also pays for the embedding, the last
-  for the final norm, the LM head and the loss (a large vocabulary weighs several blocks), so
-  block counts may be uneven (Megatron-LM's account-for-embedding / account-for-loss options
-  are the same idea, in units of one block);
+* ``"auto"``: contiguous blocks balanced by modelled cost (perf/stages.py ``balanced_split`` on
+  the op model's costs of a nominal device, the cut the planner predicts): the first stage also
+  pays for the embedding, the last for the final norm, the LM head and the loss (a large
+  vocabulary weighs several blocks), so block counts may be uneven (Megatron-LM's
+  account-for-embedding / account-for-loss options are the same idea, in units of one block);
 * ``"3,1"``: explicit blocks per stage (``p * v`` numbers, each >= 1, summing to ``n_layers``).
 
 Tied embeddings across the first and last stage: the last stage's ``lm_head.weight`` is its own
@@ -38,6 +38,8 @@ import torch.nn as nn
 from paratrain.comm import collectives as C
 from paratrain.mesh import ParallelMesh
 from paratrain.models.family import ModelFamily, family_of
+from paratrain.models.shape import ModelShape
+from paratrain.perf.stages import balanced_split, nominal_chunk_costs
 from paratrain.sharding import update_info
 
 
@@ -52,8 +54,6 @@ def parse_split(text: str | None, n_layers: int, n_stages: int, costs: tuple[flo
         base, extra = divmod(n_layers, n_stages)
         return [base + (1 if s < extra else 0) for s in range(n_stages)]
     if text == "auto":
-        from paratrain.planner.cost import balanced_split
-
         block, last, first = (tuple(costs) + (0.0,))[:3]
         return balanced_split(n_layers, n_stages, block, first=first, last=last)
     try:
@@ -67,17 +67,11 @@ def parse_split(text: str | None, n_layers: int, n_stages: int, costs: tuple[flo
     return counts
 
 
-def layer_costs(cfg, device_type: str = "cpu") -> tuple[float, float, float]:
+def layer_costs(cfg: ModelShape, device_type: str = "cpu") -> tuple[float, float, float]:
     """(one block, the last stage's extra, the first stage's extra) in seconds per sequence, from
-    the planner's op model of a nominal device of this type (never measured: every rank must
-    compute the same split)."""
-    from paratrain.planner.cost import chunk_costs
-    from paratrain.planner.hardware import local_cluster, make_cluster
-    from paratrain.planner.memory import Layout, Training
-
-    cluster = local_cluster(1, measure=False) if device_type == "cpu" else make_cluster(gpus=1)
-    precision = "fp32" if device_type == "cpu" else "bf16"
-    block, first, last = chunk_costs(cfg, Training(cfg.max_seq_len, 1, precision), Layout(), cluster)
+    the op model of a nominal device of this type (never measured: every rank must compute the
+    same split)."""
+    block, first, last = nominal_chunk_costs(cfg, device_type)
     return block, last, first
 
 

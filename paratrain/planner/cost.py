@@ -1,16 +1,15 @@
 """Time per step of one layout: compute, communication (alpha-beta), overlap, bubble, offload.
 
-Compute: op by op (ops.py): each matmul at the efficiency of its own shape per device, attention,
-memory-bound ops at bandwidth, a fixed cost per op on the local machine; pipeline stages
-balanced by that cost (``balanced_split``). Reported FLOPs use the Megatron-LM accounting
-(Narayanan et al. 2021, Section 5.1: F = 96 B s l h^2 (1 + s/6h + V/16lh) for GPT with
-recomputation, i.e. 72 without), generalised to paratrain's Llama block (SwiGLU, grouped-query
-attention, causal attention counted half, as the trainer's MFU does).
+Compute: op by op (perf/ops.py): each matmul at the efficiency of its own shape per device,
+attention, memory-bound ops at bandwidth, a fixed cost per op on the local machine; pipeline
+stages balanced by that cost (perf/stages.py ``balanced_split``, the cut the runtime makes).
+Reported FLOPs use the Megatron-LM accounting (Narayanan et al. 2021, Section 5.1:
+F = 96 B s l h^2 (1 + s/6h + V/16lh) for GPT with recomputation, i.e. 72 without), generalised to
+paratrain's blocks (the shape's MLP matrices: SwiGLU 3, GELU 2; grouped-query attention; causal
+attention counted half, as the trainer's MFU does).
 
-Communication: the alpha-beta model of ring collectives on n ranks moving M bytes:
-all-reduce 2(n-1) alpha + 2(n-1)/n M/beta; all-gather and reduce-scatter (n-1) alpha +
-(n-1)/n M/beta; point-to-point alpha + M/beta. A group uses the intra-node link if it fits in
-one node (tp ranks are neighbours, then dp, then pp), otherwise the inter-node link.
+Communication: the alpha-beta model of ring collectives (collectives.py), or on the local machine
+the collectives counted as paratrain issues them, on gloo's measured curves (local.py).
 
 Mixture of experts: compute and MFU from the ACTIVE parameters (the top_k experts a token runs
 through and the router); expert parallelism adds 2 all-to-alls forward and 2 backward per MoE
@@ -23,10 +22,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paratrain.models.llama import LlamaConfig
-from paratrain.planner.hardware import Cluster, Link
+from paratrain.models.shape import ModelShape
+from paratrain.perf.hardware import Cluster, op_env
+from paratrain.perf.ops import ACT_BYTES, block_costs, embed_costs, head_costs
+from paratrain.perf.stages import balanced_split, chunk_costs
+from paratrain.planner.collectives import (
+    all_gather_time,
+    all_reduce_time,
+    all_to_all_time,
+    group_link,
+    p2p_time,
+    reduce_scatter_time,
+)
+from paratrain.planner.local import local_dp_comm, post_step, tp_collectives, tp_seconds
 from paratrain.planner.memory import (
-    ACT_BYTES,
     Layout,
     Training,
     a2a_bytes,
@@ -37,7 +46,6 @@ from paratrain.planner.memory import (
     stage_params,
     state_bytes_per_param,
 )
-from paratrain.planner.ops import GemmModel, OpEnv, block_costs, embed_costs, head_costs
 
 # -- published formulas -------------------------------------------------------------------------
 
@@ -61,41 +69,33 @@ def megatron_training_days(n_params: float, tokens: float, n_gpus: int, flops_pe
     return 8 * tokens * n_params / (n_gpus * flops_per_gpu) / 86400
 
 
-# -- paratrain's Llama --------------------------------------------------------------------------------
+# -- paratrain's blocks -------------------------------------------------------------------------------
 
 
-def block_matmul_params(c: LlamaConfig, moe: bool = False) -> int:
+def block_matmul_params(c: ModelShape, moe: bool = False) -> int:
     """Matmul parameters one token runs through in a block: an MoE block's top_k experts and its
     router (the active parameters), not all E experts."""
     kv = c.n_kv_heads * c.head_dim
-    mlp = (c.top_k * 3 * c.dim * c.ffn_dim + c.dim * c.n_experts) if moe else 3 * c.dim * c.ffn_dim
+    one = c.mlp_matrices * c.dim * c.ffn_dim  # one MLP (one expert)
+    mlp = (c.top_k * one + c.dim * c.n_experts) if moe else one
     return 2 * c.dim * c.dim + 2 * c.dim * kv + mlp
 
 
-def blocks_matmul_params(c: LlamaConfig) -> int:
+def blocks_matmul_params(c: ModelShape) -> int:
     """Active matmul parameters of all blocks (dense blocks and MoE blocks)."""
     n_moe = c.n_moe_layers
     return (c.n_layers - n_moe) * block_matmul_params(c) + n_moe * block_matmul_params(c, moe=True)
 
 
-def model_flops_per_token(c: LlamaConfig, seq: int, causal: bool = True) -> float:
+def model_flops_per_token(c: ModelShape, seq: int, causal: bool = True) -> float:
     """Training FLOPs per token: 6 x (active) matmul parameters (blocks + LM head) + attention's
     two products, 12 l s h per token (6 l s h with the causal half). Equals the trainer's MFU
-    numerator (paratrain.train.task.lm_flops_per_token)."""
+    numerator (perf/flops.py ``lm_flops_per_token``), counted another way."""
     attn = (6.0 if causal else 12.0) * c.n_layers * seq * c.dim
     return 6.0 * (blocks_matmul_params(c) + c.vocab_size * c.dim) + attn
 
 
-def block_flops_per_token(c: LlamaConfig, seq: int, moe: bool = False) -> float:
-    """Training FLOPs of one block per token (forward 1/3, backward 2/3)."""
-    return 6.0 * block_matmul_params(c, moe) + 6.0 * seq * c.dim
-
-
-def head_flops_per_token(c: LlamaConfig) -> float:
-    return 6.0 * c.vocab_size * c.dim
-
-
-def hardware_flops_per_token(c: LlamaConfig, seq: int, recompute: str) -> float:
+def hardware_flops_per_token(c: ModelShape, seq: int, recompute: str) -> float:
     """Model FLOPs plus what recomputation repeats: full recompute re-runs every block's forward
     (+1/3 of its training FLOPs); selective only the attention scores' forward."""
     extra = 0.0
@@ -104,79 +104,6 @@ def hardware_flops_per_token(c: LlamaConfig, seq: int, recompute: str) -> float:
     elif recompute == "selective":
         extra = c.n_layers * 2.0 * seq * c.dim / 2  # forward of the causal score and value products
     return model_flops_per_token(c, seq) + extra
-
-
-# -- alpha-beta collectives ---------------------------------------------------------------------------
-
-
-def measured_time(kind: str, nbytes: float, n: int, link: Link) -> float | None:
-    """Seconds of one `kind` collective of `nbytes` payload from the link's measured curve (the
-    local machine), or None when the link has none: linear between the measured sizes, the last
-    segment's slope beyond the largest, the smallest's time below it. A group of n ranks other than
-    the measured one scales by the ring's hop count, (n - 1) / (measured - 1)."""
-    curve = link.curve(kind)
-    if curve is None:
-        return None
-    ranks, points = curve
-    points = sorted(points)
-    if nbytes <= points[0][0]:
-        t = points[0][1]
-    else:
-        (b0, t0), (b1, t1) = next(((a, b) for a, b in zip(points, points[1:]) if nbytes <= b[0]),
-                                  tuple(points[-2:]))
-        t = t0 + (nbytes - b0) * max(t1 - t0, 0.0) / (b1 - b0)
-    return t * (n - 1) / max(ranks - 1, 1)
-
-
-def all_reduce_time(nbytes: float, n: int, link: Link) -> float:
-    if n <= 1:
-        return 0.0
-    measured = measured_time("all_reduce", nbytes, n, link)
-    if measured is not None:
-        return measured
-    return 2 * (n - 1) * link.latency + 2 * (n - 1) / n * nbytes / link.bandwidth
-
-
-def all_gather_time(nbytes: float, n: int, link: Link) -> float:
-    """nbytes: the full (gathered) tensor; reduce-scatter costs the same."""
-    if n <= 1:
-        return 0.0
-    measured = measured_time("all_gather", nbytes, n, link)
-    if measured is not None:
-        return measured
-    return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
-
-
-def reduce_scatter_time(nbytes: float, n: int, link: Link) -> float:
-    """nbytes: the full (input) tensor."""
-    if n <= 1:
-        return 0.0
-    measured = measured_time("reduce_scatter", nbytes, n, link)
-    return all_gather_time(nbytes, n, link) if measured is None else measured
-
-
-def p2p_time(nbytes: float, link: Link) -> float:
-    measured = measured_time("send", nbytes, 2, link)
-    return link.latency + nbytes / link.bandwidth if measured is None else measured
-
-
-def all_to_all_time(nbytes: float, n: int, link: Link) -> float:
-    """nbytes: one rank's whole buffer; it keeps 1/n and sends (n-1)/n of it, one message to each
-    of the n - 1 others (pairwise exchange)."""
-    if n <= 1:
-        return 0.0
-    return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
-
-
-def group_link(cluster: Cluster, lay: Layout, axis: str) -> Link:
-    """The link a group's ring crosses: ranks are laid out tp fastest, then dp, then pp, so a
-    group of `size` ranks at stride `stride` spans stride * size consecutive ranks. ep groups are
-    neighbours inside dp (stride tp), edp groups stride over them (tp * ep)."""
-    stride, size = {"tp": (1, lay.tp), "dp": (lay.tp, lay.dp), "pp": (lay.tp * lay.dp, lay.pp),
-                    "ep": (lay.tp, lay.ep), "edp": (lay.tp * lay.ep, lay.edp)}[axis]
-    if stride * size <= cluster.devices_per_node:
-        return cluster.intra
-    return cluster.inter
 
 
 # -- the step -------------------------------------------------------------------------------------------
@@ -238,19 +165,7 @@ class StepTime:
                 "total": self.total}
 
 
-def op_env(cluster: Cluster, precision: str) -> OpEnv:
-    """The device as the op model sees it (a GEMM curve, bandwidth, fixed per-op cost)."""
-    dev = cluster.device
-    gemm = dev.gemm or GemmModel(1.0, 108)
-    if cluster.efficiency is not None and isinstance(gemm, GemmModel):
-        gemm = GemmModel(cluster.efficiency, gemm.sms, flash=gemm.flash)  # --efficiency: the ceiling
-    # Streaming copies reach ~90% of the datasheet bandwidth (docs/planner.md).
-    bw = dev.memory_bandwidth * (1.0 if cluster.local else 0.9)
-    return OpEnv(gemm, dev.peak_for(precision), bw, dev.op_s, dev.ops_per_block, dev.ops_rest,
-                 dev.in_context, dev.in_context_bytes)
-
-
-def stage_costs(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster, counts: list[int] | None = None
+def stage_costs(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, counts: list[int] | None = None
                 ) -> list[tuple[float, float, float]]:
     """(compute, full-recompute extra, selective-recompute extra) seconds per micro-batch of every
     pipeline rank (all its virtual stages), the embedding on the first stage and the final norm,
@@ -274,64 +189,13 @@ def stage_costs(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster, cou
     return out
 
 
-def chunk_costs(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster) -> tuple[float, float, float]:
-    """(one block, the first stage's extra, the last stage's extra) in seconds per micro-batch;
-    with MoE blocks every `moe_every` blocks, the mean block."""
-    env = op_env(cluster, tr.precision)
-    kw = {"seq": tr.seq_len, "micro_batch": lay.micro_batch, "tp": lay.tp,
-          "act_bytes": ACT_BYTES[tr.precision]}
-    blk = block_costs(c, env, sp=lay.sp, attention=tr.attention, tile=lay.tile, **kw).total
-    if c.n_moe_layers:
-        moe = block_costs(c, env, sp=lay.sp, attention=tr.attention, tile=lay.tile, moe=True, ep=lay.ep, **kw)
-        blk = (blk * (c.n_layers - c.n_moe_layers) + moe.total * c.n_moe_layers) / c.n_layers
-    return blk, embed_costs(c, env, **kw).total, head_costs(c, env, sp=lay.sp, **kw).total
-
-
-def stage_counts(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster) -> list[int]:
+def stage_counts(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster) -> list[int]:
     """Blocks per (virtual) stage: balanced by modelled cost (``--pp-split auto``)."""
     if lay.pp == 1:
         return [c.n_layers]
-    return balanced_split(c.n_layers, lay.pp * lay.v, *chunk_costs(c, tr, lay, cluster))
-
-
-def balanced_split(n_layers: int, n_stages: int, block: float, first: float = 0.0, last: float = 0.0
-                   ) -> list[int]:
-    """Contiguous blocks per stage (each >= 1) minimising the most expensive stage, the first stage
-    also paying `first` (embedding) and the last `last` (final norm, head, loss). Uneven counts are
-    the point. Binary search on the bottleneck, greedy fill: exact for contiguous splits."""
-    if n_stages > n_layers:
-        raise ValueError(f"{n_stages} pipeline stages but the model has only {n_layers} layers")
-    if n_stages == 1:
-        return [n_layers]
-
-    def fill(limit: float) -> list[int] | None:
-        counts, left = [], n_layers
-        for s in range(n_stages):
-            extra = (first if s == 0 else 0.0) + (last if s == n_stages - 1 else 0.0)
-            stages_after = n_stages - s - 1
-            if s == n_stages - 1:
-                take = left
-            else:
-                fit = int((limit - extra) / block + 1e-9) if block > 0 else left
-                take = min(fit, left - stages_after)
-            if take < 1 or take * block + extra > limit * (1 + 1e-9):
-                return None
-            counts.append(take)
-            left -= take
-        return counts
-
-    # The bottleneck is one of finitely many values, k * block + extra; feasibility is monotone
-    # in the limit, so binary search the smallest feasible candidate.
-    extras = (0.0, first, last, first + last)
-    candidates = sorted({k * block + e for k in range(1, n_layers + 1) for e in extras})
-    lo, hi = 0, len(candidates) - 1  # the largest candidate always fits
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if fill(candidates[mid]) is None:
-            lo = mid + 1
-        else:
-            hi = mid
-    return fill(candidates[lo])
+    costs = chunk_costs(c, cluster, seq=tr.seq_len, precision=tr.precision, micro_batch=lay.micro_batch,
+                        tp=lay.tp, sp=lay.sp, tile=lay.tile, ep=lay.ep, attention=tr.attention)
+    return balanced_split(c.n_layers, lay.pp * lay.v, *costs)
 
 
 def imbalance(costs: list[float]) -> float:
@@ -340,7 +204,7 @@ def imbalance(costs: list[float]) -> float:
     return max(costs) / mean - 1 if mean > 0 else 0.0
 
 
-def step_time(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster) -> StepTime:
+def step_time(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster) -> StepTime:
     """Seconds per optimizer step of `lay`, broken down (see the module docstring)."""
     e = ACT_BYTES[tr.precision]
     m = lay.n_micro(tr.global_batch)
@@ -365,8 +229,6 @@ def step_time(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster) -> St
     embed = all_reduce_time(act, lay.tp, tp_link)  # the vocab-parallel embedding's output
     mb_tp = layers[busiest] * n_coll * per_collective + embed
     n_moe = stage_moe_layers(c, lay.pp, lay.v, counts)[busiest]
-    from paratrain.planner.local import tp_collectives, tp_seconds
-
     tpc = tp_collectives(c, lay, mb_tokens, e, lay.recompute)
     op_s = cluster.device.op_s if cluster.local else 0.0
     # An MoE block under ep x tp issues other collectives than a dense one (planner/moe.py).
@@ -410,13 +272,13 @@ def step_time(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster) -> St
     experts = stage_expert_params(c, lay.tp, lay.pp, lay.v, counts, lay.ep)[busiest]
     stage_imbalance = imbalance([x[0] for x in costs]) if lay.pp > 1 else 0.0
     first, last = busiest == 0, busiest == lay.pp - 1
-    # Parameter tensors of the busiest rank: 9 per block (an MoE block: 6, the router and 3 per
-    # local expert), the embedding on the first stage, the final norm and head on the last.
-    tensors = (9 * layers[busiest] + n_moe * (3 * (c.n_experts // lay.ep) + 1 - 3)
+    # Parameter tensors of the busiest rank: per block two norms, four attention projections and
+    # the MLP's matrices (an MoE block: the router and the MLP's matrices per local expert), the
+    # embedding on the first stage, the final norm and head on the last.
+    m_mlp = c.mlp_matrices
+    tensors = ((6 + m_mlp) * layers[busiest] + n_moe * (m_mlp * (c.n_experts // lay.ep) + 1 - m_mlp)
                + (1 if first else 0) + (2 if last else 0))
     if cluster.local and lay.offload == "none":
-        from paratrain.planner.local import local_dp_comm, post_step
-
         dp_comm = local_dp_comm(c, tr, lay, cluster, mb_compute, m, psi, layers[busiest], first, last)
         optimizer = post_step(c, tr, lay, cluster, psi, tensors, layers[busiest], first, last)
         offload = 0.0
@@ -442,7 +304,7 @@ def _shard(dense: float, experts: float, lay: Layout) -> float:
     return dense / lay.dp + experts / lay.edp
 
 
-def _dp_exposed(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster, mb_compute: float, m: int,
+def _dp_exposed(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, mb_compute: float, m: int,
                 psi: float, experts: float = 0.0) -> float:
     """Exposed data-parallel communication.
 

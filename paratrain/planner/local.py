@@ -2,7 +2,7 @@
 after backward, per tensor and per element.
 
 On a GPU cluster a collective's latency is microseconds and the optimizer is a bandwidth-bound
-sweep: cost.py's alpha-beta volumes and bytes/bandwidth suffice. On this machine (gloo on loopback,
+sweep: collectives.py's alpha-beta volumes and bytes/bandwidth suffice. On this machine (gloo on loopback,
 one thread per worker, a tiny model) each collective costs ~0.2-1 ms whatever its size and the
 optimizer's per-tensor Python loop dominates its arithmetic, so the *number* of collectives and
 of tensors decides between layouts. Both are counted here from the code that issues them:
@@ -18,8 +18,11 @@ of tensors decides between layouts. Both are counted here from the code that iss
   is all-gathered before its forward and again before its backward (prefetched one unit ahead);
   its gradients are reduced once per step (the last micro-batch; ``no_sync`` before it).
 * Every layout but pure data parallelism all-reduces the squared gradient norm (a scalar).
+* Tensor parallelism: the collectives of one block and of the stage edges, as the tp layers issue
+  them (``tp_collectives``; an MoE block under ep x tp issues others, ``ep_tp_mlp_collectives``).
 
-The step after backward (norm, clip, AdamW, state count, zero_grad; calibrate.post_step_seconds)
+The step after backward (norm, clip, AdamW, state count, zero_grad; plan_cli/calibrate.py
+``post_step_seconds``)
 costs per tensor it loops over and per element: the parameters' tensors without ZeRO, the flat
 pieces of the rank's shard with it. Everything computed at once by all workers is slowed by the
 measured contention factor (calibrate_workers.py).
@@ -28,23 +31,24 @@ measured contention factor (calibrate_workers.py).
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 from paratrain.comm.bucketing import FIRST_BUCKET_BYTES, cut_before_overflow, fill_per_key
-from paratrain.models.llama import LlamaConfig
-from paratrain.planner.cost import all_gather_time, all_reduce_time, group_link, reduce_scatter_time
-from paratrain.planner.hardware import Cluster
+from paratrain.models.shape import ModelShape
+from paratrain.perf.hardware import Cluster, Link
+from paratrain.planner.collectives import all_gather_time, all_reduce_time, group_link, reduce_scatter_time
 from paratrain.planner.memory import Layout, Training, layer_params_local, state_bytes_per_param
 
 
-def param_numels(c: LlamaConfig, tp: int, blocks: int, first: bool, last: bool) -> list[tuple[int, bool]]:
+def param_numels(c: ModelShape, tp: int, blocks: int, first: bool, last: bool) -> list[tuple[int, bool]]:
     """(elements, is a norm gain) of a stage's parameter tensors on one tp rank, in registration
     order (models/llama.py): the embedding; per block the attention norm, wq, wk, wv, wo, the MLP
-    norm, gate, up, down; the final norm and the LM head."""
+    norm, the MLP's matrices (gate, up, down); the final norm and the LM head."""
     kv = c.n_kv_heads * c.head_dim
     kv_local = kv // tp if c.n_kv_heads % tp == 0 else kv
     h, f = c.dim, c.ffn_dim
     vocab = math.ceil(c.vocab_size / tp) * h
-    mlp = [(h * f // tp, False)] * 3
+    mlp = [(h * f // tp, False)] * c.mlp_matrices
     block = [(h, True), (h * h // tp, False), (h * kv_local, False), (h * kv_local, False),
              (h * h // tp, False), (h, True), *mlp]
     out = [(vocab, False)] if first else []
@@ -72,7 +76,7 @@ def zero_buckets(sizes: list[tuple[float, bool]], bucket_mb: float) -> list[floa
     return [sum(backward[i][0] for i in bucket) for bucket in cut]
 
 
-def zero3_units(c: LlamaConfig, lay: Layout, blocks: int, first: bool, last: bool, per_param: float
+def zero3_units(c: ModelShape, lay: Layout, blocks: int, first: bool, last: bool, per_param: float
                 ) -> list[tuple[float, int]]:
     """(bytes, pieces on the busiest rank) of each ZeRO-3 unit of a stage, in forward order: the
     embedding, each block, the final norm + head. A unit's flat buffer holds its matrices then its
@@ -85,7 +89,7 @@ def zero3_units(c: LlamaConfig, lay: Layout, blocks: int, first: bool, last: boo
     return units
 
 
-def collectives(c: LlamaConfig, tr: Training, lay: Layout, psi: float, blocks: int, first: bool,
+def collectives(c: ModelShape, tr: Training, lay: Layout, psi: float, blocks: int, first: bool,
                 last: bool, m: int) -> dict[str, list[float]]:
     """The data-parallel collectives of one step on the busiest rank, by phase: kind and payload
     bytes as cost.py counts them ('reduce': on gloo an all-reduce of the full buffer)."""
@@ -109,7 +113,7 @@ def collectives(c: LlamaConfig, tr: Training, lay: Layout, psi: float, blocks: i
     return out
 
 
-def local_dp_comm(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster, mb_compute: float, m: int,
+def local_dp_comm(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, mb_compute: float, m: int,
                   psi: float, blocks: int, first: bool, last: bool) -> float:
     """Exposed seconds of the step's data-parallel collectives and the gradient-norm all-reduce.
 
@@ -138,7 +142,7 @@ def local_dp_comm(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster, m
     return exposed + overlapped + norm
 
 
-def post_step(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster, psi: float, tensors: int,
+def post_step(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, psi: float, tensors: int,
               blocks: int, first: bool, last: bool) -> float:
     """Seconds of the work after backward (norm, clip, AdamW, zero_grad) on the busiest rank: per
     tensor looped over (the parameters without ZeRO; with it the flat pieces of the rank's shard)
@@ -158,7 +162,7 @@ def post_step(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster, psi: 
     return t * (cluster.contention if lay.world > 1 else 1.0)
 
 
-def tp_collectives(c: LlamaConfig, lay: Layout, tokens: int, act_bytes: float, recompute: str = "none"
+def tp_collectives(c: ModelShape, lay: Layout, tokens: int, act_bytes: float, recompute: str = "none"
                    ) -> dict[str, list[tuple[str, float]]]:
     """The tensor-parallel collectives of one micro-batch, as (kind, payload bytes) per block and
     at the stage edges, exactly as the tp layers issue them (tensor_parallel/layers.py,
@@ -201,6 +205,8 @@ def tp_collectives(c: LlamaConfig, lay: Layout, tokens: int, act_bytes: float, r
     if c.n_kv_heads % lay.tp:
         kv = c.n_kv_heads * c.head_dim
         block += [("all_reduce", 4.0 * c.dim * kv)] * 2
+        # (only a grouped-query shape replicates kv heads: LlamaConfig's, whose qkv_bias says
+        # whether the biases' gradients are all-reduced too)
         block += [("all_reduce", 4.0 * kv)] * 2 if c.qkv_bias else []
     if recompute == "full":
         block += repeat
@@ -209,18 +215,48 @@ def tp_collectives(c: LlamaConfig, lay: Layout, tokens: int, act_bytes: float, r
                                                                                    act_bytes, recompute)}
 
 
-def moe_block(c: LlamaConfig, lay: Layout, block: list[tuple[str, float]], tokens: int, act_bytes: float,
+def moe_block(c: ModelShape, lay: Layout, block: list[tuple[str, float]], tokens: int, act_bytes: float,
               recompute: str) -> list[tuple[str, float]]:
     """An MoE block's tp collectives: a dense block's, except under expert parallelism, where the
-    MLP's are replaced (planner/moe.py ``ep_tp_mlp_collectives``)."""
+    MLP's are replaced (``ep_tp_mlp_collectives``)."""
     if not c.n_moe_layers or lay.ep <= 1:
         return block
-    from collections import Counter
-
-    from paratrain.planner.moe import ep_tp_mlp_collectives
-
     dense, moe = ep_tp_mlp_collectives(c, lay, tokens, act_bytes, recompute)
     return list((Counter(block) - Counter(dense)).elements()) + moe
+
+
+def ep_tp_mlp_collectives(c: ModelShape, lay: Layout, tokens: int, act_bytes: float, recompute: str = "none"
+                          ) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
+    """An MoE block's tensor-parallel collectives under expert parallelism with tp > 1, per micro-batch,
+    as (kind, payload bytes): (the dense MLP's, which it does not issue; its own, instead).
+
+    Each tp rank dispatches 1/tp of the tokens (expert_parallel/tp_share.py; the all-to-all itself
+    is ``memory.a2a_bytes``, divided by tp). Around the experts: the rows all tp ranks received are
+    all-gathered and the outputs reduce-scattered, forward and (conjugates) backward: 2 all-gathers
+    and 2 reduce-scatters of the T*k rows (balanced routing; each rank pads to the largest share).
+    The router weight's fp32 gradient is all-reduced (f). Without SP the entry's f stays and the
+    output's all-reduce becomes an all-gather of the tokens (backward: none). Under SP the entry no
+    longer gathers the sequence and the output is not reduce-scattered: the router's T x E fp32
+    logits are gathered instead (reduce-scatter backward). Full recompute re-runs the MoE forward up
+    to the weighted sum (the rows' gather and reduce-scatter; under SP the logits' gather), not
+    the output's gather (it feeds only the residual add)."""
+    act = tokens * c.dim * act_bytes
+    rows = tokens * c.top_k * c.dim * act_bytes
+    router = 4.0 * c.dim * c.n_experts
+    experts = [("all_gather", rows), ("reduce_scatter", rows)] * 2 + [("all_reduce", router)]
+    if lay.sp:
+        logits = 4.0 * tokens * c.n_experts
+        dense = [("all_gather", act), ("reduce_scatter", act)] * 2
+        moe = [("all_gather", logits), ("reduce_scatter", logits)] + experts
+        dense_repeat, moe_repeat = [("all_gather", act)], [("all_gather", logits)]
+    else:
+        dense = [("all_reduce", act)] * 2
+        moe = [("all_reduce", act), ("all_gather", act)] + experts
+        dense_repeat, moe_repeat = [], []
+    if recompute == "full":
+        dense += dense_repeat
+        moe += moe_repeat + [("all_gather", rows), ("reduce_scatter", rows)]
+    return dense, moe
 
 
 #: Torch ops' worth of Python around each tp collective, on top of the collective itself
@@ -232,7 +268,7 @@ def moe_block(c: LlamaConfig, lay: Layout, block: list[tuple[str, float]], token
 TP_WRAPPER_OPS = 10
 
 
-def tp_seconds(colls: list[tuple[str, float]], n: int, link, op_s: float = 0.0) -> float:
+def tp_seconds(colls: list[tuple[str, float]], n: int, link: Link, op_s: float = 0.0) -> float:
     """Seconds of a list of (kind, payload bytes) collectives over `n` ranks on `link`: each on
     the measured curve of its kind (cost.py falls back to alpha-beta where none was measured),
     plus ``TP_WRAPPER_OPS`` x `op_s` of Python around each."""

@@ -10,10 +10,11 @@ Large Transformer Models"): count the tensors each op saves for backward. ``kort
 is the paper's GPT formula; ``layer_activation_bytes`` applies the same method to paratrain's
 Llama block (SwiGLU, RMSNorm in fp32, grouped-query attention through
 scaled_dot_product_attention, which keeps no s x s scores), and matches what the block saves
-exactly (tests/test_planner.py counts the saved tensors).
+exactly (tests/test_planner.py counts the saved tensors). Parameter counts read the shape's
+``mlp_matrices`` (SwiGLU 3, GELU 2); the activation formula is the Llama block's.
 
 Mixture of experts (docs/planner.md, "Mixture of experts"): an MoE block holds the router and its
-E / ep local experts (each a SwiGLU MLP, split by tp like the dense MLP); expert parameters and
+E / ep local experts (each an MLP, split by tp like the dense MLP); expert parameters and
 their gradients and optimizer state are sharded by ZeRO over the expert-data-parallel group
 (dp / ep ranks that hold the same experts), everything else over dp as for a dense model.
 """
@@ -22,11 +23,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from paratrain.models.llama import LlamaConfig
-from paratrain.pipeline.schedules import RECEIVE_BUFFERS
-from paratrain.planner.hardware import Cluster
+from paratrain.models.shape import ModelShape
+from paratrain.perf.hardware import Cluster
+from paratrain.perf.ops import ACT_BYTES
+from paratrain.perf.stages import RECEIVE_BUFFERS
 
-ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
 OFFLOAD = ("none", "cpu", "disk")
@@ -139,21 +140,21 @@ def zero_model_state_bytes(psi: float, nd: int, stage: int, sb: StateBytes) -> d
             "optim": psi * sb.optim / (nd if stage >= 1 else 1)}
 
 
-def layer_params_local(c: LlamaConfig, tp: int, *, moe: bool = False, ep: int = 1) -> int:
+def layer_params_local(c: ModelShape, tp: int, *, moe: bool = False, ep: int = 1) -> int:
     """One block's parameters on one tensor-parallel rank (norm gains replicated); an MoE block
     (``moe``) holds the router (replicated) and E / ep experts in place of the MLP."""
     kv = c.n_kv_heads * c.head_dim
     kv_local = kv // tp if c.n_kv_heads % tp == 0 else kv  # kv heads replicated when tp does not divide
-    mlp = moe_mlp_params_local(c, tp, ep) if moe else 3 * c.dim * c.ffn_dim // tp
+    mlp = moe_mlp_params_local(c, tp, ep) if moe else c.mlp_matrices * c.dim * c.ffn_dim // tp
     return c.dim * c.dim // tp * 2 + 2 * c.dim * kv_local + mlp + 2 * c.dim
 
 
-def expert_params_local(c: LlamaConfig, tp: int, ep: int) -> int:
-    """The experts one rank holds in one MoE block: E / ep SwiGLU experts, each split by tp."""
-    return c.n_experts // ep * (3 * c.dim * c.ffn_dim // tp)
+def expert_params_local(c: ModelShape, tp: int, ep: int) -> int:
+    """The experts one rank holds in one MoE block: E / ep experts, each split by tp."""
+    return c.n_experts // ep * (c.mlp_matrices * c.dim * c.ffn_dim // tp)
 
 
-def moe_mlp_params_local(c: LlamaConfig, tp: int, ep: int) -> int:
+def moe_mlp_params_local(c: ModelShape, tp: int, ep: int) -> int:
     """An MoE block's MLP on one rank: the router (dim x E, replicated) + the local experts."""
     return c.dim * c.n_experts + expert_params_local(c, tp, ep)
 
@@ -166,22 +167,25 @@ def chunk_sizes(n_layers: int, pp: int, v: int = 1, counts: list[int] | None = N
     return [n_layers // chunks + (1 if j < n_layers % chunks else 0) for j in range(chunks)]
 
 
-def stage_moe_layers(c: LlamaConfig, pp: int, v: int = 1, counts: list[int] | None = None) -> list[int]:
+def stage_moe_layers(c: ModelShape, pp: int, v: int = 1, counts: list[int] | None = None) -> list[int]:
     """MoE blocks held by each pipeline rank (chunk j of contiguous blocks on rank j % pp)."""
     out, start = [0] * pp, 0
+    if not c.n_moe_layers:  # a dense shape (GPT-2's, say) places no sparse blocks
+        return out
     for j, size in enumerate(chunk_sizes(c.n_layers, pp, v, counts)):
+        # is_moe_block: a mixture-of-experts shape's placement (LlamaConfig's ``moe_every``)
         out[j % pp] += sum(c.is_moe_block(i) for i in range(start, start + size))
         start += size
     return out
 
 
-def stage_expert_params(c: LlamaConfig, tp: int, pp: int, v: int = 1, counts: list[int] | None = None,
+def stage_expert_params(c: ModelShape, tp: int, pp: int, v: int = 1, counts: list[int] | None = None,
                         ep: int = 1) -> list[int]:
     """Expert parameters of each pipeline rank (the part ZeRO shards over edp, not dp)."""
     return [n * expert_params_local(c, tp, ep) for n in stage_moe_layers(c, pp, v, counts)]
 
 
-def vocab_local(c: LlamaConfig, tp: int) -> int:
+def vocab_local(c: ModelShape, tp: int) -> int:
     """Vocabulary rows on one tp rank: padded to a multiple of tp (padding rows are real memory)."""
     return -(-c.vocab_size // tp)
 
@@ -199,7 +203,7 @@ def rank_layers(counts: list[int], pp: int) -> list[int]:
     return [sum(counts[j] for j in range(r, len(counts), pp)) for r in range(pp)]
 
 
-def stage_params(c: LlamaConfig, tp: int, pp: int, v: int = 1, counts: list[int] | None = None,
+def stage_params(c: ModelShape, tp: int, pp: int, v: int = 1, counts: list[int] | None = None,
                  ep: int = 1) -> list[int]:
     """Local parameter count of each pipeline rank (embedding on the first, norm + head on the last;
     a tied head is a second copy on the last stage when pp > 1; MoE blocks with their E / ep
@@ -237,7 +241,7 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
     return sbh * (10 + 24 / t + attn / t)
 
 
-def layer_activation_bytes(c: LlamaConfig, seq: int, micro_batch: int, *, tp: int = 1, sp: bool = False,
+def layer_activation_bytes(c: ModelShape, seq: int, micro_batch: int, *, tp: int = 1, sp: bool = False,
                            recompute: str = "none", precision: str = "bf16", moe: bool = False) -> float:
     """Bytes one paratrain Llama block saves for backward, per micro-batch (per tp rank).
 
@@ -280,7 +284,7 @@ def layer_activation_bytes(c: LlamaConfig, seq: int, micro_batch: int, *, tp: in
     return tokens * (replicated + split / tp) + rope
 
 
-def output_activation_bytes(c: LlamaConfig, seq: int, micro_batch: int, *, tp: int = 1, sp: bool = False,
+def output_activation_bytes(c: ModelShape, seq: int, micro_batch: int, *, tp: int = 1, sp: bool = False,
                             precision: str = "bf16") -> float:
     """Final norm + LM head + loss: norm (fp32 input, normed, rstd), head input, fp32 log-probs
     (cross-entropy saves log_softmax's output; vocab-parallel under tp); + token ids."""
@@ -353,7 +357,7 @@ class Memory:
                 "capacity": self.capacity, "margin": self.margin, "offloaded": self.offloaded}
 
 
-def device_memory(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster,
+def device_memory(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster,
                   counts: list[int] | None = None) -> Memory:
     """Memory of the busiest pipeline rank of `lay` (each rank's total compared, the largest kept).
     counts: blocks per (virtual) stage (default: even, the earlier stages taking the remainder)."""
@@ -365,8 +369,8 @@ def device_memory(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster,
     experts = stage_expert_params(c, lay.tp, lay.pp, lay.v, counts, lay.ep)
     n_moe = stage_moe_layers(c, lay.pp, lay.v, counts)
     # The first rank holds the most layers and micro-batches in flight, the last one the head:
-    # the busiest device is one of the two (with MoE blocks every `moe_every`, check every rank).
-    ranks = range(lay.pp) if counts or c.moe_every > 1 else sorted({0, lay.pp - 1})
+    # the busiest device is one of the two (with MoE blocks only every few blocks, check every rank).
+    ranks = range(lay.pp) if counts or 0 < c.n_moe_layers < c.n_layers else sorted({0, lay.pp - 1})
     for rank in ranks:
         psi = params[rank]
         states = model_state_bytes(psi - experts[rank], experts[rank], lay, sb)
@@ -407,7 +411,7 @@ def model_state_bytes(dense: float, experts: float, lay: Layout, sb: StateBytes)
     return states
 
 
-def comm_buffer_bytes(c: LlamaConfig, tr: Training, lay: Layout, sb: StateBytes, psi: float) -> float:
+def comm_buffer_bytes(c: ModelShape, tr: Training, lay: Layout, sb: StateBytes, psi: float) -> float:
     """Buffers that exist for communication.
 
     DDP / ZeRO-1/2: two gradient buckets (one reducing while the next fills), at most the gradients.
@@ -432,7 +436,7 @@ def comm_buffer_bytes(c: LlamaConfig, tr: Training, lay: Layout, sb: StateBytes,
     return out
 
 
-def zero3_gathered_elements(c: LlamaConfig, lay: Layout) -> tuple[int, int]:
+def zero3_gathered_elements(c: ModelShape, lay: Layout) -> tuple[int, int]:
     """ZeRO-3's gathered parameters at their peak and the largest unit's full gradient (elements).
 
     Untiled: the current unit and the prefetched one, each up to the largest unit (a block or the
@@ -446,14 +450,14 @@ def zero3_gathered_elements(c: LlamaConfig, lay: Layout) -> tuple[int, int]:
         unit = max(block, embed)
         return 2 * unit, unit
     mlp_linear = c.ffn_dim * c.dim // lay.tp
-    rest = block - 3 * mlp_linear
+    rest = block - c.mlp_matrices * mlp_linear
     n = lay.tile  # row blocks as torch.chunk cuts them: the largest is ceil(rows / n) rows
     vocab = vocab_local(c, lay.tp)
     tile = max(-(-c.ffn_dim // n) * c.dim, -(-c.dim // n) * c.ffn_dim, -(-vocab // n) * c.dim)
     return rest + tile + max(embed, rest, tile), max(rest, tile, embed)
 
 
-def a2a_bytes(c: LlamaConfig, tr: Training, lay: Layout) -> float:
+def a2a_bytes(c: ModelShape, tr: Training, lay: Layout) -> float:
     """One rank's buffer of one expert-parallel all-to-all: its share of the micro-batch's tokens
     x top_k assignments x dim, in activation precision. Under tp each tp rank dispatches 1/tp of
     the tokens (the larger share when tp does not divide them; expert_parallel/tp_share.py), its
@@ -462,7 +466,7 @@ def a2a_bytes(c: LlamaConfig, tr: Training, lay: Layout) -> float:
     return tokens * c.top_k * c.dim * ACT_BYTES[tr.precision]
 
 
-def transient_bytes(c: LlamaConfig, tr: Training, lay: Layout, rank: int) -> float:
+def transient_bytes(c: ModelShape, tr: Training, lay: Layout, rank: int) -> float:
     """Short-lived peaks in backward: under full recompute one block's activations are rebuilt;
     on the last stage the fp32 gradient of the log-probs (tokens x vocab / tp)."""
     out = 0.0
@@ -474,7 +478,7 @@ def transient_bytes(c: LlamaConfig, tr: Training, lay: Layout, rank: int) -> flo
     return out
 
 
-def largest_unit_bytes(c: LlamaConfig, tr: Training, tp: int, ep: int = 1) -> tuple[str, float]:
+def largest_unit_bytes(c: ModelShape, tr: Training, tp: int, ep: int = 1) -> tuple[str, float]:
     """The largest layer's parameters + gradients in compute precision: what must exist whole on a
     device even under ZeRO-3 (it is gathered to run). Returns (name, bytes)."""
     sb = state_bytes_per_param(tr.precision, tr.optimizer)

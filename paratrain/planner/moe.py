@@ -7,9 +7,10 @@ all-to-all on the link the ep group spans); this module only compares plans and 
 
 from __future__ import annotations
 
-from paratrain.models.llama import LlamaConfig
-from paratrain.planner.cost import TIME_WORDS, group_link
-from paratrain.planner.hardware import GB, Cluster
+from paratrain.models.shape import ModelShape
+from paratrain.perf.hardware import GB, Cluster
+from paratrain.planner.collectives import group_link
+from paratrain.planner.cost import TIME_WORDS
 from paratrain.planner.memory import Training, state_bytes_per_param
 
 
@@ -17,12 +18,12 @@ def _count(n: float) -> str:
     return f"{n / 1e9:.3g} B" if n >= 1e9 else f"{n / 1e6:.3g} M"
 
 
-def expert_params(c: LlamaConfig) -> int:
+def expert_params(c: ModelShape) -> int:
     """Parameters of all experts of the single-device model (not the routers)."""
-    return c.n_moe_layers * c.n_experts * 3 * c.dim * c.ffn_dim
+    return c.n_moe_layers * c.n_experts * c.mlp_matrices * c.dim * c.ffn_dim
 
 
-def moe_tree(c: LlamaConfig, tr: Training, cluster: Cluster) -> list[str]:
+def moe_tree(c: ModelShape, tr: Training, cluster: Cluster) -> list[str]:
     """Decision-tree steps of an MoE model (none for a dense one): what is active, and whether the
     experts fit on a device without expert parallelism."""
     if not c.n_moe_layers:
@@ -32,7 +33,8 @@ def moe_tree(c: LlamaConfig, tr: Training, cluster: Cluster) -> list[str]:
     states = experts * (sb.params + sb.grads + sb.optim)
     dev = cluster.device
     usable = dev.memory_bytes * (1 - tr.margin) - dev.runtime_overhead_bytes
-    steps = [f"mixture of experts: {_count(c.n_params())} parameters in all, {_count(c.n_active_params())} "
+    active = c.n_params(active=True)
+    steps = [f"mixture of experts: {_count(c.n_params())} parameters in all, {_count(active)} "
              f"active per token (top-{c.top_k} of {c.n_experts} experts + the router in {c.n_moe_layers} of "
              f"{c.n_layers} blocks) -> compute and MFU count the active parameters"]
     if states > usable:
@@ -55,7 +57,7 @@ def _reasons(win, other) -> str:
                      for d, k in diffs[:2] if abs(d) > 1e-9)
 
 
-def ep_choice(c: LlamaConfig, plans: list, winner, cluster: Cluster) -> str | None:
+def ep_choice(c: ModelShape, plans: list, winner, cluster: Cluster) -> str | None:
     """Why the winner's ep degree, in one sentence with the numbers: whether the experts fit
     without ep, how the best layout of another degree compares, and what the all-to-all costs
     on the link its group spans. None for a dense model."""
@@ -100,37 +102,3 @@ def ep_choice(c: LlamaConfig, plans: list, winner, cluster: Cluster) -> str | No
                      f"{cluster.inter.name} in the best layout whose ep group spans nodes "
                      f"({p.layout.short()}, {p.time.total / winner.time.total:.3f}x the winner's step)")
     return "; ".join(parts)
-
-
-def ep_tp_mlp_collectives(c: LlamaConfig, lay, tokens: int, act_bytes: float, recompute: str = "none"
-                          ) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
-    """An MoE block's tensor-parallel collectives under expert parallelism with tp > 1, per micro-batch,
-    as (kind, payload bytes): (the dense MLP's, which it does not issue; its own, instead).
-
-    Each tp rank dispatches 1/tp of the tokens (expert_parallel/tp_share.py; the all-to-all itself
-    is ``memory.a2a_bytes``, divided by tp). Around the experts: the rows all tp ranks received are
-    all-gathered and the outputs reduce-scattered, forward and (conjugates) backward: 2 all-gathers
-    and 2 reduce-scatters of the T*k rows (balanced routing; each rank pads to the largest share).
-    The router weight's fp32 gradient is all-reduced (f). Without SP the entry's f stays and the
-    output's all-reduce becomes an all-gather of the tokens (backward: none). Under SP the entry no
-    longer gathers the sequence and the output is not reduce-scattered: the router's T x E fp32
-    logits are gathered instead (reduce-scatter backward). Full recompute re-runs the MoE forward up
-    to the weighted sum (the rows' gather and reduce-scatter; under SP the logits' gather), not
-    the output's gather (it feeds only the residual add)."""
-    act = tokens * c.dim * act_bytes
-    rows = tokens * c.top_k * c.dim * act_bytes
-    router = 4.0 * c.dim * c.n_experts
-    experts = [("all_gather", rows), ("reduce_scatter", rows)] * 2 + [("all_reduce", router)]
-    if lay.sp:
-        logits = 4.0 * tokens * c.n_experts
-        dense = [("all_gather", act), ("reduce_scatter", act)] * 2
-        moe = [("all_gather", logits), ("reduce_scatter", logits)] + experts
-        dense_repeat, moe_repeat = [("all_gather", act)], [("all_gather", logits)]
-    else:
-        dense = [("all_reduce", act)] * 2
-        moe = [("all_reduce", act), ("all_gather", act)] + experts
-        dense_repeat, moe_repeat = [], []
-    if recompute == "full":
-        dense += dense_repeat
-        moe += moe_repeat + [("all_gather", rows), ("reduce_scatter", rows)]
-    return dense, moe

@@ -11,13 +11,19 @@ table: the layouts closest to fitting are returned, marked as not fitting.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
+import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
-from paratrain.models.llama import LlamaConfig
+from paratrain.config import Config
+from paratrain.models.from_config import model_config
+from paratrain.models.shape import ModelShape
+from paratrain.perf.hardware import GB, Cluster
 from paratrain.planner.cost import TIME_WORDS, StepTime, stage_counts, step_time
-from paratrain.planner.hardware import GB, Cluster
 from paratrain.planner.memory import (
     RECOMPUTE,
     SCHEDULES,
@@ -95,7 +101,7 @@ def _micro_batches(per_rank: int) -> list[int]:
     return sorted(out)
 
 
-def check_fixed(fixed: dict, c: LlamaConfig | None, tr: Training, n: int) -> None:
+def check_fixed(fixed: dict, c: ModelShape | None, tr: Training, n: int) -> None:
     """Reject impossible fixed choices up front, naming the flag."""
     unknown = set(fixed) - set(FIXABLE)
     if unknown:
@@ -140,7 +146,7 @@ def check_fixed(fixed: dict, c: LlamaConfig | None, tr: Training, n: int) -> Non
             raise ValueError(f"--pp {fixed['pp']} is more stages than the model's {c.n_layers} layers")
 
 
-def enumerate_layouts(c: LlamaConfig, tr: Training, n: int, fixed: dict, offload: bool) -> list[Layout]:
+def enumerate_layouts(c: ModelShape, tr: Training, n: int, fixed: dict, offload: bool) -> list[Layout]:
     """Every layout of n devices allowed by the model's shape, the batch and the fixed choices."""
     out = []
     pick = lambda key, options: [fixed[key]] if key in fixed else options  # noqa: E731
@@ -172,7 +178,7 @@ def enumerate_layouts(c: LlamaConfig, tr: Training, n: int, fixed: dict, offload
     return out
 
 
-def ep_degrees(c: LlamaConfig, dp: int, fixed: dict) -> list[int]:
+def ep_degrees(c: ModelShape, dp: int, fixed: dict) -> list[int]:
     """Expert-parallel degrees to search: those dividing both dp and the number of experts
     (1 only for a dense model)."""
     if "ep" in fixed:
@@ -182,7 +188,7 @@ def ep_degrees(c: LlamaConfig, dp: int, fixed: dict) -> list[int]:
     return [e for e in _divisors(dp) if c.n_experts % e == 0]
 
 
-def _schedules(c: LlamaConfig, pp: int, m: int, fixed: dict) -> list[tuple[str, int]]:
+def _schedules(c: ModelShape, pp: int, m: int, fixed: dict) -> list[tuple[str, int]]:
     if pp == 1:  # a fixed schedule or virtual stages ask for a pipeline
         return [] if ("schedule" in fixed or fixed.get("v", 1) > 1) else [("1f1b", 1)]
     if "schedule" in fixed:
@@ -203,7 +209,7 @@ def _schedules(c: LlamaConfig, pp: int, m: int, fixed: dict) -> list[tuple[str, 
 # -- the search -------------------------------------------------------------------------------------------
 
 
-def evaluate(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster) -> Plan:
+def evaluate(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster) -> Plan:
     # memory of the stages the time model balances (the split layout_to_config asks for)
     mem = device_memory(c, tr, lay, cluster, stage_counts(c, tr, lay, cluster))
     fits, why = mem.fits, ""
@@ -216,8 +222,8 @@ def evaluate(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster) -> Pla
     return Plan(lay, mem, step_time(c, tr, lay, cluster), fits, lay.n_micro(tr.global_batch), why)
 
 
-def plan(c: LlamaConfig, tr: Training, cluster: Cluster, fixed: dict | None = None, *, top: int = 10,
-         runnable=None) -> PlanResult:
+def plan(c: ModelShape, tr: Training, cluster: Cluster, fixed: dict | None = None, *, top: int = 10,
+         runnable: Callable[[Layout], bool] | None = None) -> PlanResult:
     """Ranked layouts for model `c`, training `tr` on `cluster`, with an explanation.
 
     runnable: optional predicate on a Layout (e.g. what this version of paratrain can execute).
@@ -254,7 +260,7 @@ def plan(c: LlamaConfig, tr: Training, cluster: Cluster, fixed: dict | None = No
     return PlanResult(closest, tree, verdict, False, evaluated, _ep_notes(c, plans, closest[0], cluster))
 
 
-def _ep_notes(c: LlamaConfig, plans: list[Plan], winner: Plan, cluster: Cluster) -> list[str]:
+def _ep_notes(c: ModelShape, plans: list[Plan], winner: Plan, cluster: Cluster) -> list[str]:
     why = ep_choice(c, plans, winner, cluster)
     return [f"expert parallelism: {why}"] if why else []
 
@@ -275,7 +281,7 @@ def _distinct(plans: list[Plan]) -> list[Plan]:
 # -- explanations -----------------------------------------------------------------------------------------
 
 
-def decision_path(c: LlamaConfig, tr: Training, cluster: Cluster) -> list[str]:
+def decision_path(c: ModelShape, tr: Training, cluster: Cluster) -> list[str]:
     """The classic decision tree, with this request's numbers at every branch."""
     sb = state_bytes_per_param(tr.precision, tr.optimizer)
     psi = c.n_params()
@@ -341,7 +347,7 @@ def compare(ranked: list[Plan]) -> str:
     return f"{head}; {why}; {mem}"
 
 
-def infeasible_answer(c: LlamaConfig, tr: Training, cluster: Cluster, closest: Plan) -> str:
+def infeasible_answer(c: ModelShape, tr: Training, cluster: Cluster, closest: Plan) -> str:
     """The clear 'no' with the reason and what to try."""
     usable = closest.memory.usable
     tp_max = max(d for d in _divisors(cluster.n_devices)
@@ -404,10 +410,8 @@ def states_only(n_params: float, tr: Training, cluster: Cluster, fixed: dict | N
 # -- paratrain train --layout auto ---------------------------------------------------------------------------
 
 
-def layout_to_config(cfg, lay: Layout):
+def layout_to_config(cfg: Config, lay: Layout) -> Config:
     """A copy of `cfg` with the layout's degrees, ZeRO stage, schedule and micro-batch set."""
-    import copy
-
     new = copy.deepcopy(cfg)
     p = new.parallel
     p.dp, p.tp, p.pp, p.zero, p.sp = lay.dp, lay.tp, lay.pp, lay.zero, lay.sp
@@ -415,7 +419,7 @@ def layout_to_config(cfg, lay: Layout):
     p.ep = lay.ep
     p.pp_schedule, p.virtual_stages, p.offload = lay.schedule, lay.v, lay.offload
     if lay.offload == "disk" and not p.offload_dir:
-        p.offload_dir = str(__import__("pathlib").Path(new.train.out) / "offload")
+        p.offload_dir = str(Path(new.train.out) / "offload")
     new.train.micro_batch = lay.micro_batch
     new.train.recompute = lay.recompute
     if lay.pp > 1 and not p.pp_split:
@@ -423,49 +427,28 @@ def layout_to_config(cfg, lay: Layout):
     return new
 
 
-def runnable_here(cfg):
-    """Predicate: can paratrain's trainer run the layout? (config validation: every technique's
-    constraints)."""
-    from paratrain import config as config_mod
-
-    def ok(lay: Layout) -> bool:
-        cand = layout_to_config(cfg, lay)
-        try:
-            config_mod.validate(cand, lay.world)
-        except (config_mod.ConfigError, ValueError):
-            return False
-        return True
-
-    return ok
-
-
-def training_from_config(cfg) -> tuple[LlamaConfig, Training]:
-    from paratrain.train.task import model_config
-
+def training_from_config(cfg: Config) -> tuple[ModelShape, Training]:
     c = model_config(cfg, cfg.data.vocab_size)
     return c, Training(seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch,
                        precision=cfg.train.precision, bucket_mb=cfg.parallel.bucket_mb)
 
 
-def auto_layout(cfg, cluster: Cluster | None = None, verbose: bool = True):
+def auto_layout(cfg: Config, machine: Callable[[int], Cluster], *,
+                runnable: Callable[[Layout], bool] | None = None, verbose: bool = True) -> Config:
     """``paratrain train --layout auto``: plan for this machine (``--nproc`` workers, default one per
-    core) among the layouts paratrain can run now, and return cfg with the winner's settings."""
-    import os
-
+    core; ``machine(n)``: the cluster of n workers) among the layouts `runnable` accepts (what
+    paratrain can run now), and return cfg with the winner's settings."""
     n = cfg.parallel.nproc or os.cpu_count() or 1
     if cfg.model.name == "cnn-tiny":  # not a transformer: data parallelism is the whole tree
-        new = replace_parallel(cfg, n)
-        return new
-    from paratrain.planner.hardware import local_cluster
-
-    cluster = cluster or local_cluster(n)
+        return replace_parallel(cfg, n)
+    cluster = machine(n)
     c, tr = training_from_config(cfg)
     fixed = {"micro_batch": cfg.train.micro_batch} if cfg.train.micro_batch else {}
     result = None
     for count in range(n, 0, -1):  # n workers first; fewer only if no layout of n can run
         try:
             result = plan(c, tr, replace(cluster, n_devices=count, devices_per_node=count), fixed, top=5,
-                          runnable=runnable_here(cfg))
+                          runnable=runnable)
         except ValueError:
             continue
         if result.feasible:
@@ -480,9 +463,8 @@ def auto_layout(cfg, cluster: Cluster | None = None, verbose: bool = True):
     return layout_to_config(cfg, best.layout)
 
 
-def replace_parallel(cfg, n: int):
-    import copy
-
+def replace_parallel(cfg: Config, n: int) -> Config:
+    """`cfg` on the most data-parallel workers (up to `n`) that divide the global batch."""
     new = copy.deepcopy(cfg)
     dp = max(d for d in _divisors(n) if cfg.train.global_batch % d == 0)
     new.parallel.dp, new.parallel.nproc = dp, dp

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from paratrain.models.llama import LlamaConfig
-from paratrain.planner.hardware import GB, Cluster
+from paratrain.models.shape import ModelShape
+from paratrain.perf.hardware import GB, Cluster
+from paratrain.perf.ops import ACT_BYTES
 from paratrain.planner.memory import (
-    ACT_BYTES,
     Layout,
     Memory,
     Training,
@@ -74,7 +74,7 @@ STEPS: list[tuple[str, str, dict]] = [
 ]
 
 
-def step_memory(c: LlamaConfig, tr: Training, s: Savers, micro_batch: int, cluster: Cluster) -> Memory:
+def step_memory(c: ModelShape, tr: Training, s: Savers, micro_batch: int, cluster: Cluster) -> Memory:
     """Device memory of one device training with savers `s` at `micro_batch`."""
     t = replace(tr, precision=s.precision, optimizer=s.optimizer)
     lay = Layout(micro_batch=micro_batch, recompute=s.recompute, zero=3 if s.offload else 0,
@@ -109,7 +109,7 @@ def _largest_fitting(c, tr, s: Savers, cluster) -> tuple[int, Memory]:
     return 1, step_memory(c, tr, s, 1, cluster)
 
 
-def walk(c: LlamaConfig, tr: Training, cluster: Cluster) -> list[Step]:
+def walk(c: ModelShape, tr: Training, cluster: Cluster) -> list[Step]:
     """Every step of the walk, in the seeds' order (stop reading at the first that fits)."""
     steps, s = [], Savers()
     for name, flags, change in STEPS:

@@ -16,9 +16,10 @@ from paratrain.data import Corpus, TokenRows, check_batch_fits, check_vocab, loa
 from paratrain.engine.task import Task
 from paratrain.models import build_model, init_weights, materialize, tied_name
 from paratrain.models.from_config import model_config, model_shape  # noqa: F401  (re-exported)
-from paratrain.models.llama import LlamaConfig, full_init_value
+from paratrain.models.llama import full_init_value
 from paratrain.models.llama_hf import HFCheckpoint
 from paratrain.models.moe_train import MoEAccounting
+from paratrain.perf.flops import lm_flops_per_token
 from paratrain.sharding import TensorShard
 from paratrain.train.image_task import ImageTask
 
@@ -95,19 +96,6 @@ class LanguageModelTask(Task):
 
     def val_batch(self, index, global_batch, rows=None):
         return self.rows.val_batch(index, global_batch, rows)
-
-
-def lm_flops_per_token(c: LlamaConfig, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward = 3 x forward), the Megatron-LM accounting:
-    6 x the matmul parameters (every block's linears and the LM head; the embedding lookup and the
-    norms do no matmul) + attention's score and value products, 6 * L * s * d with the causal half.
-    """
-    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    per_layer = 2 * c.dim * q + 2 * c.dim * kv + 3 * c.dim * c.ffn_dim
-    # MoE: the top_k experts a token runs through (one is in per_layer) and the router
-    moe = c.n_moe_layers * ((c.top_k - 1) * 3 * c.dim * c.ffn_dim + c.dim * c.n_experts)
-    matmul_params = c.n_layers * per_layer + moe + c.vocab_size * c.dim
-    return 6.0 * matmul_params + 6.0 * c.n_layers * seq_len * c.dim
 
 
 def build_task(cfg: Config, corpus: Corpus | None = None) -> Task:

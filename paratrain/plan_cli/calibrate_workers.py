@@ -18,13 +18,22 @@ per core, one thread each, gloo over loopback. Two things cannot be measured in 
 
 ``measure_workers`` spawns the workers as paratrain does (``paratrain.launch.spawn``, forkserver,
 one thread each); a few seconds, most of it starting the processes. The result is cached with
-the rest of the machine's calibration (calibrate.py).
+the rest of the machine's calibration (calibrate.py); planner/machine.py fits it
+(``fit_collective``).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from paratrain.launch import spawn
+from paratrain.models import build_model
+from paratrain.models.llama import preset
 
 # Payload sizes (bytes) at which each collective is timed: latency-bound to bandwidth-bound.
 SIZES = (4, 16 * 2**10, 256 * 2**10, 2**20, 4 * 2**20)
@@ -46,9 +55,6 @@ def _time(fn, reps: int, mean: bool = False) -> float:
 def _collective(kind: str, nbytes: int, rank: int, n: int):
     """A callable issuing one collective of `nbytes` payload (as cost.py counts it: all-reduce the
     tensor, all-gather the gathered output, send the message) between the workers."""
-    import torch
-    import torch.distributed as dist
-
     numel = max(1, nbytes // 4)
     if kind == "all_reduce":
         t = torch.ones(numel)
@@ -75,12 +81,6 @@ def _collective(kind: str, nbytes: int, rank: int, n: int):
 
 def _block_step(tokens: int):
     """Forward + backward of a 2-block tiny paratrain model on `tokens` tokens."""
-    import torch
-    import torch.nn.functional as F
-
-    from paratrain.models import build_model
-    from paratrain.models.llama import preset
-
     torch.manual_seed(0)
     model = build_model(preset("tiny", n_layers=2))
     x = torch.randint(0, 512, (max(1, tokens // 32), min(tokens, 32)))
@@ -91,8 +91,6 @@ def _block_step(tokens: int):
 
 
 def _worker(env, sizes, rounds: int, reps: int) -> dict:
-    import torch.distributed as dist
-
     rank, n = env.rank, env.world_size
     out: dict = {"n": n, "collectives": {}}
     for _ in range(3):
@@ -121,20 +119,8 @@ def _worker(env, sizes, rounds: int, reps: int) -> dict:
     return out
 
 
-def fit_collective(rows: list[dict]) -> tuple[float, float]:
-    """(a seconds, c seconds per byte) of seconds = a + bytes * c, least squares in relative
-    error (each point weighted by 1 / its time); negative coefficients are clipped to tiny ones."""
-    import numpy as np
-
-    a_rows = np.array([[1.0 / r["seconds"], r["bytes"] / r["seconds"]] for r in rows])
-    coef, *_ = np.linalg.lstsq(a_rows, np.ones(len(rows)), rcond=None)
-    return max(float(coef[0]), 1e-7), max(float(coef[1]), 1e-13)
-
-
-def measure_workers(n: int = 2, *, sizes=SIZES, rounds: int = 3, reps: int = 15) -> dict:
+def measure_workers(n: int = 2, *, sizes: tuple[int, ...] = SIZES, rounds: int = 3, reps: int = 15) -> dict:
     """Collective timings and the contention factor of `n` workers (see the module docstring)."""
-    from paratrain.launch import spawn
-
     results = spawn(_worker, n, sizes, rounds, reps, timeout=120)
     collectives = {}
     for kind in KINDS:  # the mean over ranks of each rank's median

@@ -3,19 +3,38 @@
     paratrain plan --model llama-7b --gpus 8 --gpu a100-80g --seq-len 4096 --global-batch 512
     paratrain plan --params 175e9 --gpus 1024 --gpu a100-80g        # model states only
     paratrain plan --model small --cluster local --validate          # predicted vs measured here
+
+The command layer of the planner (paratrain/planner/ reads plain descriptions only): it measures
+this machine for ``--cluster local`` (calibrate.py, calibrate_workers.py: they run paratrain's own
+pieces), asks the trainer what it can run (``runnable_here``) and runs the top plans through it
+(``--validate``); ``auto_layout`` is ``paratrain train --layout auto``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import sys
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from paratrain import config
+from paratrain.engine import checks
+from paratrain.launch import spawn
 from paratrain.models.llama import PRESETS, LlamaConfig
-from paratrain.planner.hardware import GB, GPUS, LINKS, make_cluster
-from paratrain.planner.memory import Training
-from paratrain.planner.search import Plan, PlanResult, plan, states_only
+from paratrain.perf.hardware import GB, GPUS, LINKS, Cluster, make_cluster
+from paratrain.plan_cli.calibrate import measure_local
+from paratrain.planner import search
+from paratrain.planner.machine import local_cluster
+from paratrain.planner.memory import Layout, Training
+from paratrain.planner.search import Plan, PlanResult, layout_to_config, plan, states_only
+from paratrain.planner.single_device import walk, walk_json, walk_report
+from paratrain.train.metrics import read_metrics
+from paratrain.train.task import build_task
+from paratrain.train.trainer import Trainer
 
 
 def parser() -> argparse.ArgumentParser:
@@ -71,7 +90,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def model_from(args) -> LlamaConfig | None:
+def model_from(args: argparse.Namespace) -> LlamaConfig | None:
     shape = {"n_layers": args.layers, "dim": args.hidden, "n_heads": args.heads, "n_kv_heads": args.kv_heads,
              "ffn_dim": args.ffn, "vocab_size": args.vocab}
     given = {k: v for k, v in shape.items() if v is not None}
@@ -106,10 +125,8 @@ def model_from(args) -> LlamaConfig | None:
     return c
 
 
-def check_numbers(args) -> None:
+def check_numbers(args: argparse.Namespace) -> None:
     """Every numeric input, before anything is planned: a wrong number is an error, never a default."""
-    import math
-
     positive = {"--gpus": args.gpus, "--gpus-per-node": args.gpus_per_node, "--seq-len": args.seq_len,
                 "--global-batch": args.global_batch, "--micro-batch": args.micro_batch, "--top": args.top,
                 "--validate-steps": args.validate_steps, "--validate-top": args.validate_top,
@@ -133,11 +150,9 @@ def check_numbers(args) -> None:
                          f"{args.validate_steps})")
 
 
-def cluster_from(args):
+def cluster_from(args: argparse.Namespace) -> Cluster:
     if args.cluster == "local":
-        from paratrain.planner.hardware import local_cluster
-
-        cl = local_cluster(args.gpus)
+        cl = local_cluster(args.gpus, measure_local())
     else:
         gpus = 8 if args.gpus is None else args.gpus
         cl = make_cluster(gpus=gpus, gpus_per_node=args.gpus_per_node, gpu=args.gpu,
@@ -148,7 +163,7 @@ def cluster_from(args):
     return cl
 
 
-def fixed_from(args) -> dict:
+def fixed_from(args: argparse.Namespace) -> dict:
     pairs = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "zero": args.zero, "v": args.virtual_stages,
              "sp": args.sp, "recompute": args.recompute, "schedule": args.pp_schedule,
              "offload": args.offload, "micro_batch": args.micro_batch, "ep": args.ep, "tile": args.tile}
@@ -173,7 +188,7 @@ def table(result: PlanResult) -> str:
     return "\n".join(lines)
 
 
-def report(result: PlanResult, cluster) -> str:
+def report(result: PlanResult, cluster: Cluster) -> str:
     out = [f"cluster: {cluster.describe()}", "", "decision tree:"]
     out += [f"  {i}. {s}" for i, s in enumerate(result.tree, 1)]
     out += ["", table(result), "", ("why: " if result.feasible else "") + result.verdict, *result.notes,
@@ -184,11 +199,12 @@ def report(result: PlanResult, cluster) -> str:
 
 def model_params(c: LlamaConfig) -> dict:
     """Total and active parameters (equal for a dense model; an MoE token runs top_k experts)."""
-    return {"total": c.n_params(), "active": c.n_active_params(), "n_experts": c.n_experts,
+    return {"total": c.n_params(), "active": c.n_params(active=True), "n_experts": c.n_experts,
             "top_k": c.top_k if c.n_experts else None, "moe_layers": c.n_moe_layers}
 
 
-def to_json(args, result: PlanResult, cluster, c: LlamaConfig | None = None) -> dict:
+def to_json(args: argparse.Namespace, result: PlanResult, cluster: Cluster, c: LlamaConfig | None = None
+            ) -> dict:
     return {"inputs": {k: v for k, v in vars(args).items() if k not in ("json", "plot", "validate")},
             "cluster": cluster.describe(), "feasible": result.feasible, "decision_tree": result.tree,
             "explanation": result.verdict, "notes": result.notes, "evaluated": result.evaluated,
@@ -198,7 +214,7 @@ def to_json(args, result: PlanResult, cluster, c: LlamaConfig | None = None) -> 
 
 def plot(plans: list[Plan], path: str) -> str:
     """Stacked memory breakdown of each plan against the device's capacity."""
-    import matplotlib
+    import matplotlib  # lazy: an optional dependency, and seconds of import for a plot few ask for
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -223,7 +239,7 @@ def plot(plans: list[Plan], path: str) -> str:
     return path
 
 
-def states_only_report(n_params: float, tr: Training, cluster, fixed: dict | None = None
+def states_only_report(n_params: float, tr: Training, cluster: Cluster, fixed: dict | None = None
                        ) -> tuple[str, list[dict]]:
     rows = states_only(n_params, tr, cluster, fixed)
     lines = [f"model states only ({n_params:.3g} parameters, {tr.precision}, {tr.optimizer}; no activations: "
@@ -255,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def resolve_defaults(args) -> None:
+def resolve_defaults(args: argparse.Namespace) -> None:
     """Defaults that depend on the mode: --validate trains each plan here for a few steps, so it
     plans a short run the trainer accepts (the preset's positions, capped at 256; 16 sequences a
     step) unless told otherwise, and refuses a --seq-len the preset cannot run, before planning."""
@@ -270,7 +286,7 @@ def resolve_defaults(args) -> None:
                          f"--seq-len {positions} or less (got {args.seq_len})")
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     resolve_defaults(args)
     check_numbers(args)
     if args.precision is None:
@@ -287,14 +303,10 @@ def run(args) -> int:
         raise ValueError("--validate runs the plans on this machine: add --cluster local")
     runnable = None
     if args.validate:
-        from paratrain.planner.search import runnable_here
-
         runnable = runnable_here(base_config(args, c))
     result = plan(c, tr, cluster, fixed_from(args), top=args.top, runnable=runnable)
     out = to_json(args, result, cluster, c) if args.json else report(result, cluster)
     if cluster.n_devices == 1:  # one device: the seeds' walk (planner/single_device.py)
-        from paratrain.planner.single_device import walk, walk_json, walk_report
-
         steps = walk(c, tr, cluster)
         walked = walk_json(steps) if args.json else walk_report(steps)
         out = {**out, "single_device_walk": walked} if args.json else f"{out}\n\n{walked}"
@@ -306,13 +318,37 @@ def run(args) -> int:
     return 0
 
 
+# -- what the trainer runs: --validate, paratrain train --layout auto ----------------------------------
+
+
+def runnable_here(cfg: config.Config) -> Callable[[Layout], bool]:
+    """Predicate on a Layout: can paratrain's trainer run it? (config validation: every technique's
+    constraints)."""
+    def ok(lay: Layout) -> bool:
+        try:
+            checks.validate(layout_to_config(cfg, lay), lay.world)
+        except (config.ConfigError, ValueError):
+            return False
+        return True
+
+    return ok
+
+
+def auto_layout(cfg: config.Config, cluster: Cluster | None = None, verbose: bool = True) -> config.Config:
+    """``paratrain train --layout auto``: the planner's best layout for this machine among those the
+    trainer can run (planner/search.py ``auto_layout``); the machine as measured (once, cached)
+    unless `cluster` is given."""
+    def machine(n: int) -> Cluster:
+        return cluster if cluster is not None else local_cluster(n, measure_local())
+
+    return search.auto_layout(cfg, machine, runnable=runnable_here(cfg), verbose=verbose)
+
+
 # -- --validate: predicted vs measured on this machine ----------------------------------------------------
 
 
-def base_config(args, c: LlamaConfig):
+def base_config(args: argparse.Namespace, c: LlamaConfig) -> config.Config:
     """The paratrain training config the plan's layouts are applied to (a short run)."""
-    from paratrain import config
-
     if args.model is None:
         raise ValueError("--validate trains the model: give --model PRESET (shape flags override it)")
     over = {"model.name": args.model, "model.dim": c.dim, "model.n_layers": c.n_layers,
@@ -325,10 +361,7 @@ def base_config(args, c: LlamaConfig):
 
 
 def _validate_worker(env, cfg_dict: dict) -> None:
-    from paratrain.config import Config
-    from paratrain.train.trainer import Trainer
-
-    Trainer(Config.from_dict(cfg_dict), env).fit()
+    Trainer(config.Config.from_dict(cfg_dict), env).fit()
 
 
 @dataclass(frozen=True)
@@ -341,13 +374,8 @@ class Measured:
     high: float  # 75th percentile
 
 
-def measure(cfg) -> Measured:
+def measure(cfg: config.Config) -> Measured:
     """Tokens/s of a short run of `cfg` (the first two steps are warm-up)."""
-    from paratrain.launch import spawn
-    from paratrain.train.metrics import read_metrics
-    from paratrain.train.task import build_task
-    from paratrain.train.trainer import Trainer
-
     build_task(cfg)  # tokenize once, here
     if cfg.world_size == 1:
         Trainer(cfg).fit()
@@ -359,8 +387,6 @@ def measure(cfg) -> Measured:
 
 
 def summarize(rates: list[float]) -> Measured:
-    import statistics
-
     if len(rates) < 2:
         return Measured(rates[0], rates[0], rates[0])
     q1, _, q3 = statistics.quantiles(rates, n=4, method="inclusive")
@@ -375,12 +401,9 @@ def ranking_disagreements(measured: list[Measured]) -> list[tuple[int, int]]:
             if measured[j].low > measured[i].high]
 
 
-def validate(args, c: LlamaConfig, result: PlanResult, top: int = 3) -> list[tuple[Plan, Measured]]:
+def validate(args: argparse.Namespace, c: LlamaConfig, result: PlanResult, top: int = 3
+             ) -> list[tuple[Plan, Measured]]:
     """Run the top plans briefly through paratrain's trainer; print predicted vs measured tokens/s."""
-    import tempfile
-
-    from paratrain.planner.search import layout_to_config
-
     base = base_config(args, c)
     out = []
     print(f"\nvalidating the top {min(top, len(result.plans))} plans on this machine "
@@ -407,7 +430,3 @@ def validate(args, c: LlamaConfig, result: PlanResult, top: int = 3) -> list[tup
     else:
         print("every pair the run tells apart (quartiles not overlapping) is ranked as predicted")
     return out
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,16 +1,19 @@
-"""What the planner knows about machines: devices, links, and the cluster they form.
+"""What is known about machines: devices, links, and the cluster they form.
 
 Figures are the vendors' published dense peaks (no sparsity) and nominal per-device link
-bandwidths, one direction. The ``local`` cluster is this machine, measured: each "device" is
-one paratrain worker process (1 thread, fp32 matmuls, gloo on loopback).
+bandwidths, one direction. A CPU cluster (``cpu_cluster``) is this machine as paratrain runs on it:
+each "device" is one worker process (1 thread, fp32 matmuls, gloo on loopback); its nominal
+figures (``nominal_cpu_cluster``) are what the runtime's cost-balanced pipeline split weighs (every
+rank must compute the same split, so nothing is measured there), and the planner replaces them by
+this machine's measurements (planner/machine.py). ``op_env`` is a device as the op model (ops.py)
+sees it.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
-from paratrain.planner.ops import FittedGemm, GemmModel
+from paratrain.perf.ops import FittedGemm, GemmModel, OpEnv
 
 GB = 1e9  # the planner reports decimal GB, as the ZeRO and Megatron-LM papers do
 GiB = 2**30
@@ -47,7 +50,7 @@ class Link:
     # used instead of alpha-beta for that kind (cost.collective_seconds).
     measured: tuple = ()
 
-    def curve(self, kind: str):
+    def curve(self, kind: str) -> tuple[int, tuple] | None:
         """(ranks, points) measured for `kind`, or None."""
         return next(((n, pts) for k, n, pts in self.measured if k == kind), None)
 
@@ -178,141 +181,53 @@ def host_memory_bytes() -> float:
     return 8.0 * GiB
 
 
-def _context_rows(data: dict, gemm: FittedGemm, bandwidth: float, ops: dict):
-    """(model, layers, tokens, seconds) of each forward + backward timed in a training loop
-    (calibrate.context_seconds): tiny's 64-wide block and, where measured, the 256-wide one."""
-    from paratrain.models.llama import preset
-    from paratrain.planner.calibrate import CONTEXT_WIDE
-
-    ctx = data["context"]
-    models = [(preset("tiny"), ctx)]
-    if "wide" in ctx:
-        models.append((preset("tiny", **CONTEXT_WIDE), ctx["wide"]))
-    for c, times in models:
-        for i, tokens in enumerate(ctx["tokens"]):
-            for layers, name in ((1, "one"), (2, "two")):
-                yield c, layers, tokens, times[name][i]
+def op_env(cluster: Cluster, precision: str) -> OpEnv:
+    """The device as the op model sees it (a GEMM curve, bandwidth, fixed per-op cost)."""
+    dev = cluster.device
+    gemm = dev.gemm or GemmModel(1.0, 108)
+    if cluster.efficiency is not None and isinstance(gemm, GemmModel):
+        gemm = GemmModel(cluster.efficiency, gemm.sms, flash=gemm.flash)  # --efficiency: the ceiling
+    # Streaming copies reach ~90% of the datasheet bandwidth (docs/planner.md).
+    bw = dev.memory_bandwidth * (1.0 if cluster.local else 0.9)
+    return OpEnv(gemm, dev.peak_for(precision), bw, dev.op_s, dev.ops_per_block, dev.ops_rest,
+                 dev.in_context, dev.in_context_bytes)
 
 
-def _work(c, env, layers: int, tokens: int) -> float:
-    """Modelled seconds of `layers` blocks, the embedding and the head (dispatch included)."""
-    from paratrain.planner.ops import block_costs, embed_costs, head_costs
-
-    kw = {"seq": 32, "micro_batch": tokens // 32, "act_bytes": 4}
-    return (layers * block_costs(c, env, **kw).total + head_costs(c, env, **kw).total
-            + embed_costs(c, env, **kw).total)
-
-
-def _in_context(data: dict, gemm: FittedGemm, bandwidth: float, ops: dict, bare: float
-                ) -> tuple[float, float, float]:
-    """(op_s, in_context, in_context_bytes) from 1- and 2-block models timed in a training loop at
-    two token counts (calibrate.context_seconds), least squares in relative error:
-
-        seconds = ops x op_s + in_context x (the op model's arithmetic: GEMM flops / flops_per_s)
-                  + in_context_bytes x (the rest of its work: GEMM calls and bytes, memory-bound ops)
-
-    op_s is what each dispatched op costs beyond its work (Python, autograd, allocator). Inside a
-    step the operands of every kernel come cold from memory (the step between passes evicts them),
-    which the standalone GEMM curve, timed with hot caches, does not see: the data-moving part of
-    the work slows several-fold (~5.5x here), the arithmetic barely (~1.0-1.1x). One factor for
-    both, fitted on tiny's 64-wide block alone, charged a 256-wide model's large GEMMs the small
-    ones' slowdown (small predicted 2-3x too slow); the 256-wide block (calibrate.CONTEXT_WIDE),
-    whose work is mostly arithmetic, separates the two. A cache without it fits one factor."""
-    import numpy as np
-
-    from paratrain.planner.ops import FittedGemm as Fg
-    from paratrain.planner.ops import OpEnv
-
-    arith = OpEnv(Fg(call_s=1e-30, flops_per_s=gemm.flops_per_s, bytes_per_s=1e30), gemm.flops_per_s, 1e30)
-    moving = OpEnv(Fg(call_s=gemm.call_s, flops_per_s=1e30, bytes_per_s=gemm.bytes_per_s), 1e30, bandwidth)
-    rows = list(_context_rows(data, gemm, bandwidth, ops))
-    a = np.array([[(layers * ops["block"] + ops["rest"]) / t, _work(c, arith, layers, tokens) / t,
-                   _work(c, moving, layers, tokens) / t] for c, layers, tokens, t in rows])
-    wide = "wide" in data["context"]
-    if not wide:  # one factor for both parts
-        a = np.column_stack([a[:, 0], a[:, 1] + a[:, 2]])
-    coef, *_ = np.linalg.lstsq(a, np.ones(len(rows)), rcond=None)
-    op_s, kf = max(float(coef[0]), bare), max(float(coef[1]), 1.0)
-    return op_s, kf, max(float(coef[2]), 1.0) if wide else kf
-
-
-def _recompute_scale(data: dict, gemm: FittedGemm, bandwidth: float, ops: dict, op_s: float,
-                     in_context: float, in_context_bytes: float) -> float:
-    """Measured extra seconds of full recomputation (the ``*_rc`` context timings of tiny less the
-    plain ones) over the op model's block forward times the blocks, least squares over the four
-    cases: torch's checkpoint re-runs the forward and adds its own bookkeeping."""
-    from paratrain.models.llama import preset
-    from paratrain.planner.ops import OpEnv, block_costs
-
-    ctx = data["context"]
-    if "two_rc" not in ctx:
-        return 1.0
-    env = OpEnv(gemm, gemm.flops_per_s, bandwidth, op_s, ops["block"], ops["rest"], in_context,
-                in_context_bytes)
-    num = den = 0.0
-    for i, tokens in enumerate(ctx["tokens"]):
-        fwd = block_costs(preset("tiny"), env, seq=32, micro_batch=tokens // 32, act_bytes=4).forward
-        for layers, name in ((1, "one"), (2, "two")):
-            extra, model = ctx[f"{name}_rc"][i] - ctx[name][i], layers * fwd
-            num, den = num + extra * model, den + model * model
-    return max(num / den, 1.0) if den > 0 else 1.0
-
-
-def _loopback(workers: dict | None) -> Link:
-    """gloo on loopback: the measured collectives (calibrate_workers.py), or the nominal link."""
-    loop = LINKS["loopback"]
-    if not workers:
-        return loop
-    from paratrain.planner.calibrate_workers import fit_collective
-
-    n = workers["n"]
-    measured = tuple((kind, n, tuple((r["bytes"], r["seconds"]) for r in rows))
-                     for kind, rows in workers["collectives"].items())
-    a, c = fit_collective(workers["collectives"]["all_reduce"])  # alpha-beta for the description
-    return Link("loopback (measured)", 2 * (n - 1) / n / c, a / (2 * (n - 1)), measured)
-
-
-def local_cluster(n_devices: int | None = None, *, measure: bool = True) -> Cluster:
-    """This machine as paratrain uses it: n worker processes, 1 thread each, fp32, gloo loopback.
-
-    measure=True (calibrate.measure_local, once, cached): the single-thread matmul curve (fitted);
-    the fixed cost of one op and how much slower a kernel's arithmetic and its data movement run
-    inside a model than standalone (``_in_context``, from real blocks of two widths timed in a
-    training loop at two token counts);
-    full recompute's real cost (``_recompute_scale``); the step after backward per tensor and per
-    element; the memory bandwidth; and, with two or more cores, gloo's collectives (the links'
-    measured curves, ``_loopback``) and the contention factor of busy workers
-    (calibrate_workers.py). measure=False: nominal figures of a 2020s x86 core and the nominal
-    loopback link (tests). The memory of a "device" is the machine's RAM divided among the workers.
-    """
-    n = n_devices or os.cpu_count() or 1
-    workers, contention = None, 1.0
-    if measure:
-        from paratrain.planner.calibrate import fit_gemm, measure_local
-
-        data = measure_local()
-        gemm = fit_gemm(data["gemm"])
-        bw, ops = data["memory_bandwidth"], data["ops"]
-        op_s, in_context, in_bytes = _in_context(data, gemm, bw, ops, data["overhead"]["elementwise_s"])
-        recompute = _recompute_scale(data, gemm, bw, ops, op_s, in_context, in_bytes)
-        opt_s, opt_e = data["post_step"]["tensor_s"], data["post_step"]["element_s"]
-        workers = data.get("workers")
-        contention = workers["contention"] if workers else 1.0
-    else:
-        gemm, op_s, bw = FittedGemm(call_s=5e-6, flops_per_s=60e9, bytes_per_s=10e9), 5e-6, 10e9
-        # op counts as calibrate.count_ops finds them for paratrain's Llama under torch 2.13
-        ops, opt_s, opt_e, in_context, recompute = {"block": 235, "rest": 48}, 60e-6, 4e-9, 1.0, 1.0
-        in_bytes = 1.0
+def cpu_device(n: int, gemm: FittedGemm, bandwidth: float, **measured: float) -> Device:
+    """One of `n` worker processes of this machine: its share of the RAM, the fitted GEMM curve's
+    rate as the fp32 peak, and the figures a calibration measured (``Device``'s fields)."""
     peak = gemm.flops_per_s
-    ram = host_memory_bytes()
     # bf16 matmuls run 5-100x slower than fp32 on an AVX2 CPU (no bf16 instructions): peak / 10.
-    device = Device("cpu-worker", ram / n, peak / 10, peak, bw,
-                    runtime_overhead_bytes=650 * 2**20,  # a worker with torch + gloo: ~650 MiB RSS
-                    gemm=gemm, op_s=op_s, ops_per_block=ops["block"], ops_rest=ops["rest"],
-                    optimizer_tensor_s=opt_s, optimizer_element_s=opt_e, in_context=in_context,
-                    in_context_bytes=in_bytes, recompute_scale=recompute)
-    loop = _loopback(workers)
+    return Device("cpu-worker", host_memory_bytes() / n, peak / 10, peak, bandwidth,
+                  runtime_overhead_bytes=650 * 2**20,  # a worker with torch + gloo: ~650 MiB RSS
+                  gemm=gemm, **measured)
+
+
+def cpu_cluster(device: Device, n: int, loop: Link | None = None, contention: float = 1.0) -> Cluster:
+    """`n` workers of `device` on this machine, joined by gloo on loopback (`loop`: its measured
+    curves, or the nominal link)."""
+    loop = loop or LINKS["loopback"]
     # On CPU the "host" is the device: offload moves bytes within RAM (memcpy speed).
     return Cluster(device, n, n, loop, loop, host_memory_per_device=0.0,
                    host_link=Link("memcpy", 5e9, 1e-6), disk_bandwidth=1e9, cpu_adam_params_per_s=2e8,
                    overlap=0.3, local=True, contention=contention)
+
+
+# Nominal figures of a 2020s x86 core, and the op counts calibrate.count_ops finds for paratrain's
+# Llama under torch 2.13.
+NOMINAL_CPU_GEMM = FittedGemm(call_s=5e-6, flops_per_s=60e9, bytes_per_s=10e9)
+NOMINAL_CPU = {"op_s": 5e-6, "ops_per_block": 235, "ops_rest": 48, "optimizer_tensor_s": 60e-6,
+               "optimizer_element_s": 4e-9}
+
+
+def nominal_cpu_cluster(n: int) -> Cluster:
+    """`n` workers of a nominal core on the nominal loopback link (nothing measured)."""
+    return cpu_cluster(cpu_device(n, NOMINAL_CPU_GEMM, 10e9, **NOMINAL_CPU), n)
+
+
+def nominal_device(device_type: str) -> tuple[Cluster, str]:
+    """One nominal device of `device_type` and the precision it trains in: a CPU worker in fp32, a
+    GPU as the default preset (a100-80g) in bf16."""
+    if device_type == "cpu":
+        return nominal_cpu_cluster(1), "fp32"
+    return make_cluster(gpus=1), "bf16"

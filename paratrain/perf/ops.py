@@ -14,6 +14,10 @@ head, computes them in full, and moves them through a memory-bound softmax.
 Memory-bound ops (norms, residual adds, RoPE, the SwiGLU product, softmax, cross-entropy, the
 embedding lookup) cost the bytes they read and write at memory bandwidth. On the local machine
 each op also pays a fixed dispatch cost (Python, autograd, allocator), measured.
+
+The MLP is priced from the shape's ``mlp_matrices``: SwiGLU (3: gate and up side by side, then
+down) or a GELU MLP (2: fc, then proj). Both the planner (paratrain/planner/) and the runtime's
+cost-balanced pipeline split (perf/stages.py) read these costs.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from paratrain.models.llama import LlamaConfig
+from paratrain.models.shape import ModelShape
 
+ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes of one activation value by precision
 EMBED_OPS = 4  # lookup forward; its backward (a dense scatter-add), zeroing, accumulation
 
 
@@ -131,21 +136,23 @@ def in_context_env(env: OpEnv) -> OpEnv:
     return replace(env, gemm=g, bandwidth=env.bandwidth / kb, in_context=1.0, in_context_bytes=1.0)
 
 
-def mlp_shapes(c: LlamaConfig, t: float, *, tp: int = 1, moe: bool = False, ep: int = 1
+def mlp_shapes(c: ModelShape, t: float, *, tp: int = 1, moe: bool = False, ep: int = 1
                ) -> list[tuple[float, float, float, int]]:
-    """(m, n, k, calls) of the MLP's GEMMs on one rank. Dense: gate+up [t, 2f/tp] and down.
+    """(m, n, k, calls) of the MLP's GEMMs on one rank. Dense: the input projections side by side
+    (SwiGLU's gate+up [t, 2f/tp]; a GELU MLP's fc [t, f/tp]) and the output one [t, h].
     MoE: the router [t, E], then each of the E / ep local experts on the tokens routed to it from
     the ep group's ranks, t * k * ep / E rows under balanced routing (so ep makes each expert's
     GEMMs larger, and more efficient, for the same FLOPs per rank)."""
     h, f = c.dim, c.ffn_dim
+    up = (c.mlp_matrices - 1) * f  # every MLP matrix but the output projection reads the input
     if not moe:
-        return [(t, 2 * f / tp, h, 1), (t, h, f / tp, 1)]
+        return [(t, up / tp, h, 1), (t, h, f / tp, 1)]
     rows = t * c.top_k * ep / c.n_experts
     local = c.n_experts // ep
-    return [(t, c.n_experts, h, 1), (rows, 2 * f / tp, h, local), (rows, h, f / tp, local)]
+    return [(t, c.n_experts, h, 1), (rows, up / tp, h, local), (rows, h, f / tp, local)]
 
 
-def block_costs(c: LlamaConfig, env: OpEnv, *, seq: int, micro_batch: int, tp: int = 1, sp: bool = False,
+def block_costs(c: ModelShape, env: OpEnv, *, seq: int, micro_batch: int, tp: int = 1, sp: bool = False,
                 act_bytes: int = 2, attention: str = "flash", tile: int = 1, moe: bool = False,
                 ep: int = 1) -> Costs:
     """One transformer block, one micro-batch, one tp rank (each linear run as `tile` slices of
@@ -181,11 +188,13 @@ def block_costs(c: LlamaConfig, env: OpEnv, *, seq: int, micro_batch: int, tp: i
         scores_fwd, scores_bwd = 4 * one, 5 * one
 
     # Memory-bound ops per token: two norms (read + write h), two residual adds (read 2h, write h),
-    # RoPE on q and k (read + write), the SwiGLU product (read 2f, write f); backward moves ~2x.
+    # RoPE on q and k (read + write), the activation (SwiGLU's product reads 2f and writes f; GELU
+    # reads f and writes f: mlp_matrices x f either way); backward moves ~2x.
+    act = c.mlp_matrices * f
     replicated = e * (2 * 2 * h + 2 * 3 * h) / (tp if sp else 1)
-    split = e * (2 * (h + kv) + 3 * f) / tp
-    if moe:  # k SwiGLU products per token; gathering each assignment's input, scattering its output
-        split = e * (2 * (h + kv) + 3 * f * c.top_k) / tp
+    split = e * (2 * (h + kv) + act) / tp
+    if moe:  # k activations per token; gathering each assignment's input, scattering its output
+        split = e * (2 * (h + kv) + act * c.top_k) / tp
         replicated += e * 4 * h * c.top_k
     mem_fwd_s = t * (replicated + split) / env.bandwidth + scores_fwd
     mem_tot_s = 3 * (mem_fwd_s - scores_fwd) + scores_fwd + scores_bwd
@@ -195,7 +204,7 @@ def block_costs(c: LlamaConfig, env: OpEnv, *, seq: int, micro_batch: int, tp: i
                  attention_forward=attn_fwd + scores_fwd)
 
 
-def head_costs(c: LlamaConfig, env: OpEnv, *, seq: int, micro_batch: int, tp: int = 1, sp: bool = False,
+def head_costs(c: ModelShape, env: OpEnv, *, seq: int, micro_batch: int, tp: int = 1, sp: bool = False,
                act_bytes: int = 2) -> Costs:
     """Final norm, LM head (vocab-parallel under tp) and the cross-entropy loss."""
     env = in_context_env(env)
@@ -209,7 +218,7 @@ def head_costs(c: LlamaConfig, env: OpEnv, *, seq: int, micro_batch: int, tp: in
     return Costs(gemm=tot_g, attention=0.0, memory=mem, dispatch=dispatch, forward=fwd_g + mem / 2)
 
 
-def embed_costs(c: LlamaConfig, env: OpEnv, *, seq: int, micro_batch: int, tp: int = 1,
+def embed_costs(c: ModelShape, env: OpEnv, *, seq: int, micro_batch: int, tp: int = 1,
                 act_bytes: int = 2) -> Costs:
     """Embedding lookup (a gather of t rows) and its backward (a scatter-add into the table's
     gradient, which is zeroed and read once per step: counted here per micro-batch)."""

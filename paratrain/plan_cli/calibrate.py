@@ -1,6 +1,7 @@
 """Measure a device once: its matmul curve (achieved FLOP/s by GEMM shape) and per-op overhead.
 
-The planner's local cluster (``--cluster local``) is this machine as paratrain uses it: one worker
+The planner's local cluster (``--cluster local``, planner/machine.py, which reads what is measured
+here and fits it) is this machine as paratrain uses it: one worker
 process per core, one thread each. What limits a tiny model there is not the peak of a large
 matmul but (a) how slowly small matmuls run, (b) the fixed cost of every op dispatched from
 Python (autograd, allocator, the kernel call itself), (c) the work after backward (norm, clip,
@@ -19,7 +20,22 @@ import json
 import os
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import paratrain.plan_cli.calibrate_workers as calibrate_workers
+from paratrain.base.strategy import Strategy
+from paratrain.config import OptimConfig
+from paratrain.memory.recompute import apply_recompute
+from paratrain.mesh import MeshShape, ParallelMesh
+from paratrain.models import build_model
+from paratrain.models.llama import preset
+from paratrain.planner.machine import CONTEXT_TOKENS, CONTEXT_WIDE
 
 # Square-ish sizes that span what tiny..small models do per worker (rows = tokens of a micro-batch).
 LOCAL_SHAPES = [(m, n, k) for m in (32, 128, 512)
@@ -27,13 +43,11 @@ LOCAL_SHAPES = [(m, n, k) for m in (32, 128, 512)
 
 
 def _sync(device) -> None:
-    import torch
-
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def time_op(fn, device, seconds: float = 0.05, *args) -> float:
+def time_op(fn: Callable, device: torch.device, seconds: float = 0.05, *args) -> float:
     """Seconds per call of fn(*args) after two untimed calls, over at least `seconds` and 3 calls."""
     fn(*args)
     fn(*args)
@@ -46,10 +60,9 @@ def time_op(fn, device, seconds: float = 0.05, *args) -> float:
     return (time.perf_counter() - start) / reps
 
 
-def gemm_rates(shapes, device=None, dtype=None, seconds: float = 0.05) -> list[dict]:
+def gemm_rates(shapes: list[tuple[int, int, int]], device: torch.device | None = None,
+               dtype: torch.dtype | None = None, seconds: float = 0.05) -> list[dict]:
     """Achieved FLOP/s of x[m, k] @ w[k, n] for each (m, n, k) on `device` (best of 3 timings)."""
-    import torch
-
     device = device or torch.device("cpu")
     dtype = dtype or torch.float32
     out = []
@@ -61,11 +74,9 @@ def gemm_rates(shapes, device=None, dtype=None, seconds: float = 0.05) -> list[d
     return out
 
 
-def op_overhead(device=None, seconds: float = 0.05) -> dict:
+def op_overhead(device: torch.device | None = None, seconds: float = 0.05) -> dict:
     """Seconds of fixed cost per op: a tiny elementwise op forward, and a tiny linear forward+backward
     through autograd (what one layer of a model costs when its matmul is free)."""
-    import torch
-
     device = device or torch.device("cpu")
     x = torch.randn(4, 4, device=device)
     w = torch.randn(4, 4, device=device, requires_grad=True)
@@ -84,13 +95,6 @@ def post_step_seconds(seconds: float = 0.05) -> dict:
     runs on a CPU, base/strategy.py ``multi_tensor_kernels``), the state count and zero_grad,
     run by paratrain's own ``Strategy`` on 64 tiny tensors and on 4 large ones (2**18 elements:
     out of the caches, as a real model's state is). ZeRO runs the same steps on its flat pieces."""
-    import torch
-    import torch.nn as nn
-
-    from paratrain.base.strategy import Strategy
-    from paratrain.config import OptimConfig
-    from paratrain.mesh import MeshShape, ParallelMesh
-
     def per_step(n_tensors: int, numel: int) -> float:
         module = nn.Module()
         module.ps = nn.ParameterList([nn.Parameter(torch.randn(numel)) for _ in range(n_tensors)])
@@ -125,13 +129,6 @@ GEMM_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear"}
 def count_ops() -> dict:
     """Aten ops one paratrain block dispatches in forward + backward, and those of the rest of the
     model (embedding, final norm, head, loss), GEMMs excluded (they are timed by shape)."""
-    import torch
-    import torch.nn.functional as F
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from paratrain.models import build_model
-    from paratrain.models.llama import preset
-
     class Count(TorchDispatchMode):
         def __init__(self):
             super().__init__()
@@ -155,13 +152,6 @@ def count_ops() -> dict:
     return {"block": two - one, "rest": one - (two - one)}
 
 
-CONTEXT_TOKENS = (32, 256)  # one sequence of 32 tokens (fixed costs dominate) and 8 of them
-# A second block width: tiny's block at small's width (dim 256, 8 heads, 4 KV heads, ffn 688), tiny's
-# vocabulary. Tiny's 64-wide GEMMs are bound by moving their data, this block's by arithmetic, so
-# the two together separate how much each slows down inside a model (hardware._in_context).
-CONTEXT_WIDE = {"dim": 256, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 688}
-
-
 def context_seconds(seconds: float = 1.5, rounds: int = 5) -> dict:
     """Forward + backward of a 1-block and a 2-block paratrain model at CONTEXT_TOKENS tokens, each
     timed inside a training loop (an AdamW step and zero_grad between the timed passes, as the
@@ -172,19 +162,12 @@ def context_seconds(seconds: float = 1.5, rounds: int = 5) -> dict:
     (embedding, final norm, head, loss). At the small count the fixed cost per op dominates; the
     growth to the large count is what the token-proportional work (GEMMs, attention, elementwise
     ops) really costs in a model, which standalone GEMM timings with hot caches underestimate
-    (hardware.local_cluster turns the timings into the op model's constants). The recompute cases
-    give what re-running a block's forward under torch's checkpoint really costs.
+    (planner/machine.py ``local_cluster`` turns the timings into the op model's constants). The
+    recompute cases give what re-running a block's forward under torch's checkpoint really costs.
 
     Robustness on a shared, noisy host: `rounds` rounds each run every case in turn (a slow spell
     hits all cases alike, not one), two passes per case per round at least, and the median of all
     of a case's passes is kept; ~`seconds` in all."""
-    import torch
-    import torch.nn.functional as F
-
-    from paratrain.memory.recompute import apply_recompute
-    from paratrain.models import build_model
-    from paratrain.models.llama import preset
-
     def loop(layers: int, tokens: int, recompute: bool, wide: bool):
         torch.manual_seed(0)
         cfg = preset("tiny", n_layers=layers, **(CONTEXT_WIDE if wide else {}))
@@ -222,10 +205,9 @@ def context_seconds(seconds: float = 1.5, rounds: int = 5) -> dict:
     return out
 
 
-def memory_bandwidth(device=None, nbytes: int = 64 * 2**20, seconds: float = 0.1) -> float:
+def memory_bandwidth(device: torch.device | None = None, nbytes: int = 64 * 2**20, seconds: float = 0.1
+                     ) -> float:
     """Bytes/s of a copy (read + write counted), the bound of norms, softmax and the optimizer."""
-    import torch
-
     device = device or torch.device("cpu")
     src = torch.empty(nbytes // 4, device=device)
     dst = torch.empty_like(src)
@@ -233,31 +215,11 @@ def memory_bandwidth(device=None, nbytes: int = 64 * 2**20, seconds: float = 0.1
     return 2 * nbytes / t
 
 
-def fit_gemm(points: list[dict]):
-    """Least squares in relative error of seconds = a + flops / R + bytes / B over the measured
-    points (each weighted by 1 / its time, so small and large GEMMs count alike); negative
-    coefficients are clipped to a tiny positive value."""
-    import numpy as np
-
-    from paratrain.planner.ops import FittedGemm
-
-    rows, y = [], []
-    for p in points:
-        m, n, k, t = p["m"], p["n"], p["k"], p["seconds"]
-        rows.append([1.0 / t, 2.0 * m * n * k / t, 4.0 * (m * k + k * n + m * n) / t])
-        y.append(1.0)
-    coef, *_ = np.linalg.lstsq(np.array(rows), np.array(y), rcond=None)
-    a, inv_r, inv_b = (max(float(c), 1e-15) for c in coef)
-    return FittedGemm(call_s=a, flops_per_s=1.0 / inv_r, bytes_per_s=1.0 / inv_b)
-
-
 #: Bumped whenever what is measured changes, so an older cache is measured again.
 CACHE_VERSION = 3
 
 
 def _cache_path() -> Path:
-    import torch
-
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -277,8 +239,6 @@ def measure_local(refresh: bool = False) -> dict:
     """This machine as paratrain's workers see it (cached): the single-thread matmul curve, op
     overhead, a block in context, the post-backward step, the memory bandwidth, and with two or
     more cores gloo's collectives and the workers' contention (calibrate_workers.py)."""
-    import torch
-
     path = _cache_path()
     if path.exists() and not refresh:
         try:
@@ -297,9 +257,7 @@ def measure_local(refresh: bool = False) -> dict:
     # groups by their hop count), while a 64-core host does not start 64 torch processes to plan.
     workers = min(os.cpu_count() or 1, MAX_CALIBRATION_WORKERS)
     if workers > 1:
-        from paratrain.planner.calibrate_workers import measure_workers
-
-        data["workers"] = measure_workers(workers)
+        data["workers"] = calibrate_workers.measure_workers(workers)
     data["measured_at"] = time.time()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,84 @@
+"""Collectives on a link: the alpha-beta model of ring collectives, or the link's measured curve.
+
+On n ranks moving M bytes: all-reduce 2(n-1) alpha + 2(n-1)/n M/beta; all-gather and
+reduce-scatter (n-1) alpha + (n-1)/n M/beta; point-to-point alpha + M/beta; all-to-all (pairwise
+exchange) as all-gather. A link measured on this machine (planner/machine.py ``_loopback``)
+replaces alpha-beta by its curve for the kinds it measured. A group uses the intra-node link if it
+fits in one node (tp ranks are neighbours, then dp, then pp), otherwise the inter-node link
+(``group_link``).
+"""
+
+from __future__ import annotations
+
+from paratrain.perf.hardware import Cluster, Link
+from paratrain.planner.memory import Layout
+
+
+def measured_time(kind: str, nbytes: float, n: int, link: Link) -> float | None:
+    """Seconds of one `kind` collective of `nbytes` payload from the link's measured curve (the
+    local machine), or None when the link has none: linear between the measured sizes, the last
+    segment's slope beyond the largest, the smallest's time below it. A group of n ranks other than
+    the measured one scales by the ring's hop count, (n - 1) / (measured - 1)."""
+    curve = link.curve(kind)
+    if curve is None:
+        return None
+    ranks, points = curve
+    points = sorted(points)
+    if nbytes <= points[0][0]:
+        t = points[0][1]
+    else:
+        (b0, t0), (b1, t1) = next(((a, b) for a, b in zip(points, points[1:]) if nbytes <= b[0]),
+                                  tuple(points[-2:]))
+        t = t0 + (nbytes - b0) * max(t1 - t0, 0.0) / (b1 - b0)
+    return t * (n - 1) / max(ranks - 1, 1)
+
+
+def all_reduce_time(nbytes: float, n: int, link: Link) -> float:
+    if n <= 1:
+        return 0.0
+    measured = measured_time("all_reduce", nbytes, n, link)
+    if measured is not None:
+        return measured
+    return 2 * (n - 1) * link.latency + 2 * (n - 1) / n * nbytes / link.bandwidth
+
+
+def all_gather_time(nbytes: float, n: int, link: Link) -> float:
+    """nbytes: the full (gathered) tensor; reduce-scatter costs the same."""
+    if n <= 1:
+        return 0.0
+    measured = measured_time("all_gather", nbytes, n, link)
+    if measured is not None:
+        return measured
+    return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
+
+
+def reduce_scatter_time(nbytes: float, n: int, link: Link) -> float:
+    """nbytes: the full (input) tensor."""
+    if n <= 1:
+        return 0.0
+    measured = measured_time("reduce_scatter", nbytes, n, link)
+    return all_gather_time(nbytes, n, link) if measured is None else measured
+
+
+def p2p_time(nbytes: float, link: Link) -> float:
+    measured = measured_time("send", nbytes, 2, link)
+    return link.latency + nbytes / link.bandwidth if measured is None else measured
+
+
+def all_to_all_time(nbytes: float, n: int, link: Link) -> float:
+    """nbytes: one rank's whole buffer; it keeps 1/n and sends (n-1)/n of it, one message to each
+    of the n - 1 others (pairwise exchange)."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
+
+
+def group_link(cluster: Cluster, lay: Layout, axis: str) -> Link:
+    """The link a group's ring crosses: ranks are laid out tp fastest, then dp, then pp, so a
+    group of `size` ranks at stride `stride` spans stride * size consecutive ranks. ep groups are
+    neighbours inside dp (stride tp), edp groups stride over them (tp * ep)."""
+    stride, size = {"tp": (1, lay.tp), "dp": (lay.tp, lay.dp), "pp": (lay.tp * lay.dp, lay.pp),
+                    "ep": (lay.tp, lay.ep), "edp": (lay.tp * lay.ep, lay.edp)}[axis]
+    if stride * size <= cluster.devices_per_node:
+        return cluster.intra
+    return cluster.inter
