@@ -87,10 +87,6 @@ def hf_name(name: str) -> tuple[str, bool]:
     return _translate(name, _TO_HF)
 
 
-def paratrain_name(name: str) -> tuple[str, bool]:
-    return _translate(name, _FROM_HF)
-
-
 def rope_from_hf(t: torch.Tensor, head_dim: int) -> torch.Tensor:
     """Rows of whole heads, halves layout -> interleaved pairs. t: [heads * head_dim, ...]."""
     rest = t.shape[1:]
