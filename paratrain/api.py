@@ -21,6 +21,8 @@ and zero/ do the work; this module only adapts the user's objects to them:
   (tensor_parallel/user_plan.py), or applies a paratrain model family's declared plan.
 * Pipeline parallelism (a paratrain model family) runs its schedule in ``pipeline_step``, which
   replaces the loop's forward + backward.
+
+Over 500 lines: ``Parallel`` is the library's whole public surface, read by users in one place.
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ Reading is per rank and per slice: ``HFCheckpoint.read(name, spec)`` opens the s
 with ``safe_open`` and reads only the rows/columns of the shard ``spec`` describes. Writing is
 streamed: each shard file's header is computed from shapes, then tensors are converted and
 written one at a time (peak memory: one tensor).
+
+Over 500 lines: the whole Hugging Face format in one place, as said above.
 """
 
 from __future__ import annotations
