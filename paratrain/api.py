@@ -31,6 +31,7 @@ import contextlib
 import io
 import os
 import sys
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -270,7 +271,7 @@ class Parallel:
         return share * self.dp_size
 
     @contextlib.contextmanager
-    def no_sync(self):
+    def no_sync(self) -> Iterator[None]:
         """Gradient accumulation: backward passes inside accumulate locally, with no communication."""
         self._require_prepared()
         self._accumulating = True
@@ -314,7 +315,7 @@ class Parallel:
             tensors.setdefault(copy, tensors[owner])
         return tensors
 
-    def register_for_checkpointing(self, *objects) -> None:
+    def register_for_checkpointing(self, *objects: object) -> None:
         """Objects with state_dict / load_state_dict (an LR scheduler, a data sampler) saved by save()."""
         for obj in objects:
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
@@ -409,10 +410,10 @@ class ParallelOptimizer(torch.optim.Optimizer):
         return self.inner.param_groups
 
     @property
-    def state(self):
+    def state(self) -> dict:
         return self.inner.state  # ZeRO: empty here, the shards' state is in the strategy's store
 
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -30,6 +30,7 @@ backward (``TiedEmbedding``), so they stay identical.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,7 +68,7 @@ def parse_split(text: str | None, n_layers: int, n_stages: int, costs: tuple[flo
     return counts
 
 
-def layer_costs(cfg, device_type: str = "cpu") -> tuple[float, float, float]:
+def layer_costs(cfg: Any, device_type: str = "cpu") -> tuple[float, float, float]:  # the model's config
     """(one block, the last stage's extra, the first stage's extra) in seconds per sequence, from
     the planner's op model of a nominal device of this type (never measured: every rank must
     compute the same split)."""

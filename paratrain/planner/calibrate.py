@@ -19,7 +19,14 @@ import json
 import os
 import platform
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from paratrain.planner.ops import FittedGemm
 
 # Square-ish sizes that span what tiny..small models do per worker (rows = tokens of a micro-batch).
 LOCAL_SHAPES = [(m, n, k) for m in (32, 128, 512)
@@ -33,7 +40,7 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_op(fn, device, seconds: float = 0.05, *args) -> float:
+def time_op(fn: Callable[..., object], device: torch.device, seconds: float = 0.05, *args: object) -> float:
     """Seconds per call of fn(*args) after two untimed calls, over at least `seconds` and 3 calls."""
     fn(*args)
     fn(*args)
@@ -46,7 +53,8 @@ def time_op(fn, device, seconds: float = 0.05, *args) -> float:
     return (time.perf_counter() - start) / reps
 
 
-def gemm_rates(shapes, device=None, dtype=None, seconds: float = 0.05) -> list[dict]:
+def gemm_rates(shapes: Iterable[tuple[int, int, int]], device: torch.device | None = None,
+               dtype: torch.dtype | None = None, seconds: float = 0.05) -> list[dict]:
     """Achieved FLOP/s of x[m, k] @ w[k, n] for each (m, n, k) on `device` (best of 3 timings)."""
     import torch
 
@@ -61,7 +69,7 @@ def gemm_rates(shapes, device=None, dtype=None, seconds: float = 0.05) -> list[d
     return out
 
 
-def op_overhead(device=None, seconds: float = 0.05) -> dict:
+def op_overhead(device: torch.device | None = None, seconds: float = 0.05) -> dict:
     """Seconds of fixed cost per op: a tiny elementwise op forward, and a tiny linear forward+backward
     through autograd (what one layer of a model costs when its matmul is free)."""
     import torch
@@ -222,7 +230,8 @@ def context_seconds(seconds: float = 1.5, rounds: int = 5) -> dict:
     return out
 
 
-def memory_bandwidth(device=None, nbytes: int = 64 * 2**20, seconds: float = 0.1) -> float:
+def memory_bandwidth(device: torch.device | None = None, nbytes: int = 64 * 2**20,
+                     seconds: float = 0.1) -> float:
     """Bytes/s of a copy (read + write counted), the bound of norms, softmax and the optimizer."""
     import torch
 
@@ -233,7 +242,7 @@ def memory_bandwidth(device=None, nbytes: int = 64 * 2**20, seconds: float = 0.1
     return 2 * nbytes / t
 
 
-def fit_gemm(points: list[dict]):
+def fit_gemm(points: list[dict]) -> FittedGemm:
     """Least squares in relative error of seconds = a + flops / R + bytes / B over the measured
     points (each weighted by 1 / its time, so small and large GEMMs count alike); negative
     coefficients are clipped to a tiny positive value."""

@@ -131,7 +131,7 @@ def fit_collective(rows: list[dict]) -> tuple[float, float]:
     return max(float(coef[0]), 1e-7), max(float(coef[1]), 1e-13)
 
 
-def measure_workers(n: int = 2, *, sizes=SIZES, rounds: int = 3, reps: int = 15) -> dict:
+def measure_workers(n: int = 2, *, sizes: tuple[int, ...] = SIZES, rounds: int = 3, reps: int = 15) -> dict:
     """Collective timings and the contention factor of `n` workers (see the module docstring)."""
     from paratrain.launch import spawn
 

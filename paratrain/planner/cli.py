@@ -12,8 +12,9 @@ import json
 import sys
 from dataclasses import dataclass, replace
 
+from paratrain.config import Config
 from paratrain.models.llama import PRESETS, LlamaConfig
-from paratrain.planner.hardware import GB, GPUS, LINKS, make_cluster
+from paratrain.planner.hardware import GB, GPUS, LINKS, Cluster, make_cluster
 from paratrain.planner.memory import Training
 from paratrain.planner.search import Plan, PlanResult, plan, states_only
 
@@ -71,7 +72,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def model_from(args) -> LlamaConfig | None:
+def model_from(args: argparse.Namespace) -> LlamaConfig | None:
     shape = {"n_layers": args.layers, "dim": args.hidden, "n_heads": args.heads, "n_kv_heads": args.kv_heads,
              "ffn_dim": args.ffn, "vocab_size": args.vocab}
     given = {k: v for k, v in shape.items() if v is not None}
@@ -106,7 +107,7 @@ def model_from(args) -> LlamaConfig | None:
     return c
 
 
-def check_numbers(args) -> None:
+def check_numbers(args: argparse.Namespace) -> None:
     """Every numeric input, before anything is planned: a wrong number is an error, never a default."""
     import math
 
@@ -133,7 +134,7 @@ def check_numbers(args) -> None:
                          f"{args.validate_steps})")
 
 
-def cluster_from(args):
+def cluster_from(args: argparse.Namespace) -> Cluster:
     if args.cluster == "local":
         from paratrain.planner.hardware import local_cluster
 
@@ -148,7 +149,7 @@ def cluster_from(args):
     return cl
 
 
-def fixed_from(args) -> dict:
+def fixed_from(args: argparse.Namespace) -> dict:
     pairs = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "zero": args.zero, "v": args.virtual_stages,
              "sp": args.sp, "recompute": args.recompute, "schedule": args.pp_schedule,
              "offload": args.offload, "micro_batch": args.micro_batch, "ep": args.ep, "tile": args.tile}
@@ -173,7 +174,7 @@ def table(result: PlanResult) -> str:
     return "\n".join(lines)
 
 
-def report(result: PlanResult, cluster) -> str:
+def report(result: PlanResult, cluster: Cluster) -> str:
     out = [f"cluster: {cluster.describe()}", "", "decision tree:"]
     out += [f"  {i}. {s}" for i, s in enumerate(result.tree, 1)]
     out += ["", table(result), "", ("why: " if result.feasible else "") + result.verdict, *result.notes,
@@ -188,7 +189,8 @@ def model_params(c: LlamaConfig) -> dict:
             "top_k": c.top_k if c.n_experts else None, "moe_layers": c.n_moe_layers}
 
 
-def to_json(args, result: PlanResult, cluster, c: LlamaConfig | None = None) -> dict:
+def to_json(args: argparse.Namespace, result: PlanResult, cluster: Cluster,
+            c: LlamaConfig | None = None) -> dict:
     return {"inputs": {k: v for k, v in vars(args).items() if k not in ("json", "plot", "validate")},
             "cluster": cluster.describe(), "feasible": result.feasible, "decision_tree": result.tree,
             "explanation": result.verdict, "notes": result.notes, "evaluated": result.evaluated,
@@ -223,7 +225,7 @@ def plot(plans: list[Plan], path: str) -> str:
     return path
 
 
-def states_only_report(n_params: float, tr: Training, cluster, fixed: dict | None = None
+def states_only_report(n_params: float, tr: Training, cluster: Cluster, fixed: dict | None = None
                        ) -> tuple[str, list[dict]]:
     rows = states_only(n_params, tr, cluster, fixed)
     lines = [f"model states only ({n_params:.3g} parameters, {tr.precision}, {tr.optimizer}; no activations: "
@@ -255,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def resolve_defaults(args) -> None:
+def resolve_defaults(args: argparse.Namespace) -> None:
     """Defaults that depend on the mode: --validate trains each plan here for a few steps, so it
     plans a short run the trainer accepts (the preset's positions, capped at 256; 16 sequences a
     step) unless told otherwise, and refuses a --seq-len the preset cannot run, before planning."""
@@ -270,7 +272,7 @@ def resolve_defaults(args) -> None:
                          f"--seq-len {positions} or less (got {args.seq_len})")
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     resolve_defaults(args)
     check_numbers(args)
     if args.precision is None:
@@ -309,7 +311,7 @@ def run(args) -> int:
 # -- --validate: predicted vs measured on this machine ----------------------------------------------------
 
 
-def base_config(args, c: LlamaConfig):
+def base_config(args: argparse.Namespace, c: LlamaConfig) -> Config:
     """The paratrain training config the plan's layouts are applied to (a short run)."""
     from paratrain import config
 
@@ -341,7 +343,7 @@ class Measured:
     high: float  # 75th percentile
 
 
-def measure(cfg) -> Measured:
+def measure(cfg: Config) -> Measured:
     """Tokens/s of a short run of `cfg` (the first two steps are warm-up)."""
     from paratrain.launch import spawn
     from paratrain.train.metrics import read_metrics
@@ -375,7 +377,8 @@ def ranking_disagreements(measured: list[Measured]) -> list[tuple[int, int]]:
             if measured[j].low > measured[i].high]
 
 
-def validate(args, c: LlamaConfig, result: PlanResult, top: int = 3) -> list[tuple[Plan, Measured]]:
+def validate(args: argparse.Namespace, c: LlamaConfig, result: PlanResult,
+             top: int = 3) -> list[tuple[Plan, Measured]]:
     """Run the top plans briefly through paratrain's trainer; print predicted vs measured tokens/s."""
     import tempfile
 

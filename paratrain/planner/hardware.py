@@ -47,7 +47,7 @@ class Link:
     # used instead of alpha-beta for that kind (cost.collective_seconds).
     measured: tuple = ()
 
-    def curve(self, kind: str):
+    def curve(self, kind: str) -> tuple[int, tuple] | None:
         """(ranks, points) measured for `kind`, or None."""
         return next(((n, pts) for k, n, pts in self.measured if k == kind), None)
 

@@ -32,7 +32,7 @@ import math
 from paratrain.comm.bucketing import FIRST_BUCKET_BYTES, cut_before_overflow, fill_per_key
 from paratrain.models.llama import LlamaConfig
 from paratrain.planner.cost import all_gather_time, all_reduce_time, group_link, reduce_scatter_time
-from paratrain.planner.hardware import Cluster
+from paratrain.planner.hardware import Cluster, Link
 from paratrain.planner.memory import Layout, Training, layer_params_local, state_bytes_per_param
 
 
@@ -232,7 +232,7 @@ def moe_block(c: LlamaConfig, lay: Layout, block: list[tuple[str, float]], token
 TP_WRAPPER_OPS = 10
 
 
-def tp_seconds(colls: list[tuple[str, float]], n: int, link, op_s: float = 0.0) -> float:
+def tp_seconds(colls: list[tuple[str, float]], n: int, link: Link, op_s: float = 0.0) -> float:
     """Seconds of a list of (kind, payload bytes) collectives over `n` ranks on `link`: each on
     the measured curve of its kind (cost.py falls back to alpha-beta where none was measured),
     plus ``TP_WRAPPER_OPS`` x `op_s` of Python around each."""

@@ -7,10 +7,12 @@ all-to-all on the link the ep group spans); this module only compares plans and 
 
 from __future__ import annotations
 
+from typing import Any
+
 from paratrain.models.llama import LlamaConfig
 from paratrain.planner.cost import TIME_WORDS, group_link
 from paratrain.planner.hardware import GB, Cluster
-from paratrain.planner.memory import Training, state_bytes_per_param
+from paratrain.planner.memory import Layout, Training, state_bytes_per_param
 
 
 def _count(n: float) -> str:
@@ -55,7 +57,7 @@ def _reasons(win, other) -> str:
                      for d, k in diffs[:2] if abs(d) > 1e-9)
 
 
-def ep_choice(c: LlamaConfig, plans: list, winner, cluster: Cluster) -> str | None:
+def ep_choice(c: LlamaConfig, plans: list, winner: Any, cluster: Cluster) -> str | None:  # a search.Plan
     """Why the winner's ep degree, in one sentence with the numbers: whether the experts fit
     without ep, how the best layout of another degree compares, and what the all-to-all costs
     on the link its group spans. None for a dense model."""
@@ -102,7 +104,7 @@ def ep_choice(c: LlamaConfig, plans: list, winner, cluster: Cluster) -> str | No
     return "; ".join(parts)
 
 
-def ep_tp_mlp_collectives(c: LlamaConfig, lay, tokens: int, act_bytes: float, recompute: str = "none"
+def ep_tp_mlp_collectives(c: LlamaConfig, lay: Layout, tokens: int, act_bytes: float, recompute: str = "none"
                           ) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
     """An MoE block's tensor-parallel collectives under expert parallelism with tp > 1, per micro-batch,
     as (kind, payload bytes): (the dense MLP's, which it does not issue; its own, instead).

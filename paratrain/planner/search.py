@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from paratrain.config import Config
 from paratrain.models.llama import LlamaConfig
 from paratrain.planner.cost import TIME_WORDS, StepTime, stage_counts, step_time
 from paratrain.planner.hardware import GB, Cluster
@@ -217,7 +219,7 @@ def evaluate(c: LlamaConfig, tr: Training, lay: Layout, cluster: Cluster) -> Pla
 
 
 def plan(c: LlamaConfig, tr: Training, cluster: Cluster, fixed: dict | None = None, *, top: int = 10,
-         runnable=None) -> PlanResult:
+         runnable: Callable[[Layout], bool] | None = None) -> PlanResult:
     """Ranked layouts for model `c`, training `tr` on `cluster`, with an explanation.
 
     runnable: optional predicate on a Layout (e.g. what this version of paratrain can execute).
@@ -404,7 +406,7 @@ def states_only(n_params: float, tr: Training, cluster: Cluster, fixed: dict | N
 # -- paratrain train --layout auto ---------------------------------------------------------------------------
 
 
-def layout_to_config(cfg, lay: Layout):
+def layout_to_config(cfg: Config, lay: Layout) -> Config:
     """A copy of `cfg` with the layout's degrees, ZeRO stage, schedule and micro-batch set."""
     import copy
 
@@ -423,7 +425,7 @@ def layout_to_config(cfg, lay: Layout):
     return new
 
 
-def runnable_here(cfg):
+def runnable_here(cfg: Config) -> Callable[[Layout], bool]:
     """Predicate: can paratrain's trainer run the layout? (config validation: every technique's
     constraints)."""
     from paratrain import config as config_mod
@@ -439,7 +441,7 @@ def runnable_here(cfg):
     return ok
 
 
-def training_from_config(cfg) -> tuple[LlamaConfig, Training]:
+def training_from_config(cfg: Config) -> tuple[LlamaConfig, Training]:
     from paratrain.train.task import model_config
 
     c = model_config(cfg, cfg.data.vocab_size)
@@ -447,7 +449,7 @@ def training_from_config(cfg) -> tuple[LlamaConfig, Training]:
                        precision=cfg.train.precision, bucket_mb=cfg.parallel.bucket_mb)
 
 
-def auto_layout(cfg, cluster: Cluster | None = None, verbose: bool = True):
+def auto_layout(cfg: Config, cluster: Cluster | None = None, verbose: bool = True) -> Config:
     """``paratrain train --layout auto``: plan for this machine (``--nproc`` workers, default one per
     core) among the layouts paratrain can run now, and return cfg with the winner's settings."""
     import os
@@ -480,7 +482,7 @@ def auto_layout(cfg, cluster: Cluster | None = None, verbose: bool = True):
     return layout_to_config(cfg, best.layout)
 
 
-def replace_parallel(cfg, n: int):
+def replace_parallel(cfg: Config, n: int) -> Config:
     import copy
 
     new = copy.deepcopy(cfg)

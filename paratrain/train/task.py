@@ -8,6 +8,7 @@ computes the same mean.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -34,8 +35,10 @@ class Task(Protocol):
     def materialize(self, model: nn.Module, device: torch.device) -> None: ...
     def init_weights(self, model: nn.Module, seed: int) -> None: ...
     def loss_sum(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor: ...
-    def train_batch(self, step: int, global_batch: int, rows: slice | None = None): ...
-    def val_batch(self, index: int, global_batch: int, rows: slice | None = None): ...
+    def train_batch(self, step: int, global_batch: int,
+                    rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def val_batch(self, index: int, global_batch: int,
+                  rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class LanguageModelTask:
@@ -60,15 +63,15 @@ class LanguageModelTask:
         self.n_params = self.model_cfg.n_params()
         self.flops_per_unit = lm_flops_per_token(self.model_cfg, d.seq_len)
 
-    def build_model(self, device):
+    def build_model(self, device: torch.device | str) -> nn.Module:
         model = build_model(self.model_cfg, device)
         self.moe = MoEAccounting(model, self.model_cfg) if self.model_cfg.n_experts else None
         return model
 
-    def materialize(self, model, device):
+    def materialize(self, model: nn.Module, device: torch.device) -> None:
         materialize(model, device)
 
-    def init_weights(self, model, seed):
+    def init_weights(self, model: nn.Module, seed: int) -> None:
         if self.hf is not None:
             self.hf.load_into(model)  # each rank reads only the slices it owns
         else:
@@ -95,12 +98,12 @@ class LanguageModelTask:
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
 
     @property
-    def side_loss_sum(self):
+    def side_loss_sum(self) -> Callable[[list[nn.Module], bool], torch.Tensor | None] | None:
         """Losses the layers of ``modules`` produced in the forward just run (MoE aux and z), in
         the loss's sum units, or None: ``fn(modules, train) -> tensor | None``; None for a dense model."""
         return None if self.moe is None else self.moe.side_loss_sum
 
-    def step_metrics(self, gather=None) -> dict:
+    def step_metrics(self, gather: Callable[[object], list] | None = None) -> dict:
         """moe_* rows; ``gather(obj) -> [obj of every pipeline stage]`` when stages hold the layers."""
         if self.moe is None:
             return {}
@@ -109,10 +112,12 @@ class LanguageModelTask:
             parts = [p for stage in gather(parts) for p in stage]
         return self.moe.metrics(parts)
 
-    def train_batch(self, step, global_batch, rows=None):
+    def train_batch(self, step: int, global_batch: int,
+                    rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rows.train_batch(step, global_batch, rows)
 
-    def val_batch(self, index, global_batch, rows=None):
+    def val_batch(self, index: int, global_batch: int,
+                  rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rows.val_batch(index, global_batch, rows)
 
 
