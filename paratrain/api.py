@@ -21,6 +21,8 @@ and zero/ do the work; this module only adapts the user's objects to them:
   (tensor_parallel/user_plan.py), or applies a paratrain model family's declared plan.
 * Pipeline parallelism (a paratrain model family) runs its schedule in ``pipeline_step``, which
   replaces the loop's forward + backward.
+
+Over 500 lines: ``Parallel`` is the library's whole public surface, read by users in one place.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -269,7 +272,7 @@ class Parallel:
         return share * self.dp_size
 
     @contextlib.contextmanager
-    def no_sync(self):
+    def no_sync(self) -> Iterator[None]:
         """Gradient accumulation: backward passes inside accumulate locally, with no communication."""
         self._require_prepared()
         self._accumulating = True
@@ -309,7 +312,7 @@ class Parallel:
             tensors.setdefault(copy, tensors[owner])
         return tensors
 
-    def register_for_checkpointing(self, *objects) -> None:
+    def register_for_checkpointing(self, *objects: object) -> None:
         """Objects with state_dict / load_state_dict (an LR scheduler, a data sampler) saved by save()."""
         for obj in objects:
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
@@ -388,10 +391,10 @@ class ParallelOptimizer(torch.optim.Optimizer):
         return self.inner.param_groups
 
     @property
-    def state(self):
+    def state(self) -> dict:
         return self.inner.state  # ZeRO: empty here, the shards' state is in the strategy's store
 
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -95,7 +95,7 @@ class UserError(Exception):
     """A mistake the user can fix; printed without a traceback."""
 
 
-def train_parser(sub) -> argparse.ArgumentParser:
+def train_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model (default: small Llama on the Python stdlib sources)")
     p.add_argument("--config", help="TOML file; flags override it")
     for flag, (key, typ) in TRAIN_FLAGS.items():
@@ -165,7 +165,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def generate_parser(sub) -> None:
+def generate_parser(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="sample text from a trained run or a Hugging Face folder")
     g.add_argument("prompt", nargs="?", default="def ")
     g.add_argument("--run", default="runs/default", help="run folder (the --out of paratrain train)")
@@ -177,7 +177,7 @@ def generate_parser(sub) -> None:
     g.add_argument("--seed", type=int, default=0)
 
 
-def eval_parser(sub) -> None:
+def eval_parser(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser("eval", help="mean next-token loss of a run or a Hugging Face folder on some text")
     src = e.add_mutually_exclusive_group(required=True)
     src.add_argument("--run", help="run folder (the --out of paratrain train)")
@@ -221,7 +221,7 @@ EXPORT_FORMATS = {
 }
 
 
-def export_parser(sub) -> None:
+def export_parser(sub: argparse._SubParsersAction) -> None:
     x = sub.add_parser("export", help="write a run's weights in another format")
     x.add_argument("run", help="run folder (the --out of paratrain train)")
     for name, what in EXPORT_FORMATS.items():

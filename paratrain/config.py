@@ -191,7 +191,7 @@ def apply_sections(cfg: Config, d: dict, source: str) -> None:
         raise ConfigError(f"{source}: wrong type:\n  - " + "\n  - ".join(wrong_types))
 
 
-def type_problem(name: str, value, hint) -> str | None:
+def type_problem(name: str, value: object, hint: object) -> str | None:
     """What is wrong with ``value`` for a field annotated ``hint`` (None if it fits).
 
     TOML and JSON know int, float, bool, str: a quoted number (``steps = "5"``) is a str. An int

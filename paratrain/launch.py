@@ -218,8 +218,8 @@ def _worker(fn, rank, world, init_file, pg_timeout, dump_file, dump_after, resul
                     pass
 
 
-def spawn(fn: Callable, nproc: int, *args, timeout: float | None = 120.0, pg_timeout: float | None = None,
-          **kwargs) -> list:
+def spawn(fn: Callable, nproc: int, *args: object, timeout: float | None = 120.0,
+          pg_timeout: float | None = None, **kwargs: object) -> list:
     """Run ``fn(env, *args, **kwargs)`` on ``nproc`` local ranks; return each rank's result in order.
 
     ``fn`` must be importable by name (a module-level function). Raises ``WorkerError`` with the

@@ -21,6 +21,7 @@ ZeRO's buckets), the checkpoint and the exporter. ``shard_of(p)`` is ``info_of(p
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -91,7 +92,7 @@ class ParamInfo:
         """Mesh axes (besides dp, which each strategy handles) whose ranks hold identical copies."""
         return () if (self.shard.is_split and self.shard.axis == "tp") else ("tp",)
 
-    def copies_outside_dp(self, mesh) -> int:
+    def copies_outside_dp(self, mesh: Any) -> int:  # a ParallelMesh (mesh.py, a layer above)
         """World ranks outside the data-parallel axis holding this same gradient element."""
         tp = mesh.tp.size if "tp" in self.replicated_axes else 1
         return tp * self.stage_copies
@@ -110,7 +111,7 @@ def set_info(t: torch.Tensor, info: ParamInfo) -> None:
     setattr(t, _ATTR, info)
 
 
-def update_info(t: torch.Tensor, **changes) -> None:
+def update_info(t: torch.Tensor, **changes: object) -> None:
     set_info(t, replace(info_of(t), **changes))
 
 
@@ -130,7 +131,7 @@ def set_shard(t: torch.Tensor, spec: TensorShard) -> None:
     update_info(t, shard=spec)
 
 
-def name_params(model) -> None:
+def name_params(model: torch.nn.Module) -> None:
     """Record each parameter's single-device name (a tied copy keeps its owner's name)."""
     for name, p in model.named_parameters():
         info = info_of(p)

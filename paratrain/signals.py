@@ -16,6 +16,8 @@ import contextlib
 import os
 import signal
 import threading
+from collections.abc import Iterator
+from multiprocessing.sharedctypes import Synchronized
 
 import torch
 
@@ -39,7 +41,7 @@ def _on_signal(signum, frame) -> None:
     _requested = signum
 
 
-def install(shared=None) -> dict:
+def install(shared: Synchronized | None = None) -> dict:
     """Turn SIGINT/SIGTERM into a stop request for this process (main thread only); ``shared``
     (a multiprocessing Value) carries a request the launcher received. Returns the old handlers."""
     global _requested, _shared
@@ -50,7 +52,7 @@ def install(shared=None) -> dict:
 
 
 @contextlib.contextmanager
-def handling_signals(shared=None):
+def handling_signals(shared: Synchronized | None = None) -> Iterator[None]:
     """``install`` for the duration of a run in a process that lives on (the CLI in-process)."""
     before = install(shared)
     try:

@@ -46,13 +46,35 @@ def test_a_refused_configuration_is_skipped_with_the_reason(tmp_path):
     assert bench_moe._refusal("moe_ep", a) is None  # --ep has landed: nothing skips it
     a_dense = {**a, "model": "tiny"}  # a dense model cannot take --ep: skipped, with the reason
     assert "this model is dense" in bench_moe._refusal("moe_ep", a_dense)
-    result = bench_moe._result(argparse.Namespace(nproc=2, model="tiny-moe", seq_len=32, global_batch=8,
-                                                  rounds=1, steps=1), PRESETS["tiny-moe"], PRESETS["tiny"],
-                               {"moe_replicated": [{"tokens_per_s": 2.0}], "dense_equal_active":
-                                [{"tokens_per_s": 4.0}]}, {"moe_ep": "no ep"})
+    result = _result_of({"moe_replicated": [1.0, 3.0, 8.0], "dense_equal_active": [4.0, 1.0, 2.0]},
+                        {"moe_ep": "no ep"})
     assert result["skipped"] == {"moe_ep": "refused by this version of paratrain: no ep"}
     assert (result["paratrain"], result["peer"]) == ("moe_replicated", "dense_equal_active")
-    assert result["ratio"] == 0.5
+    assert "ratio_moe_ep_vs_dense_equal_active" not in result
+
+
+def _result_of(tokens_per_s: dict[str, list[float]], skipped: dict) -> dict:
+    runs = {name: [{"tokens_per_s": t} for t in per_round] for name, per_round in tokens_per_s.items()}
+    args = argparse.Namespace(nproc=2, model="tiny-moe", seq_len=32, global_batch=8, rounds=3, steps=1)
+    return bench_moe._result(args, PRESETS["tiny-moe"], PRESETS["tiny"], runs, skipped)
+
+
+def test_the_ratio_is_the_median_of_the_paired_rounds():
+    """The contract (DESIGN.md section 3): ratio = median over rounds of ours / peer of the same
+    round. These rounds tell it apart from the ratio of the medians (3 / 2), from pairs made after
+    sorting each side (1.5) and from the inverse (1 / 3)."""
+    result = _result_of({"moe_replicated": [1.0, 3.0, 8.0], "dense_equal_active": [4.0, 1.0, 2.0]}, {})
+    assert result["ratios_moe_replicated_vs_dense_equal_active"] == [0.25, 3.0, 4.0]
+    assert result["ratio"] == 3.0
+    assert (result["paratrain_tokens_per_s"], result["peer_tokens_per_s"]) == (3.0, 2.0)  # medians
+
+
+def test_expert_parallel_is_the_headline_when_it_ran():
+    result = _result_of({"moe_ep": [6.0, 6.0, 6.0], "moe_replicated": [3.0, 2.0, 4.0],
+                         "dense_equal_active": [2.0, 3.0, 12.0]}, {})
+    assert (result["paratrain"], result["peer"]) == ("moe_ep", "dense_equal_active")
+    assert result["ratio"] == 2.0  # median of 3, 2, 0.5
+    assert result["ratio_moe_ep_vs_moe_replicated"] == 2.0  # median of 2, 3, 1.5
 
 
 def _timed_exchange(env) -> tuple:

@@ -29,7 +29,7 @@ def with_side_loss(loss: torch.Tensor, side_loss: SideLossFn | None, modules: li
     return loss if side is None else loss + side
 
 
-def autocast_for(precision: str, device: torch.device):
+def autocast_for(precision: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
     """bf16/fp16 autocast on the model's device; fp32 runs without it."""
     if precision == "fp32":
         return contextlib.nullcontext

@@ -32,7 +32,7 @@ from paratrain.comm import collectives as C
 from paratrain.comm.collectives import nbytes
 from paratrain.mesh import ParallelMesh
 from paratrain.optim import adamw8bit as a8
-from paratrain.sharding import info_of
+from paratrain.sharding import ParamInfo, info_of
 from paratrain.shards import CheckpointError, Piece, ShardReader, pieces_of
 
 
@@ -98,7 +98,7 @@ class Strategy:
 
     # -- gradient synchronisation ---------------------------------------------------------------
 
-    def no_sync(self):
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Context for accumulation micro-batches: no communication until the last one."""
         return contextlib.nullcontext()
 
@@ -117,7 +117,7 @@ class Strategy:
             out.append((p.grad, self.dp_copies(info_of(p)) * info_of(p).copies_outside_dp(self.mesh)))
         return out
 
-    def dp_copies(self, info) -> int:
+    def dp_copies(self, info: ParamInfo) -> int:
         """Data-parallel ranks holding this same gradient after sync: its dp axis's size (dp, or
         edp for an expert-parallel expert) once gradients are synchronised, else 1."""
         return 1 if self.grad_copies_over_dp == 1 else getattr(self.mesh, info.dp_axis).size

@@ -17,6 +17,8 @@ from collections.abc import Callable
 
 import torch
 
+from paratrain import config
+
 
 def add_common_arguments(parser: argparse.ArgumentParser, *, nproc: int = 2, steps: int = 12,
                          rounds: int = 3, configs: tuple[str, ...] = ()) -> None:
@@ -47,10 +49,8 @@ def rotating_rounds(names: list[str], rounds: int, run_one: Callable[[str], obje
     return runs
 
 
-def bench_config(args: dict, out: str, **overrides):
+def bench_config(args: dict, out: str, **overrides: object) -> config.Config:
     """The trainer's config for a benchmark worker: the shared model/sequence/batch arguments."""
-    from paratrain import config
-
     return config.load(None, {"model.name": args["model"], "data.seq_len": args["seq_len"],
                               "train.global_batch": args["global_batch"], "parallel.dp": args["nproc"],
                               "train.progress": False, "train.eval_every": 0, "train.out": out,

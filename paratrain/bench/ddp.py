@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import statistics
 import tempfile
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -49,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch", type=int, default=None, help="rows per micro-batch (accumulation)")
 
 
-def bench_config(args, out: str) -> config.Config:
+def bench_config(args: argparse.Namespace, out: str) -> config.Config:
     cfg = config.load(None, {
         "model.name": args.model, "data.seq_len": args.seq_len, "train.global_batch": args.global_batch,
         "train.micro_batch": args.micro_batch, "train.steps": args.warmup + args.steps, "train.out": out,
@@ -112,7 +113,8 @@ def _single_config(args, per_rank_batch: int, micro_batch: int, out: str) -> con
         "parallel.nproc": 1}), 1)
 
 
-def single_reference(args, per_rank_batch: int, micro_batch: int, ready=None) -> dict:
+def single_reference(args: argparse.Namespace, per_rank_batch: int, micro_batch: int,
+                     ready: Callable[[], object] | None = None) -> dict:
     """The dp run's per-rank work (same rows per step, same micro-batches) in this one process, one
     thread: tokens/s and the step's phases (ms). ``ready()`` is called once the trainer is built,
     just before the timed steps (``concurrent_reference`` lines its processes up there)."""
@@ -143,7 +145,8 @@ def _concurrent_one(args, per_rank_batch: int, micro_batch: int, barrier, result
     results.put(single_reference(args, per_rank_batch, micro_batch, ready=barrier.wait))
 
 
-def concurrent_reference(args, per_rank_batch: int, micro_batch: int, n: int, timeout: float = 900.0) -> dict:
+def concurrent_reference(args: argparse.Namespace, per_rank_batch: int, micro_batch: int, n: int,
+                         timeout: float = 900.0) -> dict:
     """n independent single-thread processes, each running ``single_reference`` at the same time (no
     communication at all): what the machine gives n busy workers. Returns the slowest one."""
     import multiprocessing as mp
@@ -241,7 +244,7 @@ def _worker(env: DistEnv, cfg_dict: dict, args: argparse.Namespace) -> dict:
     return result
 
 
-def run(args) -> dict:
+def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="paratrain-bench-ddp-") as out:
         cfg = bench_config(args, out)
         task = build_task(cfg)  # tokenise once, here, before the workers start

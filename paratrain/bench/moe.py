@@ -40,6 +40,7 @@ from paratrain.bench.common import (
 from paratrain.config import ConfigError
 from paratrain.device import sync_device
 from paratrain.launch import spawn
+from paratrain.models.llama import LlamaConfig
 
 CONFIGS = ("moe_ep", "moe_replicated", "dense_equal_active")
 
@@ -49,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(model="small-moe")
 
 
-def dense_ffn_dim(c) -> int:
+def dense_ffn_dim(c: LlamaConfig) -> int:
     """ffn_dim of the dense model whose parameters equal the MoE's active ones (rounded)."""
     active_mlp = c.top_k * 3 * c.dim * c.ffn_dim + c.dim * c.n_experts
     return round(active_mlp / (3 * c.dim))

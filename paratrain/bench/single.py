@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch", type=int, default=None)
 
 
-def bench_config(args, out: str) -> config.Config:
+def bench_config(args: argparse.Namespace, out: str) -> config.Config:
     cfg = config.load(None, {
         "model.name": args.model, "data.seq_len": args.seq_len, "train.global_batch": args.global_batch,
         "train.micro_batch": args.micro_batch, "train.steps": args.warmup + args.steps, "train.out": out,
@@ -38,13 +38,13 @@ def bench_config(args, out: str) -> config.Config:
     return checks.validate(cfg, 1)
 
 
-def run_paratrain(cfg: config.Config, task: LanguageModelTask, args) -> dict:
+def run_paratrain(cfg: config.Config, task: LanguageModelTask, args: argparse.Namespace) -> dict:
     trainer = Trainer(cfg, task=task)
     seconds = time_steps(trainer.train_step, args.warmup, args.steps, lambda: sync_device(trainer.env.device))
     return {"tokens_per_s": args.steps * trainer.units_per_step / seconds}
 
 
-def run_plain_pytorch(cfg: config.Config, task: LanguageModelTask, args) -> dict:
+def run_plain_pytorch(cfg: config.Config, task: LanguageModelTask, args: argparse.Namespace) -> dict:
     """The hand-written loop a PyTorch user would write, on the same model, rows and device."""
     device = single_process_env().device  # the trainer's device, so both sides run on it
     model = task.build_model("meta")
@@ -74,7 +74,7 @@ def run_plain_pytorch(cfg: config.Config, task: LanguageModelTask, args) -> dict
     return {"tokens_per_s": args.steps * cfg.train.global_batch * cfg.data.seq_len / seconds}
 
 
-def run(args) -> dict:
+def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="paratrain-bench-") as out:
         cfg = bench_config(args, out)

@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-sp", action="store_true", help="skip the TP + SP configuration")
 
 
-def bench_config(args, out: str, sp: bool) -> config.Config:
+def bench_config(args: argparse.Namespace, out: str, sp: bool) -> config.Config:
     cfg = config.load(None, {
         "model.name": args.model, "data.seq_len": args.seq_len, "train.global_batch": args.global_batch,
         "train.steps": args.warmup + args.steps, "train.out": out, "train.progress": False,
@@ -124,7 +124,7 @@ def _clip_mixed(params: list, max_norm: float) -> None:
             g.mul_(coef)
 
 
-def run(args) -> dict:
+def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="paratrain-bench-tp-") as out:
         configs = {"tp": bench_config(args, out, sp=False)}
         if not args.no_sp:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -61,7 +62,7 @@ class CommCounter:
         }
 
     @contextlib.contextmanager
-    def paused(self):
+    def paused(self) -> Iterator[None]:
         """Bookkeeping traffic (logging a loss, a norm) that is not part of the training step."""
         was, self.enabled = self.enabled, False
         try:
@@ -154,8 +155,8 @@ def _device_of(axis: Axis) -> torch.device:
 # --------------------------------------------------------------------------------------------
 
 
-def all_reduce(t: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM, async_op: bool = False,
-               what: str | None = None):
+def all_reduce(t: torch.Tensor, axis: Axis, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+               async_op: bool = False, what: str | None = None) -> dist.Work | None:
     if not axis.active or not _enter("all_reduce", axis, t.shape, t.dtype, what):
         return None
     axis.counter.record("all_reduce", axis.name, axis.size, nbytes(t))
@@ -163,7 +164,7 @@ def all_reduce(t: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM, async_op: bool
 
 
 def all_gather_into(out: torch.Tensor, shard: torch.Tensor, axis: Axis, async_op: bool = False,
-                    what: str | None = None):
+                    what: str | None = None) -> dist.Work | None:
     """Gather equal shards into ``out`` (``out.numel() == size * shard.numel()``, concatenated on dim 0)."""
     if not axis.active:
         if out.data_ptr() != shard.data_ptr():
@@ -176,9 +177,9 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, axis: Axis, async_op
 
 
 def reduce_scatter_into(
-    out: torch.Tensor, full: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM, async_op: bool = False,
-    what: str | None = None,
-):
+    out: torch.Tensor, full: torch.Tensor, axis: Axis, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    async_op: bool = False, what: str | None = None,
+) -> dist.Work | None:
     """Sum ``full`` over the axis and keep our 1/size slice (dim-0 chunk) in ``out``."""
     if not axis.active:
         if out.data_ptr() != full.data_ptr():
@@ -211,8 +212,9 @@ class _Then:
         return True
 
 
-def reduce_scatter_auto(out: torch.Tensor, full: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM,
-                        async_op: bool = False, what: str | None = None):
+def reduce_scatter_auto(out: torch.Tensor, full: torch.Tensor, axis: Axis,
+                        op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op: bool = False,
+                        what: str | None = None) -> _Then | None:
     """Reduce-scatter ``full`` into ``out`` (our dim-0 chunk) with the faster primitive for the backend.
 
     ``full`` is scratch: the all-reduce route sums it in place. ``out`` may be a view of ``full``.
@@ -254,7 +256,7 @@ def all_gather_list(t: torch.Tensor, axis: Axis) -> list[torch.Tensor]:
 
 
 def broadcast(t: torch.Tensor, axis: Axis, src_index: int = 0, async_op: bool = False,
-              what: str | None = None):
+              what: str | None = None) -> dist.Work | None:
     if not axis.active or not _enter("broadcast", axis, t.shape, t.dtype, what):
         return None
     axis.counter.record("broadcast", axis.name, axis.size, nbytes(t) if axis.rank == src_index else 0)
@@ -268,7 +270,7 @@ def all_to_all_single(
     out_splits: list[int] | None = None,
     in_splits: list[int] | None = None,
     async_op: bool = False,
-):
+) -> dist.Work | None:
     if not axis.active:
         out.copy_(inp)
         return None
@@ -282,7 +284,7 @@ def all_to_all_single(
     )
 
 
-def gather_object(obj, axis: Axis, dst_index: int = 0) -> list | None:
+def gather_object(obj: object, axis: Axis, dst_index: int = 0) -> list | None:
     """Gather picklable objects to one rank of the axis (exports and checkpoints only)."""
     if not axis.active:
         return [obj]
@@ -292,7 +294,7 @@ def gather_object(obj, axis: Axis, dst_index: int = 0) -> list | None:
     return out
 
 
-def all_gather_object(obj, axis: Axis) -> list:
+def all_gather_object(obj: object, axis: Axis) -> list:
     if not axis.active:
         return [obj]
     out = [None] * axis.size

@@ -23,6 +23,7 @@ import json
 import mmap
 import zlib
 from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 HISTORY = 256  # fingerprints kept per rank: a few steps of the tiny model, the last moments of a big one
@@ -62,7 +63,8 @@ class Trace:
         self.size, self.written, self.mirror = size, 0, None
         self._encoded: dict[tuple, bytes] = {}
 
-    def next(self, kind: str, group: str, shape, dtype, what: str | None) -> Fingerprint:
+    def next(self, kind: str, group: str, shape: Iterable[int] | None, dtype: object,
+             what: str | None) -> Fingerprint:
         self.seq[group] += 1
         fp = Fingerprint(self.seq[group], kind, group, None if shape is None else tuple(shape),
                          str(dtype).removeprefix("torch."), what)

@@ -13,12 +13,19 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from paratrain.data import tokenfile as P
 from paratrain.data.sources import DataError
 from paratrain.data.tokenizer import file_hash, resolve_tokenizer, tokenizer_file
+
+if TYPE_CHECKING:  # the data layer imports neither torch nor the config at run time
+    import torch
+    from tokenizers import Tokenizer
+
+    from paratrain.config import Config
 
 
 @dataclass
@@ -32,7 +39,7 @@ class Corpus:
     manifest: dict = field(default_factory=dict)
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer:
         from tokenizers import Tokenizer
 
         return Tokenizer.from_file(str(self.tokenizer_path))
@@ -68,7 +75,7 @@ def prepare_corpus(path: str | None, vocab_size: int, cache_dir: str | None = No
     return load_prepared(P.prepare(path, opts, cache_dir=cache_dir))
 
 
-def load_corpus(cfg) -> Corpus:
+def load_corpus(cfg: Config) -> Corpus:
     """The corpus a config asks for (prepared on first use, from the cache afterwards)."""
     d = cfg.data
     return prepare_corpus(d.path, d.vocab_size, d.cache_dir, d.max_files, tokenizer=resolve_tokenizer(cfg),
@@ -114,7 +121,8 @@ class TokenRows:
             self._perm, self._perm_epoch = torch.randperm(self.n_train, generator=gen), epoch
         return self._perm
 
-    def train_batch(self, step: int, global_batch: int, rows: slice | None = None):
+    def train_batch(self, step: int, global_batch: int,
+                    rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets) of rows ``rows`` (default: all) of the global batch at ``step``."""
         import torch
 
@@ -123,7 +131,8 @@ class TokenRows:
                             for p in positions])
         return data[:, :-1], data[:, 1:]
 
-    def val_batch(self, index: int, global_batch: int, rows: slice | None = None):
+    def val_batch(self, index: int, global_batch: int,
+                  rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         import torch
 
         positions = range(index * global_batch, (index + 1) * global_batch)[rows or slice(None)]
@@ -140,7 +149,7 @@ def check_batch_fits(rows: TokenRows, global_batch: int) -> None:
 
 # -- the data cursor in checkpoints ----------------------------------------------------------------
 
-def data_cursor(task, step: int, global_batch: int) -> dict | None:
+def data_cursor(task: object, step: int, global_batch: int) -> dict | None:
     """Where the data stands after `step` steps: for ``meta["data"]`` of a checkpoint."""
     corpus, rows = task.corpus, task.rows
     if corpus is None or rows is None:
@@ -152,7 +161,7 @@ def data_cursor(task, step: int, global_batch: int) -> dict | None:
             "tokenizer_hash": m.get("tokenizer", {}).get("hash"), "n_tokens": len(rows.tokens)}
 
 
-def check_cursor(meta: dict, task, cfg) -> None:
+def check_cursor(meta: dict, task: object, cfg: Config) -> None:
     """Refuse to resume on another corpus or tokenizer unless ``data.allow_data_change`` says so."""
     saved = meta.get("data")
     now = data_cursor(task, int(meta.get("step", 0)), cfg.train.global_batch)

@@ -12,8 +12,14 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from paratrain.data.sources import DataError, Task, empty_corpus, read_task, task_paths
+
+if TYPE_CHECKING:  # the data layer imports neither torch nor the config at run time
+    from tokenizers import Tokenizer
+
+    from paratrain.config import Config
 
 EOT = "<|endoftext|>"
 # End-of-text names of common tokenizers, tried in order when a folder does not name its eos token.
@@ -21,7 +27,7 @@ EOT_CANDIDATES = (EOT, "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>", "[SEP]"
 SAMPLE_BYTES = 16 << 20  # the default BPE is trained on at most 16 MiB of the corpus
 
 
-def resolve_tokenizer(cfg) -> Path | None:
+def resolve_tokenizer(cfg: Config) -> Path | None:
     """The tokenizer.json the config asks for, or None for the default BPE trained on the corpus."""
     spec = cfg.data.tokenizer or getattr(cfg.model, "init_from", None)
     return tokenizer_file(spec) if spec else None
@@ -39,7 +45,7 @@ def tokenizer_file(spec: str) -> Path:
     return p
 
 
-def load_tokenizer(path: Path):
+def load_tokenizer(path: Path) -> Tokenizer:
     from tokenizers import Tokenizer
 
     try:
@@ -49,7 +55,7 @@ def load_tokenizer(path: Path):
                         "give a tokenizer.json saved by tokenizers or transformers") from None
 
 
-def eot_id(tok, path: Path | None = None) -> int:
+def eot_id(tok: Tokenizer, path: Path | None = None) -> int:
     """The end-of-text token: the folder's declared eos token, else a well-known name."""
     names = list(EOT_CANDIDATES)
     config = path.parent / "tokenizer_config.json" if path else None
@@ -80,7 +86,7 @@ def sample_tasks(tasks: list[Task], budget: int = SAMPLE_BYTES) -> list[Task]:
     return [tasks[(j * len(tasks)) // k] for j in range(k)]
 
 
-def train_bpe(tasks: list[Task], vocab_size: int, text_field: str = "text"):
+def train_bpe(tasks: list[Task], vocab_size: int, text_field: str = "text") -> Tokenizer:
     """Byte-level BPE (GPT-2's scheme) with the end-of-text token, trained on a bounded sample."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -132,7 +133,7 @@ class DDP(Strategy):
     # -- gradient synchronisation ---------------------------------------------------------------
 
     @contextlib.contextmanager
-    def no_sync(self):
+    def no_sync(self) -> Iterator[None]:
         """Accumulation micro-batches: the hooks do nothing, gradients just add up in the buckets.
 
         Communicating here would send the same bytes once per micro-batch; the sum of the local

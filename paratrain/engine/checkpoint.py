@@ -119,7 +119,7 @@ class Saver:
         self.stall_s: list[float] = []  # seconds each save held the training loop (measured by the trainer)
 
     @property
-    def world(self):
+    def world(self) -> C.Axis:
         return self.mesh.world
 
     def save(self, step: int, pieces: list[Piece], meta: dict, rng_state: dict,

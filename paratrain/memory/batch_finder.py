@@ -33,9 +33,12 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from paratrain.base.executor import MicroBatchLoop
 
 MEASURES = ("process", "tensors")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -80,7 +83,8 @@ def divisors(n: int) -> list[int]:
 
 
 def find_executable_batch_size(trial: Callable[[int], int | None], candidates: Sequence[int], *,
-                               memory_limit: int, group=None, device: torch.device | None = None,
+                               memory_limit: int, group: dist.ProcessGroup | None = None,
+                               device: torch.device | None = None,
                                measure: str = "process", reserve_bytes: int = 0,
                                log: Callable[[str], None] | None = None) -> FinderResult:
     """The largest candidate every rank of `group` can run within `memory_limit` bytes.
@@ -176,7 +180,7 @@ def _agree(fits: bool, group, device: torch.device) -> bool:
 # -- the trainer's trial ------------------------------------------------------------------------------
 
 
-def saved_tensor_bytes(model: torch.nn.Module):
+def saved_tensor_bytes(model: torch.nn.Module) -> torch.autograd.graph.saved_tensors_hooks:
     """A context counting the distinct non-parameter storages autograd saves (``.bytes``)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
@@ -199,7 +203,8 @@ def saved_tensor_bytes(model: torch.nn.Module):
     return Count()
 
 
-def executor_trial(executor, x: torch.Tensor, y: torch.Tensor, divisor: float) -> Callable[[int], int]:
+def executor_trial(executor: MicroBatchLoop, x: torch.Tensor, y: torch.Tensor,
+                   divisor: float) -> Callable[[int], int]:
     """trial(n) for paratrain's micro-batch loop: forward + backward of the first n local rows under
     the strategy's no_sync, gradients and module buffers (BatchNorm statistics) restored after.
     Returns parameters + gradients + saved-for-backward bytes (the ``tensors`` measure)."""
@@ -229,7 +234,7 @@ def adam_moment_bytes(model: torch.nn.Module, shards: int = 1) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad) * 8 // shards
 
 
-def resolve_micro_batch(trainer) -> FinderResult:
+def resolve_micro_batch(trainer: Any) -> FinderResult:  # a train.Trainer, a layer above
     """``--micro-batch auto`` for the trainer: find, agree, and set ``cfg.train.micro_batch``."""
     cfg, mesh = trainer.cfg, trainer.mesh
     device = mesh.device

@@ -20,6 +20,9 @@ from pathlib import Path
 
 import torch
 
+from paratrain.config import Config
+from paratrain.mesh import ParallelMesh
+
 MEASURE_N = 512
 MARGIN = 1.1
 
@@ -82,7 +85,7 @@ def choose(device: torch.device, *, use_cache: bool = True) -> dict:
     return {**result, "cached": False, "device": key}
 
 
-def resolve_precision(cfg, mesh) -> dict:
+def resolve_precision(cfg: Config, mesh: ParallelMesh) -> dict:
     """Replace ``cfg.train.precision == "auto"`` by the agreed choice; return what was measured."""
     if cfg.model.name == "cnn-tiny":
         cfg.train.precision = "fp32"

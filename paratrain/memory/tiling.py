@@ -180,14 +180,3 @@ def tiled_head_bytes(tokens: int, dim: int, vocab: int, n_tiles: int, act_bytes:
     head's input kept for backward."""
     tile = math.ceil(tokens / n_tiles)
     return act_bytes * tokens * dim + tile * vocab * (act_bytes + 4 + 4)
-
-
-def tiles_needed(working_bytes: Callable[[int], float], limit_bytes: float,
-                 max_tiles: int = 1024) -> int | None:
-    """Smallest N (a power of two) whose working memory fits in limit_bytes; None if none does."""
-    n = 1
-    while n <= max_tiles:
-        if working_bytes(n) <= limit_bytes:
-            return n
-        n *= 2
-    return None

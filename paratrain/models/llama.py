@@ -113,7 +113,7 @@ PRESETS: dict[str, LlamaConfig] = {
 }
 
 
-def preset(name: str, **overrides) -> LlamaConfig:
+def preset(name: str, **overrides: object) -> LlamaConfig:
     if name not in PRESETS:
         raise KeyError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
     return replace(PRESETS[name], **overrides)
@@ -132,7 +132,8 @@ class RMSNorm(nn.Module):
         return y.type_as(x) * self.weight
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device | str | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of the rotary angles, [seq, head_dim/2], computed in fp32."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)

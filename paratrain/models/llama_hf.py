@@ -17,6 +17,8 @@ Reading is per rank and per slice: ``HFCheckpoint.read(name, spec)`` opens the s
 with ``safe_open`` and reads only the rows/columns of the shard ``spec`` describes. Writing is
 streamed: each shard file's header is computed from shapes, then tensors are converted and
 written one at a time (peak memory: one tensor).
+
+Over 500 lines: the whole Hugging Face format in one place, as said above.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from paratrain.config import Config
 from paratrain.models import mixtral_hf
 from paratrain.models.llama import LlamaConfig
 from paratrain.sharding import TensorShard
@@ -85,10 +88,6 @@ def _translate(name: str, table) -> tuple[str, bool]:
 def hf_name(name: str) -> tuple[str, bool]:
     """(Hugging Face name, rope-permuted?) of a paratrain parameter name."""
     return _translate(name, _TO_HF)
-
-
-def paratrain_name(name: str) -> tuple[str, bool]:
-    return _translate(name, _FROM_HF)
 
 
 def rope_from_hf(t: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -217,7 +216,7 @@ def check_seq_len(cfg: LlamaConfig, hf: dict, seq_len: int) -> str | None:
     return None
 
 
-def to_hf_config(cfg: LlamaConfig, base: dict | None = None, **extra) -> dict:
+def to_hf_config(cfg: LlamaConfig, base: dict | None = None, **extra: object) -> dict:
     """A config.json dict for `cfg` (``base``: the imported model's own config, kept verbatim).
     A mixture-of-experts model is a MixtralForCausalLM whatever its attention family."""
     arch = mixtral_hf.ARCHITECTURE if cfg.n_experts else FAMILY_ARCHITECTURE[cfg.family]
@@ -272,7 +271,7 @@ class HFCheckpoint:
     weight_files: dict[str, Path]  # Hugging Face tensor name -> the safetensors file holding it
 
     @classmethod
-    def open(cls, path: str, **train_overrides) -> HFCheckpoint:
+    def open(cls, path: str, **train_overrides: object) -> HFCheckpoint:
         """``train_overrides``: LlamaConfig fields that shape training, not the weights (the MoE
         coefficients of TRAIN_OVERRIDES) and replace what config.json implies."""
         folder = hf_folder(path)
@@ -281,7 +280,7 @@ class HFCheckpoint:
         return cls(folder, hf, cfg, _weight_files(folder))
 
     @classmethod
-    def for_config(cls, cfg) -> HFCheckpoint:
+    def for_config(cls, cfg: Config) -> HFCheckpoint:
         """The checkpoint of ``cfg.model.init_from`` with the run's --capacity-factor,
         --aux-loss-coef, --z-loss-coef applied (what training and export use)."""
         m = cfg.model
@@ -436,7 +435,7 @@ def _ignored_with_init_from(cfg, path: str) -> list[str]:
     return out
 
 
-def check_init_from(cfg, problems: list[str]) -> None:
+def check_init_from(cfg: Config, problems: list[str]) -> None:
     """config.validate's checks of ``model.init_from`` (before any worker starts)."""
     path = cfg.model.init_from
     if not path:

@@ -29,6 +29,8 @@ Three things differ from the dense MLP, each a bug when missed:
 
 from __future__ import annotations
 
+from typing import Any  # ctx: a tensor_parallel.plan.Context, a layer above the models
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -95,13 +97,13 @@ class TPReduce(nn.Module):
 
 
 class ReplicatedRouter:
-    def build(self, old: Router, ctx) -> nn.Module:
+    def build(self, old: Router, ctx: Any) -> nn.Module:
         return TPRouter(old.in_features, old.out_features, ctx.axis, device=old.weight.device,
                         dtype=old.weight.dtype)
 
 
 class ExpertRowwise:
-    def build(self, old: nn.Linear, ctx) -> nn.Module:
+    def build(self, old: nn.Linear, ctx: Any) -> nn.Module:
         if old.bias is not None:
             raise ValueError("an expert's down projection with a bias cannot stay a partial sum")
         return PartialRowLinear(old.in_features, old.out_features, ctx.axis, device=old.weight.device,
@@ -109,5 +111,5 @@ class ExpertRowwise:
 
 
 class ExpertsReduce:
-    def build(self, old: nn.Module, ctx) -> nn.Module:
+    def build(self, old: nn.Module, ctx: Any) -> nn.Module:
         return TPReduce(ctx.axis, sequence_parallel=ctx.sequence_parallel)

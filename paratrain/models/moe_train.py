@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from paratrain.config import Config
 from paratrain.models.llama import LlamaConfig
 from paratrain.models.moe import moe_layers, moe_loss_sum
 
@@ -71,7 +72,7 @@ NOT_WITH_MOE = {
 }
 
 
-def check_moe(cfg, problems: list[str]) -> None:
+def check_moe(cfg: Config, problems: list[str]) -> None:
     """MoE settings and the layouts that cannot hold them (called by parallelize.check_layout)."""
     from paratrain.train.task import model_shape
 

@@ -29,6 +29,7 @@ on it (zero/store8.py).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -51,7 +52,8 @@ def full_numel(p: torch.Tensor) -> int:
     return math.prod(info_of(p).full_shape)
 
 
-def new_state(numel: int, *, quantised: bool, block: int, device=None) -> dict[str, torch.Tensor]:
+def new_state(numel: int, *, quantised: bool, block: int,
+              device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
     """Zero moments for ``numel`` elements (flat; the caller reshapes fp32 ones if it wants)."""
     if not quantised:
         return {k: torch.zeros(numel, device=device) for k, _ in MOMENTS8}
@@ -136,7 +138,7 @@ class AdamW8bit(torch.optim.Optimizer):
             st[key].copy_(t.reshape(st[key].shape))
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -177,7 +179,8 @@ def key_range(key: str, lo: int, hi: int, block: int) -> tuple[int, int]:
     return lo, hi
 
 
-def quantised_piece(name: str, key: str, numel: int, block: int, lo: int, hi: int, values) -> Piece:
+def quantised_piece(name: str, key: str, numel: int, block: int, lo: int, hi: int,
+                    values: torch.Tensor | Callable[[], torch.Tensor]) -> Piece:
     """The piece of 8-bit state ``key`` of tensor ``name`` covering its elements [lo, hi)
     (``lo`` a multiple of ``block``); ``values``: those slots, or a function producing them."""
     a, b = key_range(key, lo, hi, block)

@@ -22,6 +22,11 @@ import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
 
 import torch
 import torch.nn as nn

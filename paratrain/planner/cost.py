@@ -16,6 +16,8 @@ through and the router); expert parallelism adds 2 all-to-alls forward and 2 bac
 block (dispatch and return), exposed, on the link the ep group spans (ep neighbours inside the
 dp axis: ``dp_index = edp_index * ep + ep_index``); expert gradients are reduced over the
 expert-data-parallel group (dp / ep ranks), the rest over dp.
+
+Over 500 lines: one cost model whose terms (compute, communication, bubble, offload) add up here.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from paratrain.comm.collectives import Axis
+from paratrain.mesh import ParallelMesh
 from paratrain.sharding import shard_of
 from paratrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -93,7 +94,7 @@ class _GatheredVocabHead:
 
 
 @torch.no_grad()
-def apply_native_plan(model: nn.Module, axis_mesh, full: dict[str, torch.Tensor], *,
+def apply_native_plan(model: nn.Module, axis_mesh: ParallelMesh, full: dict[str, torch.Tensor], *,
                       sequence_parallel: bool) -> dict[int, nn.Parameter]:
     """A paratrain model family's declared TP/SP plan, with a gathered head (the user's loss sees
     whole logits); each new parameter takes its slice of ``full`` (the weights held, by name)."""

@@ -14,6 +14,7 @@ import os
 import shutil
 import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from paratrain.config import Config, ConfigError
@@ -79,7 +80,7 @@ def check_folder(cfg: Config) -> None:
 
 
 @contextlib.contextmanager
-def locked_run(cfg: Config):
+def locked_run(cfg: Config) -> Iterator[None]:
     """The folder checks, then hold OUT/.lock for the duration of the run."""
     path = acquire(Path(cfg.train.out))
     try:

@@ -8,7 +8,10 @@ computes the same mean.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from paratrain.config import Config
@@ -44,15 +47,15 @@ class LanguageModelTask(Task):
         self.n_params = self.model_cfg.n_params()
         self.flops_per_unit = lm_flops_per_token(self.model_cfg, d.seq_len)
 
-    def build_model(self, device):
+    def build_model(self, device: torch.device | str) -> nn.Module:
         model = build_model(self.model_cfg, device)
         self.moe = MoEAccounting(model, self.model_cfg) if self.model_cfg.n_experts else None
         return model
 
-    def materialize(self, model, device):
+    def materialize(self, model: nn.Module, device: torch.device) -> None:
         materialize(model, device)
 
-    def init_weights(self, model, seed):
+    def init_weights(self, model: nn.Module, seed: int) -> None:
         if self.hf is not None:
             self.hf.load_into(model)  # each rank reads only the slices it owns
         else:
@@ -77,12 +80,12 @@ class LanguageModelTask(Task):
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
 
     @property
-    def side_loss_sum(self):
+    def side_loss_sum(self) -> Callable[[list[nn.Module], bool], torch.Tensor | None] | None:
         """Losses the layers of ``modules`` produced in the forward just run (MoE aux and z), in
         the loss's sum units, or None: ``fn(modules, train) -> tensor | None``; None for a dense model."""
         return None if self.moe is None else self.moe.side_loss_sum
 
-    def step_metrics(self, gather=None) -> dict:
+    def step_metrics(self, gather: Callable[[object], list] | None = None) -> dict:
         """moe_* rows; ``gather(obj) -> [obj of every pipeline stage]`` when stages hold the layers."""
         if self.moe is None:
             return {}
@@ -91,10 +94,12 @@ class LanguageModelTask(Task):
             parts = [p for stage in gather(parts) for p in stage]
         return self.moe.metrics(parts)
 
-    def train_batch(self, step, global_batch, rows=None):
+    def train_batch(self, step: int, global_batch: int,
+                    rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rows.train_batch(step, global_batch, rows)
 
-    def val_batch(self, index, global_batch, rows=None):
+    def val_batch(self, index: int, global_batch: int,
+                  rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rows.val_batch(index, global_batch, rows)
 
 

@@ -36,6 +36,7 @@ from paratrain.memory.batch_finder import resolve_micro_batch
 from paratrain.memory.precision import resolve_precision
 from paratrain.mesh import MeshShape, ParallelMesh
 from paratrain.sharding import info_of
+from paratrain.shards import ShardReader
 from paratrain.train import guards
 from paratrain.train.loss_scaler import LossScaler
 from paratrain.train.metrics import (
@@ -343,7 +344,7 @@ class Trainer:
                 f"{self.cfg.train.global_batch}; the data position is step x global batch, so resume with "
                 f"--global-batch {saved} (or start afresh with another --out)")
 
-    def check_model(self, folder: Path, reader) -> None:
+    def check_model(self, folder: Path, reader: ShardReader) -> None:
         """Every parameter of this rank's part exists in the checkpoint with its full shape (all
         ranks agree before any loads, so a mismatch on one stage cannot leave the others waiting)."""
         problems = []

@@ -56,6 +56,7 @@ from paratrain.comm import collectives as C
 from paratrain.comm.collectives import nbytes
 from paratrain.mesh import ParallelMesh
 from paratrain.sharding import copy_info, info_of, shard_of
+from paratrain.shards import ShardReader
 from paratrain.zero import store8
 from paratrain.zero.offload import disk_store, make_store
 from paratrain.zero.optimizer import DTYPES, FlatLayout, GroupOf, ShardedState, axis_of, held_sync, param_key
@@ -286,7 +287,7 @@ class Zero3(ShardedState, Strategy):
                     sub._parameters[key] = new_of[id(p)]
         layout.params[:] = [new_of[id(p)] for p in layout.params]
 
-    def build_optimizer(self):
+    def build_optimizer(self) -> None:
         aliased = self.compute_dtype == torch.float32 and self.offload == "none"
         if store8.is_8bit(self.optim_cfg):
             self.store = store8.make_store8(self.offload, self._masters, self.layouts, self.optim_cfg,
@@ -458,7 +459,7 @@ class Zero3(ShardedState, Strategy):
                 "zero3_unit_max_bytes": max(u.nbytes for u in self.units), **self.offload_metrics()}
 
     @torch.no_grad()
-    def load_state_pieces(self, reader, optimizer_step: int) -> None:
+    def load_state_pieces(self, reader: ShardReader, optimizer_step: int) -> None:
         self._load_flats(reader, optimizer_step)
         self.load_buffers(reader)
         for i, u in enumerate(self.units):

@@ -29,6 +29,7 @@ import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -168,7 +169,7 @@ class HostStore(DeviceStore):
             host = [h.pin_memory() for h in host]
         super().__init__(host, pieces, optim_cfg, aliased=False)
 
-    def step(self, grads, lr, outs) -> None:
+    def step(self, grads: list[torch.Tensor], lr: float, outs: list[torch.Tensor]) -> None:
         # Gradients device -> host, AdamW on the host, updated masters host -> device (in outs).
         host_grads = [g.to("cpu", torch.float32, non_blocking=True) for g in grads]
         if torch.cuda.is_available():
@@ -216,7 +217,8 @@ class DiskStore:
     def _window(self, index: int, which: str, a: int, b: int) -> _Window:
         return _Window(self.paths[index, which], a, b)
 
-    def step(self, grads, lr, outs, scale: float = 1.0) -> None:
+    def step(self, grads: list[torch.Tensor], lr: float, outs: list[torch.Tensor],
+             scale: float = 1.0) -> None:
         """``grads`` may be half precision: each window is converted to fp32 (and multiplied by
         ``scale``, the clip/unscale factor) on its own, so no whole fp32 gradient copy ever exists."""
         step_no = self.steps
@@ -270,7 +272,8 @@ class RecipeDiskStore(DiskStore):
     def _hyper(recipe) -> dict:
         return {}  # the recipe's groups carry them
 
-    def step(self, grads, lr, outs, scale: float = 1.0) -> None:
+    def step(self, grads: list[torch.Tensor], lr: float, outs: list[torch.Tensor],
+             scale: float = 1.0) -> None:
         new_scalars = []
         for k, pc in enumerate(self.pieces):
             for a in range(pc.start, pc.end, self.chunk):
@@ -330,8 +333,10 @@ class _Window:
         del self.mm
 
 
-def make_store(kind: str, masters: list[torch.Tensor], pieces: list[Piece], optim_cfg, *, aliased: bool,
-               directory: str | None, rank: int, chunk: int | None = None):
+def make_store(kind: str, masters: list[torch.Tensor], pieces: list[Piece],
+               optim_cfg: Any, *,  # OptimConfig or OptimizerRecipe (techniques do not import config)
+               aliased: bool, directory: str | None, rank: int,
+               chunk: int | None = None) -> DeviceStore | DiskStore:
     """The store for ``--offload kind`` (none | cpu | disk)."""
     if kind == "none":
         return DeviceStore(masters, pieces, optim_cfg, aliased=aliased)
@@ -346,8 +351,8 @@ def make_store(kind: str, masters: list[torch.Tensor], pieces: list[Piece], opti
     raise ValueError(f"parallel.offload = {kind!r} is not one of none, cpu, disk")
 
 
-def disk_store(sizes: list[int], pieces: list[Piece], optim_cfg, *, directory: str | None, rank: int,
-               chunk: int | None = None) -> DiskStore:
+def disk_store(sizes: list[int], pieces: list[Piece], optim_cfg: Any, *,
+               directory: str | None, rank: int, chunk: int | None = None) -> DiskStore:
     """An empty disk store (zero masters and moments) under ``directory/zero_offload``."""
     if not directory:
         raise ValueError("--offload disk needs --offload-dir DIR (parallel.offload_dir)")

@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -61,7 +61,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @contextlib.contextmanager
-def held_sync(strategy):
+def held_sync(strategy: Strategy) -> Iterator[None]:
     """``no_sync`` of the strategies that reduce from backward hooks (ZeRO-2, ZeRO-3): while held,
     the hooks see ``_sync = False`` and let gradients accumulate locally."""
     strategy._sync = False
@@ -119,7 +119,8 @@ class FlatLayout:
     def lo(self) -> int:
         return self.rank * self.shard
 
-    def flatten(self, tensors: list[torch.Tensor | None], dtype, device) -> torch.Tensor:
+    def flatten(self, tensors: list[torch.Tensor | None], dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
         """[padded] buffer holding the tensors back to back (None -> zeros), padding zero."""
         flat = torch.zeros(self.padded, dtype=dtype, device=device)
         for t, off in zip(tensors, self.offsets):
@@ -313,7 +314,7 @@ class ZeroDP(Strategy):
 
     # -- construction ---------------------------------------------------------------------------
 
-    def build_optimizer(self):
+    def build_optimizer(self) -> None:
         dev = self.mesh.device
         self.buckets: list[_Bucket] = []
         masters, pieces = [], []
@@ -366,7 +367,7 @@ class ZeroDP(Strategy):
             b.grad_shard = b.layout.local(b.grad_flat)  # reduced in place: the shard is a view
             C.reduce_scatter_auto(b.grad_shard, b.grad_flat, self._axis(b))
 
-    def no_sync(self):
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()  # ZeRO-1 reduces once, after the last micro-batch anyway
 
     def grads_for_norm(self) -> list[tuple[torch.Tensor, int]]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -37,23 +38,23 @@ from paratrain.comm.collectives import nbytes
 from paratrain.optim import adamw8bit as a8
 from paratrain.optim.adamw8bit import QUANT_KEYS, STATE_KEYS, full_numel
 from paratrain.sharding import info_of
-from paratrain.shards import pieces_of
+from paratrain.shards import ShardReader, pieces_of
 
 
-def is_8bit(optim_cfg) -> bool:
+def is_8bit(optim_cfg: Any) -> bool:  # optim_cfg: OptimConfig or OptimizerRecipe, read by attribute
     return getattr(optim_cfg, "name", "adamw") == "adamw8bit"
 
 
-def block_of(optim_cfg) -> int:
+def block_of(optim_cfg: Any) -> int:
     return getattr(optim_cfg, "block_size", a8.BLOCK_SIZE)
 
 
-def quantised(p: torch.Tensor, optim_cfg) -> bool:
+def quantised(p: torch.Tensor, optim_cfg: Any) -> bool:
     """Quantised state or fp32, decided on the full tensor's size (never on a shard's)."""
     return full_numel(p) >= getattr(optim_cfg, "min_8bit_size", a8.MIN_8BIT_SIZE)
 
 
-def align_kwargs(named: list[tuple[str, nn.Parameter]], optim_cfg) -> dict:
+def align_kwargs(named: list[tuple[str, nn.Parameter]], optim_cfg: Any) -> dict:
     """``FlatLayout.build`` arguments: block alignment of quantised parameters when 8-bit is on."""
     if not is_8bit(optim_cfg):
         return {}
@@ -71,7 +72,8 @@ class Region:
     weight_decay: float
 
 
-def regions_of(layout, index: int, optim_cfg) -> list[Region]:
+def regions_of(layout: Any, index: int,  # a FlatLayout: zero/optimizer.py imports this module
+               optim_cfg: Any) -> list[Region]:
     """This rank's regions of master shard ``index`` (shard coordinates), one per parameter."""
     out = []
     for name, p, off in zip(layout.names, layout.params, layout.offsets):
@@ -172,7 +174,8 @@ class HostStore8(Store8):
         return {"device": 0, "host": super().bytes()["device"], "disk": 0}
 
 
-def make_store8(kind: str, masters: list[torch.Tensor], layouts: list, optim_cfg, *, aliased: bool):
+def make_store8(kind: str, masters: list[torch.Tensor], layouts: list,
+                optim_cfg: Any, *, aliased: bool) -> Store8:
     """The 8-bit store of master shards laid out by ``layouts`` for ``--offload kind`` (none | cpu;
     disk is refused by config.validate)."""
     regions = [r for i, layout in enumerate(layouts) for r in regions_of(layout, i, optim_cfg)]
@@ -188,12 +191,13 @@ def make_store8(kind: str, masters: list[torch.Tensor], layouts: list, optim_cfg
 # --------------------------------------------------------------------------------------------
 
 
-def holds(p: torch.Tensor, key: str, optim_cfg) -> bool:
+def holds(p: torch.Tensor, key: str, optim_cfg: Any) -> bool:
     """Whether parameter ``p`` has state ``key`` (quantised keys for quantised tensors only)."""
     return quantised(p, optim_cfg) == (key in QUANT_KEYS)
 
 
-def state_pieces(s, i: int, key: str, name: str, p: torch.Tensor, at: int, a: int, b: int) -> list:
+def state_pieces(s: Any, i: int, key: str, name: str, p: torch.Tensor, at: int, a: int,  # s: a ZeRO strategy
+                 b: int) -> list:
     """ZeRO ``_pieces`` for 8-bit state: the piece of ``key`` for elements [a, b) of ``p``, which
     master shard ``i`` holds at ``at`` (block-aligned, so its absmax slots are whole blocks)."""
     if not holds(p, key, s.optim_cfg):
@@ -208,7 +212,8 @@ def state_pieces(s, i: int, key: str, name: str, p: torch.Tensor, at: int, a: in
 
 
 @torch.no_grad()
-def load_state(s, reader, i: int, layout, optimizer_step: int) -> None:
+def load_state(s: Any, reader: ShardReader, i: int, layout: Any,  # a ZeRO strategy, a FlatLayout
+               optimizer_step: int) -> None:
     """ZeRO ``_load_flats`` for 8-bit state: this rank's slots of master shard ``i``, converted
     from whatever the checkpoint holds (8-bit of another block size or plain AdamW: requantised)."""
     from paratrain.zero.optimizer import _owned
