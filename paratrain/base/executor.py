@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -91,7 +92,7 @@ class MicroBatchLoop:
             return {}
         return {"mem_activations_offloaded_bytes": self.offload.offloaded_bytes}
 
-    def write_timeline(self, out, is_main: bool) -> None:
+    def write_timeline(self, out: str | Path, is_main: bool) -> None:
         """Pipeline schedules write OUT/timeline.json (``paratrain viz timeline``); a micro-batch
         loop has no timeline to write."""
 

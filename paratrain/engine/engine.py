@@ -79,7 +79,7 @@ def make_mesh(shape: MeshShape, rank: int, device: torch.device, *, check_collec
     return mesh
 
 
-def make_strategy(model: nn.Module, mesh: ParallelMesh, optim, *, zero: int, dp_mode: str = "ddp",
+def make_strategy(model: nn.Module, mesh: ParallelMesh, optim: object, *, zero: int, dp_mode: str = "ddp",
                   bucket_bytes: int, precision: str = "fp32", offload: str = "none",
                   offload_dir: str | None = None, init_value: Callable | None = None,
                   reshard_after_forward: bool = True, units: Callable | None = None,

@@ -44,13 +44,15 @@ class Task:
     def loss_sum(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def train_batch(self, step: int, global_batch: int, rows: slice | None = None):
+    def train_batch(self, step: int, global_batch: int,
+                    rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def val_batch(self, index: int, global_batch: int, rows: slice | None = None):
+    def val_batch(self, index: int, global_batch: int,
+                  rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def step_metrics(self, gather=None) -> dict:
+    def step_metrics(self, gather: Callable[[object], list] | None = None) -> dict:
         """The task's rows of metrics.jsonl (moe_*); ``gather(obj) -> [obj of every pipeline
         stage]`` when stages hold different layers."""
         return {}

@@ -52,7 +52,7 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_op(fn: Callable, device: torch.device, seconds: float = 0.05, *args) -> float:
+def time_op(fn: Callable[..., object], device: torch.device, seconds: float = 0.05, *args: object) -> float:
     """Seconds per call of fn(*args) after two untimed calls, over at least `seconds` and 3 calls."""
     fn(*args)
     fn(*args)

@@ -57,7 +57,7 @@ def _reasons(win, other) -> str:
                      for d, k in diffs[:2] if abs(d) > 1e-9)
 
 
-def ep_choice(c: ModelShape, plans: list, winner, cluster: Cluster) -> str | None:
+def ep_choice(c: ModelShape, plans: list, winner: object, cluster: Cluster) -> str | None:  # a search.Plan
     """Why the winner's ep degree, in one sentence with the numbers: whether the experts fit
     without ep, how the best layout of another degree compares, and what the all-to-all costs
     on the link its group spans. None for a dense model."""

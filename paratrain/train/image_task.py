@@ -68,9 +68,11 @@ class ImageTask(Task):
         y = torch.tensor([s[1] for s in samples], dtype=torch.long)  # [b]
         return x, y
 
-    def train_batch(self, step: int, global_batch: int, rows: slice | None = None):
+    def train_batch(self, step: int, global_batch: int,
+                    rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Images and labels of rows ``rows`` (default: all) of the global batch at ``step``."""
         return self._batch("train", step * global_batch, global_batch, rows)
 
-    def val_batch(self, index: int, global_batch: int, rows: slice | None = None):
+    def val_batch(self, index: int, global_batch: int,
+                  rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return self._batch("val", index * global_batch, global_batch, rows)
