@@ -19,10 +19,12 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check paratrain tests benchmarks examples
+	$(BIN)/lint-imports --no-cache   # the layers of docs/architecture.md (.importlinter)
 	$(BIN)/python -m pytest -q tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check paratrain tests benchmarks examples
+	$(BIN)/lint-imports --no-cache
 
 bench: $(STAMP)
 	$(BIN)/paratrain bench single --json

@@ -55,7 +55,7 @@ def _lint_imports(repo: Path) -> subprocess.CompletedProcess:
     function-level imports too, so a lazy import that dodges a cycle fails the contract)."""
     env = {**os.environ, "PYTHONPATH": str(repo)}
     exe = Path(sys.executable).with_name("lint-imports")
-    return subprocess.run([str(exe), "--no-cache", "--config", str(repo / ".importlinter")], cwd=repo,
+    return subprocess.run([str(exe), "--no-cache", str(repo / ".importlinter")], cwd=repo,
                           env=env, capture_output=True, text=True, timeout=300)
 
 
