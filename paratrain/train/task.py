@@ -15,9 +15,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from paratrain.data import Corpus, TokenRows, check_batch_fits, check_vocab, load_corpus
-from paratrain.models import build_model, init_weights, materialize, tied_name
+from paratrain.models import build_model, full_init_value, init_weights, materialize, tied_name
 from paratrain.models.from_config import model_config, model_shape  # noqa: F401  (re-exported)
-from paratrain.models.llama import LlamaConfig, full_init_value
+from paratrain.models.llama import LlamaConfig
 from paratrain.models.moe_train import MoEAccounting
 
 if TYPE_CHECKING:  # types only: config imports this module's checks, never the reverse
