@@ -25,7 +25,7 @@ from paratrain.models import build_model
 from paratrain.models.gpt2 import GPT2Config
 from paratrain.models.llama_hf import HFError, load_pretrained
 from tests.harness import FP32_REORDERED, assert_same_training, run_layout, tiny_cfg
-from tests.hf_models import save_tokenizer
+from tests.hf_models import assert_greedy_generation_matches, save_tokenizer
 
 pytest.importorskip("transformers")
 
@@ -95,6 +95,24 @@ def test_unsupported_features_are_refused(tmp_path):
     save_file({"wte.weight": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(HFError, match="activation_function = 'relu'.*\n.*scale_attn_by_inverse_layer_idx"):
         load_pretrained(str(tmp_path))
+
+
+def test_eval_and_greedy_generation_equal_transformers(tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    ref = save_gpt2(tmp_path)
+    text = "def greet(name):\n    return 'hello ' + name\n"
+    (tmp_path / "t.txt").write_text(text)
+    args = ["eval", "--init-from", str(tmp_path), "--text-file", str(tmp_path / "t.txt"), "--json"]
+    assert cli.main(args) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids
+    with torch.no_grad():
+        want = float(ref(ids, labels=ids).loss)
+    assert got["tokens"] == ids.shape[1] - 1
+    assert got["loss"] == pytest.approx(want, rel=1e-5)
+    assert_greedy_generation_matches(ref, tmp_path, capsys)
 
 
 def _train(out: Path, nproc: int = 1, **overrides):
@@ -172,13 +190,16 @@ def imported(tmp_path_factory):
     {"parallel.dp": 2, "parallel.zero": 1},
     {"parallel.dp": 2, "parallel.zero": 2},
     {"parallel.dp": 2, "parallel.zero": 3},
+    {"parallel.tp": 2},
     {"parallel.tp": 2, "parallel.sp": True},
     {"parallel.pp": 2, "train.micro_batch": 2},
-], ids=["ddp-dp2", "zero1-dp2", "zero2-dp2", "zero3-dp2", "tp2-sp", "pp2-tied"])
+], ids=["ddp-dp2", "zero1-dp2", "zero2-dp2", "zero3-dp2", "tp2", "tp2-sp", "pp2-tied"])
 def test_trains_in_every_layout_as_one_process(tmp_path, imported, layout):
-    """Learned positions (split like a vocabulary under tp, sliced by SP), LayerNorm biases (their
-    gradients summed over tp under SP), row-parallel biases added once, the tied head across
-    pipeline stages: each a way for a layout to differ from one process."""
+    """Learned positions (split like a vocabulary under tp, each rank's slice of the sequence
+    under SP), LayerNorm biases (their gradients summed over tp under SP), row-parallel biases
+    added once, the tied head across pipeline stages: each a way for a layout to differ from one
+    process (dropping SP's bias reduction or the position split fails tp2-sp; without the dotted
+    tied name, pp2 crashes)."""
     src, ref = imported
     got = _train(tmp_path / "got", nproc=2, **{"model.init_from": str(src), **layout})
     assert_same_training(got, ref, **FP32_REORDERED, lr_steps=LR * STEPS)

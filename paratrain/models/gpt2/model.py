@@ -62,6 +62,17 @@ class GPT2Config:
         return 0
 
     @property
+    def moe_every(self) -> int:
+        return 1
+
+    def is_moe_block(self, index: int) -> bool:
+        return False
+
+    @property
+    def qkv_bias(self) -> bool:
+        return True  # q, k, v (and every other linear but the head) carry a bias
+
+    @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
