@@ -68,6 +68,16 @@ def _logits(model, ids: torch.Tensor) -> torch.Tensor:
     return getattr(out, "logits", out)
 
 
+@pytest.mark.parametrize("name", ["gpt2-tiny", "gpt2", "gpt2-xl"])
+def test_presets_count_their_parameters(name):
+    """n_params (what metrics and the planner read) is the module's own count; gpt2 is GPT-2 small."""
+    from paratrain.models import preset
+
+    cfg = preset(name)
+    assert cfg.n_params() == sum(p.numel() for p in build_model(cfg, "meta").parameters())
+    assert name != "gpt2" or cfg.n_params() == 124_439_808
+
+
 def test_import_logits_equal_transformers(tmp_path):
     ref = save_gpt2(tmp_path, tokenizer=False)
     model, ckpt = load_pretrained(str(tmp_path))

@@ -32,7 +32,7 @@ models/llama_hf.py's writer. The family joins Hugging Face dispatch by its ``mod
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -254,7 +254,7 @@ class GPT2Checkpoint(HFCheckpoint):
         return to_hf_config(cfg, base, **extra)
 
 
-def _fuser(source_file: Path, names: list[str], conv1d: bool):
+def _fuser(source_file: Path, names: list[str], conv1d: bool) -> Callable[[], torch.Tensor]:
     def produce() -> torch.Tensor:
         from safetensors import safe_open
 
