@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn as nn
@@ -56,7 +56,12 @@ PRESETS: dict[str, object] = {**llama.PRESETS, **gpt2.PRESETS}
 def preset(name: str, **overrides) -> LlamaConfig | gpt2.GPT2Config:
     if name not in PRESETS:
         raise KeyError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
-    return replace(PRESETS[name], **overrides)
+    base = PRESETS[name]
+    foreign = sorted(set(overrides) - {f.name for f in fields(base)})
+    if foreign:  # e.g. n_kv_heads or n_experts for GPT-2, which has neither
+        raise ValueError(f"model.{', model.'.join(foreign)} cannot be set for {name} "
+                         f"({type(base).__name__} has no such setting)")
+    return replace(base, **overrides)
 
 
 def build_model(cfg: LlamaConfig | gpt2.GPT2Config, device: torch.device | str = "cpu") -> nn.Module:
