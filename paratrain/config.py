@@ -30,7 +30,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    name: str = "small"  # a preset from paratrain.models.llama.PRESETS, or "cnn-tiny"
+    name: str = "small"  # a preset from paratrain.models.PRESETS, or "cnn-tiny"
     dim: int | None = None  # overrides of the preset's shape
     n_layers: int | None = None
     n_heads: int | None = None

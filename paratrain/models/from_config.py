@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from paratrain.config import Config
-from paratrain.models.llama import LlamaConfig, preset
+from paratrain.models import preset
+from paratrain.models.llama import LlamaConfig
 from paratrain.models.llama_hf import HFCheckpoint
 
 MOE_FIELDS = ("n_experts", "top_k", "capacity_factor", "aux_loss_coef", "z_loss_coef")

@@ -261,6 +261,11 @@ def tokenizer_file(path: str | Path) -> Path:
 TRAIN_OVERRIDES = ("capacity_factor", "aux_loss_coef", "z_loss_coef")
 
 
+# Families whose Hugging Face mapping lives in their own folder (models/<family>/hf.py registers a
+# subclass of HFCheckpoint): config.json's model_type, and run.json's model family, -> that class.
+HF_FAMILIES: dict[str, type[HFCheckpoint]] = {}
+
+
 @dataclass
 class HFCheckpoint:
     """A local Hugging Face model folder: its config, its weights by name, its tokenizer."""
@@ -276,6 +281,9 @@ class HFCheckpoint:
         coefficients of TRAIN_OVERRIDES) and replace what config.json implies."""
         folder = hf_folder(path)
         hf = read_json(folder / "config.json")
+        family = HF_FAMILIES.get(hf.get("model_type"))
+        if family is not None and family is not cls:
+            return family.open(path, **train_overrides)
         cfg = replace(to_llama_config(hf, str(folder / "config.json")), **train_overrides)
         return cls(folder, hf, cfg, _weight_files(folder))
 
@@ -371,6 +379,19 @@ class HFCheckpoint:
                 raise ValueError(f"{name}: a slice of {local.shape[0]} rows is not whole heads of {hd}")
             local = rope_from_hf(local, hd)
         return local
+
+    # How a run of this family is written back (export_run); HF_FAMILIES' classes override them.
+    @staticmethod
+    def model_config(model: dict) -> LlamaConfig:
+        return LlamaConfig(**model)
+
+    @staticmethod
+    def entries(source: Path, cfg: LlamaConfig) -> Iterator[Entry]:
+        return hf_entries(source, cfg)
+
+    @staticmethod
+    def export_config(cfg: LlamaConfig, base: dict | None = None, **extra: object) -> dict:
+        return to_hf_config(cfg, base, **extra)
 
     @torch.no_grad()
     def load_into(self, model: torch.nn.Module) -> None:
@@ -583,8 +604,9 @@ NATIVE_EOS = "<|endoftext|>"  # the special token paratrain's own BPE separates 
 def export_run(run: str, out: str, *, max_shard_bytes: int = 2 * 2**30) -> list[Path]:
     """Write RUN's final weights as a Hugging Face folder (config, sharded safetensors, tokenizer).
 
-    A native preset becomes LlamaForCausalLM (MixtralForCausalLM with experts); an imported model
-    keeps its own architecture and config (from run.json). Returns the weight files written.
+    A native preset becomes LlamaForCausalLM (MixtralForCausalLM with experts; a family of
+    HF_FAMILIES, its own architecture); an imported model keeps its own architecture and config
+    (from run.json). Returns the weight files written.
     """
     src = Path(run)
     for name in ("run.json", "model.safetensors", "tokenizer.json"):
@@ -594,7 +616,8 @@ def export_run(run: str, out: str, *, max_shard_bytes: int = 2 * 2**30) -> list[
     info = read_json(src / "run.json")
     if "model" not in info:
         raise HFError(f"{src} is not a language-model run (task {info.get('task')!r}): only decoders export")
-    cfg = LlamaConfig(**info["model"])
+    family = HF_FAMILIES.get(info["model"].get("family"), HFCheckpoint)
+    cfg = family.model_config(info["model"])
     problems = mixtral_hf.export_problems(cfg) if cfg.n_experts else []
     if problems:
         raise HFError(f"{src} cannot be written as a {mixtral_hf.ARCHITECTURE}:\n  - "
@@ -611,7 +634,7 @@ def export_run(run: str, out: str, *, max_shard_bytes: int = 2 * 2**30) -> list[
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     try:
-        _write_export(src, folder, cfg, imported, max_shard_bytes)
+        _write_export(src, folder, cfg, imported, max_shard_bytes, family)
         return _move_in(folder, dest)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -636,11 +659,12 @@ def _move_in(new: Path, dest: Path) -> list[Path]:
     return sorted(dest.glob("*.safetensors"))
 
 
-def _write_export(src: Path, folder: Path, cfg: LlamaConfig, imported: dict, max_shard_bytes: int) -> None:
-    """The weights (permuted to Hugging Face's RoPE layout), tokenizer and configs into FOLDER."""
+def _write_export(src: Path, folder: Path, cfg: LlamaConfig, imported: dict, max_shard_bytes: int,
+                  family: type[HFCheckpoint] = HFCheckpoint) -> None:
+    """The weights (in the family's Hugging Face layout), tokenizer and configs into FOLDER."""
     import shutil
 
-    write_sharded(folder, list(hf_entries(src / "model.safetensors", cfg)), max_shard_bytes)
+    write_sharded(folder, list(family.entries(src / "model.safetensors", cfg)), max_shard_bytes)
     shutil.copy(src / "tokenizer.json", folder / "tokenizer.json")
     tok_cfg, extra = imported.get("tokenizer_config"), {}
     if tok_cfg is None:  # a native run: its BPE has one special token, the document separator
@@ -653,7 +677,7 @@ def _write_export(src: Path, folder: Path, cfg: LlamaConfig, imported: dict, max
             tok_cfg["eos_token"] = NATIVE_EOS
             extra = {"eos_token_id": eos_id, "bos_token_id": None, "pad_token_id": None}
     (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
-    config = to_hf_config(cfg, imported.get("config"), **extra)
+    config = family.export_config(cfg, imported.get("config"), **extra)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     if imported.get("generation_config"):
         (folder / "generation_config.json").write_text(json.dumps(imported["generation_config"], indent=2))

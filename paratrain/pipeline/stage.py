@@ -131,10 +131,15 @@ def split_for_pipeline(model: nn.Module, mesh: ParallelMesh, *, virtual_stages: 
 
 
 def _held(model: nn.Module, name: str) -> nn.Parameter | None:
-    """Parameter ``name`` if this stage still holds its module."""
-    module_name, _, attr = name.rpartition(".")
-    module = getattr(model, module_name, None) if "." not in module_name else None
-    return getattr(module, attr) if module is not None else None
+    """Parameter ``name`` (``embed.weight``, ``embed.wte.weight``) if this stage still holds its
+    module: a module the split set to None anywhere on the path means it does not."""
+    *path, attr = name.split(".")
+    module = model
+    for part in path:
+        module = getattr(module, part, None)
+        if module is None:
+            return None
+    return getattr(module, attr)
 
 
 def _mark_tied(model: nn.Module, copy: str, owner: str) -> None:

@@ -227,32 +227,47 @@ class VocabParallelEmbedding(nn.Module):
                 f"{self.start + self.local_rows}), tp={self.axis.size}, sp={self.sequence_parallel}")
 
 
+NormKind = Literal["rms", "layer"]
+
+
+def normalize(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+              kind: NormKind) -> torch.Tensor:
+    """RMSNorm (as models.llama.RMSNorm: fp32 statistics) or LayerNorm (as nn.LayerNorm), so a
+    region entry at tp = 1 computes bit-for-bit what the norm it replaced computed."""
+    if kind == "layer":
+        return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * weight  # no bias
+
+
 class RegionEntryNorm(nn.Module):
-    """RMSNorm at the entry of a tensor-parallel region (before attention, the MLP, the LM head).
+    """A norm (RMSNorm, or LayerNorm with its bias) at the entry of a tensor-parallel region
+    (before attention, the MLP, the LM head).
 
     After normalising it makes the input whole ONCE for all the column layers that read it: f
     (copy_to_tp) without SP, an all-gather of the sequence with SP. Under SP the norm works on
-    [b, s/tp, h]: its weight's gradient is partial per rank, so f is applied to the weight too
-    (identity forward; autograd all-reduces its gradient over tp).
+    [b, s/tp, h]: the gradients of its weight and bias are partial per rank, so f is applied to
+    them too (identity forward; autograd all-reduces their gradients over tp).
     """
 
-    def __init__(self, dim: int, eps: float, axis: C.Axis, *, sequence_parallel: bool = False,
-                 device=None, dtype=None):
+    def __init__(self, dim: int, eps: float, axis: C.Axis, *, kind: NormKind = "rms", bias: bool = False,
+                 sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
-        self.axis, self.eps, self.sequence_parallel = axis, eps, sequence_parallel
+        self.axis, self.eps, self.kind, self.sequence_parallel = axis, eps, kind, sequence_parallel
         self.weight = _param((dim,), TensorShard((dim,)), device, dtype)
+        self.bias = _param((dim,), TensorShard((dim,)), device, dtype) if bias else None
         # How the output enters the region. "none" when the consumer takes the sequence slice as it
         # is: a mixture of experts under expert parallelism dispatches its slice itself
         # (expert_parallel/tp_share.py), so gathering the sequence would only be undone.
         self.entry: InputOp = "gather" if sequence_parallel else "copy"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = copy_to_tp(self.weight, self.axis) if self.sequence_parallel else self.weight
-        # Same arithmetic as models.llama.RMSNorm (fp32 statistics), so tp=1 is bit-identical.
-        x32 = x.float()
-        y = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * w
-        return enter_region(y, self.axis, self.entry)
+        w, b = self.weight, self.bias
+        if self.sequence_parallel:
+            w = copy_to_tp(w, self.axis)
+            b = copy_to_tp(b, self.axis) if b is not None else None
+        return enter_region(normalize(x, w, b, self.eps, self.kind), self.axis, self.entry)
 
     def extra_repr(self) -> str:
-        return (f"{self.weight.shape[0]}, eps={self.eps}, tp={self.axis.size}, sp={self.sequence_parallel}, "
-                f"entry={self.entry}")
+        return (f"{self.weight.shape[0]}, {self.kind}, eps={self.eps}, bias={self.bias is not None}, "
+                f"tp={self.axis.size}, sp={self.sequence_parallel}, entry={self.entry}")

@@ -92,8 +92,12 @@ class VocabHead:
 
 
 class EntryNorm:
+    """A norm feeding column layers: RMSNorm, or nn.LayerNorm (with its bias), as RegionEntryNorm."""
+
     def build(self, old: nn.Module, ctx: Context) -> nn.Module:
-        return RegionEntryNorm(old.weight.shape[0], old.eps, ctx.axis,
+        layer = isinstance(old, nn.LayerNorm)
+        return RegionEntryNorm(old.weight.shape[0], old.eps, ctx.axis, kind="layer" if layer else "rms",
+                               bias=layer and old.bias is not None,
                                sequence_parallel=ctx.sequence_parallel, device=old.weight.device,
                                dtype=old.weight.dtype)
 

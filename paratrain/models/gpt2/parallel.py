@@ -1,0 +1,55 @@
+"""The GPT-2 family's declaration: what each technique needs to know about models/gpt2/model.py.
+
+Tensor parallelism (Megatron-LM's split, as for Llama): every LayerNorm is a region entry (it
+makes its output whole once for the column layers after it; under SP its weight *and* bias see
+only this rank's tokens, so both gradients are summed over tp); q/k/v and the MLP's ``fc`` are
+column-parallel (their biases split with their outputs); ``wo`` and the MLP's ``proj`` are
+row-parallel, their biases replicated and added once, after the reduction.
+
+The learned positions. Under sequence parallelism the token embedding's output is already this
+rank's slice of the sequence (its partial sums are reduce-scattered along it), so the positions
+added to it must be that slice's. The position table is looked up like a vocabulary (ids
+``[1, s]``), so it takes the vocabulary-parallel embedding's style: each rank holds a range of
+positions, and the partial lookups are summed (tp) or reduce-scattered along the sequence (SP),
+which hands every rank exactly its tokens' positions, with no style of its own. Each output row
+is one rank's row plus zeros, so the sum is exact; the price is one more collective of
+``s * dim`` elements (the token embedding's is ``b * s * dim``).
+
+Pipeline: ``embed`` (tokens and positions) runs on the first stage, ``norm`` and the tied
+``lm_head`` on the last; their two copies of the token embedding are summed across the stages.
+"""
+
+from __future__ import annotations
+
+from paratrain.models.family import ModelFamily
+from paratrain.models.gpt2.model import full_init_value
+from paratrain.tensor_parallel.plan import Colwise, EntryNorm, Rowwise, VocabEmbedding, VocabHead
+
+GPT2_TP_PLAN: dict[str, object] = {
+    "embed.wte": VocabEmbedding(),
+    "embed.wpe": VocabEmbedding(),  # positions as a vocabulary: the docstring says why
+    "layers.*.attn_norm": EntryNorm(),
+    "layers.*.attn.wq": Colwise(),
+    "layers.*.attn.wk": Colwise(),
+    "layers.*.attn.wv": Colwise(),
+    "layers.*.attn.wo": Rowwise(),
+    "layers.*.mlp_norm": EntryNorm(),
+    "layers.*.mlp.fc": Colwise(),
+    "layers.*.mlp.proj": Rowwise(),
+    "norm": EntryNorm(),
+    "lm_head": VocabHead(),
+}
+
+GPT2_FAMILY = ModelFamily(
+    name="gpt2",
+    blocks="layers",
+    before=("embed",),
+    after=("norm", "lm_head"),
+    tp_plan=GPT2_TP_PLAN,
+    recompute={"full": "", "selective": "attn.core"},  # attn.core: softmax(qk^T)v, no parameters
+    mlp="mlp",
+    mlp_norm="mlp_norm",
+    head="lm_head",
+    tied=("lm_head.weight", "embed.wte.weight"),
+    init_value=full_init_value,
+)
