@@ -6,14 +6,15 @@ import json
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 from safetensors.torch import load_file
 
 from paratrain.models import build_model
-from paratrain.models.llama import Llama, LlamaConfig
+from paratrain.models.from_config import config_from_dict
 from paratrain.models.llama_hf import load_pretrained
 
 
-def load_run(run: str) -> tuple[Llama, object]:
+def load_run(run: str) -> tuple[nn.Module, object]:
     """The trained model (from model.safetensors) and its tokenizer, from a run folder."""
     from tokenizers import Tokenizer
 
@@ -23,7 +24,7 @@ def load_run(run: str) -> tuple[Llama, object]:
             raise FileNotFoundError(f"{folder / name} not found: is {run!r} the --out folder of a finished "
                                     "language-model run?")
     info = json.loads((folder / "run.json").read_text())
-    model = build_model(LlamaConfig(**info["model"]))
+    model = build_model(config_from_dict(info["model"]))
     state = load_file(str(folder / "model.safetensors"))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and model.cfg.tie_embeddings)]
@@ -34,7 +35,7 @@ def load_run(run: str) -> tuple[Llama, object]:
 
 
 @torch.no_grad()
-def sample(model: Llama, ids: list[int], max_new_tokens: int, temperature: float = 0.8, top_k: int = 40,
+def sample(model: nn.Module, ids: list[int], max_new_tokens: int, temperature: float = 0.8, top_k: int = 40,
            seed: int = 0) -> list[int]:
     """Top-k sampling (temperature 0: greedy). The context is cut to the model's max_seq_len."""
     gen = torch.Generator().manual_seed(seed)

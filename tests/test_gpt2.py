@@ -20,8 +20,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from paratrain import cli
-from paratrain.models import build_model
+from paratrain import cli, config
+from paratrain.engine import checks
+from paratrain.generate import load_run
+from paratrain.models import build_model, preset
 from paratrain.models.gpt2 import GPT2Config
 from paratrain.models.llama_hf import HFError, load_pretrained
 from tests.harness import FP32_REORDERED, assert_same_training, run_layout, tiny_cfg
@@ -71,8 +73,6 @@ def _logits(model, ids: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("name", ["gpt2-tiny", "gpt2", "gpt2-xl"])
 def test_presets_count_their_parameters(name):
     """n_params (what metrics and the planner read) is the module's own count; gpt2 is GPT-2 small."""
-    from paratrain.models import preset
-
     cfg = preset(name)
     assert cfg.n_params() == sum(p.numel() for p in build_model(cfg, "meta").parameters())
     assert name != "gpt2" or cfg.n_params() == 124_439_808
@@ -185,6 +185,9 @@ def test_native_preset_trains_and_exports_as_gpt2(tmp_path):
     model = build_model(GPT2Config(**info["model"]))
     model.load_state_dict(load_file(str(run / "model.safetensors")), strict=False)  # the tied head: one name
     torch.testing.assert_close(_logits(model.eval(), _ids(s=16)), _logits(hf, _ids(s=16)), **LOGITS)
+    loaded, _ = load_run(str(run))  # `generate --run` / `eval --run` of a native GPT-2 run
+    assert type(loaded).__name__ == "GPT2"
+    torch.testing.assert_close(_logits(loaded.eval(), _ids(s=16)), _logits(hf, _ids(s=16)), **LOGITS)
 
 
 @pytest.fixture(scope="module")
@@ -216,3 +219,10 @@ def test_trains_in_every_layout_as_one_process(tmp_path, imported, layout):
     start = load_pretrained(str(src))[0].state_dict()
     for name, w in ref.weights.items():  # it started from the checkpoint and every tensor moved
         assert 0 < (w - start[name]).abs().max() < 5e-3, name
+
+
+def test_a_setting_gpt2_lacks_is_refused_before_any_worker(tmp_path):
+    cfg = config.load(None, {"model.name": "gpt2-tiny", "model.n_kv_heads": 2, "data.seq_len": 64,
+                             "train.out": str(tmp_path)})
+    with pytest.raises(config.ConfigError, match="model.n_kv_heads cannot be set for gpt2-tiny"):
+        checks.validate(cfg, 1)

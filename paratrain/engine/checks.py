@@ -41,6 +41,11 @@ def _check_model_name(cfg: Config, problems: list[str]) -> None:
                         f"{preset.max_seq_len} positions: lower --seq-len or choose a larger --model")
     if m.name not in PRESETS and m.name != "cnn-tiny":
         problems.append(f"model.name = {m.name!r} is unknown; choose one of {', '.join(PRESETS)}, cnn-tiny")
+    elif preset is not None and not m.init_from:
+        try:
+            model_shape(cfg)  # an override the family lacks (--kv-heads for GPT-2) is refused here
+        except ValueError as e:
+            problems.append(str(e))
 
 
 def check_layout(cfg: Config, problems: list[str]) -> None:

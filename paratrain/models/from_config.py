@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from paratrain.config import Config
 from paratrain.models import preset
+from paratrain.models.gpt2 import GPT2Config
 from paratrain.models.llama import LlamaConfig
 from paratrain.models.llama_hf import HFCheckpoint
 
@@ -31,3 +32,8 @@ def model_shape(cfg: Config) -> LlamaConfig:
     overrides = {k: getattr(m, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
                                               "tie_embeddings", *MOE_FIELDS) if getattr(m, k) is not None}
     return preset(m.name, **overrides)
+
+
+def config_from_dict(d: dict) -> LlamaConfig | GPT2Config:
+    """A model config as run.json stores it (``to_dict``); its ``family`` names the class."""
+    return GPT2Config(**d) if d.get("family") == "gpt2" else LlamaConfig(**d)
