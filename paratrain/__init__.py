@@ -8,7 +8,7 @@ __all__ = ["Parallel", "ParallelOptimizer"]
 def __getattr__(name: str):
     # The library API (api.py), imported on first use so `import paratrain` stays light for the CLI.
     if name in __all__:
-        from paratrain import api
+        from paratrain import api  # lazy: `import paratrain` stays light for the CLI
 
         return getattr(api, name)
     raise AttributeError(f"module 'paratrain' has no attribute {name!r}")

@@ -25,7 +25,7 @@ def micro_batch_arg(text: str) -> int | str:
 
 def bytes_arg(text: str) -> int:
     """--memory-limit: bytes, with an optional unit (e.g. 3GiB, 512MiB, 2e9)."""
-    from paratrain.memory.batch_finder import parse_bytes
+    from paratrain.memory.batch_finder import parse_bytes  # lazy: start-up time
 
     try:
         return parse_bytes(text)
@@ -120,12 +120,12 @@ def overrides_from(args: argparse.Namespace) -> dict:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from paratrain.launch import under_torchrun
-    from paratrain.run import run_training
+    from paratrain.launch import under_torchrun  # lazy: start-up time
+    from paratrain.run import run_training  # lazy: start-up time
 
     cfg = config.load(args.config, overrides_from(args))
     if args.layout == "auto":
-        from paratrain.plan_cli import auto_layout
+        from paratrain.plan_cli import auto_layout  # lazy: start-up time
 
         if under_torchrun():  # every rank would plan (and measure) on its own and could disagree
             raise config.ConfigError(
@@ -156,7 +156,7 @@ def adopt_torchrun_world(cfg: config.Config) -> config.Config:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from paratrain.generate import generate_from_run
+    from paratrain.generate import generate_from_run  # lazy: start-up time
 
     run = None if args.init_from else args.run
     temperature = 0.0 if args.greedy else args.temperature
@@ -194,7 +194,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from paratrain.eval import EvalError, eval_corpus, eval_text, load_model
+    from paratrain.eval import (  # lazy: start-up time
+        EvalError,
+        eval_corpus,
+        eval_text,
+        load_model,
+    )
 
     if args.seq_len is not None and args.seq_len < 1:
         raise UserError(f"--seq-len must be >= 1 (got {args.seq_len})")
@@ -243,7 +248,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def export_hf(args: argparse.Namespace) -> None:
-    from paratrain.models.llama_hf import export_run
+    from paratrain.models.llama_hf import export_run  # lazy: start-up time
 
     if args.max_shard_mb <= 0:
         raise UserError(f"--max-shard-mb must be > 0 (got {args.max_shard_mb})")
@@ -253,7 +258,7 @@ def export_hf(args: argparse.Namespace) -> None:
 
 def export_checkpoint(run: str, dest: str) -> None:
     """Consolidate a run's newest usable checkpoint into one safetensors file, tensor by tensor."""
-    from paratrain.engine import checkpoint as ckpt
+    from paratrain.engine import checkpoint as ckpt  # lazy: start-up time
 
     folder, notes = ckpt.find_checkpoint(run)
     for note in notes:
@@ -272,7 +277,7 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     parser = argparse.ArgumentParser(prog=f"paratrain bench {args.kind}")
     module.add_arguments(parser)
     bench_args = parser.parse_args(rest)
-    from paratrain.bench.common import report
+    from paratrain.bench.common import report  # lazy: start-up time
 
     report(module.run(bench_args), bench_args.json)
     return 0
@@ -281,7 +286,7 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
 def bench_kinds() -> list[str]:
     import pkgutil
 
-    import paratrain.bench
+    import paratrain.bench  # lazy: start-up time
 
     return sorted(m.name for m in pkgutil.iter_modules(paratrain.bench.__path__) if m.name != "common")
 
@@ -333,11 +338,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _is_user_error(e: Exception) -> bool:
-    from paratrain.eval import EvalError
-    from paratrain.mesh import MeshError
-    from paratrain.models.llama_hf import HFError
-    from paratrain.shards import CheckpointError
-    from paratrain.train.data import DataError
+    from paratrain.data import DataError  # lazy: start-up time
+    from paratrain.eval import EvalError  # lazy: start-up time
+    from paratrain.mesh import MeshError  # lazy: start-up time
+    from paratrain.models.llama_hf import HFError  # lazy: start-up time
+    from paratrain.shards import CheckpointError  # lazy: start-up time
 
     return isinstance(e, (config.ConfigError, DataError, MeshError, UserError, HFError, EvalError,
                           CheckpointError))
