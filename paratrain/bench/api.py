@@ -27,6 +27,8 @@ import statistics
 
 import torch
 
+import paratrain
+from paratrain.base.strategy import adamw_param_groups
 from paratrain.bench.common import (
     add_common_arguments,
     bench_config,
@@ -37,6 +39,9 @@ from paratrain.bench.common import (
 )
 from paratrain.device import sync_device
 from paratrain.launch import spawn
+from paratrain.models import build_model, init_weights
+from paratrain.train.task import build_task
+from paratrain.train.trainer import Trainer, lr_at
 
 CONFIGS = ("library_z0", "trainer_z0", "torch_ddp", "accelerate", "library_z3", "trainer_z3", "torch_fsdp2")
 PAIRS = (("library_z0", "trainer_z0"), ("library_z0", "torch_ddp"), ("library_z0", "accelerate"),
@@ -54,8 +59,6 @@ def _cfg(args: dict, zero: int):
 def _worker(env, name: str, args: dict) -> dict:
     cfg = _cfg(args, zero=3 if name.endswith("z3") else 0)
     if name.startswith("trainer"):
-        from paratrain.train.trainer import Trainer
-
         step = Trainer(cfg, env).train_step
     else:
         step = _user_loop(name, cfg, env)
@@ -66,11 +69,6 @@ def _worker(env, name: str, args: dict) -> dict:
 def _user_loop(name: str, cfg, env):
     """The loop a user writes around each wrapper: the same model, rows, AdamW, clipping."""
     import torch.nn.functional as F
-
-    from paratrain.base.strategy import adamw_param_groups
-    from paratrain.models import build_model, init_weights
-    from paratrain.train.task import build_task
-    from paratrain.train.trainer import lr_at
 
     task = build_task(cfg)
     model = build_model(task.model_cfg, env.device)
@@ -98,8 +96,6 @@ def _user_loop(name: str, cfg, env):
 def _wrap(name: str, model, opt, env):
     """(model, optimizer, backward(loss), clip(max_norm)) for one side."""
     if name.startswith("library"):
-        import paratrain
-
         par = paratrain.Parallel(zero=3 if name.endswith("z3") else 0)
         model, opt = par.prepare(model, opt)
         return model, opt, par.backward, par.clip_grad_norm_
@@ -150,7 +146,6 @@ def run(args: argparse.Namespace) -> dict:
         names.remove("accelerate")  # an optional peer: not a dependency of paratrain
         skipped["accelerate"] = "not installed (pip install accelerate to compare with it)"
     a = worker_args(args)
-    from paratrain.train.task import build_task
 
     build_task(_cfg(a, 0))  # tokenize once here; workers map the cache
     runs = rotating_rounds(names, args.rounds, lambda name: min(

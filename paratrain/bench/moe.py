@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from paratrain import config
 from paratrain.bench.common import (
     add_common_arguments,
     bench_config,
@@ -39,8 +40,12 @@ from paratrain.bench.common import (
 )
 from paratrain.config import ConfigError
 from paratrain.device import sync_device
+from paratrain.engine import checks
 from paratrain.launch import spawn
+from paratrain.models.from_config import model_config
 from paratrain.models.llama import LlamaConfig
+from paratrain.train.task import build_task
+from paratrain.train.trainer import Trainer
 
 CONFIGS = ("moe_ep", "moe_replicated", "dense_equal_active")
 
@@ -120,8 +125,6 @@ class _TimedWork:
 
 
 def _worker(env, name: str, args: dict) -> dict:
-    from paratrain.train.trainer import Trainer
-
     timer = AllToAllTimer()
     timer.install()
     trainer = Trainer(_cfg(name, args), env)
@@ -140,9 +143,6 @@ def _worker(env, name: str, args: dict) -> dict:
 
 def _refusal(name: str, args: dict) -> str | None:
     """Why this version of paratrain refuses a configuration (None if it runs)."""
-    from paratrain import config
-    from paratrain.engine import checks
-
     try:
         checks.validate(_cfg(name, args), args["nproc"])
     except (config.ConfigError, ValueError) as e:
@@ -151,9 +151,6 @@ def _refusal(name: str, args: dict) -> str | None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from paratrain.models.from_config import model_config
-    from paratrain.train.task import build_task
-
     names = [c for c in args.configs.split(",") if c]
     unknown = set(names) - set(CONFIGS)
     if unknown:

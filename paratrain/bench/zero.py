@@ -26,6 +26,9 @@ from paratrain.bench.common import (
 )
 from paratrain.device import peak_memory_bytes, sync_device
 from paratrain.launch import spawn
+from paratrain.models import build_model, init_weights
+from paratrain.train.task import build_task
+from paratrain.train.trainer import Trainer
 
 CONFIGS = ("zero1", "zero2", "zero3", "torch_zero_redundancy", "torch_fsdp2")
 
@@ -39,8 +42,6 @@ def _cfg(args: dict, zero: int):
 
 
 def _worker(env, name: str, args: dict) -> dict:
-    from paratrain.train.trainer import Trainer
-
     cfg = _cfg(args, zero=int(name[-1]) if name.startswith("zero") else 0)
     if name.startswith("zero"):
         trainer = Trainer(cfg, env)
@@ -56,9 +57,6 @@ def _torch_peer(name: str, cfg, env):
     """The same model, data and AdamW under PyTorch's own sharded data parallelism."""
     import torch.distributed as dist
     import torch.nn.functional as F
-
-    from paratrain.models import build_model, init_weights
-    from paratrain.train.task import build_task
 
     task = build_task(cfg)
     model = build_model(task.model_cfg, env.device)
@@ -98,7 +96,6 @@ def _torch_peer(name: str, cfg, env):
 def run(args: argparse.Namespace) -> dict:
     names = [c for c in args.configs.split(",") if c]
     a = worker_args(args)
-    from paratrain.train.task import build_task
 
     build_task(_cfg(a, 0))  # tokenize once here; workers map the cache
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from paratrain.comm.trace import TRACE, Fingerprint
+from paratrain.comm.trace import TRACE, Fingerprint, diagnose
 from paratrain.faults import skip_collective
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "broadcast")
@@ -137,7 +137,6 @@ def _check(fp: Fingerprint, axis: Axis) -> None:
     dist.all_gather_single(every, mine, group=axis.group)
     if bool((every.view(axis.size, 2) == mine).all()):
         return
-    from paratrain.comm.trace import diagnose
 
     histories = [None] * axis.size
     dist.all_gather_object(histories, TRACE.history(), group=axis.group)

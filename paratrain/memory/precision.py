@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from paratrain.config import Config
+from paratrain.device import measure_matmul_peak
 from paratrain.mesh import ParallelMesh
 
 MEASURE_N = 512
@@ -53,8 +54,6 @@ def _cache_path() -> Path:
 
 def measure(device: torch.device, seconds: float = 0.3) -> dict:
     """Matmul FLOP/s in fp32 and bf16 on `device`, and the choice."""
-    from paratrain.device import measure_matmul_peak
-
     fp32 = measure_matmul_peak(device, torch.float32, n=MEASURE_N, seconds=seconds)
     bf16 = measure_matmul_peak(device, torch.bfloat16, n=MEASURE_N, seconds=seconds)
     return {"fp32_flops": fp32, "bf16_flops": bf16, "bf16_over_fp32": bf16 / fp32,
