@@ -44,7 +44,8 @@ from paratrain.engine import checkpoint as ckpt
 from paratrain.engine.engine import Engine, find_checkpoint, make_mesh, make_strategy
 from paratrain.launch import init_from_torchrun, pick_device, under_torchrun
 from paratrain.mesh import MeshShape
-from paratrain.models.family import NoFamilyError, family_of
+from paratrain.models.family import NoFamilyError
+from paratrain.models.registry import family_of
 from paratrain.pipeline.executor import PipelineExecutor
 from paratrain.pipeline.stage import split_for_pipeline
 from paratrain.sharding import name_params, shard_of

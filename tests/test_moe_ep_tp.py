@@ -16,7 +16,7 @@ from paratrain.expert_parallel import apply_expert_parallel, dispatch_and_run, o
 from paratrain.expert_parallel.tp_share import TokenShare, split_sizes
 from paratrain.mesh import MeshShape, ParallelMesh
 from paratrain.models.moe import MoE
-from paratrain.models.moe_parallel import ExpertRowwise
+from paratrain.tensor_parallel.experts import ExpertRowwise
 from paratrain.tensor_parallel.plan import Colwise, Context
 from tests.dist import run
 from tests.harness import FP32_REORDERED, assert_same_training, tiny_cfg
@@ -141,7 +141,7 @@ LAYER_CASES = {  # name: (rows, seq, top_k, capacity_factor, sequence_parallel)
 def _layer_tp(env, case: str) -> dict:
     """One MoE layer forward + backward (output against a probe + its aux and z sums) on four ranks
     against the same layer whole on each rank's tokens, in float64."""
-    from paratrain.models.moe_parallel import ExpertsReduce, ReplicatedRouter
+    from paratrain.tensor_parallel.experts import ExpertsReduce, ReplicatedRouter
 
     rows, seq, top_k, cf, sp = LAYER_CASES[case]
     mesh = ParallelMesh(MeshShape(dp=2, tp=2, ep=2), env.rank)

@@ -30,7 +30,7 @@ from paratrain.sharding import TensorShard, set_shard
 from paratrain.train.metrics import read_metrics
 from paratrain.train.trainer import Trainer
 from paratrain.zero import store8
-from paratrain.zero.optimizer import FlatLayout
+from paratrain.zero.flat import FlatLayout
 from tests.dist import run
 from tests.harness import InterruptedAt, run_layout, tiny_cfg
 

@@ -65,7 +65,7 @@ class Strategy:
     #: ``after_backward`` (plain DP, ZeRO-1): the pipeline sums tied gradients accordingly.
     reduces_during_backward = False
 
-    def __init__(self, model: nn.Module, mesh: ParallelMesh, optim_cfg, *, grad_dtype=None):
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, optim_cfg: object):
         self.model = model
         self.mesh = mesh
         self.optim_cfg = optim_cfg

@@ -105,9 +105,8 @@ class DDP(Strategy):
     reduces_during_backward = True
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, optim_cfg, *, bucket_bytes: int,
-                 first_bucket_bytes: int | None = FIRST_BUCKET_BYTES, find_unused_parameters: bool = False,
-                 grad_dtype=None):
-        super().__init__(model, mesh, optim_cfg, grad_dtype=grad_dtype)
+                 first_bucket_bytes: int | None = FIRST_BUCKET_BYTES, find_unused_parameters: bool = False):
+        super().__init__(model, mesh, optim_cfg)
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0 (got {bucket_bytes}): set parallel.bucket_mb > 0")
         self.grad_copies_over_dp = mesh.dp.size  # after the sum every dp rank holds the same gradient

@@ -30,8 +30,8 @@ from paratrain.sharding import info_of
 class PlainDP(Strategy):
     """All-reduce (SUM) each gradient over the dp axis after the last micro-batch's backward."""
 
-    def __init__(self, model: nn.Module, mesh: ParallelMesh, optim_cfg, *, grad_dtype=None):
-        super().__init__(model, mesh, optim_cfg, grad_dtype=grad_dtype)
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, optim_cfg: object):
+        super().__init__(model, mesh, optim_cfg)
         self.grad_copies_over_dp = mesh.dp.size  # after the sum every dp rank holds the same gradient
         self._exposed_s = 0.0
 

@@ -14,7 +14,6 @@ from paratrain.memory.layout import check_savers
 from paratrain.models import PRESETS
 from paratrain.models.from_config import model_shape
 from paratrain.models.llama_hf import check_init_from
-from paratrain.models.moe_train import check_moe
 from paratrain.pipeline.stage import parse_split
 
 
@@ -133,3 +132,43 @@ def _check_zero(cfg: Config, problems: list[str]) -> None:
     if not p.reshard_after_forward and p.zero != 3:
         problems.append("parallel.reshard_after_forward = false only applies to --zero 3")
 
+
+NOT_WITH_MOE = {
+    "tile": (lambda c: c.train.tile > 1, "use --tile 1 (tiling replaces the dense MLP)"),
+}
+
+
+def check_moe(cfg: Config, problems: list[str]) -> None:
+    """MoE settings and the layouts that cannot hold them (called by check_layout)."""
+    ep = cfg.parallel.ep
+    dense_ep = (f"--ep {ep} spreads the experts of a mixture-of-experts model; this model is dense: "
+                "drop --ep, or give it experts (--experts N, or a -moe preset)")
+    if cfg.model.name == "cnn-tiny":
+        if ep > 1:
+            problems.append(dense_ep)
+        return
+    try:
+        c = model_shape(cfg)
+    except (KeyError, OSError, ValueError):
+        return  # an unknown model or folder is reported elsewhere
+    if c.n_experts < 0:
+        problems.append(f"--experts must be >= 0 (got {c.n_experts}); 0 is the dense model")
+    if c.n_experts <= 0:
+        if ep > 1:
+            problems.append(dense_ep)
+        return
+    if not 1 <= c.top_k <= c.n_experts:
+        problems.append(f"--top-k ({c.top_k}) must be between 1 and the number of experts ({c.n_experts})")
+    if c.capacity_factor < 0:
+        problems.append(f"--capacity-factor must be >= 0 (got {c.capacity_factor}); 0 is dropless")
+    for name in ("aux_loss_coef", "z_loss_coef"):
+        if getattr(c, name) < 0:
+            problems.append(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(c, name)})")
+    if ep > 1 and cfg.dp % ep:
+        problems.append(f"--ep ({ep}) must divide the data-parallel degree ({cfg.dp}): change --ep or --dp")
+    if ep > 1 and c.n_experts % ep:
+        problems.append(f"--ep ({ep}) must divide the number of experts ({c.n_experts}): "
+                        "change --ep or --experts")
+    for name, (used, fix) in NOT_WITH_MOE.items():
+        if used(cfg):
+            problems.append(f"{name} with a mixture-of-experts model is not supported yet: {fix}")

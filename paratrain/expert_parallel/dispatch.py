@@ -44,41 +44,14 @@ import torch.nn as nn
 
 from paratrain.comm import collectives as C
 from paratrain.comm.autograd import all_to_all, gather_rows, reduce_scatter_rows
-from paratrain.sharding import info_of, update_info
+from paratrain.models.moe import Expert
+from paratrain.sharding import info_of
 
 
 def owned_experts(n_experts: int, ep: int, ep_index: int) -> range:
     """Global indices of the experts expert-parallel rank ``ep_index`` holds."""
     per = n_experts // ep
     return range(ep_index * per, (ep_index + 1) * per)
-
-
-def apply_expert_parallel(model: nn.Module, axis: C.Axis, *, tp: C.Axis | None = None,
-                          sequence_parallel: bool = False) -> None:
-    """Keep only this ep rank's experts (on the meta model), mark them ``dp_axis="edp"`` and attach
-    the ep axis to every MoE layer so its forward dispatches with all-to-all.
-
-    Under tensor parallelism (``tp`` of more than one rank; apply TP first) each tp rank then
-    dispatches only its share of the tokens (tp_share.py): the layer's sum over tp moves from its
-    ``reduce`` (now the identity) into the dispatch, and under sequence parallelism the norm that
-    feeds the layer stops gathering the sequence (the layer dispatches the slice it holds)."""
-    from paratrain.expert_parallel.tp_share import TokenShare, keep_sequence_slices
-    from paratrain.models.moe import moe_layers
-
-    split = tp is not None and tp.active
-    for layer in moe_layers(model):
-        mine = owned_experts(layer.n_experts, axis.size, axis.rank)
-        for name in list(layer.experts.keys()):
-            if int(name) not in mine:
-                del layer.experts[name]
-        for p in layer.experts.parameters():
-            update_info(p, dp_axis="edp")
-        layer.ep = axis
-        if split:
-            layer.share = TokenShare(tp, sequence_parallel=sequence_parallel)
-            layer.reduce = nn.Identity()
-    if split and sequence_parallel:
-        keep_sequence_slices(model)
 
 
 def share_counts(experts: torch.Tensor, keep: torch.Tensor, owner: torch.Tensor, shares: int,
@@ -145,8 +118,6 @@ def split_expert_units(units: list[tuple[str, list[nn.Module]]]) -> list[tuple[s
     """ZeRO-3 with expert parallelism: a unit's edp experts become a unit of their own (sharded and
     gathered over edp), listed just before it so it claims their parameters; the rest of the unit
     stays over dp. The block's hooks gather both (the block unit *uses* the experts unit)."""
-    from paratrain.models.moe import Expert
-
     out, seen = [], set()
     for name, modules in units:
         edp = [m for mod in modules for m in mod.modules() if isinstance(m, Expert) and id(m) not in seen

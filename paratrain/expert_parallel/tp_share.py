@@ -40,6 +40,8 @@ import torch.nn as nn
 from paratrain.comm import collectives as C
 from paratrain.comm.autograd import gather_from_sp, gather_replicated_rows
 from paratrain.expert_parallel.dispatch import dispatch_and_run
+from paratrain.models.moe import MoE, weighted_sum
+from paratrain.models.registry import family_of
 
 
 def split_sizes(n: int, parts: int) -> list[int]:
@@ -74,8 +76,6 @@ class TokenShare:
         """``MoE.combine`` with this rank dispatching its share: tokens [b*s, dim] as the layer
         received them (under SP its sequence slice), weights/experts/keep [T, k] every token's
         routing -> the layer's output tokens [b*s, dim] (under SP, this rank's slice)."""
-        from paratrain.models.moe import weighted_sum
-
         t, tp = experts.shape[0], self.tp
         owner = self.owner(rows, t // rows, experts.device)  # [T]
         mine = (owner == tp.rank).nonzero().squeeze(-1)  # [T_mine]
@@ -92,9 +92,6 @@ class TokenShare:
 
 def keep_sequence_slices(model: nn.Module) -> None:
     """Under SP, the norm feeding each MoE layer hands it the sequence slice, ungathered."""
-    from paratrain.models.family import family_of
-    from paratrain.models.moe import MoE
-
     if isinstance(model, MoE):  # a layer alone: its caller hands it the slice
         return
     family = family_of(model, "expert parallelism with sequence parallelism (its mlp_norm)")

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from paratrain.models.family import family_of
+from paratrain.models.registry import family_of
 
 
 def compile_blocks(model: nn.Module, *, backend: str = "inductor") -> nn.Module:

@@ -22,30 +22,15 @@ not replace what the first forward recorded (the loss already holds it) nor add 
 from __future__ import annotations
 
 import contextlib
-import threading
 
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from paratrain.models.family import family_of
+from paratrain.models.registry import family_of
+from paratrain.models.rerun import recompute_context as _recompute_context
 
 # The recomputation runs in whichever thread executes the backward (the autograd engine's
 # device thread on CUDA): a thread-local flag set by checkpoint's recompute context there.
-_state = threading.local()
-
-
-def recomputing() -> bool:
-    """True while activation checkpointing re-runs a forward during backward."""
-    return getattr(_state, "depth", 0) > 0
-
-
-@contextlib.contextmanager
-def _recompute_context():
-    _state.depth = getattr(_state, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _state.depth -= 1
 
 
 def _contexts():

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from paratrain.models.family import family_of
+from paratrain.models.registry import family_of
 from paratrain.sharding import ParamInfo, TensorShard, info_of, set_info
 
 #: Attribute zero/fsdp.py reads: a module carrying it becomes a ZeRO-3 unit of its own, nested in

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from paratrain.models.family import family_of
+from paratrain.models.registry import family_of
 
 
 class _Tiled(torch.autograd.Function):

@@ -8,8 +8,8 @@ Techniques (tensor_parallel/, zero/, pipeline/, memory/) know no model by name: 
 * ``before`` / ``after``: the modules that run before and after the blocks, in forward order
   (only the first / last pipeline stage keeps them; ZeRO-3 makes each ``before`` module a unit
   and the ``after`` modules one unit together, named "head");
-* ``tp_plan``: submodule-name pattern -> tensor-parallel style (a data table; styles live in
-  tensor_parallel/plan.py);
+* ``tp_plan``: submodule-name pattern -> tensor-parallel style *name* (a data table; the names
+  resolve to implementations in tensor_parallel/plan.py's ``STYLES``, so a model imports no technique);
 * ``recompute``: policy -> the submodule of a block that policy checkpoints ("" = the block);
 * ``mlp`` / ``head``: the block's MLP submodule and the model's output projection (memory-centric
   tiling splits both; the library gathers the head's logits under tensor parallelism);
@@ -22,7 +22,8 @@ Techniques (tensor_parallel/, zero/, pipeline/, memory/) know no model by name: 
 The Hugging Face mapping of a family (config translation, name table, RoPE permutation) lives
 beside it too (models/llama_hf.py), used by the commands that import and export, not by techniques.
 
-A model class joins by an entry in ``FAMILIES`` (models/__init__.py). A model without one (the
+A model class joins by ``registry.register(config_cls, model_cls, family)`` in its family's
+declaration module (models/registry.py; ``family_of`` is there). A model without one (the
 CNN example, a user's own module) still trains under DP, DDP and ZeRO-1/2 — those need no
 declaration — and the techniques that do say which declaration is missing.
 """
@@ -42,7 +43,7 @@ class ModelFamily:
     blocks: str
     before: tuple[str, ...] = ()
     after: tuple[str, ...] = ()
-    tp_plan: dict[str, object] = field(default_factory=dict)
+    tp_plan: dict[str, str] = field(default_factory=dict)  # pattern -> a name in tensor_parallel STYLES
     recompute: dict[str, str] = field(default_factory=dict)
     mlp: str = ""
     mlp_norm: str = ""
@@ -82,19 +83,8 @@ class ModelFamily:
         return h
 
     def is_tied(self, model: nn.Module) -> bool:
-        return self.tied is not None and bool(getattr(getattr(model, "cfg", None), "tie_embeddings", False))
+        return self.tied is not None and model.cfg.tie_embeddings  # a family's model keeps its config
 
 
 class NoFamilyError(ValueError):
     """A technique needs a model family's declaration and the model has none."""
-
-
-def family_of(model: nn.Module, needed_for: str = "this technique") -> ModelFamily:
-    """The declaration of ``model``'s family (models/__init__.py FAMILIES)."""
-    from paratrain.models import FAMILIES
-
-    for cls, family in FAMILIES.items():
-        if isinstance(model, cls):
-            return family
-    raise NoFamilyError(f"{type(model).__name__} declares no model family (paratrain/models/family.py), "
-                        f"which {needed_for} needs: add one beside the model, or use DP/DDP/ZeRO-1/2")

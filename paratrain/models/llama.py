@@ -21,6 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from paratrain.models.moe import MoE
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -212,8 +214,6 @@ class Block(nn.Module):
 
 
 def moe_mlp(cfg: LlamaConfig) -> nn.Module:
-    from paratrain.models.moe import MoE
-
     return MoE(dim=cfg.dim, ffn_dim=cfg.ffn_dim, n_experts=cfg.n_experts, top_k=cfg.top_k,
                capacity_factor=cfg.capacity_factor)
 

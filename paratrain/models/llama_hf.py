@@ -32,10 +32,11 @@ from pathlib import Path
 
 import torch
 
-from paratrain.config import Config
+from paratrain.config import Config, DataConfig, ModelConfig
 from paratrain.models import mixtral_hf
 from paratrain.models.llama import LlamaConfig
-from paratrain.sharding import TensorShard
+from paratrain.models.registry import build_model
+from paratrain.sharding import TensorShard, shard_of
 
 
 class HFError(ValueError):
@@ -396,8 +397,6 @@ class HFCheckpoint:
     @torch.no_grad()
     def load_into(self, model: torch.nn.Module) -> None:
         """Fill every (materialised, possibly sharded) parameter from the checkpoint."""
-        from paratrain.sharding import shard_of
-
         for name, p in model.named_parameters():  # a tied head appears once (as the embedding)
             p.copy_(self.read(name, shard_of(p)).to(dtype=p.dtype, device=p.device))
 
@@ -424,15 +423,11 @@ def _weight_files(folder: Path) -> dict[str, Path]:
 
 def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Full shapes of the single-device model's parameters (ties listed once), built on meta."""
-    from paratrain.models import build_model
-
     return {n: tuple(p.shape) for n, p in build_model(cfg, "meta").named_parameters()}
 
 
 def load_pretrained(path: str) -> tuple[torch.nn.Module, HFCheckpoint]:
     """The whole imported model on the CPU in one process (eval, generate)."""
-    from paratrain.models import build_model
-
     ckpt = HFCheckpoint.open(path)
     problems = ckpt.check_shapes(expected_shapes(ckpt.model_cfg))
     if problems:
@@ -444,8 +439,6 @@ def load_pretrained(path: str) -> tuple[torch.nn.Module, HFCheckpoint]:
 
 def _ignored_with_init_from(cfg, path: str) -> list[str]:
     """Settings the imported model replaces: a run must not look as if they took effect."""
-    from paratrain.config import DataConfig, ModelConfig
-
     out = []
     if cfg.model.name != ModelConfig.name:
         out.append(f"model.name = {cfg.model.name!r} cannot be combined with --init-from: the model is "

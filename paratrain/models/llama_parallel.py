@@ -8,34 +8,33 @@ divides them, else each rank computes the kv heads its q heads need (``ColwiseKV
 
 A mixture-of-experts block (models/moe.py) splits every expert like the dense MLP, except that the
 experts' ``down`` outputs stay partial and the layer reduces their weighted sum once (``reduce``);
-the router is replicated with its gradient summed over tp (models/moe_parallel.py says why).
+the router is replicated with its gradient summed over tp (tensor_parallel/experts.py says why).
 """
 
 from __future__ import annotations
 
 from paratrain.models.family import ModelFamily
-from paratrain.models.llama import full_init_value
-from paratrain.models.moe_parallel import ExpertRowwise, ExpertsReduce, ReplicatedRouter
-from paratrain.tensor_parallel.plan import Colwise, ColwiseKV, EntryNorm, Rowwise, VocabEmbedding, VocabHead
+from paratrain.models.llama import Llama, LlamaConfig, full_init_value
+from paratrain.models.registry import register
 
-LLAMA_TP_PLAN: dict[str, object] = {
-    "embed": VocabEmbedding(),
-    "layers.*.attn_norm": EntryNorm(),
-    "layers.*.attn.wq": Colwise(),
-    "layers.*.attn.wk": ColwiseKV(),
-    "layers.*.attn.wv": ColwiseKV(),
-    "layers.*.attn.wo": Rowwise(),
-    "layers.*.mlp_norm": EntryNorm(),
-    "layers.*.mlp.gate": Colwise(),
-    "layers.*.mlp.up": Colwise(),
-    "layers.*.mlp.down": Rowwise(),
-    "layers.*.mlp.router": ReplicatedRouter(),  # mixture-of-experts blocks
-    "layers.*.mlp.experts.*.gate": Colwise(),
-    "layers.*.mlp.experts.*.up": Colwise(),
-    "layers.*.mlp.experts.*.down": ExpertRowwise(),
-    "layers.*.mlp.reduce": ExpertsReduce(),
-    "norm": EntryNorm(),
-    "lm_head": VocabHead(),
+LLAMA_TP_PLAN: dict[str, str] = {
+    "embed": "vocab_embedding",
+    "layers.*.attn_norm": "entry_norm",
+    "layers.*.attn.wq": "colwise",
+    "layers.*.attn.wk": "colwise_kv",
+    "layers.*.attn.wv": "colwise_kv",
+    "layers.*.attn.wo": "rowwise",
+    "layers.*.mlp_norm": "entry_norm",
+    "layers.*.mlp.gate": "colwise",
+    "layers.*.mlp.up": "colwise",
+    "layers.*.mlp.down": "rowwise",
+    "layers.*.mlp.router": "replicated_router",  # mixture-of-experts blocks
+    "layers.*.mlp.experts.*.gate": "colwise",
+    "layers.*.mlp.experts.*.up": "colwise",
+    "layers.*.mlp.experts.*.down": "expert_rowwise",
+    "layers.*.mlp.reduce": "experts_reduce",
+    "norm": "entry_norm",
+    "lm_head": "vocab_head",
 }
 
 LLAMA = ModelFamily(
@@ -51,3 +50,5 @@ LLAMA = ModelFamily(
     tied=("lm_head.weight", "embed.weight"),
     init_value=full_init_value,
 )
+
+register(LlamaConfig, Llama, LLAMA)

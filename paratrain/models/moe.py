@@ -26,13 +26,14 @@ one process, any dp degree and any number of micro-batches add up the same total
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from paratrain.memory.recompute import recomputing
+from paratrain.models.rerun import recomputing
 
 
 @dataclass
@@ -48,7 +49,7 @@ class MoEStats:
 
 class Router(nn.Linear):
     """dim -> E logits in (at least) fp32 even under autocast: top-k of near-equal bf16 logits is
-    noise. Under tensor parallelism the plan replaces it by ``TPRouter`` (models/moe_parallel.py)."""
+    noise. Under tensor parallelism the plan replaces it by ``TPRouter`` (tensor_parallel/experts.py)."""
 
     def __init__(self, dim: int, n_experts: int, *, device=None, dtype=None):
         super().__init__(dim, n_experts, bias=False, device=device, dtype=dtype)
@@ -123,9 +124,12 @@ class MoE(nn.Module):
         # expert parallelism too the identity again (the dispatch sums over tp: tp_share.py).
         self.reduce = nn.Identity()
         self.stats: MoEStats | None = None
-        # The expert-parallel axis (expert_parallel/): set, with only this rank's experts kept in
-        # ``self.experts``, by apply_expert_parallel; None (or an axis of one rank) runs all here.
+        # The expert-parallel axis and dispatch (expert_parallel/): set, with only this rank's experts
+        # kept in ``self.experts``, by apply_expert_parallel. ``dispatch(tokens, experts, keep,
+        # local_experts, n_experts)`` runs the kept assignments wherever their experts live (the
+        # all-to-all); None runs every expert here (``run_local``).
         self.ep = None
+        self.dispatch: Callable[..., torch.Tensor] | None = None
         # Under expert and tensor parallelism, which tokens this tp rank dispatches
         # (expert_parallel/tp_share.py: a TokenShare); None: all of them.
         self.share = None
@@ -159,10 +163,8 @@ class MoE(nn.Module):
                 keep: torch.Tensor) -> torch.Tensor:
         """Run each expert on its tokens; sum each token's k outputs in slot order (so the result
         does not depend on which rank ran which expert)."""
-        if self.ep is not None and self.ep.active:  # the experts live on the ep ranks: all-to-all
-            from paratrain.expert_parallel.dispatch import dispatch_and_run
-
-            per_slot = dispatch_and_run(tokens, experts, keep, self.experts, self.n_experts, self.ep)
+        if self.dispatch is not None:  # the experts live on the ep ranks: all-to-all
+            per_slot = self.dispatch(tokens, experts, keep, self.experts, self.n_experts)
         else:
             per_slot = self.run_local(tokens, experts, keep)
         return weighted_sum(per_slot, weights, keep)

@@ -1,12 +1,11 @@
 """The trainer's side of the mixture of experts: the auxiliary losses added to the loss sum, the
-metrics rows, and the configuration checks (the model itself is models/moe.py)."""
+metrics rows (the model itself is models/moe.py; the configuration checks are engine/checks.py)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
-from paratrain.config import Config
 from paratrain.models.llama import LlamaConfig
 from paratrain.models.moe import moe_layers, moe_loss_sum
 
@@ -67,44 +66,3 @@ def combine_figures(parts: list[dict], top_k: int) -> dict:
 
 # Compositions not built for MoE models: refused before workers start, with the fix. EP, TP, SP,
 # PP, ZeRO and recompute compose, EP with each of the others too (docs/moe.md).
-NOT_WITH_MOE = {
-    "tile": (lambda c: c.train.tile > 1, "use --tile 1 (tiling replaces the dense MLP)"),
-}
-
-
-def check_moe(cfg: Config, problems: list[str]) -> None:
-    """MoE settings and the layouts that cannot hold them (called by parallelize.check_layout)."""
-    from paratrain.train.task import model_shape
-
-    ep = cfg.parallel.ep
-    dense_ep = (f"--ep {ep} spreads the experts of a mixture-of-experts model; this model is dense: "
-                "drop --ep, or give it experts (--experts N, or a -moe preset)")
-    if cfg.model.name == "cnn-tiny":
-        if ep > 1:
-            problems.append(dense_ep)
-        return
-    try:
-        c = model_shape(cfg)
-    except (KeyError, OSError, ValueError):
-        return  # an unknown model or folder is reported elsewhere
-    if c.n_experts < 0:
-        problems.append(f"--experts must be >= 0 (got {c.n_experts}); 0 is the dense model")
-    if c.n_experts <= 0:
-        if ep > 1:
-            problems.append(dense_ep)
-        return
-    if not 1 <= c.top_k <= c.n_experts:
-        problems.append(f"--top-k ({c.top_k}) must be between 1 and the number of experts ({c.n_experts})")
-    if c.capacity_factor < 0:
-        problems.append(f"--capacity-factor must be >= 0 (got {c.capacity_factor}); 0 is dropless")
-    for name in ("aux_loss_coef", "z_loss_coef"):
-        if getattr(c, name) < 0:
-            problems.append(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(c, name)})")
-    if ep > 1 and cfg.dp % ep:
-        problems.append(f"--ep ({ep}) must divide the data-parallel degree ({cfg.dp}): change --ep or --dp")
-    if ep > 1 and c.n_experts % ep:
-        problems.append(f"--ep ({ep}) must divide the number of experts ({c.n_experts}): "
-                        "change --ep or --experts")
-    for name, (used, fix) in NOT_WITH_MOE.items():
-        if used(cfg):
-            problems.append(f"{name} with a mixture-of-experts model is not supported yet: {fix}")

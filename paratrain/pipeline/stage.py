@@ -37,7 +37,8 @@ import torch.nn as nn
 
 from paratrain.comm import collectives as C
 from paratrain.mesh import ParallelMesh
-from paratrain.models.family import ModelFamily, family_of
+from paratrain.models.family import ModelFamily
+from paratrain.models.registry import family_of
 from paratrain.models.shape import ModelShape
 from paratrain.perf.stages import balanced_split, nominal_chunk_costs
 from paratrain.sharding import update_info

@@ -19,13 +19,13 @@ a reduce-scatter of the sequence, and the residual stream holds [b, s/tp, h])::
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass
 
 import torch.nn as nn
 
-from paratrain.comm.collectives import Axis
 from paratrain.mesh import ParallelMesh
-from paratrain.models.family import family_of
+from paratrain.models.registry import family_of
+from paratrain.tensor_parallel.context import Context
+from paratrain.tensor_parallel.experts import ExpertRowwise, ExpertsReduce, ReplicatedRouter
 from paratrain.tensor_parallel.layers import (
     ColumnParallelLinear,
     RegionEntryNorm,
@@ -33,14 +33,6 @@ from paratrain.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-
-
-@dataclass(frozen=True)
-class Context:
-    axis: Axis
-    sequence_parallel: bool
-    cfg: object  # the model's config: head counts for the k/v style
-
 
 # -- styles: how one module becomes its tensor-parallel counterpart -----------------------------
 
@@ -102,6 +94,24 @@ class EntryNorm:
                                dtype=old.weight.dtype)
 
 
+# A family's plan maps module name patterns to these names (plain data, beside the model).
+STYLES: dict[str, object] = {
+    "colwise": Colwise(), "colwise_kv": ColwiseKV(), "rowwise": Rowwise(),
+    "vocab_embedding": VocabEmbedding(), "vocab_head": VocabHead(), "entry_norm": EntryNorm(),
+    "replicated_router": ReplicatedRouter(), "expert_rowwise": ExpertRowwise(),
+    "experts_reduce": ExpertsReduce(),
+}
+
+
+def style_of(style: str | object) -> object:
+    """A plan entry's style: a name of ``STYLES``, or a style object (the library's gathered head)."""
+    if not isinstance(style, str):
+        return style
+    if style not in STYLES:
+        raise ValueError(f"tensor-parallel style {style!r} is unknown; the styles are {', '.join(STYLES)}")
+    return STYLES[style]
+
+
 def kv_heads_for_rank(n_heads: int, n_kv_heads: int, tp: int, rank: int) -> list[int]:
     """The kv head of each of this rank's q heads (grouped-query attention: q head i uses kv head
     i // (n_heads / n_kv_heads)). When consecutive q heads share kv heads evenly the list is
@@ -129,7 +139,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh, *, sequence_para
     named = dict(model.named_modules())
     for pattern, style in plan.items():
         for name in [n for n in named if fnmatch.fnmatchcase(n, pattern)]:
-            _set_submodule(model, name, style.build(named[name], ctx))
+            _set_submodule(model, name, style_of(style).build(named[name], ctx))
     if family.is_tied(model):  # the copy re-shares the owner's identically split weight
         copy, owner = family.tied
         _tie(model, copy, owner)

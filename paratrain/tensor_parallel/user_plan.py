@@ -18,8 +18,10 @@ import torch.nn as nn
 
 from paratrain.comm.collectives import Axis
 from paratrain.mesh import ParallelMesh
+from paratrain.models import family_of
 from paratrain.sharding import shard_of
 from paratrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from paratrain.tensor_parallel.plan import apply_tensor_parallel
 
 
 def _colwise(old: nn.Linear, axis: Axis, gather: bool) -> nn.Module:
@@ -98,9 +100,6 @@ def apply_native_plan(model: nn.Module, axis_mesh: ParallelMesh, full: dict[str,
                       sequence_parallel: bool) -> dict[int, nn.Parameter]:
     """A paratrain model family's declared TP/SP plan, with a gathered head (the user's loss sees
     whole logits); each new parameter takes its slice of ``full`` (the weights held, by name)."""
-    from paratrain.models import family_of
-    from paratrain.tensor_parallel.plan import apply_tensor_parallel
-
     family = family_of(model, "tensor parallelism")
     before = dict(model.named_parameters())
     apply_tensor_parallel(model, axis_mesh, sequence_parallel=sequence_parallel,

@@ -54,12 +54,15 @@ from torch.utils._pytree import tree_leaves
 from paratrain.base.strategy import Strategy
 from paratrain.comm import collectives as C
 from paratrain.comm.collectives import nbytes
+from paratrain.expert_parallel import split_expert_units
 from paratrain.mesh import ParallelMesh
+from paratrain.models import family_of
 from paratrain.sharding import copy_info, info_of, shard_of
 from paratrain.shards import ShardReader
 from paratrain.zero import store8
+from paratrain.zero.flat import DTYPES, FlatLayout, GroupOf, axis_of, param_key
 from paratrain.zero.offload import disk_store, make_store
-from paratrain.zero.optimizer import DTYPES, FlatLayout, GroupOf, ShardedState, axis_of, held_sync, param_key
+from paratrain.zero.sharded_state import ShardedState, held_sync
 
 #: A module carrying this attribute (set True) is a ZeRO-3 unit nested in the unit that holds it.
 NESTED = "zero3_unit"
@@ -94,8 +97,6 @@ class Unit:
 
 def family_units(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
     """Forward-order units the model's family declares (a pipeline stage may lack some)."""
-    from paratrain.models import family_of
-
     return family_of(model, "ZeRO-3 (its units; or pass units=)").zero3_units(model)
 
 
@@ -233,7 +234,6 @@ class Zero3(ShardedState, Strategy):
         names = {id(p): info_of(p).name or n for n, p in self.model.named_parameters()}
         units = self.units_of(self.model)
         if self.mesh.ep.size > 1:  # expert-parallel experts: units of their own, over edp
-            from paratrain.expert_parallel import split_expert_units
 
             units = split_expert_units(units)
         units = nest_units(units)

@@ -32,253 +32,22 @@ compute dtype, the paper's 2-byte gradients; pass torch.float32 to reduce in ful
 from __future__ import annotations
 
 import contextlib
-import functools
-import math
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
-from paratrain.base.strategy import Strategy, decays
+from paratrain.base.strategy import Strategy
 from paratrain.comm import collectives as C
 from paratrain.comm.bucketing import fill_per_key
 from paratrain.comm.collectives import nbytes
 from paratrain.mesh import ParallelMesh
-from paratrain.optim import adamw8bit as a8
 from paratrain.sharding import info_of
-from paratrain.shards import CheckpointError, Piece, ShardReader, pieces_of
+from paratrain.shards import ShardReader
 from paratrain.zero import store8
-from paratrain.zero.offload import MOMENTS, make_store
-from paratrain.zero.offload import Piece as FlatPiece
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-# --------------------------------------------------------------------------------------------
-# Flat layout: parameters back to back, padded to a multiple of dp, one contiguous slice each.
-# --------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def held_sync(strategy: Strategy) -> Iterator[None]:
-    """``no_sync`` of the strategies that reduce from backward hooks (ZeRO-2, ZeRO-3): while held,
-    the hooks see ``_sync = False`` and let gradients accumulate locally."""
-    strategy._sync = False
-    try:
-        yield
-    finally:
-        strategy._sync = True
-
-
-@dataclass
-class FlatLayout:
-    names: list[str]
-    params: list[nn.Parameter]
-    shapes: list[torch.Size]
-    offsets: list[int]
-    numel: int
-    padded: int  # numel rounded up to a multiple of dp
-    dp: int
-    rank: int
-    segments: list[tuple[int, int, bool, int]] = field(default_factory=list)  # (start, end, decays, copies)
-    axis: str = "dp"  # the mesh axis it is sharded over (ParamInfo.dp_axis: edp for experts)
-
-    @classmethod
-    def build(cls, named: list[tuple[str, nn.Parameter]], keys: list[tuple[bool, int]], dp: int,
-              rank: int, *, align: int = 1, aligned: list[bool] | None = None,
-              axis: str = "dp") -> FlatLayout:
-        """``named`` must already be sorted by ``keys`` (decays, copies): segments are contiguous runs.
-
-        ``align`` > 1 (8-bit optimizer state, zero/store8.py): each parameter flagged in ``aligned``
-        (default: all) starts at a multiple of ``align`` and the buffer is padded to a multiple of
-        ``dp * align``, so shard boundaries never cut a quantisation block."""
-        offsets, o = [], 0
-        for k, (_, p) in enumerate(named):
-            if align > 1 and (aligned is None or aligned[k]):
-                o = math.ceil(o / align) * align
-            offsets.append(o)
-            o += p.numel()
-        unit = dp * align
-        padded = max(unit, math.ceil(o / unit) * unit)
-        segments: list[tuple[int, int, bool, int]] = []
-        for (_, p), off, key in zip(named, offsets, keys):
-            if segments and segments[-1][2:] == key:
-                segments[-1] = (segments[-1][0], off + p.numel(), *key)
-            else:
-                segments.append((off, off + p.numel(), *key))
-        segments[-1] = (segments[-1][0], padded, *segments[-1][2:])  # padding joins the last segment
-        return cls([n for n, _ in named], [p for _, p in named], [p.shape for _, p in named], offsets, o,
-                   padded, dp, rank, segments, axis)
-
-    @property
-    def shard(self) -> int:
-        return self.padded // self.dp
-
-    @property
-    def lo(self) -> int:
-        return self.rank * self.shard
-
-    def flatten(self, tensors: list[torch.Tensor | None], dtype: torch.dtype,
-                device: torch.device) -> torch.Tensor:
-        """[padded] buffer holding the tensors back to back (None -> zeros), padding zero."""
-        flat = torch.zeros(self.padded, dtype=dtype, device=device)
-        for t, off in zip(tensors, self.offsets):
-            if t is not None:
-                flat[off:off + t.numel()].copy_(t.reshape(-1))
-        return flat
-
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [flat[o:o + s.numel()].view(s) for o, s in zip(self.offsets, self.shapes)]
-
-    def local(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat[self.lo:self.lo + self.shard]
-
-    def pieces(self, index: int, weight_decay: float) -> list[tuple[FlatPiece, int]]:
-        """This rank's slice cut at segment boundaries: (piece, copies) in shard coordinates."""
-        out = []
-        for start, end, dec, copies in self.segments:
-            a, b = max(start, self.lo), min(end, self.lo + self.shard)
-            if a < b:
-                wd = weight_decay if dec else 0.0
-                out.append((FlatPiece(index, a - self.lo, b - self.lo, wd, int(dec)), copies))
-        return out
-
-
-GroupOf = Callable[[str, torch.Tensor], int]  # (name, parameter) -> the user's param-group index
-
-
-def param_key(name: str, p: torch.Tensor, mesh: ParallelMesh,
-              group_of: GroupOf | None = None) -> tuple[bool | int, int]:
-    """(group, copies): copies = world ranks holding this same gradient element outside dp.
-
-    group: whether it decays (the CLI's AdamW, two groups), or the index of the user's param group
-    (``group_of``, the library): flat segments and optimizer pieces never mix two groups."""
-    group = decays(name, p) if group_of is None else group_of(name, p)
-    return group, info_of(p).copies_outside_dp(mesh)
-
-
-def axis_of(named: list[tuple[str, nn.Parameter]], mesh: ParallelMesh) -> C.Axis:
-    """The one data-parallel axis a flat buffer's parameters are sharded over (dp, or edp for
-    expert-parallel experts; a buffer never mixes them)."""
-    axes = {info_of(p).dp_axis for _, p in named} or {"dp"}
-    if len(axes) != 1:
-        raise ValueError(f"a flat buffer mixes the data-parallel axes {sorted(axes)}: "
-                         f"{[n for n, _ in named][:4]}")
-    return getattr(mesh, axes.pop())
-
-
-def bind_views(layout: FlatLayout, flat: torch.Tensor) -> None:
-    """Make each parameter a view into ``flat`` (``p.data =`` keeps the parameter's own version
-    counter, so later in-place writes into the buffer do not trip autograd's saved-tensor check)."""
-    for p, v in zip(layout.params, layout.views(flat)):
-        p.data = v
-
-
-# --------------------------------------------------------------------------------------------
-# Shared by ZeRO-1/2/3: layout-free export and import of sharded fp32 state.
-# --------------------------------------------------------------------------------------------
-
-
-class ShardedState:
-    """Full tensors by single-device name from dp-sharded flat masters (and back)."""
-
-    layouts: list[FlatLayout]
-    mesh: ParallelMesh
-
-    def offload_metrics(self) -> dict[str, float]:
-        """Where the optimizer partition lives (host / disk bytes) and the disk store's resident peak."""
-        s = self.store.bytes()
-        out = {"mem_offloaded_host_bytes": s["host"], "mem_offloaded_disk_bytes": s["disk"]}
-        if hasattr(self.store, "max_resident_bytes"):
-            out["offload_resident_peak_bytes"] = self.store.max_resident_bytes
-        return out
-
-    def state_keys(self) -> tuple[str, ...]:
-        """The store's per-element state besides the master ("param"): AdamW's two moments, the
-        8-bit store's codes and scales, or what the library user's optimizer class keeps."""
-        keys = getattr(self.store, "state_keys", None)
-        return tuple(keys()) if keys is not None else MOMENTS
-
-    def state_pieces(self) -> list[Piece]:
-        """Each flat shard cut at parameter boundaries: 1-D ranges of each (tp-local) parameter.
-        Key by key, so the writer reads one shard of one key at a time (``_shard_range``)."""
-        out = []
-        for i, layout in enumerate(self.layouts):
-            for which in ("param", *self.state_keys()):
-                for name, p, at, a, b in _owned(layout):
-                    info = info_of(p)
-                    if not info.tied_to:
-                        out += self._pieces(i, which, info, info.name or name, p, at, a, b)
-        return out + self.buffer_pieces()
-
-    def _pieces(self, i: int, which: str, info, name: str, p, at: int, a: int, b: int) -> list[Piece]:
-        """The piece of ``which`` for parameter elements [a, b), held at ``at`` of flat shard ``i``."""
-        if isinstance(self.store, store8.Store8) and which != "param":
-            return store8.state_pieces(self, i, which, name, p, at, a, b)
-        values = functools.partial(self._shard_range, i, which, at, at + b - a)
-        return pieces_of(info, which, p, a, b, values=values, name=name)
-
-    def _shard_range(self, index: int, which: str, a: int, b: int) -> torch.Tensor:
-        """Elements [a, b) of flat shard ``index``'s state ``which``. The writer asks shard by shard,
-        so one cached shard bounds the memory (offloaded state is read from disk once per shard)."""
-        cached = getattr(self, "_shard_cache", None)
-        if cached is None or cached[0] != (index, which):
-            cached = self._shard_cache = ((index, which), self.store.read(index, which))
-        if b >= cached[1].numel():  # the shard's last piece: release it after this read
-            self._shard_cache = None
-        return cached[1][a:b]
-
-    def optimizer_step_count(self) -> int:
-        return self.store.steps
-
-    @torch.no_grad()
-    def _load_flats(self, reader: ShardReader, optimizer_step: int) -> None:
-        """Rebuild this rank's flat shards from the pieces that overlap them (nothing more)."""
-        for i, layout in enumerate(self.layouts):
-            self.store.write(i, "param", self._read_shard(reader, layout, "param").to(self.mesh.device))
-            if isinstance(self.store, store8.Store8):
-                store8.load_state(self, reader, i, layout, optimizer_step)
-            else:
-                for which in _checkpoint_keys(reader, layout):
-                    self.store.write(i, which, self._read_shard(reader, layout, which), step=optimizer_step)
-
-    def _read_shard(self, reader: ShardReader, layout: FlatLayout, which: str) -> torch.Tensor:
-        """This rank's flat fp32 shard of ``which`` ("param" or a moment, stored fp32 or 8-bit)."""
-        local = torch.zeros(layout.shard, dtype=torch.float32)
-        for name, p, at, a, b in _owned(layout):
-            info = info_of(p)
-            full = info.name or name
-            if which == "param" and not reader.has(full, which):
-                raise CheckpointError(f"{reader.folder}: no {which} for tensor {full!r}: the "
-                                      "checkpoint was written for another model")
-            start, shape = info.shard.slab()
-            valid = min(b, math.prod(shape))  # tp padding rows stay zero
-            if valid > a:
-                if which == "param":
-                    local[at:at + valid - a] = reader.read(full, which, start, shape, a, valid)
-                else:
-                    local[at:at + valid - a] = a8.read_fp32_moment(reader, full, which, info.full_shape,
-                                                                   start, shape, a, valid)
-        return local
-
-
-def _checkpoint_keys(reader: ShardReader, layout: FlatLayout) -> list[str]:
-    """The optimizer-state keys the checkpoint holds for every parameter of this layout (8-bit
-    moments count as their fp32 key); none (fresh state) when it holds no optimizer state."""
-    held = [{k.removesuffix(".q").removesuffix(".absmax") for k in reader.keys(info_of(p).name or n)}
-            - {"param", "buffer"} for n, p, *_ in _owned(layout)]
-    return sorted(set.intersection(*held)) if held else []
-
-
-def _owned(layout: FlatLayout):
-    """(name, param, at, a, b): this rank's shard holds the parameter's flat elements [a, b) at
-    position ``at`` of the shard."""
-    for name, p, off in zip(layout.names, layout.params, layout.offsets):
-        a, b = max(off, layout.lo), min(off + p.numel(), layout.lo + layout.shard)
-        if a < b:
-            yield name, p, a - layout.lo, a - off, b - off
-
+from paratrain.zero.flat import DTYPES, FlatLayout, GroupOf, axis_of, bind_views, param_key
+from paratrain.zero.offload import make_store
+from paratrain.zero.sharded_state import ShardedState, held_sync
 
 # --------------------------------------------------------------------------------------------
 # ZeRO-1 / ZeRO-2
@@ -296,9 +65,9 @@ class _Bucket:
 
 
 class ZeroDP(Strategy):
-    """Shared body of ZeRO-1 and ZeRO-2 (``stage`` picks when gradients are reduced and kept)."""
-
-    stage = 1
+    """Shared body of ZeRO-1 and ZeRO-2. ZeRO-1 reduces the persistent flat gradients after
+    backward; Zero2 overrides ``_install_grads`` / ``after_backward`` to reduce-scatter each bucket
+    from backward hooks and keep only its shard."""
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, optim_cfg, *, precision: str = "fp32",
                  reduce_dtype: torch.dtype | None = None, bucket_bytes: int = 25 * 2**20,
@@ -439,13 +208,10 @@ class ZeroDP(Strategy):
 class Zero1(ShardedState, ZeroDP):
     """ZeRO-1 (P_os): optimizer state and fp32 master partitioned; full gradients kept."""
 
-    stage = 1
-
 
 class Zero2(ShardedState, ZeroDP):
     """ZeRO-2 (P_os+g): gradients reduce-scattered bucket by bucket during backward, shard kept."""
 
-    stage = 2
     reduces_during_backward = True
 
     def _install_grads(self) -> None:

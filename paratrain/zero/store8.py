@@ -39,6 +39,7 @@ from paratrain.optim import adamw8bit as a8
 from paratrain.optim.adamw8bit import QUANT_KEYS, STATE_KEYS, full_numel
 from paratrain.sharding import info_of
 from paratrain.shards import ShardReader, pieces_of
+from paratrain.zero.flat import owned
 
 
 def is_8bit(optim_cfg: Any) -> bool:  # optim_cfg: OptimConfig or OptimizerRecipe, read by attribute
@@ -216,11 +217,9 @@ def load_state(s: Any, reader: ShardReader, i: int, layout: Any,  # a ZeRO strat
                optimizer_step: int) -> None:
     """ZeRO ``_load_flats`` for 8-bit state: this rank's slots of master shard ``i``, converted
     from whatever the checkpoint holds (8-bit of another block size or plain AdamW: requantised)."""
-    from paratrain.zero.optimizer import _owned
-
     store, block = s.store, s.store.block
     flats = {k: store._flat(i, k) for k in STATE_KEYS}
-    for name, p, at, a, b in _owned(layout):
+    for name, p, at, a, b in owned(layout):
         full = info_of(p).name or name
         state = a8.read_param_state(reader, full, tuple(p.shape), a, b, quantised=quantised(p, s.optim_cfg),
                                     block=block)

@@ -22,22 +22,22 @@ Pipeline: ``embed`` (tokens and positions) runs on the first stage, ``norm`` and
 from __future__ import annotations
 
 from paratrain.models.family import ModelFamily
-from paratrain.models.gpt2.model import full_init_value
-from paratrain.tensor_parallel.plan import Colwise, EntryNorm, Rowwise, VocabEmbedding, VocabHead
+from paratrain.models.gpt2.model import GPT2, GPT2Config, full_init_value
+from paratrain.models.registry import register
 
-GPT2_TP_PLAN: dict[str, object] = {
-    "embed.wte": VocabEmbedding(),
-    "embed.wpe": VocabEmbedding(),  # positions as a vocabulary: the docstring says why
-    "layers.*.attn_norm": EntryNorm(),
-    "layers.*.attn.wq": Colwise(),
-    "layers.*.attn.wk": Colwise(),
-    "layers.*.attn.wv": Colwise(),
-    "layers.*.attn.wo": Rowwise(),
-    "layers.*.mlp_norm": EntryNorm(),
-    "layers.*.mlp.fc": Colwise(),
-    "layers.*.mlp.proj": Rowwise(),
-    "norm": EntryNorm(),
-    "lm_head": VocabHead(),
+GPT2_TP_PLAN: dict[str, str] = {
+    "embed.wte": "vocab_embedding",
+    "embed.wpe": "vocab_embedding",  # positions as a vocabulary: the docstring says why
+    "layers.*.attn_norm": "entry_norm",
+    "layers.*.attn.wq": "colwise",
+    "layers.*.attn.wk": "colwise",
+    "layers.*.attn.wv": "colwise",
+    "layers.*.attn.wo": "rowwise",
+    "layers.*.mlp_norm": "entry_norm",
+    "layers.*.mlp.fc": "colwise",
+    "layers.*.mlp.proj": "rowwise",
+    "norm": "entry_norm",
+    "lm_head": "vocab_head",
 }
 
 GPT2_FAMILY = ModelFamily(
@@ -53,3 +53,5 @@ GPT2_FAMILY = ModelFamily(
     tied=("lm_head.weight", "embed.wte.weight"),
     init_value=full_init_value,
 )
+
+register(GPT2Config, GPT2, GPT2_FAMILY)

@@ -29,8 +29,6 @@ Three things differ from the dense MLP, each a bug when missed:
 
 from __future__ import annotations
 
-from typing import Any  # ctx: a tensor_parallel.plan.Context, a layer above the models
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -39,6 +37,7 @@ from paratrain.comm import collectives as C
 from paratrain.comm.autograd import copy_to_tp, reduce_from_tp, reduce_scatter_to_sp
 from paratrain.models.moe import Router
 from paratrain.sharding import TensorShard, set_shard
+from paratrain.tensor_parallel.context import Context
 from paratrain.tensor_parallel.layers import RowParallelLinear
 
 
@@ -97,13 +96,13 @@ class TPReduce(nn.Module):
 
 
 class ReplicatedRouter:
-    def build(self, old: Router, ctx: Any) -> nn.Module:
+    def build(self, old: Router, ctx: Context) -> nn.Module:
         return TPRouter(old.in_features, old.out_features, ctx.axis, device=old.weight.device,
                         dtype=old.weight.dtype)
 
 
 class ExpertRowwise:
-    def build(self, old: nn.Linear, ctx: Any) -> nn.Module:
+    def build(self, old: nn.Linear, ctx: Context) -> nn.Module:
         if old.bias is not None:
             raise ValueError("an expert's down projection with a bias cannot stay a partial sum")
         return PartialRowLinear(old.in_features, old.out_features, ctx.axis, device=old.weight.device,
@@ -111,5 +110,5 @@ class ExpertRowwise:
 
 
 class ExpertsReduce:
-    def build(self, old: nn.Module, ctx: Any) -> nn.Module:
+    def build(self, old: nn.Module, ctx: Context) -> nn.Module:
         return TPReduce(ctx.axis, sequence_parallel=ctx.sequence_parallel)

@@ -1,0 +1,126 @@
+"""The state every ZeRO stage holds the same way: dp-sharded flat fp32 masters (and their optimizer
+state in a store: device, host, disk or 8-bit), described as pieces of full tensors by
+single-device name for checkpoints, exports and the library's gathers, and read back in any
+layout. ZeRO-1/2 (optimizer.py) and ZeRO-3 (fsdp.py) both mix it in; ``held_sync`` is their
+shared ``no_sync`` for reductions launched from backward hooks."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Iterator
+
+import torch
+
+from paratrain.base.strategy import Strategy
+from paratrain.mesh import ParallelMesh
+from paratrain.optim import adamw8bit as a8
+from paratrain.sharding import info_of
+from paratrain.shards import CheckpointError, Piece, ShardReader, pieces_of
+from paratrain.zero import store8
+from paratrain.zero.flat import FlatLayout, owned
+from paratrain.zero.offload import MOMENTS
+
+
+@contextlib.contextmanager
+def held_sync(strategy: Strategy) -> Iterator[None]:
+    """``no_sync`` of the strategies that reduce from backward hooks (ZeRO-2, ZeRO-3): while held,
+    the hooks see ``_sync = False`` and let gradients accumulate locally."""
+    strategy._sync = False
+    try:
+        yield
+    finally:
+        strategy._sync = True
+
+
+
+class ShardedState:
+    """Full tensors by single-device name from dp-sharded flat masters (and back)."""
+
+    layouts: list[FlatLayout]
+    mesh: ParallelMesh
+
+    def offload_metrics(self) -> dict[str, float]:
+        """Where the optimizer partition lives (host / disk bytes) and the disk store's resident peak."""
+        s = self.store.bytes()
+        out = {"mem_offloaded_host_bytes": s["host"], "mem_offloaded_disk_bytes": s["disk"]}
+        if hasattr(self.store, "max_resident_bytes"):
+            out["offload_resident_peak_bytes"] = self.store.max_resident_bytes
+        return out
+
+    def state_keys(self) -> tuple[str, ...]:
+        """The store's per-element state besides the master ("param"): AdamW's two moments, the
+        8-bit store's codes and scales, or what the library user's optimizer class keeps."""
+        keys = getattr(self.store, "state_keys", None)
+        return tuple(keys()) if keys is not None else MOMENTS
+
+    def state_pieces(self) -> list[Piece]:
+        """Each flat shard cut at parameter boundaries: 1-D ranges of each (tp-local) parameter.
+        Key by key, so the writer reads one shard of one key at a time (``_shard_range``)."""
+        out = []
+        for i, layout in enumerate(self.layouts):
+            for which in ("param", *self.state_keys()):
+                for name, p, at, a, b in owned(layout):
+                    info = info_of(p)
+                    if not info.tied_to:
+                        out += self._pieces(i, which, info, info.name or name, p, at, a, b)
+        return out + self.buffer_pieces()
+
+    def _pieces(self, i: int, which: str, info, name: str, p, at: int, a: int, b: int) -> list[Piece]:
+        """The piece of ``which`` for parameter elements [a, b), held at ``at`` of flat shard ``i``."""
+        if isinstance(self.store, store8.Store8) and which != "param":
+            return store8.state_pieces(self, i, which, name, p, at, a, b)
+        values = functools.partial(self._shard_range, i, which, at, at + b - a)
+        return pieces_of(info, which, p, a, b, values=values, name=name)
+
+    def _shard_range(self, index: int, which: str, a: int, b: int) -> torch.Tensor:
+        """Elements [a, b) of flat shard ``index``'s state ``which``. The writer asks shard by shard,
+        so one cached shard bounds the memory (offloaded state is read from disk once per shard)."""
+        cached = getattr(self, "_shard_cache", None)
+        if cached is None or cached[0] != (index, which):
+            cached = self._shard_cache = ((index, which), self.store.read(index, which))
+        if b >= cached[1].numel():  # the shard's last piece: release it after this read
+            self._shard_cache = None
+        return cached[1][a:b]
+
+    def optimizer_step_count(self) -> int:
+        return self.store.steps
+
+    @torch.no_grad()
+    def _load_flats(self, reader: ShardReader, optimizer_step: int) -> None:
+        """Rebuild this rank's flat shards from the pieces that overlap them (nothing more)."""
+        for i, layout in enumerate(self.layouts):
+            self.store.write(i, "param", self._read_shard(reader, layout, "param").to(self.mesh.device))
+            if isinstance(self.store, store8.Store8):
+                store8.load_state(self, reader, i, layout, optimizer_step)
+            else:
+                for which in _checkpoint_keys(reader, layout):
+                    self.store.write(i, which, self._read_shard(reader, layout, which), step=optimizer_step)
+
+    def _read_shard(self, reader: ShardReader, layout: FlatLayout, which: str) -> torch.Tensor:
+        """This rank's flat fp32 shard of ``which`` ("param" or a moment, stored fp32 or 8-bit)."""
+        local = torch.zeros(layout.shard, dtype=torch.float32)
+        for name, p, at, a, b in owned(layout):
+            info = info_of(p)
+            full = info.name or name
+            if which == "param" and not reader.has(full, which):
+                raise CheckpointError(f"{reader.folder}: no {which} for tensor {full!r}: the "
+                                      "checkpoint was written for another model")
+            start, shape = info.shard.slab()
+            valid = min(b, math.prod(shape))  # tp padding rows stay zero
+            if valid > a:
+                if which == "param":
+                    local[at:at + valid - a] = reader.read(full, which, start, shape, a, valid)
+                else:
+                    local[at:at + valid - a] = a8.read_fp32_moment(reader, full, which, info.full_shape,
+                                                                   start, shape, a, valid)
+        return local
+
+
+def _checkpoint_keys(reader: ShardReader, layout: FlatLayout) -> list[str]:
+    """The optimizer-state keys the checkpoint holds for every parameter of this layout (8-bit
+    moments count as their fp32 key); none (fresh state) when it holds no optimizer state."""
+    held = [{k.removesuffix(".q").removesuffix(".absmax") for k in reader.keys(info_of(p).name or n)}
+            - {"param", "buffer"} for n, p, *_ in owned(layout)]
+    return sorted(set.intersection(*held)) if held else []
