@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from paratrain.data import TokenRows, prepare_corpus
 from paratrain.generate import load_run
 from paratrain.models.llama import Llama
-from paratrain.models.llama_hf import check_seq_len, load_pretrained
+from paratrain.models.llama.hf import check_seq_len, load_pretrained
 
 
 class EvalError(ValueError):

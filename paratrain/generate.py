@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from paratrain.models import build_model
 from paratrain.models.from_config import config_from_dict
-from paratrain.models.llama_hf import load_pretrained
+from paratrain.models.llama.hf import load_pretrained
 
 
 def load_run(run: str) -> tuple[nn.Module, object]:

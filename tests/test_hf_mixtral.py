@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from paratrain import cli
-from paratrain.models.llama_hf import HFCheckpoint, HFError, expected_shapes, load_pretrained
+from paratrain.models.llama.hf import HFCheckpoint, HFError, expected_shapes, load_pretrained
 from paratrain.sharding import TensorShard
 from tests.harness import FP32_REORDERED, assert_same_training, run_layout, tiny_cfg
 from tests.hf_models import assert_greedy_generation_matches, save_tokenizer
@@ -163,7 +163,7 @@ def test_aux_coefficient_conversion_matches_transformers_definition(top_k):
     transformers' load-balancing loss is exactly k times paratrain's (fᵢ summing to k vs 1)."""
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-    from paratrain.models.mixtral_hf import moe_fields
+    from paratrain.models.llama.mixtral_hf import moe_fields
     from paratrain.models.moe import balance_loss_rows, route
 
     logits = torch.randn(24, 6, generator=torch.Generator().manual_seed(top_k), dtype=torch.float64)

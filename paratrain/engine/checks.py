@@ -13,7 +13,7 @@ from paratrain.config import Config, ConfigError, check_values
 from paratrain.memory.layout import check_savers
 from paratrain.models import PRESETS
 from paratrain.models.from_config import model_shape
-from paratrain.models.llama_hf import check_init_from
+from paratrain.models.llama.hf import check_init_from
 from paratrain.pipeline.stage import parse_split
 
 

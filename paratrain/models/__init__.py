@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import fields, replace
 
 from paratrain.models import gpt2, llama
-from paratrain.models import llama_parallel as _llama_family  # noqa: F401  (registers Llama)
 from paratrain.models.gpt2 import parallel as _gpt2_family  # noqa: F401  (registers GPT-2)
 from paratrain.models.llama import Llama, LlamaConfig
+from paratrain.models.llama import parallel as _llama_family  # noqa: F401  (registers Llama)
 from paratrain.models.registry import (
     build_model,
     family_of,

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from paratrain.models.llama import param_seed
+from paratrain.models.init import param_seed
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ Techniques (tensor_parallel/, zero/, pipeline/, memory/) know no model by name: 
 * ``init_value(name, shape, seed, cfg)``: the layout-independent full initial value.
 
 The Hugging Face mapping of a family (config translation, name table, RoPE permutation) lives
-beside it too (models/llama_hf.py), used by the commands that import and export, not by techniques.
+beside it too (models/llama/hf.py), used by the commands that import and export, not by techniques.
 
 A model class joins by ``registry.register(config_cls, model_cls, family)`` in its family's
 declaration module (models/registry.py; ``family_of`` is there). A model without one (the

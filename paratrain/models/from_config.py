@@ -9,7 +9,7 @@ from paratrain.config import Config
 from paratrain.models import preset
 from paratrain.models.gpt2 import GPT2Config
 from paratrain.models.llama import LlamaConfig
-from paratrain.models.llama_hf import HFCheckpoint
+from paratrain.models.llama.hf import HFCheckpoint
 
 MOE_FIELDS = ("n_experts", "top_k", "capacity_factor", "aux_loss_coef", "z_loss_coef")
 

@@ -42,7 +42,7 @@ from paratrain.planner.memory import Layout, Training, layer_params_local, state
 
 def param_numels(c: ModelShape, tp: int, blocks: int, first: bool, last: bool) -> list[tuple[int, bool]]:
     """(elements, is a norm gain) of a stage's parameter tensors on one tp rank, in registration
-    order (models/llama.py): the embedding; per block the attention norm, wq, wk, wv, wo, the MLP
+    order (models/llama/model.py): the embedding; per block the attention norm, wq, wk, wv, wo, the MLP
     norm, the MLP's matrices (gate, up, down); the final norm and the LM head."""
     kv = c.n_kv_heads * c.head_dim
     kv_local = kv // tp if c.n_kv_heads % tp == 0 else kv

@@ -8,7 +8,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from paratrain.engine.task import Task
-from paratrain.models.cnn import CNN, CNNConfig, full_init_value, param_seed, reset_buffers
+from paratrain.models.cnn import CNN, CNNConfig, full_init_value, reset_buffers
+from paratrain.models.init import param_seed
 from paratrain.sharding import shard_of
 
 

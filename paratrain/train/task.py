@@ -19,7 +19,7 @@ from paratrain.data import Corpus, TokenRows, check_batch_fits, check_vocab, loa
 from paratrain.engine.task import Task
 from paratrain.models import build_model, full_init_value, init_weights, materialize, tied_name
 from paratrain.models.from_config import model_config, model_shape  # noqa: F401  (re-exported)
-from paratrain.models.llama_hf import HFCheckpoint
+from paratrain.models.llama.hf import HFCheckpoint
 from paratrain.models.moe_train import MoEAccounting
 from paratrain.perf.flops import lm_flops_per_token
 from paratrain.sharding import TensorShard

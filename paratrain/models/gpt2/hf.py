@@ -25,7 +25,7 @@ transformers computes in eval mode.
 
 A rank reads each full tensor it needs and keeps its slice (GPT-2's largest, the 50257-row
 embedding, is 0.3 GB in fp32 for gpt2-xl); export streams one tensor at a time through
-models/llama_hf.py's writer. The family joins Hugging Face dispatch by its ``model_type``
+models/llama/hf.py's writer. The family joins Hugging Face dispatch by its ``model_type``
 (``HF_FAMILIES`` at the bottom).
 """
 
@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from paratrain.models.gpt2.model import ACTIVATIONS, GPT2Config
-from paratrain.models.llama_hf import (
+from paratrain.models.llama.hf import (
     HF_FAMILIES,
     Entry,
     HFCheckpoint,
@@ -225,7 +225,7 @@ class GPT2Checkpoint(HFCheckpoint):
                             "is config.json the one these weights were saved with?")
         return problems
 
-    # -- export (models/llama_hf.py export_run calls these for a run whose model family is gpt2) --
+    # -- export (models/llama/hf.py export_run calls these for a run whose model family is gpt2) --
 
     @staticmethod
     def model_config(model: dict) -> GPT2Config:

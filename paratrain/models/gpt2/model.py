@@ -9,7 +9,7 @@ reads its head count from the projections' output size, so the tensor-parallel c
 family's plan (models/gpt2/parallel.py) makes each rank compute its local heads, exactly as for
 Llama; the fused, transposed layout lives only in the Hugging Face mapping (models/gpt2/hf.py).
 
-As in models/llama.py, blocks sit in a ``ModuleDict`` keyed by index and ``embed`` / ``norm`` /
+As in models/llama/model.py, blocks sit in a ``ModuleDict`` keyed by index and ``embed`` / ``norm`` /
 ``lm_head`` may be ``None`` (a pipeline stage drops what it does not own), and the model holds no
 parallel code.
 """
@@ -23,7 +23,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from paratrain.models.llama import CoreAttention, param_seed
+from paratrain.models.init import value_by_name
+from paratrain.models.llama import CoreAttention
 
 # Hugging Face's activation_function -> F.gelu's ``approximate`` (gelu_new is the tanh form).
 ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
@@ -211,10 +212,4 @@ def init_std(name: str, cfg: GPT2Config) -> float | None:
 
 def full_init_value(name: str, shape: tuple[int, ...], seed: int, cfg: GPT2Config) -> torch.Tensor:
     """The full fp32 initial value of parameter `name` of the single-device model."""
-    std = init_std(name, cfg)
-    if std is None:
-        return torch.ones(shape)
-    if std == 0.0:
-        return torch.zeros(shape)
-    gen = torch.Generator().manual_seed(param_seed(seed, name))
-    return torch.empty(shape).normal_(0.0, std, generator=gen)
+    return value_by_name(name, shape, seed, init_std(name, cfg))

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from paratrain.models.init import value_by_name
 from paratrain.models.moe import MoE
 
 
@@ -36,7 +37,7 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
-    # Families of the same decoder (Hugging Face import/export, models/llama_hf.py): Qwen2 adds a
+    # Families of the same decoder (Hugging Face import/export, models/llama/hf.py): Qwen2 adds a
     # bias to q/k/v; some checkpoints use a head size other than dim / n_heads (then
     # n_heads * head_dim != dim and wq/wo are not square).
     family: str = "llama"  # llama | mistral | qwen2: the architecture an export writes
@@ -244,14 +245,6 @@ class Llama(nn.Module):
 # --------------------------------------------------------------------------------------------
 
 
-def param_seed(seed: int, name: str) -> int:
-    """A stable 63-bit seed from (seed, name); Python's hash() is salted per process, so not it."""
-    import hashlib
-
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
 def init_std(name: str, cfg: LlamaConfig) -> float | None:
     """None for norm weights (ones); otherwise the normal std (output projections scaled by depth,
     as in GPT-2, so the residual stream's variance does not grow with the number of layers)."""
@@ -266,10 +259,4 @@ def init_std(name: str, cfg: LlamaConfig) -> float | None:
 
 def full_init_value(name: str, shape: tuple[int, ...], seed: int, cfg: LlamaConfig) -> torch.Tensor:
     """The full fp32 initial value of parameter `name` of the single-device model."""
-    std = init_std(name, cfg)
-    if std is None:
-        return torch.ones(shape)
-    if std == 0.0:
-        return torch.zeros(shape)
-    gen = torch.Generator().manual_seed(param_seed(seed, name))
-    return torch.empty(shape).normal_(0.0, std, generator=gen)
+    return value_by_name(name, shape, seed, init_std(name, cfg))

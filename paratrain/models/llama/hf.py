@@ -33,8 +33,7 @@ from pathlib import Path
 import torch
 
 from paratrain.config import Config, DataConfig, ModelConfig
-from paratrain.models import mixtral_hf
-from paratrain.models.llama import LlamaConfig
+from paratrain.models.llama import LlamaConfig, mixtral_hf
 from paratrain.models.registry import build_model
 from paratrain.sharding import TensorShard, shard_of
 

@@ -1,0 +1,20 @@
+"""The Llama family, one folder: the decoder for Llama, Mistral, Qwen2 and Mixtral-style experts
+(model.py), its parallel declaration (parallel.py, which registers it), its Hugging Face mapping
+(hf.py, with Mixtral's names and fused layouts in mixtral_hf.py)."""
+
+from paratrain.models.llama.model import (
+    MLP,
+    PRESETS,
+    Attention,
+    Block,
+    CoreAttention,
+    Llama,
+    LlamaConfig,
+    RMSNorm,
+    full_init_value,
+    init_std,
+    preset,
+)
+
+__all__ = ["MLP", "PRESETS", "Attention", "Block", "CoreAttention", "Llama", "LlamaConfig", "RMSNorm",
+           "full_init_value", "init_std", "preset"]
