@@ -427,17 +427,7 @@ class Zero3(ShardedState, Strategy):
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
-        if self.offload == "disk":  # converted and scaled window by window: no whole fp32 gradient copy
-            self.store.step([u.grad_shard for u in self.units], lr, [u.shard for u in self.units],
-                            scale=self._factor)
-            self._factor = 1.0
-            return
-        grads = []
-        for u in self.units:
-            g = u.grad_shard
-            grads.append(g.mul_(self._factor) if g.dtype == torch.float32 else g.float().mul_(self._factor))
-        self.store.step(grads, lr, [u.shard for u in self.units])
-        self._factor = 1.0
+        self.step_partition([u.grad_shard for u in self.units], [u.shard for u in self.units], lr)
 
     def zero_grad(self) -> None:
         for u in self.units:

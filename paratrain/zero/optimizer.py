@@ -156,14 +156,8 @@ class ZeroDP(Strategy):
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
-        grads = []
-        for b in self.buckets:
-            g = b.grad_shard
-            if g.dtype == torch.float32:  # in place: no extra fp32 buffer
-                grads.append(g.mul_(self._factor) if self._factor != 1.0 else g)
-            else:
-                grads.append(g.float().mul_(self._factor))
-        self.store.step(grads, lr, [b.layout.local(b.flat) for b in self.buckets])
+        shards = [b.layout.local(b.flat) for b in self.buckets]
+        self.step_partition([b.grad_shard for b in self.buckets], shards, lr)
         for b in self.buckets:  # every rank's updated slice to every rank, in place
             C.all_gather_into(b.flat, b.layout.local(b.flat), self._axis(b))
         self._factor = 1.0

@@ -84,6 +84,17 @@ class ShardedState:
             self._shard_cache = None
         return cached[1][a:b]
 
+    def step_partition(self, grads: list[torch.Tensor], outs: list[torch.Tensor], lr: float | None) -> None:
+        """The optimizer step of this rank's partition, the same for every stage: each gradient
+        shard in fp32 times the pending factor (clipping, a loss scale: ``scale_grads``), then the
+        store steps the masters and writes ``outs``. A disk store converts and scales window by
+        window, so no whole fp32 gradient copy exists."""
+        if self.offload == "disk":
+            self.store.step(grads, lr, outs, scale=self._factor)
+        else:
+            self.store.step([_fp32_times(g, self._factor) for g in grads], lr, outs)
+        self._factor = 1.0
+
     def optimizer_step_count(self) -> int:
         return self.store.steps
 
@@ -124,3 +135,10 @@ def _checkpoint_keys(reader: ShardReader, layout: FlatLayout) -> list[str]:
     held = [{k.removesuffix(".q").removesuffix(".absmax") for k in reader.keys(info_of(p).name or n)}
             - {"param", "buffer"} for n, p, *_ in owned(layout)]
     return sorted(set.intersection(*held)) if held else []
+
+
+def _fp32_times(g: torch.Tensor, factor: float) -> torch.Tensor:
+    """``g`` in fp32 times ``factor``: in place when it is fp32 already (no extra buffer)."""
+    if g.dtype == torch.float32:
+        return g.mul_(factor) if factor != 1.0 else g
+    return g.float().mul_(factor)
