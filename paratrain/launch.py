@@ -143,13 +143,31 @@ def init_from_torchrun(timeout_s: float = 600.0) -> DistEnv:
     return DistEnv(rank, world, local_rank, backend, device)
 
 
+EXIT_BARRIER_S = 60.0  # at exit, how long a rank waits for its peers to finish their collectives
+
+
 def _leave_process_group() -> None:
-    """At exit, tear down the group joined above while the interpreter is still whole. Left to
-    interpreter shutdown, the backend's and the store's native threads can be destroyed while
-    still running, which aborts a worker that finished its work ("terminate called without an
-    active exception", seen once in ~8 torchrun runs of examples/own_loop.py)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """At exit, let every collective finish, then tear down the group, while the interpreter is
+    still whole.
+
+    Why: gloo's worker threads (``pt_gloo_runloop``) release a finished collective's tensors after
+    marking it done. A tensor whose Python object the C++ side keeps alive needs the GIL to be
+    freed, and a foreign thread that asks for the GIL once interpreter shutdown has begun is ended
+    with ``pthread_exit``, whose forced unwind through gloo's noexcept loop calls std::terminate:
+    "terminate called without an active exception", SIGABRT, after the work was done (gdb:
+    thread "pt_gloo_runloop", ``__do_cancel`` -> ``_Unwind_ForcedUnwind`` -> ``std::terminate``,
+    the main thread in ``Py_FinalizeEx``). A barrier first drains the workers: it completes only
+    after every earlier collective of this rank and its peers. It is skipped after an uncaught
+    exception (a peer may be gone; the run failed anyway) and bounded by ``EXIT_BARRIER_S``."""
+    if not dist.is_initialized():
+        return
+    if getattr(sys, "last_value", None) is None and dist.get_world_size() > 1:
+        with contextlib.suppress(Exception):  # a peer that left already: nothing to drain
+            if dist.get_backend() == "gloo":  # the one backend with a barrier of its own timeout
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=EXIT_BARRIER_S))
+            else:
+                dist.barrier()
+    dist.destroy_process_group()
 
 
 def process_alive(pid: int) -> bool:
