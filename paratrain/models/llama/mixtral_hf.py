@@ -1,4 +1,4 @@
-"""Mixtral (``MixtralForCausalLM``) checkpoints: what the mixture of experts adds to llama_hf.py.
+"""Mixtral (``MixtralForCausalLM``) checkpoints: what the mixture of experts adds to hf.py.
 
 paratrain's MoE decoder (models/moe.py in every block) is Mixtral's architecture: attention as in
 Mistral, and in each block a router ``Linear(dim, E)``, softmax in fp32, top-k, weights
@@ -36,7 +36,7 @@ from paratrain.models.llama import LlamaConfig
 
 ARCHITECTURE = "MixtralForCausalLM"
 
-# paratrain name -> the classic Hugging Face name (added to llama_hf.NAME_TABLE; never RoPE rows).
+# paratrain name -> the classic Hugging Face name (added to hf.NAME_TABLE; never RoPE rows).
 _MOE = "model.layers.{i}.block_sparse_moe"
 NAME_TABLE: tuple[tuple[str, str, bool], ...] = (
     ("layers.{i}.mlp.router.weight", f"{_MOE}.gate.weight", False),
@@ -91,7 +91,7 @@ def fused_source(name: str, cfg: LlamaConfig) -> FusedSource | None:
 
 
 # --------------------------------------------------------------------------------------------
-# config.json <-> LlamaConfig (the MoE part; llama_hf.to_llama_config does the rest)
+# config.json <-> LlamaConfig (the MoE part; hf.to_llama_config does the rest)
 # --------------------------------------------------------------------------------------------
 
 
