@@ -42,7 +42,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+# Imported before any process group exists, on purpose: this torch module binds the world group
+# as its functions' default argument when first imported. Imported later (torch does so lazily,
+# e.g. from its sharded-tensor code), it pins the group forever, so destroy_process_group cannot
+# end the group's threads and they meet interpreter shutdown (SIGABRT: docs/failures.md).
+import torch.distributed.nn.functional  # noqa: F401
+
 from paratrain import signals
+from paratrain.comm import collectives as C
 from paratrain.comm.trace import TRACE, diagnose, read_mirror
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -147,18 +154,16 @@ EXIT_BARRIER_S = 60.0  # at exit, how long a rank waits for its peers to finish 
 
 
 def _leave_process_group() -> None:
-    """At exit, let every collective finish, then tear down the group, while the interpreter is
-    still whole.
+    """At exit, let every collective finish, tear down the group and end its threads, while the
+    interpreter is still whole.
 
-    Why: gloo's worker threads (``pt_gloo_runloop``) release a finished collective's tensors after
-    marking it done. A tensor whose Python object the C++ side keeps alive needs the GIL to be
-    freed, and a foreign thread that asks for the GIL once interpreter shutdown has begun is ended
-    with ``pthread_exit``, whose forced unwind through gloo's noexcept loop calls std::terminate:
-    "terminate called without an active exception", SIGABRT, after the work was done (gdb:
-    thread "pt_gloo_runloop", ``__do_cancel`` -> ``_Unwind_ForcedUnwind`` -> ``std::terminate``,
-    the main thread in ``Py_FinalizeEx``). A barrier first drains the workers: it completes only
-    after every earlier collective of this rank and its peers. It is skipped after an uncaught
-    exception (a peer may be gone; the run failed anyway) and bounded by ``EXIT_BARRIER_S``."""
+    Why: a gloo thread still alive at interpreter shutdown that asks for the GIL (to release a
+    finished collective's tensor) is ended with pthread_exit, which aborts the worker after its
+    work (SIGABRT; docs/failures.md has the gdb evidence). ``destroy_process_group`` joins the
+    group's threads only once nothing references the group: ``C.release_groups`` drops the mesh
+    axes' references (this module imports torch.distributed.nn.functional early for the other
+    one). The barrier first lets every collective of every rank finish; it is skipped after an
+    uncaught exception (a peer may be gone; the run failed anyway) and bounded by EXIT_BARRIER_S."""
     if not dist.is_initialized():
         return
     if getattr(sys, "last_value", None) is None and dist.get_world_size() > 1:
@@ -168,6 +173,7 @@ def _leave_process_group() -> None:
             else:
                 dist.barrier()
     dist.destroy_process_group()
+    C.release_groups()  # the groups' threads end now, not during interpreter shutdown
 
 
 def process_alive(pid: int) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -94,9 +95,32 @@ class Axis:
     group: dist.ProcessGroup | None
     counter: CommCounter
 
+    def __post_init__(self) -> None:
+        if self.group is not None:
+            _HOLDING_GROUPS.append(weakref.ref(self))
+
     @property
     def active(self) -> bool:
         return self.size > 1
+
+
+# Every axis that holds a process group, so release_groups() can let go of them all at exit.
+_HOLDING_GROUPS: list[weakref.ref[Axis]] = []
+
+
+def release_groups() -> None:
+    """Drop every axis's process group, after ``destroy_process_group``.
+
+    Why: a group's native threads end only when its last reference does, and the axes are
+    reachable from gradient hooks that the garbage collector cannot see through (they live in
+    autograd's C++ side), so they outlive the run. Left to interpreter shutdown, a gloo worker
+    still releasing a finished collective's tensor asks for the GIL and is ended by pthread_exit:
+    SIGABRT after the work (docs/failures.md). With the references gone, destroying the group
+    joins its threads here, while the interpreter is whole."""
+    for held in _HOLDING_GROUPS:
+        if (axis := held()) is not None:
+            axis.group = None
+    _HOLDING_GROUPS.clear()
 
 
 def single_axis(name: str = "world", counter: CommCounter | None = None) -> Axis:
