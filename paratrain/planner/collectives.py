@@ -33,23 +33,24 @@ def measured_time(kind: str, nbytes: float, n: int, link: Link) -> float | None:
     return t * (n - 1) / max(ranks - 1, 1)
 
 
-def all_reduce_time(nbytes: float, n: int, link: Link) -> float:
+def _ring_time(kind: str, passes: int, nbytes: float, n: int, link: Link) -> float:
+    """A ring collective of ``passes`` trips around n ranks: measured where the link has a table."""
     if n <= 1:
         return 0.0
-    measured = measured_time("all_reduce", nbytes, n, link)
+    measured = measured_time(kind, nbytes, n, link)
     if measured is not None:
         return measured
-    return 2 * (n - 1) * link.latency + 2 * (n - 1) / n * nbytes / link.bandwidth
+    return passes * ((n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth)
+
+
+def all_reduce_time(nbytes: float, n: int, link: Link) -> float:
+    """A reduce-scatter then an all-gather: two trips around the ring."""
+    return _ring_time("all_reduce", 2, nbytes, n, link)
 
 
 def all_gather_time(nbytes: float, n: int, link: Link) -> float:
     """nbytes: the full (gathered) tensor; reduce-scatter costs the same."""
-    if n <= 1:
-        return 0.0
-    measured = measured_time("all_gather", nbytes, n, link)
-    if measured is not None:
-        return measured
-    return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
+    return _ring_time("all_gather", 1, nbytes, n, link)
 
 
 def reduce_scatter_time(nbytes: float, n: int, link: Link) -> float:

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from paratrain.models.decoder import Decoder
 from paratrain.models.init import value_by_name
 from paratrain.models.llama import CoreAttention
 
@@ -169,7 +170,7 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class GPT2(nn.Module):
+class GPT2(Decoder):
     def __init__(self, cfg: GPT2Config):
         super().__init__()
         self.cfg = cfg
@@ -179,15 +180,6 @@ class GPT2(nn.Module):
         self.lm_head: nn.Module | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.wte.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """tokens [b, s] -> logits [b, s, vocab]; a pipeline stage may take/return hidden states."""
-        h = self.embed(x) if self.embed is not None else x  # [b, s, dim]
-        for block in self.layers.values():
-            h = block(h)
-        if self.norm is not None:
-            h = self.norm(h)
-        return self.lm_head(h) if self.lm_head is not None else h
 
 
 # --------------------------------------------------------------------------------------------

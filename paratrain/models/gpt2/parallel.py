@@ -21,7 +21,7 @@ Pipeline: ``embed`` (tokens and positions) runs on the first stage, ``norm`` and
 
 from __future__ import annotations
 
-from paratrain.models.family import ModelFamily
+from paratrain.models.decoder import decoder_family
 from paratrain.models.gpt2.model import GPT2, GPT2Config, full_init_value
 from paratrain.models.registry import register
 
@@ -40,18 +40,7 @@ GPT2_TP_PLAN: dict[str, str] = {
     "lm_head": "vocab_head",
 }
 
-GPT2_FAMILY = ModelFamily(
-    name="gpt2",
-    blocks="layers",
-    before=("embed",),
-    after=("norm", "lm_head"),
-    tp_plan=GPT2_TP_PLAN,
-    recompute={"full": "", "selective": "attn.core"},  # attn.core: softmax(qk^T)v, no parameters
-    mlp="mlp",
-    mlp_norm="mlp_norm",
-    head="lm_head",
-    tied=("lm_head.weight", "embed.wte.weight"),
-    init_value=full_init_value,
-)
+GPT2_FAMILY = decoder_family("gpt2", GPT2_TP_PLAN, embedding_weight="embed.wte.weight",
+                             init_value=full_init_value)
 
 register(GPT2Config, GPT2, GPT2_FAMILY)

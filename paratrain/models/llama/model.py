@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from paratrain.models.decoder import Decoder
 from paratrain.models.init import value_by_name
 from paratrain.models.moe import MoE
 
@@ -219,7 +220,7 @@ def moe_mlp(cfg: LlamaConfig) -> nn.Module:
                capacity_factor=cfg.capacity_factor)
 
 
-class Llama(nn.Module):
+class Llama(Decoder):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.cfg = cfg
@@ -229,15 +230,6 @@ class Llama(nn.Module):
         self.lm_head: nn.Module | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """tokens [b, s] -> logits [b, s, vocab]; a pipeline stage may take/return hidden states."""
-        h = self.embed(x) if self.embed is not None else x  # [b, s, dim]
-        for block in self.layers.values():
-            h = block(h)
-        if self.norm is not None:
-            h = self.norm(h)
-        return self.lm_head(h) if self.lm_head is not None else h
 
 
 # --------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ the router is replicated with its gradient summed over tp (tensor_parallel/exper
 
 from __future__ import annotations
 
-from paratrain.models.family import ModelFamily
+from paratrain.models.decoder import decoder_family
 from paratrain.models.llama import Llama, LlamaConfig, full_init_value
 from paratrain.models.registry import register
 
@@ -37,18 +37,6 @@ LLAMA_TP_PLAN: dict[str, str] = {
     "lm_head": "vocab_head",
 }
 
-LLAMA = ModelFamily(
-    name="llama",
-    blocks="layers",
-    before=("embed",),
-    after=("norm", "lm_head"),
-    tp_plan=LLAMA_TP_PLAN,
-    recompute={"full": "", "selective": "attn.core"},  # attn.core: softmax(qk^T)v, no parameters
-    mlp="mlp",
-    mlp_norm="mlp_norm",
-    head="lm_head",
-    tied=("lm_head.weight", "embed.weight"),
-    init_value=full_init_value,
-)
+LLAMA = decoder_family("llama", LLAMA_TP_PLAN, embedding_weight="embed.weight", init_value=full_init_value)
 
 register(LlamaConfig, Llama, LLAMA)

@@ -1,0 +1,53 @@
+"""What paratrain's decoder families share: one layout and its declaration.
+
+A decoder here is ``embed`` -> ``layers`` ("0", "1", ...) -> ``norm`` -> ``lm_head``, and a pipeline
+stage keeps only some of them (the others are None). Llama and GPT-2 differ inside the blocks and
+the embedding, not in this; so their models subclass ``Decoder`` for the forward, and
+``decoder_family`` writes the parts of their declaration that follow from the layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from paratrain.models.family import ModelFamily
+
+
+class Decoder(nn.Module):
+    """The forward of every decoder family; subclasses build the four parts in ``__init__``."""
+
+    embed: nn.Module | None
+    layers: nn.ModuleDict
+    norm: nn.Module | None
+    lm_head: nn.Module | None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """tokens [b, s] -> logits [b, s, vocab]; a pipeline stage may take/return hidden states."""
+        h = self.embed(x) if self.embed is not None else x  # [b, s, dim]
+        for block in self.layers.values():
+            h = block(h)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.lm_head(h) if self.lm_head is not None else h
+
+
+def decoder_family(name: str, tp_plan: dict[str, str], embedding_weight: str,
+                   init_value: Callable[..., torch.Tensor]) -> ModelFamily:
+    """The declaration of a ``Decoder`` whose blocks hold ``attn`` (its parameter-free core at
+    ``attn.core``), ``mlp_norm`` and ``mlp``; ``embedding_weight`` is the weight a tied head copies."""
+    return ModelFamily(
+        name=name,
+        blocks="layers",
+        before=("embed",),
+        after=("norm", "lm_head"),
+        tp_plan=tp_plan,
+        recompute={"full": "", "selective": "attn.core"},  # attn.core: softmax(qk^T)v, no parameters
+        mlp="mlp",
+        mlp_norm="mlp_norm",
+        head="lm_head",
+        tied=("lm_head.weight", embedding_weight),
+        init_value=init_value,
+    )
