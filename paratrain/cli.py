@@ -9,7 +9,7 @@ import argparse
 import importlib
 import sys
 
-from paratrain import config
+import paratrain.config as config
 from paratrain.engine import checks
 
 

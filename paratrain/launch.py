@@ -48,7 +48,7 @@ import torch.distributed as dist
 # end the group's threads and they meet interpreter shutdown (SIGABRT: docs/failures.md).
 import torch.distributed.nn.functional  # noqa: F401
 
-from paratrain import signals
+import paratrain.signals as signals
 from paratrain.comm import collectives as C
 from paratrain.comm.trace import TRACE, diagnose, read_mirror
 

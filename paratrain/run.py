@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from paratrain import signals
+import paratrain.signals as signals
 from paratrain.config import Config, ConfigError
 from paratrain.data import check_cursor
 from paratrain.engine import checkpoint as ckpt

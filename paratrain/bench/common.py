@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from paratrain import config
+import paratrain.config as config
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, *, nproc: int = 2, steps: int = 12,

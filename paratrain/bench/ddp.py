@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from paratrain import config
+import paratrain.config as config
 from paratrain.base.strategy import adamw_param_groups
 from paratrain.bench.common import add_common_arguments, machine, paired_rounds, time_steps
 from paratrain.device import sync_device

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from paratrain import config
+import paratrain.config as config
 from paratrain.bench.common import (
     add_common_arguments,
     bench_config,

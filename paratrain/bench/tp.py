@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from paratrain import config
+import paratrain.config as config
 from paratrain.bench.common import add_common_arguments, machine, time_steps
 from paratrain.engine import checks
 from paratrain.launch import spawn

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from paratrain.data import tokenfile as P
+import paratrain.data.tokenfile as P
 from paratrain.data.sources import DataError
 from paratrain.data.tokenizer import file_hash, resolve_tokenizer, tokenizer_file
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from paratrain.data import tokenizer as T
+import paratrain.data.tokenizer as T
 from paratrain.data.sources import (
     CHUNK_BYTES,
     DataError,

@@ -21,7 +21,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from paratrain import config
+import paratrain.config as config
 from paratrain.engine import checks
 from paratrain.launch import spawn
 from paratrain.models.llama import PRESETS, LlamaConfig

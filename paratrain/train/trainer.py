@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from paratrain import faults, signals
+import paratrain.faults as faults
+import paratrain.signals as signals
 from paratrain.comm import collectives as C
 from paratrain.config import Config
 from paratrain.data import check_cursor, data_cursor
