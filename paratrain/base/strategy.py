@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
@@ -104,6 +105,22 @@ class Strategy:
 
     def after_backward(self) -> None:
         """Called once after the last micro-batch's backward."""
+
+    @contextlib.contextmanager
+    def trial(self) -> Iterator[None]:
+        """A forward + backward that will never be stepped (the batch finder's trials): run under
+        ``no_sync`` (no gradient collective), then ``discard_backward`` on every exit path."""
+        try:
+            with self.no_sync():
+                yield
+        finally:
+            self.discard_backward()
+
+    def discard_backward(self) -> None:
+        """Forget every backward since the last step as if it never ran: gradients, hook and bucket
+        counters, reductions in flight. The strategy is then as a freshly built one (subclasses that
+        keep per-backward state extend this)."""
+        self.zero_grad()
 
     # -- norm and scaling ----------------------------------------------------------------------
 
