@@ -462,6 +462,7 @@ class Zero3(ShardedState, Strategy):
     @torch.no_grad()
     def load_state_pieces(self, reader: ShardReader, optimizer_step: int) -> None:
         self._load_flats(reader, optimizer_step)
+        self.load_unsharded(reader)
         self.load_buffers(reader)
         for i, u in enumerate(self.units):
             u.shard.copy_(self.store.read(i, "param").to(self.mesh.device, self.compute_dtype))

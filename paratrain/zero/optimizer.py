@@ -196,6 +196,7 @@ class ZeroDP(Strategy):
     @torch.no_grad()
     def load_state_pieces(self, reader: ShardReader, optimizer_step: int) -> None:
         self._load_flats(reader, optimizer_step)
+        self.load_unsharded(reader)
         self.load_buffers(reader)
         for i, b in enumerate(self.buckets):
             local = self.store.read(i, "param").to(self.mesh.device, self.compute_dtype)
