@@ -228,7 +228,8 @@ def executor_trial(executor: MicroBatchLoop, x: torch.Tensor, y: torch.Tensor,
             with torch.random.fork_rng(devices=devices), strategy.trial():
                 with executor.autocast(), executor.saved_tensors(), count:
                     loss = executor.loss_fn(model(x[:n]), y[:n])
-                    loss = with_side_loss(loss, executor.side_loss, [model], True) / divisor
+                    # train=False: a trial's MoE figures are not the first step's metrics
+                    loss = with_side_loss(loss, executor.side_loss, [model], False) / divisor
                 loss.backward()
                 params = sum(p.nbytes for p in model.parameters())
                 grads = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
