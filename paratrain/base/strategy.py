@@ -264,7 +264,7 @@ class Strategy:
             opt.load_named(p, state, step=optimizer_step)
 
 
-def read_local(reader: ShardReader, info, name: str, key: str, local: torch.Tensor) -> None:
+def read_local(reader: ShardReader, info: ParamInfo, name: str, key: str, local: torch.Tensor) -> None:
     """Fill ``local`` (padding excluded) with its slab of ``name``'s ``key`` (a tensor this rank holds
     whole or as its tensor-parallel slice: the plain strategy's, ZeRO's frozen parameters)."""
     start, shape = info.shard.slab() if info.name else ((0,) * local.dim(), tuple(local.shape))
