@@ -1,7 +1,8 @@
 """The largest micro-batch that fits, agreed by every rank (``--micro-batch auto``).
 
-Each trial runs one real forward + backward of a candidate micro-batch (no optimizer update,
-gradients held back from any collective: the strategy's ``no_sync``), measures its peak memory,
+Each trial runs one real forward + backward of a candidate micro-batch inside the strategy's
+``trial()`` (no optimizer update, gradients held back from any collective by its ``no_sync``, then
+``discard_backward`` leaves the strategy as a fresh one), measures its peak memory,
 and ends with an agreement: an all-reduce of "it fit" with MIN over the group, so every rank
 sees the same answer and all adopt the same size (accelerate's finder decides per process;
 Lightning disables its finder under DDP). Candidates are the divisors of the rows per rank, tried
