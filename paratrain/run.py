@@ -30,6 +30,7 @@ from paratrain.launch import (
     spawn,
     under_torchrun,
 )
+from paratrain.memory.batch_finder import NothingFits
 from paratrain.memory.precision import choose as choose_precision
 from paratrain.train import guards, runlock
 from paratrain.train.task import build_task
@@ -37,12 +38,13 @@ from paratrain.train.trainer import Trainer
 
 
 def _worker(env: DistEnv, cfg_dict: dict, attempt: int = 0) -> int | str:
-    """The signal that stopped training (0: none), or the message of a setting the workers found
-    wrong together (--micro-batch auto with nothing fitting): a message, not a traceback."""
+    """The signal that stopped training (0: none), or the message of a setting every worker found
+    wrong at once (--micro-batch auto with nothing fitting, agreed by all ranks): a message for
+    the launcher to print, not a traceback."""
     os.environ["PARATRAIN_RESTART_COUNT"] = str(attempt)  # launch.restart_attempt() reads it
     try:
         return Trainer(Config.from_dict(cfg_dict), env).fit().stopped_by
-    except ConfigError as e:
+    except NothingFits as e:
         return str(e)
 
 
