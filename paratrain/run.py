@@ -30,15 +30,22 @@ from paratrain.launch import (
     spawn,
     under_torchrun,
 )
+from paratrain.memory.batch_finder import NothingFits
 from paratrain.memory.precision import choose as choose_precision
 from paratrain.train import guards, runlock
 from paratrain.train.task import build_task
 from paratrain.train.trainer import Trainer
 
 
-def _worker(env: DistEnv, cfg_dict: dict, attempt: int = 0) -> int:
+def _worker(env: DistEnv, cfg_dict: dict, attempt: int = 0) -> int | str:
+    """The signal that stopped training (0: none), or the message of a setting every worker found
+    wrong at once (--micro-batch auto with nothing fitting, agreed by all ranks): a message for
+    the launcher to print, not a traceback."""
     os.environ["PARATRAIN_RESTART_COUNT"] = str(attempt)  # launch.restart_attempt() reads it
-    return Trainer(Config.from_dict(cfg_dict), env).fit().stopped_by
+    try:
+        return Trainer(Config.from_dict(cfg_dict), env).fit().stopped_by
+    except NothingFits as e:
+        return str(e)
 
 
 def run_training(cfg: Config) -> int:
@@ -99,8 +106,12 @@ def _spawn_with_restarts(cfg: Config) -> int:
     attempt = 0
     while True:
         try:
-            return max(spawn(_worker, cfg.world_size, cfg.to_dict(), attempt, timeout=None,
-                             pg_timeout=cfg.parallel.timeout_s))
+            results = spawn(_worker, cfg.world_size, cfg.to_dict(), attempt, timeout=None,
+                            pg_timeout=cfg.parallel.timeout_s)
+            refused = [r for r in results if isinstance(r, str)]
+            if refused:  # a setting to change: exit 2 with its message, no restart
+                raise ConfigError(refused[0])
+            return max(results)
         except WorkerError as e:
             if attempt == cfg.parallel.max_restarts:
                 raise

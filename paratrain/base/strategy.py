@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
@@ -104,6 +105,22 @@ class Strategy:
 
     def after_backward(self) -> None:
         """Called once after the last micro-batch's backward."""
+
+    @contextlib.contextmanager
+    def trial(self) -> Iterator[None]:
+        """A forward + backward that will never be stepped (the batch finder's trials): run under
+        ``no_sync`` (no gradient collective), then ``discard_backward`` on every exit path."""
+        try:
+            with self.no_sync():
+                yield
+        finally:
+            self.discard_backward()
+
+    def discard_backward(self) -> None:
+        """Forget every backward since the last step as if it never ran: gradients, hook and bucket
+        counters, reductions in flight. The strategy is then as a freshly built one (subclasses that
+        keep per-backward state extend this)."""
+        self.zero_grad()
 
     # -- norm and scaling ----------------------------------------------------------------------
 
@@ -222,7 +239,7 @@ class Strategy:
         for name, p in self.model.named_parameters():
             info = info_of(p)
             full = info.name or name
-            _read_local(reader, info, full, "param", p)
+            read_local(reader, info, full, "param", p)
             if not p.requires_grad:
                 continue
             if isinstance(self.optimizer, a8.AdamW8bit):
@@ -234,7 +251,7 @@ class Strategy:
             st = self.optimizer.state[p] if keys else {}
             for key in keys:  # an optimizer's state is empty before its first step: create it
                 st[key] = torch.zeros_like(p, dtype=torch.float32)
-                _read_local(reader, info, full, key, st[key])
+                read_local(reader, info, full, key, st[key])
             if keys:
                 st["step"] = torch.tensor(float(optimizer_step))
         self.load_buffers(reader)
@@ -247,8 +264,9 @@ class Strategy:
             opt.load_named(p, state, step=optimizer_step)
 
 
-def _read_local(reader: ShardReader, info, name: str, key: str, local: torch.Tensor) -> None:
-    """Fill ``local`` (padding excluded) with its slab of ``name``'s ``key``."""
+def read_local(reader: ShardReader, info: ParamInfo, name: str, key: str, local: torch.Tensor) -> None:
+    """Fill ``local`` (padding excluded) with its slab of ``name``'s ``key`` (a tensor this rank holds
+    whole or as its tensor-parallel slice: the plain strategy's, ZeRO's frozen parameters)."""
     start, shape = info.shard.slab() if info.name else ((0,) * local.dim(), tuple(local.shape))
     if not reader.has(name, key) and not (key in a8.FP32_KEYS and reader.has(name, f"{key}.q")):
         raise CheckpointError(f"{reader.folder}: no {key} for tensor {name!r}: the checkpoint was written "

@@ -198,6 +198,19 @@ class DDP(Strategy):
         self._used = [0] * len(self._used)
         self._next = 0
 
+    @torch.no_grad()
+    def discard_backward(self) -> None:
+        """A backward that will not be stepped (the batch finder's trials): wait for any bucket it
+        launched, then reset the per-backward bookkeeping and zero the buckets, as when built."""
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+            bucket.work, bucket.ready = None, 0
+        self._ready = [False] * len(self._ready)
+        self._used = [0] * len(self._used)
+        self._next = 0
+        self.zero_grad()
+
     @staticmethod
     def _keep_view(p: torch.Tensor, view: torch.Tensor) -> None:
         """Make p.grad the bucket view again if something replaced it (or set it to None)."""

@@ -52,6 +52,11 @@ class Task:
                   rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    def take_side_loss_sum(self) -> float:
+        """This rank's ``side_loss_sum`` values (loss-sum units) added to the training losses since
+        the last call, then forgotten: the trainer takes them out of the loss for ``ce_loss``."""
+        return 0.0
+
     def step_metrics(self, gather: Callable[[object], list] | None = None) -> dict:
         """The task's rows of metrics.jsonl (moe_*); ``gather(obj) -> [obj of every pipeline
         stage]`` when stages hold different layers."""

@@ -1,7 +1,8 @@
 """The largest micro-batch that fits, agreed by every rank (``--micro-batch auto``).
 
-Each trial runs one real forward + backward of a candidate micro-batch (no optimizer update,
-gradients held back from any collective: the strategy's ``no_sync``), measures its peak memory,
+Each trial runs one real forward + backward of a candidate micro-batch inside the strategy's
+``trial()`` (no optimizer update, gradients held back from any collective by its ``no_sync``, then
+``discard_backward`` leaves the strategy as a fresh one), measures its peak memory,
 and ends with an agreement: an all-reduce of "it fit" with MIN over the group, so every rank
 sees the same answer and all adopt the same size (accelerate's finder decides per process;
 Lightning disables its finder under DDP). Candidates are the divisors of the rows per rank, tried
@@ -38,7 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from paratrain.base.executor import MicroBatchLoop
+from paratrain.base.executor import MicroBatchLoop, with_side_loss
+from paratrain.config import ConfigError
 
 MEASURES = ("process", "tensors")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -53,6 +55,11 @@ def parse_bytes(text: str | int) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot read {text!r} as bytes: write e.g. 4GiB, 512MiB, 2e9")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+class NothingFits(ConfigError, MemoryError):
+    """Not even the smallest candidate fits the memory limit: a setting to change (exit 2, no
+    traceback), and a MemoryError for callers of ``find_executable_batch_size``."""
 
 
 @dataclass
@@ -113,9 +120,11 @@ def find_executable_batch_size(trial: Callable[[int], int | None], candidates: S
         result.micro_batch = n
     result.seconds = time.perf_counter() - start
     if result.micro_batch == 0:
-        raise MemoryError(f"micro-batch {min(candidates)} does not fit in {memory_limit:,} bytes on every "
-                          f"rank (trials: {[t.peak_bytes for t in result.trials]}): raise --memory-limit, "
-                          "shorten --seq-len, or use --recompute / --offload / --tile")
+        peaks = ", ".join("out of memory" if t.peak_bytes is None else f"{t.peak_bytes:,}"
+                          for t in result.trials)
+        raise NothingFits(f"--micro-batch auto: micro-batch {min(candidates)} does not fit in --memory-limit "
+                          f"{memory_limit:,} bytes on every rank (its peak: {peaks} bytes): raise "
+                          "--memory-limit, lower --seq-len, or use --recompute / --offload / --tile")
     return result
 
 
@@ -205,23 +214,28 @@ def saved_tensor_bytes(model: torch.nn.Module) -> torch.autograd.graph.saved_ten
 
 def executor_trial(executor: MicroBatchLoop, x: torch.Tensor, y: torch.Tensor,
                    divisor: float) -> Callable[[int], int]:
-    """trial(n) for paratrain's micro-batch loop: forward + backward of the first n local rows under
-    the strategy's no_sync, gradients and module buffers (BatchNorm statistics) restored after.
+    """trial(n) for paratrain's micro-batch loop: forward + backward of the first n local rows inside
+    ``strategy.trial()`` (no gradient collective; afterwards the strategy's gradients, hook and
+    bucket counters are as a fresh strategy's), with the module buffers (BatchNorm statistics) and
+    every RNG restored, so the first real step is the step of a run that never tried.
     Returns parameters + gradients + saved-for-backward bytes (the ``tensors`` measure)."""
     model, strategy = executor.model, executor.strategy
+    devices = [executor.device] if executor.device.type == "cuda" else []
 
     def trial(n: int) -> int:
         buffers = {k: b.clone() for k, b in model.named_buffers()}
         count = saved_tensor_bytes(model)
         try:
-            with strategy.no_sync(), executor.autocast(), executor.saved_tensors(), count:
-                loss = executor.loss_fn(model(x[:n]), y[:n]) / divisor
-            loss.backward()
-            params = sum(p.nbytes for p in model.parameters())
-            grads = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
-            return params + grads + count.bytes
+            with torch.random.fork_rng(devices=devices), strategy.trial():
+                with executor.autocast(), executor.saved_tensors(), count:
+                    loss = executor.loss_fn(model(x[:n]), y[:n])
+                    # train=False: a trial's MoE figures are not the first step's metrics
+                    loss = with_side_loss(loss, executor.side_loss, [model], False) / divisor
+                loss.backward()
+                params = sum(p.nbytes for p in model.parameters())
+                grads = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+                return params + grads + count.bytes
         finally:
-            strategy.zero_grad()
             with torch.no_grad():
                 for k, b in model.named_buffers():
                     b.copy_(buffers[k])

@@ -27,17 +27,20 @@ def check_savers(cfg: Config, problems: list[str]) -> None:
              "--tile > 1": (t.tile > 1, "token tiles recompute in a Python autograd function; under "
                                         "ZeRO-3 each weight tile's gather hook would break the graph")})
     auto = t.micro_batch == "auto"
+    # On a GPU a trial can run out of memory on one rank mid-forward while the others wait in a
+    # TP or ZeRO-3 collective; on a CPU a trial never fails alone (the OS ends the whole job).
+    gpu = auto and (p.tp > 1 or p.zero == 3) and _cuda()
     _refuse(problems, "--micro-batch auto", auto,
             {"--pp > 1": (p.pp > 1, "the schedule's micro-batch count must be fixed before it is built"),
-             "--tp > 1": (p.tp > 1, "a trial failing inside a tensor-parallel collective would hang"),
-             "--zero 3": (p.zero == 3, "a trial failing inside a ZeRO-3 all-gather would hang")})
+             "--tp > 1 on a GPU": (gpu and p.tp > 1, "a trial out of memory inside a tensor-parallel "
+                                                     "collective would hang"),
+             "--zero 3 on a GPU": (gpu and p.zero == 3, "a trial out of memory inside a ZeRO-3 all-gather "
+                                                        "would hang")})
     if t.memory_limit is not None and not auto:
         problems.append("train.memory_limit (--memory-limit) is the budget of --micro-batch auto: "
                         "add --micro-batch auto or drop --memory-limit")
     if auto and t.memory_limit is None:
-        import torch
-
-        if not torch.cuda.is_available():
+        if not _cuda():
             problems.append("--micro-batch auto on a CPU needs --memory-limit BYTES per rank (e.g. 4GiB): "
                             "the OS kills a process over its memory instead of raising an error")
 
@@ -48,3 +51,9 @@ def _refuse(problems: list[str], what: str, used: bool, table: dict[str, tuple[b
     for other, (clash, why) in table.items():
         if clash:
             problems.append(f"{what} does not compose with {other}: {why}")
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -21,6 +21,7 @@ class MoEAccounting:
     def __init__(self, model: nn.Module, cfg: LlamaConfig):
         self.model, self.cfg = model, cfg
         self.last: dict[int, dict] = {}  # id(layer) -> figures of its last training forward
+        self.step_sum = 0.0  # this rank's aux + z loss sums of the training forwards since taken
 
     def side_loss_sum(self, modules: list[nn.Module], train: bool = True) -> torch.Tensor | None:
         layers = [m for module in modules for m in moe_layers(module) if m.stats is not None]
@@ -32,7 +33,14 @@ class MoEAccounting:
             if train:
                 self.last[id(layer)] = _figures(layer.stats)
             layer.stats = None
+        if train:
+            self.step_sum += float(aux.detach())
         return aux
+
+    def take_step_sum(self) -> float:
+        """The aux + z loss sums (loss-sum units) added to the training losses since the last call."""
+        out, self.step_sum = self.step_sum, 0.0
+        return out
 
     def metric_parts(self) -> list[dict]:
         """This rank's MoE layers, each as of its last training forward (a micro-batch)."""

@@ -84,6 +84,10 @@ class LanguageModelTask(Task):
         the loss's sum units, or None: ``fn(modules, train) -> tensor | None``; None for a dense model."""
         return None if self.moe is None else self.moe.side_loss_sum
 
+    def take_side_loss_sum(self) -> float:
+        """This rank's MoE aux + z loss sums since the last call (the trainer's ``ce_loss``)."""
+        return 0.0 if self.moe is None else self.moe.take_step_sum()
+
     def step_metrics(self, gather: Callable[[object], list] | None = None) -> dict:
         """moe_* rows; ``gather(obj) -> [obj of every pipeline stage]`` when stages hold the layers."""
         if self.moe is None:

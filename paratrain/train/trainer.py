@@ -179,6 +179,18 @@ class Trainer:
             C.all_reduce(t, self.mesh.dp)
         return t.item()
 
+    def ce_loss(self, loss: float, skipped: bool) -> float | None:
+        """The loss without the layers' side losses (MoE aux and z): the cross-entropy alone, the
+        figure transformers reports. The side sums are reduced as the loss is: over dp, and over
+        the pipeline stages that hold the layers."""
+        t = torch.tensor(self.task.take_side_loss_sum() / self.units_per_step, dtype=torch.float64,
+                         device=self.mesh.device)
+        with self.mesh.counter.paused():
+            C.all_reduce(t, self.mesh.dp)
+            if self.mesh.pp.size > 1:
+                C.all_reduce(t, self.mesh.pp)
+        return None if skipped else loss - t.item()
+
     @torch.no_grad()
     def evaluate(self) -> float:
         total = torch.zeros((), dtype=torch.float32)
@@ -256,6 +268,8 @@ class Trainer:
         extra.update(self.engine.executor.step_metrics())  # pipelines: the measured bubble
         records = gather_rank_records(self.mesh, rank_record(self.mesh, s["state_bytes"], extra))
         task_row = self.task_metrics()  # every rank: pipeline stages hold different MoE layers
+        if self.task.side_loss_sum is not None:  # every rank: a collective
+            task_row["ce_loss"] = self.ce_loss(loss, s["skipped"])
         if not self.is_main:
             return {}
         merged = merge_ranks(records)

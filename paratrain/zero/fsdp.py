@@ -437,6 +437,17 @@ class Zero3(ShardedState, Strategy):
         self.last_gathered_peak_bytes = self.gathered_peak_bytes
         self.gathered_peak_bytes = self.gathered_bytes
 
+    def discard_backward(self) -> None:
+        """A backward that will not be stepped: its reductions waited for and dropped, every unit
+        resharded (a trial stopped midway may leave some gathered), gradients and counters reset."""
+        for i, u in enumerate(self.units):
+            self._finish_reduce(u)
+            self._free(i)
+        self._in_flight = []
+        self.zero_grad()
+        self._factor = 1.0
+        self.gathered_peak_bytes, self.last_gathered_peak_bytes = self.gathered_bytes, 0
+
     def state_bytes(self) -> dict[str, int]:
         grads = sum(nbytes(u.grad_shard) for u in self.units if u.grad_shard is not None)
         grads += sum(nbytes(p.grad) for u in self.units for p in u.layout.params if p.grad is not None)
@@ -451,6 +462,7 @@ class Zero3(ShardedState, Strategy):
     @torch.no_grad()
     def load_state_pieces(self, reader: ShardReader, optimizer_step: int) -> None:
         self._load_flats(reader, optimizer_step)
+        self.load_unsharded(reader)
         self.load_buffers(reader)
         for i, u in enumerate(self.units):
             u.shard.copy_(self.store.read(i, "param").to(self.mesh.device, self.compute_dtype))

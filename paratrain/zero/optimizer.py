@@ -170,6 +170,11 @@ class ZeroDP(Strategy):
             b.grad_shard = None
             b.grad_flat.zero_()
 
+    def discard_backward(self) -> None:
+        """Gradients of a backward that will not be stepped dropped, and any pending scale."""
+        self.zero_grad()
+        self._factor = 1.0
+
     # -- accounting -------------------------------------------------------------------------------
 
     def state_bytes(self) -> dict[str, int]:
@@ -191,6 +196,7 @@ class ZeroDP(Strategy):
     @torch.no_grad()
     def load_state_pieces(self, reader: ShardReader, optimizer_step: int) -> None:
         self._load_flats(reader, optimizer_step)
+        self.load_unsharded(reader)
         self.load_buffers(reader)
         for i, b in enumerate(self.buckets):
             local = self.store.read(i, "param").to(self.mesh.device, self.compute_dtype)
@@ -247,6 +253,15 @@ class Zero2(ShardedState, ZeroDP):
             b.grad_shard, b.ready = None, 0
             for p in b.layout.params:
                 p.grad = None
+
+    def discard_backward(self) -> None:
+        """Reductions a discarded backward launched are waited for and dropped with its gradients."""
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+            b.work, b.grad_flat = None, None
+        self.zero_grad()
+        self._factor = 1.0
 
     def _grad_bytes(self) -> int:
         held = sum(nbytes(b.grad_shard) for b in self.buckets if b.grad_shard is not None)

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import torch
 
-from paratrain.base.strategy import Strategy
+from paratrain.base.strategy import Strategy, read_local
 from paratrain.mesh import ParallelMesh
 from paratrain.optim import adamw8bit as a8
 from paratrain.sharding import info_of
@@ -40,6 +40,7 @@ class ShardedState:
 
     layouts: list[FlatLayout]
     mesh: ParallelMesh
+    model: torch.nn.Module
 
     def offload_metrics(self) -> dict[str, float]:
         """Where the optimizer partition lives (host / disk bytes) and the disk store's resident peak."""
@@ -65,7 +66,27 @@ class ShardedState:
                     info = info_of(p)
                     if not info.tied_to:
                         out += self._pieces(i, which, info, info.name or name, p, at, a, b)
-        return out + self.buffer_pieces()
+        return out + self.unsharded_pieces() + self.buffer_pieces()
+
+    def unsharded(self) -> list[tuple[str, torch.Tensor]]:
+        """Parameters in no flat layout: the frozen ones (``requires_grad=False``), which no
+        optimizer steps. Every rank holds them whole (or as its tensor-parallel slice), as the plain
+        strategy does, and checkpoints list and read them as it does."""
+        flat = {id(p) for layout in self.layouts for p in layout.params}
+        return [(n, p) for n, p in self.model.named_parameters() if id(p) not in flat]
+
+    def unsharded_pieces(self) -> list[Piece]:
+        out = []
+        for name, p in self.unsharded():
+            info = info_of(p)
+            if not info.tied_to:  # a tied copy on another pipeline stage is left to its owner
+                out += pieces_of(info, "param", p, name=info.name or name)
+        return out
+
+    @torch.no_grad()
+    def load_unsharded(self, reader: ShardReader) -> None:
+        for name, p in self.unsharded():
+            read_local(reader, info_of(p), info_of(p).name or name, "param", p)
 
     def _pieces(self, i: int, which: str, info, name: str, p, at: int, a: int, b: int) -> list[Piece]:
         """The piece of ``which`` for parameter elements [a, b), held at ``at`` of flat shard ``i``."""
