@@ -9,7 +9,8 @@ the user says they trust it (``--trust-checkpoint``), and then with a warning.
 Every reader takes the caller's error class (HFError, CheckpointError, DataError: ValueErrors the
 CLI prints as one line with exit status 2) and names the file, and the field in it, that is wrong.
 One place for both model families' config checks (models/llama/hf.py, models/gpt2/hf.py), the
-checkpoint index and the tokenizer folder.
+checkpoint index and the tokenizer folder. torch is imported only by the two functions that load or
+save torch files: the data layer uses this module and stays free of torch at import time.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import re
 import warnings
 from pathlib import Path, PurePosixPath
 
-import torch
 from safetensors import SafetensorError, safe_open
 
 TRUST_HINT = "--trust-checkpoint (library: Parallel.load(..., trust_checkpoint=True))"
@@ -131,6 +131,8 @@ def safetensors_names(path: Path, error: type[Exception]) -> list[str]:
 def to_data_bytes(obj: object, what: str) -> bytes:
     """``torch.save(obj)``'s bytes, after checking they load back with ``weights_only=True``: only
     tensors, numbers, strings, None and lists/tuples/dicts of them are written (TypeError otherwise)."""
+    import torch
+
     buf = io.BytesIO()
     torch.save(obj, buf)
     try:
@@ -146,6 +148,8 @@ def load_data(path: Path, error: type[Exception], *, trust: bool = False) -> obj
     """A torch file loaded as plain data (``weights_only=True``). A file that needs more (an older
     checkpoint's pickle, or one crafted to run code when unpickled) is refused with ``error``
     unless ``trust``; then it is unpickled in full, with a warning."""
+    import torch
+
     try:
         with warnings.catch_warnings():  # torch's note on a raw pickle's protocol: ours says more
             warnings.simplefilter("ignore", UserWarning)

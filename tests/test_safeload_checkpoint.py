@@ -28,8 +28,9 @@ from paratrain.train.trainer import Trainer
 from tests.harness import tiny_cfg
 
 STEPS4 = {"train.steps": 4, "train.save_every": 2}
-CLI_TINY = ["--model", "tiny", "--vocab-size", "512", "--max-files", "40", "--seq-len", "32", "--steps", "4",
-            "--global-batch", "8", "--eval-every", "0", "--warmup-steps", "1", "--lr", "0.01", "--no-progress"]
+CLI_TINY = ["--model", "tiny", "--vocab-size", "512", "--max-files", "40", "--seq-len", "32",
+            "--steps", "4", "--global-batch", "8", "--eval-every", "0", "--warmup-steps", "1", "--lr", "0.01",
+            "--no-progress"]
 
 
 class Planted:
