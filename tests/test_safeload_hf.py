@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 from paratrain import cli
 from paratrain.models.llama.hf import HFCheckpoint, HFError
+from tests.harness import run_layout, tiny_cfg
 from tests.hf_models import save_hf
 
 pytest.importorskip("transformers")
@@ -129,3 +130,37 @@ def test_gpt2_folders_are_checked_by_the_same_fields(tmp_path, field, value, mes
     save_file({"wte.weight": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(HFError, match=re.escape(f"{tmp_path}/config.json: {message}")):
         HFCheckpoint.open(str(tmp_path))
+
+
+# -- export --hf writes back every tokenizer file the import read (issue 23, item 7) ----------------
+
+TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+
+
+def test_export_keeps_the_chat_template_and_every_tokenizer_file(llama, tmp_path):
+    from transformers import AutoTokenizer
+
+    src = tmp_path / "src"
+    shutil.copytree(llama, src)
+    (src / "chat_template.jinja").write_text(TEMPLATE)  # transformers 5's place for it
+    (src / "additional_chat_templates").mkdir()
+    (src / "additional_chat_templates" / "tool_use.jinja").write_text("{{ messages[0]['content'] }}")
+    special = {"eos_token": "<|endoftext|>"}
+    (src / "special_tokens_map.json").write_text(json.dumps(special))
+    assert AutoTokenizer.from_pretrained(str(src)).chat_template["default"] == TEMPLATE
+    run = tmp_path / "run"
+    run_layout(tiny_cfg(run, **{"model.init_from": str(src), "train.steps": 1}))
+    dst = tmp_path / "hf"
+    assert cli.main(["export", str(run), "--hf", str(dst)]) == 0
+    assert (dst / "chat_template.jinja").read_text() == TEMPLATE
+    assert (dst / "additional_chat_templates" / "tool_use.jinja").exists()
+    assert json.loads((dst / "special_tokens_map.json").read_text()) == special
+    tok = AutoTokenizer.from_pretrained(str(dst))
+    assert tok.chat_template["default"] == TEMPLATE
+    assert cli.main(["export", str(run), "--hf", str(dst)]) == 0  # again, over the first export
+    assert (dst / "additional_chat_templates" / "tool_use.jinja").exists()
+    info = json.loads((run / "run.json").read_text())
+    info["hf"]["tokenizer_files"] = {"../escaped.jinja": "x"}  # a run folder from elsewhere
+    (run / "run.json").write_text(json.dumps(info))
+    assert cli.main(["export", str(run), "--hf", str(tmp_path / "hf2")]) == 2
+    assert not (tmp_path / "escaped.jinja").exists()

@@ -259,6 +259,15 @@ def tokenizer_file(path: str | Path) -> Path:
     return file
 
 
+# The tokenizer files transformers reads beside tokenizer.json and tokenizer_config.json (which
+# run.json keeps as a dict): the chat template among them (transformers 5 writes
+# chat_template.jinja, and named ones under additional_chat_templates/; older versions a key of
+# tokenizer_config.json). Their text travels in run.json, so `export --hf` writes them back.
+TOKENIZER_FILES = ("special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+                   "chat_template.json")
+TEMPLATE_DIR = "additional_chat_templates"
+
+
 # [model] keys an imported model may override: they change the training loss or routing capacity,
 # not the weights. The shape keys (and n_experts, top_k) always come from config.json.
 TRAIN_OVERRIDES = ("capacity_factor", "aux_loss_coef", "z_loss_coef")
@@ -305,6 +314,12 @@ class HFCheckpoint:
     def optional_json(self, name: str) -> dict | None:
         path = self.folder / name
         return read_json(path) if path.is_file() else None
+
+    def tokenizer_files(self) -> dict[str, str]:
+        """The text of the folder's TOKENIZER_FILES and named chat templates, by relative name."""
+        names = [n for n in TOKENIZER_FILES if (self.folder / n).is_file()]
+        names += sorted(f"{TEMPLATE_DIR}/{p.name}" for p in (self.folder / TEMPLATE_DIR).glob("*.jinja"))
+        return {n: (self.folder / n).read_text(errors="replace") for n in names}
 
     def source_name(self, name: str) -> tuple[str, bool]:
         """The Hugging Face tensor that holds paratrain's `name` (a tied head reads the embedding;
@@ -657,12 +672,15 @@ def _move_in(new: Path, dest: Path) -> list[Path]:
     export's shards left beside new weights would be read instead of them (its index names them).
     Other files in DEST (a README, .git) stay."""
     import os
+    import shutil
 
     dest.mkdir(parents=True, exist_ok=True)
     for pattern in WEIGHT_FILES:
         for stale in dest.glob(pattern):
             stale.unlink()
     for f in sorted(new.iterdir()):
+        if f.is_dir() and (dest / f.name).is_dir():  # a previous export's additional_chat_templates/
+            shutil.rmtree(dest / f.name)
         os.replace(f, dest / f.name)
     return sorted(dest.glob("*.safetensors"))
 
@@ -674,6 +692,10 @@ def _write_export(src: Path, folder: Path, cfg: LlamaConfig, imported: dict, max
 
     write_sharded(folder, list(family.entries(src / "model.safetensors", cfg)), max_shard_bytes)
     shutil.copy(src / "tokenizer.json", folder / "tokenizer.json")
+    for name, text in (imported.get("tokenizer_files") or {}).items():  # the chat template...
+        path = member(folder, name, f"{src / 'run.json'}: hf.tokenizer_files", HFError)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
     tok_cfg, extra = imported.get("tokenizer_config"), {}
     if tok_cfg is None:  # a native run: its BPE has one special token, the document separator
         from tokenizers import Tokenizer
