@@ -149,7 +149,7 @@ def _window(hf: dict, family: str) -> int | None:
         layers = hf.get("layer_types") or []
         if not hf.get("use_sliding_window") and "sliding_attention" not in layers:
             return None
-    return Fields(hf, "config.json", HFError).integer("sliding_window")
+    return Fields(hf, "config.json", HFError).integer("sliding_window", minimum=0) or None
 
 
 # (config key, value paratrain supports, what it means): anything else is refused, never approximated.
