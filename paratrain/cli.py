@@ -88,7 +88,12 @@ TRAIN_FLAGS: dict[str, tuple[str, type]] = {
 TRAIN_SWITCHES = {"--resume": "train.resume", "--sp": "parallel.sp", "--no-progress": "train.progress",
                   "--overwrite": "train.overwrite", "--check-collectives": "parallel.check_collectives",
                   "--async-save": "train.async_save", "--allow-data-change": "data.allow_data_change",
-                  "--compile": "train.compile"}
+                  "--compile": "train.compile", "--trust-checkpoint": "train.trust_checkpoint"}
+# What a switch does, where "sets KEY" would not say enough.
+SWITCH_HELP = {"--trust-checkpoint": "with --resume: also load a checkpoint whose rng.pt is a pickle "
+                                     "that needs a full unpickling (an older paratrain's, or crafted), "
+                                     "which can run code; only for a checkpoint whose source you trust "
+                                     "(default: refused)"}
 
 
 class UserError(Exception):
@@ -101,7 +106,7 @@ def train_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     for flag, (key, typ) in TRAIN_FLAGS.items():
         p.add_argument(flag, type=typ, default=None, help=f"sets {key}")
     for flag, key in TRAIN_SWITCHES.items():
-        p.add_argument(flag, action="store_true", help=f"sets {key}")
+        p.add_argument(flag, action="store_true", help=SWITCH_HELP.get(flag, f"sets {key}"))
     p.add_argument("--layout", choices=["manual", "auto"], default="manual",
                    help="auto: let the planner choose dp/tp/pp/zero for this machine")
     return p

@@ -117,6 +117,7 @@ class TrainConfig:
     eval_every: int = 50
     eval_batches: int = 4
     resume: bool = False
+    trust_checkpoint: bool = False  # resume from a checkpoint whose rng.pt needs a full unpickling
     log_every: int = 1
     progress: bool = True
     threads: int | None = None  # torch threads for a single process; workers use 1

@@ -31,6 +31,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -53,6 +54,7 @@ from paratrain.comm import collectives as C
 from paratrain.comm.trace import TRACE, diagnose, read_mirror
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+IFF_LOOPBACK = 0x8  # linux/if.h: the interface flag of loopback
 WATCHDOG_INTERVAL_S = 0.5
 DIVERGENCE_GRACE_S = 5.0  # after a first failure, how long the others get to report their history
 
@@ -213,9 +215,33 @@ def trace_path(dump_file: str) -> str:
     return dump_file.replace("stack", "trace")
 
 
+def loopback_interface() -> str:
+    """The loopback network interface's name (``lo`` on Linux, ``lo0`` on macOS)."""
+    return next((name for _, name in socket.if_nameindex() if _is_loopback(name)), "lo")
+
+
+def _is_loopback(name: str) -> bool:
+    try:
+        with open(f"/sys/class/net/{name}/flags") as f:
+            return bool(int(f.read(), 16) & IFF_LOOPBACK)
+    except (OSError, ValueError):  # no /sys (macOS): its loopback is lo0
+        return name.startswith("lo")
+
+
+def bind_loopback() -> None:
+    """Local workers talk only to each other: their gloo sockets (and NCCL's bootstrap) listen on
+    the loopback interface, not on whatever address the host name resolves to, which may be
+    reachable from the network. (Their rendezvous is a file, so no store listens either.) torchrun
+    runs keep torchrun's addresses: their ranks span machines."""
+    iface = loopback_interface()
+    os.environ["GLOO_SOCKET_IFNAME"] = iface  # read by every gloo group created in this process
+    os.environ["NCCL_SOCKET_IFNAME"] = iface
+
+
 def _worker(fn, rank, world, init_file, pg_timeout, dump_file, dump_after, results, args, kwargs,
             launcher_pid=None, stop_request=None):
     die_with_parent(launcher_pid)
+    bind_loopback()
     signals.install(stop_request)
     TRACE.attach(trace_path(dump_file))  # our collectives, readable by the launcher even if we crash
     torch.set_num_threads(1)  # N workers share the cores; more threads only contend
@@ -372,6 +398,9 @@ def _to_bytes(obj) -> bytes:
 
 
 def _from_bytes(data: bytes):
+    # A full unpickling on purpose: a result is whatever the caller's function returns (any object),
+    # its bytes come from a worker this launcher started, through a multiprocessing queue that
+    # unpickles what it carries anyway; nothing here is read from disk or from anyone else.
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
