@@ -164,3 +164,19 @@ def test_export_keeps_the_chat_template_and_every_tokenizer_file(llama, tmp_path
     (run / "run.json").write_text(json.dumps(info))
     assert cli.main(["export", str(run), "--hf", str(tmp_path / "hf2")]) == 2
     assert not (tmp_path / "escaped.jinja").exists()
+
+
+@pytest.mark.parametrize("command", [["generate", "hello", "--tokens", "2"], ["eval", "--text-file", "TEXT"]],
+                         ids=["generate", "eval"])
+def test_generate_and_eval_name_an_unreadable_tokenizer(llama, tmp_path, capsys, command):
+    """The same tokenizer.json damage through the one-process commands that load an HF folder."""
+    folder = tmp_path / "m"
+    shutil.copytree(llama, folder)
+    (folder / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    text = tmp_path / "text.txt"
+    text.write_text("def f(x):\n    return x + 1\n")
+    code = cli.main([*(str(text) if a == "TEXT" else a for a in command), "--init-from", str(folder)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"{folder}/tokenizer.json" in err and "not a tokenizer the tokenizers library can read" in err
+    assert "Traceback" not in err
