@@ -88,7 +88,7 @@ TRAIN_FLAGS: dict[str, tuple[str, type]] = {
 TRAIN_SWITCHES = {"--resume": "train.resume", "--sp": "parallel.sp", "--no-progress": "train.progress",
                   "--overwrite": "train.overwrite", "--check-collectives": "parallel.check_collectives",
                   "--async-save": "train.async_save", "--allow-data-change": "data.allow_data_change",
-                  "--compile": "train.compile"}
+                  "--compile": "train.compile", "--verify-data": "data.verify_data"}
 
 
 class UserError(Exception):
