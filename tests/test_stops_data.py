@@ -179,3 +179,12 @@ def test_a_folder_with_a_damaged_manifest_is_prepared_again(source, tmp_path):
     good = load_prepared(out).manifest["data_hash"]
     (out / "manifest.json").write_text("{garbage")
     assert load_prepared(prepare(str(src), _opts(tok), out=out)).manifest["data_hash"] == good
+
+
+def test_the_checks_read_in_chunks_and_name_the_position(folder, monkeypatch):
+    monkeypatch.setattr(P, "CHECK_CHUNK", 64)  # many chunks: offsets, the hash and the index across them
+    n = load_prepared(folder).manifest["n_tokens"]
+    assert n > 10 * 64
+    _out_of_vocab(folder)
+    with pytest.raises(DataError, match=rf"at position {n // 2:,}, beyond"):
+        load_prepared(folder)

@@ -79,7 +79,7 @@ def is_prepared(path: str | Path | None) -> bool:
 
 DTYPES = ("uint16", "uint32")
 HASH_ALWAYS_BYTES = 256 * 2**20  # token files up to this size have their hash checked at every open
-CHECK_CHUNK = 2**24  # elements per chunk of the checks' pass over a memory-mapped file
+CHECK_CHUNK = 2**22  # values per chunk of the checks' pass over a memory-mapped file (bounded temporaries)
 AGAIN = "prepare the folder again (paratrain data prepare)"
 
 
@@ -159,7 +159,7 @@ def _check_tokens(path: Path, m: dict, hash_it: bool) -> None:
             raise DataError(f"{path} holds token id {int(chunk[at])} at position {start + at:,}, beyond "
                             f"the vocabulary of {vocab}: the file is damaged; {AGAIN}")
         if hash_it:
-            digest.update(chunk.tobytes())
+            digest.update(chunk)  # a contiguous slice of the map: hashed in place, no copy
     if hash_it and digest.hexdigest()[:len(m["data_hash"])] != m["data_hash"]:
         raise DataError(f"{path} does not match the manifest's data_hash ({m['data_hash']}, the file's is "
                         f"{digest.hexdigest()[:16]}): it was changed after it was prepared; {AGAIN}")
