@@ -88,12 +88,15 @@ TRAIN_FLAGS: dict[str, tuple[str, type]] = {
 TRAIN_SWITCHES = {"--resume": "train.resume", "--sp": "parallel.sp", "--no-progress": "train.progress",
                   "--overwrite": "train.overwrite", "--check-collectives": "parallel.check_collectives",
                   "--async-save": "train.async_save", "--allow-data-change": "data.allow_data_change",
-                  "--compile": "train.compile", "--trust-checkpoint": "train.trust_checkpoint"}
+                  "--compile": "train.compile", "--trust-checkpoint": "train.trust_checkpoint",
+                  "--verify-data": "data.verify_data"}
 # What a switch does, where "sets KEY" would not say enough.
 SWITCH_HELP = {"--trust-checkpoint": "with --resume: also load a checkpoint whose rng.pt is a pickle "
                                      "that needs a full unpickling (an older paratrain's, or crafted), "
                                      "which can run code; only for a checkpoint whose source you trust "
-                                     "(default: refused)"}
+                                     "(default: refused)",
+               "--verify-data": "check a prepared data folder's tokens against its manifest's hash "
+                                "at start, whatever its size (default: only folders up to 256 MiB)"}
 
 
 class UserError(Exception):

@@ -79,6 +79,7 @@ class DataConfig:
     text_field: str = "text"  # the field of .jsonl lines / the column of .parquet files
     workers: int | None = None  # tokenizer processes when preparing; default: every core
     allow_data_change: bool = False  # resume on another corpus or tokenizer than the checkpoint's
+    verify_data: bool = False  # check a prepared folder's data_hash at start even when it is large
 
 
 @dataclass

@@ -16,7 +16,9 @@ agent) dies (prctl PR_SET_PDEATHSIG, Linux), and a watchdog thread also polls th
 
 Signals: SIGINT/SIGTERM make every rank stop at the next step boundary and save (signals.py);
 the launcher passes a request it received alone (SIGTERM from a scheduler) through a shared event.
-A second signal kills the workers at once and raises ``Interrupted``.
+A second signal kills the workers at once and raises ``Interrupted``. The forkserver ignores both:
+it is started with SIGTERM ignored (multiprocessing ignores SIGINT there itself), so SIGTERM to
+the whole process group (Slurm, ``kill -- -PGID``) cannot kill it and, with it, its workers.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import datetime
 import faulthandler
 import io
 import multiprocessing as mp
+import multiprocessing.forkserver as forkserver
 import os
 import queue
 import signal
@@ -278,6 +281,7 @@ def spawn(fn: Callable, nproc: int, *args: object, timeout: float | None = 120.0
     """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "paratrain"])
+    _start_forkserver()
     pg_timeout = pg_timeout or (max(5.0, timeout - 5.0) if timeout else 600.0)
     dump_after = max(1.0, timeout - 2.0) if timeout else None
     results, stop_request = ctx.Queue(), ctx.Value("i", 0)  # the signal number
@@ -306,6 +310,22 @@ def spawn(fn: Callable, nproc: int, *args: object, timeout: float | None = 120.0
                 if p.is_alive():
                     p.kill()
                 p.join(timeout=5)
+
+
+def _start_forkserver() -> None:
+    """Start (or keep) the forkserver with SIGTERM ignored: an ignored signal stays ignored across
+    exec, and a forkserver killed by a SIGTERM sent to the whole group would take every worker with
+    it (their parent-death signal) and report them as exit 255 before they could save. Its workers
+    inherit the ignore until ``signals.install`` gives them the stop handler; it exits by itself
+    when the launcher does (its "alive" pipe closes)."""
+    if threading.current_thread() is not threading.main_thread():
+        forkserver.ensure_running()
+        return
+    before = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 @contextlib.contextmanager
