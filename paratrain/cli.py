@@ -131,7 +131,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from paratrain.launch import under_torchrun  # lazy: start-up time
     from paratrain.run import run_training  # lazy: start-up time
 
-    cfg = config.load(args.config, overrides_from(args))
+    cfg = checks.settle_seq_len(config.load(args.config, overrides_from(args)))  # the planner needs it too
     if args.layout == "auto":
         from paratrain.plan_cli import auto_layout  # lazy: start-up time
 
@@ -284,9 +284,9 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
         raise UserError(f"unknown benchmark {args.kind!r}; available: {', '.join(bench_kinds())}") from None
     parser = argparse.ArgumentParser(prog=f"paratrain bench {args.kind}")
     module.add_arguments(parser)
-    bench_args = parser.parse_args(rest)
-    from paratrain.bench.common import report  # lazy: start-up time
+    from paratrain.bench.common import report, settle_seq_len  # lazy: start-up time
 
+    bench_args = settle_seq_len(parser.parse_args(rest))
     report(module.run(bench_args), bench_args.json)
     return 0
 

@@ -67,11 +67,16 @@ class ParallelConfig:
     check_collectives: bool = False  # compare each collective's fingerprint across its group first
 
 
+DEFAULT_SEQ_LEN = 256  # an unset data.seq_len: the model's positions, at most this
+
+
 @dataclass
 class DataConfig:
     path: str | None = None  # text/.jsonl/.parquet files or folders, or a prepared folder; default: stdlib
     vocab_size: int = 8192
-    seq_len: int = 256
+    # None: follow the model (its positions, at most DEFAULT_SEQ_LEN), settled by engine/checks.py
+    # once the model is known; a value given in TOML or by --seq-len is kept, and refused if too long.
+    seq_len: int | None = None
     val_fraction: float = 0.02
     cache_dir: str | None = None  # tokenizer and token cache; default ~/.cache/paratrain
     max_files: int | None = None  # read at most this many files (quick experiments, tests)
@@ -310,7 +315,7 @@ def check_values(cfg: Config, problems: list[str], world_size: int | None = None
         problems.append(f"train.global_batch must be >= 1 (got {t.global_batch})")
     elif not problems:
         _check_batch(problems, cfg)
-    if d.seq_len < 2:
+    if d.seq_len is not None and d.seq_len < 2:
         problems.append(f"data.seq_len must be >= 2 (got {d.seq_len})")
     if d.vocab_size < 256 + 2:
         problems.append(f"data.vocab_size must be >= 258 (byte-level BPE needs the 256 bytes); "

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 import paratrain.config as config
+from paratrain.engine import checks
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, *, nproc: int = 2, steps: int = 12,
@@ -30,7 +31,8 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, nproc: int = 2, ste
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per run")
     parser.add_argument("--rounds", type=int, default=rounds, help="paired rounds (alternating order)")
     parser.add_argument("--model", default="small", help="model preset")
-    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="tokens per row (default: the model's positions, at most 256)")
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -126,3 +128,10 @@ def report(result: dict, as_json: bool) -> None:
         print(json.dumps(result))
         return
     _print_dict({k: v for k, v in result.items() if k not in ("paratrain_runs", "peer_runs")}, 0)
+
+
+def settle_seq_len(args: argparse.Namespace) -> argparse.Namespace:
+    """An unset --seq-len follows the model, as `paratrain train`'s does (engine/checks.py)."""
+    if getattr(args, "seq_len", 0) is None:
+        args.seq_len = checks.settle_seq_len(config.load(None, {"model.name": args.model})).data.seq_len
+    return args
