@@ -36,7 +36,7 @@ def _check_model_name(cfg: Config, problems: list[str]) -> None:
     """A known preset, whose positions hold the sequence."""
     m = cfg.model
     preset = PRESETS.get(m.name)
-    if preset is not None and cfg.data.seq_len > preset.max_seq_len:
+    if preset is not None and not m.init_from and cfg.data.seq_len > preset.max_seq_len:  # else: the folder's
         problems.append(f"data.seq_len ({cfg.data.seq_len}) is longer than model {m.name}'s "
                         f"{preset.max_seq_len} positions: lower --seq-len or choose a larger --model")
     if m.name not in PRESETS and m.name != "cnn-tiny":

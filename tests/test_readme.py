@@ -1,0 +1,113 @@
+"""Every command the README shows is accepted as written (issue 23 item 7: the README's
+`paratrain train --model tiny-moe --nproc 4 --dp 4 --ep 2` failed as written).
+
+Each ``paratrain ...`` line of the README's bash blocks is parsed by the parser of its subcommand.
+A ``train`` line is taken further, through exactly what ``paratrain train`` does before any worker
+starts: the TOML and flags into a config, the sequence length settled by the model, and every
+check of ``engine.checks.validate`` with the line's world size. Running each to the end would take
+the suite's whole budget (the default run alone is minutes), so one is run for real: the MoE line
+that failed, with ``--steps 1`` and a small corpus added (what the added flags change is only how
+long it runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+import paratrain.config as config
+from paratrain import cli
+from paratrain.data import cli as data_cli
+from paratrain.engine import checks
+from paratrain.plan_cli import parser as plan_parser
+from tests.hf_models import save_hf
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def readme_commands() -> list[list[str]]:
+    """The README's ``paratrain`` lines as argument lists (comments dropped, a|b|c alternatives
+    of the bench line expanded)."""
+    text = (ROOT / "README.md").read_text()
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for line in block.splitlines():
+            if not line.startswith("paratrain "):
+                continue
+            argv = shlex.split(line, comments=True)[1:]
+            for i, word in enumerate(argv):
+                if "|" in word:
+                    out += [argv[:i] + [alt] + argv[i + 1:] for alt in word.split("|")]
+                    break
+            else:
+                out.append(argv)
+    return out
+
+
+COMMANDS = readme_commands()
+
+
+def test_the_readme_shows_commands_of_every_kind():
+    kinds = {argv[0] for argv in COMMANDS}
+    assert {"train", "generate", "export", "plan", "bench", "data"} <= kinds, kinds
+    assert ["train", "--model", "tiny-moe", "--nproc", "4", "--dp", "4", "--ep", "2"] in COMMANDS
+
+
+def _train_config(argv: list[str]) -> config.Config:
+    """What `paratrain train` builds and checks before any worker starts (cli.cmd_train)."""
+    sub = argparse.ArgumentParser().add_subparsers()
+    args = cli.train_parser(sub).parse_args(argv[1:])
+    cfg = checks.settle_seq_len(config.load(args.config, cli.overrides_from(args)))
+    return checks.validate(cfg)
+
+
+@pytest.mark.parametrize("argv", COMMANDS, ids=[" ".join(a)[:60] for a in COMMANDS])
+def test_a_readme_command_is_accepted_as_written(argv, monkeypatch, tmp_path):
+    monkeypatch.chdir(ROOT)  # the README's relative paths (configs/tiny.toml) are the clone's
+    monkeypatch.setenv("HOME", str(tmp_path))  # ~/my_corpus/: a user's corpus, as bash expands it
+    (tmp_path / "my_corpus").mkdir()
+    (tmp_path / "my_corpus" / "notes.txt").write_text("some text of the user's own\n" * 50)
+    if "~/models/Qwen2-0.5B" in argv:  # a small random Qwen2 with the real one's context length
+        pytest.importorskip("transformers")
+        save_hf(tmp_path / "models" / "Qwen2-0.5B", "qwen2", max_position_embeddings=32768)
+    argv = [os.path.expanduser(a) for a in argv]
+    kind = argv[0]
+    if kind == "train":
+        _train_config(argv)
+    elif kind == "plan":
+        plan_parser().parse_args(argv[1:])
+    elif kind == "data":
+        data_cli.parser().parse_args(argv[1:])
+    elif kind == "bench":
+        module = importlib.import_module(f"paratrain.bench.{argv[1]}")
+        bench = argparse.ArgumentParser()
+        module.add_arguments(bench)
+        bench.parse_args(argv[2:])
+    elif kind == "viz":
+        assert argv[1] == "timeline" and len(argv) == 3
+    else:  # generate, eval, export: the top-level parser holds them
+        parsed, rest = _top_parser().parse_known_args(argv)
+        assert not rest and parsed.command == kind
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="paratrain")
+    sub = parser.add_subparsers(dest="command", required=True)
+    cli.generate_parser(sub)
+    cli.eval_parser(sub)
+    cli.export_parser(sub)
+    return parser
+
+
+def test_the_readme_moe_command_runs(tmp_path, capsys):
+    argv = ["train", "--model", "tiny-moe", "--nproc", "4", "--dp", "4", "--ep", "2"]
+    code = cli.main([*argv, "--steps", "1", "--max-files", "10", "--eval-every", "0", "--no-progress",
+                     "--out", str(tmp_path / "run")])
+    assert code == 0, capsys.readouterr().err
+    assert (tmp_path / "run" / "model.safetensors").exists()
