@@ -14,8 +14,10 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP)
 
+# Run again, `make train` starts afresh (--overwrite: it says so and deletes the earlier run's
+# checkpoints); to continue that run instead: .venv/bin/paratrain train --out runs/default --resume
 train: $(STAMP)
-	$(BIN)/paratrain train --precision auto --out runs/default
+	$(BIN)/paratrain train --precision auto --out runs/default --overwrite
 
 test: $(STAMP)
 	$(BIN)/ruff check paratrain tests benchmarks examples

@@ -116,7 +116,8 @@ def check_folder(cfg: Config) -> None:
     if t.resume or not root.exists() or not any(root.iterdir()):
         return
     if t.overwrite:
-        print(f"paratrain: --overwrite: deleting the checkpoints in {root}", file=sys.stderr)
+        print(f"paratrain: --overwrite: starting afresh, deleting the earlier run's checkpoints in {root}",
+              file=sys.stderr)
         shutil.rmtree(root)
         return
     latest = ckpt.latest(out)
