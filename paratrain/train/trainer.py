@@ -116,6 +116,7 @@ class Trainer:
         self.scaler = LossScaler(enabled=cfg.train.precision == "fp16")
         self.start_step = 0
         self.result = TrainResult(out=str(self.out))
+        self.stop_note = ""  # what a signal stop says, printed once the progress bar has closed
         self.peak_flops = None
         self.phase_s: dict[str, float] = {}  # the last step's PHASES in seconds
         self.phase_sync = False  # drain the device queue at each phase boundary (benchmarks)
@@ -241,6 +242,8 @@ class Trainer:
                 bar.close()
             if writer:
                 writer.close()
+            if self.is_main and self.stop_note:  # after the bar has ended its line, not glued to it
+                print(self.stop_note, flush=True)
         if self.start_step < cfg.train.steps:
             self.save(cfg.train.steps)
         self.saver.finish()
@@ -254,9 +257,8 @@ class Trainer:
         if signum:
             self.save(done)
             self.result.stopped_by = signum
-            if self.is_main:
-                print(f"paratrain: stopped by signal {signum} after step {done}; checkpoint saved "
-                      f"(continue with --resume)", flush=True)
+            self.stop_note = (f"paratrain: stopped by signal {signum} after step {done}; checkpoint saved "
+                              f"(continue with --resume)")
         return bool(signum)
 
     def log_step(self, step: int, s: dict) -> dict:
