@@ -36,15 +36,23 @@ from paratrain.train.metrics import read_metrics
 from paratrain.train.task import build_task
 from paratrain.train.trainer import Trainer
 
+SHAPE_FLAGS = {"--layers": "transformer blocks", "--hidden": "model width (hidden size)",
+               "--heads": "attention heads", "--kv-heads": "key/value heads (grouped-query attention)",
+               "--ffn": "MLP inner width", "--vocab": "vocabulary size"}
+FIXED_FLAGS = {"--dp": "data-parallel degree", "--tp": "tensor-parallel degree",
+               "--pp": "pipeline-parallel degree", "--zero":
+                   "ZeRO stage {" + ",".join(map(str, config.CHOICES["parallel.zero"])) + "}",
+               "--virtual-stages": "interleaved pipeline: model chunks per rank"}
+
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="paratrain plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model (a preset, an explicit shape, or --params for model states only)")
     m.add_argument("--model", help=f"preset: {', '.join(PRESETS)}")
-    for flag in ("--layers", "--hidden", "--heads", "--kv-heads", "--ffn", "--vocab"):
-        m.add_argument(flag, type=int)
-    m.add_argument("--tie-embeddings", action="store_true")
+    for flag, what in SHAPE_FLAGS.items():
+        m.add_argument(flag, type=int, help=f"{what} (overrides the preset's)")
+    m.add_argument("--tie-embeddings", action="store_true", help="the LM head shares the embedding matrix")
     m.add_argument("--experts", type=int, help="mixture of experts: experts per MoE block (0: dense)")
     m.add_argument("--top-k", type=int, help="mixture of experts: experts each token runs through")
     m.add_argument("--moe-every", type=int, help="mixture of experts: every k-th block is sparse")
@@ -57,36 +65,48 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--micro-batch", type=int, help="fix the micro-batch (default: searched)")
     t.add_argument("--precision", choices=["fp32", "bf16", "fp16"],
                    help="default bf16; fp32 with --cluster local (a CPU without bf16 matmuls)")
-    t.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit"])
-    t.add_argument("--margin", type=float, default=0.10, help="fraction of device memory kept free")
+    t.add_argument("--optimizer", default="adamw", choices=config.CHOICES["optim.name"],
+                   help="adamw8bit: 8-bit moments, ~2 bytes per parameter instead of 8 "
+                        "(default: %(default)s)")
+    t.add_argument("--margin", type=float, default=0.10,
+                   help="fraction of device memory kept free (default: %(default)s)")
     c = p.add_argument_group("cluster")
     c.add_argument("--cluster", choices=["local"], help="this machine, measured (one worker per core)")
     c.add_argument("--gpus", type=int, help="devices in all (default 8; local: cores)")
-    c.add_argument("--gpus-per-node", type=int)
-    c.add_argument("--gpu", default="a100-80g", help=f"preset: {', '.join(GPUS)}")
+    c.add_argument("--gpus-per-node", type=int, help="devices per node, joined by --intra-link "
+                   "(default: all of --gpus, up to 8)")
+    c.add_argument("--gpu", default="a100-80g",
+                   help=f"device preset: {', '.join(GPUS)} (default: %(default)s)")
     c.add_argument("--gpu-memory", type=float, help="GB per device (overrides the preset)")
     c.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per device (overrides the preset)")
-    c.add_argument("--intra-link", default="nvlink", help=f"preset: {', '.join(LINKS)}")
-    c.add_argument("--inter-link", default="infiniband", help=f"preset: {', '.join(LINKS)}")
-    c.add_argument("--efficiency", type=float, help="achieved / peak on large matmuls")
+    c.add_argument("--intra-link", default="nvlink",
+                   help=f"link within a node: {', '.join(LINKS)} (default: %(default)s)")
+    c.add_argument("--inter-link", default="infiniband",
+                   help=f"link between nodes: {', '.join(LINKS)} (default: %(default)s)")
+    c.add_argument("--efficiency", type=float,
+                   help="achieved / peak on large matmuls (default: the preset's)")
     f = p.add_argument_group("fixed choices (evaluate these instead of searching them)")
-    for flag in ("--dp", "--tp", "--pp", "--zero", "--virtual-stages"):
-        f.add_argument(flag, type=int)
+    for flag, what in FIXED_FLAGS.items():
+        f.add_argument(flag, type=int, help=what)
     f.add_argument("--ep", type=int, help="expert parallelism (mixture-of-experts models only: 1 for dense)")
     f.add_argument("--tile", type=int, help="memory-centric tiling: split each linear into N tiles")
     f.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
                    help="sequence parallelism on (--sp) or off (--no-sp)")
-    f.add_argument("--recompute", choices=["none", "selective", "full"])
-    f.add_argument("--pp-schedule", choices=["naive", "gpipe", "1f1b", "interleaved"])
-    f.add_argument("--offload", choices=["none", "cpu", "disk"])
+    f.add_argument("--recompute", choices=config.CHOICES["train.recompute"],
+                   help="recompute activations in backward: selective (core attention) or full blocks")
+    f.add_argument("--pp-schedule", choices=config.CHOICES["parallel.pp_schedule"], help="pipeline schedule")
+    f.add_argument("--offload", choices=config.CHOICES["parallel.offload"],
+                   help="optimizer states on the CPU or on disk")
     o = p.add_argument_group("output")
-    o.add_argument("--top", type=int, default=8, help="plans to show")
+    o.add_argument("--top", type=int, default=8, help="plans to show (default: %(default)s)")
     o.add_argument("--json", action="store_true", help="one JSON object")
     o.add_argument("--plot", metavar="FILE.png", help="memory breakdown of the top plans vs capacity")
     o.add_argument("--validate", action="store_true",
                    help="with --cluster local: run the top plans briefly and compare tokens/s")
-    o.add_argument("--validate-steps", type=int, default=6)
-    o.add_argument("--validate-top", type=int, default=3, help="how many of the top plans --validate runs")
+    o.add_argument("--validate-steps", type=int, default=6,
+                   help="steps of each --validate run (default: %(default)s)")
+    o.add_argument("--validate-top", type=int, default=3,
+                   help="how many of the top plans --validate runs (default: %(default)s)")
     return p
 
 
