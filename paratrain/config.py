@@ -28,6 +28,18 @@ class ConfigError(ValueError):
     """One or more settings are wrong; the message lists each with the fix."""
 
 
+LISTED = 12  # an error message lists this many problems, then counts the rest
+
+
+def bullets(problems: list[str], limit: int = LISTED) -> str:
+    """Problems as the indented list of an error message: the first ``limit`` and how many more, so
+    that a per-item check (20,000 layers' missing tensors) stays a message, not 180,000 lines."""
+    shown = list(problems[:limit])
+    if len(problems) > limit:
+        shown.append(f"... and {len(problems) - limit} more ({len(problems)} problems in all)")
+    return "\n  - " + "\n  - ".join(shown)
+
+
 @dataclass
 class ModelConfig:
     name: str = "small"  # a preset from paratrain.models.PRESETS, or "cnn-tiny"
@@ -188,7 +200,7 @@ def apply_sections(cfg: Config, d: dict, source: str) -> None:
                 wrong_types.append(problem)
             setattr(target, key, value)
     if wrong_types:
-        raise ConfigError(f"{source}: wrong type:\n  - " + "\n  - ".join(wrong_types))
+        raise ConfigError(f"{source}: wrong type:" + bullets(wrong_types))
 
 
 def type_problem(name: str, value: object, hint: object) -> str | None:

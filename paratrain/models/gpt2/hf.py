@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from paratrain.config import bullets
 from paratrain.models.gpt2.model import ACTIVATIONS, GPT2Config
 from paratrain.models.llama.hf import (
     HF_FAMILIES,
@@ -149,7 +150,7 @@ def to_gpt2_config(hf: dict, where: str = "config.json") -> GPT2Config:
     if dim % heads:
         problems.append(f"n_embd ({dim}) must be a multiple of n_head ({heads})")
     if problems:
-        raise HFError(f"{where} ({ARCHITECTURE}) uses what paratrain lacks:\n  - " + "\n  - ".join(problems))
+        raise HFError(f"{where} ({ARCHITECTURE}) uses what paratrain lacks:" + bullets(problems))
     return GPT2Config(vocab_size=int(hf["vocab_size"]), dim=dim, n_layers=int(hf["n_layer"]), n_heads=heads,
                       ffn_dim=int(hf.get("n_inner") or 4 * dim), max_seq_len=int(hf["n_positions"]),
                       norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), activation=act,
