@@ -28,7 +28,6 @@ Over 500 lines: ``Parallel`` is the library's whole public surface, read by user
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 from collections.abc import Callable, Iterator
 
@@ -48,6 +47,7 @@ from paratrain.models.family import NoFamilyError
 from paratrain.models.registry import family_of
 from paratrain.pipeline.executor import PipelineExecutor
 from paratrain.pipeline.stage import split_for_pipeline
+from paratrain.safeload import load_data, to_data_bytes
 from paratrain.sharding import name_params, shard_of
 from paratrain.shards import assemble
 from paratrain.tensor_parallel.user_plan import apply_native_plan, apply_user_plan, check_plan
@@ -335,26 +335,29 @@ class Parallel:
         extra = {"param_groups": groups,
                  "scalars": optimizer_scalars(self.strategy), "steps": self.optimizer.steps,
                  "objects": [o.state_dict() for o in self._objects]}
-        files = {}
-        if self.is_main:
-            buf = io.BytesIO()
-            torch.save(extra, buf)
-            files[LIBRARY_FILE] = buf.getvalue()
+        # Every rank checks (the same objects everywhere), so a refusal leaves no rank waiting in save.
+        data = to_data_bytes(extra, f"the optimizer settings or registered objects "
+                             f"({', '.join(type(o).__name__ for o in self._objects) or 'none'})")
+        files = {LIBRARY_FILE: data} if self.is_main else {}
         meta = {"library": True, "optimizer_step": self.optimizer.steps}
         self.engine.save(self._saver, self.optimizer.steps, meta, files)
 
-    def load(self, directory: str | os.PathLike) -> None:
+    def load(self, directory: str | os.PathLike, *, trust_checkpoint: bool = False) -> None:
         """Load what save() wrote, under any layout (every rank calls it); each rank reads only the
-        pieces it holds. Also reads the weights (and AdamW state) of a ``paratrain train`` run."""
+        pieces it holds. Also reads the weights (and AdamW state) of a ``paratrain train`` run.
+
+        Nothing loaded runs code: the extra file and ``rng.pt`` load as plain data. A checkpoint of
+        an older paratrain whose files are pickles of other objects is refused (CheckpointError)
+        unless ``trust_checkpoint=True`` (for a checkpoint whose source you trust; it warns)."""
         self._require_prepared()
         folder = find_checkpoint(directory, self.is_main)
         if folder is None:
             raise FileNotFoundError(f"no checkpoint under {directory}: save() one there first")
         state = ckpt.read_state(folder)
-        self.engine.load(folder, state)
         extra = {"param_groups": None, "scalars": {}, "steps": state.get("optimizer_step", 0), "objects": []}
-        if (folder / LIBRARY_FILE).exists():
-            extra = torch.load(folder / LIBRARY_FILE, weights_only=False)
+        if (folder / LIBRARY_FILE).exists():  # read first: a refusal leaves the model untouched
+            extra = _library_extra(folder / LIBRARY_FILE, trust_checkpoint)
+        self.engine.load(folder, state, trust=trust_checkpoint)
         if len(extra["objects"]) != len(self._objects):
             raise ValueError(f"the checkpoint holds {len(extra['objects'])} registered objects, this run "
                              f"registered {len(self._objects)}: register the same objects in the same order")
@@ -373,6 +376,15 @@ class Parallel:
     def _require_prepared(self) -> None:
         if self.strategy is None:
             raise RuntimeError("call Parallel.prepare(model, optimizer) first")
+
+
+def _library_extra(path: os.PathLike, trust: bool) -> dict:
+    """The library's file of a checkpoint: optimizer settings and scalars, registered objects."""
+    extra = load_data(path, ckpt.CheckpointError, trust=trust)
+    if not (isinstance(extra, dict) and {"param_groups", "scalars", "steps", "objects"} <= extra.keys()):
+        raise ckpt.CheckpointError(f"{path} is not the library's checkpoint file (its keys are wrong): "
+                                   "the file is damaged or not paratrain's")
+    return extra
 
 
 class ParallelOptimizer(torch.optim.Optimizer):

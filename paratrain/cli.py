@@ -83,8 +83,8 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
     ("--bucket-mb", "parallel.bucket_mb", float, LAYOUT, "gradient bucket size in MiB (ddp mode)"),
     ("--data", "data.path", str, DATA, "text, .jsonl or .parquet files or folders, or a folder from "
      "`paratrain data prepare` (default: the Python stdlib sources)"),
-    ("--seq-len", "data.seq_len", int, DATA, "tokens per row (an unset value follows the model's "
-     "positions, capped at the default)"),
+    ("--seq-len", "data.seq_len", int, DATA, "tokens per row (default: the model's positions, at most "
+     f"{config.DEFAULT_SEQ_LEN})"),
     ("--tokenizer", "data.tokenizer", str, DATA, "a tokenizer.json or a Hugging Face folder (default: a "
      "byte-level BPE trained on the data)"),
     ("--vocab-size", "data.vocab_size", int, DATA, "size of the BPE trained when no --tokenizer is given"),
@@ -95,6 +95,8 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
     ("--data-workers", "data.workers", int, DATA, "tokenizer processes (default: every core)"),
     ("--allow-data-change", "data.allow_data_change", bool, DATA, "--resume on another corpus or "
      "tokenizer than the checkpoint's"),
+    ("--verify-data", "data.verify_data", bool, DATA, "check a prepared data folder's tokens against its "
+     "manifest's hash at start, whatever its size (default: only folders up to 256 MiB)"),
     ("--steps", "train.steps", int, OPTIM, "optimizer steps"),
     ("--global-batch", "train.global_batch", int, OPTIM, "rows per optimizer step, over all "
      "data-parallel ranks"),
@@ -133,6 +135,9 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
      "run's checkpoints (deletes them)"),
     ("--async-save", "train.async_save", bool, CHECKPOINTS, "write checkpoints from a background thread "
      "(after a host snapshot)"),
+    ("--trust-checkpoint", "train.trust_checkpoint", bool, CHECKPOINTS, "with --resume: also load a "
+     "checkpoint whose rng.pt is a pickle that needs a full unpickling (an older paratrain's, or crafted), "
+     "which can run code; only for a checkpoint whose source you trust (default: refused)"),
     ("--timeout", "parallel.timeout_s", float, RELIABILITY, "seconds a collective may wait before the "
      "run fails naming the operation and the rank that did not arrive; a hung rank is found after "
      "about this long, so lower it (e.g. --timeout 60) to find hangs sooner"),
@@ -203,7 +208,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from paratrain.launch import under_torchrun  # lazy: start-up time
     from paratrain.run import run_training  # lazy: start-up time
 
-    cfg = config.load(args.config, overrides_from(args))
+    cfg = checks.settle_seq_len(config.load(args.config, overrides_from(args)))  # the planner needs it too
     if args.layout == "auto":
         from paratrain.plan_cli import auto_layout  # lazy: start-up time
 
@@ -360,9 +365,9 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
         raise UserError(f"unknown benchmark {args.kind!r}; available: {', '.join(bench_kinds())}") from None
     parser = argparse.ArgumentParser(prog=f"paratrain bench {args.kind}")
     module.add_arguments(parser)
-    bench_args = parser.parse_args(rest)
-    from paratrain.bench.common import report  # lazy: start-up time
+    from paratrain.bench.common import report, settle_seq_len  # lazy: start-up time
 
+    bench_args = settle_seq_len(parser.parse_args(rest))
     report(module.run(bench_args), bench_args.json)
     return 0
 

@@ -79,11 +79,16 @@ class ParallelConfig:
     check_collectives: bool = False  # compare each collective's fingerprint across its group first
 
 
+DEFAULT_SEQ_LEN = 256  # an unset data.seq_len: the model's positions, at most this
+
+
 @dataclass
 class DataConfig:
     path: str | None = None  # text/.jsonl/.parquet files or folders, or a prepared folder; default: stdlib
     vocab_size: int = 8192
-    seq_len: int = 256
+    # None: follow the model (its positions, at most DEFAULT_SEQ_LEN), settled by engine/checks.py
+    # once the model is known; a value given in TOML or by --seq-len is kept, and refused if too long.
+    seq_len: int | None = None
     val_fraction: float = 0.02
     cache_dir: str | None = None  # tokenizer and token cache; default ~/.cache/paratrain
     max_files: int | None = None  # read at most this many files (quick experiments, tests)
@@ -91,6 +96,7 @@ class DataConfig:
     text_field: str = "text"  # the field of .jsonl lines / the column of .parquet files
     workers: int | None = None  # tokenizer processes when preparing; default: every core
     allow_data_change: bool = False  # resume on another corpus or tokenizer than the checkpoint's
+    verify_data: bool = False  # check a prepared folder's data_hash at start even when it is large
 
 
 @dataclass
@@ -129,6 +135,7 @@ class TrainConfig:
     eval_every: int = 50
     eval_batches: int = 4
     resume: bool = False
+    trust_checkpoint: bool = False  # resume from a checkpoint whose rng.pt needs a full unpickling
     log_every: int = 1
     progress: bool = True
     threads: int | None = None  # torch threads for a single process; workers use 1
@@ -335,7 +342,7 @@ def check_values(cfg: Config, problems: list[str], world_size: int | None = None
         problems.append(f"train.global_batch must be >= 1 (got {t.global_batch})")
     elif not problems:
         _check_batch(problems, cfg)
-    if d.seq_len < 2:
+    if d.seq_len is not None and d.seq_len < 2:
         problems.append(f"data.seq_len must be >= 2 (got {d.seq_len})")
     if d.vocab_size < 256 + 2:
         problems.append(f"data.vocab_size must be >= 258 (byte-level BPE needs the 256 bytes); "

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from paratrain.data import TokenRows, prepare_corpus
+from paratrain.data.tokenizer import load_tokenizer
 from paratrain.generate import load_run
 from paratrain.models.llama import Llama
 from paratrain.models.llama.hf import check_seq_len, load_pretrained
@@ -81,9 +82,7 @@ def check_context(model: Llama, hf_config: dict | None, seq_len: int) -> None:
 def eval_text(model: Llama, tokenizer: Path, text: str, hf_config: dict | None = None,
               seq_len: int | None = None) -> EvalResult:
     """The file's text as one sequence (no special tokens)."""
-    from tokenizers import Tokenizer
-
-    ids = Tokenizer.from_file(str(tokenizer)).encode(text, add_special_tokens=False).ids
+    ids = load_tokenizer(tokenizer).encode(text, add_special_tokens=False).ids
     if len(ids) < 2:
         raise EvalError(f"the text is {len(ids)} token(s) long: at least 2 are needed to predict one")
     limit = seq_len or model.cfg.max_seq_len

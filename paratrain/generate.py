@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file
 
+from paratrain.data.tokenizer import load_tokenizer
 from paratrain.models import build_model
 from paratrain.models.from_config import config_from_dict
 from paratrain.models.llama.hf import load_pretrained
@@ -16,8 +17,6 @@ from paratrain.models.llama.hf import load_pretrained
 
 def load_run(run: str) -> tuple[nn.Module, object]:
     """The trained model (from model.safetensors) and its tokenizer, from a run folder."""
-    from tokenizers import Tokenizer
-
     folder = Path(run)
     for name in ("run.json", "model.safetensors", "tokenizer.json"):
         if not (folder / name).exists():
@@ -31,7 +30,7 @@ def load_run(run: str) -> tuple[nn.Module, object]:
     if missing or unexpected:
         raise ValueError(f"{folder / 'model.safetensors'} does not match the model: missing {missing}, "
                          f"unexpected {unexpected}")
-    return model.eval(), Tokenizer.from_file(str(folder / "tokenizer.json"))
+    return model.eval(), load_tokenizer(folder / "tokenizer.json")
 
 
 @torch.no_grad()
@@ -58,11 +57,9 @@ def generate_from_run(run: str | None, prompt: str, max_new_tokens: int = 120, t
                       top_k: int = 40, seed: int = 0, init_from: str | None = None) -> str:
     """Continue `prompt` with the model of a run folder, or of a Hugging Face folder (init_from)."""
     if init_from is not None:
-        from tokenizers import Tokenizer
-
 
         model, ckpt = load_pretrained(init_from)
-        tok = Tokenizer.from_file(str(ckpt.tokenizer_path))
+        tok = load_tokenizer(ckpt.tokenizer_path)
     else:
         model, tok = load_run(run)
     prompt_ids = tok.encode(prompt).ids or [0]

@@ -16,7 +16,9 @@ agent) dies (prctl PR_SET_PDEATHSIG, Linux), and a watchdog thread also polls th
 
 Signals: SIGINT/SIGTERM make every rank stop at the next step boundary and save (signals.py);
 the launcher passes a request it received alone (SIGTERM from a scheduler) through a shared event.
-A second signal kills the workers at once and raises ``Interrupted``.
+A second signal kills the workers at once and raises ``Interrupted``. The forkserver ignores both:
+it is started with SIGTERM ignored (multiprocessing ignores SIGINT there itself), so SIGTERM to
+the whole process group (Slurm, ``kill -- -PGID``) cannot kill it and, with it, its workers.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ import datetime
 import faulthandler
 import io
 import multiprocessing as mp
+import multiprocessing.forkserver as forkserver
 import os
 import queue
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -53,6 +57,7 @@ from paratrain.comm import collectives as C
 from paratrain.comm.trace import TRACE, diagnose, read_mirror, stragglers
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+IFF_LOOPBACK = 0x8  # linux/if.h: the interface flag of loopback
 WATCHDOG_INTERVAL_S = 0.5
 DIVERGENCE_GRACE_S = 5.0  # after a first failure, how long the others get to report their history
 
@@ -213,9 +218,33 @@ def trace_path(dump_file: str) -> str:
     return dump_file.replace("stack", "trace")
 
 
+def loopback_interface() -> str:
+    """The loopback network interface's name (``lo`` on Linux, ``lo0`` on macOS)."""
+    return next((name for _, name in socket.if_nameindex() if _is_loopback(name)), "lo")
+
+
+def _is_loopback(name: str) -> bool:
+    try:
+        with open(f"/sys/class/net/{name}/flags") as f:
+            return bool(int(f.read(), 16) & IFF_LOOPBACK)
+    except (OSError, ValueError):  # no /sys (macOS): its loopback is lo0
+        return name.startswith("lo")
+
+
+def bind_loopback() -> None:
+    """Local workers talk only to each other: their gloo sockets (and NCCL's bootstrap) listen on
+    the loopback interface, not on whatever address the host name resolves to, which may be
+    reachable from the network. (Their rendezvous is a file, so no store listens either.) torchrun
+    runs keep torchrun's addresses: their ranks span machines."""
+    iface = loopback_interface()
+    os.environ["GLOO_SOCKET_IFNAME"] = iface  # read by every gloo group created in this process
+    os.environ["NCCL_SOCKET_IFNAME"] = iface
+
+
 def _worker(fn, rank, world, init_file, pg_timeout, dump_file, dump_after, results, args, kwargs,
             launcher_pid=None, stop_request=None):
     die_with_parent(launcher_pid)
+    bind_loopback()
     signals.install(stop_request)
     TRACE.attach(trace_path(dump_file))  # our collectives, readable by the launcher even if we crash
     torch.set_num_threads(1)  # N workers share the cores; more threads only contend
@@ -252,6 +281,7 @@ def spawn(fn: Callable, nproc: int, *args: object, timeout: float | None = 120.0
     """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "paratrain"])
+    _start_forkserver()
     pg_timeout = pg_timeout or (max(5.0, timeout - 5.0) if timeout else 600.0)
     dump_after = max(1.0, timeout - 2.0) if timeout else None
     results, stop_request = ctx.Queue(), ctx.Value("i", 0)  # the signal number
@@ -280,6 +310,22 @@ def spawn(fn: Callable, nproc: int, *args: object, timeout: float | None = 120.0
                 if p.is_alive():
                     p.kill()
                 p.join(timeout=5)
+
+
+def _start_forkserver() -> None:
+    """Start (or keep) the forkserver with SIGTERM ignored: an ignored signal stays ignored across
+    exec, and a forkserver killed by a SIGTERM sent to the whole group would take every worker with
+    it (their parent-death signal) and report them as exit 255 before they could save. Its workers
+    inherit the ignore until ``signals.install`` gives them the stop handler; it exits by itself
+    when the launcher does (its "alive" pipe closes)."""
+    if threading.current_thread() is not threading.main_thread():
+        forkserver.ensure_running()
+        return
+    before = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 @contextlib.contextmanager
@@ -379,6 +425,9 @@ def _to_bytes(obj) -> bytes:
 
 
 def _from_bytes(data: bytes):
+    # A full unpickling on purpose: a result is whatever the caller's function returns (any object),
+    # its bytes come from a worker this launcher started, through a multiprocessing queue that
+    # unpickles what it carries anyway; nothing here is read from disk or from anyone else.
     return torch.load(io.BytesIO(data), weights_only=False)
 
 

@@ -98,6 +98,8 @@ def _check_resume(cfg: Config, task) -> None:
     state = folder / "state.json" if folder is not None else None
     if state is not None and state.exists():
         check_cursor(json.loads(state.read_text()), task, cfg)
+    if folder is not None and not cfg.train.trust_checkpoint:
+        ckpt.read_rng(folder)  # an older or crafted pickle: refused here, before any worker starts
 
 
 def _spawn_with_restarts(cfg: Config) -> int:

@@ -29,8 +29,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
+from paratrain.safeload import member
 from paratrain.sharding import ParamInfo
 
 ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -211,8 +212,14 @@ class ShardReader:
         return tuple(self.tensors[name][key]["shape"])
 
     def _file(self, file: str):
+        """The open shard file ``file`` (a name the index gives: refused if outside the folder)."""
         if file not in self._files:
-            self._files[file] = safe_open(str(self.folder / file), framework="pt")
+            path = member(self.folder, file, str(self.folder / "index.json"), CheckpointError)
+            try:
+                self._files[file] = safe_open(str(path), framework="pt")
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{path} is not a readable safetensors file ({e}): the checkpoint is "
+                                      "damaged") from None
         return self._files[file]
 
     def read(self, name: str, key: str, start: Iterable[int], shape: Iterable[int], lo: int = 0,

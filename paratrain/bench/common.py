@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 import paratrain.config as config
+from paratrain.engine import checks
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, *, nproc: int = 2, steps: int = 12,
@@ -33,7 +34,8 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, nproc: int = 2, ste
     parser.add_argument("--rounds", type=int, default=rounds,
                         help="paired rounds, alternating which side runs first (default: %(default)s)")
     parser.add_argument("--model", default="small", help="model preset (default: %(default)s)")
-    parser.add_argument("--seq-len", type=int, default=256, help="tokens per row (default: %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="tokens per row (default: the model's positions, at most 256)")
     parser.add_argument("--global-batch", type=int, default=8,
                         help="rows per optimizer step (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -130,3 +132,10 @@ def report(result: dict, as_json: bool) -> None:
         print(json.dumps(result))
         return
     _print_dict({k: v for k, v in result.items() if k not in ("paratrain_runs", "peer_runs")}, 0)
+
+
+def settle_seq_len(args: argparse.Namespace) -> argparse.Namespace:
+    """An unset --seq-len follows the model, as `paratrain train`'s does (engine/checks.py)."""
+    if getattr(args, "seq_len", 0) is None:
+        args.seq_len = checks.settle_seq_len(config.load(None, {"model.name": args.model})).data.seq_len
+    return args

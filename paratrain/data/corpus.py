@@ -45,10 +45,12 @@ class Corpus:
         return Tokenizer.from_file(str(self.tokenizer_path))
 
 
-def load_prepared(folder: str | Path) -> Corpus:
-    """Map a prepared folder (see tokenfile.py): nothing is read into memory."""
+def load_prepared(folder: str | Path, verify: bool = False) -> Corpus:
+    """Map a prepared folder (see tokenfile.py) after checking it (``P.check_prepared``; ``verify``:
+    the hash too, whatever the size); nothing is held in memory."""
     folder = Path(folder)
     m = P.read_manifest(folder)
+    P.check_prepared(folder, m, verify)
     tokens = np.memmap(folder / "tokens.bin", dtype=m["dtype"], mode="r", shape=(m["n_tokens"],))
     docs = np.memmap(folder / "docs.bin", dtype=np.int64, mode="r", shape=(m["n_documents"],))
     return Corpus(tokens, folder / "tokenizer.json", m["tokenizer"]["vocab_size"], docs, m)
@@ -57,14 +59,14 @@ def load_prepared(folder: str | Path) -> Corpus:
 def prepare_corpus(path: str | None, vocab_size: int, cache_dir: str | None = None,
                    max_files: int | None = None, *, tokenizer: str | Path | None = None,
                    text_field: str = "text", workers: int | None = None, progress: bool = False,
-                   val_fraction: float = 0.02) -> Corpus:
+                   val_fraction: float = 0.02, verify: bool = False) -> Corpus:
     """Tokenize the corpus once and cache it; later calls (and every rank) just map the cache.
 
     `path` may be a folder prepared by ``paratrain data prepare``: it is mapped as it is.
     """
     tok_path = tokenizer_file(str(tokenizer)) if tokenizer is not None else None  # a file or a folder
     if P.is_prepared(path):
-        corpus = load_prepared(path)
+        corpus = load_prepared(path, verify)
         if tok_path is not None and file_hash(tok_path) != corpus.manifest["tokenizer"]["hash"]:
             raise DataError(f"{path} was prepared with another tokenizer than {str(tok_path)!r}: "
                             "prepare it again with this tokenizer, or drop --tokenizer")
@@ -72,7 +74,7 @@ def prepare_corpus(path: str | None, vocab_size: int, cache_dir: str | None = No
     opts = P.PrepareOptions(vocab_size=vocab_size, tokenizer=tok_path, text_field=text_field,
                             max_files=max_files, workers=workers, val_fraction=val_fraction,
                             progress=progress)
-    return load_prepared(P.prepare(path, opts, cache_dir=cache_dir))
+    return load_prepared(P.prepare(path, opts, cache_dir=cache_dir), verify)
 
 
 def load_corpus(cfg: Config) -> Corpus:
@@ -80,7 +82,7 @@ def load_corpus(cfg: Config) -> Corpus:
     d = cfg.data
     return prepare_corpus(d.path, d.vocab_size, d.cache_dir, d.max_files, tokenizer=resolve_tokenizer(cfg),
                           text_field=d.text_field, workers=d.workers, progress=cfg.train.progress,
-                          val_fraction=d.val_fraction)
+                          val_fraction=d.val_fraction, verify=d.verify_data)
 
 
 class TokenRows:

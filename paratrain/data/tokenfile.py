@@ -11,7 +11,15 @@ A prepared folder holds
   token stream): the corpus's identity, recorded in checkpoints.
 
 Writes go to a hidden temporary folder beside the target, renamed into place when complete;
-``manifest.json`` is written last. An interrupted prepare never leaves a folder that looks done.
+``manifest.json`` is written last. An interrupted prepare never leaves a folder that looks done;
+a failed write (a full disk above all) ends in a ``DataError`` naming the file, and the temporary
+folder is removed.
+
+Opening a folder checks it (``check_prepared``): the manifest's fields, each file's size against
+the manifest, every token id below the vocabulary and the document index in order (one pass over
+the memory-mapped files, in chunks), and ``data_hash`` when the token file is small enough for the
+hash to be cheap, or when asked (``--verify-data``). A damaged or altered folder is refused with
+the file named, before any step, instead of training on it or failing when a bad row is drawn.
 
 Tokenization runs in a pool of processes over the tasks of ``sources.plan_tasks``; ``imap``
 returns results in task order, so the bytes written do not depend on the pool's size.
@@ -19,6 +27,7 @@ returns results in task order, so the bytes written do not depend on the pool's 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import multiprocessing as mp
@@ -27,6 +36,7 @@ import shutil
 import socket
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,14 +77,103 @@ def is_prepared(path: str | Path | None) -> bool:
     return path is not None and (Path(path) / MANIFEST).is_file()
 
 
+DTYPES = ("uint16", "uint32")
+HASH_ALWAYS_BYTES = 256 * 2**20  # token files up to this size have their hash checked at every open
+CHECK_CHUNK = 2**22  # values per chunk of the checks' pass over a memory-mapped file (bounded temporaries)
+AGAIN = "prepare the folder again (paratrain data prepare)"
+
+
 def read_manifest(folder: Path) -> dict:
-    m = json.loads((folder / MANIFEST).read_text())
-    if m.get("format") != FORMAT:
-        raise DataError(f"{folder}: {MANIFEST} is not a paratrain token manifest")
+    """The manifest of a prepared folder, its fields checked; a ``DataError`` naming it if not."""
+    path = folder / MANIFEST
+    try:
+        m = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise DataError(f"{path} cannot be read ({type(e).__name__}: {e}): {AGAIN}") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise DataError(f"{path} is not a paratrain token manifest: {AGAIN}")
     if m.get("version") != VERSION:
         raise DataError(f"{folder}: prepared by another paratrain version (format {m.get('version')}, "
                         f"this one reads {VERSION}); prepare it again")
+    _check_fields(path, m)
     return m
+
+
+def _check_fields(path: Path, m: dict) -> None:
+    tok = m.get("tokenizer")
+    fields = {"dtype": m.get("dtype") in DTYPES, "n_tokens": _count(m.get("n_tokens")),
+              "n_documents": _count(m.get("n_documents")), "data_hash": isinstance(m.get("data_hash"), str),
+              "tokenizer": isinstance(tok, dict), "tokenizer.vocab_size":
+              isinstance(tok, dict) and _count(tok.get("vocab_size")) and tok["vocab_size"] > 0}
+    bad = [name for name, ok in fields.items() if not ok]
+    if bad:
+        raise DataError(f"{path}: field {bad[0]!r} is missing or invalid: {AGAIN}")
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_prepared(folder: Path, m: dict, verify: bool = False) -> None:
+    """Refuse a damaged or altered prepared folder, naming the file (see the module's docstring).
+
+    ``verify``: also check ``data_hash`` on token files above ``HASH_ALWAYS_BYTES`` (a full read)."""
+    tokens, docs = folder / "tokens.bin", folder / "docs.bin"
+    _check_size(tokens, m["n_tokens"], m["dtype"])
+    _check_size(docs, m["n_documents"], "int64")
+    if not (folder / "tokenizer.json").is_file():
+        raise DataError(f"{folder / 'tokenizer.json'} is missing: {AGAIN}")
+    hash_it = verify or m["n_tokens"] * np.dtype(m["dtype"]).itemsize <= HASH_ALWAYS_BYTES
+    _check_tokens(tokens, m, hash_it)
+    _check_doc_ends(docs, m["n_documents"], m["n_tokens"])
+
+
+def _check_size(path: Path, count: int, dtype: str) -> None:
+    want = count * np.dtype(dtype).itemsize
+    try:
+        have = path.stat().st_size
+    except OSError as e:
+        raise DataError(f"{path} cannot be read ({e.strerror}): {AGAIN}") from None
+    if have != want:
+        raise DataError(f"{path} has {have:,} bytes, but the manifest says {count:,} values of {dtype} "
+                        f"({want:,} bytes): the file is truncated or was replaced; {AGAIN}")
+
+
+def _chunks(path: Path, dtype: str, count: int) -> Iterator[tuple[int, np.ndarray]]:
+    """(offset, values) over a memory-mapped file: a bounded piece in memory at a time."""
+    if count == 0:
+        return
+    data = np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+    for start in range(0, count, CHECK_CHUNK):
+        yield start, data[start:start + CHECK_CHUNK]
+
+
+def _check_tokens(path: Path, m: dict, hash_it: bool) -> None:
+    """Every id below the vocabulary (skipped when the dtype cannot exceed it), and the hash."""
+    vocab = m["tokenizer"]["vocab_size"]
+    bound = vocab < 2 ** (8 * np.dtype(m["dtype"]).itemsize)
+    digest = hashlib.sha256()
+    for start, chunk in _chunks(path, m["dtype"], m["n_tokens"]) if bound or hash_it else ():
+        if bound and int(chunk.max()) >= vocab:
+            at = int(np.argmax(chunk >= vocab))
+            raise DataError(f"{path} holds token id {int(chunk[at])} at position {start + at:,}, beyond "
+                            f"the vocabulary of {vocab}: the file is damaged; {AGAIN}")
+        if hash_it:
+            digest.update(chunk)  # a contiguous slice of the map: hashed in place, no copy
+    if hash_it and digest.hexdigest()[:len(m["data_hash"])] != m["data_hash"]:
+        raise DataError(f"{path} does not match the manifest's data_hash ({m['data_hash']}, the file's is "
+                        f"{digest.hexdigest()[:16]}): it was changed after it was prepared; {AGAIN}")
+
+
+def _check_doc_ends(path: Path, n_documents: int, n_tokens: int) -> None:
+    """Document end offsets: increasing, within the token stream."""
+    last = 0
+    for _, chunk in _chunks(path, "int64", n_documents):
+        if int(chunk[0]) < last or (len(chunk) > 1 and bool((np.diff(chunk) < 0).any())) \
+                or int(chunk[-1]) > n_tokens:
+            raise DataError(f"{path} is not an increasing list of document ends within the "
+                            f"{n_tokens:,} tokens: the file is damaged; {AGAIN}")
+        last = int(chunk[-1])
 
 
 def cache_key(sources: list[Source], opts: PrepareOptions) -> str:
@@ -102,25 +201,56 @@ def prepare(data: str | None, opts: PrepareOptions, *, out: Path | None = None,
     sources = list_sources(data, opts.max_files)
     key = cache_key(sources, opts)
     out = out or cache_root(cache_dir) / f"tokens-{key}"
-    if is_prepared(out) and read_manifest(out).get("key") == key:
+    if _prepared_key(out) == key:
         return out
     if out.exists() and any(out.iterdir()) and not is_prepared(out):
         raise DataError(f"{out} exists and is not a prepared folder: choose an empty or new --out")
     tasks = plan_tasks(sources, opts.chunk_bytes, opts.text_field)
     tmp = out.parent / f".{out.name}.tmp-{_owner()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     try:
+        with _writing(tmp):
+            tmp.mkdir(parents=True)
         tok_info = _write_tokenizer(tmp, tasks, opts)
         stats = _tokenize(tmp, tasks, tok_info, opts)
         manifest = {"format": FORMAT, "version": VERSION, "key": key, "text_field": opts.text_field,
                     "sources": [s.to_dict() for s in sources], "tokenizer": tok_info, **stats,
                     "split": document_split(np.fromfile(tmp / "docs.bin", dtype=np.int64), opts.val_fraction)}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))  # last: marks the folder complete
-        _install(tmp, out, key)
+        with _writing(tmp / MANIFEST):
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))  # last: marks the folder complete
+        with _writing(out):
+            _install(tmp, out, key)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _prepared_key(out: Path) -> str | None:
+    """The key of the folder prepared at ``out``; None if none is, or its manifest is damaged
+    (then it is prepared again: a cache heals itself)."""
+    try:
+        return read_manifest(out).get("key") if is_prepared(out) else None
+    except DataError:
+        return None
+
+
+@contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    """A write that fails names its file, and says so when the disk is full (the caller removes
+    the temporary folder, so nothing half-written is left that looks complete)."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DataError(f"cannot write {path}: the disk is full (or the quota used up); free space, "
+                            "or prepare elsewhere (--out, PARATRAIN_CACHE / data.cache_dir)") from None
+        raise DataError(f"cannot write {path}: {e.strerror or e}; check the folder's permissions and "
+                        "space, or prepare elsewhere (--out, PARATRAIN_CACHE / data.cache_dir)") from None
+
+
+def _write(f, values: np.ndarray, path: Path) -> None:
+    with _writing(path):
+        f.write(np.ascontiguousarray(values).data)
 
 
 def _install(tmp: Path, out: Path, key: str) -> None:
@@ -145,12 +275,14 @@ def _write_tokenizer(folder: Path, tasks: list[Task], opts: PrepareOptions) -> d
     if opts.tokenizer is not None:
         tok = T.load_tokenizer(opts.tokenizer)
         eot = T.eot_id(tok, opts.tokenizer)
-        shutil.copy(opts.tokenizer, folder / "tokenizer.json")
+        with _writing(folder / "tokenizer.json"):
+            shutil.copy(opts.tokenizer, folder / "tokenizer.json")
         spec, sample = str(opts.tokenizer), None
     else:
         tok = T.train_bpe(tasks, opts.vocab_size, opts.text_field)
         eot = tok.token_to_id(T.EOT)
-        tok.save(str(folder / "tokenizer.json"))
+        with _writing(folder / "tokenizer.json"):
+            tok.save(str(folder / "tokenizer.json"))
         spec, sample = "bpe", min(T.SAMPLE_BYTES, sum(t.nbytes for t in tasks))
     return {"spec": spec, "hash": T.file_hash(folder / "tokenizer.json"), "vocab_size": tok.get_vocab_size(),
             "eot_id": eot, "bpe_sample_bytes": sample}
@@ -190,17 +322,22 @@ def _tokenize(folder: Path, tasks: list[Task], tok_info: dict, opts: PrepareOpti
     workers = max(1, min(opts.workers or os.cpu_count() or 1, len(tasks)))
     start = time.perf_counter()
     init = (str(folder / "tokenizer.json"), tok_info["eot_id"], opts.text_field)
-    with open(folder / "tokens.bin", "wb") as ftok, open(folder / "docs.bin", "wb") as fdoc, \
-            _results(tasks, workers, init) as results, _bar(opts, tasks) as bar:
+    tok_path, doc_path = folder / "tokens.bin", folder / "docs.bin"
+    with _writing(folder):
+        ftok, fdoc = open(tok_path, "wb"), open(doc_path, "wb")
+    with ftok, fdoc, _results(tasks, workers, init) as results, _bar(opts, tasks) as bar:
         for tokens, ends, nbytes, bad in results:
             not_utf8.extend(p for p in bad if p not in not_utf8)
             data = tokens.astype(dtype)
-            data.tofile(ftok)
+            _write(ftok, data, tok_path)
             digest.update(data.tobytes())
-            (ends + n_tokens).tofile(fdoc)
+            _write(fdoc, ends + n_tokens, doc_path)
             n_tokens, n_docs = n_tokens + len(tokens), n_docs + len(ends)
             if bar is not None:
                 bar.update(nbytes)
+        for f, path in ((ftok, tok_path), (fdoc, doc_path)):  # the last buffered bytes may not fit
+            with _writing(path):
+                f.close()
     if n_tokens == 0:
         raise empty_corpus(task_paths(tasks))
     if not_utf8:  # decoded anyway (the readers replace what is not UTF-8), but the user should know

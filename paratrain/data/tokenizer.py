@@ -10,11 +10,11 @@ evenly over the corpus, so its cost does not grow with the corpus.
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from paratrain.data.sources import DataError, Task, empty_corpus, read_task, task_paths
+from paratrain.safeload import read_json_object
 
 if TYPE_CHECKING:  # the data layer imports neither torch nor the config at run time
     from tokenizers import Tokenizer
@@ -60,7 +60,7 @@ def eot_id(tok: Tokenizer, path: Path | None = None) -> int:
     names = list(EOT_CANDIDATES)
     config = path.parent / "tokenizer_config.json" if path else None
     if config and config.exists():
-        eos = json.loads(config.read_text()).get("eos_token")
+        eos = read_json_object(config, DataError).get("eos_token")
         eos = eos.get("content") if isinstance(eos, dict) else eos
         if isinstance(eos, str):
             names.insert(0, eos)

@@ -8,7 +8,9 @@ A checkpoint is a folder ``OUT/checkpoints/step_000120/`` with
   chosen to balance the bytes per file;
 * ``index.json``: every full tensor (single-device name, full shape, dtype) per state key, mapped
   to its pieces (file, entry, slab, flat range), plus every file's size;
-* ``rng.pt``: every rank's RNG states;
+* ``rng.pt``: every rank's RNG states, as tensors and numbers (engine/rng.py): it is read with
+  ``torch.load(weights_only=True)``, so loading a checkpoint runs no code. An older or crafted
+  ``rng.pt`` that needs a full unpickling is refused unless the user trusts it (safeload.py);
 * ``state.json``: the trainer's meta (a free dict: step, layout, config, scaler, data cursor...),
   the optimizer step count and this run's id. Written last.
 
@@ -44,6 +46,7 @@ from pathlib import Path
 import torch
 
 from paratrain.comm import collectives as C
+from paratrain.safeload import load_data, member, to_data_bytes
 from paratrain.shards import (
     TORCH_DTYPES,
     CheckpointError,
@@ -218,7 +221,7 @@ class Saver:
         index = {"format": "paratrain-sharded/1", "world_size": len(sizes), "files": files,
                  "tensors": tensors}
         _write_synced(job.tmp / "index.json", json.dumps(index).encode())
-        torch.save(job.rngs, job.tmp / "rng.pt")
+        _write_synced(job.tmp / "rng.pt", to_data_bytes(job.rngs, "the RNG states"))
         for name, data in job.files.items():
             _write_synced(job.tmp / name, data)
         state = {**job.meta, "step": job.step, "run_id": self.run_id, "world_size": len(sizes)}
@@ -303,7 +306,11 @@ def problems_of(folder: Path) -> list[str]:
         return [f"{index_path} is not a valid checkpoint index (corrupted)"]
     problems = [f"{index_path}: {p}" for p in check_coverage(tensors)[:3]]
     for name, size in files.items():
-        path = folder / name
+        try:
+            path = member(folder, name, str(index_path), CheckpointError)
+        except CheckpointError as e:
+            problems.append(str(e))
+            continue
         if not path.exists():
             problems.append(f"{path} is missing")
         elif path.stat().st_size != size:
@@ -356,8 +363,15 @@ def read_state(folder: Path) -> dict:
     return json.loads((folder / "state.json").read_text())
 
 
-def read_rng(folder: Path) -> list:
-    return torch.load(folder / "rng.pt", weights_only=False)
+def read_rng(folder: Path, *, trust: bool = False) -> list:
+    """Every rank's RNG states (engine/rng.py), loaded as plain data; an older checkpoint's pickle
+    only when ``trust`` (the user's --trust-checkpoint), with a warning."""
+    path = folder / "rng.pt"
+    rngs = load_data(path, CheckpointError, trust=trust)
+    if not isinstance(rngs, list) or not all(isinstance(r, dict) and "cpu" in r for r in rngs):
+        raise CheckpointError(f"{path} does not hold RNG states (a list of one state per rank): the file is "
+                              "damaged or not paratrain's")
+    return rngs
 
 
 def open_reader(folder: Path) -> ShardReader:

@@ -9,16 +9,17 @@ every technique, so config.py imports nothing of paratrain.
 
 from __future__ import annotations
 
-from paratrain.config import Config, ConfigError, bullets, check_values
+from paratrain.config import DEFAULT_SEQ_LEN, Config, ConfigError, bullets, check_values
 from paratrain.memory.layout import check_savers
 from paratrain.models import PRESETS
 from paratrain.models.from_config import model_shape
-from paratrain.models.llama.hf import check_init_from
+from paratrain.models.llama.hf import HFCheckpoint, HFError, check_init_from
 from paratrain.pipeline.stage import parse_split
 
 
 def validate(cfg: Config, world_size: int | None = None) -> Config:
     """Raise ConfigError listing every problem (with the fix); return cfg when all is well."""
+    settle_seq_len(cfg)
     problems: list[str] = []
     _check_model_name(cfg, problems)
     check_values(cfg, problems, world_size)
@@ -172,3 +173,24 @@ def check_moe(cfg: Config, problems: list[str]) -> None:
     for name, (used, fix) in NOT_WITH_MOE.items():
         if used(cfg):
             problems.append(f"{name} with a mixture-of-experts model is not supported yet: {fix}")
+
+
+def settle_seq_len(cfg: Config) -> Config:
+    """An unset ``data.seq_len`` follows the model: its positions, at most DEFAULT_SEQ_LEN (so
+    ``--model tiny`` runs 128-token rows without a --seq-len). One given in TOML or by --seq-len
+    is kept as it is, and ``validate`` refuses it if the model cannot hold it."""
+    if cfg.data.seq_len is None:
+        cfg.data.seq_len = min(DEFAULT_SEQ_LEN, _model_positions(cfg))
+    return cfg
+
+
+def _model_positions(cfg: Config) -> int:
+    """The positions of the model cfg names; DEFAULT_SEQ_LEN where it is not known yet (a bad
+    --init-from folder or an unknown name, which validate reports)."""
+    if cfg.model.init_from:
+        try:
+            return HFCheckpoint.for_config(cfg).model_cfg.max_seq_len
+        except (HFError, OSError):
+            return DEFAULT_SEQ_LEN
+    preset = PRESETS.get(cfg.model.name)
+    return preset.max_seq_len if preset is not None else DEFAULT_SEQ_LEN

@@ -56,9 +56,11 @@ class Engine:
         saver.save(step, self.strategy.state_pieces(), meta, rng_state(), files)
 
     def load(self, folder: Path, state: dict,
-             check: Callable[[Path, ShardReader], None] | None = None) -> None:
+             check: Callable[[Path, ShardReader], None] | None = None, *, trust: bool = False) -> None:
         """Read what ``save`` wrote, under any layout: each rank only the pieces it holds (``check``
-        sees the reader first); every rank continues its own RNG stream when the world is the same."""
+        sees the reader first); every rank continues its own RNG stream when the world is the same.
+        ``trust``: the user's --trust-checkpoint (an older checkpoint's pickled RNG file loads)."""
+        rng = ckpt.read_rng(folder, trust=trust)  # first: a refused file leaves the state untouched
         reader = ckpt.open_reader(folder)
         try:
             if check is not None:
@@ -66,7 +68,6 @@ class Engine:
             self.strategy.load_state_pieces(reader, int(state.get("optimizer_step", 0)))
         finally:
             reader.close()
-        rng = ckpt.read_rng(folder)
         if len(rng) == self.mesh.world.size:
             set_rng_state(rng[self.mesh.world.rank])
 

@@ -72,7 +72,8 @@ class LanguageModelTask(Task):
             return {}
         return {"hf": {"source": str(self.hf.folder), "config": self.hf.hf_config,
                        "tokenizer_config": self.hf.optional_json("tokenizer_config.json"),
-                       "generation_config": self.hf.optional_json("generation_config.json")}}
+                       "generation_config": self.hf.optional_json("generation_config.json"),
+                       "tokenizer_files": self.hf.tokenizer_files()}}
 
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Cross-entropy sum; the MoE losses come from ``side_loss_sum`` (the executors add them)."""

@@ -339,7 +339,7 @@ class Trainer:
         state = ckpt.read_state(folder)
         check_cursor(state, self.task, self.cfg)  # refuse another corpus/tokenizer unless allowed
         self.check_compatible(folder, state)
-        self.engine.load(folder, state, check=self.check_model)
+        self.engine.load(folder, state, check=self.check_model, trust=self.cfg.train.trust_checkpoint)
         self.scaler.load_state_dict(state["scaler"])
         self.start_step = state["step"]
         self.saver.run_id = state.get("run_id")  # a resumed run prunes its own earlier checkpoints

@@ -50,6 +50,7 @@ from paratrain.models.llama.hf import (
     hf_folder,
     read_json,
 )
+from paratrain.safeload import Fields
 from paratrain.sharding import TensorShard
 
 ARCHITECTURE = "GPT2LMHeadModel"
@@ -136,25 +137,27 @@ FIXED_KEYS: tuple[tuple[str, object, str], ...] = (
 
 def to_gpt2_config(hf: dict, where: str = "config.json") -> GPT2Config:
     """The GPT2Config of a Hugging Face config dict; HFError lists every unsupported feature."""
+    fields = Fields(hf, where, HFError)
     archs = hf.get("architectures") or [ARCHITECTURE]
     problems = [f"architecture {archs[0]!r} is not supported; paratrain imports {ARCHITECTURE}"] \
         if archs[0] != ARCHITECTURE else []
-    act = hf.get("activation_function", "gelu_new")
+    act = fields.text("activation_function", "gelu_new")
     if act not in ACTIVATIONS:
         problems.append(f"activation_function = {act!r} is not implemented; paratrain supports "
                         f"{', '.join(ACTIVATIONS)}")
     for key, ok, what in FIXED_KEYS:
         if key in hf and hf[key] != ok:
             problems.append(f"{key} = {hf[key]!r} ({what}) is not implemented; paratrain supports {ok!r}")
-    dim, heads = int(hf["n_embd"]), int(hf["n_head"])
+    dim, heads = fields.integer("n_embd"), fields.integer("n_head")
     if dim % heads:
         problems.append(f"n_embd ({dim}) must be a multiple of n_head ({heads})")
     if problems:
         raise HFError(f"{where} ({ARCHITECTURE}) uses what paratrain lacks:" + bullets(problems))
-    return GPT2Config(vocab_size=int(hf["vocab_size"]), dim=dim, n_layers=int(hf["n_layer"]), n_heads=heads,
-                      ffn_dim=int(hf.get("n_inner") or 4 * dim), max_seq_len=int(hf["n_positions"]),
-                      norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), activation=act,
-                      tie_embeddings=bool(hf.get("tie_word_embeddings", True)))
+    return GPT2Config(vocab_size=fields.integer("vocab_size"), dim=dim, n_layers=fields.integer("n_layer"),
+                      n_heads=heads, ffn_dim=fields.integer("n_inner", 4 * dim),
+                      max_seq_len=fields.integer("n_positions"),
+                      norm_eps=fields.number("layer_norm_epsilon", 1e-5, positive=True), activation=act,
+                      tie_embeddings=fields.flag("tie_word_embeddings", True))
 
 
 def to_hf_config(cfg: GPT2Config, base: dict | None = None, **extra: object) -> dict:

@@ -35,6 +35,7 @@ import torch
 from paratrain.config import Config, DataConfig, ModelConfig, bullets
 from paratrain.models.llama import LlamaConfig, mixtral_hf
 from paratrain.models.registry import build_model
+from paratrain.safeload import Fields, member, read_json_object, safetensors_names
 from paratrain.sharding import TensorShard, shard_of
 
 
@@ -124,20 +125,19 @@ def hf_folder(path: str) -> Path:
 
 
 def read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise HFError(f"{path} is not valid JSON ({e})") from None
+    """The JSON object in ``path`` (HFError naming the file when it is not one)."""
+    return read_json_object(path, HFError)
 
 
-def rope_theta(hf: dict) -> tuple[float, str]:
+def rope_theta(hf: dict, where: str = "config.json") -> tuple[float, str]:
     """(theta, rope type) from transformers 5's ``rope_parameters`` or the older ``rope_theta`` /
     ``rope_scaling`` keys."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    return float(theta), kind
+    fields = Fields(hf, where, HFError)
+    params = Fields(fields.obj("rope_parameters"), f"{where}: rope_parameters", HFError)
+    scaling = Fields(fields.obj("rope_scaling"), f"{where}: rope_scaling", HFError)
+    kind = params.text("rope_type", None) or scaling.text("rope_type", None) or scaling.text("type", None)
+    theta = params.number("rope_theta", None, positive=True)
+    return theta or fields.number("rope_theta", 10000.0, positive=True), kind or "default"
 
 
 def _window(hf: dict, family: str) -> int | None:
@@ -149,7 +149,7 @@ def _window(hf: dict, family: str) -> int | None:
         layers = hf.get("layer_types") or []
         if not hf.get("use_sliding_window") and "sliding_attention" not in layers:
             return None
-    return int(window)
+    return Fields(hf, "config.json", HFError).integer("sliding_window", minimum=0) or None
 
 
 # (config key, value paratrain supports, what it means): anything else is refused, never approximated.
@@ -164,8 +164,9 @@ FIXED_KEYS: tuple[tuple[str, object, str], ...] = (
 def to_llama_config(hf: dict, where: str = "config.json") -> LlamaConfig:
     """The LlamaConfig of a Hugging Face config dict; HFError lists every unsupported feature."""
     problems = []
+    fields = Fields(hf, where, HFError)
     archs = hf.get("architectures") or []
-    arch = archs[0] if archs else None
+    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
     family = ARCHITECTURES.get(arch)
     if family is None:
         raise HFError(f"{where}: architecture {arch!r} is not supported; paratrain imports "
@@ -176,30 +177,32 @@ def to_llama_config(hf: dict, where: str = "config.json") -> LlamaConfig:
     if family != "qwen2" and hf.get("attention_bias"):
         problems.append("attention_bias = true (biases on q/k/v *and* o) is not implemented; "
                         "paratrain supports q/k/v biases only (Qwen2)")
-    theta, kind = rope_theta(hf)
+    theta, kind = rope_theta(hf, where)
     if kind != "default":
         problems.append(f"RoPE scaling type {kind!r} is not implemented; paratrain supports plain RoPE "
                         "('default')")
-    n_heads = int(hf["num_attention_heads"])
-    dim = int(hf["hidden_size"])
-    head_dim = int(hf.get("head_dim") or dim // n_heads)
-    if head_dim % 2:
-        problems.append(f"head_dim = {head_dim} is odd: RoPE rotates pairs")
-    n_kv = int(hf.get("num_key_value_heads") or n_heads)
+    n_heads = fields.integer("num_attention_heads")
+    dim = fields.integer("hidden_size")
+    head_dim = fields.integer("head_dim", 0, minimum=0) or dim // n_heads
+    if head_dim % 2 or head_dim == 0:
+        problems.append(f"head_dim = {head_dim} (hidden_size / num_attention_heads when not given) must be "
+                        "even and > 0: RoPE rotates pairs")
+    n_kv = fields.integer("num_key_value_heads", n_heads)
     if n_heads % n_kv:
         problems.append(f"num_attention_heads ({n_heads}) must be a multiple of num_key_value_heads ({n_kv})")
-    moe = mixtral_hf.moe_fields(hf, problems) if family == "mixtral" else {}
+    moe = mixtral_hf.moe_fields(hf, problems, fields) if family == "mixtral" else {}
     if problems:
         raise HFError(f"{where} ({arch}) uses what paratrain lacks:" + bullets(problems))
-    context = int(hf.get("max_position_embeddings") or 2048)
+    context = fields.integer("max_position_embeddings", 2048)
     window = _window(hf, family)
     # A sliding window at least as long as the context is plain causal attention; a shorter one
     # bounds the usable context (longer sequences are refused by check_seq_len).
-    return LlamaConfig(vocab_size=int(hf["vocab_size"]), dim=dim, n_layers=int(hf["num_hidden_layers"]),
-                       n_heads=n_heads, n_kv_heads=n_kv, ffn_dim=int(hf["intermediate_size"]),
+    return LlamaConfig(vocab_size=fields.integer("vocab_size"), dim=dim,
+                       n_layers=fields.integer("num_hidden_layers"), n_heads=n_heads, n_kv_heads=n_kv,
+                       ffn_dim=fields.integer("intermediate_size"),
                        max_seq_len=min(context, window) if window else context, rope_theta=theta,
-                       norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                       tie_embeddings=bool(hf.get("tie_word_embeddings", False)), family=family,
+                       norm_eps=fields.number("rms_norm_eps", 1e-6, positive=True),
+                       tie_embeddings=fields.flag("tie_word_embeddings", False), family=family,
                        qkv_bias=family == "qwen2", head_size=None if head_dim == dim // n_heads else head_dim,
                        **moe)
 
@@ -256,6 +259,15 @@ def tokenizer_file(path: str | Path) -> Path:
     return file
 
 
+# The tokenizer files transformers reads beside tokenizer.json and tokenizer_config.json (which
+# run.json keeps as a dict): the chat template among them (transformers 5 writes
+# chat_template.jinja, and named ones under additional_chat_templates/; older versions a key of
+# tokenizer_config.json). Their text travels in run.json, so `export --hf` writes them back.
+TOKENIZER_FILES = ("special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+                   "chat_template.json")
+TEMPLATE_DIR = "additional_chat_templates"
+
+
 # [model] keys an imported model may override: they change the training loss or routing capacity,
 # not the weights. The shape keys (and n_experts, top_k) always come from config.json.
 TRAIN_OVERRIDES = ("capacity_factor", "aux_loss_coef", "z_loss_coef")
@@ -281,7 +293,7 @@ class HFCheckpoint:
         coefficients of TRAIN_OVERRIDES) and replace what config.json implies."""
         folder = hf_folder(path)
         hf = read_json(folder / "config.json")
-        family = HF_FAMILIES.get(hf.get("model_type"))
+        family = HF_FAMILIES.get(Fields(hf, str(folder / "config.json"), HFError).text("model_type", ""))
         if family is not None and family is not cls:
             return family.open(path, **train_overrides)
         cfg = replace(to_llama_config(hf, str(folder / "config.json")), **train_overrides)
@@ -302,6 +314,12 @@ class HFCheckpoint:
     def optional_json(self, name: str) -> dict | None:
         path = self.folder / name
         return read_json(path) if path.is_file() else None
+
+    def tokenizer_files(self) -> dict[str, str]:
+        """The text of the folder's TOKENIZER_FILES and named chat templates, by relative name."""
+        names = [n for n in TOKENIZER_FILES if (self.folder / n).is_file()]
+        names += sorted(f"{TEMPLATE_DIR}/{p.name}" for p in (self.folder / TEMPLATE_DIR).glob("*.jinja"))
+        return {n: (self.folder / n).read_text(errors="replace") for n in names}
 
     def source_name(self, name: str) -> tuple[str, bool]:
         """The Hugging Face tensor that holds paratrain's `name` (a tied head reads the embedding;
@@ -400,24 +418,32 @@ class HFCheckpoint:
             p.copy_(self.read(name, shard_of(p)).to(dtype=p.dtype, device=p.device))
 
 
+SAFE_SERIALIZATION = "re-save with save_pretrained(DIR, safe_serialization=True)"
+
+
 def _weight_files(folder: Path) -> dict[str, Path]:
+    """Hugging Face tensor name -> its file. Weights are read from safetensors only (a PyTorch
+    ``.bin`` is a pickle, which can run code when loaded): every file's header is checked here, and
+    an index may name only safetensors files inside the folder."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        mapping = read_json(index).get("weight_map", {})
-        return {name: folder / file for name, file in mapping.items()}
+        mapping = Fields(read_json(index), str(index), HFError).obj("weight_map")
+        out = {}
+        for name, file in mapping.items():
+            out[name] = member(folder, file, f"{index}: weight_map[{json.dumps(name)}]", HFError)
+            if out[name].suffix != ".safetensors":
+                raise HFError(f"{index}: weight_map[{json.dumps(name)}] names {file!r}: paratrain reads "
+                              f"safetensors weights only, never pickles; {SAFE_SERIALIZATION}")
+        for file in sorted(set(out.values())):
+            safetensors_names(file, HFError)
+        return out
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         bins = sorted(folder.glob("*.bin"))
-        hint = " (only PyTorch .bin files: re-save with save_pretrained(DIR, safe_serialization=True))" \
+        hint = f" (only PyTorch .bin files, which are pickles paratrain never loads: {SAFE_SERIALIZATION})" \
             if bins else ""
         raise HFError(f"{folder} holds no *.safetensors weights{hint}")
-    from safetensors import safe_open
-
-    out = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            out.update({name: file for name in f.keys()})
-    return out
+    return {name: file for file in files for name in safetensors_names(file, HFError)}
 
 
 def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -478,7 +504,12 @@ def check_init_from(cfg: Config, problems: list[str]) -> None:
                         f"({tok}): token ids must be the model's; drop data.tokenizer")
     from tokenizers import Tokenizer
 
-    n_tok = Tokenizer.from_file(str(tok)).get_vocab_size()
+    try:
+        n_tok = Tokenizer.from_file(str(tok)).get_vocab_size()
+    except Exception as e:  # noqa: BLE001 - the Rust side raises a bare Exception for every parse error
+        problems.append(f"{tok} is not a tokenizer the tokenizers library can read ({e}): copy the model's "
+                        "tokenizer.json again, or save one with AutoTokenizer.save_pretrained(DIR)")
+        return
     if n_tok > ckpt.model_cfg.vocab_size:
         problems.append(f"{tok} has {n_tok} tokens but the model's vocab_size is "
                         f"{ckpt.model_cfg.vocab_size}: the tokenizer does not belong to these weights")
@@ -641,12 +672,15 @@ def _move_in(new: Path, dest: Path) -> list[Path]:
     export's shards left beside new weights would be read instead of them (its index names them).
     Other files in DEST (a README, .git) stay."""
     import os
+    import shutil
 
     dest.mkdir(parents=True, exist_ok=True)
     for pattern in WEIGHT_FILES:
         for stale in dest.glob(pattern):
             stale.unlink()
     for f in sorted(new.iterdir()):
+        if f.is_dir() and (dest / f.name).is_dir():  # a previous export's additional_chat_templates/
+            shutil.rmtree(dest / f.name)
         os.replace(f, dest / f.name)
     return sorted(dest.glob("*.safetensors"))
 
@@ -658,6 +692,10 @@ def _write_export(src: Path, folder: Path, cfg: LlamaConfig, imported: dict, max
 
     write_sharded(folder, list(family.entries(src / "model.safetensors", cfg)), max_shard_bytes)
     shutil.copy(src / "tokenizer.json", folder / "tokenizer.json")
+    for name, text in (imported.get("tokenizer_files") or {}).items():  # the chat template...
+        path = member(folder, name, f"{src / 'run.json'}: hf.tokenizer_files", HFError)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
     tok_cfg, extra = imported.get("tokenizer_config"), {}
     if tok_cfg is None:  # a native run: its BPE has one special token, the document separator
         from tokenizers import Tokenizer

@@ -33,6 +33,7 @@ import re
 from dataclasses import dataclass
 
 from paratrain.models.llama import LlamaConfig
+from paratrain.safeload import Fields
 
 ARCHITECTURE = "MixtralForCausalLM"
 
@@ -95,18 +96,20 @@ def fused_source(name: str, cfg: LlamaConfig) -> FusedSource | None:
 # --------------------------------------------------------------------------------------------
 
 
-def moe_fields(hf: dict, problems: list[str]) -> dict:
-    """LlamaConfig keyword arguments of a Mixtral config.json; unsupported settings go to problems."""
-    n_experts = int(hf.get("num_local_experts", 8))
-    top_k = int(hf.get("num_experts_per_tok", 2))
+def moe_fields(hf: dict, problems: list[str], fields: Fields | None = None) -> dict:
+    """LlamaConfig keyword arguments of a Mixtral config.json; unsupported settings go to problems.
+    ``fields``: typed reads of ``hf`` that name the file (hf.to_llama_config's)."""
+    fields = fields or Fields(hf, "config.json", ValueError)
+    n_experts = fields.integer("num_local_experts", 8)
+    top_k = fields.integer("num_experts_per_tok", 2, minimum=0)
     if not 1 <= top_k <= n_experts:
         problems.append(f"num_experts_per_tok = {top_k} must be between 1 and num_local_experts "
                         f"({n_experts})")
-    jitter = float(hf.get("router_jitter_noise") or 0.0)
+    jitter = fields.number("router_jitter_noise", 0.0)
     if jitter:
         problems.append(f"router_jitter_noise = {jitter} (multiplicative noise on the router's input while "
                         "training) is not implemented: set it to 0.0 in config.json")
-    coef = float(hf.get("router_aux_loss_coef", 0.001))
+    coef = fields.number("router_aux_loss_coef", 0.001)
     return {"n_experts": n_experts, "top_k": top_k, "moe_every": 1, "capacity_factor": 0.0,
             "aux_loss_coef": coef * top_k, "z_loss_coef": 0.0}
 
