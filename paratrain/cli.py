@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import typing
 
 import paratrain.config as config
 from paratrain.engine import checks
@@ -33,70 +34,139 @@ def bytes_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-# flag -> (config key, type). Names are a contract: later techniques add flags, never rename.
-TRAIN_FLAGS: dict[str, tuple[str, type]] = {
-    "--model": ("model.name", str),
-    "--nproc": ("parallel.nproc", int),
-    "--dp": ("parallel.dp", int),
-    "--tp": ("parallel.tp", int),
-    "--pp": ("parallel.pp", int),
-    "--ep": ("parallel.ep", int),
-    "--experts": ("model.n_experts", int),
-    "--top-k": ("model.top_k", int),
-    "--capacity-factor": ("model.capacity_factor", float),
-    "--aux-loss-coef": ("model.aux_loss_coef", float),
-    "--z-loss-coef": ("model.z_loss_coef", float),
-    "--zero": ("parallel.zero", int),
-    "--dp-mode": ("parallel.dp_mode", str),
-    "--bucket-mb": ("parallel.bucket_mb", float),
-    "--pp-schedule": ("parallel.pp_schedule", str),
-    "--virtual-stages": ("parallel.virtual_stages", int),
-    "--pp-split": ("parallel.pp_split", str),
-    "--offload": ("parallel.offload", str),
-    "--offload-dir": ("parallel.offload_dir", str),
-    "--steps": ("train.steps", int),
-    "--global-batch": ("train.global_batch", int),
-    "--micro-batch": ("train.micro_batch", micro_batch_arg),
-    "--memory-limit": ("train.memory_limit", bytes_arg),
-    "--memory-measure": ("train.memory_measure", str),
-    "--seq-len": ("data.seq_len", int),
-    "--vocab-size": ("data.vocab_size", int),
-    "--seed": ("train.seed", int),
-    "--optimizer": ("optim.name", str),
-    "--lr": ("optim.lr", float),
-    "--warmup-steps": ("optim.warmup_steps", int),
-    "--grad-clip": ("optim.grad_clip", float),
-    "--precision": ("train.precision", str),
-    "--recompute": ("train.recompute", str),
-    "--offload-activations": ("train.offload_activations", str),
-    "--tile": ("train.tile", int),
-    "--data": ("data.path", str),
-    "--max-files": ("data.max_files", int),
-    "--tokenizer": ("data.tokenizer", str),
-    "--text-field": ("data.text_field", str),
-    "--data-workers": ("data.workers", int),
-    "--out": ("train.out", str),
-    "--save-every": ("train.save_every", int),
-    "--keep-checkpoints": ("train.keep_checkpoints", int),
-    "--eval-every": ("train.eval_every", int),
-    "--threads": ("train.threads", int),
-    "--timeout": ("parallel.timeout_s", float),
-    "--nan-policy": ("train.nan_policy", str),
-    "--max-restarts": ("parallel.max_restarts", int),
-    "--init-from": ("model.init_from", str),
-}
-TRAIN_SWITCHES = {"--resume": "train.resume", "--sp": "parallel.sp", "--no-progress": "train.progress",
-                  "--overwrite": "train.overwrite", "--check-collectives": "parallel.check_collectives",
-                  "--async-save": "train.async_save", "--allow-data-change": "data.allow_data_change",
-                  "--compile": "train.compile", "--trust-checkpoint": "train.trust_checkpoint",
-                  "--verify-data": "data.verify_data"}
-# What a switch does, where "sets KEY" would not say enough.
-SWITCH_HELP = {"--trust-checkpoint": "with --resume: also load a checkpoint whose rng.pt is a pickle "
-                                     "that needs a full unpickling (an older paratrain's, or crafted), "
-                                     "which can run code; only for a checkpoint whose source you trust "
-                                     "(default: refused)",
-               "--verify-data": "check a prepared data folder's tokens against its manifest's hash "
-                                "at start, whatever its size (default: only folders up to 256 MiB)"}
+# README's groups, in its order: `paratrain train --help` shows the flags under these headings.
+MODEL, LAYOUT, DATA, OPTIM, SAVERS, CHECKPOINTS, RELIABILITY, RUN = (
+    "model", "layout (processes and parallelism)", "data", "optimisation",
+    "memory savers (when a model does not fit)", "checkpoints", "reliability", "run")
+
+# One row per flag: (flag, config key, type, group, what it does). Type `bool`: a switch that sets the
+# key to True (--no-progress: False). Choices and the default are appended from config.CHOICES and the
+# config's defaults, so the help cannot drift from what the config accepts. Names are a contract:
+# later techniques add rows, never rename.
+TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
+    ("--model", "model.name", str, MODEL, "model preset (tiny, small, tiny-moe, llama-7b, ...: "
+     "`paratrain plan --help` lists them all)"),
+    ("--init-from", "model.init_from", str, MODEL, "start from a local Hugging Face folder: shape, weights "
+     "and tokenizer come from it"),
+    ("--experts", "model.n_experts", int, MODEL, "mixture of experts: experts per MoE block (0: dense; "
+     "default: the preset's)"),
+    ("--top-k", "model.top_k", int, MODEL, "mixture of experts: experts each token is routed to "
+     "(default: the preset's)"),
+    ("--capacity-factor", "model.capacity_factor", float, MODEL, "mixture of experts: tokens an expert "
+     "takes, as a multiple of its fair share (0: dropless; default: the preset's)"),
+    ("--aux-loss-coef", "model.aux_loss_coef", float, MODEL, "mixture of experts: weight of the "
+     "load-balancing loss (default: the preset's)"),
+    ("--z-loss-coef", "model.z_loss_coef", float, MODEL, "mixture of experts: weight of the router "
+     "z-loss (default: the preset's)"),
+    ("--nproc", "parallel.nproc", int, LAYOUT, "local worker processes (gloo on CPU, NCCL on GPU; "
+     "default: dp * tp * pp)"),
+    ("--dp", "parallel.dp", int, LAYOUT, "data-parallel degree: replicas that each take a slice of the "
+     "batch (default: what --nproc leaves after --tp and --pp)"),
+    ("--tp", "parallel.tp", int, LAYOUT, "tensor-parallel degree: each layer's matrices split over this "
+     "many ranks"),
+    ("--sp", "parallel.sp", bool, LAYOUT, "sequence parallelism with --tp: norms and dropout on "
+     "sequence slices (less activation memory)"),
+    ("--pp", "parallel.pp", int, LAYOUT, "pipeline-parallel degree: the layers split into this many "
+     "stages"),
+    ("--pp-schedule", "parallel.pp_schedule", str, LAYOUT, "pipeline schedule (interleaved needs "
+     "--virtual-stages > 1)"),
+    ("--virtual-stages", "parallel.virtual_stages", int, LAYOUT, "interleaved pipeline: model chunks per "
+     "rank"),
+    ("--pp-split", "parallel.pp_split", str, LAYOUT, "blocks per pipeline stage: auto (by FLOPs) or a "
+     "list like 3,1 (default: equal)"),
+    ("--ep", "parallel.ep", int, LAYOUT, "expert-parallel degree: the experts split over this many "
+     "data-parallel ranks (all-to-all)"),
+    ("--zero", "parallel.zero", int, LAYOUT, "ZeRO stage: shard over data-parallel ranks 1: optimizer "
+     "states, 2: + gradients, 3: + parameters (FSDP); 0: replicate"),
+    ("--dp-mode", "parallel.dp_mode", str, LAYOUT, "ddp: gradients all-reduced in buckets during "
+     "backward; plain: one all-reduce after it"),
+    ("--bucket-mb", "parallel.bucket_mb", float, LAYOUT, "gradient bucket size in MiB (ddp mode)"),
+    ("--data", "data.path", str, DATA, "text, .jsonl or .parquet files or folders, or a folder from "
+     "`paratrain data prepare` (default: the Python stdlib sources)"),
+    ("--seq-len", "data.seq_len", int, DATA, "tokens per row (default: the model's positions, at most "
+     f"{config.DEFAULT_SEQ_LEN})"),
+    ("--tokenizer", "data.tokenizer", str, DATA, "a tokenizer.json or a Hugging Face folder (default: a "
+     "byte-level BPE trained on the data)"),
+    ("--vocab-size", "data.vocab_size", int, DATA, "size of the BPE trained when no --tokenizer is given"),
+    ("--text-field", "data.text_field", str, DATA, "the field of .jsonl lines / the column of .parquet "
+     "files"),
+    ("--max-files", "data.max_files", int, DATA, "read at most this many files (quick experiments; "
+     "default: all)"),
+    ("--data-workers", "data.workers", int, DATA, "tokenizer processes (default: every core)"),
+    ("--allow-data-change", "data.allow_data_change", bool, DATA, "--resume on another corpus or "
+     "tokenizer than the checkpoint's"),
+    ("--verify-data", "data.verify_data", bool, DATA, "check a prepared data folder's tokens against its "
+     "manifest's hash at start, whatever its size (default: only folders up to 256 MiB)"),
+    ("--steps", "train.steps", int, OPTIM, "optimizer steps"),
+    ("--global-batch", "train.global_batch", int, OPTIM, "rows per optimizer step, over all "
+     "data-parallel ranks"),
+    ("--seed", "train.seed", int, OPTIM, "seed of the initial weights and the data order"),
+    ("--optimizer", "optim.name", str, OPTIM, "adamw8bit keeps the moments in 8 bits (~2 bytes per "
+     "parameter instead of 8)"),
+    ("--lr", "optim.lr", float, OPTIM, "peak learning rate (linear warmup, then cosine decay)"),
+    ("--warmup-steps", "optim.warmup_steps", int, OPTIM, "steps of linear warmup"),
+    ("--grad-clip", "optim.grad_clip", float, OPTIM, "clip the global gradient norm to this (0: no "
+     "clipping)"),
+    ("--precision", "train.precision", str, OPTIM, "compute precision; auto: bf16 where this machine "
+     "runs it faster (measured)"),
+    ("--micro-batch", "train.micro_batch", micro_batch_arg, SAVERS, "rows per forward/backward on one "
+     "rank, the rest by gradient accumulation; auto: the largest that fits (default: all the rank's rows)"),
+    ("--memory-limit", "train.memory_limit", bytes_arg, SAVERS, "--micro-batch auto: bytes per rank, "
+     "e.g. 3GiB (default: the GPU's memory)"),
+    ("--memory-measure", "train.memory_measure", str, SAVERS, "--micro-batch auto: how trials measure "
+     "memory (process: RSS / CUDA peak; tensors: live tensors)"),
+    ("--recompute", "train.recompute", str, SAVERS, "recompute activations in backward: selective (core "
+     "attention) or full (whole blocks)"),
+    ("--offload-activations", "train.offload_activations", str, SAVERS, "keep tensors saved for "
+     "backward in host memory"),
+    ("--tile", "train.tile", int, SAVERS, "MLP and LM head + loss in this many token tiles (weight tiles "
+     "under --zero 3); 1: no tiling"),
+    ("--offload", "parallel.offload", str, SAVERS, "keep optimizer states on the CPU or on disk "
+     "(disk needs --offload-dir)"),
+    ("--offload-dir", "parallel.offload_dir", str, SAVERS, "folder for --offload disk"),
+    ("--compile", "train.compile", bool, SAVERS, "torch.compile each transformer block"),
+    ("--out", "train.out", str, CHECKPOINTS, "run folder: checkpoints, metrics, logs"),
+    ("--save-every", "train.save_every", int, CHECKPOINTS, "write a checkpoint every N steps (0: only "
+     "the final one)"),
+    ("--keep-checkpoints", "train.keep_checkpoints", int, CHECKPOINTS, "newest complete checkpoints "
+     "kept; older ones are pruned"),
+    ("--resume", "train.resume", bool, CHECKPOINTS, "continue from the last complete checkpoint in --out"),
+    ("--overwrite", "train.overwrite", bool, CHECKPOINTS, "start afresh in a folder holding another "
+     "run's checkpoints (deletes them)"),
+    ("--async-save", "train.async_save", bool, CHECKPOINTS, "write checkpoints from a background thread "
+     "(after a host snapshot)"),
+    ("--trust-checkpoint", "train.trust_checkpoint", bool, CHECKPOINTS, "with --resume: also load a "
+     "checkpoint whose rng.pt is a pickle that needs a full unpickling (an older paratrain's, or crafted), "
+     "which can run code; only for a checkpoint whose source you trust (default: refused)"),
+    ("--timeout", "parallel.timeout_s", float, RELIABILITY, "seconds a collective may wait before the "
+     "run fails naming the operation and the rank that did not arrive; a hung rank is found after "
+     "about this long, so lower it (e.g. --timeout 60) to find hangs sooner"),
+    ("--max-restarts", "parallel.max_restarts", int, RELIABILITY, "restart every worker after a failure, "
+     "resuming from the last checkpoint, at most N times"),
+    ("--nan-policy", "train.nan_policy", str, RELIABILITY, "a non-finite loss or gradient norm: stop "
+     "(naming the step and tensor) or skip the step"),
+    ("--check-collectives", "parallel.check_collectives", bool, RELIABILITY, "compare every "
+     "collective's fingerprint across its group first, so a hang names the rank that diverged"),
+    ("--eval-every", "train.eval_every", int, RUN, "held-out loss every N steps (0: never)"),
+    ("--threads", "train.threads", int, RUN, "torch threads of a single process (workers use 1; default: "
+     "torch's choice)"),
+    ("--no-progress", "train.progress", bool, RUN, "no progress bar (plain log lines, for "
+     "files and schedulers)"),
+]
+TRAIN_FLAGS: dict[str, tuple[str, type | typing.Callable]] = {
+    flag: (key, typ) for flag, key, typ, _, _ in TRAIN_OPTIONS if typ is not bool}
+TRAIN_SWITCHES: dict[str, str] = {flag: key for flag, key, typ, _, _ in TRAIN_OPTIONS if typ is bool}
+
+
+def option_help(flag: str, key: str, text: str) -> tuple[str, str | None]:
+    """The help of a train flag (its text and its default) and its metavar (its choices, if the
+    config restricts them)."""
+    default = config.default_of(key)
+    if default is not None and not isinstance(default, bool):
+        text = f"{text} (default: {default})"
+    choices = config.CHOICES.get(key)
+    metavar = "{" + ",".join(map(str, choices)) + "}" if choices else None
+    return text.replace("%", "%%"), metavar
 
 
 class UserError(Exception):
@@ -105,13 +175,20 @@ class UserError(Exception):
 
 def train_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model (default: small Llama on the Python stdlib sources)")
-    p.add_argument("--config", help="TOML file; flags override it")
-    for flag, (key, typ) in TRAIN_FLAGS.items():
-        p.add_argument(flag, type=typ, default=None, help=f"sets {key}")
-    for flag, key in TRAIN_SWITCHES.items():
-        p.add_argument(flag, action="store_true", help=SWITCH_HELP.get(flag, f"sets {key}"))
-    p.add_argument("--layout", choices=["manual", "auto"], default="manual",
-                   help="auto: let the planner choose dp/tp/pp/zero for this machine")
+    groups = {name: p.add_argument_group(name) for name in (MODEL, LAYOUT, DATA, OPTIM, SAVERS,
+                                                              CHECKPOINTS, RELIABILITY, RUN)}
+    groups[RUN].add_argument("--config", metavar="FILE.toml",
+                             help="TOML file with [model] [parallel] [data] [optim] [train]; flags "
+                                  "override it")
+    groups[LAYOUT].add_argument("--layout", choices=["manual", "auto"], default="manual",
+                                help="auto: the planner chooses dp/tp/pp/zero for this machine "
+                                     "(default: manual, the flags below)")
+    for flag, key, typ, group, text in TRAIN_OPTIONS:
+        text, metavar = option_help(flag, key, text)
+        if typ is bool:
+            groups[group].add_argument(flag, action="store_true", help=text)
+        else:
+            groups[group].add_argument(flag, type=typ, default=None, metavar=metavar, help=text)
     return p
 
 
@@ -175,14 +252,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def generate_parser(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="sample text from a trained run or a Hugging Face folder")
-    g.add_argument("prompt", nargs="?", default="def ")
-    g.add_argument("--run", default="runs/default", help="run folder (the --out of paratrain train)")
+    g.add_argument("prompt", nargs="?", default="def ", help="text to continue (default: %(default)r)")
+    g.add_argument("--run", default="runs/default",
+                   help="run folder (the --out of paratrain train; default: %(default)s)")
     g.add_argument("--init-from", help="a local Hugging Face model folder instead of a run")
-    g.add_argument("--tokens", type=int, default=120)
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--top-k", type=int, default=40)
+    g.add_argument("--tokens", type=int, default=120, help="new tokens to sample (default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.8,
+                   help="sampling temperature; lower is more predictable (default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=40,
+                   help="sample among the k most likely tokens (default: %(default)s)")
     g.add_argument("--greedy", action="store_true", help="always the most likely token (temperature 0)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
 
 
 def eval_parser(sub: argparse._SubParsersAction) -> None:
@@ -240,7 +320,8 @@ def export_parser(sub: argparse._SubParsersAction) -> None:
     for name, what in EXPORT_FORMATS.items():
         x.add_argument(f"--{name}", metavar="DEST", help=f"write {what}")
     x.add_argument("--max-shard-mb", type=float, default=2048.0,
-                   help="--hf: largest safetensors file (bigger models are split, with an index)")
+                   help="--hf: largest safetensors file in MiB; bigger models are split, with an index "
+                        "(default: %(default)s)")
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -314,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     export_parser(sub)
     b = sub.add_parser("bench", help="paratrain vs PyTorch's own implementation, side by side",
                        add_help=False)
-    b.add_argument("kind", help="single | ddp | zero | tp | pp")
+    b.add_argument("kind", help="single | ddp | zero | tp | pp | moe | api "
+                                "(`paratrain bench KIND --help` for its options)")
     sub.add_parser("plan", help="choose a layout for a model and a cluster, and explain why", add_help=False)
     sub.add_parser("viz", help="pictures of a run (viz timeline OUT)", add_help=False)
     sub.add_parser("data", help="tokenize a corpus once (data prepare --data SRC --out DIR)", add_help=False)

@@ -28,6 +28,18 @@ class ConfigError(ValueError):
     """One or more settings are wrong; the message lists each with the fix."""
 
 
+LISTED = 12  # an error message lists this many problems, then counts the rest
+
+
+def bullets(problems: list[str], limit: int = LISTED) -> str:
+    """Problems as the indented list of an error message: the first ``limit`` and how many more, so
+    that a per-item check (20,000 layers' missing tensors) stays a message, not 180,000 lines."""
+    shown = list(problems[:limit])
+    if len(problems) > limit:
+        shown.append(f"... and {len(problems) - limit} more ({len(problems)} problems in all)")
+    return "\n  - " + "\n  - ".join(shown)
+
+
 @dataclass
 class ModelConfig:
     name: str = "small"  # a preset from paratrain.models.PRESETS, or "cnn-tiny"
@@ -195,7 +207,7 @@ def apply_sections(cfg: Config, d: dict, source: str) -> None:
                 wrong_types.append(problem)
             setattr(target, key, value)
     if wrong_types:
-        raise ConfigError(f"{source}: wrong type:\n  - " + "\n  - ".join(wrong_types))
+        raise ConfigError(f"{source}: wrong type:" + bullets(wrong_types))
 
 
 def type_problem(name: str, value: object, hint: object) -> str | None:
@@ -237,6 +249,28 @@ def load(path: str | None = None, overrides: dict | None = None) -> Config:
 def _choice(problems: list[str], name: str, value, allowed) -> None:
     if value not in allowed:
         problems.append(f"{name} = {value!r} is not one of {', '.join(map(str, allowed))}")
+
+
+# field -> its allowed values; the checks and `paratrain train --help` both read this table.
+CHOICES: dict[str, tuple] = {
+    "parallel.zero": (0, 1, 2, 3),
+    "parallel.dp_mode": ("ddp", "plain"),
+    "parallel.pp_schedule": ("naive", "gpipe", "1f1b", "interleaved"),
+    "parallel.offload": ("none", "cpu", "disk"),
+    "train.nan_policy": ("stop", "skip"),
+    "train.precision": ("fp32", "bf16", "fp16", "auto"),
+    "train.recompute": ("none", "selective", "full"),
+    "train.compile_backend": ("inductor", "aot_eager", "eager"),
+    "train.memory_measure": ("process", "tensors"),
+    "train.offload_activations": ("none", "cpu"),
+    "optim.name": ("adamw", "adamw8bit"),
+}
+
+
+def default_of(dotted: str) -> object:
+    """The default of the setting ``section.key`` (None where it is derived or unset)."""
+    section, key = dotted.split(".")
+    return getattr(getattr(Config(), section), key)
 
 
 # field -> (holds for a good value, what to write). NaN fails every comparison, so it fails here too.
@@ -290,16 +324,9 @@ def check_values(cfg: Config, problems: list[str], world_size: int | None = None
         if product != world:
             problems.append(f"dp({cfg.dp}) * tp({p.tp}) * pp({p.pp}) = {product} != world size {world}: "
                             "change --dp/--tp/--pp or --nproc")
-    _choice(problems, "parallel.zero", p.zero, (0, 1, 2, 3))
-    _choice(problems, "parallel.dp_mode", p.dp_mode, ("ddp", "plain"))
-    _choice(problems, "parallel.pp_schedule", p.pp_schedule, ("naive", "gpipe", "1f1b", "interleaved"))
-    _choice(problems, "parallel.offload", p.offload, ("none", "cpu", "disk"))
-    _choice(problems, "train.nan_policy", t.nan_policy, ("stop", "skip"))
-    _choice(problems, "train.precision", t.precision, ("fp32", "bf16", "fp16", "auto"))
-    _choice(problems, "train.recompute", t.recompute, ("none", "selective", "full"))
-    _choice(problems, "train.compile_backend", t.compile_backend, ("inductor", "aot_eager", "eager"))
-    _choice(problems, "train.memory_measure", t.memory_measure, ("process", "tensors"))
-    _choice(problems, "train.offload_activations", t.offload_activations, ("none", "cpu"))
+    for dotted, allowed in CHOICES.items():
+        section, key = dotted.split(".")
+        _choice(problems, dotted, getattr(getattr(cfg, section), key), allowed)
     if not isinstance(t.tile, int) or t.tile < 1:
         problems.append(f"train.tile must be an integer >= 1 (got {t.tile!r}); 1 disables tiling")
     if t.memory_limit is not None and (not isinstance(t.memory_limit, int) or t.memory_limit <= 0):
@@ -336,7 +363,6 @@ def check_values(cfg: Config, problems: list[str], world_size: int | None = None
         problems.append(f"optim.warmup_steps must be >= 0 (got {o.warmup_steps})")
     if o.grad_clip < 0:
         problems.append(f"optim.grad_clip must be >= 0 (got {o.grad_clip}); 0 disables clipping")
-    _choice(problems, "optim.name", o.name, ("adamw", "adamw8bit"))
     if o.name == "adamw8bit":
         _check_8bit(problems, cfg)
     if p.offload == "disk" and not p.offload_dir:

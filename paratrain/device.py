@@ -32,6 +32,24 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32
     return 2 * n**3 * count / (time.perf_counter() - start)
 
 
+# --precision -> the dtype its matmuls run in (autocast / cast weights): the MFU denominator's dtype.
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def matmul_peak(device: torch.device, precision: str) -> float | None:
+    """Measured matmul FLOP/s in the dtype `precision` computes in; None when none is known (a
+    precision without one, or a dtype this device cannot multiply). An fp32 peak under bf16 would
+    put MFU far above 100 % (bf16 tensor cores and AMX run several times faster than fp32)."""
+    dtype = PRECISION_DTYPES.get(precision)
+    if dtype is None:
+        return None
+    n = 2048 if device.type == "cuda" else 512  # large enough to reach the device's rate
+    try:
+        return measure_matmul_peak(device, dtype, n=n)
+    except RuntimeError:  # e.g. a half-precision matmul the CPU build lacks
+        return None
+
+
 def sync_device(device: torch.device) -> None:
     """Wait for the device's queued work (a no-op on CPU), so a clock reads finished work."""
     if device.type == "cuda":

@@ -5,6 +5,8 @@ is a single dictionary lookup when it is not:
 
 * ``PARATRAIN_TEST_CRASH_AT_STEP=k``: rank 1 kills itself (SIGKILL) after step k, on the first
   attempt only: the stand-in for a machine failure (restarts must resume and match an unbroken run);
+* ``PARATRAIN_TEST_HANG_AT_STEP=k``: rank 1 stops responding (sleeps) after step k, on the first
+  attempt only: the stand-in for a hung rank (the timeout must name it, not its waiting peers);
 * ``PARATRAIN_TEST_SKIP_COLLECTIVE=what``: rank 1 skips its first collective whose purpose is
   ``what``: the stand-in for diverged code paths (the collective checker must name it).
 """
@@ -13,8 +15,10 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 CRASH_AT_STEP = "PARATRAIN_TEST_CRASH_AT_STEP"
+HANG_AT_STEP = "PARATRAIN_TEST_HANG_AT_STEP"
 SKIP_COLLECTIVE = "PARATRAIN_TEST_SKIP_COLLECTIVE"
 
 _skipped = False  # the skip fires once per process
@@ -24,6 +28,9 @@ def crash_point(step: int, rank: int, attempt: int) -> None:
     """Called by the trainer after each step."""
     if attempt == 0 and rank == 1 and os.environ.get(CRASH_AT_STEP) == str(step):
         os.kill(os.getpid(), signal.SIGKILL)
+    if attempt == 0 and rank == 1 and os.environ.get(HANG_AT_STEP) == str(step):
+        while True:  # until the launcher kills it
+            time.sleep(60)
 
 
 def skip_collective(what: str | None, global_rank: int) -> bool:

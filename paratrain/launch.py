@@ -54,7 +54,7 @@ import torch.distributed.nn.functional  # noqa: F401
 
 import paratrain.signals as signals
 from paratrain.comm import collectives as C
-from paratrain.comm.trace import TRACE, diagnose, read_mirror
+from paratrain.comm.trace import TRACE, diagnose, read_mirror, stragglers
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 IFF_LOOPBACK = 0x8  # linux/if.h: the interface flag of loopback
@@ -398,14 +398,21 @@ def _failure(errors: dict[int, str], procs, results, outputs, dumps) -> WorkerEr
         if status == "error":
             errors.setdefault(r, payload)
     dead = [r for r in _dead(procs, outputs) if r not in errors]
+    histories = {r: read_mirror(trace_path(dumps[r])) for r in range(len(procs))}
+    # A hung rank raises nothing: its peers time out waiting and report first. Lead with it.
+    late = [r for r in stragglers(histories) if r not in errors and r not in outputs]
     if dead:
         rank = dead[0]
         cause = (f"rank {rank} died with exit code {procs[rank].exitcode} "
                  "(killed, out of memory, or a crash in native code)")
+    elif late:
+        rank, waiter = late[0], next(iter(errors))
+        cause = (f"rank {rank} did not arrive at a collective its peers waited for (hung, or stuck outside "
+                 f"the collectives; see below where); rank {waiter} failed waiting for it:\n{errors[waiter]}")
     else:
         rank = next(iter(errors))
         cause = f"rank {rank} failed:\n{errors[rank]}"
-    found = diagnose({r: read_mirror(trace_path(dumps[r])) for r in range(len(procs))})
+    found = diagnose(histories)
     return WorkerError(rank, f"{cause}\n{found}" if found and found not in cause else cause)
 
 

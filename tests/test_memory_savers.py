@@ -333,4 +333,4 @@ def test_plan_on_one_device_prints_the_walk(capsys):
                       "--global-batch", "16", "--top", "1"]) == 0
     out = capsys.readouterr().out
     assert "the seeds' walk" in out
-    assert "step 5 (8-bit optimizer) makes it fit: paratrain train --micro-batch 1" in out
+    assert "step 5 (8-bit optimizer) makes it fit, with the flags --micro-batch 1" in out

@@ -127,8 +127,14 @@ def test_validate_defaults_to_a_short_run_the_trainer_accepts():
     resolve_defaults(args)
     assert args.seq_len == PRESETS["tiny"].max_seq_len  # 128: below the 256 cap
     args = parser().parse_args(["--model", "small"])
+    resolve_defaults(args)  # the preset's positions: the plan's printed command must train as planned
+    assert (args.seq_len, args.global_batch) == (PRESETS["small"].max_seq_len, 256)
+    args = parser().parse_args(["--model", "llama-7b"])
     resolve_defaults(args)
-    assert (args.seq_len, args.global_batch) == (2048, 256)  # planning only: any length
+    assert args.seq_len == 2048  # capped at 2048
+    args = parser().parse_args(["--layers", "2"])
+    resolve_defaults(args)
+    assert args.seq_len == 2048  # an explicit shape: any length
 
 
 def test_adamw8bit_changes_model_states():

@@ -25,15 +25,19 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, nproc: int = 2, ste
                          rounds: int = 3, configs: tuple[str, ...] = ()) -> None:
     """The arguments every benchmark takes; ``configs``: the sides it can run (``--configs`` subset)."""
     if configs:
-        parser.add_argument("--configs", default=",".join(configs), help="comma-separated subset")
-    parser.add_argument("--nproc", type=int, default=nproc, help="workers per side")
-    parser.add_argument("--steps", type=int, default=steps, help="timed steps per run (after warmup)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per run")
-    parser.add_argument("--rounds", type=int, default=rounds, help="paired rounds (alternating order)")
-    parser.add_argument("--model", default="small", help="model preset")
+        parser.add_argument("--configs", default=",".join(configs),
+                            help="comma-separated subset of the sides to run" + " (default: %(default)s)")
+    parser.add_argument("--nproc", type=int, default=nproc, help="workers per side (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=steps,
+                        help="timed steps per run, after warmup (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per run (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=rounds,
+                        help="paired rounds, alternating which side runs first (default: %(default)s)")
+    parser.add_argument("--model", default="small", help="model preset (default: %(default)s)")
     parser.add_argument("--seq-len", type=int, default=None,
                         help="tokens per row (default: the model's positions, at most 256)")
-    parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--global-batch", type=int, default=8,
+                        help="rows per optimizer step (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 

@@ -46,8 +46,10 @@ from paratrain.train.trainer import Trainer, lr_at
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser, nproc=2, steps=12, rounds=3)
-    parser.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size, both sides")
-    parser.add_argument("--micro-batch", type=int, default=None, help="rows per micro-batch (accumulation)")
+    parser.add_argument("--bucket-mb", type=float, default=25.0,
+                        help="gradient bucket size in MiB, both sides (default: %(default)s)")
+    parser.add_argument("--micro-batch", type=int, default=None,
+                        help="rows per micro-batch, the rest by accumulation (default: all)")
 
 
 def bench_config(args: argparse.Namespace, out: str) -> config.Config:

@@ -35,12 +35,19 @@ PEERS = {"naive": "ScheduleGPipe", "gpipe": "ScheduleGPipe", "1f1b": "Schedule1F
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser, nproc=2, steps=6, rounds=3)
-    parser.add_argument("--schedule", default="all", choices=["all", *PEERS], help="schedules to compare")
-    parser.add_argument("--micro-batch", type=int, default=1, help="rows per micro-batch (m = batch / this)")
-    parser.add_argument("--virtual-stages", type=int, default=2, help="chunks per rank for interleaved")
-    parser.add_argument("--n-layers", type=int, default=8)
-    parser.add_argument("--vocab-size", type=int, default=512)
-    parser.add_argument("--split", default="auto", help="parallel.pp_split for both sides")
+    parser.add_argument("--schedule", default="all", choices=["all", *PEERS],
+                        help="schedules to compare (default: %(default)s)")
+    parser.add_argument("--micro-batch", type=int, default=1,
+                        help="rows per micro-batch (m = batch / this) (default: %(default)s)")
+    parser.add_argument("--virtual-stages", type=int, default=2,
+                        help="model chunks per rank for interleaved (default: %(default)s)")
+    parser.add_argument("--n-layers", type=int, default=8,
+                        help="transformer blocks of the model (default: %(default)s)")
+    parser.add_argument("--vocab-size", type=int, default=512,
+                        help="vocabulary of the model (default: %(default)s)")
+    parser.add_argument("--split", default="auto",
+                        help="blocks per stage for both sides: auto (by FLOPs) or a list like 3,1 "
+                             "(default: %(default)s)")
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -25,8 +25,10 @@ from paratrain.train.trainer import Trainer, lr_at, single_process_env
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser, nproc=1, steps=10, rounds=3)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--micro-batch", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="torch threads of both sides (default: every core, %(default)s)")
+    parser.add_argument("--micro-batch", type=int, default=None,
+                        help="rows per micro-batch, the rest by accumulation (default: all)")
 
 
 def bench_config(args: argparse.Namespace, out: str) -> config.Config:

@@ -137,6 +137,15 @@ def diagnose(histories: dict[int, list[Fingerprint]]) -> str | None:
 
 
 def _first_difference(group: str, per_rank: dict[int, dict[int, Fingerprint]]) -> str | None:
+    found = _first_divergence(per_rank)
+    if found is None:
+        return None
+    seq, at = found
+    return f"ranks diverged on group {group} at collective #{seq}: " + _explain(seq, at, per_rank)
+
+
+def _first_divergence(per_rank: dict[int, dict[int, Fingerprint]]) -> tuple[int, dict] | None:
+    """The first collective number where the ranks' histories differ, and each rank's entry there."""
     start = max(min(seqs) for seqs in per_rank.values())  # the window every rank still remembers
     end = max(max(seqs) for seqs in per_rank.values())
     for seq in range(start, end + 1):
@@ -144,8 +153,21 @@ def _first_difference(group: str, per_rank: dict[int, dict[int, Fingerprint]]) -
         ops = {r: fp for r, fp in at.items() if fp is not None}
         if len(ops) == len(at) and all(fp.same_op(next(iter(ops.values()))) for fp in ops.values()):
             continue
-        return f"ranks diverged on group {group} at collective #{seq}: " + _explain(seq, at, per_rank)
+        return seq, at
     return None
+
+
+def stragglers(histories: dict[int, list[Fingerprint]]) -> list[int]:
+    """Ranks that never reached a collective their group's other ranks were at (hung or stuck outside
+    the collectives): the cause of a timeout, where the ranks that report it are only waiting."""
+    late: set[int] = set()
+    for group in sorted({fp.group for h in histories.values() for fp in h}):
+        per_rank = {r: {fp.seq: fp for fp in h if fp.group == group} for r, h in histories.items()}
+        per_rank = {r: seqs for r, seqs in per_rank.items() if seqs}
+        found = _first_divergence(per_rank) if len(per_rank) > 1 else None
+        if found:
+            late |= {r for r, fp in found[1].items() if fp is None}
+    return sorted(late)
 
 
 def _explain(seq: int, at: dict, per_rank: dict) -> str:

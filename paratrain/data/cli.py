@@ -23,12 +23,15 @@ def parser() -> argparse.ArgumentParser:
     prep.add_argument("--data", help="file or folder of text, .jsonl, .parquet (default: the stdlib sources)")
     prep.add_argument("--out", required=True, help="folder to write (reused when already up to date)")
     prep.add_argument("--tokenizer", help="tokenizer.json or a Hugging Face folder (default: train a BPE)")
-    prep.add_argument("--vocab-size", type=int, default=8192, help="size of the default BPE")
-    prep.add_argument("--text-field", default="text", help="the .jsonl field / .parquet column")
+    prep.add_argument("--vocab-size", type=int, default=8192,
+                      help="size of the BPE trained when no --tokenizer is given (default: %(default)s)")
+    prep.add_argument("--text-field", default="text",
+                      help="the .jsonl field / .parquet column (default: %(default)s)")
     prep.add_argument("--workers", type=int, help="tokenizer processes (default: every core)")
-    prep.add_argument("--max-files", type=int, help="read at most this many files")
-    prep.add_argument("--val-fraction", type=float, default=0.02, help="validation share, by document")
-    prep.add_argument("--no-progress", action="store_true")
+    prep.add_argument("--max-files", type=int, help="read at most this many files (default: all)")
+    prep.add_argument("--val-fraction", type=float, default=0.02,
+                      help="share of documents held out for validation (default: %(default)s)")
+    prep.add_argument("--no-progress", action="store_true", help="no progress bar")
     prep.add_argument("--json", action="store_true", help="print the manifest's figures as JSON")
     return p
 

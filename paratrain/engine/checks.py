@@ -9,7 +9,7 @@ every technique, so config.py imports nothing of paratrain.
 
 from __future__ import annotations
 
-from paratrain.config import DEFAULT_SEQ_LEN, Config, ConfigError, check_values
+from paratrain.config import DEFAULT_SEQ_LEN, Config, ConfigError, bullets, check_values
 from paratrain.memory.layout import check_savers
 from paratrain.models import PRESETS
 from paratrain.models.from_config import model_shape
@@ -28,7 +28,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     if not problems:
         check_layout(cfg, problems)
     if problems:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+        raise ConfigError("invalid configuration:" + bullets(problems))
     return cfg
 
 

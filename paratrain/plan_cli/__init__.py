@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import statistics
 import sys
 import tempfile
@@ -36,57 +37,78 @@ from paratrain.train.metrics import read_metrics
 from paratrain.train.task import build_task
 from paratrain.train.trainer import Trainer
 
+SHAPE_FLAGS = {"--layers": "transformer blocks", "--hidden": "model width (hidden size)",
+               "--heads": "attention heads", "--kv-heads": "key/value heads (grouped-query attention)",
+               "--ffn": "MLP inner width", "--vocab": "vocabulary size"}
+FIXED_FLAGS = {"--dp": "data-parallel degree", "--tp": "tensor-parallel degree",
+               "--pp": "pipeline-parallel degree", "--zero":
+                   "ZeRO stage {" + ",".join(map(str, config.CHOICES["parallel.zero"])) + "}",
+               "--virtual-stages": "interleaved pipeline: model chunks per rank"}
+
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="paratrain plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model (a preset, an explicit shape, or --params for model states only)")
     m.add_argument("--model", help=f"preset: {', '.join(PRESETS)}")
-    for flag in ("--layers", "--hidden", "--heads", "--kv-heads", "--ffn", "--vocab"):
-        m.add_argument(flag, type=int)
-    m.add_argument("--tie-embeddings", action="store_true")
+    for flag, what in SHAPE_FLAGS.items():
+        m.add_argument(flag, type=int, help=f"{what} (overrides the preset's)")
+    m.add_argument("--tie-embeddings", action="store_true", help="the LM head shares the embedding matrix")
     m.add_argument("--experts", type=int, help="mixture of experts: experts per MoE block (0: dense)")
     m.add_argument("--top-k", type=int, help="mixture of experts: experts each token runs through")
     m.add_argument("--moe-every", type=int, help="mixture of experts: every k-th block is sparse")
     m.add_argument("--params", type=float, help="parameter count (e.g. 7e9): model-states-only answer")
     t = p.add_argument_group("training")
     t.add_argument("--seq-len", type=int,
-                   help="default 2048; with --validate the preset's positions, at most 256 (a short run)")
+                   help="tokens per sequence (default: the preset's positions, at most 2048; with "
+                        "--validate at most 256, a short run)")
     t.add_argument("--global-batch", type=int,
                    help="sequences per optimizer step: default 256; with --validate 16 (a short run)")
     t.add_argument("--micro-batch", type=int, help="fix the micro-batch (default: searched)")
     t.add_argument("--precision", choices=["fp32", "bf16", "fp16"],
                    help="default bf16; fp32 with --cluster local (a CPU without bf16 matmuls)")
-    t.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit"])
-    t.add_argument("--margin", type=float, default=0.10, help="fraction of device memory kept free")
+    t.add_argument("--optimizer", default="adamw", choices=config.CHOICES["optim.name"],
+                   help="adamw8bit: 8-bit moments, ~2 bytes per parameter instead of 8 "
+                        "(default: %(default)s)")
+    t.add_argument("--margin", type=float, default=0.10,
+                   help="fraction of device memory kept free (default: %(default)s)")
     c = p.add_argument_group("cluster")
     c.add_argument("--cluster", choices=["local"], help="this machine, measured (one worker per core)")
     c.add_argument("--gpus", type=int, help="devices in all (default 8; local: cores)")
-    c.add_argument("--gpus-per-node", type=int)
-    c.add_argument("--gpu", default="a100-80g", help=f"preset: {', '.join(GPUS)}")
+    c.add_argument("--gpus-per-node", type=int, help="devices per node, joined by --intra-link "
+                   "(default: all of --gpus, up to 8)")
+    c.add_argument("--gpu", default="a100-80g",
+                   help=f"device preset: {', '.join(GPUS)} (default: %(default)s)")
     c.add_argument("--gpu-memory", type=float, help="GB per device (overrides the preset)")
     c.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per device (overrides the preset)")
-    c.add_argument("--intra-link", default="nvlink", help=f"preset: {', '.join(LINKS)}")
-    c.add_argument("--inter-link", default="infiniband", help=f"preset: {', '.join(LINKS)}")
-    c.add_argument("--efficiency", type=float, help="achieved / peak on large matmuls")
+    c.add_argument("--intra-link", default="nvlink",
+                   help=f"link within a node: {', '.join(LINKS)} (default: %(default)s)")
+    c.add_argument("--inter-link", default="infiniband",
+                   help=f"link between nodes: {', '.join(LINKS)} (default: %(default)s)")
+    c.add_argument("--efficiency", type=float,
+                   help="achieved / peak on large matmuls (default: the preset's)")
     f = p.add_argument_group("fixed choices (evaluate these instead of searching them)")
-    for flag in ("--dp", "--tp", "--pp", "--zero", "--virtual-stages"):
-        f.add_argument(flag, type=int)
+    for flag, what in FIXED_FLAGS.items():
+        f.add_argument(flag, type=int, help=what)
     f.add_argument("--ep", type=int, help="expert parallelism (mixture-of-experts models only: 1 for dense)")
     f.add_argument("--tile", type=int, help="memory-centric tiling: split each linear into N tiles")
     f.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
                    help="sequence parallelism on (--sp) or off (--no-sp)")
-    f.add_argument("--recompute", choices=["none", "selective", "full"])
-    f.add_argument("--pp-schedule", choices=["naive", "gpipe", "1f1b", "interleaved"])
-    f.add_argument("--offload", choices=["none", "cpu", "disk"])
+    f.add_argument("--recompute", choices=config.CHOICES["train.recompute"],
+                   help="recompute activations in backward: selective (core attention) or full blocks")
+    f.add_argument("--pp-schedule", choices=config.CHOICES["parallel.pp_schedule"], help="pipeline schedule")
+    f.add_argument("--offload", choices=config.CHOICES["parallel.offload"],
+                   help="optimizer states on the CPU or on disk")
     o = p.add_argument_group("output")
-    o.add_argument("--top", type=int, default=8, help="plans to show")
+    o.add_argument("--top", type=int, default=8, help="plans to show (default: %(default)s)")
     o.add_argument("--json", action="store_true", help="one JSON object")
     o.add_argument("--plot", metavar="FILE.png", help="memory breakdown of the top plans vs capacity")
     o.add_argument("--validate", action="store_true",
                    help="with --cluster local: run the top plans briefly and compare tokens/s")
-    o.add_argument("--validate-steps", type=int, default=6)
-    o.add_argument("--validate-top", type=int, default=3, help="how many of the top plans --validate runs")
+    o.add_argument("--validate-steps", type=int, default=6,
+                   help="steps of each --validate run (default: %(default)s)")
+    o.add_argument("--validate-top", type=int, default=3,
+                   help="how many of the top plans --validate runs (default: %(default)s)")
     return p
 
 
@@ -197,6 +219,111 @@ def report(result: PlanResult, cluster: Cluster) -> str:
     return "\n".join(out)
 
 
+SHAPE_KEYS = {"layers": "n_layers", "hidden": "dim", "heads": "n_heads", "kv_heads": "n_kv_heads",
+              "ffn": "ffn_dim"}
+
+
+def train_settings(args: argparse.Namespace, c: LlamaConfig, lay: Layout) -> list[tuple[str, str, object]]:
+    """The `paratrain train` settings that run ``lay`` as planned, as (flag, config key, value); value
+    True is a switch. The model, sequence, batch, precision and every setting of the layout."""
+    out: list[tuple[str, str, object]] = []
+    if args.model:
+        out.append(("--model", "model.name", args.model))
+    if c.n_experts and (args.experts is not None or args.top_k is not None):
+        out += [("--experts", "model.n_experts", c.n_experts), ("--top-k", "model.top_k", c.top_k)]
+    out += [("--seq-len", "data.seq_len", args.seq_len), ("--global-batch", "train.global_batch",
+            args.global_batch), ("--precision", "train.precision", args.precision)]
+    if args.optimizer != config.default_of("optim.name"):
+        out.append(("--optimizer", "optim.name", args.optimizer))
+    out += [("--dp", "parallel.dp", lay.dp), ("--tp", "parallel.tp", lay.tp), ("--pp", "parallel.pp", lay.pp),
+            ("--zero", "parallel.zero", lay.zero), ("--micro-batch", "train.micro_batch", lay.micro_batch)]
+    out += [("--sp", "parallel.sp", True)] if lay.sp else []
+    out += [("--ep", "parallel.ep", lay.ep)] if lay.ep > 1 else []
+    if lay.pp > 1:
+        out += [("--pp-schedule", "parallel.pp_schedule", lay.schedule), ("--pp-split", "parallel.pp_split",
+                                                                             "auto")]
+        out += [("--virtual-stages", "parallel.virtual_stages", lay.v)] if lay.v > 1 else []
+    out += [("--recompute", "train.recompute", lay.recompute)] if lay.recompute != "none" else []
+    if lay.offload != "none":
+        out.append(("--offload", "parallel.offload", lay.offload))
+        if lay.offload == "disk":
+            out.append(("--offload-dir", "parallel.offload_dir", "runs/default/offload"))
+    out += [("--tile", "train.tile", lay.tile)] if lay.tile > 1 else []
+    return out
+
+
+def needs_model_file(args: argparse.Namespace) -> bool:
+    """A shape given by flags has no `train` flags: the command then reads it from a TOML file."""
+    return (args.model is None or any(getattr(args, f) is not None for f in SHAPE_KEYS)
+            or args.vocab is not None or args.tie_embeddings)
+
+
+def model_settings(args: argparse.Namespace, c: LlamaConfig) -> dict:
+    """The config keys of plan-model.toml (see model_toml)."""
+    return {"model.name": args.model or "small", "model.n_layers": c.n_layers, "model.dim": c.dim,
+            "model.n_heads": c.n_heads, "model.n_kv_heads": c.n_kv_heads, "model.ffn_dim": c.ffn_dim,
+            "model.tie_embeddings": c.tie_embeddings, "data.vocab_size": c.vocab_size}
+
+
+def model_toml(args: argparse.Namespace, c: LlamaConfig) -> str | None:
+    """The plan-model.toml a plan's command needs when the shape was given by flags (None if not)."""
+    if not needs_model_file(args):
+        return None
+    sections: dict[str, list[str]] = {}
+    for dotted, value in model_settings(args, c).items():
+        section, key = dotted.split(".")
+        sections.setdefault(section, []).append(f"{key} = {json.dumps(value)}")
+    return "\n".join(f"[{name}]\n" + "\n".join(lines) for name, lines in sections.items())
+
+
+def train_command(args: argparse.Namespace, c: LlamaConfig, lay: Layout, cluster: Cluster) -> str:
+    """One complete command for ``lay``: pasted as is it trains what the table's row describes. Over
+    several nodes torchrun starts the ranks (README), on one node paratrain's own workers."""
+    flags = ["--config plan-model.toml"] if needs_model_file(args) else []
+    for flag, _, value in train_settings(args, c, lay):
+        flags.append(flag if value is True else f"{flag} {shlex.quote(str(value))}")
+    if cluster.n_nodes > 1:
+        launcher = (f"torchrun --nnodes {cluster.n_nodes} --nproc-per-node {cluster.devices_per_node} "
+                    "--rdzv-endpoint HOST:29500 -m paratrain.cli train")
+    else:
+        launcher = f"paratrain train --nproc {lay.world}"
+    return " ".join([launcher, *flags])
+
+
+def first_runnable(args: argparse.Namespace, c: LlamaConfig, result: PlanResult) -> tuple[int, Plan] | None:
+    """The best plan that fits and that paratrain's trainer accepts as printed (its checks), with its
+    row number: the planner also ranks layouts this version cannot run (e.g. ZeRO-3 with pipelines)."""
+    base = model_settings(args, c) if needs_model_file(args) else {}
+    for i, p in enumerate(result.plans, 1):
+        if not p.fits:
+            continue
+        overrides = {**base, **{key: value for _, key, value in train_settings(args, c, p.layout)}}
+        try:
+            checks.validate(config.load(None, overrides), p.layout.world)
+        except (config.ConfigError, ValueError):
+            continue
+        return i, p
+    return None
+
+
+def run_line(args: argparse.Namespace, c: LlamaConfig, result: PlanResult, cluster: Cluster) -> str:
+    """The plan's last words: the command for its first choice paratrain can run, or why there is none."""
+    positions = PRESETS[args.model].max_seq_len if args.model in PRESETS else None
+    if positions is not None and args.seq_len > positions:
+        return (f"nothing to run as planned: {args.model} has {positions} positions, so `paratrain train` "
+                f"refuses --seq-len {args.seq_len}; plan with --seq-len {positions} or a larger --model")
+    found = first_runnable(args, c, result)
+    if found is None:
+        return (f"none of the {len(result.plans)} layouts above both fits and is one paratrain's trainer "
+                "runs: nothing to run (more devices, a smaller model or batch, or a larger --top)")
+    i, best = found
+    toml = model_toml(args, c)
+    pre = f"save as plan-model.toml:\n{toml}\n" if toml else ""
+    if i > 1:
+        pre += f"(#1 to #{i - 1} are layouts paratrain's trainer does not run yet)\n"
+    return f"{pre}run the first choice (#{i} above):\n  {train_command(args, c, best.layout, cluster)}"
+
+
 def model_params(c: LlamaConfig) -> dict:
     """Total and active parameters (equal for a dense model; an MoE token runs top_k experts)."""
     return {"total": c.n_params(), "active": c.n_params(active=True), "n_experts": c.n_experts,
@@ -274,11 +401,12 @@ def main(argv: list[str] | None = None) -> int:
 def resolve_defaults(args: argparse.Namespace) -> None:
     """Defaults that depend on the mode: --validate trains each plan here for a few steps, so it
     plans a short run the trainer accepts (the preset's positions, capped at 256; 16 sequences a
-    step) unless told otherwise, and refuses a --seq-len the preset cannot run, before planning."""
+    step) unless told otherwise, and refuses a --seq-len the preset cannot run, before planning.
+    Otherwise an unset --seq-len is the preset's positions, at most 2048 (the trainer's limit too)."""
     validating = args.validate and args.model in PRESETS
-    positions = PRESETS[args.model].max_seq_len if validating else None
-    if args.seq_len is None:
-        args.seq_len = min(positions, 256) if validating else 2048
+    positions = PRESETS[args.model].max_seq_len if args.model in PRESETS else None
+    if args.seq_len is None:  # the preset's positions cap it: the printed command must train as planned
+        args.seq_len = min(positions, 256) if validating else min(positions or 2048, 2048)
     if args.global_batch is None:
         args.global_batch = 16 if args.validate else 256
     if validating and args.seq_len > positions:
@@ -310,6 +438,13 @@ def run(args: argparse.Namespace) -> int:
         steps = walk(c, tr, cluster)
         walked = walk_json(steps) if args.json else walk_report(steps)
         out = {**out, "single_device_walk": walked} if args.json else f"{out}\n\n{walked}"
+    if args.json:
+        found = first_runnable(args, c, result)
+        out["command"] = found and train_command(args, c, found[1].layout, cluster)
+        out["command_plan"] = found and found[0]  # its row, from 1
+        out["model_toml"] = found and model_toml(args, c)
+    else:  # the walk above is the seeds' order; the command is the table's first choice
+        out = f"{out}\n\n{run_line(args, c, result, cluster)}"
     print(json.dumps(out) if args.json else out)
     if args.plot:
         print(f"memory plot: {plot(result.plans, args.plot)}", file=sys.stderr if args.json else sys.stdout)

@@ -165,7 +165,7 @@ def walk_report(steps: list[Step]) -> str:
         lines.append("  no step makes it fit on one device: use more devices (ZeRO-3 over dp, tp, pp)")
     else:
         n = steps.index(hit) + 1
-        lines.append(f"  step {n} ({hit.name}) makes it fit: paratrain train {train_flags(hit)}")
+        lines.append(f"  step {n} ({hit.name}) makes it fit, with the flags {train_flags(hit)}")
     return "\n".join(lines)
 
 

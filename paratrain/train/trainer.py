@@ -27,7 +27,7 @@ import paratrain.signals as signals
 from paratrain.comm import collectives as C
 from paratrain.config import Config
 from paratrain.data import check_cursor, data_cursor
-from paratrain.device import measure_matmul_peak, sync_device
+from paratrain.device import matmul_peak, sync_device
 from paratrain.engine import checkpoint as ckpt
 from paratrain.engine.engine import Engine, find_checkpoint, make_mesh
 from paratrain.engine.parallelize import parallelize
@@ -214,7 +214,8 @@ class Trainer:
                                if every and s % every == 0] + [cfg.train.steps])
         writer = MetricsWriter(self.out, resume=cfg.train.resume) if self.is_main else None
         if self.is_main:
-            self.peak_flops = measure_matmul_peak(self.mesh.device) * self.env.world_size
+            peak = matmul_peak(self.mesh.device, cfg.train.precision)  # the precision that runs
+            self.peak_flops = peak * self.env.world_size if peak else None
         bar = _progress(cfg, self.start_step) if self.is_main else None
         try:
             for step in range(self.start_step, cfg.train.steps):

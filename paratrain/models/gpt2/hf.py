@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from paratrain.config import bullets
 from paratrain.models.gpt2.model import ACTIVATIONS, GPT2Config
 from paratrain.models.llama.hf import (
     HF_FAMILIES,
@@ -151,7 +152,7 @@ def to_gpt2_config(hf: dict, where: str = "config.json") -> GPT2Config:
     if dim % heads:
         problems.append(f"n_embd ({dim}) must be a multiple of n_head ({heads})")
     if problems:
-        raise HFError(f"{where} ({ARCHITECTURE}) uses what paratrain lacks:\n  - " + "\n  - ".join(problems))
+        raise HFError(f"{where} ({ARCHITECTURE}) uses what paratrain lacks:" + bullets(problems))
     return GPT2Config(vocab_size=fields.integer("vocab_size"), dim=dim, n_layers=fields.integer("n_layer"),
                       n_heads=heads, ffn_dim=fields.integer("n_inner", 4 * dim),
                       max_seq_len=fields.integer("n_positions"),

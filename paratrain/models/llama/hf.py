@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from paratrain.config import Config, DataConfig, ModelConfig
+from paratrain.config import Config, DataConfig, ModelConfig, bullets
 from paratrain.models.llama import LlamaConfig, mixtral_hf
 from paratrain.models.registry import build_model
 from paratrain.safeload import Fields, member, read_json_object, safetensors_names
@@ -192,7 +192,7 @@ def to_llama_config(hf: dict, where: str = "config.json") -> LlamaConfig:
         problems.append(f"num_attention_heads ({n_heads}) must be a multiple of num_key_value_heads ({n_kv})")
     moe = mixtral_hf.moe_fields(hf, problems, fields) if family == "mixtral" else {}
     if problems:
-        raise HFError(f"{where} ({arch}) uses what paratrain lacks:\n  - " + "\n  - ".join(problems))
+        raise HFError(f"{where} ({arch}) uses what paratrain lacks:" + bullets(problems))
     context = fields.integer("max_position_embeddings", 2048)
     window = _window(hf, family)
     # A sliding window at least as long as the context is plain causal attention; a shorter one
@@ -456,7 +456,7 @@ def load_pretrained(path: str) -> tuple[torch.nn.Module, HFCheckpoint]:
     ckpt = HFCheckpoint.open(path)
     problems = ckpt.check_shapes(expected_shapes(ckpt.model_cfg))
     if problems:
-        raise HFError(f"{ckpt.folder}:\n  - " + "\n  - ".join(problems))
+        raise HFError(f"{ckpt.folder}:" + bullets(problems))
     model = build_model(ckpt.model_cfg, "cpu")
     ckpt.load_into(model)
     return model.eval(), ckpt
@@ -643,8 +643,8 @@ def export_run(run: str, out: str, *, max_shard_bytes: int = 2 * 2**30) -> list[
     cfg = family.model_config(info["model"])
     problems = mixtral_hf.export_problems(cfg) if cfg.n_experts else []
     if problems:
-        raise HFError(f"{src} cannot be written as a {mixtral_hf.ARCHITECTURE}:\n  - "
-                      + "\n  - ".join(problems))
+        raise HFError(f"{src} cannot be written as a {mixtral_hf.ARCHITECTURE}:"
+                      + bullets(problems))
     imported = info.get("hf") or {}
     dest = Path(out)
     if dest.exists() and not dest.is_dir():
