@@ -148,6 +148,8 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
     ("--check-collectives", "parallel.check_collectives", bool, RELIABILITY, "compare every "
      "collective's fingerprint across its group first, so a hang names the rank that diverged"),
     ("--eval-every", "train.eval_every", int, RUN, "held-out loss every N steps (0: never)"),
+    ("--sample-prompt", "train.sample_prompt", str, RUN, "the prompt of the sample printed at the end "
+     "(default: the start of the corpus's first line)"),
     ("--threads", "train.threads", int, RUN, "torch threads of a single process (workers use 1; default: "
      "torch's choice)"),
     ("--no-progress", "train.progress", bool, RUN, "no progress bar (plain log lines, for "

@@ -141,6 +141,7 @@ class TrainConfig:
     threads: int | None = None  # torch threads for a single process; workers use 1
     overwrite: bool = False  # start afresh in a folder holding another run's checkpoints (deletes them)
     nan_policy: str = "stop"  # non-finite loss/grad norm: stop (with the tensor's name) | skip the step
+    sample_prompt: str | None = None  # the end-of-run sample's prompt; default: the corpus's first line
 
 
 @dataclass

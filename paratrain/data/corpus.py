@@ -44,6 +44,12 @@ class Corpus:
 
         return Tokenizer.from_file(str(self.tokenizer_path))
 
+    def first_line(self, max_tokens: int = 12) -> str:
+        """The start of the corpus's first line (a prompt that looks like the data): its first
+        ``max_tokens`` tokens, up to the first line break."""
+        text = self.tokenizer.decode([int(t) for t in self.tokens[:max_tokens]])
+        return text.split("\n", 1)[0] or text
+
 
 def load_prepared(folder: str | Path, verify: bool = False) -> Corpus:
     """Map a prepared folder (see tokenfile.py) after checking it (``P.check_prepared``; ``verify``:

@@ -400,6 +400,7 @@ class Trainer:
             info["model"] = self.task.model_cfg.to_dict()
         if self.task.corpus is not None:
             shutil.copy(self.task.corpus.tokenizer_path, self.out / "tokenizer.json")
+            info["sample_prompt"] = self.cfg.train.sample_prompt or self.task.corpus.first_line()
         info.update(self.task.run_info())  # e.g. an imported model's own Hugging Face config
         (self.out / "run.json").write_text(json.dumps(info, indent=2))
 
