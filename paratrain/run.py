@@ -157,6 +157,6 @@ def summarize(cfg: Config) -> None:
         if (out / name).exists():
             print(f"  {out / name}: {what}")
     if (out / "tokenizer.json").exists():
-        prompt = json.loads((out / "run.json").read_text()).get("sample_prompt") or "def "  # older runs: "def "
+        prompt = json.loads((out / "run.json").read_text()).get("sample_prompt") or "def "  # older runs
         print(f"\nsample (paratrain generate --run {out} {prompt!r}):")
         print(prompt + generate_from_run(str(out), prompt, max_new_tokens=80))
