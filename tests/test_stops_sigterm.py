@@ -67,6 +67,7 @@ def test_sigterm_to_the_process_group_saves_at_the_stop_and_resumes(tmp_path):
         os.killpg(proc.pid, signal.SIGTERM)  # launcher, forkserver and workers alike
         log = proc.communicate(timeout=120)[0]
         assert proc.returncode == 143, log
+        assert "leaked semaphore" not in log, log  # issue 23 item 7: nothing of the run outlives it
         _wait_until(lambda: not _session_pids(proc.pid), 10,
                     f"every process of the run gone (left: {_session_pids(proc.pid)})")
         folder = ckpt.latest(out)
@@ -79,4 +80,5 @@ def test_sigterm_to_the_process_group_saves_at_the_stop_and_resumes(tmp_path):
     again = _train(out, "--steps", str(saved + 2), "--resume")
     log = again.communicate(timeout=180)[0]
     assert again.returncode == 0, log
+    assert "leaked semaphore" not in log, log
     assert _steps(out) == list(range(1, saved + 3)), "resumed from the stop, each step logged once"
