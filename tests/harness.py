@@ -37,6 +37,7 @@ weights; running the suite in float64 would test another code path than the one 
 """
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,6 +72,21 @@ def tiny_cfg(out: str | Path, **overrides) -> config.Config:
 
 
 FP32_REORDERED = {"rtol": 1e-4, "atol": 1e-4}
+
+STEPS4 = {"train.steps": 4, "train.save_every": 2}  # a run with checkpoints at steps 2 and 4
+
+
+def saved_run(out: Path) -> Path:
+    """A 4-step one-process run with checkpoints at steps 2 and 4 in ``out`` (checkpoint tests)."""
+    Trainer(tiny_cfg(out, **STEPS4)).fit()
+    return out
+
+
+def copy_run(saved: Path, tmp_path: Path) -> Path:
+    """A copy of the run folder ``saved`` at tmp_path/run, to damage or resume."""
+    out = tmp_path / "run"
+    shutil.copytree(saved, out)
+    return out
 
 
 @dataclass

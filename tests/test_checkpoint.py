@@ -27,9 +27,16 @@ from paratrain.engine import checks
 from paratrain.shards import CheckpointError
 from paratrain.train.trainer import Trainer
 from tests.dist import run
-from tests.harness import FP32_REORDERED, RunResult, assert_same_training, run_layout, tiny_cfg
-
-STEPS4 = {"train.steps": 4, "train.save_every": 2}
+from tests.harness import (
+    FP32_REORDERED,
+    STEPS4,
+    RunResult,
+    assert_same_training,
+    copy_run,
+    run_layout,
+    saved_run,
+    tiny_cfg,
+)
 
 
 def _continue_from(src: Path, dst: Path, step: int = 2) -> None:
@@ -144,16 +151,7 @@ def test_async_save_writes_the_same_checkpoints_as_blocking(tmp_path):
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """A 4-step run with checkpoints at steps 2 and 4."""
-    out = tmp_path_factory.mktemp("saved")
-    Trainer(tiny_cfg(out, **STEPS4)).fit()
-    return out
-
-
-def _copy(saved: Path, tmp_path: Path) -> Path:
-    out = tmp_path / "run"
-    shutil.copytree(saved, out)
-    return out
+    return saved_run(tmp_path_factory.mktemp("saved"))
 
 
 def _resume(out: Path, **overrides) -> Trainer:
@@ -177,7 +175,7 @@ DAMAGE = {
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(saved, tmp_path, capsys, damage):
-    out = _copy(saved, tmp_path)
+    out = copy_run(saved, tmp_path)
     DAMAGE[damage](out / "checkpoints" / "step_000004")
     trainer = _resume(out)
     assert trainer.start_step == 2
@@ -186,14 +184,14 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(saved, tmp_p
 
 
 def test_a_garbage_latest_pointer_is_ignored_and_said(saved, tmp_path, capsys):
-    out = _copy(saved, tmp_path)
+    out = copy_run(saved, tmp_path)
     (out / "checkpoints" / "latest").write_bytes(b"\x00\xff\xfe garbage")
     assert _resume(out).start_step == 4
     assert "latest does not name a checkpoint" in capsys.readouterr().err
 
 
 def test_no_usable_checkpoint_is_an_error_not_a_restart(saved, tmp_path):
-    out = _copy(saved, tmp_path)
+    out = copy_run(saved, tmp_path)
     for step in ("step_000002", "step_000004"):
         _truncate(out / "checkpoints" / step / "rank_00000.safetensors")
     with pytest.raises(CheckpointError, match=r"rank_00000.safetensors is \d+ bytes .* \(truncated\?\)"):
@@ -202,17 +200,17 @@ def test_no_usable_checkpoint_is_an_error_not_a_restart(saved, tmp_path):
 
 def test_a_checkpoint_of_another_model_is_refused(saved, tmp_path):
     with pytest.raises(CheckpointError, match="written for another model: .*'embed.weight' has shape"):
-        _resume(_copy(saved, tmp_path), **{"model.dim": 32, "model.n_heads": 2, "model.n_kv_heads": 2})
+        _resume(copy_run(saved, tmp_path), **{"model.dim": 32, "model.n_heads": 2, "model.n_kv_heads": 2})
 
 
 def test_a_checkpoint_with_another_global_batch_is_refused(saved, tmp_path):
     with pytest.raises(CheckpointError, match="global batch 8, this run has 16.*--global-batch 8"):
-        _resume(_copy(saved, tmp_path), **{"train.global_batch": 16})
+        _resume(copy_run(saved, tmp_path), **{"train.global_batch": 16})
 
 
 @pytest.mark.parametrize("background", [False, True])
 def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(saved, tmp_path, monkeypatch, background):
-    out = _copy(saved, tmp_path)
+    out = copy_run(saved, tmp_path)
     trainer = _resume(out, **{"train.async_save": background})
 
     def full(*args, **kwargs):
@@ -233,7 +231,7 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(saved, tmp_path
 
 
 def test_a_fresh_run_refuses_to_overwrite_another_runs_checkpoints(saved, tmp_path):
-    out = _copy(saved, tmp_path)
+    out = copy_run(saved, tmp_path)
     with pytest.raises(CheckpointError, match="holds step_000002, step_000004 from another run.*--resume"):
         Trainer(tiny_cfg(out, **STEPS4)).fit()
     assert ckpt.latest(out).name == "step_000004"

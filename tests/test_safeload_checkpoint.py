@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -25,9 +24,8 @@ from paratrain.cli import main
 from paratrain.engine import checkpoint as ckpt
 from paratrain.shards import CheckpointError
 from paratrain.train.trainer import Trainer
-from tests.harness import tiny_cfg
+from tests.harness import STEPS4, copy_run, saved_run, tiny_cfg
 
-STEPS4 = {"train.steps": 4, "train.save_every": 2}
 CLI_TINY = ["--model", "tiny", "--vocab-size", "512", "--max-files", "40", "--seq-len", "32",
             "--steps", "4", "--global-batch", "8", "--eval-every", "0", "--warmup-steps", "1", "--lr", "0.01",
             "--no-progress"]
@@ -51,16 +49,7 @@ def _plant(file: Path, marker: Path, keep: object) -> None:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """A 4-step run with checkpoints at steps 2 and 4."""
-    out = tmp_path_factory.mktemp("saved")
-    Trainer(tiny_cfg(out, **STEPS4)).fit()
-    return out
-
-
-def _copy(saved: Path, tmp_path: Path) -> Path:
-    out = tmp_path / "run"
-    shutil.copytree(saved, out)
-    return out
+    return saved_run(tmp_path_factory.mktemp("saved"))
 
 
 def _plant_rng(out: Path, marker: Path) -> Path:
@@ -71,7 +60,7 @@ def _plant_rng(out: Path, marker: Path) -> Path:
 
 
 def test_resume_refuses_a_crafted_rng_pickle_and_runs_it_only_when_trusted(saved, tmp_path):
-    out, marker = _copy(saved, tmp_path), tmp_path / "pwned"
+    out, marker = copy_run(saved, tmp_path), tmp_path / "pwned"
     _plant_rng(out, marker)
     with pytest.raises(CheckpointError, match=r"rng\.pt is not plain data: .*'io.open'.*--trust-checkpoint"):
         Trainer(tiny_cfg(out, **STEPS4, **{"train.resume": True})).resume()
@@ -83,7 +72,7 @@ def test_resume_refuses_a_crafted_rng_pickle_and_runs_it_only_when_trusted(saved
 
 
 def test_cli_resume_refuses_with_exit_2_and_trusts_with_the_flag(saved, tmp_path, capsys):
-    out, marker = _copy(saved, tmp_path), tmp_path / "pwned"
+    out, marker = copy_run(saved, tmp_path), tmp_path / "pwned"
     _plant_rng(out, marker)
     assert main(["train", *CLI_TINY, "--out", str(out), "--resume"]) == 2
     err = capsys.readouterr().err
@@ -96,7 +85,7 @@ def test_cli_resume_refuses_with_exit_2_and_trusts_with_the_flag(saved, tmp_path
 
 def test_export_and_eval_never_unpickle(saved, tmp_path):
     """export and eval --run read safetensors and JSON only: a crafted rng.pt stays unread."""
-    out, marker = _copy(saved, tmp_path), tmp_path / "pwned"
+    out, marker = copy_run(saved, tmp_path), tmp_path / "pwned"
     _plant_rng(out, marker)
     assert main(["export", str(out), "--safetensors", str(tmp_path / "m.safetensors")]) == 0
     text = tmp_path / "t.txt"
@@ -111,7 +100,7 @@ def test_checkpoints_store_every_rng_as_plain_data(saved):
 
 
 def test_an_index_naming_files_outside_its_folder_is_refused(saved, tmp_path, capsys):
-    out = _copy(saved, tmp_path)
+    out = copy_run(saved, tmp_path)
     folder = out / "checkpoints" / "step_000004"
     index = json.loads((folder / "index.json").read_text())
     outside = "../step_000002/rank_00000.safetensors"
