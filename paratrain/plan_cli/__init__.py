@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shlex
 import statistics
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from paratrain.launch import spawn
 from paratrain.models.llama import PRESETS, LlamaConfig
 from paratrain.perf.hardware import GB, GPUS, LINKS, Cluster, make_cluster
 from paratrain.plan_cli.calibrate import measure_local
+from paratrain.plan_cli.command import first_runnable, model_toml, run_line, train_command
 from paratrain.planner import search
 from paratrain.planner.machine import local_cluster
 from paratrain.planner.memory import Layout, Training
@@ -217,111 +217,6 @@ def report(result: PlanResult, cluster: Cluster) -> str:
             f"({result.evaluated} layouts evaluated; memory in GB = 1e9 bytes, per device, busiest pipeline "
             "stage; 'other' = communication buffers + transient peaks + runtime)"]
     return "\n".join(out)
-
-
-SHAPE_KEYS = {"layers": "n_layers", "hidden": "dim", "heads": "n_heads", "kv_heads": "n_kv_heads",
-              "ffn": "ffn_dim"}
-
-
-def train_settings(args: argparse.Namespace, c: LlamaConfig, lay: Layout) -> list[tuple[str, str, object]]:
-    """The `paratrain train` settings that run ``lay`` as planned, as (flag, config key, value); value
-    True is a switch. The model, sequence, batch, precision and every setting of the layout."""
-    out: list[tuple[str, str, object]] = []
-    if args.model:
-        out.append(("--model", "model.name", args.model))
-    if c.n_experts and (args.experts is not None or args.top_k is not None):
-        out += [("--experts", "model.n_experts", c.n_experts), ("--top-k", "model.top_k", c.top_k)]
-    out += [("--seq-len", "data.seq_len", args.seq_len), ("--global-batch", "train.global_batch",
-            args.global_batch), ("--precision", "train.precision", args.precision)]
-    if args.optimizer != config.default_of("optim.name"):
-        out.append(("--optimizer", "optim.name", args.optimizer))
-    out += [("--dp", "parallel.dp", lay.dp), ("--tp", "parallel.tp", lay.tp), ("--pp", "parallel.pp", lay.pp),
-            ("--zero", "parallel.zero", lay.zero), ("--micro-batch", "train.micro_batch", lay.micro_batch)]
-    out += [("--sp", "parallel.sp", True)] if lay.sp else []
-    out += [("--ep", "parallel.ep", lay.ep)] if lay.ep > 1 else []
-    if lay.pp > 1:
-        out += [("--pp-schedule", "parallel.pp_schedule", lay.schedule), ("--pp-split", "parallel.pp_split",
-                                                                             "auto")]
-        out += [("--virtual-stages", "parallel.virtual_stages", lay.v)] if lay.v > 1 else []
-    out += [("--recompute", "train.recompute", lay.recompute)] if lay.recompute != "none" else []
-    if lay.offload != "none":
-        out.append(("--offload", "parallel.offload", lay.offload))
-        if lay.offload == "disk":
-            out.append(("--offload-dir", "parallel.offload_dir", "runs/default/offload"))
-    out += [("--tile", "train.tile", lay.tile)] if lay.tile > 1 else []
-    return out
-
-
-def needs_model_file(args: argparse.Namespace) -> bool:
-    """A shape given by flags has no `train` flags: the command then reads it from a TOML file."""
-    return (args.model is None or any(getattr(args, f) is not None for f in SHAPE_KEYS)
-            or args.vocab is not None or args.tie_embeddings)
-
-
-def model_settings(args: argparse.Namespace, c: LlamaConfig) -> dict:
-    """The config keys of plan-model.toml (see model_toml)."""
-    return {"model.name": args.model or "small", "model.n_layers": c.n_layers, "model.dim": c.dim,
-            "model.n_heads": c.n_heads, "model.n_kv_heads": c.n_kv_heads, "model.ffn_dim": c.ffn_dim,
-            "model.tie_embeddings": c.tie_embeddings, "data.vocab_size": c.vocab_size}
-
-
-def model_toml(args: argparse.Namespace, c: LlamaConfig) -> str | None:
-    """The plan-model.toml a plan's command needs when the shape was given by flags (None if not)."""
-    if not needs_model_file(args):
-        return None
-    sections: dict[str, list[str]] = {}
-    for dotted, value in model_settings(args, c).items():
-        section, key = dotted.split(".")
-        sections.setdefault(section, []).append(f"{key} = {json.dumps(value)}")
-    return "\n".join(f"[{name}]\n" + "\n".join(lines) for name, lines in sections.items())
-
-
-def train_command(args: argparse.Namespace, c: LlamaConfig, lay: Layout, cluster: Cluster) -> str:
-    """One complete command for ``lay``: pasted as is it trains what the table's row describes. Over
-    several nodes torchrun starts the ranks (README), on one node paratrain's own workers."""
-    flags = ["--config plan-model.toml"] if needs_model_file(args) else []
-    for flag, _, value in train_settings(args, c, lay):
-        flags.append(flag if value is True else f"{flag} {shlex.quote(str(value))}")
-    if cluster.n_nodes > 1:
-        launcher = (f"torchrun --nnodes {cluster.n_nodes} --nproc-per-node {cluster.devices_per_node} "
-                    "--rdzv-endpoint HOST:29500 -m paratrain.cli train")
-    else:
-        launcher = f"paratrain train --nproc {lay.world}"
-    return " ".join([launcher, *flags])
-
-
-def first_runnable(args: argparse.Namespace, c: LlamaConfig, result: PlanResult) -> tuple[int, Plan] | None:
-    """The best plan that fits and that paratrain's trainer accepts as printed (its checks), with its
-    row number: the planner also ranks layouts this version cannot run (e.g. ZeRO-3 with pipelines)."""
-    base = model_settings(args, c) if needs_model_file(args) else {}
-    for i, p in enumerate(result.plans, 1):
-        if not p.fits:
-            continue
-        overrides = {**base, **{key: value for _, key, value in train_settings(args, c, p.layout)}}
-        try:
-            checks.validate(config.load(None, overrides), p.layout.world)
-        except (config.ConfigError, ValueError):
-            continue
-        return i, p
-    return None
-
-
-def run_line(args: argparse.Namespace, c: LlamaConfig, result: PlanResult, cluster: Cluster) -> str:
-    """The plan's last words: the command for its first choice paratrain can run, or why there is none."""
-    positions = PRESETS[args.model].max_seq_len if args.model in PRESETS else None
-    if positions is not None and args.seq_len > positions:
-        return (f"nothing to run as planned: {args.model} has {positions} positions, so `paratrain train` "
-                f"refuses --seq-len {args.seq_len}; plan with --seq-len {positions} or a larger --model")
-    found = first_runnable(args, c, result)
-    if found is None:
-        return (f"none of the {len(result.plans)} layouts above both fits and is one paratrain's trainer "
-                "runs: nothing to run (more devices, a smaller model or batch, or a larger --top)")
-    i, best = found
-    toml = model_toml(args, c)
-    pre = f"save as plan-model.toml:\n{toml}\n" if toml else ""
-    if i > 1:
-        pre += f"(#1 to #{i - 1} are layouts paratrain's trainer does not run yet)\n"
-    return f"{pre}run the first choice (#{i} above):\n  {train_command(args, c, best.layout, cluster)}"
 
 
 def model_params(c: LlamaConfig) -> dict:
