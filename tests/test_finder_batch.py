@@ -1,4 +1,4 @@
-"""``--micro-batch auto`` under data, ZeRO and tensor parallelism (issue 23, items 2 and 6).
+"""``--micro-batch auto`` under data, ZeRO, tensor and pipeline parallelism (issue 23, items 2, 6).
 
 The finder's trials are real forwards and backwards on the strategy that then trains. Under DDP the
 trial's backward used to run outside ``no_sync``: its hooks launched bucket all-reduces and left
@@ -24,6 +24,12 @@ LAYOUTS = {
     "zero3-tied": {"parallel.dp": 2, "parallel.zero": 3, "model.tie_embeddings": True},
     "tp2": {"parallel.dp": 1, "parallel.tp": 2},
 }
+# A pipeline's trial is the whole schedule of the step (8, 4, 2, then 1 micro-batches in flight).
+PIPELINES = {
+    "pp2-gpipe": {"parallel.dp": 1, "parallel.pp": 2, "parallel.pp_schedule": "gpipe"},
+    "pp2-1f1b-tied": {"parallel.dp": 1, "parallel.pp": 2, "parallel.pp_schedule": "1f1b",
+                      "model.tie_embeddings": True},
+}
 FINDER = {"train.micro_batch": "auto", "train.memory_measure": "tensors"}  # deterministic peaks
 
 
@@ -46,6 +52,22 @@ def test_auto_micro_batch_trains_as_the_same_micro_batch_by_hand(tmp_path, layou
     ref = run_layout(tiny_cfg(tmp_path / "hand", **over, **{"train.micro_batch": 2}), nproc=2, timeout=120)
     assert got.losses == ref.losses
     assert got.weights.keys() == ref.weights.keys()
+    for name in ref.weights:
+        assert torch.equal(torch.as_tensor(got.weights[name]), torch.as_tensor(ref.weights[name])), name
+
+
+@pytest.mark.parametrize("layout", PIPELINES)
+def test_pipeline_trials_leave_the_step_as_the_same_micro_batch_by_hand(tmp_path, layout):
+    """Every candidate fits (the stages' peaks differ, so no single limit picks a middle one on
+    both): the finder ran the schedule with 8, 4, 2 and 1 micro-batches of the step, then chose the
+    largest; training then equals that micro-batch given by hand, loss for loss and bit for bit."""
+    over = PIPELINES[layout]
+    got = run_layout(tiny_cfg(tmp_path / "auto", **over, **FINDER, **{"train.memory_limit": 2**40}),
+                     nproc=2, timeout=120)
+    finder = read_metrics(tmp_path / "auto" / "metrics.jsonl")[0]["batch_finder"]
+    assert [t["micro_batch"] for t in finder["trials"]] == [1, 2, 4, 8] and finder["chosen"] == 8
+    ref = run_layout(tiny_cfg(tmp_path / "hand", **over, **{"train.micro_batch": 8}), nproc=2, timeout=120)
+    assert got.losses == ref.losses
     for name in ref.weights:
         assert torch.equal(torch.as_tensor(got.weights[name]), torch.as_tensor(ref.weights[name])), name
 

@@ -243,6 +243,31 @@ def executor_trial(executor: MicroBatchLoop, x: torch.Tensor, y: torch.Tensor,
     return trial
 
 
+def pipeline_trial(executor: Any, x: torch.Tensor, y: torch.Tensor, divisor: float) -> Callable[[int], int]:
+    """trial(n) for a pipeline (a pipeline/executor.py PipelineExecutor, a sibling technique): the
+    whole schedule of this step's micro-batches of n rows, forwards and backwards (``rehearse``),
+    since a stage's peak holds several micro-batches in flight; inside ``strategy.trial()``, with
+    buffers and RNG restored as in ``executor_trial``. Every stage runs every trial together."""
+    model, strategy = executor.model, executor.strategy
+    devices = [executor.mesh.device] if executor.mesh.device.type == "cuda" else []
+
+    def trial(n: int) -> int:
+        buffers = {k: b.clone() for k, b in model.named_buffers()}
+        count = saved_tensor_bytes(model)
+        try:
+            with torch.random.fork_rng(devices=devices), strategy.trial(), count:
+                executor.rehearse([(x[i:i + n], y[i:i + n]) for i in range(0, len(x), n)], divisor)
+                params = sum(p.nbytes for p in model.parameters())
+                grads = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+                return params + grads + count.bytes
+        finally:
+            with torch.no_grad():
+                for k, b in model.named_buffers():
+                    b.copy_(buffers[k])
+
+    return trial
+
+
 def adam_moment_bytes(model: torch.nn.Module, shards: int = 1) -> int:
     """Bytes of AdamW's two fp32 moments for this rank (divided by the dp degree under ZeRO)."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad) * 8 // shards
@@ -262,9 +287,14 @@ def resolve_micro_batch(trainer: Any) -> FinderResult:  # a train.Trainer, a lay
     executor = trainer.engine.executor
     shards = mesh.dp.size if cfg.parallel.zero >= 1 else 1
     log = print if trainer.env.rank == 0 else None
+    x, y, divisor = x.to(device), y.to(device), float(trainer.units_per_step)
+    if mesh.pp.size > 1:  # the schedule's micro-batch count is per_rank / n: the sizes it runs
+        trial = pipeline_trial(executor, x, y, divisor)
+        candidates = [n for n in divisors(per_rank) if executor.accepts(per_rank // n)]
+    else:
+        trial, candidates = executor_trial(executor, x, y, divisor), divisors(per_rank)
     result = find_executable_batch_size(
-        executor_trial(executor, x.to(device), y.to(device), float(trainer.units_per_step)),
-        divisors(per_rank), memory_limit=limit, group=mesh.world, device=device,
+        trial, candidates, memory_limit=limit, group=mesh.world, device=device,
         measure=cfg.train.memory_measure, reserve_bytes=adam_moment_bytes(executor.model, shards), log=log)
     cfg.train.micro_batch = result.micro_batch
     if log:

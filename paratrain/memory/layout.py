@@ -31,8 +31,7 @@ def check_savers(cfg: Config, problems: list[str]) -> None:
     # TP or ZeRO-3 collective; on a CPU a trial never fails alone (the OS ends the whole job).
     gpu = auto and (p.tp > 1 or p.zero == 3) and _cuda()
     _refuse(problems, "--micro-batch auto", auto,
-            {"--pp > 1": (p.pp > 1, "the schedule's micro-batch count must be fixed before it is built"),
-             "--tp > 1 on a GPU": (gpu and p.tp > 1, "a trial out of memory inside a tensor-parallel "
+            {"--tp > 1 on a GPU": (gpu and p.tp > 1, "a trial out of memory inside a tensor-parallel "
                                                      "collective would hang"),
              "--zero 3 on a GPU": (gpu and p.zero == 3, "a trial out of memory inside a ZeRO-3 all-gather "
                                                         "would hang")})

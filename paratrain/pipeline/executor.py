@@ -110,6 +110,21 @@ class PipelineExecutor:
             self.strategy.after_backward()
         return self._loss_from_last_stage(total)
 
+    def rehearse(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], divisor: float) -> None:
+        """One step's forwards and backwards and nothing after them (no gradient reduction, no
+        tied-pair sum): ``--micro-batch auto``'s trial of a micro-batch size, whose memory peak is
+        the schedule's, with several micro-batches in flight on a stage. Every stage runs it."""
+        self._execute(self._rank_actions(len(micro_batches), train=True), micro_batches, divisor, 1.0,
+                      train=True)
+
+    def accepts(self, m: int) -> bool:
+        """Whether the schedule runs ``m`` micro-batches per step (interleaved needs a multiple of p)."""
+        try:
+            self.schedule(m)
+        except ValueError:
+            return False
+        return True
+
     @torch.no_grad()
     def evaluate(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
                  divisor: float) -> torch.Tensor:
