@@ -30,6 +30,7 @@ trainer passes the moments' bytes) is held during the trials (allocated on CUDA,
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -212,60 +213,52 @@ def saved_tensor_bytes(model: torch.nn.Module) -> torch.autograd.graph.saved_ten
     return Count()
 
 
+def _as_trial(model: torch.nn.Module, strategy: Any, device: torch.device,
+              run: Callable[[Any], None]) -> int:
+    """Run ``run(count)`` (forwards and backwards; ``count`` the saved-tensor counter to enter
+    around the forwards) as a trial: inside ``strategy.trial()`` (no gradient collective; afterwards
+    the strategy's gradients, hook and bucket counters are as a fresh strategy's), with the module
+    buffers (BatchNorm statistics) and every RNG restored, so the first real step is the step of a
+    run that never tried. Returns parameters + gradients + saved-for-backward bytes (``tensors``)."""
+    buffers = {k: b.clone() for k, b in model.named_buffers()}
+    count = saved_tensor_bytes(model)
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), strategy.trial():
+            run(count)
+            params = sum(p.nbytes for p in model.parameters())
+            grads = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+            return params + grads + count.bytes
+    finally:
+        with torch.no_grad():
+            for k, b in model.named_buffers():
+                b.copy_(buffers[k])
+
+
 def executor_trial(executor: MicroBatchLoop, x: torch.Tensor, y: torch.Tensor,
                    divisor: float) -> Callable[[int], int]:
-    """trial(n) for paratrain's micro-batch loop: forward + backward of the first n local rows inside
-    ``strategy.trial()`` (no gradient collective; afterwards the strategy's gradients, hook and
-    bucket counters are as a fresh strategy's), with the module buffers (BatchNorm statistics) and
-    every RNG restored, so the first real step is the step of a run that never tried.
-    Returns parameters + gradients + saved-for-backward bytes (the ``tensors`` measure)."""
-    model, strategy = executor.model, executor.strategy
-    devices = [executor.device] if executor.device.type == "cuda" else []
+    """trial(n) for paratrain's micro-batch loop: forward + backward of the first n local rows."""
+    model = executor.model
 
-    def trial(n: int) -> int:
-        buffers = {k: b.clone() for k, b in model.named_buffers()}
-        count = saved_tensor_bytes(model)
-        try:
-            with torch.random.fork_rng(devices=devices), strategy.trial():
-                with executor.autocast(), executor.saved_tensors(), count:
-                    loss = executor.loss_fn(model(x[:n]), y[:n])
-                    # train=False: a trial's MoE figures are not the first step's metrics
-                    loss = with_side_loss(loss, executor.side_loss, [model], False) / divisor
-                loss.backward()
-                params = sum(p.nbytes for p in model.parameters())
-                grads = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
-                return params + grads + count.bytes
-        finally:
-            with torch.no_grad():
-                for k, b in model.named_buffers():
-                    b.copy_(buffers[k])
+    def run(n: int, count: Any) -> None:
+        with executor.autocast(), executor.saved_tensors(), count:
+            loss = executor.loss_fn(model(x[:n]), y[:n])
+            # train=False: a trial's MoE figures are not the first step's metrics
+            loss = with_side_loss(loss, executor.side_loss, [model], False) / divisor
+        loss.backward()
 
-    return trial
+    return lambda n: _as_trial(model, executor.strategy, executor.device, functools.partial(run, n))
 
 
 def pipeline_trial(executor: Any, x: torch.Tensor, y: torch.Tensor, divisor: float) -> Callable[[int], int]:
     """trial(n) for a pipeline (a pipeline/executor.py PipelineExecutor, a sibling technique): the
     whole schedule of this step's micro-batches of n rows, forwards and backwards (``rehearse``),
-    since a stage's peak holds several micro-batches in flight; inside ``strategy.trial()``, with
-    buffers and RNG restored as in ``executor_trial``. Every stage runs every trial together."""
-    model, strategy = executor.model, executor.strategy
-    devices = [executor.mesh.device] if executor.mesh.device.type == "cuda" else []
+    since a stage's peak holds several micro-batches in flight. Every stage runs every trial."""
+    def run(n: int, count: Any) -> None:
+        with count:
+            executor.rehearse([(x[i:i + n], y[i:i + n]) for i in range(0, len(x), n)], divisor)
 
-    def trial(n: int) -> int:
-        buffers = {k: b.clone() for k, b in model.named_buffers()}
-        count = saved_tensor_bytes(model)
-        try:
-            with torch.random.fork_rng(devices=devices), strategy.trial(), count:
-                executor.rehearse([(x[i:i + n], y[i:i + n]) for i in range(0, len(x), n)], divisor)
-                params = sum(p.nbytes for p in model.parameters())
-                grads = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
-                return params + grads + count.bytes
-        finally:
-            with torch.no_grad():
-                for k, b in model.named_buffers():
-                    b.copy_(buffers[k])
-
-    return trial
+    return lambda n: _as_trial(executor.model, executor.strategy, executor.mesh.device,
+                               functools.partial(run, n))
 
 
 def adam_moment_bytes(model: torch.nn.Module, shards: int = 1) -> int:
