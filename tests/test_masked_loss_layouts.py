@@ -8,7 +8,9 @@ target at all. Its ``train_units`` / ``val_units`` count the whole global batch.
 * One process's reported loss is the global token mean computed here from the initial weights
   (so a divisor of all tokens, or a mean of per-micro-batch means, fails);
 * accumulation 4 x dp2 x pp2 (1F1B), pp2 interleaved, TP2+SP, ZeRO-3 dp2, selective and full
-  recompute, and token tiling each equal one process: losses (train and eval) and final weights.
+  recompute, token tiling and the batch finder each equal one process: losses (train and eval)
+  and final weights; GPT-2 (learned positions) under TP2+SP too;
+* the library's ``pipeline_step(..., positions=)`` equals a plain loop on the same packed rows.
 
 Precision: fp32, with the harness's criterion (tests/harness.py: losses at 1e-4, weights per
 tensor at 1e-4 with isolated AdamW sign flips of near-zero gradients allowed). float64 is not an
@@ -26,12 +28,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import paratrain
 from paratrain import config
 from paratrain.engine.task import Task
 from paratrain.models import build_model, full_init_value, init_weights, materialize, preset, tied_name
 from paratrain.train.trainer import Trainer
 from tests.dist import run
-from tests.harness import FP32_REORDERED, RunResult, assert_same_training
+from tests.harness import FP32_REORDERED, RunResult, assert_same_training, assert_same_weights
 
 SEQ, VOCAB, GB = 16, 512, 8
 BASE = {
@@ -190,6 +193,8 @@ ONE_PROCESS = {
     "acc4_full": {"train.micro_batch": 2, "train.recompute": "full"},
     "acc2_selective": {"train.micro_batch": 4, "train.recompute": "selective"},
     "tile2": {"train.tile": 2, "train.micro_batch": 1},  # the blank row's tiles count nothing
+    # --micro-batch auto: trials on the first step's packed rows, then a step as if none had run
+    "finder": {"train.micro_batch": "auto", "train.memory_limit": 2**40, "train.memory_measure": "tensors"},
 }
 
 
@@ -211,3 +216,39 @@ def test_gpt2_tp2_sp_equals_one_process(world2, ref_gpt2):
     _assert_same(world2["gpt2_tp2_sp"], ref_gpt2, lr_steps=GPT2["optim.lr"] * BASE["train.steps"])
 
 
+
+
+def _library_loop(pp: int) -> tuple[list[float], dict]:
+    """The library's door: paratrain's tiny Llama in a user's loop; with pp = 2 ``pipeline_step``
+    takes the packed rows' positions, else the plain loop calls ``model(x, positions)``."""
+    cfg = preset("tiny", max_seq_len=SEQ)
+    model = build_model(cfg, "cpu")
+    init_weights(model, 0, cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    par = paratrain.Parallel(pp=pp) if pp > 1 else None
+    if par is not None:
+        model, opt = par.prepare(model, opt)
+    losses = []
+    for k in range(3):
+        x, y, p = _rows(k, 4, None)
+        if par is not None:
+            loss = par.pipeline_step(x, y, micro_batches=2, positions=p)
+        else:
+            loss = F.cross_entropy(model(x, p).flatten(0, 1), y.flatten())  # the mean over counted targets
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    state = par.full_state_dict(model) if par is not None else model.state_dict()
+    return losses, {k: v.detach().clone() for k, v in state.items()}
+
+
+def _library_pp2(env) -> tuple[list[float], dict]:
+    return _library_loop(2)
+
+
+def test_library_pipeline_step_takes_positions():
+    got_losses, got = run(_library_pp2, 2, timeout=120.0)[0]
+    ref_losses, ref = _library_loop(1)
+    torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(ref_losses), **FP32_REORDERED)
+    assert_same_weights(got, ref, **FP32_REORDERED, lr_steps=1e-2 * 3)
