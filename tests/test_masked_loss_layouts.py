@@ -24,6 +24,9 @@ tests/test_packed_attention.py).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,6 +35,7 @@ import paratrain
 from paratrain import config
 from paratrain.engine.task import Task
 from paratrain.models import build_model, full_init_value, init_weights, materialize, preset, tied_name
+from paratrain.models.moe_train import MoEAccounting
 from paratrain.train.trainer import Trainer
 from tests.dist import run
 from tests.harness import FP32_REORDERED, RunResult, assert_same_training, assert_same_weights
@@ -46,6 +50,7 @@ BASE = {
 # not change when every key moves alike), where AdamW amplifies fp32 reordering noise; at lr 1e-2
 # five elements of one wk drifted 1.6e-4 apart (losses equal), at 1e-3 that noise stays < 1e-4.
 GPT2 = {"model.name": "gpt2-tiny", "optim.lr": 1e-3}
+MOE = {"model.name": "tiny-moe", "optim.eps": 1e-5}  # eps: tests/test_moe_parity.py says why
 LR_STEPS = BASE["optim.lr"] * BASE["train.steps"]  # bounds an AdamW sign flip (tests/harness.py)
 
 
@@ -59,9 +64,19 @@ class PackedTask(Task):
         self.seed = cfg.train.seed
         self.units_per_row = SEQ
         self.n_params = self.model_cfg.n_params()
+        self.moe = None
 
     def build_model(self, device):
-        return build_model(self.model_cfg, device)
+        model = build_model(self.model_cfg, device)
+        self.moe = MoEAccounting(model, self.model_cfg) if self.model_cfg.n_experts else None
+        return model
+
+    @property
+    def side_loss_sum(self):  # the MoE aux and z losses, as train/task.py's LanguageModelTask
+        return None if self.moe is None else self.moe.side_loss_sum
+
+    def take_side_loss_sum(self):
+        return 0.0 if self.moe is None else self.moe.take_step_sum()
 
     def materialize(self, model, device):
         materialize(model, device)
@@ -118,8 +133,13 @@ def _cfg(out, **overrides) -> config.Config:
 
 
 def _train(cfg: config.Config, env=None) -> RunResult:
+    """Losses: the training losses, the eval losses, and ``ce_loss`` (MoE: the loss less its aux
+    losses, divided by the same count) from metrics.jsonl."""
     result = Trainer(cfg, env, task=PackedTask(cfg)).fit()
-    return RunResult(result.losses + [v for _, v in result.val_losses], result.final_state)
+    metrics = Path(cfg.train.out) / "metrics.jsonl"  # rank 0 writes it
+    rows = metrics.read_text().splitlines() if env is None or env.rank == 0 else []
+    ce = [r["ce_loss"] for r in map(json.loads, rows) if "ce_loss" in r]
+    return RunResult(result.losses + [v for _, v in result.val_losses] + ce, result.final_state)
 
 
 def _train_many(env, cfg_dicts: list[dict]):
@@ -148,6 +168,11 @@ def ref_gpt2(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def ref_moe(tmp_path_factory):
+    return _train(_cfg(tmp_path_factory.mktemp("ref_moe"), **MOE))
+
+
+@pytest.fixture(scope="module")
 def world4(tmp_path_factory):
     base = tmp_path_factory.mktemp("w4")
     cfgs = {"acc4_dp2_pp2": _cfg(base / "a", **{"parallel.dp": 2, "parallel.pp": 2, "train.micro_batch": 1})}
@@ -168,6 +193,7 @@ def world2(tmp_path_factory):
         # GPT-2: the learned position table, vocab-parallel, looks up [b, s] packed positions
         "gpt2_tp2_sp": _cfg(base / "g", **GPT2, **{"parallel.tp": 2, "parallel.sp": True,
                                                    "train.micro_batch": 2}),
+        "moe_pp2": _cfg(base / "m", **MOE, **{"parallel.pp": 2, "train.micro_batch": 1}),
     }
     return _layouts(2, cfgs)
 
@@ -245,6 +271,17 @@ def _library_loop(pp: int) -> tuple[list[float], dict]:
 
 def _library_pp2(env) -> tuple[list[float], dict]:
     return _library_loop(2)
+
+
+def test_moe_pp2_equals_one_process_with_its_ce_loss(world2, ref_moe):
+    """Mixture of experts on packed rows, accumulation 4 x pp2: losses, eval, ``ce_loss``, weights."""
+    steps = BASE["train.steps"]
+    assert len(ref_moe.losses) == 2 * steps + 1  # the ce_loss rows were read
+    first_ce = ref_moe.losses[steps + 1]  # the cross-entropy alone: its mean over counted targets
+    expected = _global_mean_loss(PackedTask(_cfg("unused", **MOE)), 0)
+    assert abs(first_ce - expected) <= 1e-5 * expected
+    assert ref_moe.losses[0] > first_ce  # the aux losses are in the loss, not in ce_loss
+    _assert_same(world2["moe_pp2"], ref_moe)
 
 
 def test_library_pipeline_step_takes_positions():
