@@ -20,6 +20,8 @@ master shard is written to it as soon as it is built, then dropped (one unit in 
               post-accumulate-grad hooks: when unit i's last gradient lands, pack the
               gradients, reduce-scatter them (async, SUM), keep our shard, free the buffer
 
+(The hooks and the gathered buffers live in zero/fsdp_units.py; this module builds and steps.)
+
 The gathered buffer keeps its tensor but its storage is resized to 0 when freed (FSDP's trick):
 the parameters are views into it, so autograd's saved references stay valid and see the
 re-gathered values in backward. Parameters are bound with ``p.data = view`` so they keep their

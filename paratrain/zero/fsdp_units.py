@@ -78,6 +78,7 @@ class UnitHooks:
     """Gather, release and prefetch of ``self.units`` (mixed into Zero3)."""
 
     units: list[Unit]
+
     # -- gather / free ------------------------------------------------------------------------------
 
     def _gather(self, i: int, async_op: bool) -> None:
