@@ -70,8 +70,9 @@ def test_format_detected_from_the_fields(tmp_path):
     assert resolve_format(first_row(list_sources(str(src))), "text", "text") == "text"  # forced
     bad = _jsonl(tmp_path / "bad.jsonl", [{"question": "a", "answer": "b"}])
     assert resolve_format(first_row(list_sources(str(bad))), "auto", "text") == "text"  # whose reader says:
-    with pytest.raises(DataError, match=r'bad.jsonl:1: no "text" field \(found: question, answer\).*"messages"'):
+    with pytest.raises(DataError, match=r'bad.jsonl:1: no "text" field \(found: question, answer\)') as e:
         prepare(str(bad), PrepareOptions(workers=1), out=tmp_path / "p")
+    assert '"messages" (chat data), or "prompt" + "completion"' in str(e.value)
 
 
 def test_forced_format_refuses_rows_without_its_fields(tmp_path, tok_dir):
