@@ -73,3 +73,35 @@ def test_generate_chat_without_a_template_is_refused(tmp_path, tok_dir, capsys):
     capsys.readouterr()
     assert main(["generate", "--run", str(tmp_path / "run"), "--chat", "hi", "--tokens", "2"]) == 2
     assert "has no chat template" in capsys.readouterr().err
+
+
+def test_truncation_is_reported_once_and_recorded(tmp_path, tok_dir, capsys):  # noqa: F811
+    src = _jsonl(tmp_path / "chat.jsonl", [_chat(i, turns=3) for i in range(40)])
+    args = _args(tmp_path, src, tok_dir, "--steps", "1")
+    args[args.index("--seq-len") + 1] = "32"
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert err.count("example(s) longer than --seq-len + 1 = 33 tokens were cut") == 1
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert info["data"]["truncated_examples"] == 40
+    assert main(args + ["--long-examples", "refuse", "--overwrite"]) == 2
+    assert "40 example(s) are longer than --seq-len + 1 = 33 tokens" in capsys.readouterr().err
+
+
+def test_resume_continues_at_the_same_packed_rows(tmp_path, tok_dir):  # noqa: F811
+    from paratrain import config
+    from paratrain.engine import checks
+    from paratrain.train.trainer import Trainer
+
+    src = _jsonl(tmp_path / "chat.jsonl", [_chat(i, turns=1 + i % 2) for i in range(60)])
+
+    def cfg(out: Path, **kw):
+        base = {"model.name": "tiny", "data.path": str(src), "data.tokenizer": str(tok_dir), "data.seq_len": 128,
+                "data.cache_dir": str(tmp_path / "cache"), "train.global_batch": 4, "train.steps": 3,
+                "train.eval_every": 0, "train.progress": False, "train.out": str(out)}
+        return checks.settle_seq_len(config.load(None, {**base, **kw}))
+
+    full = Trainer(cfg(tmp_path / "full")).fit()
+    Trainer(cfg(tmp_path / "run", **{"train.steps": 2})).fit()
+    resumed = Trainer(cfg(tmp_path / "run", **{"train.resume": True})).fit()
+    assert resumed.losses == full.losses[2:]
