@@ -131,15 +131,17 @@ def test_data_prepare_cli_flags_and_a_prepared_folder_keeps_its_format(tmp_path,
     src = _jsonl(tmp_path / "c.jsonl", [{"prompt": "why the cat", "completion": " it was warm"}] * 20)
     out = tmp_path / "prepared"
     assert main(["data", "prepare", "--data", str(src), "--out", str(out), "--tokenizer", str(tok_dir),
-                 "--format", "completion", "--train-on-prompt", "--workers", "1", "--no-progress", "--json"]) == 0
+                 "--format", "completion", "--train-on-prompt", "--workers", "1", "--no-progress",
+                 "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["format"] == "completion"
     assert load_prepared(out).mask.all()  # --train-on-prompt: every token counted
     from paratrain.data import prepare_corpus
 
-    with pytest.raises(DataError, match="holds completion data, not chat: prepare it again with --format chat"):
+    with pytest.raises(DataError, match="holds completion data, not chat: prepare it again with --format"):
         prepare_corpus(str(out), 500, fmt="chat")
     assert main(["data", "prepare", "--data", str(src), "--out", str(tmp_path / "x"), "--format", "chat",
-                 "--tokenizer", str(tok_dir / "tokenizer.json"), "--chat-template", str(tmp_path / "none.jinja"),
+                 "--tokenizer", str(tok_dir / "tokenizer.json"),
+                 "--chat-template", str(tmp_path / "none.jinja"),
                  "--no-progress"]) == 2
     assert "--chat-template" in capsys.readouterr().err
 

@@ -96,7 +96,8 @@ def test_resume_continues_at_the_same_packed_rows(tmp_path, tok_dir):  # noqa: F
     src = _jsonl(tmp_path / "chat.jsonl", [_chat(i, turns=1 + i % 2) for i in range(60)])
 
     def cfg(out: Path, **kw):
-        base = {"model.name": "tiny", "data.path": str(src), "data.tokenizer": str(tok_dir), "data.seq_len": 128,
+        base = {"model.name": "tiny", "data.path": str(src), "data.tokenizer": str(tok_dir),
+                "data.seq_len": 128,
                 "data.cache_dir": str(tmp_path / "cache"), "train.global_batch": 4, "train.steps": 3,
                 "train.eval_every": 0, "train.progress": False, "train.out": str(out)}
         return checks.settle_seq_len(config.load(None, {**base, **kw}))
