@@ -197,6 +197,7 @@ def test_rows_per_step_are_layout_free_and_units_count_them():
 def test_long_examples_truncated_and_counted_or_refused():
     rows = _rows([4, 20, 3, 9], seq_len=6)
     assert rows.truncated == 2 and rows.info()["truncated_examples"] == 2
+    assert rows.without_targets == 1 and len(rows.starts) == 3  # the 20: its counted half was cut off
     assert max(b - a for a, b in rows.train_rows) >= 1 and rows.lengths.max() == 7
     with pytest.raises(DataError, match=r"2 example\(s\) are longer than --seq-len \+ 1 = 7 tokens \(the "
                                         r"longest: 20\)"):

@@ -143,8 +143,10 @@ def make_rows(corpus: Corpus, cfg: Config) -> TokenRows | PackedRows:
                       mask=corpus.mask, packing=packing, long_examples=d.long_examples,
                       pad_id=corpus.manifest.get("tokenizer", {}).get("eot_id", 0))
     if rows.truncated and _first_report(corpus, d.seq_len):
+        dropped = (f"; {rows.without_targets} of them kept no counted token and were left out"
+                   if rows.without_targets else "")
         print(f"paratrain: {rows.truncated} example(s) longer than --seq-len + 1 = {d.seq_len + 1} tokens "
-              "were cut to that length (--long-examples refuse to stop instead)", file=sys.stderr)
+              f"were cut to that length{dropped} (--long-examples refuse to stop instead)", file=sys.stderr)
     return rows
 
 
