@@ -2,11 +2,12 @@
 
 Design contract: the rows of the global batch at step k do not depend on the layout. Rows are
 fixed windows of the token stream (text), or whole examples (packing.py: chat and completion
-data, and text with --packing; ``make_rows`` chooses); each epoch visits the training rows in an order drawn from
-(seed, epoch); step k takes the next ``global_batch`` of them. Data-parallel ranks then take
-contiguous slices, micro-batches slice further. The position is just the step number, so a
-resumed run continues exactly where it stopped; the checkpoint's cursor (``data_cursor``) names
-the corpus too, so a resume on other data is refused rather than silently mixed.
+data, and text with --packing; ``make_rows`` chooses); each epoch visits the training rows in
+an order drawn from (seed, epoch); step k takes the next ``global_batch`` of them. Data-parallel
+ranks then take contiguous slices, micro-batches slice further. The position is just the step
+number, so a resumed run continues exactly where it stopped; the checkpoint's cursor
+(``data_cursor``) names the corpus too, so a resume on other data is refused rather than
+silently mixed.
 """
 
 from __future__ import annotations
