@@ -116,3 +116,4 @@ def test_resume_continues_at_the_same_packed_rows(tmp_path, tok_dir):  # noqa: F
     Trainer(cfg(tmp_path / "run", **{"train.steps": 2})).fit()
     resumed = Trainer(cfg(tmp_path / "run", **{"train.resume": True})).fit()
     assert resumed.losses == full.losses[2:]
+
