@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from paratrain.cli import main
+from paratrain.data.template import load_template
 from paratrain.generate import chat_prompt, run_template
-from tests.test_chat_data import _chat, _jsonl, tok_dir  # noqa: F401  (the tokenizer fixture)
+from tests.test_chat_data import QWEN2, _chat, _jsonl, tok_dir  # noqa: F401  (the tokenizer fixture)
 
 
 def _args(tmp_path: Path, src: Path, tok: Path, *extra: str) -> list[str]:
@@ -117,3 +118,25 @@ def test_resume_continues_at_the_same_packed_rows(tmp_path, tok_dir):  # noqa: F
     resumed = Trainer(cfg(tmp_path / "run", **{"train.resume": True})).fit()
     assert resumed.losses == full.losses[2:]
 
+
+
+def test_generate_chat_from_a_hugging_face_folder_equals_transformers(tmp_path, capsys):
+    """--init-from DIR --chat: the folder's template (chat_template.jinja wins, as in transformers)
+    formats the message; greedy tokens equal transformers' generate on apply_chat_template's ids."""
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.hf_models import save_hf
+
+    folder = tmp_path / "hf"
+    ref = save_hf(folder, "qwen2")
+    (folder / "chat_template.jinja").write_text(QWEN2.read_text())
+    assert main(["generate", "--init-from", str(folder), "--chat", "def f(x):", "--greedy",
+                 "--tokens", "5"]) == 0
+    out = capsys.readouterr().out.rstrip("\n")
+    tok = PreTrainedTokenizerFast.from_pretrained(str(folder))
+    ids = tok.apply_chat_template([{"role": "user", "content": "def f(x):"}], add_generation_prompt=True,
+                                  return_tensors="pt")["input_ids"]
+    text = chat_prompt(load_template(folder / "tokenizer.json"), "def f(x):", "hf")
+    assert tok.encode(text, add_special_tokens=False) == ids[0].tolist()  # the prompt the model saw
+    want = ref.generate(ids, max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert out == tok.decode(want[0, ids.shape[1]:].tolist())
