@@ -178,3 +178,17 @@ def test_whitespace_rules_equal_transformers():
     for gen in (False, True):
         want = render_jinja_template([CHAT], chat_template=source, add_generation_prompt=gen)[0][0]
         assert ChatTemplate(source).render(CHAT, add_generation_prompt=gen) == want
+
+
+def test_messages_reach_the_template_as_in_transformers(tokenizer_json):
+    """None-valued keys dropped, the reasoning aliased under reasoning_content and thinking."""
+    from transformers import PreTrainedTokenizerFast
+
+    from paratrain.data.template import ChatTemplate
+
+    source = ("{% for m in messages %}{{ m.role }}:{{ m.content is defined }}:{{ m.reasoning_content }}"
+              ":{{ m.thinking }};{% endfor %}")
+    chat = [{"role": "user", "content": None}, {"role": "assistant", "content": "x", "reasoning": "r"}]
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json), chat_template=source)
+    want = tok.apply_chat_template([dict(m) for m in chat], tokenize=False)
+    assert ChatTemplate(source).render(chat) == want == "user:False::;assistant:True:r:r;"

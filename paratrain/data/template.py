@@ -52,6 +52,20 @@ class _Generation(jinja2.ext.Extension):
         return caller()
 
 
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # the first is what templates read
+
+
+def _as_transformers_does(message: dict) -> dict:
+    """A message as transformers hands it to the template: keys whose value is None dropped (an
+    API's content=None), and the reasoning, under whichever name it came, also under
+    ``reasoning_content`` and ``thinking`` (the names templates read)."""
+    message = {k: v for k, v in message.items() if v is not None}
+    reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
 def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
@@ -97,8 +111,7 @@ class ChatTemplate:
         """The conversation as text; ``TemplateFailed`` with the template's own message if it refuses."""
         if self._compiled is None:
             self._compiled = compile_template(self.source, self.where)
-        # transformers drops keys whose value is None (an API's content=None) before rendering.
-        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        messages = [_as_transformers_does(m) for m in messages]
         try:
             return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          tools=None, documents=None, **self.special_tokens)
