@@ -2,6 +2,7 @@
 
     paratrain data prepare --data corpus/ --out prepared/ [--tokenizer tok.json] [--workers 8]
     paratrain train --data prepared/ ...          # every rank maps prepared/tokens.bin
+    paratrain data prepare --data chat.jsonl --tokenizer MODEL_DIR --out chat/   # + mask.bin (chat.py)
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ def parser() -> argparse.ArgumentParser:
     prep.add_argument("--format", choices=FORMATS, default="auto",
                       help='what the .jsonl/.parquet rows hold: chat ("messages"), completion ("prompt" + '
                            '"completion") or text; auto: from the first row\'s fields (default: %(default)s)')
-    prep.add_argument("--chat-template", help="a Jinja chat template file for chat data (default: the "
-                                              "tokenizer's chat_template from its tokenizer_config.json)")
+    prep.add_argument("--chat-template", metavar="FILE",
+                      help="a Jinja chat template file for chat data (default: the tokenizer's "
+                           "chat_template from its tokenizer_config.json)")
     prep.add_argument("--train-on-prompt", action="store_true",
                       help="mask.bin counts every token (default: only assistant turns / completions)")
     prep.add_argument("--workers", type=int, help="tokenizer processes (default: every core)")
