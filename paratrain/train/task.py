@@ -15,8 +15,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from paratrain.config import Config
-from paratrain.data import Corpus, TokenRows, check_batch_fits, check_vocab, load_corpus
-from paratrain.engine.task import Task
+from paratrain.data import (
+    IGNORE_INDEX,
+    Corpus,
+    TokenRows,
+    check_batch_fits,
+    check_vocab,
+    load_corpus,
+    make_rows,
+)
+from paratrain.engine.task import Batch, Task, as_batch
 from paratrain.models import build_model, full_init_value, init_weights, materialize, tied_name
 from paratrain.models.from_config import model_config, model_shape  # noqa: F401  (re-exported)
 from paratrain.models.llama.hf import HFCheckpoint
@@ -37,8 +45,7 @@ class LanguageModelTask(Task):
             self.hf = HFCheckpoint.for_config(cfg)
         self.model_cfg = self.hf.model_cfg if self.hf else model_config(cfg, self.corpus.vocab_size)
         check_vocab(self.corpus.vocab_size, self.model_cfg.vocab_size)
-        self.rows = TokenRows(self.corpus.tokens, d.seq_len, d.val_fraction, cfg.train.seed,
-                              doc_ends=self.corpus.doc_ends)
+        self.rows = make_rows(self.corpus, cfg)  # TokenRows (text windows) or PackedRows (whole examples)
         check_batch_fits(self.rows, cfg.train.global_batch)
         self.seed = cfg.train.seed
         self.moe = None
@@ -67,17 +74,31 @@ class LanguageModelTask(Task):
         return full_init_value(tied_name(name, self.model_cfg), shape, self.seed, self.model_cfg)
 
     def run_info(self) -> dict:
-        """What run.json keeps so `paratrain export --hf` can write the model's own config back."""
+        """What run.json keeps: the data's format and rows (truncated examples, the chat template for
+        `generate --chat`), and an imported model's own config for `paratrain export --hf`."""
+        info = {"data": self._data_info()}
         if self.hf is None:
-            return {}
-        return {"hf": {"source": str(self.hf.folder), "config": self.hf.hf_config,
+            return info
+        return {**info, "hf": {"source": str(self.hf.folder), "config": self.hf.hf_config,
                        "tokenizer_config": self.hf.optional_json("tokenizer_config.json"),
                        "generation_config": self.hf.optional_json("generation_config.json"),
                        "tokenizer_files": self.hf.tokenizer_files()}}
 
+    def _data_info(self) -> dict:
+        m = self.corpus.manifest
+        info = {"format": self.corpus.format, "packing": not isinstance(self.rows, TokenRows),
+                "train_on_prompt": m.get("train_on_prompt", True)}
+        if not isinstance(self.rows, TokenRows):
+            info.update(self.rows.info())
+        if m.get("chat_template"):
+            info["chat_template"] = m["chat_template"]
+        return info
+
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy sum; the MoE losses come from ``side_loss_sum`` (the executors add them)."""
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+        """Cross-entropy sum over the counted targets (``IGNORE_INDEX`` ones are skipped); the MoE
+        losses come from ``side_loss_sum`` (the executors add them)."""
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
 
     @property
     def side_loss_sum(self) -> Callable[[list[nn.Module], bool], torch.Tensor | None] | None:
@@ -98,13 +119,24 @@ class LanguageModelTask(Task):
             parts = [p for stage in gather(parts) for p in stage]
         return self.moe.metrics(parts)
 
-    def train_batch(self, step: int, global_batch: int,
-                    rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rows.train_batch(step, global_batch, rows)
+    def train_batch(self, step: int, global_batch: int, rows: slice | None = None) -> Batch:
+        """(x, y, positions) of rows ``rows`` of the global batch at ``step``: positions None for
+        plain text windows (one causal sequence per row)."""
+        return as_batch(self.rows.train_batch(step, global_batch, rows))
 
-    def val_batch(self, index: int, global_batch: int,
-                  rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rows.val_batch(index, global_batch, rows)
+    def val_batch(self, index: int, global_batch: int, rows: slice | None = None) -> Batch:
+        return as_batch(self.rows.val_batch(index, global_batch, rows))
+
+    def train_units(self, step: int, global_batch: int) -> int:
+        """Counted targets (!= IGNORE_INDEX) of the whole global batch at ``step``: every rank knows it."""
+        if isinstance(self.rows, TokenRows):
+            return global_batch * self.units_per_row
+        return self.rows.train_units(step, global_batch)
+
+    def val_units(self, index: int, global_batch: int) -> int:
+        if isinstance(self.rows, TokenRows):
+            return global_batch * self.units_per_row
+        return self.rows.val_units(index, global_batch)
 
 
 def build_task(cfg: Config, corpus: Corpus | None = None) -> Task:
