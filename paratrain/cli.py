@@ -313,6 +313,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 EXPORT_FORMATS = {
     "hf": "a Hugging Face folder (config.json, sharded safetensors, tokenizer) of the finished run",
     "safetensors": "one safetensors file of full tensors (paratrain names), newest usable checkpoint",
+    "peft": "a PEFT adapter folder (adapter_config.json, adapter_model.safetensors) of a --lora run, "
+            "for peft.PeftModel.from_pretrained(base, DEST)",
 }
 
 
@@ -335,16 +337,29 @@ def cmd_export(args: argparse.Namespace) -> int:
         export_hf(args)
     if "safetensors" in chosen:
         export_checkpoint(args.run, args.safetensors)
+    if "peft" in chosen:
+        from paratrain.models.adapters import export_run_peft  # lazy: start-up time
+
+        print(f"wrote {export_run_peft(args.run, args.peft)}: adapter_config.json, adapter_model.safetensors")
     return 0
 
 
 def export_hf(args: argparse.Namespace) -> None:
+    """A LoRA run's adapters are merged into the base weights first (W + alpha/r * B A)."""
+    import tempfile
+    from pathlib import Path
+
+    from paratrain.models.adapters import write_merged  # lazy: start-up time
     from paratrain.models.llama.hf import export_run  # lazy: start-up time
 
     if args.max_shard_mb <= 0:
         raise UserError(f"--max-shard-mb must be > 0 (got {args.max_shard_mb})")
-    files = export_run(args.run, args.hf, max_shard_bytes=int(args.max_shard_mb * 2**20))
-    print(f"wrote {args.hf}: config.json, tokenizer, {len(files)} safetensors file(s)")
+    Path(args.hf).absolute().parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=Path(args.hf).absolute().parent) as tmp:
+        merged = write_merged(args.run, Path(tmp) / "merged.safetensors")
+        files = export_run(args.run, args.hf, max_shard_bytes=int(args.max_shard_mb * 2**20), weights=merged)
+    note = " (LoRA adapters merged)" if merged else ""
+    print(f"wrote {args.hf}: config.json, tokenizer, {len(files)} safetensors file(s){note}")
 
 
 def export_checkpoint(run: str, dest: str) -> None:
