@@ -353,3 +353,46 @@ class PeftAdapter:
     def leaf_targets(self, cfg) -> list[str]:
         """paratrain's leaf names of the adapted modules (wq, wk, ...), the form --lora-targets takes."""
         return sorted({t.module.rsplit(".", 1)[-1] for t in self.targets(cfg)})
+
+
+# --------------------------------------------------------------------------------------------
+# --lora-from: the run's LoRA settings from the adapter, checked before any worker
+# --------------------------------------------------------------------------------------------
+
+
+def as_patterns(modules: list[str], linears: Callable[[tuple[str, ...]], list[str]]) -> tuple[str, ...]:
+    """--lora-targets patterns selecting exactly ``modules``: a kind adapted in every block as its
+    name below the block (``attn.wq``), else the modules' full names (``layers.0.attn.wq``)."""
+    kinds: dict[str, list[str]] = {}
+    for m in modules:
+        parts = m.split(".")
+        kinds.setdefault(".".join(parts[2:]) if parts[0] == "layers" else m, []).append(m)
+    out: list[str] = []
+    for kind, names in kinds.items():
+        out += [kind] if sorted(linears((kind,))) == sorted(names) else names
+    return tuple(out)
+
+
+def settle_lora_from(lora, model_cfg, linears: Callable[[tuple[str, ...]], list[str]]) -> list[str]:
+    """Fill ``lora`` (the [lora] config section) from the adapter folder ``lora.from_dir``:
+    rank, alpha and targets are the adapter's; a flag that says otherwise is a problem (returned).
+    ``linears(patterns)``: the modules those patterns select in the base model (on meta)."""
+    try:
+        adapter = PeftAdapter.open(lora.from_dir)
+        problems = adapter.check_shapes(model_cfg)
+        modules = [t.module for t in adapter.targets(model_cfg)]
+    except AdapterError as e:
+        return [str(e)]
+    if lora.rank and lora.rank != adapter.rank:
+        problems.append(f"--lora {lora.rank} differs from the adapter's r = {adapter.rank} "
+                        f"({lora.from_dir}): drop --lora (the adapter sets it)")
+    if lora.alpha is not None and float(lora.alpha) != adapter.alpha:
+        problems.append(f"--lora-alpha {lora.alpha:g} differs from the adapter's lora_alpha = "
+                        f"{adapter.alpha:g}: drop --lora-alpha (the adapter sets it)")
+    patterns = as_patterns(modules, linears)
+    if lora.targets and sorted(linears(tuple(lora.targets))) != sorted(linears(patterns)):
+        problems.append(f"--lora-targets {','.join(lora.targets)} select other layers than the adapter "
+                        f"adapts ({', '.join(patterns)}): drop --lora-targets (the adapter sets them)")
+    if not problems:
+        lora.rank, lora.alpha, lora.targets = adapter.rank, adapter.alpha, list(patterns)
+    return problems
