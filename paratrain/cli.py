@@ -34,6 +34,14 @@ def bytes_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def names_arg(text: str) -> list[str]:
+    """--lora-targets: comma-separated module-name patterns (wq,wv or attn.wq,mlp.*)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: name at least one layer, e.g. wq,wv")
+    return names
+
+
 # README's groups, in its order: `paratrain train --help` shows the flags under these headings.
 MODEL, LAYOUT, DATA, OPTIM, SAVERS, CHECKPOINTS, RELIABILITY, RUN = (
     "model", "layout (processes and parallelism)", "data", "optimisation",
@@ -48,6 +56,15 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
      "`paratrain plan --help` lists them all)"),
     ("--init-from", "model.init_from", str, MODEL, "start from a local Hugging Face folder: shape, weights "
      "and tokenizer come from it"),
+    ("--lora", "lora.rank", int, MODEL, "train LoRA adapters of this rank on a frozen base (0: a full "
+     "fine-tune)"),
+    ("--lora-alpha", "lora.alpha", float, MODEL, "LoRA scale numerator: adapters add alpha/rank * B A x "
+     "(default: 2 * rank)"),
+    ("--lora-dropout", "lora.dropout", float, MODEL, "dropout on the LoRA adapters' input"),
+    ("--lora-targets", "lora.targets", names_arg, MODEL, "layers LoRA adapts, comma-separated name "
+     "patterns as PEFT's target_modules, e.g. wq,wv (default: the family's attention and MLP projections)"),
+    ("--base-precision", "lora.base_precision", str, MODEL, "with --lora: the frozen base's storage; bf16 "
+     "halves its memory (adapters and their optimizer stay fp32)"),
     ("--experts", "model.n_experts", int, MODEL, "mixture of experts: experts per MoE block (0: dense; "
      "default: the preset's)"),
     ("--top-k", "model.top_k", int, MODEL, "mixture of experts: experts each token is routed to "

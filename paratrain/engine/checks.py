@@ -10,6 +10,7 @@ every technique, so config.py imports nothing of paratrain.
 from __future__ import annotations
 
 from paratrain.config import DEFAULT_SEQ_LEN, Config, ConfigError, bullets, check_values
+from paratrain.engine.lora import check_lora
 from paratrain.memory.layout import check_savers
 from paratrain.models import PRESETS
 from paratrain.models.from_config import model_shape
@@ -55,6 +56,7 @@ def check_layout(cfg: Config, problems: list[str]) -> None:
     _check_pipeline(cfg, problems)
     _check_zero(cfg, problems)
     check_savers(cfg, problems)
+    check_lora(cfg, problems)  # engine/lora.py: targets, rank, and what LoRA composes with
     if cfg.train.precision not in ("fp32", "auto") and cfg.model.name == "cnn-tiny":
         problems.append("cnn-tiny trains in fp32 only: drop --precision")
 

@@ -32,7 +32,8 @@ from paratrain.models.init import ADAPTER_KEYS, is_adapter_name, lora_init_value
 from paratrain.models.registry import family_of
 
 __all__ = ["ADAPTER_KEYS", "LoRALinear", "LoraError", "LoraSpec", "adapter_parameters", "apply_lora",
-           "find_targets", "init_adapters", "is_adapter_name", "linear_names", "lora_init_value"]
+           "base_linear", "find_targets", "freeze_base", "init_adapters", "is_adapter_name", "linear_names",
+           "lora_init_value", "store_base_in"]
 
 
 class LoraError(ValueError):
@@ -58,6 +59,8 @@ class LoraSpec:
 class LoRALinear(nn.Linear):
     """An ``nn.Linear`` (the frozen base) plus ``scale * lora_B(lora_A(dropout(x)))``."""
 
+    casts_base = True  # base_forward computes a base stored in another dtype (store_base_in)
+
     def __init__(self, in_features: int, out_features: int, *, rank: int, alpha: float,
                  dropout: float = 0.0, bias: bool = True, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None):
@@ -80,11 +83,7 @@ class LoRALinear(nn.Linear):
         return out
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x W^T + b; a base stored in another dtype (``--base-precision bf16``) computes in its own
-        dtype and returns the input's (autocast, when on, has cast both already)."""
-        if x.dtype == self.weight.dtype or torch.is_autocast_enabled(x.device.type):
-            return F.linear(x, self.weight, self.bias)
-        return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+        return base_linear(x, self.weight, self.bias)
 
     def adapter(self, x: torch.Tensor) -> torch.Tensor:
         return self.scale * self.lora_B(self.lora_A(self.lora_dropout(x)))
@@ -102,6 +101,15 @@ def init_adapters(model: nn.Module, seed: int) -> None:
     for name, p in model.named_parameters():
         if is_adapter_name(name):
             p.copy_(lora_init_value(name, tuple(p.shape), seed).to(p.dtype))
+
+
+def base_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T + b for a frozen base that may be stored in another dtype (``--base-precision bf16``):
+    computed in the weight's dtype, returned in the input's (autocast, when on, casts both itself)."""
+    if x.dtype == weight.dtype or torch.is_autocast_enabled(x.device.type):
+        return F.linear(x, weight, bias)
+    b = None if bias is None else bias.to(weight.dtype)
+    return F.linear(x.to(weight.dtype), weight, b).to(x.dtype)
 
 
 def matches(pattern: str, module_name: str) -> bool:
@@ -173,6 +181,36 @@ def apply_lora(model: nn.Module, spec: LoraSpec) -> list[str]:
         owner = model.get_submodule(parent) if parent else model
         setattr(owner, leaf, LoRALinear.from_linear(owner.get_submodule(leaf), spec))
     return names
+
+
+def freeze_base(model: nn.Module) -> None:
+    """Only the adapters train (a technique that replaced a module built trainable parameters)."""
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter_name(name))
+
+
+def store_base_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """Keep the frozen base's matrices (ndim >= 2: linears, embeddings, the head) in ``dtype``; norms
+    and biases (a fraction of a percent) and the adapters keep theirs. A LoRA layer casts for its
+    base itself (``base_forward``); every other module holding such a matrix gets hooks: its
+    floating inputs enter in ``dtype`` and its output leaves in the adapters' dtype, so the
+    residual stream keeps the precision it had."""
+    compute = next(p.dtype for n, p in model.named_parameters() if is_adapter_name(n))
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False) if not p.requires_grad and p.ndim >= 2]
+        for p in own:
+            p.data = p.data.to(dtype)
+        if own and not getattr(module, "casts_base", False):
+            module.register_forward_pre_hook(lambda m, args, d=dtype: _cast_floats(args, d))
+            module.register_forward_hook(lambda m, args, out, d=compute: _cast_floats(out, d))
+
+
+def _cast_floats(obj: object, dtype: torch.dtype) -> object:
+    if torch.is_tensor(obj):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, tuple):
+        return tuple(_cast_floats(o, dtype) for o in obj)
+    return obj
 
 
 def adapter_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -20,9 +20,10 @@ from paratrain.engine.task import Task
 from paratrain.models import build_model, full_init_value, init_weights, materialize, tied_name
 from paratrain.models.from_config import model_config, model_shape  # noqa: F401  (re-exported)
 from paratrain.models.llama.hf import HFCheckpoint
+from paratrain.models.lora import is_adapter_name
 from paratrain.models.moe_train import MoEAccounting
 from paratrain.perf.flops import lm_flops_per_token
-from paratrain.sharding import TensorShard
+from paratrain.sharding import TensorShard, shard_of
 from paratrain.train.image_task import ImageTask
 
 
@@ -54,15 +55,20 @@ class LanguageModelTask(Task):
     def materialize(self, model: nn.Module, device: torch.device) -> None:
         materialize(model, device)
 
+    @torch.no_grad()
     def init_weights(self, model: nn.Module, seed: int) -> None:
-        if self.hf is not None:
-            self.hf.load_into(model)  # each rank reads only the slices it owns
-        else:
+        if self.hf is None:  # LoRA adapters too: registry.full_init_value knows their names
             init_weights(model, seed, self.model_cfg)
+            return
+        for name, p in model.named_parameters():  # the folder's slices; LoRA adapters by (seed, name)
+            spec = shard_of(p)
+            value = (spec.slice(full_init_value(name, spec.full_shape, seed, self.model_cfg))
+                     if is_adapter_name(name) else self.hf.read(name, spec))
+            p.copy_(value.to(dtype=p.dtype, device=p.device))
 
     def init_value(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """Full value of parameter `name` before training (ZeRO-3 materialises shards from it)."""
-        if self.hf is not None:
+        if self.hf is not None and not is_adapter_name(name):
             return self.hf.read(name, TensorShard(tuple(shape)))
         return full_init_value(tied_name(name, self.model_cfg), shape, self.seed, self.model_cfg)
 
