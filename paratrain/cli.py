@@ -63,6 +63,9 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
     ("--lora-dropout", "lora.dropout", float, MODEL, "dropout on the LoRA adapters' input"),
     ("--lora-targets", "lora.targets", names_arg, MODEL, "layers LoRA adapts, comma-separated name "
      "patterns as PEFT's target_modules, e.g. wq,wv (default: the family's attention and MLP projections)"),
+    ("--lora-from", "lora.from_dir", str, MODEL, "with --init-from BASE: continue from a PEFT adapter "
+     "folder (adapter_config.json + adapter_model.safetensors); its r, lora_alpha and target modules set "
+     "--lora, --lora-alpha and --lora-targets"),
     ("--base-precision", "lora.base_precision", str, MODEL, "with --lora: the frozen base's storage; bf16 "
      "halves its memory (adapters and their optimizer stay fp32)"),
     ("--experts", "model.n_experts", int, MODEL, "mixture of experts: experts per MoE block (0: dense; "
@@ -362,21 +365,12 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def export_hf(args: argparse.Namespace) -> None:
-    """A LoRA run's adapters are merged into the base weights first (W + alpha/r * B A)."""
-    import tempfile
-    from pathlib import Path
-
-    from paratrain.models.adapters import write_merged  # lazy: start-up time
     from paratrain.models.llama.hf import export_run  # lazy: start-up time
 
     if args.max_shard_mb <= 0:
         raise UserError(f"--max-shard-mb must be > 0 (got {args.max_shard_mb})")
-    Path(args.hf).absolute().parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=Path(args.hf).absolute().parent) as tmp:
-        merged = write_merged(args.run, Path(tmp) / "merged.safetensors")
-        files = export_run(args.run, args.hf, max_shard_bytes=int(args.max_shard_mb * 2**20), weights=merged)
-    note = " (LoRA adapters merged)" if merged else ""
-    print(f"wrote {args.hf}: config.json, tokenizer, {len(files)} safetensors file(s){note}")
+    files = export_run(args.run, args.hf, max_shard_bytes=int(args.max_shard_mb * 2**20))
+    print(f"wrote {args.hf}: config.json, tokenizer, {len(files)} safetensors file(s)")
 
 
 def export_checkpoint(run: str, dest: str) -> None:

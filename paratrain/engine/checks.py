@@ -13,6 +13,7 @@ from paratrain.config import DEFAULT_SEQ_LEN, Config, ConfigError, bullets, chec
 from paratrain.engine.lora import check_lora
 from paratrain.memory.layout import check_savers
 from paratrain.models import PRESETS
+from paratrain.models.adapters import settle_lora_from
 from paratrain.models.from_config import model_shape
 from paratrain.models.llama.hf import HFCheckpoint, HFError, check_init_from
 from paratrain.pipeline.stage import parse_split
@@ -26,6 +27,9 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     check_values(cfg, problems, world_size)
     if cfg.model.init_from:
         check_init_from(cfg, problems)
+    if cfg.lora.from_dir and not problems:  # the adapter sets rank/alpha/targets (models/adapters.py)
+        problems += settle_lora_from(cfg.lora, model_shape(cfg)) if cfg.model.init_from else [
+            "--lora-from continues a PEFT adapter of a Hugging Face base model: add --init-from BASE"]
     if not problems:
         check_layout(cfg, problems)
     if problems:

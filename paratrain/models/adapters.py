@@ -12,8 +12,8 @@ In (``train --init-from BASE --lora-from DIR``): the adapter's r / lora_alpha / 
 become the run's LoRA settings, and its tensors the adapters' initial values, mapped back (inverse
 permutation). Read as JSON + safetensors only (safeload.py): nothing in the folder runs code.
 
-Merged (``export --hf`` of a LoRA run): W + (alpha / r) B A per adapted module, written under
-paratrain's names, then exported as any run (what peft's ``merge_and_unload()`` computes).
+A LoRA run's folder holds ``model.safetensors`` already merged (W + alpha/r * B A: engine/lora.py),
+which ``export --hf`` writes as any run's, and ``adapters.safetensors``, which is what goes out here.
 
 GPT-2 stores q, k, v as one fused ``c_attn``: an adapter on one of them has no PEFT module of its
 own and is refused (as are Mixtral's experts, fused 3-D tensors in transformers 5).
@@ -42,11 +42,14 @@ from paratrain.models.llama.hf import (
     rope_to_hf,
     write_safetensors,
 )
+from paratrain.models.lora import LoraError, find_targets
+from paratrain.models.registry import build_model
 from paratrain.safeload import Fields, safetensors_names
 from paratrain.sharding import TensorShard
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTERS = "adapters.safetensors"  # a LoRA run's adapters, paratrain's names (engine/lora.py)
 PREFIX = "base_model.model."  # PeftModel wraps the LoraModel that wraps the transformers model
 LORA_PARAM = re.compile(r"(?P<module>.+)\.(?P<part>lora_A|lora_B)\.weight$")
 PEFT_KEY = re.compile(re.escape(PREFIX) + r"(?P<module>.+)\.(?P<part>lora_A|lora_B)(?:\.default)?\.weight$")
@@ -168,85 +171,33 @@ def _reader(source: Path, name: str, permute: Callable | None, hd: int) -> Calla
 def run_info(run: str) -> tuple[Path, dict]:
     """(run folder, run.json) of a finished language-model run."""
     src = Path(run)
-    for name in ("run.json", "model.safetensors"):
-        if not (src / name).is_file():
-            raise AdapterError(f"{src / name} not found: is {run!r} the --out folder of a finished "
-                               "language-model run?")
+    if not (src / "run.json").is_file():
+        raise AdapterError(f"{src / 'run.json'} not found: is {run!r} the --out folder of a finished "
+                           "language-model run?")
     info = read_json(src / "run.json")
     if "model" not in info:
         raise AdapterError(f"{src} is not a language-model run (task {info.get('task')!r})")
     return src, info
 
 
-def lora_of(info: dict) -> dict | None:
-    """run.json's resolved LoRA settings, or None for a run without adapters."""
-    lora = info.get("lora") or {}
-    return lora if lora.get("rank") else None
-
-
 def export_run_peft(run: str, out: str) -> Path:
-    """Write RUN's adapters as a PEFT folder OUT (``paratrain export RUN --peft OUT``)."""
+    """Write RUN's adapters (RUN/adapters.safetensors) as a PEFT folder OUT (``export --peft``)."""
     src, info = run_info(run)
-    cfg = config_from_dict(info["model"])
-    lora = lora_of(info)
-    if lora is None:
+    lora = info.get("lora") or {}
+    if not lora.get("rank"):
         raise AdapterError(f"{src} was trained without LoRA (no --lora): it has no adapters to export; "
                            "export the whole model with --hf DIR, or train with --lora RANK")
-    adapted = run_adapters(safetensors_names(src / "model.safetensors", AdapterError), cfg)
+    source = src / ADAPTERS
+    cfg = config_from_dict(info["model"])
+    adapted = run_adapters(safetensors_names(source, AdapterError), cfg)
     dest = Path(out)
     if dest.exists() and not dest.is_dir():
         raise AdapterError(f"{dest} is a file: --peft takes a folder")
     dest.mkdir(parents=True, exist_ok=True)
-    write_safetensors(dest / ADAPTER_WEIGHTS, peft_entries(src / "model.safetensors", adapted, cfg))
+    write_safetensors(dest / ADAPTER_WEIGHTS, peft_entries(source, adapted, cfg))
     base = (info.get("hf") or {}).get("source")
     text = json.dumps(adapter_config(lora, adapted, cfg, base), indent=2)
     (dest / ADAPTER_CONFIG).write_text(text + "\n")
-    return dest
-
-
-# --------------------------------------------------------------------------------------------
-# Merged: W + (alpha / r) B A, under paratrain's names
-# --------------------------------------------------------------------------------------------
-
-
-def merged_entries(source: Path, lora: dict, names: list[str]) -> list[Entry]:
-    """Entries of a paratrain-names file without adapters: each adapted weight merged with its
-    adapter, computed as peft's merge does (fp32, W + (B @ A) * scale)."""
-    from safetensors import safe_open
-
-    scale = lora["alpha"] / lora["rank"]
-    with safe_open(str(source), framework="pt") as f:
-        shapes = {n: tuple(f.get_slice(n).get_shape()) for n in names}
-    adapted = {m.group("module") for n in names if (m := LORA_PARAM.match(n))}
-    return [Entry(n, torch.float32, shapes[n],
-                  _merger(source, n, scale, n.removesuffix(".weight") in adapted))
-            for n in names if not LORA_PARAM.match(n)]
-
-
-def _merger(source: Path, name: str, scale: float, adapted: bool) -> Callable[[], torch.Tensor]:
-    def produce() -> torch.Tensor:
-        from safetensors import safe_open
-
-        with safe_open(str(source), framework="pt") as f:
-            w = f.get_tensor(name).float()
-            if not adapted:
-                return w
-            module = name.removesuffix(".weight")
-            a, b = (f.get_tensor(f"{module}.{p}.weight").float() for p in ("lora_A", "lora_B"))
-        return w + (b @ a) * scale
-
-    return produce
-
-
-def write_merged(run: str, dest: Path) -> Path | None:
-    """RUN's weights with its adapters merged in, as ``dest`` (paratrain names); None for a run
-    without LoRA (its model.safetensors is already the model)."""
-    src, info = run_info(run)
-    lora = lora_of(info)
-    if lora is None:
-        return None
-    names = safetensors_names(src / "model.safetensors", AdapterError)
-    write_safetensors(dest, merged_entries(src / "model.safetensors", lora, names))
     return dest
 
 
@@ -350,10 +301,6 @@ class PeftAdapter:
             full = rope_from_hf(full, head_dim(cfg))
         return spec.slice(full).contiguous()
 
-    def leaf_targets(self, cfg) -> list[str]:
-        """paratrain's leaf names of the adapted modules (wq, wk, ...), the form --lora-targets takes."""
-        return sorted({t.module.rsplit(".", 1)[-1] for t in self.targets(cfg)})
-
 
 # --------------------------------------------------------------------------------------------
 # --lora-from: the run's LoRA settings from the adapter, checked before any worker
@@ -373,10 +320,18 @@ def as_patterns(modules: list[str], linears: Callable[[tuple[str, ...]], list[st
     return tuple(out)
 
 
-def settle_lora_from(lora, model_cfg, linears: Callable[[tuple[str, ...]], list[str]]) -> list[str]:
-    """Fill ``lora`` (the [lora] config section) from the adapter folder ``lora.from_dir``:
-    rank, alpha and targets are the adapter's; a flag that says otherwise is a problem (returned).
-    ``linears(patterns)``: the modules those patterns select in the base model (on meta)."""
+def settle_lora_from(lora, model_cfg) -> list[str]:
+    """Fill ``lora`` (the [lora] config section) from the adapter folder ``lora.from_dir`` for the
+    base model ``model_cfg``: rank, alpha and targets are the adapter's; a flag that says otherwise,
+    or an adapter that does not fit the base, is a problem (returned, naming it)."""
+    model = build_model(model_cfg, "meta")
+
+    def linears(patterns: tuple[str, ...]) -> list[str]:
+        try:
+            return find_targets(model, patterns, each_must_match=False)
+        except LoraError:
+            return []
+
     try:
         adapter = PeftAdapter.open(lora.from_dir)
         problems = adapter.check_shapes(model_cfg)

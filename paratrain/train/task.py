@@ -18,6 +18,7 @@ from paratrain.config import Config
 from paratrain.data import Corpus, TokenRows, check_batch_fits, check_vocab, load_corpus
 from paratrain.engine.task import Task
 from paratrain.models import build_model, full_init_value, init_weights, materialize, tied_name
+from paratrain.models.adapters import PeftAdapter
 from paratrain.models.from_config import model_config, model_shape  # noqa: F401  (re-exported)
 from paratrain.models.llama.hf import HFCheckpoint
 from paratrain.models.lora import is_adapter_name
@@ -37,6 +38,8 @@ class LanguageModelTask(Task):
         if cfg.model.init_from:
             self.hf = HFCheckpoint.for_config(cfg)
         self.model_cfg = self.hf.model_cfg if self.hf else model_config(cfg, self.corpus.vocab_size)
+        # --lora-from: the adapters start from a PEFT folder instead of (seed, name)
+        self.adapter = PeftAdapter.open(cfg.lora.from_dir) if cfg.lora.from_dir else None
         check_vocab(self.corpus.vocab_size, self.model_cfg.vocab_size)
         self.rows = TokenRows(self.corpus.tokens, d.seq_len, d.val_fraction, cfg.train.seed,
                               doc_ends=self.corpus.doc_ends)
@@ -62,15 +65,24 @@ class LanguageModelTask(Task):
             return
         for name, p in model.named_parameters():  # the folder's slices; LoRA adapters by (seed, name)
             spec = shard_of(p)
-            value = (spec.slice(full_init_value(name, spec.full_shape, seed, self.model_cfg))
-                     if is_adapter_name(name) else self.hf.read(name, spec))
+            value = (self.adapter_value(name, spec, seed) if is_adapter_name(name)
+                     else self.hf.read(name, spec))
             p.copy_(value.to(dtype=p.dtype, device=p.device))
 
     def init_value(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """Full value of parameter `name` before training (ZeRO-3 materialises shards from it)."""
         if self.hf is not None and not is_adapter_name(name):
             return self.hf.read(name, TensorShard(tuple(shape)))
+        if is_adapter_name(name):
+            return self.adapter_value(name, TensorShard(tuple(shape)), self.seed)
         return full_init_value(tied_name(name, self.model_cfg), shape, self.seed, self.model_cfg)
+
+    def adapter_value(self, name: str, spec: TensorShard, seed: int) -> torch.Tensor:
+        """This rank's slice of a LoRA adapter's initial value: the --lora-from folder's, else by
+        (seed, name)."""
+        if self.adapter is not None:
+            return self.adapter.read(name, spec, self.model_cfg)
+        return spec.slice(full_init_value(name, spec.full_shape, seed, self.model_cfg))
 
     def run_info(self) -> dict:
         """What run.json keeps so `paratrain export --hf` can write the model's own config back."""

@@ -624,14 +624,12 @@ def _reader(source: Path, name: str, rope: bool, head_dim: int) -> Callable[[], 
 NATIVE_EOS = "<|endoftext|>"  # the special token paratrain's own BPE separates documents with
 
 
-def export_run(run: str, out: str, *, max_shard_bytes: int = 2 * 2**30,
-               weights: Path | None = None) -> list[Path]:
+def export_run(run: str, out: str, *, max_shard_bytes: int = 2 * 2**30) -> list[Path]:
     """Write RUN's final weights as a Hugging Face folder (config, sharded safetensors, tokenizer).
 
     A native preset becomes LlamaForCausalLM (MixtralForCausalLM with experts; a family of
     HF_FAMILIES, its own architecture); an imported model keeps its own architecture and config
-    (from run.json). ``weights``: the file to write instead of RUN/model.safetensors (a LoRA run's
-    weights with the adapters merged: models/adapters.py). Returns the weight files written.
+    (from run.json). Returns the weight files written.
     """
     src = Path(run)
     for name in ("run.json", "model.safetensors", "tokenizer.json"):
@@ -641,9 +639,6 @@ def export_run(run: str, out: str, *, max_shard_bytes: int = 2 * 2**30,
     info = read_json(src / "run.json")
     if "model" not in info:
         raise HFError(f"{src} is not a language-model run (task {info.get('task')!r}): only decoders export")
-    if (info.get("lora") or {}).get("rank") and weights is None:  # its adapters would be dropped
-        raise HFError(f"{src} was trained with LoRA: merge its adapters first (models/adapters.py "
-                      "write_merged, what `paratrain export --hf` does)")
     family = HF_FAMILIES.get(info["model"].get("family"), HFCheckpoint)
     cfg = family.model_config(info["model"])
     problems = mixtral_hf.export_problems(cfg) if cfg.n_experts else []
@@ -662,7 +657,7 @@ def export_run(run: str, out: str, *, max_shard_bytes: int = 2 * 2**30,
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     try:
-        _write_export(src, folder, cfg, imported, max_shard_bytes, family, weights)
+        _write_export(src, folder, cfg, imported, max_shard_bytes, family)
         return _move_in(folder, dest)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -691,11 +686,11 @@ def _move_in(new: Path, dest: Path) -> list[Path]:
 
 
 def _write_export(src: Path, folder: Path, cfg: LlamaConfig, imported: dict, max_shard_bytes: int,
-                  family: type[HFCheckpoint] = HFCheckpoint, weights: Path | None = None) -> None:
+                  family: type[HFCheckpoint] = HFCheckpoint) -> None:
     """The weights (in the family's Hugging Face layout), tokenizer and configs into FOLDER."""
     import shutil
 
-    write_sharded(folder, list(family.entries(weights or src / "model.safetensors", cfg)), max_shard_bytes)
+    write_sharded(folder, list(family.entries(src / "model.safetensors", cfg)), max_shard_bytes)
     shutil.copy(src / "tokenizer.json", folder / "tokenizer.json")
     for name, text in (imported.get("tokenizer_files") or {}).items():  # the chat template...
         path = member(folder, name, f"{src / 'run.json'}: hf.tokenizer_files", HFError)
