@@ -29,9 +29,11 @@ from pathlib import Path
 
 import torch
 
+from paratrain.config import LoraConfig
 from paratrain.models.from_config import config_from_dict
 from paratrain.models.gpt2 import GPT2Config
 from paratrain.models.gpt2.hf import source as gpt2_source
+from paratrain.models.llama import LlamaConfig
 from paratrain.models.llama.hf import (
     Entry,
     HFError,
@@ -55,6 +57,9 @@ LORA_PARAM = re.compile(r"(?P<module>.+)\.(?P<part>lora_A|lora_B)\.weight$")
 PEFT_KEY = re.compile(re.escape(PREFIX) + r"(?P<module>.+)\.(?P<part>lora_A|lora_B)(?:\.default)?\.weight$")
 
 
+ModelCfg = LlamaConfig | GPT2Config
+
+
 class AdapterError(HFError):
     """A PEFT adapter folder (or a run's adapters) paratrain cannot use as given; says what to change."""
 
@@ -70,7 +75,7 @@ class Target:
     conv1d: bool = False
 
 
-def hf_module(module: str, cfg) -> Target:
+def hf_module(module: str, cfg: ModelCfg) -> Target:
     """The transformers module of paratrain's linear ``module`` (AdapterError if it has none)."""
     weight = f"{module}.weight"
     try:
@@ -90,7 +95,7 @@ def hf_module(module: str, cfg) -> Target:
     return Target(module, hf.removesuffix(".weight"), rope)
 
 
-def candidates(cfg) -> dict[str, Target]:
+def candidates(cfg: ModelCfg) -> dict[str, Target]:
     """Every linear of the model PEFT could adapt, by transformers name (its leaf names matter:
     PEFT's ``target_modules`` list matches name suffixes)."""
     out = {}
@@ -104,7 +109,7 @@ def candidates(cfg) -> dict[str, Target]:
     return out
 
 
-def target_modules(adapted: list[Target], cfg) -> list[str]:
+def target_modules(adapted: list[Target], cfg: ModelCfg) -> list[str]:
     """PEFT's ``target_modules``: the leaf names (q_proj, ...) when they select exactly the adapted
     modules, else the full names (some layers only, or GPT-2's attention c_proj without the MLP's)."""
     leaves = {t.hf.rsplit(".", 1)[-1] for t in adapted}
@@ -117,7 +122,7 @@ def target_modules(adapted: list[Target], cfg) -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 
-def adapter_config(lora: dict, adapted: list[Target], cfg, base: str | None) -> dict:
+def adapter_config(lora: dict, adapted: list[Target], cfg: ModelCfg, base: str | None) -> dict:
     """adapter_config.json: PEFT 0.21's LoraConfig fields for what paratrain trained (plain LoRA:
     scale alpha / r, no bias, no DoRA, every adapted module at the same rank)."""
     return {
@@ -131,17 +136,17 @@ def adapter_config(lora: dict, adapted: list[Target], cfg, base: str | None) -> 
     }
 
 
-def run_adapters(names: list[str], cfg) -> list[Target]:
+def run_adapters(names: list[str], cfg: ModelCfg) -> list[Target]:
     """The adapted modules of a run's model.safetensors (its ``*.lora_A.weight`` tensors)."""
     modules = [m.group("module") for n in names if (m := LORA_PARAM.match(n)) and m.group("part") == "lora_A"]
     return [hf_module(m, cfg) for m in modules]
 
 
-def head_dim(cfg) -> int:
+def head_dim(cfg: ModelCfg) -> int:
     return getattr(cfg, "head_dim", cfg.dim // cfg.n_heads)
 
 
-def peft_entries(source: Path, adapted: list[Target], cfg) -> list[Entry]:
+def peft_entries(source: Path, adapted: list[Target], cfg: ModelCfg) -> list[Entry]:
     """Entries of adapter_model.safetensors: each adapter under PEFT's name, lora_B of q/k permuted."""
     from safetensors import safe_open
 
@@ -254,7 +259,7 @@ class PeftAdapter:
                                f"({PREFIX}<module>.lora_A.weight / .lora_B.weight)")
         return names
 
-    def targets(self, cfg) -> list[Target]:
+    def targets(self, cfg: ModelCfg) -> list[Target]:
         """The adapted modules in paratrain's terms; AdapterError naming any the base lacks."""
         known = candidates(cfg)
         missing = [m for m in self.modules if m not in known]
@@ -264,7 +269,7 @@ class PeftAdapter:
                                "base model does not have: is this adapter for another base model?")
         return [known[m] for m in self.modules]
 
-    def check_shapes(self, cfg) -> list[str]:
+    def check_shapes(self, cfg: ModelCfg) -> list[str]:
         """Problems between the adapter's tensors and the base model's layers."""
         from safetensors import safe_open
 
@@ -289,7 +294,7 @@ class PeftAdapter:
                 return k
         return None
 
-    def read(self, name: str, spec: TensorShard, cfg) -> torch.Tensor:
+    def read(self, name: str, spec: TensorShard, cfg: ModelCfg) -> torch.Tensor:
         """This rank's slice of paratrain's adapter tensor ``name`` (``spec.slice`` of the full value)."""
         from safetensors import safe_open
 
@@ -320,7 +325,7 @@ def as_patterns(modules: list[str], linears: Callable[[tuple[str, ...]], list[st
     return tuple(out)
 
 
-def settle_lora_from(lora, model_cfg) -> list[str]:
+def settle_lora_from(lora: LoraConfig, model_cfg: ModelCfg) -> list[str]:
     """Fill ``lora`` (the [lora] config section) from the adapter folder ``lora.from_dir`` for the
     base model ``model_cfg``: rank, alpha and targets are the adapter's; a flag that says otherwise,
     or an adapter that does not fit the base, is a problem (returned, naming it)."""
