@@ -165,3 +165,27 @@ def test_export_peft_of_a_run_without_lora_exits_2(lora_run, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "trained without LoRA" in err and "Traceback" not in err
     assert not (tmp_path / "ad").exists()
+
+
+def test_gpt2_fused_qkv_adapters_export_as_one_c_attn_adapter(tmp_path):
+    """GPT-2's q/k/v adapters go out as one c_attn adapter (rank 3r, block-diagonal B, zeros for
+    k here, which has none); the attention's c_proj is adapted and the MLP's is not, so
+    target_modules must name full modules."""
+    from tests.test_gpt2 import save_gpt2
+
+    save_gpt2(tmp_path / "base")
+    run = tmp_path / "run"
+    run_layout(tiny_cfg(run, **{"model.init_from": str(tmp_path / "base"), "train.steps": 3, "lora.rank": 4,
+                                "lora.targets": ["attn.wq", "attn.wv", "attn.wo", "mlp.fc"]}))
+    assert cli.main(["export", str(run), "--peft", str(tmp_path / "ad")]) == 0
+    conf = json.loads((tmp_path / "ad" / "adapter_config.json").read_text())
+    assert conf["fan_in_fan_out"] and conf["rank_pattern"]["transformer.h.0.attn.c_attn"] == 12
+    assert "transformer.h.1.attn.c_proj" in conf["target_modules"]
+    ours = _paratrain_model(tmp_path / "base", run)
+    hf_base = _hf(tmp_path / "base")
+    ids = _ids()
+    with torch.no_grad():
+        before = hf_base(ids).logits.clone()
+        got = peft.PeftModel.from_pretrained(hf_base, str(tmp_path / "ad")).double().eval()(ids).logits
+    assert (got - before).abs().max() > 1e-2
+    torch.testing.assert_close(got, ours(ids), **LOGITS)

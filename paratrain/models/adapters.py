@@ -73,6 +73,7 @@ class Target:
     hf: str
     rope: bool
     conv1d: bool = False
+    part: int | None = None  # GPT-2's q, k, v (0, 1, 2): a third of the fused c_attn
 
 
 def hf_module(module: str, cfg: ModelCfg) -> Target:
@@ -81,11 +82,7 @@ def hf_module(module: str, cfg: ModelCfg) -> Target:
     try:
         if isinstance(cfg, GPT2Config):
             src = gpt2_source(weight, cfg)
-            if src.part is not None:
-                raise AdapterError(f"{module}: GPT-2's q, k and v are one fused c_attn module in "
-                                   "transformers, so an adapter on one of them has no PEFT module of its "
-                                   "own; train with --lora-targets naming wo/fc/proj only")
-            return Target(module, src.hf.removesuffix(".weight"), False, src.conv1d)
+            return Target(module, src.hf.removesuffix(".weight"), False, src.conv1d, src.part)
         hf, rope = hf_name(weight)
     except KeyError:
         raise AdapterError(f"{module} has no Hugging Face counterpart: PEFT cannot adapt it") from None
@@ -124,15 +121,18 @@ def target_modules(adapted: list[Target], cfg: ModelCfg) -> list[str]:
 
 def adapter_config(lora: dict, adapted: list[Target], cfg: ModelCfg, base: str | None) -> dict:
     """adapter_config.json: PEFT 0.21's LoraConfig fields for what paratrain trained (plain LoRA:
-    scale alpha / r, no bias, no DoRA, every adapted module at the same rank)."""
+    scale alpha / r, no bias, no DoRA)."""
+    fused_modules = sorted({t.hf for t in adapted if t.part is not None})
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
         "r": lora["rank"], "lora_alpha": lora["alpha"], "lora_dropout": lora.get("dropout", 0.0),
         "target_modules": target_modules(adapted, cfg), "bias": "none",
         "fan_in_fan_out": any(t.conv1d for t in adapted), "inference_mode": True,
         "init_lora_weights": True, "use_rslora": False, "use_dora": False, "modules_to_save": None,
-        "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
-        "revision": None,
+        "layers_to_transform": None, "layers_pattern": None, "revision": None,
+        # GPT-2's fused c_attn: rank 3r, alpha 3 alpha (see ``fused``); plain modules: r, alpha
+        "rank_pattern": {hf: 3 * lora["rank"] for hf in fused_modules},
+        "alpha_pattern": {hf: 3 * lora["alpha"] for hf in fused_modules},
     }
 
 
@@ -147,19 +147,60 @@ def head_dim(cfg: ModelCfg) -> int:
 
 
 def peft_entries(source: Path, adapted: list[Target], cfg: ModelCfg) -> list[Entry]:
-    """Entries of adapter_model.safetensors: each adapter under PEFT's name, lora_B of q/k permuted."""
+    """Entries of adapter_model.safetensors: each adapter under PEFT's name, lora_B of q/k permuted;
+    GPT-2's q/k/v adapters as one c_attn adapter (``fused``)."""
     from safetensors import safe_open
 
     with safe_open(str(source), framework="pt") as f:
         shapes = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
     out = []
-    for t in adapted:
+    for hf, group in by_module(adapted).items():
+        if group[0].part is not None:
+            out += fused(source, hf, {t.part: t.module for t in group}, shapes)
+            continue
+        t = group[0]
         for part in ("lora_A", "lora_B"):
             name = f"{t.module}.{part}.weight"
             rope = t.rope and part == "lora_B"
             out.append(Entry(f"{PREFIX}{t.hf}.{part}.weight", torch.float32, shapes[name],
                              _reader(source, name, rope_to_hf if rope else None, head_dim(cfg))))
     return out
+
+
+def by_module(adapted: list[Target]) -> dict[str, list[Target]]:
+    """Targets by transformers module (GPT-2's c_attn holds up to three: q, k, v)."""
+    out: dict[str, list[Target]] = {}
+    for t in adapted:
+        out.setdefault(t.hf, []).append(t)
+    return out
+
+
+def fused(source: Path, hf: str, parts: dict[int, str], shapes: dict) -> list[Entry]:
+    """GPT-2's c_attn [q | k | v] adapted through its thirds: one adapter of rank 3r whose A stacks
+    the thirds' A and whose B is block-diagonal (zeros for a third without an adapter), so
+    B' A' x = [B_q A_q x | B_k A_k x | B_v A_v x]; alpha 3 alpha keeps the scale (adapter_config's
+    rank_pattern / alpha_pattern)."""
+    r, n_in = shapes[f"{next(iter(parts.values()))}.lora_A.weight"]
+    n_out = shapes[f"{next(iter(parts.values()))}.lora_B.weight"][0]
+
+    def stacked(part: str) -> Callable[[], torch.Tensor]:
+        def produce() -> torch.Tensor:
+            from safetensors import safe_open
+
+            a = torch.zeros(3 * r, n_in) if part == "lora_A" else torch.zeros(3 * n_out, 3 * r)
+            with safe_open(str(source), framework="pt") as f:
+                for i, module in parts.items():
+                    t = f.get_tensor(f"{module}.{part}.weight").float()
+                    if part == "lora_A":
+                        a[i * r:(i + 1) * r] = t
+                    else:
+                        a[i * n_out:(i + 1) * n_out, i * r:(i + 1) * r] = t
+            return a
+
+        return produce
+
+    return [Entry(f"{PREFIX}{hf}.lora_A.weight", torch.float32, (3 * r, n_in), stacked("lora_A")),
+            Entry(f"{PREFIX}{hf}.lora_B.weight", torch.float32, (3 * n_out, 3 * r), stacked("lora_B"))]
 
 
 def _reader(source: Path, name: str, permute: Callable | None, hd: int) -> Callable[[], torch.Tensor]:
@@ -267,6 +308,11 @@ class PeftAdapter:
             raise AdapterError(f"{self.folder}: the adapter adapts {missing[0]}"
                                f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}, which the "
                                "base model does not have: is this adapter for another base model?")
+        split = [m for m in self.modules if known[m].part is not None]
+        if split:
+            raise AdapterError(f"{self.folder}: the adapter adapts GPT-2's fused {split[0]} (q, k and v in "
+                               "one module), which paratrain keeps as three layers: a LoRA of the whole "
+                               "cannot be split into theirs; use an adapter on c_proj / c_fc only")
         return [known[m] for m in self.modules]
 
     def check_shapes(self, cfg: ModelCfg) -> list[str]:
