@@ -15,8 +15,9 @@ permutation). Read as JSON + safetensors only (safeload.py): nothing in the fold
 A LoRA run's folder holds ``model.safetensors`` already merged (W + alpha/r * B A: engine/lora.py),
 which ``export --hf`` writes as any run's, and ``adapters.safetensors``, which is what goes out here.
 
-GPT-2 stores q, k, v as one fused ``c_attn``: an adapter on one of them has no PEFT module of its
-own and is refused (as are Mixtral's experts, fused 3-D tensors in transformers 5).
+GPT-2 stores q, k, v as one fused ``c_attn``: their adapters go out as one c_attn adapter of rank
+3r (``fused``), exactly; an incoming c_attn adapter cannot be split back and is refused. Mixtral's
+experts (fused 3-D tensors in transformers 5) have no PEFT module: refused.
 """
 
 from __future__ import annotations
