@@ -24,9 +24,13 @@ from safetensors.torch import load_file
 from paratrain import config
 from paratrain.engine import checks
 from paratrain.mesh import MeshShape, ParallelMesh
+from paratrain.models.from_config import model_config
 from paratrain.models.lora import LoRALinear, LoraSpec, apply_lora
+from paratrain.planner import memory
+from paratrain.planner.machine import local_cluster
 from paratrain.sharding import shard_of
 from paratrain.tensor_parallel.lora import ColumnParallelLoRALinear, RowParallelLoRALinear
+from paratrain.train.metrics import read_metrics
 from paratrain.train.trainer import Trainer
 from tests.dist import run
 from tests.harness import FP32_REORDERED, RunResult, assert_same_training, run_layout, tiny_cfg
@@ -129,7 +133,8 @@ def _train_each(env, runs: list[dict]) -> list:
     for d in runs:
         result = Trainer(config.Config.from_dict(d), env).fit()
         adapters = load_file(f"{d['train']['out']}/adapters.safetensors") if env.rank == 0 else {}
-        out.append((result.losses, result.final_state, adapters))
+        rows = read_metrics(f"{d['train']['out']}/metrics.jsonl") if env.rank == 0 else []
+        out.append((result.losses, result.final_state, adapters, rows))
     return out
 
 
@@ -152,10 +157,28 @@ def runs(tmp_path_factory):
 def test_layout_equals_one_process(runs, name):
     refs, results = runs
     (ref, ref_adapters) = refs["ref_8bit" if name in LAYOUTS_8BIT else "ref"]
-    losses, weights, adapters = results[name]
+    losses, weights, adapters, _ = results[name]
     assert_same_training(RunResult(losses, weights), ref, **FP32_REORDERED)
     assert_same_training(RunResult(losses, adapters), RunResult(ref.losses, ref_adapters), **FP32_REORDERED)
     assert adapters and all(".lora_" in n for n in adapters)
     for frozen in ("embed.weight", "lm_head.weight", "norm.weight", "layers.1.mlp_norm.weight"):
         assert torch.equal(weights[frozen], ref.weights[frozen]), f"{frozen} moved: the base must stay frozen"
     assert any(t.abs().sum() > 0 for n, t in adapters.items() if "lora_B" in n)  # the adapters trained
+
+
+STATE_KEYS = {"params": "mem_params_bytes", "grads": "mem_grads_bytes", "optim": "mem_optim_bytes"}
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "tp2", "tp2_sp"])
+def test_planner_model_states_within_1pct_of_measured(runs, name, tmp_path):
+    """planner/lora.py: the frozen base holds parameters only, the adapters all three states; each
+    of params / grads / optimizer bytes (max over ranks) within 1% of what the run counted."""
+    cfg = tiny_cfg(tmp_path, **LORA, **LAYOUTS[name])
+    row = runs[1][name][3][0]
+    lay = memory.Layout(dp=cfg.dp, tp=cfg.parallel.tp, zero=cfg.parallel.zero, sp=cfg.parallel.sp,
+                        micro_batch=cfg.micro_batch)
+    tr = memory.Training(cfg.data.seq_len, cfg.train.global_batch, precision="fp32", lora_rank=4)
+    got = memory.device_memory(model_config(cfg, cfg.data.vocab_size), tr, lay, local_cluster(2))
+    for key, metric in STATE_KEYS.items():
+        predicted = getattr(got, key)
+        assert predicted == pytest.approx(row[metric], rel=0.01), (key, predicted, row[metric])

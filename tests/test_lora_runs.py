@@ -14,6 +14,9 @@ from paratrain import config
 from paratrain.cli import main
 from paratrain.engine import checkpoint as ckpt
 from paratrain.engine import checks
+from paratrain.models.from_config import model_config
+from paratrain.planner import memory
+from paratrain.planner.machine import local_cluster
 from paratrain.train.metrics import read_metrics
 from paratrain.train.trainer import Trainer
 from tests.harness import InterruptedAt, tiny_cfg
@@ -79,6 +82,10 @@ def test_bf16_base_halves_its_bytes_and_trains(tmp_path):
     assert final["embed.weight"].dtype == torch.bfloat16
     assert final["layers.0.attn.wq.weight"].dtype == torch.float32
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.05, [r["loss"] for r in rows]
+    tr = memory.Training(32, 8, precision="fp32", lora_rank=4, lora_base_bytes=2)  # the planner agrees
+    got = memory.device_memory(model_config(cfg, cfg.data.vocab_size), tr, memory.Layout(), local_cluster(1))
+    assert got.params == pytest.approx(rows[0]["mem_params_bytes"], rel=0.01)
+    assert got.optim == rows[0]["mem_optim_bytes"] and got.grads == rows[0]["mem_grads_bytes"]
 
 
 def test_resume_is_exact_and_model_safetensors_is_merged(tmp_path):
