@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from paratrain.api_state import load_optimizer_state, optimizer_scalars, set_optimizer_scalars
+from paratrain.base.executor import split_micro_batches
 from paratrain.base.strategy import Strategy
 from paratrain.comm import collectives as C
 from paratrain.data_parallel.sync_batchnorm import convert_sync_batchnorm
@@ -255,21 +256,28 @@ class Parallel:
         if not self._accumulating:
             self.strategy.after_backward()
 
-    def pipeline_step(self, x: torch.Tensor, y: torch.Tensor, *, micro_batches: int) -> torch.Tensor:
+    def pipeline_step(self, x: torch.Tensor, y: torch.Tensor, *, micro_batches: int,
+                      positions: torch.Tensor | None = None) -> torch.Tensor:
         """Forward and backward of this dp rank's rows through the pipeline schedule (pp > 1).
 
         ``x``: token ids [rows, seq] (the same on every stage of this pipeline), ``y``: next-token
-        targets; split into ``micro_batches`` equal micro-batches. Gradients end as ``backward``
-        leaves them (the mean over the dp ranks' tokens); returns the mean token loss of these
-        rows, on every stage. Then clip, ``optimizer.step()`` and ``zero_grad()`` as usual.
+        targets; split into ``micro_batches`` equal micro-batches. ``positions`` [rows, seq]: packed
+        rows' positions (restarting at 0 at each example; attention stays inside each example), or
+        None for plain rows. Targets of -100 are not counted (``F.cross_entropy``'s default): the
+        loss is the mean over these rows' counted targets, what ``F.cross_entropy(reduction="mean")``
+        gives a plain loop. Gradients end as ``backward`` leaves them (the mean over the dp ranks'
+        means); returns that loss, on every stage. Then clip, ``optimizer.step()`` and
+        ``zero_grad()`` as usual.
         """
         self._require_prepared()
         if self.executor is None:
             raise RuntimeError("pipeline_step needs pp > 1: with pp = 1 call model(x) and par.backward(loss)")
         if micro_batches < 1 or x.shape[0] % micro_batches:
             raise ValueError(f"micro_batches = {micro_batches} must divide this rank's {x.shape[0]} rows")
-        pairs = list(zip(x.to(self.device).chunk(micro_batches), y.to(self.device).chunk(micro_batches)))
-        share = self.executor.run(pairs, float(y.numel() * self.dp_size))  # this rank's share of the mean
+        rows = x.shape[0] // micro_batches
+        batches = split_micro_batches(x, y, positions, rows, self.device)
+        counted = max(1, int((y != -100).sum()))  # at least 1: rows with no counted target add 0
+        share = self.executor.run(batches, float(counted * self.dp_size))  # this rank's share of the mean
         return share * self.dp_size
 
     @contextlib.contextmanager

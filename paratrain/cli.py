@@ -115,6 +115,17 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
     ("--data-workers", "data.workers", int, DATA, "tokenizer processes (default: every core)"),
     ("--allow-data-change", "data.allow_data_change", bool, DATA, "--resume on another corpus or "
      "tokenizer than the checkpoint's"),
+    ("--format", "data.format", str, DATA, "what the .jsonl/.parquet rows hold: chat (\"messages\"), "
+     "completion (\"prompt\" + \"completion\") or text; auto: from the first row's fields"),
+    ("--chat-template", "data.chat_template", str, DATA, "a Jinja chat template file for chat data (default: "
+     "the tokenizer's chat_template from its tokenizer_config.json)"),
+    ("--train-on-prompt", "data.train_on_prompt", bool, DATA, "count every token in the loss (default: only "
+     "the assistant turns of chats and the completions)"),
+    ("--packing", "data.packing", bool, DATA, "fill each row with whole examples, positions restarting at "
+     "each (default: on for chat/completion data, off for text)"),
+    ("--no-packing", "data.packing", bool, DATA, "one example per row, padded"),
+    ("--long-examples", "data.long_examples", str, DATA, "examples longer than --seq-len + 1 tokens: "
+     "truncate (counted and reported) or refuse (an error naming how many)"),
     ("--verify-data", "data.verify_data", bool, DATA, "check a prepared data folder's tokens against its "
      "manifest's hash at start, whatever its size (default: only folders up to 256 MiB)"),
     ("--steps", "train.steps", int, OPTIM, "optimizer steps"),
@@ -222,7 +233,7 @@ def overrides_from(args: argparse.Namespace) -> dict:
             out[key] = value
     for flag, key in TRAIN_SWITCHES.items():
         if getattr(args, flag.lstrip("-").replace("-", "_")):
-            out[key] = flag != "--no-progress"
+            out[key] = flag not in ("--no-progress", "--no-packing")
     return out
 
 
@@ -268,7 +279,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     run = None if args.init_from else args.run
     temperature = 0.0 if args.greedy else args.temperature
     print(generate_from_run(run, args.prompt, max_new_tokens=args.tokens, temperature=temperature,
-                            top_k=args.top_k, seed=args.seed, init_from=args.init_from))
+                            top_k=args.top_k, seed=args.seed, init_from=args.init_from, chat=args.chat))
     return 0
 
 
@@ -285,6 +296,8 @@ def generate_parser(sub: argparse._SubParsersAction) -> None:
                    help="sample among the k most likely tokens (default: %(default)s)")
     g.add_argument("--greedy", action="store_true", help="always the most likely token (temperature 0)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    g.add_argument("--chat", metavar="MESSAGE", help="reply to this user message: it is formatted with the "
+                                                     "model's chat template (the prompt is then ignored)")
 
 
 def eval_parser(sub: argparse._SubParsersAction) -> None:

@@ -98,6 +98,11 @@ class DataConfig:
     workers: int | None = None  # tokenizer processes when preparing; default: every core
     allow_data_change: bool = False  # resume on another corpus or tokenizer than the checkpoint's
     verify_data: bool = False  # check a prepared folder's data_hash at start even when it is large
+    format: str = "auto"  # auto (from the rows' fields) | chat | completion | text (data/chat.py)
+    chat_template: str | None = None  # a Jinja template file instead of the tokenizer's chat_template
+    train_on_prompt: bool = False  # count every token in the loss, not only assistant turns / completions
+    packing: bool | None = None  # whole examples in rows; None: on for chat/completion data, off for text
+    long_examples: str = "truncate"  # examples over seq_len + 1 tokens: truncate (counted) | refuse
 
 
 @dataclass
@@ -278,6 +283,8 @@ CHOICES: dict[str, tuple] = {
     "train.offload_activations": ("none", "cpu"),
     "optim.name": ("adamw", "adamw8bit"),
     "lora.base_precision": ("fp32", "bf16"),
+    "data.format": ("auto", "chat", "completion", "text"),
+    "data.long_examples": ("truncate", "refuse"),
 }
 
 

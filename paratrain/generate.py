@@ -9,6 +9,14 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file
 
+from paratrain.data.sources import DataError
+from paratrain.data.template import (
+    ChatTemplate,
+    TemplateFailed,
+    config_template,
+    load_template,
+    special_tokens,
+)
 from paratrain.data.tokenizer import load_tokenizer
 from paratrain.models import build_model
 from paratrain.models.from_config import config_from_dict
@@ -53,15 +61,43 @@ def sample(model: nn.Module, ids: list[int], max_new_tokens: int, temperature: f
     return ids
 
 
-def generate_from_run(run: str | None, prompt: str, max_new_tokens: int = 120, temperature: float = 0.8,
-                      top_k: int = 40, seed: int = 0, init_from: str | None = None) -> str:
-    """Continue `prompt` with the model of a run folder, or of a Hugging Face folder (init_from)."""
-    if init_from is not None:
+def run_template(run: str) -> ChatTemplate | None:
+    """The chat template a run trained with (its data's), else its imported model's, else None."""
+    info = json.loads((Path(run) / "run.json").read_text())
+    saved = info.get("data", {}).get("chat_template")
+    if saved:
+        return ChatTemplate.from_dict(saved, f"{run}/run.json")
+    config = info.get("hf", {}).get("tokenizer_config") or {}
+    source = config_template(config, Path(run) / "run.json") if config else None
+    return ChatTemplate(source, special_tokens(config), f"{run}/run.json") if source else None
 
+
+def chat_prompt(template: ChatTemplate | None, message: str, where: str) -> str:
+    """One user message rendered with the template and the assistant's generation prompt."""
+    if template is None:
+        raise DataError(f"{where} has no chat template (tokenizer_config.json's chat_template), so --chat "
+                        "cannot format a message: give the prompt as plain text instead")
+    try:
+        return template.render([{"role": "user", "content": message}], add_generation_prompt=True)
+    except TemplateFailed as e:
+        raise DataError(f"the chat template of {where} failed to render the message: {e}") from None
+
+
+def generate_from_run(run: str | None, prompt: str, max_new_tokens: int = 120, temperature: float = 0.8,
+                      top_k: int = 40, seed: int = 0, init_from: str | None = None,
+                      chat: str | None = None) -> str:
+    """Continue `prompt` with the model of a run folder, or of a Hugging Face folder (init_from);
+    with ``chat``, the reply to that user message, formatted by the model's chat template."""
+    if init_from is not None:
         model, ckpt = load_pretrained(init_from)
         tok = load_tokenizer(ckpt.tokenizer_path)
     else:
         model, tok = load_run(run)
-    prompt_ids = tok.encode(prompt).ids or [0]
+    if chat is not None:
+        template = load_template(ckpt.tokenizer_path) if init_from is not None else run_template(run)
+        text = chat_prompt(template, chat, init_from or run)
+        prompt_ids = tok.encode(text, add_special_tokens=False).ids or [0]
+    else:
+        prompt_ids = tok.encode(prompt).ids or [0]
     out = sample(model, prompt_ids, max_new_tokens, temperature, top_k, seed)
     return tok.decode(out[len(prompt_ids):])

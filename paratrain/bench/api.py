@@ -81,7 +81,7 @@ def _user_loop(name: str, cfg, env):
     rows = slice(env.rank * per_rank, (env.rank + 1) * per_rank)
 
     def step(i: int) -> None:
-        x, y = task.train_batch(i, cfg.train.global_batch, rows)
+        x, y = task.train_batch(i, cfg.train.global_batch, rows)[:2]  # plain rows: no positions
         logits = model(x.to(env.device))
         backward(F.cross_entropy(logits.flatten(0, 1).float(), y.to(env.device).flatten()))  # rank's mean
         clip(o.grad_clip)

@@ -209,7 +209,7 @@ def _torch_ddp_side(cfg: config.Config, task: LanguageModelTask, args, env: Dist
     mb, units = cfg.micro_batch, cfg.train.global_batch * task.units_per_row
 
     def step(i: int) -> None:
-        x, y = task.train_batch(i, cfg.train.global_batch, rows)
+        x, y = task.train_batch(i, cfg.train.global_batch, rows)[:2]  # plain rows: no positions
         pieces = list(zip(x.split(mb), y.split(mb)))
         for k, (xs, ys) in enumerate(pieces):
             with ddp.no_sync() if k < len(pieces) - 1 else contextlib.nullcontext():

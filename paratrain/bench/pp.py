@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from paratrain.base.executor import MicroBatch
 from paratrain.base.strategy import Strategy
 from paratrain.bench.common import add_common_arguments, machine
 from paratrain.config import OptimConfig
@@ -156,7 +157,7 @@ class _Ours(_Side):
         self.strategy = Strategy(model, mesh, OptimConfig())
         self.executor = PipelineExecutor(model, chunks, _loss_sum, self.strategy, mesh, schedule=name,
                                          virtual_stages=v, precision="fp32")
-        self.micro = list(zip(x.split(self.mb), y.split(self.mb)))
+        self.micro = [MicroBatch(xs, ys) for xs, ys in zip(x.split(self.mb), y.split(self.mb))]
         self.bubbles: list[float] = []
 
     def step(self) -> None:

@@ -60,7 +60,7 @@ def run_plain_pytorch(cfg: config.Config, task: LanguageModelTask, args: argpars
     mb = cfg.micro_batch
 
     def step(i: int) -> None:
-        x, y = task.train_batch(i, cfg.train.global_batch)
+        x, y = task.train_batch(i, cfg.train.global_batch)[:2]  # plain rows: no positions
         x, y = x.to(device), y.to(device)
         for xs, ys in zip(x.split(mb), y.split(mb)):
             logits = model(xs)

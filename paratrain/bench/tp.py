@@ -91,7 +91,7 @@ def _dtensor_worker(env, cfg_dict: dict, warmup: int, steps: int) -> float:
                             eps=o.eps, foreach=False)
 
     def step(i: int) -> None:
-        x, y = task.train_batch(i, cfg.train.global_batch)
+        x, y = task.train_batch(i, cfg.train.global_batch)[:2]  # plain rows: no positions
         x, y = x.to(env.device), y.to(env.device)
         with loss_parallel():
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())

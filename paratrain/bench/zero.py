@@ -83,7 +83,7 @@ def _torch_peer(name: str, cfg, env):
     n_units = cfg.train.global_batch * cfg.data.seq_len
 
     def step(i: int) -> None:
-        x, y = task.train_batch(i, cfg.train.global_batch, rows)
+        x, y = task.train_batch(i, cfg.train.global_batch, rows)[:2]  # plain rows: no positions
         logits = wrapped(x.to(env.device))
         loss = F.cross_entropy(logits.flatten(0, 1).float(), y.to(env.device).flatten(), reduction="sum")
         (loss / n_units).backward()

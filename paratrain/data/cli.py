@@ -10,6 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
+from paratrain.data.chat import FORMATS
 from paratrain.data.sources import DataError
 from paratrain.data.tokenfile import PrepareOptions, prepare, read_manifest
 from paratrain.data.tokenizer import tokenizer_file
@@ -19,7 +20,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="paratrain data", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="action", required=True)
-    prep = sub.add_parser("prepare", help="tokenize --data into --out (tokens.bin, docs.bin, manifest.json)")
+    prep = sub.add_parser("prepare", help="tokenize --data into --out (tokens.bin, docs.bin, manifest.json; "
+                                          "mask.bin for chat and completion data)")
     prep.add_argument("--data", help="file or folder of text, .jsonl, .parquet (default: the stdlib sources)")
     prep.add_argument("--out", required=True, help="folder to write (reused when already up to date)")
     prep.add_argument("--tokenizer", help="tokenizer.json or a Hugging Face folder (default: train a BPE)")
@@ -27,6 +29,13 @@ def parser() -> argparse.ArgumentParser:
                       help="size of the BPE trained when no --tokenizer is given (default: %(default)s)")
     prep.add_argument("--text-field", default="text",
                       help="the .jsonl field / .parquet column (default: %(default)s)")
+    prep.add_argument("--format", choices=FORMATS, default="auto",
+                      help='what the .jsonl/.parquet rows hold: chat ("messages"), completion ("prompt" + '
+                           '"completion") or text; auto: from the first row\'s fields (default: %(default)s)')
+    prep.add_argument("--chat-template", help="a Jinja chat template file for chat data (default: the "
+                                              "tokenizer's chat_template from its tokenizer_config.json)")
+    prep.add_argument("--train-on-prompt", action="store_true",
+                      help="mask.bin counts every token (default: only assistant turns / completions)")
     prep.add_argument("--workers", type=int, help="tokenizer processes (default: every core)")
     prep.add_argument("--max-files", type=int, help="read at most this many files (default: all)")
     prep.add_argument("--val-fraction", type=float, default=0.02,
@@ -44,11 +53,14 @@ def main(argv: list[str]) -> int:
         raise DataError(f"--workers must be >= 1 (got {args.workers})")
     opts = PrepareOptions(vocab_size=args.vocab_size, text_field=args.text_field, max_files=args.max_files,
                           tokenizer=tokenizer_file(args.tokenizer) if args.tokenizer else None,
-                          workers=args.workers, val_fraction=args.val_fraction, progress=not args.no_progress)
+                          workers=args.workers, val_fraction=args.val_fraction, progress=not args.no_progress,
+                          fmt=args.format, train_on_prompt=args.train_on_prompt,
+                          chat_template=Path(args.chat_template) if args.chat_template else None)
     folder = prepare(args.data, opts, out=Path(args.out))
     m = read_manifest(folder)
     keys = ("n_tokens", "n_documents", "dtype", "data_hash", "input_bytes", "tokenize_mb_per_s", "workers")
-    summary = {"folder": str(folder), **{k: m[k] for k in keys}, "tokenizer": m["tokenizer"]}
+    summary = {"folder": str(folder), **{k: m[k] for k in keys}, "tokenizer": m["tokenizer"],
+               "format": m.get("data_format", "text")}
     if args.json:
         print(json.dumps(summary))
     else:

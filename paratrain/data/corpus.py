@@ -10,6 +10,7 @@ the corpus too, so a resume on other data is refused rather than silently mixed.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 import paratrain.data.tokenfile as P
+from paratrain.data.packing import PackedRows
 from paratrain.data.sources import DataError
 from paratrain.data.tokenizer import file_hash, resolve_tokenizer, tokenizer_file
 
@@ -37,6 +39,12 @@ class Corpus:
     vocab_size: int
     doc_ends: np.ndarray | None = None  # token offset where each document ends (after its EOT)
     manifest: dict = field(default_factory=dict)
+    mask: np.ndarray | None = None  # chat/completion data: 1 where a token is a counted target
+
+    @property
+    def format(self) -> str:
+        """chat | completion | text (chat.py): what the rows of this corpus are."""
+        return self.manifest.get("data_format", "text")
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -59,13 +67,17 @@ def load_prepared(folder: str | Path, verify: bool = False) -> Corpus:
     P.check_prepared(folder, m, verify)
     tokens = np.memmap(folder / "tokens.bin", dtype=m["dtype"], mode="r", shape=(m["n_tokens"],))
     docs = np.memmap(folder / "docs.bin", dtype=np.int64, mode="r", shape=(m["n_documents"],))
-    return Corpus(tokens, folder / "tokenizer.json", m["tokenizer"]["vocab_size"], docs, m)
+    mask = None
+    if m.get("data_format", "text") != "text":
+        mask = np.memmap(folder / "mask.bin", dtype=np.uint8, mode="r", shape=(m["n_tokens"],))
+    return Corpus(tokens, folder / "tokenizer.json", m["tokenizer"]["vocab_size"], docs, m, mask)
 
 
 def prepare_corpus(path: str | None, vocab_size: int, cache_dir: str | None = None,
                    max_files: int | None = None, *, tokenizer: str | Path | None = None,
                    text_field: str = "text", workers: int | None = None, progress: bool = False,
-                   val_fraction: float = 0.02, verify: bool = False) -> Corpus:
+                   val_fraction: float = 0.02, verify: bool = False, fmt: str = "auto",
+                   chat_template: str | None = None, train_on_prompt: bool = False) -> Corpus:
     """Tokenize the corpus once and cache it; later calls (and every rank) just map the cache.
 
     `path` may be a folder prepared by ``paratrain data prepare``: it is mapped as it is.
@@ -79,7 +91,8 @@ def prepare_corpus(path: str | None, vocab_size: int, cache_dir: str | None = No
         return corpus
     opts = P.PrepareOptions(vocab_size=vocab_size, tokenizer=tok_path, text_field=text_field,
                             max_files=max_files, workers=workers, val_fraction=val_fraction,
-                            progress=progress)
+                            progress=progress, fmt=fmt, train_on_prompt=train_on_prompt,
+                            chat_template=Path(chat_template) if chat_template else None)
     return load_prepared(P.prepare(path, opts, cache_dir=cache_dir), verify)
 
 
@@ -88,7 +101,40 @@ def load_corpus(cfg: Config) -> Corpus:
     d = cfg.data
     return prepare_corpus(d.path, d.vocab_size, d.cache_dir, d.max_files, tokenizer=resolve_tokenizer(cfg),
                           text_field=d.text_field, workers=d.workers, progress=cfg.train.progress,
-                          val_fraction=d.val_fraction, verify=d.verify_data)
+                          val_fraction=d.val_fraction, verify=d.verify_data, fmt=d.format,
+                          chat_template=d.chat_template, train_on_prompt=d.train_on_prompt)
+
+
+_REPORTED: set = set()
+
+
+def _first_report(corpus: Corpus, seq_len: int) -> bool:
+    """Say it once: in the launcher (or the one process), not again in each worker it starts (the
+    workers run with PARATRAIN_RESTART_COUNT set by run.py)."""
+    key = (corpus.manifest.get("data_hash"), seq_len)
+    if key in _REPORTED or "PARATRAIN_RESTART_COUNT" in os.environ:
+        return False
+    _REPORTED.add(key)
+    return True
+
+
+def make_rows(corpus: Corpus, cfg: Config) -> TokenRows | PackedRows:
+    """Windows of the token stream (text, unpacked), or rows of whole examples (chat and completion
+    data; text too with --packing). Packing defaults to on for chat/completion data."""
+    d = cfg.data
+    packing = d.packing if d.packing is not None else corpus.format != "text"
+    if corpus.format == "text" and not packing:
+        return TokenRows(corpus.tokens, d.seq_len, d.val_fraction, cfg.train.seed, doc_ends=corpus.doc_ends)
+    if corpus.doc_ends is None:
+        raise DataError("packing needs the corpus's document boundaries: prepare it again "
+                        "(paratrain data prepare)")
+    rows = PackedRows(corpus.tokens, corpus.doc_ends, d.seq_len, d.val_fraction, cfg.train.seed,
+                      mask=corpus.mask, packing=packing, long_examples=d.long_examples,
+                      pad_id=corpus.manifest.get("tokenizer", {}).get("eot_id", 0))
+    if rows.truncated and _first_report(corpus, d.seq_len):
+        print(f"paratrain: {rows.truncated} example(s) longer than --seq-len + 1 = {d.seq_len + 1} tokens "
+              "were cut to that length (--long-examples refuse to stop instead)", file=sys.stderr)
+    return rows
 
 
 class TokenRows:

@@ -17,7 +17,7 @@ import json
 import os
 import sys
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,8 +122,10 @@ def list_sources(path: str | None, max_files: int | None = None) -> list[Source]
 
 # -- cutting sources into tasks -------------------------------------------------------------------
 
-def plan_tasks(sources: list[Source], chunk_bytes: int = CHUNK_BYTES, text_field: str = "text") -> list[Task]:
-    """Tasks in corpus order: small files grouped, large ones cut, parquet by row group."""
+def plan_tasks(sources: list[Source], chunk_bytes: int = CHUNK_BYTES,
+               text_field: str | None = "text") -> list[Task]:
+    """Tasks in corpus order: small files grouped, large ones cut, parquet by row group (``text_field``:
+    the column every parquet file must hold; None for rows of chat or completion data)."""
     tasks: list[Task] = []
     group: list[Piece] = []
     group_bytes = 0
@@ -184,12 +186,13 @@ def _next_cut(f, offset: int, kind: str) -> int | None:
     return None
 
 
-def _parquet_tasks(s: Source, text_field: str) -> list[Task]:
+def _parquet_tasks(s: Source, text_field: str | None) -> list[Task]:
     pf = _parquet_file(s.path)
     names = pf.schema_arrow.names
-    if text_field not in names:
+    if text_field is not None and text_field not in names:
         raise DataError(f"{s.path}: no column {text_field!r} (columns: {', '.join(names)}); "
-                        "choose one with --text-field")
+                        "choose one with --text-field, or give chat (\"messages\") or completion "
+                        "(\"prompt\", \"completion\") columns")
     meta = pf.metadata
     return [Task((Piece("parquet", s.path, i, 0),), meta.row_group(i).total_byte_size)
             for i in range(meta.num_row_groups)]
@@ -258,7 +261,8 @@ def _field_text(obj, field: str, where) -> Iterator[tuple[str, bool]]:
     if not isinstance(obj, dict) or field not in obj:
         keys = ", ".join(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__
         raise DataError(f'{where()}: no "{field}" field (found: {keys}); every .jsonl line needs '
-                        f'a "{field}" field, or choose another with --text-field')
+                        f'a "{field}" field (or choose another with --text-field), or "messages" (chat '
+                        'data), or "prompt" + "completion"')
     value = obj[field]
     if not isinstance(value, str):
         raise DataError(f'{where()}: the "{field}" field is {type(value).__name__}, not text')
@@ -279,6 +283,55 @@ def _where(piece: Piece, data: bytes, index: int) -> str:
 
 
 READERS = {"text": _read_text, "jsonl": _read_jsonl, "parquet": _read_parquet}
+
+
+# -- rows as objects (chat and completion data) ---------------------------------------------------
+
+Row = tuple[object, Callable[[], str]]  # (the row, where it is: "file:line" or "file: row N")
+
+
+def read_rows(task: Task) -> Iterator[Row]:
+    """Each .jsonl line / .parquet row of the task as an object, with where it is; a text file
+    holds no rows, so it is refused (chat and completion data are .jsonl or .parquet)."""
+    for piece in task.pieces:
+        if piece.kind == "text":
+            raise DataError(f"{piece.path}: a text file in chat or completion data; give .jsonl or .parquet "
+                            "files of rows, or --format text")
+        yield from (_jsonl_rows(piece) if piece.kind == "jsonl" else _parquet_rows(piece))
+
+
+def _jsonl_rows(piece: Piece) -> Iterator[Row]:
+    data = _read_range(piece)
+    for i, line in enumerate(data.split(b"\n")):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line.decode("utf-8", errors="replace"))
+        except json.JSONDecodeError as e:
+            raise DataError(f"{_where(piece, data, i)}: invalid JSON ({e.msg}, column {e.colno}); "
+                            "each line of a .jsonl file must be one JSON object") from None
+        yield obj, (lambda i=i: _where(piece, data, i))
+
+
+def _parquet_rows(piece: Piece) -> Iterator[Row]:
+    pf = _parquet_file(piece.path)
+    before = sum(pf.metadata.row_group(g).num_rows for g in range(piece.start))
+    for j, obj in enumerate(pf.read_row_group(piece.start).to_pylist()):
+        yield obj, (lambda j=j: f"{piece.path}: row {before + j + 1}")
+
+
+def first_row(sources: list[Source]) -> Row | None:
+    """The corpus's first row (its format decides the corpus's); None when no source holds rows."""
+    for s in sources:
+        if s.kind == "jsonl":
+            with open(s.path, "rb") as f:
+                for i, line in enumerate(f):
+                    if line.strip():
+                        piece = Piece("jsonl", s.path, 0, len(line))
+                        return next(_jsonl_rows(piece))[0], (lambda at=f"{s.path}:{i + 1}": at)
+        elif s.kind == "parquet" and _parquet_file(s.path).metadata.num_row_groups:
+            return next(_parquet_rows(Piece("parquet", s.path, 0, 0)), None)
+    return None
 
 
 def empty_corpus(paths: list[str]) -> DataError:

@@ -4,7 +4,10 @@ A prepared folder holds
 
 * ``tokens.bin``: the token stream, flat, ``uint16`` when the vocabulary fits, else ``uint32``;
   each document is followed by the end-of-text token;
-* ``docs.bin``: the document index, ``int64``, the end offset (in tokens) of each document;
+* ``docs.bin``: the document index, ``int64``, the end offset (in tokens) of each document
+  (for chat and completion data: of each example);
+* ``mask.bin`` (chat and completion data only): ``uint8``, one per token, 1 where the token is a
+  counted target (chat.py says which), hashed as ``mask_hash``;
 * ``tokenizer.json``: the tokenizer that made them;
 * ``manifest.json``: the sources (path, size, mtime), the tokenizer and its hash, the token and
   document counts, the train/validation split by document, and ``data_hash`` (sha256 of the
@@ -37,25 +40,29 @@ import socket
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 import paratrain.data.tokenizer as T
+from paratrain.data.chat import Encoder, format_fields, resolve_format, resolve_template, task_row_texts
 from paratrain.data.sources import (
     CHUNK_BYTES,
     DataError,
     Source,
     Task,
     empty_corpus,
+    first_row,
     invalid_utf8,
     list_sources,
     plan_tasks,
+    read_rows,
     read_task,
     task_paths,
 )
+from paratrain.data.template import ChatTemplate
 
 FORMAT, VERSION = "paratrain-tokens", 1
 MANIFEST = "manifest.json"
@@ -71,6 +78,9 @@ class PrepareOptions:
     val_fraction: float = 0.02  # recorded in the manifest; the rows recompute it from the index
     progress: bool = False
     chunk_bytes: int = CHUNK_BYTES
+    fmt: str = "auto"  # auto | chat | completion | text (chat.py)
+    chat_template: Path | None = None  # a template file instead of the tokenizer's own
+    train_on_prompt: bool = False  # count every token, not only the assistant's / the completion's
 
 
 def is_prepared(path: str | Path | None) -> bool:
@@ -126,6 +136,24 @@ def check_prepared(folder: Path, m: dict, verify: bool = False) -> None:
     hash_it = verify or m["n_tokens"] * np.dtype(m["dtype"]).itemsize <= HASH_ALWAYS_BYTES
     _check_tokens(tokens, m, hash_it)
     _check_doc_ends(docs, m["n_documents"], m["n_tokens"])
+    if m.get("data_format", "text") != "text":
+        _check_mask(folder / "mask.bin", m, hash_it)
+
+
+def _check_mask(path: Path, m: dict, hash_it: bool) -> None:
+    """The loss mask: one 0/1 byte per token, matching ``mask_hash``."""
+    _check_size(path, m["n_tokens"], "uint8")
+    digest = hashlib.sha256()
+    for start, chunk in _chunks(path, "uint8", m["n_tokens"]):
+        if int(chunk.max()) > 1:
+            at = start + int(np.argmax(chunk > 1))
+            raise DataError(f"{path} holds {int(chunk.max())} at position {at:,}, "
+                            f"where a mask holds 0 or 1: the file is damaged; {AGAIN}")
+        if hash_it:
+            digest.update(chunk)
+    if hash_it and digest.hexdigest()[:16] != m.get("mask_hash"):
+        raise DataError(f"{path} does not match the manifest's mask_hash ({m.get('mask_hash')}): it was "
+                        f"changed after it was prepared; {AGAIN}")
 
 
 def _check_size(path: Path, count: int, dtype: str) -> None:
@@ -176,15 +204,17 @@ def _check_doc_ends(path: Path, n_documents: int, n_tokens: int) -> None:
         last = int(chunk[-1])
 
 
-def cache_key(sources: list[Source], opts: PrepareOptions) -> str:
-    """What the token file depends on, known before reading any data."""
+def cache_key(sources: list[Source], opts: PrepareOptions, fmt: str = "text",
+              template: ChatTemplate | None = None) -> str:
+    """What the token file depends on, known before reading any data but the first row (its format)."""
     if opts.tokenizer is not None:
         tok = f"file:{T.file_hash(opts.tokenizer)}"
     else:
         tok = f"bpe:{opts.vocab_size}:{T.SAMPLE_BYTES}"
-    h = hashlib.sha256(json.dumps([FORMAT, VERSION, tok, opts.text_field, opts.chunk_bytes,
-                                   [s.to_dict() for s in sources]]).encode())
-    return h.hexdigest()[:16]
+    parts = [FORMAT, VERSION, tok, opts.text_field, opts.chunk_bytes, [s.to_dict() for s in sources]]
+    if fmt != "text":  # text corpora keep the keys (and caches) they had before formats existed
+        parts += [fmt, opts.train_on_prompt, template.hash if template is not None else None]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
 
 def cache_root(cache_dir: str | None) -> Path:
@@ -199,22 +229,25 @@ def prepare(data: str | None, opts: PrepareOptions, *, out: Path | None = None,
     modification times.
     """
     sources = list_sources(data, opts.max_files)
-    key = cache_key(sources, opts)
+    fmt = resolve_format(first_row(sources), opts.fmt, opts.text_field)
+    template = resolve_template(fmt, opts.tokenizer, opts.chat_template)
+    key = cache_key(sources, opts, fmt, template)
     out = out or cache_root(cache_dir) / f"tokens-{key}"
     if _prepared_key(out) == key:
         return out
     if out.exists() and any(out.iterdir()) and not is_prepared(out):
         raise DataError(f"{out} exists and is not a prepared folder: choose an empty or new --out")
-    tasks = plan_tasks(sources, opts.chunk_bytes, opts.text_field)
+    tasks = plan_tasks(sources, opts.chunk_bytes, opts.text_field if fmt == "text" else None)
     tmp = out.parent / f".{out.name}.tmp-{_owner()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         with _writing(tmp):
             tmp.mkdir(parents=True)
-        tok_info = _write_tokenizer(tmp, tasks, opts)
-        stats = _tokenize(tmp, tasks, tok_info, opts)
+        tok_info = _write_tokenizer(tmp, tasks, opts, fmt)
+        stats = _tokenize(tmp, tasks, tok_info, opts, (fmt, template.to_dict() if template else None))
         manifest = {"format": FORMAT, "version": VERSION, "key": key, "text_field": opts.text_field,
                     "sources": [s.to_dict() for s in sources], "tokenizer": tok_info, **stats,
+                    **format_fields(fmt, template, opts.train_on_prompt),
                     "split": document_split(np.fromfile(tmp / "docs.bin", dtype=np.int64), opts.val_fraction)}
         with _writing(tmp / MANIFEST):
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))  # last: marks the folder complete
@@ -271,7 +304,7 @@ def _owner() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-def _write_tokenizer(folder: Path, tasks: list[Task], opts: PrepareOptions) -> dict:
+def _write_tokenizer(folder: Path, tasks: list[Task], opts: PrepareOptions, fmt: str = "text") -> dict:
     if opts.tokenizer is not None:
         tok = T.load_tokenizer(opts.tokenizer)
         eot = T.eot_id(tok, opts.tokenizer)
@@ -279,7 +312,7 @@ def _write_tokenizer(folder: Path, tasks: list[Task], opts: PrepareOptions) -> d
             shutil.copy(opts.tokenizer, folder / "tokenizer.json")
         spec, sample = str(opts.tokenizer), None
     else:
-        tok = T.train_bpe(tasks, opts.vocab_size, opts.text_field)
+        tok = T.train_bpe(tasks, opts.vocab_size, opts.text_field, None if fmt == "text" else task_row_texts)
         eot = tok.token_to_id(T.EOT)
         with _writing(folder / "tokenizer.json"):
             tok.save(str(folder / "tokenizer.json"))
@@ -293,13 +326,37 @@ def _write_tokenizer(folder: Path, tasks: list[Task], opts: PrepareOptions) -> d
 _worker_state: dict = {}
 
 
-def _init_worker(tok_path: str, eot: int, text_field: str) -> None:
-    _worker_state.update(tok=T.load_tokenizer(Path(tok_path)), eot=eot, field=text_field)
+def _init_worker(tok_path: str, eot: int, text_field: str, data: tuple = ("text", None),
+                 train_on_prompt: bool = False) -> None:
+    tok = T.load_tokenizer(Path(tok_path))
+    fmt, template = data
+    encoder = None if fmt == "text" else Encoder(
+        tok, fmt, eot, ChatTemplate.from_dict(template, "the chat template") if template else None,
+        train_on_prompt, text_field)
+    _worker_state.update(tok=tok, eot=eot, field=text_field, encoder=encoder)
 
 
-def encode_task(task: Task) -> tuple[np.ndarray, np.ndarray, int, list[str]]:
+def encode_rows(task: Task) -> tuple[np.ndarray, np.ndarray, int, list[str], np.ndarray]:
+    """encode_task for chat and completion data: one example per row, and its mask."""
+    encoder = _worker_state["encoder"]
+    ids, masks, ends, n = [], [], [], 0
+    for row, where in read_rows(task):
+        out = encoder.encode(row, where)
+        if out is not None:
+            ids.append(np.asarray(out[0], dtype=np.uint32))
+            masks.append(out[1])
+            n += len(out[0])
+            ends.append(n)
+    tokens = np.concatenate(ids) if ids else np.zeros(0, np.uint32)
+    mask = np.concatenate(masks) if masks else np.zeros(0, np.uint8)
+    return tokens, np.asarray(ends, dtype=np.int64), task.nbytes, [], mask
+
+
+def encode_task(task: Task) -> tuple[np.ndarray, np.ndarray, int, list[str], np.ndarray | None]:
     """(tokens with an end-of-text after each finished document, document end offsets, input bytes,
-    the task's files that are not valid UTF-8)."""
+    the task's files that are not valid UTF-8, the mask: None for text)."""
+    if _worker_state.get("encoder") is not None:
+        return encode_rows(task)
     tok, eot, field = _worker_state["tok"], _worker_state["eot"], _worker_state["field"]
     parts = list(read_task(task, field))
     not_utf8 = invalid_utf8(task) if any("\ufffd" in text for text, _ in parts) else []
@@ -312,43 +369,57 @@ def encode_task(task: Task) -> tuple[np.ndarray, np.ndarray, int, list[str]]:
         if closes:
             ends.append(n)
     tokens = np.concatenate(pieces) if pieces else np.zeros(0, np.uint32)
-    return tokens, np.asarray(ends, dtype=np.int64), task.nbytes, not_utf8
+    return tokens, np.asarray(ends, dtype=np.int64), task.nbytes, not_utf8, None
 
 
-def _tokenize(folder: Path, tasks: list[Task], tok_info: dict, opts: PrepareOptions) -> dict:
+def _tokenize(folder: Path, tasks: list[Task], tok_info: dict, opts: PrepareOptions,
+              data: tuple = ("text", None)) -> dict:
+    """Write tokens.bin, docs.bin (and mask.bin for chat/completion data); their figures for the manifest."""
     dtype = np.uint16 if tok_info["vocab_size"] <= 2**16 else np.uint32
-    digest, n_tokens, n_docs = hashlib.sha256(), 0, 0
+    digest, mask_digest, n_tokens, n_docs = hashlib.sha256(), hashlib.sha256(), 0, 0
     not_utf8: list[str] = []
     workers = max(1, min(opts.workers or os.cpu_count() or 1, len(tasks)))
     start = time.perf_counter()
-    init = (str(folder / "tokenizer.json"), tok_info["eot_id"], opts.text_field)
-    tok_path, doc_path = folder / "tokens.bin", folder / "docs.bin"
+    init = (str(folder / "tokenizer.json"), tok_info["eot_id"], opts.text_field, data, opts.train_on_prompt)
+    paths = [folder / name for name in ("tokens.bin", "docs.bin", "mask.bin")[:2 if data[0] == "text" else 3]]
     with _writing(folder):
-        ftok, fdoc = open(tok_path, "wb"), open(doc_path, "wb")
-    with ftok, fdoc, _results(tasks, workers, init) as results, _bar(opts, tasks) as bar:
-        for tokens, ends, nbytes, bad in results:
+        files = [open(path, "wb") for path in paths]
+    with ExitStack() as stack:
+        for f in files:
+            stack.enter_context(f)
+        results = stack.enter_context(_results(tasks, workers, init))
+        bar = stack.enter_context(_bar(opts, tasks))
+        for tokens, ends, nbytes, bad, mask in results:
             not_utf8.extend(p for p in bad if p not in not_utf8)
-            data = tokens.astype(dtype)
-            _write(ftok, data, tok_path)
-            digest.update(data.tobytes())
-            _write(fdoc, ends + n_tokens, doc_path)
+            values = tokens.astype(dtype)
+            _write(files[0], values, paths[0])
+            digest.update(values.tobytes())
+            _write(files[1], ends + n_tokens, paths[1])
+            if mask is not None:
+                _write(files[2], mask, paths[2])
+                mask_digest.update(mask.tobytes())
             n_tokens, n_docs = n_tokens + len(tokens), n_docs + len(ends)
             if bar is not None:
                 bar.update(nbytes)
-        for f, path in ((ftok, tok_path), (fdoc, doc_path)):  # the last buffered bytes may not fit
+        for f, path in zip(files, paths):  # the last buffered bytes may not fit
             with _writing(path):
                 f.close()
     if n_tokens == 0:
         raise empty_corpus(task_paths(tasks))
-    if not_utf8:  # decoded anyway (the readers replace what is not UTF-8), but the user should know
-        print(f"paratrain: {len(not_utf8)} file(s) are not valid UTF-8 (e.g. {not_utf8[0]}); their "
-              "undecodable bytes became U+FFFD. Convert them (e.g. iconv -f latin1 -t utf-8) if that "
-              "was not intended", file=sys.stderr)
+    _warn_not_utf8(not_utf8)
     seconds = time.perf_counter() - start
     total = sum(t.nbytes for t in tasks)
     return {"dtype": np.dtype(dtype).name, "n_tokens": n_tokens, "n_documents": n_docs,
             "data_hash": digest.hexdigest()[:16], "input_bytes": total, "tokenize_seconds": round(seconds, 3),
-            "tokenize_mb_per_s": round(total / 1e6 / max(seconds, 1e-9), 2), "workers": workers}
+            "tokenize_mb_per_s": round(total / 1e6 / max(seconds, 1e-9), 2), "workers": workers,
+            **({"mask_hash": mask_digest.hexdigest()[:16]} if len(paths) == 3 else {})}
+
+
+def _warn_not_utf8(not_utf8: list[str]) -> None:
+    if not_utf8:  # decoded anyway (the readers replace what is not UTF-8), but the user should know
+        print(f"paratrain: {len(not_utf8)} file(s) are not valid UTF-8 (e.g. {not_utf8[0]}); their "
+              "undecodable bytes became U+FFFD. Convert them (e.g. iconv -f latin1 -t utf-8) if that "
+              "was not intended", file=sys.stderr)
 
 
 @contextmanager

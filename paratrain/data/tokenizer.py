@@ -10,6 +10,7 @@ evenly over the corpus, so its cost does not grow with the corpus.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -86,8 +87,10 @@ def sample_tasks(tasks: list[Task], budget: int = SAMPLE_BYTES) -> list[Task]:
     return [tasks[(j * len(tasks)) // k] for j in range(k)]
 
 
-def train_bpe(tasks: list[Task], vocab_size: int, text_field: str = "text") -> Tokenizer:
-    """Byte-level BPE (GPT-2's scheme) with the end-of-text token, trained on a bounded sample."""
+def train_bpe(tasks: list[Task], vocab_size: int, text_field: str = "text",
+              read: Callable[[Task], Iterator[tuple[str, bool]]] | None = None) -> Tokenizer:
+    """Byte-level BPE (GPT-2's scheme) with the end-of-text token, trained on a bounded sample
+    (``read(task)``: its texts, default ``read_task`` of the text field)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -100,7 +103,7 @@ def train_bpe(tasks: list[Task], vocab_size: int, text_field: str = "text") -> T
     def texts():
         nonlocal seen
         for task in sample_tasks(tasks):
-            for text, _ in read_task(task, text_field):
+            for text, _ in (read(task) if read else read_task(task, text_field)):
                 seen += len(text)
                 yield text
 

@@ -4,6 +4,11 @@ Every member the engine, the trainer or the checkpoint code reads is declared he
 default a task without that capability has, so nobody probes a task with ``hasattr``. The loss is
 always a *sum* over the units of a batch (tokens, or samples), so the executor can divide by the
 global count and every layout computes the same mean.
+
+Batches are ``(x, y, positions)``: inputs, targets with ``IGNORE_INDEX`` (-100) where a target is
+not counted, and the positions of packed rows ([b, s], restarting at 0 at each example) or None for
+plain rows. ``train_units`` / ``val_units`` count the targets that count in the WHOLE global batch
+(no collective: every rank reads it from the data), the divisor of every micro-batch's loss sum.
 """
 
 from __future__ import annotations
@@ -14,6 +19,13 @@ import torch
 import torch.nn as nn
 
 SideLossFn = Callable[[list[nn.Module], bool], "torch.Tensor | None"]
+Batch = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # (x, y, positions)
+
+
+def as_batch(batch: tuple) -> Batch:
+    """``(x, y, positions)`` from a task's batch; an (x, y) pair (a task written before packing)
+    means plain rows: positions None."""
+    return (*batch, None) if len(batch) == 2 else tuple(batch)
 
 
 class Task:
@@ -44,13 +56,23 @@ class Task:
     def loss_sum(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def train_batch(self, step: int, global_batch: int,
-                    rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def train_batch(self, step: int, global_batch: int, rows: slice | None = None) -> Batch:
+        """Rows ``rows`` (default: all) of the global batch at ``step``: ``(x, y, positions)``,
+        y = -100 where a target is not counted, positions [b, s] of packed rows or None."""
         raise NotImplementedError
 
-    def val_batch(self, index: int, global_batch: int,
-                  rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def val_batch(self, index: int, global_batch: int, rows: slice | None = None) -> Batch:
+        """Rows of validation batch ``index``, as ``train_batch`` returns them."""
         raise NotImplementedError
+
+    def train_units(self, step: int, global_batch: int) -> int:
+        """Counted targets (y != -100) in the whole global batch at ``step``: every micro-batch's
+        loss sum is divided by it. Default: every unit of every row counts."""
+        return global_batch * self.units_per_row
+
+    def val_units(self, index: int, global_batch: int) -> int:
+        """Counted targets in the whole validation batch ``index`` (as ``train_units``)."""
+        return global_batch * self.units_per_row
 
     def take_side_loss_sum(self) -> float:
         """This rank's ``side_loss_sum`` values (loss-sum units) added to the training losses since

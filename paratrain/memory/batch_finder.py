@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from paratrain.base.executor import MicroBatchLoop, with_side_loss
+from paratrain.base.executor import MicroBatch, MicroBatchLoop, model_forward, with_side_loss
 from paratrain.config import ConfigError
 
 MEASURES = ("process", "tensors")
@@ -234,14 +234,19 @@ def _as_trial(model: torch.nn.Module, strategy: Any, device: torch.device,
                 b.copy_(buffers[k])
 
 
-def executor_trial(executor: MicroBatchLoop, x: torch.Tensor, y: torch.Tensor,
-                   divisor: float) -> Callable[[int], int]:
+def _rows(batch: MicroBatch, start: int, n: int) -> MicroBatch:
+    """Rows start..start+n of a batch, positions (packed rows) with them."""
+    return MicroBatch(*(t[start:start + n] if t is not None else None for t in batch))
+
+
+def executor_trial(executor: MicroBatchLoop, batch: MicroBatch, divisor: float) -> Callable[[int], int]:
     """trial(n) for paratrain's micro-batch loop: forward + backward of the first n local rows."""
     model = executor.model
 
     def run(n: int, count: Any) -> None:
+        mb = _rows(batch, 0, n)
         with executor.autocast(), executor.saved_tensors(), count:
-            loss = executor.loss_fn(model(x[:n]), y[:n])
+            loss = executor.loss_fn(model_forward(model, mb), mb.y)
             # train=False: a trial's MoE figures are not the first step's metrics
             loss = with_side_loss(loss, executor.side_loss, [model], False) / divisor
         loss.backward()
@@ -249,13 +254,13 @@ def executor_trial(executor: MicroBatchLoop, x: torch.Tensor, y: torch.Tensor,
     return lambda n: _as_trial(model, executor.strategy, executor.device, functools.partial(run, n))
 
 
-def pipeline_trial(executor: Any, x: torch.Tensor, y: torch.Tensor, divisor: float) -> Callable[[int], int]:
+def pipeline_trial(executor: Any, batch: MicroBatch, divisor: float) -> Callable[[int], int]:
     """trial(n) for a pipeline (a pipeline/executor.py PipelineExecutor, a sibling technique): the
     whole schedule of this step's micro-batches of n rows, forwards and backwards (``rehearse``),
     since a stage's peak holds several micro-batches in flight. Every stage runs every trial."""
     def run(n: int, count: Any) -> None:
         with count:
-            executor.rehearse([(x[i:i + n], y[i:i + n]) for i in range(0, len(x), n)], divisor)
+            executor.rehearse([_rows(batch, i, n) for i in range(0, len(batch.x), n)], divisor)
 
     return lambda n: _as_trial(executor.model, executor.strategy, executor.mesh.device,
                                functools.partial(run, n))
@@ -276,16 +281,17 @@ def resolve_micro_batch(trainer: Any) -> FinderResult:  # a train.Trainer, a lay
             raise ValueError("--micro-batch auto on a CPU needs --memory-limit BYTES per rank")
         limit = torch.cuda.get_device_properties(device).total_memory
     per_rank = cfg.train.global_batch // mesh.dp.size
-    x, y = trainer.task.train_batch(0, cfg.train.global_batch, trainer.local_rows())
+    # The first step's rows, positions (packed rows) and counted targets: what training runs first.
+    (batch,) = trainer.micro_batches(*trainer.task_batch(0), rows=per_rank)
     executor = trainer.engine.executor
     shards = mesh.dp.size if cfg.parallel.zero >= 1 else 1
     log = print if trainer.env.rank == 0 else None
-    x, y, divisor = x.to(device), y.to(device), float(trainer.units_per_step)
+    divisor = float(trainer.counted(0))
     if mesh.pp.size > 1:  # the schedule's micro-batch count is per_rank / n: the sizes it runs
-        trial = pipeline_trial(executor, x, y, divisor)
+        trial = pipeline_trial(executor, batch, divisor)
         candidates = [n for n in divisors(per_rank) if executor.accepts(per_rank // n)]
     else:
-        trial, candidates = executor_trial(executor, x, y, divisor), divisors(per_rank)
+        trial, candidates = executor_trial(executor, batch, divisor), divisors(per_rank)
     result = find_executable_batch_size(
         trial, candidates, memory_limit=limit, group=mesh.world, device=device,
         measure=cfg.train.memory_measure, reserve_bytes=adam_moment_bytes(executor.model, shards), log=log)

@@ -4,6 +4,11 @@ A decoder here is ``embed`` -> ``layers`` ("0", "1", ...) -> ``norm`` -> ``lm_he
 stage keeps only some of them (the others are None). Llama and GPT-2 differ inside the blocks and
 the embedding, not in this; so their models subclass ``Decoder`` for the forward, and
 ``decoder_family`` writes the parts of their declaration that follow from the layout.
+
+Packed rows. ``positions`` [b, s] (or None: 0..s-1, one causal sequence per row) restart at 0 at
+each example's first token; every block gets them (``block(h, positions)``) and its attention
+builds ``block_causal_mask(positions)``: a token attends only to the tokens before it in its own
+run (a run: positions rising by 1 from a 0), so packed examples never see each other.
 """
 
 from __future__ import annotations
@@ -13,7 +18,22 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from paratrain.models.family import ModelFamily
+from paratrain.models.family import ModelFamily, call_part
+
+
+def block_causal_mask(positions: torch.Tensor | None) -> torch.Tensor | None:
+    """The attention mask of packed rows, [b, 1, s, s] bool (True: may attend), or None (causal).
+
+    Runs are numbered by counting the restarts (positions == 0) along the sequence; query i may
+    see key j when both lie in one run and j <= i. Every query sees at least itself, so no softmax
+    row is empty (no NaN), whatever the padding."""
+    if positions is None:
+        return None
+    run = torch.cumsum(positions == 0, dim=1)  # [b, s]: which example each token belongs to
+    same = run[:, :, None] == run[:, None, :]  # [b, s(query), s(key)]
+    s = positions.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=positions.device).tril()
+    return (same & causal)[:, None]  # [b, 1, s, s]: broadcast over heads
 
 
 class Decoder(nn.Module):
@@ -24,11 +44,12 @@ class Decoder(nn.Module):
     norm: nn.Module | None
     lm_head: nn.Module | None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """tokens [b, s] -> logits [b, s, vocab]; a pipeline stage may take/return hidden states."""
-        h = self.embed(x) if self.embed is not None else x  # [b, s, dim]
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [b, s] (positions [b, s] or None) -> logits [b, s, vocab]; a pipeline stage may
+        take/return hidden states."""
+        h = call_part(self.embed, x, positions) if self.embed is not None else x  # [b, s, dim]
         for block in self.layers.values():
-            h = block(h)
+            h = block(h, positions)
         if self.norm is not None:
             h = self.norm(h)
         return self.lm_head(h) if self.lm_head is not None else h

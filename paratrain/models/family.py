@@ -21,6 +21,9 @@ Techniques (tensor_parallel/, zero/, pipeline/, memory/) know no model by name: 
 * ``lora_targets``: the linears ``--lora`` adapts by default, as module-name patterns
   (models/lora.py's matching: ``attn.wq`` matches ``layers.3.attn.wq``).
 
+Blocks are called ``block(h, positions)`` (positions [b, s] of packed rows, or None); a module
+before or after them that reads positions says so with ``reads_positions = True`` (``call_part``).
+
 The Hugging Face mapping of a family (config translation, name table, RoPE permutation) lives
 beside it too (models/llama/hf.py), used by the commands that import and export, not by techniques.
 
@@ -71,15 +74,16 @@ class ModelFamily:
         return units
 
     def forward_stage(self, model: nn.Module, x: torch.Tensor, blocks: list[int], first: bool,
-                      last: bool) -> torch.Tensor:
-        """One pipeline stage: the ``before`` modules (first stage), its blocks, the ``after`` ones."""
+                      last: bool, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """One pipeline stage: the ``before`` modules (first stage), its blocks, the ``after`` ones.
+        ``positions`` [b, s] (None: 0..s-1) reach every block and any part that reads them."""
         h = x
         if first:
             for _, m in self.present(model, self.before):
-                h = m(h)
+                h = call_part(m, h, positions)
         layers = self.blocks_of(model)
         for i in blocks:
-            h = layers[str(i)](h)
+            h = layers[str(i)](h, positions)
         if last:
             for _, m in self.present(model, self.after):
                 h = m(h)
@@ -87,6 +91,12 @@ class ModelFamily:
 
     def is_tied(self, model: nn.Module) -> bool:
         return self.tied is not None and model.cfg.tie_embeddings  # a family's model keeps its config
+
+
+def call_part(module: nn.Module, h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    """Run a module before or after the blocks: with ``positions`` when it declares that it reads
+    them (``reads_positions = True``: GPT-2's learned position embedding), else on ``h`` alone."""
+    return module(h, positions) if getattr(module, "reads_positions", False) else module(h)
 
 
 class NoFamilyError(ValueError):

@@ -6,6 +6,9 @@ pipelined. What it does per action (schedules.py has the semantics):
 * runs of consecutive SEND / RECV actions go out as one ``batch_isend_irecv``; a receive's
   buffer shape is known up front ([micro_batch, seq, dim]; seq / tp under sequence parallelism),
   so no shape exchange is needed;
+* every rank builds the step's micro-batches from the same rows (``MicroBatch(x, y, positions)``),
+  so each stage has its micro-batch's positions locally: packed rows' attention masks need no
+  message between stages;
 * F waits for its input activation (if it was received), runs its chunk, keeps (input, output)
   for the backward; on the last stage it computes the loss (sum over tokens / divisor). Losses
   the chunk's layers produced (``side_loss``: mixture-of-experts aux losses) are this stage's:
@@ -30,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from paratrain.base.executor import LossFn, SideLossFn, autocast_for, with_side_loss
+from paratrain.base.executor import LossFn, MicroBatch, SideLossFn, autocast_for, micro_batch, with_side_loss
 from paratrain.base.strategy import Strategy
 from paratrain.comm import collectives as C
 from paratrain.mesh import ParallelMesh
@@ -92,7 +95,7 @@ class PipelineExecutor:
 
     # -- the two entry points ------------------------------------------------------------------------
 
-    def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], divisor: float,
+    def run(self, micro_batches: list[MicroBatch], divisor: float,
             loss_scale: float = 1.0) -> torch.Tensor:
         """One step's forwards and backwards; returns the step's loss share, the same on every stage."""
         self._trained_m = len(micro_batches)
@@ -110,7 +113,7 @@ class PipelineExecutor:
             self.strategy.after_backward()
         return self._loss_from_last_stage(total)
 
-    def rehearse(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], divisor: float) -> None:
+    def rehearse(self, micro_batches: list[MicroBatch], divisor: float) -> None:
         """One step's forwards and backwards and nothing after them (no gradient reduction, no
         tied-pair sum): ``--micro-batch auto``'s trial of a micro-batch size, whose memory peak is
         the schedule's, with several micro-batches in flight on a stage. Every stage runs it."""
@@ -126,8 +129,7 @@ class PipelineExecutor:
         return True
 
     @torch.no_grad()
-    def evaluate(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-                 divisor: float) -> torch.Tensor:
+    def evaluate(self, micro_batches: list[MicroBatch], divisor: float) -> torch.Tensor:
         actions = self._rank_actions(len(micro_batches), train=False)
         total = self._execute(actions, micro_batches, divisor, 1.0, train=False)
         return self._loss_from_last_stage(total)
@@ -154,7 +156,7 @@ class PipelineExecutor:
                 i = j
                 continue
             a = actions[i]
-            x, y = micro_batches[a.mb]
+            mb = micro_batch(micro_batches[a.mb])
             # The message this computation consumes: waiting for it is idle time, not work.
             needs = None
             if a.kind == F and a.stage > 0:
@@ -164,12 +166,12 @@ class PipelineExecutor:
             if clock:
                 clock.start(a)
             if a.kind == F:
-                inp = x if a.stage == 0 else needs
+                inp = mb.x if a.stage == 0 else needs
                 chunk = self.chunks[a.stage]
                 with self.autocast():
-                    out = chunk(inp)
+                    out = chunk(inp, mb.positions)
                 if a.stage == self.n_stages - 1:
-                    out = self.loss_fn(out, y)
+                    out = self.loss_fn(out, mb.y)
                     out = with_side_loss(out, self.side_loss, chunk.modules(), train) / divisor
                     total += out.detach().float()
                 else:

@@ -96,9 +96,10 @@ class StageChunk:
     is_last: bool
     family: ModelFamily  # looked up once: this is called for every micro-batch
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """tokens [b, s] (first stage) or hidden [b, s, dim] -> hidden [b, s, dim] or logits."""
-        return self.family.forward_stage(self.model, x, self.layers, self.is_first, self.is_last)
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [b, s] (first stage) or hidden [b, s, dim] -> hidden [b, s, dim] or logits;
+        ``positions`` [b, s]: the micro-batch's, whole on every stage and tp rank (None: 0..s-1)."""
+        return self.family.forward_stage(self.model, x, self.layers, self.is_first, self.is_last, positions)
 
     def modules(self) -> list[nn.Module]:
         """The modules this chunk runs (its side losses are this stage's: executor.py)."""

@@ -14,6 +14,10 @@ gradient of our slice is ``softmax(z)_v - [v == t]`` for our v, scaled by the in
 
 Padding columns (vocabulary padded to a multiple of tp) arrive as -inf from the LM head: exp
 gives 0, so they never win and get zero gradient.
+
+Targets equal to ``IGNORE_INDEX`` (-100, torch's default ``ignore_index``: prompt tokens, padding,
+the last token of a packed example) are not counted: their loss is exactly 0 and their logits get
+no gradient, as ``F.cross_entropy`` does (a row of only such targets adds 0, never NaN).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import torch
 import torch.distributed as dist
 
 from paratrain.comm import collectives as C
+
+IGNORE_INDEX = -100  # torch's default ignore_index; the data's (paratrain/data/packing.py) too
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -42,16 +48,18 @@ class _VocabParallelCE(torch.autograd.Function):
         C.all_reduce(stats, axis)
         sum_exp, target_logit = stats[0], stats[1]
         exp.div_(sum_exp.unsqueeze(-1))  # softmax of our slice
-        ctx.save_for_backward(exp, local_t, mine)
-        return sum_exp.log() - target_logit  # [N] per-token loss
+        counted = targets != IGNORE_INDEX  # [N]; an ignored target is owned by no rank (mine False)
+        ctx.save_for_backward(exp, local_t, mine, counted)
+        return (sum_exp.log() - target_logit).masked_fill_(~counted, 0.0)  # [N] per-token loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        softmax, local_t, mine = ctx.saved_tensors
+        softmax, local_t, mine, counted = ctx.saved_tensors
         grad = softmax  # reused in place: backward runs once
         rows = torch.arange(grad.shape[0], device=grad.device)
         grad[rows, local_t] -= mine.to(grad.dtype)
-        return grad.mul_(grad_loss.unsqueeze(-1)), None, None
+        scale = grad_loss.masked_fill(~counted, 0.0)  # ignored targets: no gradient at all
+        return grad.mul_(scale.unsqueeze(-1)), None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, axis: C.Axis) -> torch.Tensor:

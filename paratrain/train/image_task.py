@@ -70,10 +70,11 @@ class ImageTask(Task):
         return x, y
 
     def train_batch(self, step: int, global_batch: int,
-                    rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Images and labels of rows ``rows`` (default: all) of the global batch at ``step``."""
-        return self._batch("train", step * global_batch, global_batch, rows)
+                    rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor, None]:
+        """Images and labels of rows ``rows`` (default: all) of the global batch at ``step``
+        (no positions: images are not token rows; every label counts)."""
+        return (*self._batch("train", step * global_batch, global_batch, rows), None)
 
     def val_batch(self, index: int, global_batch: int,
-                  rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._batch("val", index * global_batch, global_batch, rows)
+                  rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return (*self._batch("val", index * global_batch, global_batch, rows), None)

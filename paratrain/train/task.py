@@ -15,7 +15,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from paratrain.config import Config
-from paratrain.data import Corpus, TokenRows, check_batch_fits, check_vocab, load_corpus
+from paratrain.data import (
+    IGNORE_INDEX,
+    Corpus,
+    TokenRows,
+    check_batch_fits,
+    check_vocab,
+    load_corpus,
+    make_rows,
+)
 from paratrain.engine.task import Task
 from paratrain.models import build_model, full_init_value, init_weights, materialize, tied_name
 from paratrain.models.adapters import PeftAdapter
@@ -41,8 +49,7 @@ class LanguageModelTask(Task):
         # --lora-from: the adapters start from a PEFT folder instead of (seed, name)
         self.adapter = PeftAdapter.open(cfg.lora.from_dir) if cfg.lora.from_dir else None
         check_vocab(self.corpus.vocab_size, self.model_cfg.vocab_size)
-        self.rows = TokenRows(self.corpus.tokens, d.seq_len, d.val_fraction, cfg.train.seed,
-                              doc_ends=self.corpus.doc_ends)
+        self.rows = make_rows(self.corpus, cfg)  # TokenRows (text windows) or PackedRows (whole examples)
         check_batch_fits(self.rows, cfg.train.global_batch)
         self.seed = cfg.train.seed
         self.moe = None
@@ -85,17 +92,31 @@ class LanguageModelTask(Task):
         return spec.slice(full_init_value(name, spec.full_shape, seed, self.model_cfg))
 
     def run_info(self) -> dict:
-        """What run.json keeps so `paratrain export --hf` can write the model's own config back."""
+        """What run.json keeps: the data's format and rows (truncated examples, the chat template for
+        `generate --chat`), and an imported model's own config for `paratrain export --hf`."""
+        info = {"data": self._data_info()}
         if self.hf is None:
-            return {}
-        return {"hf": {"source": str(self.hf.folder), "config": self.hf.hf_config,
+            return info
+        return {**info, "hf": {"source": str(self.hf.folder), "config": self.hf.hf_config,
                        "tokenizer_config": self.hf.optional_json("tokenizer_config.json"),
                        "generation_config": self.hf.optional_json("generation_config.json"),
                        "tokenizer_files": self.hf.tokenizer_files()}}
 
+    def _data_info(self) -> dict:
+        m = self.corpus.manifest
+        info = {"format": self.corpus.format, "packing": not isinstance(self.rows, TokenRows),
+                "train_on_prompt": m.get("train_on_prompt", True)}
+        if not isinstance(self.rows, TokenRows):
+            info.update(self.rows.info())
+        if m.get("chat_template"):
+            info["chat_template"] = m["chat_template"]
+        return info
+
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy sum; the MoE losses come from ``side_loss_sum`` (the executors add them)."""
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+        """Cross-entropy sum over the counted targets (``IGNORE_INDEX`` ones are skipped); the MoE
+        losses come from ``side_loss_sum`` (the executors add them)."""
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
 
     @property
     def side_loss_sum(self) -> Callable[[list[nn.Module], bool], torch.Tensor | None] | None:
@@ -117,12 +138,29 @@ class LanguageModelTask(Task):
         return self.moe.metrics(parts)
 
     def train_batch(self, step: int, global_batch: int,
-                    rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rows.train_batch(step, global_batch, rows)
+                    rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(x, y, positions) of rows ``rows`` of the global batch at ``step``: positions None for
+        plain text windows (one causal sequence per row)."""
+        return _triple(self.rows.train_batch(step, global_batch, rows))
 
     def val_batch(self, index: int, global_batch: int,
-                  rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rows.val_batch(index, global_batch, rows)
+                  rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        return _triple(self.rows.val_batch(index, global_batch, rows))
+
+    def train_units(self, step: int, global_batch: int) -> int:
+        """Counted targets (!= IGNORE_INDEX) of the whole global batch at ``step``: every rank knows it."""
+        if isinstance(self.rows, TokenRows):
+            return global_batch * self.units_per_row
+        return self.rows.train_units(step, global_batch)
+
+    def val_units(self, index: int, global_batch: int) -> int:
+        if isinstance(self.rows, TokenRows):
+            return global_batch * self.units_per_row
+        return self.rows.val_units(index, global_batch)
+
+
+def _triple(batch: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    return batch if len(batch) == 3 else (*batch, None)
 
 
 def build_task(cfg: Config, corpus: Corpus | None = None) -> Task:

@@ -2,7 +2,9 @@
 
     for each step:
         rows of the global batch (layout-independent) -> this dp rank's slice -> micro-batches
-        executor.run: forward + backward of each micro-batch (accumulating), gradient sync
+            (x, y, positions: targets -100 where not counted, positions of packed rows)
+        executor.run: forward + backward of each micro-batch (accumulating), gradient sync;
+            every loss sum divided by the global batch's counted targets (task.train_units)
         global grad norm -> fp16 overflow check -> unscale + clip in one multiply
         optimizer step at the scheduled LR
         metrics (rank 0 writes, per-rank figures gathered), eval, checkpoint
@@ -24,6 +26,7 @@ import torch
 
 import paratrain.faults as faults
 import paratrain.signals as signals
+from paratrain.base.executor import MicroBatch, split_micro_batches
 from paratrain.comm import collectives as C
 from paratrain.config import Config
 from paratrain.data import check_cursor, data_cursor
@@ -32,7 +35,7 @@ from paratrain.engine import checkpoint as ckpt
 from paratrain.engine.engine import Engine, find_checkpoint, make_mesh
 from paratrain.engine.lora import export_lora, run_record
 from paratrain.engine.parallelize import parallelize
-from paratrain.engine.task import Task
+from paratrain.engine.task import Task, as_batch
 from paratrain.launch import DistEnv, restart_attempt
 from paratrain.memory.batch_finder import resolve_micro_batch
 from paratrain.memory.precision import resolve_precision
@@ -131,23 +134,37 @@ class Trainer:
         per_rank = self.cfg.train.global_batch // self.mesh.dp.size
         return slice(self.mesh.dp.rank * per_rank, (self.mesh.dp.rank + 1) * per_rank)
 
-    def micro_batches(self, x: torch.Tensor, y: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        dev, mb = self.mesh.device, self.cfg.micro_batch
-        return [(xs.to(dev), ys.to(dev)) for xs, ys in zip(x.split(mb), y.split(mb))]
+    def task_batch(self, step: int) -> tuple:
+        """This rank's rows of the global batch at ``step``: (x, y, positions)."""
+        return as_batch(self.task.train_batch(step, self.cfg.train.global_batch, self.local_rows()))
+
+    def micro_batches(self, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None = None, *,
+                      rows: int | None = None) -> list[MicroBatch]:
+        """Micro-batches of ``rows`` rows (default: --micro-batch) on the device, positions with them."""
+        return split_micro_batches(x, y, positions, rows or self.cfg.micro_batch, self.mesh.device)
 
     @property
     def units_per_step(self) -> int:
+        """Input units of a step (tokens: every position of every row, counted or not): what
+        ``tokens`` and ``tokens_per_s`` report, as before loss masks. The loss divides by the
+        counted targets instead (``task.train_units``)."""
         return self.cfg.train.global_batch * self.task.units_per_row
+
+    def counted(self, step: int) -> int:
+        """The global batch's counted targets at ``step`` (at least 1: a batch with none has loss
+        0 and no gradient, not 0/0)."""
+        return max(1, self.task.train_units(step, self.cfg.train.global_batch))
 
     # -- one step --------------------------------------------------------------------------------
 
     def train_step(self, step: int) -> dict:
         strategy = self.engine.strategy
-        x, y = self.task.train_batch(step, self.cfg.train.global_batch, self.local_rows())
+        x, y, positions = self.task_batch(step)
+        units = self.counted(step)
         self.mesh.counter.reset()
         start = time.perf_counter()
-        batches = self.micro_batches(x, y)
-        local = self.engine.executor.run(batches, float(self.units_per_step), self.scaler.scale)
+        batches = self.micro_batches(x, y, positions)
+        local = self.engine.executor.run(batches, float(units), self.scaler.scale)
         marks = [start, self._phase_mark()]
         norm = strategy.grad_norm() / self.scaler.scale
         marks.append(self._phase_mark())
@@ -166,7 +183,7 @@ class Trainer:
         elapsed = time.perf_counter() - start
         self.phase_s = {name: b - a for name, a, b in zip(PHASES, marks, marks[1:] + [start + elapsed])}
         return {"local_loss": local, "grad_norm": norm, "skipped": skipped, "time": elapsed,
-                "state_bytes": state_bytes}
+                "state_bytes": state_bytes, "units": units}
 
     def _phase_mark(self) -> float:
         """A phase boundary of the step on the host clock; with ``phase_sync`` (benchmarks) the
@@ -182,11 +199,12 @@ class Trainer:
             C.all_reduce(t, self.mesh.dp)
         return t.item()
 
-    def ce_loss(self, loss: float, skipped: bool) -> float | None:
+    def ce_loss(self, loss: float, skipped: bool, units: int) -> float | None:
         """The loss without the layers' side losses (MoE aux and z): the cross-entropy alone, the
-        figure transformers reports. The side sums are reduced as the loss is: over dp, and over
-        the pipeline stages that hold the layers."""
-        t = torch.tensor(self.task.take_side_loss_sum() / self.units_per_step, dtype=torch.float64,
+        figure transformers reports. The side sums are divided by the step's counted targets, as
+        the loss was, and reduced as it is: over dp, and over the pipeline stages that hold the
+        layers."""
+        t = torch.tensor(self.task.take_side_loss_sum() / units, dtype=torch.float64,
                          device=self.mesh.device)
         with self.mesh.counter.paused():
             C.all_reduce(t, self.mesh.dp)
@@ -196,11 +214,13 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        """The mean loss over the counted targets of ``eval_batches`` validation batches."""
         total = torch.zeros((), dtype=torch.float32)
-        n = self.cfg.train.eval_batches
+        n, gb = self.cfg.train.eval_batches, self.cfg.train.global_batch
+        units = max(1, sum(self.task.val_units(i, gb) for i in range(n)))
         for i in range(n):
-            x, y = self.task.val_batch(i, self.cfg.train.global_batch, self.local_rows())
-            total += self.engine.executor.evaluate(self.micro_batches(x, y), float(self.units_per_step * n))
+            x, y, positions = as_batch(self.task.val_batch(i, gb, self.local_rows()))
+            total += self.engine.executor.evaluate(self.micro_batches(x, y, positions), float(units))
         return self.reduce_loss(total)
 
     # -- the loop --------------------------------------------------------------------------------
@@ -274,11 +294,11 @@ class Trainer:
         records = gather_rank_records(self.mesh, rank_record(self.mesh, s["state_bytes"], extra))
         task_row = self.task_metrics()  # every rank: pipeline stages hold different MoE layers
         if self.task.side_loss_sum is not None:  # every rank: a collective
-            task_row["ce_loss"] = self.ce_loss(loss, s["skipped"])
+            task_row["ce_loss"] = self.ce_loss(loss, s["skipped"], s["units"])
         if not self.is_main:
             return {}
         merged = merge_ranks(records)
-        tokens = self.units_per_step
+        tokens = self.units_per_step  # input tokens, counted or not (the throughput's unit)
         row = {
             "step": step + 1, "loss": None if s["skipped"] else loss, "lr": lr_at(step, self.cfg),
             "grad_norm": s["grad_norm"] if math.isfinite(s["grad_norm"]) else None,

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from paratrain.models.decoder import Decoder
+from paratrain.models.decoder import Decoder, block_causal_mask
 from paratrain.models.init import value_by_name
 from paratrain.models.llama import CoreAttention
 
@@ -113,17 +113,21 @@ def preset(name: str, **overrides: object) -> GPT2Config:
 
 class Embeddings(nn.Module):
     """Token embedding + learned position embedding, one module so a pipeline's first stage owns
-    both. Positions are looked up like tokens (ids [1, s]), so the tensor-parallel plan can split
-    the position table as it splits the vocabulary (models/gpt2/parallel.py says why)."""
+    both. Positions are looked up like tokens (ids [1, s], or a packed batch's [b, s]), so the
+    tensor-parallel plan can split the position table as it splits the vocabulary
+    (models/gpt2/parallel.py says why)."""
+
+    reads_positions = True  # models/family.py call_part: the decoder hands it the batch's positions
 
     def __init__(self, cfg: GPT2Config):
         super().__init__()
         self.wte = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.wpe = nn.Embedding(cfg.max_seq_len, cfg.dim)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(ids.shape[1], device=ids.device)[None]  # [1, s]
-        return self.wte(ids) + self.wpe(positions)  # [b, s, dim] + [1, s, dim]
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is None:
+            positions = torch.arange(ids.shape[1], device=ids.device)[None]  # [1, s]
+        return self.wte(ids) + self.wpe(positions)  # [b, s, dim] + [1 or b, s, dim]
 
 
 class Attention(nn.Module):
@@ -136,11 +140,11 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.dim)
         self.wo = nn.Linear(cfg.dim, cfg.dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         # Head counts come from the projections, so a column-split projection yields local heads.
         q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        y = self.core(q, k, v)  # [b, heads, s, hd]
+        y = self.core(q, k, v, block_causal_mask(positions))  # [b, heads, s, hd]
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))  # [b, s, dim]
 
 
@@ -165,8 +169,8 @@ class Block(nn.Module):
         self.mlp_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), positions)
         return x + self.mlp(self.mlp_norm(x))
 
 

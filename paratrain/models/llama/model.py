@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from paratrain.models.decoder import Decoder
+from paratrain.models.decoder import Decoder, block_causal_mask
 from paratrain.models.init import value_by_name
 from paratrain.models.moe import MoE
 
@@ -136,19 +136,26 @@ class RMSNorm(nn.Module):
         return y.type_as(x) * self.weight
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device | str | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of the rotary angles, [seq, head_dim/2], computed in fp32."""
+def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device | str | None,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of the rotary angles, computed in fp32: [seq, head_dim/2] for positions 0..seq-1,
+    or [b, seq, head_dim/2] at ``positions`` [b, seq] (packed rows restart at each example)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    if positions is not None:
+        angles = positions.to(torch.float32)[..., None] * inv_freq  # same products as the outer below
+    else:
+        angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) by the position's angle. x: [batch, seq, heads, head_dim]."""
+    """Rotate pairs (x[2i], x[2i+1]) by the position's angle. x: [batch, seq, heads, head_dim];
+    cos/sin: [seq, head_dim/2] (every row) or [batch, seq, head_dim/2]."""
     x2 = x.float().unflatten(-1, (-1, 2))  # [b, s, h, hd/2, 2]
     a, b = x2[..., 0], x2[..., 1]
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1)
     return out.flatten(-2).type_as(x)
 
@@ -156,13 +163,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class CoreAttention(nn.Module):
     """softmax(q k^T / sqrt(d)) v over grouped-query heads: the "core attention" of Korthikanti et
     al. 2022, a module of its own (no parameters, so no name changes) so that selective
-    recomputation can checkpoint exactly this part. q, k, v: [b, heads, s, hd] -> [b, heads, s, hd]."""
+    recomputation can checkpoint exactly this part. q, k, v: [b, heads, s, hd] -> [b, heads, s, hd].
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    ``mask``: packed rows' block-diagonal causal mask [b, 1, s, s] (models/decoder.py), or None for
+    plain causal attention (``is_causal``: the fast path pretraining keeps). It is an argument, not
+    state, so selective recompute's re-run in backward sees the mask of its own micro-batch."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves a group of q heads
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 class Attention(nn.Module):
@@ -176,16 +190,16 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        b, s, _ = x.shape  # the whole sequence, also under SP (the entry norm gathered it)
         # Head counts come from the projections, so a column-split projection yields local heads.
         q = self.wq(x).view(b, s, -1, self.head_dim)  # [b, s, n_heads, hd]
         k = self.wk(x).view(b, s, -1, self.head_dim)  # [b, s, n_kv_heads, hd]
         v = self.wv(x).view(b, s, -1, self.head_dim)
-        cos, sin = rope_tables(s, self.head_dim, self.rope_theta, x.device)
+        cos, sin = rope_tables(s, self.head_dim, self.rope_theta, x.device, positions)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, hd]
-        y = self.core(q, k, v)
+        y = self.core(q, k, v, block_causal_mask(positions))
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))  # [b, s, dim]
 
 
@@ -210,8 +224,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = moe_mlp(cfg) if cfg.is_moe_block(index) else MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), positions)
         return x + self.mlp(self.mlp_norm(x))
 
 
