@@ -307,7 +307,8 @@ def eval_parser(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--init-from", help="a local Hugging Face model folder")
     data = e.add_mutually_exclusive_group(required=True)
     data.add_argument("--text-file", help="one sequence: the file's whole text, no special tokens")
-    data.add_argument("--data", help="a corpus (file or folder): loss over its held-out rows")
+    data.add_argument("--data", help="a corpus (file or folder): loss over its held-out rows; chat or "
+                      "completion data: over their assistant turns / completions only")
     e.add_argument("--seq-len", type=int, help="rows of --data (default: the model's context, at most 1024)")
     e.add_argument("--max-rows", type=int, help="evaluate at most this many rows of --data")
     e.add_argument("--json", action="store_true", help='one line {"loss", "tokens", "perplexity"}')
@@ -334,7 +335,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         result = eval_text(model, tokenizer, text, hf_config, args.seq_len)
     else:
         seq_len = args.seq_len or min(model.cfg.max_seq_len, 1024)
-        result = eval_corpus(model, tokenizer, args.data, seq_len, hf_config, max_rows=args.max_rows)
+        result = eval_corpus(model, tokenizer, args.data, seq_len, hf_config, max_rows=args.max_rows,
+                             run=args.run)
     if args.json:
         print(json.dumps(result.to_dict()))
     else:
