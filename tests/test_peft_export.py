@@ -112,16 +112,20 @@ def _peft_adapter(base: Path, out: Path, seed: int = 3, **lora) -> None:
     peft.get_peft_model(model, conf).save_pretrained(str(out))
 
 
-def test_lora_from_starts_at_the_adapter_with_peft_s_first_loss(lora_run, tmp_path):
+@pytest.mark.parametrize("layout", [{}, {"parallel.tp": 2}, {"parallel.pp": 2, "train.micro_batch": 2}],
+                         ids=["one", "tp2", "pp2"])
+def test_lora_from_starts_at_the_adapter_with_peft_s_first_loss(lora_run, tmp_path, layout):
+    """Every layout starts from the folder's adapters: under tp2 each rank reads its slice of q's
+    lora_B (whole heads, permuted per head) and of down's lora_A (row-parallel: split by input)."""
     base, _ = lora_run
     _peft_adapter(base, tmp_path / "ad")
     run = tmp_path / "run"
     cfg = tiny_cfg(run, **{"model.init_from": str(base), "train.steps": 1,
-                           "lora.from_dir": str(tmp_path / "ad")})
-    checks.validate(cfg)
+                           "lora.from_dir": str(tmp_path / "ad"), **layout})
+    checks.validate(cfg, 2 if layout else 1)
     assert (cfg.lora.rank, cfg.lora.alpha) == (4, 12.0)
     assert sorted(cfg.lora.targets) == ["attn.wq", "attn.wv", "mlp.down"]
-    result = run_layout(cfg)
+    result = run_layout(cfg, nproc=2 if layout else 1)
     x, y = build_task(cfg).train_batch(0, cfg.train.global_batch)[:2]
     model = peft.PeftModel.from_pretrained(_hf(base), str(tmp_path / "ad")).double().eval()
     with torch.no_grad():
