@@ -8,7 +8,7 @@ f): a missing or doubled sum is off by a factor, reordering noise is ~1e-16, so 
 them on any CPU. The row layer's forward issues exactly ONE collective (the base's, widened by r).
 
 Run level (the trainer, 2 workers, one launch for every layout, fp32 as users run it): DDP,
-ZeRO-1/2, TP (+SP), PP 1F1B, recompute selective/full, compile, 8-bit AdamW, CPU offload, each
+ZeRO-1/2/3, TP (+SP), PP 1F1B, recompute selective/full, compile, 8-bit AdamW, CPU offload, each
 equal to ONE process with the same LoRA (losses every step and the final weights, adapters
 included) under tests/harness.py's FP32_REORDERED criterion (its docstring says why fp32 parity
 is compared that way); the base must be bit-identical to the initial one in every layout (frozen).
@@ -117,6 +117,9 @@ LAYOUTS = {
     "zero1": {"parallel.dp": 2, "parallel.zero": 1},
     "zero2": {"parallel.dp": 2, "parallel.zero": 2},
     "zero2_offload": {"parallel.dp": 2, "parallel.zero": 2, "parallel.offload": "cpu"},
+    "zero3": {"parallel.dp": 2, "parallel.zero": 3},
+    "zero3_offload": {"parallel.dp": 2, "parallel.zero": 3, "parallel.offload": "cpu"},
+    "zero3_tp2": {"parallel.dp": 1, "parallel.tp": 2, "parallel.zero": 3},
     "tp2": {"parallel.tp": 2},
     "tp2_sp": {"parallel.tp": 2, "parallel.sp": True},
     "pp2_1f1b": {"parallel.pp": 2, "parallel.pp_schedule": "1f1b", "train.micro_batch": 2},
@@ -131,6 +134,7 @@ REFS = {"ref_8bit": {"optim.name": "adamw8bit", "optim.min_8bit_size": 0, "optim
 OTHERS = {"zero1_8bit": ("ref_8bit", {"parallel.dp": 2, "parallel.zero": 1}),
           "gpt2_tp2_sp": ("ref_gpt2", {"parallel.tp": 2, "parallel.sp": True}),
           "gpt2_zero2": ("ref_gpt2", {"parallel.dp": 2, "parallel.zero": 2}),
+          "gpt2_zero3": ("ref_gpt2", {"parallel.dp": 2, "parallel.zero": 3}),
           "moe_ddp": ("ref_moe", {"parallel.dp": 2})}
 
 
@@ -175,7 +179,7 @@ def test_layout_equals_one_process(runs, name):
 STATE_KEYS = {"params": "mem_params_bytes", "grads": "mem_grads_bytes", "optim": "mem_optim_bytes"}
 
 
-@pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "tp2", "tp2_sp"])
+@pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "zero3", "tp2", "tp2_sp"])
 def test_planner_model_states_within_1pct_of_measured(runs, name, tmp_path):
     """planner/lora.py: the frozen base holds parameters only, the adapters all three states; each
     of params / grads / optimizer bytes (max over ranks) within 1% of what the run counted."""
