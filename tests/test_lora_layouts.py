@@ -34,6 +34,7 @@ from paratrain.train.metrics import read_metrics
 from paratrain.train.trainer import Trainer
 from tests.dist import run
 from tests.harness import FP32_REORDERED, RunResult, assert_same_training, run_layout, tiny_cfg
+from tests.hf_models import save_hf
 
 F64 = {"rtol": 1e-12, "atol": 1e-12}
 B, S, IN, OUT, R = 2, 4, 8, 6, 3
@@ -135,7 +136,9 @@ OTHERS = {"zero1_8bit": ("ref_8bit", {"parallel.dp": 2, "parallel.zero": 1}),
           "gpt2_tp2_sp": ("ref_gpt2", {"parallel.tp": 2, "parallel.sp": True}),
           "gpt2_zero2": ("ref_gpt2", {"parallel.dp": 2, "parallel.zero": 2}),
           "gpt2_zero3": ("ref_gpt2", {"parallel.dp": 2, "parallel.zero": 3}),
-          "moe_ddp": ("ref_moe", {"parallel.dp": 2})}
+          "moe_ddp": ("ref_moe", {"parallel.dp": 2}),
+          "hf_tp2": ("ref_hf", {"parallel.tp": 2}),  # --init-from: the base read as tp slices
+          "hf_zero3": ("ref_hf", {"parallel.dp": 2, "parallel.zero": 3})}
 
 
 def _train_each(env, runs: list[dict]) -> list:
@@ -151,11 +154,13 @@ def _train_each(env, runs: list[dict]) -> list:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lora")
+    save_hf(tmp / "hf")  # a tiny random transformers Llama, offline (tests/hf_models.py)
+    ref_cfgs = {"ref": {}, **REFS, "ref_hf": {"model.init_from": str(tmp / "hf")}}
     refs = {}
-    for name, extra in {"ref": {}, **REFS}.items():
+    for name, extra in ref_cfgs.items():
         ref_cfg = tiny_cfg(tmp / name, **LORA, **extra)
         refs[name] = (run_layout(ref_cfg), load_file(tmp / name / "adapters.safetensors"))
-    layouts = {**LAYOUTS, **{name: {**REFS[ref], **v} for name, (ref, v) in OTHERS.items()}}
+    layouts = {**LAYOUTS, **{name: {**ref_cfgs[ref], **v} for name, (ref, v) in OTHERS.items()}}
     cfgs = [tiny_cfg(tmp / name, **LORA, **v) for name, v in layouts.items()]
     for c in cfgs:
         checks.validate(c, 2)
