@@ -148,10 +148,6 @@ class Parallel:
         if self.strategy is not None:
             raise RuntimeError("Parallel.prepare was already called: use one Parallel per model")
         _check_optimizer(model, optimizer)
-        frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
-        if self.zero == 3 and frozen:
-            raise ValueError(f"zero = 3 reduces each unit's gradients once all of them exist; frozen "
-                             f"parameters {frozen[:5]} never get one: use zero <= 2 with frozen parameters")
         model.to(self.device)
         self._broadcast(model)  # every rank starts from rank 0's weights, as DDP does
         full = {n: p.detach() for n, p in model.named_parameters()}  # full values by single-device name

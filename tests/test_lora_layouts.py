@@ -8,7 +8,7 @@ f): a missing or doubled sum is off by a factor, reordering noise is ~1e-16, so 
 them on any CPU. The row layer's forward issues exactly ONE collective (the base's, widened by r).
 
 Run level (the trainer, 2 workers, one launch for every layout, fp32 as users run it): DDP,
-ZeRO-1/2, TP (+SP), PP 1F1B, recompute selective/full, compile, 8-bit AdamW, CPU offload, each
+ZeRO-1/2/3, TP (+SP), PP 1F1B, recompute selective/full, compile, 8-bit AdamW, CPU offload, each
 equal to ONE process with the same LoRA (losses every step and the final weights, adapters
 included) under tests/harness.py's FP32_REORDERED criterion (its docstring says why fp32 parity
 is compared that way); the base must be bit-identical to the initial one in every layout (frozen).
@@ -34,6 +34,7 @@ from paratrain.train.metrics import read_metrics
 from paratrain.train.trainer import Trainer
 from tests.dist import run
 from tests.harness import FP32_REORDERED, RunResult, assert_same_training, run_layout, tiny_cfg
+from tests.hf_models import save_hf
 
 F64 = {"rtol": 1e-12, "atol": 1e-12}
 B, S, IN, OUT, R = 2, 4, 8, 6, 3
@@ -117,6 +118,9 @@ LAYOUTS = {
     "zero1": {"parallel.dp": 2, "parallel.zero": 1},
     "zero2": {"parallel.dp": 2, "parallel.zero": 2},
     "zero2_offload": {"parallel.dp": 2, "parallel.zero": 2, "parallel.offload": "cpu"},
+    "zero3": {"parallel.dp": 2, "parallel.zero": 3},
+    "zero3_offload": {"parallel.dp": 2, "parallel.zero": 3, "parallel.offload": "cpu"},
+    "zero3_tp2": {"parallel.dp": 1, "parallel.tp": 2, "parallel.zero": 3},
     "tp2": {"parallel.tp": 2},
     "tp2_sp": {"parallel.tp": 2, "parallel.sp": True},
     "pp2_1f1b": {"parallel.pp": 2, "parallel.pp_schedule": "1f1b", "train.micro_batch": 2},
@@ -124,8 +128,17 @@ LAYOUTS = {
     "tp2_recompute_selective": {"parallel.tp": 2, "train.recompute": "selective"},
     "ddp_compile": {"parallel.dp": 2, "train.compile": True, "train.compile_backend": "aot_eager"},
 }
-REF_8BIT = {"optim.name": "adamw8bit", "optim.min_8bit_size": 0, "optim.block_size": 64}
-LAYOUTS_8BIT = {"zero1_8bit": {"parallel.dp": 2, "parallel.zero": 1, **REF_8BIT}}
+# Layouts whose reference is another one-process run: 8-bit AdamW, GPT-2 (biases on the column and
+# row layers), a mixture of experts (every expert adapted).
+REFS = {"ref_8bit": {"optim.name": "adamw8bit", "optim.min_8bit_size": 0, "optim.block_size": 64},
+        "ref_gpt2": {"model.name": "gpt2-tiny"}, "ref_moe": {"model.name": "tiny-moe"}}
+OTHERS = {"zero1_8bit": ("ref_8bit", {"parallel.dp": 2, "parallel.zero": 1}),
+          "gpt2_tp2_sp": ("ref_gpt2", {"parallel.tp": 2, "parallel.sp": True}),
+          "gpt2_zero2": ("ref_gpt2", {"parallel.dp": 2, "parallel.zero": 2}),
+          "gpt2_zero3": ("ref_gpt2", {"parallel.dp": 2, "parallel.zero": 3}),
+          "moe_ddp": ("ref_moe", {"parallel.dp": 2}),
+          "hf_tp2": ("ref_hf", {"parallel.tp": 2}),  # --init-from: the base read as tp slices
+          "hf_zero3": ("ref_hf", {"parallel.dp": 2, "parallel.zero": 3})}
 
 
 def _train_each(env, runs: list[dict]) -> list:
@@ -141,11 +154,13 @@ def _train_each(env, runs: list[dict]) -> list:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lora")
+    save_hf(tmp / "hf")  # a tiny random transformers Llama, offline (tests/hf_models.py)
+    ref_cfgs = {"ref": {}, **REFS, "ref_hf": {"model.init_from": str(tmp / "hf")}}
     refs = {}
-    for name, extra in (("ref", {}), ("ref_8bit", REF_8BIT)):
+    for name, extra in ref_cfgs.items():
         ref_cfg = tiny_cfg(tmp / name, **LORA, **extra)
         refs[name] = (run_layout(ref_cfg), load_file(tmp / name / "adapters.safetensors"))
-    layouts = {**LAYOUTS, **LAYOUTS_8BIT}
+    layouts = {**LAYOUTS, **{name: {**ref_cfgs[ref], **v} for name, (ref, v) in OTHERS.items()}}
     cfgs = [tiny_cfg(tmp / name, **LORA, **v) for name, v in layouts.items()]
     for c in cfgs:
         checks.validate(c, 2)
@@ -153,15 +168,15 @@ def runs(tmp_path_factory):
     return refs, dict(zip(layouts, outs))
 
 
-@pytest.mark.parametrize("name", [*LAYOUTS, *LAYOUTS_8BIT])
+@pytest.mark.parametrize("name", [*LAYOUTS, *OTHERS])
 def test_layout_equals_one_process(runs, name):
     refs, results = runs
-    (ref, ref_adapters) = refs["ref_8bit" if name in LAYOUTS_8BIT else "ref"]
+    (ref, ref_adapters) = refs[OTHERS[name][0] if name in OTHERS else "ref"]
     losses, weights, adapters, _ = results[name]
     assert_same_training(RunResult(losses, weights), ref, **FP32_REORDERED)
     assert_same_training(RunResult(losses, adapters), RunResult(ref.losses, ref_adapters), **FP32_REORDERED)
     assert adapters and all(".lora_" in n for n in adapters)
-    for frozen in ("embed.weight", "lm_head.weight", "norm.weight", "layers.1.mlp_norm.weight"):
+    for frozen in [n for n in ref.weights if "norm" in n or "embed" in n]:
         assert torch.equal(weights[frozen], ref.weights[frozen]), f"{frozen} moved: the base must stay frozen"
     assert any(t.abs().sum() > 0 for n, t in adapters.items() if "lora_B" in n)  # the adapters trained
 
@@ -169,7 +184,7 @@ def test_layout_equals_one_process(runs, name):
 STATE_KEYS = {"params": "mem_params_bytes", "grads": "mem_grads_bytes", "optim": "mem_optim_bytes"}
 
 
-@pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "tp2", "tp2_sp"])
+@pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "zero3", "tp2", "tp2_sp"])
 def test_planner_model_states_within_1pct_of_measured(runs, name, tmp_path):
     """planner/lora.py: the frozen base holds parameters only, the adapters all three states; each
     of params / grads / optimizer bytes (max over ranks) within 1% of what the run counted."""

@@ -75,8 +75,9 @@ def trainable_count(model: nn.Module) -> int:
 NOT_WITH_LORA = {
     "cnn-tiny": (lambda c: c.model.name == "cnn-tiny",
                  "it declares no model family: LoRA adapts Llama and GPT-2 models"),
-    "--zero 3": (lambda c: c.parallel.zero == 3,
-                 "ZeRO-3 with frozen parameters is not supported yet: use --zero 1 or 2"),
+    "--zero 3 and --base-precision bf16": (
+        lambda c: c.parallel.zero == 3 and c.lora.base_precision != "fp32",
+        "ZeRO-3's flat units hold one dtype for the frozen base: use --base-precision fp32 or --zero 1/2"),
     "--tile > 1": (lambda c: c.train.tile > 1,
                    "tiling runs the MLP's and the head's weights itself, around the adapters"),
     "--ep > 1": (lambda c: c.parallel.ep > 1, "expert parallelism's adapters are not tested yet"),

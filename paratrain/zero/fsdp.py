@@ -38,6 +38,16 @@ parameters; the outer unit does not gather them, each is gathered by its own hoo
 Backward prefetch then follows the order in which forward finished the units (the tiles, then
 their block), reversed, instead of ``i - 1``.
 
+Frozen parameters (``requires_grad=False``: a LoRA base, a frozen embedding) are sharded and
+gathered like the others, in a flat buffer of their own per unit (``Unit.frozen``): no gradient, no
+reduce-scatter, no fp32 master and no optimizer state (the store holds the trainable layouts only).
+A unit holding frozen parameters cannot count landed gradients to know its backward is over (a
+frozen weight's input gradient lands nowhere), so its forward also watches its inputs: it is
+released once its trainable gradients have landed *and* the gradients of its inputs exist
+(``register_multi_grad_hook``), i.e. once no backward node can still read its weights. A unit whose
+inputs and parameters all lack gradients (a frozen embedding) has no backward at all, and the
+backward prefetch skips it.
+
 Accumulation (``no_sync``): micro-batches before the last keep their full gradients in p.grad and
 skip the reduce-scatter (FSDP's no_sync: fewer bytes, more memory); the last one reduces the sum.
 """
@@ -45,11 +55,9 @@ skip the reduce-scatter (FSDP's no_sync: fewer bytes, more memory); the last one
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_leaves
 
 from paratrain.base.strategy import Strategy
 from paratrain.comm import collectives as C
@@ -61,11 +69,14 @@ from paratrain.sharding import copy_info, info_of, shard_of
 from paratrain.shards import ShardReader
 from paratrain.zero import store8
 from paratrain.zero.flat import DTYPES, FlatLayout, GroupOf, axis_of, param_key
+from paratrain.zero.fsdp_units import Unit, UnitHooks
 from paratrain.zero.offload import disk_store, make_store
 from paratrain.zero.sharded_state import ShardedState, held_sync
+from paratrain.zero.units import NESTED, nest_units
+from paratrain.zero.units import backward_order as _backward_order
+from paratrain.zero.units import is_nested as _is_nested
 
-#: A module carrying this attribute (set True) is a ZeRO-3 unit nested in the unit that holds it.
-NESTED = "zero3_unit"
+__all__ = ["NESTED", "Unit", "Zero3", "family_units"]
 
 #: Gradient reductions of units allowed in flight at once during backward (each holds a full unit's
 #: gradient until it completes): the current one and the previous one overlap with compute.
@@ -75,48 +86,12 @@ InitFn = Callable[[str, tuple[int, ...]], torch.Tensor]  # (name, full shape) ->
 UnitsFn = Callable[[nn.Module], list[tuple[str, list[nn.Module]]]]  # model -> (unit name, modules)
 
 
-@dataclass
-class Unit:
-    name: str
-    modules: list[nn.Module]
-    layout: FlatLayout
-    full: torch.Tensor  # [padded] compute dtype; storage resized to 0 while resharded
-    shard: torch.Tensor  # [shard] compute dtype: what this rank keeps
-    gathered: bool = False
-    work: object = None  # in-flight all-gather
-    ready: int = 0  # gradients landed in this backward
-    grad_shard: torch.Tensor | None = None
-    grad_flat: torch.Tensor | None = None
-    rs_work: object = None
-    uses: list[int] = field(default_factory=list)  # units whose parameters this unit's modules use
-
-    @property
-    def nbytes(self) -> int:
-        return self.layout.padded * self.full.element_size()
-
-
 def family_units(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
     """Forward-order units the model's family declares (a pipeline stage may lack some)."""
     return family_of(model, "ZeRO-3 (its units; or pass units=)").zero3_units(model)
 
 
-def _is_nested(modules: list[nn.Module]) -> bool:
-    return len(modules) == 1 and getattr(modules[0], NESTED, False)
-
-
-def nest_units(units: list[tuple[str, list[nn.Module]]]) -> list[tuple[str, list[nn.Module]]]:
-    """Submodules flagged ``NESTED`` (memory/tiled_linear.py's weight tiles) become units of their own,
-    right after the unit that holds them, in registration (= forward) order; they own their parameters."""
-    out = []
-    for uname, modules in units:
-        out.append((uname, modules))
-        for m in modules:
-            out += [(f"{uname}/{sub}", [s]) for sub, s in m.named_modules()
-                    if s is not m and getattr(s, NESTED, False)]
-    return out
-
-
-def _join_owner(plan: list, uname: str, modules: list[nn.Module]) -> None:
+def _join_owner(plan: list[Unit], uname: str, modules: list[nn.Module]) -> None:
     """A unit that owns nothing (a user's LM head whose weight is the embedding's) joins the unit
     that owns its first parameter: that unit is then gathered around these modules' forward and
     backward too, and released once the shared gradient is complete (an empty unit of its own
@@ -124,36 +99,14 @@ def _join_owner(plan: list, uname: str, modules: list[nn.Module]) -> None:
     params = [p for m in modules for p in m.parameters()]
     if not params:
         raise ValueError(f"ZeRO-3 unit {uname!r} has no parameters: name modules that hold some")
-    for _, owner_modules, layout in plan:
-        if any(q is params[0] for q in layout.params):
-            owner_modules.extend(modules)
+    for owner in plan:
+        if any(q is params[0] for q in owner.params):
+            owner.modules.extend(modules)
             return
     raise AssertionError(f"unit {uname!r}: the unit owning its parameters was not found")
 
 
-def _backward_order(nested: list[bool]) -> list[int | None]:
-    """For each unit, the unit whose backward comes next (what its pre-backward hook prefetches).
-
-    Forward *finishes* units in post-order (a block's tiles, then the block); backward runs that
-    order reversed. Without nested units this is simply i - 1."""
-    finished: list[int] = []
-    parent = None
-    for i, is_nested in enumerate(nested):
-        if not is_nested:
-            if parent is not None:
-                finished.append(parent)
-            parent = i
-        else:
-            finished.append(i)
-    if parent is not None:
-        finished.append(parent)
-    nxt: list[int | None] = [None] * len(nested)
-    for before, unit in zip(finished, finished[1:]):
-        nxt[unit] = before
-    return nxt
-
-
-class Zero3(ShardedState, Strategy):
+class Zero3(UnitHooks, ShardedState, Strategy):
     """Fully sharded data parallel over mesh.dp; takes the model on the meta device."""
 
     reduces_during_backward = True
@@ -188,38 +141,27 @@ class Zero3(ShardedState, Strategy):
         shards built so far plus one unit's fp32 master and one full parameter value (the init is by
         full tensor), never every master at once. ``init_peak_bytes`` counts exactly that.
         """
-        dev = self.mesh.device
-        plan = self._plan_units()
-        self.layouts = [layout for _, _, layout in plan]
+        self.units = self._plan_units()
+        self.trained = [u for u in self.units if u.layout is not None]  # the store's order
+        self.layouts = [u.layout for u in self.trained]
+        for i, u in enumerate(self.trained):
+            u.index = i
         self.pieces = [pc for i, layout in enumerate(self.layouts)
                        for pc in layout.pieces(i, self.optim_cfg.weight_decay)]
-        aliased = self.compute_dtype == torch.float32 and self.offload == "none"
         self.store = None
         if self.offload == "disk":
             self.store = disk_store([layout.shard for layout in self.layouts], [pc for pc, _ in self.pieces],
                                     self.optim_cfg, directory=self.offload_dir, rank=self.mesh.rank,
                                     chunk=self.offload_chunk)
-        self.units: list[Unit] = []
         self._masters: list[torch.Tensor] = []
         self.init_kept_bytes = self.init_peak_bytes = 0  # bytes of tensors this constructor holds
-        for i, (uname, modules, layout) in enumerate(plan):
-            master = self._init_master(layout, init_value)  # [shard] fp32
-            shard = master if aliased else master.to(self.compute_dtype)  # fp32 + offload: the same tensor
-            extra = 0 if shard is master else nbytes(shard)
-            self.init_peak_bytes = max(self.init_peak_bytes, self.init_kept_bytes + nbytes(master) + extra)
-            self.init_kept_bytes += nbytes(shard)
-            if self.store is not None:
-                self.store.write_master(i, master)  # window by window; the in-memory master is dropped
-            else:
-                self._masters.append(master)
-                self.init_kept_bytes += nbytes(master) if shard is not master else 0
-            del master
-            full = torch.empty(layout.padded, dtype=self.compute_dtype, device=dev)
-            self._swap_params(layout, full)
-            full.untyped_storage().resize_(0)
-            self.units.append(Unit(uname, modules, layout, full, shard))
-        owner = {id(p): i for i, u in enumerate(self.units) for p in u.layout.params}
-        nested = {id(p) for u in self.units if _is_nested(u.modules) for p in u.layout.params}
+        for u in self.units:
+            if u.layout is not None:
+                u.shard, u.full = self._build_trained(u.index, u.layout, init_value)
+            if u.frozen is not None:
+                u.frozen_shard, u.frozen_full = self._build_frozen(u.frozen, init_value)
+        owner = {id(p): i for i, u in enumerate(self.units) for p in u.params}
+        nested = {id(p) for u in self.units if _is_nested(u.modules) for p in u.params}
         for i, u in enumerate(self.units):
             # The whole model as a unit's module (the library's unit of leftover parameters) uses
             # only that unit: its submodules gather their own units in their own hooks (so do nested
@@ -228,17 +170,48 @@ class Zero3(ShardedState, Strategy):
                                    for p in m.parameters() if id(p) not in nested or _is_nested(u.modules)})
         self._backward_next = _backward_order([_is_nested(u.modules) for u in self.units])
 
-    def _plan_units(self) -> list[tuple[str, list[nn.Module], FlatLayout]]:
-        """Each unit's flat layout over the meta parameters it owns (a tied weight: its first unit)."""
+    def _build_trained(self, index: int, layout: FlatLayout,
+                       init_value: InitFn) -> tuple[torch.Tensor, torch.Tensor]:
+        """(shard, gathered buffer) of a unit's trainable part; its fp32 master to the store."""
+        aliased = self.compute_dtype == torch.float32 and self.offload == "none"
+        master = self._init_master(layout, init_value)  # [shard] fp32
+        shard = master if aliased else master.to(self.compute_dtype)  # fp32 + offload: the same tensor
+        extra = 0 if shard is master else nbytes(shard)
+        self.init_peak_bytes = max(self.init_peak_bytes, self.init_kept_bytes + nbytes(master) + extra)
+        self.init_kept_bytes += nbytes(shard)
+        if self.store is not None:
+            self.store.write_master(index, master)  # window by window; the in-memory master is dropped
+        else:
+            self._masters.append(master)
+            self.init_kept_bytes += nbytes(master) if shard is not master else 0
+        del master
+        return shard, self._gathered_buffer(layout)
+
+    def _build_frozen(self, layout: FlatLayout, init_value: InitFn) -> tuple[torch.Tensor, torch.Tensor]:
+        """(shard, gathered buffer) of a unit's frozen part: the compute shard only, no master."""
+        value = self._init_master(layout, init_value)
+        shard = value if value.dtype == self.compute_dtype else value.to(self.compute_dtype)
+        self.init_peak_bytes = max(self.init_peak_bytes, self.init_kept_bytes + nbytes(value) + nbytes(shard))
+        self.init_kept_bytes += nbytes(shard)
+        return shard, self._gathered_buffer(layout)
+
+    def _gathered_buffer(self, layout: FlatLayout) -> torch.Tensor:
+        full = torch.empty(layout.padded, dtype=self.compute_dtype, device=self.mesh.device)
+        self._swap_params(layout, full)
+        full.untyped_storage().resize_(0)
+        return full
+
+    def _plan_units(self) -> list[Unit]:
+        """Each unit's flat layouts (trainable, frozen) over the meta parameters it owns (a tied
+        weight: its first unit)."""
         # single-device names (meta): a weight tile's record names the full tensor it slices
         names = {id(p): info_of(p).name or n for n, p in self.model.named_parameters()}
         units = self.units_of(self.model)
         if self.mesh.ep.size > 1:  # expert-parallel experts: units of their own, over edp
-
             units = split_expert_units(units)
         units = nest_units(units)
         seen = {id(p) for _, modules in units if _is_nested(modules) for m in modules for p in m.parameters()}
-        plan = []
+        plan: list[Unit] = []
         for uname, modules in units:
             named = []
             for m in modules:
@@ -251,12 +224,22 @@ class Zero3(ShardedState, Strategy):
             if not named:  # every parameter is tied to an earlier unit's: that unit serves these modules too
                 _join_owner(plan, uname, modules)
                 continue
-            named.sort(key=lambda np_: param_key(np_[0], np_[1], self.mesh, self.group_of), reverse=True)
-            keys = [param_key(n, p, self.mesh, self.group_of) for n, p in named]
-            dp = axis_of(named, self.mesh)
-            plan.append((uname, modules, FlatLayout.build(named, keys, dp.size, dp.rank, axis=dp.name,
-                                                          **store8.align_kwargs(named, self.optim_cfg))))
+            plan.append(Unit(uname, modules, self._layout([np_ for np_ in named if np_[1].requires_grad]),
+                             self._layout([np_ for np_ in named if not np_[1].requires_grad], frozen=True)))
         return plan
+
+    def _layout(self, named: list[tuple[str, nn.Parameter]], frozen: bool = False) -> FlatLayout | None:
+        """The flat layout of these parameters, sorted into optimizer segments (none when frozen:
+        no optimizer reads a frozen layout's pieces)."""
+        if not named:
+            return None
+        dp = axis_of(named, self.mesh)
+        if frozen:
+            return FlatLayout.build(named, [(False, 1)] * len(named), dp.size, dp.rank, axis=dp.name)
+        named.sort(key=lambda np_: param_key(np_[0], np_[1], self.mesh, self.group_of), reverse=True)
+        keys = [param_key(n, p, self.mesh, self.group_of) for n, p in named]
+        return FlatLayout.build(named, keys, dp.size, dp.rank, axis=dp.name,
+                                **store8.align_kwargs(named, self.optim_cfg))
 
     def _init_master(self, layout: FlatLayout, init_value: InitFn) -> torch.Tensor:
         """This rank's [shard] fp32 slice of the unit, one parameter's full init value at a time."""
@@ -301,89 +284,6 @@ class Zero3(ShardedState, Strategy):
         del self._masters
         return None
 
-    # -- gather / free ------------------------------------------------------------------------------
-
-    def _gather(self, i: int, async_op: bool) -> None:
-        u = self.units[i]
-        if u.gathered:
-            return
-        u.full.untyped_storage().resize_(u.nbytes)
-        u.gathered = True
-        self.gathered_bytes += u.nbytes
-        self.gathered_peak_bytes = max(self.gathered_peak_bytes, self.gathered_bytes)
-        u.work = C.all_gather_into(u.full, u.shard, getattr(self.mesh, u.layout.axis), async_op=async_op,
-                                   what=f"all-gather of unit {u.name}")
-
-    def _wait(self, i: int) -> None:
-        self._gather(i, async_op=False)
-        u = self.units[i]
-        if u.work is not None:
-            u.work.wait()
-            u.work = None
-
-    def _free(self, i: int) -> None:
-        u = self.units[i]
-        if not u.gathered:
-            return
-        if u.work is not None:  # a prefetch nobody used (e.g. eval stopped early)
-            u.work.wait()
-            u.work = None
-        u.full.untyped_storage().resize_(0)
-        u.gathered = False
-        self.gathered_bytes -= u.nbytes
-
-    # -- hooks ------------------------------------------------------------------------------------
-
-    def _install_hooks(self) -> None:
-        for i, u in enumerate(self.units):
-            for j, m in enumerate(u.modules):
-                m.register_forward_pre_hook(self._pre_forward(i, first=j == 0))
-            u.modules[-1].register_forward_hook(self._post_forward(i))
-            for p in u.layout.params:
-                p.register_post_accumulate_grad_hook(self._grad_hook(i))
-
-    def _pre_forward(self, i: int, first: bool):
-        def hook(module, args):
-            for k in self.units[i].uses:
-                self._wait(k)
-            if first and self.prefetch and i + 1 < len(self.units):
-                self._gather(i + 1, async_op=True)
-        return hook
-
-    def _post_forward(self, i: int):
-        def hook(module, args, output):
-            grad_mode = torch.is_grad_enabled()
-            if self.reshard_after_forward or not grad_mode:
-                for k in self.units[i].uses:
-                    self._free(k)
-            if grad_mode:  # the first output that carries a gradient announces the unit's backward
-                first = next((t for t in tree_leaves(output) if torch.is_tensor(t) and t.requires_grad), None)
-                if first is not None:
-                    first.register_hook(self._pre_backward(i))
-        return hook
-
-    def _pre_backward(self, i: int):
-        def hook(grad):
-            for k in self.units[i].uses:
-                self._wait(k)
-            nxt = self._backward_next[i]
-            if self.prefetch and nxt is not None:
-                self._gather(nxt, async_op=True)
-            return grad
-        return hook
-
-    def _grad_hook(self, i: int):
-        def hook(p):
-            u = self.units[i]
-            u.ready += 1
-            if u.ready < len(u.layout.params):
-                return
-            u.ready = 0
-            if self._sync:
-                self._reduce(u)
-            self._free(i)  # the unit's backward is over (a tied weight's owner is freed by its own hook)
-        return hook
-
     def _reduce(self, u: Unit) -> None:
         """Pack the unit's gradients, free them, reduce-scatter (async) into our shard."""
         u.grad_flat = u.layout.flatten([p.grad for p in u.layout.params], self.reduce_dtype, self.mesh.device)
@@ -409,28 +309,32 @@ class Zero3(ShardedState, Strategy):
     no_sync = held_sync
 
     def after_backward(self) -> None:
-        for u in self.units:
+        for u in self.trained:
             if u.rs_work is None and u.grad_shard is None:  # no gradient reached it: reduce zeros
                 self._reduce(u)
         for i, u in enumerate(self.units):
             self._finish_reduce(u)
-            u.ready = 0
+            self._reset_backward(u)
             self._free(i)
         self._in_flight = []
 
+    @staticmethod
+    def _reset_backward(u: Unit) -> None:
+        u.ready, u.inputs_pending, u.grads_in, u.has_backward = 0, 0, False, False
+
     def grads_for_norm(self) -> list[tuple[torch.Tensor, int]]:
-        return [(self.units[pc.index].grad_shard[pc.start:pc.end], copies) for pc, copies in self.pieces
-                if self.units[pc.index].grad_shard is not None]
+        return [(self.trained[pc.index].grad_shard[pc.start:pc.end], copies) for pc, copies in self.pieces
+                if self.trained[pc.index].grad_shard is not None]
 
     def scale_grads(self, factor: float) -> None:
         self._factor *= factor  # applied in fp32 inside step(), as in ZeRO-1/2
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
-        self.step_partition([u.grad_shard for u in self.units], [u.shard for u in self.units], lr)
+        self.step_partition([u.grad_shard for u in self.trained], [u.shard for u in self.trained], lr)
 
     def zero_grad(self) -> None:
-        for u in self.units:
+        for u in self.trained:
             u.grad_shard, u.ready = None, 0
             for p in u.layout.params:
                 p.grad = None
@@ -442,18 +346,22 @@ class Zero3(ShardedState, Strategy):
         resharded (a trial stopped midway may leave some gathered), gradients and counters reset."""
         for i, u in enumerate(self.units):
             self._finish_reduce(u)
+            self._reset_backward(u)
             self._free(i)
         self._in_flight = []
         self.zero_grad()
         self._factor = 1.0
         self.gathered_peak_bytes, self.last_gathered_peak_bytes = self.gathered_bytes, 0
 
+    def frozen_flats(self) -> list[tuple[FlatLayout, torch.Tensor]]:
+        return [(u.frozen, u.frozen_shard) for u in self.units if u.frozen is not None]
+
     def state_bytes(self) -> dict[str, int]:
-        grads = sum(nbytes(u.grad_shard) for u in self.units if u.grad_shard is not None)
-        grads += sum(nbytes(p.grad) for u in self.units for p in u.layout.params if p.grad is not None)
+        grads = sum(nbytes(u.grad_shard) for u in self.trained if u.grad_shard is not None)
+        grads += sum(nbytes(p.grad) for u in self.trained for p in u.layout.params if p.grad is not None)
         s = self.store.bytes()
-        return {"params": sum(nbytes(u.shard) for u in self.units), "grads": grads, "optim": s["device"],
-                "offloaded": s["host"] + s["disk"]}
+        params = sum(nbytes(shard) for u in self.units for _, _, shard, _ in u.parts())
+        return {"params": params, "grads": grads, "optim": s["device"], "offloaded": s["host"] + s["disk"]}
 
     def step_metrics(self) -> dict[str, float]:
         return {"zero3_gathered_peak_bytes": self.last_gathered_peak_bytes,
@@ -462,7 +370,7 @@ class Zero3(ShardedState, Strategy):
     @torch.no_grad()
     def load_state_pieces(self, reader: ShardReader, optimizer_step: int) -> None:
         self._load_flats(reader, optimizer_step)
-        self.load_unsharded(reader)
+        self.load_unsharded(reader)  # frozen parameters included (held sharded: frozen_flats)
         self.load_buffers(reader)
-        for i, u in enumerate(self.units):
+        for i, u in enumerate(self.trained):
             u.shard.copy_(self.store.read(i, "param").to(self.mesh.device, self.compute_dtype))

@@ -68,11 +68,17 @@ class ShardedState:
                         out += self._pieces(i, which, info, info.name or name, p, at, a, b)
         return out + self.unsharded_pieces() + self.buffer_pieces()
 
+    def frozen_flats(self) -> list[tuple[FlatLayout, torch.Tensor]]:
+        """(layout, this rank's shard) of frozen parameters held dp-sharded: ZeRO-3's (a flat
+        buffer per unit beside the trainable one); ZeRO-1/2 hold them whole (``unsharded``)."""
+        return []
+
     def unsharded(self) -> list[tuple[str, torch.Tensor]]:
-        """Parameters in no flat layout: the frozen ones (``requires_grad=False``), which no
-        optimizer steps. Every rank holds them whole (or as its tensor-parallel slice), as the plain
-        strategy does, and checkpoints list and read them as it does."""
-        flat = {id(p) for layout in self.layouts for p in layout.params}
+        """Parameters in no flat layout: under ZeRO-1/2 the frozen ones (``requires_grad=False``),
+        which no optimizer steps. Every rank holds them whole (or as its tensor-parallel slice), as
+        the plain strategy does, and checkpoints list and read them as it does."""
+        layouts = [*self.layouts, *(layout for layout, _ in self.frozen_flats())]
+        flat = {id(p) for layout in layouts for p in layout.params}
         return [(n, p) for n, p in self.model.named_parameters() if id(p) not in flat]
 
     def unsharded_pieces(self) -> list[Piece]:
@@ -81,12 +87,21 @@ class ShardedState:
             info = info_of(p)
             if not info.tied_to:  # a tied copy on another pipeline stage is left to its owner
                 out += pieces_of(info, "param", p, name=info.name or name)
+        for layout, shard in self.frozen_flats():  # only the "param" key: no optimizer state
+            for name, p, at, a, b in owned(layout):
+                info = info_of(p)
+                if not info.tied_to:
+                    values = functools.partial(_fp32_range, shard, at, at + b - a)
+                    out += pieces_of(info, "param", p, a, b, values=values, name=info.name or name)
         return out
 
     @torch.no_grad()
     def load_unsharded(self, reader: ShardReader) -> None:
+        """The frozen parameters, whole (ZeRO-1/2) or this rank's shard of them (ZeRO-3)."""
         for name, p in self.unsharded():
             read_local(reader, info_of(p), info_of(p).name or name, "param", p)
+        for layout, shard in self.frozen_flats():
+            shard.copy_(self._read_shard(reader, layout, "param").to(shard.device, shard.dtype))
 
     def _pieces(self, i: int, which: str, info, name: str, p, at: int, a: int, b: int) -> list[Piece]:
         """The piece of ``which`` for parameter elements [a, b), held at ``at`` of flat shard ``i``."""
@@ -156,6 +171,11 @@ def _checkpoint_keys(reader: ShardReader, layout: FlatLayout) -> list[str]:
     held = [{k.removesuffix(".q").removesuffix(".absmax") for k in reader.keys(info_of(p).name or n)}
             - {"param", "buffer"} for n, p, *_ in owned(layout)]
     return sorted(set.intersection(*held)) if held else []
+
+
+def _fp32_range(shard: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """Elements [a, b) of a frozen shard as fp32, the dtype every checkpointed "param" piece has."""
+    return shard[a:b].float()
 
 
 def _fp32_times(g: torch.Tensor, factor: float) -> torch.Tensor:

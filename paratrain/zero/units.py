@@ -13,6 +13,15 @@ enough (as FSDP users wrap per block, not per linear: fewer, larger units mean f
 * every parameter left over (the model's own, and those of modules too small to be units) joins one
   last unit held by the whole model: gathered when the model's forward starts, kept until its
   backward is done. The policy keeps it small; it is the price of not knowing the forward order.
+
+A model that names its blocks (a Hugging Face model's ``_no_split_modules``: the class names of its
+decoder layers, what FSDP's transformer wrap policy reads) gets one unit per block, whatever their
+size, and the size policy never makes a unit of a module holding blocks: it descends into it. A
+PEFT-wrapped model (``PeftModel`` > ``LoraModel`` > ``LlamaForCausalLM``) then has the same units
+as the bare model instead of one unit holding everything.
+
+The structure ZeRO-3 (fsdp.py) builds on the units also lives here: units nested in others
+(``NESTED``: memory/tiled_linear.py's weight tiles) and the order backward visits them.
 """
 
 from __future__ import annotations
@@ -26,24 +35,37 @@ CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 Units = list[tuple[str, list[nn.Module]]]
 
+#: A module carrying this attribute (set True) is a ZeRO-3 unit nested in the unit that holds it.
+NESTED = "zero3_unit"
+
 
 def _count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+def block_classes(model: nn.Module) -> set[str]:
+    """Class names of the blocks the model declares (``_no_split_modules`` on it or a submodule)."""
+    return {c for m in model.modules() for c in (getattr(m, "_no_split_modules", None) or ())
+            if isinstance(c, str)}
+
+
 def size_units(model: nn.Module, min_params: int | None = None) -> Units:
     """Units by size (see the module docstring), in registration order, the leftover unit last."""
     threshold = min_params if min_params is not None else max(1, _count(model) // DEFAULT_FRACTION)
+    blocks = block_classes(model)
     units: Units = []
+
+    def holds_blocks(module: nn.Module) -> bool:
+        return any(type(m).__name__ in blocks for m in module.modules())
 
     def visit(prefix: str, module: nn.Module) -> None:
         for name, child in module.named_children():
-            if _count(child) < threshold:
-                continue
-            if isinstance(child, CONTAINERS) and any(_count(c) >= threshold for c in child.children()):
-                visit(f"{prefix}{name}.", child)
-            else:
+            big = _count(child) >= threshold
+            if type(child).__name__ in blocks or (big and not holds_blocks(child) and not (
+                    isinstance(child, CONTAINERS) and any(_count(c) >= threshold for c in child.children()))):
                 units.append((f"{prefix}{name}", [child]))
+            elif big or holds_blocks(child):
+                visit(f"{prefix}{name}.", child)
 
     visit("", model)
     return _with_rest(model, units)
@@ -69,3 +91,41 @@ def _with_rest(model: nn.Module, units: Units) -> Units:
     if any(id(p) not in owned for p in model.parameters()):
         units.append((REST, [model]))
     return units
+
+
+def is_nested(modules: list[nn.Module]) -> bool:
+    return len(modules) == 1 and getattr(modules[0], NESTED, False)
+
+
+def nest_units(units: list[tuple[str, list[nn.Module]]]) -> list[tuple[str, list[nn.Module]]]:
+    """Submodules flagged ``NESTED`` (memory/tiled_linear.py's weight tiles) become units of their own,
+    right after the unit that holds them, in registration (= forward) order; they own their parameters."""
+    out = []
+    for uname, modules in units:
+        out.append((uname, modules))
+        for m in modules:
+            out += [(f"{uname}/{sub}", [s]) for sub, s in m.named_modules()
+                    if s is not m and getattr(s, NESTED, False)]
+    return out
+
+
+def backward_order(nested: list[bool]) -> list[int | None]:
+    """For each unit, the unit whose backward comes next (what its pre-backward hook prefetches).
+
+    Forward *finishes* units in post-order (a block's tiles, then the block); backward runs that
+    order reversed. Without nested units this is simply i - 1."""
+    finished: list[int] = []
+    parent = None
+    for i, inside in enumerate(nested):
+        if not inside:
+            if parent is not None:
+                finished.append(parent)
+            parent = i
+        else:
+            finished.append(i)
+    if parent is not None:
+        finished.append(parent)
+    nxt: list[int | None] = [None] * len(nested)
+    for before, unit in zip(finished, finished[1:]):
+        nxt[unit] = before
+    return nxt
