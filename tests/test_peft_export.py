@@ -112,11 +112,12 @@ def _peft_adapter(base: Path, out: Path, seed: int = 3, **lora) -> None:
     peft.get_peft_model(model, conf).save_pretrained(str(out))
 
 
-@pytest.mark.parametrize("layout", [{}, {"parallel.tp": 2}, {"parallel.pp": 2, "train.micro_batch": 2}],
-                         ids=["one", "tp2", "pp2"])
+@pytest.mark.parametrize("layout", [{}, {"parallel.tp": 2}, {"parallel.pp": 2, "train.micro_batch": 2},
+                                    {"parallel.dp": 2, "parallel.zero": 3}], ids=["one", "tp2", "pp2", "zero3"])
 def test_lora_from_starts_at_the_adapter_with_peft_s_first_loss(lora_run, tmp_path, layout):
     """Every layout starts from the folder's adapters: under tp2 each rank reads its slice of q's
-    lora_B (whole heads, permuted per head) and of down's lora_A (row-parallel: split by input)."""
+    lora_B (whole heads, permuted per head) and of down's lora_A (row-parallel: split by input);
+    ZeRO-3 materialises its shards from the task's init_value."""
     base, _ = lora_run
     _peft_adapter(base, tmp_path / "ad")
     run = tmp_path / "run"
