@@ -113,7 +113,8 @@ def _peft_adapter(base: Path, out: Path, seed: int = 3, **lora) -> None:
 
 
 @pytest.mark.parametrize("layout", [{}, {"parallel.tp": 2}, {"parallel.pp": 2, "train.micro_batch": 2},
-                                    {"parallel.dp": 2, "parallel.zero": 3}], ids=["one", "tp2", "pp2", "zero3"])
+                                    {"parallel.dp": 2, "parallel.zero": 3}],
+                         ids=["one", "tp2", "pp2", "zero3"])
 def test_lora_from_starts_at_the_adapter_with_peft_s_first_loss(lora_run, tmp_path, layout):
     """Every layout starts from the folder's adapters: under tp2 each rank reads its slice of q's
     lora_B (whole heads, permuted per head) and of down's lora_A (row-parallel: split by input);
@@ -194,3 +195,17 @@ def test_gpt2_fused_qkv_adapters_export_as_one_c_attn_adapter(tmp_path):
         got = peft.PeftModel.from_pretrained(hf_base, str(tmp_path / "ad")).double().eval()(ids).logits
     assert (got - before).abs().max() > 1e-2
     torch.testing.assert_close(got, ours(ids), **LOGITS)
+
+
+def test_export_then_lora_from_round_trips_the_adapters_bit_exactly(lora_run, tmp_path):
+    """out (names, q/k rows permuted) then in (inverse): the same tensors; lr 1e-30 keeps them as
+    read (an AdamW step of ~1e-30 is below every element's fp32 ulp)."""
+    base, run = lora_run
+    assert cli.main(["export", str(run), "--peft", str(tmp_path / "ad")]) == 0
+    again = tmp_path / "again"
+    run_layout(tiny_cfg(again, **{"model.init_from": str(base), "train.steps": 1, "optim.lr": 1e-30,
+                                  "lora.from_dir": str(tmp_path / "ad")}))
+    want, got = load_file(str(run / "adapters.safetensors")), load_file(str(again / "adapters.safetensors"))
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name
