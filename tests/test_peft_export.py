@@ -138,7 +138,8 @@ def test_lora_from_starts_at_the_adapter_with_peft_s_first_loss(lora_run, tmp_pa
     assert result.losses[0] == pytest.approx(want, rel=1e-5)
 
 
-@pytest.mark.parametrize("case", ["missing module", "other shapes", "conflicting rank", "no init-from"])
+@pytest.mark.parametrize("case", ["missing module", "other shapes", "conflicting rank", "no init-from",
+                                  "dora"])
 def test_bad_adapter_exits_2_before_any_worker(lora_run, tmp_path, capsys, case):
     base, _ = lora_run
     other = tmp_path / "other"
@@ -146,7 +147,8 @@ def test_bad_adapter_exits_2_before_any_worker(lora_run, tmp_path, capsys, case)
         save_hf(other, "llama", tokenizer=False, num_hidden_layers=4, **VARIANT)
     elif case == "other shapes":
         save_hf(other, "llama", tokenizer=False, intermediate_size=128, **VARIANT)
-    _peft_adapter(other if other.exists() else base, tmp_path / "ad")
+    dora = {"use_dora": True} if case == "dora" else {}
+    _peft_adapter(other if other.exists() else base, tmp_path / "ad", **dora)
     args = ["train", "--steps", "1", "--seq-len", "32", "--out", str(tmp_path / "out"), "--no-progress",
             "--lora-from", str(tmp_path / "ad")]
     if case != "no init-from":
@@ -158,7 +160,7 @@ def test_bad_adapter_exits_2_before_any_worker(lora_run, tmp_path, capsys, case)
     expected = {"missing module": "model.layers.2.mlp.down_proj (and 5 more), which the base model does not",
                 "other shapes": "mlp.down_proj.lora_A",
                 "conflicting rank": "--lora 8 differs from the adapter's r = 4",
-                "no init-from": "add --init-from BASE"}[case]
+                "no init-from": "add --init-from BASE", "dora": "use_dora = true (DoRA)"}[case]
     assert expected in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
 
