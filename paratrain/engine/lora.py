@@ -80,7 +80,6 @@ NOT_WITH_LORA = {
         "ZeRO-3's flat units hold one dtype for the frozen base: use --base-precision fp32 or --zero 1/2"),
     "--tile > 1": (lambda c: c.train.tile > 1,
                    "tiling runs the MLP's and the head's weights itself, around the adapters"),
-    "--ep > 1": (lambda c: c.parallel.ep > 1, "expert parallelism's adapters are not tested yet"),
     "--lora-dropout with --tp > 1": (
         lambda c: c.lora.dropout > 0 and c.parallel.tp > 1,
         "every tp rank would drop other inputs of the same replicated adapter"),
