@@ -126,6 +126,7 @@ LAYOUTS = {
     "pp2_1f1b": {"parallel.pp": 2, "parallel.pp_schedule": "1f1b", "train.micro_batch": 2},
     "ddp_recompute_full": {"parallel.dp": 2, "train.recompute": "full"},
     "tp2_recompute_selective": {"parallel.tp": 2, "train.recompute": "selective"},
+    "ddp_tile2": {"parallel.dp": 2, "train.tile": 2},  # token tiles run the adapted MLP per tile
     "ddp_compile": {"parallel.dp": 2, "train.compile": True, "train.compile_backend": "aot_eager"},
 }
 # Layouts whose reference is another one-process run: 8-bit AdamW, GPT-2 (biases on the column and
