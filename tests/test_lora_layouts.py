@@ -126,6 +126,7 @@ LAYOUTS = {
     "pp2_1f1b": {"parallel.pp": 2, "parallel.pp_schedule": "1f1b", "train.micro_batch": 2},
     "ddp_recompute_full": {"parallel.dp": 2, "train.recompute": "full"},
     "tp2_recompute_selective": {"parallel.tp": 2, "train.recompute": "selective"},
+    "ddp_tile2": {"parallel.dp": 2, "train.tile": 2},  # token tiles run the adapted MLP per tile
     "ddp_compile": {"parallel.dp": 2, "train.compile": True, "train.compile_backend": "aot_eager"},
 }
 # Layouts whose reference is another one-process run: 8-bit AdamW, GPT-2 (biases on the column and
@@ -136,7 +137,10 @@ OTHERS = {"zero1_8bit": ("ref_8bit", {"parallel.dp": 2, "parallel.zero": 1}),
           "gpt2_tp2_sp": ("ref_gpt2", {"parallel.tp": 2, "parallel.sp": True}),
           "gpt2_zero2": ("ref_gpt2", {"parallel.dp": 2, "parallel.zero": 2}),
           "gpt2_zero3": ("ref_gpt2", {"parallel.dp": 2, "parallel.zero": 3}),
+          "gpt2_pp2_tied": ("ref_gpt2", {"parallel.pp": 2, "train.micro_batch": 2}),  # frozen tied head
           "moe_ddp": ("ref_moe", {"parallel.dp": 2}),
+          "moe_ep2": ("ref_moe", {"parallel.dp": 2, "parallel.ep": 2}),
+          "moe_ep2_zero2": ("ref_moe", {"parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 2}),
           "hf_tp2": ("ref_hf", {"parallel.tp": 2}),  # --init-from: the base read as tp slices
           "hf_zero3": ("ref_hf", {"parallel.dp": 2, "parallel.zero": 3})}
 

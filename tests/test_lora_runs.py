@@ -17,6 +17,7 @@ from paratrain.engine import checks
 from paratrain.models.from_config import model_config
 from paratrain.planner import memory
 from paratrain.planner.machine import local_cluster
+from paratrain.planner.search import training_from_config
 from paratrain.train.metrics import read_metrics
 from paratrain.train.trainer import Trainer
 from tests.harness import InterruptedAt, tiny_cfg
@@ -47,6 +48,10 @@ def test_checks_refuse_before_any_worker():
     assert "--lora-dropout with --tp > 1" in _problems(**LORA, **{"lora.dropout": 0.1, "parallel.tp": 2})
     assert "lm_head with --tp 2: its tensor-parallel style vocab_head has no LoRA variant" in _problems(
         **LORA, **{"lora.targets": ["wq", "lm_head"], "parallel.tp": 2})
+    assert "lm_head does not compose with --tile" in _problems(
+        **LORA, **{"lora.targets": ["wq", "lm_head"], "train.tile": 2})
+    assert "--tile > 1 and --base-precision bf16" in _problems(
+        **LORA, **{"lora.base_precision": "bf16", "train.tile": 2})
     checks.validate(tiny_cfg("unused", **LORA, **{"parallel.tp": 2, "parallel.sp": True}))  # accepted
 
 
@@ -129,3 +134,11 @@ def test_init_from_hf_base_is_loaded_and_frozen(tmp_path):
     norm = hf["model.layers.1.post_attention_layernorm.weight"]
     assert torch.equal(lora.final_state["layers.1.mlp_norm.weight"], norm)
     assert not torch.equal(fullft.final_state["embed.weight"], hf["model.embed_tokens.weight"])
+
+
+def test_layout_auto_plans_with_lora():
+    """train --layout auto reads [lora]: the planner's gradients are the adapters' only."""
+    c, tr = training_from_config(tiny_cfg("unused", **LORA, **{"lora.base_precision": "bf16"}))
+    assert tr.lora_rank == 4 and tr.lora_base_bytes == 2
+    got = memory.device_memory(c, tr, memory.Layout(), local_cluster(1))
+    assert got.grads == 4 * ADAPTERS and got.optim == 8 * ADAPTERS

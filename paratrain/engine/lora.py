@@ -78,9 +78,11 @@ NOT_WITH_LORA = {
     "--zero 3 and --base-precision bf16": (
         lambda c: c.parallel.zero == 3 and c.lora.base_precision != "fp32",
         "ZeRO-3's flat units hold one dtype for the frozen base: use --base-precision fp32 or --zero 1/2"),
-    "--tile > 1": (lambda c: c.train.tile > 1,
-                   "tiling runs the MLP's and the head's weights itself, around the adapters"),
-    "--ep > 1": (lambda c: c.parallel.ep > 1, "expert parallelism's adapters are not tested yet"),
+    "--tile > 1 and --zero 3": (lambda c: c.train.tile > 1 and c.parallel.zero == 3,
+                                "ZeRO-3's weight tiles split the base's linears outside their adapters"),
+    "--tile > 1 and --base-precision bf16": (
+        lambda c: c.train.tile > 1 and c.lora.base_precision != "fp32",
+        "the tiled loss runs the head's stored weight itself, with no cast"),
     "--lora-dropout with --tp > 1": (
         lambda c: c.lora.dropout > 0 and c.parallel.tp > 1,
         "every tp rank would drop other inputs of the same replicated adapter"),
@@ -104,10 +106,13 @@ def check_lora(cfg: Config, problems: list[str]) -> None:
     except (KeyError, OSError, ValueError):
         return  # an unknown model or folder is reported elsewhere
     try:
-        apply_lora(model, lora_spec(cfg))
+        names = apply_lora(model, lora_spec(cfg))
     except LoraError as e:
         problems.append(str(e))
         return
+    if cfg.train.tile > 1 and "lm_head" in names:  # the tiled loss reads the head's weight alone
+        problems.append("--lora on lm_head does not compose with --tile > 1: the tiled loss runs the "
+                        "head's base weight without its adapters; leave lm_head out of --lora-targets")
     if cfg.parallel.tp > 1:  # adapted layers whose tensor-parallel style has no LoRA variant
         problems += unsupported(model, cfg.parallel.tp)
 
