@@ -112,6 +112,40 @@ def test_prepare_stores_a_memory_mapped_mask(tmp_path, tok_dir, workers):
         load_prepared(folder)
 
 
+def test_parquet_rows_equal_jsonl_rows(tmp_path, tok_dir):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    rows = [_chat(i, turns=1 + i % 2) for i in range(12)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "c.parquet", row_group_size=5)
+    a = load_prepared(prepare(str(tmp_path / "c.parquet"), _opts(tok_dir), out=tmp_path / "pq"))
+    b = load_prepared(prepare(str(_jsonl(tmp_path / "c.jsonl", rows)), _opts(tok_dir), out=tmp_path / "js"))
+    assert a.format == "chat" and np.array_equal(a.tokens, b.tokens) and np.array_equal(a.mask, b.mask)
+    bad = rows[:6] + [{"messages": [{"role": "user", "content": "no reply"}]}]
+    pq.write_table(pa.Table.from_pylist(bad), tmp_path / "bad.parquet", row_group_size=5)
+    with pytest.raises(DataError, match=r"bad.parquet: row 7: the chat has no assistant turn"):
+        prepare(str(tmp_path / "bad.parquet"), _opts(tok_dir), out=tmp_path / "bad")
+
+
+def test_data_prepare_cli_flags_and_a_prepared_folder_keeps_its_format(tmp_path, tok_dir, capsys):
+    src = _jsonl(tmp_path / "c.jsonl", [{"prompt": "why the cat", "completion": " it was warm"}] * 20)
+    out = tmp_path / "prepared"
+    assert main(["data", "prepare", "--data", str(src), "--out", str(out), "--tokenizer", str(tok_dir),
+                 "--format", "completion", "--train-on-prompt", "--workers", "1", "--no-progress",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["format"] == "completion"
+    assert load_prepared(out).mask.all()  # --train-on-prompt: every token counted
+    from paratrain.data import prepare_corpus
+
+    with pytest.raises(DataError, match="holds completion data, not chat: prepare it again with --format"):
+        prepare_corpus(str(out), 500, fmt="chat")
+    assert main(["data", "prepare", "--data", str(src), "--out", str(tmp_path / "x"), "--format", "chat",
+                 "--tokenizer", str(tok_dir / "tokenizer.json"),
+                 "--chat-template", str(tmp_path / "none.jinja"),
+                 "--no-progress"]) == 2
+    assert "--chat-template" in capsys.readouterr().err
+
+
 def test_completion_rows_are_prompt_completion_eos(tmp_path, tok_dir):
     from tokenizers import Tokenizer
 
@@ -149,7 +183,8 @@ def test_packed_rows_positions_and_targets():
 
 
 def test_rows_per_step_are_layout_free_and_units_count_them():
-    rows = _rows([int(n) for n in np.random.default_rng(0).integers(2, 12, size=60)], seq_len=16)
+    rows = _rows([int(n) for n in np.random.default_rng(0).integers(2, 30, size=80)], seq_len=16)
+    assert rows.truncated > 0  # cut examples count only what is left of them
     for step in range(3 * rows.n_train // 4):
         x, y, pos = rows.train_batch(step, 4)
         parts = [rows.train_batch(step, 4, slice(i, i + 2)) for i in (0, 2)]  # two data-parallel ranks
@@ -163,6 +198,7 @@ def test_rows_per_step_are_layout_free_and_units_count_them():
 def test_long_examples_truncated_and_counted_or_refused():
     rows = _rows([4, 20, 3, 9], seq_len=6)
     assert rows.truncated == 2 and rows.info()["truncated_examples"] == 2
+    assert rows.without_targets == 1 and len(rows.starts) == 3  # the 20: its counted half was cut off
     assert max(b - a for a, b in rows.train_rows) >= 1 and rows.lengths.max() == 7
     with pytest.raises(DataError, match=r"2 example\(s\) are longer than --seq-len \+ 1 = 7 tokens \(the "
                                         r"longest: 20\)"):
@@ -195,6 +231,13 @@ def test_task_batches_are_triples_and_the_loss_skips_uncounted_targets(tmp_path,
     assert text.train_batch(0, 4)[2] is None and text.train_units(0, 4) == 4 * 128  # plain windows
     unpacked = LanguageModelTask(_cfg(tmp_path / "u", src, tok_dir, **{"data.packing": False}))
     assert unpacked.rows.n_train > task.rows.n_train  # one example per row
+    packed_text = LanguageModelTask(_cfg(tmp_path / "pt", text_src, tok_dir, **{"data.packing": True}))
+    x, y, pos = packed_text.train_batch(0, 4)
+    counted = y != IGNORE_INDEX  # text counts every target: -100 only in the padding at a row's end
+    assert pos is not None and (pos == 0).sum() > 4 and torch.equal(counted, counted.cummin(1).values)
+    inside = (pos[:, 1:] != 0) & counted[:, :-1]  # the next input continues the example: it is the target
+    assert torch.equal(y[:, :-1][inside], x[:, 1:][inside])
+    assert packed_text.train_units(0, 4) == int((y != IGNORE_INDEX).sum())
 
 
 @pytest.mark.parametrize("rows, message", [

@@ -164,3 +164,17 @@ def test_template_dialect(tmp_path):
     assert out == '{"role": "user", "content": "<b>&"}[<b>&]20'
     with pytest.raises(TemplateFailed):
         ChatTemplate("{% set _ = messages.append(1) %}").render([])
+
+
+def test_whitespace_rules_equal_transformers():
+    """trim_blocks and lstrip_blocks: a block tag's own line and indentation vanish, as in transformers."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from paratrain.data.template import ChatTemplate
+
+    source = ("{% for m in messages %}\n    {% if m.role == 'user' %}\n  <u>{{ m.content }}</u>\n"
+              "    {% else %}\n<a>{{ m.content | trim }}</a>\n    {% endif %}\n{% endfor %}\n"
+              "{% if add_generation_prompt %}  <a>{% endif %}")
+    for gen in (False, True):
+        want = render_jinja_template([CHAT], chat_template=source, add_generation_prompt=gen)[0][0]
+        assert ChatTemplate(source).render(CHAT, add_generation_prompt=gen) == want

@@ -88,12 +88,23 @@ def prepare_corpus(path: str | None, vocab_size: int, cache_dir: str | None = No
         if tok_path is not None and file_hash(tok_path) != corpus.manifest["tokenizer"]["hash"]:
             raise DataError(f"{path} was prepared with another tokenizer than {str(tok_path)!r}: "
                             "prepare it again with this tokenizer, or drop --tokenizer")
+        _check_prepared_format(path, corpus, fmt, train_on_prompt)
         return corpus
     opts = P.PrepareOptions(vocab_size=vocab_size, tokenizer=tok_path, text_field=text_field,
                             max_files=max_files, workers=workers, val_fraction=val_fraction,
                             progress=progress, fmt=fmt, train_on_prompt=train_on_prompt,
                             chat_template=Path(chat_template) if chat_template else None)
     return load_prepared(P.prepare(path, opts, cache_dir=cache_dir), verify)
+
+
+def _check_prepared_format(path: str, corpus: Corpus, fmt: str, train_on_prompt: bool) -> None:
+    """A prepared folder is used as it was prepared: a flag asking for other data is refused."""
+    if fmt != "auto" and fmt != corpus.format:
+        raise DataError(f"{path} holds {corpus.format} data, not {fmt}: prepare it again with --format "
+                        f"{fmt}, or drop --format")
+    if train_on_prompt and not corpus.manifest.get("train_on_prompt", True):
+        raise DataError(f"{path} was prepared to count only the assistant turns / completions: prepare it "
+                        "again with --train-on-prompt, or drop the flag")
 
 
 def load_corpus(cfg: Config) -> Corpus:
@@ -132,8 +143,10 @@ def make_rows(corpus: Corpus, cfg: Config) -> TokenRows | PackedRows:
                       mask=corpus.mask, packing=packing, long_examples=d.long_examples,
                       pad_id=corpus.manifest.get("tokenizer", {}).get("eot_id", 0))
     if rows.truncated and _first_report(corpus, d.seq_len):
+        dropped = (f"; {rows.without_targets} of them kept no counted token and were left out"
+                   if rows.without_targets else "")
         print(f"paratrain: {rows.truncated} example(s) longer than --seq-len + 1 = {d.seq_len + 1} tokens "
-              "were cut to that length (--long-examples refuse to stop instead)", file=sys.stderr)
+              f"were cut to that length{dropped} (--long-examples refuse to stop instead)", file=sys.stderr)
     return rows
 
 

@@ -6,7 +6,7 @@ where the mask does not count them), so the last token is only ever a target and
 crosses into the next example. Positions restart at 0 at each example; the free end of a row is
 padding, its own run of positions from 0, with ``IGNORE_INDEX`` targets. An example longer than
 ``seq_len + 1`` tokens is cut to its first ``seq_len + 1`` (``long_examples="truncate"``, counted)
-or refused (``"refuse"``).
+or refused (``"refuse"``); one left without a counted target (a reply cut off) is dropped, counted.
 
 Packing is greedy in example order: an example goes into the current row if it fits, else it
 starts the next row. The layout depends only on the data and ``seq_len``, never on the number of
@@ -57,15 +57,22 @@ class PackedRows:
         keep = lengths >= 2  # a one-token example has no target
         self.truncated = self._check_long(lengths[keep], long_examples)
         self.starts, self.lengths = starts[keep], np.minimum(lengths[keep], seq_len + 1)
+        per = self._per_example()
+        # An example left with no counted target (its reply cut off by truncation) would only cost compute,
+        # and a global batch of such examples would have nothing to divide by: it is dropped, and counted.
+        self.without_targets = int((per == 0).sum())
+        self.starts, self.lengths, per = self.starts[per > 0], self.lengths[per > 0], per[per > 0]
         if len(self.starts) == 0:
-            raise DataError("the corpus has no example of two tokens or more: nothing to learn from")
+            raise DataError("the corpus has no example with a counted target (two tokens or more, a reply "
+                            "within --seq-len + 1 tokens): nothing to learn from")
         val_first = self._val_first(np.cumsum(self.lengths), val_fraction)
         self.train_rows = layout(self.lengths[:val_first], seq_len, packing)
         val = layout(self.lengths[val_first:], seq_len, packing)
         self.val_rows = [(a + val_first, b + val_first) for a, b in val] or self.train_rows
         self.n_train, self.n_val = len(self.train_rows), len(self.val_rows)
-        self.train_counts = self._counts(self.train_rows)
-        self.val_counts = self._counts(self.val_rows)
+        cum = np.concatenate([[0], np.cumsum(per)])  # counted targets before each example
+        self.train_counts = self._counts(cum, self.train_rows)
+        self.val_counts = self._counts(cum, self.val_rows)
         self._perm_epoch, self._perm = -1, None
 
     def _check_long(self, lengths: np.ndarray, policy: str) -> int:
@@ -81,12 +88,19 @@ class PackedRows:
         split = document_split(ends, val_fraction)
         return split.get("val_first_document", len(ends))
 
-    def _counted(self, i: int) -> int:
-        a, n = int(self.starts[i]), int(self.lengths[i])
-        return n - 1 if self.mask is None else int(self.mask[a + 1:a + n].sum())
+    def _per_example(self) -> np.ndarray:
+        """Counted targets of each example: its mask after the first token, in one pass over the mask."""
+        if self.mask is None:
+            return self.lengths - 1
+        # Sums over [start + 1, start + n) and the gaps between (every other segment): one reduceat.
+        bounds = np.stack([self.starts + 1, self.starts + self.lengths], axis=1).ravel()
+        ends_at_file_end = bounds[-1] == len(self.mask)
+        sums = np.add.reduceat(self.mask, bounds[:-1] if ends_at_file_end else bounds, dtype=np.int64)
+        return sums[0::2]
 
-    def _counts(self, rows: list[tuple[int, int]]) -> np.ndarray:
-        return np.asarray([sum(self._counted(i) for i in range(a, b)) for a, b in rows], dtype=np.int64)
+    @staticmethod
+    def _counts(cum: np.ndarray, rows: list[tuple[int, int]]) -> np.ndarray:
+        return np.asarray([cum[b] - cum[a] for a, b in rows], dtype=np.int64)
 
     def _row(self, first: int, last: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         x = np.full(self.seq_len, self.pad_id, dtype=np.int64)
@@ -144,4 +158,5 @@ class PackedRows:
     def info(self) -> dict:
         """For run.json: the row layout and how many examples were cut."""
         return {"packing_rows": {"train": self.n_train, "val": self.n_val}, "examples": len(self.starts),
-                "truncated_examples": self.truncated, "seq_len": self.seq_len}
+                "truncated_examples": self.truncated, "examples_without_targets": self.without_targets,
+                "seq_len": self.seq_len}
