@@ -375,7 +375,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     if "peft" in chosen:
         from paratrain.models.adapters import export_run_peft  # lazy: start-up time
 
-        print(f"wrote {export_run_peft(args.run, args.peft)}: adapter_config.json, adapter_model.safetensors")
+        dest, base = export_run_peft(args.run, args.peft)
+        print(f"wrote {dest}: adapter_config.json, adapter_model.safetensors (base: {base or 'none'})")
+        if base is None:
+            print("paratrain: note: this run's base is a native preset (no --init-from), not a Hugging Face "
+                  "folder peft could load the adapters onto; `export --hf` writes the fine-tuned model "
+                  "merged", file=sys.stderr)
     return 0
 
 

@@ -227,8 +227,9 @@ def run_info(run: str) -> tuple[Path, dict]:
     return src, info
 
 
-def export_run_peft(run: str, out: str) -> Path:
-    """Write RUN's adapters (RUN/adapters.safetensors) as a PEFT folder OUT (``export --peft``)."""
+def export_run_peft(run: str, out: str) -> tuple[Path, str | None]:
+    """Write RUN's adapters (RUN/adapters.safetensors) as a PEFT folder OUT (``export --peft``);
+    returns OUT and the base model folder it belongs to (None: a native preset's own weights)."""
     src, info = run_info(run)
     lora = info.get("lora") or {}
     if not lora.get("rank"):
@@ -245,7 +246,7 @@ def export_run_peft(run: str, out: str) -> Path:
     base = (info.get("hf") or {}).get("source")
     text = json.dumps(adapter_config(lora, adapted, cfg, base), indent=2)
     (dest / ADAPTER_CONFIG).write_text(text + "\n")
-    return dest
+    return dest, base
 
 
 # --------------------------------------------------------------------------------------------
