@@ -3,7 +3,8 @@
 The reference runs each held-out example alone (unpacked, positions 0..n-1, no mask needed) and
 sums the cross-entropy of its counted targets only, from the corpus's stored mask; eval packs
 them with restarting positions and masks with IGNORE_INDEX. Both in fp32 on the same weights:
-the same per-token losses up to kernel order, 1e-5 relative.
+the same per-token losses up to kernel order, 1e-5 relative. For an imported model the reference
+is transformers itself (a test-only oracle; fp32 logits agree to ~1e-6, see tests/test_hf.py).
 """
 
 from __future__ import annotations
@@ -69,3 +70,26 @@ def test_eval_of_chat_data_without_a_template_exits_2(tmp_path, capsys):
     assert main(["eval", "--run", str(run), "--data", str(chats), "--json"]) == 2
     err = capsys.readouterr().err
     assert "chat template" in err and "Traceback" not in err
+
+
+def test_eval_of_an_imported_model_on_chats_equals_transformers(tmp_path, tok_dir, capsys):  # noqa: F811
+    """--init-from: the folder's own chat template; transformers runs each held-out chat alone."""
+    import shutil
+
+    pytest.importorskip("transformers")
+    from tests.hf_models import save_hf
+
+    folder = tmp_path / "m"
+    save_hf(folder, "qwen2", tokenizer=False, vocab_size=500)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok_dir / name, folder / name)
+    src = _jsonl(tmp_path / "chat.jsonl", [_chat(i, turns=1 + i % 2) for i in range(120)])
+    assert main(["eval", "--init-from", str(folder), "--data", str(src), "--seq-len", "128", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).float().eval()
+    corpus = prepare_corpus(str(src), 0, tokenizer=str(folder / "tokenizer.json"))
+    loss, counted, _ = _one_by_one(lambda ids: hf(ids).logits, corpus, 128)
+    assert got["tokens"] == counted
+    assert got["loss"] == pytest.approx(loss, rel=1e-5)
