@@ -138,6 +138,23 @@ def test_lora_from_starts_at_the_adapter_with_peft_s_first_loss(lora_run, tmp_pa
     assert result.losses[0] == pytest.approx(want, rel=1e-5)
 
 
+def test_lora_from_an_adapter_on_some_layers_only(lora_run, tmp_path):
+    """peft's layers_to_transform=[1]: the targets become full module names (a pattern would adapt
+    layer 0 too), and the first loss is still peft's."""
+    base, _ = lora_run
+    _peft_adapter(base, tmp_path / "ad", layers_to_transform=[1])
+    cfg = tiny_cfg(tmp_path / "run", **{"model.init_from": str(base), "train.steps": 1,
+                                        "lora.from_dir": str(tmp_path / "ad")})
+    checks.validate(cfg)
+    assert sorted(cfg.lora.targets) == ["layers.1.attn.wq", "layers.1.attn.wv", "layers.1.mlp.down"]
+    result = run_layout(cfg)
+    x, y = build_task(cfg).train_batch(0, cfg.train.global_batch)[:2]
+    model = peft.PeftModel.from_pretrained(_hf(base), str(tmp_path / "ad")).double().eval()
+    with torch.no_grad():
+        want = F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten(), ignore_index=-100).item()
+    assert result.losses[0] == pytest.approx(want, rel=1e-5)
+
+
 @pytest.mark.parametrize("case", ["missing module", "other shapes", "conflicting rank", "no init-from",
                                   "dora"])
 def test_bad_adapter_exits_2_before_any_worker(lora_run, tmp_path, capsys, case):
