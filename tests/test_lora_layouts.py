@@ -139,6 +139,8 @@ OTHERS = {"zero1_8bit": ("ref_8bit", {"parallel.dp": 2, "parallel.zero": 1}),
           "gpt2_zero3": ("ref_gpt2", {"parallel.dp": 2, "parallel.zero": 3}),
           "gpt2_pp2_tied": ("ref_gpt2", {"parallel.pp": 2, "train.micro_batch": 2}),  # frozen tied head
           "moe_ddp": ("ref_moe", {"parallel.dp": 2}),
+          "moe_tp2": ("ref_moe", {"parallel.tp": 2}),  # every expert's adapters split as its linears
+          "moe_tp2_sp": ("ref_moe", {"parallel.tp": 2, "parallel.sp": True}),
           "moe_ep2": ("ref_moe", {"parallel.dp": 2, "parallel.ep": 2}),
           "moe_ep2_zero2": ("ref_moe", {"parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 2}),
           "hf_tp2": ("ref_hf", {"parallel.tp": 2}),  # --init-from: the base read as tp slices

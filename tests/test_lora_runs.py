@@ -48,6 +48,8 @@ def test_checks_refuse_before_any_worker():
     assert "--lora-dropout with --tp > 1" in _problems(**LORA, **{"lora.dropout": 0.1, "parallel.tp": 2})
     assert "lm_head with --tp 2: its tensor-parallel style vocab_head has no LoRA variant" in _problems(
         **LORA, **{"lora.targets": ["wq", "lm_head"], "parallel.tp": 2})
+    assert "--ep > 1 with --tp > 1" in _problems(
+        **LORA, **{"model.name": "tiny-moe", "parallel.tp": 2, "parallel.dp": 2, "parallel.ep": 2})
     assert "lm_head does not compose with --tile" in _problems(
         **LORA, **{"lora.targets": ["wq", "lm_head"], "train.tile": 2})
     assert "--tile > 1 and --base-precision bf16" in _problems(

@@ -83,6 +83,9 @@ NOT_WITH_LORA = {
     "--tile > 1 and --base-precision bf16": (
         lambda c: c.train.tile > 1 and c.lora.base_precision != "fp32",
         "the tiled loss runs the head's stored weight itself, with no cast"),
+    "--ep > 1 with --tp > 1": (
+        lambda c: c.parallel.ep > 1 and c.parallel.tp > 1,
+        "each tp rank dispatches a share of the tokens; adapters there are not tested"),
     "--lora-dropout with --tp > 1": (
         lambda c: c.lora.dropout > 0 and c.parallel.tp > 1,
         "every tp rank would drop other inputs of the same replicated adapter"),

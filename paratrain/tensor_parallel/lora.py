@@ -18,9 +18,10 @@ s = alpha / r, with A [r, in] and B [out, r]:
   Under SP each rank holds only its tokens' u, so B's gradient is partial: B enters through f,
   as the row layer's bias does (and the region entry norm's weight).
 
-k/v projections split by kv heads take the column variant; a replicated-heads k/v
-(``ColwiseKV`` when tp does not divide n_kv_heads), the vocabulary head and the experts' row layer
-have no LoRA variant: ``unsupported`` names them before any worker starts.
+k/v projections split by kv heads take the column variant, an expert's partial row layer its own
+(``PartialRowLoRALinear``); a replicated-heads k/v (``ColwiseKV`` when tp does not divide
+n_kv_heads) and the vocabulary head have no LoRA variant: ``unsupported`` names them before any
+worker starts.
 """
 
 from __future__ import annotations
@@ -108,8 +109,31 @@ class RowParallelLoRALinear(RowParallelLinear):
         return y
 
 
+class PartialRowLoRALinear(RowParallelLinear):
+    """An expert's ``down`` (experts.py's PartialRowLinear) with its adapters: A split by input, B
+    replicated, and the partial sum x_i W_i^T + s (x_i A_i^T) B^T left for the layer's one reduce
+    (the adapters' term is linear in x_i A_i^T, so summing it over tp after B is exact). B's
+    gradient is partial per rank (each sees its u_i): B enters through f."""
+
+    casts_base = True
+
+    def __init__(self, old: LoRALinear, axis: C.Axis):
+        w = old.weight
+        super().__init__(old.in_features, old.out_features, axis, device=w.device, dtype=w.dtype)
+        _take_lora(self, old)
+        r, a, tp = old.rank, old.lora_A.weight, axis.size
+        a_spec = TensorShard((r, old.in_features), 1, axis.rank, tp)
+        self.lora_A = Adapter((r, old.in_features // tp), a_spec, a)
+        self.lora_B = Adapter((old.out_features, r), TensorShard((old.out_features, r)), a)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u = F.linear(self.lora_dropout(x), self.lora_A.weight)  # [tokens, r], partial
+        b = copy_to_tp(self.lora_B.weight, self.axis)
+        return base_linear(x, self.weight, None) + self.scale * F.linear(u, b)
+
+
 # The styles (plan.py names) that build a LoRA variant of a LoRALinear.
-LORA_STYLES = ("colwise", "rowwise", "colwise_kv")
+LORA_STYLES = ("colwise", "rowwise", "colwise_kv", "expert_rowwise")
 
 
 def unsupported(model: nn.Module, tp: int) -> list[str]:
