@@ -8,7 +8,9 @@ target at all. Its ``train_units`` / ``val_units`` count the whole global batch.
 * One process's reported loss is the global token mean computed here from the initial weights
   (so a divisor of all tokens, or a mean of per-micro-batch means, fails);
 * accumulation 4 x dp2 x pp2 (1F1B), pp2 interleaved, TP2+SP, ZeRO-3 dp2, selective and full
-  recompute, and token tiling each equal one process: losses (train and eval) and final weights.
+  recompute, token tiling and the batch finder each equal one process: losses (train and eval)
+  and final weights; GPT-2 (learned positions) under TP2+SP too;
+* the library's ``pipeline_step(..., positions=)`` equals a plain loop on the same packed rows.
 
 Precision: fp32, with the harness's criterion (tests/harness.py: losses at 1e-4, weights per
 tensor at 1e-4 with isolated AdamW sign flips of near-zero gradients allowed). float64 is not an
@@ -22,16 +24,21 @@ tests/test_packed_attention.py).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+import paratrain
 from paratrain import config
 from paratrain.engine.task import Task
 from paratrain.models import build_model, full_init_value, init_weights, materialize, preset, tied_name
+from paratrain.models.moe_train import MoEAccounting
 from paratrain.train.trainer import Trainer
 from tests.dist import run
-from tests.harness import FP32_REORDERED, RunResult, assert_same_training
+from tests.harness import FP32_REORDERED, RunResult, assert_same_training, assert_same_weights
 
 SEQ, VOCAB, GB = 16, 512, 8
 BASE = {
@@ -39,6 +46,11 @@ BASE = {
     "train.eval_every": 3, "train.eval_batches": 2, "train.progress": False,
     "optim.warmup_steps": 1, "optim.lr": 1e-2,
 }
+# GPT-2 at test_gpt2.py's lr: its key weights have directions of near-zero gradient (softmax does
+# not change when every key moves alike), where AdamW amplifies fp32 reordering noise; at lr 1e-2
+# five elements of one wk drifted 1.6e-4 apart (losses equal), at 1e-3 that noise stays < 1e-4.
+GPT2 = {"model.name": "gpt2-tiny", "optim.lr": 1e-3}
+MOE = {"model.name": "tiny-moe", "optim.eps": 1e-5}  # eps: tests/test_moe_parity.py says why
 LR_STEPS = BASE["optim.lr"] * BASE["train.steps"]  # bounds an AdamW sign flip (tests/harness.py)
 
 
@@ -52,9 +64,19 @@ class PackedTask(Task):
         self.seed = cfg.train.seed
         self.units_per_row = SEQ
         self.n_params = self.model_cfg.n_params()
+        self.moe = None
 
     def build_model(self, device):
-        return build_model(self.model_cfg, device)
+        model = build_model(self.model_cfg, device)
+        self.moe = MoEAccounting(model, self.model_cfg) if self.model_cfg.n_experts else None
+        return model
+
+    @property
+    def side_loss_sum(self):  # the MoE aux and z losses, as train/task.py's LanguageModelTask
+        return None if self.moe is None else self.moe.side_loss_sum
+
+    def take_side_loss_sum(self):
+        return 0.0 if self.moe is None else self.moe.take_step_sum()
 
     def materialize(self, model, device):
         materialize(model, device)
@@ -111,8 +133,13 @@ def _cfg(out, **overrides) -> config.Config:
 
 
 def _train(cfg: config.Config, env=None) -> RunResult:
+    """Losses: the training losses, the eval losses, and ``ce_loss`` (MoE: the loss less its aux
+    losses, divided by the same count) from metrics.jsonl."""
     result = Trainer(cfg, env, task=PackedTask(cfg)).fit()
-    return RunResult(result.losses + [v for _, v in result.val_losses], result.final_state)
+    metrics = Path(cfg.train.out) / "metrics.jsonl"  # rank 0 writes it
+    rows = metrics.read_text().splitlines() if env is None or env.rank == 0 else []
+    ce = [r["ce_loss"] for r in map(json.loads, rows) if "ce_loss" in r]
+    return RunResult(result.losses + [v for _, v in result.val_losses] + ce, result.final_state)
 
 
 def _train_many(env, cfg_dicts: list[dict]):
@@ -125,14 +152,24 @@ def _layouts(nproc: int, cfgs: dict[str, config.Config]) -> dict[str, RunResult]
     return dict(zip(cfgs, outs[0]))
 
 
-def _assert_same(got: RunResult, ref: RunResult) -> None:
+def _assert_same(got: RunResult, ref: RunResult, lr_steps: float = LR_STEPS) -> None:
     """Train and eval losses, and the final weights (tests/harness.py's criterion)."""
-    assert_same_training(got, ref, **FP32_REORDERED, lr_steps=LR_STEPS)
+    assert_same_training(got, ref, **FP32_REORDERED, lr_steps=lr_steps)
 
 
 @pytest.fixture(scope="module")
 def ref(tmp_path_factory):
     return _train(_cfg(tmp_path_factory.mktemp("ref")))
+
+
+@pytest.fixture(scope="module")
+def ref_gpt2(tmp_path_factory):
+    return _train(_cfg(tmp_path_factory.mktemp("ref_gpt2"), **GPT2))
+
+
+@pytest.fixture(scope="module")
+def ref_moe(tmp_path_factory):
+    return _train(_cfg(tmp_path_factory.mktemp("ref_moe"), **MOE))
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +190,10 @@ def world2(tmp_path_factory):
         "pp2_1f1b_selective": _cfg(base / "ps", **{"parallel.pp": 2, "train.micro_batch": 1,
                                                    "train.recompute": "selective"}),
         "zero3_dp2": _cfg(base / "z3", **{"parallel.dp": 2, "parallel.zero": 3, "train.micro_batch": 2}),
+        # GPT-2: the learned position table, vocab-parallel, looks up [b, s] packed positions
+        "gpt2_tp2_sp": _cfg(base / "g", **GPT2, **{"parallel.tp": 2, "parallel.sp": True,
+                                                   "train.micro_batch": 2}),
+        "moe_pp2": _cfg(base / "m", **MOE, **{"parallel.pp": 2, "train.micro_batch": 1}),
     }
     return _layouts(2, cfgs)
 
@@ -178,6 +219,8 @@ ONE_PROCESS = {
     "acc4_full": {"train.micro_batch": 2, "train.recompute": "full"},
     "acc2_selective": {"train.micro_batch": 4, "train.recompute": "selective"},
     "tile2": {"train.tile": 2, "train.micro_batch": 1},  # the blank row's tiles count nothing
+    # --micro-batch auto: trials on the first step's packed rows, then a step as if none had run
+    "finder": {"train.micro_batch": "auto", "train.memory_limit": 2**40, "train.memory_measure": "tensors"},
 }
 
 
@@ -195,3 +238,54 @@ def test_two_worker_layouts_equal_one_process(world2, ref, name):
     _assert_same(world2[name], ref)
 
 
+def test_gpt2_tp2_sp_equals_one_process(world2, ref_gpt2):
+    _assert_same(world2["gpt2_tp2_sp"], ref_gpt2, lr_steps=GPT2["optim.lr"] * BASE["train.steps"])
+
+
+
+
+def _library_loop(pp: int) -> tuple[list[float], dict]:
+    """The library's door: paratrain's tiny Llama in a user's loop; with pp = 2 ``pipeline_step``
+    takes the packed rows' positions, else the plain loop calls ``model(x, positions)``."""
+    cfg = preset("tiny", max_seq_len=SEQ)
+    model = build_model(cfg, "cpu")
+    init_weights(model, 0, cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    par = paratrain.Parallel(pp=pp) if pp > 1 else None
+    if par is not None:
+        model, opt = par.prepare(model, opt)
+    losses = []
+    for k in range(3):
+        x, y, p = _rows(k, 4, None)
+        if par is not None:
+            loss = par.pipeline_step(x, y, micro_batches=2, positions=p)
+        else:
+            loss = F.cross_entropy(model(x, p).flatten(0, 1), y.flatten())  # the mean over counted targets
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    state = par.full_state_dict(model) if par is not None else model.state_dict()
+    return losses, {k: v.detach().clone() for k, v in state.items()}
+
+
+def _library_pp2(env) -> tuple[list[float], dict]:
+    return _library_loop(2)
+
+
+def test_moe_pp2_equals_one_process_with_its_ce_loss(world2, ref_moe):
+    """Mixture of experts on packed rows, accumulation 4 x pp2: losses, eval, ``ce_loss``, weights."""
+    steps = BASE["train.steps"]
+    assert len(ref_moe.losses) == 2 * steps + 1  # the ce_loss rows were read
+    first_ce = ref_moe.losses[steps + 1]  # the cross-entropy alone: its mean over counted targets
+    expected = _global_mean_loss(PackedTask(_cfg("unused", **MOE)), 0)
+    assert abs(first_ce - expected) <= 1e-5 * expected
+    assert ref_moe.losses[0] > first_ce  # the aux losses are in the loss, not in ce_loss
+    _assert_same(world2["moe_pp2"], ref_moe)
+
+
+def test_library_pipeline_step_takes_positions():
+    got_losses, got = run(_library_pp2, 2, timeout=120.0)[0]
+    ref_losses, ref = _library_loop(1)
+    torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(ref_losses), **FP32_REORDERED)
+    assert_same_weights(got, ref, **FP32_REORDERED, lr_steps=1e-2 * 3)

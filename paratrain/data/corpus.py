@@ -1,11 +1,13 @@
 """A prepared corpus, memory-mapped; the rows of each step; the data cursor of a checkpoint.
 
 Design contract: the rows of the global batch at step k do not depend on the layout. Rows are
-fixed windows of the token stream; each epoch visits the training rows in an order drawn from
-(seed, epoch); step k takes the next ``global_batch`` of them. Data-parallel ranks then take
-contiguous slices, micro-batches slice further. The position is just the step number, so a
-resumed run continues exactly where it stopped; the checkpoint's cursor (``data_cursor``) names
-the corpus too, so a resume on other data is refused rather than silently mixed.
+fixed windows of the token stream (text), or whole examples (packing.py: chat and completion
+data, and text with --packing; ``make_rows`` chooses); each epoch visits the training rows in
+an order drawn from (seed, epoch); step k takes the next ``global_batch`` of them. Data-parallel
+ranks then take contiguous slices, micro-batches slice further. The position is just the step
+number, so a resumed run continues exactly where it stopped; the checkpoint's cursor
+(``data_cursor``) names the corpus too, so a resume on other data is refused rather than
+silently mixed.
 """
 
 from __future__ import annotations
@@ -224,8 +226,14 @@ def data_cursor(task: object, step: int, global_batch: int) -> dict | None:
     consumed = step * global_batch
     m = corpus.manifest
     return {"epoch": consumed // rows.n_train, "rows_consumed": consumed, "rows_per_epoch": rows.n_train,
-            "seq_len": rows.seq_len, "data_hash": m.get("data_hash"),
+            "seq_len": rows.seq_len, "data_hash": _identity(m),
             "tokenizer_hash": m.get("tokenizer", {}).get("hash"), "n_tokens": len(rows.tokens)}
+
+
+def _identity(m: dict) -> str | None:
+    """The corpus's identity in a cursor: its tokens' hash, and its mask's (another --train-on-prompt
+    or template is other data, though the tokens may be the same)."""
+    return m.get("data_hash") if not m.get("mask_hash") else f"{m.get('data_hash')}+{m['mask_hash']}"
 
 
 def check_cursor(meta: dict, task: object, cfg: Config) -> None:

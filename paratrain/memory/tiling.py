@@ -120,7 +120,8 @@ class TiledHeadLoss:
 
     A loss function for the executor: (hidden [b, s, dim], targets [b, s]) -> scalar sum.
     Logits are computed as the untiled model computes them (the head's linear, then fp32
-    cross-entropy), one tile at a time.
+    cross-entropy), one tile at a time. Targets of -100 are not counted (``F.cross_entropy``'s
+    ``ignore_index``): a tile holding only such targets adds exactly 0.
     """
 
     def __init__(self, head: nn.Linear, n_tiles: int):

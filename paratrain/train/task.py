@@ -24,7 +24,7 @@ from paratrain.data import (
     load_corpus,
     make_rows,
 )
-from paratrain.engine.task import Task
+from paratrain.engine.task import Batch, Task, as_batch
 from paratrain.models import build_model, full_init_value, init_weights, materialize, tied_name
 from paratrain.models.adapters import PeftAdapter
 from paratrain.models.from_config import model_config, model_shape  # noqa: F401  (re-exported)
@@ -137,15 +137,13 @@ class LanguageModelTask(Task):
             parts = [p for stage in gather(parts) for p in stage]
         return self.moe.metrics(parts)
 
-    def train_batch(self, step: int, global_batch: int,
-                    rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def train_batch(self, step: int, global_batch: int, rows: slice | None = None) -> Batch:
         """(x, y, positions) of rows ``rows`` of the global batch at ``step``: positions None for
         plain text windows (one causal sequence per row)."""
-        return _triple(self.rows.train_batch(step, global_batch, rows))
+        return as_batch(self.rows.train_batch(step, global_batch, rows))
 
-    def val_batch(self, index: int, global_batch: int,
-                  rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        return _triple(self.rows.val_batch(index, global_batch, rows))
+    def val_batch(self, index: int, global_batch: int, rows: slice | None = None) -> Batch:
+        return as_batch(self.rows.val_batch(index, global_batch, rows))
 
     def train_units(self, step: int, global_batch: int) -> int:
         """Counted targets (!= IGNORE_INDEX) of the whole global batch at ``step``: every rank knows it."""
@@ -157,10 +155,6 @@ class LanguageModelTask(Task):
         if isinstance(self.rows, TokenRows):
             return global_batch * self.units_per_row
         return self.rows.val_units(index, global_batch)
-
-
-def _triple(batch: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    return batch if len(batch) == 3 else (*batch, None)
 
 
 def build_task(cfg: Config, corpus: Corpus | None = None) -> Task:

@@ -13,7 +13,8 @@ added to it must be that slice's. The position table is looked up like a vocabul
 positions, and the partial lookups are summed (tp) or reduce-scattered along the sequence (SP),
 which hands every rank exactly its tokens' positions, with no style of its own. Each output row
 is one rank's row plus zeros, so the sum is exact; the price is one more collective of
-``s * dim`` elements (the token embedding's is ``b * s * dim``).
+``s * dim`` elements (the token embedding's is ``b * s * dim``), or ``b * s * dim`` for packed rows,
+whose positions ([b, s], restarting at each example) differ from row to row.
 
 Pipeline: ``embed`` (tokens and positions) runs on the first stage, ``norm`` and the tied
 ``lm_head`` on the last; their two copies of the token embedding are summed across the stages.
