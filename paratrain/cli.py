@@ -34,6 +34,14 @@ def bytes_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def names_arg(text: str) -> list[str]:
+    """--lora-targets: comma-separated module-name patterns (wq,wv or attn.wq,mlp.*)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: name at least one layer, e.g. wq,wv")
+    return names
+
+
 # README's groups, in its order: `paratrain train --help` shows the flags under these headings.
 MODEL, LAYOUT, DATA, OPTIM, SAVERS, CHECKPOINTS, RELIABILITY, RUN = (
     "model", "layout (processes and parallelism)", "data", "optimisation",
@@ -48,6 +56,18 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
      "`paratrain plan --help` lists them all)"),
     ("--init-from", "model.init_from", str, MODEL, "start from a local Hugging Face folder: shape, weights "
      "and tokenizer come from it"),
+    ("--lora", "lora.rank", int, MODEL, "train LoRA adapters of this rank on a frozen base (0: a full "
+     "fine-tune)"),
+    ("--lora-alpha", "lora.alpha", float, MODEL, "LoRA scale numerator: adapters add alpha/rank * B A x "
+     "(default: 2 * rank)"),
+    ("--lora-dropout", "lora.dropout", float, MODEL, "dropout on the LoRA adapters' input"),
+    ("--lora-targets", "lora.targets", names_arg, MODEL, "layers LoRA adapts, comma-separated name "
+     "patterns as PEFT's target_modules, e.g. wq,wv (default: the family's attention and MLP projections)"),
+    ("--lora-from", "lora.from_dir", str, MODEL, "with --init-from BASE: continue from a PEFT adapter "
+     "folder (adapter_config.json + adapter_model.safetensors); its r, lora_alpha and target modules set "
+     "--lora, --lora-alpha and --lora-targets"),
+    ("--base-precision", "lora.base_precision", str, MODEL, "with --lora: the frozen base's storage; bf16 "
+     "halves its memory (adapters and their optimizer stay fp32)"),
     ("--experts", "model.n_experts", int, MODEL, "mixture of experts: experts per MoE block (0: dense; "
      "default: the preset's)"),
     ("--top-k", "model.top_k", int, MODEL, "mixture of experts: experts each token is routed to "
@@ -287,7 +307,8 @@ def eval_parser(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--init-from", help="a local Hugging Face model folder")
     data = e.add_mutually_exclusive_group(required=True)
     data.add_argument("--text-file", help="one sequence: the file's whole text, no special tokens")
-    data.add_argument("--data", help="a corpus (file or folder): loss over its held-out rows")
+    data.add_argument("--data", help="a corpus (file or folder): loss over its held-out rows; chat or "
+                      "completion data: over their assistant turns / completions only")
     e.add_argument("--seq-len", type=int, help="rows of --data (default: the model's context, at most 1024)")
     e.add_argument("--max-rows", type=int, help="evaluate at most this many rows of --data")
     e.add_argument("--json", action="store_true", help='one line {"loss", "tokens", "perplexity"}')
@@ -314,7 +335,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         result = eval_text(model, tokenizer, text, hf_config, args.seq_len)
     else:
         seq_len = args.seq_len or min(model.cfg.max_seq_len, 1024)
-        result = eval_corpus(model, tokenizer, args.data, seq_len, hf_config, max_rows=args.max_rows)
+        result = eval_corpus(model, tokenizer, args.data, seq_len, hf_config, max_rows=args.max_rows,
+                             run=args.run)
     if args.json:
         print(json.dumps(result.to_dict()))
     else:
@@ -326,6 +348,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 EXPORT_FORMATS = {
     "hf": "a Hugging Face folder (config.json, sharded safetensors, tokenizer) of the finished run",
     "safetensors": "one safetensors file of full tensors (paratrain names), newest usable checkpoint",
+    "peft": "a PEFT adapter folder (adapter_config.json, adapter_model.safetensors) of a --lora run, "
+            "for peft.PeftModel.from_pretrained(base, DEST)",
 }
 
 
@@ -348,6 +372,15 @@ def cmd_export(args: argparse.Namespace) -> int:
         export_hf(args)
     if "safetensors" in chosen:
         export_checkpoint(args.run, args.safetensors)
+    if "peft" in chosen:
+        from paratrain.models.adapters import export_run_peft  # lazy: start-up time
+
+        dest, base = export_run_peft(args.run, args.peft)
+        print(f"wrote {dest}: adapter_config.json, adapter_model.safetensors (base: {base or 'none'})")
+        if base is None:
+            print("paratrain: note: this run's base is a native preset (no --init-from), not a Hugging Face "
+                  "folder peft could load the adapters onto; `export --hf` writes the fine-tuned model "
+                  "merged", file=sys.stderr)
     return 0
 
 

@@ -10,6 +10,7 @@ worker starts. TOML sections mirror the dataclasses::
     [data]      seq_len = 256
     [optim]     lr = 3e-3
     [train]     steps = 200
+    [lora]      rank = 16
 """
 
 from __future__ import annotations
@@ -150,12 +151,23 @@ class TrainConfig:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = 0  # 0: off; > 0: train low-rank adapters of this rank on a frozen base (models/lora.py)
+    alpha: float | None = None  # the adapters' scale is alpha / rank; None: 2 * rank
+    dropout: float = 0.0  # dropout on the adapters' input (PEFT's lora_dropout)
+    targets: list[str] | None = None  # module-name patterns (PEFT's target_modules); None: the family's
+    base_precision: str = "fp32"  # fp32 | bf16: the frozen base's storage (adapters stay fp32)
+    from_dir: str | None = None  # a PEFT adapter folder to start from (--lora-from)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -194,7 +206,7 @@ class Config:
 
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "data": DataConfig,
-            "optim": OptimConfig, "train": TrainConfig}
+            "optim": OptimConfig, "train": TrainConfig, "lora": LoraConfig}
 
 
 def apply_sections(cfg: Config, d: dict, source: str) -> None:
@@ -270,6 +282,7 @@ CHOICES: dict[str, tuple] = {
     "train.memory_measure": ("process", "tensors"),
     "train.offload_activations": ("none", "cpu"),
     "optim.name": ("adamw", "adamw8bit"),
+    "lora.base_precision": ("fp32", "bf16"),
     "data.format": ("auto", "chat", "completion", "text"),
     "data.long_examples": ("truncate", "refuse"),
 }
@@ -296,6 +309,8 @@ RANGES: dict[str, tuple[typing.Callable, str]] = {
     "data.max_files": (lambda v: v is None or v >= 1, ">= 1"),
     "parallel.timeout_s": (lambda v: v > 0, "> 0 seconds"),
     "parallel.max_restarts": (lambda v: v >= 0, ">= 0"),
+    "lora.rank": (lambda v: v >= 0, ">= 0 (0: no LoRA)"),
+    "lora.dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
 }
 
 

@@ -6,14 +6,21 @@
 after the first is predicted from all before it (what transformers' ``model(ids, labels=ids).loss``
 computes). A text longer than the context is refused, never silently cut.
 --data: the validation rows (the same split `paratrain train` holds out) of a corpus tokenized
-with the model's tokenizer, in windows of --seq-len tokens.
+with the model's tokenizer, in windows of --seq-len tokens. Chat or completion data (detected from
+the rows' fields, as `train` does) is rendered with the model's chat template (a run's: the one it
+trained with) and evaluated as `train` validates it: whole held-out examples packed in rows, each
+attending only to itself, the loss over the assistant turns / completions only (``tokens``: those
+counted targets).
 Single process, CPU or the first CUDA device; the model is loaded whole (eval is for models a
 single device holds).
 """
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,8 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from paratrain.data import TokenRows, prepare_corpus
+from paratrain.data.packing import IGNORE_INDEX, PackedRows
 from paratrain.data.tokenizer import load_tokenizer
-from paratrain.generate import load_run
+from paratrain.generate import load_run, run_template
 from paratrain.models.llama import Llama
 from paratrain.models.llama.hf import check_seq_len, load_pretrained
 
@@ -54,19 +62,21 @@ def load_model(run: str | None = None, init_from: str | None = None) -> tuple[Ll
         return model.to(device), ckpt.tokenizer_path, ckpt.hf_config
 
     model, _ = load_run(run)
-    import json
-
     info = json.loads((Path(run) / "run.json").read_text())
     return model.to(device), Path(run) / "tokenizer.json", (info.get("hf") or {}).get("config")
 
 
 @torch.no_grad()
-def loss_sum(model: Llama, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
-    """(sum of next-token losses, predicted tokens): inputs x [n, s], their next tokens y [n, s]."""
+def loss_sum(model: Llama, x: torch.Tensor, y: torch.Tensor,
+             positions: torch.Tensor | None = None) -> tuple[float, int]:
+    """(sum of next-token losses, counted targets): inputs x [n, s], their next tokens y [n, s]
+    (IGNORE_INDEX where not counted), positions [n, s] of packed examples or None."""
     device = next(model.parameters()).device
-    logits = model(x.to(device))  # [n, s, vocab]
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), y.to(device).flatten(), reduction="sum")
-    return float(loss), y.numel()
+    pos = None if positions is None else positions.to(device)
+    logits = model(x.to(device)) if pos is None else model(x.to(device), positions=pos)  # [n, s, vocab]
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), y.to(device).flatten(), reduction="sum",
+                           ignore_index=IGNORE_INDEX)
+    return float(loss), int((y != IGNORE_INDEX).sum())
 
 
 def check_context(model: Llama, hf_config: dict | None, seq_len: int) -> None:
@@ -96,18 +106,41 @@ def eval_text(model: Llama, tokenizer: Path, text: str, hf_config: dict | None =
 
 
 def eval_corpus(model: Llama, tokenizer: Path, data: str, seq_len: int, hf_config: dict | None = None,
-                batch: int = 8, max_rows: int | None = None, cache_dir: str | None = None) -> EvalResult:
-    """The held-out rows of a corpus (as `paratrain train` splits it), tokenized by the model's tokenizer."""
+                batch: int = 8, max_rows: int | None = None, cache_dir: str | None = None,
+                run: str | None = None) -> EvalResult:
+    """The held-out rows of a corpus (as `paratrain train` splits it), tokenized by the model's
+    tokenizer (``run``: the run folder the model comes from, whose chat template chat data needs)."""
     check_context(model, hf_config, seq_len)
-    corpus = prepare_corpus(data, 0, cache_dir, tokenizer=str(tokenizer))
+    with tempfile.TemporaryDirectory() as tmp:
+        tok = chat_tokenizer(run, Path(tmp)) if run is not None else tokenizer
+        corpus = prepare_corpus(data, 0, cache_dir, tokenizer=str(tok))
     if int(corpus.tokens.max()) >= model.cfg.vocab_size:
         raise EvalError(f"token id {int(corpus.tokens.max())} is outside the model's vocabulary "
                         f"({model.cfg.vocab_size})")
-    rows = TokenRows(corpus.tokens, seq_len, val_fraction=0.02, seed=0, doc_ends=corpus.doc_ends)
+    if corpus.format == "text":
+        rows = TokenRows(corpus.tokens, seq_len, val_fraction=0.02, seed=0, doc_ends=corpus.doc_ends)
+    else:  # whole examples, packed, the loss on the counted (assistant / completion) targets only
+        rows = PackedRows(corpus.tokens, corpus.doc_ends, seq_len, 0.02, 0, mask=corpus.mask,
+                          pad_id=corpus.manifest.get("tokenizer", {}).get("eot_id", 0))
     n_rows = min(rows.n_val, max_rows or rows.n_val)
     total, count = 0.0, 0
     for index in range(-(-n_rows // batch)):
-        x, y = rows.val_batch(index, batch, slice(0, min(batch, n_rows - index * batch)))
-        s, n = loss_sum(model, x, y)
+        s, n = loss_sum(model, *rows.val_batch(index, batch, slice(0, min(batch, n_rows - index * batch))))
         total, count = total + s, count + n
+    if count == 0:
+        raise EvalError(f"{data}: its held-out examples have no counted target (no assistant turn or "
+                        "completion): nothing to evaluate")
     return EvalResult(total / count, count)
+
+
+def chat_tokenizer(run: str, folder: Path) -> Path:
+    """A tokenizer folder for a run's chat data: its tokenizer.json beside a tokenizer_config.json
+    holding the chat template (and special tokens) it trained with, which a run folder keeps in
+    run.json; the run's tokenizer.json alone when it has no template."""
+    template = run_template(run)
+    if template is None:
+        return Path(run) / "tokenizer.json"
+    shutil.copy(Path(run) / "tokenizer.json", folder / "tokenizer.json")
+    config = {"chat_template": template.source, **template.special_tokens}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder / "tokenizer.json"

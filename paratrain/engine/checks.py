@@ -10,8 +10,10 @@ every technique, so config.py imports nothing of paratrain.
 from __future__ import annotations
 
 from paratrain.config import DEFAULT_SEQ_LEN, Config, ConfigError, bullets, check_values
+from paratrain.engine.lora import check_lora
 from paratrain.memory.layout import check_savers
 from paratrain.models import PRESETS
+from paratrain.models.adapters import settle_lora_from
 from paratrain.models.from_config import model_shape
 from paratrain.models.llama.hf import HFCheckpoint, HFError, check_init_from
 from paratrain.pipeline.stage import parse_split
@@ -25,6 +27,9 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     check_values(cfg, problems, world_size)
     if cfg.model.init_from:
         check_init_from(cfg, problems)
+    if cfg.lora.from_dir and not problems:  # the adapter sets rank/alpha/targets (models/adapters.py)
+        problems += settle_lora_from(cfg.lora, model_shape(cfg)) if cfg.model.init_from else [
+            "--lora-from continues a PEFT adapter of a Hugging Face base model: add --init-from BASE"]
     if not problems:
         check_layout(cfg, problems)
     if problems:
@@ -55,6 +60,7 @@ def check_layout(cfg: Config, problems: list[str]) -> None:
     _check_pipeline(cfg, problems)
     _check_zero(cfg, problems)
     check_savers(cfg, problems)
+    check_lora(cfg, problems)  # engine/lora.py: targets, rank, and what LoRA composes with
     if cfg.train.precision not in ("fp32", "auto") and cfg.model.name == "cnn-tiny":
         problems.append("cnn-tiny trains in fp32 only: drop --precision")
 

@@ -1,19 +1,24 @@
 """The one place that fixes the order in which techniques wrap the model.
 
-    build (meta device) -> tensor/sequence parallel -> expert parallel (drop the experts other
-    ranks hold) -> tiling (of tokens; of weights under ZeRO-3) -> activation checkpointing
-    -> torch.compile per block -> pipeline split
-    -> materialise + layout-independent init -> data-parallel strategy (DDP or ZeRO-1/2/3)
-    -> optimizer (inside the strategy) -> executor (micro-batch loop or pipeline schedule)
+    build (meta device) -> LoRA adapters -> tensor/sequence parallel -> expert parallel (drop the
+    experts other ranks hold) -> freeze the LoRA base (+ its --base-precision) -> tiling (of
+    tokens; of weights under ZeRO-3) -> activation checkpointing -> torch.compile per block
+    -> pipeline split -> materialise + layout-independent init -> data-parallel strategy (DDP or
+    ZeRO-1/2/3) -> optimizer (inside the strategy) -> executor (micro-batch loop or pipeline schedule)
 
-Why this order: tensor parallel replaces linears *inside* blocks, so it must see the whole
+Why this order: LoRA comes first so that tensor parallelism's styles see the ``LoRALinear``s and
+build their LoRA variants (tensor_parallel/lora.py), and every later technique sees the adapters
+as ordinary parameters; the base is frozen again once TP and EP have replaced modules (their
+styles build new, trainable parameters), while everything is still on the meta device. Tensor
+parallel replaces linears *inside* blocks, so it must see the whole
 block; expert parallelism comes after it because it marks the gradient axis (edp) of the expert
 parameters it keeps, and tensor parallelism replaces those linears by new parameters (on the meta
 device, splitting experts that are then dropped costs nothing); checkpointing wraps whole
 (already split) blocks; the pipeline split only drops blocks, so it can come after both;
 parameters are materialised only once each rank knows which slices it owns, so no rank ever
 holds the full model; the data-parallel strategy hooks the parameters that
-remain, and owns the optimizer because ZeRO shards the optimizer's state.
+remain (only the adapters' under LoRA), and owns the optimizer because ZeRO shards the
+optimizer's state.
 
 The matching validation (every technique's constraints, before any worker) is engine/checks.py.
 """
@@ -27,6 +32,7 @@ from paratrain.base.strategy import Strategy
 from paratrain.config import Config
 from paratrain.data_parallel.sync_batchnorm import convert_sync_batchnorm
 from paratrain.engine.engine import Engine, make_strategy
+from paratrain.engine.lora import apply_run_lora, settle_base
 from paratrain.engine.task import Task
 from paratrain.expert_parallel import apply_expert_parallel
 from paratrain.memory.activation_offload import ActivationOffload
@@ -45,12 +51,14 @@ from paratrain.tensor_parallel.plan import apply_tensor_parallel
 def parallelize(task: Task, cfg: Config, mesh: ParallelMesh) -> Engine:
     """Build this rank's model, wrapped in the fixed order above, with its strategy and executor."""
     model = task.build_model("meta")
+    apply_run_lora(model, cfg)  # before TP: its styles build the LoRA variants of the adapted linears
     loss_fn = task.loss_sum
     if mesh.tp.size > 1:
         apply_tensor_parallel(model, mesh, sequence_parallel=cfg.parallel.sp)
         loss_fn = vocab_parallel_loss_sum(mesh.tp)  # logits stay split over the vocabulary
     if mesh.ep.size > 1:  # on the meta model: the experts this rank does not hold never materialise
         apply_expert_parallel(model, mesh.ep, tp=mesh.tp, sequence_parallel=cfg.parallel.sp)
+    settle_base(model, cfg)  # LoRA: only the adapters train; the base in --base-precision
     if cfg.train.tile > 1 and cfg.parallel.zero == 3:  # tiles of the weights, each gathered alone
         apply_weight_tiling(model, cfg.train.tile)
     elif cfg.train.tile > 1:  # before recompute and compile: they wrap the forward tiling leaves

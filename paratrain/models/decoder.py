@@ -56,9 +56,10 @@ class Decoder(nn.Module):
 
 
 def decoder_family(name: str, tp_plan: dict[str, str], embedding_weight: str,
-                   init_value: Callable[..., torch.Tensor]) -> ModelFamily:
+                   init_value: Callable[..., torch.Tensor], lora_targets: tuple[str, ...]) -> ModelFamily:
     """The declaration of a ``Decoder`` whose blocks hold ``attn`` (its parameter-free core at
-    ``attn.core``), ``mlp_norm`` and ``mlp``; ``embedding_weight`` is the weight a tied head copies."""
+    ``attn.core``), ``mlp_norm`` and ``mlp``; ``embedding_weight`` is the weight a tied head copies;
+    ``lora_targets`` the linears LoRA adapts by default."""
     return ModelFamily(
         name=name,
         blocks="layers",
@@ -71,4 +72,5 @@ def decoder_family(name: str, tp_plan: dict[str, str], embedding_weight: str,
         head="lm_head",
         tied=("lm_head.weight", embedding_weight),
         init_value=init_value,
+        lora_targets=lora_targets,
     )

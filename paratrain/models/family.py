@@ -17,7 +17,9 @@ Techniques (tensor_parallel/, zero/, pipeline/, memory/) know no model by name: 
   parallelism under SP turns its sequence gather off: the MoE dispatches the slice it holds);
 * ``tied``: (copy, owner) parameter names when weights may be tied (the LM head and embedding):
   the copy takes the owner's value, and across pipeline stages both count once;
-* ``init_value(name, shape, seed, cfg)``: the layout-independent full initial value.
+* ``init_value(name, shape, seed, cfg)``: the layout-independent full initial value;
+* ``lora_targets``: the linears ``--lora`` adapts by default, as module-name patterns
+  (models/lora.py's matching: ``attn.wq`` matches ``layers.3.attn.wq``).
 
 Blocks are called ``block(h, positions)`` (positions [b, s] of packed rows, or None); a module
 before or after them that reads positions says so with ``reads_positions = True`` (``call_part``).
@@ -53,6 +55,7 @@ class ModelFamily:
     head: str = ""
     tied: tuple[str, str] | None = None
     init_value: Callable[..., torch.Tensor] | None = None
+    lora_targets: tuple[str, ...] = ()
 
     def blocks_of(self, model: nn.Module) -> nn.ModuleDict:
         return getattr(model, self.blocks)

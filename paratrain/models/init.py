@@ -5,8 +5,11 @@ function of (seed, its single-device name) only, so any layout starts from the s
 from __future__ import annotations
 
 import hashlib
+import math
 
 import torch
+
+ADAPTER_KEYS = ("lora_A", "lora_B")  # LoRA adapters (models/lora.py): children of the adapted linear
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -24,3 +27,18 @@ def value_by_name(name: str, shape: tuple[int, ...], seed: int, std: float | Non
         return torch.zeros(shape)
     gen = torch.Generator().manual_seed(param_seed(seed, name))
     return torch.empty(shape).normal_(0.0, std, generator=gen)
+
+
+def is_adapter_name(name: str) -> bool:
+    """Whether parameter ``name`` is a LoRA adapter's (``...wq.lora_A.weight``)."""
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-2] in ADAPTER_KEYS
+
+
+def lora_init_value(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """The full fp32 initial value of adapter parameter ``name``: A uniform(+-1/sqrt(in)), B zeros."""
+    if name.split(".")[-2] == "lora_B":
+        return torch.zeros(shape)
+    bound = 1.0 / math.sqrt(shape[-1])  # kaiming_uniform_(a=sqrt(5)) on [r, in]: 1/sqrt(in)
+    gen = torch.Generator().manual_seed(param_seed(seed, name))
+    return torch.empty(shape).uniform_(-bound, bound, generator=gen)

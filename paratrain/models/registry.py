@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from paratrain.models.family import ModelFamily, NoFamilyError
+from paratrain.models.init import is_adapter_name, lora_init_value
 from paratrain.sharding import copy_info, shard_of
 
 _BY_MODEL: dict[type, ModelFamily] = {}
@@ -56,7 +57,10 @@ def tied_name(name: str, cfg: object) -> str:
 
 
 def full_init_value(name: str, shape: tuple[int, ...], seed: int, cfg: object) -> torch.Tensor:
-    """The full fp32 initial value of parameter `name` (a function of seed and name only)."""
+    """The full fp32 initial value of parameter `name` (a function of seed and name only); LoRA
+    adapters (models/lora.py) draw theirs the same way in every family."""
+    if is_adapter_name(name):
+        return lora_init_value(name, shape, seed)
     return _of_config(cfg)[1].init_value(name, shape, seed, cfg)
 
 

@@ -27,6 +27,7 @@ from paratrain.models.shape import ModelShape
 from paratrain.perf.hardware import Cluster
 from paratrain.perf.ops import ACT_BYTES
 from paratrain.perf.stages import RECEIVE_BUFFERS
+from paratrain.planner.lora import lora_states
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
@@ -43,6 +44,8 @@ class Training:
     margin: float = 0.10  # fraction of device memory kept free (fragmentation, spikes)
     attention: str = "flash"  # flash (fused SDPA) | unfused (scores materialised: Megatron-LM 2021)
     overlap_dp: bool = True  # DDP / ZeRO-2 reduce buckets during backward (Megatron-LM 2021: after)
+    lora_rank: int = 0  # LoRA adapters of this rank on a frozen base (planner/lora.py); 0: full training
+    lora_base_bytes: float | None = None  # bytes per frozen base parameter (2: bf16); None: as trained
 
     def __post_init__(self):
         if self.seq_len < 1 or self.global_batch < 1:
@@ -373,7 +376,8 @@ def device_memory(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster,
     ranks = range(lay.pp) if counts or 0 < c.n_moe_layers < c.n_layers else sorted({0, lay.pp - 1})
     for rank in ranks:
         psi = params[rank]
-        states = model_state_bytes(psi - experts[rank], experts[rank], lay, sb)
+        states = (lora_states(c, tr, lay, sb, psi, layers[rank] - n_moe[rank], n_moe[rank]) if tr.lora_rank
+                  else model_state_bytes(psi - experts[rank], experts[rank], lay, sb))
         offloaded = 0.0
         if lay.offload != "none":
             # ZeRO-Offload / ZeRO-Infinity: the optimizer state leaves the device; with stage 2 the

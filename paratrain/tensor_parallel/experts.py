@@ -35,10 +35,12 @@ import torch.nn.functional as F
 
 from paratrain.comm import collectives as C
 from paratrain.comm.autograd import copy_to_tp, reduce_from_tp, reduce_scatter_to_sp
+from paratrain.models.lora import LoRALinear
 from paratrain.models.moe import Router
 from paratrain.sharding import TensorShard, set_shard
 from paratrain.tensor_parallel.context import Context
 from paratrain.tensor_parallel.layers import RowParallelLinear
+from paratrain.tensor_parallel.lora import PartialRowLoRALinear
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -105,6 +107,8 @@ class ExpertRowwise:
     def build(self, old: nn.Linear, ctx: Context) -> nn.Module:
         if old.bias is not None:
             raise ValueError("an expert's down projection with a bias cannot stay a partial sum")
+        if isinstance(old, LoRALinear):  # its adapters ride the same partial sum (lora.py)
+            return PartialRowLoRALinear(old, ctx.axis)
         return PartialRowLinear(old.in_features, old.out_features, ctx.axis, device=old.weight.device,
                                 dtype=old.weight.dtype)
 

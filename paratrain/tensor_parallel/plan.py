@@ -23,6 +23,7 @@ import fnmatch
 import torch.nn as nn
 
 from paratrain.mesh import ParallelMesh
+from paratrain.models.lora import LoRALinear
 from paratrain.models.registry import family_of
 from paratrain.tensor_parallel.context import Context
 from paratrain.tensor_parallel.experts import ExpertRowwise, ExpertsReduce, ReplicatedRouter
@@ -33,14 +34,18 @@ from paratrain.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from paratrain.tensor_parallel.lora import ColumnParallelLoRALinear, RowParallelLoRALinear
 
 # -- styles: how one module becomes its tensor-parallel counterpart -----------------------------
 
 
 class Colwise:
-    """Column-parallel linear fed by a RegionEntryNorm (which already did f / the SP gather once)."""
+    """Column-parallel linear fed by a RegionEntryNorm (which already did f / the SP gather once);
+    its LoRA variant for a LoRALinear (tensor_parallel/lora.py)."""
 
     def build(self, old: nn.Linear, ctx: Context) -> nn.Module:
+        if isinstance(old, LoRALinear):
+            return ColumnParallelLoRALinear(old, ctx.axis)
         return ColumnParallelLinear(old.in_features, old.out_features, ctx.axis, bias=old.bias is not None,
                                     input_op="none", device=old.weight.device, dtype=old.weight.dtype)
 
@@ -62,6 +67,8 @@ class ColwiseKV:
 
 class Rowwise:
     def build(self, old: nn.Linear, ctx: Context) -> nn.Module:
+        if isinstance(old, LoRALinear):
+            return RowParallelLoRALinear(old, ctx.axis, sequence_parallel=ctx.sequence_parallel)
         return RowParallelLinear(old.in_features, old.out_features, ctx.axis, bias=old.bias is not None,
                                  sequence_parallel=ctx.sequence_parallel, device=old.weight.device,
                                  dtype=old.weight.dtype)
@@ -139,7 +146,11 @@ def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh, *, sequence_para
     named = dict(model.named_modules())
     for pattern, style in plan.items():
         for name in [n for n in named if fnmatch.fnmatchcase(n, pattern)]:
-            _set_submodule(model, name, style_of(style).build(named[name], ctx))
+            new = style_of(style).build(named[name], ctx)
+            if isinstance(named[name], LoRALinear) and not hasattr(new, "lora_A"):  # checks.py said so first
+                raise ValueError(f"{name}: tensor-parallel style {style} has no LoRA variant "
+                                 "(tensor_parallel/lora.py); leave it out of --lora-targets")
+            _set_submodule(model, name, new)
     if family.is_tied(model):  # the copy re-shares the owner's identically split weight
         copy, owner = family.tied
         _tie(model, copy, owner)

@@ -26,11 +26,13 @@ from paratrain.data import (
 )
 from paratrain.engine.task import Batch, Task, as_batch
 from paratrain.models import build_model, full_init_value, init_weights, materialize, tied_name
+from paratrain.models.adapters import PeftAdapter
 from paratrain.models.from_config import model_config, model_shape  # noqa: F401  (re-exported)
 from paratrain.models.llama.hf import HFCheckpoint
+from paratrain.models.lora import is_adapter_name
 from paratrain.models.moe_train import MoEAccounting
 from paratrain.perf.flops import lm_flops_per_token
-from paratrain.sharding import TensorShard
+from paratrain.sharding import TensorShard, shard_of
 from paratrain.train.image_task import ImageTask
 
 
@@ -44,6 +46,8 @@ class LanguageModelTask(Task):
         if cfg.model.init_from:
             self.hf = HFCheckpoint.for_config(cfg)
         self.model_cfg = self.hf.model_cfg if self.hf else model_config(cfg, self.corpus.vocab_size)
+        # --lora-from: the adapters start from a PEFT folder instead of (seed, name)
+        self.adapter = PeftAdapter.open(cfg.lora.from_dir) if cfg.lora.from_dir else None
         check_vocab(self.corpus.vocab_size, self.model_cfg.vocab_size)
         self.rows = make_rows(self.corpus, cfg)  # TokenRows (text windows) or PackedRows (whole examples)
         check_batch_fits(self.rows, cfg.train.global_batch)
@@ -61,17 +65,31 @@ class LanguageModelTask(Task):
     def materialize(self, model: nn.Module, device: torch.device) -> None:
         materialize(model, device)
 
+    @torch.no_grad()
     def init_weights(self, model: nn.Module, seed: int) -> None:
-        if self.hf is not None:
-            self.hf.load_into(model)  # each rank reads only the slices it owns
-        else:
+        if self.hf is None:  # LoRA adapters too: registry.full_init_value knows their names
             init_weights(model, seed, self.model_cfg)
+            return
+        for name, p in model.named_parameters():  # the folder's slices; LoRA adapters by (seed, name)
+            spec = shard_of(p)
+            value = (self.adapter_value(name, spec, seed) if is_adapter_name(name)
+                     else self.hf.read(name, spec))
+            p.copy_(value.to(dtype=p.dtype, device=p.device))
 
     def init_value(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """Full value of parameter `name` before training (ZeRO-3 materialises shards from it)."""
-        if self.hf is not None:
+        if self.hf is not None and not is_adapter_name(name):
             return self.hf.read(name, TensorShard(tuple(shape)))
+        if is_adapter_name(name):
+            return self.adapter_value(name, TensorShard(tuple(shape)), self.seed)
         return full_init_value(tied_name(name, self.model_cfg), shape, self.seed, self.model_cfg)
+
+    def adapter_value(self, name: str, spec: TensorShard, seed: int) -> torch.Tensor:
+        """This rank's slice of a LoRA adapter's initial value: the --lora-from folder's, else by
+        (seed, name)."""
+        if self.adapter is not None:
+            return self.adapter.read(name, spec, self.model_cfg)
+        return spec.slice(full_init_value(name, spec.full_shape, seed, self.model_cfg))
 
     def run_info(self) -> dict:
         """What run.json keeps: the data's format and rows (truncated examples, the chat template for

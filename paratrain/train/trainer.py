@@ -33,6 +33,7 @@ from paratrain.data import check_cursor, data_cursor
 from paratrain.device import matmul_peak, sync_device
 from paratrain.engine import checkpoint as ckpt
 from paratrain.engine.engine import Engine, find_checkpoint, make_mesh
+from paratrain.engine.lora import export_lora, run_record
 from paratrain.engine.parallelize import parallelize
 from paratrain.engine.task import Task, as_batch
 from paratrain.launch import DistEnv, restart_attempt
@@ -110,6 +111,7 @@ class Trainer:
             self.precision_choice = resolve_precision(cfg, self.mesh)
         self.task = task or build_task(cfg)
         self.engine: Engine = parallelize(self.task, cfg, self.mesh)
+        self.lora = run_record(self.task.model_cfg, cfg)  # {} without --lora (engine/lora.py)
         self.finder = None
         if cfg.train.micro_batch == "auto":  # trials on real steps; sets cfg.train.micro_batch
 
@@ -302,7 +304,9 @@ class Trainer:
             "grad_norm": s["grad_norm"] if math.isfinite(s["grad_norm"]) else None,
             "tokens": tokens, "step_time_s": merged["step_time_s"],
             "tokens_per_s": tokens / merged["step_time_s"],
-            "n_params": self.task.n_params, **{k: v for k, v in merged.items() if k != "step_time_s"},
+            "n_params": self.task.n_params,
+            "n_trainable_params": self.lora.get("n_trainable_params", self.task.n_params),
+            **{k: v for k, v in merged.items() if k != "step_time_s"},
         }
         achieved = self.task.flops_per_unit * tokens / merged["step_time_s"]
         row["mfu"] = achieved / self.peak_flops if self.peak_flops else None
@@ -409,7 +413,10 @@ class Trainer:
         folder = self.saver.finish()
         if not self.is_main:
             return
-        self.result.final_path = str(ckpt.export_safetensors(folder, self.out / "model.safetensors"))
+        if self.lora:  # the merged model, and the adapters beside it (engine/lora.py)
+            self.result.final_path = str(export_lora(folder, self.out, self.lora["scale"])[0])
+        else:
+            self.result.final_path = str(ckpt.export_safetensors(folder, self.out / "model.safetensors"))
         self.task_files()
         if (self.out / "metrics.jsonl").exists():
             plot_loss(self.out / "metrics.jsonl", self.out / "loss.png")
@@ -421,6 +428,8 @@ class Trainer:
         if self.task.corpus is not None:
             shutil.copy(self.task.corpus.tokenizer_path, self.out / "tokenizer.json")
             info["sample_prompt"] = self.cfg.train.sample_prompt or self.task.corpus.first_line()
+        if self.lora:
+            info["lora"] = self.lora
         info.update(self.task.run_info())  # e.g. an imported model's own Hugging Face config
         (self.out / "run.json").write_text(json.dumps(info, indent=2))
 

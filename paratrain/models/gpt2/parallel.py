@@ -41,7 +41,9 @@ GPT2_TP_PLAN: dict[str, str] = {
     "lm_head": "vocab_head",
 }
 
+GPT2_LORA_TARGETS = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.fc", "mlp.proj")  # LoRA's default
+
 GPT2_FAMILY = decoder_family("gpt2", GPT2_TP_PLAN, embedding_weight="embed.wte.weight",
-                             init_value=full_init_value)
+                             init_value=full_init_value, lora_targets=GPT2_LORA_TARGETS)
 
 register(GPT2Config, GPT2, GPT2_FAMILY)

@@ -37,6 +37,11 @@ LLAMA_TP_PLAN: dict[str, str] = {
     "lm_head": "vocab_head",
 }
 
-LLAMA = decoder_family("llama", LLAMA_TP_PLAN, embedding_weight="embed.weight", init_value=full_init_value)
+# LoRA's default targets: every attention and MLP projection, the experts' too (not the router).
+LLAMA_LORA_TARGETS = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.gate", "mlp.up", "mlp.down",
+                      "mlp.experts.*.gate", "mlp.experts.*.up", "mlp.experts.*.down")
+
+LLAMA = decoder_family("llama", LLAMA_TP_PLAN, embedding_weight="embed.weight", init_value=full_init_value,
+                       lora_targets=LLAMA_LORA_TARGETS)
 
 register(LlamaConfig, Llama, LLAMA)

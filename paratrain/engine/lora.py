@@ -1,0 +1,181 @@
+"""LoRA in a run: the spec from ``[lora]``, where the engine applies it, and what it composes with.
+
+engine/parallelize.py applies the adapters to the model built on the meta device, *before* every
+other technique (so tensor parallelism's styles see ``LoRALinear``s and build their LoRA variants,
+tensor_parallel/lora.py), and freezes the base again once the techniques have replaced modules
+(a style builds new, trainable parameters); then ``--base-precision bf16`` stores the frozen
+matrices in bf16, before they are materialised (models/lora.py ``store_base_in``).
+
+``check_lora`` refuses, before any worker starts, what cannot work: targets naming nothing, a rank
+out of range, a model without a family (and no --lora-targets), and the combinations listed in
+``NOT_WITH_LORA`` with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from paratrain.config import Config
+from paratrain.engine.checkpoint import open_reader
+from paratrain.models import build_model
+from paratrain.models.from_config import model_shape
+from paratrain.models.lora import (
+    LoraError,
+    LoraSpec,
+    apply_lora,
+    default_targets,
+    freeze_base,
+    is_adapter_name,
+    store_base_in,
+)
+from paratrain.shards import TORCH_DTYPES, write_safetensors
+from paratrain.tensor_parallel.lora import unsupported
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def lora_spec(cfg: Config) -> LoraSpec | None:
+    """The run's adapters, or None for a full fine-tune (``--lora 0``)."""
+    c = cfg.lora
+    if not c.rank:
+        return None
+    return LoraSpec(rank=c.rank, alpha=c.alpha, dropout=c.dropout, targets=tuple(c.targets or ()))
+
+
+def apply_run_lora(model: nn.Module, cfg: Config) -> list[str]:
+    """Adapters on the (meta) model before any technique; [] without --lora."""
+    spec = lora_spec(cfg)
+    if spec is None:
+        return []
+    names = apply_lora(model, spec)
+    return names
+
+
+def settle_base(model: nn.Module, cfg: Config) -> None:
+    """After the techniques replaced modules (a style's new parameters are trainable): adapters
+    only train; the frozen matrices take --base-precision (still on the meta device)."""
+    if lora_spec(cfg) is None:
+        return
+    freeze_base(model)
+    if cfg.lora.base_precision != "fp32":
+        store_base_in(model, DTYPES[cfg.lora.base_precision])
+
+
+def trainable_count(model: nn.Module) -> int:
+    """Elements of the single-device model that train (the full shapes of the local parameters)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+# Combinations LoRA cannot run, with why (each refused before any worker starts).
+NOT_WITH_LORA = {
+    "cnn-tiny": (lambda c: c.model.name == "cnn-tiny",
+                 "it declares no model family: LoRA adapts Llama and GPT-2 models"),
+    "--zero 3 and --base-precision bf16": (
+        lambda c: c.parallel.zero == 3 and c.lora.base_precision != "fp32",
+        "ZeRO-3's flat units hold one dtype for the frozen base: use --base-precision fp32 or --zero 1/2"),
+    "--tile > 1 and --zero 3": (lambda c: c.train.tile > 1 and c.parallel.zero == 3,
+                                "ZeRO-3's weight tiles split the base's linears outside their adapters"),
+    "--tile > 1 and --base-precision bf16": (
+        lambda c: c.train.tile > 1 and c.lora.base_precision != "fp32",
+        "the tiled loss runs the head's stored weight itself, with no cast"),
+    "--ep > 1 with --tp > 1": (
+        lambda c: c.parallel.ep > 1 and c.parallel.tp > 1,
+        "each tp rank dispatches a share of the tokens; adapters there are not tested"),
+    "--lora-dropout with --tp > 1": (
+        lambda c: c.lora.dropout > 0 and c.parallel.tp > 1,
+        "every tp rank would drop other inputs of the same replicated adapter"),
+}
+
+
+def check_lora(cfg: Config, problems: list[str]) -> None:
+    """Every LoRA problem (engine/checks.py calls it before any worker starts)."""
+    c = cfg.lora
+    if not c.rank:
+        if c.base_precision != "fp32":
+            problems.append("--base-precision applies to LoRA's frozen base: add --lora RANK or drop it")
+        return
+    for what, (clash, why) in NOT_WITH_LORA.items():
+        if clash(cfg):
+            problems.append(f"--lora does not compose with {what}: {why}")
+    if cfg.model.name == "cnn-tiny":
+        return
+    try:
+        model = build_model(model_shape(cfg), "meta")
+    except (KeyError, OSError, ValueError):
+        return  # an unknown model or folder is reported elsewhere
+    try:
+        names = apply_lora(model, lora_spec(cfg))
+    except LoraError as e:
+        problems.append(str(e))
+        return
+    if cfg.train.tile > 1 and "lm_head" in names:  # the tiled loss reads the head's weight alone
+        problems.append("--lora on lm_head does not compose with --tile > 1: the tiled loss runs the "
+                        "head's base weight without its adapters; leave lm_head out of --lora-targets")
+    if cfg.parallel.tp > 1:  # adapted layers whose tensor-parallel style has no LoRA variant
+        problems += unsupported(model, cfg.parallel.tp)
+
+
+def run_record(model_cfg: object, cfg: Config) -> dict:
+    """What run.json keeps under "lora" (the resolved settings, the adapted modules) and the
+    single-device model's trainable parameters; {} without --lora."""
+    spec = lora_spec(cfg)
+    if spec is None:
+        return {}
+    model = build_model(model_cfg, "meta")
+    names = apply_lora(model, spec)
+    return {"rank": spec.rank, "alpha": spec.resolved_alpha, "scale": spec.scale, "dropout": spec.dropout,
+            "targets": list(spec.targets or default_targets(model)), "modules": names,
+            "base_precision": cfg.lora.base_precision, "from_dir": cfg.lora.from_dir,
+            "n_trainable_params": trainable_count(model),
+            "files": {"model.safetensors": "merged (W + scale * B @ A)", "adapters.safetensors": "adapters"}}
+
+
+def export_lora(folder: Path, out: Path, scale: float) -> tuple[Path, Path]:
+    """A LoRA run's end: ``out/model.safetensors`` is the *merged* model (each adapted weight
+    W + scale * B @ A, in fp32; every other tensor as trained), with single-device names and no
+    adapter tensors, so generate, eval and ``export --hf`` read it as any run's; and
+    ``out/adapters.safetensors`` holds the adapters alone (``...lora_A.weight``, fp32), which
+    ``export --peft`` renames for PEFT. Streamed from the final checkpoint, a tensor at a time."""
+    reader = open_reader(folder)
+    try:
+        items = [(name, key, tuple(rec["shape"]), TORCH_DTYPES[rec["dtype"]])
+                 for name, keys in reader.tensors.items() for key, rec in keys.items()
+                 if key in ("param", "buffer")]
+        base = [i for i in items if not is_adapter_name(i[0])]
+        adapters = [i for i in items if is_adapter_name(i[0])]
+        merged = {n.removesuffix("lora_A.weight") + "weight" for n, *_ in adapters}
+
+        def full(name: str, key: str = "param") -> torch.Tensor:
+            shape = tuple(reader.tensors[name][key]["shape"])
+            slab = shape or (1,)
+            return reader.read(name, key, (0,) * len(slab), slab).view(shape)
+
+        def produce_base(i: int) -> torch.Tensor:
+            name, key, _, _ = base[i]
+            if name not in merged:
+                return full(name, key)
+            stem = name.removesuffix("weight")
+            delta = full(stem + "lora_B.weight").float() @ full(stem + "lora_A.weight").float()
+            return full(name).float() + scale * delta
+
+        model_path, adapter_path = out / "model.safetensors", out / "adapters.safetensors"
+        entries = [(n, s, torch.float32 if n in merged else d) for n, _, s, d in base]
+        _write_atomic(model_path, entries, produce_base)
+        _write_atomic(adapter_path, [(n, s, d) for n, _, s, d in adapters], lambda i: full(adapters[i][0]))
+    finally:
+        reader.close()
+    return model_path, adapter_path
+
+
+def _write_atomic(path: Path, entries: list, produce: Callable[[int], torch.Tensor]) -> None:
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    try:
+        write_safetensors(tmp, entries, produce)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -1,0 +1,406 @@
+"""PEFT LoRA adapter folders in and out (``adapter_config.json`` + ``adapter_model.safetensors``).
+
+Out (``paratrain export RUN --peft DIR``): the run's adapters (``layers.0.attn.wq.lora_A.weight``,
+models/lora.py) under PEFT's names (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``),
+the module part translated by the family's Hugging Face table (models/llama/hf.py,
+models/gpt2/hf.py), so ``peft.PeftModel.from_pretrained(base, DIR)`` computes what paratrain's model
+computes. The RoPE layout (hf.py's docstring): the base q/k rows are permuted on export, so the
+adapter's output rows must be too; ``lora_B`` [out, r] holds those rows, ``lora_A`` [r, in] none of
+them: P(W + s B A) = P W + s (P B) A.
+
+In (``train --init-from BASE --lora-from DIR``): the adapter's r / lora_alpha / target modules
+become the run's LoRA settings, and its tensors the adapters' initial values, mapped back (inverse
+permutation). Read as JSON + safetensors only (safeload.py): nothing in the folder runs code.
+
+A LoRA run's folder holds ``model.safetensors`` already merged (W + alpha/r * B A: engine/lora.py),
+which ``export --hf`` writes as any run's, and ``adapters.safetensors``, which is what goes out here.
+
+GPT-2 stores q, k, v as one fused ``c_attn``: their adapters go out as one c_attn adapter of rank
+3r (``fused``), exactly; an incoming c_attn adapter cannot be split back and is refused. Mixtral's
+experts (fused 3-D tensors in transformers 5) have no PEFT module: refused.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from paratrain.config import LoraConfig
+from paratrain.models.from_config import config_from_dict
+from paratrain.models.gpt2 import GPT2Config
+from paratrain.models.gpt2.hf import source as gpt2_source
+from paratrain.models.llama import LlamaConfig
+from paratrain.models.llama.hf import (
+    Entry,
+    HFError,
+    expected_shapes,
+    hf_name,
+    read_json,
+    rope_from_hf,
+    rope_to_hf,
+    write_safetensors,
+)
+from paratrain.models.lora import LoraError, find_targets
+from paratrain.models.registry import build_model
+from paratrain.safeload import Fields, safetensors_names
+from paratrain.sharding import TensorShard
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTERS = "adapters.safetensors"  # a LoRA run's adapters, paratrain's names (engine/lora.py)
+PREFIX = "base_model.model."  # PeftModel wraps the LoraModel that wraps the transformers model
+LORA_PARAM = re.compile(r"(?P<module>.+)\.(?P<part>lora_A|lora_B)\.weight$")
+PEFT_KEY = re.compile(re.escape(PREFIX) + r"(?P<module>.+)\.(?P<part>lora_A|lora_B)(?:\.default)?\.weight$")
+
+
+ModelCfg = LlamaConfig | GPT2Config
+
+
+class AdapterError(HFError):
+    """A PEFT adapter folder (or a run's adapters) paratrain cannot use as given; says what to change."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """One adapted module: paratrain's name, transformers' name, and whether lora_B's rows follow
+    the RoPE layout (q/k); ``conv1d``: GPT-2's transposed linears (PEFT's fan_in_fan_out)."""
+
+    module: str
+    hf: str
+    rope: bool
+    conv1d: bool = False
+    part: int | None = None  # GPT-2's q, k, v (0, 1, 2): a third of the fused c_attn
+
+
+def hf_module(module: str, cfg: ModelCfg) -> Target:
+    """The transformers module of paratrain's linear ``module`` (AdapterError if it has none)."""
+    weight = f"{module}.weight"
+    try:
+        if isinstance(cfg, GPT2Config):
+            src = gpt2_source(weight, cfg)
+            return Target(module, src.hf.removesuffix(".weight"), False, src.conv1d, src.part)
+        hf, rope = hf_name(weight)
+    except KeyError:
+        raise AdapterError(f"{module} has no Hugging Face counterpart: PEFT cannot adapt it") from None
+    if ".experts." in hf:
+        raise AdapterError(f"{module}: transformers stores the experts fused (3-D tensors), which PEFT's "
+                           "LoRA does not target; adapt the attention projections only")
+    return Target(module, hf.removesuffix(".weight"), rope)
+
+
+def candidates(cfg: ModelCfg) -> dict[str, Target]:
+    """Every linear of the model PEFT could adapt, by transformers name (its leaf names matter:
+    PEFT's ``target_modules`` list matches name suffixes)."""
+    out = {}
+    for name, shape in expected_shapes(cfg).items():
+        if name.endswith(".weight") and len(shape) == 2:
+            try:
+                t = hf_module(name.removesuffix(".weight"), cfg)
+            except AdapterError:
+                continue
+            out[t.hf] = t
+    return out
+
+
+def target_modules(adapted: list[Target], cfg: ModelCfg) -> list[str]:
+    """PEFT's ``target_modules``: the leaf names (q_proj, ...) when they select exactly the adapted
+    modules, else the full names (some layers only, or GPT-2's attention c_proj without the MLP's)."""
+    leaves = {t.hf.rsplit(".", 1)[-1] for t in adapted}
+    chosen = {h for h in candidates(cfg) if h.rsplit(".", 1)[-1] in leaves}
+    return sorted(leaves) if chosen == {t.hf for t in adapted} else sorted(t.hf for t in adapted)
+
+
+# --------------------------------------------------------------------------------------------
+# Out: a run's adapters as a PEFT folder
+# --------------------------------------------------------------------------------------------
+
+
+def adapter_config(lora: dict, adapted: list[Target], cfg: ModelCfg, base: str | None) -> dict:
+    """adapter_config.json: PEFT 0.21's LoraConfig fields for what paratrain trained (plain LoRA:
+    scale alpha / r, no bias, no DoRA)."""
+    fused_modules = sorted({t.hf for t in adapted if t.part is not None})
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
+        "r": lora["rank"], "lora_alpha": lora["alpha"], "lora_dropout": lora.get("dropout", 0.0),
+        "target_modules": target_modules(adapted, cfg), "bias": "none",
+        "fan_in_fan_out": any(t.conv1d for t in adapted), "inference_mode": True,
+        "init_lora_weights": True, "use_rslora": False, "use_dora": False, "modules_to_save": None,
+        "layers_to_transform": None, "layers_pattern": None, "revision": None,
+        # GPT-2's fused c_attn: rank 3r, alpha 3 alpha (see ``fused``); plain modules: r, alpha
+        "rank_pattern": {hf: 3 * lora["rank"] for hf in fused_modules},
+        "alpha_pattern": {hf: 3 * lora["alpha"] for hf in fused_modules},
+    }
+
+
+def run_adapters(names: list[str], cfg: ModelCfg) -> list[Target]:
+    """The adapted modules of a run's model.safetensors (its ``*.lora_A.weight`` tensors)."""
+    modules = [m.group("module") for n in names if (m := LORA_PARAM.match(n)) and m.group("part") == "lora_A"]
+    return [hf_module(m, cfg) for m in modules]
+
+
+def head_dim(cfg: ModelCfg) -> int:
+    return getattr(cfg, "head_dim", cfg.dim // cfg.n_heads)
+
+
+def peft_entries(source: Path, adapted: list[Target], cfg: ModelCfg) -> list[Entry]:
+    """Entries of adapter_model.safetensors: each adapter under PEFT's name, lora_B of q/k permuted;
+    GPT-2's q/k/v adapters as one c_attn adapter (``fused``)."""
+    from safetensors import safe_open
+
+    with safe_open(str(source), framework="pt") as f:
+        shapes = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
+    out = []
+    for hf, group in by_module(adapted).items():
+        if group[0].part is not None:
+            out += fused(source, hf, {t.part: t.module for t in group}, shapes)
+            continue
+        t = group[0]
+        for part in ("lora_A", "lora_B"):
+            name = f"{t.module}.{part}.weight"
+            rope = t.rope and part == "lora_B"
+            out.append(Entry(f"{PREFIX}{t.hf}.{part}.weight", torch.float32, shapes[name],
+                             _reader(source, name, rope_to_hf if rope else None, head_dim(cfg))))
+    return out
+
+
+def by_module(adapted: list[Target]) -> dict[str, list[Target]]:
+    """Targets by transformers module (GPT-2's c_attn holds up to three: q, k, v)."""
+    out: dict[str, list[Target]] = {}
+    for t in adapted:
+        out.setdefault(t.hf, []).append(t)
+    return out
+
+
+def fused(source: Path, hf: str, parts: dict[int, str], shapes: dict) -> list[Entry]:
+    """GPT-2's c_attn [q | k | v] adapted through its thirds: one adapter of rank 3r whose A stacks
+    the thirds' A and whose B is block-diagonal (zeros for a third without an adapter), so
+    B' A' x = [B_q A_q x | B_k A_k x | B_v A_v x]; alpha 3 alpha keeps the scale (adapter_config's
+    rank_pattern / alpha_pattern)."""
+    r, n_in = shapes[f"{next(iter(parts.values()))}.lora_A.weight"]
+    n_out = shapes[f"{next(iter(parts.values()))}.lora_B.weight"][0]
+
+    def stacked(part: str) -> Callable[[], torch.Tensor]:
+        def produce() -> torch.Tensor:
+            from safetensors import safe_open
+
+            a = torch.zeros(3 * r, n_in) if part == "lora_A" else torch.zeros(3 * n_out, 3 * r)
+            with safe_open(str(source), framework="pt") as f:
+                for i, module in parts.items():
+                    t = f.get_tensor(f"{module}.{part}.weight").float()
+                    if part == "lora_A":
+                        a[i * r:(i + 1) * r] = t
+                    else:
+                        a[i * n_out:(i + 1) * n_out, i * r:(i + 1) * r] = t
+            return a
+
+        return produce
+
+    return [Entry(f"{PREFIX}{hf}.lora_A.weight", torch.float32, (3 * r, n_in), stacked("lora_A")),
+            Entry(f"{PREFIX}{hf}.lora_B.weight", torch.float32, (3 * n_out, 3 * r), stacked("lora_B"))]
+
+
+def _reader(source: Path, name: str, permute: Callable | None, hd: int) -> Callable[[], torch.Tensor]:
+    def produce() -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(source), framework="pt") as f:
+            t = f.get_tensor(name).float()
+        return permute(t, hd) if permute else t
+
+    return produce
+
+
+def run_info(run: str) -> tuple[Path, dict]:
+    """(run folder, run.json) of a finished language-model run."""
+    src = Path(run)
+    if not (src / "run.json").is_file():
+        raise AdapterError(f"{src / 'run.json'} not found: is {run!r} the --out folder of a finished "
+                           "language-model run?")
+    info = read_json(src / "run.json")
+    if "model" not in info:
+        raise AdapterError(f"{src} is not a language-model run (task {info.get('task')!r})")
+    return src, info
+
+
+def export_run_peft(run: str, out: str) -> tuple[Path, str | None]:
+    """Write RUN's adapters (RUN/adapters.safetensors) as a PEFT folder OUT (``export --peft``);
+    returns OUT and the base model folder it belongs to (None: a native preset's own weights)."""
+    src, info = run_info(run)
+    lora = info.get("lora") or {}
+    if not lora.get("rank"):
+        raise AdapterError(f"{src} was trained without LoRA (no --lora): it has no adapters to export; "
+                           "export the whole model with --hf DIR, or train with --lora RANK")
+    source = src / ADAPTERS
+    cfg = config_from_dict(info["model"])
+    adapted = run_adapters(safetensors_names(source, AdapterError), cfg)
+    dest = Path(out)
+    if dest.exists() and not dest.is_dir():
+        raise AdapterError(f"{dest} is a file: --peft takes a folder")
+    dest.mkdir(parents=True, exist_ok=True)
+    write_safetensors(dest / ADAPTER_WEIGHTS, peft_entries(source, adapted, cfg))
+    base = (info.get("hf") or {}).get("source")
+    text = json.dumps(adapter_config(lora, adapted, cfg, base), indent=2)
+    (dest / ADAPTER_CONFIG).write_text(text + "\n")
+    return dest, base
+
+
+# --------------------------------------------------------------------------------------------
+# In: a PEFT folder as the adapters' initial values
+# --------------------------------------------------------------------------------------------
+
+# adapter_config.json fields whose non-default values change what the adapter computes beyond
+# plain LoRA: refused, never approximated.
+UNSUPPORTED = (("use_dora", False, "DoRA"), ("use_rslora", False, "rank-stabilised scaling alpha/sqrt(r)"),
+               ("bias", "none", "trained biases"), ("modules_to_save", None, "fully trained extra modules"),
+               ("rank_pattern", {}, "per-module ranks"), ("alpha_pattern", {}, "per-module alphas"),
+               ("lora_bias", False, "a bias on lora_B"))
+
+
+@dataclass
+class PeftAdapter:
+    """A local PEFT LoRA folder: its settings and its tensors by transformers module name."""
+
+    folder: Path
+    rank: int
+    alpha: float
+    dropout: float
+    modules: list[str]  # transformers names of the adapted modules
+    fan_in_fan_out: bool
+
+    @classmethod
+    def open(cls, path: str) -> PeftAdapter:
+        folder = Path(path)
+        if not (folder / ADAPTER_CONFIG).is_file():
+            raise AdapterError(f"--lora-from {path!r}: no {ADAPTER_CONFIG} there; give a PEFT adapter "
+                               f"folder (what PeftModel.save_pretrained writes: {ADAPTER_CONFIG} + "
+                               f"{ADAPTER_WEIGHTS})")
+        where = str(folder / ADAPTER_CONFIG)
+        conf = read_json(folder / ADAPTER_CONFIG)
+        fields = Fields(conf, where, AdapterError)
+        if fields.text("peft_type", "LORA") != "LORA":
+            raise AdapterError(f"{where}: peft_type is {conf['peft_type']!r}; paratrain continues LoRA "
+                               "adapters only")
+        bad = [f"{key} = {json.dumps(conf[key])} ({what})" for key, ok, what in UNSUPPORTED
+               if conf.get(key) not in (ok, None)]
+        if bad:
+            raise AdapterError(f"{where} uses what paratrain's LoRA lacks: {'; '.join(bad)}")
+        modules = sorted({m.group("module") for n in cls.names(folder) if (m := PEFT_KEY.match(n))})
+        return cls(folder, fields.integer("r"), fields.number("lora_alpha", positive=True),
+                   fields.number("lora_dropout", 0.0), modules, fields.flag("fan_in_fan_out", False))
+
+    @staticmethod
+    def names(folder: Path) -> list[str]:
+        names = safetensors_names(folder / ADAPTER_WEIGHTS, AdapterError)
+        strange = [n for n in names if not PEFT_KEY.match(n)]
+        if strange:
+            raise AdapterError(f"{folder / ADAPTER_WEIGHTS}: {strange[0]} is not a LoRA tensor "
+                               f"({PREFIX}<module>.lora_A.weight / .lora_B.weight)")
+        return names
+
+    def targets(self, cfg: ModelCfg) -> list[Target]:
+        """The adapted modules in paratrain's terms; AdapterError naming any the base lacks."""
+        known = candidates(cfg)
+        missing = [m for m in self.modules if m not in known]
+        if missing:
+            raise AdapterError(f"{self.folder}: the adapter adapts {missing[0]}"
+                               f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}, which the "
+                               "base model does not have: is this adapter for another base model?")
+        split = [m for m in self.modules if known[m].part is not None]
+        if split:
+            raise AdapterError(f"{self.folder}: the adapter adapts GPT-2's fused {split[0]} (q, k and v in "
+                               "one module), which paratrain keeps as three layers: a LoRA of the whole "
+                               "cannot be split into theirs; use an adapter on c_proj / c_fc only")
+        return [known[m] for m in self.modules]
+
+    def check_shapes(self, cfg: ModelCfg) -> list[str]:
+        """Problems between the adapter's tensors and the base model's layers."""
+        from safetensors import safe_open
+
+        shapes = expected_shapes(cfg)
+        problems = []
+        with safe_open(str(self.folder / ADAPTER_WEIGHTS), framework="pt") as f:
+            keys = set(f.keys())
+            for t in self.targets(cfg):
+                out, inp = shapes[f"{t.module}.weight"]
+                for part, want in (("lora_A", [self.rank, inp]), ("lora_B", [out, self.rank])):
+                    key = self.key(t, part, keys)
+                    got = list(f.get_slice(key).get_shape()) if key else None
+                    if got != want:
+                        problems.append(f"{PREFIX}{t.hf}.{part}.weight is {'missing' if got is None else got}"
+                                        f"; the base model's {t.hf} (r = {self.rank}) needs {want}")
+        return problems
+
+    @staticmethod
+    def key(t: Target, part: str, keys: set[str]) -> str | None:
+        for k in (f"{PREFIX}{t.hf}.{part}.weight", f"{PREFIX}{t.hf}.{part}.default.weight"):
+            if k in keys:
+                return k
+        return None
+
+    def read(self, name: str, spec: TensorShard, cfg: ModelCfg) -> torch.Tensor:
+        """This rank's slice of paratrain's adapter tensor ``name`` (``spec.slice`` of the full value)."""
+        from safetensors import safe_open
+
+        m = LORA_PARAM.match(name)
+        t = hf_module(m.group("module"), cfg)
+        with safe_open(str(self.folder / ADAPTER_WEIGHTS), framework="pt") as f:
+            full = f.get_tensor(self.key(t, m.group("part"), set(f.keys()))).float()
+        if t.rope and m.group("part") == "lora_B":
+            full = rope_from_hf(full, head_dim(cfg))
+        return spec.slice(full).contiguous()
+
+
+# --------------------------------------------------------------------------------------------
+# --lora-from: the run's LoRA settings from the adapter, checked before any worker
+# --------------------------------------------------------------------------------------------
+
+
+def as_patterns(modules: list[str], linears: Callable[[tuple[str, ...]], list[str]]) -> tuple[str, ...]:
+    """--lora-targets patterns selecting exactly ``modules``: a kind adapted in every block as its
+    name below the block (``attn.wq``), else the modules' full names (``layers.0.attn.wq``)."""
+    kinds: dict[str, list[str]] = {}
+    for m in modules:
+        parts = m.split(".")
+        kinds.setdefault(".".join(parts[2:]) if parts[0] == "layers" else m, []).append(m)
+    out: list[str] = []
+    for kind, names in kinds.items():
+        out += [kind] if sorted(linears((kind,))) == sorted(names) else names
+    return tuple(out)
+
+
+def settle_lora_from(lora: LoraConfig, model_cfg: ModelCfg) -> list[str]:
+    """Fill ``lora`` (the [lora] config section) from the adapter folder ``lora.from_dir`` for the
+    base model ``model_cfg``: rank, alpha and targets are the adapter's; a flag that says otherwise,
+    or an adapter that does not fit the base, is a problem (returned, naming it)."""
+    model = build_model(model_cfg, "meta")
+
+    def linears(patterns: tuple[str, ...]) -> list[str]:
+        try:
+            return find_targets(model, patterns, each_must_match=False)
+        except LoraError:
+            return []
+
+    try:
+        adapter = PeftAdapter.open(lora.from_dir)
+        problems = adapter.check_shapes(model_cfg)
+        modules = [t.module for t in adapter.targets(model_cfg)]
+    except AdapterError as e:
+        return [str(e)]
+    if lora.rank and lora.rank != adapter.rank:
+        problems.append(f"--lora {lora.rank} differs from the adapter's r = {adapter.rank} "
+                        f"({lora.from_dir}): drop --lora (the adapter sets it)")
+    if lora.alpha is not None and float(lora.alpha) != adapter.alpha:
+        problems.append(f"--lora-alpha {lora.alpha:g} differs from the adapter's lora_alpha = "
+                        f"{adapter.alpha:g}: drop --lora-alpha (the adapter sets it)")
+    patterns = as_patterns(modules, linears)
+    if lora.targets and sorted(linears(tuple(lora.targets))) != sorted(linears(patterns)):
+        problems.append(f"--lora-targets {','.join(lora.targets)} select other layers than the adapter "
+                        f"adapts ({', '.join(patterns)}): drop --lora-targets (the adapter sets them)")
+    if not problems:
+        lora.rank, lora.alpha, lora.targets = adapter.rank, adapter.alpha, list(patterns)
+    return problems

@@ -1,0 +1,40 @@
+"""LoRA's model states per device (models/lora.py, docs/finetune.md): the frozen base holds only
+its parameters (no gradient, no optimizer state; in bf16 with ``--base-precision bf16``), the
+adapters hold all three and ZeRO shards them as it shards any trainable parameter.
+
+Adapters of rank r on one tensor-parallel rank, per block, with the families' default targets
+(every attention projection and every MLP matrix): a column-parallel base (q, k, v, gate/up, fc)
+keeps A [r, in] whole and B [out/tp, r]; a row-parallel base (o, down/proj) keeps A [r, in/tp]
+and B [out, r] whole (tensor_parallel/lora.py). A mixture-of-experts block's experts each carry
+the MLP's adapters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from paratrain.models.shape import ModelShape
+
+
+def lora_block_params(c: ModelShape, rank: int, tp: int = 1, *, moe: bool = False, ep: int = 1) -> int:
+    """One block's adapter parameters on one tp rank (default targets)."""
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    kv_local = kv // tp if c.n_kv_heads % tp == 0 else kv
+    attn = (c.dim + q // tp) + 2 * (c.dim + kv_local) + (q // tp + c.dim)
+    mlp = (c.mlp_matrices - 1) * (c.dim + c.ffn_dim // tp) + (c.ffn_dim // tp + c.dim)
+    experts = c.n_experts // ep if moe else 1
+    return rank * (attn + experts * mlp)
+
+
+def lora_states(c: ModelShape, tr: Any, lay: Any, sb: Any, psi: float, dense: int,
+                sparse: int) -> dict[str, float]:
+    """Per-device params / grads / optimizer bytes of a rank holding ``psi`` base parameters
+    (frozen: ``tr.lora_base_bytes`` each, or the trained precision's) and the adapters of its
+    ``dense`` and ``sparse`` blocks, under ZeRO (planner/memory.py's Training, Layout, StateBytes)."""
+    rank, nd, zero = tr.lora_rank, lay.dp, lay.zero
+    adapters = dense * lora_block_params(c, rank, lay.tp) + sparse * lora_block_params(
+        c, rank, lay.tp, moe=True, ep=lay.ep)
+    base_bytes = tr.lora_base_bytes or sb.params
+    return {"params": (psi * base_bytes + adapters * sb.params) / (nd if zero >= 3 else 1),
+            "grads": adapters * sb.grads / (nd if zero >= 2 else 1),
+            "optim": adapters * sb.optim / (nd if zero >= 1 else 1)}

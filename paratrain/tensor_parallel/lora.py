@@ -1,0 +1,156 @@
+"""The LoRA variants of the column- and row-parallel linears (the styles of plan.py build them when
+the module they replace is a ``LoRALinear``, models/lora.py). y = x W^T + b + s * (x A^T) B^T,
+s = alpha / r, with A [r, in] and B [out, r]:
+
+* **Column-parallel base** (W split by output rows): A replicated, B split by output like W
+  (``B_i`` [out/tp, r], its TensorShard like the weight's), so y_i = x W_i^T + s (x A^T) B_i^T is this
+  rank's slice of the output, with no communication of its own. The gradient of A is a sum over
+  the tp ranks (dA = s * sum_i B_i^T dy_i^T x): A enters the forward through f (``copy_to_tp`` on
+  the weight, as ReplicatedHeadsLinear does), so autograd all-reduces its gradient, r x in
+  elements per layer. (The base's own collective is the input's f, which sums dx, a different
+  tensor: no exact way to fold dA into it was found.) The input gradient through A is partial
+  per rank, as the base's is, and the region entry's f sums both at once.
+* **Row-parallel base** (W split by input columns): A split by input like W (``A_i`` [r, in/tp]),
+  B replicated. x_i A_i^T is a partial sum exactly like x_i W_i^T, so the base's one collective is
+  widened instead of adding one: all-reduce (or, under SP, reduce-scatter) cat([x_i W_i^T,
+  x_i A_i^T], -1) once, then y = y_base + s * u B^T. B's gradient comes from the full u and is
+  exact on every rank; A_i's (du^T x_i, du replicated by g's backward) is exact locally.
+  Under SP each rank holds only its tokens' u, so B's gradient is partial: B enters through f,
+  as the row layer's bias does (and the region entry norm's weight).
+
+k/v projections split by kv heads take the column variant, an expert's partial row layer its own
+(``PartialRowLoRALinear``); a replicated-heads k/v (``ColwiseKV`` when tp does not divide
+n_kv_heads) and the vocabulary head have no LoRA variant: ``unsupported`` names them before any
+worker starts.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from paratrain.comm import collectives as C
+from paratrain.comm.autograd import copy_to_tp, reduce_from_tp, reduce_scatter_to_sp
+from paratrain.models.lora import LoRALinear, base_linear
+from paratrain.models.registry import family_of
+from paratrain.sharding import TensorShard
+from paratrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, _param, enter_region
+
+
+class Adapter(nn.Module):
+    """``lora_A`` / ``lora_B`` of a tensor-parallel LoRA layer: a weight only, this rank's slice."""
+
+    def __init__(self, shape: tuple[int, ...], spec: TensorShard, like: torch.Tensor):
+        super().__init__()
+        self.weight = _param(shape, spec, like.device, like.dtype)
+
+
+def _take_lora(layer: nn.Module, old: LoRALinear) -> None:
+    """The settings every variant keeps from the LoRALinear it replaces."""
+    layer.rank, layer.alpha, layer.scale = old.rank, old.alpha, old.scale
+    layer.lora_dropout = old.lora_dropout
+
+
+class ColumnParallelLoRALinear(ColumnParallelLinear):
+    """y_i = x W_i^T + b_i + s (x A^T) B_i^T; A replicated (gradient summed by f), B split by output."""
+
+    casts_base = True  # base_linear computes a base stored in another dtype
+
+    def __init__(self, old: LoRALinear, axis: C.Axis, *, input_op: str = "none"):
+        w = old.weight
+        super().__init__(old.in_features, old.out_features, axis, bias=old.bias is not None,
+                         input_op=input_op, device=w.device, dtype=w.dtype)
+        _take_lora(self, old)
+        r, a = old.rank, old.lora_A.weight
+        self.lora_A = Adapter((r, old.in_features), TensorShard((r, old.in_features)), a)
+        b_spec = TensorShard((old.out_features, r), 0, axis.rank, axis.size)
+        self.lora_B = Adapter((self.local_out, r), b_spec, a)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = enter_region(x, self.axis, self.input_op)  # [b, s, in], whole on every rank
+        y = base_linear(x, self.weight, self.bias)  # [b, s, out/tp]
+        a = copy_to_tp(self.lora_A.weight, self.axis)  # f: A's gradient summed over tp
+        return y + self.scale * F.linear(F.linear(self.lora_dropout(x), a), self.lora_B.weight)
+
+
+class RowParallelLoRALinear(RowParallelLinear):
+    """y = g(cat[x_i W_i^T, x_i A_i^T]) -> y_base + s u B^T (+ b): the base's one collective, widened."""
+
+    casts_base = True
+
+    def __init__(self, old: LoRALinear, axis: C.Axis, *, sequence_parallel: bool = False):
+        w = old.weight
+        super().__init__(old.in_features, old.out_features, axis, bias=old.bias is not None,
+                         sequence_parallel=sequence_parallel, device=w.device, dtype=w.dtype)
+        _take_lora(self, old)
+        r, a, tp = old.rank, old.lora_A.weight, axis.size
+        a_spec = TensorShard((r, old.in_features), 1, axis.rank, tp)
+        self.lora_A = Adapter((r, old.in_features // tp), a_spec, a)
+        self.lora_B = Adapter((old.out_features, r), TensorShard((old.out_features, r)), a)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = base_linear(x, self.weight, None)  # [b, s, out], this rank's partial sum
+        u = F.linear(self.lora_dropout(x), self.lora_A.weight)  # [b, s, r], partial too
+        both = torch.cat([partial, u.to(partial.dtype)], dim=-1)  # one collective for both
+        if self.sequence_parallel:
+            both = reduce_scatter_to_sp(both, self.axis, dim=1)  # [b, s/tp, out + r]
+        else:
+            both = reduce_from_tp(both, self.axis)  # [b, s, out + r]
+        y, u = both.split([self.out_features, self.rank], dim=-1)
+        sp = self.sequence_parallel  # under SP u holds this rank's tokens only: B's gradient is partial
+        b = copy_to_tp(self.lora_B.weight, self.axis) if sp else self.lora_B.weight
+        y = y + self.scale * F.linear(u.to(b.dtype), b).to(y.dtype)
+        if self.bias is not None:
+            bias = copy_to_tp(self.bias, self.axis) if sp else self.bias
+            y = y + bias.to(y.dtype)
+        return y
+
+
+class PartialRowLoRALinear(RowParallelLinear):
+    """An expert's ``down`` (experts.py's PartialRowLinear) with its adapters: A split by input, B
+    replicated, and the partial sum x_i W_i^T + s (x_i A_i^T) B^T left for the layer's one reduce
+    (the adapters' term is linear in x_i A_i^T, so summing it over tp after B is exact). B's
+    gradient is partial per rank (each sees its u_i): B enters through f."""
+
+    casts_base = True
+
+    def __init__(self, old: LoRALinear, axis: C.Axis):
+        w = old.weight
+        super().__init__(old.in_features, old.out_features, axis, device=w.device, dtype=w.dtype)
+        _take_lora(self, old)
+        r, a, tp = old.rank, old.lora_A.weight, axis.size
+        a_spec = TensorShard((r, old.in_features), 1, axis.rank, tp)
+        self.lora_A = Adapter((r, old.in_features // tp), a_spec, a)
+        self.lora_B = Adapter((old.out_features, r), TensorShard((old.out_features, r)), a)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u = F.linear(self.lora_dropout(x), self.lora_A.weight)  # [tokens, r], partial
+        b = copy_to_tp(self.lora_B.weight, self.axis)
+        return base_linear(x, self.weight, None) + self.scale * F.linear(u, b)
+
+
+# The styles (plan.py names) that build a LoRA variant of a LoRALinear.
+LORA_STYLES = ("colwise", "rowwise", "colwise_kv", "expert_rowwise")
+
+
+def unsupported(model: nn.Module, tp: int) -> list[str]:
+    """The adapted layers of ``model`` (built, adapters applied) that tensor parallelism over ``tp``
+    ranks cannot split with their adapters, each with what to change."""
+    family = family_of(model, "tensor parallelism (its plan)")
+    cfg = model.cfg
+    out: dict[str, None] = {}  # one line per layer pattern (layers.*.attn.wk), in model order
+    for name, m in model.named_modules():
+        if not isinstance(m, LoRALinear):
+            continue
+        style = next((s for p, s in family.tp_plan.items() if fnmatch.fnmatchcase(name, p)), None)
+        kv_replicated = style == "colwise_kv" and cfg.n_kv_heads % tp != 0
+        if style not in LORA_STYLES or kv_replicated:
+            why = (f"its {cfg.n_kv_heads} kv heads do not split over tp {tp} (each rank keeps them all)"
+                   if kv_replicated else f"its tensor-parallel style {style or 'none'} has no LoRA variant")
+            pattern = ".".join("*" if part.isdigit() else part for part in name.split("."))
+            out[f"--lora on {pattern} with --tp {tp}: {why}; leave it out of --lora-targets "
+                "or change --tp"] = None
+    return list(out)

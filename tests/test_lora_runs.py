@@ -1,0 +1,146 @@
+"""LoRA runs in one process: the checks before any worker, the state bytes (gradients and optimizer
+state for the adapters only), --base-precision bf16, exact resume, the merged model.safetensors,
+and --init-from a Hugging Face folder (the base from it, frozen)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from paratrain import config
+from paratrain.cli import main
+from paratrain.engine import checkpoint as ckpt
+from paratrain.engine import checks
+from paratrain.models.from_config import model_config
+from paratrain.planner import memory
+from paratrain.planner.machine import local_cluster
+from paratrain.planner.search import training_from_config
+from paratrain.train.metrics import read_metrics
+from paratrain.train.trainer import Trainer
+from tests.harness import InterruptedAt, tiny_cfg
+
+LORA = {"lora.rank": 4}
+# tiny: dim 64, 4 heads of 16, 2 kv heads (wk/wv 64 -> 32), ffn 128, 4 layers; rank 4 adapters:
+PER_LAYER = 4 * ((64 + 64) * 2 + (64 + 32) * 2 + (64 + 128) * 3)  # wq, wo; wk, wv; gate, up, down
+ADAPTERS = 4 * PER_LAYER  # 16,384
+
+
+def _problems(**overrides) -> str:
+    with pytest.raises(config.ConfigError) as e:
+        checks.validate(tiny_cfg("unused", **overrides))
+    return str(e.value)
+
+
+def test_checks_refuse_before_any_worker():
+    assert "'q_proj' names no linear layer; the model's linear layers are: layers.*.attn.wq" in _problems(
+        **LORA, **{"lora.targets": ["q_proj"]})
+    assert "lora.rank must be >= 0" in _problems(**{"lora.rank": -1})
+    assert "--lora 32 is not below the width of layers.0.attn.wk (64 -> 32)" in _problems(**{"lora.rank": 32})
+    assert "cnn-tiny" in _problems(**LORA, **{"model.name": "cnn-tiny"})
+    assert "--zero 3 and --base-precision bf16" in _problems(
+        **LORA, **{"parallel.zero": 3, "parallel.dp": 2, "lora.base_precision": "bf16"})
+    kv = _problems(**LORA, **{"parallel.tp": 4})  # 2 kv heads cannot split over 4 ranks
+    assert "--lora on layers.*.attn.wk with --tp 4: its 2 kv heads do not split" in kv
+    assert "--base-precision applies to LoRA" in _problems(**{"lora.base_precision": "bf16"})
+    assert "--lora-dropout with --tp > 1" in _problems(**LORA, **{"lora.dropout": 0.1, "parallel.tp": 2})
+    assert "lm_head with --tp 2: its tensor-parallel style vocab_head has no LoRA variant" in _problems(
+        **LORA, **{"lora.targets": ["wq", "lm_head"], "parallel.tp": 2})
+    assert "--ep > 1 with --tp > 1" in _problems(
+        **LORA, **{"model.name": "tiny-moe", "parallel.tp": 2, "parallel.dp": 2, "parallel.ep": 2})
+    assert "lm_head does not compose with --tile" in _problems(
+        **LORA, **{"lora.targets": ["wq", "lm_head"], "train.tile": 2})
+    assert "--tile > 1 and --base-precision bf16" in _problems(
+        **LORA, **{"lora.base_precision": "bf16", "train.tile": 2})
+    checks.validate(tiny_cfg("unused", **LORA, **{"parallel.tp": 2, "parallel.sp": True}))  # accepted
+
+
+def test_cli_exit_2_with_the_message(capsys, tmp_path):
+    code = main(["train", "--model", "tiny", "--lora", "4", "--lora-targets", "wq,q_proj", "--out",
+                 str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and "'q_proj' names no linear layer" in err and "Traceback" not in err
+    assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_grads_and_optimizer_state_only_for_the_adapters(tmp_path, zero):
+    result = Trainer(tiny_cfg(tmp_path, **LORA, **{"parallel.zero": zero, "train.steps": 1})).fit()
+    row = read_metrics(tmp_path / "metrics.jsonl")[0]
+    n_base = sum(t.numel() for t in result.final_state.values())
+    assert row["n_trainable_params"] == ADAPTERS and row["n_params"] == n_base
+    assert row["mem_grads_bytes"] == 4 * ADAPTERS
+    assert row["mem_optim_bytes"] == 8 * ADAPTERS  # AdamW's two fp32 moments
+    assert row["mem_params_bytes"] == 4 * (n_base + ADAPTERS)
+    run = json.loads((tmp_path / "run.json").read_text())["lora"]
+    assert run["n_trainable_params"] == ADAPTERS and run["alpha"] == 8 and len(run["modules"]) == 28
+
+
+def test_bf16_base_halves_its_bytes_and_trains(tmp_path):
+    cfg = tiny_cfg(tmp_path, **LORA, **{"lora.base_precision": "bf16", "train.steps": 8})
+    result = Trainer(cfg).fit()
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    final = result.final_state  # the merged weights come out in fp32, the other matrices as stored
+    matrices = sum(t.numel() for t in final.values() if t.ndim >= 2)
+    vectors = sum(t.numel() for t in final.values() if t.ndim < 2)
+    assert rows[0]["mem_params_bytes"] == 2 * matrices + 4 * (vectors + ADAPTERS)
+    assert rows[0]["mem_grads_bytes"] == 4 * ADAPTERS and rows[0]["mem_optim_bytes"] == 8 * ADAPTERS
+    assert final["embed.weight"].dtype == torch.bfloat16
+    assert final["layers.0.attn.wq.weight"].dtype == torch.float32
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.05, [r["loss"] for r in rows]
+    tr = memory.Training(32, 8, precision="fp32", lora_rank=4, lora_base_bytes=2)  # the planner agrees
+    got = memory.device_memory(model_config(cfg, cfg.data.vocab_size), tr, memory.Layout(), local_cluster(1))
+    assert got.params == pytest.approx(rows[0]["mem_params_bytes"], rel=0.01)
+    assert got.optim == rows[0]["mem_optim_bytes"] and got.grads == rows[0]["mem_grads_bytes"]
+
+
+def test_resume_is_exact_and_model_safetensors_is_merged(tmp_path):
+    steps = {"train.steps": 6}
+    full = Trainer(tiny_cfg(tmp_path / "full", **LORA, **steps)).fit()
+    part = tiny_cfg(tmp_path / "part", **LORA, **steps, **{"train.save_every": 3})
+    with pytest.raises(KeyboardInterrupt):
+        InterruptedAt(part, at_step=3).fit()
+    reader = ckpt.open_reader(ckpt.latest(tmp_path / "part"))
+    assert set(reader.keys("layers.0.attn.wq.lora_A.weight")) == {"param", "exp_avg", "exp_avg_sq"}
+    assert set(reader.keys("layers.0.attn.wq.weight")) == {"param"}  # frozen: no optimizer state
+    reader.close()
+    part.train.resume = True
+    resumed = Trainer(part).fit()
+    assert resumed.losses == full.losses[3:]
+    for name in ("model.safetensors", "adapters.safetensors"):
+        want, got = load_file(tmp_path / "full" / name), load_file(tmp_path / "part" / name)
+        assert want.keys() == got.keys() and all(torch.equal(got[k], t) for k, t in want.items()), name
+    adapters = load_file(tmp_path / "full" / "adapters.safetensors")
+    base = ckpt.open_reader(ckpt.latest(tmp_path / "full"))
+    w = base.read("layers.2.mlp.up.weight", "param", (0, 0), (128, 64)).view(128, 64)
+    delta = adapters["layers.2.mlp.up.lora_B.weight"] @ adapters["layers.2.mlp.up.lora_A.weight"]
+    assert delta.abs().max() > 0
+    torch.testing.assert_close(full.final_state["layers.2.mlp.up.weight"], w + 2.0 * delta, rtol=0, atol=1e-7)
+    assert not any("lora_" in n for n in full.final_state)
+
+
+def test_init_from_hf_base_is_loaded_and_frozen(tmp_path):
+    pytest.importorskip("transformers")
+    from tests.hf_models import save_hf
+
+    folder = tmp_path / "hf"
+    ref = save_hf(folder)
+    over = {"model.init_from": str(folder), "train.steps": 2, "optim.lr": 1e-3}
+    lora = Trainer(tiny_cfg(tmp_path / "lora", **LORA, **over)).fit()
+    fullft = Trainer(tiny_cfg(tmp_path / "full", **over)).fit()
+    assert lora.losses[0] == pytest.approx(fullft.losses[0], rel=1e-6)  # B = 0: the base's own loss
+    hf = {n: p.detach() for n, p in ref.named_parameters()}
+    assert torch.equal(lora.final_state["embed.weight"], hf["model.embed_tokens.weight"])
+    norm = hf["model.layers.1.post_attention_layernorm.weight"]
+    assert torch.equal(lora.final_state["layers.1.mlp_norm.weight"], norm)
+    assert not torch.equal(fullft.final_state["embed.weight"], hf["model.embed_tokens.weight"])
+
+
+def test_layout_auto_plans_with_lora():
+    """train --layout auto reads [lora]: the planner's gradients are the adapters' only."""
+    c, tr = training_from_config(tiny_cfg("unused", **LORA, **{"lora.base_precision": "bf16"}))
+    assert tr.lora_rank == 4 and tr.lora_base_bytes == 2
+    got = memory.device_memory(c, tr, memory.Layout(), local_cluster(1))
+    assert got.grads == 4 * ADAPTERS and got.optim == 8 * ADAPTERS
