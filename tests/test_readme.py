@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import re
 import shlex
@@ -73,9 +74,13 @@ def test_a_readme_command_is_accepted_as_written(argv, monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path))  # ~/my_corpus/: a user's corpus, as bash expands it
     (tmp_path / "my_corpus").mkdir()
     (tmp_path / "my_corpus" / "notes.txt").write_text("some text of the user's own\n" * 50)
-    if "~/models/Qwen2-0.5B" in argv:  # a small random Qwen2 with the real one's context length
-        pytest.importorskip("transformers")
-        save_hf(tmp_path / "models" / "Qwen2-0.5B", "qwen2", max_position_embeddings=32768)
+    for name in ("Qwen2-0.5B", "Qwen2-0.5B-Instruct"):  # a small random Qwen2 with the real one's context
+        if f"~/models/{name}" in argv:
+            pytest.importorskip("transformers")
+            save_hf(tmp_path / "models" / name, "qwen2", max_position_embeddings=32768)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "chat.jsonl").write_text(json.dumps({"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}) + "\n")
     argv = [os.path.expanduser(a) for a in argv]
     kind = argv[0]
     if kind == "train":
