@@ -34,10 +34,12 @@ import torch  # noqa: E402
 from paratrain import cli  # noqa: E402
 
 # Qwen2-Instruct's template (ChatML): a default system turn when the chat has none.
-CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-          "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
-          "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
-          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 
 
 def tiny_qwen2(folder: Path, texts: list[str]) -> None:
@@ -50,16 +52,29 @@ def tiny_qwen2(folder: Path, texts: list[str]) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tok.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=specials, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
-                                                pad_token="<|endoftext|>")
+    tok.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=400,
+            special_tokens=specials,
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
     fast.chat_template = CHATML
     fast.save_pretrained(folder)
-    config = transformers.Qwen2Config(vocab_size=416, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=256)
+    config = transformers.Qwen2Config(
+        vocab_size=416,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     transformers.Qwen2ForCausalLM(config).save_pretrained(folder)
 
@@ -71,11 +86,15 @@ def made_up_chats(n: int) -> list[dict]:
     for i in range(n):
         a, b, c = rng.randint(1, 9), rng.randint(1, 9), rng.randint(1, 9)
         messages = [{"role": "system", "content": "Answer with the sum."}] if i % 3 == 0 else []
-        messages += [{"role": "user", "content": f"What is {a} + {b}?"},
-                     {"role": "assistant", "content": f"{a} + {b} = {a + b}."}]
+        messages += [
+            {"role": "user", "content": f"What is {a} + {b}?"},
+            {"role": "assistant", "content": f"{a} + {b} = {a + b}."},
+        ]
         if i % 2:
-            messages += [{"role": "user", "content": f"And plus {c}?"},
-                         {"role": "assistant", "content": f"{a + b} + {c} = {a + b + c}."}]
+            messages += [
+                {"role": "user", "content": f"And plus {c}?"},
+                {"role": "assistant", "content": f"{a + b} + {c} = {a + b + c}."},
+            ]
         rows.append({"messages": messages})
     return rows
 
@@ -90,16 +109,20 @@ def peft_matches_merged(base: Path, adapter: Path, merged: Path) -> float | None
         return None
     ids = torch.randint(0, 300, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base)), str(adapter))
+        base_model = AutoModelForCausalLM.from_pretrained(str(base))
+        with_adapter = PeftModel.from_pretrained(base_model, str(adapter))
         want = with_adapter.float().eval()(ids).logits
         got = AutoModelForCausalLM.from_pretrained(str(merged)).float().eval()(ids).logits
     return (want - got).abs().max().item()
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--init-from", help="a local Hugging Face folder with a chat template "
-                                            "(default: a tiny random Qwen2)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--init-from", help="a local Hugging Face folder with a chat template (default: a tiny random Qwen2)"
+    )
     parser.add_argument("--data", help="your chats (.jsonl / .parquet with `messages`; default: 200 made up)")
     parser.add_argument("--workdir", help="where the runs go (default: a temporary folder)")
     parser.add_argument("--steps", type=int, default=20)
@@ -116,11 +139,40 @@ def main() -> int:
 
     run = work / "run"
     steps = [
-        ["train", "--init-from", str(base), "--data", str(data), "--lora", "16", "--nproc", str(args.nproc),
-         "--zero", "3", "--steps", str(args.steps), "--seq-len", "128", "--global-batch", "8",
-         "--lr", "3e-3", "--eval-every", "0", "--no-progress", "--out", str(run), "--overwrite"],
+        [
+            "train",
+            "--init-from",
+            str(base),
+            "--data",
+            str(data),
+            "--lora",
+            "16",
+            "--nproc",
+            str(args.nproc),
+            "--zero",
+            "3",
+            "--steps",
+            str(args.steps),
+            "--seq-len",
+            "128",
+            "--global-batch",
+            "8",
+            "--lr",
+            "3e-3",
+            "--eval-every",
+            "0",
+            "--no-progress",
+            "--out",
+            str(run),
+            "--overwrite",
+        ],
         ["eval", "--run", str(run), "--data", str(data), "--json"],  # loss over the assistant tokens
-        ["export", str(run), "--peft", str(work / "adapter")],  # adapter_config.json + adapter_model.safetensors
+        [
+            "export",
+            str(run),
+            "--peft",
+            str(work / "adapter"),
+        ],  # adapter_config.json, adapter_model.safetensors
         ["export", str(run), "--hf", str(work / "merged")],  # the base with the adapters merged in
         ["generate", "--run", str(run), "--chat", "What is 2 + 3?", "--greedy", "--tokens", "8"],
     ]

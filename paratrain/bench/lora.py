@@ -47,12 +47,20 @@ from paratrain.train.trainer import Trainer, lr_at, single_process_env
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser, nproc=1, steps=10, rounds=3)
-    parser.add_argument("--vs", choices=("peft", "full"), default="peft",
-                        help="peft: paratrain LoRA vs PEFT + a plain PyTorch loop, one process; "
-                             "full: LoRA vs full fine-tuning under ZeRO-3 at --nproc ranks (default: %(default)s)")
+    parser.add_argument(
+        "--vs",
+        choices=("peft", "full"),
+        default="peft",
+        help="peft: paratrain LoRA vs PEFT + a plain PyTorch loop, one process; "
+        "full: LoRA vs full fine-tuning under ZeRO-3 at --nproc ranks (default: %(default)s)",
+    )
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                        help="--vs peft: torch threads of both sides (default: every core, %(default)s)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="--vs peft: torch threads of both sides (default: every core, %(default)s)",
+    )
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -61,31 +69,55 @@ def run(args: argparse.Namespace) -> dict:
 
 # -- paratrain LoRA vs PEFT + a plain loop, one process ---------------------------------------------
 
+
 def _one_process_config(args: argparse.Namespace, out: str) -> config.Config:
-    cfg = config.load(None, {
-        "model.name": args.model, "data.seq_len": args.seq_len, "train.global_batch": args.global_batch,
-        "train.steps": args.warmup + args.steps, "train.out": out, "train.progress": False,
-        "train.eval_every": 0, "data.max_files": 200, "lora.rank": args.rank,
-    })
+    cfg = config.load(
+        None,
+        {
+            "model.name": args.model,
+            "data.seq_len": args.seq_len,
+            "train.global_batch": args.global_batch,
+            "train.steps": args.warmup + args.steps,
+            "train.out": out,
+            "train.progress": False,
+            "train.eval_every": 0,
+            "data.max_files": 200,
+            "lora.rank": args.rank,
+        },
+    )
     return checks.validate(cfg, 1)
 
 
 def _vs_peft(args: argparse.Namespace) -> dict:
     if importlib.util.find_spec("peft") is None:
-        raise SystemExit("paratrain bench lora --vs peft needs peft installed (pip install peft): "
-                         "it is the side paratrain is compared with")
+        raise SystemExit(
+            "paratrain bench lora --vs peft needs peft installed (pip install peft): "
+            "it is the side paratrain is compared with"
+        )
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="paratrain-bench-") as out:
         cfg = _one_process_config(args, out)
         task = LanguageModelTask(cfg)
-        result = paired_rounds(lambda: _run_paratrain(cfg, task, args),
-                               lambda: _run_peft(cfg, task, args), args.rounds)
+        result = paired_rounds(
+            lambda: _run_paratrain(cfg, task, args), lambda: _run_peft(cfg, task, args), args.rounds
+        )
     ours, peer = result["paratrain_runs"][0]["losses"], result["peer_runs"][0]["losses"]
-    return {"kind": "lora", "vs": "peft", "nproc": 1, "threads": args.threads, "model": args.model,
-            "rank": args.rank, "seq_len": args.seq_len, "global_batch": args.global_batch,
-            "peer": "PEFT inject_adapter_in_model + plain PyTorch loop", **result,
-            "paratrain_losses": ours, "peer_losses": peer,
-            "max_loss_difference": max(abs(a - b) for a, b in zip(ours, peer)), "machine": machine()}
+    return {
+        "kind": "lora",
+        "vs": "peft",
+        "nproc": 1,
+        "threads": args.threads,
+        "model": args.model,
+        "rank": args.rank,
+        "seq_len": args.seq_len,
+        "global_batch": args.global_batch,
+        "peer": "PEFT inject_adapter_in_model + plain PyTorch loop",
+        **result,
+        "paratrain_losses": ours,
+        "peer_losses": peer,
+        "max_loss_difference": max(abs(a - b) for a, b in zip(ours, peer)),
+        "machine": machine(),
+    }
 
 
 def _run_paratrain(cfg: config.Config, task: LanguageModelTask, args: argparse.Namespace) -> dict:
@@ -97,7 +129,10 @@ def _run_paratrain(cfg: config.Config, task: LanguageModelTask, args: argparse.N
         losses.append(float(out["local_loss"]))
 
     seconds = time_steps(step, args.warmup, args.steps, lambda: sync_device(trainer.env.device))
-    return {"tokens_per_s": args.steps * cfg.train.global_batch * cfg.data.seq_len / seconds, "losses": losses}
+    return {
+        "tokens_per_s": args.steps * cfg.train.global_batch * cfg.data.seq_len / seconds,
+        "losses": losses,
+    }
 
 
 def _peft_model(cfg: config.Config, task: LanguageModelTask, device: torch.device) -> torch.nn.Module:
@@ -140,14 +175,21 @@ def _run_peft(cfg: config.Config, task: LanguageModelTask, args: argparse.Namesp
         losses.append(loss.item())
 
     seconds = time_steps(step, args.warmup, args.steps, lambda: sync_device(device))
-    return {"tokens_per_s": args.steps * cfg.train.global_batch * cfg.data.seq_len / seconds, "losses": losses}
+    return {
+        "tokens_per_s": args.steps * cfg.train.global_batch * cfg.data.seq_len / seconds,
+        "losses": losses,
+    }
 
 
 # -- LoRA vs full fine-tuning under ZeRO-3 ----------------------------------------------------------
 
+
 def _full_worker(env, name: str, args: dict) -> dict:
-    cfg = bench_config(args, "/tmp/paratrain-bench-lora", **{"parallel.zero": 3,
-                                                             "lora.rank": args["rank"] if name == "lora" else 0})
+    cfg = bench_config(
+        args,
+        "/tmp/paratrain-bench-lora",
+        **{"parallel.zero": 3, "lora.rank": args["rank"] if name == "lora" else 0},
+    )
     trainer = Trainer(checks.validate(cfg, args["nproc"]), env)
     state: dict = {}
 
@@ -155,7 +197,11 @@ def _full_worker(env, name: str, args: dict) -> dict:
         state.update(trainer.train_step(i)["state_bytes"])
 
     elapsed = time_steps(step, args["warmup"], args["steps"], lambda: sync_device(env.device))
-    return {"step_s": elapsed / args["steps"], "peak_bytes": peak_memory_bytes(env.device), "state_bytes": state}
+    return {
+        "step_s": elapsed / args["steps"],
+        "peak_bytes": peak_memory_bytes(env.device),
+        "state_bytes": state,
+    }
 
 
 def _vs_full(args: argparse.Namespace) -> dict:
@@ -164,17 +210,34 @@ def _vs_full(args: argparse.Namespace) -> dict:
 
     def run_one(name: str) -> dict:
         outs = spawn(_full_worker, args.nproc, name, a, timeout=None)
-        return {"step_s": max(o["step_s"] for o in outs), "peak_bytes": max(o["peak_bytes"] for o in outs),
-                "state_bytes": outs[0]["state_bytes"]}
+        return {
+            "step_s": max(o["step_s"] for o in outs),
+            "peak_bytes": max(o["peak_bytes"] for o in outs),
+            "state_bytes": outs[0]["state_bytes"],
+        }
 
     runs = rotating_rounds(["lora", "full"], args.rounds, run_one)
-    table = {n: {"step_s": statistics.median(r["step_s"] for r in rs),
-                 "peak_mib": max(r["peak_bytes"] for r in rs) / 2**20,
-                 **{f"rank0_{k}_mib": v / 2**20 for k, v in rs[0]["state_bytes"].items()}}
-             for n, rs in runs.items()}
+    table = {
+        n: {
+            "step_s": statistics.median(r["step_s"] for r in rs),
+            "peak_mib": max(r["peak_bytes"] for r in rs) / 2**20,
+            **{f"rank0_{k}_mib": v / 2**20 for k, v in rs[0]["state_bytes"].items()},
+        }
+        for n, rs in runs.items()
+    }
     ratios = [f["step_s"] / lo["step_s"] for lo, f in zip(runs["lora"], runs["full"])]
-    return {"kind": "lora", "vs": "full", "nproc": args.nproc, "zero": 3, "model": args.model,
-            "rank": args.rank, "seq_len": args.seq_len, "global_batch": args.global_batch,
-            "rounds": args.rounds, "configs": table, "step_time_full_over_lora": statistics.median(ratios),
-            "peak_ratio_lora_over_full": table["lora"]["peak_mib"] / table["full"]["peak_mib"],
-            "machine": machine()}
+    return {
+        "kind": "lora",
+        "vs": "full",
+        "nproc": args.nproc,
+        "zero": 3,
+        "model": args.model,
+        "rank": args.rank,
+        "seq_len": args.seq_len,
+        "global_batch": args.global_batch,
+        "rounds": args.rounds,
+        "configs": table,
+        "step_time_full_over_lora": statistics.median(ratios),
+        "peak_ratio_lora_over_full": table["lora"]["peak_mib"] / table["full"]["peak_mib"],
+        "machine": machine(),
+    }
