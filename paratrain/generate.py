@@ -85,9 +85,11 @@ def chat_prompt(template: ChatTemplate | None, message: str, where: str) -> str:
 
 def generate_from_run(run: str | None, prompt: str, max_new_tokens: int = 120, temperature: float = 0.8,
                       top_k: int = 40, seed: int = 0, init_from: str | None = None,
-                      chat: str | None = None) -> str:
+                      chat: str | None = None, rendered: bool = False) -> str:
     """Continue `prompt` with the model of a run folder, or of a Hugging Face folder (init_from);
-    with ``chat``, the reply to that user message, formatted by the model's chat template."""
+    with ``chat``, the reply to that user message, formatted by the model's chat template;
+    ``rendered``: the prompt is already a rendered chat (its special tokens written out), encoded
+    as the template's output is, without the tokenizer's own added tokens."""
     if init_from is not None:
         model, ckpt = load_pretrained(init_from)
         tok = load_tokenizer(ckpt.tokenizer_path)
@@ -98,6 +100,6 @@ def generate_from_run(run: str | None, prompt: str, max_new_tokens: int = 120, t
         text = chat_prompt(template, chat, init_from or run)
         prompt_ids = tok.encode(text, add_special_tokens=False).ids or [0]
     else:
-        prompt_ids = tok.encode(prompt).ids or [0]
+        prompt_ids = tok.encode(prompt, add_special_tokens=not rendered).ids or [0]
     out = sample(model, prompt_ids, max_new_tokens, temperature, top_k, seed)
     return tok.decode(out[len(prompt_ids):])

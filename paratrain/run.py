@@ -157,6 +157,11 @@ def summarize(cfg: Config) -> None:
         if (out / name).exists():
             print(f"  {out / name}: {what}")
     if (out / "tokenizer.json").exists():
-        prompt = json.loads((out / "run.json").read_text()).get("sample_prompt") or "def "  # older runs
+        info = json.loads((out / "run.json").read_text())
+        prompt = info.get("sample_prompt") or "def "  # older runs
+        if info.get("sample_prompt_rendered"):  # chat/completion data: the first example's prompt
+            print("\nsample (the first example's prompt as the model was trained on it, and its reply):")
+            print(prompt + generate_from_run(str(out), prompt, max_new_tokens=80, rendered=True))
+            return
         print(f"\nsample (paratrain generate --run {out} {prompt!r}):")
         print(prompt + generate_from_run(str(out), prompt, max_new_tokens=80))

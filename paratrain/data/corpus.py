@@ -54,6 +54,16 @@ class Corpus:
 
         return Tokenizer.from_file(str(self.tokenizer_path))
 
+    def first_prompt(self) -> str | None:
+        """Chat/completion data: the first example's prompt as it was rendered (template, special
+        tokens and the assistant's generation prompt), up to its first counted target: what the
+        end-of-run sample continues, so it answers as the model was trained to. None for text."""
+        if self.mask is None:
+            return None
+        first_counted = int(np.argmax(self.mask[: int(self.doc_ends[0])] > 0)) if len(self.doc_ends) else 0
+        ids = [int(t) for t in self.tokens[: max(first_counted, 1)]]
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
     def first_line(self, max_tokens: int = 12) -> str:
         """The start of the corpus's first line (a prompt that looks like the data): its first
         ``max_tokens`` tokens, up to the first line break."""
