@@ -428,7 +428,8 @@ class Trainer:
         if self.task.corpus is not None:
             shutil.copy(self.task.corpus.tokenizer_path, self.out / "tokenizer.json")
             chat_prompt = None if self.cfg.train.sample_prompt else self.task.corpus.first_prompt()
-            info["sample_prompt"] = self.cfg.train.sample_prompt or chat_prompt or self.task.corpus.first_line()
+            corpus = self.task.corpus
+            info["sample_prompt"] = self.cfg.train.sample_prompt or chat_prompt or corpus.first_line()
             info["sample_prompt_rendered"] = chat_prompt is not None  # special tokens as text: no BOS added
         if self.lora:
             info["lora"] = self.lora
