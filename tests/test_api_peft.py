@@ -82,6 +82,11 @@ def _steps(par, accum: int, clip: float | None) -> tuple[list[float], dict]:
         if par.dp_size > 1:
             dist.all_reduce(total, group=par.mesh.dp.group)
         losses.append(float(total) / par.dp_size)
+    if par.zero == 3:  # released as soon as backward is done with it, frozen units included
+        units = [u.nbytes for u in par.strategy.units]  # the leftover unit (the whole model) last
+        pairs = max(a + b for a, b in zip(units[:-1], units[1:-1]))
+        peak = par.strategy.step_metrics()["zero3_gathered_peak_bytes"]
+        assert 0 < peak <= units[-1] + pairs, (peak, units)
     return losses, {k: v.clone() for k, v in par.full_state_dict(model).items()}
 
 

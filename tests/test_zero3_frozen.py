@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from torch.utils._pytree import tree_map
 
 from paratrain import config
 from paratrain.engine import checks
@@ -41,21 +42,44 @@ def _frozen_build(self, device):
     return model
 
 
-def _freeze() -> None:
+def _bf16_base_build(self, device):
+    """FROZEN's matrices stored in bf16 (as ``--base-precision bf16`` leaves a LoRA base): each
+    module holding one takes its floating inputs in bf16 and hands its output back in fp32."""
+    model = _frozen_build(self, device)
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False) if not p.requires_grad and p.ndim >= 2]
+        for p in own:
+            p.data = p.data.to(torch.bfloat16)
+        if own:
+            module.register_forward_pre_hook(lambda m, args: _cast(args, torch.bfloat16))
+            module.register_forward_hook(lambda m, args, out: _cast(out, torch.float32))
+    return model
+
+
+def _cast(tensors, dtype):
+    return tree_map(lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t, tensors)
+
+
+def _freeze(bf16_base: bool = False) -> None:
     """In a worker (a process of its own): every model the trainer builds comes frozen."""
-    LanguageModelTask.build_model = _frozen_build
+    LanguageModelTask.build_model = _bf16_base_build if bf16_base else _frozen_build
 
 
 def _held(strategy) -> dict:
     """What this rank holds: elements of trainable and frozen shards, and the store's bytes."""
     units = strategy.units
-    return {"trained": sum(u.layout.shard for u in units if u.layout is not None),
-            "frozen": sum(u.frozen.shard for u in units if u.frozen is not None),
+    parts = [f for u in units for f in u.frozen]
+    held = {str(d): sum(f.shard.numel() * f.shard.element_size() for f in parts if f.dtype == d)
+            for d in {f.dtype for f in parts}}
+    return {"frozen_bytes": held,
+            "frozen_dtypes": sorted({str(p.dtype) for u in units for f in u.frozen for p in f.layout.params}),
+            "trained": sum(u.layout.shard for u in units if u.layout is not None),
+            "frozen": sum(f.layout.shard for u in units for f in u.frozen),
             "store": strategy.store.bytes(), "units": [u.nbytes for u in units]}
 
 
-def _train(env, runs: list[dict], resume: list[dict]) -> list:
-    _freeze()
+def _train(env, runs: list[dict], resume: list[dict], bf16_base: bool = False) -> list:
+    _freeze(bf16_base)
     out = []
     for d in runs:
         trainer = Trainer(config.Config.from_dict(d), env)
@@ -165,3 +189,20 @@ def test_zero3_with_frozen_blocks_8bit_state_is_the_trainable_parameters_only(tm
     # 2 bytes per element and a scale per block (the fp32 master is the shard): the trainable half
     # only; with the frozen parameters' state it would be over twice as much.
     assert held["store"]["device"] <= 2.1 * held["trained"], held
+
+
+def test_zero3_keeps_a_bf16_frozen_base_in_bf16(tmp_path, monkeypatch):
+    """Frozen matrices stored in bf16 under fp32 compute stay bf16 under ZeRO-3 (half their bytes),
+    beside fp32 frozen norms in a buffer of their own; training equals one process holding the
+    same bf16 base (each bf16 matmul row is computed alike whatever the rows beside it)."""
+    monkeypatch.setattr(LanguageModelTask, "build_model", _bf16_base_build)
+    ref = _reference(tmp_path)
+    cfg = tiny_cfg(tmp_path / "z3_bf16", **STEPS4, **{"parallel.dp": 2, "parallel.zero": 3})
+    checks.validate(cfg, 2)
+    [(losses, state, held, rows)] = run(_train, 2, [cfg.to_dict()], [], True, timeout=120)[0]
+    assert_same_training(RunResult(losses, state), ref, **FP32_REORDERED)
+    assert held["frozen_dtypes"] == ["torch.bfloat16", "torch.float32"], held
+    mats = sum(w.numel() for k, w in ref.weights.items() if k.startswith(FROZEN) and w.dim() >= 2)
+    assert ref.weights["embed.weight"].dtype == torch.bfloat16
+    assert abs(held["frozen_bytes"]["torch.bfloat16"] - 2 * mats / 2) < 2 * 64 * 4, held
+    assert rows[-1]["mem_params_bytes"] == 4 * held["trained"] + sum(held["frozen_bytes"].values())

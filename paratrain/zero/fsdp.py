@@ -20,6 +20,8 @@ master shard is written to it as soon as it is built, then dropped (one unit in 
               post-accumulate-grad hooks: when unit i's last gradient lands, pack the
               gradients, reduce-scatter them (async, SUM), keep our shard, free the buffer
 
+(The hooks and the gathered buffers live in zero/fsdp_units.py; this module builds and steps.)
+
 The gathered buffer keeps its tensor but its storage is resized to 0 when freed (FSDP's trick):
 the parameters are views into it, so autograd's saved references stay valid and see the
 re-gathered values in backward. Parameters are bound with ``p.data = view`` so they keep their
@@ -39,8 +41,9 @@ Backward prefetch then follows the order in which forward finished the units (th
 their block), reversed, instead of ``i - 1``.
 
 Frozen parameters (``requires_grad=False``: a LoRA base, a frozen embedding) are sharded and
-gathered like the others, in a flat buffer of their own per unit (``Unit.frozen``): no gradient, no
-reduce-scatter, no fp32 master and no optimizer state (the store holds the trainable layouts only).
+gathered like the others, in flat buffers of their own per unit (``Unit.frozen``, one per dtype: a
+base stored in bf16 under fp32 compute stays bf16): no gradient, no reduce-scatter, no fp32 master
+and no optimizer state (the store holds the trainable layouts only).
 A unit holding frozen parameters cannot count landed gradients to know its backward is over (a
 frozen weight's input gradient lands nowhere), so its forward also watches its inputs: it is
 released once its trainable gradients have landed *and* the gradients of its inputs exist
@@ -69,7 +72,7 @@ from paratrain.sharding import copy_info, info_of, shard_of
 from paratrain.shards import ShardReader
 from paratrain.zero import store8
 from paratrain.zero.flat import DTYPES, FlatLayout, GroupOf, axis_of, param_key
-from paratrain.zero.fsdp_units import Unit, UnitHooks
+from paratrain.zero.fsdp_units import Frozen, Unit, UnitHooks
 from paratrain.zero.offload import disk_store, make_store
 from paratrain.zero.sharded_state import ShardedState, held_sync
 from paratrain.zero.units import NESTED, nest_units
@@ -158,8 +161,8 @@ class Zero3(UnitHooks, ShardedState, Strategy):
         for u in self.units:
             if u.layout is not None:
                 u.shard, u.full = self._build_trained(u.index, u.layout, init_value)
-            if u.frozen is not None:
-                u.frozen_shard, u.frozen_full = self._build_frozen(u.frozen, init_value)
+            for part in u.frozen:
+                part.shard, part.full = self._build_frozen(part.layout, part.dtype, init_value)
         owner = {id(p): i for i, u in enumerate(self.units) for p in u.params}
         nested = {id(p) for u in self.units if _is_nested(u.modules) for p in u.params}
         for i, u in enumerate(self.units):
@@ -187,16 +190,17 @@ class Zero3(UnitHooks, ShardedState, Strategy):
         del master
         return shard, self._gathered_buffer(layout)
 
-    def _build_frozen(self, layout: FlatLayout, init_value: InitFn) -> tuple[torch.Tensor, torch.Tensor]:
-        """(shard, gathered buffer) of a unit's frozen part: the compute shard only, no master."""
+    def _build_frozen(self, layout: FlatLayout, dtype: torch.dtype,
+                      init_value: InitFn) -> tuple[torch.Tensor, torch.Tensor]:
+        """(shard, gathered buffer) of a unit's frozen part: the shard in ``dtype`` only, no master."""
         value = self._init_master(layout, init_value)
-        shard = value if value.dtype == self.compute_dtype else value.to(self.compute_dtype)
+        shard = value if value.dtype == dtype else value.to(dtype)
         self.init_peak_bytes = max(self.init_peak_bytes, self.init_kept_bytes + nbytes(value) + nbytes(shard))
         self.init_kept_bytes += nbytes(shard)
-        return shard, self._gathered_buffer(layout)
+        return shard, self._gathered_buffer(layout, dtype)
 
-    def _gathered_buffer(self, layout: FlatLayout) -> torch.Tensor:
-        full = torch.empty(layout.padded, dtype=self.compute_dtype, device=self.mesh.device)
+    def _gathered_buffer(self, layout: FlatLayout, dtype: torch.dtype | None = None) -> torch.Tensor:
+        full = torch.empty(layout.padded, dtype=dtype or self.compute_dtype, device=self.mesh.device)
         self._swap_params(layout, full)
         full.untyped_storage().resize_(0)
         return full
@@ -225,8 +229,17 @@ class Zero3(UnitHooks, ShardedState, Strategy):
                 _join_owner(plan, uname, modules)
                 continue
             plan.append(Unit(uname, modules, self._layout([np_ for np_ in named if np_[1].requires_grad]),
-                             self._layout([np_ for np_ in named if not np_[1].requires_grad], frozen=True)))
+                             self._frozen([np_ for np_ in named if not np_[1].requires_grad])))
         return plan
+
+    def _frozen(self, named: list[tuple[str, nn.Parameter]]) -> list[Frozen]:
+        """Frozen parameters by the dtype they are held in: the narrower of their own and the
+        compute dtype (a base stored in bf16 under fp32 compute stays bf16: half its memory)."""
+        by_dtype: dict[torch.dtype, list] = {}
+        for n, p in named:
+            dtype = p.dtype if p.dtype.itemsize < self.compute_dtype.itemsize else self.compute_dtype
+            by_dtype.setdefault(dtype, []).append((n, p))
+        return [Frozen(self._layout(group, frozen=True), dtype) for dtype, group in by_dtype.items()]
 
     def _layout(self, named: list[tuple[str, nn.Parameter]], frozen: bool = False) -> FlatLayout | None:
         """The flat layout of these parameters, sorted into optimizer segments (none when frozen:
@@ -354,7 +367,7 @@ class Zero3(UnitHooks, ShardedState, Strategy):
         self.gathered_peak_bytes, self.last_gathered_peak_bytes = self.gathered_bytes, 0
 
     def frozen_flats(self) -> list[tuple[FlatLayout, torch.Tensor]]:
-        return [(u.frozen, u.frozen_shard) for u in self.units if u.frozen is not None]
+        return [(f.layout, f.shard) for u in self.units for f in u.frozen]
 
     def state_bytes(self) -> dict[str, int]:
         grads = sum(nbytes(u.grad_shard) for u in self.trained if u.grad_shard is not None)

@@ -28,15 +28,23 @@ from paratrain.zero.flat import FlatLayout
 
 
 @dataclass
+class Frozen:
+    """A unit's frozen parameters of one dtype: sharded and gathered, nothing else."""
+
+    layout: FlatLayout
+    dtype: torch.dtype  # the narrower of the parameters' own dtype and the compute dtype
+    full: torch.Tensor | None = None  # [padded]; storage resized to 0 while resharded
+    shard: torch.Tensor | None = None  # [shard]: what this rank keeps
+
+
+@dataclass
 class Unit:
     name: str
     modules: list[nn.Module]
     layout: FlatLayout | None  # its trainable parameters (None: all frozen)
-    frozen: FlatLayout | None = None  # its frozen parameters (None: all train)
+    frozen: list[Frozen] = field(default_factory=list)  # its frozen parameters, by dtype
     full: torch.Tensor | None = None  # [padded] compute dtype; storage resized to 0 while resharded
     shard: torch.Tensor | None = None  # [shard] compute dtype: what this rank keeps
-    frozen_full: torch.Tensor | None = None  # the same for the frozen parameters
-    frozen_shard: torch.Tensor | None = None
     index: int | None = None  # the trainable layout's place in the store (Zero3.layouts)
     gathered: bool = False
     work: list = field(default_factory=list)  # in-flight all-gathers
@@ -51,13 +59,14 @@ class Unit:
 
     @property
     def params(self) -> list[nn.Parameter]:
-        return [p for layout in (self.layout, self.frozen) if layout is not None for p in layout.params]
+        layouts = [self.layout] if self.layout is not None else []
+        return [p for layout in layouts + [f.layout for f in self.frozen] for p in layout.params]
 
     def parts(self) -> list[tuple[FlatLayout, torch.Tensor, torch.Tensor, str]]:
-        """(layout, gathered buffer, shard, what) of the trainable part and the frozen part."""
+        """(layout, gathered buffer, shard, what) of the trainable part and each frozen part."""
         out = [(self.layout, self.full, self.shard, f"all-gather of unit {self.name}")]
-        out.append((self.frozen, self.frozen_full, self.frozen_shard,
-                    f"all-gather of unit {self.name}'s frozen parameters"))
+        out += [(f.layout, f.full, f.shard, f"all-gather of unit {self.name}'s frozen {f.dtype} parameters")
+                for f in self.frozen]
         return [part for part in out if part[0] is not None]
 
     @property
@@ -69,6 +78,7 @@ class UnitHooks:
     """Gather, release and prefetch of ``self.units`` (mixed into Zero3)."""
 
     units: list[Unit]
+
     # -- gather / free ------------------------------------------------------------------------------
 
     def _gather(self, i: int, async_op: bool) -> None:
@@ -120,7 +130,7 @@ class UnitHooks:
                 self._wait(k)
             if first and self.prefetch and i + 1 < len(self.units):
                 self._gather(i + 1, async_op=True)
-            if self.units[i].frozen is not None:
+            if self.units[i].frozen:
                 self._watch_inputs(i, (args, kwargs))
         return hook
 

@@ -90,9 +90,9 @@ class ShardedState:
         for layout, shard in self.frozen_flats():  # only the "param" key: no optimizer state
             for name, p, at, a, b in owned(layout):
                 info = info_of(p)
-                if not info.tied_to:
-                    values = functools.partial(_fp32_range, shard, at, at + b - a)
-                    out += pieces_of(info, "param", p, a, b, values=values, name=info.name or name)
+                if not info.tied_to:  # in the dtype the shard holds (a bf16 base stays bf16)
+                    out += pieces_of(info, "param", p, a, b, values=shard[at:at + b - a].detach(),
+                                     name=info.name or name)
         return out
 
     @torch.no_grad()
@@ -171,11 +171,6 @@ def _checkpoint_keys(reader: ShardReader, layout: FlatLayout) -> list[str]:
     held = [{k.removesuffix(".q").removesuffix(".absmax") for k in reader.keys(info_of(p).name or n)}
             - {"param", "buffer"} for n, p, *_ in owned(layout)]
     return sorted(set.intersection(*held)) if held else []
-
-
-def _fp32_range(shard: torch.Tensor, a: int, b: int) -> torch.Tensor:
-    """Elements [a, b) of a frozen shard as fp32, the dtype every checkpointed "param" piece has."""
-    return shard[a:b].float()
 
 
 def _fp32_times(g: torch.Tensor, factor: float) -> torch.Tensor:
