@@ -142,6 +142,7 @@ OTHERS = {"zero1_8bit": ("ref_8bit", {"parallel.dp": 2, "parallel.zero": 1}),
           "moe_ddp": ("ref_moe", {"parallel.dp": 2}),
           "zero2_bf16_base": ("ref_bf16", {"parallel.dp": 2, "parallel.zero": 2}),
           "ddp_bf16_base": ("ref_bf16", {"parallel.dp": 2}),
+          "zero3_bf16_base": ("ref_bf16", {"parallel.dp": 2, "parallel.zero": 3}),
           "moe_tp2": ("ref_moe", {"parallel.tp": 2}),  # every expert's adapters split as its linears
           "moe_tp2_sp": ("ref_moe", {"parallel.tp": 2, "parallel.sp": True}),
           "moe_ep2": ("ref_moe", {"parallel.dp": 2, "parallel.ep": 2}),
