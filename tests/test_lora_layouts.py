@@ -130,15 +130,19 @@ LAYOUTS = {
     "ddp_compile": {"parallel.dp": 2, "train.compile": True, "train.compile_backend": "aot_eager"},
 }
 # Layouts whose reference is another one-process run: 8-bit AdamW, GPT-2 (biases on the column and
-# row layers), a mixture of experts (every expert adapted).
+# row layers), a mixture of experts (every expert adapted), a bf16 base.
 REFS = {"ref_8bit": {"optim.name": "adamw8bit", "optim.min_8bit_size": 0, "optim.block_size": 64},
-        "ref_gpt2": {"model.name": "gpt2-tiny"}, "ref_moe": {"model.name": "tiny-moe"}}
+        "ref_gpt2": {"model.name": "gpt2-tiny"}, "ref_moe": {"model.name": "tiny-moe"},
+        "ref_bf16": {"lora.base_precision": "bf16"}}
 OTHERS = {"zero1_8bit": ("ref_8bit", {"parallel.dp": 2, "parallel.zero": 1}),
           "gpt2_tp2_sp": ("ref_gpt2", {"parallel.tp": 2, "parallel.sp": True}),
           "gpt2_zero2": ("ref_gpt2", {"parallel.dp": 2, "parallel.zero": 2}),
           "gpt2_zero3": ("ref_gpt2", {"parallel.dp": 2, "parallel.zero": 3}),
           "gpt2_pp2_tied": ("ref_gpt2", {"parallel.pp": 2, "train.micro_batch": 2}),  # frozen tied head
           "moe_ddp": ("ref_moe", {"parallel.dp": 2}),
+          "zero2_bf16_base": ("ref_bf16", {"parallel.dp": 2, "parallel.zero": 2}),
+          "ddp_bf16_base": ("ref_bf16", {"parallel.dp": 2}),
+          "zero3_bf16_base": ("ref_bf16", {"parallel.dp": 2, "parallel.zero": 3}),
           "moe_tp2": ("ref_moe", {"parallel.tp": 2}),  # every expert's adapters split as its linears
           "moe_tp2_sp": ("ref_moe", {"parallel.tp": 2, "parallel.sp": True}),
           "moe_ep2": ("ref_moe", {"parallel.dp": 2, "parallel.ep": 2}),
@@ -179,12 +183,27 @@ def test_layout_equals_one_process(runs, name):
     refs, results = runs
     (ref, ref_adapters) = refs[OTHERS[name][0] if name in OTHERS else "ref"]
     losses, weights, adapters, _ = results[name]
-    assert_same_training(RunResult(losses, weights), ref, **FP32_REORDERED)
-    assert_same_training(RunResult(losses, adapters), RunResult(ref.losses, ref_adapters), **FP32_REORDERED)
+    if OTHERS.get(name, ("",))[0] == "ref_bf16":
+        _same_within_bf16(losses, adapters, ref.losses, ref_adapters)
+    else:
+        assert_same_training(RunResult(losses, weights), ref, **FP32_REORDERED)
+        ref_run = RunResult(ref.losses, ref_adapters)
+        assert_same_training(RunResult(losses, adapters), ref_run, **FP32_REORDERED)
     assert adapters and all(".lora_" in n for n in adapters)
     for frozen in [n for n in ref.weights if "norm" in n or "embed" in n]:
         assert torch.equal(weights[frozen], ref.weights[frozen]), f"{frozen} moved: the base must stay frozen"
     assert any(t.abs().sum() > 0 for n, t in adapters.items() if "lora_B" in n)  # the adapters trained
+
+
+def _same_within_bf16(losses, adapters, ref_losses, ref_adapters) -> None:
+    """A bf16 base rounds every activation gradient through it to bf16 (2^-8 relative), and CPU
+    bf16 kernels round shapes of another batch split differently: the runs agree to bf16's
+    precision, not fp32's. Losses within 1e-3 relative; each adapter within 2% (relative
+    Frobenius) -- a missing reduction or a doubled gradient is off by ~100%."""
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-3, atol=0)
+    assert adapters.keys() == ref_adapters.keys()
+    for n, t in ref_adapters.items():
+        assert (adapters[n] - t).norm() <= 0.02 * t.norm() + 1e-6, n
 
 
 STATE_KEYS = {"params": "mem_params_bytes", "grads": "mem_grads_bytes", "optim": "mem_optim_bytes"}

@@ -40,8 +40,6 @@ def test_checks_refuse_before_any_worker():
     assert "lora.rank must be >= 0" in _problems(**{"lora.rank": -1})
     assert "--lora 32 is not below the width of layers.0.attn.wk (64 -> 32)" in _problems(**{"lora.rank": 32})
     assert "cnn-tiny" in _problems(**LORA, **{"model.name": "cnn-tiny"})
-    assert "--zero 3 and --base-precision bf16" in _problems(
-        **LORA, **{"parallel.zero": 3, "parallel.dp": 2, "lora.base_precision": "bf16"})
     kv = _problems(**LORA, **{"parallel.tp": 4})  # 2 kv heads cannot split over 4 ranks
     assert "--lora on layers.*.attn.wk with --tp 4: its 2 kv heads do not split" in kv
     assert "--base-precision applies to LoRA" in _problems(**{"lora.base_precision": "bf16"})
@@ -50,6 +48,8 @@ def test_checks_refuse_before_any_worker():
         **LORA, **{"lora.targets": ["wq", "lm_head"], "parallel.tp": 2})
     assert "--ep > 1 with --tp > 1" in _problems(
         **LORA, **{"model.name": "tiny-moe", "parallel.tp": 2, "parallel.dp": 2, "parallel.ep": 2})
+    assert "--pp > 1 and --base-precision bf16" in _problems(
+        **LORA, **{"parallel.pp": 2, "lora.base_precision": "bf16", "train.micro_batch": 4})
     assert "lm_head does not compose with --tile" in _problems(
         **LORA, **{"lora.targets": ["wq", "lm_head"], "train.tile": 2})
     assert "--tile > 1 and --base-precision bf16" in _problems(
