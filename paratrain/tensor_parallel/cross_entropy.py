@@ -28,8 +28,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.comm import collectives as C
-
-IGNORE_INDEX = -100  # torch's default ignore_index; the data's (paratrain/data/packing.py) too
+from paratrain.data.packing import IGNORE_INDEX
 
 
 class _VocabParallelCE(torch.autograd.Function):
