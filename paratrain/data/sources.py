@@ -233,16 +233,8 @@ def _read_text(piece: Piece, text_field: str) -> Iterator[tuple[str, bool]]:
 
 
 def _read_jsonl(piece: Piece, text_field: str) -> Iterator[tuple[str, bool]]:
-    data = _read_range(piece)
-    for i, line in enumerate(data.split(b"\n")):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line.decode("utf-8", errors="replace"))
-        except json.JSONDecodeError as e:
-            raise DataError(f"{_where(piece, data, i)}: invalid JSON ({e.msg}, column {e.colno}); "
-                            "each line of a .jsonl file must be one JSON object") from None
-        yield from _field_text(obj, text_field, lambda i=i: _where(piece, data, i))
+    for obj, where in _jsonl_rows(piece):
+        yield from _field_text(obj, text_field, where)
 
 
 def _read_parquet(piece: Piece, text_field: str) -> Iterator[tuple[str, bool]]:

@@ -85,11 +85,7 @@ class RowParallelLoRALinear(RowParallelLinear):
         w = old.weight
         super().__init__(old.in_features, old.out_features, axis, bias=old.bias is not None,
                          sequence_parallel=sequence_parallel, device=w.device, dtype=w.dtype)
-        _take_lora(self, old)
-        r, a, tp = old.rank, old.lora_A.weight, axis.size
-        a_spec = TensorShard((r, old.in_features), 1, axis.rank, tp)
-        self.lora_A = Adapter((r, old.in_features // tp), a_spec, a)
-        self.lora_B = Adapter((old.out_features, r), TensorShard((old.out_features, r)), a)
+        _row_split_adapters(self, old, axis)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = base_linear(x, self.weight, None)  # [b, s, out], this rank's partial sum
@@ -109,6 +105,15 @@ class RowParallelLoRALinear(RowParallelLinear):
         return y
 
 
+def _row_split_adapters(layer: nn.Module, old: LoRALinear, axis: C.Axis) -> None:
+    """A row-parallel base's adapters: A split by input like the base's weight, B replicated."""
+    _take_lora(layer, old)
+    r, a, tp = old.rank, old.lora_A.weight, axis.size
+    a_spec = TensorShard((r, old.in_features), 1, axis.rank, tp)
+    layer.lora_A = Adapter((r, old.in_features // tp), a_spec, a)
+    layer.lora_B = Adapter((old.out_features, r), TensorShard((old.out_features, r)), a)
+
+
 class PartialRowLoRALinear(RowParallelLinear):
     """An expert's ``down`` (experts.py's PartialRowLinear) with its adapters: A split by input, B
     replicated, and the partial sum x_i W_i^T + s (x_i A_i^T) B^T left for the layer's one reduce
@@ -120,11 +125,7 @@ class PartialRowLoRALinear(RowParallelLinear):
     def __init__(self, old: LoRALinear, axis: C.Axis):
         w = old.weight
         super().__init__(old.in_features, old.out_features, axis, device=w.device, dtype=w.dtype)
-        _take_lora(self, old)
-        r, a, tp = old.rank, old.lora_A.weight, axis.size
-        a_spec = TensorShard((r, old.in_features), 1, axis.rank, tp)
-        self.lora_A = Adapter((r, old.in_features // tp), a_spec, a)
-        self.lora_B = Adapter((old.out_features, r), TensorShard((old.out_features, r)), a)
+        _row_split_adapters(self, old, axis)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         u = F.linear(self.lora_dropout(x), self.lora_A.weight)  # [tokens, r], partial
