@@ -26,7 +26,7 @@ def test_ce_loss_is_the_cross_entropy_of_the_step(tmp_path):
     checks.validate(cfg, 1)
     build_task(cfg)
     trainer = Trainer(cfg)
-    x, y = trainer.task.train_batch(0, cfg.train.global_batch, trainer.local_rows())[:2]  # plain rows: no positions
+    x, y = trainer.task.train_batch(0, cfg.train.global_batch, trainer.local_rows())[:2]
     with torch.no_grad():
         expected = F.cross_entropy(trainer.engine.model(x).flatten(0, 1).float(), y.flatten()).item()
     trainer.fit()
