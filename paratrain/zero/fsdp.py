@@ -65,6 +65,7 @@ import torch.nn as nn
 from paratrain.base.strategy import Strategy
 from paratrain.comm import collectives as C
 from paratrain.comm.collectives import nbytes
+from paratrain.device import release_host_heap
 from paratrain.expert_parallel import split_expert_units
 from paratrain.mesh import ParallelMesh
 from paratrain.models import family_of
@@ -146,6 +147,8 @@ class Zero3(UnitHooks, ShardedState, Strategy):
         """
         self.units = self._plan_units()
         self.trained = [u for u in self.units if u.layout is not None]  # the store's order
+        # Host memory only, and only when frozen buffers join the gathers (device.release_host_heap).
+        self._trim_host_heap = self.mesh.device.type == "cpu" and any(u.frozen for u in self.units)
         self.layouts = [u.layout for u in self.trained]
         for i, u in enumerate(self.trained):
             u.index = i
@@ -353,6 +356,8 @@ class Zero3(UnitHooks, ShardedState, Strategy):
                 p.grad = None
         self.last_gathered_peak_bytes = self.gathered_peak_bytes
         self.gathered_peak_bytes = self.gathered_bytes
+        if self._trim_host_heap:
+            release_host_heap()  # device.py says why: the host heap grows around freed buffers
 
     def discard_backward(self) -> None:
         """A backward that will not be stepped: its reductions waited for and dropped, every unit
