@@ -143,6 +143,7 @@ OTHERS = {"zero1_8bit": ("ref_8bit", {"parallel.dp": 2, "parallel.zero": 1}),
           "zero2_bf16_base": ("ref_bf16", {"parallel.dp": 2, "parallel.zero": 2}),
           "ddp_bf16_base": ("ref_bf16", {"parallel.dp": 2}),
           "zero3_bf16_base": ("ref_bf16", {"parallel.dp": 2, "parallel.zero": 3}),
+          "pp2_bf16_base": ("ref_bf16", {"parallel.pp": 2, "train.micro_batch": 2}),  # fp32 stream
           "moe_tp2": ("ref_moe", {"parallel.tp": 2}),  # every expert's adapters split as its linears
           "moe_tp2_sp": ("ref_moe", {"parallel.tp": 2, "parallel.sp": True}),
           "moe_ep2": ("ref_moe", {"parallel.dp": 2, "parallel.ep": 2}),

@@ -75,9 +75,6 @@ def trainable_count(model: nn.Module) -> int:
 NOT_WITH_LORA = {
     "cnn-tiny": (lambda c: c.model.name == "cnn-tiny",
                  "it declares no model family: LoRA adapts Llama and GPT-2 models"),
-    "--pp > 1 and --base-precision bf16": (
-        lambda c: c.parallel.pp > 1 and c.lora.base_precision != "fp32",
-        "pipeline stages size their activation buffers by the first parameter's dtype"),
     "--tile > 1 and --zero 3": (lambda c: c.train.tile > 1 and c.parallel.zero == 3,
                                 "ZeRO-3's weight tiles split the base's linears outside their adapters"),
     "--tile > 1 and --base-precision bf16": (

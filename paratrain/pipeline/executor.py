@@ -26,6 +26,7 @@ measured bubble and the timeline picture come from the real run.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import time
 from pathlib import Path
@@ -65,9 +66,11 @@ class PipelineExecutor:
         self.n_stages = self.p * virtual_stages
         self.autocast = autocast_for(precision, mesh.device)
         self.tied = TiedEmbedding(model, mesh)
-        # Activations between stages are the residual stream: the parameters' dtype even under
-        # autocast (fp32 residual + bf16 branch promotes to fp32).
-        self.act_dtype = next(model.parameters()).dtype
+        # Activations between stages are the residual stream: the parameters' widest dtype even
+        # under autocast (fp32 residual + bf16 branch promotes to fp32; a LoRA base stored in bf16
+        # beside fp32 norms and adapters streams fp32, as one process does after the first norm).
+        self.act_dtype = functools.reduce(torch.promote_types,
+                                          {p.dtype for p in model.parameters() if p.is_floating_point()})
         self.dim = model.cfg.dim
         # Under sequence parallelism the residual stream between blocks, and so between stages,
         # holds this tp rank's 1/tp slice of the sequence.
