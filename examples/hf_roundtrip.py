@@ -78,7 +78,7 @@ def main() -> int:
     cli.main(["export", str(run), "--hf", str(work / "export")])
 
     # 4. Check: transformers computes the same logits as paratrain's fine-tuned model.
-    from paratrain.generate import load_run
+    from paratrain.inference.folders import load_run
 
     ours, _ = load_run(str(run))
     ids = torch.randint(0, ours.cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))

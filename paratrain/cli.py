@@ -274,7 +274,7 @@ def adopt_torchrun_world(cfg: config.Config) -> config.Config:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from paratrain.generate import generate_from_run  # lazy: start-up time
+    from paratrain.inference.folders import generate_from_run  # lazy: start-up time
 
     run = None if args.init_from else args.run
     temperature = 0.0 if args.greedy else args.temperature

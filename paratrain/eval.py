@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from paratrain.data import TokenRows, prepare_corpus
 from paratrain.data.packing import IGNORE_INDEX, PackedRows
 from paratrain.data.tokenizer import load_tokenizer
-from paratrain.generate import load_run, run_template
+from paratrain.inference.folders import load_run, run_template
 from paratrain.models.llama import Llama
 from paratrain.models.llama.hf import check_seq_len, load_pretrained
 

@@ -19,7 +19,7 @@ import paratrain.signals as signals
 from paratrain.config import Config, ConfigError
 from paratrain.data import check_cursor
 from paratrain.engine import checkpoint as ckpt
-from paratrain.generate import generate_from_run
+from paratrain.inference.folders import generate_from_run
 from paratrain.launch import (
     DistEnv,
     Interrupted,

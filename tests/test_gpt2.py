@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from paratrain import cli, config
 from paratrain.engine import checks
-from paratrain.generate import load_run
+from paratrain.inference.folders import load_run
 from paratrain.models import build_model, preset
 from paratrain.models.gpt2 import GPT2Config
 from paratrain.models.llama.hf import HFError, load_pretrained

@@ -214,7 +214,7 @@ def test_import_train_export_roundtrip(tmp_path, capsys):
     export -> import is bit-exact, and the aux coefficient goes back as it came."""
     from transformers import AutoModelForCausalLM
 
-    from paratrain.generate import load_run
+    from paratrain.inference.folders import load_run
 
     src, run, dst = tmp_path / "src", tmp_path / "run", tmp_path / "hf"
     save_mixtral(src)
@@ -243,7 +243,7 @@ def test_import_train_export_roundtrip(tmp_path, capsys):
 def test_native_moe_run_exports_as_mixtral(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from paratrain.generate import load_run
+    from paratrain.inference.folders import load_run
 
     run = tmp_path / "run"
     run_layout(tiny_cfg(run, **{"model.name": "tiny-moe", "train.steps": 1}))

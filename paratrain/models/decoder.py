@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from paratrain.models.family import ModelFamily, call_part
+from paratrain.models.kv_cache import KVCache
 
 
 def block_causal_mask(positions: torch.Tensor | None) -> torch.Tensor | None:
@@ -44,12 +45,14 @@ class Decoder(nn.Module):
     norm: nn.Module | None
     lm_head: nn.Module | None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
         """tokens [b, s] (positions [b, s] or None) -> logits [b, s, vocab]; a pipeline stage may
-        take/return hidden states."""
+        take/return hidden states. With ``cache`` (generation, models/kv_cache.py) x holds only the
+        new tokens, positions their absolute positions, and each block reads and fills its slot."""
         h = call_part(self.embed, x, positions) if self.embed is not None else x  # [b, s, dim]
-        for block in self.layers.values():
-            h = block(h, positions)
+        for key, block in self.layers.items():
+            h = block(h, positions) if cache is None else block(h, positions, cache.layer(key))
         if self.norm is not None:
             h = self.norm(h)
         return self.lm_head(h) if self.lm_head is not None else h

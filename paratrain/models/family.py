@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from paratrain.models.kv_cache import KVCache
+
 
 @dataclass(frozen=True)
 class ModelFamily:
@@ -74,16 +76,19 @@ class ModelFamily:
         return units
 
     def forward_stage(self, model: nn.Module, x: torch.Tensor, blocks: list[int], first: bool,
-                      last: bool, positions: torch.Tensor | None = None) -> torch.Tensor:
+                      last: bool, positions: torch.Tensor | None = None, cache: KVCache | None = None
+                      ) -> torch.Tensor:
         """One pipeline stage: the ``before`` modules (first stage), its blocks, the ``after`` ones.
-        ``positions`` [b, s] (None: 0..s-1) reach every block and any part that reads them."""
+        ``positions`` [b, s] (None: 0..s-1) reach every block and any part that reads them;
+        ``cache`` (generation): each block reads and fills its slot (models/kv_cache.py)."""
         h = x
         if first:
             for _, m in self.present(model, self.before):
                 h = call_part(m, h, positions)
         layers = self.blocks_of(model)
         for i in blocks:
-            h = layers[str(i)](h, positions)
+            block = layers[str(i)]
+            h = block(h, positions) if cache is None else block(h, positions, cache.layer(str(i)))
         if last:
             for _, m in self.present(model, self.after):
                 h = m(h)

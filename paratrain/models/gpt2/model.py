@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from paratrain.models.decoder import Decoder, block_causal_mask
 from paratrain.models.init import value_by_name
+from paratrain.models.kv_cache import LayerCache
 from paratrain.models.llama import CoreAttention
 
 # Hugging Face's activation_function -> F.gelu's ``approximate`` (gelu_new is the tanh form).
@@ -140,11 +141,16 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.dim)
         self.wo = nn.Linear(cfg.dim, cfg.dim)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: LayerCache | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         # Head counts come from the projections, so a column-split projection yields local heads.
         q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        y = self.core(q, k, v, block_causal_mask(positions))  # [b, heads, s, hd]
+        if cache is None:
+            y = self.core(q, k, v, block_causal_mask(positions))  # [b, heads, s, hd]
+        else:  # generation: x holds the new tokens, the earlier keys/values come from the cache
+            k, v = cache.append(k, v)
+            y = self.core(q, k, v, cache.mask, causal=cache.causal)
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))  # [b, s, dim]
 
 
@@ -169,8 +175,9 @@ class Block(nn.Module):
         self.mlp_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), positions)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), positions, cache)
         return x + self.mlp(self.mlp_norm(x))
 
 

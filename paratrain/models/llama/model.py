@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from paratrain.models.decoder import Decoder, block_causal_mask
 from paratrain.models.init import value_by_name
+from paratrain.models.kv_cache import LayerCache
 from paratrain.models.moe import MoE
 
 
@@ -167,16 +168,20 @@ class CoreAttention(nn.Module):
 
     ``mask``: packed rows' block-diagonal causal mask [b, 1, s, s] (models/decoder.py), or None for
     plain causal attention (``is_causal``: the fast path pretraining keeps). It is an argument, not
-    state, so selective recompute's re-run in backward sees the mask of its own micro-batch."""
+    state, so selective recompute's re-run in backward sees the mask of its own micro-batch.
+    Generation passes a KV cache's keys (models/kv_cache.py): more keys than queries, its mask."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves a group of q heads
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                *, causal: bool = True, grouped: bool = False) -> torch.Tensor:
+        """``causal`` (with no mask): query i sees keys 0..i, else every key (a decode step's one
+        query); ``grouped``: keep grouped kv heads grouped (a KV cache's keys), not repeated."""
+        if k.shape[1] != q.shape[1] and not grouped:  # each kv head serves a group of q heads
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
         if mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
 
 
 class Attention(nn.Module):
@@ -190,7 +195,10 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: LayerCache | None = None) -> torch.Tensor:
+        """x [b, s, dim] -> [b, s, dim]; with ``cache`` (generation) x holds the new tokens only,
+        ``positions`` their absolute positions, and the keys of earlier tokens come from the cache."""
         b, s, _ = x.shape  # the whole sequence, also under SP (the entry norm gathered it)
         # Head counts come from the projections, so a column-split projection yields local heads.
         q = self.wq(x).view(b, s, -1, self.head_dim)  # [b, s, n_heads, hd]
@@ -199,7 +207,11 @@ class Attention(nn.Module):
         cos, sin = rope_tables(s, self.head_dim, self.rope_theta, x.device, positions)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, hd]
-        y = self.core(q, k, v, block_causal_mask(positions))
+        if cache is None:
+            y = self.core(q, k, v, block_causal_mask(positions))
+        else:
+            k, v = cache.append(k, v)  # [b, kv_heads, cached + s, hd]
+            y = self.core(q, k, v, cache.mask, causal=cache.causal, grouped=True)
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))  # [b, s, dim]
 
 
@@ -224,8 +236,9 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = moe_mlp(cfg) if cfg.is_moe_block(index) else MLP(cfg)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), positions)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), positions, cache)
         return x + self.mlp(self.mlp_norm(x))
 
 

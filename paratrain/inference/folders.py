@@ -1,4 +1,5 @@
-"""`paratrain generate`: sample text from a trained run folder (single process, any layout's output)."""
+"""What generation reads from a run folder or a Hugging Face folder (model, tokenizer, chat
+template), and `paratrain generate`'s single-process sampling of one prompt."""
 
 from __future__ import annotations
 
