@@ -106,7 +106,7 @@ def decode(step: StepFn, prompts: list[list[int]], sampling: Sampling, device: t
     ids, valid, positions = left_pad(prompts)
     cache = KVCache(len(prompts), ids.shape[1] + sampling.max_new_tokens, device)
     sampler, out = Sampler(sampling), [Generated() for _ in prompts]
-    live = torch.ones(len(prompts), dtype=torch.bool)
+    live, fed = torch.ones(len(prompts), dtype=torch.bool), torch.ones(len(prompts), 1, dtype=torch.bool)
     logits = _forward(step, cache, ids, positions, valid, device)
     for made in range(1, sampling.max_new_tokens + 1):
         tokens = sampler(logits)
@@ -114,8 +114,7 @@ def decode(step: StepFn, prompts: list[list[int]], sampling: Sampling, device: t
         if not live.any() or made == sampling.max_new_tokens:
             break  # the last token needs no forward
         positions = positions[:, -1:] + 1
-        logits = _forward(step, cache, tokens[:, None], positions, torch.ones(len(prompts), 1, dtype=torch.bool),
-                          device)
+        logits = _forward(step, cache, tokens[:, None], positions, fed, device)
     return out
 
 
