@@ -32,7 +32,8 @@ def tok_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=320, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, max_seq_len=128)
+    cfg = LlamaConfig(vocab_size=320, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
+                      max_seq_len=128)
     return build_model(cfg).double().eval()
 
 
@@ -66,13 +67,14 @@ def test_eos_and_stop_end_rows(model, tok_dir):
     assert [g.finish for g in stop] == ["stop", "stop"] and [len(g.ids) for g in stop] == [2, 2]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
 def test_imported_hf_batch_matches_transformers_generate(tmp_path, family):
     from tokenizers import Tokenizer
 
     from paratrain.inference.folders import load_model
+    from tests.test_gpt2 import save_gpt2
 
-    ref = save_hf(tmp_path, family).double()
+    ref = (save_gpt2(tmp_path) if family == "gpt2" else save_hf(tmp_path, family)).double()
     ours = load_model(None, str(tmp_path)).double()
     tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     ids = [tok.encode(p).ids for p in PROMPTS]
@@ -106,7 +108,8 @@ def test_cli_prompts_file_to_out_jsonl(hf_dir, tmp_path):
     want = paratrain.generate(build_from(hf_dir), hf_dir, ["x", "def f(x):", "import os"], max_new_tokens=5,
                               temperature=0)
     assert [r["completion"] for r in rows] == want
-    assert all(r["finish"] in ("eos", "length") and r["truncated"] == 0 and r["new_tokens"] <= 5 for r in rows)
+    assert all(r["finish"] in ("eos", "length") and r["truncated"] == 0 for r in rows)
+    assert all(0 < r["new_tokens"] <= 5 for r in rows)
     assert not (tmp_path / "out.jsonl.tmp").exists()
 
 
