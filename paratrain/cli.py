@@ -1,6 +1,8 @@
 """The `paratrain` command: train, generate, eval, export, bench, plan, viz, data.
 
 User mistakes end with a one-paragraph message and exit code 2, never a traceback.
+
+Over 500 lines: every command's flags, with their help, in one place (the work lives in the packages).
 """
 
 from __future__ import annotations
