@@ -145,3 +145,46 @@ def test_cli_prompt_over_context_refused_or_truncated(hf_dir, tmp_path, capsys):
     assert generate_cli(hf_dir, long, "--truncate-prompts", "--out", str(out)) == 0
     assert "truncated" in capsys.readouterr().err
     assert json.loads(out.read_text())["truncated"] > 0
+
+
+def test_chat_prompts_render_as_transformers_does(tmp_path):
+    """--chat (a flag: each text prompt a user message) and {"messages": [...]} lines: the ids the
+    model sees equal transformers' apply_chat_template with the generation prompt."""
+    from transformers import PreTrainedTokenizerFast
+
+    from paratrain.inference.command import GenerateRequest
+    from paratrain.inference.prompts import prepare
+    from tests.test_chat_data import QWEN2
+
+    save_hf(tmp_path, "qwen2")
+    (tmp_path / "chat_template.jinja").write_text(QWEN2.read_text())
+    chats = [[{"role": "user", "content": "hi"}],
+             [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def f(x):"}]]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"messages": chats[1]}) + "\n")
+    prepared = prepare(GenerateRequest(init_from=str(tmp_path), prompts=["hi"], prompts_file=str(prompts),
+                                       chat=True, sampling=Sampling(4)))
+    tok = PreTrainedTokenizerFast.from_pretrained(str(tmp_path))
+    want = [tok.apply_chat_template(c, add_generation_prompt=True, return_dict=False) for c in chats]
+    assert prepared.ids == [list(w) for w in want]
+    assert prepared.where == ["prompt 1", f"{prompts}:1"]
+
+
+def test_a_run_generates_dropless(tmp_path):
+    """A MoE run trained with a capacity limit generates without one (capacity_factor 0: cached decode
+    equals a full forward), through `paratrain generate --run` and its --out rows."""
+    from safetensors.torch import save_file
+
+    from paratrain.inference.folders import load_run
+
+    cfg = LlamaConfig(vocab_size=320, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=64,
+                      n_experts=4, top_k=2, capacity_factor=0.5)
+    torch.manual_seed(0)
+    save_file(build_model(cfg).state_dict(), str(tmp_path / "model.safetensors"))
+    (tmp_path / "run.json").write_text(json.dumps({"model": cfg.to_dict()}))
+    save_tokenizer(tmp_path)
+    assert load_run(str(tmp_path))[0].cfg.capacity_factor == 0.0
+    out = tmp_path / "out.jsonl"
+    assert cli.main(["generate", "--run", str(tmp_path), "a", "bc", "--greedy", "--max-new-tokens", "3",
+                     "--ignore-eos", "--out", str(out)]) == 0
+    assert [json.loads(line)["new_tokens"] for line in out.read_text().splitlines()] == [3, 3]
