@@ -18,7 +18,7 @@ from paratrain.data.template import (
     load_template,
     special_tokens,
 )
-from paratrain.data.tokenizer import load_tokenizer
+from paratrain.data.tokenizer import eot_id, load_tokenizer
 from paratrain.inference.loop import Sampling, decode, local_step
 from paratrain.models import build_model
 from paratrain.models.from_config import config_from_dict
@@ -105,5 +105,15 @@ def generate_from_run(run: str | None, prompt: str, max_new_tokens: int = 120, t
         prompt_ids = tok.encode(text, add_special_tokens=False).ids or [0]
     else:
         prompt_ids = tok.encode(prompt, add_special_tokens=not rendered).ids or [0]
-    out = sample(model, prompt_ids, max_new_tokens, temperature, top_k, seed)
+    path = ckpt.tokenizer_path if init_from is not None else Path(run) / "tokenizer.json"
+    eos = tokenizer_eos(tok, path)
+    out = sample(model, prompt_ids, max_new_tokens, temperature, top_k, seed, eos_ids=eos)
     return tok.decode(out[len(prompt_ids):])
+
+
+def tokenizer_eos(tok: object, path: Path) -> tuple[int, ...]:
+    """The tokenizer's end-of-text token as the ids that end a row; () when it has none."""
+    try:
+        return (eot_id(tok, path),)
+    except DataError:
+        return ()

@@ -10,8 +10,8 @@ from tokenizers import Tokenizer
 
 from paratrain.data.sources import DataError
 from paratrain.data.template import load_template
-from paratrain.data.tokenizer import eot_id, load_tokenizer
-from paratrain.inference.folders import chat_prompt
+from paratrain.data.tokenizer import load_tokenizer
+from paratrain.inference.folders import chat_prompt, tokenizer_eos
 from paratrain.inference.loop import Sampling, decode, local_step
 from paratrain.inference.prompts import cut_at_stop, stop_check
 from paratrain.models.llama.hf import tokenizer_file
@@ -28,7 +28,7 @@ def generate(model: nn.Module, tokenizer: Tokenizer | str | Path, prompts: str |
     tok = load_tokenizer(path) if path is not None else tokenizer
     texts = [prompts] if isinstance(prompts, str) else list(prompts)
     ids = [_encode(tok, text, chat, path) for text in texts]
-    eos = tuple(eos_ids) if eos_ids is not None else _default_eos(tok, path)
+    eos = tuple(eos_ids) if eos_ids is not None else tokenizer_eos(tok, path)
     sampling = Sampling(max_new_tokens, temperature, top_k, top_p, seed, eos)
     device = next(model.parameters()).device
     stops = tuple(stop)
@@ -48,9 +48,3 @@ def _encode(tok: Tokenizer, text: str, chat: bool, path: Path | None) -> list[in
         raise DataError(f"the prompt {text!r} is empty: give some text")
     return ids
 
-
-def _default_eos(tok: Tokenizer, path: Path | None) -> tuple[int, ...]:
-    try:
-        return (eot_id(tok, path),)
-    except DataError:
-        return ()

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from paratrain.data.sources import DataError
 from paratrain.data.template import ChatTemplate, TemplateFailed, load_template
-from paratrain.data.tokenizer import eot_id, load_tokenizer
-from paratrain.inference.folders import chat_prompt, run_template
+from paratrain.data.tokenizer import load_tokenizer
+from paratrain.inference.folders import chat_prompt, run_template, tokenizer_eos
 from paratrain.inference.loop import StopCheck
 from paratrain.inference.request import GenerateRequest, PreparedPrompts
 from paratrain.models.from_config import config_from_dict
@@ -100,10 +100,7 @@ class Source:
                 return (eos,)
             if isinstance(eos, list) and eos:
                 return tuple(int(i) for i in eos)
-        try:
-            return (eot_id(self.tokenizer, self.tokenizer_path),)
-        except DataError:
-            return ()
+        return tokenizer_eos(self.tokenizer, self.tokenizer_path)
 
 
 def prepare(request: GenerateRequest) -> PreparedPrompts:
