@@ -1,0 +1,155 @@
+"""Layer-streamed generation (inference/stream.py): equal to in-memory generation, under its memory
+limit, refusing a limit below one block, and leaving no thread or offload folder behind.
+
+float64 models: a near-tie between two logits cannot flip greedy argmax, and the streamed forward
+runs the same ops on the same values, so logits are compared for exact equality."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from paratrain.inference.loop import Sampling, decode, local_step
+from paratrain.inference.stream import (
+    MemoryLimitError,
+    StreamedModel,
+    parse_bytes,
+    plan_memory,
+    prefetch_threads,
+    streamed_step,
+)
+from paratrain.models.llama.hf import HFCheckpoint, load_pretrained
+from tests.hf_models import save_hf
+
+PROMPTS = [[5, 17, 30, 2, 9], [44, 3], [7, 8, 9, 10, 11, 12, 13]]
+GREEDY = Sampling(max_new_tokens=6, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("hf")
+    save_hf(path, "llama", num_hidden_layers=4, tokenizer=False)
+    return path
+
+
+def recording(step):
+    seen = []
+
+    def wrapped(ids, positions, cache):
+        seen.append(step(ids, positions, cache))
+        return seen[-1]
+
+    return wrapped, seen
+
+
+def plan_for(limit: int):
+    return lambda model: plan_memory(model, limit, batch=len(PROMPTS), prompt=7, capacity=13,
+                                     dtype=torch.float64)
+
+
+def reference(folder: Path):
+    model = load_pretrained(str(folder))[0].double()
+    step, seen = recording(local_step(model))
+    return decode(step, PROMPTS, GREEDY), seen
+
+
+def streamed(folder: Path, offload: str, limit: int, **kw):
+    with StreamedModel(HFCheckpoint.open(str(folder)), plan_for(limit), offload=offload,
+                       dtype=torch.float64, **kw) as sm:
+        step, seen = recording(streamed_step(sm))
+        return decode(step, PROMPTS, GREEDY), seen, sm
+
+
+def probe(folder: Path):
+    """The plan of the test model under an ample limit (everything resident; its minimum is known)."""
+    source = HFCheckpoint.open(str(folder))
+    return StreamedModel(source, plan_for(10**9), offload="disk", dtype=torch.float64).plan
+
+
+@pytest.mark.parametrize("offload", ["disk", "cpu"])
+def test_streamed_equals_in_memory(folder, offload, tmp_path):
+    want, want_logits = reference(folder)
+    plan = probe(folder)
+    one_resident = plan.minimum + plan.block  # one block resident, three stream
+    got, logits, sm = streamed(folder, offload, one_resident, offload_dir=str(tmp_path / "off") if
+                               offload == "disk" else None)
+    assert sm.plan.resident == ("0",) and sm.plan.streamed == ("1", "2", "3")
+    assert [g.ids for g in got] == [w.ids for w in want]
+    for a, b in zip(logits, want_logits):
+        assert torch.equal(a, b)
+    assert not prefetch_threads()
+
+
+def test_limit_below_one_block_is_refused(folder):
+    minimum = probe(folder).minimum
+    with pytest.raises(MemoryLimitError, match=f"minimum of {minimum} bytes"):
+        StreamedModel(HFCheckpoint.open(str(folder)), plan_for(minimum - 1), offload="disk",
+                      dtype=torch.float64)
+
+
+def test_thread_and_folder_gone_after_run_and_error(folder, monkeypatch):
+    minimum = probe(folder).minimum
+    _, _, sm = streamed(folder, "disk", minimum)
+    assert sm.plan.streamed and sm.folder is not None and not sm.folder.exists()
+    assert not prefetch_threads()
+    sm = StreamedModel(HFCheckpoint.open(str(folder)), plan_for(minimum), offload="disk",
+                       dtype=torch.float64)
+    assert prefetch_threads() and sm.folder.exists()
+    step = streamed_step(sm)
+    with pytest.raises(RuntimeError, match="boom"):
+        monkeypatch.setattr(sm.model.embed, "forward", lambda x: (_ for _ in ()).throw(RuntimeError("boom")))
+        decode(step, PROMPTS, GREEDY)
+    assert not prefetch_threads() and not sm.folder.exists()
+
+
+def test_parse_bytes():
+    assert parse_bytes("2GiB") == 2 * 2**30 and parse_bytes("500MB") == 500 * 10**6
+    assert parse_bytes("40M") == 40 * 2**20 and parse_bytes("1234") == 1234
+    with pytest.raises(ValueError, match="not a size"):
+        parse_bytes("lots")
+
+
+CHILD = """
+import json, sys, torch
+from paratrain.inference.loop import Sampling, decode
+from paratrain.inference.stream import StreamedModel, plan_memory, streamed_step
+from paratrain.models.llama.hf import HFCheckpoint
+from paratrain.models.registry import build_model
+torch.set_num_threads(1)
+folder, limit = sys.argv[1], int(sys.argv[2])
+source = HFCheckpoint.open(folder)
+build_model(source.model_cfg, "meta")  # torch's meta-device machinery (~70 MiB of modules) is torch's
+def rss(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+base = rss("VmRSS:")
+open("/proc/self/clear_refs", "w").write("5")  # reset VmHWM to the current RSS
+prompts = [[5, 17, 30, 2, 9]]
+plan = lambda m: plan_memory(m, limit, batch=1, prompt=5, capacity=9, dtype=torch.float32)
+with StreamedModel(source, plan, offload="disk") as sm:
+    out = decode(streamed_step(sm), prompts, Sampling(max_new_tokens=4, temperature=0))
+    streamed = len(sm.plan.streamed)
+print(json.dumps({"growth": rss("VmHWM:") - base, "tokens": len(out[0].ids), "streamed": streamed}))
+"""
+
+
+def test_model_three_times_the_limit_stays_under_it(tmp_path):
+    save_hf(tmp_path, "llama", tokenizer=False, num_hidden_layers=44, hidden_size=256,
+            intermediate_size=688, num_attention_heads=4, num_key_value_heads=2)
+    size = sum(f.stat().st_size for f in tmp_path.glob("*.safetensors"))
+    limit = 40 * 2**20
+    assert size >= 3 * limit
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), str(limit)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["tokens"] == 4 and got["streamed"] > 20
+    assert 0 < got["growth"] < limit, got
