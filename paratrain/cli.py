@@ -298,6 +298,23 @@ def generate_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     g.add_argument("--chat", metavar="MESSAGE", help="reply to this user message: it is formatted with the "
                                                      "model's chat template (the prompt is then ignored)")
+    offload_arguments(g)
+
+
+def offload_arguments(g: argparse.ArgumentParser) -> None:
+    """gen-stream's rows: layer streaming for a model larger than memory (docs/generation.md)."""
+    g.add_argument("--offload", choices=("none", "cpu", "disk"), default="none",
+                   help="stream the blocks that do not fit --memory-limit layer by layer: 'disk' writes "
+                        "them once to --offload-dir and reads one at a time (CPU); 'cpu' keeps them in host "
+                        "memory and copies each to the GPU (CUDA only) (default: %(default)s)")
+    g.add_argument("--memory-limit", metavar="BYTES",
+                   help="with --offload: the bytes generation may hold (resident weights, two stream "
+                        "buffers, KV cache, activations); the interpreter and torch's own footprint are not "
+                        "counted. "
+                        "Bytes, or e.g. 500MB, 2GiB")
+    g.add_argument("--offload-dir", metavar="DIR",
+                   help="with --offload disk: where the streamed blocks are written (default: a temporary "
+                        "folder, removed at exit)")
 
 
 def eval_parser(sub: argparse._SubParsersAction) -> None:

@@ -11,10 +11,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from paratrain.config import ConfigError
 from paratrain.inference.loop import Sampling, decode, local_step
 from paratrain.inference.stream import (
     MemoryLimitError,
@@ -24,6 +26,7 @@ from paratrain.inference.stream import (
     prefetch_threads,
     streamed_step,
 )
+from paratrain.inference.stream_command import check_offload, generate_ids
 from paratrain.models.llama.hf import HFCheckpoint, load_pretrained
 from tests.hf_models import save_hf
 
@@ -48,9 +51,8 @@ def recording(step):
     return wrapped, seen
 
 
-def plan_for(limit: int):
-    return lambda model: plan_memory(model, limit, batch=len(PROMPTS), prompt=7, capacity=13,
-                                     dtype=torch.float64)
+def plan_for(limit: int, dtype: torch.dtype = torch.float64):
+    return lambda model: plan_memory(model, limit, batch=len(PROMPTS), prompt=7, capacity=13, dtype=dtype)
 
 
 def reference(folder: Path):
@@ -66,10 +68,10 @@ def streamed(folder: Path, offload: str, limit: int, **kw):
         return decode(step, PROMPTS, GREEDY), seen, sm
 
 
-def probe(folder: Path):
+def probe(folder: Path, dtype: torch.dtype = torch.float64):
     """The plan of the test model under an ample limit (everything resident; its minimum is known)."""
     source = HFCheckpoint.open(str(folder))
-    return StreamedModel(source, plan_for(10**9), offload="disk", dtype=torch.float64).plan
+    return StreamedModel(source, plan_for(10**9, dtype), offload="disk", dtype=dtype).plan
 
 
 @pytest.mark.parametrize("offload", ["disk", "cpu"])
@@ -117,8 +119,10 @@ def test_parse_bytes():
 
 CHILD = """
 import json, sys, torch
+from paratrain.config import ConfigError
 from paratrain.inference.loop import Sampling, decode
 from paratrain.inference.stream import StreamedModel, plan_memory, streamed_step
+from paratrain.inference.stream_command import check_offload, generate_ids
 from paratrain.models.llama.hf import HFCheckpoint
 from paratrain.models.registry import build_model
 torch.set_num_threads(1)
@@ -153,3 +157,33 @@ def test_model_three_times_the_limit_stays_under_it(tmp_path):
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["tokens"] == 4 and got["streamed"] > 20
     assert 0 < got["growth"] < limit, got
+
+
+def test_backend_equals_in_memory_and_says_its_plan(folder, capsys):
+    """The command's fp32 path: the same fp32 ops as the in-memory model (bit-exact, so no near-tie
+    can differ)."""
+    want = decode(local_step(load_pretrained(str(folder))[0]), PROMPTS, GREEDY)
+    request = SimpleNamespace(offload="disk", memory_limit=str(probe(folder, torch.float32).minimum),
+                              init_from=str(folder),
+                              run=None, offload_dir=None, sampling=GREEDY)
+    got = generate_ids(request, SimpleNamespace(ids=PROMPTS, eos_ids=(), stop=None))
+    assert [g.ids for g in got] == [w.ids for w in want]
+    err = capsys.readouterr().err
+    assert "resident 0 blocks" in err and "4 blocks stream" in err and "peak RSS growth" in err
+    assert not prefetch_threads()
+
+
+@pytest.mark.parametrize("offload, limit, message", [
+    ("disk", None, "--offload disk needs --memory-limit"),
+    ("none", "1GiB", "add --offload disk"),
+    ("disk", "lots", "--memory-limit: 'lots' is not a size"),
+])
+def test_offload_settings_refused_clearly(offload, limit, message):
+    with pytest.raises(ConfigError, match=message):
+        check_offload(offload, limit)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_offload_cpu_refused_without_cuda():
+    with pytest.raises(ConfigError, match="use --offload disk"):
+        check_offload("cpu", "1GiB")

@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
+from paratrain.config import ConfigError
 from paratrain.inference.loop import StepFn
 from paratrain.models.family import call_part
 from paratrain.models.kv_cache import KVCache
@@ -47,7 +48,7 @@ class WeightSource(Protocol):
     def read(self, name: str, spec: TensorShard) -> torch.Tensor: ...
 
 
-class MemoryLimitError(ValueError):
+class MemoryLimitError(ConfigError):
     """The limit cannot hold what streaming needs (the message names the minimum)."""
 
 
