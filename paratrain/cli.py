@@ -1,6 +1,8 @@
 """The `paratrain` command: train, generate, eval, export, bench, plan, viz, data.
 
 User mistakes end with a one-paragraph message and exit code 2, never a traceback.
+
+Over 500 lines: every command's parser lives here, each flag with the help a user reads.
 """
 
 from __future__ import annotations
