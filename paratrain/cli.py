@@ -278,6 +278,10 @@ def adopt_torchrun_world(cfg: config.Config) -> config.Config:
 def cmd_generate(args: argparse.Namespace) -> int:
     from paratrain.inference.folders import generate_from_run  # lazy: start-up time
 
+    if args.offload != "none" or args.memory_limit is not None:
+        from paratrain.inference.stream_command import generate_text  # lazy: start-up time
+        print(generate_text(args))
+        return 0
     run = None if args.init_from else args.run
     temperature = 0.0 if args.greedy else args.temperature
     print(generate_from_run(run, args.prompt, max_new_tokens=args.tokens, temperature=temperature,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from paratrain import cli
 from paratrain.config import ConfigError
 from paratrain.inference.loop import Sampling, decode, local_step
 from paratrain.inference.stream import (
@@ -37,7 +39,7 @@ GREEDY = Sampling(max_new_tokens=6, temperature=0)
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("hf")
-    save_hf(path, "llama", num_hidden_layers=4, tokenizer=False)
+    save_hf(path, "llama", num_hidden_layers=4)
     return path
 
 
@@ -119,6 +121,7 @@ def test_parse_bytes():
 
 CHILD = """
 import json, sys, torch
+from paratrain import cli
 from paratrain.config import ConfigError
 from paratrain.inference.loop import Sampling, decode
 from paratrain.inference.stream import StreamedModel, plan_memory, streamed_step
@@ -187,3 +190,27 @@ def test_offload_settings_refused_clearly(offload, limit, message):
 def test_offload_cpu_refused_without_cuda():
     with pytest.raises(ConfigError, match="use --offload disk"):
         check_offload("cpu", "1GiB")
+
+
+def test_cli_offload_disk_prints_what_in_memory_prints(folder, capsys):
+    """Greedy fp32 through `paratrain generate`: the same text with and without streaming (the
+    in-memory sampler recomputes the whole sequence, the streamed one uses the cache: 1e-7 apart,
+    far from a tie on this model)."""
+    base = ["generate", "def ", "--init-from", str(folder), "--greedy", "--tokens", "6"]
+    assert cli.main(base) == 0
+    want = capsys.readouterr().out
+    limit = str(probe(folder, torch.float32).minimum)
+    assert cli.main(base + ["--offload", "disk", "--memory-limit", limit]) == 0
+    got = capsys.readouterr()
+    assert got.out == want and re.search(r"resident [0-3] blocks .* [1-4] blocks stream", got.err)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--offload", "disk", "--memory-limit", "1MB"], "below the minimum of"),
+    (["--memory-limit", "1GiB"], "add --offload disk"),
+    (["--offload", "disk"], "needs --memory-limit"),
+])
+def test_cli_bad_offload_exits_2(folder, capsys, extra, message):
+    assert cli.main(["generate", "def ", "--init-from", str(folder), *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and not prefetch_threads()
