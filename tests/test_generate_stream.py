@@ -11,11 +11,13 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from paratrain import cli
 from paratrain.config import ConfigError
@@ -28,8 +30,10 @@ from paratrain.inference.stream import (
     prefetch_threads,
     streamed_step,
 )
-from paratrain.inference.stream_command import check_offload, generate_ids
+from paratrain.inference.stream_command import RunWeights, check_offload, generate_ids
+from paratrain.models.gpt2.model import GPT2Config
 from paratrain.models.llama.hf import HFCheckpoint, load_pretrained
+from paratrain.models.registry import build_model
 from tests.hf_models import save_hf
 
 PROMPTS = [[5, 17, 30, 2, 9], [44, 3], [7, 8, 9, 10, 11, 12, 13]]
@@ -125,7 +129,7 @@ from paratrain import cli
 from paratrain.config import ConfigError
 from paratrain.inference.loop import Sampling, decode
 from paratrain.inference.stream import StreamedModel, plan_memory, streamed_step
-from paratrain.inference.stream_command import check_offload, generate_ids
+from paratrain.inference.stream_command import RunWeights, check_offload, generate_ids
 from paratrain.models.llama.hf import HFCheckpoint
 from paratrain.models.registry import build_model
 torch.set_num_threads(1)
@@ -214,3 +218,30 @@ def test_cli_bad_offload_exits_2(folder, capsys, extra, message):
     assert cli.main(["generate", "def ", "--init-from", str(folder), *extra]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and not prefetch_threads()
+
+
+def test_run_folder_of_another_family_streams_equal(tmp_path):
+    """A run's model.safetensors (RunWeights) of GPT-2 (learned positions, LayerNorm biases, a tied
+    head stored once): streamed equals in memory, float64, bit for bit."""
+    cfg = GPT2Config(vocab_size=64, dim=32, n_layers=3, n_heads=4, ffn_dim=64, max_seq_len=32)
+    torch.manual_seed(0)
+    model = build_model(cfg).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    save_file({k: v.float().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
+              str(tmp_path / "model.safetensors"))
+    (tmp_path / "run.json").write_text(json.dumps({"model": asdict(cfg)}))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    model.load_state_dict({k: v.double() for k, v in load_file(str(tmp_path / "model.safetensors")).items()},
+                          strict=False)
+    want = decode(local_step(model), PROMPTS, GREEDY)
+    plan = lambda m: plan_memory(m, 0, batch=3, prompt=7, capacity=13, dtype=torch.float64)  # noqa: E731
+    with pytest.raises(MemoryLimitError, match="minimum of (\\d+) bytes") as refused:
+        StreamedModel(RunWeights(str(tmp_path)), plan, offload="disk", dtype=torch.float64)
+    minimum = int(re.search(r"minimum of (\d+) bytes", str(refused.value)).group(1))
+    plan = lambda m: plan_memory(m, minimum, batch=3, prompt=7, capacity=13, dtype=torch.float64)  # noqa: E731
+    with StreamedModel(RunWeights(str(tmp_path)), plan, offload="disk", dtype=torch.float64) as sm:
+        assert len(sm.plan.streamed) == 3
+        got = decode(streamed_step(sm), PROMPTS, GREEDY)
+    assert [g.ids for g in got] == [w.ids for w in want]

@@ -276,12 +276,14 @@ class StreamedModel:
         """Load the resident parts (embedding, norm, head, resident blocks) from ``source``."""
         names = [n for n, _ in self.family.present(self.model, self.family.before + self.family.after)]
         names += [f"{self.family.blocks}.{k}" for k in self.plan.resident]
+        head, embedding = self.family.tied if self.family.is_tied(self.model) else (None, None)
         for prefix in names:
             module = self.model.get_submodule(prefix)
             for name, t in list(_tensors(module).items()):
-                self._assign(module, name, self._read(source, f"{prefix}.{name}", t))
-        if self.family.is_tied(self.model):
-            self.model.lm_head.weight = self.model.embed.weight
+                if f"{prefix}.{name}" != head:  # a tied head is the embedding, read once
+                    self._assign(module, name, self._read(source, f"{prefix}.{name}", t))
+        if head is not None:
+            self._assign(self.model, head, self.model.get_parameter(embedding))
 
     def _read(self, source: WeightSource, name: str, meta: torch.Tensor) -> torch.Tensor:
         full = source.read(name, TensorShard(tuple(meta.shape)))
@@ -294,7 +296,9 @@ class StreamedModel:
     def _assign(module: nn.Module, name: str, value: torch.Tensor) -> None:
         owner_name, _, leaf = name.rpartition(".")
         owner = module.get_submodule(owner_name) if owner_name else module
-        if leaf in owner._parameters:
+        if isinstance(value, nn.Parameter):
+            owner._parameters[leaf] = value  # a tie: the same parameter
+        elif leaf in owner._parameters:
             owner._parameters[leaf] = nn.Parameter(value, requires_grad=False)
         else:
             owner._buffers[leaf] = value
