@@ -191,6 +191,12 @@ class DiskStore:
             while got < len(view):  # readinto may return short on large reads
                 got += f.readinto(view[got:])
 
+    def ready(self, buf: torch.Tensor) -> None:
+        """Nothing to wait for: ``readinto`` has finished when the load's future has."""
+
+    def release(self, buf: torch.Tensor) -> None:
+        """Nothing to order: CPU kernels have finished reading ``buf`` when they return."""
+
 
 class HostStore:
     """Streamed blocks in host memory (pinned when the device is CUDA), copied to the device per use;
@@ -199,16 +205,26 @@ class HostStore:
     def __init__(self, device: torch.device):
         self.device, self.blocks = device, {}
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.events: dict[int, torch.cuda.Event] = {}
+        self.events: dict[int, torch.cuda.Event] = {}  # buffer -> its copy done (side stream)
+        self.freed: dict[int, torch.cuda.Event] = {}  # buffer -> its last reader queued (compute stream)
 
     def put(self, key: str, flat: torch.Tensor) -> None:
         self.blocks[key] = flat.pin_memory() if self.side is not None else flat.clone()
+
+    def release(self, buf: torch.Tensor) -> None:
+        """Called on the compute thread before ``buf`` is refilled: the side stream's copy must wait
+        for the kernels already queued that read the block it held (CUDA runs them later)."""
+        if self.side is not None:
+            self.freed[buf.data_ptr()] = torch.cuda.current_stream(self.device).record_event()
 
     def load(self, key: str, buf: torch.Tensor) -> None:
         if self.side is None:
             buf.copy_(self.blocks[key])
             return
         with torch.cuda.stream(self.side):
+            freed = self.freed.pop(buf.data_ptr(), None)
+            if freed is not None:
+                self.side.wait_event(freed)
             buf.copy_(self.blocks[key], non_blocking=True)
             self.events[buf.data_ptr()] = torch.cuda.Event()
             self.events[buf.data_ptr()].record(self.side)
@@ -235,10 +251,10 @@ class Prefetcher:
             raise RuntimeError(f"streamed block {key} requested, {expected} prefetched")
         self.pending.result()
         buf = self.buffers[self.pos % 2]
-        if isinstance(self.store, HostStore):
-            self.store.ready(buf)
+        self.store.ready(buf)
         self.pos += 1
         nxt = self.order[self.pos % len(self.order)]
+        self.store.release(self.buffers[self.pos % 2])
         self.pending = self.pool.submit(self.store.load, nxt, self.buffers[self.pos % 2])
         return buf
 
@@ -341,6 +357,8 @@ class StreamedModel:
         block = self.family.blocks_of(self.model)[key]
         if key in self.plan.resident:
             return block(h, positions, cache.layer(key))
+        if self.prefetch is None:
+            raise RuntimeError("this StreamedModel is closed (after close() or a failed forward): build another")
         weights = self.layouts[key].views(self.prefetch.next(key))
         return functional_call(block, weights, (h, positions, cache.layer(key)))
 
