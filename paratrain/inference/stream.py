@@ -358,7 +358,7 @@ class StreamedModel:
         if key in self.plan.resident:
             return block(h, positions, cache.layer(key))
         if self.prefetch is None:
-            raise RuntimeError("this StreamedModel is closed (after close() or a failed forward): build another")
+            raise RuntimeError("this StreamedModel is closed (by close() or a failed forward): build another")
         weights = self.layouts[key].views(self.prefetch.next(key))
         return functional_call(block, weights, (h, positions, cache.layer(key)))
 
