@@ -92,6 +92,8 @@ def test_streamed_equals_in_memory(folder, offload, tmp_path):
     for a, b in zip(logits, want_logits):
         assert torch.equal(a, b)
     assert not prefetch_threads()
+    if offload == "disk":  # the user's folder stays, the block files go
+        assert (tmp_path / "off").is_dir() and not list((tmp_path / "off").iterdir())
 
 
 def test_limit_below_one_block_is_refused(folder):

@@ -178,11 +178,18 @@ class DiskStore:
     """Streamed blocks in per-block flat files, read with ``readinto`` (no mmap)."""
 
     def __init__(self, folder: Path):
-        self.folder = folder
+        self.folder, self.written = folder, []
 
     def put(self, key: str, flat: torch.Tensor) -> None:
-        with open(self.folder / f"block_{key}.bin", "wb") as f:
+        self.written.append(self.folder / f"block_{key}.bin")
+        with open(self.written[-1], "wb") as f:
             f.write(memoryview(flat.numpy()).cast("B"))
+
+    def remove(self) -> None:
+        """Delete the files this store wrote (in a user's --offload-dir, which itself stays)."""
+        for path in self.written:
+            path.unlink(missing_ok=True)
+        self.written = []
 
     def load(self, key: str, buf: torch.Tensor) -> None:
         with open(self.folder / f"block_{key}.bin", "rb", buffering=0) as f:
@@ -270,7 +277,7 @@ class StreamedModel:
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  offload_dir: str | None = None):
         self.device, self.dtype = torch.device(device), dtype
-        self.folder, self.owns_folder, self.prefetch = None, False, None
+        self.folder, self.owns_folder, self.prefetch, self.store = None, False, None, None
         cfg = _dropless(source.model_cfg)
         self.model = build_model(cfg, "meta").eval()
         self.family = family_of(self.model, "layer streaming")
@@ -325,7 +332,7 @@ class StreamedModel:
             return
         blocks = self.family.blocks_of(self.model)
         self.layouts = {k: _Layout(blocks[k]) for k in self.plan.streamed}
-        store = self._store(offload, offload_dir)
+        self.store = store = self._store(offload, offload_dir)
         for key in self.plan.streamed:
             store.put(key, self._flat(source, key))
         size = max(layout.numel for layout in self.layouts.values())
@@ -367,6 +374,8 @@ class StreamedModel:
         if self.prefetch is not None:
             self.prefetch.close()
             self.prefetch = None
+        if isinstance(self.store, DiskStore):
+            self.store.remove()
         if self.owns_folder and self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
             self.owns_folder = False
