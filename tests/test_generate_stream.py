@@ -247,3 +247,14 @@ def test_run_folder_of_another_family_streams_equal(tmp_path):
         assert len(sm.plan.streamed) == 3
         got = decode(streamed_step(sm), PROMPTS, GREEDY)
     assert [g.ids for g in got] == [w.ids for w in want]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mixtral"])
+def test_other_families_stream_equal(family, tmp_path):
+    """q/k/v biases (Qwen2) and a dropless mixture of experts (Mixtral) stream like Llama."""
+    save_hf(tmp_path, family, num_hidden_layers=3, tokenizer=False)
+    want, want_logits = reference(tmp_path)
+    got, logits, sm = streamed(tmp_path, "disk", probe(tmp_path).minimum)
+    assert len(sm.plan.streamed) == 3
+    assert [g.ids for g in got] == [w.ids for w in want]
+    assert all(torch.equal(a, b) for a, b in zip(logits, want_logits))
