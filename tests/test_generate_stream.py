@@ -103,7 +103,9 @@ def test_limit_below_one_block_is_refused(folder):
                       dtype=torch.float64)
 
 
-def test_thread_and_folder_gone_after_run_and_error(folder, monkeypatch):
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_thread_and_folder_gone_after_run_and_error(folder, monkeypatch, error):
+    """An error (or Ctrl-C) inside a streamed block, while the next block is being prefetched."""
     minimum = probe(folder).minimum
     _, _, sm = streamed(folder, "disk", minimum)
     assert sm.plan.streamed and sm.folder is not None and not sm.folder.exists()
@@ -112,8 +114,12 @@ def test_thread_and_folder_gone_after_run_and_error(folder, monkeypatch):
                        dtype=torch.float64)
     assert prefetch_threads() and sm.folder.exists()
     step = streamed_step(sm)
-    with pytest.raises(RuntimeError, match="boom"):
-        monkeypatch.setattr(sm.model.embed, "forward", lambda x: (_ for _ in ()).throw(RuntimeError("boom")))
+    assert "2" in sm.plan.streamed
+    def fail(x):
+        raise error("boom")
+
+    monkeypatch.setattr(sm.model.layers["2"].mlp, "forward", fail)
+    with pytest.raises(error, match="boom"):
         decode(step, PROMPTS, GREEDY)
     assert not prefetch_threads() and not sm.folder.exists()
 
