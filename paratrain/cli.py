@@ -276,35 +276,77 @@ def adopt_torchrun_world(cfg: config.Config) -> config.Config:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from paratrain.inference.folders import generate_from_run  # lazy: start-up time
+    from paratrain.inference.command import GenerateRequest, run_generate  # lazy: start-up time
+    from paratrain.inference.loop import Sampling  # lazy: start-up time
 
-    if args.offload != "none" or args.memory_limit is not None:
-        from paratrain.inference.stream_command import generate_text  # lazy: start-up time
-        print(generate_text(args))
-        return 0
-    run = None if args.init_from else args.run
+    if args.memory_limit is not None and args.offload == "none":
+        raise UserError("--memory-limit applies to layer streaming: add --offload disk (or --offload cpu on "
+                        "a CUDA machine)")
+    return run_generate(generate_request(args, GenerateRequest, Sampling))
+
+
+def generate_request(args: argparse.Namespace, request: type, sampling: type) -> object:
+    """The GenerateRequest of `paratrain generate`'s arguments (the layout flags: their defaults
+    until gen-dist and gen-stream add them)."""
+    prompts = list(args.prompt) or ([] if args.prompts else ["def "])
+    if isinstance(args.chat, str):  # --chat MESSAGE: that message is the prompt
+        prompts = [args.chat]
     temperature = 0.0 if args.greedy else args.temperature
-    print(generate_from_run(run, args.prompt, max_new_tokens=args.tokens, temperature=temperature,
-                            top_k=args.top_k, seed=args.seed, init_from=args.init_from, chat=args.chat))
-    return 0
+    return request(
+        run=None if args.init_from else args.run, init_from=args.init_from, checkpoint=args.checkpoint,
+        prompts=prompts, prompts_file=args.prompts, chat=args.chat is not None, out=args.out,
+        sampling=sampling(args.max_new_tokens, temperature, args.top_k, args.top_p, args.seed),
+        stop=tuple(args.stop or ()), truncate_prompts=args.truncate_prompts, ignore_eos=args.ignore_eos,
+        **{k: getattr(args, k) for k in ("nproc", "tp", "pp", "offload", "memory_limit", "offload_dir")
+           if hasattr(args, k)})
 
 
 def generate_parser(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="sample text from a trained run or a Hugging Face folder")
-    g.add_argument("prompt", nargs="?", default="def ", help="text to continue (default: %(default)r)")
+    g.add_argument("prompt", nargs="*", help="texts to continue, each a prompt of one batch (default: 'def ' "
+                                             "when no --prompts file is given)")
+    g.add_argument("--prompts", metavar="FILE",
+                   help='more prompts: a .jsonl file (each line a JSON string, {"prompt": text} or '
+                        '{"messages": [...]} rendered with the chat template) or a text file (one per line)')
+    g.add_argument("--out", metavar="FILE",
+                   help="write one JSON object per prompt to this .jsonl file (prompt, completion, "
+                        "new_tokens, finish: eos|stop|length, truncated) instead of printing the completions")
     g.add_argument("--run", default="runs/default",
                    help="run folder (the --out of paratrain train; default: %(default)s)")
     g.add_argument("--init-from", help="a local Hugging Face model folder instead of a run")
-    g.add_argument("--tokens", type=int, default=120, help="new tokens to sample (default: %(default)s)")
+    g.add_argument("--checkpoint", help="a run's sharded checkpoint folder instead of its model.safetensors "
+                                        "(read by the --nproc/--tp/--pp and --offload ways of generating)")
+    g.add_argument("--max-new-tokens", "--tokens", dest="max_new_tokens", type=int, default=120,
+                   help="new tokens to generate per prompt, at most (default: %(default)s)")
     g.add_argument("--temperature", type=float, default=0.8,
-                   help="sampling temperature; lower is more predictable (default: %(default)s)")
+                   help="sampling temperature; lower is more predictable, 0 is greedy (default: %(default)s)")
     g.add_argument("--top-k", type=int, default=40,
-                   help="sample among the k most likely tokens (default: %(default)s)")
+                   help="sample among the k most likely tokens; 0: no cut (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="sample among the most likely tokens whose probabilities sum to p; "
+                        "1: no cut (default: %(default)s)")
     g.add_argument("--greedy", action="store_true", help="always the most likely token (temperature 0)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
-    g.add_argument("--chat", metavar="MESSAGE", help="reply to this user message: it is formatted with the "
-                                                     "model's chat template (the prompt is then ignored)")
+    g.add_argument("--stop", action="append", metavar="TEXT",
+                   help="end a completion when it contains TEXT, cut before it (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past the end-of-sequence token (for benchmarks)")
+    g.add_argument("--truncate-prompts", action="store_true",
+                   help="keep the last tokens of a prompt too long for the model's context "
+                        "(said on stderr) instead of refusing it")
+    g.add_argument("--chat", nargs="?", const=True, metavar="MESSAGE",
+                   help="render each prompt as a user message with the model's chat template; with MESSAGE, "
+                        "reply to that message (the prompts are then ignored)")
     offload_arguments(g)
+
+
+def _size(text: str) -> int:
+    from paratrain.inference.stream import parse_bytes  # lazy: start-up time
+
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def offload_arguments(g: argparse.ArgumentParser) -> None:
@@ -313,7 +355,7 @@ def offload_arguments(g: argparse.ArgumentParser) -> None:
                    help="stream the blocks that do not fit --memory-limit layer by layer: 'disk' writes "
                         "them once to --offload-dir and reads one at a time (CPU); 'cpu' keeps them in host "
                         "memory and copies each to the GPU (CUDA only) (default: %(default)s)")
-    g.add_argument("--memory-limit", metavar="BYTES",
+    g.add_argument("--memory-limit", metavar="BYTES", type=_size,
                    help="with --offload: the bytes generation may hold (resident weights, two stream "
                         "buffers, KV cache, activations); the interpreter and torch's own footprint are not "
                         "counted. "

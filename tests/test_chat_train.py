@@ -16,7 +16,7 @@ import torch
 
 from paratrain.cli import main
 from paratrain.data.template import load_template
-from paratrain.generate import chat_prompt, run_template
+from paratrain.inference.folders import chat_prompt, run_template
 from tests.test_chat_data import QWEN2, _chat, _jsonl, tok_dir  # noqa: F401  (the tokenizer fixture)
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from paratrain.cli import main
 from paratrain.data import prepare_corpus
 from paratrain.data.packing import PackedRows
-from paratrain.generate import load_run
+from paratrain.inference.folders import load_run
 from tests.test_chat_data import _chat, _jsonl, tok_dir  # noqa: F401  (the tokenizer fixture)
 
 

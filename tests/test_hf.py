@@ -156,7 +156,7 @@ def test_export_over_a_previous_export_replaces_its_weights(tmp_path):
 def test_native_run_exports_as_llama(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from paratrain.generate import load_run
+    from paratrain.inference.folders import load_run
 
     run = tmp_path / "run"
     run_layout(tiny_cfg(run, **{"train.steps": 1}))

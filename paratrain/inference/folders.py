@@ -4,9 +4,9 @@ template), and `paratrain generate`'s single-process sampling of one prompt."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
-import torch
 import torch.nn as nn
 from safetensors.torch import load_file
 
@@ -19,6 +19,7 @@ from paratrain.data.template import (
     special_tokens,
 )
 from paratrain.data.tokenizer import load_tokenizer
+from paratrain.inference.loop import Sampling, decode, local_step
 from paratrain.models import build_model
 from paratrain.models.from_config import config_from_dict
 from paratrain.models.llama.hf import load_pretrained
@@ -32,7 +33,7 @@ def load_run(run: str) -> tuple[nn.Module, object]:
             raise FileNotFoundError(f"{folder / name} not found: is {run!r} the --out folder of a finished "
                                     "language-model run?")
     info = json.loads((folder / "run.json").read_text())
-    model = build_model(config_from_dict(info["model"]))
+    model = build_model(for_inference(config_from_dict(info["model"])))
     state = load_file(str(folder / "model.safetensors"))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and model.cfg.tie_embeddings)]
@@ -42,24 +43,26 @@ def load_run(run: str) -> tuple[nn.Module, object]:
     return model.eval(), load_tokenizer(folder / "tokenizer.json")
 
 
-@torch.no_grad()
+def for_inference(cfg: object) -> object:
+    """The model config with MoE dropless (capacity_factor 0): a capacity limit is a training device,
+    and a cached decode must equal a full forward (Mixtral and transformers drop nothing at inference)."""
+    return replace(cfg, capacity_factor=0.0) if getattr(cfg, "capacity_factor", 0) else cfg
+
+
+def load_model(run: str | None, init_from: str | None = None) -> nn.Module:
+    """The whole model, in eval mode on the CPU, of a run folder or a Hugging Face folder (init_from;
+    its MoE config is already dropless)."""
+    return load_pretrained(init_from)[0] if init_from is not None else load_run(run)[0]
+
+
 def sample(model: nn.Module, ids: list[int], max_new_tokens: int, temperature: float = 0.8, top_k: int = 40,
-           seed: int = 0) -> list[int]:
-    """Top-k sampling (temperature 0: greedy). The context is cut to the model's max_seq_len."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = list(ids)
-    for _ in range(max_new_tokens):
-        context = torch.tensor([ids[-model.cfg.max_seq_len:]])
-        logits = model(context)[0, -1].float()  # [vocab]
-        if temperature <= 0:
-            ids.append(int(logits.argmax()))
-            continue
-        logits = logits / temperature
-        if top_k:
-            kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        ids.append(int(torch.multinomial(logits.softmax(-1), 1, generator=gen)))
-    return ids
+           seed: int = 0, eos_ids: tuple[int, ...] = ()) -> list[int]:
+    """The prompt followed by its sampled continuation (temperature 0: greedy), KV-cached through the
+    decode loop; the prompt keeps its last tokens that fit the model's context with the new ones."""
+    room = max(1, model.cfg.max_seq_len - max_new_tokens)
+    sampling = Sampling(max_new_tokens, temperature, top_k, seed=seed, eos_ids=eos_ids)
+    device = next(model.parameters()).device
+    return list(ids) + decode(local_step(model), [list(ids)[-room:]], sampling, device)[0].ids
 
 
 def run_template(run: str) -> ChatTemplate | None:

@@ -14,18 +14,15 @@ the *device* (CUDA) memory under the limit, so it is refused on a machine withou
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from safetensors import safe_open
 
 from paratrain.config import ConfigError
-from paratrain.data.tokenizer import load_tokenizer
 from paratrain.inference.loop import Generated, Sampling, decode
 from paratrain.inference.stream import MemoryPlan, StreamedModel, parse_bytes, plan_memory, streamed_step
 from paratrain.models.from_config import config_from_dict
@@ -107,6 +104,9 @@ def open_source(request: object) -> HFCheckpoint | RunWeights:
 def generate_ids(request: object, prepared: object) -> list[Generated]:
     """Contract 5's backend for ``request.offload`` in (cpu, disk): rank 0's (the only) result."""
     limit = check_offload(request.offload, request.memory_limit)
+    if getattr(request, "checkpoint", None):
+        raise ConfigError("--checkpoint cannot be combined with --offload yet: stream the run's "
+                          "model.safetensors (drop --checkpoint) or an HF folder (--init-from)")
     source = open_source(request)
     build_model(source.model_cfg, "meta")  # torch's meta machinery: part of the baseline, not the limit
     baseline = reset_peak_rss()
@@ -142,19 +142,3 @@ def _report_peak(baseline: int, device: torch.device) -> None:
         peak, what = rss_bytes("VmHWM:") - baseline, "peak RSS growth over the start"
     print(f"paratrain: {what}: {peak / 2**20:.1f} MiB", file=sys.stderr)
 
-
-def generate_text(args: argparse.Namespace) -> str:
-    """``paratrain generate PROMPT --offload ...`` with today's flags (one prompt, --tokens,
-    --temperature, --top-k, --seed, --greedy), until inference/command.py routes every backend."""
-    limit = check_offload(args.offload, args.memory_limit)
-    if args.chat is not None:
-        raise ConfigError("--chat cannot be combined with --offload yet: pass the rendered prompt instead")
-    source = open_source(SimpleNamespace(init_from=args.init_from, run=args.run))
-    tok = load_tokenizer(source.tokenizer_path)
-    ids = tok.encode(args.prompt).ids or [0]
-    sampling = Sampling(max_new_tokens=args.tokens, temperature=0.0 if args.greedy else args.temperature,
-                        top_k=args.top_k, seed=args.seed)
-    request = SimpleNamespace(offload=args.offload, memory_limit=limit, init_from=args.init_from,
-                              run=args.run, offload_dir=args.offload_dir, sampling=sampling)
-    out = generate_ids(request, SimpleNamespace(ids=[ids], eos_ids=(), stop=None))
-    return tok.decode(out[0].ids)
