@@ -279,6 +279,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from paratrain.inference.command import GenerateRequest, run_generate  # lazy: start-up time
     from paratrain.inference.loop import Sampling  # lazy: start-up time
 
+    if args.memory_limit is not None and args.offload == "none":
+        raise UserError("--memory-limit applies to layer streaming: add --offload disk (or --offload cpu on "
+                        "a CUDA machine)")
     return run_generate(generate_request(args, GenerateRequest, Sampling))
 
 
@@ -334,6 +337,32 @@ def generate_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--chat", nargs="?", const=True, metavar="MESSAGE",
                    help="render each prompt as a user message with the model's chat template; with MESSAGE, "
                         "reply to that message (the prompts are then ignored)")
+    offload_arguments(g)
+
+
+def _size(text: str) -> int:
+    from paratrain.inference.stream import parse_bytes  # lazy: start-up time
+
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def offload_arguments(g: argparse.ArgumentParser) -> None:
+    """gen-stream's rows: layer streaming for a model larger than memory (docs/generation.md)."""
+    g.add_argument("--offload", choices=("none", "cpu", "disk"), default="none",
+                   help="stream the blocks that do not fit --memory-limit layer by layer: 'disk' writes "
+                        "them once to --offload-dir and reads one at a time (CPU); 'cpu' keeps them in host "
+                        "memory and copies each to the GPU (CUDA only) (default: %(default)s)")
+    g.add_argument("--memory-limit", metavar="BYTES", type=_size,
+                   help="with --offload: the bytes generation may hold (resident weights, two stream "
+                        "buffers, KV cache, activations); the interpreter and torch's own footprint are not "
+                        "counted. "
+                        "Bytes, or e.g. 500MB, 2GiB")
+    g.add_argument("--offload-dir", metavar="DIR",
+                   help="with --offload disk: where the streamed blocks are written (default: a temporary "
+                        "folder, removed at exit)")
 
 
 def eval_parser(sub: argparse._SubParsersAction) -> None:

@@ -20,6 +20,7 @@ from paratrain.inference.folders import load_model
 from paratrain.inference.loop import Generated, decode, local_step
 from paratrain.inference.prompts import cut_at_stop, prepare
 from paratrain.inference.request import GenerateRequest, PreparedPrompts
+from paratrain.inference.stream_command import generate_ids as stream_ids
 
 __all__ = ["GenerateRequest", "PreparedPrompts", "run_generate", "BACKENDS", "backend_name"]
 
@@ -33,7 +34,7 @@ def one_process_ids(request: GenerateRequest, prepared: PreparedPrompts) -> list
 
 
 # The backends by name; gen-dist and gen-stream add their rows ("distributed", "stream").
-BACKENDS: dict[str, Backend] = {"one": one_process_ids}
+BACKENDS: dict[str, Backend] = {"one": one_process_ids, "stream": stream_ids}
 
 
 def backend_name(request: GenerateRequest) -> str:
