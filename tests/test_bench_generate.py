@@ -50,3 +50,27 @@ def test_init_from_folder_both_sides_equal(tmp_path, capsys):
 def test_moe_preset_is_a_clear_error(capsys):
     assert cli.main(["bench", "generate", "--model", "tiny-moe"]) == 2
     assert "dense Llama preset" in capsys.readouterr().err
+
+
+def test_local_step_runs_the_head_on_the_last_position_only():
+    """The speed fix of bench generate: the same logits as the full forward's last position, and
+    the head sees one position per row (the hook is removed afterwards: training sees them all)."""
+    import torch
+
+    from paratrain.inference.loop import left_pad, local_step
+    from paratrain.models import PRESETS, build_model
+    from paratrain.models.kv_cache import KVCache
+
+    torch.manual_seed(0)
+    model = build_model(PRESETS["tiny"], "cpu").double().eval()
+    ids, valid, positions = left_pad([[5, 6, 7, 8, 9], [3, 4]])
+    seen = []
+    model.lm_head.register_forward_hook(lambda m, a, out: seen.append(tuple(a[0].shape)))
+    cache = KVCache(2, 8, "cpu")
+    cache.begin(valid)
+    with torch.no_grad():
+        logits = local_step(model)(ids, positions, cache)
+        cache.end()
+        full = model(ids[:1], positions[:1])[:, -1]
+    assert seen[0] == (2, 1, 64) and seen[1] == (1, 5, 64), seen
+    torch.testing.assert_close(logits[:1], full.float(), rtol=0, atol=1e-6)
