@@ -49,12 +49,25 @@ class Generated:
 
 
 def local_step(model: nn.Module) -> StepFn:
-    """The step of a whole model in this process."""
+    """The step of a whole model in this process. The head runs on each row's last position only
+    (the others' logits are never used: at a prefill of 64 tokens and an 8k vocabulary the head on
+    every position was a quarter of the prefill's time; transformers keeps one position too)."""
+    head = getattr(model, "lm_head", None)
 
     def step(ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        return model(ids, positions, cache)[:, -1].float()
+        hook = head.register_forward_pre_hook(_last_position) if head is not None else None
+        try:
+            return model(ids, positions, cache)[:, -1].float()
+        finally:
+            if hook is not None:
+                hook.remove()
 
     return step
+
+
+def _last_position(module: nn.Module, args: tuple) -> tuple:
+    """The head's input cut to the last position (positions are independent after the blocks)."""
+    return (args[0][:, -1:], *args[1:])
 
 
 def left_pad(prompts: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
