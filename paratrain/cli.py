@@ -286,8 +286,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def generate_request(args: argparse.Namespace, request: type, sampling: type) -> object:
-    """The GenerateRequest of `paratrain generate`'s arguments (the layout flags: their defaults
-    until gen-dist and gen-stream add them)."""
+    """The GenerateRequest of `paratrain generate`'s arguments."""
     prompts = list(args.prompt) or ([] if args.prompts else ["def "])
     if isinstance(args.chat, str):  # --chat MESSAGE: that message is the prompt
         prompts = [args.chat]
@@ -297,8 +296,8 @@ def generate_request(args: argparse.Namespace, request: type, sampling: type) ->
         prompts=prompts, prompts_file=args.prompts, chat=args.chat is not None, out=args.out,
         sampling=sampling(args.max_new_tokens, temperature, args.top_k, args.top_p, args.seed),
         stop=tuple(args.stop or ()), truncate_prompts=args.truncate_prompts, ignore_eos=args.ignore_eos,
-        **{k: getattr(args, k) for k in ("nproc", "tp", "pp", "offload", "memory_limit", "offload_dir")
-           if hasattr(args, k)})
+        nproc=args.nproc, tp=args.tp, pp=args.pp, offload=args.offload, memory_limit=args.memory_limit,
+        offload_dir=args.offload_dir)
 
 
 def generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -337,6 +336,13 @@ def generate_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--chat", nargs="?", const=True, metavar="MESSAGE",
                    help="render each prompt as a user message with the model's chat template; with MESSAGE, "
                         "reply to that message (the prompts are then ignored)")
+    g.add_argument("--nproc", type=int, default=1,
+                   help="local worker processes, tp x pp (gloo on CPU, NCCL on GPU; default: %(default)s; "
+                        "under torchrun its world)")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: each rank holds 1/tp of every "
+                                                     "layer and caches its heads (default: %(default)s)")
+    g.add_argument("--pp", type=int, default=1, help="pipeline stages: each rank holds and caches a run of "
+                                                     "layers (default: %(default)s)")
     offload_arguments(g)
 
 

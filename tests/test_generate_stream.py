@@ -30,7 +30,8 @@ from paratrain.inference.stream import (
     prefetch_threads,
     streamed_step,
 )
-from paratrain.inference.stream_command import RunWeights, check_offload, generate_ids
+from paratrain.inference.stream_command import check_offload, generate_ids
+from paratrain.inference.weights import RunWeights
 from paratrain.models.gpt2.model import GPT2Config
 from paratrain.models.llama.hf import HFCheckpoint, load_pretrained
 from paratrain.models.registry import build_model
@@ -137,13 +138,12 @@ from paratrain import cli
 from paratrain.config import ConfigError
 from paratrain.inference.loop import Sampling, decode
 from paratrain.inference.stream import StreamedModel, plan_memory, streamed_step
-from paratrain.inference.stream_command import RunWeights, check_offload, generate_ids
+from paratrain.inference.stream_command import warm_up
 from paratrain.models.llama.hf import HFCheckpoint
-from paratrain.models.registry import build_model
 torch.set_num_threads(1)
 folder, limit = sys.argv[1], int(sys.argv[2])
 source = HFCheckpoint.open(folder)
-build_model(source.model_cfg, "meta")  # torch's meta-device machinery (~70 MiB of modules) is torch's
+warm_up(source.model_cfg)  # torch's meta machinery (~70 MiB of modules) and kernels' first-call state
 def rss(key):
     for line in open("/proc/self/status"):
         if line.startswith(key):
@@ -180,7 +180,7 @@ def test_backend_equals_in_memory_and_says_its_plan(folder, capsys):
     want = decode(local_step(load_pretrained(str(folder))[0]), PROMPTS, GREEDY)
     request = SimpleNamespace(offload="disk", memory_limit=str(probe(folder, torch.float32).minimum),
                               init_from=str(folder),
-                              run=None, offload_dir=None, sampling=GREEDY)
+                              run=None, checkpoint=None, offload_dir=None, sampling=GREEDY)
     got = generate_ids(request, SimpleNamespace(ids=PROMPTS, eos_ids=(), stop=None))
     assert [g.ids for g in got] == [w.ids for w in want]
     err = capsys.readouterr().err

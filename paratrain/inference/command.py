@@ -16,11 +16,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from paratrain.data.sources import DataError
+from paratrain.inference.distributed import generate_ids as distributed_ids
+from paratrain.inference.distributed import load_for_generation
 from paratrain.inference.folders import load_model
 from paratrain.inference.loop import Generated, decode, local_step
 from paratrain.inference.prompts import cut_at_stop, prepare
 from paratrain.inference.request import GenerateRequest, PreparedPrompts
 from paratrain.inference.stream_command import generate_ids as stream_ids
+from paratrain.inference.weights import open_weights
 
 __all__ = ["GenerateRequest", "PreparedPrompts", "run_generate", "BACKENDS", "backend_name"]
 
@@ -29,12 +32,17 @@ Backend = Callable[[GenerateRequest, PreparedPrompts], list[Generated]]
 
 def one_process_ids(request: GenerateRequest, prepared: PreparedPrompts) -> list[Generated]:
     """The whole model in this process, through the KV-cached decode loop."""
-    model = load_model(request.run, request.init_from).to(request.device)
+    whole_file = request.init_from or (Path(request.run) / "model.safetensors").exists()
+    if request.checkpoint is None and whole_file:
+        model = load_model(request.run, request.init_from)
+    else:  # a sharded checkpoint (named, or the latest of a run stopped before its end)
+        model = load_for_generation(open_weights(request.run, None, request.checkpoint), None)
+    model = model.to(request.device)
     return decode(local_step(model), prepared.ids, request.sampling, request.device, prepared.stop)
 
 
-# The backends by name; gen-dist and gen-stream add their rows ("distributed", "stream").
-BACKENDS: dict[str, Backend] = {"one": one_process_ids, "stream": stream_ids}
+# The backends by name.
+BACKENDS: dict[str, Backend] = {"one": one_process_ids, "distributed": distributed_ids, "stream": stream_ids}
 
 
 def backend_name(request: GenerateRequest) -> str:

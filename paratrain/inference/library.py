@@ -1,5 +1,6 @@
 """``paratrain.generate``: the library's door to generation, for a paratrain family model in this
-process (as ``build_model`` builds it, or loaded): the same KV-cached decode loop as the CLI."""
+process (as ``build_model`` builds it, or loaded), or split across ranks by ``paratrain.Parallel``
+(tp and/or pp: pass ``parallel=``): the same KV-cached decode loop as the CLI."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from tokenizers import Tokenizer
 from paratrain.data.sources import DataError
 from paratrain.data.template import load_template
 from paratrain.data.tokenizer import load_tokenizer
+from paratrain.inference.distributed import distributed_step
 from paratrain.inference.folders import chat_prompt, tokenizer_eos
-from paratrain.inference.loop import Sampling, decode, local_step
+from paratrain.inference.loop import Sampling, StepFn, decode, local_step
 from paratrain.inference.prompts import cut_at_stop, stop_check
 from paratrain.models.llama.hf import tokenizer_file
 
@@ -20,10 +22,12 @@ from paratrain.models.llama.hf import tokenizer_file
 def generate(model: nn.Module, tokenizer: Tokenizer | str | Path, prompts: str | list[str], *,
              max_new_tokens: int = 120, temperature: float = 0.8, top_k: int = 40, top_p: float = 1.0,
              seed: int = 0, stop: tuple[str, ...] | list[str] = (), chat: bool = False,
-             eos_ids: tuple[int, ...] | list[int] | None = None) -> list[str]:
+             eos_ids: tuple[int, ...] | list[int] | None = None, parallel: object | None = None) -> list[str]:
     """The completion of each prompt (a batch, left-padded). ``tokenizer``: a tokenizers.Tokenizer, or
     a tokenizer.json or its folder (needed for ``chat``: its chat template renders each prompt as a
-    user message). ``eos_ids`` None: the tokenizer's end-of-text token. temperature 0: greedy."""
+    user message). ``eos_ids`` None: the tokenizer's end-of-text token. temperature 0: greedy.
+    ``parallel``: the ``paratrain.Parallel`` that prepared ``model`` (every rank calls this with the
+    same prompts and gets the same completions; each rank computes with its own shard)."""
     path = tokenizer_file(tokenizer) if isinstance(tokenizer, (str, Path)) else None
     tok = load_tokenizer(path) if path is not None else tokenizer
     texts = [prompts] if isinstance(prompts, str) else list(prompts)
@@ -33,9 +37,34 @@ def generate(model: nn.Module, tokenizer: Tokenizer | str | Path, prompts: str |
     device = next(model.parameters()).device
     stops = tuple(stop)
     check = stop_check(tok, stops) if stops else None
-    results = decode(local_step(model.eval()), ids, sampling, device, check)
+    results = decode(_step(model.eval(), parallel), ids, sampling, device, check)
     return [cut_at_stop(tok.decode(r.ids), stops) if r.finish == "stop" else tok.decode(r.ids)
             for r in results]
+
+
+def _step(model: nn.Module, parallel: object | None) -> StepFn:
+    """One process's step, or the step across the ranks of a Parallel (its tp and pp axes; each dp
+    replica computes the same on its own)."""
+    if parallel is None:
+        return local_step(model)
+    if parallel.model is not model:
+        raise ValueError("paratrain.generate: pass the model that parallel.prepare returned")
+    mesh = parallel.mesh
+    refusals = [
+        (parallel.zero == 3, "zero 3 keeps 1/dp of each weight per rank (generate from a checkpoint it "
+                             "saved: `paratrain generate --run ... --checkpoint DIR`, or use zero <= 2)"),
+        (parallel.sequence_parallel, "sequence_parallel splits the sequence, which decoding (one token "
+                                     "per step) cannot: prepare with sequence_parallel=False"),
+        (mesh.pp.size > 1 and parallel.virtual_stages > 1,
+         "virtual_stages > 1 interleaves the stages: generate with virtual_stages=1"),
+        (mesh.tp.size > 1 and bool(parallel.tp_plan),
+         "a user tp_plan: paratrain generates across tp ranks only with a model family's declared plan")]
+    problems = [why for bad, why in refusals if bad]
+    if problems:
+        raise ValueError("paratrain.generate(parallel=...): " + "; ".join(problems))
+    if mesh.tp.size == 1 and mesh.pp.size == 1:
+        return local_step(model)  # data parallel only: each rank holds the whole model
+    return distributed_step(model, mesh)
 
 
 def _encode(tok: Tokenizer, text: str, chat: bool, path: Path | None) -> list[int]:

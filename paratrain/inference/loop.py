@@ -16,7 +16,8 @@ it computes alone (the cache's mask hides the padding; models/kv_cache.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -49,20 +50,27 @@ class Generated:
 
 
 def local_step(model: nn.Module) -> StepFn:
-    """The step of a whole model in this process. The head runs on each row's last position only
-    (the others' logits are never used: at a prefill of 64 tokens and an 8k vocabulary the head on
-    every position was a quarter of the prefill's time; transformers keeps one position too)."""
-    head = getattr(model, "lm_head", None)
+    """The step of a whole model in this process (the head on each row's last position only)."""
 
     def step(ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        hook = head.register_forward_pre_hook(_last_position) if head is not None else None
-        try:
+        with head_on_last_position(model):
             return model(ids, positions, cache)[:, -1].float()
-        finally:
-            if hook is not None:
-                hook.remove()
 
     return step
+
+
+@contextmanager
+def head_on_last_position(model: nn.Module) -> Iterator[None]:
+    """While inside, the LM head (if this rank holds one) sees each row's last position only: the
+    others' logits are never used (at a prefill of 64 tokens and an 8k vocabulary the head on every
+    position was a quarter of the prefill's time; transformers keeps one position too)."""
+    head = getattr(model, "lm_head", None)
+    hook = head.register_forward_pre_hook(_last_position) if head is not None else None
+    try:
+        yield
+    finally:
+        if hook is not None:
+            hook.remove()
 
 
 def _last_position(module: nn.Module, args: tuple) -> tuple:

@@ -1,9 +1,11 @@
 """``paratrain generate --offload disk|cpu --memory-limit BYTES``: the layer-streamed backend.
 
 ``generate_ids(request, prepared)`` (the contract of inference/command.py) checks the offload
-settings, opens the weights (an HF folder, or a run's model.safetensors read tensor by tensor),
+settings, opens the weights (inference/weights.py: an HF folder, a run's model.safetensors or its
+sharded checkpoint, each read tensor by tensor),
 plans what stays resident under the limit (inference/stream.py), says the plan on stderr, decodes,
-and reports the peak resident-set growth over the baseline measured before anything was loaded.
+and reports the peak resident-set growth over the baseline measured before anything was loaded
+(after ``warm_up``: torch's own lazily made state is not generation's).
 
 ``--memory-limit`` counts what generation itself holds (resident weights, stream buffers, KV cache,
 activations, a reserve); the interpreter and torch's own footprint (the RSS measured at start, after
@@ -14,21 +16,18 @@ the *device* (CUDA) memory under the limit, so it is refused on a machine withou
 
 from __future__ import annotations
 
-import json
+import gc
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from paratrain.config import ConfigError
-from paratrain.inference.loop import Generated, Sampling, decode
+from paratrain.inference.loop import Generated, Sampling, decode, local_step
 from paratrain.inference.stream import MemoryPlan, StreamedModel, parse_bytes, plan_memory, streamed_step
-from paratrain.models.from_config import config_from_dict
-from paratrain.models.llama.hf import HFCheckpoint
-from paratrain.models.registry import build_model, tied_name
-from paratrain.sharding import TensorShard
+from paratrain.inference.weights import open_weights
+from paratrain.models.registry import build_model
 
 OFFLOADS = ("none", "cpu", "disk")
 
@@ -77,38 +76,11 @@ def _size(text: str) -> int:
         raise ConfigError(f"--memory-limit: {e}") from None
 
 
-class RunWeights:
-    """A run folder's model.safetensors as a WeightSource (contract 4): one tensor read at a time."""
-
-    def __init__(self, run: str):
-        self.folder = Path(run)
-        for name in ("run.json", "model.safetensors", "tokenizer.json"):
-            if not (self.folder / name).exists():
-                raise ConfigError(f"{self.folder / name} not found: is {run!r} the --out folder of a "
-                                  "finished language-model run?")
-        self.model_cfg = config_from_dict(json.loads((self.folder / "run.json").read_text())["model"])
-        self.tokenizer_path, self.where = self.folder / "tokenizer.json", str(self.folder)
-
-    def read(self, name: str, spec: TensorShard) -> torch.Tensor:
-        with safe_open(str(self.folder / "model.safetensors"), framework="pt") as f:
-            stored = name if name in f.keys() else tied_name(name, self.model_cfg)
-            return spec.slice(f.get_slice(stored)[:].float())
-
-
-def open_source(request: object) -> HFCheckpoint | RunWeights:
-    """The weights ``request`` names: --init-from (an HF folder) or --run."""
-    init_from = getattr(request, "init_from", None)
-    return HFCheckpoint.open(init_from) if init_from else RunWeights(request.run)
-
-
 def generate_ids(request: object, prepared: object) -> list[Generated]:
     """Contract 5's backend for ``request.offload`` in (cpu, disk): rank 0's (the only) result."""
     limit = check_offload(request.offload, request.memory_limit)
-    if getattr(request, "checkpoint", None):
-        raise ConfigError("--checkpoint cannot be combined with --offload yet: stream the run's "
-                          "model.safetensors (drop --checkpoint) or an HF folder (--init-from)")
-    source = open_source(request)
-    build_model(source.model_cfg, "meta")  # torch's meta machinery: part of the baseline, not the limit
+    source = open_weights(request.run, request.init_from, request.checkpoint)
+    warm_up(source.model_cfg)
     baseline = reset_peak_rss()
     prompts, sampling = prepared.ids, _sampling(request, prepared)
     device = torch.device("cuda" if request.offload == "cpu" else "cpu")
@@ -118,6 +90,18 @@ def generate_ids(request: object, prepared: object) -> list[Generated]:
         out = decode(streamed_step(sm), prompts, sampling, device, getattr(prepared, "stop", None))
     _report_peak(baseline, device)
     return out
+
+
+def warm_up(cfg: object) -> None:
+    """Run torch's lazily initialised machinery once, before the baseline: the meta device, and the
+    kernels' first-call state (a one-block model of the same family and width decodes two tokens).
+    That state is torch's, not generation's: 25-35 MiB on an AVX-512 machine, which the limit of a
+    small model would otherwise have to hold too."""
+    build_model(cfg, "meta")
+    small = replace(cfg, n_layers=1, vocab_size=min(cfg.vocab_size, 256))
+    torch.manual_seed(0)
+    decode(local_step(build_model(small).eval()), [[1, 2, 3]], Sampling(max_new_tokens=2, temperature=0))
+    gc.collect()
 
 
 def _sampling(request: object, prepared: object) -> Sampling:
