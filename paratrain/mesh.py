@@ -8,6 +8,12 @@ node; then data parallel; pipeline stages are the slowest axis)::
 Expert parallelism subdivides the data-parallel axis: ``dp_index = edp_index * ep + ep_index``.
 The ``ep`` group holds the ep neighbours that exchange tokens with all-to-all; ``edp`` holds the
 ranks that hold the same experts and average their gradients.
+
+Hybrid sharding subdivides it too: ``dp_index = replica_index * dp_shard + shard_index`` with
+``dp_shard = dp / dp_replicate``. The ``dp_shard`` group (neighbours: one node) is where ZeRO shards;
+the ``dp_replicate`` group holds the ranks with the same shard index in each replica (one per node),
+across which the shards are replicated (the slow links). With ``dp_replicate = 1``, ``dp_shard`` is
+``dp`` and shares its process group.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import torch.distributed as dist
 
 from paratrain.comm.collectives import Axis, CommCounter
 
-AXES = ("pp", "dp", "tp", "ep", "edp", "world")
+AXES = ("pp", "dp", "tp", "ep", "edp", "dp_shard", "dp_replicate", "world")
 
 
 class MeshError(ValueError):
@@ -32,6 +38,11 @@ class MeshShape:
     dp: int = 1
     tp: int = 1
     ep: int = 1
+    dp_replicate: int = 1  # replicas of the data-parallel axis (hybrid sharding); dp_shard = dp / this
+
+    @property
+    def dp_shard(self) -> int:
+        return self.dp // self.dp_replicate
 
     @property
     def world_size(self) -> int:
@@ -39,7 +50,7 @@ class MeshShape:
 
     def check(self, world_size: int) -> None:
         """Raise a MeshError naming the numbers when the degrees do not multiply to the world."""
-        for name in ("pp", "dp", "tp", "ep"):
+        for name in ("pp", "dp", "tp", "ep", "dp_replicate"):
             if getattr(self, name) < 1:
                 raise MeshError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.world_size != world_size:
@@ -49,6 +60,9 @@ class MeshShape:
             )
         if self.dp % self.ep:
             raise MeshError(f"ep({self.ep}) must divide dp({self.dp}): expert parallelism subdivides dp")
+        if self.dp % self.dp_replicate:
+            raise MeshError(f"dp_replicate({self.dp_replicate}) must divide dp({self.dp}): "
+                            "dp = dp_replicate x dp_shard")
 
     def coords(self, rank: int) -> dict[str, int]:
         """Rank -> its index along each axis."""
@@ -61,6 +75,8 @@ class MeshShape:
             "tp": tp_i,
             "ep": dp_i % self.ep,
             "edp": dp_i // self.ep,
+            "dp_shard": dp_i % self.dp_shard,
+            "dp_replicate": dp_i // self.dp_shard,
             "world": rank,
         }
 
@@ -78,6 +94,8 @@ class MeshShape:
             "pp": lambda c: (c["dp"], c["tp"]),
             "ep": lambda c: (c["pp"], c["tp"], c["edp"]),
             "edp": lambda c: (c["pp"], c["tp"], c["ep"]),
+            "dp_shard": lambda c: (c["pp"], c["tp"], c["dp_replicate"]),
+            "dp_replicate": lambda c: (c["pp"], c["tp"], c["dp_shard"]),
         }[axis]
         buckets: dict[tuple, list[int]] = {}
         for r in ranks:
@@ -103,11 +121,16 @@ class ParallelMesh:
         self.counter = counter or CommCounter()
         coords = shape.coords(rank)
         self.axes: dict[str, Axis] = {}
+        made: dict[tuple[int, ...], object] = {}  # one process group per distinct member list
         for name in AXES:
             mine = None
             for members in shape.groups(name):
-                # new_group is collective over the whole world: every rank calls it for every group.
-                group = _new_group(members, world)
+                # new_group is collective over the whole world: every rank calls it for every group
+                # (the same list twice, e.g. dp_shard = dp, reuses the first group on every rank).
+                key = tuple(members)
+                if key not in made:
+                    made[key] = _new_group(members, world)
+                group = made[key]
                 if rank in members:
                     mine = (members, group)
             members, group = mine

@@ -10,7 +10,8 @@ from tests.dist import run
 
 def test_tp_varies_fastest_then_dp_then_pp():
     s = MeshShape(pp=2, dp=2, tp=2)
-    assert s.coords(0) == {"pp": 0, "dp": 0, "tp": 0, "ep": 0, "edp": 0, "world": 0}
+    assert s.coords(0) == {"pp": 0, "dp": 0, "tp": 0, "ep": 0, "edp": 0, "dp_shard": 0, "dp_replicate": 0,
+                           "world": 0}
     assert s.coords(1)["tp"] == 1 and s.coords(2)["dp"] == 1 and s.coords(4)["pp"] == 1
     for r in range(8):
         c = s.coords(r)
@@ -29,6 +30,33 @@ def test_groups_partition_the_world(pp, dp, tp):
             assert [c[axis] for c in coords] == list(range(size))
             for other in {"pp", "dp", "tp"} - {axis}:
                 assert len({c[other] for c in coords}) == 1
+
+
+def test_hybrid_sharding_subdivides_dp():
+    """dp 4 = 2 replicas x 2 shards: shard groups are dp neighbours (one node), replicate groups pair
+    the same shard index of each replica; with tp 2 every group holds one tp index."""
+    s = MeshShape(dp=4, tp=2, dp_replicate=2)
+    assert s.dp_shard == 2
+    assert sorted(s.groups("dp_shard")) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert sorted(s.groups("dp_replicate")) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert MeshShape(dp=4).groups("dp_shard") == MeshShape(dp=4).groups("dp")
+    with pytest.raises(MeshError, match="dp_replicate\\(3\\) must divide dp\\(4\\)"):
+        MeshShape(dp=4, dp_replicate=3).check(4)
+
+
+def _hybrid_sums(env):
+    mesh = ParallelMesh(MeshShape(dp=4, dp_replicate=2), env.rank)
+    shard = torch.tensor([float(env.rank)])
+    C.all_reduce(shard, mesh.dp_shard)
+    replica = torch.tensor([float(env.rank)])
+    C.all_reduce(replica, mesh.dp_replicate)
+    return shard.item(), replica.item(), mesh.dp_shard.group is mesh.dp.group
+
+
+def test_hybrid_groups_reduce_over_their_members():
+    got = run(_hybrid_sums, 4)
+    assert [g[:2] for g in got] == [(1.0, 2.0), (1.0, 4.0), (5.0, 2.0), (5.0, 4.0)]
+    assert not any(g[2] for g in got)
 
 
 def test_2x2x2_groups_explicitly():
