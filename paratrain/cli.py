@@ -103,6 +103,17 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
     ("--dp-mode", "parallel.dp_mode", str, LAYOUT, "ddp: gradients all-reduced in buckets during "
      "backward; plain: one all-reduce after it"),
     ("--bucket-mb", "parallel.bucket_mb", float, LAYOUT, "gradient bucket size in MiB (ddp mode)"),
+    ("--sync", "parallel.sync", str, LAYOUT, "how data-parallel replicas synchronise: ddp (all-reduce "
+     "the gradients) or parameter-server (the last --servers ranks hold the parameters and AdamW; the "
+     "workers send gradients over torch.distributed.rpc)"),
+    ("--servers", "parallel.servers", int, LAYOUT, "--sync parameter-server: server processes, the "
+     "parameters sharded over them by size (world = dp workers + servers)"),
+    ("--ps-mode", "parallel.ps_mode", str, LAYOUT, "--sync parameter-server: sync (one update per step "
+     "from every worker's gradient: equals one process) or async (each worker's gradient applied as it "
+     "arrives)"),
+    ("--max-staleness", "parallel.max_staleness", int, LAYOUT, "--ps-mode async: a push waits while "
+     "applying it would leave another worker more than this many server updates behind (default and "
+     "least: dp - 1)"),
     ("--data", "data.path", str, DATA, "text, .jsonl or .parquet files or folders, or a folder from "
      "`paratrain data prepare` (default: the Python stdlib sources)"),
     ("--seq-len", "data.seq_len", int, DATA, "tokens per row (default: the model's positions, at most "

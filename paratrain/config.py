@@ -78,6 +78,12 @@ class ParallelConfig:
     timeout_s: float = 600.0  # a collective that waits longer fails, naming the operation
     max_restarts: int = 0  # paratrain's own launcher: restart all workers after a failure, resuming
     check_collectives: bool = False  # compare each collective's fingerprint across its group first
+    # How the data-parallel replicas synchronise. "parameter-server": the last ``servers`` ranks hold
+    # the parameters and the optimizer (param_server/), the dp workers push gradients over RPC.
+    sync: str = "ddp"
+    servers: int = 1  # --sync parameter-server: server processes (parameters sharded over them by size)
+    ps_mode: str = "sync"  # sync: one update per step from all workers' gradients | async: one per push
+    max_staleness: int | None = None  # async: server updates a gradient may be late by; default dp - 1
 
 
 DEFAULT_SEQ_LEN = 256  # an unset data.seq_len: the model's positions, at most this
@@ -185,14 +191,26 @@ class Config:
         p = self.parallel
         if p.nproc is not None:
             return p.nproc
-        return (p.dp or 1) * p.tp * p.pp
+        return (p.dp or 1) * p.tp * p.pp + self.ps_servers
+
+    @property
+    def ps_servers(self) -> int:
+        """Ranks that are parameter servers (the last ones), not data-parallel workers."""
+        p = self.parallel
+        return p.servers if p.sync == "parameter-server" else 0
+
+    @property
+    def ps_max_staleness(self) -> int:
+        """--max-staleness, by default dp - 1: the least that lets every worker push at once."""
+        p = self.parallel
+        return self.dp - 1 if p.max_staleness is None else p.max_staleness
 
     @property
     def dp(self) -> int:
         p = self.parallel
         if p.dp is not None:
             return p.dp
-        return max(1, self.world_size // (p.tp * p.pp))
+        return max(1, (self.world_size - self.ps_servers) // (p.tp * p.pp))
 
     @property
     def micro_batch(self) -> int:
@@ -273,6 +291,8 @@ def _choice(problems: list[str], name: str, value, allowed) -> None:
 CHOICES: dict[str, tuple] = {
     "parallel.zero": (0, 1, 2, 3),
     "parallel.dp_mode": ("ddp", "plain"),
+    "parallel.sync": ("ddp", "parameter-server"),
+    "parallel.ps_mode": ("sync", "async"),
     "parallel.pp_schedule": ("naive", "gpipe", "1f1b", "interleaved"),
     "parallel.offload": ("none", "cpu", "disk"),
     "train.nan_policy": ("stop", "skip"),
@@ -309,6 +329,8 @@ RANGES: dict[str, tuple[typing.Callable, str]] = {
     "data.max_files": (lambda v: v is None or v >= 1, ">= 1"),
     "parallel.timeout_s": (lambda v: v > 0, "> 0 seconds"),
     "parallel.max_restarts": (lambda v: v >= 0, ">= 0"),
+    "parallel.servers": (lambda v: v >= 1, ">= 1 (--sync parameter-server needs a server)"),
+    "parallel.max_staleness": (lambda v: v >= 0, ">= 0 server updates"),
     "lora.rank": (lambda v: v >= 0, ">= 0 (0: no LoRA)"),
     "lora.dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
 }
@@ -344,7 +366,11 @@ def check_values(cfg: Config, problems: list[str], world_size: int | None = None
         problems.append(f"--nproc must be >= 1 (got {p.nproc})")
     if not problems:
         product = cfg.dp * p.tp * p.pp
-        if product != world:
+        if cfg.ps_servers and product + cfg.ps_servers != world:
+            problems.append(f"dp({cfg.dp}) * tp({p.tp}) * pp({p.pp}) workers + {cfg.ps_servers} server(s) "
+                            f"= {product + cfg.ps_servers} != world size {world}: change --dp, --servers "
+                            "or --nproc")
+        elif not cfg.ps_servers and product != world:
             problems.append(f"dp({cfg.dp}) * tp({p.tp}) * pp({p.pp}) = {product} != world size {world}: "
                             "change --dp/--tp/--pp or --nproc")
     for dotted, allowed in CHOICES.items():

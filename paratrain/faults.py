@@ -7,6 +7,8 @@ is a single dictionary lookup when it is not:
   attempt only: the stand-in for a machine failure (restarts must resume and match an unbroken run);
 * ``PARATRAIN_TEST_HANG_AT_STEP=k``: rank 1 stops responding (sleeps) after step k, on the first
   attempt only: the stand-in for a hung rank (the timeout must name it, not its waiting peers);
+* ``PARATRAIN_TEST_KILL_SERVER_AT=k``: a parameter server kills itself (SIGKILL) once it has
+  applied k updates, on the first attempt only: the stand-in for a server machine failure;
 * ``PARATRAIN_TEST_SKIP_COLLECTIVE=what``: rank 1 skips its first collective whose purpose is
   ``what``: the stand-in for diverged code paths (the collective checker must name it).
 """
@@ -20,6 +22,7 @@ import time
 CRASH_AT_STEP = "PARATRAIN_TEST_CRASH_AT_STEP"
 HANG_AT_STEP = "PARATRAIN_TEST_HANG_AT_STEP"
 SKIP_COLLECTIVE = "PARATRAIN_TEST_SKIP_COLLECTIVE"
+KILL_SERVER_AT = "PARATRAIN_TEST_KILL_SERVER_AT"
 
 _skipped = False  # the skip fires once per process
 
@@ -31,6 +34,13 @@ def crash_point(step: int, rank: int, attempt: int) -> None:
     if attempt == 0 and rank == 1 and os.environ.get(HANG_AT_STEP) == str(step):
         while True:  # until the launcher kills it
             time.sleep(60)
+
+
+def server_crash_point(updates: int) -> None:
+    """Called by a parameter server after each update (param_server/server.py)."""
+    first_attempt = os.environ.get("PARATRAIN_RESTART_COUNT", "0") == "0"
+    if first_attempt and os.environ.get(KILL_SERVER_AT) == str(updates):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def skip_collective(what: str | None, global_rank: int) -> bool:

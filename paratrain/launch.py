@@ -89,6 +89,7 @@ class DistEnv:
     local_rank: int
     backend: str
     device: torch.device
+    rpc_init: str | None = None  # where torch.distributed.rpc meets (param_server/session.py)
 
 
 def pick_backend() -> str:
@@ -140,19 +141,23 @@ def _torchrun_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.
     return dist.PrefixStore(f"paratrain/attempt{restart_attempt()}/", store)
 
 
-def init_from_torchrun(timeout_s: float = 600.0) -> DistEnv:
-    """Join the process group torchrun describes in the environment."""
+def init_from_torchrun(timeout_s: float = 600.0, group_size: int | None = None) -> DistEnv:
+    """Join the process group torchrun describes in the environment. ``group_size``: only the
+    ranks below it form the process group (the others are parameter servers, on RPC only, which
+    meets in the same store: ``env://``)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    group = group_size or world
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     backend = pick_backend()
     device = pick_device(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     die_with_parent()  # torchrun's agent killed: this worker goes too
     if world > 1 and not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group(backend, store=_torchrun_store(rank, world, timeout), rank=rank,
-                                world_size=world, timeout=timeout)
-        atexit.register(_leave_process_group)
-    return DistEnv(rank, world, local_rank, backend, device)
+        store = _torchrun_store(rank, world, timeout)  # every rank connects: rank 0 may wait for all
+        if group > 1 and rank < group:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=group, timeout=timeout)
+            atexit.register(_leave_process_group)
+    return DistEnv(rank, group if rank < group else world, local_rank, backend, device, rpc_init="env://")
 
 
 EXIT_BARRIER_S = 60.0  # at exit, how long a rank waits for its peers to finish their collectives
@@ -239,10 +244,11 @@ def bind_loopback() -> None:
     iface = loopback_interface()
     os.environ["GLOO_SOCKET_IFNAME"] = iface  # read by every gloo group created in this process
     os.environ["NCCL_SOCKET_IFNAME"] = iface
+    os.environ["TP_SOCKET_IFNAME"] = iface  # TensorPipe's (torch.distributed.rpc) listening sockets
 
 
 def _worker(fn, rank, world, init_file, pg_timeout, dump_file, dump_after, results, args, kwargs,
-            launcher_pid=None, stop_request=None):
+            launcher_pid=None, stop_request=None, group_size=None):
     die_with_parent(launcher_pid)
     bind_loopback()
     signals.install(stop_request)
@@ -254,10 +260,12 @@ def _worker(fn, rank, world, init_file, pg_timeout, dump_file, dump_after, resul
             faulthandler.dump_traceback_later(dump_after, exit=False, file=dump)
         try:
             backend, device = pick_backend(), pick_device(rank, world)
-            if world > 1:
+            group = group_size or world  # the ranks beyond it join no process group (RPC only)
+            if group > 1 and rank < group:
                 dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
-                                        world_size=world, timeout=datetime.timedelta(seconds=pg_timeout))
-            env = DistEnv(rank, world, rank, backend, device)
+                                        world_size=group, timeout=datetime.timedelta(seconds=pg_timeout))
+            env = DistEnv(rank, group if rank < group else world, rank, backend, device,
+                          rpc_init=f"file://{init_file}.rpc")
             out = fn(env, *args, **kwargs)
             results.put((rank, "ok", _to_bytes(out)))
         except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
@@ -272,8 +280,13 @@ def _worker(fn, rank, world, init_file, pg_timeout, dump_file, dump_after, resul
 
 
 def spawn(fn: Callable, nproc: int, *args: object, timeout: float | None = 120.0,
-          pg_timeout: float | None = None, **kwargs: object) -> list:
+          pg_timeout: float | None = None, group_size: int | None = None,
+          rank_names: list[str] | None = None, **kwargs: object) -> list:
     """Run ``fn(env, *args, **kwargs)`` on ``nproc`` local ranks; return each rank's result in order.
+
+    ``group_size``: only ranks below it form the process group (its ``env.world_size``); the others
+    (parameter servers) talk over RPC only, meeting at ``env.rpc_init``. ``rank_names`` name the
+    ranks in failure messages ("rank 2 (server0) died").
 
     ``fn`` must be importable by name (a module-level function). Raises ``WorkerError`` with the
     failing rank's traceback, or with every rank's stack on timeout. ``timeout=None`` waits for as
@@ -291,14 +304,14 @@ def spawn(fn: Callable, nproc: int, *args: object, timeout: float | None = 120.0
         procs = [
             ctx.Process(target=_worker, daemon=False,
                         args=(fn, r, nproc, init_file, pg_timeout, dumps[r], dump_after,
-                              results, args, kwargs, os.getpid(), stop_request))
+                              results, args, kwargs, os.getpid(), stop_request, group_size))
             for r in range(nproc)
         ]
         for p in procs:
             p.start()
         try:
             with _forward_stop_signals(stop_request):
-                return _collect(procs, results, nproc, timeout, dumps)
+                return _collect(procs, results, nproc, timeout, dumps, rank_names)
         except WorkerError:
             # Two signals to the whole group can reach us as one (Python coalesces a signal that
             # arrives again before its handler ran) while a worker saw both and left at once.
@@ -352,7 +365,7 @@ def _forward_stop_signals(stop_request):
             signal.signal(sig, handler)
 
 
-def _collect(procs, results, nproc, timeout, dumps) -> list:
+def _collect(procs, results, nproc, timeout, dumps, rank_names=None) -> list:
     outputs: dict[int, object] = {}
     deadline = time.monotonic() + timeout if timeout else float("inf")
     while len(outputs) < nproc:
@@ -367,10 +380,10 @@ def _collect(procs, results, nproc, timeout, dumps) -> list:
             rank, status, payload = results.get(timeout=min(left, 0.5))
         except queue.Empty:
             if _dead(procs, outputs):
-                raise _failure({}, procs, results, outputs, dumps) from None
+                raise _failure({}, procs, results, outputs, dumps, rank_names) from None
             continue
         if status == "error":
-            raise _failure({rank: payload}, procs, results, outputs, dumps)
+            raise _failure({rank: payload}, procs, results, outputs, dumps, rank_names)
         outputs[rank] = _from_bytes(payload)
     return [outputs[r] for r in range(nproc)]
 
@@ -380,7 +393,7 @@ def _dead(procs, outputs) -> list[int]:
     return [r for r, p in enumerate(procs) if r not in outputs and p.exitcode not in (None, 0)]
 
 
-def _failure(errors: dict[int, str], procs, results, outputs, dumps) -> WorkerError:
+def _failure(errors: dict[int, str], procs, results, outputs, dumps, rank_names=None) -> WorkerError:
     """One message for a failed run: the root cause first (a rank that died, else the first to
     raise), then, if the ranks' collective histories part somewhere, where and how (comm/trace.py).
 
@@ -403,7 +416,8 @@ def _failure(errors: dict[int, str], procs, results, outputs, dumps) -> WorkerEr
     late = [r for r in stragglers(histories) if r not in errors and r not in outputs]
     if dead:
         rank = dead[0]
-        cause = (f"rank {rank} died with exit code {procs[rank].exitcode} "
+        name = f" ({rank_names[rank]})" if rank_names else ""
+        cause = (f"rank {rank}{name} died with exit code {procs[rank].exitcode} "
                  "(killed, out of memory, or a crash in native code)")
     elif late:
         rank, waiter = late[0], next(iter(errors))

@@ -33,6 +33,7 @@ from paratrain.launch import (
 from paratrain.memory.batch_finder import NothingFits
 from paratrain.memory.precision import choose as choose_precision
 from paratrain.train import guards, runlock
+from paratrain.train.ps_run import rank_names, train_or_serve
 from paratrain.train.task import build_task
 from paratrain.train.trainer import Trainer
 
@@ -43,9 +44,17 @@ def _worker(env: DistEnv, cfg_dict: dict, attempt: int = 0) -> int | str:
     the launcher to print, not a traceback."""
     os.environ["PARATRAIN_RESTART_COUNT"] = str(attempt)  # launch.restart_attempt() reads it
     try:
-        return Trainer(Config.from_dict(cfg_dict), env).fit().stopped_by
+        return _train_rank(Config.from_dict(cfg_dict), env)
     except NothingFits as e:
         return str(e)
+
+
+def _train_rank(cfg: Config, env: DistEnv) -> int:
+    """This rank's part: the signal that stopped training (0: none); a parameter server: 0."""
+    if cfg.ps_servers:
+        result = train_or_serve(cfg, env)
+        return result.stopped_by if result is not None else 0
+    return Trainer(cfg, env).fit().stopped_by
 
 
 def run_training(cfg: Config) -> int:
@@ -108,8 +117,11 @@ def _spawn_with_restarts(cfg: Config) -> int:
     attempt = 0
     while True:
         try:
+            servers = cfg.ps_servers
             results = spawn(_worker, cfg.world_size, cfg.to_dict(), attempt, timeout=None,
-                            pg_timeout=cfg.parallel.timeout_s)
+                            pg_timeout=cfg.parallel.timeout_s,
+                            group_size=cfg.world_size - servers if servers else None,
+                            rank_names=rank_names(cfg) if servers else None)
             refused = [r for r in results if isinstance(r, str)]
             if refused:  # a setting to change: exit 2 with its message, no restart
                 raise ConfigError(refused[0])
@@ -131,14 +143,14 @@ def resuming(cfg: Config) -> Config:
 def _run_torchrun(cfg: Config) -> int:
     if restart_attempt() > 0:  # torchrun restarted the group: continue from the latest checkpoint
         cfg = resuming(cfg)
-    env = init_from_torchrun(cfg.parallel.timeout_s)
+    env = init_from_torchrun(cfg.parallel.timeout_s, cfg.world_size - cfg.ps_servers)
     with runlock.locked_run(cfg) if env.rank == 0 else contextlib.nullcontext():
         if env.local_rank == 0:
             build_task(cfg)
-        if torch.distributed.is_initialized():
+        if torch.distributed.is_initialized():  # the workers (parameter servers join RPC only)
             torch.distributed.barrier()
         with signals.handling_signals():  # torchrun's agent forwards SIGINT/SIGTERM to every worker
-            stopped = Trainer(cfg, env).fit().stopped_by
+            stopped = _train_rank(cfg, env)
     if stopped:
         return signals.exit_code(stopped)
     if env.rank == 0:

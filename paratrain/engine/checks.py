@@ -59,6 +59,7 @@ def check_layout(cfg: Config, problems: list[str]) -> None:
     _check_tensor_parallel(cfg, problems)
     _check_pipeline(cfg, problems)
     _check_zero(cfg, problems)
+    _check_param_server(cfg, problems)
     check_savers(cfg, problems)
     check_lora(cfg, problems)  # engine/lora.py: targets, rank, and what LoRA composes with
     if cfg.train.precision not in ("fp32", "auto") and cfg.model.name == "cnn-tiny":
@@ -200,3 +201,32 @@ def _model_positions(cfg: Config) -> int:
             return DEFAULT_SEQ_LEN
     preset = PRESETS.get(cfg.model.name)
     return preset.max_seq_len if preset is not None else DEFAULT_SEQ_LEN
+
+
+def _check_param_server(cfg: Config, problems: list[str]) -> None:
+    """--sync parameter-server: what the servers (param_server/) support today. The workers are
+    whole-model data-parallel replicas; the servers run the fp32 AdamW."""
+    p = cfg.parallel
+    if p.sync != "parameter-server":
+        for flag, value, default in (("--servers", p.servers, 1), ("--ps-mode", p.ps_mode, "sync"),
+                                     ("--max-staleness", p.max_staleness, None)):
+            if value != default:
+                problems.append(f"{flag} applies to --sync parameter-server only: add it or drop {flag}")
+        return
+    unsupported = [(p.tp > 1, "--tp 1 (a worker holds the whole model)"),
+                   (p.pp > 1, "--pp 1 (a worker holds the whole model)"),
+                   (p.ep > 1, "--ep 1"), (p.zero != 0, "--zero 0 (the servers shard the optimizer state)"),
+                   (p.offload != "none", "--offload none (the servers hold the optimizer state)"),
+                   (cfg.optim.name != "adamw", "--optimizer adamw (the servers run torch's AdamW)"),
+                   (cfg.train.precision != "fp32", "--precision fp32 (the servers keep fp32 weights)"),
+                   (cfg.train.micro_batch == "auto", "a numeric --micro-batch (not auto)"),
+                   (bool(cfg.lora.rank), "no --lora")]
+    for bad, fix in unsupported:
+        if bad:
+            problems.append(f"--sync parameter-server supports {fix} for now")
+    if p.ps_mode == "async" and p.max_staleness is not None and p.max_staleness < cfg.dp - 1:
+        problems.append(f"--max-staleness {p.max_staleness} is below dp - 1 = {cfg.dp - 1}: when all "
+                        f"{cfg.dp} workers push at once the last of them is dp - 1 updates late; raise "
+                        "--max-staleness or use --ps-mode sync")
+    if p.ps_mode == "sync" and p.max_staleness is not None:
+        problems.append("--max-staleness bounds --ps-mode async: add --ps-mode async or drop it")

@@ -41,6 +41,7 @@ from paratrain.memory.recompute import apply_recompute
 from paratrain.memory.tiled_linear import apply_weight_tiling
 from paratrain.memory.tiling import apply_tiling
 from paratrain.mesh import ParallelMesh
+from paratrain.param_server.client import ParameterServerClient, ServerSettings
 from paratrain.pipeline.executor import PipelineExecutor
 from paratrain.pipeline.stage import split_for_pipeline
 from paratrain.sharding import name_params
@@ -99,6 +100,9 @@ def parallelize(task: Task, cfg: Config, mesh: ParallelMesh) -> Engine:
 
 def _strategy(model: nn.Module, task: Task, cfg: Config, mesh: ParallelMesh) -> Strategy:
     p = cfg.parallel
+    if p.sync == "parameter-server":  # the servers hold the optimizer (param_server/)
+        settings = ServerSettings(p.servers, p.ps_mode == "async", cfg.ps_max_staleness, p.timeout_s)
+        return ParameterServerClient(model, mesh, cfg.optim, settings)
     # ZeRO-3 materialises this rank's shards from the full initial value by name: the family's
     # init, or an imported checkpoint's slice (task.init_value)
     return make_strategy(model, mesh, cfg.optim, zero=p.zero, dp_mode=p.dp_mode,
