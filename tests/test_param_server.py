@@ -1,0 +1,135 @@
+"""The parameter server (--sync parameter-server) against one process, its staleness bound, its failures.
+
+Tolerances. In sync mode a server adds the workers' gradients (each its share of the global mean)
+in worker order, where one process sums all rows in one matmul: the same numbers added in another
+order, ~1e-7 relative per sum in fp32, exactly the data-parallel situation of
+tests/test_data_parallel.py. The servers run torch's AdamW per tensor, as one process does, on the
+same fp32 values. So losses and weights are compared with the harness's FP32_REORDERED criterion
+(isolated AdamW sign flips of near-zero gradients allowed, tests/harness.py), and the gradient
+norm of every step too (AdamW would hide a wrong gradient scale, e.g. a mean of the shares instead
+of their sum: that halves the norm, far beyond 2e-5).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from paratrain import config
+from paratrain.cli import main
+from paratrain.config import ConfigError
+from paratrain.engine import checks
+from paratrain.faults import KILL_SERVER_AT
+from paratrain.param_server.placement import assign, loads
+from paratrain.train.ps_run import rank_names, train_or_serve
+from paratrain.train.task import build_task
+from paratrain.train.trainer import Trainer
+from tests.dist import WorkerError, run
+from tests.harness import FP32_REORDERED, assert_same_weights, tiny_cfg
+
+GLOBAL_BATCH = 8
+
+
+def _rank(env, cfg_dict: dict, environ: dict | None = None):
+    os.environ.update(environ or {})  # workers fork from a server started earlier: not our environment
+    result = train_or_serve(config.Config.from_dict(cfg_dict), env)
+    return None if result is None else (result.losses, result.final_state)
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _ps_cfg(out: Path, dp: int, servers: int, **overrides) -> config.Config:
+    return tiny_cfg(out, **{"train.global_batch": GLOBAL_BATCH, "parallel.sync": "parameter-server",
+                            "parallel.dp": dp, "parallel.servers": servers, **overrides})
+
+
+def _train_ps(cfg: config.Config, timeout: float = 60.0,
+              environ: dict | None = None) -> tuple[list[float], dict]:
+    """Run dp workers + servers; return worker 0's losses and final weights (the servers' values)."""
+    checks.validate(cfg)
+    build_task(cfg)  # tokenize once here; workers map the cache
+    outs = run(_rank, cfg.world_size, cfg.to_dict(), environ, timeout=timeout, group_size=cfg.dp,
+               rank_names=rank_names(cfg))
+    workers, servers = outs[:cfg.dp], outs[cfg.dp:]
+    assert servers == [None] * cfg.ps_servers
+    losses, weights = workers[0]
+    assert all(w[0] == losses for w in workers), "workers disagree on the loss"
+    return losses, weights
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("one_process")
+    result = Trainer(tiny_cfg(out, **{"train.global_batch": GLOBAL_BATCH})).fit()
+    return {"losses": result.losses, "weights": result.final_state, "rows": _rows(out)}
+
+
+@pytest.mark.parametrize("servers", [1, 2])
+def test_sync_equals_one_process(tmp_path, reference, servers):
+    losses, weights = _train_ps(_ps_cfg(tmp_path, dp=2, servers=servers))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference["losses"]), **FP32_REORDERED)
+    assert_same_weights(weights, reference["weights"], **FP32_REORDERED)
+    rows = _rows(tmp_path)
+    torch.testing.assert_close(torch.tensor([r["grad_norm"] for r in rows]),
+                               torch.tensor([r["grad_norm"] for r in reference["rows"]]), rtol=2e-5, atol=0)
+    assert all(r["comm_bytes"]["send"] > 0 and r["mem_optim_bytes"] == 0 for r in rows)
+
+
+def test_placement_is_balanced_and_deterministic():
+    sizes = {"emb": 1000, "a": 300, "b": 300, "c": 200, "d": 200, "norm": 10}
+    owner = assign(sizes, 2)
+    assert owner == assign(dict(reversed(sizes.items())), 2)  # independent of the order given
+    assert loads(owner, sizes, 2) == [1010, 1000]  # emb | a b c d, then norm to the first of equals
+    assert set(assign(sizes, 3).values()) == {0, 1, 2}
+
+
+def test_async_bounds_staleness_and_learns(tmp_path):
+    cfg = _ps_cfg(tmp_path, dp=3, servers=2, **{"parallel.ps_mode": "async", "parallel.max_staleness": 2,
+                                                "train.global_batch": 12, "train.steps": 6})
+    losses, _ = _train_ps(cfg)
+    rows = _rows(tmp_path)
+    staleness = [r["ps_staleness"] for r in rows]
+    assert max(staleness) <= 2 and rows[-1]["ps_staleness_max"] <= 2, staleness
+    assert max(staleness) > 0, "three workers pushing each step: some update must be late"
+    assert losses[-1] < losses[0] - 0.1, losses
+
+
+def test_server_death_is_named(tmp_path):
+    cfg = _ps_cfg(tmp_path, dp=2, servers=1, **{"parallel.timeout_s": 10.0})
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as err:
+        _train_ps(cfg, timeout=40, environ={KILL_SERVER_AT: "2"})
+    assert "server0" in str(err.value) and err.value.rank == 2, str(err.value)
+    assert time.monotonic() - start < 30
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    ({"parallel.tp": 2, "parallel.nproc": 5}, "--tp 1"),
+    ({"parallel.zero": 1}, "--zero 0"),
+    ({"parallel.ps_mode": "async", "parallel.max_staleness": 0}, "below dp - 1"),
+    ({"parallel.nproc": 4}, "server(s) = 3 != world size 4"),
+])
+def test_bad_settings_are_refused(tmp_path, overrides, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        checks.validate(_ps_cfg(tmp_path, dp=2, servers=1, **overrides))
+
+
+def test_server_flags_need_the_parameter_server(tmp_path):
+    with pytest.raises(ConfigError, match="--servers applies to --sync parameter-server only"):
+        checks.validate(tiny_cfg(tmp_path, **{"parallel.servers": 2}))
+
+
+def test_cli_bad_flags_exit_2(tmp_path, capsys):
+    args = ["train", "--model", "tiny", "--sync", "parameter-server", "--nproc", "3", "--dp", "2"]
+    assert main([*args, "--ps-mode", "later", "--out", str(tmp_path / "a")]) == 2
+    assert "parallel.ps_mode = 'later' is not one of sync, async" in capsys.readouterr().err
+    assert main([*args, "--servers", "2", "--out", str(tmp_path / "b")]) == 2
+    assert "server(s) = 4 != world size 3" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists(), "refused before anything was written"
