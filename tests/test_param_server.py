@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -133,3 +134,33 @@ def test_cli_bad_flags_exit_2(tmp_path, capsys):
     assert main([*args, "--servers", "2", "--out", str(tmp_path / "b")]) == 2
     assert "server(s) = 4 != world size 3" in capsys.readouterr().err
     assert not (tmp_path / "a").exists(), "refused before anything was written"
+
+
+def _continue_from(src: Path, dst: Path, step: int = 2) -> None:
+    """A fresh run folder holding only checkpoint ``step`` of ``src`` (what a crash would leave)."""
+    name = f"step_{step:06d}"
+    shutil.copytree(src / "checkpoints" / name, dst / "checkpoints" / name)
+    (dst / "checkpoints" / "latest").write_text(name + "\n")
+
+
+def test_resume_continues_exactly_and_loads_in_another_layout(tmp_path, reference):
+    """The checkpoint holds the servers' values and AdamW moments: resumed from step 2 under the
+    parameter server, steps 3-4 are bit for bit the unbroken run's (same sums in the same order);
+    resumed in one process they match the one-process run (FP32_REORDERED: the first two steps
+    were summed over workers)."""
+    unbroken = tmp_path / "unbroken"
+    cfg = _ps_cfg(unbroken, dp=2, servers=2, **{"train.save_every": 2})
+    losses, weights = _train_ps(cfg)
+    index = json.loads((unbroken / "checkpoints" / "step_000002" / "index.json").read_text())
+    assert any("exp_avg_sq" in str(entry) for entry in index.values()), "the servers' AdamW state is saved"
+    _continue_from(unbroken, tmp_path / "resumed")
+    resumed = _ps_cfg(tmp_path / "resumed", dp=2, servers=2, **{"train.resume": True})
+    again, weights_again = _train_ps(resumed)
+    assert again == losses[2:]
+    assert_same_weights(weights_again, weights, rtol=0, atol=0)
+    _continue_from(unbroken, tmp_path / "one")
+    one_cfg = tiny_cfg(tmp_path / "one", **{"train.global_batch": GLOBAL_BATCH, "train.resume": True})
+    one = Trainer(one_cfg).fit()
+    torch.testing.assert_close(torch.tensor(one.losses), torch.tensor(reference["losses"][2:]),
+                               **FP32_REORDERED)
+    assert_same_weights(one.final_state, reference["weights"], **FP32_REORDERED)
