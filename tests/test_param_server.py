@@ -15,11 +15,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from paratrain import config
 from paratrain.cli import main
@@ -34,6 +37,11 @@ from tests.dist import WorkerError, run
 from tests.harness import FP32_REORDERED, assert_same_weights, tiny_cfg
 
 GLOBAL_BATCH = 8
+ROOT = Path(__file__).resolve().parents[1]
+# tests/harness.py's TINY as flags (the torchrun test runs the command line)
+TINY_CLI = ["--model", "tiny", "--vocab-size", "512", "--max-files", "40", "--seq-len", "32", "--steps", "4",
+            "--global-batch", str(GLOBAL_BATCH), "--eval-every", "0", "--no-progress", "--warmup-steps", "1",
+            "--lr", "1e-2", "--threads", "1"]
 
 
 def _rank(env, cfg_dict: dict, environ: dict | None = None):
@@ -72,15 +80,30 @@ def reference(tmp_path_factory) -> dict:
     return {"losses": result.losses, "weights": result.final_state, "rows": _rows(out)}
 
 
-@pytest.mark.parametrize("servers", [1, 2])
-def test_sync_equals_one_process(tmp_path, reference, servers):
-    losses, weights = _train_ps(_ps_cfg(tmp_path, dp=2, servers=servers))
+def assert_equals_one_process(out: Path, losses: list[float], weights: dict, reference: dict) -> None:
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference["losses"]), **FP32_REORDERED)
     assert_same_weights(weights, reference["weights"], **FP32_REORDERED)
-    rows = _rows(tmp_path)
+    rows = _rows(out)
     torch.testing.assert_close(torch.tensor([r["grad_norm"] for r in rows]),
                                torch.tensor([r["grad_norm"] for r in reference["rows"]]), rtol=2e-5, atol=0)
-    assert all(r["comm_bytes"]["send"] > 0 and r["mem_optim_bytes"] == 0 for r in rows)
+    n_bytes = 4 * rows[0]["n_params"]  # every worker pushes one fp32 gradient per step, and pulls the values
+    assert all(r["comm_bytes"]["send"] == n_bytes and r["ps_pull_bytes"] == n_bytes for r in rows), rows[0]
+    assert all(r["mem_optim_bytes"] == 0 for r in rows), "the servers hold the optimizer state"
+
+
+def test_torchrun_start_equals_one_process(tmp_path, reference):
+    """Sync mode, 2 workers + 1 server, equals one process. Started by torchrun: its world is the
+    workers then the servers, 3 ranks. (2 workers + 2 servers under paratrain's own launcher: the
+    resume test's unbroken run; the two launchers give bit-identical weights, checked by hand.)"""
+    out = tmp_path / "run"
+    args = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "3",
+            "-m", "paratrain.cli", "train", *TINY_CLI, "--sync", "parameter-server", "--dp", "2",
+            "--servers", "1", "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    losses = [r["loss"] for r in _rows(out)]
+    assert_equals_one_process(out, losses, load_file(str(out / "model.safetensors")), reference)
 
 
 def test_placement_is_balanced_and_deterministic():
@@ -151,6 +174,7 @@ def test_resume_continues_exactly_and_loads_in_another_layout(tmp_path, referenc
     unbroken = tmp_path / "unbroken"
     cfg = _ps_cfg(unbroken, dp=2, servers=2, **{"train.save_every": 2})
     losses, weights = _train_ps(cfg)
+    assert_equals_one_process(unbroken, losses, weights, reference)
     index = json.loads((unbroken / "checkpoints" / "step_000002" / "index.json").read_text())
     assert any("exp_avg_sq" in str(entry) for entry in index.values()), "the servers' AdamW state is saved"
     _continue_from(unbroken, tmp_path / "resumed")
