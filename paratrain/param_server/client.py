@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -79,7 +80,7 @@ class ParameterServerClient(Strategy):
 
     # -- talking to the servers -------------------------------------------------------------------
 
-    def call(self, k: int, fn, *args) -> torch.futures.Future:
+    def call(self, k: int, fn: Callable, *args: object) -> torch.futures.Future:
         return rpc.rpc_async(server_name(k), fn, args=args, timeout=self.settings.timeout_s)
 
     def wait(self, futures: list[torch.futures.Future]) -> list:
