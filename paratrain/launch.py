@@ -149,7 +149,8 @@ def init_from_torchrun(timeout_s: float = 600.0, group_size: int | None = None) 
     group = group_size or world
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     backend = pick_backend()
-    device = pick_device(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    local_ranks = min(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), group)  # servers need no GPU
+    device = pick_device(local_rank, local_ranks) if rank < group else torch.device("cpu")
     die_with_parent()  # torchrun's agent killed: this worker goes too
     if world > 1 and not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -259,8 +260,10 @@ def _worker(fn, rank, world, init_file, pg_timeout, dump_file, dump_after, resul
         if dump_after:
             faulthandler.dump_traceback_later(dump_after, exit=False, file=dump)
         try:
-            backend, device = pick_backend(), pick_device(rank, world)
             group = group_size or world  # the ranks beyond it join no process group (RPC only)
+            # a rank beyond the group (a parameter server) keeps its state in host memory
+            backend = pick_backend()
+            device = pick_device(rank, group) if rank < group else torch.device("cpu")
             if group > 1 and rank < group:
                 dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                                         world_size=group, timeout=datetime.timedelta(seconds=pg_timeout))

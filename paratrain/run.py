@@ -61,7 +61,7 @@ def run_training(cfg: Config) -> int:
     """Train with `cfg` (already validated); return the process exit code."""
     if under_torchrun():
         return _run_torchrun(cfg)
-    problem = gpu_shortage(cfg.world_size)
+    problem = gpu_shortage(cfg.world_size - cfg.ps_servers)  # parameter servers use no GPU
     if problem:  # before the run folder, the data and any worker
         raise ConfigError(problem)
     with runlock.locked_run(cfg):  # one run per --out folder; refused before any worker starts

@@ -221,7 +221,7 @@ class ParameterServerClient(Strategy):
             keys = {"param"} | (set(reader.keys(full)) - {"param", "buffer"})
             out[name] = {}
             for key in sorted(keys):
-                t = torch.zeros_like(p, dtype=torch.float32)
+                t = torch.zeros(p.shape, dtype=torch.float32)  # host memory: RPC sends no CUDA tensor
                 read_local(reader, info_of(p), full, key, t)
                 out[name][key] = t
         return out
