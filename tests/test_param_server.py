@@ -30,6 +30,7 @@ from paratrain.config import ConfigError
 from paratrain.engine import checks
 from paratrain.faults import KILL_SERVER_AT
 from paratrain.param_server.placement import assign, loads
+from paratrain.param_server.server import ParamServer
 from paratrain.train.ps_run import rank_names, train_or_serve
 from paratrain.train.task import build_task
 from paratrain.train.trainer import Trainer
@@ -188,3 +189,49 @@ def test_resume_continues_exactly_and_loads_in_another_layout(tmp_path, referenc
     torch.testing.assert_close(torch.tensor(one.losses), torch.tensor(reference["losses"][2:]),
                                **FP32_REORDERED)
     assert_same_weights(one.final_state, reference["weights"], **FP32_REORDERED)
+
+
+# --------------------------------------------------------------------------------------------
+# The server's rules, on one ParamServer in this process (no RPC): orders chosen, not raced
+# --------------------------------------------------------------------------------------------
+
+ADAMW = {"lr": 0.1, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
+
+
+def _server(dp: int, async_mode: bool, max_staleness: int = 0) -> ParamServer:
+    server = ParamServer(dp, async_mode, max_staleness)
+    server.setup({"w": torch.zeros(3)}, ADAMW)
+    return server
+
+
+def test_async_gate_holds_a_push_that_would_leave_a_worker_too_far_behind():
+    server, g = _server(3, True, max_staleness=2), {"w": torch.ones(3)}
+    first = [server.push_async(w, g, 0.1) for w in (0, 1, 2)]  # reads: worker w at version w + 1
+    assert [f.wait()[1] for f in first] == [0, 1, 2]
+    # Now in reverse. Applying worker 2's push (version 3 -> 4) would leave worker 0, which read
+    # version 1, 3 updates behind: held; worker 1's too. Without the gate worker 0's next push
+    # would be 4 updates late.
+    late2 = server.push_async(2, g, 0.1)
+    late1 = server.push_async(1, g, 0.1)
+    assert not late2.done() and not late1.done()
+    late0 = server.push_async(0, g, 0.1)  # the oldest reader: applied, then the held ones, oldest first
+    assert [late0.wait()[1], late1.wait()[1], late2.wait()[1]] == [2, 2, 2]
+    assert server.version == 6
+
+
+def test_async_gate_ignores_finished_workers():
+    server, g = _server(2, True, max_staleness=1), {"w": torch.ones(3)}
+    server.finish(1)  # worker 1 never pushes again: it must not hold worker 0 back
+    assert [server.push_async(0, g, 0.1).wait()[1] for _ in range(3)] == [0, 0, 0]
+
+
+def test_sync_sum_does_not_depend_on_arrival_order():
+    """fp32 addition is not associative: 1e8 + 1 - 1e8 is 0 in worker order, 1 in another."""
+    parts = {0: torch.tensor([1e8]), 1: torch.tensor([1.0]), 2: torch.tensor([-1e8])}
+    norms = []
+    for order in ((0, 1, 2), (0, 2, 1), (2, 1, 0)):
+        server = ParamServer(3, False, 0)
+        server.setup({"w": torch.zeros(1)}, ADAMW)
+        futures = [server.push_sync(w, 0, {"w": parts[w]}) for w in order]
+        norms.append(futures[0].wait())
+    assert norms == [0.0, 0.0, 0.0], norms
