@@ -9,6 +9,8 @@ is a single dictionary lookup when it is not:
   attempt only: the stand-in for a hung rank (the timeout must name it, not its waiting peers);
 * ``PARATRAIN_TEST_KILL_SERVER_AT=k``: a parameter server kills itself (SIGKILL) once it has
   applied k updates, on the first attempt only: the stand-in for a server machine failure;
+* ``PARATRAIN_TEST_HANG_SERVER_AT=k``: a parameter server stops answering (sleeps) once it has
+  applied k updates, on the first attempt only: the stand-in for a hung server;
 * ``PARATRAIN_TEST_SKIP_COLLECTIVE=what``: rank 1 skips its first collective whose purpose is
   ``what``: the stand-in for diverged code paths (the collective checker must name it).
 """
@@ -23,6 +25,7 @@ CRASH_AT_STEP = "PARATRAIN_TEST_CRASH_AT_STEP"
 HANG_AT_STEP = "PARATRAIN_TEST_HANG_AT_STEP"
 SKIP_COLLECTIVE = "PARATRAIN_TEST_SKIP_COLLECTIVE"
 KILL_SERVER_AT = "PARATRAIN_TEST_KILL_SERVER_AT"
+HANG_SERVER_AT = "PARATRAIN_TEST_HANG_SERVER_AT"
 
 _skipped = False  # the skip fires once per process
 
@@ -41,6 +44,9 @@ def server_crash_point(updates: int) -> None:
     first_attempt = os.environ.get("PARATRAIN_RESTART_COUNT", "0") == "0"
     if first_attempt and os.environ.get(KILL_SERVER_AT) == str(updates):
         os.kill(os.getpid(), signal.SIGKILL)
+    if first_attempt and os.environ.get(HANG_SERVER_AT) == str(updates):
+        while True:  # until the launcher kills it
+            time.sleep(60)
 
 
 def skip_collective(what: str | None, global_rank: int) -> bool:
