@@ -101,7 +101,7 @@ def parallelize(task: Task, cfg: Config, mesh: ParallelMesh) -> Engine:
 def _strategy(model: nn.Module, task: Task, cfg: Config, mesh: ParallelMesh) -> Strategy:
     p = cfg.parallel
     if p.sync == "parameter-server":  # the servers hold the optimizer (param_server/)
-        settings = ServerSettings(p.servers, p.ps_mode == "async", cfg.ps_max_staleness, p.timeout_s)
+        settings = ServerSettings(p.servers, p.ps_mode == "async", p.timeout_s)
         return ParameterServerClient(model, mesh, cfg.optim, settings)
     # ZeRO-3 materialises this rank's shards from the full initial value by name: the family's
     # init, or an imported checkpoint's slice (task.init_value)

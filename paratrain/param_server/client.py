@@ -52,8 +52,7 @@ class ServerError(RuntimeError):
 @dataclass(frozen=True)
 class ServerSettings:
     servers: int
-    async_mode: bool
-    max_staleness: int  # async: updates a gradient may be late by (>= dp - 1)
+    async_mode: bool  # the staleness bound is the servers' business (server.py)
     timeout_s: float
 
 
