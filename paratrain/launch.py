@@ -420,10 +420,12 @@ def _failure(errors: dict[int, str], procs, results, outputs, dumps, rank_names=
     histories = {r: read_mirror(trace_path(dumps[r])) for r in range(len(procs))}
     # A hung rank raises nothing: its peers time out waiting and report first. Lead with it.
     late = [r for r in stragglers(histories) if r not in errors and r not in outputs]
+    def named(r: int) -> str:
+        return f"rank {r} ({rank_names[r]})" if rank_names else f"rank {r}"
+
     if dead:
         rank = dead[0]
-        name = f" ({rank_names[rank]})" if rank_names else ""
-        cause = (f"rank {rank}{name} died with exit code {procs[rank].exitcode} "
+        cause = (f"{named(rank)} died with exit code {procs[rank].exitcode} "
                  "(killed, out of memory, or a crash in native code)")
     elif late:
         rank, waiter = late[0], next(iter(errors))
@@ -431,7 +433,7 @@ def _failure(errors: dict[int, str], procs, results, outputs, dumps, rank_names=
                  f"the collectives; see below where); rank {waiter} failed waiting for it:\n{errors[waiter]}")
     else:
         rank = next(iter(errors))
-        cause = f"rank {rank} failed:\n{errors[rank]}"
+        cause = f"{named(rank)} failed:\n{errors[rank]}"
     found = diagnose(histories)
     return WorkerError(rank, f"{cause}\n{found}" if found and found not in cause else cause)
 

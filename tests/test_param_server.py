@@ -127,7 +127,8 @@ def test_async_bounds_staleness_and_learns(tmp_path):
 
 @pytest.mark.parametrize("fault, named", [
     (KILL_SERVER_AT, "rank 2 (server0) died"),  # the launcher sees it die
-    (HANG_SERVER_AT, "parameter server server0 (rank 2) failed, died or did not answer within 3 s"),
+    (HANG_SERVER_AT, ") failed:\nServerError: parameter server server0 (rank 2) failed, died or did not "
+                     "answer within 3 s"),  # a worker, "rank 0 (worker0)" or 1, reports it
 ])
 def test_server_failure_is_named(tmp_path, fault, named):
     """Killed or hung after its second update, the server ends the run, named, within the timeout
