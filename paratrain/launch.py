@@ -144,7 +144,7 @@ def _torchrun_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.
 def init_from_torchrun(timeout_s: float = 600.0, group_size: int | None = None) -> DistEnv:
     """Join the process group torchrun describes in the environment. ``group_size``: only the
     ranks below it form the process group (the others are parameter servers, on RPC only, which
-    meets in the same store: ``env://``)."""
+    meets at a store of its own: ``_rpc_meeting``)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     group = group_size or world
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -155,10 +155,29 @@ def init_from_torchrun(timeout_s: float = 600.0, group_size: int | None = None) 
     if world > 1 and not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
         store = _torchrun_store(rank, world, timeout)  # every rank connects: rank 0 may wait for all
+        rpc_init = _rpc_meeting(store, rank, world, timeout) if group < world else None
         if group > 1 and rank < group:
             dist.init_process_group(backend, store=store, rank=rank, world_size=group, timeout=timeout)
             atexit.register(_leave_process_group)
-    return DistEnv(rank, group if rank < group else world, local_rank, backend, device, rpc_init="env://")
+        return DistEnv(rank, group if rank < group else world, local_rank, backend, device, rpc_init=rpc_init)
+    return DistEnv(rank, world, local_rank, backend, device)
+
+
+_RPC_STORES: list[dist.Store] = []  # rank 0's RPC meeting store, alive as long as the process
+
+
+def _rpc_meeting(store: dist.Store, rank: int, world: int, timeout: datetime.timedelta) -> str:
+    """Where torch.distributed.rpc meets under torchrun: a TCP store of its own, hosted by rank 0 on
+    a free port announced in this attempt's prefix of torchrun's store. Why not ``env://``: RPC
+    names its keys the same at every attempt (``rpc_prefix_0``), so a restarted attempt meeting in
+    torchrun's store finds the previous attempt's addresses (seen: "Connection refused" after a
+    killed server, --max-restarts 1). MASTER_ADDR is the host of rank 0 (torchrun's contract)."""
+    if rank == 0:
+        rpc_store = dist.TCPStore(os.environ["MASTER_ADDR"], 0, world, is_master=True, wait_for_workers=False,
+                                  multi_tenant=True, timeout=timeout)
+        _RPC_STORES.append(rpc_store)
+        store.set("rpc_port", str(rpc_store.port))
+    return f"tcp://{os.environ['MASTER_ADDR']}:{int(store.get('rpc_port'))}"
 
 
 EXIT_BARRIER_S = 60.0  # at exit, how long a rank waits for its peers to finish their collectives

@@ -4,8 +4,8 @@ The world is dp workers then K servers: ranks 0..dp-1 are ``worker{i}``, ranks d
 ``server{k}``. The workers also form a gloo process group of their own (launch.py: ``group_size``)
 for what they still do together (the loss for the log, metrics, checkpoints, the stop signal);
 the servers join only RPC. RPC meets at ``init_method``: a file beside the local launcher's
-rendezvous file, or ``env://`` under torchrun (the agent's store, or the one rank 0 hosts:
-``torch.distributed.rendezvous`` reuses it; RPC prefixes its keys).
+rendezvous file (new at every start), or under torchrun a TCP store rank 0 hosts for this attempt
+(launch.py ``_rpc_meeting``: RPC's keys are the same at every attempt).
 
 Shutdown on every path: a worker that finishes tells every server (``finish``), then leaves RPC
 gracefully (that waits for all members); a server leaves once every worker has finished. A worker
@@ -31,7 +31,7 @@ RPC_THREADS_MIN = 16  # TensorPipe's default; a sync round parks dp futures, not
 class RpcWorld:
     """Where RPC meets and who is in it."""
 
-    init_method: str  # file://... (local launcher) or env:// (torchrun)
+    init_method: str  # file://... (local launcher) or tcp://... (torchrun)
     dp: int  # workers: ranks 0..dp-1
     servers: int  # servers: ranks dp..dp+servers-1
     timeout_s: float  # an RPC not answered by then fails (a dead or hung server is named)
