@@ -542,7 +542,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"paratrain: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("paratrain: interrupted; the last complete checkpoint is intact", file=sys.stderr)
+        kept = "; the last complete checkpoint is intact" if args.command == "train" else ""
+        print(f"paratrain: interrupted{kept}", file=sys.stderr)
         return 130
 
 
