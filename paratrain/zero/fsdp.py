@@ -72,7 +72,7 @@ from paratrain.models import family_of
 from paratrain.sharding import copy_info, info_of, shard_of
 from paratrain.shards import ShardReader
 from paratrain.zero import store8
-from paratrain.zero.flat import DTYPES, FlatLayout, GroupOf, axis_of, param_key
+from paratrain.zero.flat import DTYPES, FlatLayout, GroupOf, axis_of, param_key, reduce_over_replicas
 from paratrain.zero.fsdp_units import Frozen, Unit, UnitHooks
 from paratrain.zero.offload import disk_store, make_store
 from paratrain.zero.sharded_state import ShardedState, held_sync
@@ -111,7 +111,8 @@ def _join_owner(plan: list[Unit], uname: str, modules: list[nn.Module]) -> None:
 
 
 class Zero3(UnitHooks, ShardedState, Strategy):
-    """Fully sharded data parallel over mesh.dp; takes the model on the meta device."""
+    """Fully sharded data parallel over mesh.dp (mesh.dp_shard under HSDP); takes the model on the
+    meta device."""
 
     reduces_during_backward = True
 
@@ -333,6 +334,8 @@ class Zero3(UnitHooks, ShardedState, Strategy):
             self._reset_backward(u)
             self._free(i)
         self._in_flight = []
+        for u in self.trained:  # HSDP: each shard summed across the replicas (zero/flat.py)
+            reduce_over_replicas(u.layout, u.grad_shard, self.mesh)
 
     @staticmethod
     def _reset_backward(u: Unit) -> None:
