@@ -64,7 +64,8 @@ class Parallel:
 
     dp: data-parallel degree (default: world / (tp * pp)); tp: tensor parallel over ``tp_plan``;
     zero: 0 (DDP) or ZeRO stage 1, 2, 3; dp_replicate: hybrid sharding (with zero >= 1), ZeRO
-    sharded over dp / dp_replicate consecutive dp ranks (one node) and replicated across the groups; dp_mode: with zero 0, "ddp" (gradient buckets reduced
+    sharded over dp / dp_replicate consecutive dp ranks (one node) and replicated across the groups;
+    dp_mode: with zero 0, "ddp" (gradient buckets reduced
     while backward runs) or "plain" (each gradient all-reduced after backward); offload: where
     ZeRO keeps the optimizer partition ("none", "cpu", "disk" under ``offload_dir``); bucket_mb:
     gradient bucket size; timeout: seconds before a collective that never completes fails
@@ -76,9 +77,9 @@ class Parallel:
     runs forward and backward: the loop calls ``pipeline_step`` instead of ``backward``).
     """
 
-    def __init__(self, *, dp: int | None = None, tp: int = 1, pp: int = 1, zero: int = 0, dp_replicate: int = 1,
-                 dp_mode: str = "ddp", offload: str = "none", offload_dir: str | None = None,
-                 bucket_mb: float = 25.0, precision: str = "fp32",
+    def __init__(self, *, dp: int | None = None, tp: int = 1, pp: int = 1, zero: int = 0,
+                 dp_replicate: int = 1, dp_mode: str = "ddp", offload: str = "none",
+                 offload_dir: str | None = None, bucket_mb: float = 25.0, precision: str = "fp32",
                  timeout: float = 600.0, check_collectives: bool = False, units: list[str] | None = None,
                  unit_min_params: int | None = None, tp_plan: dict[str, str] | None = None,
                  sequence_parallel: bool = False, allow_non_elementwise: bool = False,

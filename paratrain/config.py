@@ -66,8 +66,8 @@ class ParallelConfig:
     pp: int = 1
     ep: int = 1
     zero: int = 0  # 0: replicated (DDP), 1: optimizer states, 2: + gradients, 3: + parameters
-    dp_replicate: int = 1  # hybrid sharding: ZeRO shards over dp / this ranks (a node), replicated this many times
-    dp_shard: int | None = None  # hybrid sharding: ranks each ZeRO shard group holds; default dp / dp_replicate
+    dp_replicate: int = 1  # hybrid sharding: replicas of the ZeRO shard groups (one per node)
+    dp_shard: int | None = None  # hybrid sharding: ranks of one shard group; default dp / dp_replicate
     dp_mode: str = "ddp"  # "ddp" (bucketed, overlapped) or "plain" (all-reduce after backward)
     bucket_mb: float = 25.0
     sp: bool = False

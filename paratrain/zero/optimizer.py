@@ -45,7 +45,15 @@ from paratrain.mesh import ParallelMesh
 from paratrain.sharding import info_of
 from paratrain.shards import ShardReader
 from paratrain.zero import store8
-from paratrain.zero.flat import DTYPES, FlatLayout, GroupOf, axis_of, bind_views, param_key, reduce_over_replicas
+from paratrain.zero.flat import (
+    DTYPES,
+    FlatLayout,
+    GroupOf,
+    axis_of,
+    bind_views,
+    param_key,
+    reduce_over_replicas,
+)
 from paratrain.zero.offload import make_store
 from paratrain.zero.sharded_state import ShardedState, held_sync
 

@@ -1,0 +1,154 @@
+"""Hybrid sharding (--dp-replicate R): ZeRO-1/2/3 sharded inside groups of S = dp / R ranks and
+replicated across the R groups trains as one process does, moves the bytes the formula says on
+each axis, and its checkpoints load in other layouts.
+
+Tolerances: the gradient of each element is a sum of per-rank partial sums (reduce-scatter over
+dp_shard, then all-reduce over dp_replicate) instead of one sum over the batch: fp32 reassociation,
+~1e-7 relative per op, which AdamW turns into isolated flips at worst: the harness's criterion
+(tests/harness.py) with test_zero.py's tolerances, the same kind of reordering.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from paratrain import config
+from paratrain.cli import main
+from paratrain.engine import checks
+from paratrain.planner.hybrid import hybrid_comm_bytes
+from paratrain.train.metrics import read_metrics
+from paratrain.train.trainer import Trainer
+from tests.dist import run
+from tests.harness import STEPS4, RunResult, assert_same_training, assert_same_weights, run_layout, tiny_cfg
+
+RTOL, ATOL = 1e-3, 1e-4  # as test_zero.py: reordered fp32 sums (module docstring)
+HSDP = {"parallel.dp": 4, "parallel.dp_replicate": 2}  # R = 2 replicas of S = 2 ranks
+
+
+def _train_many(env, runs: list[dict]) -> list:
+    """Train each configuration in turn; rank 0 returns (losses, weights, metrics rows) of each."""
+    out = []
+    for d in runs:
+        cfg = config.Config.from_dict(d)
+        result = Trainer(cfg, env).fit()
+        if env.rank == 0:
+            out.append((result.losses, result.final_state, read_metrics(f"{cfg.train.out}/metrics.jsonl")))
+    return out
+
+
+def _spawn(cfgs: list[config.Config], nproc: int) -> list:
+    for cfg in cfgs:
+        checks.validate(cfg, nproc)
+    return run(_train_many, nproc, [c.to_dict() for c in cfgs], timeout=300)[0]
+
+
+def _assert_close(got, ref) -> None:
+    torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(ref.losses), rtol=RTOL, atol=ATOL)
+    assert_same_weights(got[1], ref.weights, rtol=RTOL, atol=ATOL)
+
+
+def test_hsdp_every_zero_stage_matches_one_process_and_the_byte_formula(tmp_path):
+    """dp 4 = R2 x S2, two micro-batches per rank (accumulation, then one reduction): ZeRO-1/2/3
+    equal one process; each axis carries the formula's bytes; state is divided by S, not dp."""
+    ref = run_layout(tiny_cfg(tmp_path / "ref", **{"train.micro_batch": 2}))
+    cfgs = [tiny_cfg(tmp_path / f"z{z}", **HSDP, **{"parallel.zero": z, "train.micro_batch": 1})
+            for z in (1, 2, 3)]
+    got = _spawn(cfgs, 4)
+    for stage, g in zip((1, 2, 3), got):
+        _assert_close(g, ref)
+        row = g[2][-1]
+        psi = row["n_params"]  # every tensor of the tiny model has an even size: no padding at S = 2
+        want = hybrid_comm_bytes(psi, zero=stage, shard=2, replicate=2, micro_batches=2)
+        assert row["comm_by_axis"] == want, (stage, row["comm_by_axis"], want)
+        # Across nodes: one all-reduce of 1/S of the gradients (fp32), whatever the stage.
+        assert row["comm_by_link"] == {"inter_node": 4 * psi / 2, "intra_node": want["dp_shard"]}
+        # The optimizer partition (fp32 AdamW: master aliased, two moments: 8 bytes) is 1/S of it.
+        assert row["mem_optim_bytes"] == 8 * psi / 2, (stage, row["mem_optim_bytes"])
+    assert got[0][2][0]["layout"]["dp_replicate"] == 2
+
+
+def test_hsdp_with_tensor_parallelism_matches_one_process(tmp_path):
+    """dp 4 = R2 x S2 under tp 2 (8 workers), ZeRO-3: tp-split and tp-replicated parameters
+    sharded over dp_shard, reduced over dp_replicate, the global norm counting each element once."""
+    ref = run_layout(tiny_cfg(tmp_path / "ref", **{"train.steps": 3}))
+    cfg = tiny_cfg(tmp_path / "tp", **HSDP, **{"parallel.tp": 2, "parallel.zero": 3, "train.steps": 3})
+    (got,) = _spawn([cfg], 8)
+    torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(ref.losses), rtol=RTOL, atol=ATOL)
+    assert_same_weights(got[1], ref.weights, rtol=RTOL, atol=ATOL, lr_steps=3e-2)
+    by_axis = got[2][-1]["comm_by_axis"]
+    assert {"dp_shard", "dp_replicate", "tp"} <= by_axis.keys() and "dp" not in by_axis, by_axis
+    # The replicas' all-reduce carries 1/S of what the shard group reduce-scatters (fp32 both).
+    reduce_scatter = by_axis["dp_shard"] / (1 + 2 * 1)  # one micro-batch: rs Psi + 2 gathers of Psi
+    assert by_axis["dp_replicate"] == reduce_scatter / 2, by_axis
+
+
+def _continue_from(src: Path, dst: Path, step: int = 2) -> None:
+    """A fresh run folder holding only checkpoint ``step`` of ``src`` (what a crash would leave)."""
+    name = f"step_{step:06d}"
+    shutil.copytree(src / "checkpoints" / name, dst / "checkpoints" / name)
+    (dst / "checkpoints" / "latest").write_text(name + "\n")
+
+
+def _piece_elements(run_dir: Path, step: int = 2) -> int:
+    """Elements of every piece a checkpoint's files hold (safetensors headers, no tensor read)."""
+    total = 0
+    for f in (run_dir / "checkpoints" / f"step_{step:06d}").glob("*.safetensors"):
+        with safe_open(f, "pt") as st:
+            total += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
+    return total
+
+
+def test_hsdp_checkpoints_load_in_other_layouts_and_back(tmp_path):
+    """A one-process checkpoint resumes under HSDP ZeRO-2, and an HSDP ZeRO-3 checkpoint resumes
+    under plain dp2 ZeRO-3: both continue as the uninterrupted one-process run. The replicas hold
+    the same pieces; each is written once, so the HSDP checkpoint holds as many elements as the
+    one-process one."""
+    ref = run_layout(tiny_cfg(tmp_path / "ref", **STEPS4))
+    _continue_from(tmp_path / "ref", tmp_path / "from_one")
+    save = tiny_cfg(tmp_path / "hsdp", **HSDP, **STEPS4, **{"parallel.zero": 3})
+    from_one = tiny_cfg(tmp_path / "from_one", **HSDP, **STEPS4, **{"parallel.zero": 2, "train.resume": True})
+    saved, resumed = _spawn([save, from_one], 4)
+    _assert_close(saved, ref)
+    assert len(resumed[0]) == 2
+    _assert_close(resumed, RunResult(ref.losses[2:], ref.weights))
+    assert _piece_elements(tmp_path / "hsdp") == _piece_elements(tmp_path / "ref")
+    _continue_from(tmp_path / "hsdp", tmp_path / "dp2")
+    got = run_layout(tiny_cfg(tmp_path / "dp2", **STEPS4, **{"parallel.dp": 2, "parallel.zero": 3,
+                                                            "train.resume": True}), nproc=2)
+    assert_same_training(got, RunResult(ref.losses[2:], ref.weights), rtol=RTOL, atol=ATOL)
+
+
+BAD = [
+    (["--nproc", "4", "--dp-replicate", "2"], "--dp-replicate 2 needs --zero 1, 2 or 3"),
+    (["--nproc", "4", "--zero", "1", "--dp-replicate", "3"], "--dp-replicate (3) must divide dp (4)"),
+    (["--nproc", "4", "--zero", "3", "--dp-replicate", "2", "--dp-shard", "3"],
+     "--dp-replicate (2) x --dp-shard (3) = 6 != dp (4)"),
+    (["--dp", "2", "--zero", "1", "--dp-replicate", "2", "--dp-shard", "2"],
+     "--dp-replicate (2) x --dp-shard (2) = 4 != dp (2)"),
+    (["--nproc", "4", "--zero", "1", "--dp-replicate", "0"], "--dp-replicate (0) and --dp-shard (None)"),
+    (["--model", "tiny-moe", "--nproc", "4", "--zero", "1", "--ep", "2", "--dp-replicate", "2"],
+     "with --ep 2 is not supported"),
+]
+
+
+@pytest.mark.parametrize("flags,message", BAD)
+def test_bad_hybrid_flags_exit_2_before_any_worker_starts(tmp_path, capsys, flags, message):
+    argv = ["train", "--model", "tiny", "--seq-len", "32", "--out", str(tmp_path / "run"), *flags]
+    if "--model" in flags:
+        argv[1:3] = []
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_dp_shard_sets_dp_and_the_mesh():
+    """--dp-replicate 2 --dp-shard 3 alone means dp 6 (and 6 workers); the mesh's groups follow."""
+    cfg = config.load(None, {"parallel.dp_replicate": 2, "parallel.dp_shard": 3, "parallel.zero": 1})
+    assert cfg.dp == 6 and cfg.world_size == 6
+    checks.validate(cfg)
