@@ -21,6 +21,7 @@ from safetensors import safe_open
 from paratrain import config
 from paratrain.cli import main
 from paratrain.engine import checks
+from paratrain.mesh import MeshShape
 from paratrain.planner.hybrid import hybrid_comm_bytes
 from paratrain.train.metrics import read_metrics
 from paratrain.train.trainer import Trainer
@@ -149,6 +150,10 @@ def test_bad_hybrid_flags_exit_2_before_any_worker_starts(tmp_path, capsys, flag
 
 def test_dp_shard_sets_dp_and_the_mesh():
     """--dp-replicate 2 --dp-shard 3 alone means dp 6 (and 6 workers); the mesh's groups follow."""
-    cfg = config.load(None, {"parallel.dp_replicate": 2, "parallel.dp_shard": 3, "parallel.zero": 1})
+    cfg = config.load(None, {"parallel.dp_replicate": 2, "parallel.dp_shard": 3, "parallel.zero": 1,
+                             "train.global_batch": 12})
     assert cfg.dp == 6 and cfg.world_size == 6
     checks.validate(cfg)
+    shape = MeshShape(dp=cfg.dp, dp_replicate=cfg.parallel.dp_replicate)
+    assert shape.groups("dp_shard") == [[0, 1, 2], [3, 4, 5]]  # one node each
+    assert shape.groups("dp_replicate") == [[0, 3], [1, 4], [2, 5]]  # across the nodes
