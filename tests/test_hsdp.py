@@ -26,6 +26,7 @@ from paratrain.mesh import MeshShape
 from paratrain.planner.hybrid import hybrid_comm_bytes
 from paratrain.train.metrics import read_metrics
 from paratrain.train.trainer import Trainer
+from tests import test_api as api_tests
 from tests.dist import run
 from tests.harness import STEPS4, RunResult, assert_same_training, assert_same_weights, run_layout, tiny_cfg
 
@@ -133,6 +134,20 @@ def test_hsdp_checkpoints_load_in_other_layouts_and_back(tmp_path, reference):
     got = run_layout(tiny_cfg(tmp_path / "dp2", **STEPS4, **{"parallel.dp": 2, "parallel.zero": 3,
                                                             "train.resume": True}), nproc=2)
     assert_same_training(got, RunResult(ref.losses[2:], ref.weights), rtol=RTOL, atol=ATOL)
+
+
+# The library's door (paratrain.Parallel(dp_replicate=2)): a user's module that is not a Llama,
+# its own optimizer classes and loop (tests/test_api.py's), at dp 4 = R2 x S2.
+LIBRARY = {
+    "hsdp_zero1": ({"zero": 1, "dp_replicate": 2}, ["sgd"], {"clip": 0.5}),
+    "hsdp_zero2": ({"zero": 2, "dp_replicate": 2, "bucket_mb": 0.002}, ["adamw"], {"accum": 2}),
+    "hsdp_zero3": ({"zero": 3, "dp_replicate": 2}, ["adamw", "adagrad"], {"accum": 2, "clip": 0.5}),
+}
+
+
+def test_library_hybrid_sharding_equals_one_process(tmp_path):
+    got = run(api_tests._train_layouts, 4, LIBRARY, str(tmp_path), timeout=120)[0]
+    api_tests._check_layouts(LIBRARY, got)
 
 
 BAD = [
