@@ -119,13 +119,26 @@ def replicas_of(layout: FlatLayout, mesh: ParallelMesh) -> C.Axis | None:
     return mesh.dp_replicate if layout.axis == "dp_shard" else None
 
 
-def reduce_over_replicas(layout: FlatLayout, grad_shard: torch.Tensor, mesh: ParallelMesh) -> None:
+def reduce_over_replicas(layout: FlatLayout, grad_shard: torch.Tensor, mesh: ParallelMesh,
+                         async_op: bool = True) -> object:
     """HSDP's second reduction: the shard reduce-scattered inside the node summed across the
     replicas (SUM, like the reduce-scatter: the executor already divided the loss by the global
-    token count), the only gradient traffic on the slow links: 1/S of the gradients."""
+    token count), the only gradient traffic on the slow links: 1/S of the gradients. Returns the
+    in-flight work (None without replicas): callers launch one per bucket or unit as soon as its
+    reduce-scatter is done and wait for them all at the end of backward, so the slow link's
+    transfers overlap each other and what backward still has to do."""
     axis = replicas_of(layout, mesh)
-    if axis is not None:
-        C.all_reduce(grad_shard, axis, what="all-reduce of a gradient shard across replicas (HSDP)")
+    if axis is None:
+        return None
+    return C.all_reduce(grad_shard, axis, async_op=async_op,
+                        what="all-reduce of a gradient shard across replicas (HSDP)")
+
+
+def wait_all(works: list) -> None:
+    """Wait for every in-flight collective of ``works`` (None entries: nothing was launched)."""
+    for work in works:
+        if work is not None:
+            work.wait()
 
 
 GroupOf = Callable[[str, torch.Tensor], int]  # (name, parameter) -> the user's param-group index

@@ -53,6 +53,7 @@ from paratrain.zero.flat import (
     bind_views,
     param_key,
     reduce_over_replicas,
+    wait_all,
 )
 from paratrain.zero.offload import make_store
 from paratrain.zero.sharded_state import ShardedState, held_sync
@@ -140,10 +141,12 @@ class ZeroDP(Strategy):
     # -- gradient synchronisation ---------------------------------------------------------------
 
     def after_backward(self) -> None:
+        replicas = []  # HSDP: each shard's all-reduce across replicas overlaps the next reduce-scatter
         for b in self.buckets:
             b.grad_shard = b.layout.local(b.grad_flat)  # reduced in place: the shard is a view
             C.reduce_scatter_auto(b.grad_shard, b.grad_flat, self._axis(b))
-            reduce_over_replicas(b.layout, b.grad_shard, self.mesh)
+            replicas.append(reduce_over_replicas(b.layout, b.grad_shard, self.mesh))
+        wait_all(replicas)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()  # ZeRO-1 reduces once, after the last micro-batch anyway
@@ -252,11 +255,13 @@ class Zero2(ShardedState, ZeroDP):
         for b in self.buckets:  # a bucket whose parameters got no gradient: reduce zeros, in order
             if b.work is None and b.grad_shard is None:
                 self._reduce(b)
+        replicas = []  # HSDP: launched bucket by bucket as their reduce-scatters complete
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
             b.work, b.grad_flat, b.ready = None, None, 0  # the full gradient buffer is freed here
-            reduce_over_replicas(b.layout, b.grad_shard, self.mesh)
+            replicas.append(reduce_over_replicas(b.layout, b.grad_shard, self.mesh))
+        wait_all(replicas)
 
     def zero_grad(self) -> None:
         for b in self.buckets:
