@@ -74,7 +74,14 @@ def test_hsdp_every_zero_stage_matches_one_process_and_the_byte_formula(tmp_path
     ref = reference.run
     cfgs = [tiny_cfg(tmp_path / f"z{z}", **HSDP, **{"parallel.zero": z, "train.micro_batch": 1})
             for z in (1, 2, 3)]
-    got = _spawn(cfgs, 4)
+    plain = tiny_cfg(tmp_path / "plain", **{"parallel.dp": 4, "parallel.zero": 3, "train.micro_batch": 1})
+    *got, flat = _spawn([*cfgs, plain], 4)
+    # R = 1 is plain ZeRO over all of dp, named "dp" (its counts unchanged), nothing across replicas.
+    row = flat[2][-1]
+    want = hybrid_comm_bytes(row["n_params"], zero=3, shard=4, replicate=1, micro_batches=2)
+    # the same payload as HSDP's shard group: payloads do not depend on the group's size
+    assert row["comm_by_axis"] == want == {"dp": got[2][2][-1]["comm_by_axis"]["dp_shard"]}
+    assert row["comm_by_link"]["inter_node"] == 0
     for stage, g in zip((1, 2, 3), got):
         _assert_close(g, ref)
         row = g[2][-1]
