@@ -339,8 +339,8 @@ class Trainer:
     def layout(self) -> dict:
         p = self.cfg.parallel
         return {**self.mesh.describe(), "dp_replicate": p.dp_replicate, "zero": p.zero, "sp": p.sp,
-                "pp_schedule": p.pp_schedule,
-                "virtual_stages": p.virtual_stages, "dp_mode": p.dp_mode, "offload": p.offload,
+                "pp_schedule": p.pp_schedule, "virtual_stages": p.virtual_stages, "dp_mode": p.dp_mode,
+                "offload": p.offload,
                 "micro_batch": self.cfg.micro_batch, "n_micro_batches": self.cfg.n_micro_batches,
                 "precision": self.cfg.train.precision, "recompute": self.cfg.train.recompute,
                 "world_size": self.env.world_size}
