@@ -59,6 +59,7 @@ def check_layout(cfg: Config, problems: list[str]) -> None:
     _check_tensor_parallel(cfg, problems)
     _check_pipeline(cfg, problems)
     _check_zero(cfg, problems)
+    _check_hybrid(cfg, problems)
     check_savers(cfg, problems)
     check_lora(cfg, problems)  # engine/lora.py: targets, rank, and what LoRA composes with
     if cfg.train.precision not in ("fp32", "auto") and cfg.model.name == "cnn-tiny":
@@ -138,6 +139,28 @@ def _check_zero(cfg: Config, problems: list[str]) -> None:
         problems.append("--dp-mode plain is the un-bucketed DDP; ZeRO does its own reduction: drop --dp-mode")
     if not p.reshard_after_forward and p.zero != 3:
         problems.append("parallel.reshard_after_forward = false only applies to --zero 3")
+
+
+def _check_hybrid(cfg: Config, problems: list[str]) -> None:
+    """--dp-replicate R / --dp-shard S (hybrid sharding): dp = R x S, over ZeRO, dense models only."""
+    p = cfg.parallel
+    r, s = p.dp_replicate, p.dp_shard
+    if s is not None and r * s != cfg.dp:
+        problems.append(f"--dp-replicate ({r}) x --dp-shard ({s}) = {r * s} != dp ({cfg.dp}): hybrid "
+                        "sharding splits dp into R replicas of S ranks; change --dp-shard, --dp-replicate, "
+                        "--dp or --nproc")
+    elif cfg.dp % r:
+        problems.append(f"--dp-replicate ({r}) must divide dp ({cfg.dp}): dp = R x S; change "
+                        "--dp-replicate or --dp")
+    if r == 1:
+        return
+    if p.zero == 0:
+        problems.append(f"--dp-replicate {r} needs --zero 1, 2 or 3: with --zero 0, DDP already replicates "
+                        "everything on every rank (hybrid sharding shards inside a node); add --zero or drop "
+                        "--dp-replicate")
+    if p.ep > 1:
+        problems.append(f"--dp-replicate {r} with --ep {p.ep} is not supported: experts are sharded over "
+                        "edp, not the hybrid groups; use --ep 1 or --dp-replicate 1")
 
 
 NOT_WITH_MOE = {
