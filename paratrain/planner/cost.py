@@ -285,7 +285,7 @@ def step_time(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster) -> Ste
         optimizer = post_step(c, tr, lay, cluster, psi, tensors, layers[busiest], first, last)
         offload = 0.0
     else:
-        dp_comm = _dp_exposed(c, tr, lay, cluster, mb_compute, m, psi - experts, experts)
+        dp_comm = dp_exposed(c, tr, lay, cluster, mb_compute, m, psi - experts, experts)
         optimizer, offload = _optimizer_time(tr, lay, cluster, _shard(psi - experts, experts, lay), m)
         # The optimizer's fixed cost per parameter tensor (its per-tensor loop).
         optimizer += tensors * cluster.device.optimizer_tensor_s
@@ -306,7 +306,7 @@ def _shard(dense: float, experts: float, lay: Layout) -> float:
     return dense / lay.dp + experts / lay.edp
 
 
-def _dp_exposed(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, mb_compute: float, m: int,
+def dp_exposed(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, mb_compute: float, m: int,
                 psi: float, experts: float = 0.0) -> float:
     """Exposed data-parallel communication.
 
