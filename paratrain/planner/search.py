@@ -225,10 +225,12 @@ def evaluate(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster) -> Plan
     return Plan(lay, mem, step_time(c, tr, lay, cluster), fits, lay.n_micro(tr.global_batch), why)
 
 
-def evaluate_slow(c: ModelShape, tr: Training, lay: slow_link.SlowLayout, cluster: Cluster) -> Plan:
-    """A layout of the slow-link branch (planner/slow_link.py), its H chosen when it averages."""
-    lay, t = slow_link.price(c, tr, lay, cluster)
-    mem = slow_link.memory(c, tr, lay, cluster)
+def evaluate_slow(c: ModelShape, tr: Training, lay: slow_link.SlowLayout, cluster: Cluster,
+                  base: Plan | None = None) -> Plan:
+    """A layout of the slow-link branch (planner/slow_link.py), its H chosen when it averages; base:
+    the plan of its plain layout (its time and memory are the starting point)."""
+    lay, t = slow_link.price(c, tr, lay, cluster, base and base.time)
+    mem = slow_link.memory(c, tr, lay, cluster, base and base.memory)
     why = "" if mem.fits else f"needs {mem.total / GB:.2f} GB > {mem.usable / GB:.2f} GB usable"
     return Plan(lay, mem, t, mem.fits, lay.n_micro(tr.global_batch), why,
                 slow_link.link_bytes(c, tr, lay, cluster))
@@ -251,7 +253,8 @@ def plan(c: ModelShape, tr: Training, cluster: Cluster, fixed: dict | None = Non
         extra = [lay for lay in enumerate_layouts(c, tr, cluster.n_devices, fixed, offload=True) if keep(lay)]
         plans += [evaluate(c, tr, lay, cluster) for lay in extra]
     if slow_link.applies(cluster):  # nodes joined by a slow link: hybrid sharding, averaging, servers
-        plans += [evaluate_slow(c, tr, v, cluster) for p in plans for v in slow_link.variants(p.layout, cluster)]
+        plans += [evaluate_slow(c, tr, v, cluster, p) for p in plans
+                  for v in slow_link.variants(p.layout, cluster, p.fits)]
     evaluated = len(plans)
     if not plans:
         chosen = ", ".join(f"{k}={v}" for k, v in fixed.items())

@@ -27,6 +27,7 @@ synchronous layout by that factor to be chosen), and every output that shows one
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields, replace
 
 from paratrain.models.shape import ModelShape
@@ -116,10 +117,13 @@ def shard_degree(lay: Layout, cluster: Cluster) -> int | None:
     return max(options) if options else None
 
 
-def variants(lay: Layout, cluster: Cluster) -> list[SlowLayout]:
-    """The slow-link layouts built on one layout of the main search (H is chosen when priced)."""
+def variants(lay: Layout, cluster: Cluster, fits: bool = True) -> list[SlowLayout]:
+    """The slow-link layouts built on one layout of the main search (H is chosen when priced). One
+    that does not fit yields only the parameter server (the one variant needing less memory)."""
     if lay.dp == 1 or lay.ep > 1 or lay.offload != "none" or isinstance(lay, SlowLayout):
         return []
+    if not fits:
+        return [v for v in variants(lay, cluster) if v.sync == "parameter-server"]
     fields_ = {f.name: getattr(lay, f.name) for f in fields(Layout)}
     if lay.zero == 0:
         out = [SlowLayout(**fields_, sync=s) for s in ("local-sgd", "diloco")]
@@ -138,10 +142,18 @@ def variants(lay: Layout, cluster: Cluster) -> list[SlowLayout]:
 def _params(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, rank: int | None = None
             ) -> tuple[float, float]:
     """(parameters, of which experts) on pipeline rank `rank` (default: the one holding the most)."""
-    counts = stage_counts(c, tr, plain(lay), cluster)
-    psi = stage_params(c, lay.tp, lay.pp, lay.v, counts, lay.ep)
+    psi, experts = _stage_params(c, tr, plain(lay), cluster)
     rank = max(range(lay.pp), key=lambda r: psi[r]) if rank is None else rank
-    return psi[rank], stage_expert_params(c, lay.tp, lay.pp, lay.v, counts, lay.ep)[rank]
+    return psi[rank], experts[rank]
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_params(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster) -> tuple[list[int], list[int]]:
+    """Parameters and expert parameters of every pipeline rank, the stages balanced as the time model
+    balances them (cached: each slow-link variant asks several times, and balancing is the cost)."""
+    counts = stage_counts(c, tr, lay, cluster)
+    return (stage_params(c, lay.tp, lay.pp, lay.v, counts, lay.ep),
+            stage_expert_params(c, lay.tp, lay.pp, lay.v, counts, lay.ep))
 
 
 def _ring(n: int, passes: int = 1) -> float:
@@ -249,9 +261,11 @@ def _server_round_trip(c: ModelShape, tr: Training, lay: SlowLayout, cluster: Cl
     return up + down, psi / k / cluster.cpu_adam_params_per_s
 
 
-def price(c: ModelShape, tr: Training, lay: SlowLayout, cluster: Cluster) -> tuple[SlowLayout, StepTime]:
-    """Seconds per step of a slow-link layout (its H chosen for averaging) and the layout."""
-    t = step_time(c, tr, plain(lay), cluster)
+def price(c: ModelShape, tr: Training, lay: SlowLayout, cluster: Cluster, base: StepTime | None = None
+          ) -> tuple[SlowLayout, StepTime]:
+    """Seconds per step of a slow-link layout (its H chosen for averaging) and the layout. base: the
+    step time of its plain layout, when already computed (the search has it)."""
+    t = base or step_time(c, tr, plain(lay), cluster)
     psi, experts = _params(c, tr, lay, cluster)
     within = _within_node(c, tr, lay, cluster, t, psi, experts) if lay.replicate > 1 else 0.0
     if lay.sync == "parameter-server":
@@ -265,12 +279,14 @@ def price(c: ModelShape, tr: Training, lay: SlowLayout, cluster: Cluster) -> tup
     return replace(lay, sync_every=h), replace(inner, dp_comm=within + once / h)
 
 
-def memory(c: ModelShape, tr: Training, lay: SlowLayout, cluster: Cluster) -> Memory:
+def memory(c: ModelShape, tr: Training, lay: SlowLayout, cluster: Cluster, base_memory: Memory | None = None
+           ) -> Memory:
     """The busiest rank's memory: ZeRO's states sharded over S instead of dp (hybrid sharding);
     DiLoCo's start-of-period parameters and outer momentum in fp32 (sharded like the optimizer);
-    a parameter-server worker holds no optimizer state (its servers do)."""
+    a parameter-server worker holds no optimizer state (its servers do). base_memory: the plain
+    layout's, when already computed."""
     base = plain(lay)
-    mem = device_memory(c, tr, base, cluster, stage_counts(c, tr, base, cluster))
+    mem = base_memory or device_memory(c, tr, base, cluster, stage_counts(c, tr, base, cluster))
     sb = state_bytes_per_param(tr.precision, tr.optimizer)
     psi, experts = _params(c, tr, lay, cluster, mem.stage)
     states = model_state_bytes(psi - experts, experts, replace(base, dp=lay.shard), sb)
