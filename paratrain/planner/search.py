@@ -23,6 +23,7 @@ from paratrain.config import Config
 from paratrain.models.from_config import model_config
 from paratrain.models.shape import ModelShape
 from paratrain.perf.hardware import GB, Cluster
+from paratrain.planner import slow_link
 from paratrain.planner.cost import TIME_WORDS, StepTime, stage_counts, step_time
 from paratrain.planner.memory import (
     RECOMPUTE,
@@ -36,7 +37,6 @@ from paratrain.planner.memory import (
     state_bytes_per_param,
     zero_model_state_bytes,
 )
-from paratrain.planner import slow_link
 from paratrain.planner.moe import ep_choice, moe_tree
 
 FIXABLE = ("dp", "tp", "pp", "v", "zero", "sp", "recompute", "micro_batch", "schedule", "offload", "ep",

@@ -37,6 +37,7 @@ from paratrain.planner.cost import StepTime, dp_exposed, stage_counts, step_time
 from paratrain.planner.memory import (
     Layout,
     Memory,
+    StateBytes,
     Training,
     device_memory,
     model_state_bytes,
@@ -113,7 +114,8 @@ def plain(lay: Layout) -> Layout:
 def shard_degree(lay: Layout, cluster: Cluster) -> int | None:
     """S for hybrid sharding: the most dp ranks whose tp x S consecutive ranks fill whole slots of
     one node, leaving R = dp / S >= 2 replicas; None if there is none."""
-    options = [s for s in range(1, lay.dp) if lay.dp % s == 0 and cluster.devices_per_node % (lay.tp * s) == 0]
+    options = [s for s in range(1, lay.dp)
+               if lay.dp % s == 0 and cluster.devices_per_node % (lay.tp * s) == 0]
     return max(options) if options else None
 
 
@@ -133,7 +135,8 @@ def variants(lay: Layout, cluster: Cluster, fits: bool = True) -> list[SlowLayou
     s = shard_degree(lay, cluster)
     if s is None:
         return []
-    return [SlowLayout(**fields_, replicate=lay.dp // s, sync=sync) for sync in ("ddp", "local-sgd", "diloco")]
+    return [SlowLayout(**fields_, replicate=lay.dp // s, sync=sync)
+            for sync in ("ddp", "local-sgd", "diloco")]
 
 
 # -- bytes -------------------------------------------------------------------------------------------
@@ -161,7 +164,7 @@ def _ring(n: int, passes: int = 1) -> float:
     return passes * (n - 1) / n if n > 1 else 0.0
 
 
-def shard_group_bytes(psi: float, lay: SlowLayout, sb, n_micro: int) -> float:
+def shard_group_bytes(psi: float, lay: SlowLayout, sb: StateBytes, n_micro: int) -> float:
     """Bytes each rank sends per step in ZeRO's collectives over the S ranks of a node: a
     reduce-scatter of the gradients and an all-gather of the parameters (ZeRO-1/2); ZeRO-3 gathers
     twice and reduce-scatters once per micro-batch."""
@@ -311,7 +314,8 @@ def tree(c: ModelShape, tr: Training, cluster: Cluster) -> list[str]:
     if not applies(cluster):
         return []
     sb = state_bytes_per_param(tr.precision, tr.optimizer)
-    psi, n, s, r, link = c.n_params(), cluster.n_devices, cluster.devices_per_node, cluster.n_nodes, cluster.inter
+    psi, n, s, r = c.n_params(), cluster.n_devices, cluster.devices_per_node, cluster.n_nodes
+    link = cluster.inter
     grads = psi * sb.grads
     ddp = all_reduce_time(grads, n, link)
     hsdp = all_reduce_time(grads / s, r, link)
@@ -328,8 +332,8 @@ def tree(c: ModelShape, tr: Training, cluster: Cluster) -> list[str]:
             f"{psi * AVERAGED_BYTES / GB:.3g} GB of fp32 parameters once every H steps, {avg:.3g} s / H per "
             f"step ({per_h}); {CAVEAT}",
             f"a parameter server (--sync parameter-server --servers {r}, one per node) carries {n}/{r} of "
-            f"the model each way on each server's link: {server:.3g} s per step -- the servers' links are the "
-            "bottleneck unless there are about as many servers as workers"]
+            f"the model each way on each server's link: {server:.3g} s per step -- the servers' links are "
+            "the bottleneck unless there are about as many servers as workers"]
 
 
 def choice_notes(ranked: list, feasible: list) -> list[str]:
@@ -342,21 +346,22 @@ def choice_notes(ranked: list, feasible: list) -> list[str]:
         a, b = min(avg, key=lambda p: p.time.total), min(sync, key=lambda p: p.time.total)
         gain = b.time.total / a.time.total
         verdict = "so it is chosen" if gain >= AVERAGING_GAIN else "so the synchronous one is chosen"
-        notes.append(f"slow link: the fastest parameter-averaging layout ({a.layout.short()}) runs {gain:.2f}x "
-                     f"the tokens/s of the fastest synchronous one ({b.layout.short()}); the planner asks "
-                     f"{AVERAGING_GAIN:g}x of a layout that changes the optimisation, {verdict}")
+        notes.append(f"slow link: the fastest parameter-averaging layout ({a.layout.short()}) runs "
+                     f"{gain:.2f}x the tokens/s of the fastest synchronous one ({b.layout.short()}); the "
+                     f"planner asks {AVERAGING_GAIN:g}x of a layout that changes the optimisation, {verdict}")
     win = ranked[0] if ranked else None
     if win is not None and win.link_bytes:
         lb = win.link_bytes
-        words = f"{lb['intra'] / GB:.3g} GB on the node's links and {lb['inter'] / GB:.3g} GB on the slow link"
+        words = (f"{lb['intra'] / GB:.3g} GB on the node's links and {lb['inter'] / GB:.3g} GB on the slow "
+                 "link")
         if "server_in" in lb:
-            words += (f"; each server's link {lb['server_in'] / GB:.3g} GB in and {lb['server_out'] / GB:.3g} GB "
-                      "out")
+            words += (f"; each server's link {lb['server_in'] / GB:.3g} GB in and "
+                      f"{lb['server_out'] / GB:.3g} GB out")
         notes.append(f"the winner sends per device per step {words}")
     if any(isinstance(p.layout, SlowLayout) and p.layout.averaging for p in ranked):
         notes.append(CAVEAT)
     return notes
 
 
-__all__ = ["AVERAGING_GAIN", "CAVEAT", "SLOW_LINK", "SYNCS", "SlowLayout", "applies", "choice_notes", "choose_h",
-           "link_bytes", "memory", "price", "rank_seconds", "tree", "variants"]
+__all__ = ["AVERAGING_GAIN", "CAVEAT", "SLOW_LINK", "SYNCS", "SlowLayout", "applies", "choice_notes",
+           "choose_h", "link_bytes", "memory", "price", "rank_seconds", "tree", "variants"]
