@@ -82,9 +82,11 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--gpu-memory", type=float, help="GB per device (overrides the preset)")
     c.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per device (overrides the preset)")
     c.add_argument("--intra-link", default="nvlink",
-                   help=f"link within a node: {', '.join(LINKS)} (default: %(default)s)")
+                   help=f"link within a node: {', '.join(LINKS)} or GB/s per device (default: %(default)s)")
     c.add_argument("--inter-link", default="infiniband",
-                   help=f"link between nodes: {', '.join(LINKS)} (default: %(default)s)")
+                   help=f"link between nodes: {', '.join(LINKS)} or a measured GB/s per device, e.g. 2.5 "
+                        "(default: %(default)s); below 5 GB/s hybrid sharding, local SGD/DiLoCo and a "
+                        "parameter server are priced too")
     c.add_argument("--efficiency", type=float,
                    help="achieved / peak on large matmuls (default: the preset's)")
     f = p.add_argument_group("fixed choices (evaluate these instead of searching them)")

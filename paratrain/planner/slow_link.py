@@ -93,9 +93,12 @@ class SlowLayout(Layout):
         return self.world + self.servers
 
     def short(self) -> str:
-        extra = [f"hsdp{self.replicate}x{self.shard}"] if self.replicate > 1 else []
+        """e.g. "... hsdp2x8" (R replicas x S shards, every step), "... diloco 2x8 H128" (the replicas
+        average every H steps), "... local-sgd H8" (every dp rank a replica), "... ps K2"."""
+        extra = [f"hsdp{self.replicate}x{self.shard}"] if self.replicate > 1 and not self.averaging else []
         if self.averaging:
-            extra.append(f"{self.sync} H{self.sync_every}")
+            groups = f"{self.replicate}x{self.shard} " if self.replicate > 1 else ""
+            extra.append(f"{self.sync} {groups}H{self.sync_every}")
         if self.sync == "parameter-server":
             extra.append(f"ps K{self.servers}")
         return " ".join([super().short(), *extra])
