@@ -190,3 +190,28 @@ def test_inter_link_takes_a_measured_bandwidth(capsys):
     assert "--inter-link 'fast'" in capsys.readouterr().err
     assert plan_main([*argv, "--inter-link", "0"]) == 2
     assert "positive number of GB/s" in capsys.readouterr().err
+
+
+# -- fixed choices ------------------------------------------------------------------------------------------
+
+
+def test_fixed_sync_choices_are_honoured():
+    result = plan(MODEL, TR, two_nodes("infiniband"), {**FIXED, "sync": "diloco", "sync_every": 32})
+    assert {(p.layout.sync, p.layout.sync_every) for p in result.plans} == {("diloco", 32)}  # a fast link too
+    result = plan(MODEL, TR, two_nodes("ethernet"), {**FIXED, "sync": "parameter-server", "servers": 4})
+    assert {(p.layout.sync, p.layout.servers) for p in result.plans} == {("parameter-server", 4)}
+    result = plan(MODEL, TR, two_nodes("ethernet"), {**FIXED, "zero": 2, "replicate": 4})
+    assert {(p.layout.replicate, p.layout.shard, p.layout.zero) for p in result.plans} == {(4, 4, 2)}
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--servers", "2"], "add --sync parameter-server"),
+    (["--sync", "ddp", "--sync-every", "8"], "add --sync local-sgd or diloco"),
+    (["--dp-replicate", "2", "--zero", "0"], "with --zero 0 every rank already holds a replica"),
+    (["--sync", "parameter-server", "--servers", "3"], "must be a multiple of the 2 nodes"),
+    (["--sync", "parameter-server", "--tp", "2"], "use --tp 1 --pp 1"),
+    (["--sync-every", "0", "--sync", "diloco"], "--sync-every must be a positive number"),
+])
+def test_bad_fixed_sync_choices_exit_2_naming_the_flag(flags, message, capsys):
+    assert plan_main(["--model", "llama-1b", "--gpus", "16", "--gpus-per-node", "8", *flags]) == 2
+    assert message in capsys.readouterr().err

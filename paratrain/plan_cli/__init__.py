@@ -33,6 +33,7 @@ from paratrain.planner.machine import local_cluster
 from paratrain.planner.memory import Layout, Training
 from paratrain.planner.search import Plan, PlanResult, layout_to_config, plan, states_only
 from paratrain.planner.single_device import walk, walk_json, walk_report
+from paratrain.planner.slow_link import SYNCS
 from paratrain.train.metrics import read_metrics
 from paratrain.train.task import build_task
 from paratrain.train.trainer import Trainer
@@ -101,6 +102,12 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--pp-schedule", choices=config.CHOICES["parallel.pp_schedule"], help="pipeline schedule")
     f.add_argument("--offload", choices=config.CHOICES["parallel.offload"],
                    help="optimizer states on the CPU or on disk")
+    f.add_argument("--sync", choices=SYNCS, help="how replicas synchronise: every step (ddp), averaging "
+                   "parameters every --sync-every steps (local-sgd, diloco), or a parameter-server")
+    f.add_argument("--sync-every", type=int, help="local-sgd/diloco: inner steps between averagings (H)")
+    f.add_argument("--dp-replicate", type=int, help="hybrid sharding: ZeRO shards over dp / R ranks, "
+                   "replicated R times")
+    f.add_argument("--servers", type=int, help="parameter-server processes (K) besides the workers")
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=8, help="plans to show (default: %(default)s)")
     o.add_argument("--json", action="store_true", help="one JSON object")
@@ -157,7 +164,8 @@ def check_numbers(args: argparse.Namespace) -> None:
                 "--params": args.params,
                 "--gpu-memory": args.gpu_memory, "--peak-tflops": args.peak_tflops, "--dp": args.dp,
                 "--tp": args.tp, "--pp": args.pp, "--virtual-stages": args.virtual_stages, "--ep": args.ep,
-                "--tile": args.tile}
+                "--tile": args.tile, "--sync-every": args.sync_every, "--dp-replicate": args.dp_replicate,
+                "--servers": args.servers}
     for flag, value in positive.items():
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ValueError(f"{flag} must be a positive number (got {value})")
@@ -190,7 +198,9 @@ def cluster_from(args: argparse.Namespace) -> Cluster:
 def fixed_from(args: argparse.Namespace) -> dict:
     pairs = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "zero": args.zero, "v": args.virtual_stages,
              "sp": args.sp, "recompute": args.recompute, "schedule": args.pp_schedule,
-             "offload": args.offload, "micro_batch": args.micro_batch, "ep": args.ep, "tile": args.tile}
+             "offload": args.offload, "micro_batch": args.micro_batch, "ep": args.ep, "tile": args.tile,
+             "sync": args.sync, "sync_every": args.sync_every, "replicate": args.dp_replicate,
+             "servers": args.servers}
     return {k: v for k, v in pairs.items() if v is not None}
 
 

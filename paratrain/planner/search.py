@@ -40,7 +40,7 @@ from paratrain.planner.memory import (
 from paratrain.planner.moe import ep_choice, moe_tree
 
 FIXABLE = ("dp", "tp", "pp", "v", "zero", "sp", "recompute", "micro_batch", "schedule", "offload", "ep",
-           "tile")
+           "tile", *slow_link.FIXABLE)
 
 
 @dataclass
@@ -117,6 +117,7 @@ def check_fixed(fixed: dict, c: ModelShape | None, tr: Training, n: int) -> None
         raise ValueError(f"dp * tp * pp = {prod} does not fit --gpus {n}: the degrees must multiply to it")
     if "zero" in fixed and fixed["zero"] not in (0, 1, 2, 3):
         raise ValueError(f"--zero must be 0, 1, 2 or 3 (got {fixed['zero']})")
+    slow_link.check_fixed(fixed)
     if "recompute" in fixed and fixed["recompute"] not in RECOMPUTE:
         raise ValueError(f"--recompute {fixed['recompute']!r}: choose one of {', '.join(RECOMPUTE)}")
     if "schedule" in fixed and fixed["schedule"] not in SCHEDULES:
@@ -225,17 +226,6 @@ def evaluate(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster) -> Plan
     return Plan(lay, mem, step_time(c, tr, lay, cluster), fits, lay.n_micro(tr.global_batch), why)
 
 
-def evaluate_slow(c: ModelShape, tr: Training, lay: slow_link.SlowLayout, cluster: Cluster,
-                  base: Plan | None = None) -> Plan:
-    """A layout of the slow-link branch (planner/slow_link.py), its H chosen when it averages; base:
-    the plan of its plain layout (its time and memory are the starting point)."""
-    lay, t = slow_link.price(c, tr, lay, cluster, base and base.time)
-    mem = slow_link.memory(c, tr, lay, cluster, base and base.memory)
-    why = "" if mem.fits else f"needs {mem.total / GB:.2f} GB > {mem.usable / GB:.2f} GB usable"
-    return Plan(lay, mem, t, mem.fits, lay.n_micro(tr.global_batch), why,
-                slow_link.link_bytes(c, tr, lay, cluster))
-
-
 def plan(c: ModelShape, tr: Training, cluster: Cluster, fixed: dict | None = None, *, top: int = 10,
          runnable: Callable[[Layout], bool] | None = None) -> PlanResult:
     """Ranked layouts for model `c`, training `tr` on `cluster`, with an explanation.
@@ -252,9 +242,7 @@ def plan(c: ModelShape, tr: Training, cluster: Cluster, fixed: dict | None = Non
     if off is None and not any(p.fits for p in plans):  # the tree's last resort: offload
         extra = [lay for lay in enumerate_layouts(c, tr, cluster.n_devices, fixed, offload=True) if keep(lay)]
         plans += [evaluate(c, tr, lay, cluster) for lay in extra]
-    if slow_link.applies(cluster):  # nodes joined by a slow link: hybrid sharding, averaging, servers
-        plans += [evaluate_slow(c, tr, v, cluster, p) for p in plans
-                  for v in slow_link.variants(p.layout, cluster, p.fits)]
+    plans = slow_link.extend(c, tr, cluster, plans, fixed, Plan)  # slow links: HSDP, averaging, servers
     evaluated = len(plans)
     if not plans:
         chosen = ", ".join(f"{k}={v}" for k, v in fixed.items())

@@ -28,7 +28,9 @@ synchronous layout by that factor to be chosen), and every output that shows one
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
+from typing import Protocol, TypeVar
 
 from paratrain.models.shape import ModelShape
 from paratrain.perf.hardware import GB, Cluster
@@ -62,6 +64,16 @@ AVERAGED_BYTES = 4  # parameters / pseudo-gradients averaged in fp32 (the master
 # DiLoCo's outer optimizer as published (Douillard et al. 2023): Nesterov, lr 0.7, momentum 0.9.
 DILOCO_OUTER = (("--outer-optimizer", "nesterov"), ("--outer-lr", 0.7), ("--outer-momentum", 0.9))
 SYNCS = ("ddp", "local-sgd", "diloco", "parameter-server")
+P = TypeVar("P")  # search.Plan (built here through its constructor: search imports this module)
+
+
+class Priced(Protocol):
+    """What the slow-link branch reads of a plan of the main search."""
+
+    layout: Layout
+    time: StepTime
+    memory: Memory
+    fits: bool
 
 CAVEAT = ("convergence caveat: local SGD and DiLoCo rows are priced per step, and the same steps do "
           "not mean the same loss -- replicas drift apart for H steps between averagings; DiLoCo "
@@ -76,7 +88,7 @@ class SlowLayout(Layout):
 
     replicate: int = 1  # R replicas (--dp-replicate); ZeRO shards over dp / R ranks (--dp-shard)
     sync: str = "ddp"  # ddp (every step) | local-sgd | diloco | parameter-server
-    sync_every: int = 1  # H: inner steps between averagings
+    sync_every: int = 0  # H: inner steps between averagings (0: chosen when priced, ``choose_h``)
     servers: int = 0  # K parameter-server processes (besides the dp x tp x pp workers)
 
     @property
@@ -122,24 +134,88 @@ def shard_degree(lay: Layout, cluster: Cluster) -> int | None:
     return max(options) if options else None
 
 
-def variants(lay: Layout, cluster: Cluster, fits: bool = True) -> list[SlowLayout]:
-    """The slow-link layouts built on one layout of the main search (H is chosen when priced). One
+def variants(lay: Layout, cluster: Cluster, fits: bool = True, fixed: dict | None = None
+             ) -> list[SlowLayout]:
+    """The slow-link layouts built on one layout of the main search (H is chosen when priced unless
+    fixed; R is one node's worth of shards unless fixed; K one server per node unless fixed). One
     that does not fit yields only the parameter server (the one variant needing less memory)."""
+    fixed = fixed or {}
     if lay.dp == 1 or lay.ep > 1 or lay.offload != "none" or isinstance(lay, SlowLayout):
         return []
     if not fits:
-        return [v for v in variants(lay, cluster) if v.sync == "parameter-server"]
+        return [v for v in variants(lay, cluster, True, fixed) if v.sync == "parameter-server"]
     fields_ = {f.name: getattr(lay, f.name) for f in fields(Layout)}
+    h = fixed.get("sync_every", 0)
     if lay.zero == 0:
-        out = [SlowLayout(**fields_, sync=s) for s in ("local-sgd", "diloco")]
+        out = [SlowLayout(**fields_, sync=s, sync_every=h) for s in ("local-sgd", "diloco")]
         if lay.tp == lay.pp == 1:
-            out.append(SlowLayout(**fields_, sync="parameter-server", servers=cluster.n_nodes))
+            k = fixed.get("servers", cluster.n_nodes)
+            out.append(SlowLayout(**fields_, sync="parameter-server", servers=k))
         return out
-    s = shard_degree(lay, cluster)
-    if s is None:
+    s = lay.dp // fixed["replicate"] if fixed.get("replicate", 1) > 1 else shard_degree(lay, cluster)
+    if s is None or lay.dp % s or s == lay.dp:
         return []
-    return [SlowLayout(**fields_, replicate=lay.dp // s, sync=sync)
+    return [SlowLayout(**fields_, replicate=lay.dp // s, sync=sync, sync_every=h)
             for sync in ("ddp", "local-sgd", "diloco")]
+
+
+FIXABLE = ("sync", "sync_every", "replicate", "servers")  # --sync --sync-every --dp-replicate --servers
+
+
+def check_fixed(fixed: dict) -> None:
+    """Refuse fixed slow-link choices that contradict each other or the rest, naming the flags."""
+    flags = (("sync_every", "--sync-every"), ("replicate", "--dp-replicate"), ("servers", "--servers"))
+    for key, flag in flags:
+        if key in fixed and fixed[key] < 1:
+            raise ValueError(f"{flag} must be >= 1 (got {fixed[key]})")
+    sync = fixed.get("sync")
+    if sync is not None and sync not in SYNCS:
+        raise ValueError(f"--sync {sync!r}: choose one of {', '.join(SYNCS)}")
+    if "sync_every" in fixed and sync not in ("local-sgd", "diloco"):
+        raise ValueError("--sync-every is the period of parameter averaging: add --sync local-sgd or diloco")
+    if "servers" in fixed and sync != "parameter-server":
+        raise ValueError("--servers counts parameter servers: add --sync parameter-server")
+    if fixed.get("replicate", 1) > 1 and fixed.get("zero", 1) == 0:
+        raise ValueError("--dp-replicate R shards ZeRO inside each of R replicas: with --zero 0 every rank "
+                         "already holds a replica; use --zero 1, 2 or 3")
+    if fixed.get("replicate", 1) > 1 and "dp" in fixed and fixed["dp"] % fixed["replicate"]:
+        raise ValueError(f"--dp-replicate {fixed['replicate']} must divide --dp {fixed['dp']}")
+    if sync == "parameter-server" and (fixed.get("tp", 1) > 1 or fixed.get("pp", 1) > 1
+                                       or fixed.get("replicate", 1) > 1):
+        raise ValueError("--sync parameter-server runs plain data-parallel workers: use --tp 1 --pp 1, no "
+                         "--dp-replicate")
+
+
+def _matches(lay: Layout, fixed: dict) -> bool:
+    """Whether a plan's layout is what the fixed slow-link choices ask (a plain layout: ddp, R = 1)."""
+    slow = lay if isinstance(lay, SlowLayout) else SlowLayout()
+    return all(fixed.get(key, getattr(slow, key)) == getattr(slow, key) for key in FIXABLE)
+
+
+def evaluate(c: ModelShape, tr: Training, lay: SlowLayout, cluster: Cluster, base: Priced,
+             plan_type: Callable[..., P]) -> P:
+    """A plan (of ``plan_type``, search.Plan) of a slow-link layout, its H chosen when it averages;
+    base: the plan of its plain layout (its time and memory are the starting point)."""
+    lay, t = price(c, tr, lay, cluster, base.time)
+    mem = memory(c, tr, lay, cluster, base.memory)
+    why = "" if mem.fits else f"needs {mem.total / GB:.2f} GB > {mem.usable / GB:.2f} GB usable"
+    return plan_type(lay, mem, t, mem.fits, lay.n_micro(tr.global_batch), why,
+                     link_bytes(c, tr, lay, cluster))
+
+
+def extend(c: ModelShape, tr: Training, cluster: Cluster, plans: list[P], fixed: dict,
+           plan_type: Callable[..., P]) -> list[P]:
+    """`plans` (search.Plan) and the slow-link branch's when it applies or is asked for (a fixed
+    --sync/--dp-replicate/--servers/--sync-every: then only the plans matching those)."""
+    wanted = {k: fixed[k] for k in FIXABLE if k in fixed}
+    if not (applies(cluster) or wanted):
+        return plans
+    if wanted.get("servers", 0) % cluster.n_nodes:
+        raise ValueError(f"--servers {wanted['servers']} must be a multiple of the {cluster.n_nodes} nodes: "
+                         "torchrun starts as many processes on every node")
+    out = plans + [evaluate(c, tr, v, cluster, p, plan_type) for p in plans
+                   for v in variants(p.layout, cluster, p.fits, wanted)]
+    return [p for p in out if _matches(p.layout, wanted)] if wanted else out
 
 
 # -- bytes -------------------------------------------------------------------------------------------
@@ -281,7 +357,8 @@ def price(c: ModelShape, tr: Training, lay: SlowLayout, cluster: Cluster, base: 
         return lay, replace(t, dp_comm=within + _hsdp_inter(c, tr, lay, cluster, t, psi, within))
     inner = replace(t, dp_comm=within)
     once = averaging_seconds(c, tr, lay, cluster)
-    h = choose_h(once, inner.total, LOCAL_SGD_MAX_H if lay.sync == "local-sgd" else H_LADDER[-1])
+    cap = LOCAL_SGD_MAX_H if lay.sync == "local-sgd" else H_LADDER[-1]
+    h = lay.sync_every or choose_h(once, inner.total, cap)
     return replace(lay, sync_every=h), replace(inner, dp_comm=within + once / h)
 
 
@@ -366,5 +443,6 @@ def choice_notes(ranked: list, feasible: list) -> list[str]:
     return notes
 
 
-__all__ = ["AVERAGING_GAIN", "CAVEAT", "SLOW_LINK", "SYNCS", "SlowLayout", "applies", "choice_notes",
-           "choose_h", "link_bytes", "memory", "price", "rank_seconds", "tree", "variants"]
+__all__ = ["AVERAGING_GAIN", "CAVEAT", "FIXABLE", "SLOW_LINK", "SYNCS", "SlowLayout", "applies",
+           "check_fixed", "choice_notes", "choose_h", "evaluate", "extend", "link_bytes", "memory", "price",
+           "rank_seconds", "tree", "variants"]
