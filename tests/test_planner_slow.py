@@ -19,7 +19,7 @@ from paratrain.plan_cli import main as plan_main
 from paratrain.plan_cli import parser, resolve_defaults
 from paratrain.plan_cli.command import train_command
 from paratrain.planner import slow_link
-from paratrain.planner.collectives import all_reduce_time
+from paratrain.planner.collectives import all_reduce_time, ring_link
 from paratrain.planner.cost import dp_exposed, step_time
 from paratrain.planner.machine import local_cluster
 from paratrain.planner.memory import Layout, Training, device_memory
@@ -58,7 +58,7 @@ def test_ethernet_between_nodes_picks_hybrid_sharding():
     assert isinstance(win, SlowLayout) and (win.replicate, win.shard, win.sync) == (2, 8, "ddp"), win.short()
     flat = next(p for p in result.plans if not isinstance(p.layout, SlowLayout))  # today's best
     assert result.plans[0].time.total < flat.time.total
-    ddp = all_reduce_time(PSI * 2, 16, cluster.inter)
+    ddp = all_reduce_time(PSI * 2, 16, ring_link(cluster, Layout(dp=16), "dp"))
     line = next(s for s in result.tree if "slow-link branch" in s)
     assert f"{ddp:.3g} s" in line and "1.56 GB/s" in line
     assert any("so the synchronous one is chosen" in n for n in result.notes)
@@ -70,6 +70,21 @@ def test_a_very_slow_link_picks_diloco_and_states_the_caveat():
     assert isinstance(win, SlowLayout) and win.sync == "diloco" and win.sync_every >= 8, win.short()
     assert CAVEAT in result.notes and any("so it is chosen" in n for n in result.notes)
     assert any("Douillard" in line and "H up to ~500" in line for line in result.tree)
+
+
+def test_a_flat_ring_across_nodes_uses_every_nic_of_a_node():
+    cluster, eth = two_nodes("ethernet"), LINKS["ethernet"]
+    # dp 16 over 2 nodes: 8 ranks a node cross the boundary on 8 rings at once, one NIC share each
+    assert ring_link(cluster, Layout(dp=16), "dp").bandwidth == pytest.approx(8 * eth.bandwidth)
+    assert ring_link(cluster, Layout(dp=8, tp=2), "dp").bandwidth == pytest.approx(4 * eth.bandwidth)
+    assert ring_link(cluster, Layout(dp=2, tp=8), "dp") is cluster.inter  # one rank a node
+    assert ring_link(cluster, Layout(dp=8, tp=1, pp=2), "dp") is cluster.intra  # inside a node
+    fast = make_cluster(gpus=16, gpus_per_node=8, inter_link="infiniband")  # capped by the node's own links
+    assert ring_link(fast, Layout(dp=16), "dp").bandwidth == min(LINKS["nvlink"].bandwidth, 8 * 25e9)
+    # hybrid sharding vs a flat ring, bandwidth terms: (2 (2-1)/2 M/8) / b against (2 (15/16) M) / (8 b)
+    flat = all_reduce_time(PSI * 2, 16, ring_link(cluster, Layout(dp=16), "dp"))
+    hsdp = all_reduce_time(PSI * 2 / 8, 2, cluster.inter)
+    assert flat / hsdp == pytest.approx(15 / 8, rel=1e-2)  # latency aside; not 15x: the flat ring spreads
 
 
 # -- bytes per link per step = the hand formula ------------------------------------------------------------

@@ -35,6 +35,7 @@ from paratrain.planner.collectives import (
     group_link,
     p2p_time,
     reduce_scatter_time,
+    ring_link,
 )
 from paratrain.planner.local import local_dp_comm, post_step, tp_collectives, tp_seconds
 from paratrain.planner.memory import (
@@ -320,10 +321,10 @@ def dp_exposed(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, mb_co
     if lay.dp == 1:
         return 0.0
     sb = state_bytes_per_param(tr.precision, tr.optimizer)
-    link = group_link(cluster, lay, "dp")
+    link = ring_link(cluster, lay, "dp")
     groups = [(psi, lay.dp, link)]
     if experts:
-        groups.append((experts, lay.edp, group_link(cluster, lay, "edp")))
+        groups.append((experts, lay.edp, ring_link(cluster, lay, "edp")))
 
     def over(fn, per_param: float) -> float:  # one collective over each group's parameters
         return sum(fn(n_params * per_param, n, lk) for n_params, n, lk in groups)

@@ -34,7 +34,7 @@ from typing import Protocol, TypeVar
 
 from paratrain.models.shape import ModelShape
 from paratrain.perf.hardware import GB, Cluster
-from paratrain.planner.collectives import all_reduce_time, group_link, p2p_time
+from paratrain.planner.collectives import all_reduce_time, group_link, p2p_time, ring_link
 from paratrain.planner.cost import StepTime, dp_exposed, stage_counts, step_time
 from paratrain.planner.memory import (
     Layout,
@@ -286,7 +286,7 @@ def ddp_inter_bytes(psi: float, dp: int, tr: Training) -> float:
 def _replica_link(cluster: Cluster, lay: SlowLayout):
     """The link the averaging all-reduce crosses: over all dp ranks, or over the R nodes."""
     if lay.replicate == 1:
-        return group_link(cluster, lay, "dp")
+        return ring_link(cluster, lay, "dp")
     return cluster.inter
 
 
@@ -395,11 +395,11 @@ def tree(c: ModelShape, tr: Training, cluster: Cluster) -> list[str]:
         return []
     sb = state_bytes_per_param(tr.precision, tr.optimizer)
     psi, n, s, r = c.n_params(), cluster.n_devices, cluster.devices_per_node, cluster.n_nodes
-    link = cluster.inter
+    link, flat = cluster.inter, ring_link(cluster, Layout(dp=n), "dp")  # flat: s rings cross each node
     grads = psi * sb.grads
-    ddp = all_reduce_time(grads, n, link)
+    ddp = all_reduce_time(grads, n, flat)
     hsdp = all_reduce_time(grads / s, r, link)
-    avg = all_reduce_time(psi * AVERAGED_BYTES, n, link)
+    avg = all_reduce_time(psi * AVERAGED_BYTES / s, r, link)  # each of a node's s ranks its 1/s
     server = (max(p2p_time(grads, link), p2p_time(n * grads / r, link))
               + max(p2p_time(psi * sb.params, link), p2p_time(n * psi * sb.params / r, link)))
     per_h = ", ".join(f"H = {h}: {avg / h:.3g} s" for h in (8, 32, 128, 500))
@@ -409,8 +409,8 @@ def tree(c: ModelShape, tr: Training, cluster: Cluster) -> list[str]:
             f"hybrid sharding (ZeRO over the {s} ranks of a node, replicated over the {r} nodes: "
             f"--dp-replicate {r} --dp-shard {s}) sends 1/{s} of it across nodes: {hsdp:.3g} s per step",
             f"local SGD / DiLoCo (--sync local-sgd|diloco --sync-every H) all-reduce the "
-            f"{psi * AVERAGED_BYTES / GB:.3g} GB of fp32 parameters once every H steps, {avg:.3g} s / H per "
-            f"step ({per_h}); {CAVEAT}",
+            f"{psi * AVERAGED_BYTES / GB:.3g} GB of fp32 parameters over the nodes once every H steps (each "
+            f"of a node's {s} ranks its 1/{s}), {avg:.3g} s / H per step ({per_h}); {CAVEAT}",
             f"a parameter server (--sync parameter-server --servers {r}, one per node) carries {n}/{r} of "
             f"the model each way on each server's link: {server:.3g} s per step -- the servers' links are "
             "the bottleneck unless there are about as many servers as workers"]
