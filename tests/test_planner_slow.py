@@ -116,7 +116,7 @@ def test_averaging_bytes_fall_h_fold(sync):
 
 def test_parameter_server_bytes_per_worker_and_server():
     got = slow_link.link_bytes(MODEL, TR, slow(sync="parameter-server", servers=2), two_nodes("ethernet"))
-    assert got == pytest.approx({"intra": 0.0, "inter": PSI * 2, "inter_received": PSI * 2,
+    assert got == pytest.approx({"intra": 0.0, "inter": PSI * 2, "received": PSI * 2,
                                  "server_in": 16 * PSI * 2 / 2, "server_out": 16 * PSI * 2 / 2}, rel=1e-12)
 
 
@@ -226,7 +226,20 @@ def test_fixed_sync_choices_are_honoured():
     (["--sync", "parameter-server", "--servers", "3"], "must be a multiple of the 2 nodes"),
     (["--sync", "parameter-server", "--tp", "2"], "use --tp 1 --pp 1"),
     (["--sync-every", "0", "--sync", "diloco"], "--sync-every must be a positive number"),
+    (["--sync", "diloco", "--validate", "--cluster", "local"], "drop them or --validate"),
 ])
 def test_bad_fixed_sync_choices_exit_2_naming_the_flag(flags, message, capsys):
     assert plan_main(["--model", "llama-1b", "--gpus", "16", "--gpus-per-node", "8", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_on_one_node_every_way_stays_on_the_nodes_links(capsys):
+    one = make_cluster(gpus=8, gpus_per_node=8, inter_link="ethernet")
+    lay = SlowLayout(dp=8, micro_batch=4, sync="parameter-server", servers=1)
+    assert slow_link.link_bytes(MODEL, TR, lay, one)["intra"] == PSI * 2
+    _, t = slow_link.price(MODEL, TR, lay, one)
+    assert t.dp_comm < 1.0  # NVLink, not 1.56 GB/s Ethernet (8 x 2.47 GB through one server: 0.07 s)
+    hsdp = slow_link.link_bytes(MODEL, TR, SlowLayout(dp=8, micro_batch=4, zero=2, replicate=2), one)
+    assert hsdp["inter"] == 0 and hsdp["intra"] > 0
+    assert plan_main(["--params", "1e9", "--sync", "diloco"]) == 2  # model states only: nothing to price
+    assert "give the model's shape" in capsys.readouterr().err

@@ -195,6 +195,19 @@ def cluster_from(args: argparse.Namespace) -> Cluster:
     return cl
 
 
+def check_sync_flags(args: argparse.Namespace, c: LlamaConfig | None) -> None:
+    """The slow-link choices (issue 26) need a shape to price, and --validate runs only what this
+    version's trainer runs, which does not include them yet."""
+    given = [flag for flag, value in (("--sync", args.sync), ("--sync-every", args.sync_every),
+                                      ("--dp-replicate", args.dp_replicate), ("--servers", args.servers))
+             if value is not None]
+    if given and c is None:
+        raise ValueError(f"{' '.join(given)} price time and bytes per step: give the model's shape (--model)")
+    if given and args.validate:
+        raise ValueError(f"--validate runs what this version's trainer runs, and {' '.join(given)} come with "
+                         "issue 26's training branches: drop them or --validate")
+
+
 def fixed_from(args: argparse.Namespace) -> dict:
     pairs = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "zero": args.zero, "v": args.virtual_stages,
              "sp": args.sp, "recompute": args.recompute, "schedule": args.pp_schedule,
@@ -329,6 +342,7 @@ def run(args: argparse.Namespace) -> int:
     c = model_from(args)
     tr = Training(seq_len=args.seq_len, global_batch=args.global_batch, precision=args.precision,
                   optimizer=args.optimizer, margin=args.margin)
+    check_sync_flags(args, c)  # before --cluster local measures this machine
     cluster = cluster_from(args)
     if c is None:
         text, rows = states_only_report(args.params, tr, cluster, fixed_from(args))

@@ -33,7 +33,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Protocol, TypeVar
 
 from paratrain.models.shape import ModelShape
-from paratrain.perf.hardware import GB, Cluster
+from paratrain.perf.hardware import GB, Cluster, Link
 from paratrain.planner.collectives import all_reduce_time, group_link, p2p_time, ring_link
 from paratrain.planner.cost import StepTime, dp_exposed, stage_counts, step_time
 from paratrain.planner.memory import (
@@ -260,19 +260,28 @@ def link_bytes(c: ModelShape, tr: Training, lay: SlowLayout, cluster: Cluster) -
     psi, _ = _params(c, tr, lay, cluster)
     m = lay.n_micro(tr.global_batch)
     if lay.sync == "parameter-server":  # gradients up, parameters down, for the whole model
-        return {"intra": 0.0, "inter": psi * sb.grads, "inter_received": psi * sb.params,
-                "server_in": lay.dp * psi * sb.grads / lay.servers,
+        return {"intra": 0.0, "inter": 0.0, _where(cluster, _server_link(cluster)): psi * sb.grads,
+                "received": psi * sb.params, "server_in": lay.dp * psi * sb.grads / lay.servers,
                 "server_out": lay.dp * psi * sb.params / lay.servers}
     if lay.replicate == 1:  # every dp rank a replica: nothing per step, the average every H
-        inter = _ring(lay.dp, 2) * psi * AVERAGED_BYTES / lay.sync_every
-        where = "inter" if group_link(cluster, lay, "dp") is cluster.inter else "intra"
-        return {"intra": 0.0, "inter": 0.0, where: inter}
-    intra = shard_group_bytes(psi, lay, sb, m)
+        across = _ring(lay.dp, 2) * psi * AVERAGED_BYTES / lay.sync_every
+        return {"intra": 0.0, "inter": 0.0, _where(cluster, group_link(cluster, lay, "dp")): across}
+    out = {"intra": shard_group_bytes(psi, lay, sb, m), "inter": 0.0}
     if lay.averaging:
-        inter = _ring(lay.replicate, 2) * psi / lay.shard * AVERAGED_BYTES / lay.sync_every
+        across = _ring(lay.replicate, 2) * psi / lay.shard * AVERAGED_BYTES / lay.sync_every
     else:  # HSDP: the gradient shard all-reduced over the replicas every step
-        inter = _ring(lay.replicate, 2) * psi / lay.shard * sb.grads
-    return {"intra": intra, "inter": inter}
+        across = _ring(lay.replicate, 2) * psi / lay.shard * sb.grads
+    out[_where(cluster, _replica_link(cluster, lay))] += across
+    return out
+
+
+def _where(cluster: Cluster, link: Link) -> str:
+    return "intra" if link is cluster.intra else "inter"
+
+
+def _server_link(cluster: Cluster) -> Link:
+    """A parameter server's link and its workers': the slow one when there are several nodes."""
+    return cluster.inter if cluster.n_nodes > 1 else cluster.intra
 
 
 def ddp_inter_bytes(psi: float, dp: int, tr: Training) -> float:
@@ -283,11 +292,12 @@ def ddp_inter_bytes(psi: float, dp: int, tr: Training) -> float:
 # -- time and memory ------------------------------------------------------------------------------------
 
 
-def _replica_link(cluster: Cluster, lay: SlowLayout):
-    """The link the averaging all-reduce crosses: over all dp ranks, or over the R nodes."""
+def _replica_link(cluster: Cluster, lay: SlowLayout) -> Link:
+    """The link the all-reduce across replicas runs at: over all dp ranks (a flat ring), or over the
+    R replicas of a shard (one rank a node: the inter link itself, unless all sit in one node)."""
     if lay.replicate == 1:
         return ring_link(cluster, lay, "dp")
-    return cluster.inter
+    return cluster.intra if lay.tp * lay.dp <= cluster.devices_per_node else cluster.inter
 
 
 def averaging_seconds(c: ModelShape, tr: Training, lay: SlowLayout, cluster: Cluster) -> float:
@@ -321,13 +331,14 @@ def _hsdp_inter(c: ModelShape, tr: Training, lay: SlowLayout, cluster: Cluster, 
     bucket by bucket during the last backward, behind what the node's reduce-scatter leaves of
     that backward (at least one bucket shows); ZeRO-1 after the backward, all exposed."""
     sb = state_bytes_per_param(tr.precision, tr.optimizer)
-    comm = all_reduce_time(psi * sb.grads / lay.shard, lay.replicate, cluster.inter)
+    link = _replica_link(cluster, lay)
+    comm = all_reduce_time(psi * sb.grads / lay.shard, lay.replicate, link)
     if lay.zero == 1 or not tr.overlap_dp:
         return comm
     m = lay.n_micro(tr.global_batch)
     hidden = max(0.0, cluster.overlap * (2 / 3) * t.compute / m - within)
     bucket = min(tr.bucket_mb * 2**20, psi * sb.grads) / lay.shard
-    return max(comm - hidden, all_reduce_time(bucket, lay.replicate, cluster.inter))
+    return max(comm - hidden, all_reduce_time(bucket, lay.replicate, link))
 
 
 def _server_round_trip(c: ModelShape, tr: Training, lay: SlowLayout, cluster: Cluster, psi: float
@@ -337,7 +348,7 @@ def _server_round_trip(c: ModelShape, tr: Training, lay: SlowLayout, cluster: Cl
     direction as slow as the slower of a worker's link (the whole model) and a server's (dp/K of
     it), all of it exposed (the worker waits for its parameters)."""
     sb = state_bytes_per_param(tr.precision, tr.optimizer)
-    k, link = lay.servers, cluster.inter
+    k, link = lay.servers, _server_link(cluster)
     up = max(p2p_time(psi * sb.grads, link), p2p_time(lay.dp * psi * sb.grads / k, link))
     down = max(p2p_time(psi * sb.params, link), p2p_time(lay.dp * psi * sb.params / k, link))
     return up + down, psi / k / cluster.cpu_adam_params_per_s
