@@ -17,7 +17,7 @@ from paratrain.models.llama import PRESETS
 from paratrain.perf.hardware import LINKS, make_cluster
 from paratrain.plan_cli import main as plan_main
 from paratrain.plan_cli import parser, resolve_defaults
-from paratrain.plan_cli.command import train_command
+from paratrain.plan_cli.command import server_note, train_command
 from paratrain.planner import slow_link
 from paratrain.planner.collectives import all_reduce_time, ring_link
 from paratrain.planner.cost import dp_exposed, step_time
@@ -195,7 +195,11 @@ def test_parameter_server_command_starts_workers_and_servers():
     assert one_node.endswith("--sync parameter-server --servers 1")
     lay = replace(lay, dp=16, servers=2)
     two = train_command(args, MODEL, lay, two_nodes("ethernet"))
-    assert two.startswith("torchrun --nnodes 2 --nproc-per-node 9 ")  # 8 workers + one server a node
+    assert two.startswith("torchrun --nnodes 2 --nproc-per-node 8 ")  # the GPUs' workers on every node
+    # the servers are the last ranks: the last node starts them besides its workers (told in the output)
+    note = server_note(lay, two_nodes("ethernet"))
+    assert "on the last node (--node-rank 1) give --nproc-per-node 10" in note
+    assert server_note(replace(lay, dp=2, servers=1), make_cluster(gpus=2)) == ""
 
 
 def test_inter_link_takes_a_measured_bandwidth(capsys):
@@ -223,7 +227,6 @@ def test_fixed_sync_choices_are_honoured():
     (["--servers", "2"], "add --sync parameter-server"),
     (["--sync", "ddp", "--sync-every", "8"], "add --sync local-sgd or diloco"),
     (["--dp-replicate", "2", "--zero", "0"], "with --zero 0 every rank already holds a replica"),
-    (["--sync", "parameter-server", "--servers", "3"], "must be a multiple of the 2 nodes"),
     (["--sync", "parameter-server", "--tp", "2"], "use --tp 1 --pp 1"),
     (["--sync-every", "0", "--sync", "diloco"], "--sync-every must be a positive number"),
     (["--sync", "diloco", "--validate", "--cluster", "local"], "drop them or --validate"),

@@ -71,6 +71,16 @@ def sync_settings(lay: Layout) -> list[tuple[str, str, object]]:
     return out
 
 
+def server_note(lay: Layout, cluster: Cluster) -> str:
+    """Over several nodes torchrun starts the same processes on every node but the one it is told
+    otherwise: the parameter servers are the last ranks (they take no GPU), so the last node adds them."""
+    if not isinstance(lay, SlowLayout) or not lay.servers or cluster.n_nodes == 1:
+        return ""
+    return (f"(parameter servers: on the last node (--node-rank {cluster.n_nodes - 1}) give "
+            f"--nproc-per-node {cluster.devices_per_node + lay.servers}: the last {lay.servers} ranks serve "
+            "and take no GPU)\n")
+
+
 def known_setting(dotted: str) -> bool:
     """Whether this version's config has the setting (the slow-link flags arrive with their branches)."""
     try:
@@ -111,9 +121,8 @@ def train_command(args: argparse.Namespace, c: LlamaConfig, lay: Layout, cluster
     for flag, _, value in train_settings(args, c, lay):
         flags.append(flag if value is True else f"{flag} {shlex.quote(str(value))}")
     servers = lay.servers if isinstance(lay, SlowLayout) else 0  # parameter servers: extra processes
-    if cluster.n_nodes > 1:
-        per_node = cluster.devices_per_node + servers // cluster.n_nodes  # one server per node
-        launcher = (f"torchrun --nnodes {cluster.n_nodes} --nproc-per-node {per_node} "
+    if cluster.n_nodes > 1:  # the servers: the last node starts them (server_note)
+        launcher = (f"torchrun --nnodes {cluster.n_nodes} --nproc-per-node {cluster.devices_per_node} "
                     "--rdzv-endpoint HOST:29500 -m paratrain.cli train")
     else:
         launcher = f"paratrain train --nproc {lay.world + servers}"
@@ -153,6 +162,7 @@ def run_line(args: argparse.Namespace, c: LlamaConfig, result: PlanResult, clust
     if i > 1:
         pre += f"(#1 to #{i - 1} are layouts paratrain's trainer does not run yet)\n"
     pending = [flag for flag, key, _ in train_settings(args, c, best.layout) if not known_setting(key)]
+    pre += server_note(best.layout, cluster)
     if pending:
         pre += (f"({' '.join(pending)}: flags of issue 26's branches -- hybrid sharding, parameter "
                 "averaging, the parameter server -- that this version's trainer does not have yet)\n")

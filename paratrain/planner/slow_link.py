@@ -12,9 +12,10 @@ nodes is slow (below ``SLOW_LINK`` per device), three more ways to synchronise a
   2023): one all-reduce of the parameters in fp32 every H steps, 1/H of it per step. A replica is one
   dp rank (ZeRO-0) or one node of S ranks sharding ZeRO among them (ZeRO >= 1, R = the nodes).
 - **a parameter server** (``--sync parameter-server --servers K``, synchronous): each worker sends
-  its gradients and receives the parameters every step; K server processes, one per node, hold the
-  parameters (split by size) and the optimizer, so each server's link carries dp/K of the model
-  each way per step: the servers' links are the bottleneck.
+  its gradients and receives the parameters every step; K server processes (default: as many as
+  nodes; each with one device's share of the slow link) hold the parameters (split by size) and the
+  optimizer, so each server's link carries dp/K of the model each way per step: the servers' links
+  are the bottleneck.
 
 Bytes per link per step (``link_bytes``) are ring bytes each device sends: all-reduce
 2(n - 1)/n M, all-gather and reduce-scatter (n - 1)/n M, as collectives.py prices them; a group
@@ -210,9 +211,6 @@ def extend(c: ModelShape, tr: Training, cluster: Cluster, plans: list[P], fixed:
     wanted = {k: fixed[k] for k in FIXABLE if k in fixed}
     if not (applies(cluster) or wanted):
         return plans
-    if wanted.get("servers", 0) % cluster.n_nodes:
-        raise ValueError(f"--servers {wanted['servers']} must be a multiple of the {cluster.n_nodes} nodes: "
-                         "torchrun starts as many processes on every node")
     out = plans + [evaluate(c, tr, v, cluster, p, plan_type) for p in plans
                    for v in variants(p.layout, cluster, p.fits, wanted)]
     return [p for p in out if _matches(p.layout, wanted)] if wanted else out
@@ -422,8 +420,8 @@ def tree(c: ModelShape, tr: Training, cluster: Cluster) -> list[str]:
             f"local SGD / DiLoCo (--sync local-sgd|diloco --sync-every H) all-reduce the "
             f"{psi * AVERAGED_BYTES / GB:.3g} GB of fp32 parameters over the nodes once every H steps (each "
             f"of a node's {s} ranks its 1/{s}), {avg:.3g} s / H per step ({per_h}); {CAVEAT}",
-            f"a parameter server (--sync parameter-server --servers {r}, one per node) carries {n}/{r} of "
-            f"the model each way on each server's link: {server:.3g} s per step -- the servers' links are "
+            f"a parameter server (--sync parameter-server --servers {r}, as many as nodes) carries {n}/{r} "
+            f"of the model each way on each server's link: {server:.3g} s per step -- the servers' links are "
             "the bottleneck unless there are about as many servers as workers"]
 
 
