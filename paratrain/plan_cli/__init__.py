@@ -196,16 +196,16 @@ def cluster_from(args: argparse.Namespace) -> Cluster:
 
 
 def check_sync_flags(args: argparse.Namespace, c: LlamaConfig | None) -> None:
-    """The slow-link choices (issue 26) need a shape to price, and --validate runs only what this
-    version's trainer runs, which does not include them yet."""
+    """The slow-link choices (issue 26) need a shape to price and a cluster of nodes (this machine's
+    model, --cluster local, counts the trainer's own collectives, which do not include them yet)."""
     given = [flag for flag, value in (("--sync", args.sync), ("--sync-every", args.sync_every),
                                       ("--dp-replicate", args.dp_replicate), ("--servers", args.servers))
              if value is not None]
     if given and c is None:
         raise ValueError(f"{' '.join(given)} price time and bytes per step: give the model's shape (--model)")
-    if given and args.validate:
-        raise ValueError(f"--validate runs what this version's trainer runs, and {' '.join(given)} come with "
-                         "issue 26's training branches: drop them or --validate")
+    if given and args.cluster == "local":
+        raise ValueError(f"{' '.join(given)} are priced for nodes joined by a link (--gpus-per-node, "
+                         "--inter-link), not for --cluster local: drop them or --cluster local")
 
 
 def fixed_from(args: argparse.Namespace) -> dict:

@@ -120,12 +120,11 @@ def train_command(args: argparse.Namespace, c: LlamaConfig, lay: Layout, cluster
     flags = ["--config plan-model.toml"] if needs_model_file(args) else []
     for flag, _, value in train_settings(args, c, lay):
         flags.append(flag if value is True else f"{flag} {shlex.quote(str(value))}")
-    servers = lay.servers if isinstance(lay, SlowLayout) else 0  # parameter servers: extra processes
     if cluster.n_nodes > 1:  # the servers: the last node starts them (server_note)
         launcher = (f"torchrun --nnodes {cluster.n_nodes} --nproc-per-node {cluster.devices_per_node} "
                     "--rdzv-endpoint HOST:29500 -m paratrain.cli train")
     else:
-        launcher = f"paratrain train --nproc {lay.world + servers}"
+        launcher = f"paratrain train --nproc {lay.processes if isinstance(lay, SlowLayout) else lay.world}"
     return " ".join([launcher, *flags])
 
 

@@ -19,7 +19,8 @@ nodes is slow (below ``SLOW_LINK`` per device), three more ways to synchronise a
 
 Bytes per link per step (``link_bytes``) are ring bytes each device sends: all-reduce
 2(n - 1)/n M, all-gather and reduce-scatter (n - 1)/n M, as collectives.py prices them; a group
-whose ranks span nodes is charged on the inter-node link (collectives.py ``group_link``).
+whose ranks span nodes is charged on the inter-node link ("inter"; collectives.py ``group_link``),
+its time at ``ring_link``'s bandwidth (g ranks of it per node cross on g rings at once).
 
 Parameter averaging changes the optimisation, not only its speed: equal steps do not mean equal
 loss. Its rows rank with their time multiplied by ``AVERAGING_GAIN`` (it must beat the best
@@ -61,7 +62,9 @@ AVERAGING_GAIN = 1.25
 AVERAGING_SHARE = 0.05
 H_LADDER = (8, 16, 32, 64, 128, 256, 500)  # 500: DiLoCo's published setting (Douillard et al. 2023)
 LOCAL_SGD_MAX_H = 32  # plain averaging without an outer momentum: kept to small H (planner's choice)
-AVERAGED_BYTES = 4  # parameters / pseudo-gradients averaged in fp32 (the master copy, not bf16)
+# Parameters / pseudo-gradients averaged in fp32 (the master copy): an averaging that all-reduces
+# bf16 model parameters moves half of it (the averaging branch reduces each dtype as held).
+AVERAGED_BYTES = 4
 # DiLoCo's outer optimizer as published (Douillard et al. 2023): Nesterov, lr 0.7, momentum 0.9.
 DILOCO_OUTER = (("--outer-optimizer", "nesterov"), ("--outer-lr", 0.7), ("--outer-momentum", 0.9))
 SYNCS = ("ddp", "local-sgd", "diloco", "parameter-server")
@@ -75,6 +78,7 @@ class Priced(Protocol):
     time: StepTime
     memory: Memory
     fits: bool
+
 
 CAVEAT = ("convergence caveat: local SGD and DiLoCo rows are priced per step, and the same steps do "
           "not mean the same loss -- replicas drift apart for H steps between averagings; DiLoCo "
