@@ -87,6 +87,17 @@ def test_a_flat_ring_across_nodes_uses_every_nic_of_a_node():
     assert flat / hsdp == pytest.approx(15 / 8, rel=1e-2)  # latency aside; not 15x: the flat ring spreads
 
 
+def test_variants_only_where_the_data_parallel_group_crosses_the_slow_link():
+    cluster = two_nodes("ethernet")
+    got = {(v.sync, v.replicate, v.shard) for v in slow_link.variants(Layout(dp=16, zero=2), cluster)}
+    assert got == {("ddp", 2, 8), ("local-sgd", 2, 8), ("diloco", 2, 8)}  # S = one node's dp ranks
+    assert not slow_link.variants(Layout(dp=2, tp=4, pp=2, zero=2), cluster)  # dp inside a node
+    assert not slow_link.variants(Layout(dp=2, tp=8, zero=2), cluster)  # S would be 1: shards nothing
+    zero0 = {v.sync for v in slow_link.variants(Layout(dp=16), cluster)}
+    assert zero0 == {"local-sgd", "diloco", "parameter-server"}
+    assert [v.sync for v in slow_link.variants(Layout(dp=16), cluster, fits=False)] == ["parameter-server"]
+
+
 # -- bytes per link per step = the hand formula ------------------------------------------------------------
 
 

@@ -132,9 +132,10 @@ def plain(lay: Layout) -> Layout:
 
 
 def shard_degree(lay: Layout, cluster: Cluster) -> int | None:
-    """S for hybrid sharding: the most dp ranks whose tp x S consecutive ranks fill whole slots of
-    one node, leaving R = dp / S >= 2 replicas; None if there is none."""
-    options = [s for s in range(1, lay.dp)
+    """S for hybrid sharding: the most dp ranks (at least 2: one would shard nothing) whose tp x S
+    consecutive ranks fill whole slots of one node, leaving R = dp / S >= 2 replicas; None if there
+    is none."""
+    options = [s for s in range(2, lay.dp)
                if lay.dp % s == 0 and cluster.devices_per_node % (lay.tp * s) == 0]
     return max(options) if options else None
 
@@ -143,9 +144,12 @@ def variants(lay: Layout, cluster: Cluster, fits: bool = True, fixed: dict | Non
              ) -> list[SlowLayout]:
     """The slow-link layouts built on one layout of the main search (H is chosen when priced unless
     fixed; R is one node's worth of shards unless fixed; K one server per node unless fixed). One
-    that does not fit yields only the parameter server (the one variant needing less memory)."""
+    that does not fit yields only the parameter server (the one variant needing less memory). Unless
+    asked for (fixed), only layouts whose data-parallel group crosses the slow link get them."""
     fixed = fixed or {}
     if lay.dp == 1 or lay.ep > 1 or lay.offload != "none" or isinstance(lay, SlowLayout):
+        return []
+    if not fixed and group_link(cluster, lay, "dp") is cluster.intra:
         return []
     if not fits:
         return [v for v in variants(lay, cluster, True, fixed) if v.sync == "parameter-server"]
