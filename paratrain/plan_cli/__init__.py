@@ -221,14 +221,15 @@ def fixed_from(args: argparse.Namespace) -> dict:
 
 
 def table(result: PlanResult) -> str:
-    head = (f"{'#':>2} {'layout':<44} {'params':>7} {'grads':>7} {'optim':>7} {'acts':>7} {'other':>7} "
+    names = [p.layout.short() + ("" if p.fits else " (does not fit)") for p in result.plans]
+    w = max([44, *map(len, names)])  # slow-link layouts have longer names
+    head = (f"{'#':>2} {'layout':<{w}} {'params':>7} {'grads':>7} {'optim':>7} {'acts':>7} {'other':>7} "
             f"{'total':>7} {'usable':>7} {'step s':>8} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>5}")
     lines = [head, "-" * len(head)]
-    for i, p in enumerate(result.plans, 1):
+    for i, (p, name) in enumerate(zip(result.plans, names), 1):
         m, t = p.memory, p.time
         other = m.comm_buffers + m.transient + m.runtime
-        mark = "" if p.fits else " (does not fit)"
-        lines.append(f"{i:>2} {p.layout.short() + mark:<44} {m.params / GB:7.2f} {m.grads / GB:7.2f} "
+        lines.append(f"{i:>2} {name:<{w}} {m.params / GB:7.2f} {m.grads / GB:7.2f} "
                      f"{m.optim / GB:7.2f} {m.activations / GB:7.2f} {other / GB:7.2f} {m.total / GB:7.2f} "
                      f"{m.usable / GB:7.2f} {t.total:8.3g} {t.tokens_per_s:10,.0f} "
                      f"{t.tflops_per_device:8.3g} {t.mfu:5.0%}")
