@@ -250,13 +250,12 @@ def _ring(n: int, passes: int = 1) -> float:
 
 
 def shard_group_bytes(psi: float, lay: SlowLayout, sb: StateBytes, n_micro: int) -> float:
-    """Bytes each rank sends per step in ZeRO's collectives over the S ranks of a node: a
-    reduce-scatter of the gradients and an all-gather of the parameters (ZeRO-1/2); ZeRO-3 gathers
-    twice and reduce-scatters once per micro-batch."""
-    s = lay.shard
-    if lay.zero == 3:
-        return n_micro * (_ring(s) * 2 * psi * sb.params + _ring(s) * psi * sb.grads)
-    return _ring(s) * psi * (sb.grads + sb.params)
+    """Bytes each rank sends per step in ZeRO's collectives over the S ranks of a node, as paratrain's
+    zero/ issues them (planner/local.py counts the same): one reduce-scatter of the gradients a step;
+    an all-gather of the parameters after the step (ZeRO-1/2) or before every forward and backward
+    of every micro-batch (ZeRO-3: 2m of them)."""
+    gathers = 2 * n_micro if lay.zero == 3 else 1
+    return _ring(lay.shard) * psi * (sb.grads + gathers * sb.params)
 
 
 def link_bytes(c: ModelShape, tr: Training, lay: SlowLayout, cluster: Cluster) -> dict[str, float]:
