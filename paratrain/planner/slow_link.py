@@ -38,6 +38,7 @@ from paratrain.models.shape import ModelShape
 from paratrain.perf.hardware import GB, Cluster, Link
 from paratrain.planner.collectives import all_reduce_time, group_link, p2p_time, ring_link
 from paratrain.planner.cost import StepTime, dp_exposed, stage_counts, step_time
+from paratrain.planner.hybrid import hybrid_wire_bytes
 from paratrain.planner.memory import (
     Layout,
     Memory,
@@ -254,8 +255,9 @@ def shard_group_bytes(psi: float, lay: SlowLayout, sb: StateBytes, n_micro: int)
     zero/ issues them (planner/local.py counts the same): one reduce-scatter of the gradients a step;
     an all-gather of the parameters after the step (ZeRO-1/2) or before every forward and backward
     of every micro-batch (ZeRO-3: 2m of them)."""
-    gathers = 2 * n_micro if lay.zero == 3 else 1
-    return _ring(lay.shard) * psi * (sb.grads + gathers * sb.params)
+    wire = hybrid_wire_bytes(psi, zero=lay.zero, shard=lay.shard, replicate=lay.replicate,
+                             micro_batches=n_micro, param_bytes=sb.params, grad_bytes=sb.grads)
+    return sum(n for axis, n in wire.items() if axis != "dp_replicate")
 
 
 def link_bytes(c: ModelShape, tr: Training, lay: SlowLayout, cluster: Cluster) -> dict[str, float]:
@@ -274,8 +276,10 @@ def link_bytes(c: ModelShape, tr: Training, lay: SlowLayout, cluster: Cluster) -
     out = {"intra": shard_group_bytes(psi, lay, sb, m), "inter": 0.0}
     if lay.averaging:
         across = _ring(lay.replicate, 2) * psi / lay.shard * AVERAGED_BYTES / lay.sync_every
-    else:  # HSDP: the gradient shard all-reduced over the replicas every step
-        across = _ring(lay.replicate, 2) * psi / lay.shard * sb.grads
+    else:  # HSDP: the gradient shard all-reduced over the replicas every step (planner/hybrid.py)
+        wire = hybrid_wire_bytes(psi, zero=lay.zero, shard=lay.shard, replicate=lay.replicate,
+                                 micro_batches=m, param_bytes=sb.params, grad_bytes=sb.grads)
+        across = wire["dp_replicate"]
     out[_where(cluster, _replica_link(cluster, lay))] += across
     return out
 
