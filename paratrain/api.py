@@ -63,7 +63,9 @@ class Parallel:
     """How this process takes part: the mesh, the strategy, and the user's prepared objects.
 
     dp: data-parallel degree (default: world / (tp * pp)); tp: tensor parallel over ``tp_plan``;
-    zero: 0 (DDP) or ZeRO stage 1, 2, 3; dp_mode: with zero 0, "ddp" (gradient buckets reduced
+    zero: 0 (DDP) or ZeRO stage 1, 2, 3; dp_replicate: hybrid sharding (with zero >= 1), ZeRO
+    sharded over dp / dp_replicate consecutive dp ranks (one node) and replicated across the groups;
+    dp_mode: with zero 0, "ddp" (gradient buckets reduced
     while backward runs) or "plain" (each gradient all-reduced after backward); offload: where
     ZeRO keeps the optimizer partition ("none", "cpu", "disk" under ``offload_dir``); bucket_mb:
     gradient bucket size; timeout: seconds before a collective that never completes fails
@@ -76,8 +78,8 @@ class Parallel:
     """
 
     def __init__(self, *, dp: int | None = None, tp: int = 1, pp: int = 1, zero: int = 0,
-                 dp_mode: str = "ddp", offload: str = "none", offload_dir: str | None = None,
-                 bucket_mb: float = 25.0, precision: str = "fp32",
+                 dp_replicate: int = 1, dp_mode: str = "ddp", offload: str = "none",
+                 offload_dir: str | None = None, bucket_mb: float = 25.0, precision: str = "fp32",
                  timeout: float = 600.0, check_collectives: bool = False, units: list[str] | None = None,
                  unit_min_params: int | None = None, tp_plan: dict[str, str] | None = None,
                  sequence_parallel: bool = False, allow_non_elementwise: bool = False,
@@ -85,7 +87,7 @@ class Parallel:
         problems = _check_args(tp=tp, pp=pp, zero=zero, dp_mode=dp_mode, offload=offload,
                                offload_dir=offload_dir, bucket_mb=bucket_mb, precision=precision,
                                timeout=timeout, units=units, tp_plan=tp_plan,
-                               sequence_parallel=sequence_parallel)
+                               sequence_parallel=sequence_parallel, dp_replicate=dp_replicate)
         if problems:
             raise ValueError("paratrain.Parallel: " + "; ".join(problems))
         self.zero, self.offload, self.offload_dir, self.bucket_mb = zero, offload, offload_dir, bucket_mb
@@ -96,7 +98,7 @@ class Parallel:
         self.pp_schedule, self.virtual_stages = pp_schedule, virtual_stages
         rank, world, self.device = _join(timeout)
         dp = dp if dp is not None else max(1, world // (tp * pp))
-        self.mesh = make_mesh(MeshShape(pp=pp, dp=dp, tp=tp), rank, self.device,
+        self.mesh = make_mesh(MeshShape(pp=pp, dp=dp, tp=tp, dp_replicate=dp_replicate), rank, self.device,
                               check_collectives=check_collectives)
         self.engine: Engine | None = None  # what prepare builds: the trainer's engine (engine/engine.py)
         self.model: nn.Module | None = None
@@ -459,8 +461,11 @@ class ParallelOptimizer(torch.optim.Optimizer):
 
 def _check_args(*, tp: int, pp: int, zero: int, dp_mode: str, offload: str, offload_dir: str | None,
                 bucket_mb: float, precision: str, timeout: float, units: list[str] | None,
-                tp_plan: dict | None, sequence_parallel: bool) -> list[str]:
+                tp_plan: dict | None, sequence_parallel: bool, dp_replicate: int = 1) -> list[str]:
     problems = []
+    if dp_replicate > 1 and zero == 0:
+        problems.append(f"dp_replicate = {dp_replicate} needs zero = 1, 2 or 3: with zero 0, DDP already "
+                        "replicates everything (hybrid sharding shards inside a node)")
     if pp > 1 and zero >= 2:
         problems.append(f"pp = {pp} with zero = {zero}: gradients must stay whole across the schedule's "
                         "micro-batches (as in `paratrain train`); use zero 0 or 1 with pp > 1")

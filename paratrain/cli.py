@@ -100,6 +100,11 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
      "data-parallel ranks (all-to-all)"),
     ("--zero", "parallel.zero", int, LAYOUT, "ZeRO stage: shard over data-parallel ranks 1: optimizer "
      "states, 2: + gradients, 3: + parameters (FSDP); 0: replicate"),
+    ("--dp-replicate", "parallel.dp_replicate", int, LAYOUT, "hybrid sharding (HSDP) with --zero 1|2|3: "
+     "dp = R x S; ZeRO shards inside each group of S consecutive dp ranks (one node) and replicates "
+     "across the R groups, so only one all-reduce of 1/S of the gradients crosses nodes"),
+    ("--dp-shard", "parallel.dp_shard", int, LAYOUT, "hybrid sharding: S, the dp ranks of one shard group "
+     "(one node); dp = --dp-replicate x this, and must agree with --dp / --nproc (default: dp / R)"),
     ("--dp-mode", "parallel.dp_mode", str, LAYOUT, "ddp: gradients all-reduced in buckets during "
      "backward; plain: one all-reduce after it"),
     ("--bucket-mb", "parallel.bucket_mb", float, LAYOUT, "gradient bucket size in MiB (ddp mode)"),
@@ -553,7 +558,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"paratrain: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("paratrain: interrupted; the last complete checkpoint is intact", file=sys.stderr)
+        kept = "; the last complete checkpoint is intact" if args.command == "train" else ""
+        print(f"paratrain: interrupted{kept}", file=sys.stderr)
         return 130
 
 

@@ -66,6 +66,8 @@ class ParallelConfig:
     pp: int = 1
     ep: int = 1
     zero: int = 0  # 0: replicated (DDP), 1: optimizer states, 2: + gradients, 3: + parameters
+    dp_replicate: int = 1  # hybrid sharding: replicas of the ZeRO shard groups (one per node)
+    dp_shard: int | None = None  # hybrid sharding: ranks of one shard group; default dp / dp_replicate
     dp_mode: str = "ddp"  # "ddp" (bucketed, overlapped) or "plain" (all-reduce after backward)
     bucket_mb: float = 25.0
     sp: bool = False
@@ -191,7 +193,15 @@ class Config:
         p = self.parallel
         if p.nproc is not None:
             return p.nproc
-        return (p.dp or 1) * p.tp * p.pp + self.ps_servers
+        return self.dp_given * p.tp * p.pp + self.ps_servers
+
+    @property
+    def dp_given(self) -> int:
+        """--dp, else --dp-replicate x --dp-shard when the shard size is given, else 1."""
+        p = self.parallel
+        if p.dp is not None:
+            return p.dp
+        return p.dp_replicate * p.dp_shard if p.dp_shard is not None else 1
 
     @property
     def ps_servers(self) -> int:
@@ -208,8 +218,8 @@ class Config:
     @property
     def dp(self) -> int:
         p = self.parallel
-        if p.dp is not None:
-            return p.dp
+        if p.dp is not None or (p.dp_shard is not None and p.nproc is None):
+            return self.dp_given
         return max(1, (self.world_size - self.ps_servers) // (p.tp * p.pp))
 
     @property
@@ -362,6 +372,8 @@ def check_values(cfg: Config, problems: list[str], world_size: int | None = None
             problems.append(f"parallel.{name} must be >= 1 (got {value})")
     if p.dp is not None and p.dp < 1:
         problems.append(f"parallel.dp must be >= 1 (got {p.dp})")
+    if p.dp_replicate < 1 or (p.dp_shard is not None and p.dp_shard < 1):
+        problems.append(f"--dp-replicate ({p.dp_replicate}) and --dp-shard ({p.dp_shard}) must be >= 1")
     if p.nproc is not None and p.nproc < 1:
         problems.append(f"--nproc must be >= 1 (got {p.nproc})")
     if not problems:

@@ -59,6 +59,7 @@ def check_layout(cfg: Config, problems: list[str]) -> None:
     _check_tensor_parallel(cfg, problems)
     _check_pipeline(cfg, problems)
     _check_zero(cfg, problems)
+    _check_hybrid(cfg, problems)
     _check_param_server(cfg, problems)
     check_savers(cfg, problems)
     check_lora(cfg, problems)  # engine/lora.py: targets, rank, and what LoRA composes with
@@ -141,6 +142,28 @@ def _check_zero(cfg: Config, problems: list[str]) -> None:
         problems.append("parallel.reshard_after_forward = false only applies to --zero 3")
 
 
+def _check_hybrid(cfg: Config, problems: list[str]) -> None:
+    """--dp-replicate R / --dp-shard S (hybrid sharding): dp = R x S, over ZeRO, dense models only."""
+    p = cfg.parallel
+    r, s = p.dp_replicate, p.dp_shard
+    if s is not None and r * s != cfg.dp:
+        problems.append(f"--dp-replicate ({r}) x --dp-shard ({s}) = {r * s} != dp ({cfg.dp}): hybrid "
+                        "sharding splits dp into R replicas of S ranks; change --dp-shard, --dp-replicate, "
+                        "--dp or --nproc")
+    elif cfg.dp % r:
+        problems.append(f"--dp-replicate ({r}) must divide dp ({cfg.dp}): dp = R x S; change "
+                        "--dp-replicate or --dp")
+    if r == 1:
+        return
+    if p.zero == 0:
+        problems.append(f"--dp-replicate {r} needs --zero 1, 2 or 3: with --zero 0, DDP already replicates "
+                        "everything on every rank (hybrid sharding shards inside a node); add --zero or drop "
+                        "--dp-replicate")
+    if p.ep > 1:
+        problems.append(f"--dp-replicate {r} with --ep {p.ep} is not supported: experts are sharded over "
+                        "edp, not the hybrid groups; use --ep 1 or --dp-replicate 1")
+
+
 NOT_WITH_MOE = {
     "tile": (lambda c: c.train.tile > 1, "use --tile 1 (tiling replaces the dense MLP)"),
 }
@@ -216,6 +239,7 @@ def _check_param_server(cfg: Config, problems: list[str]) -> None:
     unsupported = [(p.tp > 1, "--tp 1 (a worker holds the whole model)"),
                    (p.pp > 1, "--pp 1 (a worker holds the whole model)"),
                    (p.ep > 1, "--ep 1"), (p.zero != 0, "--zero 0 (the servers shard the optimizer state)"),
+                   (p.dp_replicate > 1 or p.dp_shard is not None, "no --dp-replicate / --dp-shard"),
                    (p.offload != "none", "--offload none (the servers hold the optimizer state)"),
                    (cfg.optim.name != "adamw", "--optimizer adamw (the servers run torch's AdamW)"),
                    (cfg.train.precision != "fp32", "--precision fp32 (the servers keep fp32 weights)"),

@@ -284,7 +284,7 @@ def resolve_micro_batch(trainer: Any) -> FinderResult:  # a train.Trainer, a lay
     # The first step's rows, positions (packed rows) and counted targets: what training runs first.
     (batch,) = trainer.micro_batches(*trainer.task_batch(0), rows=per_rank)
     executor = trainer.engine.executor
-    shards = mesh.dp.size if cfg.parallel.zero >= 1 else 1
+    shards = mesh.dp_shard.size if cfg.parallel.zero >= 1 else 1  # HSDP: ZeRO shards over dp_shard
     log = print if trainer.env.rank == 0 else None
     divisor = float(trainer.counted(0))
     if mesh.pp.size > 1:  # the schedule's micro-batch count is per_rank / n: the sizes it runs

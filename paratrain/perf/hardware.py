@@ -11,6 +11,7 @@ sees it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from paratrain.perf.ops import FittedGemm, GemmModel, OpEnv
@@ -91,8 +92,11 @@ LINKS: dict[str, Link] = {
     "pcie": Link("pcie", 25e9, 10e-6),
     # InfiniBand HDR, one 200 Gb/s adapter per GPU.
     "infiniband": Link("infiniband", 25e9, 5e-6),
-    # 100 Gb/s Ethernet shared by the node's GPUs is typical; per device we take the whole NIC.
-    "ethernet": Link("ethernet", 12.5e9, 30e-6),
+    # Ethernet between nodes: one 100 Gb/s NIC per node (12.5 GB/s, e.g. a ConnectX 100GbE port, the
+    # common cloud/on-prem figure) shared by the node's 8 GPUs when all of them talk across nodes at
+    # once: 1.5625 GB/s per device, within the 10-25 Gb/s per device (1.25-3.1 GB/s) of Ethernet-class
+    # clusters; ~30 us per message over TCP. Below SLOW_LINK (planner/slow_link.py): the slow branch.
+    "ethernet": Link("ethernet", 12.5e9 / 8, 30e-6),
     # gloo over loopback, 2 ranks x 1 thread (DESIGN.md section 5: 0.5-0.9 GB/s, 0.4-0.9 ms).
     "loopback": Link("loopback", 0.7e9, 0.6e-3),
 }
@@ -145,9 +149,18 @@ def device_preset(name: str) -> Device:
 
 
 def link_preset(name: str, flag: str) -> Link:
-    if name not in LINKS:
-        raise ValueError(f"unknown {flag} {name!r}; choose one of {', '.join(LINKS)}")
-    return LINKS[name]
+    """A preset by name, or a measured bandwidth in GB/s per device ("2.5"): a link of that speed with
+    Ethernet's per-message latency (a measured link is, in practice, a slow one)."""
+    if name in LINKS:
+        return LINKS[name]
+    try:
+        gb_per_s = float(name)
+    except ValueError:
+        raise ValueError(f"unknown {flag} {name!r}; choose one of {', '.join(LINKS)} or give GB/s per "
+                         "device (e.g. 2.5)") from None
+    if not (math.isfinite(gb_per_s) and gb_per_s > 0):
+        raise ValueError(f"{flag} {name}: a bandwidth must be a positive number of GB/s per device")
+    return Link(f"{gb_per_s:g} GB/s", gb_per_s * GB, LINKS["ethernet"].latency)
 
 
 def make_cluster(*, gpus: int = 8, gpus_per_node: int | None = None, gpu: str = "a100-80g",

@@ -33,6 +33,7 @@ from paratrain.planner.machine import local_cluster
 from paratrain.planner.memory import Layout, Training
 from paratrain.planner.search import Plan, PlanResult, layout_to_config, plan, states_only
 from paratrain.planner.single_device import walk, walk_json, walk_report
+from paratrain.planner.slow_link import SYNCS
 from paratrain.train.metrics import read_metrics
 from paratrain.train.task import build_task
 from paratrain.train.trainer import Trainer
@@ -82,9 +83,11 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--gpu-memory", type=float, help="GB per device (overrides the preset)")
     c.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per device (overrides the preset)")
     c.add_argument("--intra-link", default="nvlink",
-                   help=f"link within a node: {', '.join(LINKS)} (default: %(default)s)")
+                   help=f"link within a node: {', '.join(LINKS)} or GB/s per device (default: %(default)s)")
     c.add_argument("--inter-link", default="infiniband",
-                   help=f"link between nodes: {', '.join(LINKS)} (default: %(default)s)")
+                   help=f"link between nodes: {', '.join(LINKS)} or a measured GB/s per device, e.g. 2.5 "
+                        "(default: %(default)s); below 5 GB/s hybrid sharding, local SGD/DiLoCo and a "
+                        "parameter server are priced too")
     c.add_argument("--efficiency", type=float,
                    help="achieved / peak on large matmuls (default: the preset's)")
     f = p.add_argument_group("fixed choices (evaluate these instead of searching them)")
@@ -99,6 +102,12 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--pp-schedule", choices=config.CHOICES["parallel.pp_schedule"], help="pipeline schedule")
     f.add_argument("--offload", choices=config.CHOICES["parallel.offload"],
                    help="optimizer states on the CPU or on disk")
+    f.add_argument("--sync", choices=SYNCS, help="how replicas synchronise: every step (ddp), averaging "
+                   "parameters every --sync-every steps (local-sgd, diloco), or a parameter-server")
+    f.add_argument("--sync-every", type=int, help="local-sgd/diloco: inner steps between averagings (H)")
+    f.add_argument("--dp-replicate", type=int, help="hybrid sharding: ZeRO shards over dp / R ranks, "
+                   "replicated R times")
+    f.add_argument("--servers", type=int, help="parameter-server processes (K) besides the workers")
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=8, help="plans to show (default: %(default)s)")
     o.add_argument("--json", action="store_true", help="one JSON object")
@@ -155,7 +164,8 @@ def check_numbers(args: argparse.Namespace) -> None:
                 "--params": args.params,
                 "--gpu-memory": args.gpu_memory, "--peak-tflops": args.peak_tflops, "--dp": args.dp,
                 "--tp": args.tp, "--pp": args.pp, "--virtual-stages": args.virtual_stages, "--ep": args.ep,
-                "--tile": args.tile}
+                "--tile": args.tile, "--sync-every": args.sync_every, "--dp-replicate": args.dp_replicate,
+                "--servers": args.servers}
     for flag, value in positive.items():
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ValueError(f"{flag} must be a positive number (got {value})")
@@ -185,10 +195,25 @@ def cluster_from(args: argparse.Namespace) -> Cluster:
     return cl
 
 
+def check_sync_flags(args: argparse.Namespace, c: LlamaConfig | None) -> None:
+    """The slow-link choices (issue 26) need a shape to price and a cluster of nodes (this machine's
+    model, --cluster local, counts the trainer's own collectives, which do not include them yet)."""
+    given = [flag for flag, value in (("--sync", args.sync), ("--sync-every", args.sync_every),
+                                      ("--dp-replicate", args.dp_replicate), ("--servers", args.servers))
+             if value is not None]
+    if given and c is None:
+        raise ValueError(f"{' '.join(given)} price time and bytes per step: give the model's shape (--model)")
+    if given and args.cluster == "local":
+        raise ValueError(f"{' '.join(given)} are priced for nodes joined by a link (--gpus-per-node, "
+                         "--inter-link), not for --cluster local: drop them or --cluster local")
+
+
 def fixed_from(args: argparse.Namespace) -> dict:
     pairs = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "zero": args.zero, "v": args.virtual_stages,
              "sp": args.sp, "recompute": args.recompute, "schedule": args.pp_schedule,
-             "offload": args.offload, "micro_batch": args.micro_batch, "ep": args.ep, "tile": args.tile}
+             "offload": args.offload, "micro_batch": args.micro_batch, "ep": args.ep, "tile": args.tile,
+             "sync": args.sync, "sync_every": args.sync_every, "replicate": args.dp_replicate,
+             "servers": args.servers}
     return {k: v for k, v in pairs.items() if v is not None}
 
 
@@ -196,14 +221,15 @@ def fixed_from(args: argparse.Namespace) -> dict:
 
 
 def table(result: PlanResult) -> str:
-    head = (f"{'#':>2} {'layout':<44} {'params':>7} {'grads':>7} {'optim':>7} {'acts':>7} {'other':>7} "
+    names = [p.layout.short() + ("" if p.fits else " (does not fit)") for p in result.plans]
+    w = max([44, *map(len, names)])  # slow-link layouts have longer names
+    head = (f"{'#':>2} {'layout':<{w}} {'params':>7} {'grads':>7} {'optim':>7} {'acts':>7} {'other':>7} "
             f"{'total':>7} {'usable':>7} {'step s':>8} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>5}")
     lines = [head, "-" * len(head)]
-    for i, p in enumerate(result.plans, 1):
+    for i, (p, name) in enumerate(zip(result.plans, names), 1):
         m, t = p.memory, p.time
         other = m.comm_buffers + m.transient + m.runtime
-        mark = "" if p.fits else " (does not fit)"
-        lines.append(f"{i:>2} {p.layout.short() + mark:<44} {m.params / GB:7.2f} {m.grads / GB:7.2f} "
+        lines.append(f"{i:>2} {name:<{w}} {m.params / GB:7.2f} {m.grads / GB:7.2f} "
                      f"{m.optim / GB:7.2f} {m.activations / GB:7.2f} {other / GB:7.2f} {m.total / GB:7.2f} "
                      f"{m.usable / GB:7.2f} {t.total:8.3g} {t.tokens_per_s:10,.0f} "
                      f"{t.tflops_per_device:8.3g} {t.mfu:5.0%}")
@@ -317,6 +343,7 @@ def run(args: argparse.Namespace) -> int:
     c = model_from(args)
     tr = Training(seq_len=args.seq_len, global_batch=args.global_batch, precision=args.precision,
                   optimizer=args.optimizer, margin=args.margin)
+    check_sync_flags(args, c)  # before --cluster local measures this machine
     cluster = cluster_from(args)
     if c is None:
         text, rows = states_only_report(args.params, tr, cluster, fixed_from(args))

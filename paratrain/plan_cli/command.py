@@ -15,6 +15,7 @@ from paratrain.models.llama import PRESETS, LlamaConfig
 from paratrain.perf.hardware import Cluster
 from paratrain.planner.memory import Layout
 from paratrain.planner.search import Plan, PlanResult
+from paratrain.planner.slow_link import DILOCO_OUTER, SlowLayout
 
 SHAPE_KEYS = {"layers": "n_layers", "hidden": "dim", "heads": "n_heads", "kv_heads": "n_kv_heads",
               "ffn": "ffn_dim"}
@@ -46,7 +47,47 @@ def train_settings(args: argparse.Namespace, c: LlamaConfig, lay: Layout) -> lis
         if lay.offload == "disk":
             out.append(("--offload-dir", "parallel.offload_dir", "runs/default/offload"))
     out += [("--tile", "train.tile", lay.tile)] if lay.tile > 1 else []
+    return out + sync_settings(lay)
+
+
+def sync_settings(lay: Layout) -> list[tuple[str, str, object]]:
+    """The slow-link branch's settings (planner/slow_link.py): hybrid sharding, parameter averaging,
+    the parameter server. Their flags come with issue 26's training branches; a trainer without them
+    refuses the command (the plan's output says so)."""
+    if not isinstance(lay, SlowLayout):
+        return []
+    out: list[tuple[str, str, object]] = []
+    if lay.replicate > 1:
+        out += [("--dp-replicate", "parallel.dp_replicate", lay.replicate),
+                ("--dp-shard", "parallel.dp_shard", lay.shard)]
+    if lay.sync != "ddp":
+        out.append(("--sync", "parallel.sync", lay.sync))
+    if lay.averaging:
+        out.append(("--sync-every", "parallel.sync_every", lay.sync_every))
+    if lay.sync == "diloco":
+        out += [(flag, "parallel." + flag[2:].replace("-", "_"), value) for flag, value in DILOCO_OUTER]
+    if lay.sync == "parameter-server":
+        out.append(("--servers", "parallel.servers", lay.servers))
     return out
+
+
+def server_note(lay: Layout, cluster: Cluster) -> str:
+    """Over several nodes torchrun starts the same processes on every node but the one it is told
+    otherwise: the parameter servers are the last ranks (they take no GPU), so the last node adds them."""
+    if not isinstance(lay, SlowLayout) or not lay.servers or cluster.n_nodes == 1:
+        return ""
+    return (f"(parameter servers: on the last node (--node-rank {cluster.n_nodes - 1}) give "
+            f"--nproc-per-node {cluster.devices_per_node + lay.servers}: the last {lay.servers} ranks serve "
+            "and take no GPU)\n")
+
+
+def known_setting(dotted: str) -> bool:
+    """Whether this version's config has the setting (the slow-link flags arrive with their branches)."""
+    try:
+        config.default_of(dotted)
+    except AttributeError:
+        return False
+    return True
 
 
 def needs_model_file(args: argparse.Namespace) -> bool:
@@ -79,11 +120,11 @@ def train_command(args: argparse.Namespace, c: LlamaConfig, lay: Layout, cluster
     flags = ["--config plan-model.toml"] if needs_model_file(args) else []
     for flag, _, value in train_settings(args, c, lay):
         flags.append(flag if value is True else f"{flag} {shlex.quote(str(value))}")
-    if cluster.n_nodes > 1:
+    if cluster.n_nodes > 1:  # the servers: the last node starts them (server_note)
         launcher = (f"torchrun --nnodes {cluster.n_nodes} --nproc-per-node {cluster.devices_per_node} "
                     "--rdzv-endpoint HOST:29500 -m paratrain.cli train")
     else:
-        launcher = f"paratrain train --nproc {lay.world}"
+        launcher = f"paratrain train --nproc {lay.processes if isinstance(lay, SlowLayout) else lay.world}"
     return " ".join([launcher, *flags])
 
 
@@ -94,7 +135,8 @@ def first_runnable(args: argparse.Namespace, c: LlamaConfig, result: PlanResult)
     for i, p in enumerate(result.plans, 1):
         if not p.fits:
             continue
-        overrides = {**base, **{key: value for _, key, value in train_settings(args, c, p.layout)}}
+        overrides = {**base, **{key: value for _, key, value in train_settings(args, c, p.layout)
+                                if known_setting(key)}}
         try:
             checks.validate(config.load(None, overrides), p.layout.world)
         except (config.ConfigError, ValueError):
@@ -118,4 +160,9 @@ def run_line(args: argparse.Namespace, c: LlamaConfig, result: PlanResult, clust
     pre = f"save as plan-model.toml:\n{toml}\n" if toml else ""
     if i > 1:
         pre += f"(#1 to #{i - 1} are layouts paratrain's trainer does not run yet)\n"
+    pending = [flag for flag, key, _ in train_settings(args, c, best.layout) if not known_setting(key)]
+    pre += server_note(best.layout, cluster)
+    if pending:
+        pre += (f"({' '.join(pending)}: flags of issue 26's branches -- hybrid sharding, parameter "
+                "averaging, the parameter server -- that this version's trainer does not have yet)\n")
     return f"{pre}run the first choice (#{i} above):\n  {train_command(args, c, best.layout, cluster)}"

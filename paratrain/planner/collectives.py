@@ -10,6 +10,8 @@ fits in one node (tp ranks are neighbours, then dp, then pp), otherwise the inte
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from paratrain.perf.hardware import Cluster, Link
 from paratrain.planner.memory import Layout
 
@@ -83,3 +85,20 @@ def group_link(cluster: Cluster, lay: Layout, axis: str) -> Link:
     if stride * size <= cluster.devices_per_node:
         return cluster.intra
     return cluster.inter
+
+
+def ring_link(cluster: Cluster, lay: Layout, axis: str) -> Link:
+    """The link a data-parallel ring runs at. Within a node: the intra link. Across nodes, a group
+    with g ranks in each node crosses each node boundary on g rings at once (NCCL's channels), one
+    per rank's own share of the node's inter-node bandwidth, so its ring moves min(intra, g x inter)
+    per rank (the hierarchical bound); g = 1 (one rank per node, e.g. hybrid sharding's replicas):
+    the inter link itself. Charging every byte of a flat ring at one rank's inter share overstated
+    DDP/ZeRO across nodes g-fold (and hybrid sharding's gain over them with it)."""
+    link = group_link(cluster, lay, axis)
+    if link is cluster.intra:
+        return link
+    stride = {"dp": lay.tp, "edp": lay.tp * lay.ep}[axis]
+    per_node = max(1, cluster.devices_per_node // stride)
+    if per_node == 1:
+        return link
+    return replace(link, bandwidth=min(cluster.intra.bandwidth, per_node * link.bandwidth))

@@ -35,6 +35,7 @@ from paratrain.planner.collectives import (
     group_link,
     p2p_time,
     reduce_scatter_time,
+    ring_link,
 )
 from paratrain.planner.local import local_dp_comm, post_step, tp_collectives, tp_seconds
 from paratrain.planner.memory import (
@@ -285,7 +286,7 @@ def step_time(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster) -> Ste
         optimizer = post_step(c, tr, lay, cluster, psi, tensors, layers[busiest], first, last)
         offload = 0.0
     else:
-        dp_comm = _dp_exposed(c, tr, lay, cluster, mb_compute, m, psi - experts, experts)
+        dp_comm = dp_exposed(c, tr, lay, cluster, mb_compute, m, psi - experts, experts)
         optimizer, offload = _optimizer_time(tr, lay, cluster, _shard(psi - experts, experts, lay), m)
         # The optimizer's fixed cost per parameter tensor (its per-tensor loop).
         optimizer += tensors * cluster.device.optimizer_tensor_s
@@ -306,7 +307,7 @@ def _shard(dense: float, experts: float, lay: Layout) -> float:
     return dense / lay.dp + experts / lay.edp
 
 
-def _dp_exposed(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, mb_compute: float, m: int,
+def dp_exposed(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, mb_compute: float, m: int,
                 psi: float, experts: float = 0.0) -> float:
     """Exposed data-parallel communication.
 
@@ -320,10 +321,10 @@ def _dp_exposed(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, mb_c
     if lay.dp == 1:
         return 0.0
     sb = state_bytes_per_param(tr.precision, tr.optimizer)
-    link = group_link(cluster, lay, "dp")
+    link = ring_link(cluster, lay, "dp")
     groups = [(psi, lay.dp, link)]
     if experts:
-        groups.append((experts, lay.edp, group_link(cluster, lay, "edp")))
+        groups.append((experts, lay.edp, ring_link(cluster, lay, "edp")))
 
     def over(fn, per_param: float) -> float:  # one collective over each group's parameters
         return sum(fn(n_params * per_param, n, lk) for n_params, n, lk in groups)

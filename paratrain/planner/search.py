@@ -23,6 +23,7 @@ from paratrain.config import Config
 from paratrain.models.from_config import model_config
 from paratrain.models.shape import ModelShape
 from paratrain.perf.hardware import GB, Cluster
+from paratrain.planner import slow_link
 from paratrain.planner.cost import TIME_WORDS, StepTime, stage_counts, step_time
 from paratrain.planner.memory import (
     RECOMPUTE,
@@ -39,7 +40,7 @@ from paratrain.planner.memory import (
 from paratrain.planner.moe import ep_choice, moe_tree
 
 FIXABLE = ("dp", "tp", "pp", "v", "zero", "sp", "recompute", "micro_batch", "schedule", "offload", "ep",
-           "tile")
+           "tile", *slow_link.FIXABLE)
 
 
 @dataclass
@@ -50,6 +51,7 @@ class Plan:
     fits: bool
     n_micro: int
     why_not: str = ""
+    link_bytes: dict | None = None  # slow-link layouts: bytes per device per step on each link
 
     def explanation(self) -> str:
         m, t = self.memory, self.time
@@ -70,7 +72,8 @@ class Plan:
                 "tflops_per_device": t.tflops_per_device,
                 "hardware_tflops_per_device": t.hardware_tflops_per_device, "mfu": t.mfu,
                 "bubble_fraction": t.bubble_fraction, "pipeline_imbalance": t.imbalance,
-                "explanation": self.explanation()}
+                "explanation": self.explanation(),
+                **({"link_bytes_per_step": self.link_bytes} if self.link_bytes else {})}
 
 
 @dataclass
@@ -114,6 +117,7 @@ def check_fixed(fixed: dict, c: ModelShape | None, tr: Training, n: int) -> None
         raise ValueError(f"dp * tp * pp = {prod} does not fit --gpus {n}: the degrees must multiply to it")
     if "zero" in fixed and fixed["zero"] not in (0, 1, 2, 3):
         raise ValueError(f"--zero must be 0, 1, 2 or 3 (got {fixed['zero']})")
+    slow_link.check_fixed(fixed)
     if "recompute" in fixed and fixed["recompute"] not in RECOMPUTE:
         raise ValueError(f"--recompute {fixed['recompute']!r}: choose one of {', '.join(RECOMPUTE)}")
     if "schedule" in fixed and fixed["schedule"] not in SCHEDULES:
@@ -238,18 +242,20 @@ def plan(c: ModelShape, tr: Training, cluster: Cluster, fixed: dict | None = Non
     if off is None and not any(p.fits for p in plans):  # the tree's last resort: offload
         extra = [lay for lay in enumerate_layouts(c, tr, cluster.n_devices, fixed, offload=True) if keep(lay)]
         plans += [evaluate(c, tr, lay, cluster) for lay in extra]
+    plans = slow_link.extend(c, tr, cluster, plans, fixed, Plan)  # slow links: HSDP, averaging, servers
     evaluated = len(plans)
     if not plans:
         chosen = ", ".join(f"{k}={v}" for k, v in fixed.items())
         raise ValueError(f"no layout matches the fixed choices ({chosen})"
                          + f" on {cluster.n_devices} devices with global batch {tr.global_batch}: "
                          "check that dp divides the global batch and the degrees multiply to --gpus")
-    feasible = sorted((p for p in plans if p.fits), key=lambda p: (p.time.total, p.memory.total))
-    tree = decision_path(c, tr, cluster)
+    feasible = sorted((p for p in plans if p.fits),
+                      key=lambda p: (slow_link.rank_seconds(p.layout, p.time), p.memory.total))
+    tree = decision_path(c, tr, cluster) + slow_link.tree(c, tr, cluster)
     tree[2:2] = moe_tree(c, tr, cluster)  # after the model states and what a device offers
     if feasible:
         ranked = _distinct(feasible)[:top]
-        notes = _ep_notes(c, plans, ranked[0], cluster)
+        notes = _ep_notes(c, plans, ranked[0], cluster) + slow_link.choice_notes(ranked, feasible)
         return PlanResult(ranked, tree, compare(ranked), True, evaluated, notes)
     closest = sorted(plans, key=lambda p: p.memory.total)[:top]
     verdict = infeasible_answer(c, tr, cluster, closest[0])
@@ -270,8 +276,7 @@ def _distinct(plans: list[Plan]) -> list[Plan]:
     (e.g. recompute with nothing to gain): the table shows choices, not ties."""
     out, seen = [], set()
     for p in plans:
-        key = (p.layout.dp, p.layout.tp, p.layout.pp, p.layout.schedule, p.layout.v, p.layout.micro_batch,
-               p.layout.zero, p.layout.sp, p.layout.recompute, p.layout.offload, p.layout.tile, p.layout.ep)
+        key = tuple(vars(p.layout).items())  # every setting (a slow-link layout's too)
         if key not in seen:
             seen.add(key)
             out.append(p)
@@ -338,7 +343,10 @@ def compare(ranked: list[Plan]) -> str:
                for d, k in diffs[:2] if abs(d) > 1e-9]
     ratio = run.time.total / win.time.total
     mem = (f"memory {win.memory.total / GB:.3g} GB vs {run.memory.total / GB:.3g} GB per device")
-    if ratio > 1.0005:
+    if ratio < 0.9995:  # the runner-up averages parameters: faster, but not by the margin asked
+        why = (f"ranked above the runner-up ({run.layout.short()}), {1 / ratio:.3f}x faster per step but "
+               f"averaging parameters, which must win by {slow_link.AVERAGING_GAIN:g}x")
+    elif ratio > 1.0005:
         why = f"{ratio:.3f}x faster than the runner-up ({run.layout.short()}): " + ", ".join(reasons)
     else:
         why = f"within 0.05% of the runner-up's time ({run.layout.short()})"

@@ -25,8 +25,20 @@ def rank_record(mesh: ParallelMesh, state_bytes: dict, extra: dict | None = None
         "comm_bytes": snap["payload"],
         "comm_wire_bytes": snap["wire"],
         "comm_by_axis": snap["by_axis"],
+        "comm_by_link": by_link(snap["by_axis"]),
         **(extra or {}),
     }
+
+
+#: The axes whose groups span nodes by construction: hybrid sharding's replicas, one per node
+#: (mesh.py). Every other axis (tp, dp_shard, pp, ...) is laid out on a node's fast links.
+INTER_NODE_AXES = ("dp_replicate",)
+
+
+def by_link(by_axis: dict[str, int]) -> dict[str, int]:
+    """Payload bytes split into ``intra_node`` and ``inter_node`` (INTER_NODE_AXES) traffic."""
+    inter = sum(n for axis, n in by_axis.items() if axis in INTER_NODE_AXES)
+    return {"intra_node": sum(by_axis.values()) - inter, "inter_node": inter}
 
 
 def merge_ranks(records: list[dict]) -> dict:
@@ -35,7 +47,7 @@ def merge_ranks(records: list[dict]) -> dict:
     for key in ("mem_params_bytes", "mem_grads_bytes", "mem_optim_bytes", "mem_offloaded_bytes",
                 "mem_peak_bytes"):
         out[key] = max(r[key] for r in records)
-    for key in ("comm_bytes", "comm_wire_bytes", "comm_by_axis"):
+    for key in ("comm_bytes", "comm_wire_bytes", "comm_by_axis", "comm_by_link"):
         kinds = sorted({k for r in records for k in r[key]})
         out[key] = {k: max(r[key].get(k, 0) for r in records) for k in kinds}
     scalar_extras = [k for k in records[0] if k not in out and not isinstance(records[0][k], dict)]

@@ -95,7 +95,7 @@ def single_process_env() -> DistEnv:
 
 def build_mesh(cfg: Config, env: DistEnv) -> ParallelMesh:
     p = cfg.parallel
-    shape = MeshShape(pp=p.pp, dp=cfg.dp, tp=p.tp, ep=p.ep)
+    shape = MeshShape(pp=p.pp, dp=cfg.dp, tp=p.tp, ep=p.ep, dp_replicate=p.dp_replicate)
     return make_mesh(shape, env.rank, env.device, check_collectives=p.check_collectives)
 
 
@@ -338,8 +338,9 @@ class Trainer:
 
     def layout(self) -> dict:
         p = self.cfg.parallel
-        return {**self.mesh.describe(), "zero": p.zero, "sp": p.sp, "pp_schedule": p.pp_schedule,
-                "virtual_stages": p.virtual_stages, "dp_mode": p.dp_mode, "offload": p.offload,
+        return {**self.mesh.describe(), "dp_replicate": p.dp_replicate, "zero": p.zero, "sp": p.sp,
+                "pp_schedule": p.pp_schedule, "virtual_stages": p.virtual_stages, "dp_mode": p.dp_mode,
+                "offload": p.offload,
                 "micro_batch": self.cfg.micro_batch, "n_micro_batches": self.cfg.n_micro_batches,
                 "precision": self.cfg.train.precision, "recompute": self.cfg.train.recompute,
                 "world_size": self.env.world_size}

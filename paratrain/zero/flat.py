@@ -99,27 +99,72 @@ class FlatLayout:
         return out
 
 
+def shard_axes(dp_axis: str, mesh: ParallelMesh) -> tuple[C.Axis, C.Axis | None]:
+    """(the axis ZeRO shards over, the axis its shards are replicated over): hybrid sharding's one
+    decision, read by every stage.
+
+    Under ``dp_replicate`` R > 1 (HSDP) a dense parameter is sharded over ``dp_shard`` (the S ranks
+    of one node) and each shard is held by the R ranks of its ``dp_replicate`` group (one per
+    node): its gradient is reduce-scattered over dp_shard, then that 1/S shard is all-reduced over
+    dp_replicate, so the sum covers all of dp. Otherwise (R = 1, or an expert-parallel expert over
+    edp) the axis itself, with no replicas: R = 1 keeps the name "dp", so byte counts per axis are
+    those of plain ZeRO."""
+    if dp_axis == "dp" and mesh.shape.dp_replicate > 1:
+        return mesh.dp_shard, mesh.dp_replicate
+    return getattr(mesh, dp_axis), None
+
+
+def replicas_of(layout: FlatLayout, mesh: ParallelMesh) -> C.Axis | None:
+    """The axis holding copies of this layout's shard (dp_replicate under HSDP), else None."""
+    return mesh.dp_replicate if layout.axis == "dp_shard" else None
+
+
+def reduce_over_replicas(layout: FlatLayout, grad_shard: torch.Tensor, mesh: ParallelMesh,
+                         async_op: bool = True) -> object:
+    """HSDP's second reduction: the shard reduce-scattered inside the node summed across the
+    replicas (SUM, like the reduce-scatter: the executor already divided the loss by the global
+    token count), the only gradient traffic on the slow links: 1/S of the gradients. Returns the
+    in-flight work (None without replicas): callers launch one per bucket or unit as soon as its
+    reduce-scatter is done and wait for them all at the end of backward, so the slow link's
+    transfers overlap each other and what backward still has to do."""
+    axis = replicas_of(layout, mesh)
+    if axis is None:
+        return None
+    return C.all_reduce(grad_shard, axis, async_op=async_op,
+                        what="all-reduce of a gradient shard across replicas (HSDP)")
+
+
+def wait_all(works: list) -> None:
+    """Wait for every in-flight collective of ``works`` (None entries: nothing was launched)."""
+    for work in works:
+        if work is not None:
+            work.wait()
+
+
 GroupOf = Callable[[str, torch.Tensor], int]  # (name, parameter) -> the user's param-group index
 
 
 def param_key(name: str, p: torch.Tensor, mesh: ParallelMesh,
               group_of: GroupOf | None = None) -> tuple[bool | int, int]:
-    """(group, copies): copies = world ranks holding this same gradient element outside dp.
+    """(group, copies): copies = world ranks holding this same gradient element of the shard
+    outside the axis it is sharded over (tp, tied pipeline copies, and HSDP's replicas).
 
     group: whether it decays (the CLI's AdamW, two groups), or the index of the user's param group
     (``group_of``, the library): flat segments and optimizer pieces never mix two groups."""
     group = decays(name, p) if group_of is None else group_of(name, p)
-    return group, info_of(p).copies_outside_dp(mesh)
+    info = info_of(p)
+    replicas = shard_axes(info.dp_axis, mesh)[1]
+    return group, info.copies_outside_dp(mesh) * (replicas.size if replicas is not None else 1)
 
 
 def axis_of(named: list[tuple[str, nn.Parameter]], mesh: ParallelMesh) -> C.Axis:
-    """The one data-parallel axis a flat buffer's parameters are sharded over (dp, or edp for
+    """The one axis a flat buffer's parameters are sharded over (dp; dp_shard under HSDP; edp for
     expert-parallel experts; a buffer never mixes them)."""
     axes = {info_of(p).dp_axis for _, p in named} or {"dp"}
     if len(axes) != 1:
         raise ValueError(f"a flat buffer mixes the data-parallel axes {sorted(axes)}: "
                          f"{[n for n, _ in named][:4]}")
-    return getattr(mesh, axes.pop())
+    return shard_axes(axes.pop(), mesh)[0]
 
 
 def bind_views(layout: FlatLayout, flat: torch.Tensor) -> None:

@@ -72,7 +72,15 @@ from paratrain.models import family_of
 from paratrain.sharding import copy_info, info_of, shard_of
 from paratrain.shards import ShardReader
 from paratrain.zero import store8
-from paratrain.zero.flat import DTYPES, FlatLayout, GroupOf, axis_of, param_key
+from paratrain.zero.flat import (
+    DTYPES,
+    FlatLayout,
+    GroupOf,
+    axis_of,
+    param_key,
+    reduce_over_replicas,
+    wait_all,
+)
 from paratrain.zero.fsdp_units import Frozen, Unit, UnitHooks
 from paratrain.zero.offload import disk_store, make_store
 from paratrain.zero.sharded_state import ShardedState, held_sync
@@ -111,7 +119,8 @@ def _join_owner(plan: list[Unit], uname: str, modules: list[nn.Module]) -> None:
 
 
 class Zero3(UnitHooks, ShardedState, Strategy):
-    """Fully sharded data parallel over mesh.dp; takes the model on the meta device."""
+    """Fully sharded data parallel over mesh.dp (mesh.dp_shard under HSDP); takes the model on the
+    meta device."""
 
     reduces_during_backward = True
 
@@ -309,16 +318,22 @@ class Zero3(UnitHooks, ShardedState, Strategy):
         u.rs_work = C.reduce_scatter_auto(u.grad_shard, u.grad_flat, getattr(self.mesh, u.layout.axis),
                                           async_op=True,
                                           what=f"reduce-scatter of unit {u.name}'s gradients")
+        u.replicas_due = True
         # Each launched reduction holds its unit's full [padded] gradient until it completes: bound
         # how many are in flight, or backward ends holding every unit's full gradient (Psi, not Psi/N).
         self._in_flight.append(u)
         while len(self._in_flight) > REDUCES_IN_FLIGHT:
             self._finish_reduce(self._in_flight.pop(0))
 
-    def _finish_reduce(self, u: Unit) -> None:
+    def _finish_reduce(self, u: Unit, replicas: bool = True) -> None:
+        """Wait for the unit's reduce-scatter; under HSDP then launch its shard's all-reduce across
+        the replicas (zero/flat.py), which crosses the slow link while backward goes on."""
         if u.rs_work is not None:
             u.rs_work.wait()
         u.rs_work, u.grad_flat = None, None
+        if u.replicas_due and replicas:
+            u.ar_work = reduce_over_replicas(u.layout, u.grad_shard, self.mesh)
+        u.replicas_due = False
 
     # -- Strategy ---------------------------------------------------------------------------------
 
@@ -333,6 +348,12 @@ class Zero3(UnitHooks, ShardedState, Strategy):
             self._reset_backward(u)
             self._free(i)
         self._in_flight = []
+        self._wait_replicas()
+
+    def _wait_replicas(self) -> None:
+        wait_all([u.ar_work for u in self.trained])
+        for u in self.trained:
+            u.ar_work = None
 
     @staticmethod
     def _reset_backward(u: Unit) -> None:
@@ -363,10 +384,11 @@ class Zero3(UnitHooks, ShardedState, Strategy):
         """A backward that will not be stepped: its reductions waited for and dropped, every unit
         resharded (a trial stopped midway may leave some gathered), gradients and counters reset."""
         for i, u in enumerate(self.units):
-            self._finish_reduce(u)
+            self._finish_reduce(u, replicas=False)  # dropped: no need to sum it across replicas
             self._reset_backward(u)
             self._free(i)
         self._in_flight = []
+        self._wait_replicas()  # launched before the discard (the in-flight bound): let them land
         self.zero_grad()
         self._factor = 1.0
         self.gathered_peak_bytes, self.last_gathered_peak_bytes = self.gathered_bytes, 0

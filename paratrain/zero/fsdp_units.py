@@ -55,6 +55,8 @@ class Unit:
     grad_shard: torch.Tensor | None = None
     grad_flat: torch.Tensor | None = None
     rs_work: object = None
+    replicas_due: bool = False  # HSDP: the shard still has to be summed across the replicas
+    ar_work: object = None  # HSDP: that all-reduce, in flight
     uses: list[int] = field(default_factory=list)  # units whose parameters this unit's modules use
 
     @property

@@ -45,7 +45,16 @@ from paratrain.mesh import ParallelMesh
 from paratrain.sharding import info_of
 from paratrain.shards import ShardReader
 from paratrain.zero import store8
-from paratrain.zero.flat import DTYPES, FlatLayout, GroupOf, axis_of, bind_views, param_key
+from paratrain.zero.flat import (
+    DTYPES,
+    FlatLayout,
+    GroupOf,
+    axis_of,
+    bind_views,
+    param_key,
+    reduce_over_replicas,
+    wait_all,
+)
 from paratrain.zero.offload import make_store
 from paratrain.zero.sharded_state import ShardedState, held_sync
 
@@ -90,7 +99,7 @@ class ZeroDP(Strategy):
         for named in self._bucketed():
             keys = [param_key(n, p, self.mesh, self.group_of) for n, p in named]
             align = store8.align_kwargs(named, self.optim_cfg)  # 8-bit state: block-aligned shards
-            dp = axis_of(named, self.mesh)  # dp, or edp for a bucket of expert-parallel experts
+            dp = axis_of(named, self.mesh)  # dp (dp_shard under HSDP), or edp for expert-parallel experts
             layout = FlatLayout.build(named, keys, dp.size, dp.rank, axis=dp.name, **align)
             full32 = layout.flatten([p.detach() for _, p in named], torch.float32, dev)
             flat = full32 if self.compute_dtype == torch.float32 else full32.to(self.compute_dtype)
@@ -132,9 +141,12 @@ class ZeroDP(Strategy):
     # -- gradient synchronisation ---------------------------------------------------------------
 
     def after_backward(self) -> None:
+        replicas = []  # HSDP: each shard's all-reduce across replicas overlaps the next reduce-scatter
         for b in self.buckets:
             b.grad_shard = b.layout.local(b.grad_flat)  # reduced in place: the shard is a view
             C.reduce_scatter_auto(b.grad_shard, b.grad_flat, self._axis(b))
+            replicas.append(reduce_over_replicas(b.layout, b.grad_shard, self.mesh))
+        wait_all(replicas)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()  # ZeRO-1 reduces once, after the last micro-batch anyway
@@ -243,10 +255,13 @@ class Zero2(ShardedState, ZeroDP):
         for b in self.buckets:  # a bucket whose parameters got no gradient: reduce zeros, in order
             if b.work is None and b.grad_shard is None:
                 self._reduce(b)
+        replicas = []  # HSDP: launched bucket by bucket as their reduce-scatters complete
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
             b.work, b.grad_flat, b.ready = None, None, 0  # the full gradient buffer is freed here
+            replicas.append(reduce_over_replicas(b.layout, b.grad_shard, self.mesh))
+        wait_all(replicas)
 
     def zero_grad(self) -> None:
         for b in self.buckets:
