@@ -142,6 +142,7 @@ def test_server_failure_is_named(tmp_path, fault, named):
 @pytest.mark.parametrize("overrides, fragment", [
     ({"parallel.tp": 2, "parallel.nproc": 5}, "--tp 1"),
     ({"parallel.zero": 1}, "--zero 0"),
+    ({"parallel.dp_replicate": 2}, "no --dp-replicate / --dp-shard"),
     ({"parallel.ps_mode": "async", "parallel.max_staleness": 0}, "below dp - 1"),
     ({"parallel.nproc": 4}, "server(s) = 3 != world size 4"),
 ])
