@@ -119,8 +119,9 @@ def test_async_bounds_staleness_and_learns(tmp_path):
                                                 "train.global_batch": 12, "train.steps": 6})
     losses, _ = _train_ps(cfg)
     rows = _rows(tmp_path)
-    staleness = [r["ps_staleness"] for r in rows]
-    assert max(staleness) <= 2 and rows[-1]["ps_staleness_max"] <= 2, staleness
+    staleness = [s for r in rows for s in r["per_rank"]["ps_staleness"]]  # every worker's every update
+    assert len(staleness) == 3 * 6 and max(staleness) <= 2 and rows[-1]["ps_staleness_max"] <= 2, staleness
+    assert [r["ps_staleness"] for r in rows] == [max(r["per_rank"]["ps_staleness"]) for r in rows]
     assert max(staleness) > 0, "three workers pushing each step: some update must be late"
     assert losses[-1] < losses[0] - 0.1, losses
 

@@ -58,6 +58,8 @@ def merge_ranks(records: list[dict]) -> dict:
     out["per_rank"]["comm_bytes_total"] = [sum(r["comm_bytes"].values()) for r in records]
     # expert parallelism: each rank's all-to-all payload (uneven: the sum over ranks has a formula)
     out["per_rank"]["comm_all_to_all_bytes"] = [r["comm_bytes"].get("all_to_all", 0) for r in records]
+    if "ps_staleness" in records[0]:  # async parameter server: each worker's update of this step
+        out["per_rank"]["ps_staleness"] = [r["ps_staleness"] for r in records]
     return out
 
 
