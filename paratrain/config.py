@@ -78,6 +78,13 @@ class ParallelConfig:
     timeout_s: float = 600.0  # a collective that waits longer fails, naming the operation
     max_restarts: int = 0  # paratrain's own launcher: restart all workers after a failure, resuming
     check_collectives: bool = False  # compare each collective's fingerprint across its group first
+    # Over slow links (data_parallel/averaging.py): ddp synchronises gradients every step; local-sgd
+    # and diloco let every replica step alone and average the parameters every sync_every steps.
+    sync: str = "ddp"  # ddp | local-sgd | diloco
+    sync_every: int | None = None  # H: inner steps between two averagings (local-sgd, diloco)
+    outer_optimizer: str | None = None  # diloco: sgd | nesterov (None: nesterov, as Douillard et al.)
+    outer_lr: float | None = None  # diloco: the outer step's lr (None: 0.7, as Douillard et al.)
+    outer_momentum: float | None = None  # diloco: the outer momentum (None: 0.9; 0 with sgd: no momentum)
 
 
 DEFAULT_SEQ_LEN = 256  # an unset data.seq_len: the model's positions, at most this
@@ -273,6 +280,7 @@ def _choice(problems: list[str], name: str, value, allowed) -> None:
 CHOICES: dict[str, tuple] = {
     "parallel.zero": (0, 1, 2, 3),
     "parallel.dp_mode": ("ddp", "plain"),
+    "parallel.sync": ("ddp", "local-sgd", "diloco"),
     "parallel.pp_schedule": ("naive", "gpipe", "1f1b", "interleaved"),
     "parallel.offload": ("none", "cpu", "disk"),
     "train.nan_policy": ("stop", "skip"),

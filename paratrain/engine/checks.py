@@ -59,6 +59,7 @@ def check_layout(cfg: Config, problems: list[str]) -> None:
     _check_tensor_parallel(cfg, problems)
     _check_pipeline(cfg, problems)
     _check_zero(cfg, problems)
+    _check_sync(cfg, problems)
     check_savers(cfg, problems)
     check_lora(cfg, problems)  # engine/lora.py: targets, rank, and what LoRA composes with
     if cfg.train.precision not in ("fp32", "auto") and cfg.model.name == "cnn-tiny":
@@ -138,6 +139,54 @@ def _check_zero(cfg: Config, problems: list[str]) -> None:
         problems.append("--dp-mode plain is the un-bucketed DDP; ZeRO does its own reduction: drop --dp-mode")
     if not p.reshard_after_forward and p.zero != 3:
         problems.append("parallel.reshard_after_forward = false only applies to --zero 3")
+
+
+OUTER_FLAGS = {"outer_optimizer": "--outer-optimizer", "outer_lr": "--outer-lr",
+               "outer_momentum": "--outer-momentum"}
+
+
+def _check_sync(cfg: Config, problems: list[str]) -> None:
+    """--sync local-sgd / diloco (data_parallel/averaging.py): what averaging replicas need."""
+    p = cfg.parallel
+    for key, flag in OUTER_FLAGS.items():
+        if getattr(p, key) is not None and p.sync != "diloco":
+            problems.append(f"{flag} sets DiLoCo's outer optimizer: use it with --sync diloco (not {p.sync})")
+    if p.sync == "ddp":
+        if p.sync_every is not None:
+            problems.append("--sync-every sets the period of parameter averaging: add --sync local-sgd or "
+                            "--sync diloco (--sync ddp synchronises every step)")
+        return
+    if p.sync_every is None or p.sync_every < 1:
+        problems.append(f"--sync {p.sync} needs --sync-every H >= 1 (inner steps between two averagings, "
+                        f"e.g. 8; got {p.sync_every})")
+    if cfg.dp < 2:
+        problems.append(f"--sync {p.sync} averages data-parallel replicas; with dp {cfg.dp} there is one: "
+                        "use --dp >= 2 (or --sync ddp)")
+    if p.zero >= 1:  # hybrid sharding (--dp-replicate R) will shard inside each replica
+        problems.append(f"{p.sync} averages replicas: with --zero {p.zero} every dp rank holds one shard of "
+                        "a single replica, so there is nothing to average; use --zero 0 (hybrid sharding, "
+                        "--dp-replicate R, shards inside each replica where it is available)")
+    if p.ep > 1:
+        problems.append(f"--sync {p.sync} makes every dp rank a replica; expert parallelism (--ep {p.ep}) "
+                        "spreads one replica's experts over dp ranks: use --ep 1")
+    if p.dp_mode != "ddp":
+        problems.append(f"--dp-mode {p.dp_mode} chooses how gradients are all-reduced every step; --sync "
+                        f"{p.sync} does not all-reduce them: drop --dp-mode")
+    if p.sync == "diloco":
+        _check_outer(p, problems)
+
+
+def _check_outer(p: object, problems: list[str]) -> None:
+    if p.outer_optimizer not in (None, "sgd", "nesterov"):
+        problems.append(f"--outer-optimizer {p.outer_optimizer!r} is not one of sgd, nesterov")
+    if p.outer_lr is not None and not p.outer_lr > 0:
+        problems.append(f"--outer-lr must be > 0 (got {p.outer_lr}); 1 with --outer-momentum 0 and "
+                        "--outer-optimizer sgd is plain averaging")
+    if p.outer_momentum is not None and not 0 <= p.outer_momentum < 1:
+        problems.append(f"--outer-momentum must be in [0, 1) (got {p.outer_momentum})")
+    if p.outer_momentum == 0 and p.outer_optimizer in (None, "nesterov"):
+        problems.append("Nesterov momentum needs --outer-momentum > 0: use --outer-optimizer sgd for an "
+                        "outer step without momentum")
 
 
 NOT_WITH_MOE = {
