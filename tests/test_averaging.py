@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from safetensors.torch import load_file
 
@@ -176,56 +177,77 @@ def test_inner_steps_are_one_process_and_the_outer_step_is_nesterov_by_hand(two_
 # Trainer level
 # --------------------------------------------------------------------------------------------
 
-DILOCO = {"parallel.sync": "diloco", "parallel.sync_every": 3, "parallel.nproc": 2}
+NPROC2 = {"parallel.nproc": 2}
+DILOCO = {"parallel.sync": "diloco", "parallel.sync_every": 3, **NPROC2}
+LOCAL = {"parallel.sync": "local-sgd", "parallel.sync_every": 4, **NPROC2}
+MID = "step_000002"  # 2 inner steps into DiLoCo's first period of 3: the replicas differ there
 
 
-def _fit(env, cfg_dict: dict) -> list[float]:
-    return Trainer(config.Config.from_dict(cfg_dict), env).fit().losses
+def _fit(env, cfg_dict: dict) -> tuple[list[float], torch.Tensor]:
+    """The losses and this rank's weights at the end of the run."""
+    trainer = Trainer(config.Config.from_dict(cfg_dict), env)
+    losses = trainer.fit().losses
+    return losses, torch.cat([p.detach().reshape(-1) for p in trainer.engine.model.parameters()])
+
+
+def _fit_all(env, cfgs: dict[str, dict]) -> dict:
+    """Every trainer-level run, in one start of the workers; "resumed" continues "full" from MID."""
+    out = {}
+    for name, cfg in cfgs.items():
+        if name == "resumed":
+            if env.rank == 0:
+                src, dst = (Path(cfgs[n]["train"]["out"]) / "checkpoints" for n in ("full", "resumed"))
+                shutil.copytree(src / MID, dst / MID)
+                (dst / "latest").write_text(MID + "\n")
+            dist.barrier()
+        out[name] = _fit(env, cfg)
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("avg")
+    saving = {"train.steps": 5, "train.save_every": 2, "train.keep_checkpoints": 3}
+    runs = {"first-step": {"train.steps": 1, **LOCAL},
+            "full": {**saving, **DILOCO}, "resumed": {**saving, **DILOCO, "train.resume": True},
+            "ddp": {"train.steps": 8, **NPROC2}, "local": {"train.steps": 8, **LOCAL}}
+    cfgs = {name: checks.validate(tiny_cfg(root / name, **extra), 2).to_dict()
+            for name, extra in runs.items()}
+    got = run(_fit_all, 2, cfgs, timeout=180)
+    Trainer(tiny_cfg(root / "one", **{"train.steps": 1, "train.global_batch": 4})).fit()
+    return {"root": root, "rank": got}
 
 
 def _rows_of(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_replica_steps_on_its_own_rows_mean(tmp_path):
+def test_a_replica_steps_on_its_own_rows_mean(trained):
     """Step 1's grad norm logged by rank 0 is replica 0's: one process on the same 4 rows (the first
     half of the global batch at step 0 is the whole batch of 4 at step 0) gives the same norm."""
-    local = {"train.steps": 1, "parallel.sync": "local-sgd", "parallel.sync_every": 4, "parallel.nproc": 2}
-    two = tiny_cfg(tmp_path / "two", **local)
-    run(_fit, 2, checks.validate(two, 2).to_dict(), timeout=120)
-    Trainer(tiny_cfg(tmp_path / "one", **{"train.steps": 1, "train.global_batch": 4})).fit()
-    got, ref = _rows_of(tmp_path / "two")[0], _rows_of(tmp_path / "one")[0]
+    got, ref = (_rows_of(trained["root"] / name)[0] for name in ("first-step", "one"))
     assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)  # fp32 reordering
-    assert got["synced"] == 1  # the end of the run closes the open period
+    assert (got["synced"], got["sync_period_step"]) == (0, 1)  # the step did not end a period,
+    ends = [trained["rank"][r]["first-step"][1] for r in range(2)]
+    assert torch.equal(ends[0], ends[1])  # the end of the run did: the replicas agree
 
 
-def test_resume_mid_period_continues_exactly(tmp_path):
-    steps = {"train.steps": 5, "train.save_every": 2, "train.keep_checkpoints": 3}
-    full = tiny_cfg(tmp_path / "full", **steps, **DILOCO)
-    full_losses = run(_fit, 2, checks.validate(full, 2).to_dict(), timeout=120)[0]
-    name = "step_000002"  # 2 inner steps into the first period of 3: the replicas differ
-    shutil.copytree(tmp_path / "full/checkpoints" / name, tmp_path / "resumed/checkpoints" / name)
-    (tmp_path / "resumed/checkpoints/latest").write_text(name + "\n")
-    resumed = tiny_cfg(tmp_path / "resumed", **steps, **DILOCO, **{"train.resume": True})
-    losses = run(_fit, 2, checks.validate(resumed, 2).to_dict(), timeout=120)[0]
-    assert losses == full_losses[2:]
-    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("full", "resumed"))
+def test_resume_mid_period_continues_exactly(trained):
+    full, resumed = (trained["rank"][0][name] for name in ("full", "resumed"))
+    assert resumed[0] == full[0][2:]  # losses of steps 3-5, bit for bit
+    assert all(torch.equal(trained["rank"][r]["full"][1], trained["rank"][r]["resumed"][1]) for r in range(2))
+    a, b = (load_file(str(trained["root"] / d / "model.safetensors")) for d in ("full", "resumed"))
     assert all(torch.equal(a[k], b[k]) for k in a)
-    index = json.loads((tmp_path / "full/checkpoints" / name / "index.json").read_text())["tensors"]
+    index = json.loads((trained["root"] / "full/checkpoints" / MID / "index.json").read_text())["tensors"]
     keys = {k for held in index.values() for k in held}  # no outer momentum before the first outer step
     assert {"outer~start", "exp_avg~replica1", "param~replica1", "period_step"} <= keys
 
 
-def test_bytes_between_replicas_fall_h_fold(tmp_path):
-    base = {"train.steps": 8, "parallel.nproc": 2}
-    totals = {}
-    for name, extra in {"ddp": {}, "local": {"parallel.sync": "local-sgd", "parallel.sync_every": 4}}.items():
-        cfg = tiny_cfg(tmp_path / name, **base, **extra)
-        run(_fit, 2, checks.validate(cfg, 2).to_dict(), timeout=120)
-        rows = _rows_of(tmp_path / name)
-        totals[name] = sum(r["comm_by_axis"].get("dp", 0) for r in rows)
+def test_bytes_between_replicas_fall_h_fold(trained):
+    totals = {name: sum(r["comm_by_axis"].get("dp", 0) for r in _rows_of(trained["root"] / name))
+              for name in ("ddp", "local")}
     assert totals["local"] * 4 == totals["ddp"] > 0
-    assert [r["synced"] for r in rows] == [0, 0, 0, 1, 0, 0, 0, 1]
+    assert [r["synced"] for r in _rows_of(trained["root"] / "local")] == [0, 0, 0, 1, 0, 0, 0, 1]
 
 
 @pytest.mark.parametrize("flags, says", [
