@@ -34,7 +34,7 @@ from paratrain.engine import checks
 from paratrain.mesh import MeshShape, ParallelMesh
 from paratrain.train.trainer import Trainer
 from tests.dist import run
-from tests.harness import tiny_cfg
+from tests.harness import FP32_REORDERED, assert_same_weights, tiny_cfg
 
 ROWS, WIDTH, STEPS = 4, 6, 6
 EXACT = {"rtol": 1e-12, "atol": 1e-12}  # float64 reordering (module docstring)
@@ -210,12 +210,32 @@ def trained(tmp_path_factory) -> dict:
     saving = {"train.steps": 5, "train.save_every": 2, "train.keep_checkpoints": 3}
     runs = {"first-step": {"train.steps": 1, **LOCAL},
             "full": {**saving, **DILOCO}, "resumed": {**saving, **DILOCO, "train.resume": True},
-            "ddp": {"train.steps": 8, **NPROC2}, "local": {"train.steps": 8, **LOCAL}}
+            "ddp": {"train.steps": 8, **NPROC2}, "local": {"train.steps": 8, **LOCAL},
+            "layout-ref": {**IN_A_REPLICA, **NPROC2}}
     cfgs = {name: checks.validate(tiny_cfg(root / name, **extra), 2).to_dict()
             for name, extra in runs.items()}
     got = run(_fit_all, 2, cfgs, timeout=180)
     Trainer(tiny_cfg(root / "one", **{"train.steps": 1, "train.global_batch": 4})).fit()
     return {"root": root, "rank": got}
+
+
+IN_A_REPLICA = {"train.steps": 4, "train.micro_batch": 2, "parallel.sync": "diloco", "parallel.sync_every": 2}
+
+
+def test_each_replica_may_split_over_tp_or_pp(trained, tmp_path):
+    """dp 2 replicas, each over 2 ranks (tp 2, or pp 2): every rank averages its part with the rank
+    of the other replica holding the same part, and trains as the dp 2 run of whole replicas. The
+    tolerances are tests/harness.py's for fp32 in another order (tp splits matmuls, the pipeline
+    sends activations), AdamW's isolated sign flips included."""
+    layouts = {"tp2": {"parallel.tp": 2}, "pp2": {"parallel.pp": 2}}
+    cfgs = {name: checks.validate(tiny_cfg(tmp_path / name, **IN_A_REPLICA, **extra, **{"parallel.nproc": 4}),
+                                  4).to_dict() for name, extra in layouts.items()}
+    got = run(_fit_all, 4, cfgs, timeout=180)[0]
+    ref = load_file(str(trained["root"] / "layout-ref" / "model.safetensors"))
+    ref_losses = torch.tensor(trained["rank"][0]["layout-ref"][0])
+    for name in layouts:
+        torch.testing.assert_close(torch.tensor(got[name][0]), ref_losses, **FP32_REORDERED)
+        assert_same_weights(load_file(str(tmp_path / name / "model.safetensors")), ref, **FP32_REORDERED)
 
 
 def _rows_of(out: Path) -> list[dict]:
