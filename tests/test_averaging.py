@@ -63,6 +63,8 @@ def _flat(model: nn.Module) -> torch.Tensor:
 
 def _strategy_run(mesh: ParallelMesh, kind: str, opt: str, plan: dict | None) -> list[torch.Tensor]:
     """STEPS steps of the tiny MLP on this rank's rows; the weights after each step."""
+    if kind == "nan":
+        return _nan_on_replica_1(mesh)
     model = _model()
     optim = _optimizer(opt, model)
     if kind == "ddp":
@@ -93,6 +95,17 @@ def _strategy_runs(env, meshes: list[tuple[dict, dict[str, tuple]]]) -> dict[str
     return out
 
 
+def _nan_on_replica_1(mesh: ParallelMesh) -> list[torch.Tensor]:
+    """The norms both replicas see when only replica 1's gradient is NaN (a skipped step)."""
+    model = _model()
+    strategy = LocalSGD(model, mesh, _optimizer("adamw", model), plan=SyncPlan(**LOCAL_SGD_H1))
+    x, y = _rows(0, mesh.dp.rank)
+    (((model(x) - y) ** 2).sum() / ROWS).backward()
+    if mesh.dp.rank == 1:
+        next(model.parameters()).grad[0, 0] = float("nan")
+    return [torch.tensor(strategy.grad_norm())]
+
+
 LOCAL_SGD_H1 = {"mode": "local-sgd", "every": 1}
 DILOCO_AS_AVERAGE = {"mode": "diloco", "every": 1, "outer_optimizer": "sgd", "outer_lr": 1.0,
                      "outer_momentum": 0.0}
@@ -104,7 +117,7 @@ NESTEROV_H3 = {"mode": "diloco", "every": 3, "outer_optimizer": "nesterov", "out
 def two_replicas() -> list[dict]:
     """Every strategy-level run on 2 ranks, in one start of the workers."""
     runs = {"ddp-sgd": ("ddp", "sgd", None), "ddp-adamw": ("ddp", "adamw", None),
-            "nesterov-h3": ("avg", "adamw", NESTEROV_H3)}
+            "nesterov-h3": ("avg", "adamw", NESTEROV_H3), "nan": ("nan", "adamw", None)}
     for name, plan in (("local-sgd", LOCAL_SGD_H1), ("diloco-sgd-lr1", DILOCO_AS_AVERAGE)):
         runs[f"{name}-sgd"], runs[f"{name}-adamw"] = ("avg", "sgd", plan), ("avg", "adamw", plan)
     return run(_strategy_runs, 2, [({"dp": 2}, runs)])
@@ -171,6 +184,12 @@ def test_inner_steps_are_one_process_and_the_outer_step_is_nesterov_by_hand(two_
             torch.testing.assert_close(g, w, **EXACT, msg=lambda m, where=where: f"{where}: {m}")
     got = two_replicas[0]["nesterov-h3"]
     assert not torch.equal(got[1], two_replicas[1]["nesterov-h3"][1]), "replicas differ inside a period"
+
+
+def test_a_non_finite_norm_on_one_replica_skips_the_step_on_all(two_replicas):
+    """Else the replica that skips would fall a step behind, and its next averaging would meet the
+    other replicas' at another step."""
+    assert [two_replicas[r]["nan"][0].item() for r in range(2)] == [float("inf")] * 2
 
 
 # --------------------------------------------------------------------------------------------

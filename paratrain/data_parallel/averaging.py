@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from paratrain.base.strategy import AUX_KEY_MARK, Strategy, read_local
@@ -255,14 +256,20 @@ class LocalSGD(Strategy):
         pairs = self.grads_for_norm()
         total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
         if pairs:
-            norms = torch._foreach_norm([g.detach() for g, _ in pairs], 2, dtype=torch.float32)
+            grads = [g.detach() for g, _ in pairs]
+            wide = any(g.dtype == torch.float64 for g in grads)  # else fp32 norms (bf16 grads too)
+            norms = torch._foreach_norm(grads, 2, dtype=None if wide else torch.float32)
             copies = torch.tensor([c for _, c in pairs], dtype=torch.float64, device=total.device)
-            total += (torch.stack(norms).double() ** 2 / copies).sum()
+            total += (torch.stack([n.double() for n in norms]) ** 2 / copies).sum()
+        # A non-finite norm on any replica is one on all: a skipped step (fp16 overflow, --nan-policy
+        # skip) is then skipped by every replica, which keeps their periods, hence collectives, aligned.
+        finite = torch.isfinite(total).to(torch.float64).reshape(1)
         with self.mesh.counter.paused():
             for axis in (self.mesh.tp, self.mesh.pp, self.inner):
                 if axis is not None and axis.size > 1:
                     C.all_reduce(total, axis)
-        return total.sqrt().item() if torch.isfinite(total) else float("inf")
+            C.all_reduce(finite, self.mesh.world, op=dist.ReduceOp.MIN)
+        return total.sqrt().item() if finite.item() and torch.isfinite(total) else float("inf")
 
     # -- the step ---------------------------------------------------------------------------------
 
