@@ -202,20 +202,26 @@ LOCAL = {"parallel.sync": "local-sgd", "parallel.sync_every": 4, **NPROC2}
 MID = "step_000002"  # 2 inner steps into DiLoCo's first period of 3: the replicas differ there
 
 
-def _fit(env, cfg_dict: dict) -> tuple[list[float], torch.Tensor]:
-    """The losses and this rank's weights at the end of the run."""
+def _fit(env, cfg_dict: dict) -> tuple[list[float], torch.Tensor, list[str]]:
+    """The losses, this rank's weights at the end of the run, its optimizer's state keys."""
     trainer = Trainer(config.Config.from_dict(cfg_dict), env)
     losses = trainer.fit().losses
-    return losses, torch.cat([p.detach().reshape(-1) for p in trainer.engine.model.parameters()])
+    model, optimizer = trainer.engine.model, trainer.engine.strategy.optimizer
+    keys = sorted({k for st in optimizer.state.values() for k in st})
+    return losses, torch.cat([p.detach().reshape(-1) for p in model.parameters()]), keys
+
+
+RESUMES = {"resumed": "full", "ddp-from-mid": "full", "local-from-ddp": "ddp5"}  # run -> run it resumes
 
 
 def _fit_all(env, cfgs: dict[str, dict]) -> dict:
-    """Every trainer-level run, in one start of the workers; "resumed" continues "full" from MID."""
+    """Every trainer-level run, in one start of the workers; a run of RESUMES starts from the MID
+    checkpoint of the run it names (copied alone into its folder, as a crash would leave it)."""
     out = {}
     for name, cfg in cfgs.items():
-        if name == "resumed":
+        if name in RESUMES:
             if env.rank == 0:
-                src, dst = (Path(cfgs[n]["train"]["out"]) / "checkpoints" for n in ("full", "resumed"))
+                src, dst = (Path(cfgs[n]["train"]["out"]) / "checkpoints" for n in (RESUMES[name], name))
                 shutil.copytree(src / MID, dst / MID)
                 (dst / "latest").write_text(MID + "\n")
             dist.barrier()
@@ -227,9 +233,13 @@ def _fit_all(env, cfgs: dict[str, dict]) -> dict:
 def trained(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("avg")
     saving = {"train.steps": 5, "train.save_every": 2, "train.keep_checkpoints": 3}
+    resume = {**saving, "train.resume": True}
     runs = {"first-step": {"train.steps": 1, **LOCAL},
-            "full": {**saving, **DILOCO}, "resumed": {**saving, **DILOCO, "train.resume": True},
-            "ddp": {"train.steps": 8, **NPROC2}, "local": {"train.steps": 8, **LOCAL},
+            "full": {**saving, **DILOCO}, "resumed": {**resume, **DILOCO},
+            "ddp-from-mid": {**resume, **NPROC2},
+            "ddp5": {**saving, **NPROC2}, "local-from-ddp": {**resume, **LOCAL},
+            "ddp": {"train.steps": 4, **NPROC2},
+            "local": {"train.steps": 4, **LOCAL, "parallel.sync_every": 2},
             "layout-ref": {**IN_A_REPLICA, **NPROC2}}
     cfgs = {name: checks.validate(tiny_cfg(root / name, **extra), 2).to_dict()
             for name, extra in runs.items()}
@@ -285,8 +295,17 @@ def test_resume_mid_period_continues_exactly(trained):
 def test_bytes_between_replicas_fall_h_fold(trained):
     totals = {name: sum(r["comm_by_axis"].get("dp", 0) for r in _rows_of(trained["root"] / name))
               for name in ("ddp", "local")}
-    assert totals["local"] * 4 == totals["ddp"] > 0
-    assert [r["synced"] for r in _rows_of(trained["root"] / "local")] == [0, 0, 0, 1, 0, 0, 0, 1]
+    assert totals["local"] * 2 == totals["ddp"] > 0  # H = 2
+    assert [r["synced"] for r in _rows_of(trained["root"] / "local")] == [0, 1, 0, 1]
+
+
+def test_checkpoints_cross_between_ddp_and_averaging(trained):
+    """DDP resumes from an averaging checkpoint (replica 0's state, no auxiliary key loaded as
+    optimizer state); averaging resumes from DDP's (both replicas from its state: the first loss,
+    every replica's loss on its rows with the same weights, is DDP's step-3 loss; fp32 order)."""
+    assert trained["rank"][1]["ddp-from-mid"][2] == ["exp_avg", "exp_avg_sq", "step"]
+    ddp5, local = trained["rank"][0]["ddp5"][0], trained["rank"][0]["local-from-ddp"][0]
+    assert local[0] == pytest.approx(ddp5[2], rel=1e-5)
 
 
 @pytest.mark.parametrize("flags, says", [
