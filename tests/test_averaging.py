@@ -26,6 +26,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from safetensors.torch import load_file
 
+import paratrain
+import tests.test_api as api_test
 from paratrain import config
 from paratrain.cli import main
 from paratrain.data_parallel.averaging import LocalSGD, SyncPlan
@@ -190,6 +192,30 @@ def test_a_non_finite_norm_on_one_replica_skips_the_step_on_all(two_replicas):
     """Else the replica that skips would fall a step behind, and its next averaging would meet the
     other replicas' at another step."""
     assert [two_replicas[r]["nan"][0].item() for r in range(2)] == [float("inf")] * 2
+
+
+def _library(env, runs: dict[str, dict]) -> dict:
+    """tests/test_api.py's loop (its model, SGD with momentum, StepLR, data), under each Parallel."""
+    out = {}
+    for name, kw in runs.items():
+        par = paratrain.Parallel(**kw)
+        model, opt, sched = api_test.build("sgd")
+        model, opt = par.prepare(model, opt)
+        losses = api_test.train_steps(par, model, opt, sched, 0, api_test.STEPS)
+        par.end_period()
+        out[name] = (losses, {k: v.detach().clone() for k, v in model.state_dict().items()})
+    return out
+
+
+def test_the_library_takes_sync_too():
+    """paratrain.Parallel(sync=...): at H = 1 with SGD it is DDP, hence one process on the whole batch
+    (fp32 reordering: tests/harness.py's tolerance); at H = 3 end_period leaves the replicas equal."""
+    got = run(_library, 2, {"h1": {"sync": "local-sgd", "sync_every": 1},
+                            "h3": {"sync": "diloco", "sync_every": 3, "outer_lr": 0.5}})
+    api_test.assert_same(got[0]["h1"], api_test.reference("sgd"))
+    assert all(torch.equal(got[0]["h3"][1][k], got[1]["h3"][1][k]) for k in got[0]["h3"][1])
+    with pytest.raises(ValueError, match="needs --sync-every"):
+        paratrain.Parallel(sync="diloco")
 
 
 # --------------------------------------------------------------------------------------------

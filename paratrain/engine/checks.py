@@ -9,7 +9,7 @@ every technique, so config.py imports nothing of paratrain.
 
 from __future__ import annotations
 
-from paratrain.config import DEFAULT_SEQ_LEN, Config, ConfigError, bullets, check_values
+from paratrain.config import DEFAULT_SEQ_LEN, Config, ConfigError, ParallelConfig, bullets, check_values
 from paratrain.engine.lora import check_lora
 from paratrain.memory.layout import check_savers
 from paratrain.models import PRESETS
@@ -146,8 +146,12 @@ OUTER_FLAGS = {"outer_optimizer": "--outer-optimizer", "outer_lr": "--outer-lr",
 
 
 def _check_sync(cfg: Config, problems: list[str]) -> None:
-    """--sync local-sgd / diloco (data_parallel/averaging.py): what averaging replicas need."""
-    p = cfg.parallel
+    check_sync(cfg.parallel, cfg.dp, problems)
+
+
+def check_sync(p: ParallelConfig, dp: int, problems: list[str]) -> None:
+    """--sync local-sgd / diloco (data_parallel/averaging.py): what averaging replicas need (the
+    trainer's settings, or the library's keyword arguments gathered in a ParallelConfig)."""
     for key, flag in OUTER_FLAGS.items():
         if getattr(p, key) is not None and p.sync != "diloco":
             problems.append(f"{flag} sets DiLoCo's outer optimizer: use it with --sync diloco (not {p.sync})")
@@ -159,8 +163,8 @@ def _check_sync(cfg: Config, problems: list[str]) -> None:
     if p.sync_every is None or p.sync_every < 1:
         problems.append(f"--sync {p.sync} needs --sync-every H >= 1 (inner steps between two averagings, "
                         f"e.g. 8; got {p.sync_every})")
-    if cfg.dp < 2:
-        problems.append(f"--sync {p.sync} averages data-parallel replicas; with dp {cfg.dp} there is one: "
+    if dp < 2:
+        problems.append(f"--sync {p.sync} averages data-parallel replicas; with dp {dp} there is one: "
                         "use --dp >= 2 (or --sync ddp)")
     if p.zero >= 1:  # hybrid sharding (--dp-replicate R) will shard inside each replica
         problems.append(f"{p.sync} averages replicas: with --zero {p.zero} every dp rank holds one shard of "
@@ -176,7 +180,7 @@ def _check_sync(cfg: Config, problems: list[str]) -> None:
         _check_outer(p, problems)
 
 
-def _check_outer(p: object, problems: list[str]) -> None:
+def _check_outer(p: ParallelConfig, problems: list[str]) -> None:
     if p.outer_optimizer not in (None, "sgd", "nesterov"):
         problems.append(f"--outer-optimizer {p.outer_optimizer!r} is not one of sgd, nesterov")
     if p.outer_lr is not None and not p.outer_lr > 0:
