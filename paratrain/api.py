@@ -39,8 +39,11 @@ from paratrain.api_state import load_optimizer_state, optimizer_scalars, set_opt
 from paratrain.base.executor import split_micro_batches
 from paratrain.base.strategy import Strategy
 from paratrain.comm import collectives as C
+from paratrain.config import ParallelConfig
+from paratrain.data_parallel.averaging import SyncPlan
 from paratrain.data_parallel.sync_batchnorm import convert_sync_batchnorm
 from paratrain.engine import checkpoint as ckpt
+from paratrain.engine.checks import check_sync
 from paratrain.engine.engine import Engine, find_checkpoint, make_mesh, make_strategy
 from paratrain.launch import init_from_torchrun, pick_device, under_torchrun
 from paratrain.mesh import MeshShape
@@ -59,6 +62,9 @@ OFFLOADS = ("none", "cpu", "disk")
 LIBRARY_FILE = "library.pt"  # in each checkpoint folder: optimizer settings/scalars, registered objects
 
 
+LIBRARY_SYNCS = ("ddp", "local-sgd", "diloco")  # the parameter server needs its own processes
+
+
 class Parallel:
     """How this process takes part: the mesh, the strategy, and the user's prepared objects.
 
@@ -75,6 +81,10 @@ class Parallel:
     allow_non_elementwise: let ZeRO shard an optimizer class it does not know to be element-wise.
     pp / pp_schedule / virtual_stages: pipeline stages for a paratrain model family (the schedule
     runs forward and backward: the loop calls ``pipeline_step`` instead of ``backward``).
+    sync / sync_every / outer_optimizer / outer_lr / outer_momentum: as ``paratrain train``'s
+    ``--sync local-sgd|diloco`` (data_parallel/averaging.py): every dp rank steps alone on its own
+    mean loss and the parameters are averaged (DiLoCo: the outer step) every ``sync_every`` steps;
+    call ``end_period()`` after the last step so every replica holds the same weights.
     """
 
     def __init__(self, *, dp: int | None = None, tp: int = 1, pp: int = 1, zero: int = 0,
@@ -83,7 +93,9 @@ class Parallel:
                  timeout: float = 600.0, check_collectives: bool = False, units: list[str] | None = None,
                  unit_min_params: int | None = None, tp_plan: dict[str, str] | None = None,
                  sequence_parallel: bool = False, allow_non_elementwise: bool = False,
-                 pp_schedule: str = "1f1b", virtual_stages: int = 1):
+                 pp_schedule: str = "1f1b", virtual_stages: int = 1, sync: str = "ddp",
+                 sync_every: int | None = None, outer_optimizer: str | None = None,
+                 outer_lr: float | None = None, outer_momentum: float | None = None):
         problems = _check_args(tp=tp, pp=pp, zero=zero, dp_mode=dp_mode, offload=offload,
                                offload_dir=offload_dir, bucket_mb=bucket_mb, precision=precision,
                                timeout=timeout, units=units, tp_plan=tp_plan,
@@ -98,6 +110,17 @@ class Parallel:
         self.pp_schedule, self.virtual_stages = pp_schedule, virtual_stages
         rank, world, self.device = _join(timeout)
         dp = dp if dp is not None else max(1, world // (tp * pp))
+        averaging = ParallelConfig(zero=zero, dp_mode=dp_mode, sync=sync, sync_every=sync_every,
+                                   outer_optimizer=outer_optimizer, outer_lr=outer_lr,
+                                   outer_momentum=outer_momentum, dp_replicate=dp_replicate)
+        if sync not in LIBRARY_SYNCS:
+            problems.append(f"sync = {sync!r} must be one of {', '.join(LIBRARY_SYNCS)} (the parameter "
+                            "server runs through `paratrain train --sync parameter-server`)")
+        else:
+            check_sync(averaging, dp, problems)
+        if problems:
+            raise ValueError("paratrain.Parallel: " + "; ".join(problems))
+        self.sync = SyncPlan.from_config(averaging)
         self.mesh = make_mesh(MeshShape(pp=pp, dp=dp, tp=tp, dp_replicate=dp_replicate), rank, self.device,
                               check_collectives=check_collectives)
         self.engine: Engine | None = None  # what prepare builds: the trainer's engine (engine/engine.py)
@@ -165,7 +188,7 @@ class Parallel:
             # ZeRO's stores build their own state on the shards: drop any the class made eagerly
             # (Adagrad's sums), which would keep full-size tensors of the old parameters alive.
             optimizer.state.clear()
-        if self.dp_size > 1:
+        if self.dp_size > 1 and self.sync is None:  # averaging replicas keep their own statistics
             model = convert_sync_batchnorm(model, self.mesh.dp)  # batch statistics over the whole dp batch
         strategy = self._strategy(model, optimizer, recipe, names, full)
         executor = None  # the user's loop runs forward and backward, or with pp > 1 the schedule does
@@ -229,7 +252,7 @@ class Parallel:
                              dp_mode=self.dp_mode, bucket_bytes=int(self.bucket_mb * 2**20),
                              precision=self.precision,
                              offload=self.offload, offload_dir=self.offload_dir, init_value=init_value,
-                             units=units, group_of=group_of if self.zero else None)
+                             units=units, group_of=group_of if self.zero else None, sync=self.sync)
 
     @torch.no_grad()
     def _broadcast(self, model: nn.Module) -> None:
@@ -250,7 +273,7 @@ class Parallel:
         if self.executor is not None:
             raise RuntimeError("with pp > 1 the schedule runs forward and backward: call "
                                "par.pipeline_step(x, y, micro_batches=m) instead of model(x) + backward")
-        (loss / self.dp_size if self.dp_size > 1 else loss).backward()
+        (loss / self.summed_ranks if self.summed_ranks > 1 else loss).backward()
         if not self._accumulating:
             self.strategy.after_backward()
 
@@ -275,8 +298,20 @@ class Parallel:
         rows = x.shape[0] // micro_batches
         batches = split_micro_batches(x, y, positions, rows, self.device)
         counted = max(1, int((y != -100).sum()))  # at least 1: rows with no counted target add 0
-        share = self.executor.run(batches, float(counted * self.dp_size))  # this rank's share of the mean
-        return share * self.dp_size
+        share = self.executor.run(batches, float(counted * self.summed_ranks))  # its share of the mean
+        return share * self.summed_ranks
+
+    @property
+    def summed_ranks(self) -> int:
+        """The dp ranks whose gradients are summed each step: every one under DDP and ZeRO, a
+        replica's own (one) when replicas average their parameters instead."""
+        return self.dp_size if self.sync is None else 1
+
+    def end_period(self) -> None:
+        """Averaging (``sync``): close the open period, so every replica holds the same weights (every
+        rank calls it, after the last step, before saving or exporting). Nothing otherwise."""
+        self._require_prepared()
+        self.strategy.finish()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

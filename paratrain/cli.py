@@ -108,9 +108,18 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
     ("--dp-mode", "parallel.dp_mode", str, LAYOUT, "ddp: gradients all-reduced in buckets during "
      "backward; plain: one all-reduce after it"),
     ("--bucket-mb", "parallel.bucket_mb", float, LAYOUT, "gradient bucket size in MiB (ddp mode)"),
-    ("--sync", "parallel.sync", str, LAYOUT, "how data-parallel replicas synchronise: ddp (all-reduce "
-     "the gradients) or parameter-server (the last --servers ranks hold the parameters and AdamW; the "
-     "workers send gradients over torch.distributed.rpc)"),
+    ("--sync", "parallel.sync", str, LAYOUT, "how data-parallel replicas meet: ddp sums gradients every "
+     "step; local-sgd and diloco step each replica alone and average the parameters every --sync-every "
+     "steps (slow links: H-fold fewer bytes between replicas); parameter-server: the last --servers ranks "
+     "hold the parameters and AdamW, the workers send gradients over torch.distributed.rpc"),
+    ("--sync-every", "parallel.sync_every", int, LAYOUT, "H: inner steps between two averagings (local-sgd, "
+     "diloco)"),
+    ("--outer-optimizer", "parallel.outer_optimizer", str, LAYOUT, "diloco: the outer step on the averaged "
+     "pseudo-gradient, sgd or nesterov (default nesterov, as Douillard et al. 2023)"),
+    ("--outer-lr", "parallel.outer_lr", float, LAYOUT, "diloco: the outer learning rate (default 0.7; 1 "
+     "with --outer-optimizer sgd --outer-momentum 0 is plain averaging)"),
+    ("--outer-momentum", "parallel.outer_momentum", float, LAYOUT, "diloco: the outer momentum (default "
+     "0.9)"),
     ("--servers", "parallel.servers", int, LAYOUT, "--sync parameter-server: server processes, the "
      "parameters sharded over them by size (world = dp workers + servers)"),
     ("--ps-mode", "parallel.ps_mode", str, LAYOUT, "--sync parameter-server: sync (one update per step "

@@ -80,9 +80,15 @@ class ParallelConfig:
     timeout_s: float = 600.0  # a collective that waits longer fails, naming the operation
     max_restarts: int = 0  # paratrain's own launcher: restart all workers after a failure, resuming
     check_collectives: bool = False  # compare each collective's fingerprint across its group first
-    # How the data-parallel replicas synchronise. "parameter-server": the last ``servers`` ranks hold
-    # the parameters and the optimizer (param_server/), the dp workers push gradients over RPC.
-    sync: str = "ddp"
+    # How the data-parallel replicas synchronise: ddp synchronises gradients every step; local-sgd and
+    # diloco (data_parallel/averaging.py) let every replica step alone and average the parameters every
+    # sync_every steps; parameter-server: the last ``servers`` ranks hold the parameters and the
+    # optimizer (param_server/), the dp workers push gradients over RPC.
+    sync: str = "ddp"  # ddp | local-sgd | diloco | parameter-server
+    sync_every: int | None = None  # H: inner steps between two averagings (local-sgd, diloco)
+    outer_optimizer: str | None = None  # diloco: sgd | nesterov (None: nesterov, as Douillard et al.)
+    outer_lr: float | None = None  # diloco: the outer step's lr (None: 0.7, as Douillard et al.)
+    outer_momentum: float | None = None  # diloco: the outer momentum (None: 0.9; 0 with sgd: no momentum)
     servers: int = 1  # --sync parameter-server: server processes (parameters sharded over them by size)
     ps_mode: str = "sync"  # sync: one update per step from all workers' gradients | async: one per push
     max_staleness: int | None = None  # async: server updates a gradient may be late by; default dp - 1
@@ -301,7 +307,7 @@ def _choice(problems: list[str], name: str, value, allowed) -> None:
 CHOICES: dict[str, tuple] = {
     "parallel.zero": (0, 1, 2, 3),
     "parallel.dp_mode": ("ddp", "plain"),
-    "parallel.sync": ("ddp", "parameter-server"),
+    "parallel.sync": ("ddp", "local-sgd", "diloco", "parameter-server"),
     "parallel.ps_mode": ("sync", "async"),
     "parallel.pp_schedule": ("naive", "gpipe", "1f1b", "interleaved"),
     "parallel.offload": ("none", "cpu", "disk"),

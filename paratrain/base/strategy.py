@@ -36,6 +36,10 @@ from paratrain.optim import adamw8bit as a8
 from paratrain.sharding import ParamInfo, info_of
 from paratrain.shards import CheckpointError, Piece, ShardReader, pieces_of
 
+# A state key holding this mark is a strategy's auxiliary state (another replica's copy, an outer
+# optimizer's: data_parallel/averaging.py), never loaded as the optimizer's own state.
+AUX_KEY_MARK = "~"
+
 
 def decays(name: str, p: torch.Tensor) -> bool:
     """Weight decay on matrices (linears, embeddings), not on norm gains: the usual practice."""
@@ -105,6 +109,14 @@ class Strategy:
 
     def after_backward(self) -> None:
         """Called once after the last micro-batch's backward."""
+
+    def gradient_units(self, global_units: int, local_units: int) -> int:
+        """The counted targets a rank's loss sum is divided by: the global batch's (every gradient
+        is a share of the global mean), unless replicas step alone (data_parallel/averaging.py)."""
+        return global_units
+
+    def finish(self) -> None:
+        """The end of training, before the final checkpoint (averaging: close the open period)."""
 
     @contextlib.contextmanager
     def trial(self) -> Iterator[None]:
@@ -246,8 +258,8 @@ class Strategy:
                 self._load_8bit(reader, full, p, optimizer_step)
                 continue
             # 8-bit moments in the checkpoint ("exp_avg.q", ".absmax") load as fp32 "exp_avg"
-            keys = sorted({k.removesuffix(".q").removesuffix(".absmax") for k in reader.keys(full)}
-                          - {"param", "buffer"})
+            keys = sorted({k.removesuffix(".q").removesuffix(".absmax") for k in reader.keys(full)
+                           if AUX_KEY_MARK not in k} - {"param", "buffer"})
             st = self.optimizer.state[p] if keys else {}
             for key in keys:  # an optimizer's state is empty before its first step: create it
                 st[key] = torch.zeros_like(p, dtype=torch.float32)

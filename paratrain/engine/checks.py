@@ -9,7 +9,7 @@ every technique, so config.py imports nothing of paratrain.
 
 from __future__ import annotations
 
-from paratrain.config import DEFAULT_SEQ_LEN, Config, ConfigError, bullets, check_values
+from paratrain.config import DEFAULT_SEQ_LEN, Config, ConfigError, ParallelConfig, bullets, check_values
 from paratrain.engine.lora import check_lora
 from paratrain.memory.layout import check_savers
 from paratrain.models import PRESETS
@@ -61,6 +61,7 @@ def check_layout(cfg: Config, problems: list[str]) -> None:
     _check_zero(cfg, problems)
     _check_hybrid(cfg, problems)
     _check_param_server(cfg, problems)
+    _check_sync(cfg, problems)
     check_savers(cfg, problems)
     check_lora(cfg, problems)  # engine/lora.py: targets, rank, and what LoRA composes with
     if cfg.train.precision not in ("fp32", "auto") and cfg.model.name == "cnn-tiny":
@@ -155,13 +156,67 @@ def _check_hybrid(cfg: Config, problems: list[str]) -> None:
                         "--dp-replicate or --dp")
     if r == 1:
         return
-    if p.zero == 0:
-        problems.append(f"--dp-replicate {r} needs --zero 1, 2 or 3: with --zero 0, DDP already replicates "
+    if p.zero == 0 and p.sync not in AVERAGING:
+        problems.append(f"--dp-replicate {r} needs --zero 1, 2 or 3 (or --sync local-sgd|diloco: DDP "
+                        "inside each replica, averaging across): with --zero 0, DDP already replicates "
                         "everything on every rank (hybrid sharding shards inside a node); add --zero or drop "
                         "--dp-replicate")
     if p.ep > 1:
         problems.append(f"--dp-replicate {r} with --ep {p.ep} is not supported: experts are sharded over "
                         "edp, not the hybrid groups; use --ep 1 or --dp-replicate 1")
+
+
+AVERAGING = ("local-sgd", "diloco")
+OUTER_FLAGS = {"outer_optimizer": "--outer-optimizer", "outer_lr": "--outer-lr",
+               "outer_momentum": "--outer-momentum"}
+
+
+def _check_sync(cfg: Config, problems: list[str]) -> None:
+    check_sync(cfg.parallel, cfg.dp, problems)
+
+
+def check_sync(p: ParallelConfig, dp: int, problems: list[str]) -> None:
+    """--sync local-sgd / diloco (data_parallel/averaging.py): what averaging replicas need (the
+    trainer's settings, or the library's keyword arguments gathered in a ParallelConfig)."""
+    for key, flag in OUTER_FLAGS.items():
+        if getattr(p, key) is not None and p.sync != "diloco":
+            problems.append(f"{flag} sets DiLoCo's outer optimizer: use it with --sync diloco (not {p.sync})")
+    if p.sync not in AVERAGING:
+        if p.sync_every is not None:
+            problems.append("--sync-every sets the period of parameter averaging: add --sync local-sgd or "
+                            f"--sync diloco (--sync {p.sync} synchronises every step)")
+        return
+    if p.sync_every is None or p.sync_every < 1:
+        problems.append(f"--sync {p.sync} needs --sync-every H >= 1 (inner steps between two averagings, "
+                        f"e.g. 8; got {p.sync_every})")
+    if dp < 2:
+        problems.append(f"--sync {p.sync} averages data-parallel replicas; with dp {dp} there is one: "
+                        "use --dp >= 2 (or --sync ddp)")
+    if p.zero >= 1:
+        problems.append(f"--sync {p.sync} averages whole replicas, and ZeRO inside an averaging replica is "
+                        "not built: use --zero 0 (with --dp-replicate R, each replica is S = dp / R ranks "
+                        "running DDP, averaged across the R replicas)")
+    if p.ep > 1:
+        problems.append(f"--sync {p.sync} makes every dp rank a replica; expert parallelism (--ep {p.ep}) "
+                        "spreads one replica's experts over dp ranks: use --ep 1")
+    if p.dp_mode != "ddp":
+        problems.append(f"--dp-mode {p.dp_mode} chooses how gradients are all-reduced every step; --sync "
+                        f"{p.sync} does not all-reduce them: drop --dp-mode")
+    if p.sync == "diloco":
+        _check_outer(p, problems)
+
+
+def _check_outer(p: ParallelConfig, problems: list[str]) -> None:
+    if p.outer_optimizer not in (None, "sgd", "nesterov"):
+        problems.append(f"--outer-optimizer {p.outer_optimizer!r} is not one of sgd, nesterov")
+    if p.outer_lr is not None and not p.outer_lr > 0:
+        problems.append(f"--outer-lr must be > 0 (got {p.outer_lr}); 1 with --outer-momentum 0 and "
+                        "--outer-optimizer sgd is plain averaging")
+    if p.outer_momentum is not None and not 0 <= p.outer_momentum < 1:
+        problems.append(f"--outer-momentum must be in [0, 1) (got {p.outer_momentum})")
+    if p.outer_momentum == 0 and p.outer_optimizer in (None, "nesterov"):
+        problems.append("Nesterov momentum needs --outer-momentum > 0: use --outer-optimizer sgd for an "
+                        "outer step without momentum")
 
 
 NOT_WITH_MOE = {

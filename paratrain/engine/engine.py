@@ -4,7 +4,7 @@
 Its lifecycle, and the file of each part:
 
     build    make_mesh (the mesh and its collective checker) and make_strategy (DDP, plain DP,
-             ZeRO-1/2/3 or none), here; the model wrapped in the fixed order by
+             ZeRO-1/2/3, local SGD / DiLoCo or none), here; the model wrapped in the fixed order by
              engine/parallelize.py (the trainer: a Task built on the meta device) or by
              ``Parallel.prepare`` (the library: the user's module, already built)
     prepare  the executor: base/executor.py MicroBatchLoop, or pipeline/executor.py's schedule
@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from paratrain.base.executor import MicroBatchLoop
 from paratrain.base.strategy import Strategy
+from paratrain.data_parallel.averaging import LocalSGD, SyncPlan
 from paratrain.data_parallel.ddp import DDP
 from paratrain.data_parallel.plain import PlainDP
 from paratrain.engine import checkpoint as ckpt
@@ -84,11 +85,14 @@ def make_strategy(model: nn.Module, mesh: ParallelMesh, optim: object, *, zero: 
                   bucket_bytes: int, precision: str = "fp32", offload: str = "none",
                   offload_dir: str | None = None, init_value: Callable | None = None,
                   reshard_after_forward: bool = True, units: Callable | None = None,
-                  group_of: Callable | None = None) -> Strategy:
+                  group_of: Callable | None = None, sync: SyncPlan | None = None) -> Strategy:
     """The data-parallel strategy both doors use. ``optim`` is the trainer's optimizer settings or
     the library's optimizer (its recipe under ZeRO); ZeRO-3 takes the model on the meta device and
     ``init_value(name, shape)``; ``units`` and ``group_of`` are the library's (ZeRO-3 units of a
-    user's module, the user's param groups)."""
+    user's module, the user's param groups); ``sync``: replicas that average their parameters every H
+    steps instead of summing gradients every step (local SGD, DiLoCo; None: every step)."""
+    if sync is not None:  # engine/checks.py refuses it with ZeRO (one sharded replica: nothing to average)
+        return LocalSGD(model, mesh, optim, plan=sync)
     sharded = {"precision": precision, "offload": offload, "offload_dir": offload_dir, "group_of": group_of}
     if zero == 3:
         return Zero3(model, mesh, optim, init_value=init_value, reshard_after_forward=reshard_after_forward,

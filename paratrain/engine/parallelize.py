@@ -30,6 +30,7 @@ import torch.nn as nn
 from paratrain.base.executor import MicroBatchLoop
 from paratrain.base.strategy import Strategy
 from paratrain.config import Config
+from paratrain.data_parallel.averaging import SyncPlan
 from paratrain.data_parallel.sync_batchnorm import convert_sync_batchnorm
 from paratrain.engine.engine import Engine, make_strategy
 from paratrain.engine.lora import apply_run_lora, settle_base
@@ -80,7 +81,7 @@ def parallelize(task: Task, cfg: Config, mesh: ParallelMesh) -> Engine:
     else:
         task.materialize(model, mesh.device)
         task.init_weights(model, cfg.train.seed)
-        if mesh.dp.size > 1:
+        if mesh.dp.size > 1 and cfg.parallel.sync == "ddp":  # averaging replicas keep their own statistics
             # BatchNorm statistics over the whole dp batch, so dp=N trains as one process would
             # (models without BatchNorm are left untouched). Same parameter objects: init is kept.
             model = convert_sync_batchnorm(model, mesh.dp)
@@ -108,4 +109,4 @@ def _strategy(model: nn.Module, task: Task, cfg: Config, mesh: ParallelMesh) -> 
     return make_strategy(model, mesh, cfg.optim, zero=p.zero, dp_mode=p.dp_mode,
                          bucket_bytes=int(p.bucket_mb * 2**20), precision=cfg.train.precision,
                          offload=p.offload, offload_dir=p.offload_dir, init_value=task.init_value,
-                         reshard_after_forward=p.reshard_after_forward)
+                         reshard_after_forward=p.reshard_after_forward, sync=SyncPlan.from_config(p))

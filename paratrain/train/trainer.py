@@ -29,7 +29,7 @@ import paratrain.signals as signals
 from paratrain.base.executor import MicroBatch, split_micro_batches
 from paratrain.comm import collectives as C
 from paratrain.config import Config
-from paratrain.data import check_cursor, data_cursor
+from paratrain.data import IGNORE_INDEX, check_cursor, data_cursor
 from paratrain.device import matmul_peak, sync_device
 from paratrain.engine import checkpoint as ckpt
 from paratrain.engine.engine import Engine, find_checkpoint, make_mesh
@@ -163,8 +163,12 @@ class Trainer:
         units = self.counted(step)
         self.mesh.counter.reset()
         start = time.perf_counter()
+        # replicas that step alone (local SGD, DiLoCo) divide by their own rows' counted targets
+        grad_units = strategy.gradient_units(units, int((y != IGNORE_INDEX).sum()))
         batches = self.micro_batches(x, y, positions)
-        local = self.engine.executor.run(batches, float(units), self.scaler.scale)
+        local = self.engine.executor.run(batches, float(grad_units), self.scaler.scale)
+        if grad_units != units:  # the logged loss stays this rank's share of the global batch's mean
+            local = local * (grad_units / units)
         marks = [start, self._phase_mark()]
         norm = strategy.grad_norm() / self.scaler.scale
         marks.append(self._phase_mark())
@@ -268,6 +272,7 @@ class Trainer:
             if self.is_main and self.stop_note:  # after the bar has ended its line, not glued to it
                 print(self.stop_note, flush=True)
         if self.start_step < cfg.train.steps:
+            self.engine.strategy.finish()  # averaging: the replicas agree before the final save
             self.save(cfg.train.steps)
         self.saver.finish()
         self.export()
@@ -340,7 +345,7 @@ class Trainer:
         p = self.cfg.parallel
         return {**self.mesh.describe(), "dp_replicate": p.dp_replicate, "zero": p.zero, "sp": p.sp,
                 "pp_schedule": p.pp_schedule, "virtual_stages": p.virtual_stages, "dp_mode": p.dp_mode,
-                "offload": p.offload,
+                "offload": p.offload, "sync": p.sync, "sync_every": p.sync_every,
                 "micro_batch": self.cfg.micro_batch, "n_micro_batches": self.cfg.n_micro_batches,
                 "precision": self.cfg.train.precision, "recompute": self.cfg.train.recompute,
                 "world_size": self.env.world_size}

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import torch
 
-from paratrain.base.strategy import Strategy, read_local
+from paratrain.base.strategy import AUX_KEY_MARK, Strategy, read_local
 from paratrain.mesh import ParallelMesh
 from paratrain.optim import adamw8bit as a8
 from paratrain.sharding import info_of
@@ -168,8 +168,8 @@ class ShardedState:
 def _checkpoint_keys(reader: ShardReader, layout: FlatLayout) -> list[str]:
     """The optimizer-state keys the checkpoint holds for every parameter of this layout (8-bit
     moments count as their fp32 key); none (fresh state) when it holds no optimizer state."""
-    held = [{k.removesuffix(".q").removesuffix(".absmax") for k in reader.keys(info_of(p).name or n)}
-            - {"param", "buffer"} for n, p, *_ in owned(layout)]
+    held = [{k.removesuffix(".q").removesuffix(".absmax") for k in reader.keys(info_of(p).name or n)
+             if AUX_KEY_MARK not in k} - {"param", "buffer"} for n, p, *_ in owned(layout)]
     return sorted(set.intersection(*held)) if held else []
 
 

@@ -1,0 +1,315 @@
+"""Parameter averaging over slow links: local SGD and DiLoCo.
+
+DDP sums every gradient over every data-parallel rank at every step, so every step crosses every
+link. Over slow links (nodes joined by Ethernet) the replicas can instead step alone and meet
+every H steps (Stich, "Local SGD converges fast and communicates little", 2019; Douillard et al.,
+"DiLoCo: Distributed Low-Communication Training of Language Models", 2023)::
+
+    every step (inner):  each replica steps its own optimizer (the run's AdamW, its own moments)
+                         on its own rows; no byte crosses replicas
+    every H steps:       local SGD:  θ ← mean_r θ_r
+                         DiLoCo:     Δ = θ_start − mean_r θ_r        the pseudo-gradient
+                                     θ_start ← OuterOpt(θ_start, Δ)  SGD, Nesterov momentum
+                                     θ_r ← θ_start on every replica
+
+so the bytes between replicas fall H-fold. With outer SGD at lr 1 and no momentum DiLoCo is local
+SGD (θ_start − (θ_start − mean) = mean).
+
+The replicas are the ranks of one mesh axis, chosen in ``replica_axis``: dp today (every
+data-parallel rank is a replica holding the whole model or its tp/pp part; each rank averages its
+part with the ranks holding the same part), dp_replicate under hybrid sharding (a replica is then
+dp_shard ranks, which still sum their gradients every step inside the replica: ``inner_axis``, the
+seam that hybrid sharding's strategies plug into).
+
+When is it DDP? At H = 1 averaging the parameters after one inner step equals averaging the
+gradients only when the inner update is linear in the gradient: SGD, with or without momentum and
+weight decay (mean_r(θ − lr·g_r) = θ − lr·mean_r g_r, and the mean of the momentum buffers follows
+DDP's buffer). AdamW's m / (√v + ε) is not linear and each replica keeps its own moments, so local
+SGD at H = 1 with AdamW is close to DDP, not equal; per-replica gradient clipping is nonlinear too.
+tests/test_averaging.py checks both.
+
+Checkpoints hold every replica's parameters and optimizer state (replica r > 0 under keys
+``exp_avg~replica1``; replica 0 under the plain keys, which is what an export reads), the outer
+state (``outer~start``, ``outer~momentum``) and the position in the period, so a resume between two
+averagings continues exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from paratrain.base.strategy import AUX_KEY_MARK, Strategy, read_local
+from paratrain.comm import collectives as C
+from paratrain.comm.collectives import Axis, nbytes
+from paratrain.mesh import ParallelMesh
+from paratrain.sharding import ParamInfo, TensorShard, info_of
+from paratrain.shards import Piece, ShardReader, pieces_of
+
+# Douillard et al. 2023's outer optimizer: SGD with Nesterov momentum 0.9 at lr 0.7.
+OUTER_DEFAULTS = {"outer_optimizer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.9}
+PERIOD_NAME = "paratrain.averaging"  # the checkpoint's tensor holding the position in the period
+PERIOD_KEY = "period_step"
+START_KEY = f"outer{AUX_KEY_MARK}start"
+MOMENTUM_KEY = f"outer{AUX_KEY_MARK}momentum"
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    """What the replicas do every ``every`` inner steps."""
+
+    mode: str  # local-sgd | diloco
+    every: int  # H
+    outer_optimizer: str = "nesterov"  # diloco: sgd | nesterov
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+
+    @classmethod
+    def from_config(cls, parallel: object) -> SyncPlan | None:
+        """The plan of a ParallelConfig (None: --sync ddp); unset outer settings take the paper's."""
+        if parallel.sync == "ddp":
+            return None
+        given = {k: getattr(parallel, k) for k in OUTER_DEFAULTS}
+        outer = {k: d if given[k] is None else given[k] for k, d in OUTER_DEFAULTS.items()}
+        return cls(parallel.sync, parallel.sync_every, **outer)
+
+
+def replica_axis(mesh: ParallelMesh) -> Axis:
+    """The axis whose ranks are the replicas that average: dp_replicate under hybrid sharding, else
+    dp (every data-parallel rank its own replica)."""
+    return mesh.dp_replicate if mesh.shape.dp_replicate > 1 else mesh.dp
+
+
+def inner_axis(mesh: ParallelMesh) -> Axis | None:
+    """The data-parallel ranks inside one replica, which sum their gradients every step (None: a
+    replica is one data-parallel rank)."""
+    return mesh.dp_shard if mesh.shape.dp_replicate > 1 else None
+
+
+class Averager:
+    """The periodic averaging of ``named`` parameters over ``axis`` (one replica per rank of it)."""
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]], axis: Axis, plan: SyncPlan):
+        self.named, self.axis, self.plan = named, axis, plan
+        self.period_step = 0  # inner steps since the last averaging
+        self.syncs = 0  # averagings done by this process
+        self.sync_s = 0.0  # seconds the last averaging took
+        self.start: list[torch.Tensor] = []  # diloco: θ_start, the outer optimizer's parameters
+        self.outer: torch.optim.Optimizer | None = None
+        if plan.mode == "diloco":
+            self.start = [p.detach().clone() for _, p in named]
+            self.outer = torch.optim.SGD(self.start, lr=plan.outer_lr, momentum=plan.outer_momentum,
+                                         nesterov=plan.outer_optimizer == "nesterov")
+
+    @torch.no_grad()
+    def before_inner_step(self) -> None:
+        """At a period's first step every replica holds the same θ: remember it as θ_start."""
+        if self.outer is not None and self.period_step == 0:
+            torch._foreach_copy_(self.start, [p for _, p in self.named])
+
+    def after_inner_step(self) -> bool:
+        """Count the inner step; average when the period is complete. True when it averaged."""
+        self.period_step += 1
+        if self.period_step < self.plan.every:
+            return False
+        self.sync()
+        return True
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """End the period: every replica leaves with the same parameters."""
+        began = time.perf_counter()
+        params = [p for _, p in self.named]
+        mean = self.mean(params)
+        if self.outer is None:  # local SGD
+            torch._foreach_copy_(params, mean)
+        else:  # DiLoCo: the outer optimizer steps θ_start along Δ = θ_start − mean
+            for s, m in zip(self.start, mean):
+                s.grad = s - m
+            self.outer.step()
+            for s in self.start:
+                s.grad = None
+            torch._foreach_copy_(params, self.start)
+        self.period_step = 0
+        self.syncs += 1
+        self.sync_s = time.perf_counter() - began
+
+    def mean(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The mean over the replicas of each tensor: one flat SUM all-reduce per dtype, divided by
+        the number of replicas (a sum then one division: in float64 the hand computation's order)."""
+        out: list[torch.Tensor | None] = [None] * len(params)
+        for dtype in dict.fromkeys(p.dtype for p in params):
+            index = [i for i, p in enumerate(params) if p.dtype == dtype]
+            flat = torch.cat([params[i].detach().reshape(-1) for i in index])
+            C.all_reduce(flat, self.axis)
+            flat /= self.axis.size
+            for i, part in zip(index, flat.split([params[i].numel() for i in index])):
+                out[i] = part.view_as(params[i])
+        return out
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def pieces(self) -> list[Piece]:
+        """The position in the period, and DiLoCo's θ_start and outer momentum (the same on every
+        replica: written once)."""
+        period = torch.tensor([self.period_step], dtype=torch.int64)
+        out = pieces_of(ParamInfo(PERIOD_NAME, TensorShard((1,))), PERIOD_KEY, period, name=PERIOD_NAME)
+        for (name, p), s in zip(self.named, self.start):
+            info = info_of(p)
+            if info.tied_to:  # its owner writes it
+                continue
+            out += pieces_of(info, START_KEY, s, name=info.name or name)
+            buf = self.outer.state.get(s, {}).get("momentum_buffer")
+            if buf is not None:
+                out += pieces_of(info, MOMENTUM_KEY, buf, name=info.name or name)
+        return out
+
+    @torch.no_grad()
+    def load(self, reader: ShardReader) -> None:
+        """The period position and outer state of a checkpoint (absent: a period starts here, the
+        outer momentum is zero)."""
+        has_period = reader.has(PERIOD_NAME, PERIOD_KEY)
+        self.period_step = int(reader.read(PERIOD_NAME, PERIOD_KEY, (0,), (1,))[0]) if has_period else 0
+        for (name, p), s in zip(self.named, self.start):
+            info = info_of(p)
+            full = info.name or name
+            if reader.has(full, START_KEY):
+                read_local(reader, info, full, START_KEY, s)
+            else:
+                s.copy_(p)
+            if reader.has(full, MOMENTUM_KEY):
+                buf = torch.zeros_like(s)
+                read_local(reader, info, full, MOMENTUM_KEY, buf)
+                self.outer.state[s]["momentum_buffer"] = buf
+
+
+class ReplicaView:
+    """A checkpoint as replica ``replica`` reads it: its own ``key~replicaR`` entries under their
+    plain keys (replica 0's, or a DDP checkpoint's, where it has none); every other auxiliary key
+    (other replicas', the outer state) hidden from the optimizer's loader."""
+
+    def __init__(self, reader: ShardReader, replica: int):
+        self.reader, self.folder = reader, reader.folder
+        self.suffix = f"{AUX_KEY_MARK}replica{replica}" if replica else None
+
+    def _key(self, name: str, key: str) -> str:
+        own = f"{key}{self.suffix}" if self.suffix else key
+        return own if self.suffix and self.reader.has(name, own) else key
+
+    def has(self, name: str, key: str) -> bool:
+        return self.reader.has(name, self._key(name, key))
+
+    def keys(self, name: str) -> list[str]:
+        keys = self.reader.keys(name)
+        own = {k.removesuffix(self.suffix) for k in keys if self.suffix and k.endswith(self.suffix)}
+        return sorted(own | {k for k in keys if AUX_KEY_MARK not in k})
+
+    def shape(self, name: str, key: str) -> tuple[int, ...]:
+        return self.reader.shape(name, self._key(name, key))
+
+    def read(self, name: str, key: str, *args: object, **kwargs: object) -> torch.Tensor:
+        return self.reader.read(name, self._key(name, key), *args, **kwargs)
+
+
+class LocalSGD(Strategy):
+    """Replicas that step alone and meet every H steps: local SGD or DiLoCo, as ``plan`` says."""
+
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, optim_cfg: object, *, plan: SyncPlan):
+        super().__init__(model, mesh, optim_cfg)
+        self.replicas, self.inner = replica_axis(mesh), inner_axis(mesh)
+        self.averager = Averager(self.named_params, self.replicas, plan)
+        self.synced = False  # the last step ended a period
+
+    # -- inside a replica -------------------------------------------------------------------------
+
+    def dp_copies(self, info: ParamInfo) -> int:
+        return self.inner.size if self.inner is not None else 1
+
+    @torch.no_grad()
+    def after_backward(self) -> None:
+        """A replica of several data-parallel ranks (hybrid sharding) sums its gradients inside
+        itself, as plain DP does over dp; a replica of one rank has nothing to sum."""
+        if self.inner is None:
+            return
+        for _, p in self.named_params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            C.all_reduce(p.grad, self.inner)
+
+    def gradient_units(self, global_units: int, local_units: int) -> int:
+        """Each replica's gradient is the mean over its own counted targets, as one process
+        training on its rows computes it (not its share of the global batch's mean)."""
+        if self.inner is None:
+            return max(1, local_units)
+        t = torch.tensor(float(local_units), dtype=torch.float64, device=self.mesh.device)
+        with self.mesh.counter.paused():
+            C.all_reduce(t, self.inner)
+        return max(1, int(t.item()))
+
+    def grad_norm(self) -> float:
+        """The replica's own gradient norm (what it clips by): summed over the ranks of one replica
+        (tp, pp, and the inner data-parallel axis), never across replicas."""
+        pairs = self.grads_for_norm()
+        total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
+        if pairs:
+            grads = [g.detach() for g, _ in pairs]
+            wide = any(g.dtype == torch.float64 for g in grads)  # else fp32 norms (bf16 grads too)
+            norms = torch._foreach_norm(grads, 2, dtype=None if wide else torch.float32)
+            copies = torch.tensor([c for _, c in pairs], dtype=torch.float64, device=total.device)
+            total += (torch.stack([n.double() for n in norms]) ** 2 / copies).sum()
+        # A non-finite norm on any replica is one on all: a skipped step (fp16 overflow, --nan-policy
+        # skip) is then skipped by every replica, which keeps their periods, hence collectives, aligned.
+        finite = torch.isfinite(total).to(torch.float64).reshape(1)
+        with self.mesh.counter.paused():
+            for axis in (self.mesh.tp, self.mesh.pp, self.inner):
+                if axis is not None and axis.size > 1:
+                    C.all_reduce(total, axis)
+            C.all_reduce(finite, self.mesh.world, op=dist.ReduceOp.MIN)
+        return total.sqrt().item() if finite.item() and torch.isfinite(total) else float("inf")
+
+    # -- the step ---------------------------------------------------------------------------------
+
+    def step(self, lr: float | None) -> None:
+        self.averager.before_inner_step()
+        super().step(lr)
+        self.synced = self.averager.after_inner_step()
+
+    def finish(self) -> None:
+        """The end of the run: close an open period, so the replicas (and the export) agree."""
+        if self.averager.period_step:
+            self.averager.sync()
+
+    def step_metrics(self) -> dict[str, float]:
+        out = {"synced": int(self.synced), "sync_period_step": self.averager.period_step,
+               "syncs": self.averager.syncs}
+        if self.synced:
+            out["sync_s"] = self.averager.sync_s
+        return out
+
+    def state_bytes(self) -> dict[str, int]:
+        """DiLoCo's θ_start and outer momentum count as optimizer state."""
+        out = super().state_bytes()
+        outer = [self.averager.start, [st["momentum_buffer"] for st in
+                                       (self.averager.outer.state.values() if self.averager.outer else ())]]
+        out["optim"] += sum(nbytes(t) for ts in outer for t in ts)
+        return out
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def state_pieces(self) -> list[Piece]:
+        """Replica 0's state under the plain keys; replica r's under ``key~replicaR`` (the replicas
+        differ between averagings, and every replica keeps its own optimizer moments)."""
+        r = self.replicas.rank
+        own = super().state_pieces()
+        if r:
+            own = [p if p.spec.key == "buffer" else
+                   Piece(replace(p.spec, key=f"{p.spec.key}{AUX_KEY_MARK}replica{r}"), p.tensor) for p in own]
+        return own + self.averager.pieces()
+
+    def load_state_pieces(self, reader: ShardReader, optimizer_step: int) -> None:
+        super().load_state_pieces(ReplicaView(reader, self.replicas.rank), optimizer_step)
+        self.averager.load(reader)
