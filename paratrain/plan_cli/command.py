@@ -52,8 +52,8 @@ def train_settings(args: argparse.Namespace, c: LlamaConfig, lay: Layout) -> lis
 
 def sync_settings(lay: Layout) -> list[tuple[str, str, object]]:
     """The slow-link branch's settings (planner/slow_link.py): hybrid sharding, parameter averaging,
-    the parameter server. Their flags come with issue 26's training branches; a trainer without them
-    refuses the command (the plan's output says so)."""
+    the parameter server (the trainer's own checks then refuse what it does not run, e.g. ZeRO inside
+    an averaging replica, and the plan falls to its next runnable layout)."""
     if not isinstance(lay, SlowLayout):
         return []
     out: list[tuple[str, str, object]] = []
@@ -79,15 +79,6 @@ def server_note(lay: Layout, cluster: Cluster) -> str:
     return (f"(parameter servers: on the last node (--node-rank {cluster.n_nodes - 1}) give "
             f"--nproc-per-node {cluster.devices_per_node + lay.servers}: the last {lay.servers} ranks serve "
             "and take no GPU)\n")
-
-
-def known_setting(dotted: str) -> bool:
-    """Whether this version's config has the setting (the slow-link flags arrive with their branches)."""
-    try:
-        config.default_of(dotted)
-    except AttributeError:
-        return False
-    return True
 
 
 def needs_model_file(args: argparse.Namespace) -> bool:
@@ -135,8 +126,7 @@ def first_runnable(args: argparse.Namespace, c: LlamaConfig, result: PlanResult)
     for i, p in enumerate(result.plans, 1):
         if not p.fits:
             continue
-        overrides = {**base, **{key: value for _, key, value in train_settings(args, c, p.layout)
-                                if known_setting(key)}}
+        overrides = {**base, **{key: value for _, key, value in train_settings(args, c, p.layout)}}
         try:
             checks.validate(config.load(None, overrides), p.layout.world)
         except (config.ConfigError, ValueError):
@@ -160,9 +150,5 @@ def run_line(args: argparse.Namespace, c: LlamaConfig, result: PlanResult, clust
     pre = f"save as plan-model.toml:\n{toml}\n" if toml else ""
     if i > 1:
         pre += f"(#1 to #{i - 1} are layouts paratrain's trainer does not run yet)\n"
-    pending = [flag for flag, key, _ in train_settings(args, c, best.layout) if not known_setting(key)]
     pre += server_note(best.layout, cluster)
-    if pending:
-        pre += (f"({' '.join(pending)}: flags of issue 26's branches -- hybrid sharding, parameter "
-                "averaging, the parameter server -- that this version's trainer does not have yet)\n")
     return f"{pre}run the first choice (#{i} above):\n  {train_command(args, c, best.layout, cluster)}"
