@@ -99,7 +99,7 @@ class Parallel:
         problems = _check_args(tp=tp, pp=pp, zero=zero, dp_mode=dp_mode, offload=offload,
                                offload_dir=offload_dir, bucket_mb=bucket_mb, precision=precision,
                                timeout=timeout, units=units, tp_plan=tp_plan,
-                               sequence_parallel=sequence_parallel, dp_replicate=dp_replicate)
+                               sequence_parallel=sequence_parallel, dp_replicate=dp_replicate, sync=sync)
         if problems:
             raise ValueError("paratrain.Parallel: " + "; ".join(problems))
         self.zero, self.offload, self.offload_dir, self.bucket_mb = zero, offload, offload_dir, bucket_mb
@@ -112,7 +112,8 @@ class Parallel:
         dp = dp if dp is not None else max(1, world // (tp * pp))
         averaging = ParallelConfig(zero=zero, dp_mode=dp_mode, sync=sync, sync_every=sync_every,
                                    outer_optimizer=outer_optimizer, outer_lr=outer_lr,
-                                   outer_momentum=outer_momentum, dp_replicate=dp_replicate)
+                                   outer_momentum=outer_momentum, dp_replicate=dp_replicate,
+                                   offload=offload)
         if sync not in LIBRARY_SYNCS:
             problems.append(f"sync = {sync!r} must be one of {', '.join(LIBRARY_SYNCS)} (the parameter "
                             "server runs through `paratrain train --sync parameter-server`)")
@@ -304,8 +305,11 @@ class Parallel:
     @property
     def summed_ranks(self) -> int:
         """The dp ranks whose gradients are summed each step: every one under DDP and ZeRO, a
-        replica's own (one) when replicas average their parameters instead."""
-        return self.dp_size if self.sync is None else 1
+        replica's own when replicas average their parameters instead (one, or under hybrid sharding
+        the S = dp / R ranks of a replica, which sum their gradients inside it)."""
+        if self.sync is None:
+            return self.dp_size
+        return self.dp_size // self.mesh.shape.dp_replicate
 
     def end_period(self) -> None:
         """Averaging (``sync``): close the open period, so every replica holds the same weights (every
@@ -496,10 +500,12 @@ class ParallelOptimizer(torch.optim.Optimizer):
 
 def _check_args(*, tp: int, pp: int, zero: int, dp_mode: str, offload: str, offload_dir: str | None,
                 bucket_mb: float, precision: str, timeout: float, units: list[str] | None,
-                tp_plan: dict | None, sequence_parallel: bool, dp_replicate: int = 1) -> list[str]:
+                tp_plan: dict | None, sequence_parallel: bool, dp_replicate: int = 1,
+                sync: str = "ddp") -> list[str]:
     problems = []
-    if dp_replicate > 1 and zero == 0:
-        problems.append(f"dp_replicate = {dp_replicate} needs zero = 1, 2 or 3: with zero 0, DDP already "
+    if dp_replicate > 1 and zero == 0 and sync == "ddp":
+        problems.append(f"dp_replicate = {dp_replicate} needs zero = 1, 2 or 3 (or sync = 'local-sgd' | "
+                        "'diloco': DDP inside each replica, averaging across): with zero 0, DDP already "
                         "replicates everything (hybrid sharding shards inside a node)")
     if pp > 1 and zero >= 2:
         problems.append(f"pp = {pp} with zero = {zero}: gradients must stay whole across the schedule's "

@@ -153,11 +153,39 @@ class Averager:
 
     # -- checkpoints ------------------------------------------------------------------------------
 
+    def period_pieces(self) -> list[Piece]:
+        """The position in the period (the same on every replica: written once)."""
+        period = torch.tensor([self.period_step], dtype=torch.int64)
+        return pieces_of(ParamInfo(PERIOD_NAME, TensorShard((1,))), PERIOD_KEY, period, name=PERIOD_NAME)
+
+    def momentum(self, start: torch.Tensor) -> torch.Tensor | None:
+        """DiLoCo's outer momentum of ``start`` (None: before the first outer step, or local SGD)."""
+        return self.outer.state.get(start, {}).get("momentum_buffer") if self.outer is not None else None
+
+    def set_momentum(self, start: torch.Tensor, buf: torch.Tensor) -> None:
+        self.outer.state[start]["momentum_buffer"] = buf
+
+    def metrics(self, synced: bool) -> dict[str, float]:
+        """Where the period stands: logged every step."""
+        out = {"synced": int(synced), "sync_period_step": self.period_step, "syncs": self.syncs}
+        if synced:
+            out["sync_s"] = self.sync_s
+        return out
+
+    def state_bytes(self) -> int:
+        """DiLoCo's θ_start and outer momentum (optimizer state)."""
+        bufs = [self.momentum(s) for s in self.start]
+        return sum(nbytes(t) for t in [*self.start, *(b for b in bufs if b is not None)])
+
+    def load_period(self, reader: ShardReader) -> None:
+        """The period position of a checkpoint (absent: a period starts here)."""
+        has_period = reader.has(PERIOD_NAME, PERIOD_KEY)
+        self.period_step = int(reader.read(PERIOD_NAME, PERIOD_KEY, (0,), (1,))[0]) if has_period else 0
+
     def pieces(self) -> list[Piece]:
         """The position in the period, and DiLoCo's θ_start and outer momentum (the same on every
         replica: written once)."""
-        period = torch.tensor([self.period_step], dtype=torch.int64)
-        out = pieces_of(ParamInfo(PERIOD_NAME, TensorShard((1,))), PERIOD_KEY, period, name=PERIOD_NAME)
+        out = self.period_pieces()
         for (name, p), s in zip(self.named, self.start):
             info = info_of(p)
             if info.tied_to:  # its owner writes it
@@ -172,8 +200,7 @@ class Averager:
     def load(self, reader: ShardReader) -> None:
         """The period position and outer state of a checkpoint (absent: a period starts here, the
         outer momentum is zero)."""
-        has_period = reader.has(PERIOD_NAME, PERIOD_KEY)
-        self.period_step = int(reader.read(PERIOD_NAME, PERIOD_KEY, (0,), (1,))[0]) if has_period else 0
+        self.load_period(reader)
         for (name, p), s in zip(self.named, self.start):
             info = info_of(p)
             full = info.name or name
@@ -184,7 +211,50 @@ class Averager:
             if reader.has(full, MOMENTUM_KEY):
                 buf = torch.zeros_like(s)
                 read_local(reader, info, full, MOMENTUM_KEY, buf)
-                self.outer.state[s]["momentum_buffer"] = buf
+                self.set_momentum(s, buf)
+
+
+def replica_units(mesh: ParallelMesh, inner: Axis | None, local_units: int) -> int:
+    """The counted targets a replica's loss is divided by: its own (summed over the ranks of the
+    replica, ``inner``), as one process training on its rows computes it."""
+    if inner is None:
+        return max(1, local_units)
+    t = torch.tensor(float(local_units), dtype=torch.float64, device=mesh.device)
+    with mesh.counter.paused():
+        C.all_reduce(t, inner)
+    return max(1, int(t.item()))
+
+
+def replica_grad_norm(mesh: ParallelMesh, pairs: list[tuple[torch.Tensor, int]], inner: Axis | None) -> float:
+    """The replica's own gradient norm (what it clips by) from (gradient, copies inside the replica)
+    pairs: summed over the ranks of one replica (tp, pp, and the inner data-parallel axis), never
+    across replicas."""
+    total = torch.zeros((), dtype=torch.float64, device=mesh.device)
+    if pairs:
+        grads = [g.detach() for g, _ in pairs]
+        wide = any(g.dtype == torch.float64 for g in grads)  # else fp32 norms (bf16 grads too)
+        norms = torch._foreach_norm(grads, 2, dtype=None if wide else torch.float32)
+        copies = torch.tensor([c for _, c in pairs], dtype=torch.float64, device=total.device)
+        total += (torch.stack([n.double() for n in norms]) ** 2 / copies).sum()
+    # A non-finite norm on any replica is one on all: a skipped step (fp16 overflow, --nan-policy
+    # skip) is then skipped by every replica, which keeps their periods, hence collectives, aligned.
+    finite = torch.isfinite(total).to(torch.float64).reshape(1)
+    with mesh.counter.paused():
+        for axis in (mesh.tp, mesh.pp, inner):
+            if axis is not None and axis.size > 1:
+                C.all_reduce(total, axis)
+        C.all_reduce(finite, mesh.world, op=dist.ReduceOp.MIN)
+    return total.sqrt().item() if finite.item() and torch.isfinite(total) else float("inf")
+
+
+def replica_keys(pieces: list[Piece], replica: int) -> list[Piece]:
+    """Replica ``replica``'s state pieces under ``key~replicaR`` (replica 0's under the plain keys;
+    buffers, replicated, too): the replicas differ between averagings."""
+    if not replica:
+        return pieces
+    mark = f"{AUX_KEY_MARK}replica{replica}"
+    return [p if p.spec.key == "buffer" else Piece(replace(p.spec, key=f"{p.spec.key}{mark}"), p.tensor)
+            for p in pieces]
 
 
 class ReplicaView:
@@ -243,33 +313,10 @@ class LocalSGD(Strategy):
     def gradient_units(self, global_units: int, local_units: int) -> int:
         """Each replica's gradient is the mean over its own counted targets, as one process
         training on its rows computes it (not its share of the global batch's mean)."""
-        if self.inner is None:
-            return max(1, local_units)
-        t = torch.tensor(float(local_units), dtype=torch.float64, device=self.mesh.device)
-        with self.mesh.counter.paused():
-            C.all_reduce(t, self.inner)
-        return max(1, int(t.item()))
+        return replica_units(self.mesh, self.inner, local_units)
 
     def grad_norm(self) -> float:
-        """The replica's own gradient norm (what it clips by): summed over the ranks of one replica
-        (tp, pp, and the inner data-parallel axis), never across replicas."""
-        pairs = self.grads_for_norm()
-        total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
-        if pairs:
-            grads = [g.detach() for g, _ in pairs]
-            wide = any(g.dtype == torch.float64 for g in grads)  # else fp32 norms (bf16 grads too)
-            norms = torch._foreach_norm(grads, 2, dtype=None if wide else torch.float32)
-            copies = torch.tensor([c for _, c in pairs], dtype=torch.float64, device=total.device)
-            total += (torch.stack([n.double() for n in norms]) ** 2 / copies).sum()
-        # A non-finite norm on any replica is one on all: a skipped step (fp16 overflow, --nan-policy
-        # skip) is then skipped by every replica, which keeps their periods, hence collectives, aligned.
-        finite = torch.isfinite(total).to(torch.float64).reshape(1)
-        with self.mesh.counter.paused():
-            for axis in (self.mesh.tp, self.mesh.pp, self.inner):
-                if axis is not None and axis.size > 1:
-                    C.all_reduce(total, axis)
-            C.all_reduce(finite, self.mesh.world, op=dist.ReduceOp.MIN)
-        return total.sqrt().item() if finite.item() and torch.isfinite(total) else float("inf")
+        return replica_grad_norm(self.mesh, self.grads_for_norm(), self.inner)
 
     # -- the step ---------------------------------------------------------------------------------
 
@@ -284,18 +331,12 @@ class LocalSGD(Strategy):
             self.averager.sync()
 
     def step_metrics(self) -> dict[str, float]:
-        out = {"synced": int(self.synced), "sync_period_step": self.averager.period_step,
-               "syncs": self.averager.syncs}
-        if self.synced:
-            out["sync_s"] = self.averager.sync_s
-        return out
+        return self.averager.metrics(self.synced)
 
     def state_bytes(self) -> dict[str, int]:
         """DiLoCo's θ_start and outer momentum count as optimizer state."""
         out = super().state_bytes()
-        outer = [self.averager.start, [st["momentum_buffer"] for st in
-                                       (self.averager.outer.state.values() if self.averager.outer else ())]]
-        out["optim"] += sum(nbytes(t) for ts in outer for t in ts)
+        out["optim"] += self.averager.state_bytes()
         return out
 
     # -- checkpoints ------------------------------------------------------------------------------
@@ -303,12 +344,7 @@ class LocalSGD(Strategy):
     def state_pieces(self) -> list[Piece]:
         """Replica 0's state under the plain keys; replica r's under ``key~replicaR`` (the replicas
         differ between averagings, and every replica keeps its own optimizer moments)."""
-        r = self.replicas.rank
-        own = super().state_pieces()
-        if r:
-            own = [p if p.spec.key == "buffer" else
-                   Piece(replace(p.spec, key=f"{p.spec.key}{AUX_KEY_MARK}replica{r}"), p.tensor) for p in own]
-        return own + self.averager.pieces()
+        return replica_keys(super().state_pieces(), self.replicas.rank) + self.averager.pieces()
 
     def load_state_pieces(self, reader: ShardReader, optimizer_step: int) -> None:
         super().load_state_pieces(ReplicaView(reader, self.replicas.rank), optimizer_step)

@@ -173,6 +173,11 @@ OUTER_FLAGS = {"outer_optimizer": "--outer-optimizer", "outer_lr": "--outer-lr",
 
 def _check_sync(cfg: Config, problems: list[str]) -> None:
     check_sync(cfg.parallel, cfg.dp, problems)
+    p = cfg.parallel
+    if p.sync in AVERAGING and p.zero >= 1 and cfg.optim.name != "adamw":
+        problems.append(f"--sync {p.sync} with --zero {p.zero}: --optimizer {cfg.optim.name} inside an "
+                        "averaging replica is not built (ZeRO's 8-bit store is untested there): use "
+                        "--optimizer adamw, or --zero 0")
 
 
 def check_sync(p: ParallelConfig, dp: int, problems: list[str]) -> None:
@@ -192,10 +197,14 @@ def check_sync(p: ParallelConfig, dp: int, problems: list[str]) -> None:
     if dp < 2:
         problems.append(f"--sync {p.sync} averages data-parallel replicas; with dp {dp} there is one: "
                         "use --dp >= 2 (or --sync ddp)")
-    if p.zero >= 1:
-        problems.append(f"--sync {p.sync} averages whole replicas, and ZeRO inside an averaging replica is "
-                        "not built: use --zero 0 (with --dp-replicate R, each replica is S = dp / R ranks "
-                        "running DDP, averaged across the R replicas)")
+    if p.zero >= 1 and p.dp_replicate == 1:
+        problems.append(f"--sync {p.sync} with --zero {p.zero} and --dp-replicate 1 makes the {dp} dp ranks "
+                        "one sharded replica: nothing to average. Add --dp-replicate R (R replicas of S = "
+                        "dp / R ranks, ZeRO inside each, averaged across them) or use --zero 0 (every dp "
+                        "rank its own replica)")
+    if p.zero >= 1 and p.offload != "none":
+        problems.append(f"--sync {p.sync} averages the fp32 master shards held on the device; --offload "
+                        f"{p.offload} with ZeRO inside an averaging replica is not built: use --offload none")
     if p.ep > 1:
         problems.append(f"--sync {p.sync} makes every dp rank a replica; expert parallelism (--ep {p.ep}) "
                         "spreads one replica's experts over dp ranks: use --ep 1")

@@ -31,6 +31,7 @@ from paratrain.data_parallel.ddp import DDP
 from paratrain.data_parallel.plain import PlainDP
 from paratrain.engine import checkpoint as ckpt
 from paratrain.engine.rng import rng_state, set_rng_state
+from paratrain.engine.zero_averaging import AVERAGED
 from paratrain.mesh import MeshShape, ParallelMesh
 from paratrain.shards import ShardReader
 from paratrain.zero.fsdp import Zero3
@@ -91,14 +92,18 @@ def make_strategy(model: nn.Module, mesh: ParallelMesh, optim: object, *, zero: 
     ``init_value(name, shape)``; ``units`` and ``group_of`` are the library's (ZeRO-3 units of a
     user's module, the user's param groups); ``sync``: replicas that average their parameters every H
     steps instead of summing gradients every step (local SGD, DiLoCo; None: every step)."""
-    if sync is not None:  # engine/checks.py refuses it with ZeRO (one sharded replica: nothing to average)
+    if sync is not None and zero == 0:
         return LocalSGD(model, mesh, optim, plan=sync)
     sharded = {"precision": precision, "offload": offload, "offload_dir": offload_dir, "group_of": group_of}
+    if sync is not None:  # ZeRO inside each averaging replica (checks.py: only with --dp-replicate > 1)
+        sharded["plan"] = sync
     if zero == 3:
-        return Zero3(model, mesh, optim, init_value=init_value, reshard_after_forward=reshard_after_forward,
-                     units=units, **sharded)
+        cls3 = AVERAGED[3] if sync is not None else Zero3
+        return cls3(model, mesh, optim, init_value=init_value, reshard_after_forward=reshard_after_forward,
+                    units=units, **sharded)
     if zero in (1, 2):  # with dp = 1 the "shard" is everything: plain AdamW with offload options
-        return (Zero1 if zero == 1 else Zero2)(model, mesh, optim, bucket_bytes=bucket_bytes, **sharded)
+        cls = AVERAGED[zero] if sync is not None else (Zero1 if zero == 1 else Zero2)
+        return cls(model, mesh, optim, bucket_bytes=bucket_bytes, **sharded)
     if mesh.dp.size == 1:
         return Strategy(model, mesh, optim)
     if dp_mode == "plain":

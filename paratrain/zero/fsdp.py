@@ -78,7 +78,6 @@ from paratrain.zero.flat import (
     GroupOf,
     axis_of,
     param_key,
-    reduce_over_replicas,
     wait_all,
 )
 from paratrain.zero.fsdp_units import Frozen, Unit, UnitHooks
@@ -332,7 +331,7 @@ class Zero3(UnitHooks, ShardedState, Strategy):
             u.rs_work.wait()
         u.rs_work, u.grad_flat = None, None
         if u.replicas_due and replicas:
-            u.ar_work = reduce_over_replicas(u.layout, u.grad_shard, self.mesh)
+            u.ar_work = self.over_replicas(u.layout, u.grad_shard)
         u.replicas_due = False
 
     # -- Strategy ---------------------------------------------------------------------------------
@@ -368,7 +367,9 @@ class Zero3(UnitHooks, ShardedState, Strategy):
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
-        self.step_partition([u.grad_shard for u in self.trained], [u.shard for u in self.trained], lr)
+        shards = [u.shard for u in self.trained]
+        self.step_partition([u.grad_shard for u in self.trained], shards, lr)
+        self.after_partition_step(shards)
 
     def zero_grad(self) -> None:
         for u in self.trained:
@@ -412,5 +413,10 @@ class Zero3(UnitHooks, ShardedState, Strategy):
         self._load_flats(reader, optimizer_step)
         self.load_unsharded(reader)  # frozen parameters included (held sharded: frozen_flats)
         self.load_buffers(reader)
+        self.publish_masters()
+
+    @torch.no_grad()
+    def publish_masters(self) -> None:
+        """The store's masters into the compute shards (the next gather reads them)."""
         for i, u in enumerate(self.trained):
             u.shard.copy_(self.store.read(i, "param").to(self.mesh.device, self.compute_dtype))

@@ -52,7 +52,6 @@ from paratrain.zero.flat import (
     axis_of,
     bind_views,
     param_key,
-    reduce_over_replicas,
     wait_all,
 )
 from paratrain.zero.offload import make_store
@@ -145,7 +144,7 @@ class ZeroDP(Strategy):
         for b in self.buckets:
             b.grad_shard = b.layout.local(b.grad_flat)  # reduced in place: the shard is a view
             C.reduce_scatter_auto(b.grad_shard, b.grad_flat, self._axis(b))
-            replicas.append(reduce_over_replicas(b.layout, b.grad_shard, self.mesh))
+            replicas.append(self.over_replicas(b.layout, b.grad_shard))
         wait_all(replicas)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
@@ -170,6 +169,7 @@ class ZeroDP(Strategy):
     def step(self, lr: float) -> None:
         shards = [b.layout.local(b.flat) for b in self.buckets]
         self.step_partition([b.grad_shard for b in self.buckets], shards, lr)
+        self.after_partition_step(shards)
         for b in self.buckets:  # every rank's updated slice to every rank, in place
             C.all_gather_into(b.flat, b.layout.local(b.flat), self._axis(b))
         self._factor = 1.0
@@ -210,11 +210,17 @@ class ZeroDP(Strategy):
         self._load_flats(reader, optimizer_step)
         self.load_unsharded(reader)
         self.load_buffers(reader)
+        with self.mesh.counter.paused():
+            self.publish_masters()
+
+    @torch.no_grad()
+    def publish_masters(self) -> None:
+        """The store's masters into the compute parameters of every rank (after a load, or masters
+        changed outside a step: averaging's last period closed by ``finish``)."""
         for i, b in enumerate(self.buckets):
             local = self.store.read(i, "param").to(self.mesh.device, self.compute_dtype)
             b.layout.local(b.flat).copy_(local)
-            with self.mesh.counter.paused():
-                C.all_gather_into(b.flat, b.layout.local(b.flat), self._axis(b))
+            C.all_gather_into(b.flat, b.layout.local(b.flat), self._axis(b))
 
 
 class Zero1(ShardedState, ZeroDP):
@@ -260,7 +266,7 @@ class Zero2(ShardedState, ZeroDP):
             if b.work is not None:
                 b.work.wait()
             b.work, b.grad_flat, b.ready = None, None, 0  # the full gradient buffer is freed here
-            replicas.append(reduce_over_replicas(b.layout, b.grad_shard, self.mesh))
+            replicas.append(self.over_replicas(b.layout, b.grad_shard))
         wait_all(replicas)
 
     def zero_grad(self) -> None:

@@ -19,7 +19,7 @@ from paratrain.optim import adamw8bit as a8
 from paratrain.sharding import info_of
 from paratrain.shards import CheckpointError, Piece, ShardReader, pieces_of
 from paratrain.zero import store8
-from paratrain.zero.flat import FlatLayout, owned
+from paratrain.zero.flat import FlatLayout, owned, reduce_over_replicas
 from paratrain.zero.offload import MOMENTS
 
 
@@ -41,6 +41,21 @@ class ShardedState:
     layouts: list[FlatLayout]
     mesh: ParallelMesh
     model: torch.nn.Module
+    #: HSDP sums each gradient shard across the dp_replicate replicas every step; replicas that
+    #: average their parameters every H steps instead (engine/zero_averaging.py) set this False.
+    sums_over_replicas = True
+
+    def over_replicas(self, layout: FlatLayout, grad_shard: torch.Tensor) -> object:
+        """Launch HSDP's all-reduce of ``grad_shard`` across the replicas (zero/flat.py), unless
+        the replicas step alone; the in-flight work, or None."""
+        if not self.sums_over_replicas:
+            return None
+        return reduce_over_replicas(layout, grad_shard, self.mesh)
+
+    def after_partition_step(self, shards: list[torch.Tensor]) -> None:
+        """Called after the store stepped the masters and wrote the compute ``shards``, before the
+        updated shards are published (ZeRO-1/2's all-gather; ZeRO-3's next gather reads them):
+        where averaging replicas average their masters (engine/zero_averaging.py)."""
 
     def offload_metrics(self) -> dict[str, float]:
         """Where the optimizer partition lives (host / disk bytes) and the disk store's resident peak."""
