@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 import paratrain
 import tests.test_api as api_test
@@ -75,3 +76,88 @@ def test_diloco_over_zero3_equals_diloco_over_zero0_with_the_same_replicas():
     # and it is not DDP (the outer step changes the trajectory): the comparison above can fail
     gap = max((got[0]["zero3"][1][k] - got[0]["ddp"][1][k]).abs().max().item() for k in got[0]["ddp"][1])
     assert gap > 1e-3
+
+
+# --------------------------------------------------------------------------------------------
+# Trainer level: ZeRO-3 inside each of 2 replicas of 2 ranks
+# --------------------------------------------------------------------------------------------
+
+NPROC4 = {"parallel.nproc": 4, "parallel.zero": 3, "parallel.dp_replicate": 2}
+DILOCO3 = {"parallel.sync": "diloco", "parallel.sync_every": 3, **NPROC4}
+MID = "step_000002"  # 2 inner steps into DiLoCo's first period of 3: the replicas differ there
+
+
+def _fit(env, cfg_dict: dict) -> tuple[list[float], torch.Tensor]:
+    """The losses and this rank's fp32 master shards at the end of the run (ZeRO-3's parameters
+    are freed between steps: the shards are what the rank holds)."""
+    trainer = Trainer(config.Config.from_dict(cfg_dict), env)
+    losses = trainer.fit().losses
+    return losses, torch.cat([m.detach().reshape(-1).clone() for m in trainer.engine.strategy.store.masters])
+
+
+def _fit_all(env, cfgs: dict[str, dict]) -> dict:
+    """Every run in one start of the workers; "resumed" starts from "full"'s MID checkpoint (copied
+    alone into its folder, as a crash would leave it)."""
+    out = {}
+    for name, cfg in cfgs.items():
+        if name == "resumed":
+            if env.rank == 0:
+                src, dst = (Path(cfgs[n]["train"]["out"]) / "checkpoints" for n in ("full", name))
+                shutil.copytree(src / MID, dst / MID)
+                (dst / "latest").write_text(MID + "\n")
+            dist.barrier()
+        out[name] = _fit(env, cfg)
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("avgzero")
+    saving = {"train.steps": 5, "train.save_every": 2, "train.keep_checkpoints": 3}
+    runs = {"hsdp": {"train.steps": 4, **NPROC4},
+            "diloco": {"train.steps": 4, **NPROC4, "parallel.sync": "diloco", "parallel.sync_every": 2},
+            "full": {**saving, **DILOCO3}, "resumed": {**saving, **DILOCO3, "train.resume": True}}
+    cfgs = {name: checks.validate(tiny_cfg(root / name, **extra), 4).to_dict()
+            for name, extra in runs.items()}
+    return {"root": root, "rank": run(_fit_all, 4, cfgs, timeout=180)}
+
+
+def _rows_of(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_bytes_across_replicas_are_one_hth_of_hsdp_and_zero_on_inner_steps(trained):
+    hsdp, diloco = (_rows_of(trained["root"] / name) for name in ("hsdp", "diloco"))
+    per_step = [r["comm_by_axis"].get("dp_replicate", 0) for r in hsdp]
+    assert len(set(per_step)) == 1 and per_step[0] > 0  # HSDP: the gradient shard, every step
+    got = [r["comm_by_axis"].get("dp_replicate", 0) for r in diloco]
+    # H = 2: nothing on inner steps; the fp32 master shard (HSDP's fp32 gradient shard's size) once
+    assert got == [0, per_step[0], 0, per_step[0]] and sum(got) * 2 == sum(per_step)
+    assert [r["synced"] for r in diloco] == [0, 1, 0, 1]
+    assert all(r["comm_by_axis"].get("dp_shard", 0) > 0 for r in diloco)  # ZeRO-3 inside the replica
+
+
+def test_resume_mid_period_continues_exactly(trained):
+    full, resumed = (trained["rank"][0][name] for name in ("full", "resumed"))
+    assert resumed[0] == full[0][2:]  # losses of steps 3-5, bit for bit
+    for r in range(4):  # every rank's shard
+        assert torch.equal(trained["rank"][r]["full"][1], trained["rank"][r]["resumed"][1])
+    a, b = (load_file(str(trained["root"] / d / "model.safetensors")) for d in ("full", "resumed"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    index = json.loads((trained["root"] / "full/checkpoints" / MID / "index.json").read_text())["tensors"]
+    keys = {k for held in index.values() for k in held}  # no outer momentum before the first outer step
+    assert {"outer~start", "exp_avg~replica1", "param~replica1", "period_step"} <= keys
+    index4 = json.loads((trained["root"] / "full/checkpoints/step_000004/index.json").read_text())["tensors"]
+    assert "outer~momentum" in {k for held in index4.values() for k in held}
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--zero", "3"], "one sharded replica: nothing to average"),
+    (["--zero", "2", "--dp-replicate", "2", "--offload", "cpu"], "--offload cpu with ZeRO inside"),
+    (["--zero", "1", "--dp-replicate", "2", "--optimizer", "adamw8bit"], "--optimizer adamw8bit inside"),
+])
+def test_what_zero_inside_a_replica_refuses_exits_2(tmp_path, capsys, flags, says):
+    args = ["train", "--model", "tiny", "--nproc", "4", "--steps", "1", "--out", str(tmp_path),
+            "--sync", "diloco", "--sync-every", "2"]
+    assert main(args + flags) == 2
+    assert says in capsys.readouterr().err
