@@ -339,7 +339,7 @@ def test_checkpoints_cross_between_ddp_and_averaging(trained):
     (["--sync", "local-sgd", "--sync-every", "0"], "--sync-every H >= 1"),
     (["--sync", "local-sgd", "--sync-every", "2", "--outer-lr", "0.5"], "use it with --sync diloco"),
     (["--sync-every", "4"], "add --sync local-sgd"),
-    (["--sync", "diloco", "--sync-every", "2", "--zero", "1"], "ZeRO inside an averaging"),
+    (["--sync", "diloco", "--sync-every", "2", "--zero", "1"], "one sharded replica: nothing to average"),
     (["--sync", "diloco", "--sync-every", "2", "--outer-momentum", "0"], "Nesterov momentum needs"),
     (["--sync", "diloco", "--sync-every", "2", "--outer-optimizer", "adam"], "is not one of sgd, nesterov"),
     (["--sync", "gossip"], "parallel.sync"),

@@ -197,11 +197,12 @@ def test_command_carries_the_branch_flags_and_the_output_the_caveat(capsys):
     text = capsys.readouterr().out
     command = text.rstrip("\n").splitlines()[-1].strip()
     assert command.startswith("torchrun --nnodes 2 --nproc-per-node 8 ")
-    # The plan's first choices shard ZeRO inside each averaging replica, which the trainer refuses
-    # (engine/checks.py): the command is the first runnable one, whole replicas averaged.
-    assert "diloco 2x8 H128" in text and "are layouts paratrain's trainer does not run yet" in text
-    assert command.endswith("--zero 0 --micro-batch 4 --sync diloco --sync-every 256 --outer-optimizer "
-                            "nesterov --outer-lr 0.7 --outer-momentum 0.9"), command
+    # The first choice shards ZeRO-3 inside each node and averages across the two (DiLoCo), which the
+    # trainer runs (engine/zero_averaging.py): the command is that first choice, no fallback.
+    assert "diloco 2x8 H128" in text and "are layouts paratrain's trainer does not run yet" not in text
+    assert command.endswith("--zero 3 --micro-batch 8 --dp-replicate 2 --dp-shard 8 --sync diloco "
+                            "--sync-every 128 --outer-optimizer nesterov --outer-lr 0.7 "
+                            "--outer-momentum 0.9"), command
     assert "convergence caveat" in text
     assert plan_main([*argv, "--json"]) == 0
     js = json.loads(capsys.readouterr().out)

@@ -52,8 +52,8 @@ def train_settings(args: argparse.Namespace, c: LlamaConfig, lay: Layout) -> lis
 
 def sync_settings(lay: Layout) -> list[tuple[str, str, object]]:
     """The slow-link branch's settings (planner/slow_link.py): hybrid sharding, parameter averaging,
-    the parameter server (the trainer's own checks then refuse what it does not run, e.g. ZeRO inside
-    an averaging replica, and the plan falls to its next runnable layout)."""
+    the parameter server (the trainer's own checks then refuse what it does not run, and the plan
+    falls to its next runnable layout)."""
     if not isinstance(lay, SlowLayout):
         return []
     out: list[tuple[str, str, object]] = []
