@@ -309,7 +309,8 @@ class Parallel:
         the S = dp / R ranks of a replica, which sum their gradients inside it)."""
         if self.sync is None:
             return self.dp_size
-        return self.dp_size // self.mesh.shape.dp_replicate
+        replicas = self.mesh.shape.dp_replicate
+        return self.dp_size // replicas if replicas > 1 else 1  # R = 1: every dp rank a replica
 
     def end_period(self) -> None:
         """Averaging (``sync``): close the open period, so every replica holds the same weights (every
