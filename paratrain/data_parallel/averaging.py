@@ -19,7 +19,8 @@ The replicas are the ranks of one mesh axis, chosen in ``replica_axis``: dp toda
 data-parallel rank is a replica holding the whole model or its tp/pp part; each rank averages its
 part with the ranks holding the same part), dp_replicate under hybrid sharding (a replica is then
 dp_shard ranks, which still sum their gradients every step inside the replica: ``inner_axis``, the
-seam that hybrid sharding's strategies plug into).
+seam that hybrid sharding's strategies plug into). With ZeRO inside each such replica the same
+``Averager`` runs over ZeRO's master shards: engine/zero_averaging.py.
 
 When is it DDP? At H = 1 averaging the parameters after one inner step equals averaging the
 gradients only when the inner update is linear in the gradient: SGD, with or without momentum and
