@@ -146,6 +146,9 @@ def test_bytes_across_replicas_are_one_hth_of_hsdp_and_zero_on_inner_steps(train
     assert got == [0, per_step[0], 0, per_step[0]] and sum(got) * 2 == sum(per_step)
     assert [r["synced"] for r in diloco] == [0, 1, 0, 1]
     assert all(r["comm_by_axis"].get("dp_shard", 0) > 0 for r in diloco)  # ZeRO-3 inside the replica
+    # DiLoCo's θ_start, then also its outer momentum, sharded like AdamW's two moments: + 1/2, + 2/2
+    moments = hsdp[-1]["mem_optim_bytes"]
+    assert [r["mem_optim_bytes"] for r in diloco] == [moments * 3 // 2] + [moments * 2] * 3
 
 
 @pytest.mark.parametrize("zero", [3, 1])
