@@ -95,6 +95,14 @@ def test_hsdp_every_zero_stage_matches_one_process_and_the_byte_formula(tmp_path
     assert got[0][2][0]["layout"]["dp_replicate"] == 2
 
 
+def test_hsdp_with_pipeline_parallelism_matches_one_process(tmp_path, reference):
+    """dp 4 = R2 x S2 under pp 2 (8 workers), ZeRO-1: each stage's shards reduced over its own
+    dp_shard and dp_replicate groups; the norm summed over stages."""
+    (got,) = _spawn([tiny_cfg(tmp_path / "pp", **HSDP, **{"parallel.pp": 2, "parallel.zero": 1})], 8)
+    _assert_close(got, reference.run)
+    assert {"dp_shard", "dp_replicate", "pp"} <= got[2][-1]["comm_by_axis"].keys()
+
+
 def test_hsdp_with_tensor_parallelism_matches_one_process(tmp_path, reference):
     """dp 4 = R2 x S2 under tp 2 (8 workers), ZeRO-3: tp-split and tp-replicated parameters
     sharded over dp_shard, reduced over dp_replicate, the global norm counting each element once."""
