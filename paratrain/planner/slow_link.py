@@ -487,5 +487,5 @@ def choice_notes(ranked: list, feasible: list) -> list[str]:
 
 
 __all__ = ["AVERAGING_GAIN", "CAVEAT", "FIXABLE", "SLOW_LINK", "SYNCS", "SlowLayout", "applies",
-           "check_fixed", "choice_notes", "choose_h", "cross_node_payload", "evaluate", "extend", "link_bytes",
-           "memory", "price", "rank_seconds", "tree", "variants"]
+           "check_fixed", "choice_notes", "choose_h", "cross_node_payload", "evaluate", "extend",
+           "link_bytes", "memory", "price", "rank_seconds", "tree", "variants"]
