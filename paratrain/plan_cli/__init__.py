@@ -27,7 +27,7 @@ from paratrain.launch import spawn
 from paratrain.models.llama import PRESETS, LlamaConfig
 from paratrain.perf.hardware import GB, GPUS, LINKS, Cluster, make_cluster
 from paratrain.plan_cli.calibrate import measure_local
-from paratrain.plan_cli.command import first_runnable, model_toml, run_line, train_command
+from paratrain.plan_cli.command import first_runnable, layout_config, model_toml, run_line, train_command
 from paratrain.plan_cli.validate_nodes import check_nodes, split_nodes, validate_nodes
 from paratrain.planner import search
 from paratrain.planner.machine import local_cluster
@@ -390,7 +390,7 @@ def runnable_here(cfg: config.Config) -> Callable[[Layout], bool]:
     constraints)."""
     def ok(lay: Layout) -> bool:
         try:
-            checks.validate(layout_to_config(cfg, lay), lay.world)
+            checks.validate(layout_config(cfg, lay), lay.world)
         except (config.ConfigError, ValueError):
             return False
         return True

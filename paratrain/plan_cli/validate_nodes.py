@@ -28,8 +28,9 @@ from paratrain.launch import spawn
 from paratrain.mesh import AXES, MeshShape
 from paratrain.models.llama import LlamaConfig
 from paratrain.perf.hardware import Cluster
+from paratrain.plan_cli.command import layout_config
 from paratrain.planner.memory import Layout, Training
-from paratrain.planner.search import Plan, PlanResult, layout_to_config
+from paratrain.planner.search import Plan, PlanResult
 from paratrain.planner.slow_link import SlowLayout, cross_node_payload
 from paratrain.train.metrics import read_metrics
 from paratrain.train.task import build_task
@@ -104,7 +105,7 @@ def runs_here(base: config.Config, lay: Layout) -> bool:
     if isinstance(lay, SlowLayout) and lay.servers:
         return False  # the parameter server's bytes go over RPC, not a mesh axis: not validated here
     try:
-        checks.validate(layout_to_config(base, lay), lay.world)
+        checks.validate(layout_config(base, lay), lay.world)
     except (config.ConfigError, ValueError):
         return False
     return True
@@ -129,8 +130,10 @@ def validate_nodes(args: argparse.Namespace, c: LlamaConfig, tr: Training, resul
     out = []
     with tempfile.TemporaryDirectory(prefix="paratrain-plan-nodes-") as tmp:
         for i, p in enumerate(plans):
-            cfg = layout_to_config(base, p.layout)
+            cfg = layout_config(base, p.layout)
             cfg.train.out = f"{tmp}/plan{i}"
+            if isinstance(p.layout, SlowLayout) and p.layout.averaging:  # two averagings at least
+                cfg.train.steps = max(cfg.train.steps, 2 * p.layout.sync_every)
             got = measure_run(cfg, p.layout, per_node)
             out.append((p, got, cross_node_payload(c, tr, p.layout, got.steps)))
     print(report(out))

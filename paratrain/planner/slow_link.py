@@ -288,23 +288,26 @@ def link_bytes(c: ModelShape, tr: Training, lay: SlowLayout, cluster: Cluster) -
 def cross_node_payload(c: ModelShape, tr: Training, lay: Layout, steps: int) -> float | None:
     """Payload bytes (as metrics' ``comm_by_axis`` counts them: the tensor handed to the collective)
     that one rank sends across the node boundary in ``steps`` steps, for the layouts whose crossing
-    group is the data-parallel one (tp = pp = 1): DDP's gradients every step, hybrid sharding's
-    gradient shard every step, the averaged fp32 parameters every H steps (steps // H times). None
-    for the others (the parameter server's traffic goes over RPC, not a mesh axis)."""
+    group is the data-parallel one (tp = pp = 1): DDP's gradients and ZeRO's collectives over every
+    rank (planner/hybrid.py) every step, hybrid sharding's gradient shard every step, the averaged
+    fp32 parameters every H steps (steps // H times). None for the others (the parameter server's
+    traffic goes over RPC, not a mesh axis)."""
     if lay.tp > 1 or lay.pp > 1 or lay.ep > 1:
         return None
     slow = lay if isinstance(lay, SlowLayout) else SlowLayout(**{f.name: getattr(lay, f.name)
                                                                 for f in fields(Layout)})
     psi, sb = c.n_params(), state_bytes_per_param(tr.precision, tr.optimizer)
-    if slow.sync == "parameter-server" or (slow.zero > 0 and slow.replicate == 1):
+    if slow.sync == "parameter-server":
         return None
     if slow.averaging:
-        return steps // slow.sync_every * psi / slow.shard * AVERAGED_BYTES
-    if slow.replicate > 1:
-        per_step = hybrid_comm_bytes(psi, zero=slow.zero, shard=slow.shard, replicate=slow.replicate,
-                                     param_bytes=sb.params, grad_bytes=sb.grads)["dp_replicate"]
-        return steps * per_step
-    return steps * psi * sb.grads  # DDP: the gradients' all-reduce over every data-parallel rank
+        per_rank = psi / slow.shard if slow.replicate > 1 else psi  # a replica: one node's S ranks, or one
+        return steps // slow.sync_every * per_rank * AVERAGED_BYTES
+    if slow.zero == 0:
+        return steps * psi * sb.grads  # DDP: the gradients' all-reduce over every data-parallel rank
+    axis = "dp_replicate" if slow.replicate > 1 else "dp"  # ZeRO over every rank: all of it crosses
+    return steps * hybrid_comm_bytes(psi, zero=slow.zero, shard=slow.shard, replicate=slow.replicate,
+                                     micro_batches=slow.n_micro(tr.global_batch), param_bytes=sb.params,
+                                     grad_bytes=sb.grads)[axis]
 
 
 def _where(cluster: Cluster, link: Link) -> str:
