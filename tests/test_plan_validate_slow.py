@@ -11,6 +11,7 @@ test spends time measuring this one; the runs themselves are real.
 
 from __future__ import annotations
 
+import argparse
 import re
 
 import pytest
@@ -28,7 +29,8 @@ from paratrain.planner.slow_link import SlowLayout
 TINY = PRESETS["tiny"].n_params()  # tp = pp = 1: every rank holds all of them
 SHORT = ["--model", "tiny", "--cluster", "local", "--nodes", "2", "--seq-len", "16", "--validate",
          "--validate-top", "1"]
-ROW = re.compile(r"^\s*1 (.+?)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d,]+|n/a)\s+([\d,]+)\s+(\w+/?\w*)$")
+ROW = re.compile(r"^\s*1 (.+?)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d,]+|n/a)\s+([\d,]+)\s+"
+                 r"(\w+/?\w*)$")
 
 
 @pytest.fixture
@@ -45,7 +47,8 @@ def validated_row(capsys) -> tuple[str, float, float, float, float]:
     match = next(m for m in map(ROW.match, table) if m)
     layout, pred_s, mean_s, _, _, pred_b, meas_b, verdict = match.groups()
     assert verdict == "equal", match.group(0)
-    return layout, float(pred_s), float(mean_s), float(pred_b.replace(",", "")), float(meas_b.replace(",", ""))
+    pred_b, meas_b = (float(b.replace(",", "")) for b in (pred_b, meas_b))
+    return layout, float(pred_s), float(mean_s), pred_b, meas_b
 
 
 def test_local_sgd_on_two_simulated_nodes_crosses_the_averaging_only(nominal_machine, capsys):
@@ -88,18 +91,28 @@ def test_the_cross_node_formula_follows_the_layout():
     assert slow_link.cross_node_payload(c, tr, avg, 9) == 2 * TINY * 4  # steps 4 and 8
     hsdp = SlowLayout(dp=4, micro_batch=1, zero=3, replicate=2)
     assert slow_link.cross_node_payload(c, tr, hsdp, 2) == 2 * TINY / 2 * 4
-    assert slow_link.cross_node_payload(c, tr, SlowLayout(dp=2, sync="parameter-server", servers=1), 2) is None
+    server = SlowLayout(dp=2, sync="parameter-server", servers=1)
+    assert slow_link.cross_node_payload(c, tr, server, 2) is None  # over RPC: not a mesh axis
 
 
 def test_simulated_nodes_take_the_slow_link_branch():
-    assert slow_link.applies(plan_cli.split_nodes(local_cluster(4), 2))
-    assert not slow_link.applies(plan_cli.split_nodes(local_cluster(4), 1))
+    """Split in two, this machine takes the branch at the loopback's speed (its name says so), or at
+    a --inter-link given for a what-if; one node does not."""
+    two = plan_cli.split_nodes(local_cluster(4), argparse.Namespace(nodes=2, inter_link="infiniband"))
+    assert slow_link.applies(two) and "simulated node boundary" in two.inter.name
+    assert two.inter is not two.intra and two.inter.bandwidth == two.intra.bandwidth
+    slow = plan_cli.split_nodes(local_cluster(4), argparse.Namespace(nodes=2, inter_link="0.1"))
+    assert slow.inter.bandwidth == 0.1e9 and slow.devices_per_node == 2
+    assert not slow_link.applies(plan_cli.split_nodes(local_cluster(4), argparse.Namespace(
+        nodes=1, inter_link="infiniband")))
 
 
 @pytest.mark.parametrize("flags, message", [
     (["--nodes", "2", "--gpus", "8"], "add --cluster local"),
     (["--cluster", "local", "--gpus", "2", "--nodes", "3"], "--nodes 3 must divide the 2 workers"),
     (["--cluster", "local", "--nodes", "0"], "--nodes must be a positive number"),
+    (["--cluster", "local", "--gpus", "2", "--nodes", "2", "--inter-link", "0.1", "--validate"],
+     "drop --inter-link 0.1 to validate"),
 ])
 def test_bad_nodes_exit_2_naming_the_flag(flags, message, nominal_machine, capsys):
     assert plan_main(["--model", "tiny", *flags]) == 2

@@ -28,7 +28,7 @@ from paratrain.models.llama import PRESETS, LlamaConfig
 from paratrain.perf.hardware import GB, GPUS, LINKS, Cluster, make_cluster
 from paratrain.plan_cli.calibrate import measure_local
 from paratrain.plan_cli.command import first_runnable, layout_config, model_toml, run_line, train_command
-from paratrain.plan_cli.validate_nodes import check_nodes, split_nodes, validate_nodes
+from paratrain.plan_cli.validate_nodes import DEFAULT_INTER_LINK, check_nodes, split_nodes, validate_nodes
 from paratrain.planner import search
 from paratrain.planner.machine import local_cluster
 from paratrain.planner.memory import Layout, Training
@@ -78,7 +78,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--cluster", choices=["local"], help="this machine, measured (one worker per core)")
     c.add_argument("--gpus", type=int, help="devices in all (default 8; local: cores)")
     c.add_argument("--nodes", type=int, help="with --cluster local: split the workers into N simulated nodes "
-                   "(consecutive ranks; joined by the measured loopback) and price the slow-link branch")
+                   "(consecutive ranks, joined by the measured loopback, or by --inter-link without "
+                   "--validate) and price the slow-link branch; --validate then reports the bytes that "
+                   "cross between them")
     c.add_argument("--gpus-per-node", type=int, help="devices per node, joined by --intra-link "
                    "(default: all of --gpus, up to 8)")
     c.add_argument("--gpu", default="a100-80g",
@@ -87,7 +89,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per device (overrides the preset)")
     c.add_argument("--intra-link", default="nvlink",
                    help=f"link within a node: {', '.join(LINKS)} or GB/s per device (default: %(default)s)")
-    c.add_argument("--inter-link", default="infiniband",
+    c.add_argument("--inter-link", default=DEFAULT_INTER_LINK,
                    help=f"link between nodes: {', '.join(LINKS)} or a measured GB/s per device, e.g. 2.5 "
                         "(default: %(default)s); below 5 GB/s hybrid sharding, local SGD/DiLoCo and a "
                         "parameter server are priced too")
@@ -188,7 +190,7 @@ def check_numbers(args: argparse.Namespace) -> None:
 def cluster_from(args: argparse.Namespace) -> Cluster:
     if args.cluster == "local":
         cl = local_cluster(args.gpus, measure_local())
-        cl = split_nodes(cl, args.nodes) if args.nodes else cl
+        cl = split_nodes(cl, args) if args.nodes else cl
     else:
         gpus = 8 if args.gpus is None else args.gpus
         cl = make_cluster(gpus=gpus, gpus_per_node=args.gpus_per_node, gpu=args.gpu,

@@ -27,7 +27,7 @@ from paratrain.engine import checks
 from paratrain.launch import spawn
 from paratrain.mesh import AXES, MeshShape
 from paratrain.models.llama import LlamaConfig
-from paratrain.perf.hardware import Cluster
+from paratrain.perf.hardware import Cluster, link_preset
 from paratrain.plan_cli.command import layout_config
 from paratrain.planner.memory import Layout, Training
 from paratrain.planner.search import Plan, PlanResult
@@ -36,30 +36,44 @@ from paratrain.train.metrics import read_metrics
 from paratrain.train.task import build_task
 from paratrain.train.trainer import Trainer
 
+DEFAULT_INTER_LINK = "infiniband"  # plan's --inter-link default (a GPU cluster's), not this machine's
 LOOPBACK_NOTE = ("the simulated nodes are joined by the real loopback (gloo), priced at its measured "
                  "bandwidth: no slow link is simulated, so the time column checks the planner's model of "
                  "this machine and the bytes column which bytes cross the node boundary")
 
 
-def split_nodes(cl: Cluster, nodes: int) -> Cluster:
-    """This machine's cluster (--cluster local) as ``nodes`` simulated nodes of equal size: the inter
-    link is the measured loopback under its own name (a distinct Link, so the planner tells the two
-    apart)."""
-    if nodes < 1 or cl.n_devices % nodes:
+def split_nodes(cl: Cluster, args: argparse.Namespace) -> Cluster:
+    """This machine's cluster (--cluster local) as ``args.nodes`` simulated nodes of equal size. The
+    link between them: the measured loopback under its own name (a distinct Link, so the planner
+    tells the two apart), or --inter-link when given (a what-if: prediction only, check_nodes)."""
+    nodes = args.nodes
+    if cl.n_devices % nodes:
         raise ValueError(f"--nodes {nodes} must divide the {cl.n_devices} workers (--gpus)")
-    inter = replace(cl.inter, name=f"{cl.inter.name}, simulated node boundary")
+    if given_inter_link(args):
+        inter = link_preset(args.inter_link, "--inter-link")
+    else:
+        inter = replace(cl.inter, name=f"{cl.inter.name}, simulated node boundary")
     return replace(cl, devices_per_node=cl.n_devices // nodes, inter=inter)
 
 
+def given_inter_link(args: argparse.Namespace) -> bool:
+    """--inter-link other than its default (infiniband): with --cluster local the default means the
+    measured loopback."""
+    return args.inter_link != DEFAULT_INTER_LINK
+
+
 def check_nodes(args: argparse.Namespace) -> None:
-    """--nodes splits this machine: only with --cluster local (a real cluster has --gpus-per-node)."""
+    """--nodes splits this machine: only with --cluster local (a real cluster has --gpus-per-node);
+    --validate measures the loopback, so it is not compared with a prediction for another link."""
     if args.nodes is None:
         return
-    if args.nodes < 1:
-        raise ValueError(f"--nodes must be >= 1 (got {args.nodes})")
     if args.cluster != "local":
         raise ValueError("--nodes splits this machine into simulated nodes: add --cluster local (for a real "
                          "cluster give --gpus and --gpus-per-node)")
+    if args.validate and given_inter_link(args):
+        raise ValueError(f"--validate runs on this machine, whose simulated nodes are joined by the loopback "
+                         f"(no bandwidth cap is simulated): drop --inter-link {args.inter_link} to validate, "
+                         "or drop --validate to price that link")
 
 
 def crossing_axes(shape: MeshShape, per_node: int) -> list[str]:
@@ -125,7 +139,7 @@ def validate_nodes(args: argparse.Namespace, c: LlamaConfig, tr: Training, resul
     across the node boundary. Returns (plan, measured, predicted cross-node bytes) per layout."""
     plans = chosen(result, base, args.validate_top)
     per_node = cluster.devices_per_node
-    print(f"\nvalidating {len(plans)} plans on {cluster.n_nodes} simulated nodes of {per_node} workers "
+    print(f"\nvalidating {len(plans)} plan(s) on {cluster.n_nodes} simulated nodes of {per_node} workers "
           f"({args.validate_steps} steps each; {LOOPBACK_NOTE})...")
     out = []
     with tempfile.TemporaryDirectory(prefix="paratrain-plan-nodes-") as tmp:
@@ -137,6 +151,9 @@ def validate_nodes(args: argparse.Namespace, c: LlamaConfig, tr: Training, resul
             got = measure_run(cfg, p.layout, per_node)
             out.append((p, got, cross_node_payload(c, tr, p.layout, got.steps)))
     print(report(out))
+    if any(isinstance(p.layout, SlowLayout) and p.layout.servers for p in result.plans):
+        print("(parameter-server rows are not run here: their bytes travel over torch.distributed.rpc, "
+              "not a mesh axis the metrics split by node)")
     return out
 
 
