@@ -140,17 +140,17 @@ def validate_nodes(args: argparse.Namespace, c: LlamaConfig, tr: Training, resul
     plans = chosen(result, base, args.validate_top)
     per_node = cluster.devices_per_node
     print(f"\nvalidating {len(plans)} plan(s) on {cluster.n_nodes} simulated nodes of {per_node} workers "
-          f"({args.validate_steps} steps each; {LOOPBACK_NOTE})...")
+          f"({args.validate_steps} steps each, averaging layouts two periods at least; {LOOPBACK_NOTE})...")
     out = []
     with tempfile.TemporaryDirectory(prefix="paratrain-plan-nodes-") as tmp:
         for i, p in enumerate(plans):
             cfg = layout_config(base, p.layout)
-            cfg.train.out = f"{tmp}/plan{i}"
+            cfg.train.out, cfg.train.log_every = f"{tmp}/plan{i}", 1  # every step's bytes are summed
             if isinstance(p.layout, SlowLayout) and p.layout.averaging:  # two averagings at least
                 cfg.train.steps = max(cfg.train.steps, 2 * p.layout.sync_every)
             got = measure_run(cfg, p.layout, per_node)
             out.append((p, got, cross_node_payload(c, tr, p.layout, got.steps)))
-    print(report(out))
+    print(report(out) if out else "none of the plans both fits and runs here: nothing to validate")
     if any(isinstance(p.layout, SlowLayout) and p.layout.servers for p in result.plans):
         print("(parameter-server rows are not run here: their bytes travel over torch.distributed.rpc, "
               "not a mesh axis the metrics split by node)")
