@@ -95,6 +95,14 @@ def test_hsdp_every_zero_stage_matches_one_process_and_the_byte_formula(tmp_path
     assert got[0][2][0]["layout"]["dp_replicate"] == 2
 
 
+def test_hsdp_with_pipeline_parallelism_matches_one_process(tmp_path, reference):
+    """dp 4 = R2 x S2 under pp 2 (8 workers), ZeRO-1: each stage's shards reduced over its own
+    dp_shard and dp_replicate groups; the norm summed over stages."""
+    (got,) = _spawn([tiny_cfg(tmp_path / "pp", **HSDP, **{"parallel.pp": 2, "parallel.zero": 1})], 8)
+    _assert_close(got, reference.run)
+    assert {"dp_shard", "dp_replicate", "pp"} <= got[2][-1]["comm_by_axis"].keys()
+
+
 def test_hsdp_with_tensor_parallelism_matches_one_process(tmp_path, reference):
     """dp 4 = R2 x S2 under tp 2 (8 workers), ZeRO-3: tp-split and tp-replicated parameters
     sharded over dp_shard, reduced over dp_replicate, the global norm counting each element once."""
@@ -189,3 +197,20 @@ def test_dp_shard_sets_dp_and_the_mesh():
     shape = MeshShape(dp=cfg.dp, dp_replicate=cfg.parallel.dp_replicate)
     assert shape.groups("dp_shard") == [[0, 1, 2], [3, 4, 5]]  # one node each
     assert shape.groups("dp_replicate") == [[0, 3], [1, 4], [2, 5]]  # across the nodes
+
+
+def test_ddp_inside_replicas_averaged_across_equals_whole_replicas(tmp_path):
+    """--zero 0 --dp-replicate 2 --sync local-sgd: each replica is 2 ranks running DDP (gradients summed
+    over dp_shard every step), the replicas averaged over dp_replicate every H steps. It trains as
+    local SGD over 2 one-rank replicas that each see the same rows (a replica's rows are the union of
+    its ranks' slices): the same losses and weights within fp32 reordering; bytes cross replicas only
+    on averaging steps (the fp32 parameters), and stay in the replica every step (the gradients)."""
+    sync = {"parallel.sync": "local-sgd", "parallel.sync_every": 2}
+    (split,) = _spawn([tiny_cfg(tmp_path / "split", **HSDP, **sync)], 4)
+    (whole,) = run(_train_many, 2, [tiny_cfg(tmp_path / "whole", **{"parallel.dp": 2}, **sync).to_dict()],
+                   timeout=300)[0]
+    _assert_close(split, RunResult(whole[0], whole[1]))
+    rows = split[2]
+    psi = rows[-1]["n_params"]
+    assert [r["comm_by_axis"].get("dp_replicate", 0) for r in rows] == [0, 4 * psi, 0, 4 * psi]
+    assert all(r["comm_by_axis"]["dp_shard"] == 4 * psi for r in rows)

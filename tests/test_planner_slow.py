@@ -254,7 +254,7 @@ def test_fixed_sync_choices_are_honoured():
     (["--dp-replicate", "2", "--zero", "0"], "with --zero 0 every rank already holds a replica"),
     (["--sync", "parameter-server", "--tp", "2"], "use --tp 1 --pp 1"),
     (["--sync-every", "0", "--sync", "diloco"], "--sync-every must be a positive number"),
-    (["--sync", "diloco", "--validate", "--cluster", "local"], "drop them or --cluster local"),
+    (["--sync", "diloco", "--validate", "--cluster", "local"], "not for one node: drop them"),
 ])
 def test_bad_fixed_sync_choices_exit_2_naming_the_flag(flags, message, capsys):
     assert plan_main(["--model", "llama-1b", "--gpus", "16", "--gpus-per-node", "8", *flags]) == 2

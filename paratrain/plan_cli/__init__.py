@@ -27,7 +27,8 @@ from paratrain.launch import spawn
 from paratrain.models.llama import PRESETS, LlamaConfig
 from paratrain.perf.hardware import GB, GPUS, LINKS, Cluster, make_cluster
 from paratrain.plan_cli.calibrate import measure_local
-from paratrain.plan_cli.command import first_runnable, model_toml, run_line, train_command
+from paratrain.plan_cli.command import first_runnable, layout_config, model_toml, run_line, train_command
+from paratrain.plan_cli.validate_nodes import DEFAULT_INTER_LINK, check_nodes, split_nodes, validate_nodes
 from paratrain.planner import search
 from paratrain.planner.machine import local_cluster
 from paratrain.planner.memory import Layout, Training
@@ -76,6 +77,10 @@ def parser() -> argparse.ArgumentParser:
     c = p.add_argument_group("cluster")
     c.add_argument("--cluster", choices=["local"], help="this machine, measured (one worker per core)")
     c.add_argument("--gpus", type=int, help="devices in all (default 8; local: cores)")
+    c.add_argument("--nodes", type=int, help="with --cluster local: split the workers into N simulated nodes "
+                   "(consecutive ranks, joined by the measured loopback, or by --inter-link without "
+                   "--validate) and price the slow-link branch; --validate then reports the bytes that "
+                   "cross between them")
     c.add_argument("--gpus-per-node", type=int, help="devices per node, joined by --intra-link "
                    "(default: all of --gpus, up to 8)")
     c.add_argument("--gpu", default="a100-80g",
@@ -84,7 +89,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per device (overrides the preset)")
     c.add_argument("--intra-link", default="nvlink",
                    help=f"link within a node: {', '.join(LINKS)} or GB/s per device (default: %(default)s)")
-    c.add_argument("--inter-link", default="infiniband",
+    c.add_argument("--inter-link", default=DEFAULT_INTER_LINK,
                    help=f"link between nodes: {', '.join(LINKS)} or a measured GB/s per device, e.g. 2.5 "
                         "(default: %(default)s); below 5 GB/s hybrid sharding, local SGD/DiLoCo and a "
                         "parameter server are priced too")
@@ -161,7 +166,7 @@ def check_numbers(args: argparse.Namespace) -> None:
     positive = {"--gpus": args.gpus, "--gpus-per-node": args.gpus_per_node, "--seq-len": args.seq_len,
                 "--global-batch": args.global_batch, "--micro-batch": args.micro_batch, "--top": args.top,
                 "--validate-steps": args.validate_steps, "--validate-top": args.validate_top,
-                "--params": args.params,
+                "--params": args.params, "--nodes": args.nodes,
                 "--gpu-memory": args.gpu_memory, "--peak-tflops": args.peak_tflops, "--dp": args.dp,
                 "--tp": args.tp, "--pp": args.pp, "--virtual-stages": args.virtual_stages, "--ep": args.ep,
                 "--tile": args.tile, "--sync-every": args.sync_every, "--dp-replicate": args.dp_replicate,
@@ -185,6 +190,7 @@ def check_numbers(args: argparse.Namespace) -> None:
 def cluster_from(args: argparse.Namespace) -> Cluster:
     if args.cluster == "local":
         cl = local_cluster(args.gpus, measure_local())
+        cl = split_nodes(cl, args) if args.nodes else cl
     else:
         gpus = 8 if args.gpus is None else args.gpus
         cl = make_cluster(gpus=gpus, gpus_per_node=args.gpus_per_node, gpu=args.gpu,
@@ -203,9 +209,9 @@ def check_sync_flags(args: argparse.Namespace, c: LlamaConfig | None) -> None:
              if value is not None]
     if given and c is None:
         raise ValueError(f"{' '.join(given)} price time and bytes per step: give the model's shape (--model)")
-    if given and args.cluster == "local":
+    if given and args.cluster == "local" and (args.nodes or 1) == 1:
         raise ValueError(f"{' '.join(given)} are priced for nodes joined by a link (--gpus-per-node, "
-                         "--inter-link), not for --cluster local: drop them or --cluster local")
+                         "--inter-link, or --cluster local --nodes 2), not for one node: drop them")
 
 
 def fixed_from(args: argparse.Namespace) -> dict:
@@ -343,6 +349,7 @@ def run(args: argparse.Namespace) -> int:
     c = model_from(args)
     tr = Training(seq_len=args.seq_len, global_batch=args.global_batch, precision=args.precision,
                   optimizer=args.optimizer, margin=args.margin)
+    check_nodes(args)
     check_sync_flags(args, c)  # before --cluster local measures this machine
     cluster = cluster_from(args)
     if c is None:
@@ -370,7 +377,9 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps(out) if args.json else out)
     if args.plot:
         print(f"memory plot: {plot(result.plans, args.plot)}", file=sys.stderr if args.json else sys.stdout)
-    if args.validate:
+    if args.validate and cluster.n_nodes > 1:  # simulated nodes: step time and bytes across them
+        validate_nodes(args, c, tr, result, cluster, base_config(args, c))
+    elif args.validate:
         validate(args, c, result, top=args.validate_top)
     return 0
 
@@ -383,7 +392,7 @@ def runnable_here(cfg: config.Config) -> Callable[[Layout], bool]:
     constraints)."""
     def ok(lay: Layout) -> bool:
         try:
-            checks.validate(layout_to_config(cfg, lay), lay.world)
+            checks.validate(layout_config(cfg, lay), lay.world)
         except (config.ConfigError, ValueError):
             return False
         return True

@@ -14,7 +14,7 @@ from paratrain.engine import checks
 from paratrain.models.llama import PRESETS, LlamaConfig
 from paratrain.perf.hardware import Cluster
 from paratrain.planner.memory import Layout
-from paratrain.planner.search import Plan, PlanResult
+from paratrain.planner.search import Plan, PlanResult, layout_to_config
 from paratrain.planner.slow_link import DILOCO_OUTER, SlowLayout
 
 SHAPE_KEYS = {"layers": "n_layers", "hidden": "dim", "heads": "n_heads", "kv_heads": "n_kv_heads",
@@ -69,6 +69,16 @@ def sync_settings(lay: Layout) -> list[tuple[str, str, object]]:
     if lay.sync == "parameter-server":
         out.append(("--servers", "parallel.servers", lay.servers))
     return out
+
+
+def layout_config(base: config.Config, lay: Layout) -> config.Config:
+    """`base` with every setting of ``lay``: search.layout_to_config's degrees and stage, and the
+    slow-link branch's (sync_settings), so what is checked or trained is the layout as planned."""
+    cfg = layout_to_config(base, lay)
+    for _, key, value in sync_settings(lay):
+        setattr(cfg.parallel, key.split(".", 1)[1], value)
+    cfg.parallel.nproc = lay.processes if isinstance(lay, SlowLayout) else lay.world
+    return cfg
 
 
 def server_note(lay: Layout, cluster: Cluster) -> str:

@@ -38,7 +38,7 @@ from paratrain.models.shape import ModelShape
 from paratrain.perf.hardware import GB, Cluster, Link
 from paratrain.planner.collectives import all_reduce_time, group_link, p2p_time, ring_link
 from paratrain.planner.cost import StepTime, dp_exposed, stage_counts, step_time
-from paratrain.planner.hybrid import hybrid_wire_bytes
+from paratrain.planner.hybrid import hybrid_comm_bytes, hybrid_wire_bytes
 from paratrain.planner.memory import (
     Layout,
     Memory,
@@ -123,8 +123,9 @@ class SlowLayout(Layout):
 
 
 def applies(cluster: Cluster) -> bool:
-    """The branch is taken over several nodes whose link is slow (not on this machine: one node)."""
-    return cluster.n_nodes > 1 and not cluster.local and cluster.inter.bandwidth < SLOW_LINK
+    """The branch is taken over several nodes whose link is slow, and on this machine split into
+    simulated nodes (``plan --cluster local --nodes N``: the branch is what is being checked)."""
+    return cluster.n_nodes > 1 and (cluster.local or cluster.inter.bandwidth < SLOW_LINK)
 
 
 def plain(lay: Layout) -> Layout:
@@ -282,6 +283,31 @@ def link_bytes(c: ModelShape, tr: Training, lay: SlowLayout, cluster: Cluster) -
         across = wire["dp_replicate"]
     out[_where(cluster, _replica_link(cluster, lay))] += across
     return out
+
+
+def cross_node_payload(c: ModelShape, tr: Training, lay: Layout, steps: int) -> float | None:
+    """Payload bytes (as metrics' ``comm_by_axis`` counts them: the tensor handed to the collective)
+    that one rank sends across the node boundary in ``steps`` steps, for the layouts whose crossing
+    group is the data-parallel one (tp = pp = 1): DDP's gradients and ZeRO's collectives over every
+    rank (planner/hybrid.py) every step, hybrid sharding's gradient shard every step, the averaged
+    fp32 parameters every H steps (steps // H times). None for the others (the parameter server's
+    traffic goes over RPC, not a mesh axis)."""
+    if lay.tp > 1 or lay.pp > 1 or lay.ep > 1:
+        return None
+    slow = lay if isinstance(lay, SlowLayout) else SlowLayout(**{f.name: getattr(lay, f.name)
+                                                                for f in fields(Layout)})
+    psi, sb = c.n_params(), state_bytes_per_param(tr.precision, tr.optimizer)
+    if slow.sync == "parameter-server":
+        return None
+    if slow.averaging:
+        per_rank = psi / slow.shard if slow.replicate > 1 else psi  # a replica: one node's S ranks, or one
+        return steps // slow.sync_every * per_rank * AVERAGED_BYTES
+    if slow.zero == 0:
+        return steps * psi * sb.grads  # DDP: the gradients' all-reduce over every data-parallel rank
+    axis = "dp_replicate" if slow.replicate > 1 else "dp"  # ZeRO over every rank: all of it crosses
+    return steps * hybrid_comm_bytes(psi, zero=slow.zero, shard=slow.shard, replicate=slow.replicate,
+                                     micro_batches=slow.n_micro(tr.global_batch), param_bytes=sb.params,
+                                     grad_bytes=sb.grads)[axis]
 
 
 def _where(cluster: Cluster, link: Link) -> str:
@@ -464,5 +490,5 @@ def choice_notes(ranked: list, feasible: list) -> list[str]:
 
 
 __all__ = ["AVERAGING_GAIN", "CAVEAT", "FIXABLE", "SLOW_LINK", "SYNCS", "SlowLayout", "applies",
-           "check_fixed", "choice_notes", "choose_h", "evaluate", "extend", "link_bytes", "memory", "price",
-           "rank_seconds", "tree", "variants"]
+           "check_fixed", "choice_notes", "choose_h", "cross_node_payload", "evaluate", "extend",
+           "link_bytes", "memory", "price", "rank_seconds", "tree", "variants"]
