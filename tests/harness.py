@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from paratrain import config
 from paratrain.engine import checks
@@ -174,3 +175,19 @@ class InterruptedAt(Trainer):
         if step == self.at_step:
             raise KeyboardInterrupt
         return super().train_step(step)
+
+
+def fit_with_resumes(env, cfgs: dict[str, dict], resumes: dict[str, str], mid: str, fit) -> dict:
+    """Every run of ``cfgs`` in one start of the workers (``fit(env, cfg_dict)`` each); a run named in
+    ``resumes`` starts from checkpoint ``mid`` of the run it names, copied alone into its folder as
+    a crash would leave it."""
+    out = {}
+    for name, cfg in cfgs.items():
+        if name in resumes:
+            if env.rank == 0:
+                src, dst = (Path(cfgs[n]["train"]["out"]) / "checkpoints" for n in (resumes[name], name))
+                shutil.copytree(src / mid, dst / mid)
+                (dst / "latest").write_text(mid + "\n")
+            dist.barrier()
+        out[name] = fit(env, cfg)
+    return out

@@ -17,12 +17,10 @@ remaining float64 reorderings are ~1e-16 relative, hence tolerances of 1e-12.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from safetensors.torch import load_file
 
@@ -36,7 +34,7 @@ from paratrain.engine import checks
 from paratrain.mesh import MeshShape, ParallelMesh
 from paratrain.train.trainer import Trainer
 from tests.dist import run
-from tests.harness import FP32_REORDERED, assert_same_weights, tiny_cfg
+from tests.harness import FP32_REORDERED, assert_same_weights, fit_with_resumes, tiny_cfg
 
 ROWS, WIDTH, STEPS = 4, 6, 6
 EXACT = {"rtol": 1e-12, "atol": 1e-12}  # float64 reordering (module docstring)
@@ -243,16 +241,7 @@ RESUMES = {"resumed": "full", "ddp-from-mid": "full", "local-from-ddp": "ddp5"} 
 def _fit_all(env, cfgs: dict[str, dict]) -> dict:
     """Every trainer-level run, in one start of the workers; a run of RESUMES starts from the MID
     checkpoint of the run it names (copied alone into its folder, as a crash would leave it)."""
-    out = {}
-    for name, cfg in cfgs.items():
-        if name in RESUMES:
-            if env.rank == 0:
-                src, dst = (Path(cfgs[n]["train"]["out"]) / "checkpoints" for n in (RESUMES[name], name))
-                shutil.copytree(src / MID, dst / MID)
-                (dst / "latest").write_text(MID + "\n")
-            dist.barrier()
-        out[name] = _fit(env, cfg)
-    return out
+    return fit_with_resumes(env, cfgs, RESUMES, MID, _fit)
 
 
 @pytest.fixture(scope="module")

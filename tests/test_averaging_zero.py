@@ -15,12 +15,10 @@ counted, exact); resuming between two averagings continues bit for bit; bad flag
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 
 import paratrain
@@ -30,7 +28,7 @@ from paratrain.cli import main
 from paratrain.engine import checks
 from paratrain.train.trainer import Trainer
 from tests.dist import run
-from tests.harness import FP32_REORDERED, tiny_cfg
+from tests.harness import FP32_REORDERED, fit_with_resumes, tiny_cfg
 
 HYBRID = {"dp_replicate": 2}  # dp 4 = 2 replicas x 2 ranks
 
@@ -104,16 +102,7 @@ RESUMES = {"resumed": "full", "resumed-z1": "full-z1"}  # run -> the run it resu
 def _fit_all(env, cfgs: dict[str, dict]) -> dict:
     """Every run in one start of the workers; a run of RESUMES starts from the MID checkpoint of the
     run it names (copied alone into its folder, as a crash would leave it)."""
-    out = {}
-    for name, cfg in cfgs.items():
-        if name in RESUMES:
-            if env.rank == 0:
-                src, dst = (Path(cfgs[n]["train"]["out"]) / "checkpoints" for n in (RESUMES[name], name))
-                shutil.copytree(src / MID, dst / MID)
-                (dst / "latest").write_text(MID + "\n")
-            dist.barrier()
-        out[name] = _fit(env, cfg)
-    return out
+    return fit_with_resumes(env, cfgs, RESUMES, MID, _fit)
 
 
 @pytest.fixture(scope="module")
