@@ -62,6 +62,8 @@ def test_tiny_run_reports_every_variant_against_ddp(tmp_path):
                   "--configs", "hsdp,diloco-8,ps-sync", "--keep", str(tmp_path)])
     result = bench_sync.run(args)
     table = result["variants"]
+    assert result["kind"] == "sync" and result["peer"] == "ddp" and result["headline"] == "hsdp"
+    assert result["ratio"] == table["hsdp"]["tokens_per_s_vs_ddp"] and result["rounds"] == 1
     assert list(table) == ["ddp", "hsdp", "diloco-8", "ps-sync"]  # DDP added: every ratio is to it
     for name, row in table.items():
         assert row["cross_bytes_vs_ddp"] == pytest.approx(row["expected_cross_bytes_vs_ddp"], rel=1e-12), name

@@ -194,7 +194,17 @@ def run(args: argparse.Namespace) -> dict:
             return result
 
         runs = rotating_rounds(names, args.rounds, run_one)
+    variants = table(runs, args.nproc, args.steps)
     return {"kind": "sync", "model": args.model, "steps": args.steps, "global_batch": args.global_batch,
             "seq_len": args.seq_len, "nproc": args.nproc, "hsdp_processes": 2 * SHARD, "rounds": args.rounds,
-            "data": args.data or "default", "machine": machine(),
-            "variants": table(runs, args.nproc, args.steps)}
+            "data": args.data or "default", "machine": machine(), **headline(variants), "variants": variants}
+
+
+def headline(variants: dict[str, dict]) -> dict:
+    """The keys every `bench --json` carries (DESIGN.md 3): the variant that names the slow-link
+    answer (DiLoCo at H = 32 when it ran, else the first one that is not DDP) against DDP."""
+    others = [n for n in variants if n != "ddp"] or ["ddp"]
+    name = "diloco-32" if "diloco-32" in variants else others[0]
+    ours, ddp = variants[name], variants["ddp"]
+    return {"headline": name, "paratrain_tokens_per_s": ours["tokens_per_s"], "peer": "ddp",
+            "peer_tokens_per_s": ddp["tokens_per_s"], "ratio": ours["tokens_per_s_vs_ddp"]}
