@@ -539,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     export_parser(sub)
     b = sub.add_parser("bench", help="paratrain vs PyTorch's own implementation, side by side",
                        add_help=False)
-    b.add_argument("kind", help="single | ddp | zero | tp | pp | moe | api "
+    b.add_argument("kind", help="single | ddp | zero | tp | pp | moe | api | sync "
                                 "(`paratrain bench KIND --help` for its options)")
     sub.add_parser("plan", help="choose a layout for a model and a cluster, and explain why", add_help=False)
     sub.add_parser("viz", help="pictures of a run (viz timeline OUT)", add_help=False)
