@@ -70,8 +70,10 @@ def test_tiny_run_reports_every_variant_against_ddp(tmp_path):
         assert row["tokens_per_s"] > 0 and row["val_loss"] is not None
     assert table["ddp"]["cross_bytes_per_step"] > 0
     assert table["hsdp"]["processes"] == 4 and table["ps-sync"]["processes"] == 3
-    # HSDP and the synchronous server compute DDP's step (float32, another summation order):
+    # HSDP and the synchronous server compute DDP's step (float32, another summation order: the
+    # tolerance of test_zero.py / test_hsdp.py, which AdamW's isolated flips stay within on any CPU;
+    # their parity proper is proven there):
     for name in ("hsdp", "ps-sync"):
-        assert table[name]["train_loss_vs_ddp"] == pytest.approx(1, abs=1e-5), name
+        assert table[name]["train_loss_vs_ddp"] == pytest.approx(1, rel=1e-3), name
     assert table["diloco-8"]["train_loss"] != table["ddp"]["train_loss"]  # it ran its own schedule
     assert (tmp_path / "diloco-8-1" / "metrics.jsonl").exists()
