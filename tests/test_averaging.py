@@ -192,8 +192,9 @@ def test_a_non_finite_norm_on_one_replica_skips_the_step_on_all(two_replicas):
     assert [two_replicas[r]["nan"][0].item() for r in range(2)] == [float("inf")] * 2
 
 
-def _library(env, runs: dict[str, dict]) -> dict:
-    """tests/test_api.py's loop (its model, SGD with momentum, StepLR, data), under each Parallel."""
+def _library(env, runs: dict[str, dict], full: bool = False) -> dict:
+    """tests/test_api.py's loop (its model, SGD with momentum, StepLR, data), under each Parallel;
+    (losses, weights) per run. ``full``: the weights gathered from ZeRO's shards (full_state_dict)."""
     out = {}
     for name, kw in runs.items():
         par = paratrain.Parallel(**kw)
@@ -201,7 +202,8 @@ def _library(env, runs: dict[str, dict]) -> dict:
         model, opt = par.prepare(model, opt)
         losses = api_test.train_steps(par, model, opt, sched, 0, api_test.STEPS)
         par.end_period()
-        out[name] = (losses, {k: v.detach().clone() for k, v in model.state_dict().items()})
+        out[name] = (losses, par.full_state_dict(model) if full else
+                      {k: v.detach().clone() for k, v in model.state_dict().items()})
     return out
 
 

@@ -21,7 +21,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import paratrain
 import tests.test_api as api_test
 from paratrain import config
 from paratrain.cli import main
@@ -29,21 +28,9 @@ from paratrain.engine import checks
 from paratrain.train.trainer import Trainer
 from tests.dist import run
 from tests.harness import FP32_REORDERED, fit_with_resumes, tiny_cfg
+from tests.test_averaging import _library
 
 HYBRID = {"dp_replicate": 2}  # dp 4 = 2 replicas x 2 ranks
-
-
-def _library(env, runs: dict[str, dict]) -> dict:
-    """tests/test_api.py's loop under each Parallel; (losses, full weights) per run."""
-    out = {}
-    for name, kw in runs.items():
-        par = paratrain.Parallel(**kw)
-        model, opt, sched = api_test.build("sgd")
-        model, opt = par.prepare(model, opt)
-        losses = api_test.train_steps(par, model, opt, sched, 0, api_test.STEPS)
-        par.end_period()
-        out[name] = (losses, par.full_state_dict(model))
-    return out
 
 
 def _assert_runs_equal(got: tuple, ref: tuple) -> None:
@@ -57,7 +44,7 @@ def _assert_runs_equal(got: tuple, ref: tuple) -> None:
 def test_h1_with_sgd_every_zero_stage_equals_zero0_averaging_ddp_and_one_process():
     local1 = {"sync": "local-sgd", "sync_every": 1, **HYBRID}
     runs = {"ddp": {}, "avg-zero0": local1, **{f"avg-zero{z}": {**local1, "zero": z} for z in (1, 2, 3)}}
-    got = run(_library, 4, runs, timeout=120)[0]
+    got = run(_library, 4, runs, True, timeout=120)[0]
     one = api_test.reference("sgd")
     for name in runs:
         _assert_runs_equal(got[name], one)
@@ -67,7 +54,7 @@ def test_h1_with_sgd_every_zero_stage_equals_zero0_averaging_ddp_and_one_process
 def test_diloco_over_zero3_equals_diloco_over_zero0_with_the_same_replicas():
     diloco = {"sync": "diloco", "sync_every": 3, "outer_lr": 0.7, "outer_momentum": 0.9, **HYBRID}
     got = run(_library, 4, {"zero0": diloco, "zero3": {**diloco, "zero": 3},
-                            "ddp": {}}, timeout=120)
+                            "ddp": {}}, True, timeout=120)
     _assert_runs_equal(got[0]["zero3"], got[0]["zero0"])
     for r in (1, 2, 3):  # end_period: every rank holds the same weights
         assert all(torch.equal(got[0]["zero3"][1][k], got[r]["zero3"][1][k]) for k in got[0]["zero3"][1])
