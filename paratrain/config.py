@@ -441,9 +441,9 @@ def _check_8bit(problems: list[str], cfg: Config) -> None:
     if o.block_size < 1 or o.min_8bit_size < 0:
         problems.append(f"optim.block_size must be >= 1 and optim.min_8bit_size >= 0 "
                         f"(got {o.block_size}, {o.min_8bit_size})")
-    if p.offload == "disk":
-        problems.append("--optimizer adamw8bit keeps its quantised state in memory: use --offload none or "
-                        "cpu, or --optimizer adamw with --offload disk")
+    if p.offload == "disk" and p.zero != 3:  # ZeRO-3's disk store streams 8-bit state (zero/disk8.py)
+        problems.append("--optimizer adamw8bit keeps its quantised state on disk only under --zero 3: use "
+                        "--zero 3, or --offload none or cpu, or --optimizer adamw with --offload disk")
     if p.tp > 1:
         problems.append("--optimizer adamw8bit quantises whole tensors in blocks; a tensor-parallel slice's "
                         "blocks are not the full tensor's, so its state would depend on the layout: "

@@ -57,6 +57,7 @@ skip the reduce-scatter (FSDP's no_sync: fewer bytes, more memory); the last one
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -81,7 +82,8 @@ from paratrain.zero.flat import (
     wait_all,
 )
 from paratrain.zero.fsdp_units import Frozen, Unit, UnitHooks
-from paratrain.zero.offload import disk_store, make_store
+from paratrain.zero.disk8 import DiskStore8
+from paratrain.zero.offload import DiskStore, disk_store, make_store
 from paratrain.zero.sharded_state import ShardedState, held_sync
 from paratrain.zero.units import NESTED, nest_units
 from paratrain.zero.units import backward_order as _backward_order
@@ -162,11 +164,10 @@ class Zero3(UnitHooks, ShardedState, Strategy):
             u.index = i
         self.pieces = [pc for i, layout in enumerate(self.layouts)
                        for pc in layout.pieces(i, self.optim_cfg.weight_decay)]
-        self.store = None
-        if self.offload == "disk":
-            self.store = disk_store([layout.shard for layout in self.layouts], [pc for pc, _ in self.pieces],
-                                    self.optim_cfg, directory=self.offload_dir, rank=self.mesh.rank,
-                                    chunk=self.offload_chunk)
+        # fp32 + disk: the master on disk *is* the compute shard, so it is not kept in memory too:
+        # each gather reads it from the store (``_load_shard``); 4 Psi / N bytes less per rank.
+        self.shards_on_disk = self.offload == "disk" and self.compute_dtype == torch.float32
+        self.store = self._disk_store() if self.offload == "disk" else None
         self._masters: list[torch.Tensor] = []
         self.init_kept_bytes = self.init_peak_bytes = 0  # bytes of tensors this constructor holds
         for u in self.units:
@@ -184,15 +185,31 @@ class Zero3(UnitHooks, ShardedState, Strategy):
                                    for p in m.parameters() if id(p) not in nested or _is_nested(u.modules)})
         self._backward_next = _backward_order([_is_nested(u.modules) for u in self.units])
 
+    def _disk_store(self) -> DiskStore | DiskStore8:
+        """The empty disk store of every unit's master shard (and its AdamW or 8-bit AdamW state)."""
+        sizes = [layout.shard for layout in self.layouts]
+        if not store8.is_8bit(self.optim_cfg):
+            return disk_store(sizes, [pc for pc, _ in self.pieces], self.optim_cfg, directory=self.offload_dir,
+                              rank=self.mesh.rank, chunk=self.offload_chunk)
+        regions = [r for i, layout in enumerate(self.layouts) for r in store8.regions_of(layout, i, self.optim_cfg)]
+        if not self.offload_dir:
+            raise ValueError("--offload disk needs --offload-dir DIR (parallel.offload_dir)")
+        return DiskStore8(sizes, regions, self.optim_cfg, directory=os.path.join(self.offload_dir, "zero_offload"),
+                          rank=self.mesh.rank, chunk=self.offload_chunk)
+
     def _build_trained(self, index: int, layout: FlatLayout,
-                       init_value: InitFn) -> tuple[torch.Tensor, torch.Tensor]:
-        """(shard, gathered buffer) of a unit's trainable part; its fp32 master to the store."""
+                       init_value: InitFn) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(shard, gathered buffer) of a unit's trainable part; its fp32 master to the store (no shard
+        kept when the store's master is the shard: ``shards_on_disk``)."""
         aliased = self.compute_dtype == torch.float32 and self.offload == "none"
         master = self._init_master(layout, init_value)  # [shard] fp32
-        shard = master if aliased else master.to(self.compute_dtype)  # fp32 + offload: the same tensor
+        shard = master if aliased or self.shards_on_disk else master.to(self.compute_dtype)
         extra = 0 if shard is master else nbytes(shard)
         self.init_peak_bytes = max(self.init_peak_bytes, self.init_kept_bytes + nbytes(master) + extra)
-        self.init_kept_bytes += nbytes(shard)
+        if self.shards_on_disk:
+            shard = None
+        else:
+            self.init_kept_bytes += nbytes(shard)
         if self.store is not None:
             self.store.write_master(index, master)  # window by window; the in-memory master is dropped
         else:
@@ -296,7 +313,7 @@ class Zero3(UnitHooks, ShardedState, Strategy):
 
     def build_optimizer(self) -> None:
         aliased = self.compute_dtype == torch.float32 and self.offload == "none"
-        if store8.is_8bit(self.optim_cfg):
+        if store8.is_8bit(self.optim_cfg) and self.store is None:  # none | cpu (disk: built already)
             self.store = store8.make_store8(self.offload, self._masters, self.layouts, self.optim_cfg,
                                             aliased=aliased)
         if self.store is None:  # none | cpu: the store takes the masters built in _materialize
@@ -367,7 +384,7 @@ class Zero3(UnitHooks, ShardedState, Strategy):
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
-        shards = [u.shard for u in self.trained]
+        shards = [u.shard for u in self.trained]  # None when on disk: the store's master is the shard
         self.step_partition([u.grad_shard for u in self.trained], shards, lr)
         self.after_partition_step(shards)
 
@@ -401,7 +418,7 @@ class Zero3(UnitHooks, ShardedState, Strategy):
         grads = sum(nbytes(u.grad_shard) for u in self.trained if u.grad_shard is not None)
         grads += sum(nbytes(p.grad) for u in self.trained for p in u.layout.params if p.grad is not None)
         s = self.store.bytes()
-        params = sum(nbytes(shard) for u in self.units for _, _, shard, _ in u.parts())
+        params = sum(nbytes(shard) for u in self.units for _, _, shard, _ in u.parts() if shard is not None)
         return {"params": params, "grads": grads, "optim": s["device"], "offloaded": s["host"] + s["disk"]}
 
     def step_metrics(self) -> dict[str, float]:
@@ -417,6 +434,9 @@ class Zero3(UnitHooks, ShardedState, Strategy):
 
     @torch.no_grad()
     def publish_masters(self) -> None:
-        """The store's masters into the compute shards (the next gather reads them)."""
+        """The store's masters into the compute shards (the next gather reads them; on disk, the
+        store's master is the shard already)."""
+        if self.shards_on_disk:
+            return
         for i, u in enumerate(self.trained):
             u.shard.copy_(self.store.read(i, "param").to(self.mesh.device, self.compute_dtype))

@@ -80,6 +80,7 @@ class UnitHooks:
     """Gather, release and prefetch of ``self.units`` (mixed into Zero3)."""
 
     units: list[Unit]
+    shards_on_disk: bool = False  # fp32 + disk offload: the compute shard is read from the store
 
     # -- gather / free ------------------------------------------------------------------------------
 
@@ -88,6 +89,7 @@ class UnitHooks:
         if u.gathered:
             return
         u.gathered = True
+        self._load_shard(u)
         self.gathered_bytes += u.nbytes
         self.gathered_peak_bytes = max(self.gathered_peak_bytes, self.gathered_bytes)
         for layout, full, shard, what in u.parts():
@@ -103,6 +105,7 @@ class UnitHooks:
         for work in u.work:
             work.wait()
         u.work = []
+        self._drop_shard(u)
 
     def _free(self, i: int) -> None:
         u = self.units[i]
@@ -111,10 +114,21 @@ class UnitHooks:
         for work in u.work:  # a prefetch nobody used (e.g. eval stopped early)
             work.wait()
         u.work = []
+        self._drop_shard(u)
         for _, full, _, _ in u.parts():
             full.untyped_storage().resize_(0)
         u.gathered = False
         self.gathered_bytes -= u.nbytes
+
+    def _load_shard(self, u: Unit) -> None:
+        """fp32 + disk offload keeps no compute shard: the store's master is read for the gather
+        (held only until the gather completes)."""
+        if self.shards_on_disk and u.layout is not None:
+            u.shard = self.store.read(u.index, "param").to(self.mesh.device)
+
+    def _drop_shard(self, u: Unit) -> None:
+        if self.shards_on_disk and u.layout is not None:
+            u.shard = None
 
     # -- hooks ------------------------------------------------------------------------------------
 

@@ -62,8 +62,6 @@ def _hparams(optim_cfg) -> dict:
 
 
 
-
-
 class DeviceStore:
     """Masters + moments on the compute device, stepped by torch AdamW (no offload)."""
 
@@ -214,8 +212,8 @@ class DiskStore:
             with self._window(index, "param", a, b) as w:
                 w.copy_(master[a:b].detach().float().cpu())
 
-    def _window(self, index: int, which: str, a: int, b: int) -> _Window:
-        return _Window(self.paths[index, which], a, b)
+    def _window(self, index: int, which: str, a: int, b: int) -> Window:
+        return Window(self.paths[index, which], a, b)
 
     def step(self, grads: list[torch.Tensor], lr: float, outs: list[torch.Tensor],
              scale: float = 1.0) -> None:
@@ -316,15 +314,16 @@ class RecipeDiskStore(DiskStore):
         self.piece_scalars = [dict(values) for _ in self.pieces]
 
 
-class _Window:
-    """A mapped window [a, b) of a float32 file, as a torch tensor; flushed and unmapped on exit,
-    so its pages leave this process's resident set."""
+class Window:
+    """A mapped window [a, b) of a file of ``dtype`` elements (float32 unless said), as a torch
+    tensor; flushed and unmapped on exit, so its pages leave this process's resident set."""
 
-    def __init__(self, path: Path, a: int, b: int):
-        self.path, self.a, self.b = path, a, b
+    def __init__(self, path: Path, a: int, b: int, dtype: torch.dtype = torch.float32):
+        self.path, self.a, self.b, self.dtype = path, a, b, dtype
 
     def __enter__(self) -> torch.Tensor:
-        self.mm = np.memmap(self.path, dtype=np.float32, mode="r+", offset=self.a * 4,
+        np_dtype = np.uint8 if self.dtype == torch.uint8 else np.float32
+        self.mm = np.memmap(self.path, dtype=np_dtype, mode="r+", offset=self.a * self.dtype.itemsize,
                             shape=(self.b - self.a,))
         return torch.from_numpy(self.mm)
 
