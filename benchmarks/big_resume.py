@@ -1,6 +1,7 @@
 """A >= 3 B-parameter Llama trained, saved and resumed in another layout on this box (issue 27 item 5).
 
-    .venv/bin/python benchmarks/big_resume.py --params-b 3.0 --offload-dir /tmp/pt_big --out /tmp/pt_big_run --json
+    .venv/bin/python benchmarks/big_resume.py --params-b 3.0 --offload-dir /tmp/pt_big \
+        --out /tmp/pt_big_run --json
 
 Three runs of the normal ``Trainer`` (its ``train_step`` / ``log_step`` / ``save`` / ``resume``,
 what ``fit()`` calls; not ``fit()`` itself, whose final export gathers the whole model on rank 0):
@@ -61,7 +62,8 @@ def build_config(args: argparse.Namespace, nproc: int, resume: bool) -> config.C
         "parallel.offload": "disk", "parallel.offload_dir": os.path.join(args.offload_dir, f"dp{nproc}"),
         "parallel.timeout_s": 3600.0,  # a disk-bound step of minutes must not trip the watchdog
         "optim.name": args.optimizer, "optim.warmup_steps": 1,
-        "train.precision": "fp32", "train.steps": args.steps + args.more, "train.global_batch": args.global_batch,
+        "train.precision": "fp32", "train.steps": args.steps + args.more,
+        "train.global_batch": args.global_batch,
         "train.eval_every": 0, "train.progress": False, "train.out": args.out, "train.resume": resume,
         "train.seed": args.seed,
     })
@@ -89,10 +91,11 @@ class Phases:
 def _steps(trainer: Trainer, phases: Phases, first: int, count: int) -> list[float]:
     losses = []
     for step in range(first, first + count):
-        row = trainer.log_step(step, trainer.train_step(step))
-        losses.append(row["loss"])
-        phases.mark(f"step {step + 1}", trainer.mesh.device, loss=row["loss"],
-                    state_bytes=trainer.engine.strategy.state_bytes())
+        s = trainer.train_step(step)
+        trainer.log_step(step, s)  # every rank: the loss is reduced across them
+        losses.append(trainer.result.losses[-1])
+        phases.mark(f"step {step + 1}", trainer.mesh.device, loss=losses[-1], train_step_s=s["time"],
+                    state_bytes=s["state_bytes"])
     return losses
 
 
@@ -150,12 +153,18 @@ def run(args: argparse.Namespace) -> dict:
     checks.validate(first, 2)
     checks.validate(second, 1)
     task = build_task(first)  # tokenize once here (cached); the workers map the cache
-    shutil.rmtree(args.out, ignore_errors=True)
-    a, host_a = _run(_train_save_continue, 2, first.to_dict(), args.steps, args.more)
-    ckpt_dir = Path(args.out) / "checkpoints" / f"step_{args.steps:06d}"
-    ckpt_bytes = _du(ckpt_dir)
+    run1_file = Path(args.out + ".run1.json")  # --phase train leaves it for --phase resume
+    if args.phase in ("all", "train"):
+        shutil.rmtree(args.out, ignore_errors=True)
+        ranks, host = _run(_train_save_continue, 2, first.to_dict(), args.steps, args.more)
+        run1_file.write_text(json.dumps({"ranks": ranks, "host_peak": host.peak - host.baseline}))
+        shutil.rmtree(first.parallel.offload_dir, ignore_errors=True)  # only the checkpoint is left
+        if args.phase == "train":
+            return json.loads(run1_file.read_text())
+    run1 = json.loads(run1_file.read_text())
+    a = run1["ranks"]
+    ckpt_bytes = _du(Path(args.out) / "checkpoints" / f"step_{args.steps:06d}")
     peak_disk_a = a[0]["offload_disk_bytes"] + a[1]["offload_disk_bytes"] + ckpt_bytes
-    shutil.rmtree(first.parallel.offload_dir, ignore_errors=True)  # only the checkpoint is left
     b, host_b = _run(_resume_continue, 1, second.to_dict(), args.more)
     shutil.rmtree(second.parallel.offload_dir, ignore_errors=True)
     cont_a, cont_b = a[0]["losses"][args.steps:], b[0]["losses"]
@@ -166,7 +175,7 @@ def run(args: argparse.Namespace) -> dict:
         "seq_len": args.seq_len, "global_batch": args.global_batch, "steps_before_save": args.steps,
         "steps_continued": args.more,
         "dp2": {"per_rank": [r["phases"] for r in a], "losses": a[0]["losses"],
-                "host_used_peak_above_baseline_bytes": host_a.peak - host_a.baseline,
+                "host_used_peak_above_baseline_bytes": run1["host_peak"],
                 "offload_disk_bytes": sum(r["offload_disk_bytes"] for r in a)},
         "dp1_resumed": {"per_rank": [r["phases"] for r in b], "losses": cont_b,
                         "host_used_peak_above_baseline_bytes": host_b.peak - host_b.baseline,
@@ -190,6 +199,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--offload-dir", default="/tmp/pt_big", help="the disk stores (deleted at the end)")
     parser.add_argument("--out", default="/tmp/pt_big_run", help="checkpoint and metrics")
+    parser.add_argument("--phase", choices=("all", "train", "resume"), default="all",
+                        help="train: run 1 only (dp2, save, continue); resume: runs 2-3 after it (two "
+                             "shorter turns of the shared lock)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     result = run(args)

@@ -12,10 +12,12 @@ from __future__ import annotations
 import shutil
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from paratrain import config
 from paratrain.engine import checks
+from paratrain.shards import CheckpointError, ShardFile, write_safetensors
 from paratrain.train.metrics import read_metrics
 from paratrain.train.trainer import Trainer
 from paratrain.zero import offload, store8
@@ -70,6 +72,28 @@ def test_disk_store8_steps_the_same_bits_as_the_memory_store(tmp_path):
     assert torch.equal(disk.read(0, "exp_avg.q"), codes) and disk.steps == 7
 
 
+def test_shard_files_are_read_not_mapped(tmp_path):
+    """A resume reads checkpoint ranges with plain reads: the file never appears in the process's
+    mappings (mapped, an 18 GB checkpoint's pages would count in the resident set), and a
+    truncated file is refused when opened."""
+    tensors = {"a": torch.arange(1000, dtype=torch.float32), "q": torch.arange(300).to(torch.uint8)}
+    path = tmp_path / "rank0.safetensors"
+    values = list(tensors.values())
+    write_safetensors(path, [(k, tuple(t.shape), t.dtype) for k, t in tensors.items()], lambda i: values[i])
+    f = ShardFile(path)
+    assert torch.equal(f.read("a", 10, 900), tensors["a"][10:900])
+    assert torch.equal(f.read("q", 299, 300), tensors["q"][299:])
+    with open("/proc/self/maps") as maps:
+        assert str(path) not in maps.read()
+    with pytest.raises(CheckpointError, match="outside"):
+        f.read("q", 0, 301)
+    f.close()
+    data = path.read_bytes()
+    path.write_bytes(data[:-100])
+    with pytest.raises(ValueError, match="beyond the end"):
+        ShardFile(path)
+
+
 def _train(env, runs: list[dict]) -> list:
     offload.DISK_CHUNK = CHUNK
     out = []
@@ -107,12 +131,13 @@ def test_zero3_8bit_disk_trains_the_same_bits_and_resumes_at_dp1(tmp_path, monke
     assert frows[-1]["mem_params_bytes"] == 0 and row["mem_params_bytes"] == 0
     # Resume the dp2 disk run's step-2 checkpoint in one process, 8-bit state on disk.
     monkeypatch.setattr(offload, "DISK_CHUNK", CHUNK)
-    shutil.copytree(tmp_path / "d8" / "checkpoints" / "step_000002", tmp_path / "r1" / "checkpoints" / "step_000002")
+    mid = "checkpoints/step_000002"
+    shutil.copytree(tmp_path / "d8" / mid, tmp_path / "r1" / mid)
     (tmp_path / "r1" / "checkpoints" / "latest").write_text("step_000002\n")
-    one = tiny_cfg(tmp_path / "r1", **EIGHT, **{"parallel.zero": 3, "parallel.offload": "disk",
-                                                "parallel.offload_dir": str(tmp_path / "o1"), "train.resume": True})
+    resume = {"parallel.zero": 3, "parallel.offload": "disk", "train.resume": True,
+              "parallel.offload_dir": str(tmp_path / "o1")}
+    one = tiny_cfg(tmp_path / "r1", **EIGHT, **resume)
     resumed = run_layout(one)
     torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(d8[2:]), **FP32_REORDERED)
-    for name, w in dw.items():
-        torch.testing.assert_close(resumed.weights[name].float(), torch.from_numpy(w.numpy()) if not
-                                   torch.is_tensor(w) else w.float(), rtol=1e-3, atol=1e-3)
+    for name, w in dw.items():  # AdamW: an element with a ~0 gradient may move ~lr differently
+        torch.testing.assert_close(resumed.weights[name].float(), w.float(), rtol=1e-3, atol=1e-3)

@@ -92,7 +92,7 @@ class DiskStore8(Store8):
         if not r.quantised:
             return {k: self._window(r.index, k, a, b) for k in a8.FP32_KEYS}
         lo, hi = a // self.block, math.ceil(b / self.block)
-        return {k: self._window(r.index, k, lo, hi) if k.endswith(".absmax") else self._window(r.index, k, a, b)
+        return {k: self._window(r.index, k, *((lo, hi) if k.endswith(".absmax") else (a, b)))
                 for k in QUANT_KEYS}
 
     def _step_window(self, r: Region, a: int, b: int, grad: torch.Tensor, lr: float,
@@ -101,8 +101,8 @@ class DiskStore8(Store8):
         with self._window(r.index, "param", a, b) as p:
             state = {k: w.__enter__() for k, w in windows.items()}
             try:
-                self.max_resident_bytes = max(self.max_resident_bytes,
-                                              4 * (b - a) + sum(t.numel() * t.element_size() for t in state.values()))
+                held = 4 * (b - a) + sum(t.numel() * t.element_size() for t in state.values())
+                self.max_resident_bytes = max(self.max_resident_bytes, held)
                 g = grad[a:b].to("cpu", torch.float32)
                 a8.adamw8bit_update(p, g.mul_(scale) if scale != 1.0 else g, state, step=self.steps, lr=lr,
                                     weight_decay=r.weight_decay, block=self.block, **self.hp)

@@ -73,6 +73,7 @@ from paratrain.models import family_of
 from paratrain.sharding import copy_info, info_of, shard_of
 from paratrain.shards import ShardReader
 from paratrain.zero import store8
+from paratrain.zero.disk8 import DiskStore8
 from paratrain.zero.flat import (
     DTYPES,
     FlatLayout,
@@ -82,7 +83,6 @@ from paratrain.zero.flat import (
     wait_all,
 )
 from paratrain.zero.fsdp_units import Frozen, Unit, UnitHooks
-from paratrain.zero.disk8 import DiskStore8
 from paratrain.zero.offload import DiskStore, disk_store, make_store
 from paratrain.zero.sharded_state import ShardedState, held_sync
 from paratrain.zero.units import NESTED, nest_units
@@ -189,13 +189,14 @@ class Zero3(UnitHooks, ShardedState, Strategy):
         """The empty disk store of every unit's master shard (and its AdamW or 8-bit AdamW state)."""
         sizes = [layout.shard for layout in self.layouts]
         if not store8.is_8bit(self.optim_cfg):
-            return disk_store(sizes, [pc for pc, _ in self.pieces], self.optim_cfg, directory=self.offload_dir,
-                              rank=self.mesh.rank, chunk=self.offload_chunk)
-        regions = [r for i, layout in enumerate(self.layouts) for r in store8.regions_of(layout, i, self.optim_cfg)]
+            return disk_store(sizes, [pc for pc, _ in self.pieces], self.optim_cfg, rank=self.mesh.rank,
+                              directory=self.offload_dir, chunk=self.offload_chunk)
+        regions = [r for i, layout in enumerate(self.layouts)
+                   for r in store8.regions_of(layout, i, self.optim_cfg)]
         if not self.offload_dir:
             raise ValueError("--offload disk needs --offload-dir DIR (parallel.offload_dir)")
-        return DiskStore8(sizes, regions, self.optim_cfg, directory=os.path.join(self.offload_dir, "zero_offload"),
-                          rank=self.mesh.rank, chunk=self.offload_chunk)
+        return DiskStore8(sizes, regions, self.optim_cfg, rank=self.mesh.rank, chunk=self.offload_chunk,
+                          directory=os.path.join(self.offload_dir, "zero_offload"))
 
     def _build_trained(self, index: int, layout: FlatLayout,
                        init_value: InitFn) -> tuple[torch.Tensor | None, torch.Tensor]:
