@@ -17,6 +17,10 @@ import torch
 
 from paratrain import config
 from paratrain.engine import checks
+from paratrain.models.from_config import model_config
+from paratrain.planner import memory
+from paratrain.planner.machine import local_cluster
+from paratrain.planner.memory import Layout, Training
 from paratrain.shards import CheckpointError, ShardFile, write_safetensors
 from paratrain.train.metrics import read_metrics
 from paratrain.train.trainer import Trainer
@@ -129,6 +133,15 @@ def test_zero3_8bit_disk_trains_the_same_bits_and_resumes_at_dp1(tmp_path, monke
     # fp32 on disk: the compute shard is the store's master, read for each gather: no parameter
     # bytes held between steps (the bf16 8-bit run holds none either: its shards are fp32 too).
     assert frows[-1]["mem_params_bytes"] == 0 and row["mem_params_bytes"] == 0
+    # The planner's memory model says the same: only the optimizer partition and (fp32, disk) the
+    # parameter shard leave the device; the gradient partition stays (3%: ZeRO's padding).
+    for cfg, got in ((runs[0], row), (runs[2], frows[-1])):
+        lay = Layout(dp=2, zero=3, offload="disk", micro_batch=cfg.micro_batch)
+        tr = Training(cfg.data.seq_len, cfg.train.global_batch, precision="fp32", optimizer=cfg.optim.name)
+        mem = memory.device_memory(model_config(cfg, cfg.data.vocab_size), tr, lay, local_cluster(2))
+        assert mem.params == got["mem_params_bytes"] == 0 and mem.optim == got["mem_optim_bytes"] == 0
+        assert mem.grads == pytest.approx(got["mem_grads_bytes"], rel=0.03), cfg.optim.name
+        assert mem.offloaded == pytest.approx(got["mem_offloaded_disk_bytes"], rel=0.03), cfg.optim.name
     # Resume the dp2 disk run's step-2 checkpoint in one process, 8-bit state on disk.
     monkeypatch.setattr(offload, "DISK_CHUNK", CHUNK)
     mid = "checkpoints/step_000002"
