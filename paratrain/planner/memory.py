@@ -379,7 +379,10 @@ def device_memory(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster,
         states = (lora_states(c, tr, lay, sb, psi, layers[rank] - n_moe[rank], n_moe[rank]) if tr.lora_rank
                   else model_state_bytes(psi - experts[rank], experts[rank], lay, sb))
         offloaded = 0.0
-        for key in offloaded_states(lay, tr.precision):
+        # --offload moves the optimizer partition, not the gradient shard (reduced on the device, read
+        # by the step) nor the compute shard, except ZeRO-3 + disk in fp32 (zero/fsdp.py shards_on_disk).
+        disk_params = lay.zero >= 3 and lay.offload == "disk" and tr.precision == "fp32"
+        for key in [] if lay.offload == "none" else ["optim"] + (["params"] if disk_params else []):
             offloaded, states[key] = offloaded + states[key], 0.0
         kw = {"tp": lay.tp, "sp": lay.sp, "recompute": lay.recompute, "precision": tr.precision}
         per_mb = ((layers[rank] - n_moe[rank]) * layer_activation_bytes(c, tr.seq_len, lay.micro_batch, **kw)
@@ -399,18 +402,6 @@ def device_memory(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster,
         if best is None or mem.total > best.total:
             best = mem
     return best
-
-
-def offloaded_states(lay: Layout, precision: str) -> list[str]:
-    """The model states ``--offload`` moves off the device, as paratrain does it: the optimizer
-    partition (fp32 master + moments). The gradient partition stays (each ZeRO stage reduces into a
-    device shard the store reads at the step), and so does the compute-precision parameter shard,
-    except under ZeRO-3 + disk in fp32, where the store's master *is* that shard and each gather
-    reads it from disk (zero/fsdp.py ``shards_on_disk``)."""
-    if lay.offload == "none":
-        return []
-    disk_params = lay.zero >= 3 and lay.offload == "disk" and precision == "fp32"
-    return ["optim"] + (["params"] if disk_params else [])
 
 
 def model_state_bytes(dense: float, experts: float, lay: Layout, sb: StateBytes) -> dict[str, float]:
