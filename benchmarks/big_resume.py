@@ -65,7 +65,7 @@ def build_config(args: argparse.Namespace, nproc: int, resume: bool) -> config.C
         "train.precision": "fp32", "train.steps": args.steps + args.more,
         "train.global_batch": args.global_batch,
         "train.eval_every": 0, "train.progress": False, "train.out": args.out, "train.resume": resume,
-        "train.seed": args.seed,
+        "train.seed": args.seed, **({"optim.lr": args.lr} if args.lr is not None else {}),
     })
 
 
@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--global-batch", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the config's)")
     parser.add_argument("--offload-dir", default="/tmp/pt_big", help="the disk stores (deleted at the end)")
     parser.add_argument("--out", default="/tmp/pt_big_run", help="checkpoint and metrics")
     parser.add_argument("--phase", choices=("all", "train", "resume"), default="all",
