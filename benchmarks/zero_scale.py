@@ -8,13 +8,15 @@ small; as many blocks as the size asks; a 512-token vocabulary so the embedding 
 small), and runs ``--steps`` optimizer steps of the normal ``Trainer`` (``--zero 3 --offload disk``,
 global batch 2, seq 64) on ``--nproc`` local gloo workers. The fp32 master and both AdamW moments
 (12 bytes/param) live in memory-mapped files under ``--offload-dir``; each rank keeps only its
-compute-dtype parameter shard and gradient shard.
+gradient shard (in fp32 its parameter shard is the store's master, read from disk for each gather;
+in bf16 it keeps its bf16 parameter shard too).
 
 Why fp32 (the default): bf16 would halve the resident model state ((2 + 2) Psi / N bytes per rank
 instead of (4 + 4) Psi / N), but this CPU has no bf16 instructions and torch's bf16 *backward* is
 pathologically slow on it: one 4096-wide block takes 90 s of backward in bf16 against 4 s in fp32
 (measured, 64 tokens, one thread), and a 0.36 B model took 280 s per step in bf16. In fp32 the two
-ranks hold 8 bytes/param (parameter + gradient shards) and the disk holds the other 12.
+ranks hold 4 bytes/param (the gradient shard; 8 before issue 27, when the fp32 parameter shard was
+kept in memory as well) and the disk holds the other 12.
 ``--precision bf16`` is there for a machine with bf16 matmuls.
 
 Why not ``Trainer.fit()``: it ends with the model export, whose ``TrainResult.final_state`` holds
