@@ -21,7 +21,8 @@ scale: planner vs published"):
 4. **Re-gathers.** With full recomputation the backward first re-runs the unit's forward. paratrain
    and FSDP gather the unit once for both; DeepSpeed releases a parameter between its recompute and
    its backward when its next use lies further than ``stage3_max_reuse_distance`` parameters ahead
-   (1e9 by default): a block larger than that is gathered three times per micro-batch.
+   (1e9 by default): a block larger than that is gathered three times per micro-batch (the rule
+   is per parameter; applied here to the whole block, a simplification).
 
 The runtime is ``Training.zero3_runtime``; DeepSpeed's figures are its defaults
 (deepspeed/runtime/zero/config.py). Units: the rank's parameters in block-sized units (the embedding
