@@ -1,5 +1,7 @@
-"""8-bit AdamW state on disk under ZeRO-3 (zero/disk8.py) and fp32 ZeRO-3 shards read from the disk
-store (zero/fsdp.py ``shards_on_disk``): what lets a 3 B model train on a 24 GiB machine.
+"""8-bit AdamW state on disk under ZeRO-3 (zero/disk8.py), fp32 ZeRO-3 shards read from the disk
+store (zero/fsdp.py ``shards_on_disk``), checkpoint files read without mapping them (shards.py
+``ShardFile``) and the planner's offload memory: what lets a 3 B model train, save and resume in
+another layout on a 24 GiB machine (benchmarks/big_resume.py, docs/benchmarks.md).
 
 Tolerances: the disk store steps the very same elementwise arithmetic window by window (whole
 quantisation blocks per window), so against the in-memory store it is bit for bit. A dp2 run
