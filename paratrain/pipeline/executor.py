@@ -44,6 +44,7 @@ import torch.nn as nn
 
 from paratrain.base.executor import LossFn, MicroBatch, SideLossFn, autocast_for, micro_batch, with_side_loss
 from paratrain.base.strategy import Strategy
+from paratrain.base.weight_grad import WeightGradStore
 from paratrain.comm import collectives as C
 from paratrain.mesh import ParallelMesh
 from paratrain.pipeline.schedules import (
@@ -65,7 +66,6 @@ from paratrain.pipeline.schedules import (
     stage_rank,
 )
 from paratrain.pipeline.stage import StageChunk, TiedEmbedding, ends_share_rank
-from paratrain.pipeline.weight_grad import WeightGradStore
 
 
 class PipelineExecutor:

@@ -15,8 +15,11 @@ autograd functions and stay in B), every expert of a mixture of experts (models/
 expert parallelism too), LoRA's adapters and the frozen base (whose weight needs no gradient:
 left alone). Not deferred, computed in B as today: norms, embeddings, biases (small), the MoE
 router's weight under tensor parallelism (it reaches ``F.linear`` through ``copy_to_tp``, not as
-a leaf). Under activation checkpointing B recomputes the forward under the same mode, so the
-recomputed graph matches the first and its linears defer too.
+a leaf). Under activation checkpointing B re-runs the forward under the same mode (``recapture``,
+entered by memory/recompute.py), so the re-run graph matches the first and its linears defer too.
+
+It lives in base/ (below the pipeline and memory/): the pipeline executor drives it, activation
+checkpointing consults it, and it uses no communication.
 
 Outside ``capture()`` nothing changes (no mode, no custom function: the backward is exactly
 today's). A captured linear whose backward runs outside ``deferring(key)`` computes its weight
@@ -56,16 +59,15 @@ class WeightGradStore:
 
     @contextlib.contextmanager
     def deferring(self, key: Hashable) -> Iterator[None]:
-        """Run a backward (B) that keeps the captured linears' weight products under ``key``.
-        It captures too: activation checkpointing recomputes the forward inside B and must build
-        the same graph (its recomputed linears then defer like the others)."""
+        """Run a backward (B) that keeps the captured linears' weight products under ``key``."""
+        global _deferring
         was, self._key = self._key, key
+        outer, _deferring = _deferring, self
         self._pending.setdefault(key, [])
         try:
-            with self.capture():
-                yield
+            yield
         finally:
-            self._key = was
+            self._key, _deferring = was, outer
 
     def keep(self, weight: torch.Tensor, x: torch.Tensor, dy: torch.Tensor,
              dtype: torch.dtype | None) -> bool:
@@ -97,6 +99,19 @@ class WeightGradStore:
 
     def __len__(self) -> int:
         return len(self._pending)
+
+
+# The store whose B is running, if any. Process-wide, not thread-local: on CUDA the autograd engine
+# runs the backward (and activation checkpointing's re-run) in its own device thread.
+_deferring: WeightGradStore | None = None
+
+
+def recapture() -> contextlib.AbstractContextManager:
+    """Around activation checkpointing's re-run of a forward inside B (memory/recompute.py): the
+    re-run must build the graph the first forward built, so it captures like that forward did.
+    (A mode entered around B's ``backward`` call would not reach it: a torch function mode is
+    popped while it handles ``backward`` itself.)"""
+    return _deferring.capture() if _deferring is not None else contextlib.nullcontext()
 
 
 def weight_product(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
