@@ -23,7 +23,9 @@ from paratrain.base.weight_grad import WeightGradStore
 from paratrain.data_parallel.ddp import DDP
 from paratrain.engine import checks
 from paratrain.mesh import MeshShape, ParallelMesh
+from paratrain.models.llama import PRESETS
 from paratrain.models.moe import MoE
+from paratrain.perf.hardware import make_cluster
 from paratrain.pipeline import timeline
 from paratrain.pipeline.schedules import (
     ScheduleError,
@@ -34,6 +36,9 @@ from paratrain.pipeline.schedules import (
     peak_in_flight,
     stage_rank,
 )
+from paratrain.planner.memory import Training, in_flight
+from paratrain.planner.search import plan
+from paratrain.planner.zero_bubble import zb_bubble, zb_in_flight
 from paratrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from paratrain.train.task import build_task
 from paratrain.train.trainer import Trainer
@@ -276,6 +281,36 @@ def test_dp_reduction_launches_during_the_w_passes(tmp_path):
         assert inside > 0, f"rank {rank}: no bucket launched during a W pass: {events}"
         if rank in (0, 1):  # pp rank 0 (mesh: tp fastest, then dp, pp slowest)
             assert launched_before_last_w, f"rank {rank}: {events}"
+
+
+# -- the planner's prices ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,p,m", [(n, p, m) for n in ZB for p in (2, 4) for m in (8, 16)])
+def test_planner_prices_match_the_real_schedules(name, p, m):
+    """planner/zero_bubble.py's idle time is the ideal-time simulation of the real lists (F = B = W
+    = 1 per rank's share; mb_time = 3) and its in-flight count their peak (chunks / 2 for a V)."""
+    s = make_schedule(name, p, m)
+    frac = s.ideal_bubble(1.0, 2.0, 1.0)
+    idle = frac / (1 - frac) * m * 3.0  # makespan - work, per rank
+    assert zb_bubble(name, p, 3.0) == pytest.approx(idle, abs=1e-9)
+    peak = max(peak_in_flight(s.compute_order(r)) for r in range(p)) / s.v
+    assert zb_in_flight(name, p, m) == in_flight(name, p, m) == peak
+
+
+def test_planner_zb_h1_same_memory_as_1f1b_third_of_its_bubble():
+    """ZB-H1 holds 1F1B's peak, p micro-batches, but on every rank: the last stage (1 under 1F1B)
+    holds more, its logits' gradients waiting for the head's W, and the planner says so."""
+    fixed = {"dp": 1, "tp": 1, "pp": 4, "zero": 0, "micro_batch": 1, "recompute": "none", "sp": False}
+    tr, cluster = Training(2048, 16), make_cluster(gpus=4)
+    one, zb = (plan(PRESETS["llama-7b"], tr, cluster, {**fixed, "schedule": s}, top=1).plans[0]
+               for s in ("1f1b", "zb-h1"))
+    assert in_flight("zb-h1", 4, 16, rank=0) == in_flight("1f1b", 4, 16, rank=0) == 4
+    assert zb.memory.activations > one.memory.activations and zb.memory.stage == 3
+    assert zb.time.bubble == pytest.approx(one.time.bubble / 3)
+    v = plan(PRESETS["llama-7b"], tr, cluster, {**fixed, "schedule": "zbv"}, top=1).plans[0]
+    # (its micro-batch time is a little longer: two chunks per rank send twice the messages)
+    assert v.layout.v == 2 and v.time.bubble == pytest.approx(one.time.bubble / 6, rel=0.01)
 
 
 # -- bad flags -----------------------------------------------------------------------------------
