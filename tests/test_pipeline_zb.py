@@ -210,6 +210,11 @@ def world4(tmp_path_factory):
         "pp2_tp2_zb-h1": tiny_cfg(base / "tp", **_pp(2, "zb-h1"), **M4, **{"parallel.tp": 2}),
         "pp2_tp2_zbv_moe": tiny_cfg(base / "tpm", **_pp(2, "zbv"), **M4, **MOE, **{"parallel.tp": 2}),
         "pp2_tp2_1f1b_moe": tiny_cfg(base / "tpm1", **_pp(2, "1f1b"), **M4, **MOE, **{"parallel.tp": 2}),
+        "pp2_tp2_sp_zbv": tiny_cfg(base / "sp", **_pp(2, "zbv"), **M4, **{"parallel.tp": 2,
+                                                                          "parallel.sp": True}),
+        # expert parallelism: the all-to-alls stay in F and B, the experts' weights go to W
+        "pp2_ep2_zb-h1_moe": tiny_cfg(base / "ep", **_pp(2, "zb-h1"), **dp2, **MOE, **{"parallel.ep": 2}),
+        "pp2_ep2_1f1b_moe": tiny_cfg(base / "ep1", **_pp(2, "1f1b"), **dp2, **MOE, **{"parallel.ep": 2}),
     }
     return _layouts(4, cfgs)
 
@@ -223,8 +228,14 @@ def test_zero_bubble_with_data_parallel(world4, refs, name):
     assert_same_training(world4[name], refs["m4"], **SUMMED)
 
 
-def test_zero_bubble_with_tensor_parallel(world4, refs):
-    assert_composed(world4["pp2_tp2_zb-h1"], refs["m4"])
+@pytest.mark.parametrize("name", ["pp2_tp2_zb-h1", "pp2_tp2_sp_zbv"])
+def test_zero_bubble_with_tensor_parallel(world4, refs, name):
+    assert_composed(world4[name], refs["m4"])
+
+
+def test_zero_bubble_with_expert_parallel(world4):
+    """pp2 x ep2 (over dp2): the same run as 1F1B's in the same layout, bit for bit."""
+    assert_same_training(world4["pp2_ep2_zb-h1_moe"], world4["pp2_ep2_1f1b_moe"], rtol=0, atol=0)
 
 
 def test_zero_bubble_with_tensor_parallel_experts(world4):
