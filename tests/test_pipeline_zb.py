@@ -207,6 +207,8 @@ def world4(tmp_path_factory):
         "pp4_zb-h1": tiny_cfg(base / "pp4", **_pp(4, "zb-h1"), **M8),
         "pp2_dp2_zb-h1": tiny_cfg(base / "dp", **_pp(2, "zb-h1"), **dp2),
         "pp2_dp2_zbv_zero1": tiny_cfg(base / "z1", **_pp(2, "zbv"), **dp2, **{"parallel.zero": 1}),
+        # the tied pair is one parameter on rank 0, given gradients by two stages' passes
+        "pp2_dp2_zbv_tied": tiny_cfg(base / "dpt", **_pp(2, "zbv"), **dp2, **TIED),
         "pp2_tp2_zb-h1": tiny_cfg(base / "tp", **_pp(2, "zb-h1"), **M4, **{"parallel.tp": 2}),
         "pp2_tp2_zbv_moe": tiny_cfg(base / "tpm", **_pp(2, "zbv"), **M4, **MOE, **{"parallel.tp": 2}),
         "pp2_tp2_1f1b_moe": tiny_cfg(base / "tpm1", **_pp(2, "1f1b"), **M4, **MOE, **{"parallel.tp": 2}),
@@ -223,9 +225,10 @@ def test_pp4_zb_h1_is_exact(world4, refs):
     assert_same_training(world4["pp4_zb-h1"], refs["m8"], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", ["pp2_dp2_zb-h1", "pp2_dp2_zbv_zero1"])
-def test_zero_bubble_with_data_parallel(world4, refs, name):
-    assert_same_training(world4[name], refs["m4"], **SUMMED)
+@pytest.mark.parametrize("name,ref", [("pp2_dp2_zb-h1", "m4"), ("pp2_dp2_zbv_zero1", "m4"),
+                                      ("pp2_dp2_zbv_tied", "tied")])
+def test_zero_bubble_with_data_parallel(world4, refs, name, ref):
+    assert_same_training(world4[name], refs[ref], **SUMMED)
 
 
 @pytest.mark.parametrize("name", ["pp2_tp2_zb-h1", "pp2_tp2_sp_zbv"])
