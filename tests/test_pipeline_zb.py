@@ -24,6 +24,7 @@ from paratrain.data_parallel.ddp import DDP
 from paratrain.engine import checks
 from paratrain.mesh import MeshShape, ParallelMesh
 from paratrain.models.llama import PRESETS
+from paratrain.models.lora import LoRALinear, LoraSpec
 from paratrain.models.moe import MoE
 from paratrain.perf.hardware import make_cluster
 from paratrain.pipeline import timeline
@@ -119,10 +120,14 @@ def _b_plus_w(module: nn.Module, x: torch.Tensor, deferred: list[str]) -> None:
         torch.testing.assert_close(got[n].grad, g, rtol=1e-12, atol=1e-14, msg=n)
 
 
-def test_b_plus_w_equals_backward_linear_and_moe_experts():
+def test_b_plus_w_equals_backward_linear_lora_and_moe_experts():
     torch.manual_seed(0)
     lin = nn.Linear(8, 6, dtype=torch.float64)
     _b_plus_w(lin, torch.randn(3, 5, 8, dtype=torch.float64), ["weight"])
+    lora = LoRALinear.from_linear(nn.Linear(8, 6, dtype=torch.float64), LoraSpec(rank=2))
+    nn.init.normal_(lora.lora_B.weight)
+    lora.weight.requires_grad_(False)  # the frozen base: left to plain F.linear
+    _b_plus_w(lora, torch.randn(3, 5, 8, dtype=torch.float64), ["lora_A.weight", "lora_B.weight"])
     moe = MoE(dim=8, ffn_dim=16, n_experts=4, top_k=2).double()
     experts = [n for n, _ in moe.named_parameters() if n.startswith("experts.")]
     _b_plus_w(moe, torch.randn(2, 6, 8, dtype=torch.float64), experts + ["router.weight"])
