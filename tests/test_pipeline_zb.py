@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from paratrain import config
+from paratrain import cli, config
 from paratrain.base.weight_grad import WeightGradStore
 from paratrain.data_parallel.ddp import DDP
 from paratrain.engine import checks
@@ -347,3 +347,10 @@ def test_bad_zero_bubble_configuration(tmp_path, overrides, needle):
     with pytest.raises(config.ConfigError) as info:
         checks.validate(cfg)
     assert needle in str(info.value)
+
+
+def test_bad_zero_bubble_flags_exit_2_before_any_worker(tmp_path, capsys):
+    argv = ["train", "--model", "tiny", "--nproc", "4", "--pp", "4", "--pp-schedule", "dualpipev",
+            "--global-batch", "4", "--out", str(tmp_path / "run")]
+    assert cli.main(argv) == 2
+    assert "dualpipev needs at least as many micro-batches as stages" in capsys.readouterr().err
