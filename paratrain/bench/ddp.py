@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser, nproc=2, steps=12, rounds=3)
     parser.add_argument("--bucket-mb", type=float, default=25.0,
                         help="gradient bucket size in MiB, both sides (default: %(default)s)")
+    parser.add_argument("--dp-reduce", choices=("auto", "shm", "collective"), default="auto",
+                        help="how paratrain's DDP sums a bucket (docs/data_parallel.md; the peer always uses "
+                        "gloo's all-reduce) (default: %(default)s)")
     parser.add_argument("--micro-batch", type=int, default=None,
                         help="rows per micro-batch, the rest by accumulation (default: all)")
 
@@ -57,7 +60,7 @@ def bench_config(args: argparse.Namespace, out: str) -> config.Config:
         "model.name": args.model, "data.seq_len": args.seq_len, "train.global_batch": args.global_batch,
         "train.micro_batch": args.micro_batch, "train.steps": args.warmup + args.steps, "train.out": out,
         "train.progress": False, "train.eval_every": 0, "parallel.nproc": args.nproc,
-        "parallel.dp": args.nproc, "parallel.bucket_mb": args.bucket_mb,
+        "parallel.dp": args.nproc, "parallel.bucket_mb": args.bucket_mb, "parallel.dp_reduce": args.dp_reduce,
     })
     return checks.validate(cfg, args.nproc)
 
@@ -238,6 +241,7 @@ def _worker(env: DistEnv, cfg_dict: dict, args: argparse.Namespace) -> dict:
     runs = result["paratrain_runs"]
     result["exposed_comm_fraction"] = statistics.median(r["exposed_comm_fraction"] for r in runs)
     result["buckets"] = len(trainer.engine.strategy.buckets)
+    result["dp_reduce"] = trainer.engine.strategy.reduce
     # The slowest rank's phases (the step time is the slowest rank's too).
     mine = _per_step_ms(ours.phases, statistics.fmean(r["seconds_per_step"] for r in runs))
     every = [None] * env.world_size
@@ -259,6 +263,7 @@ def run(args: argparse.Namespace) -> dict:
         "kind": "ddp", "nproc": args.nproc, "threads_per_worker": 1, "model": args.model,
         "n_params": task.n_params, "seq_len": args.seq_len, "global_batch": args.global_batch,
         "micro_batch": cfg.micro_batch, "bucket_mb": args.bucket_mb, "buckets": result.pop("buckets"),
+        "dp_reduce": result.pop("dp_reduce"),
         "peer": "torch DDP",
         **result,
         "scaling": scaling(alone, together, dp, args.nproc),
