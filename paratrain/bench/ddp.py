@@ -36,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import paratrain.config as config
 from paratrain.base.strategy import adamw_param_groups
+from paratrain.bench import ddp_timeline
 from paratrain.bench.common import add_common_arguments, machine, paired_rounds, time_steps
 from paratrain.device import sync_device
 from paratrain.engine import checks
@@ -51,6 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dp-reduce", choices=("auto", "shm", "collective"), default="auto",
                         help="how paratrain's DDP sums a bucket (docs/data_parallel.md; the peer always uses "
                         "gloo's all-reduce) (default: %(default)s)")
+    parser.add_argument("--timeline", metavar="OUT", default=None,
+                        help="after the rounds, trace a few dp steps and write OUT/ddp_timeline.json and .png "
+                        "(per rank: forward, backward, each bucket's launch and reduction, the exposed wait, "
+                        "grad norm, update)")
     parser.add_argument("--micro-batch", type=int, default=None,
                         help="rows per micro-batch, the rest by accumulation (default: all)")
 
@@ -113,7 +118,7 @@ def _paratrain_side(trainer: Trainer, args, env: DistEnv):
 def _single_config(args, per_rank_batch: int, micro_batch: int, out: str) -> config.Config:
     return checks.validate(config.load(None, {
         "model.name": args.model, "data.seq_len": args.seq_len, "train.global_batch": per_rank_batch,
-        "train.micro_batch": micro_batch, "train.steps": args.warmup + args.steps * args.rounds,
+        "train.micro_batch": micro_batch, "train.steps": args.warmup + args.steps,
         "train.out": out, "train.progress": False, "train.eval_every": 0, "train.threads": 1,
         "parallel.nproc": 1}), 1)
 
@@ -138,7 +143,7 @@ def single_reference(args: argparse.Namespace, per_rank_batch: int, micro_batch:
 
             if ready is not None:
                 ready()
-            steps = args.steps * args.rounds
+            steps = args.steps
             seconds = time_steps(step, args.warmup, steps, lambda: sync_device(trainer.mesh.device))
         finally:
             torch.set_num_threads(threads)
@@ -178,26 +183,41 @@ def concurrent_reference(args: argparse.Namespace, per_rank_batch: int, micro_ba
     return min(out, key=lambda r: r["tokens_per_s"])
 
 
-def scaling(alone: dict, together: dict, dp: dict, nproc: int) -> dict:
-    """dp tokens/s against n single processes' worth, and the per-step milliseconds that separate
-    them, phase by phase on the slowest rank: first what n busy processes cost each other with no
-    communication at all (``sharing_the_machine``: together - alone), then what data parallelism
-    adds on top (``data_parallelism``: dp - together)."""
+def _mean_ms(runs: list[dict]) -> dict[str, float]:
+    return {k: statistics.fmean(r["per_step_ms"][k] for r in runs) for k in runs[0]["per_step_ms"]}
+
+
+def scaling(rounds: list[dict], nproc: int) -> dict:
+    """dp tokens/s against n single processes' worth, per round (each round ran alone, together
+    and dp one after the other, in a rotating order) and as the median of the rounds' ratios; and
+    the per-step milliseconds that separate them (means over the rounds), phase by phase on the
+    slowest rank: first what n busy processes cost each other with no communication at all
+    (``sharing_the_machine``: together - alone), then what data parallelism adds on top
+    (``data_parallelism``: dp - together)."""
     def diff(a: dict, b: dict) -> dict:
         out = {k: b[k] - a[k] for k in a if k != "step"}
         out["total"] = b["step"] - a["step"]
         return out
 
-    ideal = nproc * alone["tokens_per_s"]
-    limit = nproc * together["tokens_per_s"]
-    return {"single_tokens_per_s": alone["tokens_per_s"], "ideal_tokens_per_s": ideal,
-            "concurrent_tokens_per_s": limit, "dp_tokens_per_s": dp["tokens_per_s"],
-            "efficiency": dp["tokens_per_s"] / ideal, "efficiency_vs_concurrent": dp["tokens_per_s"] / limit,
-            "step_ms": {"alone": alone["per_step_ms"], "concurrent": together["per_step_ms"],
-                        "dp": dp["per_step_ms"]},
+    per_round = [{"order": r["order"], "alone_tokens_per_s": r["alone"]["tokens_per_s"],
+                  "concurrent_tokens_per_s": nproc * r["together"]["tokens_per_s"],
+                  "dp_tokens_per_s": r["dp"]["tokens_per_s"],
+                  "efficiency": r["dp"]["tokens_per_s"] / (nproc * r["alone"]["tokens_per_s"]),
+                  "efficiency_vs_concurrent": r["dp"]["tokens_per_s"] / (nproc * r["together"]["tokens_per_s"])}
+                 for r in rounds]
+    ms = {k: _mean_ms([r[k] for r in rounds]) for k in ("alone", "together", "dp")}
+    median = statistics.median
+    return {"single_tokens_per_s": median(r["alone_tokens_per_s"] for r in per_round),
+            "ideal_tokens_per_s": nproc * median(r["alone_tokens_per_s"] for r in per_round),
+            "concurrent_tokens_per_s": median(r["concurrent_tokens_per_s"] for r in per_round),
+            "dp_tokens_per_s": median(r["dp_tokens_per_s"] for r in per_round),
+            "efficiency": median(r["efficiency"] for r in per_round),
+            "efficiency_vs_concurrent": median(r["efficiency_vs_concurrent"] for r in per_round),
+            "rounds": per_round,
+            "step_ms": {"alone": ms["alone"], "concurrent": ms["together"], "dp": ms["dp"]},
             "lost_ms_per_step": {
-                "sharing_the_machine": diff(alone["per_step_ms"], together["per_step_ms"]),
-                "data_parallelism": diff(together["per_step_ms"], dp["per_step_ms"])}}
+                "sharing_the_machine": diff(ms["alone"], ms["together"]),
+                "data_parallelism": diff(ms["together"], ms["dp"])}}
 
 
 def _torch_ddp_side(cfg: config.Config, task: LanguageModelTask, args, env: DistEnv, rows: slice):
@@ -230,24 +250,52 @@ def _torch_ddp_side(cfg: config.Config, task: LanguageModelTask, args, env: Dist
     return go
 
 
-def _worker(env: DistEnv, cfg_dict: dict, args: argparse.Namespace) -> dict:
+def _worker(env: DistEnv, cfg_dict: dict, args: argparse.Namespace, round_index: int) -> dict:
+    """One paired round (paratrain's DDP and torch's, in the order the round's parity says)."""
     cfg = config.Config.from_dict(cfg_dict)
     task = build_task(cfg)  # the token cache was built by the parent: this only maps it
     trainer = Trainer(cfg, env, task=task)
     trainer.phase_sync = True
     ours = _paratrain_side(trainer, args, env)
     peer = _torch_ddp_side(cfg, task, args, env, trainer.local_rows())
-    result = paired_rounds(ours, peer, args.rounds)
-    runs = result["paratrain_runs"]
-    result["exposed_comm_fraction"] = statistics.median(r["exposed_comm_fraction"] for r in runs)
-    result["buckets"] = len(trainer.engine.strategy.buckets)
-    result["dp_reduce"] = trainer.engine.strategy.reduce
+    result = paired_rounds(ours, peer, 1, first=round_index)
+    run = result["paratrain_runs"][0]
     # The slowest rank's phases (the step time is the slowest rank's too).
-    mine = _per_step_ms(ours.phases, statistics.fmean(r["seconds_per_step"] for r in runs))
+    mine = _per_step_ms(ours.phases, run["seconds_per_step"])
     every = [None] * env.world_size
     dist.all_gather_object(every, mine)  # raw torch: not part of either side's counted traffic
-    result["per_step_ms"] = max(every, key=lambda ms: ms["step"])
-    return result
+    strategy = trainer.engine.strategy
+    out = {"paratrain": run["tokens_per_s"], "peer": result["peer_tokens_per_s"],
+           "exposed_comm_fraction": run["exposed_comm_fraction"],
+           "per_step_ms": max(every, key=lambda ms: ms["step"]),
+           "buckets": len(strategy.buckets), "dp_reduce": strategy.reduce}
+    if args.timeline and round_index == args.rounds - 1:
+        records = ddp_timeline.trace_steps(trainer, args.warmup + args.steps, TRACED_STEPS)
+        out["timeline"] = ddp_timeline.gather(records)
+    return out
+
+
+#: Steps traced for ``--timeline`` after the last round (the picture draws the last one).
+TRACED_STEPS = 4
+
+
+def _rotated(names: list[str], r: int) -> list[str]:
+    return names[r % len(names):] + names[:r % len(names)]
+
+
+def _round(args: argparse.Namespace, cfg: config.Config, per_rank: int, r: int) -> dict:
+    """alone, together and dp once each, in an order that rotates with the round."""
+    got: dict = {}
+    for name in _rotated(["alone", "together", "dp"], r):
+        if name == "alone":
+            got["alone"] = single_reference(args, per_rank, cfg.micro_batch)
+        elif name == "together":
+            got["together"] = concurrent_reference(args, per_rank, cfg.micro_batch, args.nproc)
+        else:
+            got["worker"] = spawn(_worker, args.nproc, cfg.to_dict(), args, r, timeout=None)[0]
+            got["dp"] = {"tokens_per_s": got["worker"]["paratrain"], "per_step_ms": got["worker"]["per_step_ms"]}
+    got["order"] = _rotated(["alone", "together", "dp"], r)
+    return got
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -255,17 +303,23 @@ def run(args: argparse.Namespace) -> dict:
         cfg = bench_config(args, out)
         task = build_task(cfg)  # tokenise once, here, before the workers start
         per_rank = args.global_batch // args.nproc
-        alone = single_reference(args, per_rank, cfg.micro_batch)
-        together = concurrent_reference(args, per_rank, cfg.micro_batch, args.nproc)
-        result = spawn(_worker, args.nproc, cfg.to_dict(), args, timeout=None)[0]
-    dp = {"tokens_per_s": result["paratrain_tokens_per_s"], "per_step_ms": result.pop("per_step_ms")}
-    return {
+        rounds = [_round(args, cfg, per_rank, r) for r in range(args.rounds)]
+    workers = [r["worker"] for r in rounds]
+    ratios = [w["paratrain"] / w["peer"] for w in workers]
+    result = {
         "kind": "ddp", "nproc": args.nproc, "threads_per_worker": 1, "model": args.model,
         "n_params": task.n_params, "seq_len": args.seq_len, "global_batch": args.global_batch,
-        "micro_batch": cfg.micro_batch, "bucket_mb": args.bucket_mb, "buckets": result.pop("buckets"),
-        "dp_reduce": result.pop("dp_reduce"),
-        "peer": "torch DDP",
-        **result,
-        "scaling": scaling(alone, together, dp, args.nproc),
+        "micro_batch": cfg.micro_batch, "bucket_mb": args.bucket_mb, "buckets": workers[0]["buckets"],
+        "dp_reduce": workers[0]["dp_reduce"], "peer": "torch DDP",
+        "paratrain_tokens_per_s": statistics.median(w["paratrain"] for w in workers),
+        "peer_tokens_per_s": statistics.median(w["peer"] for w in workers),
+        "ratio": statistics.median(ratios), "ratios": ratios, "rounds": args.rounds,
+        "exposed_comm_fraction": statistics.median(w["exposed_comm_fraction"] for w in workers),
+        "scaling": scaling(rounds, args.nproc),
         "machine": machine(),
     }
+    if args.timeline:
+        title = (f"dp{args.nproc} {args.model}, {result['buckets']} buckets ({args.bucket_mb:g} MiB), "
+                 f"reduce: {result['dp_reduce']}; last of {TRACED_STEPS} traced steps")
+        result["timeline_ms"] = ddp_timeline.write(workers[-1]["timeline"], args.timeline, title)
+    return result

@@ -114,6 +114,9 @@ class HostReducer:
         self._seq = 0  # barriers passed (the same sequence on every rank)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        # When a list (bench ddp --timeline): per bucket, the reducer's three phases on the host
+        # clock, {"what": wait_peers | sum | wait_done, "bucket", "start", "end", "cpu_s"}.
+        self.trace: list[dict] | None = None
 
     def _share(self, mine: str, size: int) -> list[str]:
         """Create this rank's file, learn the others' names (axis order)."""
@@ -145,10 +148,22 @@ class HostReducer:
                 handle.error = e
             handle._done.set()
 
-    @torch.no_grad()
     def _sum(self, i: int) -> None:
-        n, r = self.axis.size, self.axis.rank
+        marks = [(time.perf_counter(), time.thread_time())]
         self._barrier("its bucket complete")
+        marks.append((time.perf_counter(), time.thread_time()))
+        self._add_chunk(i)
+        marks.append((time.perf_counter(), time.thread_time()))
+        self._barrier("its chunk summed")
+        marks.append((time.perf_counter(), time.thread_time()))
+        if self.trace is not None:
+            for what, (t0, c0), (t1, c1) in zip(("wait_peers", "sum", "wait_done"), marks, marks[1:]):
+                self.trace.append({"what": what, "bucket": i, "start": t0, "end": t1, "cpu_s": c1 - c0})
+
+    @torch.no_grad()
+    def _add_chunk(self, i: int) -> None:
+        """Chunk r (ours) of every rank's bucket i: summed in rank order, the sum written to all."""
+        n, r = self.axis.size, self.axis.rank
         numel = self.buffers[i].numel()
         lo, hi = r * numel // n, (r + 1) * numel // n
         chunks = [peer[i][lo:hi] for peer in self._peers]
@@ -162,7 +177,6 @@ class HostReducer:
                     total.add_(c)
                 for c in chunks:
                     c.copy_(total)
-        self._barrier("its chunk summed")
 
     def _barrier(self, what: str) -> None:
         self._seq += 1

@@ -147,6 +147,9 @@ class DDP(Strategy):
         self._sync = True
         self._next = 0  # index of the next bucket to launch (strictly in order)
         self._exposed_s = 0.0
+        # When a list (bench ddp --timeline): each bucket's launch and completion, and the exposed
+        # wait, as {"what", "bucket", "start", "end"} on the host clock. None: nothing recorded.
+        self.trace: list[dict] | None = None
         self._attach_views()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                        for _, p in self.named_params]
@@ -209,7 +212,20 @@ class DDP(Strategy):
             bucket.work = self.host.reduce_async(b)
         else:
             bucket.work = C.all_reduce(bucket.buffer, getattr(self.mesh, bucket.axis), async_op=True)
+        if self.trace is not None:
+            self._trace_bucket(b, bucket.work)
         self._next += 1
+
+    def _trace_bucket(self, b: int, work: object) -> None:
+        """Record the launch; the collective's completion too when its future says (gloo: from
+        its own thread; the shared-memory reducer records its phases itself)."""
+        launched = time.perf_counter()
+        self.trace.append({"what": "launch", "bucket": b, "start": launched, "end": launched,
+                           "bytes": nbytes(self.buckets[b].buffer)})
+        if work is not None and hasattr(work, "get_future"):
+            event = {"what": "all_reduce", "bucket": b, "start": launched, "end": None}
+            self.trace.append(event)
+            work.get_future().add_done_callback(lambda _: event.__setitem__("end", time.perf_counter()))
 
     @torch.no_grad()
     def after_backward(self) -> None:
@@ -233,6 +249,8 @@ class DDP(Strategy):
         if self.mesh.device.type == "cuda":
             torch.cuda.synchronize(self.mesh.device)  # so the time below is the real wait
         self._exposed_s = time.perf_counter() - start
+        if self.trace is not None:
+            self.trace.append({"what": "exposed_wait", "bucket": None, "start": start, "end": start + self._exposed_s})
         if used is not None:
             for k in torch.nonzero(used.cpu() == 0).flatten().tolist():
                 self.named_params[k][1].grad = None  # no rank used it: AdamW skips it this step
