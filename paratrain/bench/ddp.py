@@ -53,8 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how paratrain's DDP sums a bucket (docs/data_parallel.md; the peer always uses "
                         "gloo's all-reduce) (default: %(default)s)")
     parser.add_argument("--timeline", metavar="OUT", default=None,
-                        help="after the rounds, trace a few dp steps and write OUT/ddp_timeline.json and .png "
-                        "(per rank: forward, backward, each bucket's launch and reduction, the exposed wait, "
+                        help="after the rounds, trace a few dp steps and write OUT/ddp_timeline.json and "
+                        ".png (per rank: forward, backward, each bucket's launch and reduction, the exposed wait, "
                         "grad norm, update)")
     parser.add_argument("--micro-batch", type=int, default=None,
                         help="rows per micro-batch, the rest by accumulation (default: all)")
@@ -203,7 +203,8 @@ def scaling(rounds: list[dict], nproc: int) -> dict:
                   "concurrent_tokens_per_s": nproc * r["together"]["tokens_per_s"],
                   "dp_tokens_per_s": r["dp"]["tokens_per_s"],
                   "efficiency": r["dp"]["tokens_per_s"] / (nproc * r["alone"]["tokens_per_s"]),
-                  "efficiency_vs_concurrent": r["dp"]["tokens_per_s"] / (nproc * r["together"]["tokens_per_s"])}
+                  "efficiency_vs_concurrent":
+                      r["dp"]["tokens_per_s"] / (nproc * r["together"]["tokens_per_s"])}
                  for r in rounds]
     ms = {k: _mean_ms([r[k] for r in rounds]) for k in ("alone", "together", "dp")}
     median = statistics.median
@@ -292,8 +293,8 @@ def _round(args: argparse.Namespace, cfg: config.Config, per_rank: int, r: int) 
         elif name == "together":
             got["together"] = concurrent_reference(args, per_rank, cfg.micro_batch, args.nproc)
         else:
-            got["worker"] = spawn(_worker, args.nproc, cfg.to_dict(), args, r, timeout=None)[0]
-            got["dp"] = {"tokens_per_s": got["worker"]["paratrain"], "per_step_ms": got["worker"]["per_step_ms"]}
+            worker = got["worker"] = spawn(_worker, args.nproc, cfg.to_dict(), args, r, timeout=None)[0]
+            got["dp"] = {"tokens_per_s": worker["paratrain"], "per_step_ms": worker["per_step_ms"]}
     got["order"] = _rotated(["alone", "together", "dp"], r)
     return got
 

@@ -136,13 +136,16 @@ def render(info: dict, png: str | Path) -> Path:
                 ax.plot([x, x], [main - 0.45, comm + 0.45], color="black", lw=0.8)
                 ax.text(x, main - 0.5, str(e["bucket"]), ha="center", va="bottom", fontsize=7)
             elif e["what"] in REDUCE_ROW and e["end"] is not None:
-                ax.broken_barh([(x, 1e3 * (e["end"] - e["start"]))], (comm - 0.3, 0.6), facecolors=COLOURS[e["what"]])
-    ax.set_yticks(range(2 * len(last)), [f"rank {r} {w}" for r in range(len(last)) for w in ("main", "reduce")])
+                width = 1e3 * (e["end"] - e["start"])
+                ax.broken_barh([(x, width)], (comm - 0.3, 0.6), facecolors=COLOURS[e["what"]])
+    rows = [f"rank {r} {w}" for r in range(len(last)) for w in ("main", "reduce")]
+    ax.set_yticks(range(len(rows)), rows)
     ax.invert_yaxis()
     ax.set_xlabel("ms from the step's start (black lines: a bucket launched, its index above)")
     ax.set_title(info["title"], fontsize=10)
     legend = [Patch(color=c, label=n) for n, c in COLOURS.items() if n != "all_reduce"]
-    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4, fontsize=7, frameon=False)
+    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4, fontsize=7,
+              frameon=False)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)

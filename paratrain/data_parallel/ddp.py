@@ -250,7 +250,8 @@ class DDP(Strategy):
             torch.cuda.synchronize(self.mesh.device)  # so the time below is the real wait
         self._exposed_s = time.perf_counter() - start
         if self.trace is not None:
-            self.trace.append({"what": "exposed_wait", "bucket": None, "start": start, "end": start + self._exposed_s})
+            self.trace.append({"what": "exposed_wait", "bucket": None, "start": start,
+                               "end": start + self._exposed_s})
         if used is not None:
             for k in torch.nonzero(used.cpu() == 0).flatten().tolist():
                 self.named_params[k][1].grad = None  # no rank used it: AdamW skips it this step
