@@ -54,8 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "gloo's all-reduce) (default: %(default)s)")
     parser.add_argument("--timeline", metavar="OUT", default=None,
                         help="after the rounds, trace a few dp steps and write OUT/ddp_timeline.json and "
-                        ".png (per rank: forward, backward, each bucket's launch and reduction, the exposed wait, "
-                        "grad norm, update)")
+                        ".png (per rank: forward, backward, each bucket's launch and reduction, the exposed "
+                        "wait, grad norm, update)")
     parser.add_argument("--micro-batch", type=int, default=None,
                         help="rows per micro-batch, the rest by accumulation (default: all)")
 
