@@ -9,7 +9,7 @@ import pytest
 
 from paratrain import config
 from paratrain.bench import ddp as bench_ddp
-from paratrain.bench import ddp_timeline
+from paratrain.data_parallel import timeline as ddp_timeline
 from paratrain.train.trainer import PHASES, Trainer
 from tests.dist import run
 from tests.harness import tiny_cfg
@@ -113,7 +113,7 @@ def test_report_prints_nested_results_as_lines(capsys):
 def _traced_worker(env, cfg_dict: dict) -> list:
     trainer = Trainer(config.Config.from_dict(cfg_dict), env)
     trainer.train_step(0)
-    every = ddp_timeline.gather(ddp_timeline.trace_steps(trainer, 1, 2))
+    every = bench_ddp.gather_records(bench_ddp.trace_steps(trainer, 1, 2))
     return [every, len(trainer.engine.strategy.buckets)]
 
 

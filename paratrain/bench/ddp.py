@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import statistics
 import tempfile
+import time
 from collections.abc import Callable
 
 import torch
@@ -36,8 +37,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import paratrain.config as config
 from paratrain.base.strategy import adamw_param_groups
-from paratrain.bench import ddp_timeline
 from paratrain.bench.common import add_common_arguments, machine, paired_rounds, time_steps
+from paratrain.data_parallel import timeline as ddp_timeline
 from paratrain.device import sync_device
 from paratrain.engine import checks
 from paratrain.launch import DistEnv, spawn
@@ -271,13 +272,46 @@ def _worker(env: DistEnv, cfg_dict: dict, args: argparse.Namespace, round_index:
            "per_step_ms": max(every, key=lambda ms: ms["step"]),
            "buckets": len(strategy.buckets), "dp_reduce": strategy.reduce}
     if args.timeline and round_index == args.rounds - 1:
-        records = ddp_timeline.trace_steps(trainer, args.warmup + args.steps, TRACED_STEPS)
-        out["timeline"] = ddp_timeline.gather(records)
+        records = trace_steps(trainer, args.warmup + args.steps, TRACED_STEPS)
+        out["timeline"] = gather_records(records)
     return out
 
 
 #: Steps traced for ``--timeline`` after the last round (the picture draws the last one).
 TRACED_STEPS = 4
+
+
+def trace_steps(trainer: Trainer, first_step: int, steps: int) -> list[dict]:
+    """Run ``steps`` more training steps with tracing on; one record per step (this rank)."""
+    strategy = trainer.engine.strategy
+    host = getattr(strategy, "host", None)
+    forward_end: list[float] = []
+    hook = trainer.engine.model.register_forward_hook(lambda *_: forward_end.append(time.perf_counter()))
+    records = []
+    try:
+        for i in range(first_step, first_step + steps):
+            events: list[dict] = []
+            strategy.trace = events
+            if host is not None:
+                host.trace = events
+            forward_end.clear()
+            trainer.train_step(i)
+            start, fb_end, norm_end, end = trainer.phase_marks
+            records.append({"start": start, "forward_end": forward_end[-1], "forward_backward_end": fb_end,
+                            "grad_norm_end": norm_end, "end": end, "events": events})
+    finally:
+        strategy.trace = None
+        if host is not None:
+            host.trace = None
+        hook.remove()
+    return records
+
+
+def gather_records(records: list[dict]) -> list[list[dict]] | None:
+    """Every rank's records on every rank (raw torch: bookkeeping, not training traffic)."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, records)
+    return every
 
 
 def _rotated(names: list[str], r: int) -> list[str]:

@@ -1,13 +1,14 @@
 """``paratrain bench ddp --timeline OUT``: where a data-parallel step's time goes, rank by rank.
 
-After the timed rounds, each dp worker runs a few more steps with DDP's trace on
-(``DDP.trace``, ``HostReducer.trace``) and a forward hook on the model. Per step and rank it keeps:
-the step's phases on the host clock (``Trainer.phase_marks``: forward + backward, grad norm,
-update), the end of the forward (the hook), each bucket's launch from the gradient hooks, the
-reduction's own phases (shared memory: waiting for the other ranks' buckets, the sum, waiting
-for the other ranks' sums, with the reducing thread's CPU time; gloo: launch to completion) and
-the wait after backward (the exposed communication). ``perf_counter`` is the system's monotonic
-clock, so the ranks' times line up on one axis.
+The records come from ``bench/ddp.py`` (``trace_steps``): after the timed rounds, each dp worker
+runs a few more steps with DDP's trace on (``DDP.trace``, ``HostReducer.trace``) and a forward hook
+on the model. Per step and rank it keeps: the step's phases on the host clock
+(``Trainer.phase_marks``: forward + backward, grad norm, update), the end of the forward (the hook),
+each bucket's launch from the gradient hooks, the reduction's own phases (shared memory: waiting
+for the other ranks' buckets, the sum, waiting for the other ranks' sums, with the reducing
+thread's CPU time; gloo: launch to completion) and the wait after backward (the exposed
+communication). ``perf_counter`` is the system's monotonic clock, so the ranks' times line up on
+one axis.
 
 ``OUT/ddp_timeline.json`` holds every traced step; ``summary`` the means in ms per rank;
 ``OUT/ddp_timeline.png`` draws the last traced step, one row for each rank's main thread and one
@@ -18,12 +19,7 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from pathlib import Path
-
-import torch.distributed as dist
-
-from paratrain.train.trainer import Trainer
 
 COLOURS = {"forward": "#9ecae1", "backward": "#4292c6", "exposed_wait": "#d62728", "grad_norm": "#ffbb78",
            "update": "#2ca02c", "wait_peers": "#dddddd", "sum": "#ff7f0e", "wait_done": "#bbbbbb",
@@ -31,39 +27,6 @@ COLOURS = {"forward": "#9ecae1", "backward": "#4292c6", "exposed_wait": "#d62728
 
 
 REDUCE_ROW = ("wait_peers", "sum", "wait_done", "all_reduce")  # the reduction's row of the picture
-
-
-def trace_steps(trainer: Trainer, first_step: int, steps: int) -> list[dict]:
-    """Run ``steps`` more training steps with tracing on; one record per step (this rank)."""
-    strategy = trainer.engine.strategy
-    host = getattr(strategy, "host", None)
-    forward_end: list[float] = []
-    hook = trainer.engine.model.register_forward_hook(lambda *_: forward_end.append(time.perf_counter()))
-    records = []
-    try:
-        for i in range(first_step, first_step + steps):
-            events: list[dict] = []
-            strategy.trace = events
-            if host is not None:
-                host.trace = events
-            forward_end.clear()
-            trainer.train_step(i)
-            start, fb_end, norm_end, end = trainer.phase_marks
-            records.append({"start": start, "forward_end": forward_end[-1], "forward_backward_end": fb_end,
-                            "grad_norm_end": norm_end, "end": end, "events": events})
-    finally:
-        strategy.trace = None
-        if host is not None:
-            host.trace = None
-        hook.remove()
-    return records
-
-
-def gather(records: list[dict]) -> list[list[dict]] | None:
-    """Every rank's records on every rank (raw torch: bookkeeping, not training traffic)."""
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, records)
-    return every
 
 
 def _main_spans(rec: dict) -> list[tuple[str, float, float]]:
