@@ -94,23 +94,39 @@ def _per_step_ms(phases: list[dict], seconds_per_step: float) -> dict[str, float
     return out
 
 
+def _cpu_step(trainer: Trainer, i: int, cpu: list[tuple[float, float]]) -> None:
+    """One training step; appends its CPU seconds: the training thread's (on a CPU forward and
+    backward run on it) and the whole process's (+ gloo's or the shared-memory reducer's threads)."""
+    start = (time.thread_time(), time.process_time())
+    trainer.train_step(i)
+    cpu.append((time.thread_time() - start[0], time.process_time() - start[1]))
+
+
+def _cpu_ms(cpu: list[tuple[float, float]]) -> dict[str, float]:
+    main, process = (1e3 * statistics.fmean(c[k] for c in cpu) for k in (0, 1))
+    return {"main_thread": main, "other_threads": process - main}
+
+
 def _paratrain_side(trainer: Trainer, args, env: DistEnv):
     exposed: list[float] = []
     phases: list[dict] = []  # every timed step of every round
+    cpu: list[tuple[float, float]] = []
 
     def step(i: int) -> None:
-        trainer.train_step(i)
+        _cpu_step(trainer, i, cpu)
         exposed.append(trainer.engine.strategy.step_metrics()["comm_exposed_s"])
         if i >= args.warmup:
             phases.append(_phases(trainer))
 
     def go() -> dict:
         exposed.clear()
+        cpu.clear()
         mine = time_steps(step, args.warmup, args.steps, lambda: sync_device(env.device))
         seconds = _slowest(mine, env)
         timed = sum(exposed[args.warmup:])
         return {"tokens_per_s": args.steps * trainer.units_per_step / seconds,
-                "exposed_comm_fraction": timed / seconds, "seconds_per_step": mine / args.steps}
+                "exposed_comm_fraction": timed / seconds, "seconds_per_step": mine / args.steps,
+                "cpu_ms": _cpu_ms(cpu[args.warmup:])}
 
     go.phases = phases
     return go
@@ -136,9 +152,10 @@ def single_reference(args: argparse.Namespace, per_rank_batch: int, micro_batch:
             trainer = Trainer(cfg)
             trainer.phase_sync = True
             phases: list[dict] = []
+            cpu: list[tuple[float, float]] = []
 
             def step(i: int) -> None:
-                trainer.train_step(i)
+                _cpu_step(trainer, i, cpu)
                 if i >= args.warmup:
                     phases.append(_phases(trainer))
 
@@ -149,7 +166,7 @@ def single_reference(args: argparse.Namespace, per_rank_batch: int, micro_batch:
         finally:
             torch.set_num_threads(threads)
     return {"tokens_per_s": steps * trainer.units_per_step / seconds,
-            "per_step_ms": _per_step_ms(phases, seconds / steps)}
+            "per_step_ms": _per_step_ms(phases, seconds / steps), "cpu_ms": _cpu_ms(cpu[args.warmup:])}
 
 
 def _concurrent_one(args, per_rank_batch: int, micro_batch: int, barrier, results) -> None:
@@ -208,6 +225,10 @@ def scaling(rounds: list[dict], nproc: int) -> dict:
                       r["dp"]["tokens_per_s"] / (nproc * r["together"]["tokens_per_s"])}
                  for r in rounds]
     ms = {k: _mean_ms([r[k] for r in rounds]) for k in ("alone", "together", "dp")}
+    threads = ("main_thread", "other_threads")
+    cpu = {k: {c: statistics.fmean(r[k]["cpu_ms"][c] for r in rounds) for c in threads}
+           for k in ("alone", "together", "dp")
+           if all("cpu_ms" in r[k] for r in rounds)}
     median = statistics.median
     return {"single_tokens_per_s": median(r["alone_tokens_per_s"] for r in per_round),
             "ideal_tokens_per_s": nproc * median(r["alone_tokens_per_s"] for r in per_round),
@@ -217,6 +238,9 @@ def scaling(rounds: list[dict], nproc: int) -> dict:
             "efficiency_vs_concurrent": median(r["efficiency_vs_concurrent"] for r in per_round),
             "rounds": per_round,
             "step_ms": {"alone": ms["alone"], "concurrent": ms["together"], "dp": ms["dp"]},
+            # CPU ms per step (per process; dp: the mean of the ranks): the training thread's work,
+            # and the other threads' (the reduction's, on gloo's threads or the reducer's)
+            "cpu_ms_per_step": {("concurrent" if k == "together" else k): v for k, v in cpu.items()},
             "lost_ms_per_step": {
                 "sharing_the_machine": diff(ms["alone"], ms["together"]),
                 "data_parallelism": diff(ms["together"], ms["dp"])}}
@@ -265,11 +289,12 @@ def _worker(env: DistEnv, cfg_dict: dict, args: argparse.Namespace, round_index:
     # The slowest rank's phases (the step time is the slowest rank's too).
     mine = _per_step_ms(ours.phases, run["seconds_per_step"])
     every = [None] * env.world_size
-    dist.all_gather_object(every, mine)  # raw torch: not part of either side's counted traffic
+    dist.all_gather_object(every, (mine, run["cpu_ms"]))  # raw torch: not either side's counted traffic
     strategy = trainer.engine.strategy
     out = {"paratrain": run["tokens_per_s"], "peer": result["peer_tokens_per_s"],
            "exposed_comm_fraction": run["exposed_comm_fraction"],
-           "per_step_ms": max(every, key=lambda ms: ms["step"]),
+           "per_step_ms": max((ms for ms, _ in every), key=lambda ms: ms["step"]),
+           "cpu_ms": {k: statistics.fmean(c[k] for _, c in every) for k in every[0][1]},  # rank mean
            "buckets": len(strategy.buckets), "dp_reduce": strategy.reduce}
     if args.timeline and round_index == args.rounds - 1:
         records = trace_steps(trainer, args.warmup + args.steps, TRACED_STEPS)
@@ -295,10 +320,15 @@ def trace_steps(trainer: Trainer, first_step: int, steps: int) -> list[dict]:
             if host is not None:
                 host.trace = events
             forward_end.clear()
+            cpu = (time.thread_time(), time.process_time())
             trainer.train_step(i)
             start, fb_end, norm_end, end = trainer.phase_marks
             records.append({"start": start, "forward_end": forward_end[-1], "forward_backward_end": fb_end,
-                            "grad_norm_end": norm_end, "end": end, "events": events})
+                            "grad_norm_end": norm_end, "end": end, "events": events,
+                            # CPU seconds of this step: the training thread (forward and backward run
+                            # on it on a CPU), and the whole process (+ gloo's or the reducer's threads)
+                            "main_cpu_s": time.thread_time() - cpu[0],
+                            "process_cpu_s": time.process_time() - cpu[1]})
     finally:
         strategy.trace = None
         if host is not None:
@@ -328,7 +358,8 @@ def _round(args: argparse.Namespace, cfg: config.Config, per_rank: int, r: int) 
             got["together"] = concurrent_reference(args, per_rank, cfg.micro_batch, args.nproc)
         else:
             worker = got["worker"] = spawn(_worker, args.nproc, cfg.to_dict(), args, r, timeout=None)[0]
-            got["dp"] = {"tokens_per_s": worker["paratrain"], "per_step_ms": worker["per_step_ms"]}
+            got["dp"] = {k: worker[k] for k in ("per_step_ms", "cpu_ms")}
+            got["dp"]["tokens_per_s"] = worker["paratrain"]
     got["order"] = _rotated(["alone", "together", "dp"], r)
     return got
 

@@ -43,6 +43,10 @@ def _step_summary(rec: dict) -> dict[str, float]:
     """One rank's step in ms: the main thread's spans, the reduction's time and CPU, the last bucket."""
     out = {name: 1e3 * (b - a) for name, a, b in _main_spans(rec)}
     out["step"] = 1e3 * (rec["end"] - rec["start"])
+    if "main_cpu_s" in rec:  # where the step's wall time went: the training thread on a core or not
+        out["main_thread_cpu"] = 1e3 * rec["main_cpu_s"]
+        out["main_thread_off_cpu"] = out["step"] - out["main_thread_cpu"]
+        out["other_threads_cpu"] = 1e3 * (rec["process_cpu_s"] - rec["main_cpu_s"])
     for what in ("wait_peers", "sum", "wait_done", "all_reduce"):
         spans = [e for e in rec["events"] if e["what"] == what and e["end"] is not None]
         if spans:
