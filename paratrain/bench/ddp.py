@@ -9,17 +9,23 @@ accumulation, ``clip_grad_norm_``, AdamW). Tokens per second are global (all ran
 the slowest rank. ``exposed_comm_fraction`` is the share of paratrain's step spent waiting for
 communication after backward (what overlap did not hide).
 
-``scaling``: the same per-rank work in ONE single-thread process, run first while the machine is
-otherwise idle, is the ceiling: n such processes' worth of tokens/s (on a 2-core machine, the
-2-core limit). Then n such processes run at once, with no communication at all: what n busy
-workers cost each other (shared caches, memory bandwidth). Every run times the phases of the
-trainer's step (``Trainer.phase_s``: forwards and backwards, grad norm, update; the strategy's
-exposed communication is split out of the first), so the milliseconds per step the dp run loses
-are attributed phase by phase: to sharing the machine (concurrent - alone), and to data
-parallelism itself (dp - concurrent: the communication threads competing with compute, the
-communication backward could not hide, the grad norm's collective, the rest of the loop). On a GPU
-the phase boundaries drain the device queue (``Trainer.phase_sync``), which only paratrain's side
-pays: its ratio is, if anything, understated.
+``scaling``: the same per-rank work in ONE single-thread process is the ceiling: n such processes'
+worth of tokens/s (on a 2-core machine, the 2-core limit). n such processes also run at once, with
+no communication at all: what n busy workers cost each other (shared caches, memory bandwidth,
+other tenants). Each round runs the three (alone, together, dp) one after the other, in an order
+that rotates from round to round, and the efficiency is the median of the rounds' own ratios (the
+load on a shared machine drifts between rounds; a round's dp run is judged against that round's
+references); every round is reported. Every run times the phases of the trainer's step
+(``Trainer.phase_s``: forwards and backwards, grad norm, update; the strategy's exposed
+communication is split out of the first) and its CPU time (the training thread, the other
+threads), so the milliseconds per step the dp run loses are attributed phase by phase: to sharing
+the machine (concurrent - alone), and to data parallelism itself (dp - concurrent: the
+communication's threads competing with compute, the communication backward could not hide, the
+grad norm's collective, the rest of the loop). On a GPU the phase boundaries drain the device
+queue (``Trainer.phase_sync``), which only paratrain's side pays: its ratio is, if anything,
+understated.
+
+``--timeline OUT``: a few more dp steps traced after the rounds (``data_parallel/timeline.py``).
 """
 
 from __future__ import annotations
