@@ -76,7 +76,8 @@ def test_scaling_is_the_median_of_the_rounds_ratios():
     """Each round's dp run is judged against the same round's references (the machine drifts), and
     the efficiency is the median of those ratios, not a ratio of medians; every round is reported."""
     def side(tok):
-        return {"tokens_per_s": tok, "per_step_ms": _ms(1.0, 0.0, 0.0, 0.0, 0.0)}
+        return {"tokens_per_s": tok, "per_step_ms": _ms(1.0, 0.0, 0.0, 0.0, 0.0),
+                "cpu_ms": {"main_thread": tok / 100, "other_threads": 1.0}}
 
     rounds = [{"order": o, "alone": side(a), "together": side(t), "dp": side(d)}
               for o, a, t, d in ((["alone", "together", "dp"], 1000.0, 950.0, 1800.0),
@@ -87,6 +88,8 @@ def test_scaling_is_the_median_of_the_rounds_ratios():
     assert out["efficiency"] == pytest.approx(0.9)  # a ratio of medians would say 1700 / 2000 = 0.85
     assert out["efficiency_vs_concurrent"] == pytest.approx(1800 / 1900)
     assert [r["order"][0] for r in out["rounds"]] == ["alone", "together", "dp"]
+    assert out["cpu_ms_per_step"]["dp"] == pytest.approx({"main_thread": 4450 / 300, "other_threads": 1.0})
+    assert set(out["cpu_ms_per_step"]) == {"alone", "concurrent", "dp"}
     assert [bench_ddp._rotated(["a", "b", "c"], r) for r in range(3)] == [
         ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
 
