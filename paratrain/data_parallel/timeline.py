@@ -110,7 +110,8 @@ def render(info: dict, png: str | Path) -> Path:
     ax.invert_yaxis()
     ax.set_xlabel("ms from the step's start (black lines: a bucket launched, its index above)")
     ax.set_title(info["title"], fontsize=10)
-    legend = [Patch(color=c, label=n) for n, c in COLOURS.items() if n != "all_reduce"]
+    labels = {"sum": "sum (shm) / all-reduce in flight (gloo)"}
+    legend = [Patch(color=c, label=labels.get(n, n)) for n, c in COLOURS.items() if n != "all_reduce"]
     ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4, fontsize=7,
               frameon=False)
     fig.tight_layout()
