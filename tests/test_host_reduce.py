@@ -92,6 +92,11 @@ def _grads_worker(env) -> dict:
         model(torch.randn(5, 8)).pow(2).sum().backward()
         strategy.after_backward()
         out[reduce] = (strategy.reduce, len(strategy.buckets), [p.grad.clone() for p in model.parameters()])
+        strategy.finish()  # stops the reducer's thread; the next bucket starts it again
+        assert strategy.host is None or strategy.host._thread is None
+        strategy.zero_grad()
+        model(torch.randn(5, 8)).pow(2).sum().backward()
+        strategy.after_backward()
     return out
 
 

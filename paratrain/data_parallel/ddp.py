@@ -283,6 +283,12 @@ class DDP(Strategy):
             return
         p.grad = view
 
+    def finish(self) -> None:
+        """The end of training: stop the shared-memory reducer's thread (a later bucket, e.g. an
+        evaluation's backward, would start it again)."""
+        if self.host is not None:
+            self.host.close()
+
     def _attach_views(self) -> None:
         for bucket in self.buckets:
             for p, view in zip(bucket.params, bucket.views):
