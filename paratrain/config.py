@@ -70,6 +70,9 @@ class ParallelConfig:
     dp_shard: int | None = None  # hybrid sharding: ranks of one shard group; default dp / dp_replicate
     dp_mode: str = "ddp"  # "ddp" (bucketed, overlapped) or "plain" (all-reduce after backward)
     bucket_mb: float = 25.0
+    # how DDP sums a bucket: auto (shared memory when every dp rank is on this CPU host, else the
+    # backend's all-reduce) | shm (shared memory or refuse) | collective (the backend's all-reduce)
+    dp_reduce: str = "auto"
     sp: bool = False
     pp_schedule: str = "1f1b"
     virtual_stages: int = 1
@@ -307,6 +310,7 @@ def _choice(problems: list[str], name: str, value, allowed) -> None:
 CHOICES: dict[str, tuple] = {
     "parallel.zero": (0, 1, 2, 3),
     "parallel.dp_mode": ("ddp", "plain"),
+    "parallel.dp_reduce": ("auto", "shm", "collective"),
     "parallel.sync": ("ddp", "local-sgd", "diloco", "parameter-server"),
     "parallel.ps_mode": ("sync", "async"),
     "parallel.pp_schedule": ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"),

@@ -63,10 +63,11 @@ def bench_config(args: dict, out: str, **overrides: object) -> config.Config:
                               "data.max_files": 200, **overrides})
 
 
-def paired_rounds(ours: Callable[[], dict], peer: Callable[[], dict], rounds: int) -> dict:
-    """Run both `rounds` times, alternating order; each callable returns {"tokens_per_s": ..., ...}."""
+def paired_rounds(ours: Callable[[], dict], peer: Callable[[], dict], rounds: int, first: int = 0) -> dict:
+    """Run both `rounds` times, alternating order; each callable returns {"tokens_per_s": ..., ...}.
+    ``first``: the index of the first round (a caller running one round per call alternates too)."""
     results: list[tuple[dict, dict]] = []
-    for r in range(rounds):
+    for r in range(first, first + rounds):
         if r % 2 == 0:
             a = ours()
             b = peer()

@@ -186,6 +186,15 @@ def all_reduce(t: torch.Tensor, axis: Axis, op: dist.ReduceOp.RedOpType = dist.R
     return dist.all_reduce(t, op=op, group=axis.group, async_op=async_op)
 
 
+def enter_all_reduce(t: torch.Tensor, axis: Axis, what: str | None = None) -> bool:
+    """Fingerprint and count an all-reduce of ``t`` that is carried outside torch.distributed
+    (comm/host_reduce.py, through shared memory); False if a test fault says to skip it."""
+    if not axis.active or not _enter("all_reduce", axis, t.shape, t.dtype, what):
+        return False
+    axis.counter.record("all_reduce", axis.name, axis.size, nbytes(t))
+    return True
+
+
 def all_gather_into(out: torch.Tensor, shard: torch.Tensor, axis: Axis, async_op: bool = False,
                     what: str | None = None) -> dist.Work | None:
     """Gather equal shards into ``out`` (``out.numel() == size * shard.numel()``, concatenated on dim 0)."""

@@ -38,10 +38,16 @@ import torch.nn as nn
 
 from paratrain.base.strategy import Strategy
 from paratrain.comm import collectives as C
+from paratrain.comm import host_reduce
 from paratrain.comm.bucketing import FIRST_BUCKET_BYTES, cut_before_overflow
 from paratrain.comm.collectives import nbytes
+from paratrain.comm.host_reduce import HostReducer
 from paratrain.mesh import ParallelMesh
 from paratrain.sharding import info_of
+
+#: How a bucket is summed: ``auto`` (shared memory when every dp rank is on this CPU host, else the
+#: group's all-reduce), ``shm`` (shared memory, or an error), ``collective`` (the group's all-reduce).
+REDUCE_CHOICES = ("auto", "shm", "collective")
 
 
 @dataclass
@@ -61,8 +67,8 @@ class Bucket:
         return self.ready == len(self.params)
 
 
-def build_buckets(named: list[tuple[str, nn.Parameter]], bucket_bytes: int,
-                  first_bucket_bytes: int | None = None) -> list[Bucket]:
+def bucket_groups(named: list[tuple[str, nn.Parameter]], bucket_bytes: int,
+                  first_bucket_bytes: int | None = None) -> list[list[tuple[str, nn.Parameter]]]:
     """Cut the parameters, in *reverse* registration order, into buckets of about bucket_bytes.
 
     Reverse order because backward produces the last layers' gradients first, so the first bucket
@@ -75,11 +81,20 @@ def build_buckets(named: list[tuple[str, nn.Parameter]], bucket_bytes: int,
     order = list(reversed(named))
     cut = cut_before_overflow([nbytes(p) for _, p in order], [_kind(p) for _, p in order], bucket_bytes,
                               first_bucket_bytes)
-    groups = [[order[i] for i in bucket] for bucket in cut]
+    return [[order[i] for i in bucket] for bucket in cut]
+
+
+def build_buckets(named: list[tuple[str, nn.Parameter]], bucket_bytes: int,
+                  first_bucket_bytes: int | None = None,
+                  buffers: list[torch.Tensor] | None = None) -> list[Bucket]:
+    """The buckets of ``bucket_groups``, each a flat buffer the gradients are views of: zeros of
+    the parameters' dtype and device, or the given ``buffers`` (one per bucket, in order: shared
+    memory for comm/host_reduce.py)."""
     buckets = []
-    for group in groups:
+    for k, group in enumerate(bucket_groups(named, bucket_bytes, first_bucket_bytes)):
         first = group[0][1]
-        buffer = torch.zeros(sum(p.numel() for _, p in group), dtype=first.dtype, device=first.device)
+        numel = sum(p.numel() for _, p in group)
+        buffer = torch.zeros(numel, dtype=first.dtype, device=first.device) if buffers is None else buffers[k]
         views, offset = [], 0
         for _, p in group:
             views.append(buffer.narrow(0, offset, p.numel()).view_as(p))
@@ -105,14 +120,21 @@ class DDP(Strategy):
     reduces_during_backward = True
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, optim_cfg, *, bucket_bytes: int,
-                 first_bucket_bytes: int | None = FIRST_BUCKET_BYTES, find_unused_parameters: bool = False):
+                 first_bucket_bytes: int | None = FIRST_BUCKET_BYTES, find_unused_parameters: bool = False,
+                 reduce: str = "auto", timeout_s: float = 600.0):
         super().__init__(model, mesh, optim_cfg)
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0 (got {bucket_bytes}): set parallel.bucket_mb > 0")
+        if reduce not in REDUCE_CHOICES:
+            raise ValueError(f"reduce must be one of {', '.join(REDUCE_CHOICES)} (got {reduce!r})")
         self.grad_copies_over_dp = mesh.dp.size  # after the sum every dp rank holds the same gradient
         self.find_unused_parameters = find_unused_parameters
         first = None if first_bucket_bytes is None else min(first_bucket_bytes, bucket_bytes)
-        self.buckets = build_buckets(self.named_params, bucket_bytes, first)
+        groups = bucket_groups(self.named_params, bucket_bytes, first)
+        self.host = self._host_reducer(groups, reduce, timeout_s)
+        self.reduce = "shm" if self.host is not None else "collective"
+        self.buckets = build_buckets(self.named_params, bucket_bytes, first,
+                                     None if self.host is None else self.host.buffers)
         # param id -> (bucket index, position in bucket); the flat index orders the "used" map.
         self._where: dict[int, tuple[int, int]] = {}
         for b, bucket in enumerate(self.buckets):
@@ -125,9 +147,29 @@ class DDP(Strategy):
         self._sync = True
         self._next = 0  # index of the next bucket to launch (strictly in order)
         self._exposed_s = 0.0
+        # When a list (bench ddp --timeline): each bucket's launch and completion, and the exposed
+        # wait, as {"what", "bucket", "start", "end"} on the host clock. None: nothing recorded.
+        self.trace: list[dict] | None = None
         self._attach_views()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                        for _, p in self.named_params]
+
+    def _host_reducer(self, groups: list[list[tuple[str, nn.Parameter]]], reduce: str,
+                      timeout_s: float) -> HostReducer | None:
+        """Shared-memory buckets when asked (``shm``) or possible (``auto``): every bucket summed
+        over dp (experts' edp buckets keep the collective) and host_reduce.usable."""
+        if reduce == "collective" or not self.mesh.dp.active:
+            return None
+        firsts = [group[0][1] for group in groups]
+        specs = [(sum(p.numel() for _, p in group), group[0][1].dtype) for group in groups]
+        total = sum(n * dtype.itemsize for n, dtype in specs)
+        same_axis = all(info_of(p).dp_axis == "dp" for p in firsts)
+        if same_axis and host_reduce.usable(self.mesh.dp, self.mesh.device, total):
+            return HostReducer(self.mesh.dp, specs, timeout_s)
+        if reduce == "shm":
+            raise ValueError("--dp-reduce shm needs every dp rank on this host, CPU tensors, an x86-64 CPU, "
+                             "room in /dev/shm, and no expert-parallel parameters; use --dp-reduce auto")
+        return None
 
     # -- gradient synchronisation ---------------------------------------------------------------
 
@@ -166,8 +208,24 @@ class DDP(Strategy):
     def _launch(self, b: int) -> None:
         assert b == self._next, "buckets must be launched in order on every rank"
         bucket = self.buckets[b]
-        bucket.work = C.all_reduce(bucket.buffer, getattr(self.mesh, bucket.axis), async_op=True)
+        if self.host is not None:
+            bucket.work = self.host.reduce_async(b)
+        else:
+            bucket.work = C.all_reduce(bucket.buffer, getattr(self.mesh, bucket.axis), async_op=True)
+        if self.trace is not None:
+            self._trace_bucket(b, bucket.work)
         self._next += 1
+
+    def _trace_bucket(self, b: int, work: object) -> None:
+        """Record the launch; the collective's completion too when its future says (gloo: from
+        its own thread; the shared-memory reducer records its phases itself)."""
+        launched = time.perf_counter()
+        self.trace.append({"what": "launch", "bucket": b, "start": launched, "end": launched,
+                           "bytes": nbytes(self.buckets[b].buffer)})
+        if work is not None and hasattr(work, "get_future"):
+            event = {"what": "all_reduce", "bucket": b, "start": launched, "end": None}
+            self.trace.append(event)
+            work.get_future().add_done_callback(lambda _: event.__setitem__("end", time.perf_counter()))
 
     @torch.no_grad()
     def after_backward(self) -> None:
@@ -191,6 +249,9 @@ class DDP(Strategy):
         if self.mesh.device.type == "cuda":
             torch.cuda.synchronize(self.mesh.device)  # so the time below is the real wait
         self._exposed_s = time.perf_counter() - start
+        if self.trace is not None:
+            self.trace.append({"what": "exposed_wait", "bucket": None, "start": start,
+                               "end": start + self._exposed_s})
         if used is not None:
             for k in torch.nonzero(used.cpu() == 0).flatten().tolist():
                 self.named_params[k][1].grad = None  # no rank used it: AdamW skips it this step
@@ -221,6 +282,12 @@ class DDP(Strategy):
         else:
             return
         p.grad = view
+
+    def finish(self) -> None:
+        """The end of training: stop the shared-memory reducer's thread (a later bucket, e.g. an
+        evaluation's backward, would start it again)."""
+        if self.host is not None:
+            self.host.close()
 
     def _attach_views(self) -> None:
         for bucket in self.buckets:

@@ -178,6 +178,9 @@ def _check_zero(cfg: Config, problems: list[str]) -> None:
                         "cnn-tiny supports --zero 1 or 2")
     if p.zero >= 1 and p.dp_mode == "plain":
         problems.append("--dp-mode plain is the un-bucketed DDP; ZeRO does its own reduction: drop --dp-mode")
+    if p.dp_reduce == "shm" and (p.zero >= 1 or p.dp_mode != "ddp" or p.ep > 1):
+        problems.append("--dp-reduce shm sums DDP's buckets through shared memory on a CPU host: it needs "
+                        "--zero 0, --dp-mode ddp and --ep 1; use --dp-reduce auto")
     if not p.reshard_after_forward and p.zero != 3:
         problems.append("parallel.reshard_after_forward = false only applies to --zero 3")
 

@@ -86,7 +86,8 @@ def make_strategy(model: nn.Module, mesh: ParallelMesh, optim: object, *, zero: 
                   bucket_bytes: int, precision: str = "fp32", offload: str = "none",
                   offload_dir: str | None = None, init_value: Callable | None = None,
                   reshard_after_forward: bool = True, units: Callable | None = None,
-                  group_of: Callable | None = None, sync: SyncPlan | None = None) -> Strategy:
+                  group_of: Callable | None = None, sync: SyncPlan | None = None, dp_reduce: str = "auto",
+                  timeout_s: float = 600.0) -> Strategy:
     """The data-parallel strategy both doors use. ``optim`` is the trainer's optimizer settings or
     the library's optimizer (its recipe under ZeRO); ZeRO-3 takes the model on the meta device and
     ``init_value(name, shape)``; ``units`` and ``group_of`` are the library's (ZeRO-3 units of a
@@ -108,7 +109,7 @@ def make_strategy(model: nn.Module, mesh: ParallelMesh, optim: object, *, zero: 
         return Strategy(model, mesh, optim)
     if dp_mode == "plain":
         return PlainDP(model, mesh, optim)
-    return DDP(model, mesh, optim, bucket_bytes=bucket_bytes)
+    return DDP(model, mesh, optim, bucket_bytes=bucket_bytes, reduce=dp_reduce, timeout_s=timeout_s)
 
 
 def find_checkpoint(directory: str | Path, is_main: bool) -> Path | None:

@@ -109,4 +109,5 @@ def _strategy(model: nn.Module, task: Task, cfg: Config, mesh: ParallelMesh) -> 
     return make_strategy(model, mesh, cfg.optim, zero=p.zero, dp_mode=p.dp_mode,
                          bucket_bytes=int(p.bucket_mb * 2**20), precision=cfg.train.precision,
                          offload=p.offload, offload_dir=p.offload_dir, init_value=task.init_value,
-                         reshard_after_forward=p.reshard_after_forward, sync=SyncPlan.from_config(p))
+                         reshard_after_forward=p.reshard_after_forward, sync=SyncPlan.from_config(p),
+                         dp_reduce=p.dp_reduce, timeout_s=p.timeout_s)

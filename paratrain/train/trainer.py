@@ -125,6 +125,7 @@ class Trainer:
         self.peak_flops = None
         self.phase_s: dict[str, float] = {}  # the last step's PHASES in seconds
         self.phase_sync = False  # drain the device queue at each phase boundary (benchmarks)
+        self.phase_marks: list[float] = []  # the last step's phase boundaries, perf_counter seconds
         self.saver = ckpt.Saver(self.out, self.mesh, keep=cfg.train.keep_checkpoints,
                                 async_save=cfg.train.async_save)
 
@@ -185,7 +186,8 @@ class Trainer:
         strategy.zero_grad()
         sync_device(self.mesh.device)
         elapsed = time.perf_counter() - start
-        self.phase_s = {name: b - a for name, a, b in zip(PHASES, marks, marks[1:] + [start + elapsed])}
+        self.phase_marks = marks + [start + elapsed]  # the boundaries on the host clock (timelines)
+        self.phase_s = {name: b - a for name, a, b in zip(PHASES, marks, self.phase_marks[1:])}
         return {"local_loss": local, "grad_norm": norm, "skipped": skipped, "time": elapsed,
                 "state_bytes": state_bytes, "units": units}
 

@@ -1,0 +1,204 @@
+"""Summing gradient buckets through shared memory, when every rank of a group runs on this host.
+
+Why: on a CPU host, gloo's all-reduce moves every byte through the loopback TCP stack (the
+kernel copies it into a socket buffer and out again on the other side) and its threads compete
+with the compute threads for the same cores. Ranks on one host can read each other's memory
+instead: each rank keeps its gradient buckets in a file under ``/dev/shm`` that every rank of the
+group maps, and a bucket is summed in place, the way NCCL's shared-memory transport and
+DeepSpeed's CPU ``shm`` all-reduce do it.
+
+The reduction of one bucket (n ranks, bucket split into n contiguous chunks, chunk r is rank r's):
+
+1. **arrive**: every rank's bucket is complete (a barrier on counters in shared memory);
+2. **sum**: rank r adds chunk r of every rank's bucket, in rank order (0, 1, ..., n-1), and writes
+   the sum into chunk r of every rank's bucket. Ranks touch disjoint chunks, so nothing races, and
+   every rank ends with the same bits (each element is summed once, by one rank, in one order);
+3. **done**: a second barrier; after it every bucket holds the full sum and its owner may scale,
+   read or zero it (no other rank touches it again before the next bucket's first barrier).
+
+Each rank reads and writes ``(n-1)/n`` of a bucket in the others' memory both ways, the bytes a ring
+all-reduce sends, and it is counted as the all-reduce it is (``comm_bytes.all_reduce``).
+
+The work runs on one background thread per reducer (torch's kernels release the GIL), in the
+order buckets are launched, which is the same on every rank. The barriers poll counters with a
+short, growing sleep (never a busy spin: the cores are the compute's), and give up after the
+group's timeout naming the ranks that did not arrive. Counters are written after the data with
+plain stores, which other cores see in program order on x86-64 (total store order); on other
+architectures ``usable`` says no and the group's own all-reduce is used.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import queue
+import socket
+import threading
+import time
+import uuid
+
+import torch
+
+from paratrain.comm import collectives as C
+from paratrain.comm.collectives import Axis
+
+SHM_DIR = "/dev/shm"
+ALIGN = 64  # bytes: every bucket starts on its own cache line
+HEADER = ALIGN  # the rank's barrier counter (int64) lives in the first cache line of its file
+_POLL_FIRST_S, _POLL_MAX_S = 20e-6, 1e-3  # the barrier's sleep grows from 20 us to 1 ms
+
+
+def _host_id() -> str:
+    """This machine's identity: the host name and this boot (two containers may share a name)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def usable(axis: Axis, device: torch.device, total_bytes: int) -> bool:
+    """Whether the group can sum through shared memory: CPU tensors, x86-64 (store order, above),
+    a writable /dev/shm with room for every rank's buckets, and every rank on this host. Collective
+    over ``axis`` (every rank must call it); the answer is the same on every rank."""
+    free = 0
+    if os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK):
+        st = os.statvfs(SHM_DIR)
+        free = st.f_bavail * st.f_frsize
+    ok = (device.type == "cpu" and platform.machine().lower() in ("x86_64", "amd64")
+          and free > 2 * axis.size * (total_bytes + HEADER))
+    with axis.counter.paused():  # setup, not training traffic
+        every = C.all_gather_object((_host_id(), ok), axis)
+    return all(good for _, good in every) and len({host for host, _ in every}) == 1
+
+
+class Handle:
+    """An in-flight bucket reduction; ``wait()`` returns once every rank's bucket holds the sum."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+
+    def wait(self) -> bool:
+        self._done.wait()
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+class HostReducer:
+    """The buckets of one data-parallel group, in shared memory, summed by a background thread.
+
+    ``specs``: (numel, dtype) of each bucket, in launch order. ``buffers[i]`` is this rank's bucket
+    ``i`` (the tensor gradients are views of). Construction is collective over ``axis``.
+    """
+
+    def __init__(self, axis: Axis, specs: list[tuple[int, torch.dtype]], timeout_s: float = 600.0):
+        self.axis, self.timeout_s = axis, timeout_s
+        offsets, size = [], HEADER
+        for numel, dtype in specs:
+            offsets.append(size)
+            size += -(-numel * dtype.itemsize // ALIGN) * ALIGN
+        mine = os.path.join(SHM_DIR, f"paratrain-ddp-{uuid.uuid4().hex}")
+        files = self._share(mine, size)
+        raw = [torch.from_file(f, shared=True, size=size, dtype=torch.uint8) for f in files]
+        with axis.counter.paused():
+            C.barrier(axis)  # every rank has mapped every file: the names may go
+        os.unlink(mine)  # the mappings live on; nothing is left behind if a rank dies later
+        self._files = raw
+        # numpy views of the counters: a read or write without torch's dispatch, cheap in the poll loop
+        self._flags = [r[:8].view(torch.int64).numpy() for r in raw]
+        self._peers = [[r[o:o + n * d.itemsize].view(d) for o, (n, d) in zip(offsets, specs)] for r in raw]
+        self.buffers = self._peers[axis.rank]
+        self._seq = 0  # barriers passed (the same sequence on every rank)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        # When a list (bench ddp --timeline): per bucket, the reducer's three phases on the host
+        # clock, {"what": wait_peers | sum | wait_done, "bucket", "start", "end", "cpu_s"}.
+        self.trace: list[dict] | None = None
+
+    def _share(self, mine: str, size: int) -> list[str]:
+        """Create this rank's file, learn the others' names (axis order)."""
+        torch.from_file(mine, shared=True, size=size, dtype=torch.uint8)  # creates it, zero-filled
+        with self.axis.counter.paused():
+            return C.all_gather_object(mine, self.axis)
+
+    # -- the reduction ----------------------------------------------------------------------------
+
+    def reduce_async(self, i: int, what: str | None = None) -> Handle | None:
+        """Start summing bucket ``i`` over the group; counted as an all-reduce of the bucket.
+        None when a test fault says this rank skips the collective (comm/trace.py)."""
+        buffer = self.buffers[i]
+        if not C.enter_all_reduce(buffer, self.axis, what):
+            return None
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="paratrain-host-reduce", daemon=True)
+            self._thread.start()
+        handle = Handle()
+        self._queue.put((i, handle))
+        return handle
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            i, handle = item
+            try:
+                self._sum(i)
+            except BaseException as e:  # noqa: BLE001 -- re-raised in the waiting thread
+                handle.error = e
+            handle._done.set()
+
+    def _sum(self, i: int) -> None:
+        marks = [(time.perf_counter(), time.thread_time())]
+        self._barrier("its bucket complete")
+        marks.append((time.perf_counter(), time.thread_time()))
+        self._add_chunk(i)
+        marks.append((time.perf_counter(), time.thread_time()))
+        self._barrier("its chunk summed")
+        marks.append((time.perf_counter(), time.thread_time()))
+        if self.trace is not None:
+            for what, (t0, c0), (t1, c1) in zip(("wait_peers", "sum", "wait_done"), marks, marks[1:]):
+                self.trace.append({"what": what, "bucket": i, "start": t0, "end": t1, "cpu_s": c1 - c0})
+
+    @torch.no_grad()
+    def _add_chunk(self, i: int) -> None:
+        """Chunk r (ours) of every rank's bucket i: summed in rank order, the sum written to all."""
+        n, r = self.axis.size, self.axis.rank
+        numel = self.buffers[i].numel()
+        lo, hi = r * numel // n, (r + 1) * numel // n
+        chunks = [peer[i][lo:hi] for peer in self._peers]
+        if hi > lo:
+            if n == 2:  # in place: a + b into rank 0's memory, then the same bits into rank 1's
+                chunks[0].add_(chunks[1])
+                chunks[1].copy_(chunks[0])
+            else:
+                total = chunks[0].clone()
+                for c in chunks[1:]:
+                    total.add_(c)
+                for c in chunks:
+                    c.copy_(total)
+
+    def _barrier(self, what: str) -> None:
+        self._seq += 1
+        seq = self._seq
+        self._flags[self.axis.rank][0] = seq  # after the data: seen in order on x86-64
+        deadline = time.monotonic() + self.timeout_s
+        sleep = _POLL_FIRST_S
+        while True:
+            late = [k for k, f in enumerate(self._flags) if int(f[0]) < seq]
+            if not late:
+                return
+            if time.monotonic() > deadline:
+                ranks = [self.axis.ranks[k] for k in late]
+                raise RuntimeError(f"shared-memory all-reduce on {self.axis.name}: ranks {ranks} did not "
+                                   f"report {what} within {self.timeout_s:.0f} s (a rank died or hangs)")
+            time.sleep(sleep)
+            sleep = min(2 * sleep, _POLL_MAX_S)
+
+    def close(self) -> None:
+        """Stop the background thread (after the buckets in flight); the memory goes with the tensors."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
