@@ -210,7 +210,8 @@ class Parallel:
         """Keep this rank's stages of a paratrain model family (pipeline/stage.py); the optimizer's
         groups keep the names this rank still holds (a tied head's copy joins its owner's group)."""
         family = family_of(model, f"pp = {self.mesh.pp.size} through the library (its blocks and stages)")
-        chunks = split_for_pipeline(model, self.mesh, virtual_stages=self.virtual_stages)
+        chunks = split_for_pipeline(model, self.mesh, virtual_stages=self.virtual_stages,
+                                    schedule=self.pp_schedule)
         held = {n for n, _ in model.named_parameters()}
         for group in names:
             if family.is_tied(model) and family.tied[1] in group and family.tied[0] in held:

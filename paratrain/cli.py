@@ -91,9 +91,10 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
     ("--pp", "parallel.pp", int, LAYOUT, "pipeline-parallel degree: the layers split into this many "
      "stages"),
     ("--pp-schedule", "parallel.pp_schedule", str, LAYOUT, "pipeline schedule (interleaved needs "
-     "--virtual-stages > 1)"),
+     "--virtual-stages > 1; zb-h1, zbv, dualpipev split the backward into input and weight "
+     "gradients; zbv and dualpipev run 2 stages per rank in a V)"),
     ("--virtual-stages", "parallel.virtual_stages", int, LAYOUT, "interleaved pipeline: model chunks per "
-     "rank"),
+     "rank (zbv/dualpipev: always 2, 1 or 2 accepted)"),
     ("--pp-split", "parallel.pp_split", str, LAYOUT, "blocks per pipeline stage: auto (by FLOPs) or a "
      "list like 3,1 (default: equal)"),
     ("--ep", "parallel.ep", int, LAYOUT, "expert-parallel degree: the experts split over this many "

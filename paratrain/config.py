@@ -309,7 +309,7 @@ CHOICES: dict[str, tuple] = {
     "parallel.dp_mode": ("ddp", "plain"),
     "parallel.sync": ("ddp", "local-sgd", "diloco", "parameter-server"),
     "parallel.ps_mode": ("sync", "async"),
-    "parallel.pp_schedule": ("naive", "gpipe", "1f1b", "interleaved"),
+    "parallel.pp_schedule": ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"),
     "parallel.offload": ("none", "cpu", "disk"),
     "train.nan_policy": ("stop", "skip"),
     "train.precision": ("fp32", "bf16", "fp16", "auto"),

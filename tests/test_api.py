@@ -384,11 +384,12 @@ def test_tp2_and_sp_native_llama_plan_equals_one_process():
 
 def _train_llama_pp(env) -> dict:
     return {(schedule, tie): _llama(STEPS, {"pp": 2, "pp_schedule": schedule}, tie=tie)
-            for schedule, tie in (("1f1b", False), ("gpipe", True))}
+            for schedule, tie in (("1f1b", False), ("gpipe", True), ("zb-h1", False), ("zbv", True))}
 
 
 def test_pp2_native_llama_through_the_library_equals_one_process():
-    """A paratrain family's pipeline through the user's loop (pipeline_step), tied embeddings too."""
+    """A paratrain family's pipeline through the user's loop (pipeline_step), tied embeddings too;
+    the zero-bubble schedules (zbv: the tied pair on one rank) by their name too."""
     got = run(_train_llama_pp, 2)[0]
     for (_schedule, tie), result in got.items():
         assert_same(result, _llama(STEPS, None, tie=tie))

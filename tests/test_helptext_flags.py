@@ -97,7 +97,7 @@ def test_train_flags_show_the_configs_choices_and_defaults(monkeypatch):
             assert "{" + ",".join(map(str, config.CHOICES[key])) + "}" in text, (flag, text)
     # the choices the help shows are the ones the config accepts (no second list to drift)
     assert by_flag["--zero"].metavar == "{0,1,2,3}"
-    assert by_flag["--pp-schedule"].metavar == "{naive,gpipe,1f1b,interleaved}"
+    assert by_flag["--pp-schedule"].metavar == "{naive,gpipe,1f1b,interleaved,zb-h1,zbv,dualpipev}"
 
 
 def test_train_help_is_grouped_as_the_readme(monkeypatch, capsys):

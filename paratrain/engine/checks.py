@@ -58,6 +58,7 @@ def check_layout(cfg: Config, problems: list[str]) -> None:
     check_moe(cfg, problems)
     _check_tensor_parallel(cfg, problems)
     _check_pipeline(cfg, problems)
+    _check_zero_bubble(cfg, problems)
     _check_zero(cfg, problems)
     _check_hybrid(cfg, problems)
     _check_param_server(cfg, problems)
@@ -97,6 +98,9 @@ def _check_pipeline(cfg: Config, problems: list[str]) -> None:
     """--pp / --pp-schedule / --virtual-stages / pp_split: stages fit the layers and the batch."""
     p = cfg.parallel
     pp, v, m = p.pp, p.virtual_stages, cfg.n_micro_batches
+    if p.pp_schedule in V_SCHEDULES:
+        _check_v_schedule(cfg, problems)
+        return
     if v > 1 and p.pp_schedule != "interleaved":
         problems.append(f"parallel.virtual_stages = {v} needs --pp-schedule interleaved "
                         f"(the {p.pp_schedule!r} schedule runs one stage per rank)")
@@ -123,6 +127,41 @@ def _check_pipeline(cfg: Config, problems: list[str]) -> None:
         parse_split(p.pp_split, n_layers, pp * v)
     except ValueError as e:
         problems.append(str(e))
+
+
+V_SCHEDULES = ("zbv", "dualpipev")  # 2 stages per rank, placed in a V (schedules_zb.py)
+ZERO_BUBBLE = ("zb-h1", "zbv", "dualpipev")  # the backward split into B and W
+
+
+def _check_v_schedule(cfg: Config, problems: list[str]) -> None:
+    """zbv / dualpipev: 2 stages per rank (--virtual-stages 1 or 2, taken as 2), 2 * pp stages."""
+    p = cfg.parallel
+    pp, v, m, name = p.pp, p.virtual_stages, cfg.n_micro_batches, p.pp_schedule
+    if v not in (1, 2):
+        problems.append(f"--pp-schedule {name} runs exactly 2 stages per rank (a V): parallel.virtual_stages "
+                        f"= {v}; leave it at 1 or set 2")
+    if pp == 1:
+        problems.append(f"--pp-schedule {name} needs a pipeline: set --pp >= 2")
+        return
+    if name == "dualpipev" and m < 2 * pp:
+        problems.append(f"dualpipev needs at least as many micro-batches as stages: m = global_batch / "
+                        f"(dp * micro_batch) = {m} < 2 * pp = {2 * pp}: raise --global-batch or lower "
+                        "--micro-batch")
+    if cfg.model.name == "cnn-tiny":
+        problems.append("cnn-tiny has no pipeline split: use --pp 1 with it")
+        return
+    try:
+        parse_split(p.pp_split, model_shape(cfg).n_layers, 2 * pp)
+    except ValueError as e:
+        problems.append(f"{name} cuts the model into 2 * pp stages: {e}")
+
+
+def _check_zero_bubble(cfg: Config, problems: list[str]) -> None:
+    """zb-h1 / zbv / dualpipev route the linears through a Python function mode (weight_grad.py)."""
+    if cfg.parallel.pp_schedule in ZERO_BUBBLE and cfg.parallel.pp > 1 and cfg.train.compile:
+        problems.append(f"--pp-schedule {cfg.parallel.pp_schedule} splits each linear's backward into input "
+                        "and weight gradients, which torch.compile'd blocks cannot: drop --compile or use "
+                        "--pp-schedule 1f1b (torch's zero-bubble schedules refuse compile too)")
 
 
 def _check_zero(cfg: Config, problems: list[str]) -> None:

@@ -73,7 +73,7 @@ def parallelize(task: Task, cfg: Config, mesh: ParallelMesh) -> Engine:
     chunks = None
     if mesh.pp.size > 1:
         chunks = split_for_pipeline(model, mesh, virtual_stages=cfg.parallel.virtual_stages,
-                                    split=cfg.parallel.pp_split)
+                                    split=cfg.parallel.pp_split, schedule=cfg.parallel.pp_schedule)
     name_params(model)  # every parameter's ParamInfo now knows its single-device name
     if cfg.parallel.zero == 3:
         # ZeRO-3 materialises only this rank's shard of each unit, straight from the init by name.

@@ -26,6 +26,7 @@ import contextlib
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from paratrain.base.weight_grad import recapture
 from paratrain.models.registry import family_of
 from paratrain.models.rerun import recompute_context as _recompute_context
 
@@ -34,8 +35,15 @@ from paratrain.models.rerun import recompute_context as _recompute_context
 
 
 def _contexts():
-    """checkpoint's context_fn: nothing around the first forward, the flag around the re-run."""
-    return contextlib.nullcontext(), _recompute_context()
+    """checkpoint's context_fn: nothing around the first forward; around the re-run the flag, and
+    a zero-bubble B's capture of the linears (base/weight_grad.py: the re-run builds the same graph)."""
+    return contextlib.nullcontext(), _rerun()
+
+
+@contextlib.contextmanager
+def _rerun():
+    with _recompute_context(), recapture():  # recapture() asks at the re-run, inside B
+        yield
 
 
 class Recompute:

@@ -19,7 +19,7 @@ from paratrain.perf.ops import ACT_BYTES, block_costs, embed_costs, head_costs
 # Most receives a rank has posted and not yet consumed, over every p, m and v and both placements
 # (each is one micro-batch's boundary activation or its gradient): the planner's buffer count,
 # which tests/test_pipeline_schedules.py checks against the real action lists (pipeline/schedules.py).
-RECEIVE_BUFFERS = {"naive": 2, "gpipe": 3, "1f1b": 3, "interleaved": 5}
+RECEIVE_BUFFERS = {"naive": 2, "gpipe": 3, "1f1b": 3, "interleaved": 5, "zb-h1": 3, "zbv": 4, "dualpipev": 5}
 
 
 def chunk_costs(c: ModelShape, cluster: Cluster, *, seq: int, precision: str, micro_batch: int = 1,

@@ -17,7 +17,15 @@ pipelined. What it does per action (schedules.py has the semantics):
   sum over stages;
 * B waits for the output gradient, back-propagates it through the chunk and leaves the input
   gradient for SEND_B. Data-parallel gradient sync is held back (``strategy.no_sync()``) except
-  for the last backward of each chunk, which lets DDP overlap it with the remaining backwards.
+  for the last backward of each chunk, which lets DDP overlap it with the remaining backwards;
+* zero-bubble schedules (schedules_zb.py): a B whose (mb, stage) has a W computes only the input
+  gradient: its forward ran under ``WeightGradStore.capture()`` and its backward under
+  ``deferring``, which keeps each linear's (input, output gradient); W computes the weight
+  gradients from them (weight_grad.py). Sync is then let through on the chunk's last B (norms,
+  biases, embeddings are final there) and on its last W (the linears' weights), so DDP's buckets
+  launch during that W, and a chunk that finishes early reduces while the other chunk's W run;
+* two consecutive stages on one rank (the turn of a V placement) hand the activation and its
+  gradient over locally: no message.
 
 Every computation's start and end are recorded (CUDA events on GPU, the clock on CPU): the
 measured bubble and the timeline picture come from the real run.
@@ -36,22 +44,28 @@ import torch.nn as nn
 
 from paratrain.base.executor import LossFn, MicroBatch, SideLossFn, autocast_for, micro_batch, with_side_loss
 from paratrain.base.strategy import Strategy
+from paratrain.base.weight_grad import WeightGradStore
 from paratrain.comm import collectives as C
 from paratrain.mesh import ParallelMesh
 from paratrain.pipeline.schedules import (
     RECV_B,
     RECV_F,
+    SCHEDULES,
     SEND_F,
     Action,
     B,
     F,
     Schedule,
+    ScheduleError,
+    W,
+    is_local,
     make_schedule,
     message,
     receive_lookahead_for,
+    split_backwards,
     stage_rank,
 )
-from paratrain.pipeline.stage import StageChunk, TiedEmbedding
+from paratrain.pipeline.stage import StageChunk, TiedEmbedding, ends_share_rank
 
 
 class PipelineExecutor:
@@ -61,11 +75,15 @@ class PipelineExecutor:
         self.model, self.chunks = model, {c.stage: c for c in chunks}
         self.side_loss = side_loss
         self.loss_fn, self.strategy, self.mesh = loss_fn, strategy, mesh
-        self.schedule_name, self.v = schedule, virtual_stages
         self.p = mesh.pp.size
-        self.n_stages = self.p * virtual_stages
+        kind = SCHEDULES[schedule] if schedule in SCHEDULES else make_schedule(schedule, 1, 1)
+        self.schedule_name, self.v = schedule, kind.chunks_per_rank(virtual_stages)
+        self.placement = kind.placement
+        self.n_stages = self.p * self.v
         self.autocast = autocast_for(precision, mesh.device)
-        self.tied = TiedEmbedding(model, mesh)
+        same_rank = ends_share_rank(self.p, self.n_stages, self.placement)  # a V: both ends on rank 0
+        self.tied = TiedEmbedding(model, mesh, same_rank=same_rank)
+        self.weight_grads = WeightGradStore()  # zero-bubble schedules: the W passes' products
         # Activations between stages are the residual stream: the parameters' widest dtype even
         # under autocast (fp32 residual + bf16 branch promotes to fp32; a LoRA base stored in bf16
         # beside fp32 norms and adapters streams fp32, as one process does after the first norm).
@@ -143,7 +161,8 @@ class PipelineExecutor:
                  train: bool) -> torch.Tensor:
         dev = self.mesh.device
         total = torch.zeros((), dtype=torch.float32, device=dev)
-        last_backward = {a.stage: i for i, a in enumerate(actions) if a.kind == B}
+        split = split_backwards([actions])
+        syncs = _sync_points(actions, split)
         saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (mb, stage) -> (in, out)
         sides: dict[tuple[int, int], torch.Tensor] = {}  # (mb, stage) -> side loss / divisor (not last)
         received: dict[tuple, tuple] = {}  # payload -> (work, buffer)
@@ -161,41 +180,29 @@ class PipelineExecutor:
             a = actions[i]
             mb = micro_batch(micro_batches[a.mb])
             # The message this computation consumes: waiting for it is idle time, not work.
-            needs = None
-            if a.kind == F and a.stage > 0:
-                needs = _wait(received.pop(("act", a.mb, a.stage))).requires_grad_(train)
-            elif a.kind == B and a.stage < self.n_stages - 1:
-                needs = _wait(received.pop(("grad", a.mb, a.stage)))
+            needs = self._consumed(a, received, saved, train)
             if clock:
                 clock.start(a)
+            key = (a.mb, a.stage)
+            deferred = key in split
+            sync = contextlib.nullcontext() if i in syncs else self.strategy.no_sync()
             if a.kind == F:
-                inp = mb.x if a.stage == 0 else needs
-                chunk = self.chunks[a.stage]
-                with self.autocast():
-                    out = chunk(inp, mb.positions)
-                if a.stage == self.n_stages - 1:
-                    out = self.loss_fn(out, mb.y)
-                    out = with_side_loss(out, self.side_loss, chunk.modules(), train) / divisor
-                    total += out.detach().float()
-                else:
-                    out = out.to(self.act_dtype)
-                    side = self.side_loss(chunk.modules(), train) if self.side_loss is not None else None
-                    if side is not None:
-                        sides[(a.mb, a.stage)] = side / divisor
-                        total += sides[(a.mb, a.stage)].detach().float()
-                saved[(a.mb, a.stage)] = (inp, out)
-            else:
-                inp, out = saved[(a.mb, a.stage)]
-                sync = self.strategy.no_sync() if i != last_backward[a.stage] else contextlib.nullcontext()
+                with self.weight_grads.capture() if deferred else contextlib.nullcontext():
+                    total += self._forward(a, mb, needs, saved, sides, divisor, train)
+            elif a.kind == W:
                 with sync:
+                    self.weight_grads.run(key)
+            else:
+                inp, out = saved[key]
+                with sync, self.weight_grads.deferring(key) if deferred else contextlib.nullcontext():
                     if needs is None:  # the last stage starts backward from its loss
                         (out * loss_scale).backward() if loss_scale != 1.0 else out.backward()
-                    elif (a.mb, a.stage) in sides:  # this stage's own losses join the backward
-                        side = sides.pop((a.mb, a.stage))
+                    elif key in sides:  # this stage's own losses join the backward
+                        side = sides.pop(key)
                         torch.autograd.backward([out, side], [needs, torch.full_like(side, loss_scale)])
                     else:
                         torch.autograd.backward(out, needs)
-                saved[(a.mb, a.stage)] = (inp, None)  # free the graph; keep the input for its gradient
+                saved[key] = (inp, None)  # free the graph; keep the input for its gradient
             if clock:
                 clock.end()
             i += 1
@@ -204,6 +211,40 @@ class PipelineExecutor:
         if clock:
             self.timeline = clock.events()
         return total
+
+    def _consumed(self, a: Action, received: dict, saved: dict, train: bool) -> torch.Tensor | None:
+        """The tensor computation ``a`` consumes: its input activation (F) or its output's gradient
+        (B), received (waiting for it is idle time, not work) or handed over by a stage on this rank."""
+        if a.kind == F and a.stage > 0:
+            if is_local(a, self.n_stages, self.p, self.placement):
+                return saved[(a.mb, a.stage - 1)][1].detach().requires_grad_(train)
+            return _wait(received.pop(("act", a.mb, a.stage))).requires_grad_(train)
+        if a.kind == B and a.stage < self.n_stages - 1:
+            if is_local(a, self.n_stages, self.p, self.placement):
+                return saved.pop((a.mb, a.stage + 1))[0].grad
+            return _wait(received.pop(("grad", a.mb, a.stage)))
+        return None
+
+    def _forward(self, a: Action, mb: MicroBatch, needs, saved: dict, sides: dict, divisor: float,
+                 train: bool) -> torch.Tensor:
+        """F: run the chunk; keep (input, output) for B; return the loss it adds (detached)."""
+        inp = mb.x if a.stage == 0 else needs
+        chunk = self.chunks[a.stage]
+        with self.autocast():
+            out = chunk(inp, mb.positions)
+        added = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
+        if a.stage == self.n_stages - 1:
+            out = self.loss_fn(out, mb.y)
+            out = with_side_loss(out, self.side_loss, chunk.modules(), train) / divisor
+            added = out.detach().float()
+        else:
+            out = out.to(self.act_dtype)
+            side = self.side_loss(chunk.modules(), train) if self.side_loss is not None else None
+            if side is not None:
+                sides[(a.mb, a.stage)] = side / divisor
+                added = sides[(a.mb, a.stage)].detach().float()
+        saved[(a.mb, a.stage)] = (inp, out)
+        return added
 
     def _post(self, comm: list[Action], micro_batches, saved: dict, received: dict, sends: list) -> None:
         """Launch a run of sends and receives as one batch (they may pair with the same peer)."""
@@ -215,7 +256,7 @@ class PipelineExecutor:
                 rows, seq = micro_batches[a.mb][0].shape[:2]
                 buf = torch.empty(rows, seq // self.seq_shards, self.dim, dtype=self.act_dtype,
                                   device=self.mesh.device)
-                ops.append(C.p2p_op_recv(buf, self.mesh.pp, stage_rank(src_stage, self.p)))
+                ops.append(C.p2p_op_recv(buf, self.mesh.pp, stage_rank(src_stage, self.p, self.placement)))
                 kept.append(("recv", payload, buf))
                 continue
             inp, out = saved[(a.mb, a.stage)]
@@ -224,7 +265,7 @@ class PipelineExecutor:
             else:
                 t = inp.grad.contiguous()  # [mb, seq, dim]: d loss / d (this stage's input)
                 del saved[(a.mb, a.stage)]
-            ops.append(C.p2p_op_send(t, self.mesh.pp, stage_rank(dst_stage, self.p)))
+            ops.append(C.p2p_op_send(t, self.mesh.pp, stage_rank(dst_stage, self.p, self.placement)))
             kept.append(("send", None, t))
         for work, (kind, payload, t) in zip(C.batch_p2p(ops), kept):
             if kind == "recv":
@@ -267,6 +308,24 @@ class PipelineExecutor:
         }
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "timeline.json").write_text(json.dumps(info))
+
+
+def _sync_points(actions: list[Action], split: set[tuple[int, int]]) -> set[int]:
+    """Indices of the computations that let data-parallel sync through: each stage's last B and,
+    where W passes follow it, its last W. A parameter's hook must fire once in sync, after its
+    last gradient: so when W passes follow a stage's last B, that B must be input-only (a full one
+    would hand the linears' gradients over before the W add to them)."""
+    last_b = {a.stage: i for i, a in enumerate(actions) if a.kind == B}
+    last_w = {a.stage: i for i, a in enumerate(actions) if a.kind == W}
+    out = set(last_b.values())
+    for stage, i in last_w.items():
+        if i < last_b[stage]:
+            continue  # every W before the last (full) B: that B is the last gradient of everything
+        if (actions[last_b[stage]].mb, stage) not in split:
+            raise ScheduleError(f"stage {stage}: W passes follow its last backward, a full one, which "
+                                "would reduce the linears' gradients before they are complete")
+        out.add(i)
+    return out
 
 
 def measured_bubble(ranks: list[list[dict]]) -> float:

@@ -7,6 +7,10 @@ One optimizer step pushes ``m`` micro-batches through every stage forward, then 
 Actions (``Action(kind, mb, stage)``; the chunk of a stage is ``stage // p``):
 
 * ``F`` / ``B``: forward / backward of micro-batch ``mb`` through ``stage``;
+* ``W``: the weight gradients of micro-batch ``mb`` at ``stage`` (zero-bubble schedules,
+  schedules_zb.py): a ``B`` whose ``(mb, stage)`` has a ``W`` in the list computes only the input
+  gradient and leaves the weight-gradient products for ``W`` (pipeline/weight_grad.py); a ``B``
+  without one is the full backward;
 * ``SEND_F`` / ``RECV_F``: the activation leaving ``stage`` (to ``stage + 1``) / entering it;
 * ``SEND_B`` / ``RECV_B``: the input gradient leaving ``stage`` (to ``stage - 1``) / the output
   gradient entering it (from ``stage + 1``).
@@ -37,10 +41,11 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-F, B = "F", "B"
+F, B, W = "F", "B", "W"
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
-COMPUTE = (F, B)
-KINDS = (F, B, SEND_F, RECV_F, SEND_B, RECV_B)
+COMPUTE = (F, B, W)
+KINDS = (F, B, W, SEND_F, RECV_F, SEND_B, RECV_B)
+PLACEMENTS = ("loop", "v")
 
 
 class ScheduleError(ValueError):
@@ -69,9 +74,16 @@ def Backward(mb: int, stage: int) -> Action:  # noqa: N802
     return Action(B, mb, stage)
 
 
-def stage_rank(stage: int, p: int) -> int:
-    """Stages are dealt round-robin: stage s lives on rank s mod p (its chunk is s // p)."""
-    return stage % p
+def stage_rank(stage: int, p: int, placement: str = "loop") -> int:
+    """The rank that holds ``stage``. "loop": dealt round-robin, stage s on rank s mod p (its
+    chunk is s // p). "v" (ZBV, DualPipeV): chunks alternate direction, down then back up, so with
+    2 chunks rank r holds stages r and 2p - 1 - r: the first and the last stage share rank 0."""
+    chunk, pos = divmod(stage, p)
+    return pos if placement == "loop" or chunk % 2 == 0 else p - 1 - pos
+
+
+def Weight(mb: int, stage: int) -> Action:  # noqa: N802
+    return Action(W, mb, stage)
 
 
 def message(a: Action, n_stages: int) -> tuple[tuple, int, int] | None:
@@ -101,13 +113,23 @@ class Schedule:
     """Base: p ranks, m micro-batches, v chunks per rank. Subclasses give ``compute_order``."""
 
     name = "schedule"
+    placement = "loop"  # stage_rank's placement of the stages on the ranks
+    multi_chunk = False  # whether v > 1 is allowed
 
     def __init__(self, p: int, m: int, v: int = 1):
         if p < 1 or m < 1 or v < 1:
             raise ScheduleError(f"{self.name}: p, m and v must be >= 1 (got p={p}, m={m}, v={v})")
-        if v > 1 and not isinstance(self, Interleaved1F1B):
+        if v > 1 and not self.multi_chunk:
             raise ScheduleError(f"{self.name} runs one stage per rank: virtual stages need 'interleaved'")
         self.p, self.m, self.v = p, m, v
+
+    @classmethod
+    def chunks_per_rank(cls, v: int) -> int:
+        """Stages per rank this schedule runs with ``--virtual-stages v`` (the V schedules: 2)."""
+        return v
+
+    def stage_rank(self, stage: int) -> int:
+        return stage_rank(stage, self.p, self.placement)
 
     @property
     def n_stages(self) -> int:
@@ -120,23 +142,25 @@ class Schedule:
         """Every rank's full action list, communication included (``receive_lookahead``:
         ``place_communication``)."""
         return place_communication([self.compute_order(r) for r in range(self.p)], self.p, self.n_stages,
-                                   receive_lookahead)
+                                   receive_lookahead, self.placement)
 
     def forward_actions(self, receive_lookahead: int = 0) -> list[list[Action]]:
         """Forward-only lists (evaluation): the same forward order, no backward."""
         lists = [[a for a in self.compute_order(r) if a.kind == F] for r in range(self.p)]
-        return place_communication(lists, self.p, self.n_stages, receive_lookahead)
+        return place_communication(lists, self.p, self.n_stages, receive_lookahead, self.placement)
 
     def theory_bubble(self) -> float:
         """Idle fraction of each rank in ideal time: (p-1)/(m+p-1), the interleaved one divided by v."""
         p, m, v = self.p, self.m, self.v
         return ((p - 1) / v) / (m + (p - 1) / v)
 
-    def ideal_bubble(self, t_f: float = 1.0, t_b: float = 2.0) -> float:
+    def ideal_bubble(self, t_f: float = 1.0, t_b: float = 2.0, t_w: float | None = None) -> float:
         """Idle fraction found by simulating the lists with free communication (per-stage times
-        t_f, t_b for a whole rank's share of the model; a chunk costs 1/v of it)."""
+        t_f, t_b (the full backward, of which t_w, default t_b / 2, is the weight gradients) for a
+        whole rank's share of the model; a chunk costs 1/v of it)."""
+        t_w = t_b / 2 if t_w is None else t_w
         done = simulate([self.compute_order(r) for r in range(self.p)], self.p, self.n_stages,
-                        t_f / self.v, t_b / self.v)
+                        t_f / self.v, t_b / self.v, t_w / self.v, self.placement)
         makespan = max(end for _, _, _, end in done)
         busy = self.m * (t_f + t_b)
         return 1.0 - busy / makespan
@@ -186,6 +210,7 @@ class Interleaved1F1B(Schedule):
     """
 
     name = "interleaved"
+    multi_chunk = True
 
     def __init__(self, p: int, m: int, v: int = 2):
         super().__init__(p, m, v)
@@ -229,18 +254,31 @@ def _deps(a: Action, n_stages: int) -> list[Action]:
     """Computations that must finish before ``a`` (anywhere in the pipeline)."""
     if a.kind == F:
         return [Forward(a.mb, a.stage - 1)] if a.stage > 0 else []
+    if a.kind == W:
+        return [Backward(a.mb, a.stage)]
     out = [Forward(a.mb, a.stage)]
     if a.stage < n_stages - 1:
         out.append(Backward(a.mb, a.stage + 1))
     return out
 
 
+def split_backwards(compute_lists: list[list[Action]]) -> set[tuple[int, int]]:
+    """(mb, stage) of every backward that has a W: those B compute only the input gradient."""
+    return {(a.mb, a.stage) for lst in compute_lists for a in lst if a.kind == W}
+
+
 def simulate(compute_lists: list[list[Action]], p: int, n_stages: int, t_f: float = 1.0,
-             t_b: float = 2.0) -> list[tuple[int, Action, float, float]]:
+             t_b: float = 2.0, t_w: float | None = None, placement: str = "loop",
+             ) -> list[tuple[int, Action, float, float]]:
     """Run the compute lists in ideal time (free communication); each rank in its own order.
 
-    Returns (rank, action, start, end) in order of start time. Raises ScheduleError on deadlock.
+    ``t_b`` is a full backward; a B split from its W takes ``t_b - t_w`` and the W ``t_w``
+    (default t_b / 2). Returns (rank, action, start, end) in order of start time. Raises
+    ScheduleError on deadlock. (``placement`` is accepted for symmetry: dependencies are by stage.)
     """
+    t_w = t_b / 2 if t_w is None else t_w
+    split = split_backwards(compute_lists)
+    cost = {F: t_f, W: t_w}
     pos, free = [0] * p, [0.0] * p
     end: dict[Action, float] = {}
     done = []
@@ -261,21 +299,24 @@ def simulate(compute_lists: list[list[Action]], p: int, n_stages: int, t_f: floa
             blocked = {r: compute_lists[r][pos[r]] for r in range(p) if pos[r] < len(compute_lists[r])}
             raise ScheduleError(f"deadlock: every rank waits ({blocked})")
         start, r, a = best
-        end[a] = free[r] = start + (t_f if a.kind == F else t_b)
+        duration = cost.get(a.kind, t_b - t_w if (a.mb, a.stage) in split else t_b)
+        end[a] = free[r] = start + duration
         pos[r] += 1
         done.append((r, a, start, end[a]))
     return done
 
 
 def place_communication(compute_lists: list[list[Action]], p: int, n_stages: int,
-                        receive_lookahead: int = 0) -> list[list[Action]]:
+                        receive_lookahead: int = 0, placement: str = "loop") -> list[list[Action]]:
     """Insert SEND right after the computation that produces a message and the matching RECV
     on the receiver at the same moment of the ideal-time run: receives are posted in their
     sender's order (the in-order matching holds) and before the computation that needs them.
     With ``receive_lookahead`` > 0 each receive then moves that many computations earlier
-    (``_post_receives_early``: for backends whose point-to-point operations are independent)."""
+    (``_post_receives_early``: for backends whose point-to-point operations are independent).
+    Two consecutive stages on one rank (the turn of a V placement) exchange nothing: the
+    executor hands the tensor over locally."""
     lists: list[list[Action]] = [[] for _ in range(p)]
-    for r, a, _, _ in simulate(compute_lists, p, n_stages):
+    for r, a, _, _ in simulate(compute_lists, p, n_stages, placement=placement):
         lists[r].append(a)
         if a.kind == F and a.stage < n_stages - 1:
             send, recv = Action(SEND_F, a.mb, a.stage), Action(RECV_F, a.mb, a.stage + 1)
@@ -283,15 +324,27 @@ def place_communication(compute_lists: list[list[Action]], p: int, n_stages: int
             send, recv = Action(SEND_B, a.mb, a.stage), Action(RECV_B, a.mb, a.stage - 1)
         else:
             continue
-        dst = stage_rank(recv.stage, p)
+        dst = stage_rank(recv.stage, p, placement)
         if dst == r:
-            raise ScheduleError(f"stages {a.stage} and {recv.stage} are both on rank {r}: "
-                                "a pipeline needs consecutive stages on different ranks (p >= 2)")
+            if placement == "loop":
+                raise ScheduleError(f"stages {a.stage} and {recv.stage} are both on rank {r}: "
+                                    "a pipeline needs consecutive stages on different ranks (p >= 2)")
+            continue
         lists[r].append(send)
         lists[dst].append(recv)
     if receive_lookahead > 0:
-        lists = [_post_receives_early(lst, p, n_stages, receive_lookahead) for lst in lists]
+        lists = [_post_receives_early(lst, p, n_stages, receive_lookahead, placement) for lst in lists]
     return lists
+
+
+def is_local(a: Action, n_stages: int, p: int, placement: str) -> bool:
+    """Whether the message ``a``'s computation consumes (F: its input, B: its output's gradient)
+    comes from a stage on the same rank (a local hand-off, no message)."""
+    if a.kind == F and a.stage > 0:
+        return stage_rank(a.stage - 1, p, placement) == stage_rank(a.stage, p, placement)
+    if a.kind == B and a.stage < n_stages - 1:
+        return stage_rank(a.stage + 1, p, placement) == stage_rank(a.stage, p, placement)
+    return False
 
 
 def receive_lookahead_for(device_type: str) -> int:
@@ -308,7 +361,8 @@ def receive_lookahead_for(device_type: str) -> int:
     return 1 if device_type == "cpu" else 0
 
 
-def _post_receives_early(actions: list[Action], p: int, n_stages: int, lookahead: int) -> list[Action]:
+def _post_receives_early(actions: list[Action], p: int, n_stages: int, lookahead: int,
+                         placement: str = "loop") -> list[Action]:
     """Move every receive ``lookahead`` computations earlier on its rank.
 
     Under non-blocking semantics (gloo) receives never block, so no deadlock can follow; a receive
@@ -320,11 +374,13 @@ def _post_receives_early(actions: list[Action], p: int, n_stages: int, lookahead
         a = out[i]
         if a.kind not in (RECV_F, RECV_B):
             continue
-        source = stage_rank(message(a, n_stages)[1], p)
+        source = stage_rank(message(a, n_stages)[1], p, placement)
         j, passed = i, 0
         while j > 0:
             prev = out[j - 1]
-            if prev.kind in (RECV_F, RECV_B) and stage_rank(message(prev, n_stages)[1], p) == source:
+            from_source = stage_rank(message(prev, n_stages)[1], p, placement) == source if prev.kind in (
+                RECV_F, RECV_B) else False
+            if from_source:
                 break
             if prev.is_compute:
                 if passed == lookahead:
@@ -341,11 +397,12 @@ def _post_receives_early(actions: list[Action], p: int, n_stages: int, lookahead
 
 
 def check_schedule(actions_per_rank: list[list[Action]], p: int, m: int, v: int = 1,
-                   forward_only: bool = False) -> None:
+                   forward_only: bool = False, placement: str = "loop") -> None:
     """Verify an action list; raise ScheduleError saying what is wrong.
 
     * every micro-batch is forwarded (and backwarded) exactly once through every stage, on the
-      rank that owns the stage; every message is sent once and received once;
+      rank that owns the stage (``placement``: stage_rank); every message is sent once and
+      received once (none between two stages on one rank); a W at most once, after its B;
     * on a rank, a send follows the computation that produces it, a backward its forward;
     * simulated with non-blocking posts, in-order matching per pair of ranks and computations
       that wait for their input, every rank reaches its end (no deadlock, no mismatched pair).
@@ -353,39 +410,45 @@ def check_schedule(actions_per_rank: list[list[Action]], p: int, m: int, v: int 
     if len(actions_per_rank) != p:
         raise ScheduleError(f"expected action lists for {p} ranks, got {len(actions_per_rank)}")
     n_stages = p * v
-    _check_counts(actions_per_rank, p, m, n_stages, forward_only)
-    _simulate_messages(actions_per_rank, p, n_stages)
+    _check_counts(actions_per_rank, p, m, n_stages, forward_only, placement)
+    _simulate_messages(actions_per_rank, p, n_stages, placement)
 
 
-def _expected(p: int, m: int, n_stages: int, forward_only: bool) -> list[set[Action]]:
+def _expected(p: int, m: int, n_stages: int, forward_only: bool, placement: str) -> list[set[Action]]:
     want: list[set[Action]] = [set() for _ in range(p)]
     for s in range(n_stages):
-        r = stage_rank(s, p)
+        r = stage_rank(s, p, placement)
+        remote_prev = s > 0 and stage_rank(s - 1, p, placement) != r
+        remote_next = s < n_stages - 1 and stage_rank(s + 1, p, placement) != r
         for mb in range(m):
             want[r].add(Forward(mb, s))
-            if s < n_stages - 1:
+            if remote_next:
                 want[r].add(Action(SEND_F, mb, s))
-            if s > 0:
+            if remote_prev:
                 want[r].add(Action(RECV_F, mb, s))
             if forward_only:
                 continue
             want[r].add(Backward(mb, s))
-            if s > 0:
+            if remote_prev:
                 want[r].add(Action(SEND_B, mb, s))
-            if s < n_stages - 1:
+            if remote_next:
                 want[r].add(Action(RECV_B, mb, s))
     return want
 
 
-def _check_counts(lists: list[list[Action]], p: int, m: int, n_stages: int, forward_only: bool) -> None:
-    for r, (got, want) in enumerate(zip(lists, _expected(p, m, n_stages, forward_only))):
+def _check_counts(lists: list[list[Action]], p: int, m: int, n_stages: int, forward_only: bool,
+                  placement: str) -> None:
+    for r, (got, want) in enumerate(zip(lists, _expected(p, m, n_stages, forward_only, placement))):
         seen: set[Action] = set()
         for a in got:
             if a.kind not in KINDS:
                 raise ScheduleError(f"rank {r}: unknown action kind {a.kind!r}")
             if a in seen:
                 raise ScheduleError(f"rank {r}: {a} appears twice")
+            if a.kind == W and (forward_only or Backward(a.mb, a.stage) not in want):
+                raise ScheduleError(f"rank {r}: {a} has no backward of its own on this rank")
             seen.add(a)
+        seen = {a for a in seen if a.kind != W}
         if seen - want:
             raise ScheduleError(f"rank {r}: unexpected actions {sorted(seen - want, key=repr)} "
                                 f"(wrong rank for the stage, or a stage/micro-batch out of range)")
@@ -393,7 +456,7 @@ def _check_counts(lists: list[list[Action]], p: int, m: int, n_stages: int, forw
             raise ScheduleError(f"rank {r}: missing actions {sorted(want - seen, key=repr)}")
 
 
-def _simulate_messages(lists: list[list[Action]], p: int, n_stages: int) -> None:
+def _simulate_messages(lists: list[list[Action]], p: int, n_stages: int, placement: str) -> None:
     pos = [0] * p
     done: list[set[Action]] = [set() for _ in range(p)]
     sent: dict[tuple[int, int], list[tuple]] = defaultdict(list)  # (src, dst) -> payloads in order
@@ -409,7 +472,7 @@ def _simulate_messages(lists: list[list[Action]], p: int, n_stages: int) -> None
         msg = message(a, n_stages)
         if msg is not None:
             payload, src_stage, dst_stage = msg
-            src, dst = stage_rank(src_stage, p), stage_rank(dst_stage, p)
+            src, dst = stage_rank(src_stage, p, placement), stage_rank(dst_stage, p, placement)
             if a.kind in (SEND_F, SEND_B):
                 producer = Forward(a.mb, a.stage) if a.kind == SEND_F else Backward(a.mb, a.stage)
                 if producer not in done[r]:
@@ -427,6 +490,16 @@ def _simulate_messages(lists: list[list[Action]], p: int, n_stages: int) -> None
         else:
             if a.kind == B and Forward(a.mb, a.stage) not in done[r]:
                 raise ScheduleError(f"rank {r}: {a} comes before its forward")
+            if a.kind == W and Backward(a.mb, a.stage) not in done[r]:
+                raise ScheduleError(f"rank {r}: {a} comes before its backward")
+            if is_local(a, n_stages, p, placement):
+                producer = _deps(a, n_stages)[-1]
+                if producer not in done[r]:
+                    raise ScheduleError(f"rank {r}: {a} comes before {producer}, on the same rank, "
+                                        "which produces its input")
+                done[r].add(a)
+                pos[r] += 1
+                return True
             needs = None
             if a.kind == F and a.stage > 0:
                 needs = ("act", a.mb, a.stage)
@@ -449,7 +522,8 @@ def _simulate_messages(lists: list[list[Action]], p: int, n_stages: int) -> None
                                 "or whose receive was not posted first)")
 
 
-def check_stream_order(actions_per_rank: list[list[Action]], p: int, n_stages: int) -> None:
+def check_stream_order(actions_per_rank: list[list[Action]], p: int, n_stages: int,
+                       placement: str = "loop") -> None:
     """Verify the lists also run where point-to-point is stream-ordered (NCCL); raise on deadlock.
 
     The executor posts each run of consecutive sends and receives as one group
@@ -476,7 +550,7 @@ def check_stream_order(actions_per_rank: list[list[Action]], p: int, n_stages: i
             prev = max((j for j in range(i) if isinstance(items[r][j], list)), default=None)
             return (prev is None or (r, prev) in done) and all((r, j) in done for j in before)
         prev = max((j for j in range(i) if not isinstance(items[r][j], list)), default=None)
-        needs = _consumes(item, n_stages)
+        needs = None if is_local(item, n_stages, p, placement) else _consumes(item, n_stages)
         return ((prev is None or (r, prev) in done)
                 and (needs is None or group_of[(True, needs)] in done))
 
@@ -547,12 +621,14 @@ def peak_receives_posted(actions: list[Action], n_stages: int) -> int:
 
 
 def peak_in_flight(actions: list[Action]) -> int:
-    """Most micro-batches forwarded but not yet backwarded at once on a rank (its activations)."""
+    """Most (micro-batch, stage) forwards whose activations are alive at once on a rank: from F to
+    its B, or to its W when it has one (W still holds the linears' inputs and output gradients)."""
+    split = split_backwards([actions])
     live = peak = 0
     for a in actions:
         if a.kind == F:
             live += 1
             peak = max(peak, live)
-        elif a.kind == B:
+        elif a.kind == W or (a.kind == B and (a.mb, a.stage) not in split):
             live -= 1
     return peak

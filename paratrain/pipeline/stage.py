@@ -7,7 +7,10 @@ sets the modules the family runs before the blocks (``embed``: first stage only)
 (``norm``, ``lm_head``: last stage only) to ``None`` where they are not owned (models/family.py).
 
 With ``v`` virtual stages (interleaved 1F1B) the model is cut into ``p * v`` stages dealt
-round-robin: rank ``r`` owns stages ``r, r + p, ...``, one ``StageChunk`` each.
+round-robin: rank ``r`` owns stages ``r, r + p, ...``, one ``StageChunk`` each. The V schedules
+(zbv, dualpipev: schedules_zb.py) cut it into ``2p`` stages placed in a V: rank ``r`` owns stages
+``r`` and ``2p - 1 - r`` (``schedules.stage_rank``), so rank 0 holds both the embedding and the
+head: a tied pair stays one parameter there, as on one device (no copy, no message).
 
 Split of the blocks (``parallel.pp_split``):
 
@@ -41,6 +44,7 @@ from paratrain.models.family import ModelFamily
 from paratrain.models.registry import family_of
 from paratrain.models.shape import ModelShape
 from paratrain.perf.stages import balanced_split, nominal_chunk_costs
+from paratrain.pipeline.schedules import SCHEDULES, stage_rank
 from paratrain.sharding import update_info
 
 
@@ -110,16 +114,18 @@ class StageChunk:
 
 
 def split_for_pipeline(model: nn.Module, mesh: ParallelMesh, *, virtual_stages: int = 1,
-                       split: str | None = None) -> list[StageChunk]:
-    """Prune ``model`` (built on meta) to this rank's stages; return one chunk per stage, in order."""
+                       split: str | None = None, schedule: str = "1f1b") -> list[StageChunk]:
+    """Prune ``model`` (built on meta) to this rank's stages (which ones: the ``schedule``'s
+    placement and stages per rank); return one chunk per stage, in order."""
     family = family_of(model, "pipeline parallelism (its blocks and split points)")
     p, rank = mesh.pp.size, mesh.pp.rank
-    n_stages = p * virtual_stages
+    kind = SCHEDULES[schedule]
+    n_stages = p * kind.chunks_per_rank(virtual_stages)
     layers = family.blocks_of(model)
     costs = layer_costs(model.cfg, mesh.device.type) if split == "auto" else (1.0, 0.0, 0.0)
     counts = parse_split(split, len(layers), n_stages, costs)
     per_stage = stage_layers(counts)
-    mine = [s for s in range(n_stages) if s % p == rank]
+    mine = [s for s in range(n_stages) if stage_rank(s, p, kind.placement) == rank]
     keep = {i for s in mine for i in per_stage[s]}
     for key in [k for k in layers if int(k) not in keep]:
         del layers[key]
@@ -127,9 +133,15 @@ def split_for_pipeline(model: nn.Module, mesh: ParallelMesh, *, virtual_stages: 
         setattr(model, name, None)
     for name in family.after if n_stages - 1 not in mine else ():
         setattr(model, name, None)
-    if family.is_tied(model):
+    if family.is_tied(model) and not ends_share_rank(p, n_stages, kind.placement):
         _mark_tied(model, *family.tied)
     return [StageChunk(model, s, per_stage[s], s == 0, s == n_stages - 1, family) for s in mine]
+
+
+def ends_share_rank(p: int, n_stages: int, placement: str) -> bool:
+    """Whether the first and the last stage are on one rank (a V placement): a tied embedding and
+    head are then one parameter, summed by autograd as on one device."""
+    return stage_rank(0, p, placement) == stage_rank(n_stages - 1, p, placement)
 
 
 def _held(model: nn.Module, name: str) -> nn.Parameter | None:
@@ -162,11 +174,11 @@ class TiedEmbedding:
     parameter objects); group creation is collective over the world.
     """
 
-    def __init__(self, model: nn.Module, mesh: ParallelMesh):
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, *, same_rank: bool = False):
         self.params: list[nn.Parameter] = []
         self.axis: C.Axis | None = None
         family = family_of(model)
-        if not family.is_tied(model) or mesh.pp.size == 1:
+        if not family.is_tied(model) or mesh.pp.size == 1 or same_rank:  # (same_rank: ends_share_rank)
             return
         axis = _ends_axis(mesh)
         self.params = [w for w in (_held(model, n) for n in reversed(family.tied)) if w is not None]

@@ -2,9 +2,9 @@
 
 Reads ``OUT/timeline.json`` (written by rank 0 at the end of a pipeline-parallel run: every
 stage's forward and backward start/end times of the last step) and draws one row per rank,
-forwards and backwards coloured (darker for later chunks of an interleaved schedule), idle time
-left blank, with the measured bubble next to the theoretical one, (p-1)/(m+p-1) (divided by v
-when interleaved).
+forwards, backwards and (zero-bubble schedules) weight-gradient passes W coloured (darker for
+later chunks of an interleaved or V schedule), idle time left blank, with the measured bubble
+(every computation, W included, counts as work) next to the schedule's theoretical one.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from pathlib import Path
 
 FORWARD = ("#9ecae1", "#4292c6", "#08519c", "#08306b")  # by chunk
 BACKWARD = ("#fdae6b", "#f16913", "#a63603", "#7f2704")
+WEIGHT = ("#a1d99b", "#41ab5d", "#006d2c", "#00441b")  # W: the deferred weight gradients
+COLOURS = {"F": FORWARD, "B": BACKWARD, "W": WEIGHT}
 
 
 def load(out: str | Path) -> dict:
@@ -40,7 +42,7 @@ def render(info: dict, png: str | Path, title: str | None = None) -> Path:
     for row, events in enumerate(ranks):
         for e in events:
             chunk = e["stage"] // p
-            colour = (FORWARD if e["kind"] == "F" else BACKWARD)[min(chunk, 3)]
+            colour = COLOURS[e["kind"]][min(chunk, 3)]
             start, width = (e["start"] - t0) * 1e3, (e["end"] - e["start"]) * 1e3
             ax.broken_barh([(start, width)], (row - 0.4, 0.8), facecolors=colour, edgecolor="white", lw=0.5)
             if width > span_ms / 60:  # label only the boxes wide enough to read
@@ -57,6 +59,9 @@ def render(info: dict, png: str | Path, title: str | None = None) -> Path:
         bubble += f"   theory {theory:.1%}"
     ax.set_title(f"{head}      {bubble}", fontsize=10)
     legend = [Patch(color=FORWARD[0], label="forward"), Patch(color=BACKWARD[0], label="backward")]
+    if any(e["kind"] == "W" for r in ranks for e in r):
+        legend[1] = Patch(color=BACKWARD[0], label="backward (input gradient)")
+        legend.append(Patch(color=WEIGHT[0], label="weight gradient (W)"))
     if v > 1:
         legend += [Patch(color=FORWARD[1], label="forward, chunk 2"),
                    Patch(color=BACKWARD[1], label="backward, chunk 2")]

@@ -49,6 +49,7 @@ from paratrain.planner.memory import (
     stage_params,
     state_bytes_per_param,
 )
+from paratrain.planner.zero_bubble import ZERO_BUBBLE, zb_bubble
 
 # -- published formulas -------------------------------------------------------------------------
 
@@ -266,10 +267,7 @@ def step_time(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster) -> Ste
         else:
             mb_time += (slow - 1) * (mb_compute + mb_recompute)
         mb_compute, mb_recompute = mb_compute * slow, mb_recompute * slow
-    if lay.pp > 1 and lay.schedule == "naive":
-        bubble = m * (lay.pp - 1) * mb_time  # one micro-batch in the pipe at a time
-    else:
-        bubble = (lay.pp - 1) / lay.v * mb_time if lay.pp > 1 else 0.0
+    bubble = pipeline_bubble(lay, m, mb_time)
 
     psi = stage_params(c, lay.tp, lay.pp, lay.v, counts, lay.ep)[busiest]
     experts = stage_expert_params(c, lay.tp, lay.pp, lay.v, counts, lay.ep)[busiest]
@@ -345,6 +343,17 @@ def dp_exposed(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, mb_co
     unit = layer_params_local(c, lay.tp) * sb.params
     first = all_gather_time(unit, lay.dp, link)  # nothing to hide the first unit's gather behind
     return m * (max(0.0, per_mb - cluster.overlap * mb_compute) + first)
+
+
+def pipeline_bubble(lay: Layout, m: int, mb_time: float) -> float:
+    """Seconds each rank idles in the pipeline's fill and drain."""
+    if lay.pp == 1:
+        return 0.0
+    if lay.schedule == "naive":
+        return m * (lay.pp - 1) * mb_time  # one micro-batch in the pipe at a time
+    if lay.schedule in ZERO_BUBBLE:  # planner/zero_bubble.py
+        return zb_bubble(lay.schedule, lay.pp, mb_time)
+    return (lay.pp - 1) / lay.v * mb_time
 
 
 def _optimizer_time(tr: Training, lay: Layout, cluster: Cluster, shard: float, m: int) -> tuple[float, float]:

@@ -28,8 +28,9 @@ from paratrain.perf.hardware import Cluster
 from paratrain.perf.ops import ACT_BYTES
 from paratrain.perf.stages import RECEIVE_BUFFERS
 from paratrain.planner.lora import lora_states
+from paratrain.planner.zero_bubble import ZERO_BUBBLE, zb_in_flight
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", *ZERO_BUBBLE)
 RECOMPUTE = ("none", "selective", "full")
 OFFLOAD = ("none", "cpu", "disk")
 
@@ -298,13 +299,14 @@ def output_activation_bytes(c: ModelShape, seq: int, micro_batch: int, *, tp: in
 
 def in_flight(schedule: str, pp: int, m: int, v: int = 1, rank: int = 0) -> float:
     """Micro-batches whose activations pipeline rank `rank` holds at its peak, in units of
-    "all of this rank's layers for one micro-batch".
-
-    GPipe: all m. 1F1B: p - rank warm-up forwards (capped at m). Interleaved 1F1B (Megatron's
-    warm-up of 2(p - rank - 1) + (v - 1)p chunk forwards, plus one): for rank 0 this is
-    p(1 + (p - 1)/(pv)) micro-batches of L/p layers, Korthikanti et al.'s figure. Naive runs one
-    micro-batch through all stages at a time. No pipeline: gradient accumulation holds one.
+    "all of this rank's layers for one micro-batch". GPipe: all m. 1F1B: p - rank warm-up
+    forwards (capped at m). Interleaved 1F1B (Megatron's warm-up of 2(p - rank - 1) + (v - 1)p
+    chunk forwards, plus one): for rank 0 this is p(1 + (p - 1)/(pv)) micro-batches of L/p
+    layers, Korthikanti et al.'s figure. Naive runs one micro-batch through all stages at a time.
+    No pipeline: gradient accumulation holds one.
     """
+    if schedule in ZERO_BUBBLE and pp > 1:  # planner/zero_bubble.py
+        return zb_in_flight(schedule, pp, m)
     if pp == 1 or schedule == "naive":
         return 1.0
     if schedule == "gpipe":

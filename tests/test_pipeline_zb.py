@@ -1,0 +1,330 @@
+"""Zero-bubble pipeline schedules (schedules_zb.py) and the B/W split (weight_grad.py).
+
+* schedules as data: every list passes the checker (gloo and NCCL placements), ZB-H1 keeps 1F1B's
+  peak of micro-batches in flight and its ideal bubble is the formula, a third of 1F1B's;
+* B + W equals the full backward on one layer of each kind (Linear, TP column, TP row, MoE
+  experts), and B alone leaves the deferred weights without a gradient;
+* training against the single process: pure pipelines bit-exact (the W pass computes dy^T x with
+  the same fp32 kernel as autograd's linear backward and accumulates micro-batches in the same
+  order, 0, 1, ...); with dp / tp / tied embeddings the sums over ranks reorder fp32 additions,
+  so test_pipeline.py's tolerances (SUMMED, assert_composed) and their reasons apply;
+* the data-parallel reduction is launched from the last W passes and overlaps the remaining ones;
+* bad flags fail before any worker starts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from paratrain import config
+from paratrain.base.weight_grad import WeightGradStore
+from paratrain.data_parallel.ddp import DDP
+from paratrain.engine import checks
+from paratrain.mesh import MeshShape, ParallelMesh
+from paratrain.models.llama import PRESETS
+from paratrain.models.moe import MoE
+from paratrain.perf.hardware import make_cluster
+from paratrain.pipeline import timeline
+from paratrain.pipeline.schedules import (
+    ScheduleError,
+    W,
+    check_schedule,
+    check_stream_order,
+    make_schedule,
+    peak_in_flight,
+    stage_rank,
+)
+from paratrain.planner.memory import Training, in_flight
+from paratrain.planner.search import plan
+from paratrain.planner.zero_bubble import zb_bubble, zb_in_flight
+from paratrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from paratrain.train.task import build_task
+from paratrain.train.trainer import Trainer
+from tests.dist import run
+from tests.harness import FP32_REORDERED, assert_same_training, tiny_cfg
+from tests.test_pipeline import M4, M8, SUMMED, TIED, _corpus, _layouts, _pp, _ref, assert_composed
+
+ZB = ("zb-h1", "zbv", "dualpipev")
+CASES = [(name, p, m) for name in ZB for p in (1, 2, 3, 4) for m in (1, 2, 3, 4, 8, 9)
+         if not (name == "dualpipev" and m < 2 * p)]
+
+
+# -- schedules as data -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,p,m", CASES)
+def test_every_zero_bubble_schedule_passes_the_checker(name, p, m):
+    s = make_schedule(name, p, m)
+    for lookahead in (0, 1):
+        check_schedule(s.actions(lookahead), p, m, s.v, placement=s.placement)
+        check_schedule(s.forward_actions(lookahead), p, m, s.v, forward_only=True, placement=s.placement)
+    if p > 1:
+        check_stream_order(s.actions(0), p, s.n_stages, s.placement)
+    ws = [a for lst in s.actions() for a in lst if a.kind == W]
+    assert len(ws) == len(set(ws)) and (name == "dualpipev" or len(ws) == m * s.n_stages)
+
+
+@pytest.mark.parametrize("p,m", [(2, 8), (4, 8), (4, 16), (3, 5)])
+def test_zb_h1_keeps_1f1b_memory_and_cuts_its_bubble_to_a_third(p, m):
+    zb, ofob = make_schedule("zb-h1", p, m), make_schedule("1f1b", p, m)
+    peaks = [peak_in_flight(zb.compute_order(r)) for r in range(p)]
+    assert max(peaks) == max(peak_in_flight(ofob.compute_order(r)) for r in range(p)) == min(p, m)
+    # F = B_input = W = 1 (a full backward 2): idle (p-1)(F + B - W) = p - 1 against 1F1B's 3(p - 1)
+    assert zb.ideal_bubble(1.0, 2.0, 1.0) == pytest.approx(zb.theory_bubble(), abs=1e-12)
+    assert zb.theory_bubble() == pytest.approx((p - 1) / (3 * m + p - 1))
+    assert (p - 1) * 3 / (3 * m + 3 * (p - 1)) == pytest.approx(ofob.ideal_bubble(1.0, 2.0))
+
+
+def test_v_placement_puts_both_ends_on_rank_0():
+    assert [stage_rank(s, 4, "v") for s in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    s = make_schedule("zbv", 2, 4)
+    assert s.v == 2 and s.n_stages == 4 and s.theory_bubble() < make_schedule("1f1b", 2, 4).theory_bubble()
+
+
+def test_the_checker_catches_a_w_before_its_b():
+    lists = make_schedule("zb-h1", 2, 2).actions()
+    i = next(i for i, a in enumerate(lists[1]) if a.kind == W)
+    lists[1].insert(0, lists[1].pop(i))
+    with pytest.raises(ScheduleError, match="before its backward"):
+        check_schedule(lists, 2, 2)
+
+
+# -- B + W == the full backward, one layer of each kind -------------------------------------------
+
+
+def _b_plus_w(module: nn.Module, x: torch.Tensor, deferred: list[str]) -> None:
+    """Full backward vs B then W on ``module``: same input and parameter gradients; after B alone
+    the ``deferred`` weights have no gradient (their product waits in the store)."""
+    def loss(y):
+        return (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)).sum()
+
+    x = x.detach().requires_grad_()
+    loss(module(x)).backward()
+    want = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+    want_x, x.grad = x.grad.clone(), None
+    module.zero_grad(set_to_none=True)
+    store = WeightGradStore()
+    with store.capture():
+        y = module(x)
+    with store.deferring("k"):
+        loss(y).backward()
+    got = dict(module.named_parameters())
+    assert all(got[n].grad is None for n in deferred), "B computed a weight gradient it should defer"
+    torch.testing.assert_close(x.grad, want_x, rtol=1e-12, atol=1e-14)
+    store.run("k")
+    assert len(store) == 0
+    for n, g in want.items():
+        torch.testing.assert_close(got[n].grad, g, rtol=1e-12, atol=1e-14, msg=n)
+
+
+def test_b_plus_w_equals_backward_linear_and_moe_experts():
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 6, dtype=torch.float64)
+    _b_plus_w(lin, torch.randn(3, 5, 8, dtype=torch.float64), ["weight"])
+    moe = MoE(dim=8, ffn_dim=16, n_experts=4, top_k=2).double()
+    experts = [n for n, _ in moe.named_parameters() if n.startswith("experts.")]
+    _b_plus_w(moe, torch.randn(2, 6, 8, dtype=torch.float64), experts + ["router.weight"])
+
+
+def _tp_layers_worker(env) -> None:
+    torch.manual_seed(0)
+    axis = ParallelMesh(MeshShape(tp=2), env.rank, env.device).tp
+    col = ColumnParallelLinear(8, 12, axis, bias=True, dtype=torch.float64)
+    row = RowParallelLinear(8, 6, axis, dtype=torch.float64)
+    for m in (col, row):
+        nn.init.normal_(m.weight)
+    _b_plus_w(col, torch.randn(2, 5, 8, dtype=torch.float64), ["weight"])
+    _b_plus_w(row, torch.randn(2, 5, 4, dtype=torch.float64), ["weight"])
+
+
+def test_b_plus_w_equals_backward_tensor_parallel_linears():
+    run(_tp_layers_worker, 2, timeout=60)
+
+
+# -- training against one process -----------------------------------------------------------------
+
+MOE = {"model.name": "tiny-moe"}
+
+
+@pytest.fixture(scope="module")
+def refs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("ref")
+    return {"m4": _ref(base / "m4", **M4), "m8": _ref(base / "m8", **M8),
+            "tied": _ref(base / "tied", **M4, **TIED), "moe": _ref(base / "moe", **M4, **MOE)}
+
+
+@pytest.fixture(scope="module")
+def pp2(tmp_path_factory):
+    base = tmp_path_factory.mktemp("pp2")
+    cfgs = {
+        "zb-h1": tiny_cfg(base / "zbh1", **_pp(2, "zb-h1"), **M4),
+        "zbv": tiny_cfg(base / "zbv", **_pp(2, "zbv"), **M4),
+        "dualpipev": tiny_cfg(base / "dpv", **_pp(2, "dualpipev"), **M8),
+        "zbv_recompute": tiny_cfg(base / "zbvr", **_pp(2, "zbv"), **M4, **{"train.recompute": "full"}),
+        "zbv_tied": tiny_cfg(base / "zbvt", **_pp(2, "zbv"), **M4, **TIED),
+        "zbv_moe": tiny_cfg(base / "zbvm", **_pp(2, "zbv"), **M4, **MOE),
+        "zb-h1_moe": tiny_cfg(base / "zbh1m", **_pp(2, "zb-h1"), **M4, **MOE),
+    }
+    return _layouts(2, cfgs), base
+
+
+@pytest.mark.parametrize("name,ref", [("zb-h1", "m4"), ("zbv", "m4"), ("dualpipev", "m8"),
+                                      ("zbv_recompute", "m4")])
+def test_pp2_zero_bubble_schedules_equal_one_process(pp2, refs, name, ref):
+    assert_same_training(pp2[0][name], refs[ref], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["zbv_moe", "zb-h1_moe"])
+def test_pp2_zero_bubble_mixture_of_experts(pp2, refs, name):
+    """Experts' weights deferred to W. The reported loss adds each stage's aux losses in another
+    order than one process (test_moe_compose.py's pipelines: FP32_REORDERED, its reason)."""
+    assert_same_training(pp2[0][name], refs["moe"], **FP32_REORDERED)
+
+
+def test_zbv_tied_embeddings_stay_one_parameter_on_rank_0(pp2, refs):
+    """The embedding and the head are both on rank 0 in a V: one parameter, as on one device
+    (autograd sums its two gradients in another order than one process: SUMMED)."""
+    assert_same_training(pp2[0]["zbv_tied"], refs["tied"], **SUMMED)
+
+
+def test_timeline_has_w_passes_and_renders(pp2, tmp_path):
+    info = timeline.load(pp2[1] / "zbv")
+    assert info["schedule"] == "zbv" and info["v"] == 2
+    kinds = [(e["kind"], e["mb"], e["stage"]) for e in info["ranks"][0]]
+    assert sorted(k for k in kinds if k[0] == "W") == sorted(("W", mb, s) for mb in range(4) for s in (0, 3))
+    png = tmp_path / "t.png"
+    assert timeline.main(["timeline", str(pp2[1] / "zbv"), "--png", str(png)]) == 0
+    assert png.stat().st_size > 5000
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    base = tmp_path_factory.mktemp("w4")
+    dp2 = {"parallel.dp": 2, **M4}  # each dp rank: 4 rows, micro_batch 2 -> m = 2, the m4 micro-batches
+    cfgs = {
+        "pp4_zb-h1": tiny_cfg(base / "pp4", **_pp(4, "zb-h1"), **M8),
+        "pp2_dp2_zb-h1": tiny_cfg(base / "dp", **_pp(2, "zb-h1"), **dp2),
+        "pp2_dp2_zbv_zero1": tiny_cfg(base / "z1", **_pp(2, "zbv"), **dp2, **{"parallel.zero": 1}),
+        "pp2_tp2_zb-h1": tiny_cfg(base / "tp", **_pp(2, "zb-h1"), **M4, **{"parallel.tp": 2}),
+        "pp2_tp2_zbv_moe": tiny_cfg(base / "tpm", **_pp(2, "zbv"), **M4, **MOE, **{"parallel.tp": 2}),
+        "pp2_tp2_1f1b_moe": tiny_cfg(base / "tpm1", **_pp(2, "1f1b"), **M4, **MOE, **{"parallel.tp": 2}),
+    }
+    return _layouts(4, cfgs)
+
+
+def test_pp4_zb_h1_is_exact(world4, refs):
+    assert_same_training(world4["pp4_zb-h1"], refs["m8"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["pp2_dp2_zb-h1", "pp2_dp2_zbv_zero1"])
+def test_zero_bubble_with_data_parallel(world4, refs, name):
+    assert_same_training(world4[name], refs["m4"], **SUMMED)
+
+
+def test_zero_bubble_with_tensor_parallel(world4, refs):
+    assert_composed(world4["pp2_tp2_zb-h1"], refs["m4"])
+
+
+def test_zero_bubble_with_tensor_parallel_experts(world4):
+    """MoE under tp (experts' column / partial-row weights deferred): the same run as 1F1B's in
+    the same layout, bit for bit (the split moves products in time, not in value). Not against one
+    process: there pp2 x tp2 tiny-moe differs under 1F1B already (layer 3's experts by up to
+    4e-3 after 4 steps, found here; test_moe_compose.py checks pp2 x tp2 with --sp only)."""
+    assert_same_training(world4["pp2_tp2_zbv_moe"], world4["pp2_tp2_1f1b_moe"], rtol=0, atol=0)
+
+
+# -- the dp reduction overlaps the W passes --------------------------------------------------------
+
+
+def _overlap_worker(env, cfg_dict: dict) -> list[str]:
+    """Train, recording on this rank the order of W passes and DDP bucket launches (last step)."""
+    events: list[str] = []
+    launch, run_w, after = DDP._launch, WeightGradStore.run, DDP.after_backward
+
+    def on_launch(self, b):
+        events.append("launch")
+        return launch(self, b)
+
+    def on_w(self, key):
+        events.append("W(")
+        run_w(self, key)
+        events.append(")")
+
+    def on_after(self):
+        events.append("after_backward")
+        return after(self)
+
+    DDP._launch, WeightGradStore.run, DDP.after_backward = on_launch, on_w, on_after
+    cfg = config.Config.from_dict(cfg_dict)
+    Trainer(cfg, env, task=build_task(cfg, _corpus(cfg))).fit()
+    ends = [i for i, e in enumerate(events) if e == "after_backward"]
+    return events[ends[-2] + 1:ends[-1] + 1]  # the last step
+
+
+def test_dp_reduction_launches_during_the_w_passes(tmp_path):
+    """pp2 x dp2, zbv, small buckets: on each rank buckets go on the wire inside W passes (the
+    chunk's last W, hooks firing per weight), and on rank 0 (pp stage ends) before the last W has
+    started: the reduction of the chunk that finished first overlaps the other chunk's W passes."""
+    cfg = tiny_cfg(tmp_path, **_pp(2, "zbv"), **{"parallel.dp": 2, "parallel.bucket_mb": 0.01, **M4})
+    checks.validate(cfg, 4)
+    outs = run(_overlap_worker, 4, cfg.to_dict(), timeout=120)
+    for rank, events in enumerate(outs):
+        inside, depth, launched_before_last_w = 0, 0, False
+        last_w = len(events) - 1 - events[::-1].index("W(")
+        for i, e in enumerate(events):
+            depth += {"W(": 1, ")": -1}.get(e, 0)
+            if e == "launch":
+                inside += depth > 0
+                launched_before_last_w |= i < last_w
+        assert inside > 0, f"rank {rank}: no bucket launched during a W pass: {events}"
+        if rank in (0, 1):  # pp rank 0 (mesh: tp fastest, then dp, pp slowest)
+            assert launched_before_last_w, f"rank {rank}: {events}"
+
+
+# -- the planner's prices ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,p,m", [(n, p, m) for n in ZB for p in (2, 4) for m in (8, 16)])
+def test_planner_prices_match_the_real_schedules(name, p, m):
+    """planner/zero_bubble.py's idle time is the ideal-time simulation of the real lists (F = B = W
+    = 1 per rank's share; mb_time = 3) and its in-flight count their peak (chunks / 2 for a V)."""
+    s = make_schedule(name, p, m)
+    frac = s.ideal_bubble(1.0, 2.0, 1.0)
+    idle = frac / (1 - frac) * m * 3.0  # makespan - work, per rank
+    assert zb_bubble(name, p, 3.0) == pytest.approx(idle, abs=1e-9)
+    peak = max(peak_in_flight(s.compute_order(r)) for r in range(p)) / s.v
+    assert zb_in_flight(name, p, m) == in_flight(name, p, m) == peak
+
+
+def test_planner_zb_h1_same_memory_as_1f1b_third_of_its_bubble():
+    """ZB-H1 holds 1F1B's peak, p micro-batches, but on every rank: the last stage (1 under 1F1B)
+    holds more, its logits' gradients waiting for the head's W, and the planner says so."""
+    fixed = {"dp": 1, "tp": 1, "pp": 4, "zero": 0, "micro_batch": 1, "recompute": "none", "sp": False}
+    tr, cluster = Training(2048, 16), make_cluster(gpus=4)
+    one, zb = (plan(PRESETS["llama-7b"], tr, cluster, {**fixed, "schedule": s}, top=1).plans[0]
+               for s in ("1f1b", "zb-h1"))
+    assert in_flight("zb-h1", 4, 16, rank=0) == in_flight("1f1b", 4, 16, rank=0) == 4
+    assert zb.memory.activations > one.memory.activations and zb.memory.stage == 3
+    assert zb.time.bubble == pytest.approx(one.time.bubble / 3)
+    v = plan(PRESETS["llama-7b"], tr, cluster, {**fixed, "schedule": "zbv"}, top=1).plans[0]
+    # (its micro-batch time is a little longer: two chunks per rank send twice the messages)
+    assert v.layout.v == 2 and v.time.bubble == pytest.approx(one.time.bubble / 6, rel=0.01)
+
+
+# -- bad flags -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    ({**_pp(2, "zbv", 3), **M4}, "exactly 2 stages per rank"),
+    ({**_pp(4, "dualpipev"), **M4, "parallel.nproc": 4}, "2 * pp = 8"),
+    ({**_pp(4, "zbv"), **M4, "parallel.nproc": 4}, "8 pipeline stages"),
+    ({**_pp(2, "zb-h1"), **M4, "train.compile": True}, "drop --compile"),
+    ({**_pp(1, "zbv"), **M4}, "needs a pipeline"),
+])
+def test_bad_zero_bubble_configuration(tmp_path, overrides, needle):
+    cfg = tiny_cfg(tmp_path, **overrides)
+    with pytest.raises(config.ConfigError) as info:
+        checks.validate(cfg)
+    assert needle in str(info.value)
