@@ -231,7 +231,7 @@ class _Ours(_Side):
     def __init__(self, cfg, mesh, name, a, x, y):
         super().__init__(mesh, name, a, x, y)
         model = build_model(cfg, "meta")
-        chunks = split_for_pipeline(model, mesh, virtual_stages=self.v, split=a["split"])
+        chunks = split_for_pipeline(model, mesh, virtual_stages=self.v, split=a["split"], schedule=name)
         materialize(model, mesh.device)
         init_weights(model, 1234, cfg)
         self.strategy = Strategy(model, mesh, OptimConfig())
