@@ -18,12 +18,13 @@ import pytest
 import torch
 import torch.nn as nn
 
-from paratrain import config
+from paratrain import cli, config
 from paratrain.base.weight_grad import WeightGradStore
 from paratrain.data_parallel.ddp import DDP
 from paratrain.engine import checks
 from paratrain.mesh import MeshShape, ParallelMesh
 from paratrain.models.llama import PRESETS
+from paratrain.models.lora import LoRALinear, LoraSpec
 from paratrain.models.moe import MoE
 from paratrain.perf.hardware import make_cluster
 from paratrain.pipeline import timeline
@@ -119,10 +120,14 @@ def _b_plus_w(module: nn.Module, x: torch.Tensor, deferred: list[str]) -> None:
         torch.testing.assert_close(got[n].grad, g, rtol=1e-12, atol=1e-14, msg=n)
 
 
-def test_b_plus_w_equals_backward_linear_and_moe_experts():
+def test_b_plus_w_equals_backward_linear_lora_and_moe_experts():
     torch.manual_seed(0)
     lin = nn.Linear(8, 6, dtype=torch.float64)
     _b_plus_w(lin, torch.randn(3, 5, 8, dtype=torch.float64), ["weight"])
+    lora = LoRALinear.from_linear(nn.Linear(8, 6, dtype=torch.float64), LoraSpec(rank=2))
+    nn.init.normal_(lora.lora_B.weight)
+    lora.weight.requires_grad_(False)  # the frozen base: left to plain F.linear
+    _b_plus_w(lora, torch.randn(3, 5, 8, dtype=torch.float64), ["lora_A.weight", "lora_B.weight"])
     moe = MoE(dim=8, ffn_dim=16, n_experts=4, top_k=2).double()
     experts = [n for n, _ in moe.named_parameters() if n.startswith("experts.")]
     _b_plus_w(moe, torch.randn(2, 6, 8, dtype=torch.float64), experts + ["router.weight"])
@@ -207,9 +212,16 @@ def world4(tmp_path_factory):
         "pp4_zb-h1": tiny_cfg(base / "pp4", **_pp(4, "zb-h1"), **M8),
         "pp2_dp2_zb-h1": tiny_cfg(base / "dp", **_pp(2, "zb-h1"), **dp2),
         "pp2_dp2_zbv_zero1": tiny_cfg(base / "z1", **_pp(2, "zbv"), **dp2, **{"parallel.zero": 1}),
+        # the tied pair is one parameter on rank 0, given gradients by two stages' passes
+        "pp2_dp2_zbv_tied": tiny_cfg(base / "dpt", **_pp(2, "zbv"), **dp2, **TIED),
         "pp2_tp2_zb-h1": tiny_cfg(base / "tp", **_pp(2, "zb-h1"), **M4, **{"parallel.tp": 2}),
         "pp2_tp2_zbv_moe": tiny_cfg(base / "tpm", **_pp(2, "zbv"), **M4, **MOE, **{"parallel.tp": 2}),
         "pp2_tp2_1f1b_moe": tiny_cfg(base / "tpm1", **_pp(2, "1f1b"), **M4, **MOE, **{"parallel.tp": 2}),
+        "pp2_tp2_sp_zbv": tiny_cfg(base / "sp", **_pp(2, "zbv"), **M4, **{"parallel.tp": 2,
+                                                                          "parallel.sp": True}),
+        # expert parallelism: the all-to-alls stay in F and B, the experts' weights go to W
+        "pp2_ep2_zb-h1_moe": tiny_cfg(base / "ep", **_pp(2, "zb-h1"), **dp2, **MOE, **{"parallel.ep": 2}),
+        "pp2_ep2_1f1b_moe": tiny_cfg(base / "ep1", **_pp(2, "1f1b"), **dp2, **MOE, **{"parallel.ep": 2}),
     }
     return _layouts(4, cfgs)
 
@@ -218,13 +230,20 @@ def test_pp4_zb_h1_is_exact(world4, refs):
     assert_same_training(world4["pp4_zb-h1"], refs["m8"], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", ["pp2_dp2_zb-h1", "pp2_dp2_zbv_zero1"])
-def test_zero_bubble_with_data_parallel(world4, refs, name):
-    assert_same_training(world4[name], refs["m4"], **SUMMED)
+@pytest.mark.parametrize("name,ref", [("pp2_dp2_zb-h1", "m4"), ("pp2_dp2_zbv_zero1", "m4"),
+                                      ("pp2_dp2_zbv_tied", "tied")])
+def test_zero_bubble_with_data_parallel(world4, refs, name, ref):
+    assert_same_training(world4[name], refs[ref], **SUMMED)
 
 
-def test_zero_bubble_with_tensor_parallel(world4, refs):
-    assert_composed(world4["pp2_tp2_zb-h1"], refs["m4"])
+@pytest.mark.parametrize("name", ["pp2_tp2_zb-h1", "pp2_tp2_sp_zbv"])
+def test_zero_bubble_with_tensor_parallel(world4, refs, name):
+    assert_composed(world4[name], refs["m4"])
+
+
+def test_zero_bubble_with_expert_parallel(world4):
+    """pp2 x ep2 (over dp2): the same run as 1F1B's in the same layout, bit for bit."""
+    assert_same_training(world4["pp2_ep2_zb-h1_moe"], world4["pp2_ep2_1f1b_moe"], rtol=0, atol=0)
 
 
 def test_zero_bubble_with_tensor_parallel_experts(world4):
@@ -328,3 +347,10 @@ def test_bad_zero_bubble_configuration(tmp_path, overrides, needle):
     with pytest.raises(config.ConfigError) as info:
         checks.validate(cfg)
     assert needle in str(info.value)
+
+
+def test_bad_zero_bubble_flags_exit_2_before_any_worker(tmp_path, capsys):
+    argv = ["train", "--model", "tiny", "--nproc", "4", "--pp", "4", "--pp-schedule", "dualpipev",
+            "--global-batch", "4", "--out", str(tmp_path / "run")]
+    assert cli.main(argv) == 2
+    assert "dualpipev needs at least as many micro-batches as stages" in capsys.readouterr().err

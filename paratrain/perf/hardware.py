@@ -77,12 +77,19 @@ def calibrated(sms: int, mamf: float, peak: float, best: tuple[int, int, int], f
 # backward): about 0.55 of the A100's peak and 0.35 of the H100's.
 _A100 = calibrated(108, 267.9e12, 312e12, (6912, 16384, 2048), flash=0.55)
 _H100 = calibrated(132, 792.1e12, 989e12, (6144, 17920, 2816), flash=0.35)
+# V100 SXM (80 SMs, 125 TFLOP/s fp16 tensor peak): cuBLAS mixed-precision GEMM reaches 83 TFLOP/s
+# (Markidis et al., "NVIDIA Tensor Core Programmability, Performance & Precision", IPDPSW 2018,
+# arXiv:1803.04014), taken at 8192^3 (the curve's shape factor differs < 3% up to 16384^3). No fused
+# attention kernel has a published V100 figure: flash = 0.3 is an assumption (the published V100
+# cases, docs/planner.md "ZeRO-3 at scale", use Megatron's unfused attention instead).
+_V100 = calibrated(80, 83e12, 125e12, (8192, 8192, 8192), flash=0.3)
 
 GPUS: dict[str, Device] = {
     "a100-40g": Device("a100-40g", 40 * GiB, 312e12, 19.5e12, 1.555e12, gemm=_A100),
     "a100-80g": Device("a100-80g", 80 * GiB, 312e12, 19.5e12, 2.039e12, gemm=_A100),
     "h100-80g": Device("h100-80g", 80 * GiB, 989e12, 67e12, 3.35e12, gemm=_H100),
     "h200": Device("h200", 141 * GiB, 989e12, 67e12, 4.8e12, gemm=_H100),
+    "v100-32g": Device("v100-32g", 32 * GiB, 125e12, 15.7e12, 0.9e12, gemm=_V100),
 }
 
 LINKS: dict[str, Link] = {

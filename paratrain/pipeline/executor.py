@@ -162,7 +162,8 @@ class PipelineExecutor:
         dev = self.mesh.device
         total = torch.zeros((), dtype=torch.float32, device=dev)
         split = split_backwards([actions])
-        syncs = _sync_points(actions, split)
+        ends = (0, self.n_stages - 1) if self.tied.one_parameter else ()
+        syncs = _sync_points(actions, split, ends)
         saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (mb, stage) -> (in, out)
         sides: dict[tuple[int, int], torch.Tensor] = {}  # (mb, stage) -> side loss / divisor (not last)
         received: dict[tuple, tuple] = {}  # payload -> (work, buffer)
@@ -310,21 +311,30 @@ class PipelineExecutor:
         (Path(out) / "timeline.json").write_text(json.dumps(info))
 
 
-def _sync_points(actions: list[Action], split: set[tuple[int, int]]) -> set[int]:
+def _sync_points(actions: list[Action], split: set[tuple[int, int]], joined: tuple[int, ...] = ()
+                 ) -> set[int]:
     """Indices of the computations that let data-parallel sync through: each stage's last B and,
     where W passes follow it, its last W. A parameter's hook must fire once in sync, after its
     last gradient: so when W passes follow a stage's last B, that B must be input-only (a full one
-    would hand the linears' gradients over before the W add to them)."""
-    last_b = {a.stage: i for i, a in enumerate(actions) if a.kind == B}
-    last_w = {a.stage: i for i, a in enumerate(actions) if a.kind == W}
-    out = set(last_b.values())
-    for stage, i in last_w.items():
-        if i < last_b[stage]:
-            continue  # every W before the last (full) B: that B is the last gradient of everything
-        if (actions[last_b[stage]].mb, stage) not in split:
-            raise ScheduleError(f"stage {stage}: W passes follow its last backward, a full one, which "
-                                "would reduce the linears' gradients before they are complete")
-        out.add(i)
+    would hand the linears' gradients over before the W add to them). Stages in ``joined`` share
+    a parameter (a tied embedding and head on one rank) and count as one stage: only their very
+    last gradient lets sync through (the others' buckets then launch in after_backward)."""
+    def group(stage: int) -> int:
+        return joined[0] if stage in joined else stage
+
+    last_b = {group(a.stage): i for i, a in enumerate(actions) if a.kind == B}
+    last_w = {group(a.stage): i for i, a in enumerate(actions) if a.kind == W}
+    out = set()
+    for g, i in last_b.items():
+        if last_w.get(g, -1) < i:
+            out.add(i)  # no W after the last B: that B is the last gradient of everything
+        elif (actions[i].mb, actions[i].stage) not in split:
+            raise ScheduleError(f"stage {actions[i].stage}: W passes follow its last backward, a full one, "
+                                "which would reduce the linears' gradients before they are complete")
+        elif not joined or g != joined[0]:
+            out |= {i, last_w[g]}
+        else:
+            out.add(last_w[g])  # joined: the last W is the one sync point (the last B came before)
     return out
 
 

@@ -32,6 +32,8 @@ receiver's current computation instead of waiting for a handshake after it
   one forward / one backward alternating; at most ``p`` micro-batches in flight per rank.
 * ``Interleaved1F1B`` (Megatron-LM, Narayanan et al. 2021): 1F1B over ``v`` chunks per rank, in
   groups of ``p`` micro-batches; the bubble shrinks by ``v`` for ``v`` times more messages.
+* the zero-bubble ones (``W`` actions; zbv and dualpipev with the "v" placement): schedules_zb.py,
+  registered in ``SCHEDULES`` when the package is imported (pipeline/__init__.py).
 
 Over 500 lines: the schedules and the simulators that check them share one vocabulary (Action).
 """

@@ -178,7 +178,10 @@ class TiedEmbedding:
         self.params: list[nn.Parameter] = []
         self.axis: C.Axis | None = None
         family = family_of(model)
-        if not family.is_tied(model) or mesh.pp.size == 1 or same_rank:  # (same_rank: ends_share_rank)
+        # Both ends on this rank (same_rank: ends_share_rank): one parameter, whose gradient two
+        # stages' backwards add to (the executor's sync points treat those stages as one).
+        self.one_parameter = family.is_tied(model) and mesh.pp.size > 1 and same_rank
+        if not family.is_tied(model) or mesh.pp.size == 1 or same_rank:
             return
         axis = _ends_axis(mesh)
         self.params = [w for w in (_held(model, n) for n in reversed(family.tied)) if w is not None]

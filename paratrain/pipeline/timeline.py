@@ -65,6 +65,8 @@ def render(info: dict, png: str | Path, title: str | None = None) -> Path:
     if v > 1:
         legend += [Patch(color=FORWARD[1], label="forward, chunk 2"),
                    Patch(color=BACKWARD[1], label="backward, chunk 2")]
+        if any(e["kind"] == "W" for r in ranks for e in r):
+            legend.append(Patch(color=WEIGHT[1], label="W, chunk 2"))
     ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.3 - 0.1 / p), fontsize=7,
               ncol=len(legend), frameon=False)
     fig.tight_layout()

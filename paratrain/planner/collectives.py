@@ -6,6 +6,15 @@ exchange) as all-gather. A link measured on this machine (planner/machine.py ``_
 replaces alpha-beta by its curve for the kinds it measured. A group uses the intra-node link if it
 fits in one node (tp ranks are neighbours, then dp, then pp), otherwise the inter-node link
 (``group_link``).
+
+A ring across nodes (``spanning_latency``, ``spanning_bandwidth_time``; ZeRO-3, planner/zero3.py)
+is priced as NCCL's own tuning model prices it (NVIDIA/nccl src/graph/tuning.cc,
+``ncclTopoTuneModel``): a fixed launch latency plus one hop latency per ring step, the n - 1 steps
+of an all-gather or reduce-scatter split into nNodes - 1 steps that cross a node boundary (the
+network's hop latency) and the rest inside nodes (NVLink's); its bandwidth is the node's NIC share
+the ring's ranks in that node carry together (``ring_link``). So a collective of a unit over
+hundreds of ranks is latency-bound when its per-rank piece (unit / n) is small, and
+bandwidth-bound by the node's NIC when it is large.
 """
 
 from __future__ import annotations
@@ -102,3 +111,36 @@ def ring_link(cluster: Cluster, lay: Layout, axis: str) -> Link:
     if per_node == 1:
         return link
     return replace(link, bandwidth=min(cluster.intra.bandwidth, per_node * link.bandwidth))
+
+
+# NCCL's fixed latency of a ring collective with the Simple protocol (the one it picks for large
+# messages): baseLat[Ring][Simple] = 8.4 us in src/graph/tuning.cc (NVIDIA/nccl, commit 01afd20);
+# its per-hop figures there are hwLat NVLink 3.4 us and network 9.6 us per ring step.
+NCCL_RING_BASE_LATENCY = 8.4e-6
+
+
+def spanned_nodes(cluster: Cluster, lay: Layout, axis: str) -> int:
+    """Nodes one group of `axis` spans (its ranks laid out as ``group_link`` describes)."""
+    stride, size = {"dp": (lay.tp, lay.dp), "edp": (lay.tp * lay.ep, lay.edp)}[axis]
+    if stride >= cluster.devices_per_node:  # every rank of the group in a node of its own
+        return size
+    return -(-stride * size // cluster.devices_per_node)
+
+
+def spanning_latency(n: int, nodes: int, cluster: Cluster) -> float:
+    """Seconds of latency of one ring all-gather or reduce-scatter of n ranks over `nodes` nodes
+    (NCCL's model): the base, nodes - 1 network steps at the inter link's hop latency, the other
+    n - nodes steps at the intra link's."""
+    if n <= 1:
+        return 0.0
+    inter_steps = min(nodes, n) - 1
+    intra_steps = n - 1 - inter_steps
+    return NCCL_RING_BASE_LATENCY + inter_steps * cluster.inter.latency + intra_steps * cluster.intra.latency
+
+
+def spanning_bandwidth_time(nbytes: float, n: int, cluster: Cluster, lay: Layout, axis: str = "dp") -> float:
+    """Seconds the ring needs to move an all-gather's or reduce-scatter's (n - 1)/n x nbytes through
+    its slowest link: across nodes the node's NIC share of the ring's ranks there (``ring_link``)."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) / n * nbytes / ring_link(cluster, lay, axis).bandwidth

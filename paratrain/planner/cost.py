@@ -49,6 +49,7 @@ from paratrain.planner.memory import (
     stage_params,
     state_bytes_per_param,
 )
+from paratrain.planner.zero3 import zero3_exposed
 from paratrain.planner.zero_bubble import ZERO_BUBBLE, zb_bubble
 
 # -- published formulas -------------------------------------------------------------------------
@@ -339,6 +340,8 @@ def dp_exposed(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, mb_co
         rs = over(reduce_scatter_time, sb.grads)
         exposed_rs = max(rs - hidden, reduce_scatter_time(bucket, lay.dp, link))
         return exposed_rs + over(all_gather_time, sb.params)
+    if not cluster.local:  # NCCL rings across nodes, unit by unit, with the runtime's prefetch
+        return zero3_exposed(c, tr, lay, cluster, mb_compute, m, psi, experts)
     per_mb = 2 * over(all_gather_time, sb.params) + over(reduce_scatter_time, sb.grads)
     unit = layer_params_local(c, lay.tp) * sb.params
     first = all_gather_time(unit, lay.dp, link)  # nothing to hide the first unit's gather behind

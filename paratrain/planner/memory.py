@@ -47,6 +47,7 @@ class Training:
     overlap_dp: bool = True  # DDP / ZeRO-2 reduce buckets during backward (Megatron-LM 2021: after)
     lora_rank: int = 0  # LoRA adapters of this rank on a frozen base (planner/lora.py); 0: full training
     lora_base_bytes: float | None = None  # bytes per frozen base parameter (2: bf16); None: as trained
+    zero3_runtime: str = "paratrain"  # whose ZeRO-3 gathers: paratrain | deepspeed (planner/zero3.py)
 
     def __post_init__(self):
         if self.seq_len < 1 or self.global_batch < 1:
@@ -302,9 +303,7 @@ def in_flight(schedule: str, pp: int, m: int, v: int = 1, rank: int = 0) -> floa
     "all of this rank's layers for one micro-batch". GPipe: all m. 1F1B: p - rank warm-up
     forwards (capped at m). Interleaved 1F1B (Megatron's warm-up of 2(p - rank - 1) + (v - 1)p
     chunk forwards, plus one): for rank 0 this is p(1 + (p - 1)/(pv)) micro-batches of L/p
-    layers, Korthikanti et al.'s figure. Naive runs one micro-batch through all stages at a time.
-    No pipeline: gradient accumulation holds one.
-    """
+    layers, Korthikanti et al.'s figure. Naive, or no pipeline (accumulation): one at a time."""
     if schedule in ZERO_BUBBLE and pp > 1:  # planner/zero_bubble.py
         return zb_in_flight(schedule, pp, m)
     if pp == 1 or schedule == "naive":

@@ -1,0 +1,111 @@
+"""ZeRO-3 / FSDP full-shard communication per step, from the mechanism, at any scale.
+
+Every micro-batch each unit of parameters is all-gathered before its forward and again before its
+backward, and its gradient is reduce-scattered after its backward. What that costs at hundreds of
+ranks, and how much of it the compute hides, comes from four things (docs/planner.md, "ZeRO-3 at
+scale: planner vs published"):
+
+1. **Bandwidth.** A ring across nodes moves (n - 1)/n of the unit through each node's NIC, which
+   the ring's ranks in that node share (collectives.ring_link): with 16 GPUs behind 4 x 100 Gb/s,
+   3.125 GB/s per GPU, not NVLink's 150.
+2. **Latency.** Each collective pays NCCL's ring latency (collectives.spanning_latency): a base
+   plus one hop per ring step, n - 1 steps; at n = 384 about 1.5 ms, whatever the message size. A
+   runtime that gathers each weight matrix separately (DeepSpeed) pays it per matrix.
+3. **Prefetch depth.** Only a gather issued before the GPU needs it runs under compute. paratrain
+   (and FSDP) prefetch one whole unit ahead; DeepSpeed at most ``stage3_prefetch_bucket_size``
+   parameters (5e7 by default), a few percent of a 100 B model's block. The rest of the gather is
+   on the critical path -- and so is the reduce-scatter: it is issued when a unit's backward ends,
+   at the same moment as the next unit's (not prefetched) gather, and shares the NIC with it, which
+   the GPU waits for. So the exposed traffic is (1 - p) x (gathers + reduce-scatter) plus what the
+   prefetched part p x (...) does not fit under ``overlap`` x the compute.
+4. **Re-gathers.** With full recomputation the backward first re-runs the unit's forward. paratrain
+   and FSDP gather the unit once for both; DeepSpeed releases a parameter between its recompute and
+   its backward when its next use lies further than ``stage3_max_reuse_distance`` parameters ahead
+   (1e9 by default): a block larger than that is gathered three times per micro-batch (the rule
+   is per parameter; applied here to the whole block, a simplification).
+
+The runtime is ``Training.zero3_runtime``; DeepSpeed's figures are its defaults
+(deepspeed/runtime/zero/config.py). Units: the rank's parameters in block-sized units (the embedding
+and the head count as units of a block's size).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paratrain.models.shape import ModelShape
+from paratrain.perf.hardware import Cluster
+from paratrain.planner.collectives import spanned_nodes, spanning_bandwidth_time, spanning_latency
+from paratrain.planner.memory import Layout, Training, layer_params_local, state_bytes_per_param
+
+
+@dataclass(frozen=True)
+class Zero3Runtime:
+    name: str
+    prefetch_params: float | None  # parameters gathered ahead of use; None: one whole unit
+    keep_params: float | None  # a parameter is kept gathered from recompute to backward if its next
+    #                            use lies within this many parameters; None: always (one gather)
+    per_matrix: bool  # one collective per weight matrix (norm gains stay whole) instead of per unit
+
+
+RUNTIMES = {
+    "paratrain": Zero3Runtime("paratrain", None, None, False),
+    # stage3_prefetch_bucket_size 5e7, stage3_max_reuse_distance 1e9; norm gains are under
+    # stage3_param_persistence_threshold (1e5) and never gathered.
+    "deepspeed": Zero3Runtime("deepspeed", 5e7, 1e9, True),
+}
+
+
+def runtime(name: str) -> Zero3Runtime:
+    if name not in RUNTIMES:
+        raise ValueError(f"zero3_runtime {name!r}: choose {' or '.join(RUNTIMES)}")
+    return RUNTIMES[name]
+
+
+def gathers_per_micro_batch(rt: Zero3Runtime, unit_params: float, recompute: str) -> int:
+    """Forward and backward; a third when full recompute's re-run forward cannot keep the unit
+    gathered until its backward (DeepSpeed: the block's parameters exceed the reuse distance)."""
+    regather = recompute == "full" and rt.keep_params is not None and unit_params > rt.keep_params
+    return 3 if regather else 2
+
+
+def prefetched_fraction(rt: Zero3Runtime, unit_params: float) -> float:
+    """The share of a unit's gather issued while the unit before it computes."""
+    if rt.prefetch_params is None:
+        return 1.0
+    return min(1.0, rt.prefetch_params / unit_params)
+
+
+def unit_traffic(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, psi: float,
+                 experts: float = 0.0) -> dict[str, float]:
+    """Seconds of one micro-batch's ZeRO-3 collectives, by kind: 'gather' (all passes) and
+    'reduce', and the units, gathers per unit and prefetched fraction behind them. `psi` dense
+    parameters go over dp; `experts` (MoE: this rank's local experts) over the edp group."""
+    rt = runtime(tr.zero3_runtime)
+    sb = state_bytes_per_param(tr.precision, tr.optimizer)
+    unit = layer_params_local(c, lay.tp)
+    units = max(1, round(psi / unit))
+    per_unit = (4 + c.mlp_matrices) if rt.per_matrix else 1  # attention's q, k, v, o and the MLP's
+    latency = units * per_unit * spanning_latency(lay.dp, spanned_nodes(cluster, lay, "dp"), cluster)
+    passes = gathers_per_micro_batch(rt, unit, lay.recompute)
+    per_byte = spanning_bandwidth_time(psi, lay.dp, cluster, lay)  # seconds for 1 byte of every parameter
+    if experts:
+        per_byte += spanning_bandwidth_time(experts, lay.edp, cluster, lay, "edp")
+    gather = passes * (latency + per_byte * sb.params)
+    reduce = latency + per_byte * sb.grads
+    return {"gather": gather, "reduce": reduce, "units": units, "passes": passes,
+            "prefetched": prefetched_fraction(rt, unit)}
+
+
+def zero3_exposed(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, mb_compute: float, m: int,
+                  psi: float, experts: float = 0.0) -> float:
+    """Exposed seconds of a step's ZeRO-3 collectives over dp (module docstring): per micro-batch
+    the unprefetched share of the traffic, what the prefetched share leaves over ``overlap`` x the
+    compute, and the first unit's gather (nothing computes before it)."""
+    if lay.dp == 1:
+        return 0.0
+    t = unit_traffic(c, tr, lay, cluster, psi, experts)
+    p, traffic = t["prefetched"], t["gather"] + t["reduce"]
+    first = t["gather"] / t["passes"] / t["units"]
+    left_over = max(0.0, p * traffic - cluster.overlap * mb_compute)
+    return m * ((1 - p) * traffic + left_over + p * first)
