@@ -1,0 +1,92 @@
+"""`paratrain bench pp`: every schedule against its torch peer in one tiny run (1 round, 1 step),
+the two sides computing the same losses, and the best-vs-best and bubble blocks."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from paratrain.bench import pp as bench_pp
+from paratrain.pipeline.schedules import SCHEDULES
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench_pp.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+@pytest.fixture(scope="module")
+def tiny_run() -> dict:
+    return bench_pp.run(_args(["--model", "tiny", "--n-layers", "4", "--seq-len", "16", "--rounds", "1",
+                               "--steps", "1", "--warmup", "0"]))
+
+
+def test_every_schedule_runs_against_its_torch_peer(tiny_run):
+    assert list(tiny_run["schedules"]) == list(bench_pp.PEERS)
+    for name, s in tiny_run["schedules"].items():
+        assert s["peer"].endswith(bench_pp.PEERS[name]) and s["peer_tokens_per_s"] > 0
+        if name in SCHEDULES:  # paratrain's side ran too, with a measured bubble
+            assert s["paratrain_tokens_per_s"] > 0 and len(s["ratios"]) == 1
+            assert 0.0 <= s["bubble_measured"] < 1.0 and s["m"] == 8
+        else:
+            assert s["paratrain"] == "not implemented"
+
+
+def test_torch_side_computes_our_losses(tiny_run):
+    """Two steps from the same weights: the loss before and after one AdamW step agree (LOSS_RTOL
+    says why that tolerance), and the step moved the weights (the check is not vacuous)."""
+    checked = {n: s["loss_check"] for n, s in tiny_run["schedules"].items() if "loss_check" in s}
+    assert set(checked) == set(bench_pp.PEERS) & set(SCHEDULES)
+    for name, c in checked.items():
+        assert c["ok"], (name, c)
+        assert abs(c["peer"][1] - c["peer"][0]) > 100 * bench_pp.LOSS_RTOL * c["peer"][0], (name, c)
+
+
+def test_best_and_bubble_blocks(tiny_run):
+    best = tiny_run["best"]
+    assert best["paratrain"] in SCHEDULES and best["peer_schedule"] in bench_pp.PEERS
+    assert best["ratio"] == pytest.approx(best["ratios"][0]) and best["target"] == 1.10
+    bubble = tiny_run["bubble"]
+    if "zb-h1" in SCHEDULES:
+        assert (bubble["p"], bubble["m"]) == (2, 8) and bubble["fraction"] > 0
+    else:
+        assert bubble is None
+
+
+class _OursLike:
+    """paratrain's side as loss_check sees it: step() returns the step's loss."""
+
+    def __init__(self, losses: list[float]):
+        self.left = list(losses)
+
+    def step(self) -> float:
+        return self.left.pop(0)
+
+
+class _PeerLike(_OursLike):
+    """torch's side: step() trains, loss() then gathers the step's loss."""
+
+    def step(self) -> None:
+        self.last = self.left.pop(0)
+
+    def loss(self) -> float:
+        return self.last
+
+
+def test_loss_check_fails_a_peer_that_computes_something_else():
+    assert bench_pp.loss_check(_OursLike([6.2, 6.0]), _PeerLike([6.2, 6.0]))["ok"]
+    assert not bench_pp.loss_check(_OursLike([6.2, 6.0]), _PeerLike([6.2, 6.01]))["ok"]  # 1.7e-3 off
+
+
+def test_best_vs_best_is_the_median_of_per_round_ratios():
+    per = {"a": {"paratrain_tokens_per_s": 10.0, "paratrain_runs": [9.0, 10.0, 12.0], "peer": "A",
+                 "peer_tokens_per_s": 5.0, "peer_runs": [5.0, 5.0, 5.0]},
+           "b": {"paratrain_tokens_per_s": 8.0, "paratrain_runs": [8.0, 8.0, 8.0], "peer": "B",
+                 "peer_tokens_per_s": 9.0, "peer_runs": [10.0, 9.0, 6.0]},
+           "c": {"peer": "C", "peer_tokens_per_s": 20.0, "peer_runs": [1.0, 20.0, 30.0],
+                 "paratrain": "not implemented"}}
+    best = bench_pp.best_vs_best(per)
+    assert (best["paratrain"], best["peer_schedule"]) == ("a", "c")  # torch's best may be one we lack
+    assert best["ratios"] == [9.0, 0.5, 0.4] and best["ratio"] == 0.5
