@@ -17,18 +17,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from paratrain import config
 from paratrain.engine import checks
 from paratrain.models.from_config import model_config
 from paratrain.planner import memory
 from paratrain.planner.machine import local_cluster
 from paratrain.planner.memory import Layout, Training
 from paratrain.shards import CheckpointError, ShardFile, write_safetensors
-from paratrain.train.metrics import read_metrics
-from paratrain.train.trainer import Trainer
 from paratrain.zero import offload, store8
 from paratrain.zero.disk8 import DiskStore8
 from paratrain.zero.flat import FlatLayout
+from tests import test_optim8
 from tests.dist import run
 from tests.harness import FP32_REORDERED, run_layout, tiny_cfg
 
@@ -101,15 +99,8 @@ def test_shard_files_are_read_not_mapped(tmp_path):
 
 
 def _train(env, runs: list[dict]) -> list:
-    offload.DISK_CHUNK = CHUNK
-    out = []
-    for d in runs:
-        cfg = config.Config.from_dict(d)
-        result = Trainer(cfg, env).fit()
-        if env.rank == 0:
-            out.append((result.losses, {k: v.clone() for k, v in result.final_state.items()},
-                        read_metrics(f"{cfg.train.out}/metrics.jsonl")))
-    return out
+    offload.DISK_CHUNK = CHUNK  # windows of two blocks in the worker too
+    return test_optim8._train(env, runs)
 
 
 def test_zero3_8bit_disk_trains_the_same_bits_and_resumes_at_dp1(tmp_path, monkeypatch):

@@ -68,13 +68,9 @@ class DiskStore8(Store8):
     def _window(self, index: int, key: str, a: int, b: int) -> Window:
         return Window(self.paths[index, key], a, b, _dtype(key))
 
-    def write_master(self, index: int, master: torch.Tensor) -> None:
-        """Fp32 master shard ``index``, window by window (ZeRO-3 streams its masters in as built)."""
-        for a in range(0, self.sizes[index], self.chunk):
-            b = min(a + self.chunk, self.sizes[index])
-            self.max_resident_bytes = max(self.max_resident_bytes, 4 * (b - a))
-            with self._window(index, "param", a, b) as w:
-                w.copy_(master[a:b].detach().float().cpu())
+    # Fp32 master shard ``index``, window by window: the fp32 store's loop (it uses only sizes,
+    # chunk, max_resident_bytes and _window, which this store has with the same meaning).
+    write_master = offload.DiskStore.write_master
 
     # -- the step -----------------------------------------------------------------------------------
 
