@@ -22,6 +22,7 @@ from paratrain.config import OptimConfig
 from paratrain.data_parallel.ddp import DDP
 from paratrain.engine import checks
 from paratrain.mesh import MeshShape, ParallelMesh
+from paratrain.train.metrics import read_metrics
 from paratrain.train.trainer import Trainer
 from tests.dist import run
 from tests.harness import tiny_cfg
@@ -122,6 +123,8 @@ def test_training_through_shared_memory_equals_gloo_bit_for_bit(tmp_path):
         checks.validate(cfg, 2)
         losses = run(_train_on_rank, 2, cfg.to_dict(), timeout=120)[0]
         results[reduce] = (losses, load_file(str(out / "model.safetensors")))
+        # the run says which path summed its buckets
+        assert read_metrics(out / "metrics.jsonl")[0]["layout"]["dp_reduce"] == reduce
     assert results["shm"][0] == results["collective"][0]
     for name, w in results["shm"][1].items():
         assert torch.equal(w, results["collective"][1][name]), name
