@@ -52,3 +52,15 @@ def test_torchrun_worker_ends_gloo_threads_before_shutdown(tmp_path, zero_args):
     for rank in (0, 1):
         left = (tmp_path / f"threads{rank}.txt").read_text().split()
         assert not [t for t in left if "gloo" in t], f"rank {rank} runs {left} after paratrain's exit hook"
+
+
+def test_pipeline_run_leaves_no_semaphore_for_the_resource_tracker(tmp_path):
+    """The last pipeline stage, a spawned worker, draws the progress bar: tqdm's default lock holds
+    a multiprocessing semaphore that the resource tracker reported as leaked at every pp run's exit
+    (trainer._progress now gives tqdm a thread lock)."""
+    cmd = [sys.executable, "-m", "paratrain.cli", "train", "--model", "tiny", "--nproc", "2", "--pp", "2",
+           "--steps", "2", "--out", str(tmp_path / "run")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "leaked" not in done.stderr, done.stderr[-2000:]

@@ -18,6 +18,7 @@ import functools
 import json
 import math
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -457,6 +458,10 @@ def _progress(cfg: Config, start: int):
         return None
     from tqdm import tqdm
 
+    # One rank draws the bar: a thread lock is enough. tqdm's default lock includes a
+    # multiprocessing semaphore, which a spawned worker (the last pipeline stage draws the bar)
+    # leaves for the resource tracker to report as leaked at exit.
+    tqdm.set_lock(threading.RLock())
     return tqdm(total=cfg.train.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
 
 
