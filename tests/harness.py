@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from paratrain import config
 from paratrain.engine import checks
+from paratrain.train.metrics import read_metrics
 from paratrain.train.task import build_task
 from paratrain.train.trainer import Trainer
 from tests.dist import run
@@ -100,6 +101,19 @@ def _train_on_rank(env, cfg_dict: dict):
     cfg = config.Config.from_dict(cfg_dict)
     result = Trainer(cfg, env).fit()
     return result.losses, result.final_state
+
+
+def train_each(env, runs: list[dict]) -> list:
+    """Worker: train each configuration in turn; rank 0 returns (losses, final weights, metrics
+    rows) of each (the other ranks an empty list)."""
+    out = []
+    for d in runs:
+        cfg = config.Config.from_dict(d)
+        result = Trainer(cfg, env).fit()
+        if env.rank == 0:
+            out.append((result.losses, {k: v.clone() for k, v in result.final_state.items()},
+                        read_metrics(f"{cfg.train.out}/metrics.jsonl")))
+    return out
 
 
 def run_layout(cfg: config.Config, nproc: int = 1, timeout: float = 180.0) -> RunResult:

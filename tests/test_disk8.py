@@ -26,9 +26,8 @@ from paratrain.shards import CheckpointError, ShardFile, write_safetensors
 from paratrain.zero import offload, store8
 from paratrain.zero.disk8 import DiskStore8
 from paratrain.zero.flat import FlatLayout
-from tests import test_optim8
 from tests.dist import run
-from tests.harness import FP32_REORDERED, run_layout, tiny_cfg
+from tests.harness import FP32_REORDERED, run_layout, tiny_cfg, train_each
 
 BLOCK, MIN8 = 256, 2048  # small blocks so the tiny model has many, cut by shard and window boundaries
 EIGHT = {"optim.name": "adamw8bit", "optim.block_size": BLOCK, "optim.min_8bit_size": MIN8,
@@ -100,7 +99,7 @@ def test_shard_files_are_read_not_mapped(tmp_path):
 
 def _train(env, runs: list[dict]) -> list:
     offload.DISK_CHUNK = CHUNK  # windows of two blocks in the worker too
-    return test_optim8._train(env, runs)
+    return train_each(env, runs)
 
 
 def test_zero3_8bit_disk_trains_the_same_bits_and_resumes_at_dp1(tmp_path, monkeypatch):

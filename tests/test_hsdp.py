@@ -24,25 +24,23 @@ from paratrain.cli import main
 from paratrain.engine import checks
 from paratrain.mesh import MeshShape
 from paratrain.planner.hybrid import hybrid_comm_bytes
-from paratrain.train.metrics import read_metrics
-from paratrain.train.trainer import Trainer
 from tests import test_api as api_tests
 from tests.dist import run
-from tests.harness import STEPS4, RunResult, assert_same_training, assert_same_weights, run_layout, tiny_cfg
+from tests.harness import (
+    STEPS4,
+    RunResult,
+    assert_same_training,
+    assert_same_weights,
+    run_layout,
+    tiny_cfg,
+    train_each,
+)
 
 RTOL, ATOL = 1e-3, 1e-4  # as test_zero.py: reordered fp32 sums (module docstring)
 HSDP = {"parallel.dp": 4, "parallel.dp_replicate": 2}  # R = 2 replicas of S = 2 ranks
 
 
-def _train_many(env, runs: list[dict]) -> list:
-    """Train each configuration in turn; rank 0 returns (losses, weights, metrics rows) of each."""
-    out = []
-    for d in runs:
-        cfg = config.Config.from_dict(d)
-        result = Trainer(cfg, env).fit()
-        if env.rank == 0:
-            out.append((result.losses, result.final_state, read_metrics(f"{cfg.train.out}/metrics.jsonl")))
-    return out
+_train_many = train_each  # the shared worker (tests/harness.py)
 
 
 def _spawn(cfgs: list[config.Config], nproc: int) -> list:

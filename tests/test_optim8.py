@@ -32,7 +32,7 @@ from paratrain.train.trainer import Trainer
 from paratrain.zero import store8
 from paratrain.zero.flat import FlatLayout
 from tests.dist import run
-from tests.harness import InterruptedAt, run_layout, tiny_cfg
+from tests.harness import InterruptedAt, run_layout, tiny_cfg, train_each
 
 BLOCK, MIN8 = 256, 2048  # small blocks so the tiny model has many, cut by shard boundaries
 EIGHT = {"optim.name": "adamw8bit", "optim.block_size": BLOCK, "optim.min_8bit_size": MIN8,
@@ -147,15 +147,7 @@ def test_sharded_store_steps_the_same_bits_as_one_process(dp):
 # -- the trainer: every ZeRO stage, checkpoints, state bytes --------------------------------------
 
 
-def _train(env, runs: list[dict]) -> list:
-    out = []
-    for d in runs:
-        cfg = config.Config.from_dict(d)
-        result = Trainer(cfg, env).fit()
-        if env.rank == 0:
-            out.append((result.losses, {k: v.clone() for k, v in result.final_state.items()},
-                        read_metrics(f"{cfg.train.out}/metrics.jsonl")))
-    return out
+_train = train_each  # the shared worker (tests/harness.py)
 
 
 def _spawn(cfgs: list[config.Config], nproc: int) -> list:
