@@ -90,3 +90,27 @@ def test_best_vs_best_is_the_median_of_per_round_ratios():
     best = bench_pp.best_vs_best(per)
     assert (best["paratrain"], best["peer_schedule"]) == ("a", "c")  # torch's best may be one we lack
     assert best["ratios"] == [9.0, 0.5, 0.4] and best["ratio"] == 0.5
+
+
+def test_ceiling_block_is_1f1b_compute_spread_over_the_ranks(tiny_run):
+    """The ceiling: 1F1B's measured compute per step (mean over ranks, idle excluded) plus the
+    optimizer step; its tokens/s over torch's best is the largest lead any schedule could show."""
+    c, base = tiny_run["ceiling"], tiny_run["schedules"]["1f1b"]
+    assert c["compute_s"] == base["busy_s"] > 0 and c["optimizer_s"] == base["optimizer_s"] > 0
+    assert c["step_s"] == pytest.approx(c["compute_s"] + c["optimizer_s"])
+    tokens = 8 * 16  # global batch x seq len of the tiny run
+    assert c["tokens_per_s"] == pytest.approx(tokens / c["step_s"])
+    assert c["peer_best_tokens_per_s"] == max(s["peer_tokens_per_s"] for s in tiny_run["schedules"].values())
+    assert c["max_ratio_vs_peer_best"] == pytest.approx(c["tokens_per_s"] / c["peer_best_tokens_per_s"])
+    assert set(tiny_run["schedules"]["zb-h1"]["pass_ms"]) == {"F", "B", "W"}
+    assert set(base["pass_ms"]) == {"F", "B"}
+
+
+def test_zb_h1_theory_fraction_is_the_schedules_own_theory():
+    """At equal pass costs (F = B_input = W, a full B = 2) the formula gives the schedules'
+    theory_bubble ratio (a third in the limit of many micro-batches); a cheaper W raises it."""
+    zbh1, one = SCHEDULES["zb-h1"](2, 8), SCHEDULES["1f1b"](2, 8)
+    equal = bench_pp.zb_h1_fraction_theory(2, 8, {"F": 1.0, "B": 1.0, "W": 1.0}, {"F": 1.0, "B": 2.0})
+    assert equal == pytest.approx(zbh1.theory_bubble() / one.theory_bubble())
+    cheap_w = bench_pp.zb_h1_fraction_theory(2, 8, {"F": 1.0, "B": 1.4, "W": 0.6}, {"F": 1.0, "B": 2.0})
+    assert cheap_w > 1.5 * equal

@@ -14,6 +14,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -146,6 +149,79 @@ def _tp_layers_worker(env) -> None:
 
 def test_b_plus_w_equals_backward_tensor_parallel_linears():
     run(_tp_layers_worker, 2, timeout=60)
+
+class _Twice(nn.Module):
+    """One linear applied twice in one forward (its W sums both products before accumulating)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8, dtype=torch.float32)
+
+    def forward(self, x):
+        return self.lin(torch.tanh(self.lin(x)))
+
+
+def _micro_batches(module: nn.Module, xs: list[torch.Tensor], split: bool) -> dict[str, list]:
+    """Backward of each micro-batch in turn (split: captured F, deferring B, then W), gradients
+    accumulating; returns each parameter's gradient after every micro-batch and the hook calls."""
+    store, fired, seen = WeightGradStore(), [], {n: [] for n, _ in module.named_parameters()}
+    names = {id(p): n for n, p in module.named_parameters()}
+    for p in module.parameters():
+        p.register_post_accumulate_grad_hook(lambda q: fired.append(names[id(q)]))
+    for i, x in enumerate(xs):
+        with store.capture() if split else contextlib.nullcontext():
+            y = module(x)
+        with store.deferring(i) if split else contextlib.nullcontext():
+            (y * y).sum().backward()
+        store.run(i)
+        for n, p in module.named_parameters():
+            seen[n].append(p.grad.clone())
+    return {"grads": seen, "fired": sorted(fired)}
+
+
+@pytest.mark.parametrize("make", [lambda: nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)),
+                                  _Twice], ids=["mlp", "shared-weight"])
+def test_w_accumulates_like_autograd_across_micro_batches(make):
+    """fp32, three micro-batches: W's in-place accumulation into an existing .grad (through its
+    product buffer) gives autograd's bits, the hooks fire once per weight and micro-batch, and a
+    weight used twice gets one accumulation of the two products' sum, as autograd gives it."""
+    torch.manual_seed(0)
+    xs = [torch.randn(2, 5, 8, requires_grad=True) for _ in range(3)]  # both uses defer
+    module = make()
+    plain = _micro_batches(module, xs, split=False)
+    module.zero_grad(set_to_none=True)
+    split = _micro_batches(copy.deepcopy(module), xs, split=True)
+    assert split["fired"] == plain["fired"]
+    for n, want in plain["grads"].items():
+        for step, (g, w) in enumerate(zip(split["grads"][n], want)):
+            assert torch.equal(g, w), f"{n} after micro-batch {step}: max diff {(g - w).abs().max()}"
+
+
+def test_w_keeps_autograd_for_weights_with_tensor_hooks_and_capture_restores_linear():
+    """A tensor hook may rewrite the incoming gradient: such a weight accumulates through autograd
+    in W (the hook runs). capture() puts torch's F.linear back on every exit path."""
+    native = torch.nn.functional.linear
+    lin = nn.Linear(4, 3)
+    lin.weight.register_hook(lambda g: g * 2)
+    x = torch.randn(5, 4, requires_grad=True)
+    lin(x).sum().backward()
+    want = lin.weight.grad.clone()
+    lin.zero_grad(set_to_none=True)
+    store = WeightGradStore()
+    with store.capture():
+        assert torch.nn.functional.linear is not native
+        y = lin(x)
+    assert torch.nn.functional.linear is native
+    with store.deferring(0):
+        y.sum().backward()
+    assert lin.weight.grad is None
+    store.run(0)
+    torch.testing.assert_close(lin.weight.grad, want, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="inside"):
+        with store.capture():
+            raise RuntimeError("inside")
+    assert torch.nn.functional.linear is native
+
 
 
 # -- training against one process -----------------------------------------------------------------

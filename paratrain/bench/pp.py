@@ -18,7 +18,10 @@ Before any timing both sides train two steps from the same weights and their los
 tokens/s of both, their ratio (median of rounds) and paratrain's measured bubble (from its recorded
 timeline) against the theoretical one; ``best``: paratrain's fastest schedule against torch's
 fastest (each chosen by median tokens/s), the ratio the median of the per-round ratios of those
-two; ``bubble``: zb-h1's measured bubble against 1f1b's.
+two; ``bubble``: zb-h1's measured bubble against 1f1b's, beside what ZB-H1's theory gives at the
+pass costs measured in this run; ``ceiling``: the tokens/s no schedule of this work can pass on
+these workers (1F1B's measured busy time spread evenly over the ranks with no idle at all, plus
+the optimizer step), and so the largest lead any paratrain schedule could have over torch's best.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from paratrain.device import sync_device
 from paratrain.launch import spawn
 from paratrain.mesh import MeshShape, ParallelMesh
 from paratrain.models import build_model, init_weights, materialize, preset
-from paratrain.pipeline.executor import PipelineExecutor
+from paratrain.pipeline.executor import PipelineExecutor, measured_bubble
 from paratrain.pipeline.schedules import SCHEDULES
 from paratrain.pipeline.stage import layer_costs, parse_split, split_for_pipeline, stage_layers
 
@@ -86,6 +89,7 @@ def run(args: argparse.Namespace) -> dict:
                 "paratrain_tokens_per_s", "peer", "peer_tokens_per_s", "ratio", "bubble_measured",
                 "bubble_theory")},
             "rounds": args.rounds, "best": best_vs_best(per_schedule), "bubble": zb_bubble(per_schedule),
+            "ceiling": ceiling(per_schedule, args.global_batch * args.seq_len),
             "schedules": per_schedule, "machine": machine()}
 
 
@@ -110,7 +114,35 @@ def zb_bubble(per_schedule: dict[str, dict]) -> dict | None:
     zb, base = per_schedule["zb-h1"], per_schedule["1f1b"]
     return {"p": zb["p"], "m": zb["m"], "zb_h1": zb["bubble_measured"], "1f1b": base["bubble_measured"],
             "fraction": zb["bubble_measured"] / base["bubble_measured"] if base["bubble_measured"] else None,
-            "zb_h1_theory": zb["bubble_theory"], "1f1b_theory": base["bubble_theory"], "target": 0.5}
+            "zb_h1_theory": zb["bubble_theory"], "1f1b_theory": base["bubble_theory"],
+            "fraction_theory_at_measured_costs": zb_h1_fraction_theory(zb["p"], zb["m"], zb["pass_ms"],
+                                                                       base["pass_ms"]),
+            "target": 0.5}
+
+
+def zb_h1_fraction_theory(p: int, m: int, zb: dict[str, float], base: dict[str, float]) -> float:
+    """ZB-H1's bubble over 1F1B's, in theory, at the measured costs of one pass (ms): a rank of
+    ZB-H1 idles (p-1)(F + B - W) (B input-only), one of 1F1B (p-1)(F + B) (B full), Qi et al.
+    sec. 3; each bubble a fraction of idle + the rank's m micro-batches of work. A third when
+    the three passes cost the same; more when W, the linears' weight products, is the cheapest."""
+    idle_zb = (p - 1) * max(0.0, zb["F"] + zb["B"] - zb["W"])
+    idle_base = (p - 1) * (base["F"] + base["B"])
+    zb_frac = idle_zb / (idle_zb + m * (zb["F"] + zb["B"] + zb["W"]))
+    return zb_frac / (idle_base / (idle_base + m * (base["F"] + base["B"])))
+
+
+def ceiling(per_schedule: dict[str, dict], tokens: int) -> dict | None:
+    """What no schedule of this work can beat on these workers: 1F1B's measured compute per step
+    (its passes, idle excluded; the split of ZB schedules only adds to it) spread evenly over the
+    ranks with no idle, plus the optimizer step. Against torch's best: the largest lead possible."""
+    base = per_schedule.get("1f1b", {})
+    if "busy_s" not in base:
+        return None
+    step = base["busy_s"] + base["optimizer_s"]
+    peer = max(s["peer_tokens_per_s"] for s in per_schedule.values())
+    return {"step_s": step, "compute_s": base["busy_s"], "optimizer_s": base["optimizer_s"],
+            "tokens_per_s": tokens / step, "peer_best_tokens_per_s": peer,
+            "max_ratio_vs_peer_best": tokens / step / peer}
 
 
 # --------------------------------------------------------------------------------------------
@@ -162,6 +194,8 @@ def _summary(name: str, ours: _Ours | None, mine: list, theirs: list[float], che
         "ratios": [o / p for o, p in zip(mine, theirs)],
         "paratrain_runs": mine,
         "bubble_measured": statistics.median(ours.bubbles),
+        "busy_s": statistics.median(ours.busy), "optimizer_s": statistics.median(ours.optimizer),
+        "pass_ms": {k: 1e3 * statistics.median(v) for k, v in ours.passes.items()},
         "bubble_theory": ours.executor.schedule(ours.m).theory_bubble(),
         "p": ours.mesh.pp.size, "m": ours.m, "v": ours.v, "loss_check": check,
     }
@@ -239,16 +273,25 @@ class _Ours(_Side):
                                          virtual_stages=self.v, precision="fp32")
         self.micro = [MicroBatch(xs, ys) for xs, ys in zip(x.split(self.mb), y.split(self.mb))]
         self.bubbles: list[float] = []
+        self.busy: list[float] = []  # per timed step: the ranks' mean compute time (s)
+        self.optimizer: list[float] = []  # per step: this rank's optimizer step and zero_grad (s)
+        self.passes: dict[str, list[float]] = {}  # kind -> every pass's duration, every rank (s)
 
     def step(self) -> float:
         loss = self.executor.run(self.micro, float(self.tokens))
+        t = time.perf_counter()
         self.strategy.step(1e-3)
         self.strategy.zero_grad()
+        self.optimizer.append(time.perf_counter() - t)
         return float(loss)
 
     def after_step(self) -> None:
-        t = time.perf_counter()  # the bubble's gather is bookkeeping, not training: not timed
-        self.bubbles.append(self.executor.step_metrics()["bubble"])
+        t = time.perf_counter()  # the timelines' gather is bookkeeping, not training: not timed
+        ranks = self.executor.gather_timelines()
+        self.bubbles.append(measured_bubble(ranks))
+        self.busy.append(statistics.mean(sum(e["end"] - e["start"] for e in r) for r in ranks))
+        for e in (e for r in ranks for e in r):
+            self.passes.setdefault(e["kind"], []).append(e["end"] - e["start"])
         self.excluded += time.perf_counter() - t
 
 

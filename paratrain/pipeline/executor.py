@@ -287,16 +287,16 @@ class PipelineExecutor:
         """``bubble``: the measured idle fraction of the last step (every rank calls this)."""
         if not self.timeline:
             return {}
-        spans = self._gather_timelines()
-        return {"bubble": measured_bubble(spans)}
+        return {"bubble": measured_bubble(self.gather_timelines())}
 
-    def _gather_timelines(self) -> list[list[dict]]:
+    def gather_timelines(self) -> list[list[dict]]:
+        """The last training step's computations of every stage (a collective: every rank calls)."""
         with self.mesh.counter.paused():
             return C.all_gather_object(self.timeline, self.mesh.pp)
 
     def write_timeline(self, out: str | Path, is_main: bool) -> None:
         """OUT/timeline.json: the last step's computations on every stage (written by rank 0)."""
-        ranks = self._gather_timelines()
+        ranks = self.gather_timelines()
         if not is_main:
             return
         sched = self.schedule(self._trained_m) if self._trained_m else None
