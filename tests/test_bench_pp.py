@@ -114,3 +114,17 @@ def test_zb_h1_theory_fraction_is_the_schedules_own_theory():
     assert equal == pytest.approx(zbh1.theory_bubble() / one.theory_bubble())
     cheap_w = bench_pp.zb_h1_fraction_theory(2, 8, {"F": 1.0, "B": 1.4, "W": 0.6}, {"F": 1.0, "B": 2.0})
     assert cheap_w > 1.5 * equal
+
+
+def test_schedule_list_is_parsed_and_checked_before_any_worker():
+    assert _args([]).schedule == list(bench_pp.PEERS)
+    assert _args(["--schedule", "zb-h1,1f1b"]).schedule == ["1f1b", "zb-h1"]  # PEERS' order
+    with pytest.raises(SystemExit):
+        _args(["--schedule", "1f1b,zb-h3"])
+    assert "zb-h3" in str(_bad(["1f1b", "zb-h3"]))
+
+
+def _bad(names: list[str]) -> Exception:
+    with pytest.raises(argparse.ArgumentTypeError) as e:
+        bench_pp._schedules(",".join(names))
+    return e.value

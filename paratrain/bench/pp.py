@@ -62,8 +62,9 @@ LOSS_RTOL = 1e-4
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser, nproc=2, steps=6, rounds=3)
-    parser.add_argument("--schedule", default="all", choices=["all", *PEERS],
-                        help="schedules to compare; all: every one paratrain has (default: %(default)s)")
+    parser.add_argument("--schedule", default="all", type=_schedules,
+                        help="schedules to compare, comma-separated (e.g. 1f1b,zb-h1 for the bubble block), "
+                             f"from {', '.join(PEERS)}; all: every one (default: %(default)s)")
     parser.add_argument("--micro-batch", type=int, default=1,
                         help="rows per micro-batch (m = batch / this) (default: %(default)s)")
     parser.add_argument("--virtual-stages", type=int, default=2,
@@ -78,9 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    names = list(PEERS) if args.schedule == "all" else [args.schedule]
-    if args.schedule != "all" and args.schedule not in SCHEDULES:
-        raise ValueError(f"paratrain has no {args.schedule!r} schedule yet (it has {', '.join(SCHEDULES)})")
+    names = _schedules(args.schedule)
     per_schedule = spawn(_worker, args.nproc, vars(args), names, timeout=None, pg_timeout=600.0)[0]
     main = per_schedule.get("1f1b") or per_schedule[names[0]]
     return {"kind": "pp", "nproc": args.nproc, "model": args.model, "n_layers": args.n_layers,
@@ -91,6 +90,22 @@ def run(args: argparse.Namespace) -> dict:
             "rounds": args.rounds, "best": best_vs_best(per_schedule), "bubble": zb_bubble(per_schedule),
             "ceiling": ceiling(per_schedule, args.global_batch * args.seq_len),
             "schedules": per_schedule, "machine": machine()}
+
+
+def _schedules(text: str) -> list[str]:
+    """``all`` or a comma-separated list of schedules both sides have, in PEERS' order."""
+    if text == "all":
+        return list(PEERS)
+    names = text if isinstance(text, list) else [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in PEERS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown schedule(s) {', '.join(unknown) or text!r}: "
+                                         f"choose from all, {', '.join(PEERS)}")
+    lacking = [n for n in names if n not in SCHEDULES]
+    if lacking:
+        raise argparse.ArgumentTypeError(f"paratrain has no {', '.join(lacking)} schedule yet "
+                                         f"(it has {', '.join(SCHEDULES)})")
+    return [n for n in PEERS if n in names]
 
 
 def best_vs_best(per_schedule: dict[str, dict]) -> dict:
