@@ -1,12 +1,14 @@
-"""What the B/W split costs in compute: one pipeline stage of 4 `small` blocks, micro-batch
-1 x 128, one thread, F + B (plain) against F (captured) + B (input gradients) + W (weight
-gradients), medians of 30 alternating repetitions (docs/pipeline_parallel.md, "Cost of the split").
+"""What the B/W split costs in compute: one pipeline stage of 4 blocks (`small` by default),
+micro-batch 1 x 128 tokens by default, one thread, F + B (plain) against F (captured) + B (input
+gradients) + W (weight gradients), medians of 30 alternating repetitions
+(docs/pipeline_parallel.md, "Cost of the split").
 
-    flock /tmp/paratrain-bench.lock python benchmarks/zb_split_overhead.py
+    flock /tmp/paratrain-bench.lock python benchmarks/zb_split_overhead.py [--model base --seq-len 256]
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import statistics
 import time
@@ -36,10 +38,14 @@ def one_pass(blocks: torch.nn.ModuleList, x0: torch.Tensor, split: bool) -> tupl
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="small", help="Llama preset (default: %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens (default: %(default)s)")
+    args = parser.parse_args()
     torch.set_num_threads(1)
-    cfg = preset("small")
+    cfg = preset(args.model)
     blocks = torch.nn.ModuleList([Block(cfg, i) for i in range(4)])
-    x0 = torch.randn(1, 128, cfg.dim)
+    x0 = torch.randn(1, args.seq_len, cfg.dim)
     for _ in range(3):
         one_pass(blocks, x0, False), one_pass(blocks, x0, True)
     runs: dict[bool, list] = {False: [], True: []}

@@ -157,7 +157,7 @@ def _check_v_schedule(cfg: Config, problems: list[str]) -> None:
 
 
 def _check_zero_bubble(cfg: Config, problems: list[str]) -> None:
-    """zb-h1 / zbv / dualpipev route the linears through a Python function mode (weight_grad.py)."""
+    """zb-h1 / zbv / dualpipev route the linears through a Python autograd function (weight_grad.py)."""
     if cfg.parallel.pp_schedule in ZERO_BUBBLE and cfg.parallel.pp > 1 and cfg.train.compile:
         problems.append(f"--pp-schedule {cfg.parallel.pp_schedule} splits each linear's backward into input "
                         "and weight gradients, which torch.compile'd blocks cannot: drop --compile or use "
