@@ -40,6 +40,7 @@ from paratrain.pipeline.schedules import (
     peak_in_flight,
     stage_rank,
 )
+from paratrain.planner import cost
 from paratrain.planner.memory import Training, in_flight
 from paratrain.planner.search import plan
 from paratrain.planner.zero_bubble import zb_bubble, zb_in_flight
@@ -393,7 +394,17 @@ def test_planner_prices_match_the_real_schedules(name, p, m):
     assert zb_in_flight(name, p, m) == in_flight(name, p, m) == peak
 
 
-def test_planner_zb_h1_same_memory_as_1f1b_third_of_its_bubble():
+@pytest.mark.parametrize("p,m", [(2, 8), (4, 8), (4, 16)])
+@pytest.mark.parametrize("f,b,w", [(1.0, 1.4, 0.6), (1.0, 1.0, 0.5), (0.8, 1.2, 0.7)])
+def test_planner_zb_h1_price_at_unequal_passes_is_the_simulation(p, m, f, b, w):
+    """With W's share given (``w_time``), ZB-H1's price (p-1)(F + B - W) is the ideal-time
+    simulation of the real lists at those costs (B the input-only part)."""
+    frac = make_schedule("zb-h1", p, m).ideal_bubble(f, b + w, w)
+    idle = frac / (1 - frac) * m * (f + b + w)
+    assert zb_bubble("zb-h1", p, f + b + w, w) == pytest.approx(idle, abs=1e-9)
+
+
+def test_planner_zb_h1_same_memory_as_1f1b_its_bubble_from_the_passes():
     """ZB-H1 holds 1F1B's peak, p micro-batches, but on every rank: the last stage (1 under 1F1B)
     holds more, its logits' gradients waiting for the head's W, and the planner says so."""
     fixed = {"dp": 1, "tp": 1, "pp": 4, "zero": 0, "micro_batch": 1, "recompute": "none", "sp": False}
@@ -402,7 +413,12 @@ def test_planner_zb_h1_same_memory_as_1f1b_third_of_its_bubble():
                for s in ("1f1b", "zb-h1"))
     assert in_flight("zb-h1", 4, 16, rank=0) == in_flight("1f1b", 4, 16, rank=0) == 4
     assert zb.memory.activations > one.memory.activations and zb.memory.stage == 3
-    assert zb.time.bubble == pytest.approx(one.time.bubble / 3)
+    # (p-1)(F + B - W) against 1F1B's (p-1)(F + B + W): a third at equal passes; here W, the
+    # weight products of the cost model, is under a third (attention's backward stays in B)
+    compute, *_, weight = max(cost.stage_costs(PRESETS["llama-7b"], tr, zb.layout, cluster))  # busiest
+    assert 0.2 < weight / compute < 1 / 3
+    assert zb.time.bubble == pytest.approx(one.time.bubble - 3 * 2 * weight)  # 1F1B's: 3 x mb_time
+    assert one.time.bubble / 3 < zb.time.bubble < one.time.bubble / 2
     v = plan(PRESETS["llama-7b"], tr, cluster, {**fixed, "schedule": "zbv"}, top=1).plans[0]
     # (its micro-batch time is a little longer: two chunks per rank send twice the messages)
     assert v.layout.v == 2 and v.time.bubble == pytest.approx(one.time.bubble / 6, rel=0.01)

@@ -86,6 +86,7 @@ class Costs:
     dispatch: float  # fixed per-op cost (local machine)
     forward: float  # the forward part of the above (what full recomputation repeats)
     attention_forward: float = 0.0  # what selective recomputation repeats
+    weight_grad: float = 0.0  # the linears' weight-gradient products (a zero-bubble schedule's W)
 
     @property
     def total(self) -> float:
@@ -95,7 +96,12 @@ class Costs:
 def _fwd_bwd(gemm, m: float, n: float, k: float, peak: float) -> tuple[float, float]:
     """(forward, forward + backward) seconds of out[m, n] = x[m, k] @ w[k, n]."""
     f = gemm.seconds(m, n, k, peak)
-    return f, f + gemm.seconds(m, k, n, peak) + gemm.seconds(k, n, m, peak)
+    return f, f + gemm.seconds(m, k, n, peak) + _weight_grad(gemm, m, n, k, peak)
+
+
+def _weight_grad(gemm, m: float, n: float, k: float, peak: float) -> float:
+    """Seconds of dw[k, n] = x^T @ dy, the product a zero-bubble schedule defers to W."""
+    return gemm.seconds(k, n, m, peak)
 
 
 @dataclass(frozen=True)
@@ -163,10 +169,11 @@ def block_costs(c: ModelShape, env: OpEnv, *, seq: int, micro_batch: int, tp: in
     kv = c.n_kv_heads * hd
     heads = c.n_heads / tp
     shapes = [(t, (h + 2 * kv) / tp, h, 1), (t, h, h / tp, 1)] + mlp_shapes(c, t, tp=tp, moe=moe, ep=ep)
-    fwd_g = tot_g = 0.0
+    fwd_g = tot_g = w_g = 0.0
     for m, n, k, calls in shapes:
         a, b = _fwd_bwd(env.gemm, m, n / tile, k, env.peak)
         fwd_g, tot_g = fwd_g + calls * tile * a, tot_g + calls * tile * b
+        w_g += calls * tile * _weight_grad(env.gemm, m, n / tile, k, env.peak)
 
     # Attention products per (sequence, head): scores [s, s] = q [s, hd] @ k^T, out = p @ v.
     call = env.gemm.call_s
@@ -201,7 +208,7 @@ def block_costs(c: ModelShape, env: OpEnv, *, seq: int, micro_batch: int, tp: in
     dispatch = env.ops_per_block * env.op_s
     return Costs(gemm=tot_g, attention=attn_tot, memory=mem_tot_s, dispatch=dispatch,
                  forward=fwd_g + attn_fwd + mem_fwd_s + dispatch / 3,
-                 attention_forward=attn_fwd + scores_fwd)
+                 attention_forward=attn_fwd + scores_fwd, weight_grad=w_g)
 
 
 def head_costs(c: ModelShape, env: OpEnv, *, seq: int, micro_batch: int, tp: int = 1, sp: bool = False,
@@ -215,7 +222,8 @@ def head_costs(c: ModelShape, env: OpEnv, *, seq: int, micro_batch: int, tp: int
     # gradient; the final norm reads and writes h.
     mem = t * (4 * 4 * v + act_bytes * 2 * 2 * c.dim / (tp if sp else 1)) / env.bandwidth
     dispatch = max(env.ops_rest - EMBED_OPS, 0.0) * env.op_s
-    return Costs(gemm=tot_g, attention=0.0, memory=mem, dispatch=dispatch, forward=fwd_g + mem / 2)
+    return Costs(gemm=tot_g, attention=0.0, memory=mem, dispatch=dispatch, forward=fwd_g + mem / 2,
+                 weight_grad=_weight_grad(env.gemm, t, v, c.dim, env.peak))
 
 
 def embed_costs(c: ModelShape, env: OpEnv, *, seq: int, micro_batch: int, tp: int = 1,

@@ -171,10 +171,11 @@ class StepTime:
 
 
 def stage_costs(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, counts: list[int] | None = None
-                ) -> list[tuple[float, float, float]]:
-    """(compute, full-recompute extra, selective-recompute extra) seconds per micro-batch of every
-    pipeline rank (all its virtual stages), the embedding on the first stage and the final norm,
-    head and loss on the last."""
+                ) -> list[tuple[float, float, float, float]]:
+    """(compute, full-recompute extra, selective-recompute extra, weight-gradient products) seconds
+    per micro-batch of every pipeline rank (all its virtual stages), the embedding on the first
+    stage and the final norm, head and loss on the last. The last is the part of the compute a
+    zero-bubble schedule's W passes hold."""
     env = op_env(cluster, tr.precision)
     kw = {"seq": tr.seq_len, "micro_batch": lay.micro_batch, "tp": lay.tp,
           "act_bytes": ACT_BYTES[tr.precision]}
@@ -190,7 +191,9 @@ def stage_costs(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, coun
         t = (n * blk.total + n_moe * moe.total + (emb.total if r == 0 else 0.0)
              + (head.total if r == lay.pp - 1 else 0.0))
         out.append((t, n * blk.forward + n_moe * moe.forward,
-                    n * blk.attention_forward + n_moe * moe.attention_forward))
+                    n * blk.attention_forward + n_moe * moe.attention_forward,
+                    n * blk.weight_grad + n_moe * moe.weight_grad
+                    + (head.weight_grad if r == lay.pp - 1 else 0.0)))
     return out
 
 
@@ -260,6 +263,7 @@ def step_time(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster) -> Ste
     if cluster.local:  # full recompute as torch's checkpoint really costs it (measured)
         mb_recompute *= cluster.device.recompute_scale if lay.recompute == "full" else 1.0
     mb_time = mb_compute + mb_recompute + mb_tp + mb_pp + mb_ep  # (the bubble: stages idle)
+    mb_weight = costs[busiest][3]  # the weight products within mb_compute (zero-bubble schedules' W)
     if cluster.local and lay.world > 1:  # workers computing at once slow each other (measured)
         slow = cluster.contention
         if lay.pp == lay.world:  # a pipeline alone: during its fill and drain only one stage computes
@@ -267,8 +271,9 @@ def step_time(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster) -> Ste
             slow = 1 + (slow - 1) * (m - alone) / m
         else:
             mb_time += (slow - 1) * (mb_compute + mb_recompute)
+            mb_weight *= slow  # slowed inside mb_time as the compute around it is
         mb_compute, mb_recompute = mb_compute * slow, mb_recompute * slow
-    bubble = pipeline_bubble(lay, m, mb_time)
+    bubble = pipeline_bubble(lay, m, mb_time, mb_weight)
 
     psi = stage_params(c, lay.tp, lay.pp, lay.v, counts, lay.ep)[busiest]
     experts = stage_expert_params(c, lay.tp, lay.pp, lay.v, counts, lay.ep)[busiest]
@@ -348,14 +353,15 @@ def dp_exposed(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, mb_co
     return m * (max(0.0, per_mb - cluster.overlap * mb_compute) + first)
 
 
-def pipeline_bubble(lay: Layout, m: int, mb_time: float) -> float:
-    """Seconds each rank idles in the pipeline's fill and drain."""
+def pipeline_bubble(lay: Layout, m: int, mb_time: float, mb_weight: float | None = None) -> float:
+    """Seconds each rank idles in the pipeline's fill and drain (``mb_weight``: the seconds of a
+    micro-batch's time that are weight-gradient products, what zero-bubble schedules move)."""
     if lay.pp == 1:
         return 0.0
     if lay.schedule == "naive":
         return m * (lay.pp - 1) * mb_time  # one micro-batch in the pipe at a time
     if lay.schedule in ZERO_BUBBLE:  # planner/zero_bubble.py
-        return zb_bubble(lay.schedule, lay.pp, mb_time)
+        return zb_bubble(lay.schedule, lay.pp, mb_time, mb_weight)
     return (lay.pp - 1) / lay.v * mb_time
 
 

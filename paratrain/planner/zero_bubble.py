@@ -1,10 +1,11 @@
 """The zero-bubble schedules' prices (pipeline/schedules_zb.py): bubble and activations in flight.
 
-Idle time per rank, in units of one micro-batch through a rank's layers (mb_time = F + B + W). The
-split F : B_input : W is taken as 1 : 1 : 1: a transformer's time is its linears', each with one
-product forward and two backward (dx, dW); attention's core has no weight and puts its backward in
-B (B a little above W). ZB-H1: (p - 1)(F + B - W) = (p - 1)/3 (Qi et al. 2024). ZBV and DualPipeV:
-(p - 1) chunk forwards of half a rank's layers, (p - 1)/6. The ideal-time simulation of the real
+Idle time per rank, in units of one micro-batch through a rank's layers (mb_time = F + B + W).
+ZB-H1: (p - 1)(F + B - W) (Qi et al. 2024), with W the weight-gradient products the cost model
+gives (perf/ops.py ``Costs.weight_grad``): a third of mb_time only when F : B_input : W = 1 : 1 : 1,
+more where attention's backward, the norms and the elementwise work (all in B) weigh
+(measured: 0.55 of 1F1B's idle for `small` at 256 tokens, docs/benchmarks.md). ZBV and DualPipeV
+at 1 : 1 : 1: (p - 1) chunk forwards of half a rank's layers, (p - 1)/6. The ideal-time simulation of the real
 action lists (schedules.py ``ideal_bubble``) gives exactly these (tests/test_pipeline_zb.py).
 
 Activations: a micro-batch is held from its F to its W (the linears' inputs and output gradients
@@ -27,6 +28,12 @@ def zb_in_flight(schedule: str, pp: int, m: int) -> float:
     return min(2 * pp + (schedule == "dualpipev"), 2 * m) / 2
 
 
-def zb_bubble(schedule: str, pp: int, mb_time: float) -> float:
-    """Seconds each rank idles per step."""
+def zb_bubble(schedule: str, pp: int, mb_time: float, w_time: float | None = None) -> float:
+    """Seconds each rank idles per step. ``w_time``: the seconds of ``mb_time`` that are the linears'
+    weight-gradient products (W); ZB-H1 then idles (p - 1)(F + B - W) = (p - 1)(mb_time - 2 W)
+    exactly (the simulation of its lists agrees at any split). The V schedules keep the 1 : 1 : 1
+    price: their idle under unequal passes has no closed form here (the simulation of the lists,
+    pipeline/schedules.py, has it; the planner does not import the runtime)."""
+    if schedule == "zb-h1" and w_time is not None:
+        return (pp - 1) * max(0.0, mb_time - 2 * w_time)
     return (pp - 1) * IDLE[schedule] * mb_time
