@@ -53,7 +53,7 @@ from collections.abc import Hashable, Iterator
 import torch
 import torch.nn.functional as F
 
-Pending = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype | None]  # weight, x, dy, dtype
+Pending = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # weight, x, dy (x and dy in the compute dtype)
 
 _native_linear = F.linear  # the torch function: capture() swaps the slot and puts this one back
 
@@ -91,12 +91,11 @@ class WeightGradStore:
         finally:
             self._key, _deferring = was, outer
 
-    def keep(self, weight: torch.Tensor, x: torch.Tensor, dy: torch.Tensor,
-             dtype: torch.dtype | None) -> bool:
+    def keep(self, weight: torch.Tensor, x: torch.Tensor, dy: torch.Tensor) -> bool:
         """Called by a linear's backward: keep its product for W if a deferring B runs."""
         if self._key is None:
             return False
-        self._pending[self._key].append((weight, x, dy, dtype))
+        self._pending[self._key].append((weight, x, dy))
         return True
 
     @torch.no_grad()
@@ -113,12 +112,12 @@ class WeightGradStore:
             if len(items) == 1 and not weight._backward_hooks and weight.grad is not None:
                 self._add_product(weight, *items[0][1:])
                 continue
-            total = weight_product(*items[0][1:3])
-            for _, x, dy, _ in items[1:]:
+            total = weight_product(*items[0][1:])
+            for _, x, dy in items[1:]:
                 total = total + weight_product(x, dy)
             _accumulate(weight, total.to(weight.dtype))
 
-    def _add_product(self, weight: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, _dtype) -> None:
+    def _add_product(self, weight: torch.Tensor, x: torch.Tensor, dy: torch.Tensor) -> None:
         """``weight.grad += dy^T x`` through a kept buffer (a fresh product per weight is what made
         the allocator re-fault its pages: module docstring), then the post-accumulate hooks."""
         dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
@@ -131,7 +130,7 @@ class WeightGradStore:
 
     def held_bytes(self) -> int:
         """Bytes of the inputs and output gradients kept for W passes not yet run."""
-        return sum(x.nbytes + dy.nbytes for items in self._pending.values() for _, x, dy, _ in items)
+        return sum(x.nbytes + dy.nbytes for items in self._pending.values() for _, x, dy in items)
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -210,7 +209,7 @@ class _DeferrableLinear(torch.autograd.Function):
             dy_c, w = dy, weight
         dx = dy_c.matmul(w) if ctx.needs_input_grad[0] else None
         db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.needs_input_grad[2] else None
-        if not ctx.store.keep(weight, x, dy_c, ctx.dtype):
+        if not ctx.store.keep(weight, x, dy_c):
             torch.autograd.backward([weight], [weight_product(x, dy_c).to(weight.dtype)])
         return dx, None, db, None, None
 
