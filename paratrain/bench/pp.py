@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> dict:
             "schedules": per_schedule, "machine": machine()}
 
 
-def _schedules(text: str) -> list[str]:
+def _schedules(text: str | list[str]) -> list[str]:
     """``all`` or a comma-separated list of schedules both sides have, in PEERS' order."""
     if text == "all":
         return list(PEERS)

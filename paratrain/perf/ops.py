@@ -93,15 +93,11 @@ class Costs:
         return self.gemm + self.attention + self.memory + self.dispatch
 
 
-def _fwd_bwd(gemm, m: float, n: float, k: float, peak: float) -> tuple[float, float]:
-    """(forward, forward + backward) seconds of out[m, n] = x[m, k] @ w[k, n]."""
-    f = gemm.seconds(m, n, k, peak)
-    return f, f + gemm.seconds(m, k, n, peak) + _weight_grad(gemm, m, n, k, peak)
-
-
-def _weight_grad(gemm, m: float, n: float, k: float, peak: float) -> float:
-    """Seconds of dw[k, n] = x^T @ dy, the product a zero-bubble schedule defers to W."""
-    return gemm.seconds(k, n, m, peak)
+def _fwd_bwd(gemm, m: float, n: float, k: float, peak: float) -> tuple[float, float, float]:
+    """(forward, forward + backward, weight gradient) seconds of out[m, n] = x[m, k] @ w[k, n]; the
+    last, dw[k, n] = x^T @ dy, is the product a zero-bubble schedule defers to W."""
+    f, w = gemm.seconds(m, n, k, peak), gemm.seconds(k, n, m, peak)
+    return f, f + gemm.seconds(m, k, n, peak) + w, w
 
 
 @dataclass(frozen=True)
@@ -171,9 +167,8 @@ def block_costs(c: ModelShape, env: OpEnv, *, seq: int, micro_batch: int, tp: in
     shapes = [(t, (h + 2 * kv) / tp, h, 1), (t, h, h / tp, 1)] + mlp_shapes(c, t, tp=tp, moe=moe, ep=ep)
     fwd_g = tot_g = w_g = 0.0
     for m, n, k, calls in shapes:
-        a, b = _fwd_bwd(env.gemm, m, n / tile, k, env.peak)
-        fwd_g, tot_g = fwd_g + calls * tile * a, tot_g + calls * tile * b
-        w_g += calls * tile * _weight_grad(env.gemm, m, n / tile, k, env.peak)
+        a, b, w = _fwd_bwd(env.gemm, m, n / tile, k, env.peak)
+        fwd_g, tot_g, w_g = fwd_g + calls * tile * a, tot_g + calls * tile * b, w_g + calls * tile * w
 
     # Attention products per (sequence, head): scores [s, s] = q [s, hd] @ k^T, out = p @ v.
     call = env.gemm.call_s
@@ -217,13 +212,13 @@ def head_costs(c: ModelShape, env: OpEnv, *, seq: int, micro_batch: int, tp: int
     env = in_context_env(env)
     t = seq * micro_batch
     v = math.ceil(c.vocab_size / tp)
-    fwd_g, tot_g = _fwd_bwd(env.gemm, t, v, c.dim, env.peak)
+    fwd_g, tot_g, w_g = _fwd_bwd(env.gemm, t, v, c.dim, env.peak)
     # fp32 logits: log-softmax reads and writes them, backward reads the result and writes the
     # gradient; the final norm reads and writes h.
     mem = t * (4 * 4 * v + act_bytes * 2 * 2 * c.dim / (tp if sp else 1)) / env.bandwidth
     dispatch = max(env.ops_rest - EMBED_OPS, 0.0) * env.op_s
     return Costs(gemm=tot_g, attention=0.0, memory=mem, dispatch=dispatch, forward=fwd_g + mem / 2,
-                 weight_grad=_weight_grad(env.gemm, t, v, c.dim, env.peak))
+                 weight_grad=w_g)
 
 
 def embed_costs(c: ModelShape, env: OpEnv, *, seq: int, micro_batch: int, tp: int = 1,
