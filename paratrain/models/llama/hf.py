@@ -5,9 +5,10 @@ translation (and what is refused), ONE name table, and the RoPE layout permutati
 
 RoPE layout. paratrain rotates interleaved pairs ``(x[2i], x[2i+1])`` of each head; Hugging Face
 rotates halves (``rotate_half``: ``x[i]`` with ``x[i + head_dim/2]``). Both use the same angle
-``pos * theta^(-2i/head_dim)`` for pair i, so the two are the same function up to a fixed
-permutation of each head's rows of ``q_proj``/``k_proj`` (and their biases): on import row
-``i + j*head_dim/2`` of a Hugging Face head becomes row ``2i + j``, and the inverse on export.
+``pos * theta^(-2i/head_dim)`` for pair i (or its scaled frequency: models/rope.py), so the two
+are the same function up to a fixed permutation of each head's rows of ``q_proj``/``k_proj``
+(and their biases): on import row ``i + j*head_dim/2`` of a Hugging Face head becomes row
+``2i + j``, and the inverse on export.
 Attention scores are ``q . k`` with the same permutation applied to both, so the model computes
 exactly what transformers computes. We permute rather than adopt Hugging Face's layout so native
 checkpoints, the layout-independent init and the tensor-parallel split by heads stay unchanged
