@@ -215,13 +215,14 @@ def test_config_reading_both_spellings_and_refusals():
         "no-high": ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0},
                     "needs low_freq_factor and high_freq_factor"),
         "string": ({"rope_type": "yarn", "factor": "4"}, "factor is \"4\""),
+        "beta": ({"rope_type": "yarn", "factor": 4.0, "beta_fast": -1}, "beta_fast = -1.0 must be >= 0"),
         "partial": ({"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5},
                     "partial_rotary_factor = 0.5"),
     }
     for case, (params, message) in bad.items():
         with pytest.raises(HFError, match="config.json") as err:
             to_llama_config({**base, "rope_parameters": params})
-        assert message in str(err.value), case
+        assert message in str(err.value) and str(err.value).count("config.json") == 1, (case, str(err.value))
 
 
 def test_unknown_rope_type_exits_2_before_training(tmp_path, capsys):

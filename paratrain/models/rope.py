@@ -45,6 +45,8 @@ KIND_KEYS = {
              "mscale_all_dim", "truncate"),
     "llama3": ("original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
 }
+OPTIONAL_NUMBERS = ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "attention_factor",
+                    "mscale", "mscale_all_dim")
 
 
 @dataclass(frozen=True)
@@ -82,11 +84,13 @@ class RopeScaling:
         orig = self.original_max_position_embeddings
         if isinstance(orig, bool) or not isinstance(orig, int) or orig < 1:
             return f"original_max_position_embeddings = {orig!r} must be an integer >= 1"
-        for key in ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "attention_factor",
-                    "mscale", "mscale_all_dim"):
+        for key in OPTIONAL_NUMBERS:
             value = getattr(self, key)
             if value is not None and not _finite(value):
                 return f"{key} = {value!r} must be a finite number"
+        return self._range_problem()
+
+    def _range_problem(self) -> str | None:
         if self.kind == "llama3":
             low, high = self.low_freq_factor, self.high_freq_factor
             if low is None or high is None:
@@ -94,6 +98,9 @@ class RopeScaling:
             if not 0 < low < high:
                 return (f"low_freq_factor = {low!r} and high_freq_factor = {high!r} must satisfy "
                         "0 < low_freq_factor < high_freq_factor")
+        for key in ("beta_fast", "beta_slow"):  # rotations: 0 is transformers' "unset" (32 and 1)
+            if (getattr(self, key) or 0) < 0:
+                return f"{key} = {getattr(self, key)!r} must be >= 0"
         if self.attention_factor is not None and self.attention_factor <= 0:
             return f"attention_factor = {self.attention_factor!r} must be > 0"
         return None
@@ -290,20 +297,26 @@ def read_hf_rope(hf: dict, max_position_embeddings: int, where: str,
     if partial != 1.0:
         raise error(f"{where}: {key}.partial_rotary_factor = {partial!r} (RoPE on part of each head) is not "
                     "implemented; paratrain supports 1.0")
+    try:
+        return theta, _scaling(params, kind, max_position_embeddings)
+    except error:  # a typed read's message already names the file and the key
+        raise
+    except ValueError as e:  # RopeScaling's check
+        raise error(f"{where}: {key}: {e}") from None
+
+
+def _scaling(params: Fields, kind: str, max_position_embeddings: int) -> RopeScaling:
+    """The RopeScaling of one rope_scaling / rope_parameters object (typed reads by ``params``)."""
     original = max_position_embeddings  # dynamic's threshold; llama3/yarn's default, as transformers'
     if kind in ("llama3", "yarn"):
         original = params.integer("original_max_position_embeddings", max_position_embeddings)
     factor = params.number("factor", None) if kind == "yarn" else params.number("factor")
-    numbers = [k for k in KIND_KEYS[kind] if k not in ("original_max_position_embeddings", "truncate")]
-    values: dict[str, object] = {k: params.number(k, None) for k in numbers}
+    values: dict[str, object] = {k: params.number(k, None) for k in KIND_KEYS[kind] if k in OPTIONAL_NUMBERS}
     if kind == "yarn":
         if factor is None:  # transformers' fallback
             factor = max_position_embeddings / original
         values["truncate"] = params.flag("truncate", True)
-    try:
-        return theta, RopeScaling(kind, factor, original, **values)
-    except ValueError as e:
-        raise error(f"{where}: {key}: {e}") from None
+    return RopeScaling(kind, factor, original, **values)
 
 
 def hf_rope_fields(theta: float, scaling: RopeScaling | None) -> dict:
