@@ -154,6 +154,14 @@ def test_import_logits_and_cached_greedy_equal_transformers(tmp_path, kind, fami
     torch.testing.assert_close(logits[:, 0], want_logits, **LOGITS)
 
 
+def test_generate_command_equals_transformers_greedy(tmp_path, capsys):
+    """``paratrain generate --init-from --greedy`` on a Llama 3.1-style folder prints transformers'
+    greedy text (the command's path: folder, tokenizer, prompt file, decode loop)."""
+    from tests.hf_models import assert_greedy_generation_matches
+
+    assert_greedy_generation_matches(_save(tmp_path, "llama3", tokenizer=True), tmp_path, capsys)
+
+
 def test_batched_dynamic_generation_is_each_row_alone(tmp_path):
     """Dynamic scaling's length is each row's own: in a left-padded batch, a short row generates
     what it generates alone (transformers, batched, would give every row the longest row's length)."""
@@ -204,6 +212,10 @@ def test_config_reading_both_spellings_and_refusals():
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192, "rope_theta": 500000.0}})
     assert llama31.max_seq_len == 131072
+    mixtral = to_llama_config({**base, "architectures": ["MixtralForCausalLM"], "num_local_experts": 4,
+                               "rope_parameters": SCALINGS["llama3"][0]})  # the same reader
+    assert mixtral.n_experts == 4 and mixtral.rope_scaling == _scaling("llama3")
+    assert to_llama_config(to_hf_config(mixtral)) == mixtral
     qwen = to_llama_config({**base, "max_position_embeddings": 32768, "rope_scaling": {
         "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}})
     assert qwen.max_seq_len == 131072  # the context the scaling is for, not the pretraining length
