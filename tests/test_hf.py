@@ -76,7 +76,7 @@ def test_rope_permutation_is_inverse_and_per_head():
     assert torch.equal(rope_from_hf(t[8:16], 8), rope_from_hf(t, 8)[8:16])  # a tp shard of whole heads
 
 
-def test_config_translation_reads_both_rope_layouts_and_refuses_scaling():
+def test_config_translation_reads_both_rope_layouts_and_their_scaling():
     from paratrain.models.llama.hf import check_seq_len, to_hf_config, to_llama_config
 
     old = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
@@ -87,8 +87,11 @@ def test_config_translation_reads_both_rope_layouts_and_refuses_scaling():
     new = to_hf_config(cfg)  # what export writes: both spellings of theta
     assert new["rope_parameters"]["rope_theta"] == new["rope_theta"] == 1e6
     assert to_llama_config(new) == cfg
-    with pytest.raises(HFError, match="RoPE scaling type 'linear'"):
-        to_llama_config({**old, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    # the scalings themselves: tests/test_rope_scaling.py
+    linear = to_llama_config({**old, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert (linear.rope_theta, linear.rope_scaling.kind, linear.rope_scaling.factor) == (1e6, "linear", 2.0)
+    with pytest.raises(HFError, match="RoPE scaling type 'longrope'"):
+        to_llama_config({**old, "rope_scaling": {"type": "longrope", "factor": 2.0}})
     qwen = {**old, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 64}
     q = to_llama_config(qwen)
     assert q.qkv_bias and q.max_seq_len == 64
@@ -257,8 +260,8 @@ BAD = {
     "architecture": (_edit_config(architectures=["GPT2LMHeadModel"]), "'GPT2LMHeadModel' is not supported"),
     "shapes": (_edit_config(intermediate_size=128), "config.json implies [128, 64]"),
     "no-tokenizer": (lambda f: (f / "tokenizer.json").unlink(), "has no tokenizer.json"),
-    "rope-scaling": (_edit_config(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}),
-                     "RoPE scaling type 'llama3' is not implemented"),
+    "rope-scaling": (_edit_config(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}),
+                     "RoPE scaling type 'longrope' is not implemented"),
     "mlp-bias": (_edit_config(mlp_bias=True), "mlp_bias = True"),
 }
 

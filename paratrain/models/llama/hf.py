@@ -5,9 +5,10 @@ translation (and what is refused), ONE name table, and the RoPE layout permutati
 
 RoPE layout. paratrain rotates interleaved pairs ``(x[2i], x[2i+1])`` of each head; Hugging Face
 rotates halves (``rotate_half``: ``x[i]`` with ``x[i + head_dim/2]``). Both use the same angle
-``pos * theta^(-2i/head_dim)`` for pair i, so the two are the same function up to a fixed
-permutation of each head's rows of ``q_proj``/``k_proj`` (and their biases): on import row
-``i + j*head_dim/2`` of a Hugging Face head becomes row ``2i + j``, and the inverse on export.
+``pos * theta^(-2i/head_dim)`` for pair i (or its scaled frequency: models/rope.py), so the two
+are the same function up to a fixed permutation of each head's rows of ``q_proj``/``k_proj``
+(and their biases): on import row ``i + j*head_dim/2`` of a Hugging Face head becomes row
+``2i + j``, and the inverse on export.
 Attention scores are ``q . k`` with the same permutation applied to both, so the model computes
 exactly what transformers computes. We permute rather than adopt Hugging Face's layout so native
 checkpoints, the layout-independent init and the tensor-parallel split by heads stay unchanged
@@ -35,6 +36,7 @@ import torch
 from paratrain.config import Config, DataConfig, ModelConfig, bullets
 from paratrain.models.llama import LlamaConfig, mixtral_hf
 from paratrain.models.registry import build_model
+from paratrain.models.rope import hf_rope_fields, read_hf_rope
 from paratrain.safeload import Fields, member, read_json_object, safetensors_names
 from paratrain.sharding import TensorShard, shard_of
 
@@ -129,17 +131,6 @@ def read_json(path: Path) -> dict:
     return read_json_object(path, HFError)
 
 
-def rope_theta(hf: dict, where: str = "config.json") -> tuple[float, str]:
-    """(theta, rope type) from transformers 5's ``rope_parameters`` or the older ``rope_theta`` /
-    ``rope_scaling`` keys."""
-    fields = Fields(hf, where, HFError)
-    params = Fields(fields.obj("rope_parameters"), f"{where}: rope_parameters", HFError)
-    scaling = Fields(fields.obj("rope_scaling"), f"{where}: rope_scaling", HFError)
-    kind = params.text("rope_type", None) or scaling.text("rope_type", None) or scaling.text("type", None)
-    theta = params.number("rope_theta", None, positive=True)
-    return theta or fields.number("rope_theta", 10000.0, positive=True), kind or "default"
-
-
 def _window(hf: dict, family: str) -> int | None:
     """The sliding-window size if any layer uses one, else None."""
     window = hf.get("sliding_window")
@@ -177,10 +168,6 @@ def to_llama_config(hf: dict, where: str = "config.json") -> LlamaConfig:
     if family != "qwen2" and hf.get("attention_bias"):
         problems.append("attention_bias = true (biases on q/k/v *and* o) is not implemented; "
                         "paratrain supports q/k/v biases only (Qwen2)")
-    theta, kind = rope_theta(hf, where)
-    if kind != "default":
-        problems.append(f"RoPE scaling type {kind!r} is not implemented; paratrain supports plain RoPE "
-                        "('default')")
     n_heads = fields.integer("num_attention_heads")
     dim = fields.integer("hidden_size")
     head_dim = fields.integer("head_dim", 0, minimum=0) or dim // n_heads
@@ -194,6 +181,8 @@ def to_llama_config(hf: dict, where: str = "config.json") -> LlamaConfig:
     if problems:
         raise HFError(f"{where} ({arch}) uses what paratrain lacks:" + bullets(problems))
     context = fields.integer("max_position_embeddings", 2048)
+    theta, scaling = read_hf_rope(hf, context, where, HFError)
+    context = scaling.context(context) if scaling else context  # a scaled model runs longer sequences
     window = _window(hf, family)
     # A sliding window at least as long as the context is plain causal attention; a shorter one
     # bounds the usable context (longer sequences are refused by check_seq_len).
@@ -201,7 +190,7 @@ def to_llama_config(hf: dict, where: str = "config.json") -> LlamaConfig:
                        n_layers=fields.integer("num_hidden_layers"), n_heads=n_heads, n_kv_heads=n_kv,
                        ffn_dim=fields.integer("intermediate_size"),
                        max_seq_len=min(context, window) if window else context, rope_theta=theta,
-                       norm_eps=fields.number("rms_norm_eps", 1e-6, positive=True),
+                       rope_scaling=scaling, norm_eps=fields.number("rms_norm_eps", 1e-6, positive=True),
                        tie_embeddings=fields.flag("tie_word_embeddings", False), family=family,
                        qkv_bias=family == "qwen2", head_size=None if head_dim == dim // n_heads else head_dim,
                        **moe)
@@ -230,10 +219,11 @@ def to_hf_config(cfg: LlamaConfig, base: dict | None = None, **extra: object) ->
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings, "dtype": "float32",
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "rope_theta": cfg.rope_theta,
+        **hf_rope_fields(cfg.rope_theta, cfg.rope_scaling),
     })
     out.setdefault("max_position_embeddings", cfg.max_seq_len)
+    if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "dynamic":  # transformers' threshold
+        out["max_position_embeddings"] = cfg.rope_scaling.original_max_position_embeddings
     if arch == "LlamaForCausalLM":
         out.update({"attention_bias": False, "mlp_bias": False})
     if cfg.n_experts:

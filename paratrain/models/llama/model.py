@@ -25,6 +25,7 @@ from paratrain.models.decoder import Decoder, block_causal_mask
 from paratrain.models.init import value_by_name
 from paratrain.models.kv_cache import LayerCache
 from paratrain.models.moe import MoE
+from paratrain.models.rope import RopeScaling, apply_rope, rope_tables
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class LlamaConfig:
     ffn_dim: int = 688
     max_seq_len: int = 256
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE; else how it stretches (models/rope.py)
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     # Families of the same decoder (Hugging Face import/export, models/llama/hf.py): Qwen2 adds a
@@ -52,6 +54,10 @@ class LlamaConfig:
     capacity_factor: float = 0.0  # 0: dropless; > 0: tokens beyond an expert's capacity are dropped
     aux_loss_coef: float = 0.01  # Switch load balancing
     z_loss_coef: float = 0.001  # router z-loss (ST-MoE)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rope_scaling, dict):  # run.json's form (to_dict)
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
 
     @property
     def head_dim(self) -> int:
@@ -137,30 +143,6 @@ class RMSNorm(nn.Module):
         return y.type_as(x) * self.weight
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device | str | None,
-                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of the rotary angles, computed in fp32: [seq, head_dim/2] for positions 0..seq-1,
-    or [b, seq, head_dim/2] at ``positions`` [b, seq] (packed rows restart at each example)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    if positions is not None:
-        angles = positions.to(torch.float32)[..., None] * inv_freq  # same products as the outer below
-    else:
-        angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) by the position's angle. x: [batch, seq, heads, head_dim];
-    cos/sin: [seq, head_dim/2] (every row) or [batch, seq, head_dim/2]."""
-    x2 = x.float().unflatten(-1, (-1, 2))  # [b, s, h, hd/2, 2]
-    a, b = x2[..., 0], x2[..., 1]
-    if cos.dim() == 2:
-        cos, sin = cos[None], sin[None]
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1)
-    return out.flatten(-2).type_as(x)
-
-
 class CoreAttention(nn.Module):
     """softmax(q k^T / sqrt(d)) v over grouped-query heads: the "core attention" of Korthikanti et
     al. 2022, a module of its own (no parameters, so no name changes) so that selective
@@ -189,6 +171,7 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.rope_theta = cfg.rope_theta
+        self.rope_scaling = cfg.rope_scaling
         self.core = CoreAttention()
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
@@ -204,7 +187,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim)  # [b, s, n_heads, hd]
         k = self.wk(x).view(b, s, -1, self.head_dim)  # [b, s, n_kv_heads, hd]
         v = self.wv(x).view(b, s, -1, self.head_dim)
-        cos, sin = rope_tables(s, self.head_dim, self.rope_theta, x.device, positions)
+        cos, sin = rope_tables(s, self.head_dim, self.rope_theta, x.device, positions, self.rope_scaling)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, hd]
         if cache is None:
