@@ -94,6 +94,13 @@ BAD = {
     "index-absolute": (_index_absolute, "model.safetensors\", which is not inside {f}"),
     "index-pickle": (_index_pickle, "names 'pytorch_model.bin': paratrain reads safetensors weights only"),
     "only-bin": (_only_bin, "{f} holds no *.safetensors weights (only PyTorch .bin files, which are pickles"),
+    "eps-infinite": (_config(rms_norm_eps=float("inf")),
+                     "{f}/config.json: rms_norm_eps is Infinity (a number); it must be a finite number > 0"),
+    "eps-nan": (_config(rms_norm_eps=float("nan")),
+                "{f}/config.json: rms_norm_eps is NaN (a number); it must be a finite number > 0"),
+    # refused from the tensor names before 60,000 blocks are built (it took 108 s and 2.5 GB)
+    "layers-60000": (_config(num_hidden_layers=60_000),
+                     "{f}/config.json: num_hidden_layers is 60000 but the weights hold 2 layers"),
 }
 
 
