@@ -221,3 +221,17 @@ def test_an_index_naming_a_1_tib_tensor_is_refused_before_allocating(saved, tmp_
     assert "Traceback" not in err and not (tmp_path / "m.safetensors").exists()
     with pytest.raises(CheckpointError, match="the index is corrupted"):
         ckpt.open_reader(folder)  # generate --checkpoint DIR reads a named folder directly
+
+
+def test_resume_skips_a_checkpoint_whose_index_claims_4_tb(saved, tmp_path, capsys):
+    """--resume: the 4 TB shape is a reason to skip that folder (said), not an allocator traceback."""
+    out = copy_run(saved, tmp_path)
+    folder = out / "checkpoints" / "step_000004"
+    index = _huge(json.loads((folder / "index.json").read_text()))
+    index["tensors"]["embed.weight"]["param"]["shape"] = [2**40, 1]  # float32: 4 TiB
+    index["tensors"]["embed.weight"]["param"]["pieces"][0].update(shape=[2**40, 1], hi=2**40)
+    (folder / "index.json").write_text(json.dumps(index))
+    trainer = Trainer(tiny_cfg(out, **STEPS4, **{"train.resume": True}))
+    trainer.resume()
+    assert trainer.start_step == 2
+    assert "skipping step_000004" in capsys.readouterr().err

@@ -139,6 +139,19 @@ def test_gpt2_folders_are_checked_by_the_same_fields(tmp_path, field, value, mes
         HFCheckpoint.open(str(tmp_path))
 
 
+def test_gpt2_layer_count_is_checked_against_the_weight_names(tmp_path):
+    """GPT-2's n_layer, like Llama's num_hidden_layers (test_a_bad_folder...[layers-60000]), is held
+    to the blocks the file's tensor names hold before any module is built."""
+    config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 64, "n_embd": 32,
+              "n_layer": 3, "n_head": 4, "n_positions": 16}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    names = ("wte.weight", "h.0.ln_1.weight", "h.1.ln_1.weight")
+    save_file({n: torch.zeros(1) for n in names}, str(tmp_path / "model.safetensors"))
+    want = f"{tmp_path}/config.json: n_layer is 3 but the weights hold 2"
+    with pytest.raises(HFError, match=re.escape(want)):
+        HFCheckpoint.open(str(tmp_path))
+
+
 # -- export --hf writes back every tokenizer file the import read (issue 23, item 7) ----------------
 
 TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
