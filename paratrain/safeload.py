@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import pickle
 import re
 import warnings
@@ -76,11 +77,14 @@ class Fields:
         return value
 
     def number(self, key: str, default: object = _REQUIRED, *, positive: bool = False) -> float:
-        what = "a number > 0" if positive else "a number"
+        """A finite number: Python's JSON reads ``NaN`` and ``Infinity``, which no setting means (an
+        infinite epsilon or LoRA alpha only surfaces later, as a non-finite loss blamed on the lr)."""
+        what = "a finite number > 0" if positive else "a finite number"
         value = self._get(key, default, what)
         if value is default:
             return value
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (positive and value <= 0):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or (positive and value <= 0):
             raise self._wrong(key, value, what)
         return float(value)
 

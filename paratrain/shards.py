@@ -192,6 +192,25 @@ def check_coverage(tensors: dict) -> list[str]:
     return problems
 
 
+def check_sizes(tensors: dict, files: dict) -> list[str]:
+    """Problems with an index whose tensors claim more bytes than the files their pieces lie in hold
+    (``files``: name -> size, as index.json records and problems_of checks against the disk): a
+    corrupted or crafted shape (4 TB) is refused here, before a reader allocates a buffer for it."""
+    problems = []
+    for name, keys in tensors.items():
+        for key, rec in keys.items():
+            dtype = TORCH_DTYPES.get(rec["dtype"])
+            if dtype is None:
+                problems.append(f"{key} of {name!r} has dtype {rec['dtype']!r}, which no checkpoint holds")
+                continue
+            need = math.prod(rec["shape"]) * dtype.itemsize
+            held = sum(files.get(f, 0) for f in {p["file"] for p in rec["pieces"]})
+            if need > held:
+                problems.append(f"{key} of {name!r} has shape {list(rec['shape'])} ({need:,} bytes), more "
+                                f"than the {held:,} bytes of the files holding it: the index is corrupted")
+    return problems
+
+
 class ShardReader:
     """Reads ranges of full tensors from a checkpoint folder's shard files (``index.json``)."""
 

@@ -343,3 +343,57 @@ def test_parquet_without_pyarrow_says_what_to_install(tmp_path, tokenizer, monke
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # import fails as when not installed
     with pytest.raises(DataError, match=r"needs pyarrow: pip install 'paratrain\[parquet\]'"):
         prepare(str(tmp_path / "d.parquet"), _opts(tokenizer), out=tmp_path / "p")
+
+
+class _FullDisk:
+    """A file on a full disk: every write fails, and so does the flush of close (after closing)."""
+
+    def __init__(self, path, mode="r", *args, **kw):
+        self.f = open(path, mode, *args, **kw)
+
+    def write(self, data):
+        raise OSError(28, "No space left on device")  # errno.ENOSPC
+
+    def close(self):
+        self.f.close()
+        raise OSError(28, "No space left on device")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def test_a_full_disk_names_the_file_once_and_leaves_no_temporary_folder(tmp_path, tokenizer, capsys,
+                                                                        monkeypatch):
+    """The first failed write is the message (exit 2), not the second "no space left" of closing the
+    outputs on the way out, and the hidden temporary folder is removed."""
+    from paratrain.data import tokenfile
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text(_text(50))
+    monkeypatch.setattr(tokenfile, "open", _FullDisk, raising=False)  # the module's open, not the tests'
+    code = main(["data", "prepare", "--data", str(tmp_path / "src"), "--tokenizer", str(tokenizer),
+                 "--out", str(tmp_path / "out"), "--workers", "1", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"cannot write {tmp_path / 'out'}" not in err  # the file, not the folder
+    assert "tokens.bin: the disk is full" in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_a_full_disk_in_the_train_cache_exits_2_before_any_worker(tmp_path, tokenizer, capsys, monkeypatch):
+    """`paratrain train` tokenizes once into the cache (run.py): the same single message there."""
+    from paratrain.data import tokenfile
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text(_text(50))
+    monkeypatch.setenv("PARATRAIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(tokenfile, "open", _FullDisk, raising=False)
+    code = main(["train", "--data", str(tmp_path / "src"), "--tokenizer", str(tokenizer), "--model", "tiny",
+                 "--seq-len", "32", "--steps", "1", "--out", str(tmp_path / "run"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "tokens.bin: the disk is full" in err and "Traceback" not in err
+    assert list((tmp_path / "cache").iterdir()) == []  # no temporary folder left behind

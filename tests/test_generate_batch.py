@@ -188,3 +188,29 @@ def test_a_run_generates_dropless(tmp_path):
     assert cli.main(["generate", "--run", str(tmp_path), "a", "bc", "--greedy", "--max-new-tokens", "3",
                      "--ignore-eos", "--out", str(out)]) == 0
     assert [json.loads(line)["new_tokens"] for line in out.read_text().splitlines()] == [3, 3]
+
+
+def test_cli_prompt_file_not_utf8_names_the_line(hf_dir, tmp_path, capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_bytes(b"def f(x):\nimport \xff\xfe os\n")
+    assert generate_cli(hf_dir, "--prompts", str(prompts)) == 2
+    err = capsys.readouterr().err
+    assert f"{prompts}:2: not UTF-8" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--max-new-tokens", "-1"], "--max-new-tokens -1"), (["--max-new-tokens", "0"], "--max-new-tokens 0"),
+    (["--top-k", "-1"], "--top-k -1"), (["--temperature", "-1"], "--temperature -1.0"),
+    (["--temperature", "nan"], "--temperature nan"), (["--top-p", "0"], "--top-p 0.0"),
+    (["--top-p", "1.5"], "--top-p 1.5")])
+def test_cli_sampling_flags_out_of_range_exit_2_before_loading(tmp_path, capsys, flags, named):
+    # no model folder at all: the refusal comes before anything is read
+    argv = ["generate", "--init-from", str(tmp_path / "absent"), "x", *flags]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert named in err and "absent" not in err
+
+
+def test_library_sampling_out_of_range_is_refused(model, tok_dir):
+    with pytest.raises(ValueError, match="top_k=-1"):
+        paratrain.generate(model, tok_dir, "x", top_k=-1)

@@ -137,3 +137,67 @@ def test_shm_refused_where_it_cannot_apply(tmp_path):
     cfg = tiny_cfg(tmp_path, **{"parallel.dp": 2, "parallel.dp_reduce": "fast"})
     with pytest.raises(config.ConfigError, match="dp_reduce"):
         checks.validate(cfg, 2)
+
+
+# -- /dev/shm: room checked before the workers, reserved when allocated, a killed run's files removed --
+
+
+def test_shm_without_room_exits_2_before_any_worker(tmp_path, monkeypatch, capsys):
+    from paratrain import cli
+    from paratrain.comm import host_reduce
+
+    monkeypatch.setattr(host_reduce, "shm_free", lambda: 2**20)  # 1 MiB: the tiny model's grads need more
+    cfg = tiny_cfg(tmp_path, **{"parallel.dp": 2, "parallel.dp_reduce": "shm"})
+    with pytest.raises(config.ConfigError, match=r"--dp-reduce shm needs \d+ MiB free in /dev/shm"):
+        checks.validate(cfg, 2)
+    code = cli.main(["train", "--model", "tiny", "--nproc", "2", "--dp-reduce", "shm", "--steps", "1",
+                     "--seq-len", "32", "--out", str(tmp_path / "run"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--dp-reduce shm needs" in err and "Traceback" not in err
+    monkeypatch.setattr(host_reduce, "shm_free", lambda: 2**40)
+    checks.validate(tiny_cfg(tmp_path, **{"parallel.dp": 2, "parallel.dp_reduce": "shm"}), 2)  # room: no word
+
+
+def test_segments_are_reserved_at_allocation_not_on_first_touch(tmp_path, monkeypatch):
+    """posix_fallocate: the pages are the file's now (a truncated file would have none, and a /dev/shm
+    filled later would SIGBUS the rank writing its first gradient); no room is this error, and no file."""
+    import errno
+    import os
+
+    from paratrain.comm import host_reduce
+
+    path = tmp_path / "seg"
+    host_reduce.reserve(str(path), 1 << 20)
+    assert path.stat().st_size == 1 << 20 and path.stat().st_blocks * 512 >= 1 << 20
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(RuntimeError, match=r"/dev/shm has no room for this rank's 4,096 bytes .* "
+                                           "--dp-reduce collective"):
+        host_reduce.reserve(str(tmp_path / "seg2"), 4096)
+    assert not (tmp_path / "seg2").exists()
+
+
+def test_a_killed_run_s_segments_are_removed_at_the_next_start(tmp_path, monkeypatch):
+    """A SIGKILL during setup leaves the files of ranks that had not unlinked them yet: the next
+    start (checks.validate, and usable() in the workers) removes those whose owner pid is dead, and
+    keeps a live run's and anything not paratrain's."""
+    import subprocess
+    import sys
+
+    from paratrain.comm import host_reduce
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    import os
+
+    names = {"stale": f"{host_reduce.PREFIX}{dead}-0a1b", "live": f"{host_reduce.PREFIX}{os.getpid()}-2c3d",
+             "other": "someone-elses-file", "old-style": f"{host_reduce.PREFIX}{'ab' * 16}"}
+    for name in names.values():
+        (tmp_path / name).write_bytes(b"x")
+    monkeypatch.setattr(host_reduce, "SHM_DIR", str(tmp_path))
+    checks.validate(tiny_cfg(tmp_path / "run", **{"parallel.dp": 2, "parallel.dp_reduce": "shm"}), 2)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == sorted(
+        names[k] for k in ("live", "other", "old-style"))

@@ -228,3 +228,68 @@ def test_export_then_lora_from_round_trips_the_adapters_bit_exactly(lora_run, tm
     assert sorted(got) == sorted(want)
     for name, t in want.items():
         assert torch.equal(got[name], t), name
+
+
+@pytest.fixture(scope="module")
+def peft_folder(tmp_path_factory) -> tuple[Path, Path]:
+    """(base HF folder, a PEFT adapter on it): the bad adapters below are edits of it."""
+    tmp = tmp_path_factory.mktemp("peft_in")
+    save_hf(tmp / "base", "llama", **VARIANT)
+    _peft_adapter(tmp / "base", tmp / "ad")
+    return tmp / "base", tmp / "ad"
+
+
+def _edited(folder: Path, dest: Path, **conf) -> Path:
+    import shutil
+
+    shutil.copytree(folder, dest)
+    data = json.loads((dest / "adapter_config.json").read_text())
+    (dest / "adapter_config.json").write_text(json.dumps({**data, **conf}))  # NaN/Infinity as Python writes
+    return dest
+
+
+@pytest.mark.parametrize("conf,message", [
+    ({"lora_alpha": float("inf")}, "lora_alpha is Infinity (a number); it must be a finite number > 0"),
+    ({"lora_alpha": float("nan")}, "lora_alpha is NaN (a number); it must be a finite number > 0"),
+    ({"lora_dropout": 5}, "lora_dropout is 5; a dropout probability is in [0, 1)"),
+    ({"target_modules": ["q_proj", "v_proj", "down_proj", "k_proj"]},
+     "selects model.layers.0.self_attn.k_proj (and 1 more), which adapter_model.safetensors holds no"),
+    ({"target_modules": ["q_proj", "v_proj"]},
+     "does not select model.layers.0.mlp.down_proj (and 1 more), which adapter_model.safetensors holds"),
+    ({"target_modules": "(unclosed"}, "cannot be matched"),
+    ({"no tensors": True}, "adapter_model.safetensors holds no tensors"),
+])
+def test_bad_adapter_config_exits_2_naming_the_field(peft_folder, tmp_path, capsys, conf, message):
+    base, folder = peft_folder
+    ad = _edited(folder, tmp_path / "ad", **{k: v for k, v in conf.items() if k != "no tensors"})
+    if "no tensors" in conf:
+        from safetensors.torch import save_file
+
+        save_file({}, str(ad / "adapter_model.safetensors"))
+    args = ["train", "--steps", "1", "--seq-len", "32", "--out", str(tmp_path / "out"), "--no-progress",
+            "--init-from", str(base), "--lora-from", str(ad)]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and str(ad) in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_lora_from_takes_the_adapter_s_dropout_or_refuses_another(peft_folder, tmp_path):
+    base, folder = peft_folder
+    ad = _edited(folder, tmp_path / "ad", lora_dropout=0.1)
+    cfg = tiny_cfg(tmp_path / "run", **{"model.init_from": str(base), "lora.from_dir": str(ad)})
+    checks.validate(cfg)
+    assert cfg.lora.dropout == 0.1
+    cfg = tiny_cfg(tmp_path / "run", **{"model.init_from": str(base), "lora.from_dir": str(ad),
+                                        "lora.dropout": 0.2})
+    with pytest.raises(checks.ConfigError, match="--lora-dropout 0.2 differs from the adapter's"):
+        checks.validate(cfg)
+
+
+def test_lora_from_honours_target_modules_as_a_regex(peft_folder, tmp_path):
+    """A target_modules regex (PEFT's full match) that selects exactly the tensors' modules is taken."""
+    base, folder = peft_folder
+    ad = _edited(folder, tmp_path / "ad", target_modules=r".*\.(q_proj|v_proj|down_proj)")
+    cfg = tiny_cfg(tmp_path / "run", **{"model.init_from": str(base), "lora.from_dir": str(ad)})
+    checks.validate(cfg)
+    assert sorted(cfg.lora.targets) == ["attn.wq", "attn.wv", "mlp.down"]

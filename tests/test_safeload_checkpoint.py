@@ -197,3 +197,41 @@ def test_library_save_refuses_state_that_is_not_plain_data(tmp_path):
     par.register_for_checkpointing(Opaque())
     with pytest.raises(TypeError, match=r"\(StepLR, Opaque\): 'io.open' cannot be saved.*tensors, numbers"):
         par.save(tmp_path / "ckpt")
+
+
+def _huge(index: dict, name: str = "embed.weight") -> dict:
+    """``name``'s param claims a 1 TiB shape whose one slab its pieces still 'cover' (check_coverage
+    passes): only the bytes the files hold can tell."""
+    rec = index["tensors"][name]["param"]
+    n = 2**38  # float32: 1 TiB
+    rec["shape"] = [n, 1]
+    rec["pieces"] = [{**rec["pieces"][0], "start": [0, 0], "shape": [n, 1], "lo": 0, "hi": n}]
+    return index
+
+
+def test_an_index_naming_a_1_tib_tensor_is_refused_before_allocating(saved, tmp_path, capsys):
+    out = copy_run(saved, tmp_path)
+    for step in ("step_000004", "step_000002"):
+        folder = out / "checkpoints" / step
+        index = json.loads((folder / "index.json").read_text())
+        (folder / "index.json").write_text(json.dumps(_huge(index)))
+    assert main(["export", str(out), "--safetensors", str(tmp_path / "m.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "has shape [274877906944, 1] (1,099,511,627,776 bytes), more than the" in err
+    assert "Traceback" not in err and not (tmp_path / "m.safetensors").exists()
+    with pytest.raises(CheckpointError, match="the index is corrupted"):
+        ckpt.open_reader(folder)  # generate --checkpoint DIR reads a named folder directly
+
+
+def test_resume_skips_a_checkpoint_whose_index_claims_4_tb(saved, tmp_path, capsys):
+    """--resume: the 4 TB shape is a reason to skip that folder (said), not an allocator traceback."""
+    out = copy_run(saved, tmp_path)
+    folder = out / "checkpoints" / "step_000004"
+    index = _huge(json.loads((folder / "index.json").read_text()))
+    index["tensors"]["embed.weight"]["param"]["shape"] = [2**40, 1]  # float32: 4 TiB
+    index["tensors"]["embed.weight"]["param"]["pieces"][0].update(shape=[2**40, 1], hi=2**40)
+    (folder / "index.json").write_text(json.dumps(index))
+    trainer = Trainer(tiny_cfg(out, **STEPS4, **{"train.resume": True}))
+    trainer.resume()
+    assert trainer.start_step == 2
+    assert "skipping step_000004" in capsys.readouterr().err

@@ -94,6 +94,13 @@ BAD = {
     "index-absolute": (_index_absolute, "model.safetensors\", which is not inside {f}"),
     "index-pickle": (_index_pickle, "names 'pytorch_model.bin': paratrain reads safetensors weights only"),
     "only-bin": (_only_bin, "{f} holds no *.safetensors weights (only PyTorch .bin files, which are pickles"),
+    "eps-infinite": (_config(rms_norm_eps=float("inf")),
+                     "{f}/config.json: rms_norm_eps is Infinity (a number); it must be a finite number > 0"),
+    "eps-nan": (_config(rms_norm_eps=float("nan")),
+                "{f}/config.json: rms_norm_eps is NaN (a number); it must be a finite number > 0"),
+    # refused from the tensor names before 60,000 blocks are built (it took 108 s and 2.5 GB)
+    "layers-60000": (_config(num_hidden_layers=60_000),
+                     "{f}/config.json: num_hidden_layers is 60000 but the weights hold 2 layers"),
 }
 
 
@@ -129,6 +136,19 @@ def test_gpt2_folders_are_checked_by_the_same_fields(tmp_path, field, value, mes
     (tmp_path / "config.json").write_text(json.dumps(config))
     save_file({"wte.weight": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(HFError, match=re.escape(f"{tmp_path}/config.json: {message}")):
+        HFCheckpoint.open(str(tmp_path))
+
+
+def test_gpt2_layer_count_is_checked_against_the_weight_names(tmp_path):
+    """GPT-2's n_layer, like Llama's num_hidden_layers (test_a_bad_folder...[layers-60000]), is held
+    to the blocks the file's tensor names hold before any module is built."""
+    config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 64, "n_embd": 32,
+              "n_layer": 3, "n_head": 4, "n_positions": 16}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    names = ("wte.weight", "h.0.ln_1.weight", "h.1.ln_1.weight")
+    save_file({n: torch.zeros(1) for n in names}, str(tmp_path / "model.safetensors"))
+    want = f"{tmp_path}/config.json: n_layer is 3 but the weights hold 2"
+    with pytest.raises(HFError, match=re.escape(want)):
         HFCheckpoint.open(str(tmp_path))
 
 

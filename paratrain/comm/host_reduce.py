@@ -29,9 +29,11 @@ architectures ``usable`` says no and the group's own all-reduce is used.
 
 from __future__ import annotations
 
+import errno
 import os
 import platform
 import queue
+import re
 import socket
 import threading
 import time
@@ -58,19 +60,85 @@ def _host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+# Segment names: the prefix, the owner's pid (so a later start can tell a dead run's file), a nonce.
+PREFIX = "paratrain-ddp-"
+SEGMENT = re.compile(re.escape(PREFIX) + r"(?P<pid>\d+)-[0-9a-f]+$")
+
+
+def shm_free() -> int:
+    """Bytes free in /dev/shm for this user (0 when it is missing or not writable)."""
+    if not (os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)):
+        return 0
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
+def room_needed(ranks: int, total_bytes: int) -> int:
+    """/dev/shm bytes a group of ``ranks`` asks for before it uses shared memory: twice what its
+    files take (one per rank: a header and the buckets), leaving the host room for everything else."""
+    return 2 * ranks * (total_bytes + HEADER)
+
+
 def usable(axis: Axis, device: torch.device, total_bytes: int) -> bool:
     """Whether the group can sum through shared memory: CPU tensors, x86-64 (store order, above),
     a writable /dev/shm with room for every rank's buckets, and every rank on this host. Collective
     over ``axis`` (every rank must call it); the answer is the same on every rank."""
-    free = 0
-    if os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK):
-        st = os.statvfs(SHM_DIR)
-        free = st.f_bavail * st.f_frsize
+    remove_stale_segments()  # a killed run's files must not count against this one's room
     ok = (device.type == "cpu" and platform.machine().lower() in ("x86_64", "amd64")
-          and free > 2 * axis.size * (total_bytes + HEADER))
+          and shm_free() > room_needed(axis.size, total_bytes))
     with axis.counter.paused():  # setup, not training traffic
         every = C.all_gather_object((_host_id(), ok), axis)
     return all(good for _, good in every) and len({host for host, _ in every}) == 1
+
+
+def reserve(path: str, size: int) -> None:
+    """Create ``path`` with ``size`` zero bytes whose pages are allocated now (posix_fallocate), not
+    on first touch: a file only truncated to its size takes its pages as they are written, so a
+    /dev/shm filled after the start-up check would kill the rank with SIGBUS mid-step and no word of
+    why; reserved, a full /dev/shm is this error, here, naming it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        os.unlink(path)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise RuntimeError(f"{SHM_DIR} has no room for this rank's {size:,} bytes of gradient buckets "
+                               f"({shm_free():,} free): free space there, give the host a larger {SHM_DIR} "
+                               "(docker run --shm-size), or sum through gloo with --dp-reduce collective"
+                               ) from None
+        raise
+    finally:
+        os.close(fd)
+
+
+def remove_stale_segments(directory: str | None = None) -> list[str]:
+    """Remove the segments of runs whose owner is dead (a run killed with SIGKILL while setting up
+    leaves its files: its ranks had not yet unlinked them). A file whose owner lives, or whose pid
+    this process cannot signal (another user's), is kept. Returns the removed names."""
+    directory, removed = directory or SHM_DIR, []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        found = SEGMENT.match(name)
+        if found and not _alive(int(found.group("pid"))):
+            try:
+                os.unlink(os.path.join(directory, name))
+                removed.append(name)
+            except OSError:
+                pass  # another start removed it first, or it is not ours to remove
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, another user's
+    return True
 
 
 class Handle:
@@ -100,7 +168,7 @@ class HostReducer:
         for numel, dtype in specs:
             offsets.append(size)
             size += -(-numel * dtype.itemsize // ALIGN) * ALIGN
-        mine = os.path.join(SHM_DIR, f"paratrain-ddp-{uuid.uuid4().hex}")
+        mine = os.path.join(SHM_DIR, f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
         files = self._share(mine, size)
         raw = [torch.from_file(f, shared=True, size=size, dtype=torch.uint8) for f in files]
         with axis.counter.paused():
@@ -120,7 +188,7 @@ class HostReducer:
 
     def _share(self, mine: str, size: int) -> list[str]:
         """Create this rank's file, learn the others' names (axis order)."""
-        torch.from_file(mine, shared=True, size=size, dtype=torch.uint8)  # creates it, zero-filled
+        reserve(mine, size)
         with self.axis.counter.paused():
             return C.all_gather_object(mine, self.axis)
 

@@ -385,8 +385,8 @@ def _tokenize(folder: Path, tasks: list[Task], tok_info: dict, opts: PrepareOpti
     with _writing(folder):
         files = [open(path, "wb") for path in paths]
     with ExitStack() as stack:
-        for f in files:
-            stack.enter_context(f)
+        for f in files:  # closed quietly when leaving on an error: its message must stay the one seen
+            stack.callback(_close_quietly, f)
         results = stack.enter_context(_results(tasks, workers, init))
         bar = stack.enter_context(_bar(opts, tasks))
         for tokens, ends, nbytes, bad, mask in results:
@@ -413,6 +413,15 @@ def _tokenize(folder: Path, tasks: list[Task], tok_info: dict, opts: PrepareOpti
             "data_hash": digest.hexdigest()[:16], "input_bytes": total, "tokenize_seconds": round(seconds, 3),
             "tokenize_mb_per_s": round(total / 1e6 / max(seconds, 1e-9), 2), "workers": workers,
             **({"mask_hash": mask_digest.hexdigest()[:16]} if len(paths) == 3 else {})}
+
+
+def _close_quietly(f) -> None:
+    """Close ``f`` on the way out of a failure: its buffered bytes cannot be written either (a full
+    disk), and a second "no space left" must not replace the first error's message."""
+    try:
+        f.close()
+    except OSError:
+        pass
 
 
 def _warn_not_utf8(not_utf8: list[str]) -> None:

@@ -54,6 +54,7 @@ from paratrain.shards import (
     PieceSpec,
     ShardReader,
     check_coverage,
+    check_sizes,
     spec_dict,
     write_safetensors,
 )
@@ -298,13 +299,9 @@ def problems_of(folder: Path) -> list[str]:
         return [f"{state} is not valid JSON (corrupted)"]
     index_path = folder / "index.json"
     try:
-        index = json.loads(index_path.read_text())
-        tensors, files = index["tensors"], index["files"]
-    except FileNotFoundError:
-        return [f"{index_path} is missing"]
-    except (ValueError, UnicodeDecodeError, KeyError, TypeError):
-        return [f"{index_path} is not a valid checkpoint index (corrupted)"]
-    problems = [f"{index_path}: {p}" for p in check_coverage(tensors)[:3]]
+        tensors, files, problems = index_problems(folder)
+    except CheckpointError as e:
+        return [str(e)]
     for name, size in files.items():
         try:
             path = member(folder, name, str(index_path), CheckpointError)
@@ -319,6 +316,22 @@ def problems_of(folder: Path) -> list[str]:
     if not (folder / "rng.pt").exists():
         problems.append(f"{folder / 'rng.pt'} is missing")
     return problems
+
+
+def index_problems(folder: Path) -> tuple[dict, dict, list[str]]:
+    """(tensors, files, problems) of ``folder``'s index.json: pieces that do not cover their tensor,
+    or shapes larger than the files hold (checked before anything is allocated for them).
+    CheckpointError when the index is missing or not one."""
+    index_path = folder / "index.json"
+    try:
+        index = json.loads(index_path.read_text())
+        tensors, files = index["tensors"], index["files"]
+        problems = check_coverage(tensors)[:3] + check_sizes(tensors, files)[:3]
+    except FileNotFoundError:
+        raise CheckpointError(f"{index_path} is missing") from None
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+        raise CheckpointError(f"{index_path} is not a valid checkpoint index (corrupted)") from None
+    return tensors, files, [f"{index_path}: {p}" for p in problems]
 
 
 def find_checkpoint(out: str | Path) -> tuple[Path | None, list[str]]:
@@ -375,8 +388,12 @@ def read_rng(folder: Path, *, trust: bool = False) -> list:
 
 
 def open_reader(folder: Path) -> ShardReader:
+    """The reader of ``folder``'s pieces, once its index passes ``index_problems`` (CheckpointError)."""
     meta = read_state(folder) if (folder / "state.json").exists() else {}
-    return ShardReader(folder, json.loads((folder / "index.json").read_text())["tensors"], meta)
+    tensors, _, problems = index_problems(folder)
+    if problems:
+        raise CheckpointError("; ".join(problems))
+    return ShardReader(folder, tensors, meta)
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,10 +9,11 @@ every technique, so config.py imports nothing of paratrain.
 
 from __future__ import annotations
 
+from paratrain.comm import host_reduce
 from paratrain.config import DEFAULT_SEQ_LEN, Config, ConfigError, ParallelConfig, bullets, check_values
-from paratrain.engine.lora import check_lora
+from paratrain.engine.lora import apply_run_lora, check_lora, trainable_count
 from paratrain.memory.layout import check_savers
-from paratrain.models import PRESETS
+from paratrain.models import PRESETS, build_model
 from paratrain.models.adapters import settle_lora_from
 from paratrain.models.from_config import model_shape
 from paratrain.models.llama.hf import HFCheckpoint, HFError, check_init_from
@@ -181,8 +182,32 @@ def _check_zero(cfg: Config, problems: list[str]) -> None:
     if p.dp_reduce == "shm" and (p.zero >= 1 or p.dp_mode != "ddp" or p.ep > 1):
         problems.append("--dp-reduce shm sums DDP's buckets through shared memory on a CPU host: it needs "
                         "--zero 0, --dp-mode ddp and --ep 1; use --dp-reduce auto")
+    else:
+        check_shm_room(cfg, problems)
     if not p.reshard_after_forward and p.zero != 3:
         problems.append("parallel.reshard_after_forward = false only applies to --zero 3")
+
+
+def check_shm_room(cfg: Config, problems: list[str]) -> None:
+    """--dp-reduce shm: /dev/shm must hold every dp rank's gradient buckets (host_reduce's rule),
+    refused here rather than as a worker's traceback. The buckets hold the trainable parameters
+    in fp32, a 1/(tp*pp) share of them per rank; a stale file of a killed run is removed first."""
+    p = cfg.parallel
+    if p.dp_reduce != "shm" or cfg.dp < 2:
+        return
+    try:
+        model = build_model(model_shape(cfg), "meta")
+        apply_run_lora(model, cfg)
+    except (KeyError, OSError, ValueError):
+        return  # an unknown model or folder, or a LoRA setting, is reported elsewhere
+    per_rank = trainable_count(model) * 4 // (p.tp * p.pp)
+    host_reduce.remove_stale_segments()
+    need, free = host_reduce.room_needed(cfg.dp, per_rank), host_reduce.shm_free()
+    if free <= need:
+        problems.append(f"--dp-reduce shm needs {need / 2**20:,.0f} MiB free in {host_reduce.SHM_DIR} "
+                        f"({cfg.dp} ranks' gradient buckets, twice over) and it has {free / 2**20:,.0f}: "
+                        f"free space there, give the host a larger {host_reduce.SHM_DIR} (docker run "
+                        "--shm-size), or use --dp-reduce auto (gloo when it does not fit)")
 
 
 def _check_hybrid(cfg: Config, problems: list[str]) -> None:

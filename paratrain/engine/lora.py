@@ -85,7 +85,8 @@ NOT_WITH_LORA = {
         "each tp rank dispatches a share of the tokens; adapters there are not tested"),
     "--lora-dropout with --tp > 1": (
         lambda c: c.lora.dropout > 0 and c.parallel.tp > 1,
-        "every tp rank would drop other inputs of the same replicated adapter"),
+        "every tp rank would drop other inputs of the same replicated adapter (with --lora-from: the "
+        "adapter's lora_dropout; set it to 0 in its adapter_config.json to continue without dropout)"),
 }
 
 

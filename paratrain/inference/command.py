@@ -19,7 +19,7 @@ from paratrain.data.sources import DataError
 from paratrain.inference.distributed import generate_ids as distributed_ids
 from paratrain.inference.distributed import load_for_generation
 from paratrain.inference.folders import load_model
-from paratrain.inference.loop import Generated, decode, local_step
+from paratrain.inference.loop import Generated, decode, local_step, sampling_problems
 from paratrain.inference.prompts import cut_at_stop, prepare
 from paratrain.inference.request import GenerateRequest, PreparedPrompts
 from paratrain.inference.stream_command import generate_ids as stream_ids
@@ -55,6 +55,7 @@ def backend_name(request: GenerateRequest) -> str:
 
 def run_generate(request: GenerateRequest) -> int:
     """Prepare the prompts, generate with one backend, print or write the completions. Exit status."""
+    check_sampling(request)
     name = backend_name(request)
     if name not in BACKENDS:
         flags = "--offload" if name == "stream" else "--nproc/--tp/--pp (or torchrun)"
@@ -65,6 +66,13 @@ def run_generate(request: GenerateRequest) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         write_results(request, prepared, results)
     return 0
+
+
+def check_sampling(request: GenerateRequest) -> None:
+    """Every sampling flag out of range, named, before a prompt is read or a weight loaded."""
+    problems = sampling_problems(request.sampling)
+    if problems:
+        raise DataError("; ".join(f"--{name.replace('_', '-')} {why}" for name, why in problems))
 
 
 def rows(request: GenerateRequest, prepared: PreparedPrompts, results: list[Generated]) -> list[dict]:

@@ -14,7 +14,7 @@ from paratrain.data.template import load_template
 from paratrain.data.tokenizer import load_tokenizer
 from paratrain.inference.distributed import distributed_step
 from paratrain.inference.folders import chat_prompt, tokenizer_eos
-from paratrain.inference.loop import Sampling, StepFn, decode, local_step
+from paratrain.inference.loop import Sampling, StepFn, decode, local_step, sampling_problems
 from paratrain.inference.prompts import cut_at_stop, stop_check
 from paratrain.models.llama.hf import tokenizer_file
 
@@ -28,6 +28,9 @@ def generate(model: nn.Module, tokenizer: Tokenizer | str | Path, prompts: str |
     user message). ``eos_ids`` None: the tokenizer's end-of-text token. temperature 0: greedy.
     ``parallel``: the ``paratrain.Parallel`` that prepared ``model`` (every rank calls this with the
     same prompts and gets the same completions; each rank computes with its own shard)."""
+    problems = sampling_problems(Sampling(max_new_tokens, temperature, top_k, top_p))
+    if problems:
+        raise ValueError("paratrain.generate: " + "; ".join(f"{name}={why}" for name, why in problems))
     path = tokenizer_file(tokenizer) if isinstance(tokenizer, (str, Path)) else None
     tok = load_tokenizer(path) if path is not None else tokenizer
     texts = [prompts] if isinstance(prompts, str) else list(prompts)

@@ -16,6 +16,7 @@ it computes alone (the cache's mask hides the padding; models/kv_cache.py).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -39,6 +40,22 @@ class Sampling:
     top_p: float = 1.0
     seed: int = 0
     eos_ids: tuple[int, ...] = ()  # a row ends after emitting one of these (kept in its ids)
+
+
+def sampling_problems(sampling: Sampling) -> list[tuple[str, str]]:
+    """(field, what to change) for each knob out of its range, checked before any model is loaded: a
+    negative budget, temperature, top-k or a top-p of 0 would otherwise fail deep in the loop or be
+    silently read as something else (top-k -1 as "no cut")."""
+    s, problems = sampling, []
+    if s.max_new_tokens < 1:
+        problems.append(("max_new_tokens", f"{s.max_new_tokens}: give at least 1 new token"))
+    if not math.isfinite(s.temperature) or s.temperature < 0:
+        problems.append(("temperature", f"{s.temperature}: give a finite temperature >= 0 (0 is greedy)"))
+    if s.top_k < 0:
+        problems.append(("top_k", f"{s.top_k}: give k >= 0 (0: no cut)"))
+    if not (0 < s.top_p <= 1):  # NaN fails this too
+        problems.append(("top_p", f"{s.top_p}: give p in (0, 1] (1: no cut)"))
+    return problems
 
 
 @dataclass

@@ -35,12 +35,23 @@ def read_prompt_file(path: Path) -> list[Prompt]:
     file (one prompt per line, blank lines skipped)."""
     if not path.is_file():
         raise DataError(f"{path}: no such prompt file")
-    lines = path.read_text(encoding="utf-8").splitlines()
+    lines = _utf8(path).splitlines()
     reader = _jsonl_line if path.suffix == ".jsonl" else _text_line
     found = [(reader(line, f"{path}:{n}"), f"{path}:{n}") for n, line in enumerate(lines, 1) if line.strip()]
     if not found:
         raise DataError(f"{path}: the prompt file is empty: put one prompt per line")
     return found
+
+
+def _utf8(path: Path) -> str:
+    """The file's text, or which line holds bytes that are not UTF-8."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise DataError(f"{path}:{line}: not UTF-8 (byte {data[e.start]:#04x} at offset {e.start}): "
+                        "save the prompt file as UTF-8") from None
 
 
 def _text_line(line: str, where: str) -> str:

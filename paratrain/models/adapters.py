@@ -8,8 +8,9 @@ computes. The RoPE layout (hf.py's docstring): the base q/k rows are permuted on
 adapter's output rows must be too; ``lora_B`` [out, r] holds those rows, ``lora_A`` [r, in] none of
 them: P(W + s B A) = P W + s (P B) A.
 
-In (``train --init-from BASE --lora-from DIR``): the adapter's r / lora_alpha / target modules
-become the run's LoRA settings, and its tensors the adapters' initial values, mapped back (inverse
+In (``train --init-from BASE --lora-from DIR``): the adapter's r / lora_alpha / lora_dropout / target
+modules become the run's LoRA settings (target_modules must select exactly the modules it holds
+tensors for), and its tensors the adapters' initial values, mapped back (inverse
 permutation). Read as JSON + safetensors only (safeload.py): nothing in the folder runs code.
 
 A LoRA run's folder holds ``model.safetensors`` already merged (W + alpha/r * B A: engine/lora.py),
@@ -261,6 +262,52 @@ UNSUPPORTED = (("use_dora", False, "DoRA"), ("use_rslora", False, "rank-stabilis
                ("lora_bias", False, "a bias on lora_B"))
 
 
+SELECTION = ("target_modules", "exclude_modules", "layers_to_transform", "layers_pattern")
+
+
+def peft_selection(selection: dict, modules: list[str], where: str) -> set[str] | None:
+    """The ``modules`` (transformers names) adapter_config.json's target_modules selects, as PEFT's
+    ``check_target_module_exists`` matches them (a string: a full regex match; a list: the name or a
+    "." suffix, then layers_to_transform); None when it names none (the tensors decide)."""
+    targets = selection.get("target_modules")
+    if targets is None:
+        return None
+    if targets == "all-linear":
+        return {m for m in modules if m.rsplit(".", 1)[-1] != "lm_head"}
+    if not isinstance(targets, (str, list)) or not all(isinstance(t, str) for t in targets):
+        raise AdapterError(f"{where}: target_modules is {json.dumps(targets)}; it must be a list of module "
+                           "names or one regular expression")
+    try:
+        return {m for m in modules if _peft_selects(selection, m)}
+    except (re.error, TypeError) as e:
+        raise AdapterError(f"{where}: target_modules / exclude_modules / layers_to_transform cannot be "
+                           f"matched ({e}): fix them") from None
+
+
+def _peft_selects(selection: dict, key: str) -> bool:
+    targets, exclude = selection["target_modules"], selection.get("exclude_modules")
+    if exclude and (re.fullmatch(exclude, key) if isinstance(exclude, str)
+                    else any(key == e or key.endswith(f".{e}") for e in exclude)):
+        return False
+    if isinstance(targets, str):
+        return re.fullmatch(targets, key) is not None
+    if key in targets:
+        return True
+    if not any(key.endswith(f".{t}") for t in targets):
+        return False
+    layers = selection.get("layers_to_transform")
+    if layers is None or layers == []:
+        return True
+    pattern = selection.get("layers_pattern")
+    patterns = [pattern] if isinstance(pattern, str) and pattern else pattern or []
+    found = next((m for p in patterns if (m := re.match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", key))), None) \
+        if patterns else re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
+    if found is None:
+        return False
+    index = int(found.group("idx"))
+    return index == layers if isinstance(layers, int) else index in layers
+
+
 @dataclass
 class PeftAdapter:
     """A local PEFT LoRA folder: its settings and its tensors by transformers module name."""
@@ -271,6 +318,7 @@ class PeftAdapter:
     dropout: float
     modules: list[str]  # transformers names of the adapted modules
     fan_in_fan_out: bool
+    selection: dict  # adapter_config.json's SELECTION fields: which modules PEFT adapts
 
     @classmethod
     def open(cls, path: str) -> PeftAdapter:
@@ -290,8 +338,16 @@ class PeftAdapter:
         if bad:
             raise AdapterError(f"{where} uses what paratrain's LoRA lacks: {'; '.join(bad)}")
         modules = sorted({m.group("module") for n in cls.names(folder) if (m := PEFT_KEY.match(n))})
-        return cls(folder, fields.integer("r"), fields.number("lora_alpha", positive=True),
-                   fields.number("lora_dropout", 0.0), modules, fields.flag("fan_in_fan_out", False))
+        if not modules:
+            raise AdapterError(f"{folder / ADAPTER_WEIGHTS} holds no tensors: an adapter saved before any "
+                               "LoRA layer was added, or a damaged copy; save the adapter again")
+        dropout = fields.number("lora_dropout", 0.0)
+        if not 0 <= dropout < 1:
+            raise AdapterError(f"{where}: lora_dropout is {dropout:g}; a dropout probability is in [0, 1): "
+                               "fix it there (0: no dropout)")
+        selection = {key: conf.get(key) for key in SELECTION}
+        return cls(folder, fields.integer("r"), fields.number("lora_alpha", positive=True), dropout,
+                   modules, fields.flag("fan_in_fan_out", False), selection)
 
     @staticmethod
     def names(folder: Path) -> list[str]:
@@ -315,7 +371,26 @@ class PeftAdapter:
             raise AdapterError(f"{self.folder}: the adapter adapts GPT-2's fused {split[0]} (q, k and v in "
                                "one module), which paratrain keeps as three layers: a LoRA of the whole "
                                "cannot be split into theirs; use an adapter on c_proj / c_fc only")
+        self.check_selection(known)
         return [known[m] for m in self.modules]
+
+    def check_selection(self, known: dict[str, Target]) -> None:
+        """AdapterError unless the modules adapter_config.json selects (target_modules, as PEFT matches
+        it) are exactly those the tensors adapt: PeftModel.from_pretrained builds the layers the
+        config selects, so a mismatch is an adapter PEFT itself would load differently."""
+        where = self.folder / ADAPTER_CONFIG
+        selected = peft_selection(self.selection, list(known), str(where))
+        if selected is None:
+            return
+        untensored = sorted(selected - set(self.modules))
+        unselected = sorted(set(self.modules) - selected)
+        for names, what in ((untensored, f"selects {{}}, which {ADAPTER_WEIGHTS} holds no tensors for"),
+                            (unselected, f"does not select {{}}, which {ADAPTER_WEIGHTS} holds tensors for")):
+            if names:
+                more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+                raise AdapterError(f"{where}: target_modules {json.dumps(self.selection['target_modules'])} "
+                                   f"{what.format(names[0] + more)}: the config and the tensors disagree; "
+                                   "fix target_modules (or save the adapter again with PEFT)")
 
     def check_shapes(self, cfg: ModelCfg) -> list[str]:
         """Problems between the adapter's tensors and the base model's layers."""
@@ -401,6 +476,10 @@ def settle_lora_from(lora: LoraConfig, model_cfg: ModelCfg) -> list[str]:
     if lora.targets and sorted(linears(tuple(lora.targets))) != sorted(linears(patterns)):
         problems.append(f"--lora-targets {','.join(lora.targets)} select other layers than the adapter "
                         f"adapts ({', '.join(patterns)}): drop --lora-targets (the adapter sets them)")
+    if lora.dropout and lora.dropout != adapter.dropout:
+        problems.append(f"--lora-dropout {lora.dropout:g} differs from the adapter's lora_dropout = "
+                        f"{adapter.dropout:g}: drop --lora-dropout (the adapter sets it)")
     if not problems:
         lora.rank, lora.alpha, lora.targets = adapter.rank, adapter.alpha, list(patterns)
+        lora.dropout = adapter.dropout
     return problems

@@ -183,6 +183,8 @@ def to_hf_config(cfg: GPT2Config, base: dict | None = None, **extra: object) -> 
 class GPT2Checkpoint(HFCheckpoint):
     """A local ``GPT2LMHeadModel`` folder (what HFCheckpoint.open returns for model_type gpt2)."""
 
+    LAYERS_KEY = "n_layer"
+
     @classmethod
     def open(cls, path: str, **train_overrides: object) -> GPT2Checkpoint:
         if train_overrides:

@@ -263,6 +263,9 @@ TEMPLATE_DIR = "additional_chat_templates"
 TRAIN_OVERRIDES = ("capacity_factor", "aux_loss_coef", "z_loss_coef")
 
 
+LAYER_INDEX = re.compile(r"\.(\d+)\.")  # searched: a tensor name's first number, its block
+
+
 # Families whose Hugging Face mapping lives in their own folder (models/<family>/hf.py registers a
 # subclass of HFCheckpoint): config.json's model_type, and run.json's model family, -> that class.
 HF_FAMILIES: dict[str, type[HFCheckpoint]] = {}
@@ -276,6 +279,19 @@ class HFCheckpoint:
     hf_config: dict
     model_cfg: LlamaConfig
     weight_files: dict[str, Path]  # Hugging Face tensor name -> the safetensors file holding it
+
+    LAYERS_KEY = "num_hidden_layers"  # config.json's layer count (GPT-2: n_layer)
+
+    def __post_init__(self) -> None:
+        """The layer count of config.json against the blocks the weights hold, from the tensor names
+        alone: before anything is built from it (a num_hidden_layers of 60,000 on a 2-layer folder
+        cost 108 s and 2.5 GB of meta modules before check_shapes refused it)."""
+        found = {int(m.group(1)) for n in self.weight_files if (m := LAYER_INDEX.search(n))}
+        if found and found != set(range(self.model_cfg.n_layers)):
+            where = self.folder / "config.json"
+            raise HFError(f"{where}: {self.LAYERS_KEY} is {self.model_cfg.n_layers} but "
+                          f"the weights hold {len(found)} layers (indices {min(found)}..{max(found)}): is "
+                          "config.json the one these weights were saved with?")
 
     @classmethod
     def open(cls, path: str, **train_overrides: object) -> HFCheckpoint:
