@@ -253,3 +253,22 @@ def test_the_renders_of_a_row_share_one_budget(monkeypatch):
     enc = Encoder(Tokenizer(models.BPE()), "chat", 0, ChatTemplate(upper, {}, "upper.jinja"))
     enc.encode({"messages": _alternating(8)}, lambda: "row 9")
     assert len(seen) > 2 * 4 and seen[0] is not None and all(b is seen[0] for b in seen)
+
+
+def test_generate_cli_exits_2_naming_the_template_and_the_prompt(tmp_path, capsys, short_budget):
+    """`paratrain generate` with a model whose chat_template.jinja never ends, or a prompt file
+    whose message content is a number: exit 2, one line, before any weight is loaded."""
+    from tests.hf_models import save_hf
+
+    folder = tmp_path / "model"
+    save_hf(folder, "llama", num_hidden_layers=1)
+    (folder / "chat_template.jinja").write_text(NESTED.replace("BODY", ""))
+    assert main(["generate", "hi", "--init-from", str(folder), "--chat", "--tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"prompt 1: the chat template ({folder / 'chat_template.jinja'}) failed to render the message: " \
+           "stopped: it ran longer than 0.3 s" in err and "Traceback" not in err
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": 5}]}) + "\n")
+    assert main(["generate", "--prompts", str(prompts), "--init-from", str(folder), "--tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"{prompts}:1: message 0: its content is a number" in err and len(err.strip().splitlines()) == 1

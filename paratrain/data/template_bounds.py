@@ -183,13 +183,11 @@ class _GuardedCodeGenerator(CodeGenerator):
 
 
 def _binop_size(op: str, left: object, right: object) -> int | None:
-    """The size of a sequence ``left op right`` would build, before building it."""
+    """The size of a sequence ``left * right`` would build, before building it."""
     if op == "*":
         seq, n = (left, right) if isinstance(right, int) else (right, left)
         if isinstance(n, int) and _size(seq) is not None:
             return _size(seq) * max(n, 0)
-    if op == "+" and _size(left) is not None and _size(right) is not None:
-        return _size(left) + _size(right)
     return None
 
 
@@ -218,6 +216,11 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
     def call_binop(self, context: jinja2.runtime.Context, operator: str, left: object,
                    right: object) -> object:
         b = _budget()
+        if operator == "+":  # the common one (templates build turns with it), kept cheap: both
+            result = left + right  # operands are within the bound, so the sum is at most twice it
+            if b is not None and isinstance(result, (str, list, tuple)) and len(result) > b.max_chars:
+                b.check_size(len(result), "the result of '+'")
+            return result
         if b is not None:
             b.check_time()
             n = _binop_size(operator, left, right)
