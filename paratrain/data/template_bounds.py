@@ -64,8 +64,9 @@ class Budget:
 
     def check_time(self) -> None:
         if time.monotonic() > self.deadline:
-            raise RenderLimit(f"it ran longer than {self.seconds:g} s (the limit for one row), which real "
-                              "templates never need: a loop without end, or nested loops over long lists?")
+            raise RenderLimit(f"it ran longer than {self.seconds:g} s (the limit for one row or prompt), "
+                              "which real templates never need: a loop without end, or nested loops over "
+                              "long lists?")
 
     def check_size(self, n: int, what: str = "a value") -> None:
         if n > self.max_chars:
