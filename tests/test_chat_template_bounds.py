@@ -45,6 +45,7 @@ RUNAWAY = {  # template -> what the message says
     "{{ 'x' * 10**9 }}": "'*' of 1,000,000,000 items passes the limit",
     "{{ 10 ** (10 ** 8) }}": "beyond the 65536-bit integers",
     "{{ 'x' | center(10**9) }}": "filter 'center' was given",
+    "{{ messages | tojson(indent=10**9) }}": "filter 'tojson' was given",
     "{{ 'x'.ljust(10**9) }}": "ljust() was given",
     "{{ '%0999999999d' | format(1) }}": "a width of a million",
     "{{ '{:>999999999}'.format(1) }}": "a million",

@@ -142,7 +142,7 @@ def compile_template(source: str, where: str) -> jinja2.Template:
                         "own template with --chat-template FILE")
     env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True,
                              extensions=[_Generation, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
+    env.add_filters(tojson=_tojson)
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
     try:
         return env.from_string(source)
