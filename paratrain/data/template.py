@@ -75,7 +75,7 @@ def _as_transformers_does(message: dict) -> dict:
 
 
 CONTENT_ACCEPTED = ('text, a list of text parts ([{"type": "text", "text": ...}], joined into one text), '
-                    'or null on an assistant message with "tool_calls"')
+                    'or null on a message with "tool_calls"')
 
 
 def plain_messages(messages: object, where: str) -> list[dict]:
@@ -138,7 +138,7 @@ def compile_template(source: str, where: str) -> jinja2.Template:
     ``DataError`` naming ``where`` if it is not valid Jinja or too large to be a chat template."""
     if len(source) > MAX_SOURCE_CHARS:
         raise DataError(f"{where}: the chat template is {len(source):,} characters long, more than the "
-                        f"{MAX_SOURCE_CHARS:,} paratrain accepts (real ones are a few KB): give the model's "
+                        f"{MAX_SOURCE_CHARS:,} paratrain accepts (real ones are kilobytes): give the model's "
                         "own template with --chat-template FILE")
     env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True,
                              extensions=[_Generation, jinja2.ext.loopcontrols])

@@ -10,13 +10,15 @@ place a template can spend time or memory checked against the ``Budget`` of the 
   iterable), and every call (macros, methods, ``loop(...)``), filter, attribute and item lookup
   checks the clock: a template cannot run past the budget's deadline without meeting a check;
 * the output is streamed (``Template.generate``) and counted; it stops past ``max_chars``;
-* ``*``, ``**``, ``+`` and ``%``, every call and every filter refuse to build a string or list of
-  more than ``max_chars`` items before building it (integer arguments above it, exponents whose
-  result would pass ``MAX_INT_BITS``, format widths of 7 digits, replacements and joins whose
-  result would) and check what they return;
+* ``*``, ``**`` and ``%``, every call and every filter refuse to build a string or list of more
+  than ``max_chars`` items before building it (integer arguments above it, exponents whose result
+  would pass ``MAX_INT_BITS``, format widths of 7 digits, replacements and joins whose result
+  would) and check what they return; ``+`` and ``~`` check their result (their operands are within
+  the bound, so it is at most twice the bound);
 * recursion ends in Python's RecursionError, which the caller turns into a message like any error.
 
-The figures are in docs/data.md ("Chat templates"): real templates render a row in milliseconds.
+The figures are in docs/data.md ("A template is a program, bounded"): real templates render a row
+in milliseconds, far inside them.
 Each render installs its Budget for the thread that renders (``rendering``); the hooks read it.
 """
 
@@ -35,7 +37,7 @@ import jinja2.runtime
 from jinja2.compiler import CodeGenerator, Frame
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-MAX_SOURCE_CHARS = 2**20  # a template's source (the largest templates on the Hub are ~20 KB)
+MAX_SOURCE_CHARS = 2**20  # a template's source (real ones are kilobytes)
 RENDER_SECONDS = 10.0  # all the renders of one row (or one prompt) together
 MAX_OUTPUT_CHARS = 16 * 2**20  # per render, plus OUTPUT_PER_INPUT_CHAR x the messages' characters
 OUTPUT_PER_INPUT_CHAR = 4
