@@ -10,9 +10,10 @@ Three formats, detected from the fields of the first row (``--format`` forces on
   each of those must be a prefix of the whole rendering, else the template puts earlier text
   after later turns and the row is refused. A token is counted when its characters overlap a span.
   Rendering every turn's prefixes costs renders in proportion to the turns, each as long as the
-  chat (2,000 messages: ~20 s a row with Qwen2's template here); so the spans are found in the one whole rendering where the
-  template renders message by message (``_located``, checked against the prefixes of the first and
-  last turns), in at most five renders a row, and from every turn's prefixes only where not.
+  chat (2,000 messages: ~20 s a row with Qwen2's template here); so the spans are found in the one
+  whole rendering where the template renders message by message (``_located``, checked against
+  the prefixes of the first and last turns), in at most five renders a row, and from every turn's
+  prefixes only where not.
   Messages: template.py's ``plain_messages`` (text content, text parts joined, else refused).
   A row's renders share one budget of time and output (template_bounds.py).
 * ``completion``: ``{"prompt", "completion"}``: the prompt's tokens, then the completion's, then
