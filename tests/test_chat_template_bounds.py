@@ -30,13 +30,13 @@ HI = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture
 def short_budget(monkeypatch):
-    monkeypatch.setattr(bounds, "RENDER_SECONDS", 0.3)
+    monkeypatch.setattr(bounds, "RENDER_SECONDS", 1.0)  # real rows: milliseconds
     monkeypatch.setattr(bounds, "MAX_OUTPUT_CHARS", 100_000)
 
 
 NESTED = "{% for i in range(100000) %}{% for j in range(100000) %}BODY{% endfor %}{% endfor %}"
 RUNAWAY = {  # template -> what the message says
-    NESTED.replace("BODY", ""): "ran longer than 0.3 s",
+    NESTED.replace("BODY", ""): "ran longer than 1 s",
     NESTED.replace("BODY", "{{ loop.index }}"): "output passed 100,",
     "{% for i in range(10**9) %}x{% endfor %}": "was given 1,000,000,000",
     "{{ 1/0 }}": "ZeroDivisionError",
@@ -56,7 +56,9 @@ RUNAWAY = {  # template -> what the message says
 
 
 @pytest.mark.parametrize("source", list(RUNAWAY))
-def test_a_runaway_template_stops_with_a_message(short_budget, source):
+def test_a_runaway_template_stops_with_a_message(short_budget, monkeypatch, source):
+    if "ran longer" not in RUNAWAY[source]:  # another bound must stop it, however slow the machine
+        monkeypatch.setattr(bounds, "RENDER_SECONDS", 600.0)
     with pytest.raises(TemplateFailed, match=re.escape(RUNAWAY[source])):
         ChatTemplate(source, {}, "t.jinja").render(HI)
 
@@ -134,7 +136,7 @@ def test_data_prepare_names_the_template_file_and_the_row(tmp_path, capsys, shor
     assert "no boom" in err
     for source, said in [("{{ 1/0 }}", "ZeroDivisionError: division by zero"),
                          ("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
-                          "ran longer than 0.3 s")]:
+                          "ran longer than 1 s")]:
         (tmp_path / "t.jinja").write_text(source)
         code, err = _prepare(capsys, data, tmp_path / "q", "--tokenizer", str(folder), "--workers", workers,
                              "--chat-template", str(tmp_path / "t.jinja"))
@@ -267,7 +269,7 @@ def test_generate_cli_exits_2_naming_the_template_and_the_prompt(tmp_path, capsy
     assert main(["generate", "hi", "--init-from", str(folder), "--chat", "--tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert f"prompt 1: the chat template ({folder / 'chat_template.jinja'}) failed to render the message: " \
-           "stopped: it ran longer than 0.3 s" in err and "Traceback" not in err
+           "stopped: it ran longer than 1 s" in err and "Traceback" not in err
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"messages": [{"role": "user", "content": 5}]}) + "\n")
     assert main(["generate", "--prompts", str(prompts), "--init-from", str(folder), "--tokens", "2"]) == 2
