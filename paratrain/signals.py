@@ -62,6 +62,27 @@ def handling_signals(shared: Synchronized | None = None) -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+@contextlib.contextmanager
+def raising_on_term() -> Iterator[None]:
+    """For the duration, SIGTERM raises ``SystemExit(143)`` in the main thread. For a process with
+    no step boundary to stop at (generation in one process): it unwinds, so its ``finally`` blocks
+    and context managers remove what it made (generate --offload disk's block folder), where
+    SIGTERM's default action would end it on the spot. A second SIGTERM ends it at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _raise(signum, frame) -> None:
+        signal.signal(signum, signal.SIG_DFL)
+        raise SystemExit(exit_code(signum))
+
+    before = signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def local_request() -> int:
     if not _requested and _shared is not None:
         return int(_shared.value)

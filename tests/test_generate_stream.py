@@ -264,3 +264,80 @@ def test_other_families_stream_equal(family, tmp_path):
     assert len(sm.plan.streamed) == 3
     assert [g.ids for g in got] == [w.ids for w in want]
     assert all(torch.equal(a, b) for a, b in zip(logits, want_logits))
+
+
+def _block_folders(base: Path) -> list[Path]:
+    return sorted(base.glob("paratrain-blocks-*"))
+
+
+def test_offload_dir_holds_the_users_files_untouched(folder, tmp_path):
+    """--offload-dir is the user's folder: the blocks go in a subfolder paratrain makes (and
+    removes); the user's own block_1.bin / block_5.bin are neither overwritten nor deleted."""
+    off = tmp_path / "off"
+    off.mkdir()
+    mine = {"block_1.bin": b"my own bytes", "block_5.bin": b"mine too", "paratrain-blocks-notes": b"x"}
+    for name, data in mine.items():
+        (off / name).write_bytes(data)
+    _, _, sm = streamed(folder, "disk", probe(folder).minimum, offload_dir=str(off))
+    assert sm.plan.streamed == ("0", "1", "2", "3") and sm.folder.parent == off
+    assert sm.folder.name.startswith(f"paratrain-blocks-{os.getpid()}-") and not sm.folder.exists()
+    assert {p.name: p.read_bytes() for p in off.iterdir()} == mine
+
+
+def test_stale_block_folders_of_dead_processes_are_removed_at_the_next_start(folder, tmp_path):
+    """A SIGKILLed generate leaves its block folder; the next start on this host removes it (only
+    what paratrain wrote there), and leaves a live process's, another host's and unmarked ones."""
+    import socket
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead_pid, host = int(dead.stdout), socket.gethostname()
+    off = tmp_path / "off"
+    owners = {"dead": (host, dead_pid), "dead-user-file": (host, dead_pid), "live": (host, os.getpid()),
+              "other-host": (host + "-elsewhere", dead_pid), "unmarked": None}
+    for name, owner in owners.items():
+        (off / f"paratrain-blocks-{name}").mkdir(parents=True)
+        (off / f"paratrain-blocks-{name}" / "block_1.bin").write_bytes(b"blocks")
+        if owner is not None:
+            (off / f"paratrain-blocks-{name}" / "owner.json").write_text(json.dumps({"host": owner[0],
+                                                                                    "pid": owner[1]}))
+    (off / "paratrain-blocks-dead-user-file" / "notes.txt").write_text("the user's")
+    streamed(folder, "disk", probe(folder).minimum, offload_dir=str(off))
+    left = {p.name: sorted(f.name for f in p.iterdir()) for p in _block_folders(off)}
+    assert left == {"paratrain-blocks-dead-user-file": ["notes.txt"],
+                    "paratrain-blocks-live": ["block_1.bin", "owner.json"],
+                    "paratrain-blocks-other-host": ["block_1.bin", "owner.json"],
+                    "paratrain-blocks-unmarked": ["block_1.bin"]}
+
+
+SIGTERM_CHILD = """
+import sys, time
+import paratrain.inference.stream_command as sc
+def waiting(sm):  # the blocks are written: wait here, in generation, for the signal
+    print("ready", flush=True)
+    time.sleep(120)
+sc.streamed_step = waiting
+from paratrain import cli
+sys.exit(cli.main(["generate", "def ", "--init-from", sys.argv[1], "--offload", "disk", "--memory-limit",
+                   sys.argv[2], "--offload-dir", sys.argv[3], "--tokens", "2"]))
+"""
+
+
+def test_sigterm_during_generate_removes_its_block_folder(folder, tmp_path):
+    import signal
+
+    off = tmp_path / "off"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    limit = str(probe(folder, torch.float32).minimum)
+    child = subprocess.Popen([sys.executable, "-c", SIGTERM_CHILD, str(folder), limit, str(off)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready", child.stderr.read()
+        assert len(_block_folders(off)) == 1 and list(_block_folders(off)[0].glob("block_*.bin"))
+        child.send_signal(signal.SIGTERM)
+        child.wait(timeout=60)
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == 128 + signal.SIGTERM and not _block_folders(off)
+    assert off.is_dir()  # the user's folder stays

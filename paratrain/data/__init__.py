@@ -3,6 +3,7 @@
     sources.py    files, .jsonl, .parquet -> documents or rows, cut into tasks (never a whole file in memory)
     chat.py       instruction data: formats (chat, completion, text), their detection, tokens and loss masks
     template.py   chat templates: the Jinja dialect of Hugging Face tokenizers, rendered as transformers does
+    template_bounds.py  the template sandbox bounded in time and output (loops, calls, sized operations)
     tokenizer.py  which tokenizer (given, from --init-from, or a BPE trained on a bounded sample)
     tokenfile.py  tasks -> a pool of tokenizer processes -> tokens.bin + docs.bin + manifest.json
     corpus.py     the prepared folder, memory-mapped; rows per step; the checkpoint's data cursor

@@ -9,6 +9,13 @@ Three formats, detected from the fields of the first row (``--format`` forces on
   of ``messages[:i+1]`` (so the turn's closing tokens, e.g. ``<|im_end|>``, are learned too);
   each of those must be a prefix of the whole rendering, else the template puts earlier text
   after later turns and the row is refused. A token is counted when its characters overlap a span.
+  Rendering every turn's prefixes costs renders in proportion to the turns, each as long as the
+  chat (2,000 messages: ~20 s a row with Qwen2's template here); so the spans are found in the one
+  whole rendering where the template renders message by message (``_located``, checked against
+  the prefixes of the first and last turns), in at most five renders a row, and from every turn's
+  prefixes only where not.
+  Messages: template.py's ``plain_messages`` (text content, text parts joined, else refused).
+  A row's renders share one budget of time and output (template_bounds.py).
 * ``completion``: ``{"prompt", "completion"}``: the prompt's tokens, then the completion's, then
   the tokenizer's end-of-text token, each part tokenized on its own (so the boundary is exact).
   Counted: the completion and the end-of-text.
@@ -25,7 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from paratrain.data.sources import DataError, Row, Task, read_rows
-from paratrain.data.template import ChatTemplate, TemplateFailed, load_template
+from paratrain.data.template import ChatTemplate, TemplateFailed, load_template, plain_messages
+from paratrain.data.template_bounds import Budget, row_budget
 
 FORMATS = ("auto", "chat", "completion", "text")
 
@@ -48,42 +56,85 @@ def format_error(where: str, row: object, text_field: str) -> DataError:
 
 
 def _check_messages(messages: object, where: str) -> list[dict]:
-    if not isinstance(messages, list) or not messages:
-        raise DataError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects')
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
-            raise DataError(f'{where}: message {i} is not a {{"role": ..., "content": ...}} object')
+    messages = plain_messages(messages, where)
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"{where}: the chat has no assistant turn, so nothing would be learned from it; "
                         "add the assistant's reply or drop the row")
     return messages
 
 
-def _render(template: ChatTemplate, messages: list[dict], gen: bool, where: str) -> str:
+def _render(template: ChatTemplate, messages: list[dict], gen: bool, where: str,
+            budget: Budget) -> tuple[str, dict[int, list[int]]]:
     try:
-        return template.render(messages, add_generation_prompt=gen)
+        return template.render_reads(messages, add_generation_prompt=gen, budget=budget)
     except TemplateFailed as e:
         raise DataError(f"{where}: the chat template ({template.where}) failed to render this chat: {e}; "
                         "fix the row, or give a template that accepts it (--chat-template FILE)") from None
 
 
-def assistant_spans(template: ChatTemplate, messages: list[dict],
-                    where: str) -> tuple[str, list[tuple[int, int]]]:
-    """The whole rendering and the character span of each assistant turn in it (see the docstring)."""
-    full = _render(template, messages, False, where)
-    spans = []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        start = _render(template, messages[:i], True, where)
-        end = _render(template, messages[:i + 1], False, where)
-        if not (full.startswith(start) and full.startswith(end) and len(start) <= len(end)):
-            raise DataError(f"{where}: the chat template renders the conversation up to message {i} as "
-                            "text that is not the start of the whole conversation's (it places some text, "
-                            "e.g. the system message, by where the chat ends), so the assistant turns "
-                            "cannot be located; use --train-on-prompt or another --chat-template")
-        spans.append((len(start), len(end)))
+def assistant_spans(template: ChatTemplate, messages: list[dict], where: str,
+                    budget: Budget | None = None) -> tuple[str, list[tuple[int, int]]]:
+    """The whole rendering and the character span of each assistant turn in it (see the docstring):
+    located in the one rendering where the template allows (``_located``), else from each turn's
+    prefixes. ``budget``: the row's bounds, shared by all its renders (default: a fresh one)."""
+    budget = budget or row_budget(messages)
+    full, visits = _render(template, messages, False, where, budget)
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    spans = _located(template, messages, full, visits, turns, where, budget)
+    if spans is None:
+        spans = [_prefix_span(template, messages, full, i, where, budget) for i in turns]
+    if None in spans:
+        i = turns[spans.index(None)]
+        raise DataError(f"{where}: the chat template renders the conversation up to message {i} as "
+                        "text that is not the start of the whole conversation's (it places some text, "
+                        "e.g. the system message, by where the chat ends), so the assistant turns "
+                        "cannot be located; use --train-on-prompt or another --chat-template")
     return full, spans
+
+
+def _prefix_span(template: ChatTemplate, messages: list[dict], full: str, i: int, where: str,
+                 budget: Budget) -> tuple[int, int] | None:
+    """Turn i from two renders: ``messages[:i]`` with the generation prompt, and ``messages[:i+1]``;
+    None unless both are prefixes of the whole rendering."""
+    start = _render(template, messages[:i], True, where, budget)[0]
+    end = _render(template, messages[:i + 1], False, where, budget)[0]
+    if not (full.startswith(start) and full.startswith(end) and len(start) <= len(end)):
+        return None
+    return len(start), len(end)
+
+
+def _located(template: ChatTemplate, messages: list[dict], full: str, visits: dict[int, list[int]],
+             turns: list[int], where: str, budget: Budget) -> list | None:
+    """The spans from the one rendering, for a template that renders message by message: message k
+    begins where the template turned to it (its first visit, or for templates that check the
+    whole conversation first, its last), and an assistant turn runs from its beginning plus the
+    generation prompt to the next message's beginning (the text's end for the last). Checked, in
+    a bounded number of renders: the first and the last turn equal their prefix spans, the
+    generation prompt opens every turn, and each turn shows its content verbatim (stripped). None
+    where the checks fail: the caller renders each turn's prefixes instead."""
+    first = _prefix_span(template, messages, full, turns[0], where, budget)
+    if first is None:
+        return [None]  # refused, as the prefixes would refuse it
+    last: tuple | None = None
+    for pick in (0, -1):
+        bounds = [visits[k][pick] if k in visits else None for k in range(len(messages))] + [len(full)]
+        if None in bounds or bounds != sorted(bounds):
+            continue
+        gen = full[bounds[turns[0]]:first[0]]
+        spans = [(bounds[i] + len(gen), bounds[i + 1]) for i in turns]
+        if spans[0] != first or not all(full.startswith(gen, bounds[i]) and _shows(messages[i], full[a:b])
+                                        for i, (a, b) in zip(turns, spans)):
+            continue
+        if len(turns) > 1 and last is None:
+            last = _prefix_span(template, messages, full, turns[-1], where, budget)
+        if len(turns) == 1 or spans[-1] == last:
+            return spans
+    return None
+
+
+def _shows(message: dict, text: str) -> bool:
+    content = message.get("content")
+    return not isinstance(content, str) or content.strip() in text
 
 
 def span_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
@@ -123,7 +174,8 @@ class Encoder:
 
     def _chat(self, row: dict, where: Callable[[], str]) -> tuple[list[int], np.ndarray]:
         w = where()
-        full, spans = assistant_spans(self.template, _check_messages(row["messages"], w), w)
+        messages = _check_messages(row["messages"], w)
+        full, spans = assistant_spans(self.template, messages, w, row_budget(messages))
         enc = self.tok.encode(full, add_special_tokens=False)
         return enc.ids, span_mask(enc.offsets, spans)
 
@@ -180,6 +232,7 @@ def resolve_template(fmt: str, tokenizer: Path | None, override: Path | None) ->
         raise DataError(f"chat data needs a chat template and {which} has none: pass the model's "
                         "tokenizer folder (--tokenizer DIR or --init-from DIR) or a template file "
                         "(--chat-template FILE)")
+    template.compiled()  # a template that is not valid Jinja is refused here, before any worker
     return template
 
 

@@ -244,7 +244,8 @@ def prepare(data: str | None, opts: PrepareOptions, *, out: Path | None = None,
         with _writing(tmp):
             tmp.mkdir(parents=True)
         tok_info = _write_tokenizer(tmp, tasks, opts, fmt)
-        stats = _tokenize(tmp, tasks, tok_info, opts, (fmt, template.to_dict() if template else None))
+        stats = _tokenize(tmp, tasks, tok_info, opts, (fmt, template.to_dict() if template else None,
+                                                         template.where if template else None))
         manifest = {"format": FORMAT, "version": VERSION, "key": key, "text_field": opts.text_field,
                     "sources": [s.to_dict() for s in sources], "tokenizer": tok_info, **stats,
                     **format_fields(fmt, template, opts.train_on_prompt),
@@ -326,12 +327,12 @@ def _write_tokenizer(folder: Path, tasks: list[Task], opts: PrepareOptions, fmt:
 _worker_state: dict = {}
 
 
-def _init_worker(tok_path: str, eot: int, text_field: str, data: tuple = ("text", None),
+def _init_worker(tok_path: str, eot: int, text_field: str, data: tuple = ("text", None, None),
                  train_on_prompt: bool = False) -> None:
     tok = T.load_tokenizer(Path(tok_path))
-    fmt, template = data
+    fmt, template, where = data  # where: the template's file, which its errors name
     encoder = None if fmt == "text" else Encoder(
-        tok, fmt, eot, ChatTemplate.from_dict(template, "the chat template") if template else None,
+        tok, fmt, eot, ChatTemplate.from_dict(template, where) if template else None,
         train_on_prompt, text_field)
     _worker_state.update(tok=tok, eot=eot, field=text_field, encoder=encoder)
 
@@ -373,7 +374,7 @@ def encode_task(task: Task) -> tuple[np.ndarray, np.ndarray, int, list[str], np.
 
 
 def _tokenize(folder: Path, tasks: list[Task], tok_info: dict, opts: PrepareOptions,
-              data: tuple = ("text", None)) -> dict:
+              data: tuple = ("text", None, None)) -> dict:
     """Write tokens.bin, docs.bin (and mask.bin for chat/completion data); their figures for the manifest."""
     dtype = np.uint16 if tok_info["vocab_size"] <= 2**16 else np.uint32
     digest, mask_digest, n_tokens, n_docs = hashlib.sha256(), hashlib.sha256(), 0, 0

@@ -76,15 +76,17 @@ def run_template(run: str) -> ChatTemplate | None:
     return ChatTemplate(source, special_tokens(config), f"{run}/run.json") if source else None
 
 
-def chat_prompt(template: ChatTemplate | None, message: str, where: str) -> str:
-    """One user message rendered with the template and the assistant's generation prompt."""
+def chat_prompt(template: ChatTemplate | None, message: str, where: str, prompt: str = "the prompt") -> str:
+    """One user message rendered with the template and the assistant's generation prompt (``where``:
+    the model's folder; ``prompt``: where the message came from)."""
     if template is None:
         raise DataError(f"{where} has no chat template (tokenizer_config.json's chat_template), so --chat "
                         "cannot format a message: give the prompt as plain text instead")
     try:
         return template.render([{"role": "user", "content": message}], add_generation_prompt=True)
     except TemplateFailed as e:
-        raise DataError(f"the chat template of {where} failed to render the message: {e}") from None
+        raise DataError(f"{prompt}: the chat template ({template.where}) failed to render the message: {e}; "
+                        "fix the template, or give the prompt as plain text") from None
 
 
 def generate_from_run(run: str | None, prompt: str, max_new_tokens: int = 120, temperature: float = 0.8,

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from paratrain.data.sources import DataError
-from paratrain.data.template import ChatTemplate, TemplateFailed, load_template
+from paratrain.data.template import ChatTemplate, TemplateFailed, load_template, plain_messages
 from paratrain.data.tokenizer import load_tokenizer
 from paratrain.inference.folders import chat_prompt, run_template, tokenizer_eos
 from paratrain.inference.loop import StopCheck
@@ -64,8 +64,8 @@ def _jsonl_line(line: str, where: str) -> str | list[dict]:
     except json.JSONDecodeError as e:
         raise DataError(f"{where}: not JSON ({e.msg}): each line is a JSON string, "
                         '{"prompt": text} or {"messages": [...]}') from None
-    if isinstance(item, dict) and isinstance(item.get("messages"), list) and item["messages"]:
-        return item["messages"]
+    if isinstance(item, dict) and "messages" in item:
+        return plain_messages(item["messages"], where)
     text = item.get("prompt") if isinstance(item, dict) else item
     if not isinstance(text, str):
         raise DataError(f'{where}: expected a JSON string, {{"prompt": text}} or {{"messages": [...]}}')
@@ -98,9 +98,12 @@ class Source:
 
     def template(self) -> ChatTemplate | None:
         try:
-            return load_template(self.tokenizer_path) if self.init_from else run_template(self.run)
+            template = load_template(self.tokenizer_path) if self.init_from else run_template(self.run)
         except TemplateFailed as e:
             raise DataError(f"{self.where}: its chat template cannot be read: {e}") from None
+        if template is not None:
+            template.compiled()  # not valid Jinja: refused now, naming its file, before the weights load
+        return template
 
     def eos_ids(self) -> tuple[int, ...]:
         """generation_config.json's eos_token_id (int or list), else config.json's, else the tokenizer's
@@ -120,7 +123,7 @@ def prepare(request: GenerateRequest) -> PreparedPrompts:
     template = source.template() if request.chat or any(isinstance(p, list) for p, _ in prompts) else None
     ids, texts, truncated = [], [], []
     for prompt, where in prompts:
-        text, rendered = _render(prompt, request.chat, template, source.where)
+        text, rendered = _render(prompt, request.chat, template, source.where, where)
         tokens = source.tokenizer.encode(text, add_special_tokens=not rendered).ids
         if not tokens:
             raise DataError(f"{where}: the prompt is empty (no tokens)")
@@ -132,17 +135,20 @@ def prepare(request: GenerateRequest) -> PreparedPrompts:
 
 
 def _render(prompt: str | list[dict], chat: bool, template: ChatTemplate | None,
-            where: str) -> tuple[str, bool]:
-    """The text to tokenize and whether it is a rendered chat (encoded without the added tokens)."""
+            model: str, where: str) -> tuple[str, bool]:
+    """The text to tokenize and whether it is a rendered chat (encoded without the added tokens);
+    ``model``: the folder the template comes from, ``where``: the prompt's file and line."""
     if isinstance(prompt, list):
         if template is None:
-            raise DataError(f"{where} has no chat template, so a prompt given as messages cannot be rendered")
+            raise DataError(f"{where}: {model} has no chat template, so a prompt given as messages cannot be "
+                            "rendered: give it as text")
         try:
             return template.render(prompt, add_generation_prompt=True), True
         except TemplateFailed as e:
-            raise DataError(f"the chat template of {where} failed to render the messages: {e}") from None
+            raise DataError(f"{where}: the chat template ({template.where}) failed to render the messages: "
+                            f"{e}; fix the prompt, or the template") from None
     if chat:
-        return chat_prompt(template, prompt, where), True
+        return chat_prompt(template, prompt, model, where), True
     return prompt, False
 
 

@@ -6,21 +6,20 @@ embedding, the final norm and the head, the KV cache, an activation estimate and
 other blocks stream, accelerate's "big model inference" shape:
 
 - ``disk``: each streamed block's tensors (our names, RoPE-permuted as the HF import does, in the
-  model dtype) are written once, at start, to one flat file per block; a forward reads a block with
+  model dtype) are written once, at start, to one flat file per block in a folder of their own
+  (block_folder.py: never in the user's --offload-dir itself); a forward reads a block with
   ``readinto`` into a reusable buffer (no mmap: mapped pages would count in RSS);
 - ``cpu``: the streamed blocks live in host memory (pinned on CUDA) and are copied to the device.
 
 Either way a background thread loads the NEXT streamed block while the current one computes
 (``Prefetcher``); a block's weights are views of a stream buffer, so they are gone as soon as the
-buffer is refilled. The thread and the offload folder end on every exit path (``StreamedModel`` is a
-context manager; ``close`` is idempotent).
+buffer is refilled. The thread and the block folder end on every exit path (``StreamedModel`` is a
+context manager; ``close`` is idempotent; SIGTERM: stream_command.py; SIGKILL: the next start).
 """
 
 from __future__ import annotations
 
 import re
-import shutil
-import tempfile
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,6 +32,7 @@ import torch.nn as nn
 from torch.func import functional_call
 
 from paratrain.config import ConfigError
+from paratrain.inference.block_folder import make_block_folder, remove_block_folder
 from paratrain.inference.loop import StepFn
 from paratrain.models.family import call_part
 from paratrain.models.kv_cache import KVCache
@@ -278,7 +278,7 @@ class StreamedModel:
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  offload_dir: str | None = None):
         self.device, self.dtype = torch.device(device), dtype
-        self.folder, self.owns_folder, self.prefetch, self.store = None, False, None, None
+        self.folder, self.prefetch, self.store = None, None, None
         cfg = _dropless(source.model_cfg)
         self.model = build_model(cfg, "meta").eval()
         self.family = family_of(self.model, "layer streaming")
@@ -345,11 +345,9 @@ class StreamedModel:
             return HostStore(self.device)
         if offload != "disk":
             raise ValueError(f"offload {offload!r}: choose cpu or disk")
-        if offload_dir is None:
-            self.folder, self.owns_folder = Path(tempfile.mkdtemp(prefix="paratrain-offload-")), True
-        else:
-            self.folder = Path(offload_dir)
-            self.folder.mkdir(parents=True, exist_ok=True)
+        # a fresh folder of its own under --offload-dir (or the system's temporary folder): the
+        # user's files there are never overwritten or removed (block_folder.py)
+        self.folder = make_block_folder(offload_dir)
         return DiskStore(self.folder)
 
     def _flat(self, source: WeightSource, key: str) -> torch.Tensor:
@@ -371,15 +369,14 @@ class StreamedModel:
         return functional_call(block, weights, (h, positions, cache.layer(key)))
 
     def close(self) -> None:
-        """Stop the prefetch thread and remove the offload folder this model created (idempotent)."""
+        """Stop the prefetch thread and remove the block folder this model created (idempotent)."""
         if self.prefetch is not None:
             self.prefetch.close()
             self.prefetch = None
         if isinstance(self.store, DiskStore):
             self.store.remove()
-        if self.owns_folder and self.folder is not None:
-            shutil.rmtree(self.folder, ignore_errors=True)
-            self.owns_folder = False
+        if self.folder is not None:
+            remove_block_folder(self.folder)
 
 
 def _dropless(cfg: object) -> object:

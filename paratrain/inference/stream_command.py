@@ -12,6 +12,9 @@ activations, a reserve); the interpreter and torch's own footprint (the RSS meas
 building the model on ``meta``) is not in it. ``--offload disk`` keeps host memory under the limit
 (the process runs on the CPU); ``--offload cpu`` keeps the streamed blocks in host memory and holds
 the *device* (CUDA) memory under the limit, so it is refused on a machine without CUDA.
+
+The blocks of ``--offload disk`` go in a folder of their own under ``--offload-dir`` (block_folder.py),
+removed at the end, on an error, Ctrl-C or SIGTERM (which raises SystemExit(143) while generating).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from paratrain.inference.loop import Generated, Sampling, decode, local_step
 from paratrain.inference.stream import MemoryPlan, StreamedModel, parse_bytes, plan_memory, streamed_step
 from paratrain.inference.weights import open_weights
 from paratrain.models.registry import build_model
+from paratrain.signals import raising_on_term
 
 OFFLOADS = ("none", "cpu", "disk")
 
@@ -84,8 +88,9 @@ def generate_ids(request: object, prepared: object) -> list[Generated]:
     baseline = reset_peak_rss()
     prompts, sampling = prepared.ids, _sampling(request, prepared)
     device = torch.device("cuda" if request.offload == "cpu" else "cpu")
-    with StreamedModel(source, _planner(limit, prompts, sampling), offload=request.offload, device=device,
-                       offload_dir=getattr(request, "offload_dir", None)) as sm:
+    planner, offload_dir = _planner(limit, prompts, sampling), getattr(request, "offload_dir", None)
+    with raising_on_term(), StreamedModel(source, planner, offload=request.offload, device=device,
+                                          offload_dir=offload_dir) as sm:
         print(f"paratrain: {sm.plan.describe()}", file=sys.stderr)
         out = decode(streamed_step(sm), prompts, sampling, device, getattr(prepared, "stop", None))
     _report_peak(baseline, device)
