@@ -298,6 +298,8 @@ class Trainer:
         if s["skipped"]:
             self.result.skipped_steps.append(step)
         extra = {"step_time_s": s["time"], **self.engine.strategy.step_metrics()}
+        if self.finder is not None:  # every rank ran the trials, each reset (or not) its own peak
+            extra["mem_peak_includes_trials"] = not self.finder.peak_reset
         extra.update(self.engine.executor.step_metrics())  # pipelines: the measured bubble
         records = gather_rank_records(self.mesh, rank_record(self.mesh, s["state_bytes"], extra))
         task_row = self.task_metrics()  # every rank: pipeline stages hold different MoE layers
