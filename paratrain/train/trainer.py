@@ -31,7 +31,7 @@ from paratrain.base.executor import MicroBatch, split_micro_batches
 from paratrain.comm import collectives as C
 from paratrain.config import Config
 from paratrain.data import IGNORE_INDEX, check_cursor, data_cursor
-from paratrain.device import matmul_peak, sync_device
+from paratrain.device import sync_device
 from paratrain.engine import checkpoint as ckpt
 from paratrain.engine.engine import Engine, find_checkpoint, make_mesh
 from paratrain.engine.lora import export_lora, run_record
@@ -53,6 +53,7 @@ from paratrain.train.metrics import (
     plot_loss,
     rank_record,
 )
+from paratrain.train.mfu import PeakFlops
 from paratrain.train.task import build_task
 
 # The parts of a step ``Trainer.phase_s`` times: forwards and backwards (with the data-parallel
@@ -123,7 +124,7 @@ class Trainer:
         self.start_step = 0
         self.result = TrainResult(out=str(self.out))
         self.stop_note = ""  # what a signal stop says, printed once the progress bar has closed
-        self.peak_flops = None
+        self.peak_flops: PeakFlops | None = None  # rank 0's MFU denominator (train/mfu.py)
         self.phase_s: dict[str, float] = {}  # the last step's PHASES in seconds
         self.phase_sync = False  # drain the device queue at each phase boundary (benchmarks)
         self.phase_marks: list[float] = []  # the last step's phase boundaries, perf_counter seconds
@@ -242,9 +243,8 @@ class Trainer:
         self.saver.check_free([s for s in range(self.start_step + 1, cfg.train.steps)
                                if every and s % every == 0] + [cfg.train.steps])
         writer = MetricsWriter(self.out, resume=cfg.train.resume) if self.is_main else None
-        if self.is_main:
-            peak = matmul_peak(self.mesh.device, cfg.train.precision)  # the precision that runs
-            self.peak_flops = peak * self.env.world_size if peak else None
+        if self.is_main:  # measured in the precision that runs
+            self.peak_flops = PeakFlops(self.mesh.device, cfg.train.precision, self.env.world_size)
         bar = _progress(cfg, self.start_step) if self.is_main else None
         try:
             for step in range(self.start_step, cfg.train.steps):
@@ -319,7 +319,10 @@ class Trainer:
             **{k: v for k, v in merged.items() if k != "step_time_s"},
         }
         achieved = self.task.flops_per_unit * tokens / merged["step_time_s"]
-        row["mfu"] = achieved / self.peak_flops if self.peak_flops else None
+        # <= 1: a step faster than the peak raises it (None: no peak known, or fit() not running)
+        row["mfu"] = self.peak_flops.mfu(achieved) if self.peak_flops else None
+        if row["mfu"] is not None:
+            row.update(self.peak_flops.row())
         if self.cfg.train.precision == "fp16":
             row["loss_scale"], row["skipped"] = self.scaler.scale, s["skipped"]
         elif s["skipped"]:  # --nan-policy skip
