@@ -18,7 +18,6 @@ import functools
 import json
 import math
 import shutil
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +53,7 @@ from paratrain.train.metrics import (
     rank_record,
 )
 from paratrain.train.mfu import PeakFlops
+from paratrain.train.progress import progress as _progress
 from paratrain.train.task import build_task
 
 # The parts of a step ``Trainer.phase_s`` times: forwards and backwards (with the data-parallel
@@ -255,9 +255,8 @@ class Trainer:
                     self.result.val_losses.append((done, row["val_loss"]))
                 if writer:
                     writer.write(row)
-                if bar:
-                    bar.update(1)
-                    bar.set_postfix_str(_postfix(row))
+                if bar is not None:
+                    bar.step(row)
                 if cfg.train.save_every and done % cfg.train.save_every == 0 and done < cfg.train.steps:
                     self.save(done)
                 faults.crash_point(done, self.env.rank, restart_attempt())
@@ -268,7 +267,7 @@ class Trainer:
             self.saver.abandon()  # no collective commit while other ranks may be gone
             raise
         finally:
-            if bar:
+            if bar is not None:
                 bar.close()
             if writer:
                 writer.close()
@@ -456,26 +455,3 @@ class Trainer:
 def train(cfg: Config, env: DistEnv | None = None) -> TrainResult:
     """Run the whole training on this rank (every rank calls it)."""
     return Trainer(cfg, env).fit()
-
-
-def _progress(cfg: Config, start: int):
-    if not cfg.train.progress:
-        return None
-    from tqdm import tqdm
-
-    # One rank draws the bar: a thread lock is enough. tqdm's default lock includes a
-    # multiprocessing semaphore, which a spawned worker (the last pipeline stage draws the bar)
-    # leaves for the resource tracker to report as leaked at exit.
-    tqdm.set_lock(threading.RLock())
-    return tqdm(total=cfg.train.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
-
-
-def _postfix(row: dict) -> str:
-    parts = [f"loss {row['loss']:.3f}" if row.get("loss") is not None else "loss skip",
-             f"{row['tokens_per_s']:,.0f} tok/s"]
-    if row.get("mfu") is not None:
-        parts.append(f"mfu {row['mfu']:.0%}")
-    parts.append(f"mem {row['mem_peak_bytes'] / 2**20:,.0f} MiB")
-    if row.get("val_loss") is not None:
-        parts.append(f"val {row['val_loss']:.3f}")
-    return ", ".join(parts)
