@@ -20,6 +20,7 @@ import pytest
 from paratrain import cli
 from paratrain.train import progress as P
 from paratrain.train.metrics import read_metrics
+from paratrain.train.trainer import Trainer
 from tests.harness import tiny_cfg
 
 ROW = {"loss": 5.0, "tokens_per_s": 1234.0, "mfu": 0.25, "mem_peak_bytes": 300 * 2**20}
@@ -69,6 +70,16 @@ def test_a_bar_only_for_a_terminal(monkeypatch):
     bar.close()
     cfg.train.progress = False  # --no-progress
     assert isinstance(P.progress(cfg, 0), P.PlainLog)
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_the_trainer_logs_each_step_unless_run_quietly(tmp_path, capsys, quiet):
+    """--no-progress: the trainer's lines; ``train.quiet`` (runs inside another command, such as
+    ``plan --validate``, whose own report is the output): none."""
+    cfg = tiny_cfg(tmp_path, **{"train.steps": 2, "train.log_every": 1, "train.quiet": quiet})
+    Trainer(cfg).fit()
+    steps = [line.split(" ")[1] for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert steps == ([] if quiet else ["1/2", "2/2"])
 
 
 def test_the_help_says_what_log_every_does():

@@ -245,7 +245,7 @@ class Trainer:
         writer = MetricsWriter(self.out, resume=cfg.train.resume) if self.is_main else None
         if self.is_main:  # measured in the precision that runs
             self.peak_flops = PeakFlops(self.mesh.device, cfg.train.precision, self.env.world_size)
-        bar = _progress(cfg, self.start_step) if self.is_main else None
+        bar = _progress(cfg, self.start_step) if self.is_main and not cfg.train.quiet else None
         try:
             for step in range(self.start_step, cfg.train.steps):
                 row = self.log_step(step, self.train_step(step))
