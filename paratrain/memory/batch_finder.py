@@ -139,12 +139,7 @@ def find_executable_batch_size(trial: Callable[[int], int | None], candidates: S
         # Agreed before the trial: every rank runs it or none does (TP / ZeRO-3 / pipeline trials
         # hold collectives). The same trials ran everywhere, so every rank has a prediction or none.
         if predicted is not None and not _agree(predicted <= memory_limit, group, device):
-            here = predicted <= memory_limit  # this rank's verdict, predicted rather than measured
-            result.trials.append(Trial(n, None, here, False, 0.0, predicted, tried=False))
-            if log:
-                why = (f"predicted {predicted / 2**20:,.1f} MiB > limit {limit_mib}" if not here
-                       else "predicted too big on another rank")
-                log(f"batch finder: micro-batch {n}: {why}: not tried")
+            result.trials.append(_not_tried(n, predicted, memory_limit, log))
             break
         peak = _measured(trial, n, device, measure, reserve_bytes)
         here = peak is not None and peak <= memory_limit
@@ -165,6 +160,16 @@ def find_executable_batch_size(trial: Callable[[int], int | None], candidates: S
                           f"{memory_limit:,} bytes on every rank (its peak: {peaks} bytes): raise "
                           "--memory-limit, lower --seq-len, or use --recompute / --offload / --tile")
     return result
+
+
+def _not_tried(n: int, predicted: int, memory_limit: int, log: Callable[[str], None] | None) -> Trial:
+    """The record (and log line) of a trial skipped because some rank predicted it too big."""
+    here = predicted <= memory_limit  # this rank's verdict, predicted rather than measured
+    if log:
+        why = (f"predicted {predicted / 2**20:,.1f} MiB > limit {memory_limit / 2**20:,.1f} MiB" if not here
+               else "predicted too big on another rank")
+        log(f"batch finder: micro-batch {n}: {why}: not tried")
+    return Trial(n, None, here, False, 0.0, predicted, tried=False)
 
 
 def predicted_peak(trials: Sequence[Trial], n: int) -> int | None:
