@@ -25,8 +25,9 @@ master + 8-bit moments, 6 bytes/param, in the store and the same in the checkpoi
 run uses the same 8-bit optimizer, so the comparison is like for like.
 
 Reported (``--json``: one object): each phase's seconds and the peak RSS of each rank after it
-(``ru_maxrss``: monotone, so a phase's figure is the peak up to its end) and the resident set at its
-end (``VmRSS``), bytes on disk, losses of both runs.
+(``VmHWM``, ``device.peak_memory_bytes``: monotone here, nothing resets it, so a phase's figure is
+the peak up to its end) and the resident set at its end (``VmRSS``), bytes on disk, losses of both
+runs.
 """
 
 from __future__ import annotations

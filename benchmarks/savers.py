@@ -90,7 +90,7 @@ def _tiling_child(n: int, tokens: int, dim: int, ffn: int, vocab: int) -> dict:
     """Runs in a fresh process: one MLP + LM head + loss, forward + backward, in n tiles."""
     import torch.nn as nn
 
-    from paratrain.memory.batch_finder import _reset_rss_peak, _rss_peak
+    from paratrain.device import reset_peak_memory, rss_peak_bytes
     from paratrain.memory.tiling import TiledHeadLoss, tiled_rows
     from paratrain.models.llama import MLP, preset
 
@@ -103,14 +103,14 @@ def _tiling_child(n: int, tokens: int, dim: int, ffn: int, vocab: int) -> dict:
     times, peak = [], 0
     for i in range(2):
         if i == 0:  # the first pass: nothing cached by the allocator yet, so RSS sees every byte
-            _reset_rss_peak()
+            reset_peak_memory(torch.device("cpu"))
             base = _rss_now()
         start = time.perf_counter()
         h = tiled_rows(mlp, mlp.forward, x, n) if n > 1 else mlp(x)
         loss_fn(h, t).backward()
         times.append(time.perf_counter() - start)
         if i == 0:
-            peak = _rss_peak() - base
+            peak = rss_peak_bytes() - base
         x.grad = None
         mlp.zero_grad(set_to_none=True)
         head.zero_grad(set_to_none=True)

@@ -214,8 +214,10 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
      "(default: the start of the corpus's first line)"),
     ("--threads", "train.threads", int, RUN, "torch threads of a single process (workers use 1; default: "
      "torch's choice)"),
-    ("--no-progress", "train.progress", bool, RUN, "no progress bar (plain log lines, for "
-     "files and schedulers)"),
+    ("--no-progress", "train.progress", bool, RUN, "no progress bar: plain log lines, flushed at once, "
+     "for files and schedulers (also whenever stderr is not a terminal)"),
+    ("--log-every", "train.log_every", int, RUN, "without a progress bar: a log line (step, loss, tok/s, "
+     "MFU, memory, elapsed and ETA) every N steps and at least every 30 s; 0: every 10% of the steps"),
 ]
 TRAIN_FLAGS: dict[str, tuple[str, type | typing.Callable]] = {
     flag: (key, typ) for flag, key, typ, _, _ in TRAIN_OPTIONS if typ is not bool}

@@ -159,8 +159,9 @@ class TrainConfig:
     eval_batches: int = 4
     resume: bool = False
     trust_checkpoint: bool = False  # resume from a checkpoint whose rng.pt needs a full unpickling
-    log_every: int = 1
+    log_every: int = 0  # without a progress bar: a plain log line every N steps (0: every 10 % of them)
     progress: bool = True
+    quiet: bool = False  # no per-step output at all: runs inside another command (plan --validate)
     threads: int | None = None  # torch threads for a single process; workers use 1
     overwrite: bool = False  # start afresh in a folder holding another run's checkpoints (deletes them)
     nan_policy: str = "stop"  # non-finite loss/grad norm: stop (with the tensor's name) | skip the step
@@ -344,7 +345,7 @@ RANGES: dict[str, tuple[typing.Callable, str]] = {
     "train.save_every": (lambda v: v >= 0, ">= 0 (0: only the final checkpoint)"),
     "train.eval_every": (lambda v: v >= 0, ">= 0 (0: no evaluation)"),
     "train.eval_batches": (lambda v: v >= 1, ">= 1"),
-    "train.log_every": (lambda v: v >= 1, ">= 1"),
+    "train.log_every": (lambda v: v >= 0, ">= 0 (0: every 10 % of the steps)"),
     "train.threads": (lambda v: v is None or v >= 1, ">= 1"),
     "data.max_files": (lambda v: v is None or v >= 1, ">= 1"),
     "parallel.timeout_s": (lambda v: v > 0, "> 0 seconds"),

@@ -1,5 +1,5 @@
 """MFU's denominator is a matmul peak measured in the precision that runs (bf16 runs: a bf16 peak),
-or MFU is left out when no peak is known."""
+or MFU is left out when no peak is known; MFU never exceeds 1 (a peak measured low is raised)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import torch
 
 import paratrain.device as device
 import paratrain.train.trainer as trainer_module
+from paratrain.perf.hardware import published_peak
+from paratrain.train.mfu import PeakFlops
 from paratrain.train.trainer import Trainer
 from tests.harness import tiny_cfg
 
@@ -20,7 +22,7 @@ PEAK = 1e12  # a stand-in measurement: the test asserts which dtype was measured
 def measured(monkeypatch):
     dtypes: list[torch.dtype] = []
 
-    def fake(dev, dtype=torch.float32, n=512, seconds=0.3):
+    def fake(dev, dtype=torch.float32, n=512, seconds=0.3, windows=5):
         dtypes.append(dtype)
         return PEAK
 
@@ -58,3 +60,56 @@ def test_no_known_peak_means_no_mfu(tmp_path, monkeypatch):
 def test_the_real_measurement_uses_the_dtype():
     assert device.matmul_peak(torch.device("cpu"), "fp32") > 0
     assert device.PRECISION_DTYPES["bf16"] is torch.bfloat16
+
+
+# -- MFU is bounded by its definition (issue 35, item 4) ------------------------------------------------
+
+
+def test_a_peak_measured_under_load_never_puts_mfu_above_one(tmp_path, monkeypatch):
+    """A loaded machine during the measurement: the first figure is far below what a step
+    achieves (1 kFLOP/s). The first step proves it low: the peak is measured again (here the
+    second figure is the real one), and a step faster than even that raises the peak to what it
+    achieved, so every row's MFU is <= 1 and the rows say the peak was raised."""
+    figures = iter([1e3, 1e12])
+    calls: list[float] = []
+
+    def loaded_then_free(dev, dtype=torch.float32, n=512, seconds=0.3, windows=5):
+        calls.append(next(figures, 1e12))
+        return calls[-1]
+
+    monkeypatch.setattr(device, "measure_matmul_peak", loaded_then_free)
+    cfg = tiny_cfg(tmp_path / "run", **{"train.steps": 3, "train.eval_every": 0})
+    Trainer(cfg).fit()
+    got = rows(tmp_path / "run")
+    assert all(0 < r["mfu"] <= 1 for r in got), [r["mfu"] for r in got]
+    assert calls == [1e3, 1e12]  # measured again once, not every step
+    assert got[0]["peak_flops_source"] == "raised" and got[0]["peak_flops"] == 1e12
+
+
+def test_a_step_faster_than_every_measurement_reads_mfu_one_not_more(tmp_path, monkeypatch):
+    monkeypatch.setattr(device, "measure_matmul_peak", lambda *a, **k: 1e3)
+    cfg = tiny_cfg(tmp_path / "run", **{"train.steps": 3, "train.eval_every": 0})
+    Trainer(cfg).fit()
+    got = rows(tmp_path / "run")
+    assert all(r["mfu"] <= 1 for r in got) and got[0]["mfu"] == 1.0
+    assert all(r["peak_flops_source"] == "raised" and r["peak_flops"] > 1e3 for r in got)
+
+
+@pytest.mark.parametrize("name, precision, peak", [
+    ("NVIDIA H200", "bf16", 989e12), ("NVIDIA H100 80GB HBM3", "fp32", 67e12),
+    ("NVIDIA A100-SXM4-40GB", "bf16", 312e12), ("Tesla V100-SXM2-32GB", "fp16", 125e12),
+    ("NVIDIA GeForce RTX 4090", "bf16", None)])
+def test_published_peaks_by_cuda_device_name(name, precision, peak):
+    assert published_peak(name, precision) == peak
+
+
+def test_a_known_gpu_uses_its_published_peak_unless_a_measurement_beats_it(monkeypatch):
+    """On a GPU whose model is known, the vendor's peak is the denominator (a measured matmul
+    reaches only part of it); a measurement above it (TF32 in an "fp32" run) wins instead."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(device, "measure_matmul_peak", lambda *a, **k: 700e12)
+    bf16 = PeakFlops(torch.device("cuda"), "bf16", world_size=2)
+    assert (bf16.flops, bf16.source) == (2 * 989e12, "published")
+    fp32 = PeakFlops(torch.device("cuda"), "fp32", world_size=1)
+    assert (fp32.flops, fp32.source) == (700e12, "measured")
+    assert fp32.mfu(350e12) == 0.5

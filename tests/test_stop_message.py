@@ -13,10 +13,7 @@ from tests.harness import tiny_cfg
 class _Bar:
     """Stands in for tqdm: closing it ends its line, as tqdm's close does."""
 
-    def update(self, n: int) -> None:
-        pass
-
-    def set_postfix_str(self, s: str) -> None:
+    def step(self, row: dict) -> None:
         pass
 
     def close(self) -> None:

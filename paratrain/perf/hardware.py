@@ -92,6 +92,20 @@ GPUS: dict[str, Device] = {
     "v100-32g": Device("v100-32g", 32 * GiB, 125e12, 15.7e12, 0.9e12, gemm=_V100),
 }
 
+# torch.cuda.get_device_name's words -> the preset with the published peak (the first match wins).
+# The PCIe H100 peaks lower (756 / 51 TFLOP/s) than the SXM figures used for every H100: an MFU
+# against them is low there, never above what the device can do.
+_NAMED_GPUS = (("h200", "h200"), ("h100", "h100-80g"), ("a100", "a100-80g"), ("v100", "v100-32g"))
+
+
+def published_peak(device_name: str, precision: str) -> float | None:
+    """The vendor's dense peak FLOP/s for a device called `device_name` (as CUDA names it) in
+    `precision` (fp32, or the bf16/fp16 tensor-core peak); None for a device not in GPUS."""
+    name = device_name.lower()
+    preset = next((GPUS[key] for word, key in _NAMED_GPUS if word in name), None)
+    return preset.peak_for(precision) if preset is not None else None
+
+
 LINKS: dict[str, Link] = {
     # NVLink 3 (A100): 600 GB/s bidirectional per GPU -> 300 GB/s each way.
     "nvlink": Link("nvlink", 300e9, 3e-6),

@@ -422,7 +422,7 @@ def base_config(args: argparse.Namespace, c: LlamaConfig) -> config.Config:
             "model.tie_embeddings": c.tie_embeddings, "data.vocab_size": c.vocab_size,
             "data.seq_len": args.seq_len, "data.max_files": 40, "train.global_batch": args.global_batch,
             "train.precision": args.precision, "train.steps": args.validate_steps, "train.eval_every": 0,
-            "train.progress": False, "train.threads": 1, "optim.warmup_steps": 1}
+            "train.progress": False, "train.quiet": True, "train.threads": 1, "optim.warmup_steps": 1}
     return config.load(None, over)
 
 

@@ -18,7 +18,6 @@ import functools
 import json
 import math
 import shutil
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +30,7 @@ from paratrain.base.executor import MicroBatch, split_micro_batches
 from paratrain.comm import collectives as C
 from paratrain.config import Config
 from paratrain.data import IGNORE_INDEX, check_cursor, data_cursor
-from paratrain.device import matmul_peak, sync_device
+from paratrain.device import sync_device
 from paratrain.engine import checkpoint as ckpt
 from paratrain.engine.engine import Engine, find_checkpoint, make_mesh
 from paratrain.engine.lora import export_lora, run_record
@@ -53,6 +52,8 @@ from paratrain.train.metrics import (
     plot_loss,
     rank_record,
 )
+from paratrain.train.mfu import PeakFlops
+from paratrain.train.progress import progress as _progress
 from paratrain.train.task import build_task
 
 # The parts of a step ``Trainer.phase_s`` times: forwards and backwards (with the data-parallel
@@ -123,7 +124,7 @@ class Trainer:
         self.start_step = 0
         self.result = TrainResult(out=str(self.out))
         self.stop_note = ""  # what a signal stop says, printed once the progress bar has closed
-        self.peak_flops = None
+        self.peak_flops: PeakFlops | None = None  # rank 0's MFU denominator (train/mfu.py)
         self.phase_s: dict[str, float] = {}  # the last step's PHASES in seconds
         self.phase_sync = False  # drain the device queue at each phase boundary (benchmarks)
         self.phase_marks: list[float] = []  # the last step's phase boundaries, perf_counter seconds
@@ -242,10 +243,9 @@ class Trainer:
         self.saver.check_free([s for s in range(self.start_step + 1, cfg.train.steps)
                                if every and s % every == 0] + [cfg.train.steps])
         writer = MetricsWriter(self.out, resume=cfg.train.resume) if self.is_main else None
-        if self.is_main:
-            peak = matmul_peak(self.mesh.device, cfg.train.precision)  # the precision that runs
-            self.peak_flops = peak * self.env.world_size if peak else None
-        bar = _progress(cfg, self.start_step) if self.is_main else None
+        if self.is_main:  # measured in the precision that runs
+            self.peak_flops = PeakFlops(self.mesh.device, cfg.train.precision, self.env.world_size)
+        bar = _progress(cfg, self.start_step) if self.is_main and not cfg.train.quiet else None
         try:
             for step in range(self.start_step, cfg.train.steps):
                 row = self.log_step(step, self.train_step(step))
@@ -255,9 +255,8 @@ class Trainer:
                     self.result.val_losses.append((done, row["val_loss"]))
                 if writer:
                     writer.write(row)
-                if bar:
-                    bar.update(1)
-                    bar.set_postfix_str(_postfix(row))
+                if bar is not None:
+                    bar.step(row)
                 if cfg.train.save_every and done % cfg.train.save_every == 0 and done < cfg.train.steps:
                     self.save(done)
                 faults.crash_point(done, self.env.rank, restart_attempt())
@@ -268,7 +267,7 @@ class Trainer:
             self.saver.abandon()  # no collective commit while other ranks may be gone
             raise
         finally:
-            if bar:
+            if bar is not None:
                 bar.close()
             if writer:
                 writer.close()
@@ -298,6 +297,8 @@ class Trainer:
         if s["skipped"]:
             self.result.skipped_steps.append(step)
         extra = {"step_time_s": s["time"], **self.engine.strategy.step_metrics()}
+        if self.finder is not None:  # every rank ran the trials, each reset (or not) its own peak
+            extra["mem_peak_includes_trials"] = not self.finder.peak_reset
         extra.update(self.engine.executor.step_metrics())  # pipelines: the measured bubble
         records = gather_rank_records(self.mesh, rank_record(self.mesh, s["state_bytes"], extra))
         task_row = self.task_metrics()  # every rank: pipeline stages hold different MoE layers
@@ -317,7 +318,10 @@ class Trainer:
             **{k: v for k, v in merged.items() if k != "step_time_s"},
         }
         achieved = self.task.flops_per_unit * tokens / merged["step_time_s"]
-        row["mfu"] = achieved / self.peak_flops if self.peak_flops else None
+        # <= 1: a step faster than the peak raises it (None: no peak known, or fit() not running)
+        row["mfu"] = self.peak_flops.mfu(achieved) if self.peak_flops else None
+        if row["mfu"] is not None:
+            row.update(self.peak_flops.row())
         if self.cfg.train.precision == "fp16":
             row["loss_scale"], row["skipped"] = self.scaler.scale, s["skipped"]
         elif s["skipped"]:  # --nan-policy skip
@@ -451,26 +455,3 @@ class Trainer:
 def train(cfg: Config, env: DistEnv | None = None) -> TrainResult:
     """Run the whole training on this rank (every rank calls it)."""
     return Trainer(cfg, env).fit()
-
-
-def _progress(cfg: Config, start: int):
-    if not cfg.train.progress:
-        return None
-    from tqdm import tqdm
-
-    # One rank draws the bar: a thread lock is enough. tqdm's default lock includes a
-    # multiprocessing semaphore, which a spawned worker (the last pipeline stage draws the bar)
-    # leaves for the resource tracker to report as leaked at exit.
-    tqdm.set_lock(threading.RLock())
-    return tqdm(total=cfg.train.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
-
-
-def _postfix(row: dict) -> str:
-    parts = [f"loss {row['loss']:.3f}" if row.get("loss") is not None else "loss skip",
-             f"{row['tokens_per_s']:,.0f} tok/s"]
-    if row.get("mfu") is not None:
-        parts.append(f"mfu {row['mfu']:.0%}")
-    parts.append(f"mem {row['mem_peak_bytes'] / 2**20:,.0f} MiB")
-    if row.get("val_loss") is not None:
-        parts.append(f"val {row['val_loss']:.3f}")
-    return ", ".join(parts)
