@@ -74,10 +74,11 @@ class Parallel:
     dp_mode: with zero 0, "ddp" (gradient buckets reduced
     while backward runs) or "plain" (each gradient all-reduced after backward); offload: where
     ZeRO keeps the optimizer partition ("none", "cpu", "disk" under ``offload_dir``); bucket_mb:
-    gradient bucket size; timeout: seconds before a collective that never completes fails
-    (process-group timeout); units / unit_min_params: ZeRO-3 units (names, or the size threshold
-    of zero/units.py); tp_plan: how to split the user's linears (a paratrain model family has its
-    declared plan; sequence_parallel applies it with SP);
+    gradient bucket size; timeout: seconds before a collective that never completes fails, naming
+    the rank it waited for (every axis's process group, DDP's shared-memory sum; a process group
+    you made yourself keeps its own timeout over the whole world); units / unit_min_params: ZeRO-3
+    units (names, or the size threshold of zero/units.py); tp_plan: how to split the user's linears
+    (a paratrain model family has its declared plan; sequence_parallel applies it with SP);
     allow_non_elementwise: let ZeRO shard an optimizer class it does not know to be element-wise.
     pp / pp_schedule / virtual_stages: pipeline stages for a paratrain model family (the schedule
     runs forward and backward: the loop calls ``pipeline_step`` instead of ``backward``).
@@ -123,7 +124,7 @@ class Parallel:
             raise ValueError("paratrain.Parallel: " + "; ".join(problems))
         self.sync = SyncPlan.from_config(averaging)
         self.mesh = make_mesh(MeshShape(pp=pp, dp=dp, tp=tp, dp_replicate=dp_replicate), rank, self.device,
-                              check_collectives=check_collectives)
+                              check_collectives=check_collectives, timeout_s=timeout)
         self.engine: Engine | None = None  # what prepare builds: the trainer's engine (engine/engine.py)
         self.model: nn.Module | None = None
         self.optimizer: ParallelOptimizer | None = None
@@ -254,7 +255,8 @@ class Parallel:
                              dp_mode=self.dp_mode, bucket_bytes=int(self.bucket_mb * 2**20),
                              precision=self.precision,
                              offload=self.offload, offload_dir=self.offload_dir, init_value=init_value,
-                             units=units, group_of=group_of if self.zero else None, sync=self.sync)
+                             units=units, group_of=group_of if self.zero else None, sync=self.sync,
+                             timeout_s=self.timeout)  # DDP's shared-memory sum waits this long too
 
     @torch.no_grad()
     def _broadcast(self, model: nn.Module) -> None:
@@ -411,7 +413,7 @@ class Parallel:
         if extra["param_groups"] is not None:
             self.optimizer.restore_groups(extra["param_groups"])
         set_optimizer_scalars(self.strategy, extra["scalars"])
-        self.optimizer.steps = extra["steps"]
+        self.optimizer.set_steps(extra["steps"])
         for obj, saved in zip(self._objects, extra["objects"]):
             obj.load_state_dict(saved)
 
@@ -464,8 +466,13 @@ class ParallelOptimizer(torch.optim.Optimizer):
         self.strategy.step(None)
         # An LR scheduler built on the user's optimizer checks that its step ran (ZeRO steps shards).
         self.inner._opt_called = True
-        self.steps += 1
+        self.set_steps(self.steps + 1)
         return loss
+
+    def set_steps(self, steps: int) -> None:
+        """Steps taken; the collectives' fingerprints carry it (comm/trace.py), so under
+        check_collectives a rank whose backward pairs with another step's fails there."""
+        self.steps = self.strategy.mesh.counter.step = steps
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.strategy.zero_grad()
@@ -484,7 +491,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
         a scheduler's own state does not hold the lr it last wrote."""
         self.restore_groups(state_dict["param_groups"])
         load_optimizer_state(self.strategy, state_dict)
-        self.steps = state_dict["steps"]
+        self.set_steps(state_dict["steps"])
 
     def restore_groups(self, saved: list[dict]) -> None:
         if len(saved) != len(self.param_groups):

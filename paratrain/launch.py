@@ -9,8 +9,10 @@ If a worker fails, the others are stopped and a ``WorkerError`` carries the fail
 traceback. If nothing finishes within ``timeout`` seconds, every still-running worker's Python
 stack is dumped (faulthandler) and reported, so a hang names the collective it is stuck in.
 
-No orphans, whatever dies first: the forkserver exits when the launcher does (its "alive" pipe
-closes); each worker asks the kernel for SIGKILL when its parent (the forkserver, or torchrun's
+No orphans, whatever dies first (orphans.py): the forkserver gets SIGKILL when the process that
+started it dies (its parent-death signal, set by orphans.py as the forkserver's first preload;
+before, it waited for its "alive" pipe to close, which any process forked from the launcher kept
+open); each worker asks the kernel for SIGKILL when its parent (the forkserver, or torchrun's
 agent) dies (prctl PR_SET_PDEATHSIG, Linux), and a watchdog thread also polls the launcher's pid
 (any OS, and the moment between fork and prctl). A dead worker makes the launcher kill the rest.
 
@@ -25,12 +27,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import datetime
 import faulthandler
 import io
 import multiprocessing as mp
 import multiprocessing.forkserver as forkserver
+import multiprocessing.resource_tracker as resource_tracker
 import os
 import queue
 import signal
@@ -53,12 +55,12 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401
 
 import paratrain.signals as signals
+from paratrain import orphans
 from paratrain.comm import collectives as C
 from paratrain.comm.trace import TRACE, diagnose, read_mirror, stragglers
+from paratrain.orphans import die_with_parent
 
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 IFF_LOOPBACK = 0x8  # linux/if.h: the interface flag of loopback
-WATCHDOG_INTERVAL_S = 0.5
 DIVERGENCE_GRACE_S = 5.0  # after a first failure, how long the others get to report their history
 
 
@@ -206,39 +208,6 @@ def _leave_process_group() -> None:
     C.release_groups()  # the groups' threads end now, not during interpreter shutdown
 
 
-def process_alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie, dead but not yet reaped by its parent, counts as dead)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc (macOS): signal 0 only checks that the pid exists
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-
-
-def die_with_parent(watch_pid: int | None = None) -> None:
-    """End this process (SIGKILL) when its parent dies, and when ``watch_pid`` does."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    if watch_pid is None:
-        return
-    if not process_alive(watch_pid):  # it died before prctl took effect
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    def watch():
-        while process_alive(watch_pid):
-            time.sleep(WATCHDOG_INTERVAL_S)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="paratrain-watchdog", daemon=True).start()
-
-
 def trace_path(dump_file: str) -> str:
     return dump_file.replace("stack", "trace")
 
@@ -318,7 +287,8 @@ def spawn(fn: Callable, nproc: int, *args: object, timeout: float | None = 120.0
     # torch._dynamo too: building a model on the meta device imports it lazily (normal_ goes through
     # torch._refs), ~5 s per worker on a 2-core machine, paid once here instead (measured: a 2-rank
     # tiny run 8.4 s -> 4.1 s)
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "paratrain"])
+    # orphans first: the forkserver dies with this process from then on, not after its imports.
+    ctx.set_forkserver_preload([orphans.__name__, "torch", "torch.distributed", "torch._dynamo", "paratrain"])
     _start_forkserver()
     pg_timeout = pg_timeout or (max(5.0, timeout - 5.0) if timeout else 600.0)
     dump_after = max(1.0, timeout - 2.0) if timeout else None
@@ -354,15 +324,22 @@ def _start_forkserver() -> None:
     """Start (or keep) the forkserver with SIGTERM ignored: an ignored signal stays ignored across
     exec, and a forkserver killed by a SIGTERM sent to the whole group would take every worker with
     it (their parent-death signal) and report them as exit 255 before they could save. Its workers
-    inherit the ignore until ``signals.install`` gives them the stop handler; it exits by itself
-    when the launcher does (its "alive" pipe closes)."""
+    inherit the ignore until ``signals.install`` gives them the stop handler.
+
+    It dies with this process (orphans.guard_forkserver: the parent-death signal). The kernel sends
+    that signal when the starting *thread* ends, so only the main thread arms it; a forkserver
+    started from another thread ends when its "alive" pipe closes (every process forked from here
+    gone), as multiprocessing's own does."""
+    resource_tracker.ensure_running()  # started apart: the tracker must not see the variable
     if threading.current_thread() is not threading.main_thread():
         forkserver.ensure_running()
         return
     before = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.environ[orphans.FORKSERVER_PARENT_ENV] = str(os.getpid())
     try:
         forkserver.ensure_running()
     finally:
+        os.environ.pop(orphans.FORKSERVER_PARENT_ENV, None)
         signal.signal(signal.SIGTERM, before)
 
 

@@ -18,6 +18,7 @@ across which the shards are replicated (the slow links). With ``dp_replicate = 1
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch
@@ -112,11 +113,12 @@ class ParallelMesh:
     """
 
     def __init__(self, shape: MeshShape, rank: int = 0, device: torch.device | None = None,
-                 counter: CommCounter | None = None):
+                 counter: CommCounter | None = None, *, timeout_s: float | None = None):
         world = dist.get_world_size() if dist.is_initialized() else 1
         shape.check(world)
         self.shape = shape
         self.rank = rank
+        self.timeout_s = timeout_s  # every group this mesh makes (new_group below)
         self.device = device or torch.device("cpu")
         self.counter = counter or CommCounter()
         coords = shape.coords(rank)
@@ -129,7 +131,7 @@ class ParallelMesh:
                 # (the same list twice, e.g. dp_shard = dp, reuses the first group on every rank).
                 key = tuple(members)
                 if key not in made:
-                    made[key] = _new_group(members, world)
+                    made[key] = self.new_group(members)
                 group = made[key]
                 if rank in members:
                     mine = (members, group)
@@ -142,14 +144,24 @@ class ParallelMesh:
             return axes[name]
         raise AttributeError(name)
 
+    def new_group(self, members: list[int]):
+        """The process group of ``members`` (collective over the world: every rank calls it for
+        every group), with this mesh's timeout."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        return _new_group(members, world, self.timeout_s)
+
     def describe(self) -> dict[str, int]:
         return {"pp": self.shape.pp, "dp": self.shape.dp, "tp": self.shape.tp, "ep": self.shape.ep}
 
 
-def _new_group(members: list[int], world: int):
+def _new_group(members: list[int], world: int, timeout_s: float | None):
+    """The process group of ``members``. ``timeout_s``: how long its collectives may wait (the
+    run's --timeout, the library's ``timeout``); torch's own default otherwise, 30 minutes for
+    gloo, not the world group's: a subgroup does not inherit it."""
     if world == 1 or len(members) == 1:
         # Groups of one never communicate; creating them anyway would cost time on every rank.
         return None
     if len(members) == world:
         return dist.group.WORLD
-    return dist.new_group(members)
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
+    return dist.new_group(members, timeout=timeout)

@@ -34,6 +34,8 @@ Exact comparisons (rtol = atol = 0) allow no exception at all: they stay bit-for
 float64 parity (DESIGN.md 3) would make flips vanish (noise ~1e-16), but the ZeRO flat buffers,
 the pipeline's communication buffers, the fp16/bf16 paths and the metrics all assume fp32 master
 weights; running the suite in float64 would test another code path than the one users run.
+Where a layout has none of those (TP, SP and DDP of a LoRA run), the trainer does run float64 when
+the worker's default dtype is float64: tests/test_lora_float64.py proves such a layout exact that way.
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ import torch
 
 from paratrain.engine import checkpoint as ckpt
 from paratrain.engine import checks
-from paratrain.launch import process_alive
+from paratrain.orphans import process_alive
 
 ROOT = Path(__file__).resolve().parents[1]
 GONE_WITHIN_S = 10.0

@@ -159,8 +159,10 @@ class Strategy:
         replicated = bool(pairs) and all(c == self.mesh.world.size for _, c in pairs)
         total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
         if pairs:
-            # Per-tensor fp32 norms (one multi-tensor launch on a GPU), squares summed in fp64.
-            norms = torch._foreach_norm([g.detach() for g, _ in pairs], 2, dtype=torch.float32)
+            # Per-tensor fp32 norms (one multi-tensor launch on a GPU), squares summed in fp64;
+            # float64 gradients (the float64 parity tests) keep their precision.
+            wide = torch.float64 if any(g.dtype == torch.float64 for g, _ in pairs) else torch.float32
+            norms = torch._foreach_norm([g.detach() for g, _ in pairs], 2, dtype=wide)
             copies = torch.tensor([1 if replicated else c for _, c in pairs], dtype=torch.float64)
             total += (torch.stack(norms).double() ** 2 / copies.to(total.device)).sum()
         if not replicated:

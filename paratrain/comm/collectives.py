@@ -43,6 +43,7 @@ class CommCounter:
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     enabled: bool = True
     check: bool = False  # parallel.check_collectives: compare fingerprints across the group first
+    step: int = 0  # optimizer steps taken (the trainer's loop, the library's optimizer): fingerprinted
 
     def record(self, kind: str, axis: str, n_ranks: int, nbytes: int, wire: int | None = None) -> None:
         """``wire``: the exact bytes sent to other ranks when the ring formula does not apply
@@ -147,7 +148,7 @@ def _enter(kind: str, axis: Axis, shape, dtype, what: str | None) -> bool:
     """Fingerprint one collective; False if a test fault says to skip it on this rank."""
     if skip_collective(what, dist.get_rank()):
         return False
-    fp = TRACE.next(kind, f"{axis.name}{axis.ranks}", shape, dtype, what)
+    fp = TRACE.next(kind, f"{axis.name}{axis.ranks}", shape, dtype, what, axis.counter.step)
     if axis.counter.check:
         _check(fp, axis)
     return True

@@ -3,12 +3,18 @@
 Ranks of a group must issue the same collectives in the same order. When one skips or reorders
 one (a branch taken on one rank only), the others wait in a collective it never joins, or worse,
 pair it with a different one of the same size. A timeout then says only "timed out". Here every
-collective gets a sequence number *per group* and a fingerprint (kind, group, shape, dtype and a
-purpose such as "all-gather of unit layers.1"); each rank keeps its recent ones; and when the run
-fails, the ranks' histories are compared to say where they parted and what each was doing:
+collective gets a sequence number *per group* and a fingerprint (kind, group, shape, dtype, a
+purpose such as "all-gather of unit layers.1", and the optimizer step the rank is at); each rank
+keeps its recent ones; and when the run fails, the ranks' histories are compared to say where they
+parted and what each was doing:
 
     ranks diverged on group dp[0, 1] at collective #41: rank 1 skipped all-gather of unit layers.1
     (rank 0 waited there; rank 1 went on to all-gather of unit layers.2)
+
+The step is what tells apart two steps whose collectives look alike: a rank of a user's loop that
+skips one backward but still steps pairs its next backward's gradient buckets with the others'
+previous ones, collective for collective, same kind, shape and purpose; only the step differs, so
+the checker fails there, naming both ranks and their steps (issue 35).
 
 The buffer is per process, like the process's stack: a collective's sequence is a fact about the
 process, whichever mesh issued it (tests run several trainers in one worker; their collectives
@@ -38,21 +44,23 @@ class Fingerprint:
     shape: tuple | None  # what every member passes (None where members legitimately differ)
     dtype: str
     what: str | None  # the purpose, at the call sites that matter
+    step: int = 0  # the optimizer steps this rank had taken (CommCounter.step)
 
     def describe(self) -> str:
         shape = "" if self.shape is None else list(self.shape)
-        return f"{self.what or self.kind.replace('_', '-')} ({self.kind} {self.dtype}{shape})"
+        what = self.what or self.kind.replace("_", "-")
+        return f"{what} ({self.kind} {self.dtype}{shape}) at step {self.step}"
 
     @property
     def op(self) -> tuple:
-        return self.kind, self.shape, self.dtype, self.what
+        return self.kind, self.shape, self.dtype, self.what, self.step
 
     def same_op(self, other: Fingerprint) -> bool:
         return self.op == other.op
 
     def digest(self) -> int:
         """A number equal on every member for the same collective (what the checker compares)."""
-        key = f"{self.seq}|{self.kind}|{self.group}|{self.shape}|{self.dtype}|{self.what}"
+        key = f"{self.seq}|{self.kind}|{self.group}|{self.shape}|{self.dtype}|{self.what}|{self.step}"
         return zlib.crc32(key.encode())
 
 
@@ -64,10 +72,10 @@ class Trace:
         self._encoded: dict[tuple, bytes] = {}
 
     def next(self, kind: str, group: str, shape: Iterable[int] | None, dtype: object,
-             what: str | None) -> Fingerprint:
+             what: str | None, step: int = 0) -> Fingerprint:
         self.seq[group] += 1
         fp = Fingerprint(self.seq[group], kind, group, None if shape is None else tuple(shape),
-                         str(dtype).removeprefix("torch."), what)
+                         str(dtype).removeprefix("torch."), what, step)
         self.recent.append(fp)
         if self.mirror is not None:
             self._write(fp)
@@ -80,14 +88,14 @@ class Trace:
             self.mirror = mmap.mmap(f.fileno(), 8 + self.size * SLOT)
 
     def _write(self, fp: Fingerprint) -> None:
-        # The same few collectives repeat every step: encode each once, only the number changes.
-        key = (fp.group, *fp.op)
+        # The same few collectives repeat every step: encode each once, only the numbers change.
+        key = (fp.group, fp.kind, fp.shape, fp.dtype, fp.what)
         rest = self._encoded.get(key)
         if rest is None:
             rest = json.dumps([fp.kind, fp.group, fp.shape, fp.dtype, (fp.what or "")[:120] or None])[1:]
             rest = self._encoded[key] = rest.encode()
         at = 8 + (self.written % self.size) * SLOT
-        self.mirror[at:at + SLOT] = (b"[%d," % fp.seq + rest)[:SLOT].ljust(SLOT, b"\0")
+        self.mirror[at:at + SLOT] = (b"[%d,%d," % (fp.seq, fp.step) + rest)[:SLOT].ljust(SLOT, b"\0")
         self.written += 1
         self.mirror[0:8] = self.written.to_bytes(8, "little")
 
@@ -112,10 +120,10 @@ def read_mirror(path: str) -> list[Fingerprint]:
     for n in range(max(0, written - size), written):
         at = 8 + (n % size) * SLOT
         try:
-            seq, kind, group, shape, dtype, what = json.loads(data[at:at + SLOT].rstrip(b"\0"))
+            seq, step, kind, group, shape, dtype, what = json.loads(data[at:at + SLOT].rstrip(b"\0"))
         except ValueError:  # the record being written when the process died
             continue
-        out.append(Fingerprint(seq, kind, group, None if shape is None else tuple(shape), dtype, what))
+        out.append(Fingerprint(seq, kind, group, None if shape is None else tuple(shape), dtype, what, step))
     return out
 
 # ------------------------------------------------------------------------------------------------

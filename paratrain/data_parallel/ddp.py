@@ -208,10 +208,12 @@ class DDP(Strategy):
     def _launch(self, b: int) -> None:
         assert b == self._next, "buckets must be launched in order on every rank"
         bucket = self.buckets[b]
+        what = f"all-reduce of DDP bucket {b}"  # the collective checker's and diagnosis' name for it
         if self.host is not None:
-            bucket.work = self.host.reduce_async(b)
+            bucket.work = self.host.reduce_async(b, what)
         else:
-            bucket.work = C.all_reduce(bucket.buffer, getattr(self.mesh, bucket.axis), async_op=True)
+            axis = getattr(self.mesh, bucket.axis)
+            bucket.work = C.all_reduce(bucket.buffer, axis, async_op=True, what=what)
         if self.trace is not None:
             self._trace_bucket(b, bucket.work)
         self._next += 1

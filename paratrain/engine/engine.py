@@ -74,10 +74,12 @@ class Engine:
             set_rng_state(rng[self.mesh.world.rank])
 
 
-def make_mesh(shape: MeshShape, rank: int, device: torch.device, *, check_collectives: bool) -> ParallelMesh:
+def make_mesh(shape: MeshShape, rank: int, device: torch.device, *, check_collectives: bool,
+              timeout_s: float | None = None) -> ParallelMesh:
     """The process groups of every axis, built once, with the collective checker (comm/trace.py) on
-    or off: before each collective the group's ranks compare fingerprints."""
-    mesh = ParallelMesh(shape, rank, device)
+    or off: before each collective the group's ranks compare fingerprints. ``timeout_s``: how long a
+    collective of an axis's group may wait (the world group keeps the timeout it was made with)."""
+    mesh = ParallelMesh(shape, rank, device, timeout_s=timeout_s)
     mesh.counter.check = check_collectives
     return mesh
 

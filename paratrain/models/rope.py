@@ -261,7 +261,7 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x[2i], x[2i+1]) by the position's angle. x: [batch, seq, heads, head_dim];
     cos/sin: [seq, head_dim/2] (every row) or [batch, seq, head_dim/2]."""
-    x2 = x.float().unflatten(-1, (-1, 2))  # [b, s, h, hd/2, 2]
+    x2 = x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, 2))  # [b, s, h, hd/2, 2]
     a, b = x2[..., 0], x2[..., 1]
     if cos.dim() == 2:
         cos, sin = cos[None], sin[None]

@@ -35,7 +35,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from paratrain.comm import collectives as C
@@ -202,7 +201,7 @@ def _ends_axis(mesh: ParallelMesh) -> C.Axis:
     mine = None
     for members in mesh.shape.groups("pp"):
         ends = [members[0], members[-1]]
-        group = dist.new_group(ends)  # collective over the world: every rank creates every group
+        group = mesh.new_group(ends)  # collective over the world: every rank creates every group
         if mesh.rank in members:
             mine = (ends, group)
     ends, group = mine

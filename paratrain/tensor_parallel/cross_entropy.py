@@ -64,10 +64,12 @@ class _VocabParallelCE(torch.autograd.Function):
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, axis: C.Axis) -> torch.Tensor:
     """Per-token cross-entropy [N] (or [b, s]) from vocab-sharded logits [..., V_padded / tp].
 
-    Computed in fp32 whatever the logits' dtype (the sum of exponentials loses tokens in bf16).
+    Computed in at least fp32 whatever the logits' dtype (the sum of exponentials loses tokens in
+    bf16); float64 logits (the float64 parity tests) stay float64.
     """
     shape = targets.shape
-    losses = _VocabParallelCE.apply(logits.flatten(0, -2).float(), targets.flatten(), axis)
+    wide = logits.flatten(0, -2).to(torch.promote_types(logits.dtype, torch.float32))
+    losses = _VocabParallelCE.apply(wide, targets.flatten(), axis)
     return losses.view(shape)
 
 

@@ -236,7 +236,7 @@ def normalize(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     region entry at tp = 1 computes bit-for-bit what the norm it replaced computed."""
     if kind == "layer":
         return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
-    x32 = x.float()
+    x32 = x.to(torch.promote_types(x.dtype, torch.float32))  # at least fp32, as RMSNorm
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * weight  # no bias
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from paratrain.config import Config, ConfigError
 from paratrain.engine import checkpoint as ckpt
-from paratrain.launch import process_alive
+from paratrain.orphans import process_alive
 
 LOCK_NAME = ".lock"
 HOLDER_POLLS, HOLDER_POLL_S = 50, 0.02  # up to a second for a new holder to write its pid

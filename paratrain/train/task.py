@@ -115,8 +115,8 @@ class LanguageModelTask(Task):
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Cross-entropy sum over the counted targets (``IGNORE_INDEX`` ones are skipped); the MoE
         losses come from ``side_loss_sum`` (the executors add them)."""
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="sum")
+        wide = logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32))  # >= fp32
+        return F.cross_entropy(wide, targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
     @property
     def side_loss_sum(self) -> Callable[[list[nn.Module], bool], torch.Tensor | None] | None:

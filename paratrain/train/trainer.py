@@ -98,7 +98,8 @@ def single_process_env() -> DistEnv:
 def build_mesh(cfg: Config, env: DistEnv) -> ParallelMesh:
     p = cfg.parallel
     shape = MeshShape(pp=p.pp, dp=cfg.dp, tp=p.tp, ep=p.ep, dp_replicate=p.dp_replicate)
-    return make_mesh(shape, env.rank, env.device, check_collectives=p.check_collectives)
+    return make_mesh(shape, env.rank, env.device, check_collectives=p.check_collectives,
+                     timeout_s=p.timeout_s)
 
 
 class Trainer:
@@ -165,6 +166,7 @@ class Trainer:
         x, y, positions = self.task_batch(step)
         units = self.counted(step)
         self.mesh.counter.reset()
+        self.mesh.counter.step = step  # in every collective's fingerprint (comm/trace.py)
         start = time.perf_counter()
         # replicas that step alone (local SGD, DiLoCo) divide by their own rows' counted targets
         grad_units = strategy.gradient_units(units, int((y != IGNORE_INDEX).sum()))

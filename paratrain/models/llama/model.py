@@ -138,7 +138,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 even under autocast: the mean of squares underflows in half precision.
-        x32 = x.float()
+        # At least fp32: a float64 model (the float64 parity tests) stays float64 throughout.
+        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
         y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return y.type_as(x) * self.weight
 
