@@ -48,8 +48,23 @@ FIXED_FLAGS = {"--dp": "data-parallel degree", "--tp": "tensor-parallel degree",
                "--virtual-stages": "interleaved pipeline: model chunks per rank"}
 
 
+# What `paratrain plan --help` tells a user (the module docstring above is for maintainers).
+DESCRIPTION = """Choose how to split training of a model over a cluster: every layout (data, tensor, pipeline
+and expert parallelism, ZeRO stage, micro-batch, recomputation, ...) is checked for memory and
+priced for time; the fastest that fits (or, when others are within the time model's error of
+it, the simplest of those) is explained and printed as a ready `paratrain train` command.
+Give a model (a preset or its shape) and a cluster (GPU presets, or this machine with --cluster
+local, measured once and cached).
+
+examples:
+  paratrain plan --model llama-7b --gpus 8 --gpu a100-80g --seq-len 4096 --global-batch 512
+  paratrain plan --model llama-7b --gpus 16 --gpus-per-node 8 --inter-link 2.5   # slow link between nodes
+  paratrain plan --params 175e9 --gpus 1024 --gpu a100-80g        # model states only
+  paratrain plan --model small --cluster local --validate          # predicted vs measured here"""
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="paratrain plan", description=__doc__,
+    p = argparse.ArgumentParser(prog="paratrain plan", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model (a preset, an explicit shape, or --params for model states only)")
     m.add_argument("--model", help=f"preset: {', '.join(PRESETS)}")
