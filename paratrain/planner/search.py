@@ -23,7 +23,7 @@ from paratrain.config import Config
 from paratrain.models.from_config import model_config
 from paratrain.models.shape import ModelShape
 from paratrain.perf.hardware import GB, Cluster
-from paratrain.planner import slow_link
+from paratrain.planner import choice, slow_link
 from paratrain.planner.cost import TIME_WORDS, StepTime, stage_counts, step_time
 from paratrain.planner.memory import (
     RECOMPUTE,
@@ -261,8 +261,9 @@ def plan(c: ModelShape, tr: Training, cluster: Cluster, fixed: dict | None = Non
                       key=lambda p: (slow_link.rank_seconds(p.layout, p.time), p.memory.total))
     tree = decision_path(c, tr, cluster) + slow_link.tree(c, tr, cluster)
     tree[2:2] = moe_tree(c, tr, cluster)  # after the model states and what a device offers
-    if feasible:
-        ranked = _distinct(feasible)[:top]
+    if feasible:  # the simplest of those the time model cannot tell from the fastest first (choice.py)
+        distinct = _distinct(feasible)
+        ranked = choice.reorder(distinct, [slow_link.rank_seconds(p.layout, p.time) for p in distinct])[:top]
         notes = _ep_notes(c, plans, ranked[0], cluster) + slow_link.choice_notes(ranked, feasible)
         return PlanResult(ranked, tree, compare(ranked), True, evaluated, notes)
     closest = sorted(plans, key=lambda p: p.memory.total)[:top]
@@ -344,13 +345,19 @@ def compare(ranked: list[Plan]) -> str:
     if len(ranked) == 1:
         return head + "; it is the only layout that fits"
     run = ranked[1]
+    mem = (f"memory {win.memory.total / GB:.3g} GB vs {run.memory.total / GB:.3g} GB per device")
+    seconds = [slow_link.rank_seconds(p.layout, p.time) for p in ranked]
+    picked = choice.choose(seconds, [p.layout for p in ranked])
+    if picked.chosen == 0 and picked.fastest != 0:  # a simpler layout chosen over a faster one
+        fastest = picked.fastest
+        why = choice.why_simpler(win.layout, ranked[fastest].layout, seconds[0] / seconds[fastest])
+        return f"{head}; {why}; {mem}"
     a, b = win.time.breakdown(), run.time.breakdown()
     diffs = sorted(((b[k] - a[k], k) for k in a if k != "total"), key=lambda d: -abs(d[0]))
     words = TIME_WORDS
     reasons = [f"{abs(d):.3g} s {'less' if d > 0 else 'more'} {words[k]}"
                for d, k in diffs[:2] if abs(d) > 1e-9]
     ratio = run.time.total / win.time.total
-    mem = (f"memory {win.memory.total / GB:.3g} GB vs {run.memory.total / GB:.3g} GB per device")
     if ratio < 0.9995:  # the runner-up averages parameters: faster, but not by the margin asked
         why = (f"ranked above the runner-up ({run.layout.short()}), {1 / ratio:.3f}x faster per step but "
                f"averaging parameters, which must win by {slow_link.AVERAGING_GAIN:g}x")
