@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 from paratrain.models.llama import PRESETS
+from paratrain.perf.hardware import make_cluster
 from paratrain.planner.choice import MODEL_ERROR, choose, simplicity
 from paratrain.planner.machine import local_cluster
 from paratrain.planner.memory import Layout, Training
 from paratrain.planner.search import plan
-from paratrain.planner.slow_link import SlowLayout
+from paratrain.planner.slow_link import SlowLayout, layout_links
 
 
 def test_a_tie_inside_the_error_goes_to_the_lower_zero_stage():
@@ -41,3 +42,27 @@ def test_small_on_this_machine_gets_plain_ddp_and_says_why():
     assert win.time.total <= min(times) * (1 + MODEL_ERROR)
     assert win.time.total > min(times)  # nominal figures: ZeRO-2 is predicted 1.7 % faster
     assert "inside the time model's 10% error, so the simpler layout is chosen" in result.verdict
+
+
+# -- a multi-node explanation describes the chosen layout's own axes -------------------------------------
+
+
+def test_layout_links_name_where_each_axis_runs():
+    nodes = make_cluster(gpus=16, gpus_per_node=8, inter_link="ethernet")
+    assert layout_links(Layout(dp=2, tp=8), nodes) == ("tensor parallelism over 8 ranks inside a node; "
+                                                        "DDP over 2 data-parallel ranks across nodes")
+    assert layout_links(Layout(dp=4, pp=4, zero=1), nodes) == ("pipeline parallelism over 4 ranks across "
+                                                              "nodes; ZeRO-1 over 4 data-parallel ranks "
+                                                              "inside a node")
+    hsdp = layout_links(SlowLayout(dp=16, zero=3, replicate=2), nodes)
+    assert hsdp == ("ZeRO-3 over the 8 data-parallel ranks of a node, 2 replicas; only an all-reduce of 1/8 "
+                    "of the gradients crosses between nodes (hybrid sharding)")
+
+
+def test_the_slow_link_tree_line_describes_the_winner_not_a_rule_of_thumb():
+    cluster = make_cluster(gpus=16, gpus_per_node=8, inter_link="2.5")
+    result = plan(PRESETS["llama-7b"], Training(2048, 256), cluster, {"tp": 1, "pp": 1, "recompute": "none"})
+    win = result.plans[0].layout
+    line = next(s for s in result.tree if "nodes, inter-node" in s)
+    assert f"the chosen layout ({win.short()}) runs {layout_links(win, cluster)}" in line
+    assert "PP across" not in line and "TP inside" not in line

@@ -259,20 +259,26 @@ def plan(c: ModelShape, tr: Training, cluster: Cluster, fixed: dict | None = Non
                          "check that dp divides the global batch and the degrees multiply to --gpus")
     feasible = sorted((p for p in plans if p.fits),
                       key=lambda p: (slow_link.rank_seconds(p.layout, p.time), p.memory.total))
-    tree = decision_path(c, tr, cluster) + slow_link.tree(c, tr, cluster)
-    tree[2:2] = moe_tree(c, tr, cluster)  # after the model states and what a device offers
     if feasible:  # the simplest of those the time model cannot tell from the fastest first (choice.py)
         distinct = _distinct(feasible)
         ranked = choice.reorder(distinct, [slow_link.rank_seconds(p.layout, p.time) for p in distinct])[:top]
+        tree = _tree(c, tr, cluster, ranked[0].layout)
         notes = _ep_notes(c, plans, ranked[0], cluster) + slow_link.choice_notes(ranked, feasible)
         return PlanResult(ranked, tree, compare(ranked), True, evaluated, notes)
     closest = sorted(plans, key=lambda p: p.memory.total)[:top]
+    tree = _tree(c, tr, cluster, closest[0].layout)
     verdict = infeasible_answer(c, tr, cluster, closest[0])
     if fixed:
         chosen = ", ".join(f"{k}={v}" for k, v in sorted(fixed.items()))
         verdict = (f"the fixed choices ({chosen}) do not fit: the closest layout they allow "
                    f"({closest[0].layout.short()}) {closest[0].why_not}; relax a fixed choice. " + verdict)
     return PlanResult(closest, tree, verdict, False, evaluated, _ep_notes(c, plans, closest[0], cluster))
+
+
+def _tree(c: ModelShape, tr: Training, cluster: Cluster, chosen: Layout) -> list[str]:
+    tree = decision_path(c, tr, cluster, chosen) + slow_link.tree(c, tr, cluster)
+    tree[2:2] = moe_tree(c, tr, cluster)  # after the model states and what a device offers
+    return tree
 
 
 def _ep_notes(c: ModelShape, plans: list[Plan], winner: Plan, cluster: Cluster) -> list[str]:
@@ -295,8 +301,9 @@ def _distinct(plans: list[Plan]) -> list[Plan]:
 # -- explanations -----------------------------------------------------------------------------------------
 
 
-def decision_path(c: ModelShape, tr: Training, cluster: Cluster) -> list[str]:
-    """The classic decision tree, with this request's numbers at every branch."""
+def decision_path(c: ModelShape, tr: Training, cluster: Cluster, chosen: Layout | None = None) -> list[str]:
+    """The classic decision tree, with this request's numbers at every branch; over several nodes,
+    where the `chosen` layout's axes run (inside a node or across)."""
     sb = state_bytes_per_param(tr.precision, tr.optimizer)
     psi = c.n_params()
     states = psi * (sb.params + sb.grads + sb.optim)
@@ -330,11 +337,12 @@ def decision_path(c: ModelShape, tr: Training, cluster: Cluster) -> list[str]:
                      "shards everything over the fast links; TP within the node, PP if activations dominate")
     else:
         slow = cluster.inter.bandwidth < 0.25 * cluster.intra.bandwidth
-        steps.append(f"{cluster.n_nodes} nodes, inter-node {cluster.inter.name} "
-                     f"{cluster.inter.bandwidth / GB:g} GB/s vs intra "
-                     f"{cluster.intra.bandwidth / GB:g} GB/s -> "
-                     + ("slow links: TP inside a node, PP across nodes, DP (or ZeRO-1) for the rest" if slow
-                        else "fast links: ZeRO-3 across nodes is affordable; TP inside a node"))
+        head = (f"{cluster.n_nodes} nodes, inter-node {cluster.inter.name} {cluster.inter.bandwidth / GB:g} "
+                f"GB/s vs intra {cluster.intra.bandwidth / GB:g} GB/s -> " + ("slow" if slow else "fast")
+                + " links: ")
+        steps.append(head + ("keep the busiest collectives inside a node" if chosen is None else
+                             f"the chosen layout ({chosen.short()}) runs "
+                             + slow_link.layout_links(chosen, cluster)))
     return steps
 
 
