@@ -43,8 +43,12 @@ def test_plan_help_is_for_users(capsys):
     assert "paratrain plan --model small --cluster local --validate" in text
 
 
-def test_no_parser_describes_itself_with_maintainer_notes(monkeypatch):
-    described = {prog: p.description for prog, p in all_parsers(monkeypatch).items() if p.description}
+def test_no_parser_describes_itself_or_a_flag_with_maintainer_notes(monkeypatch):
+    parsers = all_parsers(monkeypatch)
+    described = {prog: p.description for prog, p in parsers.items() if p.description}
     assert {"paratrain", "paratrain plan", "paratrain data", "paratrain viz"} <= set(described)
     leaks = {prog: _notes(text) for prog, text in described.items() if _notes(text)}
     assert leaks == {}
+    flags = {f"{prog} {'/'.join(a.option_strings) or a.dest}": _notes(a.help)
+             for prog, p in parsers.items() for a in p._actions if a.help and _notes(a.help)}
+    assert flags == {}
