@@ -1,8 +1,9 @@
 """Which of the fastest layouts to recommend: the simplest of those the time model cannot tell apart.
 
-A predicted step time is a model's, not a measurement: on this machine ``plan --validate`` finds
-measured step times within about 10-20 % of the prediction once the host's load is accounted for
-(docs/planner.md), and on a GPU preset the published figures it is calibrated on are no closer.
+A predicted step time is a model's, not a measurement: on this machine ``plan --validate`` found
+measured rates at 0.94-1.07 of the prediction for most layouts once the host's load was taken out
+(0.70-1.24 at worst, on a host at a load of 10 on 2 cores: docs/benchmarks.md, issue 35), and on a
+GPU preset the published figures it is calibrated on are no closer. ``MODEL_ERROR`` states 10 %.
 Two layouts whose predictions differ by less than that are a tie, and a tie goes to the layout
 with fewer moving parts: it is easier to run, to debug and to resume, and costs nothing the model
 can show. So among the layouts within ``MODEL_ERROR`` of the fastest (ranked by
