@@ -535,9 +535,23 @@ def cmd_delegate(module_name: str, rest: list[str]) -> int:
     return importlib.import_module(module_name).main(rest) or 0
 
 
+# What `paratrain --help` tells a user (the module docstring above is for maintainers).
+DESCRIPTION = """Train a language model across processes (data, tensor, pipeline and expert parallelism,
+ZeRO), then generate from it, evaluate it, export it, benchmark the techniques against PyTorch's
+own, or let the planner choose a layout. `paratrain COMMAND --help` lists a command's options."""
+EXAMPLES = """examples:
+  paratrain train                                   # a small Llama on the Python stdlib sources
+  paratrain train --nproc 2 --dp 2 --zero 3         # ZeRO-3 over 2 local worker processes
+  paratrain train --data ~/my_corpus/ --out runs/mine
+  paratrain generate --run runs/default "def fibonacci("
+  paratrain eval --run runs/default --text-file notes.txt --json   # loss and perplexity
+  paratrain plan --model small --cluster local      # which layout for this machine, and why"""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="paratrain", description=__doc__)
+    parser = argparse.ArgumentParser(prog="paratrain", description=DESCRIPTION, epilog=EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     train_parser(sub)
     generate_parser(sub)

@@ -20,6 +20,7 @@ from paratrain.config import Config, ConfigError
 from paratrain.data import check_cursor
 from paratrain.engine import checkpoint as ckpt
 from paratrain.inference.folders import generate_from_run
+from paratrain.inference.loop import Sampling
 from paratrain.launch import (
     DistEnv,
     Interrupted,
@@ -158,6 +159,21 @@ def _run_torchrun(cfg: Config) -> int:
     return 0
 
 
+# The end-of-run sample decodes greedily: a briefly trained small model's sampled text reads as
+# noise where its most likely tokens already show what it learned (and greedy is reproducible).
+END_SAMPLE = Sampling(max_new_tokens=80, temperature=0.0)
+
+
+def end_sample_length(info: dict) -> tuple[str, int, str]:
+    """(the decoding in words, new tokens, extra generate flags) of the end-of-run sample: at most
+    half the model's context, so a prompt fits beside them; with a short context the prompt keeps
+    its last tokens (--truncate-prompts), as the sample itself does."""
+    context = (info.get("model") or {}).get("max_seq_len") or 2 * END_SAMPLE.max_new_tokens
+    tokens = max(1, min(END_SAMPLE.max_new_tokens, context // 2))
+    flags = " --truncate-prompts" if tokens < END_SAMPLE.max_new_tokens else ""
+    return END_SAMPLE.describe(), tokens, flags
+
+
 def summarize(cfg: Config) -> None:
     """Where everything is, and one sample from the trained model."""
     out = Path(cfg.train.out)
@@ -171,9 +187,14 @@ def summarize(cfg: Config) -> None:
     if (out / "tokenizer.json").exists():
         info = json.loads((out / "run.json").read_text())
         prompt = info.get("sample_prompt") or "def "  # older runs
+        how, tokens, flags = end_sample_length(info)
         if info.get("sample_prompt_rendered"):  # chat/completion data: the first example's prompt
-            print("\nsample (the first example's prompt as the model was trained on it, and its reply):")
-            print(prompt + generate_from_run(str(out), prompt, max_new_tokens=80, rendered=True))
+            print(f"\nsample, {how} (the first example's prompt as the model was trained on it, and its "
+                  "reply):")
+            print(prompt + generate_from_run(str(out), prompt, max_new_tokens=tokens,
+                                             temperature=END_SAMPLE.temperature, rendered=True))
             return
-        print(f"\nsample (paratrain generate --run {out} {prompt!r}):")
-        print(prompt + generate_from_run(str(out), prompt, max_new_tokens=80))
+        print(f"\nsample, {how} (paratrain generate --run {out} --greedy --max-new-tokens {tokens}{flags} "
+              f"{prompt!r}):")
+        print(prompt + generate_from_run(str(out), prompt, max_new_tokens=tokens,
+                                         temperature=END_SAMPLE.temperature))

@@ -26,7 +26,7 @@ def test_the_finetune_example_runs(tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     # The end-of-run sample of a chat run continues the first example's rendered prompt (not the
     # decoded start of the token stream, which for chats is "<|im_start|>system"'s word "system").
-    sample = out.stdout.split("sample (the first example's prompt", 1)
+    sample = out.stdout.split("sample, greedy (the first example's prompt", 1)
     assert len(sample) == 2 and "<|im_start|>user\nWhat is" in sample[1], out.stdout[-2000:]
     diff = re.search(r"max \|logits difference\| .*: (\S+)", out.stdout)
     assert diff and float(diff.group(1)) < 1e-4, out.stdout[-2000:]

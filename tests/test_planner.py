@@ -26,6 +26,7 @@ from paratrain.perf.hardware import GB, Link, device_preset, make_cluster
 from paratrain.plan_cli import auto_layout, runnable_here
 from paratrain.plan_cli import main as plan_main
 from paratrain.planner import collectives, cost, memory
+from paratrain.planner.choice import MODEL_ERROR
 from paratrain.planner.machine import local_cluster
 from paratrain.planner.memory import Layout, Training
 from paratrain.planner.search import plan
@@ -195,9 +196,12 @@ def test_plan_ranks_and_explains():
     assert r.feasible and len(r.plans) > 1
     assert all(p.fits for p in r.plans)
     times = [p.time.total for p in r.plans]
-    assert times == sorted(times)
+    # the first: the simplest within the time model's error of the fastest (planner/choice.py); the
+    # rest by time
+    assert times[1:] == sorted(times[1:]) and times[0] <= min(times) * (1 + MODEL_ERROR)
     assert "sharding (ZeRO) or model parallelism" in " ".join(r.tree)  # 108 GB of states > 80 GB
-    assert r.verdict.startswith("winner:") and "runner-up" in r.verdict
+    assert r.verdict.startswith("winner:")
+    assert "runner-up" in r.verdict or "so the simpler layout is chosen" in r.verdict
 
 
 def test_small_model_fits_one_device_branch():

@@ -373,11 +373,17 @@ def test_validate_runs_the_top_plan_and_reports_it(fake_machine, capsys, tmp_pat
                       "--validate-top", "1", "--validate-steps", "4", "--seq-len", "16",
                       "--global-batch", "2"]) == 0
     out = capsys.readouterr().out
-    row = out.split("measured/pred")[1].strip().splitlines()[0]
-    numbers = re.search(r"([\d,]+)\s+([\d,]+)\s+([\d,]+)-([\d,]+)\s+([\d.]+)$", row.strip())
+    row = out.split("at full cores/pred")[1].strip().splitlines()[0]
+    numbers = re.search(r"([\d,]+)\s+([\d,]+)\s+([\d,]+)-([\d,]+)\s+([\d.]+)\s+(\d+%|\?)\s+([\d.]+|\?)$",
+                        row.strip())
     assert numbers, row
-    predicted, measured, low, high, ratio = (float(x.replace(",", "")) for x in numbers.groups())
+    predicted, measured, low, high, ratio = (float(x.replace(",", "")) for x in numbers.groups()[:5])
     assert predicted > 0 and measured > 0 and low <= measured <= high
     assert ratio == pytest.approx(measured / predicted, rel=0.01, abs=0.006)
+    waited, full = numbers.groups()[5:]  # the run-queue wait (plan_cli/cpu_wait.py), where Linux counts it
+    if waited != "?" and waited != "100%":  # both printed rounded: the ratio to 0.01, the wait to 1 %
+        w = float(waited[:-1]) / 100
+        low, high = (ratio - 0.005) / (1 - max(0.0, w - 0.005)), (ratio + 0.005) / (1 - min(0.999, w + 0.005))
+        assert low - 0.005 <= float(full) <= high + 0.005
     assert "ranking by measured median tokens/s agrees" in out
     assert "every pair the run tells apart" in out

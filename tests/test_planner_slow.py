@@ -19,6 +19,7 @@ from paratrain.plan_cli import main as plan_main
 from paratrain.plan_cli import parser, resolve_defaults
 from paratrain.plan_cli.command import server_note, train_command
 from paratrain.planner import slow_link
+from paratrain.planner.choice import MODEL_ERROR
 from paratrain.planner.collectives import all_reduce_time, ring_link
 from paratrain.planner.cost import dp_exposed, step_time
 from paratrain.planner.machine import local_cluster
@@ -54,10 +55,15 @@ def test_fast_link_keeps_todays_answer():
 def test_ethernet_between_nodes_picks_hybrid_sharding():
     cluster = two_nodes("ethernet")
     result = plan(MODEL, TR, cluster, FIXED, top=10_000)
-    win = result.plans[0].layout
-    assert isinstance(win, SlowLayout) and (win.replicate, win.shard, win.sync) == (2, 8, "ddp"), win.short()
-    flat = next(p for p in result.plans if not isinstance(p.layout, SlowLayout))  # today's best
-    assert result.plans[0].time.total < flat.time.total
+    # the fastest: hybrid sharding; recommended only if no simpler layout is within the time model's
+    # error of it (planner/choice.py: here plain DDP is, by 1.6 %, and is chosen)
+    best = min(result.plans, key=lambda p: slow_link.rank_seconds(p.layout, p.time))
+    fast = best.layout
+    assert isinstance(fast, SlowLayout) and (fast.replicate, fast.shard, fast.sync) == (2, 8, "ddp"), \
+        fast.short()
+    flat = min((p for p in result.plans if not isinstance(p.layout, SlowLayout)), key=lambda p: p.time.total)
+    assert best.time.total < flat.time.total <= best.time.total * (1 + MODEL_ERROR)
+    assert result.plans[0] is flat and "so the simpler layout is chosen" in result.verdict
     ddp = all_reduce_time(PSI * 2, 16, ring_link(cluster, Layout(dp=16), "dp"))
     line = next(s for s in result.tree if "slow-link branch" in s)
     assert f"{ddp:.3g} s" in line and "1.56 GB/s" in line

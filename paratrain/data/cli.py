@@ -16,9 +16,18 @@ from paratrain.data.sources import DataError
 from paratrain.data.tokenfile import PrepareOptions, prepare, read_manifest
 from paratrain.data.tokenizer import tokenizer_file
 
+# What `paratrain data --help` tells a user.
+DESCRIPTION = """Tokenize a corpus once into a folder that training reads directly (every rank
+memory-maps it).
+
+examples:
+  paratrain data prepare --data corpus/ --out prepared/ [--tokenizer tok.json] [--workers 8]
+  paratrain train --data prepared/ ...
+  paratrain data prepare --data chat.jsonl --tokenizer MODEL_DIR --out chat/   # + the loss mask of chats"""
+
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="paratrain data", description=__doc__,
+    p = argparse.ArgumentParser(prog="paratrain data", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="action", required=True)
     prep = sub.add_parser("prepare", help="tokenize --data into --out (tokens.bin, docs.bin, manifest.json; "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -19,7 +20,7 @@ from paratrain.data.sources import DataError
 from paratrain.inference.distributed import generate_ids as distributed_ids
 from paratrain.inference.distributed import load_for_generation
 from paratrain.inference.folders import load_model
-from paratrain.inference.loop import Generated, decode, local_step, sampling_problems
+from paratrain.inference.loop import Generated, Sampling, decode, local_step, sampling_problems
 from paratrain.inference.prompts import cut_at_stop, prepare
 from paratrain.inference.request import GenerateRequest, PreparedPrompts
 from paratrain.inference.stream_command import generate_ids as stream_ids
@@ -62,8 +63,11 @@ def run_generate(request: GenerateRequest) -> int:
         raise DataError(f"{flags}: this build of paratrain cannot generate that way yet; drop the flag")
     prepared = prepare(request)
     request = replace(request, sampling=replace(request.sampling, eos_ids=prepared.eos_ids))
+    main_rank = int(os.environ.get("RANK", "0")) == 0
+    if main_rank:  # on stderr: stdout holds the completions alone, for scripts
+        print(decoding_line(request.sampling), file=sys.stderr)
     results = BACKENDS[name](request, prepared)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if main_rank:
         write_results(request, prepared, results)
     return 0
 
@@ -73,6 +77,14 @@ def check_sampling(request: GenerateRequest) -> None:
     problems = sampling_problems(request.sampling)
     if problems:
         raise DataError("; ".join(f"--{name.replace('_', '-')} {why}" for name, why in problems))
+
+
+def decoding_line(sampling: Sampling) -> str:
+    """Which decoding the completions come from (a small model's sampled text can read as noise where
+    its greedy text does not), and how to get the other one."""
+    other = ("--temperature T for sampled text" if sampling.temperature <= 0
+             else "--greedy for the most likely tokens")
+    return f"paratrain generate: decoding {sampling.describe()} ({other})"
 
 
 def rows(request: GenerateRequest, prepared: PreparedPrompts, results: list[Generated]) -> list[dict]:

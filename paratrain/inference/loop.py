@@ -41,6 +41,15 @@ class Sampling:
     seed: int = 0
     eos_ids: tuple[int, ...] = ()  # a row ends after emitting one of these (kept in its ids)
 
+    def describe(self) -> str:
+        """The decoding in words, as every printed sample names it: "greedy", or "sampled:
+        temperature T, top-k K, top-p P, seed S" (a small model's sampled text reads as noise
+        where its greedy text does not, so a reader must know which one they see)."""
+        if self.temperature <= 0:
+            return "greedy"
+        return (f"sampled: temperature {self.temperature:g}, top-k {self.top_k}, top-p {self.top_p:g}, "
+                f"seed {self.seed}")
+
 
 def sampling_problems(sampling: Sampling) -> list[tuple[str, str]]:
     """(field, what to change) for each knob out of its range, checked before any model is loaded: a

@@ -75,8 +75,17 @@ def render(info: dict, png: str | Path, title: str | None = None) -> Path:
     return Path(png)
 
 
+# What `paratrain viz --help` tells a user.
+DESCRIPTION = """Pictures of a run. `paratrain viz timeline OUT` draws the last step of a pipeline-parallel
+run as a Gantt chart, one row per rank: forward, backward and weight-gradient passes coloured, idle
+time blank, and the measured bubble beside the schedule's theoretical one.
+
+example:
+  paratrain train --nproc 2 --pp 2 --pp-schedule 1f1b --out runs/pp && paratrain viz timeline runs/pp"""
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="paratrain viz", description=__doc__,
+    parser = argparse.ArgumentParser(prog="paratrain viz", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
     t = sub.add_parser("timeline", help="Gantt chart of a pipeline run's last step")

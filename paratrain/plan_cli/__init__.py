@@ -28,6 +28,7 @@ from paratrain.models.llama import PRESETS, LlamaConfig
 from paratrain.perf.hardware import GB, GPUS, LINKS, Cluster, make_cluster
 from paratrain.plan_cli.calibrate import measure_local
 from paratrain.plan_cli.command import first_runnable, layout_config, model_toml, run_line, train_command
+from paratrain.plan_cli.cpu_wait import Wait, at_full_cores, busiest_fraction, timed_wait
 from paratrain.plan_cli.validate_nodes import DEFAULT_INTER_LINK, check_nodes, split_nodes, validate_nodes
 from paratrain.planner import search
 from paratrain.planner.machine import local_cluster
@@ -48,8 +49,23 @@ FIXED_FLAGS = {"--dp": "data-parallel degree", "--tp": "tensor-parallel degree",
                "--virtual-stages": "interleaved pipeline: model chunks per rank"}
 
 
+# What `paratrain plan --help` tells a user (the module docstring above is for maintainers).
+DESCRIPTION = """Choose how to split training of a model over a cluster: every layout (data, tensor, pipeline
+and expert parallelism, ZeRO stage, micro-batch, recomputation, ...) is checked for memory and
+priced for time; the fastest that fits (or, when others are within the time model's error of
+it, the simplest of those) is explained and printed as a ready `paratrain train` command.
+Give a model (a preset or its shape) and a cluster (GPU presets, or this machine with --cluster
+local, measured once and cached).
+
+examples:
+  paratrain plan --model llama-7b --gpus 8 --gpu a100-80g --seq-len 4096 --global-batch 512
+  paratrain plan --model llama-7b --gpus 16 --gpus-per-node 8 --inter-link 2.5   # slow link between nodes
+  paratrain plan --params 175e9 --gpus 1024 --gpu a100-80g        # model states only
+  paratrain plan --model small --cluster local --validate          # predicted vs measured here"""
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="paratrain plan", description=__doc__,
+    p = argparse.ArgumentParser(prog="paratrain plan", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model (a preset, an explicit shape, or --params for model states only)")
     m.add_argument("--model", help=f"preset: {', '.join(PRESETS)}")
@@ -426,30 +442,35 @@ def base_config(args: argparse.Namespace, c: LlamaConfig) -> config.Config:
     return config.load(None, over)
 
 
-def _validate_worker(env, cfg_dict: dict) -> None:
-    Trainer(config.Config.from_dict(cfg_dict), env).fit()
+def _validate_worker(env, cfg_dict: dict) -> dict:
+    """One rank's run, and how long its compute thread waited for a CPU (cpu_wait.py)."""
+    _, wait = timed_wait(lambda: Trainer(config.Config.from_dict(cfg_dict), env).fit())
+    return {"wall_s": wait.wall_s, "waited_s": wait.waited_s}
 
 
 @dataclass(frozen=True)
 class Measured:
     """Tokens/s of a short run, per step after warm-up: the median and the quartiles (the run's
-    own noise, which decides whether two layouts are told apart)."""
+    own noise, which decides whether two layouts are told apart), and the share of the run the
+    busiest worker spent waiting for a CPU (other processes on this host; None: not known)."""
 
     median: float
     low: float  # 25th percentile
     high: float  # 75th percentile
+    waited: float | None = None
 
 
 def measure(cfg: config.Config) -> Measured:
     """Tokens/s of a short run of `cfg` (the first two steps are warm-up)."""
     build_task(cfg)  # tokenize once, here
     if cfg.world_size == 1:
-        Trainer(cfg).fit()
+        waits = [timed_wait(lambda: Trainer(cfg).fit())[1]]
     else:
-        spawn(_validate_worker, cfg.world_size, cfg.to_dict(), timeout=600)
+        results = spawn(_validate_worker, cfg.world_size, cfg.to_dict(), timeout=600)
+        waits = [Wait(r["wall_s"], r["waited_s"]) for r in results]
     rows = read_metrics(f"{cfg.train.out}/metrics.jsonl")
     rates = [r["tokens_per_s"] for r in rows[2:]] or [r["tokens_per_s"] for r in rows]
-    return summarize(rates)
+    return replace(summarize(rates), waited=busiest_fraction(waits))
 
 
 def summarize(rates: list[float]) -> Measured:
@@ -467,6 +488,26 @@ def ranking_disagreements(measured: list[Measured]) -> list[tuple[int, int]]:
             if measured[j].low > measured[i].high]
 
 
+WAIT_NOTE = ("waited: the share of the run the busiest worker was runnable but waiting for a CPU "
+             "(/proc schedstat): other processes on this host. The prediction is for whole cores, as the "
+             "calibration measures them, so measured/pred falls with the wait; 'at full cores' is the "
+             "measured rate with that wait taken out (measured / (1 - waited)).")
+
+
+def validate_table(rows: list[tuple[str, float, Measured]]) -> str:
+    """Predicted vs measured tokens/s per (layout, predicted, measured), with the run-queue wait that
+    explains a measured rate below the prediction on a shared host."""
+    lines = [f"{'#':>2} {'layout':<40} {'predicted tok/s':>16} {'measured tok/s':>15} {'quartiles':>17} "
+             f"{'measured/pred':>14} {'waited':>7} {'at full cores/pred':>19}"]
+    for i, (name, predicted, got) in enumerate(rows, 1):
+        full = at_full_cores(got.median, got.waited)
+        waited = "?" if got.waited is None else f"{got.waited:.0%}"
+        lines.append(f"{i:>2} {name:<40} {predicted:16,.0f} {got.median:15,.0f} "
+                     f"{got.low:8,.0f}-{got.high:<8,.0f} {got.median / predicted:14.2f} {waited:>7} "
+                     + (f"{full / predicted:19.2f}" if full is not None else f"{'?':>19}"))
+    return "\n".join([*lines, WAIT_NOTE])
+
+
 def validate(args: argparse.Namespace, c: LlamaConfig, result: PlanResult, top: int = 3
              ) -> list[tuple[Plan, Measured]]:
     """Run the top plans briefly through paratrain's trainer; print predicted vs measured tokens/s."""
@@ -479,11 +520,7 @@ def validate(args: argparse.Namespace, c: LlamaConfig, result: PlanResult, top: 
             cfg = layout_to_config(base, p.layout)
             cfg.train.out = f"{tmp}/plan{i}"
             out.append((p, measure(cfg)))
-    print(f"{'#':>2} {'layout':<40} {'predicted tok/s':>16} {'measured tok/s':>15} {'quartiles':>17} "
-          f"{'measured/pred':>14}")
-    for i, (p, got) in enumerate(out, 1):
-        print(f"{i:>2} {p.layout.short():<40} {p.time.tokens_per_s:16,.0f} {got.median:15,.0f} "
-              f"{got.low:8,.0f}-{got.high:<8,.0f} {got.median / p.time.tokens_per_s:14.2f}")
+    print(validate_table([(p.layout.short(), p.time.tokens_per_s, got) for p, got in out]))
     order_pred = list(range(len(out)))
     order_meas = sorted(order_pred, key=lambda i: -out[i][1].median)
     strict = ("agrees" if order_meas == order_pred

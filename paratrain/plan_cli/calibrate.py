@@ -52,17 +52,30 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def clock(device: torch.device | None = None) -> Callable[[], float]:
+    """The clock a CPU timing is read on: the calling thread's CPU time, not the wall's. A worker
+    computes on one thread, and on a shared host the wall clock also counts the time that thread
+    waited in the run queue for a core (other processes' load: 75-80 % of a run here at a load of
+    10 on 2 cores), which would calibrate this machine as several times slower than it is and
+    change with whoever else is running. The planner predicts for whole cores; ``plan --validate``
+    takes the measured wait out of its runs to compare like with like (cpu_wait.py). A GPU's work
+    is asynchronous to the thread: wall time after a synchronise."""
+    return time.perf_counter if device is not None and device.type == "cuda" else time.thread_time
+
+
 def time_op(fn: Callable[..., object], device: torch.device, seconds: float = 0.05, *args: object) -> float:
-    """Seconds per call of fn(*args) after two untimed calls, over at least `seconds` and 3 calls."""
+    """Seconds per call of fn(*args) after two untimed calls, over at least `seconds` (of the
+    wall) and 3 calls, on ``clock(device)``."""
     fn(*args)
     fn(*args)
     _sync(device)
-    reps, start = 0, time.perf_counter()
-    while reps < 3 or time.perf_counter() - start < seconds:
+    now = clock(device)
+    reps, start, began = 0, now(), time.perf_counter()
+    while reps < 3 or time.perf_counter() - began < seconds:
         fn(*args)
         reps += 1
     _sync(device)
-    return (time.perf_counter() - start) / reps
+    return (now() - start) / reps
 
 
 def gemm_rates(shapes: list[tuple[int, int, int]], device: torch.device | None = None,
@@ -109,13 +122,13 @@ def post_step_seconds(seconds: float = 0.05) -> dict:
         def step():
             for p, g in zip(module.parameters(), grads):
                 p.grad = g.clone()
-            start = time.perf_counter()
+            start = time.thread_time()  # CPU time: see ``clock``
             strategy.grad_norm()
             strategy.scale_grads(0.5)
             strategy.step(1e-3)
             strategy.state_bytes()
             strategy.zero_grad()
-            return time.perf_counter() - start
+            return time.thread_time() - start
 
         step()
         times, start = [], time.perf_counter()
@@ -123,9 +136,15 @@ def post_step_seconds(seconds: float = 0.05) -> dict:
             times.append(step())
         return sorted(times)[len(times) // 2]
 
-    small, large = per_step(64, 64), per_step(4, 2**18)
+    small, large = per_step(64, 64), per_step(4, LARGE_TENSOR)
     tensor_s = small / 64
-    return {"tensor_s": tensor_s, "element_s": max(large - 4 * tensor_s, 0.0) / (4 * 2**18)}
+    return {"tensor_s": tensor_s, "element_s": max(large - 4 * tensor_s, 0.0) / (4 * LARGE_TENSOR)}
+
+
+# Elements of each of post_step_seconds' large tensors: 4 of them with their gradients and AdamW's
+# two moments hold 64 MiB, beyond any L3 here (2**18, 16 MiB in all, fitted in one and priced small's
+# 7 M-parameter step at about half its measured 36 ms of CPU).
+LARGE_TENSOR = 2**20
 
 
 GEMM_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear"}
@@ -181,9 +200,9 @@ def context_seconds(seconds: float = 1.5, rounds: int = 5) -> dict:
         x = torch.randint(0, 512, (tokens // 32, 32))
 
         def timed() -> float:
-            start = time.perf_counter()
+            start = time.thread_time()  # CPU time: see ``clock``
             F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten()).backward()
-            elapsed = time.perf_counter() - start
+            elapsed = time.thread_time() - start
             opt.step()
             opt.zero_grad(set_to_none=True)
             return elapsed
@@ -220,8 +239,9 @@ def memory_bandwidth(device: torch.device | None = None, nbytes: int = 64 * 2**2
     return 2 * nbytes / t
 
 
-#: Bumped whenever what is measured changes, so an older cache is measured again.
-CACHE_VERSION = 3
+#: Bumped whenever what is measured changes, so an older cache is measured again (4: CPU time,
+#: not the wall's, and the step after backward on tensors out of the caches).
+CACHE_VERSION = 4
 
 
 def _cache_path() -> Path:

@@ -14,7 +14,9 @@ per core, one thread each, gloo over loopback. Two things cannot be measured in 
 * **Contention.** Two workers computing at once on two cores share the L3 cache, the memory bus
   and whatever else runs on the host; each computes slower than one worker alone. The same block
   forward + backward is timed on rank 0 alone (the others blocked in a barrier) and on every
-  rank at once, in alternating rounds; the ratio of the medians is the factor.
+  rank at once, in alternating rounds, in the thread's CPU time (what the workers' sharing of
+  caches and memory costs, not the waits other processes on the host impose: calibrate.clock);
+  the ratio of the medians is the factor.
 
 ``measure_workers`` spawns the workers as paratrain does (``paratrain.launch.spawn``, forkserver,
 one thread each); a few seconds, most of it starting the processes. The result is cached with
@@ -41,14 +43,16 @@ KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send")
 CONTENTION_TOKENS = 128  # a tiny block at one micro-batch of 4 x 32 tokens
 
 
-def _time(fn, reps: int, mean: bool = False) -> float:
-    """Median (or mean) seconds of fn() over `reps` calls after one untimed call."""
+def _time(fn, reps: int, mean: bool = False, now=time.perf_counter) -> float:
+    """Median (or mean) seconds of fn() over `reps` calls after one untimed call, on the clock
+    `now` (the wall for collectives, which wait on their peers; the thread's CPU time for compute,
+    which a host's other load must not inflate: calibrate.clock)."""
     fn()
     times = []
     for _ in range(reps):
-        start = time.perf_counter()
+        start = now()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(now() - start)
     return statistics.fmean(times) if mean else statistics.median(times)
 
 
@@ -112,9 +116,9 @@ def _worker(env, sizes, rounds: int, reps: int) -> dict:
     for _ in range(rounds):
         dist.barrier()
         if rank == 0:
-            solo.append(_time(step, reps))
+            solo.append(_time(step, reps, now=time.thread_time))
         dist.barrier()  # the others wait here, blocked, while rank 0 computes alone
-        together.append(_time(step, reps))
+        together.append(_time(step, reps, now=time.thread_time))
     out["solo_s"], out["together_s"] = solo, together
     return out
 

@@ -23,7 +23,7 @@ from paratrain.config import Config
 from paratrain.models.from_config import model_config
 from paratrain.models.shape import ModelShape
 from paratrain.perf.hardware import GB, Cluster
-from paratrain.planner import slow_link
+from paratrain.planner import choice, slow_link
 from paratrain.planner.cost import TIME_WORDS, StepTime, stage_counts, step_time
 from paratrain.planner.memory import (
     RECOMPUTE,
@@ -259,19 +259,26 @@ def plan(c: ModelShape, tr: Training, cluster: Cluster, fixed: dict | None = Non
                          "check that dp divides the global batch and the degrees multiply to --gpus")
     feasible = sorted((p for p in plans if p.fits),
                       key=lambda p: (slow_link.rank_seconds(p.layout, p.time), p.memory.total))
-    tree = decision_path(c, tr, cluster) + slow_link.tree(c, tr, cluster)
-    tree[2:2] = moe_tree(c, tr, cluster)  # after the model states and what a device offers
-    if feasible:
-        ranked = _distinct(feasible)[:top]
+    if feasible:  # the simplest of those the time model cannot tell from the fastest first (choice.py)
+        distinct = _distinct(feasible)
+        ranked = choice.reorder(distinct, [slow_link.rank_seconds(p.layout, p.time) for p in distinct])[:top]
+        tree = _tree(c, tr, cluster, ranked[0].layout)
         notes = _ep_notes(c, plans, ranked[0], cluster) + slow_link.choice_notes(ranked, feasible)
         return PlanResult(ranked, tree, compare(ranked), True, evaluated, notes)
     closest = sorted(plans, key=lambda p: p.memory.total)[:top]
+    tree = _tree(c, tr, cluster, closest[0].layout)
     verdict = infeasible_answer(c, tr, cluster, closest[0])
     if fixed:
         chosen = ", ".join(f"{k}={v}" for k, v in sorted(fixed.items()))
         verdict = (f"the fixed choices ({chosen}) do not fit: the closest layout they allow "
                    f"({closest[0].layout.short()}) {closest[0].why_not}; relax a fixed choice. " + verdict)
     return PlanResult(closest, tree, verdict, False, evaluated, _ep_notes(c, plans, closest[0], cluster))
+
+
+def _tree(c: ModelShape, tr: Training, cluster: Cluster, chosen: Layout) -> list[str]:
+    tree = decision_path(c, tr, cluster, chosen) + slow_link.tree(c, tr, cluster)
+    tree[2:2] = moe_tree(c, tr, cluster)  # after the model states and what a device offers
+    return tree
 
 
 def _ep_notes(c: ModelShape, plans: list[Plan], winner: Plan, cluster: Cluster) -> list[str]:
@@ -294,8 +301,9 @@ def _distinct(plans: list[Plan]) -> list[Plan]:
 # -- explanations -----------------------------------------------------------------------------------------
 
 
-def decision_path(c: ModelShape, tr: Training, cluster: Cluster) -> list[str]:
-    """The classic decision tree, with this request's numbers at every branch."""
+def decision_path(c: ModelShape, tr: Training, cluster: Cluster, chosen: Layout | None = None) -> list[str]:
+    """The classic decision tree, with this request's numbers at every branch; over several nodes,
+    where the `chosen` layout's axes run (inside a node or across)."""
     sb = state_bytes_per_param(tr.precision, tr.optimizer)
     psi = c.n_params()
     states = psi * (sb.params + sb.grads + sb.optim)
@@ -329,11 +337,12 @@ def decision_path(c: ModelShape, tr: Training, cluster: Cluster) -> list[str]:
                      "shards everything over the fast links; TP within the node, PP if activations dominate")
     else:
         slow = cluster.inter.bandwidth < 0.25 * cluster.intra.bandwidth
-        steps.append(f"{cluster.n_nodes} nodes, inter-node {cluster.inter.name} "
-                     f"{cluster.inter.bandwidth / GB:g} GB/s vs intra "
-                     f"{cluster.intra.bandwidth / GB:g} GB/s -> "
-                     + ("slow links: TP inside a node, PP across nodes, DP (or ZeRO-1) for the rest" if slow
-                        else "fast links: ZeRO-3 across nodes is affordable; TP inside a node"))
+        head = (f"{cluster.n_nodes} nodes, inter-node {cluster.inter.name} {cluster.inter.bandwidth / GB:g} "
+                f"GB/s vs intra {cluster.intra.bandwidth / GB:g} GB/s -> " + ("slow" if slow else "fast")
+                + " links: ")
+        steps.append(head + ("keep the busiest collectives inside a node" if chosen is None else
+                             f"the chosen layout ({chosen.short()}) runs "
+                             + slow_link.layout_links(chosen, cluster)))
     return steps
 
 
@@ -344,13 +353,19 @@ def compare(ranked: list[Plan]) -> str:
     if len(ranked) == 1:
         return head + "; it is the only layout that fits"
     run = ranked[1]
+    mem = (f"memory {win.memory.total / GB:.3g} GB vs {run.memory.total / GB:.3g} GB per device")
+    seconds = [slow_link.rank_seconds(p.layout, p.time) for p in ranked]
+    picked = choice.choose(seconds, [p.layout for p in ranked])
+    if picked.chosen == 0 and picked.fastest != 0:  # a simpler layout chosen over a faster one
+        fastest = picked.fastest
+        why = choice.why_simpler(win.layout, ranked[fastest].layout, seconds[0] / seconds[fastest])
+        return f"{head}; {why}; {mem}"
     a, b = win.time.breakdown(), run.time.breakdown()
     diffs = sorted(((b[k] - a[k], k) for k in a if k != "total"), key=lambda d: -abs(d[0]))
     words = TIME_WORDS
     reasons = [f"{abs(d):.3g} s {'less' if d > 0 else 'more'} {words[k]}"
                for d, k in diffs[:2] if abs(d) > 1e-9]
     ratio = run.time.total / win.time.total
-    mem = (f"memory {win.memory.total / GB:.3g} GB vs {run.memory.total / GB:.3g} GB per device")
     if ratio < 0.9995:  # the runner-up averages parameters: faster, but not by the margin asked
         why = (f"ranked above the runner-up ({run.layout.short()}), {1 / ratio:.3f}x faster per step but "
                f"averaging parameters, which must win by {slow_link.AVERAGING_GAIN:g}x")

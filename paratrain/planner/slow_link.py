@@ -462,6 +462,35 @@ def tree(c: ModelShape, tr: Training, cluster: Cluster) -> list[str]:
             "the bottleneck unless there are about as many servers as workers"]
 
 
+def layout_links(lay: Layout, cluster: Cluster) -> str:
+    """Where each parallel axis of `lay` runs, inside a node or across nodes (on the slow link), in
+    words: the explanation of a multi-node choice says what the chosen layout does, not a rule of
+    thumb it may not follow."""
+    def where(axis: str) -> str:
+        return "inside a node" if group_link(cluster, lay, axis) is cluster.intra else "across nodes"
+
+    names = (("tp", "tensor parallelism"), ("pp", "pipeline parallelism"), ("ep", "expert parallelism"))
+    parts = [f"{name} over {getattr(lay, axis)} ranks {where(axis)}" for axis, name in names
+             if getattr(lay, axis) > 1]
+    slow = lay if isinstance(lay, SlowLayout) else SlowLayout()
+    sync = f"ZeRO-{lay.zero}" if lay.zero else "DDP"
+    if lay.dp > 1 and slow.sync == "parameter-server":
+        parts.append(f"{lay.dp} data-parallel workers exchanging gradients and parameters with "
+                     f"{slow.servers} parameter server(s) every step")
+    elif lay.dp > 1 and slow.replicate > 1:
+        across = (f"averaging parameters across nodes every {slow.sync_every} steps ({slow.sync})"
+                  if slow.averaging else f"only an all-reduce of 1/{slow.shard} of the gradients crosses "
+                  "between nodes (hybrid sharding)")
+        parts.append(f"{sync} over the {slow.shard} data-parallel ranks of a node, {slow.replicate} "
+                     f"replicas; {across}")
+    elif lay.dp > 1 and slow.averaging:
+        parts.append(f"{lay.dp} data-parallel replicas {where('dp')}, averaging parameters every "
+                     f"{slow.sync_every} steps ({slow.sync})")
+    elif lay.dp > 1:
+        parts.append(f"{sync} over {lay.dp} data-parallel ranks {where('dp')}")
+    return "; ".join(parts) or "one device"
+
+
 def choice_notes(ranked: list, feasible: list) -> list[str]:
     """Why the slow-link branch's best did or did not win (plans: objects with .layout, .time,
     .link_bytes), the winner's bytes per link, and the caveat when an averaging row is shown."""
@@ -491,4 +520,4 @@ def choice_notes(ranked: list, feasible: list) -> list[str]:
 
 __all__ = ["AVERAGING_GAIN", "CAVEAT", "FIXABLE", "SLOW_LINK", "SYNCS", "SlowLayout", "applies",
            "check_fixed", "choice_notes", "choose_h", "cross_node_payload", "evaluate", "extend",
-           "link_bytes", "memory", "price", "rank_seconds", "tree", "variants"]
+           "layout_links", "link_bytes", "memory", "price", "rank_seconds", "tree", "variants"]
