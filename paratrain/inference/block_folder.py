@@ -19,7 +19,7 @@ import socket
 import tempfile
 from pathlib import Path
 
-from paratrain.launch import process_alive
+from paratrain.orphans import process_alive
 
 PREFIX = "paratrain-blocks-"
 MARKER = "owner.json"
