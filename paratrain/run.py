@@ -70,6 +70,7 @@ def run_training(cfg: Config) -> int:
 
 def _run_local(cfg: Config) -> int:
     task = build_task(cfg)  # tokenize once, here; every worker then maps the cache
+    say_data(task, cfg)
     if cfg.train.resume:
         _check_resume(cfg, task)  # another corpus/tokenizer than the checkpoint's: refused here
     if cfg.train.precision == "auto":  # measure once, here; workers read the cached choice
@@ -98,6 +99,25 @@ def _run_local(cfg: Config) -> int:
         return signals.exit_code(stopped)
     summarize(cfg)
     return 0
+
+
+def say_data(task, cfg: Config) -> None:
+    """Before the first step: what the steps amount to (the examples and rows they visit, the tokens
+    the loss counts, the epochs), so that no default applies silently."""
+    s = task.data_summary()
+    if s:
+        print(data_line(s, cfg), flush=True)
+
+
+def data_line(s: dict, cfg: Config) -> str:
+    t, rows, counted = cfg.train, s["rows"], s["counted_tokens"]
+    examples = f"{s['examples']:,} examples in " if "examples" in s else ""
+    held = (f"{rows['val']:,} rows of --eval-data {s['eval_data']['path']}" if "eval_data" in s
+            else f"{rows['val']:,} held out by --val-fraction {cfg.data.val_fraction}")
+    steps = f"--epochs {t.epochs:g}: {t.steps:,} steps" if t.epochs is not None else f"{t.steps:,} steps"
+    return (f"data: {examples}{rows['train']:,} training rows of {cfg.data.seq_len} tokens ({held}); "
+            f"the loss counts {counted['train']:,} tokens of the training rows and {counted['val']:,} of "
+            f"the validation rows; {steps} x {t.global_batch} rows = {s['epochs']:.3g} epochs")
 
 
 def _check_resume(cfg: Config, task) -> None:
@@ -146,7 +166,9 @@ def _run_torchrun(cfg: Config) -> int:
     env = init_from_torchrun(cfg.parallel.timeout_s, cfg.world_size - cfg.ps_servers)
     with runlock.locked_run(cfg) if env.rank == 0 else contextlib.nullcontext():
         if env.local_rank == 0:
-            build_task(cfg)
+            task = build_task(cfg)
+            if env.rank == 0:
+                say_data(task, cfg)
         if torch.distributed.is_initialized():  # the workers (parameter servers join RPC only)
             torch.distributed.barrier()
         with signals.handling_signals():  # torchrun's agent forwards SIGINT/SIGTERM to every worker

@@ -221,9 +221,11 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """The mean loss over the counted targets of ``eval_batches`` validation batches."""
+        """The mean loss over the counted targets of ``eval_batches`` validation batches (of all
+        of --eval-data's rows: ``task.val_batches``)."""
         total = torch.zeros((), dtype=torch.float32)
-        n, gb = self.cfg.train.eval_batches, self.cfg.train.global_batch
+        gb = self.cfg.train.global_batch
+        n = self.task.val_batches(gb, self.cfg.train.eval_batches)
         units = max(1, sum(self.task.val_units(i, gb) for i in range(n)))
         for i in range(n):
             x, y, positions = as_batch(self.task.val_batch(i, gb, self.local_rows()))
