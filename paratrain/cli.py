@@ -280,7 +280,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from paratrain.launch import under_torchrun  # lazy: start-up time
     from paratrain.run import run_training  # lazy: start-up time
 
-    cfg = checks.settle_seq_len(config.load(args.config, overrides_from(args)))  # the planner needs it too
+    cfg = checks.settle_seq_len(train_config(args))  # the planner needs the sequence length too
     if args.layout == "auto":
         from paratrain.plan_cli import auto_layout  # lazy: start-up time
 
@@ -296,6 +296,28 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         checks.validate(cfg)
     return run_training(cfg)
+
+
+def train_config(args: argparse.Namespace) -> config.Config:
+    """The defaults, the TOML file, the flags given. With --resume, a run folder's recorded
+    configuration (run.json) replaces the defaults: `--out RUN --resume` alone continues RUN as it
+    was started, and flags given beside it override (the resume checks refuse those that would
+    change the training: another corpus, tokenizer or global batch)."""
+    overrides = overrides_from(args)
+    cfg = config.load(args.config, overrides)
+    if not cfg.train.resume:
+        return cfg
+    from paratrain.run import recorded_config  # lazy: start-up time
+
+    recorded = recorded_config(cfg.train.out)
+    if recorded is None:  # nothing recorded: the trainer says there is no checkpoint to resume
+        return cfg
+    base, source = recorded
+    flags = {key: flag for flag, key, _, _, _ in TRAIN_OPTIONS}
+    given = [flags[key] for key in overrides if key not in ("train.resume", "train.out")]
+    print(f"paratrain: --resume: {cfg.train.out} continues with the configuration in {source}"
+          + (f", overridden by {' '.join(given)}" if given else ""), flush=True)
+    return config.load(args.config, overrides, base=base, base_source=str(source))
 
 
 def adopt_torchrun_world(cfg: config.Config) -> config.Config:

@@ -32,6 +32,7 @@ from paratrain.launch import (
 )
 from paratrain.memory.batch_finder import NothingFits
 from paratrain.memory.precision import choose as choose_precision
+from paratrain.safeload import read_json_object
 from paratrain.train import guards, runlock
 from paratrain.train.ps_run import rank_names, train_or_serve
 from paratrain.train.task import build_task
@@ -154,6 +155,34 @@ def _spawn_with_restarts(cfg: Config) -> int:
                   f"{cfg.parallel.max_restarts}, resuming from the latest checkpoint",
                   file=sys.stderr, flush=True)
             cfg = resuming(cfg)
+
+
+# Settings of one invocation, not of the run: a resume never inherits them from the record.
+NOT_RECORDED = {"train": ("resume", "overwrite", "trust_checkpoint", "out")}
+
+
+def recorded_config(out: str) -> tuple[dict, Path] | None:
+    """The configuration a run folder records, and the file: run.json's (written when a run starts
+    and when it ends), else its newest checkpoint's state.json's (a run of an older paratrain);
+    None when the folder records none. The settings of one invocation (``NOT_RECORDED``) and,
+    under torchrun, the world (torchrun's own) are left out."""
+    run_json = Path(out) / "run.json"
+    source = run_json if run_json.is_file() else None
+    if source is None:
+        folder = ckpt.latest(out)
+        source = folder / "state.json" if folder is not None and (folder / "state.json").is_file() else None
+    if source is None:
+        return None
+    recorded = read_json_object(source, ConfigError).get("config")
+    if not isinstance(recorded, dict):
+        return None
+    base = {section: dict(values) for section, values in recorded.items() if isinstance(values, dict)}
+    for section, keys in NOT_RECORDED.items():
+        for key in keys:
+            base.get(section, {}).pop(key, None)
+    if under_torchrun():
+        base.get("parallel", {}).pop("nproc", None)
+    return base, source
 
 
 def resuming(cfg: Config) -> Config:

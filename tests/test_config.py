@@ -109,3 +109,24 @@ def test_torchrun_world_sets_the_default_dp(monkeypatch, capsys, tmp_path):
     assert seen["cfg"].dp == 2 and seen["cfg"].world_size == 4
     assert main(["train", "--model", "tiny", "--seq-len", "32", "--nproc", "2", "--out", str(tmp_path)]) == 2
     assert "--nproc 2 disagrees with torchrun's world size 4" in capsys.readouterr().err
+
+
+def test_a_recorded_configuration_is_the_base_the_flags_override():
+    """--resume (issue 35 item 3): a run's recorded config replaces the defaults; flags override it,
+    and --steps given over a recorded --epochs run replaces the epochs (one choice, not both)."""
+    base = {"model": {"name": "tiny"}, "data": {"path": "chats.jsonl", "seq_len": 64},
+            "train": {"steps": 12, "epochs": 2.0, "global_batch": 4}}
+    cfg = config.load(None, {"train.resume": True}, base=base)
+    assert (cfg.model.name, cfg.data.path, cfg.train.steps, cfg.train.epochs) == ("tiny", "chats.jsonl", 12, 2.0)
+    cfg = config.load(None, {"train.steps": 30}, base=base)
+    assert (cfg.train.steps, cfg.train.epochs, cfg.data.seq_len) == (30, None, 64)
+    with pytest.raises(config.ConfigError, match="give --steps or --epochs, not both"):
+        config.load(None, {"train.steps": 30, "train.epochs": 1.0})
+    with pytest.raises(config.ConfigError, match="run.json: unknown key train.nope"):
+        config.load(None, {}, base={"train": {"nope": 1}}, base_source="run.json")
+
+
+def test_steps_for_epochs_rounds_up_without_float_noise():
+    assert config.steps_for_epochs(0.1, 30, 1) == 3  # 0.1 * 30 is 3.0000000000000004 in floats
+    assert config.steps_for_epochs(1.5, 30, 4) == 12  # 11.25: the last step reaches into the next epoch
+    assert config.steps_for_epochs(0.01, 30, 4) == 1

@@ -244,6 +244,8 @@ class Trainer:
         self.saver.check_free([s for s in range(self.start_step + 1, cfg.train.steps)
                                if every and s % every == 0] + [cfg.train.steps])
         writer = MetricsWriter(self.out, resume=cfg.train.resume) if self.is_main else None
+        if self.is_main:  # the configuration and data figures from the start: what --resume continues
+            self.task_files()
         if self.is_main:
             peak = matmul_peak(self.mesh.device, cfg.train.precision)  # the precision that runs
             self.peak_flops = peak * self.env.world_size if peak else None
@@ -376,6 +378,8 @@ class Trainer:
                 print(f"no checkpoint under {self.out}/checkpoints: starting from step 0")
             return
         state = ckpt.read_state(folder)
+        if self.is_main:
+            print(f"resuming from step {state['step']} of {self.out}", flush=True)
         check_cursor(state, self.task, self.cfg)  # refuse another corpus/tokenizer unless allowed
         self.check_compatible(folder, state)
         self.engine.load(folder, state, check=self.check_model, trust=self.cfg.train.trust_checkpoint)
