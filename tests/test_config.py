@@ -127,6 +127,6 @@ def test_a_recorded_configuration_is_the_base_the_flags_override():
 
 
 def test_steps_for_epochs_rounds_up_without_float_noise():
-    assert config.steps_for_epochs(0.1, 30, 1) == 3  # 0.1 * 30 is 3.0000000000000004 in floats
+    assert config.steps_for_epochs(1.1, 50, 1) == 55  # 1.1 * 50 is 55.00000000000001 in floats
     assert config.steps_for_epochs(1.5, 30, 4) == 12  # 11.25: the last step reaches into the next epoch
     assert config.steps_for_epochs(0.01, 30, 4) == 1
