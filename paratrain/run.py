@@ -115,7 +115,8 @@ def data_line(s: dict, cfg: Config) -> str:
     examples = f"{s['examples']:,} examples in " if "examples" in s else ""
     held = (f"{rows['val']:,} rows of --eval-data {s['eval_data']['path']}" if "eval_data" in s
             else f"{rows['val']:,} held out by --val-fraction {cfg.data.val_fraction}")
-    steps = f"--epochs {t.epochs:g}: {t.steps:,} steps" if t.epochs is not None else f"{t.steps:,} steps"
+    steps = f"{t.steps:,} step{'s' if t.steps != 1 else ''}"
+    steps = f"--epochs {t.epochs:g}: {steps}" if t.epochs is not None else steps
     return (f"data: {examples}{rows['train']:,} training rows of {cfg.data.seq_len} tokens ({held}); "
             f"the loss counts {counted['train']:,} tokens of the training rows and {counted['val']:,} of "
             f"the validation rows; {steps} x {t.global_batch} rows = {s['epochs']:.3g} epochs")

@@ -117,7 +117,8 @@ def test_a_recorded_configuration_is_the_base_the_flags_override():
     base = {"model": {"name": "tiny"}, "data": {"path": "chats.jsonl", "seq_len": 64},
             "train": {"steps": 12, "epochs": 2.0, "global_batch": 4}}
     cfg = config.load(None, {"train.resume": True}, base=base)
-    assert (cfg.model.name, cfg.data.path, cfg.train.steps, cfg.train.epochs) == ("tiny", "chats.jsonl", 12, 2.0)
+    got = (cfg.model.name, cfg.data.path, cfg.train.steps, cfg.train.epochs)
+    assert got == ("tiny", "chats.jsonl", 12, 2.0)
     cfg = config.load(None, {"train.steps": 30}, base=base)
     assert (cfg.train.steps, cfg.train.epochs, cfg.data.seq_len) == (30, None, 64)
     with pytest.raises(config.ConfigError, match="give --steps or --epochs, not both"):
