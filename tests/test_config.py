@@ -131,3 +131,18 @@ def test_steps_for_epochs_rounds_up_without_float_noise():
     assert config.steps_for_epochs(1.1, 50, 1) == 55  # 1.1 * 50 is 55.00000000000001 in floats
     assert config.steps_for_epochs(1.5, 30, 4) == 12  # 11.25: the last step reaches into the next epoch
     assert config.steps_for_epochs(0.01, 30, 4) == 1
+
+
+def test_new_data_settings_are_checked_before_any_worker(tmp_path, capsys):
+    """--epochs, --eval-data, --val-fraction (issue 35 items 2, 6): bad values exit 2 naming the flag."""
+    cfg = config.load(None, {"train.epochs": -1.0, "data.eval_path": str(tmp_path / "none.jsonl"),
+                             "data.val_fraction": 0.7})
+    with pytest.raises(config.ConfigError) as info:
+        checks.validate(cfg)
+    for fragment in ("train.epochs must be > 0", "data.eval_path", "--eval-data",
+                     "data.val_fraction must be in"):
+        assert fragment in str(info.value)
+    with pytest.raises(config.ConfigError, match="cnn-tiny trains on generated images"):
+        checks.validate(config.load(None, {"model.name": "cnn-tiny", "train.epochs": 1.0}))
+    assert main(["train", "--val-fraction", "0.9", "--out", str(tmp_path / "r")]) == 2
+    assert "data.val_fraction must be in (0, 0.5) (got 0.9)" in capsys.readouterr().err

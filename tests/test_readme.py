@@ -18,6 +18,8 @@ import json
 import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -118,8 +120,7 @@ def test_the_readme_moe_command_runs(tmp_path, capsys):
     assert (tmp_path / "run" / "model.safetensors").exists()
 
 
-def test_the_readme_resume_continues_a_fine_tune_with_its_recorded_configuration(tmp_path, monkeypatch,
-                                                                                 capfd):
+def test_the_readme_resume_continues_a_fine_tune_with_its_recorded_configuration(tmp_path, monkeypatch):
     """Issue 35 item 3: the README's `paratrain train --out runs/mine --resume`, exactly, after its
     fine-tune line (at tiny scale: a few steps, interrupted by a killed rank after step 2) continues
     that run from its run.json, not the default corpus (which failed: "the tokenizer changed")."""
@@ -138,12 +139,17 @@ def test_the_readme_resume_continues_a_fine_tune_with_its_recorded_configuration
     _jsonl(tmp_path / "data" / "chat.jsonl", [_chat(i, turns=1 + i % 2) for i in range(60)])
     tiny = ["--out", "runs/mine", "--steps", "3", "--save-every", "1", "--global-batch", "4", "--eval-every",
             "0", "--no-progress"]
-    monkeypatch.setenv("PARATRAIN_TEST_CRASH_AT_STEP", "2")  # rank 1 dies after step 2's checkpoint
-    assert cli.main([os.path.expanduser(a) for a in finetune] + tiny) == 1
-    monkeypatch.delenv("PARATRAIN_TEST_CRASH_AT_STEP")
-    capfd.readouterr()
-    assert cli.main(resume) == 0, capfd.readouterr().err
-    out = capfd.readouterr().out  # the workers' lines too (capfd: file descriptors)
+    # Rank 1 dies after step 2's checkpoint. Processes of their own: this one's workers come from a
+    # forkserver started earlier, with the environment and the output of then.
+    env = {**os.environ, "PARATRAIN_TEST_CRASH_AT_STEP": "2", "PYTHONPATH": str(ROOT)}
+    first = subprocess.run([sys.executable, "-m", "paratrain.cli", *[os.path.expanduser(a) for a in finetune],
+                            *tiny], env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 1 and "training failed on rank 1" in first.stderr, first.stderr[-3000:]
+    del env["PARATRAIN_TEST_CRASH_AT_STEP"]
+    again = subprocess.run([sys.executable, "-m", "paratrain.cli", *resume], env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    out = again.stdout
     assert "runs/mine continues with the configuration in runs/mine/run.json\n" in out
     assert "data: 60 examples in " in out  # the fine-tune's chats, not the default corpus
     assert "resuming from step 2 of runs/mine" in out
