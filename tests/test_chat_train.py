@@ -195,3 +195,18 @@ def test_steps_and_epochs_together_exit_2(tmp_path, tok_dir, capsys):  # noqa: F
     del argv[argv.index("--steps"):argv.index("--steps") + 2]
     assert main(argv) == 2
     assert "train.epochs must be > 0" in capsys.readouterr().err
+
+
+def test_eval_data_gives_the_same_val_loss_in_two_ranks(tmp_path, tok_dir):  # noqa: F811
+    """--eval-data's last batch is partly padding rows; dp ranks take contiguous slices of it, and
+    the mean is over the whole file's counted tokens in every layout (fp32 sums in another order)."""
+    src = _jsonl(tmp_path / "chat.jsonl", [_chat(i, turns=1 + i % 2) for i in range(60)])
+    held = _jsonl(tmp_path / "val.jsonl", [_chat(100 + i, turns=1 + i % 3) for i in range(21)])
+    losses = []
+    for n in ("1", "2"):
+        argv = _args(tmp_path / n, src, tok_dir, "--eval-data", str(held), "--nproc", n)
+        argv[argv.index("--eval-every") + 1] = "2"
+        assert main(argv) == 0
+        rows = (tmp_path / n / "run" / "metrics.jsonl").read_text().splitlines()
+        losses.append(json.loads(rows[-1])["val_loss"])
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
