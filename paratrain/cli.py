@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import typing
 
@@ -315,16 +316,15 @@ def train_config(args: argparse.Namespace) -> config.Config:
     base, source = recorded
     flags = {key: flag for flag, key, _, _, _ in TRAIN_OPTIONS}
     given = [flags[key] for key in overrides if key not in ("train.resume", "train.out")]
-    print(f"paratrain: --resume: {cfg.train.out} continues with the configuration in {source}"
-          + (f", overridden by {' '.join(given)}" if given else ""), flush=True)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun: once, not once per rank
+        print(f"paratrain: --resume: {cfg.train.out} continues with the configuration in {source}"
+              + (f", overridden by {' '.join(given)}" if given else ""), flush=True)
     return config.load(args.config, overrides, base=base, base_source=str(source))
 
 
 def adopt_torchrun_world(cfg: config.Config) -> config.Config:
     """Under torchrun the world is torchrun's (nnodes x nproc-per-node): it stands in for --nproc,
     so an unset --dp defaults to world / (tp * pp) as it does with paratrain's own workers."""
-    import os
-
     world = int(os.environ["WORLD_SIZE"])
     if cfg.parallel.nproc not in (None, world):
         raise config.ConfigError(
