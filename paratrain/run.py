@@ -19,6 +19,7 @@ import paratrain.signals as signals
 from paratrain.config import Config, ConfigError
 from paratrain.data import check_cursor
 from paratrain.engine import checkpoint as ckpt
+from paratrain.engine.task import Task
 from paratrain.inference.folders import generate_from_run
 from paratrain.launch import (
     DistEnv,
@@ -102,7 +103,7 @@ def _run_local(cfg: Config) -> int:
     return 0
 
 
-def say_data(task, cfg: Config) -> None:
+def say_data(task: Task, cfg: Config) -> None:
     """Before the first step: what the steps amount to (the examples and rows they visit, the tokens
     the loss counts, the epochs), so that no default applies silently."""
     s = task.data_summary()

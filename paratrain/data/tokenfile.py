@@ -265,9 +265,8 @@ def say_preparing(sources: list[Source], tasks: list[Task], opts: PrepareOptions
     """What a fresh cache's silent start-up is doing (seconds to minutes): training the BPE, tokenizing."""
     total = sum(t.nbytes for t in tasks)
     if opts.tokenizer is None:
-        sample = min(T.SAMPLE_BYTES, total)
         print(f"paratrain: training the BPE tokenizer (vocabulary {opts.vocab_size:,}) on "
-              f"{sample / 1e6:.1f} MB of the data ...", file=sys.stderr, flush=True)
+              f"{min(T.SAMPLE_BYTES, total) / 1e6:.1f} MB of the data ...", file=sys.stderr, flush=True)
     print(f"paratrain: tokenizing {len(sources):,} file(s), {total / 1e6:.1f} MB, into {where} ...",
           file=sys.stderr, flush=True)
 
