@@ -200,7 +200,9 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
      "the final one)"),
     ("--keep-checkpoints", "train.keep_checkpoints", int, CHECKPOINTS, "newest complete checkpoints "
      "kept; older ones are pruned"),
-    ("--resume", "train.resume", bool, CHECKPOINTS, "continue from the last complete checkpoint in --out"),
+    ("--resume", "train.resume", bool, CHECKPOINTS, "continue from the last complete checkpoint in --out, "
+     "with the configuration the run recorded (--out/run.json): other flags are needed only to override "
+     "it (e.g. --steps to train on)"),
     ("--overwrite", "train.overwrite", bool, CHECKPOINTS, "start afresh in a folder holding another "
      "run's checkpoints (deletes them)"),
     ("--async-save", "train.async_save", bool, CHECKPOINTS, "write checkpoints from a background thread "
