@@ -357,4 +357,3 @@ def test_parquet_without_pyarrow_says_what_to_install(tmp_path, tokenizer, monke
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # import fails as when not installed
     with pytest.raises(DataError, match=r"needs pyarrow: pip install 'paratrain\[parquet\]'"):
         prepare(str(tmp_path / "d.parquet"), _opts(tokenizer), out=tmp_path / "p")
-
