@@ -232,9 +232,8 @@ def prepare(data: str | None, opts: PrepareOptions, *, out: Path | None = None,
     fmt = resolve_format(first_row(sources), opts.fmt, opts.text_field)
     template = resolve_template(fmt, opts.tokenizer, opts.chat_template)
     key = cache_key(sources, opts, fmt, template)
-    cached = out is None
+    where = "" if out else " (the cache: once, later runs map it)"
     out = out or cache_root(cache_dir) / f"tokens-{key}"
-    where = f"the cache {out} (once: later runs map it)" if cached else str(out)
     if _prepared_key(out) == key:
         return out
     if out.exists() and any(out.iterdir()) and not is_prepared(out):
@@ -245,7 +244,7 @@ def prepare(data: str | None, opts: PrepareOptions, *, out: Path | None = None,
     try:
         with _writing(tmp):
             tmp.mkdir(parents=True)
-        say_preparing(sources, tasks, opts, where)
+        T.say_preparing(tasks, len(sources), None if opts.tokenizer else opts.vocab_size, f"{out}{where}")
         tok_info = _write_tokenizer(tmp, tasks, opts, fmt)
         stats = _tokenize(tmp, tasks, tok_info, opts, (fmt, template.to_dict() if template else None))
         manifest = {"format": FORMAT, "version": VERSION, "key": key, "text_field": opts.text_field,
@@ -259,16 +258,6 @@ def prepare(data: str | None, opts: PrepareOptions, *, out: Path | None = None,
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
-
-
-def say_preparing(sources: list[Source], tasks: list[Task], opts: PrepareOptions, where: str) -> None:
-    """What a fresh cache's silent start-up is doing (seconds to minutes): training the BPE, tokenizing."""
-    total = sum(t.nbytes for t in tasks)
-    if opts.tokenizer is None:
-        print(f"paratrain: training the BPE tokenizer (vocabulary {opts.vocab_size:,}) on "
-              f"{min(T.SAMPLE_BYTES, total) / 1e6:.1f} MB of the data ...", file=sys.stderr, flush=True)
-    print(f"paratrain: tokenizing {len(sources):,} file(s), {total / 1e6:.1f} MB, into {where} ...",
-          file=sys.stderr, flush=True)
 
 
 def _prepared_key(out: Path) -> str | None:
