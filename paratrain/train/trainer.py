@@ -240,12 +240,13 @@ class Trainer:
             self.resume()
             if self.is_main:
                 drop_rows_after(self.out / "metrics.jsonl", self.start_step)
+        if self.is_main:  # the configuration and data figures from the start: what --resume continues
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.task_files()
         every = cfg.train.save_every
         self.saver.check_free([s for s in range(self.start_step + 1, cfg.train.steps)
                                if every and s % every == 0] + [cfg.train.steps])
         writer = MetricsWriter(self.out, resume=cfg.train.resume) if self.is_main else None
-        if self.is_main:  # the configuration and data figures from the start: what --resume continues
-            self.task_files()
         if self.is_main:
             peak = matmul_peak(self.mesh.device, cfg.train.precision)  # the precision that runs
             self.peak_flops = peak * self.env.world_size if peak else None
