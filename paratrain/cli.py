@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import typing
 
@@ -134,6 +135,11 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
      "least: dp - 1)"),
     ("--data", "data.path", str, DATA, "text, .jsonl or .parquet files or folders, or a folder from "
      "`paratrain data prepare` (default: the Python stdlib sources)"),
+    ("--eval-data", "data.eval_path", str, DATA, "a separate validation file (or folder), tokenized as "
+     "--data is and evaluated whole every --eval-every steps (default: the rows --val-fraction holds out "
+     "of --data)"),
+    ("--val-fraction", "data.val_fraction", float, DATA, "the share of --data's tokens held out for "
+     "validation: its last whole examples / documents, never trained on"),
     ("--seq-len", "data.seq_len", int, DATA, "tokens per row (default: the model's positions, at most "
      f"{config.DEFAULT_SEQ_LEN})"),
     ("--tokenizer", "data.tokenizer", str, DATA, "a tokenizer.json or a Hugging Face folder (default: a "
@@ -159,7 +165,9 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
      "truncate (counted and reported) or refuse (an error naming how many)"),
     ("--verify-data", "data.verify_data", bool, DATA, "check a prepared data folder's tokens against its "
      "manifest's hash at start, whatever its size (default: only folders up to 256 MiB)"),
-    ("--steps", "train.steps", int, OPTIM, "optimizer steps"),
+    ("--steps", "train.steps", int, OPTIM, "optimizer steps (or --epochs)"),
+    ("--epochs", "train.epochs", float, OPTIM, "passes over the training rows instead of --steps: the "
+     "steps are derived, ceil(epochs x training rows / --global-batch), and said at start"),
     ("--global-batch", "train.global_batch", int, OPTIM, "rows per optimizer step, over all "
      "data-parallel ranks"),
     ("--seed", "train.seed", int, OPTIM, "seed of the initial weights and the data order"),
@@ -192,7 +200,9 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
      "the final one)"),
     ("--keep-checkpoints", "train.keep_checkpoints", int, CHECKPOINTS, "newest complete checkpoints "
      "kept; older ones are pruned"),
-    ("--resume", "train.resume", bool, CHECKPOINTS, "continue from the last complete checkpoint in --out"),
+    ("--resume", "train.resume", bool, CHECKPOINTS, "continue from the last complete checkpoint in --out, "
+     "with the configuration the run recorded (--out/run.json): other flags are needed only to override "
+     "it (e.g. --steps to train on)"),
     ("--overwrite", "train.overwrite", bool, CHECKPOINTS, "start afresh in a folder holding another "
      "run's checkpoints (deletes them)"),
     ("--async-save", "train.async_save", bool, CHECKPOINTS, "write checkpoints from a background thread "
@@ -209,7 +219,8 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
      "(naming the step and tensor) or skip the step"),
     ("--check-collectives", "parallel.check_collectives", bool, RELIABILITY, "compare every "
      "collective's fingerprint across its group first, so a hang names the rank that diverged"),
-    ("--eval-every", "train.eval_every", int, RUN, "held-out loss every N steps (0: never)"),
+    ("--eval-every", "train.eval_every", int, RUN, "validation loss every N steps (0: never): over "
+     "every row of --eval-data, else over 4 global batches of --data's held-out rows"),
     ("--sample-prompt", "train.sample_prompt", str, RUN, "the prompt of the sample printed at the end "
      "(default: the start of the corpus's first line)"),
     ("--threads", "train.threads", int, RUN, "torch threads of a single process (workers use 1; default: "
@@ -274,7 +285,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from paratrain.launch import under_torchrun  # lazy: start-up time
     from paratrain.run import run_training  # lazy: start-up time
 
-    cfg = checks.settle_seq_len(config.load(args.config, overrides_from(args)))  # the planner needs it too
+    cfg = checks.settle_seq_len(train_config(args))  # the planner needs the sequence length too
     if args.layout == "auto":
         from paratrain.plan_cli import auto_layout  # lazy: start-up time
 
@@ -292,11 +303,32 @@ def cmd_train(args: argparse.Namespace) -> int:
     return run_training(cfg)
 
 
+def train_config(args: argparse.Namespace) -> config.Config:
+    """The defaults, the TOML file, the flags given. With --resume, a run folder's recorded
+    configuration (run.json) replaces the defaults: `--out RUN --resume` alone continues RUN as it
+    was started, and flags given beside it override (the resume checks refuse those that would
+    change the training: another corpus, tokenizer or global batch)."""
+    overrides = overrides_from(args)
+    cfg = config.load(args.config, overrides)
+    if not cfg.train.resume:
+        return cfg
+    from paratrain.run import recorded_config  # lazy: start-up time
+
+    recorded = recorded_config(cfg.train.out)
+    if recorded is None:  # nothing recorded: the trainer says there is no checkpoint to resume
+        return cfg
+    base, source = recorded
+    flags = {key: flag for flag, key, _, _, _ in TRAIN_OPTIONS}
+    given = [flags[key] for key in overrides if key not in ("train.resume", "train.out")]
+    if os.environ.get("RANK", "0") == "0":  # under torchrun: once, not once per rank
+        print(f"paratrain: --resume: {cfg.train.out} continues with the configuration in {source}"
+              + (f", overridden by {' '.join(given)}" if given else ""), flush=True)
+    return config.load(args.config, overrides, base=base, base_source=str(source))
+
+
 def adopt_torchrun_world(cfg: config.Config) -> config.Config:
     """Under torchrun the world is torchrun's (nnodes x nproc-per-node): it stands in for --nproc,
     so an unset --dp defaults to world / (tp * pp) as it does with paratrain's own workers."""
-    import os
-
     world = int(os.environ["WORLD_SIZE"])
     if cfg.parallel.nproc not in (None, world):
         raise config.ConfigError(
@@ -407,10 +439,12 @@ def eval_parser(sub: argparse._SubParsersAction) -> None:
     src = e.add_mutually_exclusive_group(required=True)
     src.add_argument("--run", help="run folder (the --out of paratrain train)")
     src.add_argument("--init-from", help="a local Hugging Face model folder")
-    data = e.add_mutually_exclusive_group(required=True)
+    data = e.add_mutually_exclusive_group()
     data.add_argument("--text-file", help="one sequence: the file's whole text, no special tokens")
-    data.add_argument("--data", help="a corpus (file or folder): loss over its held-out rows; chat or "
-                      "completion data: over their assistant turns / completions only")
+    data.add_argument("--data", help="a corpus (file or folder): loss over ALL its rows, the whole file; "
+                      "chat or completion data: over their assistant turns / completions only (without "
+                      "--data and --text-file, --run RUN evaluates the rows that run validated on: its "
+                      "--eval-data, else the rows --val-fraction held out of its --data)")
     e.add_argument("--seq-len", type=int, help="rows of --data (default: the model's context, at most 1024)")
     e.add_argument("--max-rows", type=int, help="evaluate at most this many rows of --data")
     e.add_argument("--json", action="store_true", help='one line {"loss", "tokens", "perplexity"}')
@@ -423,14 +457,20 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from paratrain.eval import (  # lazy: start-up time
         EvalError,
         eval_corpus,
+        eval_run_split,
         eval_text,
         load_model,
     )
 
     if args.seq_len is not None and args.seq_len < 1:
         raise UserError(f"--seq-len must be >= 1 (got {args.seq_len})")
+    if args.init_from and not (args.data or args.text_file):
+        raise UserError("eval --init-from DIR needs --data FILE or --text-file FILE (a Hugging Face "
+                        "folder has no held-out rows of its own)")
     model, tokenizer, hf_config = load_model(args.run, args.init_from)
-    if args.text_file:
+    if not (args.data or args.text_file):
+        result = eval_run_split(model, args.run, args.seq_len, hf_config, max_rows=args.max_rows)
+    elif args.text_file:
         if not Path(args.text_file).is_file():
             raise EvalError(f"--text-file {args.text_file!r} does not exist")
         text = Path(args.text_file).read_bytes().decode("utf-8", errors="replace")

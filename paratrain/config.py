@@ -1,5 +1,7 @@
 """Typed configuration: dataclasses, loaded from TOML, overridden by command-line flags.
 
+Over 500 lines: every setting with its type, choices and range in one plain-data module.
+
 This module is plain data: it imports nothing of paratrain. ``check_values`` lists the problems
 the settings alone show; ``paratrain.engine.checks.validate(cfg, world_size)`` adds those that need
 the model and the techniques, lists *every* problem with what to change, and runs before any
@@ -103,6 +105,7 @@ DEFAULT_SEQ_LEN = 256  # an unset data.seq_len: the model's positions, at most t
 @dataclass
 class DataConfig:
     path: str | None = None  # text/.jsonl/.parquet files or folders, or a prepared folder; default: stdlib
+    eval_path: str | None = None  # a validation file evaluated whole every eval_every (default: the split)
     vocab_size: int = 8192
     # None: follow the model (its positions, at most DEFAULT_SEQ_LEN), settled by engine/checks.py
     # once the model is known; a value given in TOML or by --seq-len is kept, and refused if too long.
@@ -140,6 +143,7 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     steps: int = 150
+    epochs: float | None = None  # passes over the training rows: steps derived from it (not with steps)
     global_batch: int = 8  # rows (sequences) per optimizer step, over all data-parallel ranks
     micro_batch: int | str | None = None  # rows per forward/backward on one rank; default: all; "auto": found
     memory_limit: int | None = None  # bytes per rank for micro_batch "auto" (default: the GPU's memory)
@@ -285,21 +289,47 @@ def type_problem(name: str, value: object, hint: object) -> str | None:
     return f"{name} = {value!r} has type {type(value).__name__}; it must be {want}{hint_fix}"
 
 
-def load(path: str | None = None, overrides: dict | None = None) -> Config:
-    """Config from defaults, then the TOML file, then ``{"section.key": value}`` overrides."""
+def load(path: str | None = None, overrides: dict | None = None, base: dict | None = None,
+         base_source: str = "the recorded configuration") -> Config:
+    """Config from defaults (or ``base``, a run's recorded ``to_dict()``: what --resume continues),
+    then the TOML file, then ``{"section.key": value}`` overrides (the flags given).
+
+    Each layer may set --steps or --epochs, not both; a later layer's choice replaces an earlier
+    one's (--steps over a recorded --epochs run trains that many steps)."""
     cfg = Config()
+    if base:
+        apply_sections(cfg, base, source=base_source)
     if path:
         if not os.path.isfile(path):
             raise ConfigError(f"config file {path!r} does not exist: check the --config path")
         try:
             with open(path, "rb") as f:
-                apply_sections(cfg, tomllib.load(f), source=path)
+                sections = tomllib.load(f)
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML ({e})") from None
+        apply_sections(cfg, sections, source=path)
+        _steps_or_epochs(cfg, {f"{s}.{k}" for s, values in sections.items() for k in values}, path)
     for dotted, value in (overrides or {}).items():
         section, key = dotted.split(".", 1)
         apply_sections(cfg, {section: {key: value}}, source="command line")
+    _steps_or_epochs(cfg, set(overrides or {}), "command line")
     return cfg
+
+
+def _steps_or_epochs(cfg: Config, given: set[str], source: str) -> None:
+    """train.steps and train.epochs are one choice: both in one layer is refused; steps given alone
+    drops an epochs an earlier layer set (the steps would otherwise be derived over them)."""
+    if {"train.steps", "train.epochs"} <= given:
+        raise ConfigError(f"{source}: give --steps or --epochs, not both (train.steps, train.epochs): "
+                          "--epochs N derives the steps from the training rows")
+    if "train.steps" in given:
+        cfg.train.epochs = None
+
+
+def steps_for_epochs(epochs: float, train_rows: int, global_batch: int) -> int:
+    """--epochs: the optimizer steps that visit the training rows ``epochs`` times (the last step
+    may reach into the next epoch), at least one."""
+    return max(1, math.ceil(epochs * train_rows / global_batch - 1e-9))
 
 
 def _choice(problems: list[str], name: str, value, allowed) -> None:
@@ -342,6 +372,7 @@ RANGES: dict[str, tuple[typing.Callable, str]] = {
     "optim.beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "optim.beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "optim.min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "train.epochs": (lambda v: v is None or v > 0, "> 0 (passes over the training rows)"),
     "train.save_every": (lambda v: v >= 0, ">= 0 (0: only the final checkpoint)"),
     "train.eval_every": (lambda v: v >= 0, ">= 0 (0: no evaluation)"),
     "train.eval_batches": (lambda v: v >= 1, ">= 1"),
@@ -424,6 +455,9 @@ def check_values(cfg: Config, problems: list[str], world_size: int | None = None
     if d.path is not None and not os.path.exists(d.path):
         problems.append(f"data.path {d.path!r} does not exist: "
                         "point --data at a text/.jsonl file or a folder")
+    if d.eval_path is not None and not os.path.exists(d.eval_path):
+        problems.append(f"data.eval_path {d.eval_path!r} does not exist: "
+                        "point --eval-data at a text/.jsonl file or a folder")
     if d.tokenizer is not None and not os.path.exists(d.tokenizer):
         problems.append(f"data.tokenizer {d.tokenizer!r} does not exist: "
                         "give a tokenizer.json or a Hugging Face folder holding one")

@@ -1,16 +1,18 @@
 """`paratrain eval`: mean next-token cross-entropy of a trained run or an imported model.
 
-    paratrain eval (--run RUN | --init-from DIR) (--text-file FILE | --data PATH) [--seq-len N] [--json]
+    paratrain eval (--run RUN | --init-from DIR) [--text-file FILE | --data PATH] [--seq-len N] [--json]
 
 --text-file: the file's text is ONE sequence, tokenized with no special tokens added; every token
 after the first is predicted from all before it (what transformers' ``model(ids, labels=ids).loss``
 computes). A text longer than the context is refused, never silently cut.
---data: the validation rows (the same split `paratrain train` holds out) of a corpus tokenized
-with the model's tokenizer, in windows of --seq-len tokens. Chat or completion data (detected from
-the rows' fields, as `train` does) is rendered with the model's chat template (a run's: the one it
-trained with) and evaluated as `train` validates it: whole held-out examples packed in rows, each
-attending only to itself, the loss over the assistant turns / completions only (``tokens``: those
-counted targets).
+--data: EVERY row of a corpus (the whole file or folder: nothing is held back), tokenized with the
+model's tokenizer, text in windows of --seq-len tokens (each token after the first predicted once).
+Chat or completion data (detected from the rows' fields, as `train` does) is rendered with the
+model's chat template (a run's: the one it trained with) and evaluated as `train` validates it:
+whole examples packed in rows, each attending only to itself, the loss over the assistant turns /
+completions only (``tokens``: those counted targets).
+--run RUN alone: the rows the run validated on, from its run.json: its --eval-data file, else the
+rows --val-fraction held out of its --data, tokenized and split as training did.
 Single process, CPU or the first CUDA device; the model is loaded whole (eval is for models a
 single device holds).
 """
@@ -27,9 +29,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from paratrain.data import TokenRows, prepare_corpus
+from paratrain.config import Config
+from paratrain.data import Corpus, TokenRows, load_corpus, load_eval_corpus, make_rows, prepare_corpus
 from paratrain.data.packing import IGNORE_INDEX, PackedRows
-from paratrain.data.tokenizer import load_tokenizer
+from paratrain.data.tokenizer import file_hash, load_tokenizer
 from paratrain.inference.folders import load_run, run_template
 from paratrain.models.llama import Llama
 from paratrain.models.llama.hf import check_seq_len, load_pretrained
@@ -108,28 +111,57 @@ def eval_text(model: Llama, tokenizer: Path, text: str, hf_config: dict | None =
 def eval_corpus(model: Llama, tokenizer: Path, data: str, seq_len: int, hf_config: dict | None = None,
                 batch: int = 8, max_rows: int | None = None, cache_dir: str | None = None,
                 run: str | None = None) -> EvalResult:
-    """The held-out rows of a corpus (as `paratrain train` splits it), tokenized by the model's
+    """Every row of a corpus (the whole file or folder, none held back), tokenized by the model's
     tokenizer (``run``: the run folder the model comes from, whose chat template chat data needs)."""
     check_context(model, hf_config, seq_len)
     with tempfile.TemporaryDirectory() as tmp:
         tok = chat_tokenizer(run, Path(tmp)) if run is not None else tokenizer
         corpus = prepare_corpus(data, 0, cache_dir, tokenizer=str(tok))
+    cfg = Config()
+    cfg.data.seq_len = seq_len
+    return evaluate_rows(model, corpus, make_rows(corpus, cfg, whole=True), data, batch, max_rows)
+
+
+def eval_run_split(model: Llama, run: str, seq_len: int | None = None, hf_config: dict | None = None,
+                   batch: int = 8, max_rows: int | None = None) -> EvalResult:
+    """The rows a run validated on: its --eval-data whole, else the rows --val-fraction held out of its
+    --data, tokenized and split as training did (its run.json's configuration)."""
+    info = json.loads((Path(run) / "run.json").read_text())
+    if "config" not in info:
+        raise EvalError(f"{Path(run) / 'run.json'} records no configuration: give --data FILE")
+    cfg = Config.from_dict(info["config"])
+    cfg.data.seq_len = seq_len or cfg.data.seq_len
+    check_context(model, hf_config, cfg.data.seq_len)
+    for name, path in (("--data", cfg.data.path), ("--eval-data", cfg.data.eval_path)):
+        if path is not None and not Path(path).exists():
+            raise EvalError(f"the run's {name} {path!r} (its run.json) does not exist here: give --data "
+                            "FILE, or run eval from the folder the run was started in")
+    corpus = load_corpus(cfg)
+    if corpus.manifest["tokenizer"]["hash"] != file_hash(Path(run) / "tokenizer.json"):
+        raise EvalError(f"the run's data now tokenizes with another tokenizer than {run}/tokenizer.json: "
+                        "give --data FILE to evaluate it with the run's own")
+    if cfg.data.eval_path:
+        corpus = load_eval_corpus(cfg, corpus)
+        return evaluate_rows(model, corpus, make_rows(corpus, cfg, whole=True), cfg.data.eval_path, batch,
+                             max_rows)
+    source = cfg.data.path or "the default corpus"
+    where = f"the rows --val-fraction {cfg.data.val_fraction} holds out of {source}"
+    return evaluate_rows(model, corpus, make_rows(corpus, cfg), where, batch, max_rows)
+
+
+def evaluate_rows(model: Llama, corpus: Corpus, rows: TokenRows | PackedRows, where: str, batch: int = 8,
+                  max_rows: int | None = None) -> EvalResult:
+    """Mean loss over the counted targets of the validation rows of ``rows`` (at most ``max_rows``)."""
     if int(corpus.tokens.max()) >= model.cfg.vocab_size:
         raise EvalError(f"token id {int(corpus.tokens.max())} is outside the model's vocabulary "
                         f"({model.cfg.vocab_size})")
-    if corpus.format == "text":
-        rows = TokenRows(corpus.tokens, seq_len, val_fraction=0.02, seed=0, doc_ends=corpus.doc_ends)
-    else:  # whole examples, packed, the loss on the counted (assistant / completion) targets only
-        rows = PackedRows(corpus.tokens, corpus.doc_ends, seq_len, 0.02, 0, mask=corpus.mask,
-                          pad_id=corpus.manifest.get("tokenizer", {}).get("eot_id", 0))
     n_rows = min(rows.n_val, max_rows or rows.n_val)
     total, count = 0.0, 0
     for index in range(-(-n_rows // batch)):
         s, n = loss_sum(model, *rows.val_batch(index, batch, slice(0, min(batch, n_rows - index * batch))))
         total, count = total + s, count + n
     if count == 0:
-        raise EvalError(f"{data}: its held-out examples have no counted target (no assistant turn or "
-                        "completion): nothing to evaluate")
+        raise EvalError(f"{where}: no counted target (no assistant turn or completion): nothing to evaluate")
     return EvalResult(total / count, count)
 
 

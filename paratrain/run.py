@@ -19,6 +19,7 @@ import paratrain.signals as signals
 from paratrain.config import Config, ConfigError
 from paratrain.data import check_cursor
 from paratrain.engine import checkpoint as ckpt
+from paratrain.engine.task import Task
 from paratrain.inference.folders import generate_from_run
 from paratrain.inference.loop import Sampling
 from paratrain.launch import (
@@ -33,6 +34,7 @@ from paratrain.launch import (
 )
 from paratrain.memory.batch_finder import NothingFits
 from paratrain.memory.precision import choose as choose_precision
+from paratrain.safeload import read_json_object
 from paratrain.train import guards, runlock
 from paratrain.train.ps_run import rank_names, train_or_serve
 from paratrain.train.task import build_task
@@ -71,6 +73,7 @@ def run_training(cfg: Config) -> int:
 
 def _run_local(cfg: Config) -> int:
     task = build_task(cfg)  # tokenize once, here; every worker then maps the cache
+    say_data(task, cfg)
     if cfg.train.resume:
         _check_resume(cfg, task)  # another corpus/tokenizer than the checkpoint's: refused here
     if cfg.train.precision == "auto":  # measure once, here; workers read the cached choice
@@ -99,6 +102,26 @@ def _run_local(cfg: Config) -> int:
         return signals.exit_code(stopped)
     summarize(cfg)
     return 0
+
+
+def say_data(task: Task, cfg: Config) -> None:
+    """Before the first step: what the steps amount to (the examples and rows they visit, the tokens
+    the loss counts, the epochs), so that no default applies silently."""
+    s = task.data_summary()
+    if s:
+        print(data_line(s, cfg), flush=True)
+
+
+def data_line(s: dict, cfg: Config) -> str:
+    t, rows, counted = cfg.train, s["rows"], s["counted_tokens"]
+    examples = f"{s['examples']:,} examples in " if "examples" in s else ""
+    held = (f"{rows['val']:,} rows of --eval-data {s['eval_data']['path']}" if "eval_data" in s
+            else f"{rows['val']:,} held out by --val-fraction {cfg.data.val_fraction}")
+    steps = f"{t.steps:,} step{'s' if t.steps != 1 else ''}"
+    steps = f"--epochs {t.epochs:g}: {steps}" if t.epochs is not None else steps
+    return (f"data: {examples}{rows['train']:,} training rows of {cfg.data.seq_len} tokens ({held}); "
+            f"the loss counts {counted['train']:,} tokens of the training rows and {counted['val']:,} of "
+            f"the validation rows; {steps} x {t.global_batch} rows = {s['epochs']:.3g} epochs")
 
 
 def _check_resume(cfg: Config, task) -> None:
@@ -137,6 +160,34 @@ def _spawn_with_restarts(cfg: Config) -> int:
             cfg = resuming(cfg)
 
 
+# Settings of one invocation, not of the run: a resume never inherits them from the record.
+NOT_RECORDED = {"train": ("resume", "overwrite", "trust_checkpoint", "out")}
+
+
+def recorded_config(out: str) -> tuple[dict, Path] | None:
+    """The configuration a run folder records, and the file: run.json's (written when a run starts
+    and when it ends), else its newest checkpoint's state.json's (a run of an older paratrain);
+    None when the folder records none. The settings of one invocation (``NOT_RECORDED``) and,
+    under torchrun, the world (torchrun's own) are left out."""
+    run_json = Path(out) / "run.json"
+    source = run_json if run_json.is_file() else None
+    if source is None:
+        folder = ckpt.latest(out)
+        source = folder / "state.json" if folder is not None and (folder / "state.json").is_file() else None
+    if source is None:
+        return None
+    recorded = read_json_object(source, ConfigError).get("config")
+    if not isinstance(recorded, dict):
+        return None
+    base = {section: dict(values) for section, values in recorded.items() if isinstance(values, dict)}
+    for section, keys in NOT_RECORDED.items():
+        for key in keys:
+            base.get(section, {}).pop(key, None)
+    if under_torchrun():
+        base.get("parallel", {}).pop("nproc", None)
+    return base, source
+
+
 def resuming(cfg: Config) -> Config:
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=True))
 
@@ -147,7 +198,9 @@ def _run_torchrun(cfg: Config) -> int:
     env = init_from_torchrun(cfg.parallel.timeout_s, cfg.world_size - cfg.ps_servers)
     with runlock.locked_run(cfg) if env.rank == 0 else contextlib.nullcontext():
         if env.local_rank == 0:
-            build_task(cfg)
+            task = build_task(cfg)
+            if env.rank == 0:
+                say_data(task, cfg)
         if torch.distributed.is_initialized():  # the workers (parameter servers join RPC only)
             torch.distributed.barrier()
         with signals.handling_signals():  # torchrun's agent forwards SIGINT/SIGTERM to every worker

@@ -256,7 +256,8 @@ def test_cli_refuses_bad_rows_before_any_worker_starts(tmp_path, tok_dir, capsys
                  "--no-progress", "--tokenizer", str(tok_dir), "--data", str(src),
                  "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("paratrain: error: ") and "Traceback" not in err
+    before, _, error = err.partition("paratrain: error: ")  # before it: only what preparing says it does
+    assert error and all(line.endswith(" ...") for line in before.splitlines()) and "Traceback" not in err
     import re
 
     assert re.search(message, err), err

@@ -11,6 +11,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -140,3 +141,72 @@ def test_generate_chat_from_a_hugging_face_folder_equals_transformers(tmp_path, 
     assert tok.encode(text, add_special_tokens=False) == ids[0].tolist()  # the prompt the model saw
     want = ref.generate(ids, max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert out == tok.decode(want[0, ids.shape[1]:].tolist())
+
+
+def test_eval_data_is_validated_whole_every_eval_every(tmp_path, tok_dir, capsys):  # noqa: F811
+    """--eval-data FILE (issue 35 item 2): every row of that file at each --eval-every, the figure
+    `paratrain eval --run RUN --data FILE` gives on the final weights; run.json counts its tokens."""
+    src = _jsonl(tmp_path / "chat.jsonl", [_chat(i, turns=1 + i % 2) for i in range(60)])
+    held = _jsonl(tmp_path / "val.jsonl", [_chat(100 + i, turns=1 + i % 3) for i in range(21)])
+    argv = _args(tmp_path, src, tok_dir, "--eval-data", str(held))
+    argv[argv.index("--eval-every") + 1] = "1"
+    assert main(argv) == 0
+    assert f"rows of --eval-data {held}" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert main(["eval", "--run", str(tmp_path / "run"), "--data", str(held), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rows[-1]["val_loss"] == pytest.approx(got["loss"], rel=1e-5)
+    info = json.loads((tmp_path / "run" / "run.json").read_text())["data"]
+    assert info["counted_tokens"]["val"] == got["tokens"]
+    mask = np.fromfile(Path(info["eval_data"]["tokens_folder"]) / "mask.bin", dtype=np.uint8)
+    assert got["tokens"] == int(mask.sum())  # every assistant token of the 21 chats, none held back
+    assert main(["eval", "--run", str(tmp_path / "run"), "--json"]) == 0  # alone: what it validated on
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == got
+
+
+def test_epochs_derive_the_steps_and_the_start_says_what_the_loss_counts(tmp_path, tok_dir,  # noqa: F811
+                                                                       capsys):
+    """--epochs (issue 35 item 6): steps = ceil(epochs x training rows / global batch), said at start
+    with the examples, rows and counted tokens; run.json holds those totals and where the mask is."""
+    src = _jsonl(tmp_path / "chat.jsonl", [_chat(i, turns=1 + i % 2) for i in range(60)])
+    argv = _args(tmp_path, src, tok_dir, "--epochs", "1.5", "--val-fraction", "0.1")
+    del argv[argv.index("--steps"):argv.index("--steps") + 2]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    data, steps = info["data"], info["config"]["train"]["steps"]
+    assert steps == math.ceil(1.5 * data["rows"]["train"] / 4)
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == steps
+    assert (f"data: {data['examples']} examples in {data['rows']['train']} training rows of 128 tokens "
+            f"({data['rows']['val']} held out by --val-fraction 0.1)") in out
+    assert f"--epochs 1.5: {steps} steps x 4 rows = " in out
+    counted = data["counted_tokens"]
+    assert f"the loss counts {counted['train']:,} tokens of the training rows" in out
+    mask = np.fromfile(data["mask"], dtype=np.uint8)  # the loss mask, found from run.json alone
+    assert counted["train"] + counted["val"] == int(mask.sum()) > 0
+
+
+def test_steps_and_epochs_together_exit_2(tmp_path, tok_dir, capsys):  # noqa: F811
+    src = _jsonl(tmp_path / "chat.jsonl", [_chat(i) for i in range(20)])
+    assert main(_args(tmp_path, src, tok_dir, "--epochs", "2")) == 2
+    err = capsys.readouterr().err
+    assert "give --steps or --epochs, not both" in err and "Traceback" not in err
+    argv = _args(tmp_path, src, tok_dir, "--epochs", "0")
+    del argv[argv.index("--steps"):argv.index("--steps") + 2]
+    assert main(argv) == 2
+    assert "train.epochs must be > 0" in capsys.readouterr().err
+
+
+def test_eval_data_gives_the_same_val_loss_in_two_ranks(tmp_path, tok_dir):  # noqa: F811
+    """--eval-data's last batch is partly padding rows; dp ranks take contiguous slices of it, and
+    the mean is over the whole file's counted tokens in every layout (fp32 sums in another order)."""
+    src = _jsonl(tmp_path / "chat.jsonl", [_chat(i, turns=1 + i % 2) for i in range(60)])
+    held = _jsonl(tmp_path / "val.jsonl", [_chat(100 + i, turns=1 + i % 3) for i in range(21)])
+    losses = []
+    for n in ("1", "2"):
+        argv = _args(tmp_path / n, src, tok_dir, "--eval-data", str(held), "--nproc", n)
+        argv[argv.index("--eval-every") + 1] = "2"
+        assert main(argv) == 0
+        rows = (tmp_path / n / "run" / "metrics.jsonl").read_text().splitlines()
+        losses.append(json.loads(rows[-1])["val_loss"])
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)

@@ -109,3 +109,40 @@ def test_torchrun_world_sets_the_default_dp(monkeypatch, capsys, tmp_path):
     assert seen["cfg"].dp == 2 and seen["cfg"].world_size == 4
     assert main(["train", "--model", "tiny", "--seq-len", "32", "--nproc", "2", "--out", str(tmp_path)]) == 2
     assert "--nproc 2 disagrees with torchrun's world size 4" in capsys.readouterr().err
+
+
+def test_a_recorded_configuration_is_the_base_the_flags_override():
+    """--resume (issue 35 item 3): a run's recorded config replaces the defaults; flags override it,
+    and --steps given over a recorded --epochs run replaces the epochs (one choice, not both)."""
+    base = {"model": {"name": "tiny"}, "data": {"path": "chats.jsonl", "seq_len": 64},
+            "train": {"steps": 12, "epochs": 2.0, "global_batch": 4}}
+    cfg = config.load(None, {"train.resume": True}, base=base)
+    got = (cfg.model.name, cfg.data.path, cfg.train.steps, cfg.train.epochs)
+    assert got == ("tiny", "chats.jsonl", 12, 2.0)
+    cfg = config.load(None, {"train.steps": 30}, base=base)
+    assert (cfg.train.steps, cfg.train.epochs, cfg.data.seq_len) == (30, None, 64)
+    with pytest.raises(config.ConfigError, match="give --steps or --epochs, not both"):
+        config.load(None, {"train.steps": 30, "train.epochs": 1.0})
+    with pytest.raises(config.ConfigError, match="run.json: unknown key train.nope"):
+        config.load(None, {}, base={"train": {"nope": 1}}, base_source="run.json")
+
+
+def test_steps_for_epochs_rounds_up_without_float_noise():
+    assert config.steps_for_epochs(1.1, 50, 1) == 55  # 1.1 * 50 is 55.00000000000001 in floats
+    assert config.steps_for_epochs(1.5, 30, 4) == 12  # 11.25: the last step reaches into the next epoch
+    assert config.steps_for_epochs(0.01, 30, 4) == 1
+
+
+def test_new_data_settings_are_checked_before_any_worker(tmp_path, capsys):
+    """--epochs, --eval-data, --val-fraction (issue 35 items 2, 6): bad values exit 2 naming the flag."""
+    cfg = config.load(None, {"train.epochs": -1.0, "data.eval_path": str(tmp_path / "none.jsonl"),
+                             "data.val_fraction": 0.7})
+    with pytest.raises(config.ConfigError) as info:
+        checks.validate(cfg)
+    for fragment in ("train.epochs must be > 0", "data.eval_path", "--eval-data",
+                     "data.val_fraction must be in"):
+        assert fragment in str(info.value)
+    with pytest.raises(config.ConfigError, match="cnn-tiny trains on generated images"):
+        checks.validate(config.load(None, {"model.name": "cnn-tiny", "train.epochs": 1.0}))
+    assert main(["train", "--val-fraction", "0.9", "--out", str(tmp_path / "r")]) == 2
+    assert "data.val_fraction must be in (0, 0.5) (got 0.9)" in capsys.readouterr().err

@@ -66,3 +66,26 @@ def test_bad_corpus_errors(tmp_path):
         read_documents(corpus_files(str(tmp_path)))
     with pytest.raises(DataError, match="too few"):
         TokenRows(torch.arange(20).numpy(), seq_len=64, val_fraction=0.1, seed=0)
+
+
+def test_whole_file_rows_predict_every_token_once():
+    """An evaluation file (--eval-data, eval --data; issue 35 item 2): every token after the first
+    is a counted target exactly once, in any batch size; rows past the end are padding."""
+    import numpy as np
+
+    from paratrain.data.packing import IGNORE_INDEX, PackedRows
+
+    tokens = np.arange(1, 72, dtype=np.uint16)  # 71 tokens: 70 targets, 4 windows of 20 (the last of 10)
+    rows = TokenRows(tokens, 20, 0.02, seed=0, whole=True)
+    assert (rows.n_val, rows.n_val_batches(3)) == (4, 2)
+    ys = [rows.val_batch(i, 3)[1] for i in range(2)]
+    targets = torch.cat([y.flatten() for y in ys])
+    assert sorted(targets[targets != IGNORE_INDEX].tolist()) == list(range(2, 72))
+    assert [rows.val_units(i, 3) for i in range(2)] == [60, 10]
+    ends = np.array([5, 12, 20, 31, 40], dtype=np.int64)  # five examples, all of them evaluated
+    mask = np.ones(40, dtype=np.uint8)
+    packed = PackedRows(np.arange(40, dtype=np.uint16), ends, 16, 0.02, 0, mask=mask, whole=True)
+    assert packed.n_train == 0 and packed.n_val_batches(2) == -(-packed.n_val // 2)
+    seen = [packed.val_batch(i, 2)[1] for i in range(packed.n_val_batches(2))]
+    counted = sum(int((y != IGNORE_INDEX).sum()) for y in seen)
+    assert counted == 40 - 5 == sum(packed.val_units(i, 2) for i in range(packed.n_val_batches(2)))

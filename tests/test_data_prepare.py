@@ -49,6 +49,21 @@ def _tokens(folder: Path) -> np.ndarray:
     return np.asarray(load_prepared(folder).tokens)
 
 
+def test_a_fresh_cache_says_what_it_is_doing_before_the_silent_work(tmp_path, capsys):
+    """Issue 35 item 7: a fresh cache trained the BPE and tokenized for 16 s without a word. It
+    says so first; a cache hit says nothing."""
+    (tmp_path / "src").mkdir()
+    for i in range(3):
+        (tmp_path / "src" / f"f{i}.txt").write_text(_text(50, seed=i))
+    prepare_corpus(str(tmp_path / "src"), 300, str(tmp_path / "cache"), workers=1)
+    err = capsys.readouterr().err
+    assert "paratrain: training the BPE tokenizer (vocabulary 300) on " in err
+    assert f"paratrain: tokenizing 3 file(s), 0.0 MB, into {tmp_path / 'cache'}/tokens-" in err
+    assert "(the cache: once, later runs map it) ..." in err
+    prepare_corpus(str(tmp_path / "src"), 300, str(tmp_path / "cache"), workers=1)
+    assert capsys.readouterr().err == ""  # mapped as it is
+
+
 def test_streaming_equals_whole_file_tokenization(tmp_path, tokenizer):
     from tokenizers import Tokenizer
 

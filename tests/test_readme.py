@@ -18,6 +18,8 @@ import json
 import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -116,3 +118,61 @@ def test_the_readme_moe_command_runs(tmp_path, capsys):
                      "--out", str(tmp_path / "run")])
     assert code == 0, capsys.readouterr().err
     assert (tmp_path / "run" / "model.safetensors").exists()
+
+
+def test_the_readme_resume_continues_a_fine_tune_with_its_recorded_configuration(tmp_path, monkeypatch):
+    """Issue 35 item 3: the README's `paratrain train --out runs/mine --resume`, exactly, after its
+    fine-tune line (at tiny scale: a few steps, interrupted by a killed rank after step 2) continues
+    that run from its run.json, not the default corpus (which failed: "the tokenizer changed")."""
+    pytest.importorskip("transformers")
+    from tests.test_chat_data import QWEN2, WORDS, _chat, _jsonl
+
+    resume = ["train", "--out", "runs/mine", "--resume"]
+    assert resume in COMMANDS
+    finetune = next(a for a in COMMANDS if a[0] == "train" and "--lora" in a and "--out" in a)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    folder = tmp_path / "models" / "Qwen2-0.5B-Instruct"  # a tiny random Qwen2 with the ChatML template
+    save_hf(folder, "qwen2", vocab_size=500)
+    _chatml_tokenizer(folder, WORDS, QWEN2.read_text())
+    (tmp_path / "data").mkdir()
+    _jsonl(tmp_path / "data" / "chat.jsonl", [_chat(i, turns=1 + i % 2) for i in range(60)])
+    tiny = ["--out", "runs/mine", "--steps", "3", "--save-every", "1", "--global-batch", "4", "--eval-every",
+            "0", "--no-progress"]
+    # Rank 1 dies after step 2's checkpoint. Processes of their own: this one's workers come from a
+    # forkserver started earlier, with the environment and the output of then.
+    env = {**os.environ, "PARATRAIN_TEST_CRASH_AT_STEP": "2", "PYTHONPATH": str(ROOT)}
+    first = subprocess.run([sys.executable, "-m", "paratrain.cli", *[os.path.expanduser(a) for a in finetune],
+                            *tiny], env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 1 and "training failed on rank 1" in first.stderr, first.stderr[-3000:]
+    del env["PARATRAIN_TEST_CRASH_AT_STEP"]
+    again = subprocess.run([sys.executable, "-m", "paratrain.cli", *resume], env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    out = again.stdout
+    assert "runs/mine continues with the configuration in runs/mine/run.json\n" in out
+    assert "data: 60 examples in " in out  # the fine-tune's chats, not the default corpus
+    assert "resuming from step 2 of runs/mine" in out
+    rows = [json.loads(line) for line in (tmp_path / "runs/mine/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    info = json.loads((tmp_path / "runs/mine/run.json").read_text())
+    assert info["config"]["data"]["path"] == str(tmp_path / "data" / "chat.jsonl")
+    assert info["lora"]["rank"] == 16 and info["config"]["parallel"]["zero"] == 3
+    assert (tmp_path / "runs/mine/model.safetensors").exists()
+
+
+def _chatml_tokenizer(folder: Path, words: list[str], template: str) -> None:
+    """A small BPE knowing ChatML's special tokens, with Qwen2's template (as tests/test_chat_data.py)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=500, show_progress=False,
+                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([" ".join(words) + "?. You are a helpful assistant.\nsystem user assistant"] * 20,
+                            trainer=trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": template, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}))

@@ -19,6 +19,7 @@ from paratrain.data.corpus import (
     check_cursor,
     data_cursor,
     load_corpus,
+    load_eval_corpus,
     load_prepared,
     make_rows,
     prepare_corpus,
@@ -30,6 +31,6 @@ from paratrain.data.tokenizer import EOT, check_vocab, resolve_tokenizer, train_
 
 __all__ = ["EOT", "IGNORE_INDEX", "Corpus", "PackedRows", "make_rows",
            "DataError", "PrepareOptions", "TokenRows", "cache_root", "check_batch_fits",
-           "check_cursor", "check_vocab", "corpus_files", "data_cursor", "load_corpus",
+           "check_cursor", "check_vocab", "corpus_files", "data_cursor", "load_corpus", "load_eval_corpus",
            "load_prepared", "prepare", "prepare_corpus", "read_documents", "resolve_tokenizer", "stdlib_dir",
            "train_bpe"]

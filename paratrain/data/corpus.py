@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 import paratrain.data.tokenfile as P
-from paratrain.data.packing import PackedRows
+from paratrain.data.packing import IGNORE_INDEX, PackedRows
 from paratrain.data.sources import DataError
 from paratrain.data.tokenizer import file_hash, resolve_tokenizer, tokenizer_file
 
@@ -128,6 +128,20 @@ def load_corpus(cfg: Config) -> Corpus:
                           chat_template=d.chat_template, train_on_prompt=d.train_on_prompt)
 
 
+def load_eval_corpus(cfg: Config, train: Corpus) -> Corpus:
+    """--eval-data, tokenized as the training corpus is: the same tokenizer (the given one, else the
+    BPE trained on --data), template and mask; refused if it holds another format of data."""
+    d = cfg.data
+    corpus = prepare_corpus(d.eval_path, d.vocab_size, d.cache_dir, tokenizer=resolve_tokenizer(cfg) or
+                            train.tokenizer_path, text_field=d.text_field, workers=d.workers,
+                            progress=cfg.train.progress, verify=d.verify_data, fmt=d.format,
+                            chat_template=d.chat_template, train_on_prompt=d.train_on_prompt)
+    if corpus.format != train.format:
+        raise DataError(f"--eval-data {d.eval_path} holds {corpus.format} data, --data {train.format} data: "
+                        "validate on data of the same format (or force one with --format)")
+    return corpus
+
+
 _REPORTED: set = set()
 
 
@@ -141,19 +155,21 @@ def _first_report(corpus: Corpus, seq_len: int) -> bool:
     return True
 
 
-def make_rows(corpus: Corpus, cfg: Config) -> TokenRows | PackedRows:
+def make_rows(corpus: Corpus, cfg: Config, whole: bool = False) -> TokenRows | PackedRows:
     """Windows of the token stream (text, unpacked), or rows of whole examples (chat and completion
-    data; text too with --packing). Packing defaults to on for chat/completion data."""
+    data; text too with --packing). Packing defaults to on for chat/completion data. ``whole``: an
+    evaluation file, every row of it held out (``--eval-data``, ``paratrain eval --data``)."""
     d = cfg.data
     packing = d.packing if d.packing is not None else corpus.format != "text"
     if corpus.format == "text" and not packing:
-        return TokenRows(corpus.tokens, d.seq_len, d.val_fraction, cfg.train.seed, doc_ends=corpus.doc_ends)
+        return TokenRows(corpus.tokens, d.seq_len, d.val_fraction, cfg.train.seed, doc_ends=corpus.doc_ends,
+                         whole=whole)
     if corpus.doc_ends is None:
         raise DataError("packing needs the corpus's document boundaries: prepare it again "
                         "(paratrain data prepare)")
     rows = PackedRows(corpus.tokens, corpus.doc_ends, d.seq_len, d.val_fraction, cfg.train.seed,
                       mask=corpus.mask, packing=packing, long_examples=d.long_examples,
-                      pad_id=corpus.manifest.get("tokenizer", {}).get("eot_id", 0))
+                      pad_id=corpus.manifest.get("tokenizer", {}).get("eot_id", 0), whole=whole)
     if rows.truncated and _first_report(corpus, d.seq_len):
         dropped = (f"; {rows.without_targets} of them kept no counted token and were left out"
                    if rows.without_targets else "")
@@ -166,13 +182,21 @@ class TokenRows:
     """Fixed windows of ``seq_len + 1`` tokens (inputs and their next-token targets).
 
     Validation rows come from the last whole documents (``doc_ends`` given and the split leaves a
-    row on each side), else from the last ``val_fraction`` of the rows.
+    row on each side), else from the last ``val_fraction`` of the rows. ``whole`` (an evaluation
+    file): every token is in a validation row, the last one shorter (its end padded, not counted),
+    and none trains.
     """
 
     def __init__(self, tokens: np.ndarray, seq_len: int, val_fraction: float, seed: int,
-                 doc_ends: np.ndarray | None = None):
-        self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
+                 doc_ends: np.ndarray | None = None, whole: bool = False):
+        self.tokens, self.seq_len, self.seed, self.whole = tokens, seq_len, seed, whole
         n = len(tokens)
+        self._perm_epoch, self._perm = -1, None
+        if whole:
+            self.n_train, self.n_val, self.val_start = 0, -(-(n - 1) // seq_len), 0
+            if self.n_val < 1:
+                raise DataError(f"the evaluation data has {n} token(s): at least 2 are needed to predict one")
+            return
         split = P.document_split(doc_ends, val_fraction) if doc_ends is not None else {"by": "rows"}
         v = split.get("val_start_token", 0)
         if split["by"] == "documents" and (v - 1) // seq_len >= 1 and (n - v - 1) // seq_len >= 1:
@@ -185,7 +209,6 @@ class TokenRows:
         if self.n_train < 1:
             raise DataError(f"the corpus has {n} tokens: too few for rows of {seq_len} "
                             "tokens; add text or lower --seq-len")
-        self._perm_epoch, self._perm = -1, None
 
     def _row(self, start: int):
         import torch
@@ -215,8 +238,34 @@ class TokenRows:
         import torch
 
         positions = range(index * global_batch, (index + 1) * global_batch)[rows or slice(None)]
+        if self.whole:
+            return self._whole_rows(positions)
         data = torch.stack([self._row(self.val_start + self.seq_len * (p % self.n_val)) for p in positions])
         return data[:, :-1], data[:, 1:]
+
+    def _whole_rows(self, positions: range) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of a whole file: window p predicts tokens p*s+1 .. p*s+s, so every token but the
+        first is a target once; the targets past the end (the last window's, any row past the
+        last) are IGNORE_INDEX."""
+        import torch
+
+        x = torch.zeros(len(positions), self.seq_len, dtype=torch.int64)
+        y = torch.full((len(positions), self.seq_len), IGNORE_INDEX, dtype=torch.int64)
+        for i, p in enumerate(positions):
+            row = self._row(self.seq_len * p) if p < self.n_val else torch.zeros(0, dtype=torch.int64)
+            x[i, :max(0, len(row) - 1)], y[i, :max(0, len(row) - 1)] = row[:-1], row[1:]
+        return x, y
+
+    def val_units(self, index: int, global_batch: int) -> int:
+        """Counted targets of validation batch ``index``: every position, or a whole file's real ones."""
+        if not self.whole:
+            return global_batch * self.seq_len
+        first, n = index * global_batch * self.seq_len, len(self.tokens) - 1
+        return max(0, min(n, first + global_batch * self.seq_len) - first)
+
+    def n_val_batches(self, global_batch: int) -> int:
+        """Validation batches that visit every validation row once."""
+        return -(-self.n_val // global_batch)
 
 
 def check_batch_fits(rows: TokenRows, global_batch: int) -> None:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # the data layer imports torch only when a batch is built
     import torch
 
 IGNORE_INDEX = -100  # torch's default ignore_index: a target the loss does not count
+EMPTY = -1  # a row index past a whole file's last row: a padding row, nothing counted
 
 
 def layout(lengths: np.ndarray, seq_len: int, packing: bool) -> list[tuple[int, int]]:
@@ -50,8 +51,9 @@ class PackedRows:
 
     def __init__(self, tokens: np.ndarray, doc_ends: np.ndarray, seq_len: int, val_fraction: float,
                  seed: int, *, mask: np.ndarray | None = None, packing: bool = True,
-                 long_examples: str = "truncate", pad_id: int = 0):
+                 long_examples: str = "truncate", pad_id: int = 0, whole: bool = False):
         self.tokens, self.mask, self.seq_len, self.seed, self.pad_id = tokens, mask, seq_len, seed, pad_id
+        self.whole = whole  # an evaluation file: every example is a validation row, none trains
         starts = np.concatenate([[0], np.asarray(doc_ends[:-1], dtype=np.int64)])
         lengths = np.asarray(doc_ends, dtype=np.int64) - starts
         keep = lengths >= 2  # a one-token example has no target
@@ -65,7 +67,7 @@ class PackedRows:
         if len(self.starts) == 0:
             raise DataError("the corpus has no example with a counted target (two tokens or more, a reply "
                             "within --seq-len + 1 tokens): nothing to learn from")
-        val_first = self._val_first(np.cumsum(self.lengths), val_fraction)
+        val_first = 0 if whole else self._val_first(np.cumsum(self.lengths), val_fraction)
         self.train_rows = layout(self.lengths[:val_first], seq_len, packing)
         val = layout(self.lengths[val_first:], seq_len, packing)
         self.val_rows = [(a + val_first, b + val_first) for a, b in val] or self.train_rows
@@ -131,13 +133,21 @@ class PackedRows:
         return [int(self._order(p // self.n_train)[p % self.n_train]) for p in positions]
 
     def val_indices(self, index: int, global_batch: int, rows: slice | None = None) -> list[int]:
+        """Indices into ``val_rows``; the held-out split wraps around, a whole file does not: past
+        its last row come ``EMPTY`` rows (padding, nothing counted), so each row counts once."""
         positions = range(index * global_batch, (index + 1) * global_batch)[rows or slice(None)]
+        if self.whole:
+            return [p if p < self.n_val else EMPTY for p in positions]
         return [p % self.n_val for p in positions]
+
+    def n_val_batches(self, global_batch: int) -> int:
+        """Validation batches that visit every validation row once."""
+        return -(-self.n_val // global_batch)
 
     def _batch(self, table: list[tuple[int, int]], indices: list[int]) -> tuple[torch.Tensor, ...]:
         import torch
 
-        parts = [self._row(*table[i]) for i in indices]
+        parts = [self._row(*table[i]) if i != EMPTY else self._row(0, 0) for i in indices]
         return tuple(torch.from_numpy(np.stack([p[k] for p in parts])) for k in range(3))
 
     def train_batch(self, step: int, global_batch: int,
@@ -153,10 +163,11 @@ class PackedRows:
         return int(self.train_counts[self.train_indices(step, global_batch)].sum())
 
     def val_units(self, index: int, global_batch: int) -> int:
-        return int(self.val_counts[self.val_indices(index, global_batch)].sum())
+        return int(sum(int(self.val_counts[i]) for i in self.val_indices(index, global_batch) if i != EMPTY))
 
     def info(self) -> dict:
         """For run.json: the row layout and how many examples were cut."""
         return {"packing_rows": {"train": self.n_train, "val": self.n_val}, "examples": len(self.starts),
+                "counted_tokens": {"train": int(self.train_counts.sum()), "val": int(self.val_counts.sum())},
                 "truncated_examples": self.truncated, "examples_without_targets": self.without_targets,
                 "seq_len": self.seq_len}

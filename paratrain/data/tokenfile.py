@@ -232,6 +232,7 @@ def prepare(data: str | None, opts: PrepareOptions, *, out: Path | None = None,
     fmt = resolve_format(first_row(sources), opts.fmt, opts.text_field)
     template = resolve_template(fmt, opts.tokenizer, opts.chat_template)
     key = cache_key(sources, opts, fmt, template)
+    where = "" if out else " (the cache: once, later runs map it)"
     out = out or cache_root(cache_dir) / f"tokens-{key}"
     if _prepared_key(out) == key:
         return out
@@ -243,6 +244,7 @@ def prepare(data: str | None, opts: PrepareOptions, *, out: Path | None = None,
     try:
         with _writing(tmp):
             tmp.mkdir(parents=True)
+        T.say_preparing(tasks, len(sources), None if opts.tokenizer else opts.vocab_size, f"{out}{where}")
         tok_info = _write_tokenizer(tmp, tasks, opts, fmt)
         stats = _tokenize(tmp, tasks, tok_info, opts, (fmt, template.to_dict() if template else None,
                                                          template.where if template else None))

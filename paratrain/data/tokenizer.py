@@ -10,6 +10,7 @@ evenly over the corpus, so its cost does not grow with the corpus.
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -111,6 +112,17 @@ def train_bpe(tasks: list[Task], vocab_size: int, text_field: str = "text",
     if seen == 0:
         raise empty_corpus(task_paths(tasks))
     return tok
+
+
+def say_preparing(tasks: list[Task], n_files: int, bpe_vocab: int | None, where: str) -> None:
+    """What preparing a corpus is doing before its silent part (seconds to minutes on a fresh
+    cache): training the BPE (``bpe_vocab``: its size; None when a tokenizer is given), tokenizing."""
+    total = sum(t.nbytes for t in tasks)
+    if bpe_vocab is not None:
+        print(f"paratrain: training the BPE tokenizer (vocabulary {bpe_vocab:,}) on "
+              f"{min(SAMPLE_BYTES, total) / 1e6:.1f} MB of the data ...", file=sys.stderr, flush=True)
+    print(f"paratrain: tokenizing {n_files:,} file(s), {total / 1e6:.1f} MB, into {where} ...",
+          file=sys.stderr, flush=True)
 
 
 def check_vocab(vocab_size: int, embedding_rows: int, where: str = "the tokenizer") -> None:

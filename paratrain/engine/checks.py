@@ -68,6 +68,9 @@ def check_layout(cfg: Config, problems: list[str]) -> None:
     check_lora(cfg, problems)  # engine/lora.py: targets, rank, and what LoRA composes with
     if cfg.train.precision not in ("fp32", "auto") and cfg.model.name == "cnn-tiny":
         problems.append("cnn-tiny trains in fp32 only: drop --precision")
+    if cfg.model.name == "cnn-tiny" and (cfg.train.epochs is not None or cfg.data.eval_path):
+        problems.append("cnn-tiny trains on generated images, not a corpus: --epochs and --eval-data apply "
+                        "to language models; use --steps")
 
 
 def _check_tensor_parallel(cfg: Config, problems: list[str]) -> None:

@@ -65,6 +65,11 @@ class Task:
         """Rows of validation batch ``index``, as ``train_batch`` returns them."""
         raise NotImplementedError
 
+    def val_batches(self, global_batch: int, default: int) -> int:
+        """Validation batches an evaluation runs: ``default`` (--eval-batches), or those that visit
+        each row of a separate validation file once."""
+        return default
+
     def train_units(self, step: int, global_batch: int) -> int:
         """Counted targets (y != -100) in the whole global batch at ``step``: every micro-batch's
         loss sum is divided by it. Default: every unit of every row counts."""
@@ -82,6 +87,11 @@ class Task:
     def step_metrics(self, gather: Callable[[object], list] | None = None) -> dict:
         """The task's rows of metrics.jsonl (moe_*); ``gather(obj) -> [obj of every pipeline
         stage]`` when stages hold different layers."""
+        return {}
+
+    def data_summary(self) -> dict:
+        """What the loss counts, said at start and kept in run.json (rows, counted tokens, epochs);
+        empty for a task without a corpus."""
         return {}
 
     def run_info(self) -> dict:

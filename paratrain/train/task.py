@@ -14,14 +14,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from paratrain.config import Config
+from paratrain.config import Config, steps_for_epochs
 from paratrain.data import (
     IGNORE_INDEX,
     Corpus,
+    PackedRows,
     TokenRows,
     check_batch_fits,
     check_vocab,
     load_corpus,
+    load_eval_corpus,
     make_rows,
 )
 from paratrain.engine.task import Batch, Task, as_batch
@@ -51,6 +53,12 @@ class LanguageModelTask(Task):
         check_vocab(self.corpus.vocab_size, self.model_cfg.vocab_size)
         self.rows = make_rows(self.corpus, cfg)  # TokenRows (text windows) or PackedRows (whole examples)
         check_batch_fits(self.rows, cfg.train.global_batch)
+        # --eval-data: a separate file, every row of it validated; else the rows --data holds out
+        self.eval_corpus = load_eval_corpus(cfg, self.corpus) if d.eval_path else None
+        self.val_rows = make_rows(self.eval_corpus, cfg, whole=True) if self.eval_corpus else self.rows
+        if cfg.train.epochs is not None:  # the steps follow from the rows, known only now
+            cfg.train.steps = steps_for_epochs(cfg.train.epochs, self.rows.n_train, cfg.train.global_batch)
+        self.steps, self.global_batch, self.eval_path = cfg.train.steps, cfg.train.global_batch, d.eval_path
         self.seed = cfg.train.seed
         self.moe = None
         self.units_per_row = d.seq_len
@@ -108,9 +116,28 @@ class LanguageModelTask(Task):
                 "train_on_prompt": m.get("train_on_prompt", True)}
         if not isinstance(self.rows, TokenRows):
             info.update(self.rows.info())
+        info.update(self.data_summary())
         if m.get("chat_template"):
             info["chat_template"] = m["chat_template"]
         return info
+
+    def data_summary(self) -> dict:
+        """What the loss counts, for the start-up line and run.json: rows, counted tokens (targets
+        the loss counts, of training and validation rows), the epochs the steps amount to, and
+        where the token files and the loss mask lie (the prepared folder)."""
+        folder = self.corpus.tokenizer_path.parent
+        out = {"rows": {"train": self.rows.n_train, "val": self.val_rows.n_val},
+               "counted_tokens": {"train": _counted(self.rows, train=True),
+                                  "val": _counted(self.val_rows, train=False)},
+               "epochs": self.steps * self.global_batch / self.rows.n_train,
+               "tokens_folder": str(folder),
+               "mask": str(folder / "mask.bin") if self.corpus.mask is not None else None}
+        if isinstance(self.rows, PackedRows):
+            out["examples"] = len(self.rows.starts)
+        if self.eval_corpus is not None:
+            out["eval_data"] = {"path": self.eval_path,
+                                "tokens_folder": str(self.eval_corpus.tokenizer_path.parent)}
+        return out
 
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Cross-entropy sum over the counted targets (``IGNORE_INDEX`` ones are skipped); the MoE
@@ -143,7 +170,12 @@ class LanguageModelTask(Task):
         return as_batch(self.rows.train_batch(step, global_batch, rows))
 
     def val_batch(self, index: int, global_batch: int, rows: slice | None = None) -> Batch:
-        return as_batch(self.rows.val_batch(index, global_batch, rows))
+        return as_batch(self.val_rows.val_batch(index, global_batch, rows))
+
+    def val_batches(self, global_batch: int, default: int) -> int:
+        """--eval-data: the batches that visit each of its rows once; else ``default`` batches of
+        the held-out rows."""
+        return self.val_rows.n_val_batches(global_batch) if self.eval_corpus is not None else default
 
     def train_units(self, step: int, global_batch: int) -> int:
         """Counted targets (!= IGNORE_INDEX) of the whole global batch at ``step``: every rank knows it."""
@@ -152,9 +184,16 @@ class LanguageModelTask(Task):
         return self.rows.train_units(step, global_batch)
 
     def val_units(self, index: int, global_batch: int) -> int:
-        if isinstance(self.rows, TokenRows):
-            return global_batch * self.units_per_row
-        return self.rows.val_units(index, global_batch)
+        return self.val_rows.val_units(index, global_batch)
+
+
+def _counted(rows: TokenRows | PackedRows, train: bool) -> int:
+    """Targets the loss counts over all training (or validation) rows."""
+    if isinstance(rows, PackedRows):
+        return int((rows.train_counts if train else rows.val_counts).sum())
+    if train:
+        return rows.n_train * rows.seq_len
+    return len(rows.tokens) - 1 if rows.whole else rows.n_val * rows.seq_len
 
 
 def build_task(cfg: Config, corpus: Corpus | None = None) -> Task:

@@ -224,9 +224,11 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """The mean loss over the counted targets of ``eval_batches`` validation batches."""
+        """The mean loss over the counted targets of ``eval_batches`` validation batches (of all
+        of --eval-data's rows: ``task.val_batches``)."""
         total = torch.zeros((), dtype=torch.float32)
-        n, gb = self.cfg.train.eval_batches, self.cfg.train.global_batch
+        gb = self.cfg.train.global_batch
+        n = self.task.val_batches(gb, self.cfg.train.eval_batches)
         units = max(1, sum(self.task.val_units(i, gb) for i in range(n)))
         for i in range(n):
             x, y, positions = as_batch(self.task.val_batch(i, gb, self.local_rows()))
@@ -241,6 +243,9 @@ class Trainer:
             self.resume()
             if self.is_main:
                 drop_rows_after(self.out / "metrics.jsonl", self.start_step)
+        if self.is_main:  # the configuration and data figures from the start: what --resume continues
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.task_files()
         every = cfg.train.save_every
         self.saver.check_free([s for s in range(self.start_step + 1, cfg.train.steps)
                                if every and s % every == 0] + [cfg.train.steps])
@@ -380,6 +385,8 @@ class Trainer:
                 print(f"no checkpoint under {self.out}/checkpoints: starting from step 0")
             return
         state = ckpt.read_state(folder)
+        if self.is_main:
+            print(f"resuming from step {state['step']} of {self.out}", flush=True)
         check_cursor(state, self.task, self.cfg)  # refuse another corpus/tokenizer unless allowed
         self.check_compatible(folder, state)
         self.engine.load(folder, state, check=self.check_model, trust=self.cfg.train.trust_checkpoint)
