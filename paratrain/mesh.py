@@ -144,7 +144,7 @@ class ParallelMesh:
             return axes[name]
         raise AttributeError(name)
 
-    def new_group(self, members: list[int]):
+    def new_group(self, members: list[int]) -> dist.ProcessGroup | None:
         """The process group of ``members`` (collective over the world: every rank calls it for
         every group), with this mesh's timeout."""
         world = dist.get_world_size() if dist.is_initialized() else 1

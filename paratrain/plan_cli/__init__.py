@@ -8,6 +8,9 @@ The command layer of the planner (paratrain/planner/ reads plain descriptions on
 this machine for ``--cluster local`` (calibrate.py, calibrate_workers.py: they run paratrain's own
 pieces), asks the trainer what it can run (``runnable_here``) and runs the top plans through it
 (``--validate``); ``auto_layout`` is ``paratrain train --layout auto``.
+
+Over 500 lines: the plan command's flags, its report and --validate's table are read together;
+the runnable command, the calibration and the simulated nodes already live in modules beside it.
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@
 Offload is searched only when nothing fits without it (it trades memory for a slow host link:
 the tree's last resort). An impossible request gets the reason and what to try, never an empty
 table: the layouts closest to fitting are returned, marked as not fitting.
+
+Over 500 lines: the enumeration, the fit filter and the ranking are one decision tree, read top to
+bottom; the simplest-layout rule is in choice.py.
 """
 
 from __future__ import annotations

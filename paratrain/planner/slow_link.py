@@ -25,6 +25,9 @@ its time at ``ring_link``'s bandwidth (g ranks of it per node cross on g rings a
 Parameter averaging changes the optimisation, not only its speed: equal steps do not mean equal
 loss. Its rows rank with their time multiplied by ``AVERAGING_GAIN`` (it must beat the best
 synchronous layout by that factor to be chosen), and every output that shows one states the caveat.
+
+Over 500 lines: every slow-link layout (hybrid sharding, averaging, the parameter server) is priced
+and explained against the same synchronous baseline, and the explanation must follow the pricing.
 """
 
 from __future__ import annotations
