@@ -108,7 +108,7 @@ def say_data(task: Task, cfg: Config) -> None:
     """Before the first step: what the steps amount to (the examples and rows they visit, the tokens
     the loss counts, the epochs), so that no default applies silently."""
     s = task.data_summary()
-    if s:
+    if s and not cfg.train.quiet:  # quiet: plan --validate's own runs keep its report readable
         print(data_line(s, cfg), flush=True)
 
 
