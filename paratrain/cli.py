@@ -205,6 +205,11 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
      "about this long, so lower it (e.g. --timeout 60) to find hangs sooner"),
     ("--max-restarts", "parallel.max_restarts", int, RELIABILITY, "restart every worker after a failure, "
      "resuming from the last checkpoint, at most N times"),
+    ("--signal", "train.warning_signal", str, RELIABILITY, "the scheduler's warning before the time limit "
+     "(#SBATCH --signal=USR1@120): every rank saves at the next step boundary and the run exits 75; "
+     "USR1, USR2, TERM, ... or none"),
+    ("--requeue", "train.requeue", bool, RELIABILITY, "Slurm: after the warning signal's checkpoint, requeue "
+     "the job (scontrol requeue); a requeued or repeated start resumes from --out by itself"),
     ("--nan-policy", "train.nan_policy", str, RELIABILITY, "a non-finite loss or gradient norm: stop "
      "(naming the step and tensor) or skip the step"),
     ("--check-collectives", "parallel.check_collectives", bool, RELIABILITY, "compare every "
@@ -269,9 +274,10 @@ def overrides_from(args: argparse.Namespace) -> dict:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from paratrain.launch import under_torchrun  # lazy: start-up time
+    from paratrain.launch import adopt_slurm, launcher_name, under_torchrun  # lazy: start-up time
     from paratrain.run import run_training  # lazy: start-up time
 
+    adopt_slurm()  # srun's tasks: Slurm's variables as torchrun's (scheduler.py says which win)
     cfg = checks.settle_seq_len(config.load(args.config, overrides_from(args)))  # the planner needs it too
     if args.layout == "auto":
         from paratrain.plan_cli import auto_layout  # lazy: start-up time
@@ -279,8 +285,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         if under_torchrun():  # every rank would plan (and measure) on its own and could disagree
             raise config.ConfigError(
                 "--layout auto plans for paratrain's own workers on this machine (it measures them); "
-                "under torchrun, run `paratrain plan --model ... --gpus N` once and pass the layout it "
-                "prints (--dp/--tp/--pp/--zero ...) to every rank")
+                f"under {launcher_name()}, run `paratrain plan --model ... --gpus N` once and pass the "
+                "layout it prints (--dp/--tp/--pp/--zero ...) to every rank")
 
         cfg = auto_layout(cfg)
     if under_torchrun():
@@ -291,15 +297,21 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def adopt_torchrun_world(cfg: config.Config) -> config.Config:
-    """Under torchrun the world is torchrun's (nnodes x nproc-per-node): it stands in for --nproc,
-    so an unset --dp defaults to world / (tp * pp) as it does with paratrain's own workers."""
+    """Under torchrun the world is torchrun's (nnodes x nproc-per-node), under srun Slurm's tasks:
+    it stands in for --nproc, so an unset --dp defaults to world / (tp * pp) as it does with
+    paratrain's own workers."""
     import os
+
+    from paratrain.launch import launcher_name  # lazy: start-up time
 
     world = int(os.environ["WORLD_SIZE"])
     if cfg.parallel.nproc not in (None, world):
+        who, sets = (("Slurm's tasks", "srun's --ntasks (or --nodes x --ntasks-per-node)")
+                     if launcher_name() == "Slurm" else
+                     ("torchrun's world size", "--nnodes x --nproc-per-node"))
         raise config.ConfigError(
-            f"--nproc {cfg.parallel.nproc} disagrees with torchrun's world size {world}: under torchrun, "
-            "--nnodes x --nproc-per-node sets the processes; drop --nproc (parallel.nproc)")
+            f"--nproc {cfg.parallel.nproc} disagrees with {who} {world}: under {launcher_name()}, "
+            f"{sets} sets the processes; drop --nproc (parallel.nproc)")
     cfg.parallel.nproc = world
     return cfg
 
