@@ -75,6 +75,10 @@ class WorkerError(RuntimeError):
 ABORT_CODES = {signals.exit_code(s) for s in signals.STOP_SIGNALS}  # a worker left on a second signal
 
 
+class RendezvousError(RuntimeError):
+    """The ranks of a torchrun or Slurm launch did not meet (the message says why and what to do)."""
+
+
 class Interrupted(KeyboardInterrupt):
     """The launcher was signalled twice: the workers are killed; exit 128 + signum. (A
     KeyboardInterrupt, so that code around the launcher, e.g. pytest, stops as for Ctrl-C.)"""
@@ -168,8 +172,8 @@ def _torchrun_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.
         store = dist.TCPStore(host, port, world, is_master=hosting, timeout=timeout, multi_tenant=not agent,
                               master_listen_fd=_listen_on(host, port, world) if hosting else None)
     except (RuntimeError, OSError) as e:  # DistStoreError is a RuntimeError
-        raise RuntimeError(f"rank {rank}: the rendezvous at {host}:{port} (MASTER_ADDR:MASTER_PORT) "
-                           f"failed: {e}{_rendezvous_hint(world)}") from e
+        raise RendezvousError(f"rank {rank}: the rendezvous at {host}:{port} (MASTER_ADDR:MASTER_PORT) "
+                              f"failed: {str(e).rstrip('.')}{_rendezvous_hint(world)}") from e
     return dist.PrefixStore(f"paratrain/attempt{restart_attempt()}/", store)
 
 

@@ -32,6 +32,7 @@ from paratrain.inference.folders import generate_from_run
 from paratrain.launch import (
     DistEnv,
     Interrupted,
+    RendezvousError,
     WorkerError,
     gpu_shortage,
     init_from_torchrun,
@@ -207,6 +208,9 @@ def _run_torchrun(cfg: Config) -> int:
     early = signals.install_warning(warning)  # from now on the warning cannot kill this rank
     try:
         return _torchrun_rank(cfg, warning)
+    except RendezvousError as e:  # a launch problem, not a bug: its message, not a traceback
+        print(f"paratrain: error: {e}", file=sys.stderr, flush=True)
+        return 1
     finally:
         for sig, handler in early.items():
             signal.signal(sig, handler)

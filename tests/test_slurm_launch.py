@@ -126,3 +126,37 @@ def test_warning_signal_saves_requeues_and_the_requeued_job_resumes(tmp_path, lo
     assert f"resuming from step {saved}" in log, log[-3000:]
     assert _steps(out) == list(range(1, STEPS + 1)), "every step logged exactly once"
     _assert_same_weights(out, local_workers)
+
+
+def test_a_task_started_without_srun_fails_saying_so(tmp_path):
+    """A batch script with --ntasks=2 that runs paratrain without srun: one process that reads
+    SLURM_NTASKS=2 waits for a peer that never comes, then says what to do (no traceback)."""
+    env = _job_env(tmp_path, tmp_path / "run", nodes=1, tasks=2)
+    args = [sys.executable, "-m", "paratrain.cli", "train", *TINY.split(), "--steps", "1", "--timeout", "3",
+            "--out", str(tmp_path / "run")]
+    done = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "1/2 clients joined" in done.stderr and "run paratrain with srun" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_warning_signal_to_every_process_stops_local_workers(tmp_path):
+    """One Slurm task running paratrain's own workers (srun -n 1 ... --nproc 2): the warning reaches
+    the launcher, its forkserver and the workers at once; the forkserver must survive it (its
+    death would kill the workers before they save) and the run exits 75 with a checkpoint."""
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "paratrain.cli", "train", *TINY.split(), "--steps", str(STEPS),
+            "--nproc", "2", "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "PARATRAIN_TEST_STEP_PAUSE_S": "0.5"}
+    proc = subprocess.Popen(args, env=env, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until(lambda: _steps(out), 240, "a first metrics row")
+        os.killpg(proc.pid, signal.SIGUSR1)
+    finally:
+        log = _finish(proc)
+    assert proc.returncode == EXIT_REQUEUE, log[-3000:]
+    saved = json.loads((ckpt.latest(out) / "state.json").read_text())["step"]
+    assert saved == max(_steps(out)) < STEPS, log[-3000:]
+    assert "start the same command again to continue" in log, log[-3000:]
