@@ -180,3 +180,21 @@ def test_rank0_rendezvous_listens_on_master_addr_only(monkeypatch):
     addresses = _listening(port)
     assert addresses == ["127.0.0.1"], addresses
     del store
+
+
+@pytest.mark.parametrize("warning", [signal.SIGUSR1, signal.SIGTERM])
+def test_the_warning_twice_is_one_request_and_exits_75(warning):
+    """A scheduler may deliver the warning twice (directly and through a launcher): the second must
+    not end the process as a second Ctrl-C does; the run then exits 75, not 128 + signal."""
+    import os
+    import time
+
+    from paratrain import signals
+
+    with signals.handling_signals(warning=warning):
+        os.kill(os.getpid(), warning)
+        os.kill(os.getpid(), warning)
+        time.sleep(0.05)  # Python runs handlers between bytecodes of the main thread
+        assert signals.local_request() == warning
+    assert signals.run_exit_code(warning, warning) == signals.EXIT_REQUEUE == 75
+    assert signals.run_exit_code(signal.SIGINT, warning) == 130
