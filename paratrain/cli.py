@@ -277,7 +277,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     from paratrain.launch import adopt_slurm, launcher_name, under_torchrun  # lazy: start-up time
     from paratrain.run import run_training  # lazy: start-up time
 
-    adopt_slurm()  # srun's tasks: Slurm's variables as torchrun's (scheduler.py says which win)
+    try:
+        adopt_slurm()  # srun's tasks: Slurm's variables as torchrun's (scheduler.py says which win)
+    except ValueError as e:  # a host list or count this version cannot read
+        raise UserError(f"cannot read Slurm's variables: {e}; export MASTER_ADDR, MASTER_PORT, RANK, "
+                        "WORLD_SIZE and LOCAL_RANK yourself (they win), and report the value") from None
     cfg = checks.settle_seq_len(config.load(args.config, overrides_from(args)))  # the planner needs it too
     if args.layout == "auto":
         from paratrain.plan_cli import auto_layout  # lazy: start-up time

@@ -198,3 +198,13 @@ def test_the_warning_twice_is_one_request_and_exits_75(warning):
         assert signals.local_request() == warning
     assert signals.run_exit_code(warning, warning) == signals.EXIT_REQUEUE == 75
     assert signals.run_exit_code(signal.SIGINT, warning) == 130
+
+
+def test_an_unreadable_slurm_variable_exits_2(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("SLURM_NODELIST", "node[1-")
+    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST"):
+        monkeypatch.delenv(name, raising=False)
+    assert cli.main(["train", "--model", "tiny", "--out", str(tmp_path / "run")]) == 2
+    assert "cannot read Slurm's variables: unbalanced '[' in host list 'node[1-'" in capsys.readouterr().err
