@@ -207,7 +207,7 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
      "resuming from the last checkpoint, at most N times"),
     ("--signal", "train.warning_signal", str, RELIABILITY, "the scheduler's warning before the time limit "
      "(#SBATCH --signal=USR1@120): every rank saves at the next step boundary and the run exits 75; "
-     "USR1, USR2, TERM, ... or none"),
+     "USR1, USR2, TERM, ... or none (under torchrun spell it --warning-signal)"),
     ("--requeue", "train.requeue", bool, RELIABILITY, "Slurm: after the warning signal's checkpoint, requeue "
      "the job (scontrol requeue); a requeued or repeated start resumes from --out by itself"),
     ("--nan-policy", "train.nan_policy", str, RELIABILITY, "a non-finite loss or gradient norm: stop "
@@ -222,6 +222,10 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
     ("--no-progress", "train.progress", bool, RUN, "no progress bar (plain log lines, for "
      "files and schedulers)"),
 ]
+# Second names of a flag. --warning-signal: torchrun's parser takes `--signal` after `-m
+# paratrain.cli train` for an abbreviation of its own --signals-to-handle and stops ("ambiguous
+# option"), so a torchrun-launched run (Kubernetes, torchrun under srun) can only spell it this way.
+FLAG_ALIASES = {"--signal": ("--warning-signal",)}
 TRAIN_FLAGS: dict[str, tuple[str, type | typing.Callable]] = {
     flag: (key, typ) for flag, key, typ, _, _ in TRAIN_OPTIONS if typ is not bool}
 TRAIN_SWITCHES: dict[str, str] = {flag: key for flag, key, typ, _, _ in TRAIN_OPTIONS if typ is bool}
@@ -257,7 +261,8 @@ def train_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         if typ is bool:
             groups[group].add_argument(flag, action="store_true", help=text)
         else:
-            groups[group].add_argument(flag, type=typ, default=None, metavar=metavar, help=text)
+            groups[group].add_argument(flag, *FLAG_ALIASES.get(flag, ()), type=typ, default=None,
+                                       metavar=metavar, help=text)
     return p
 
 

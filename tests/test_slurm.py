@@ -94,11 +94,12 @@ def test_requeued_and_signal_names():
 
 @pytest.mark.parametrize("flags, env, message", [
     (["--signal", "BOGUS"], {}, "--signal 'BOGUS' is not one of USR1"),
+    (["--warning-signal", "KILL"], {}, "--signal 'KILL' is not one of USR1"),  # torchrun's spelling
     (["--requeue"], {}, "--requeue asks Slurm to requeue this job, but SLURM_JOB_ID is not set"),
     (["--requeue", "--signal", "none"], {"SLURM_JOB_ID": "9"}, "--signal is none"),
     (["--nproc", "4"], {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_NODELIST": "localhost",
                         "SLURM_JOB_ID": "9"}, "--nproc 4 disagrees with Slurm's tasks 2"),
-], ids=["signal-name", "requeue-outside-slurm", "requeue-without-signal", "nproc-vs-ntasks"])
+], ids=["signal-name", "second-name", "requeue-outside-slurm", "requeue-without-signal", "nproc-vs-ntasks"])
 def test_bad_scheduler_flags_exit_2_before_any_worker(tmp_path, monkeypatch, capsys, flags, env, message):
     for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID",
                  "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "PARATRAIN_LAUNCHER"):

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -160,3 +162,42 @@ def test_warning_signal_to_every_process_stops_local_workers(tmp_path):
     saved = json.loads((ckpt.latest(out) / "state.json").read_text())["step"]
     assert saved == max(_steps(out)) < STEPS, log[-3000:]
     assert "start the same command again to continue" in log, log[-3000:]
+
+
+def _manifest_launcher() -> list[str]:
+    """The container command of examples/kubernetes/pytorchjob.yaml up to ``train``, and its
+    --warning-signal (its other training flags are for the real cluster: the test's tiny ones replace
+    them). torchrun parses the whole line: a flag it refuses fails here."""
+    text = (ROOT / "examples" / "kubernetes" / "pytorchjob.yaml").read_text()
+    block = text.split("command:", 1)[1]
+    items = [m.group(1) for m in re.finditer(r"^\s*-\s+(\S+)", block, re.M)]
+    train = items.index("train") + 1
+    return items[:train] + [flag for flag in items[train:] if flag.startswith("--warning-signal")]
+
+
+def test_kubernetes_pods_run_as_the_operator_starts_them(tmp_path, local_workers):
+    """Two pods of the PyTorchJob, each running the manifest's command with only what Kubeflow's
+    training operator sets (PET_* for torchrun; MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK for the
+    pod), train like paratrain's own two workers."""
+    launcher = _manifest_launcher()
+    assert launcher[0] == "torchrun", launcher
+    assert launcher[-3:] == ["paratrain.cli", "train", "--warning-signal=TERM"], launcher
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    out = tmp_path / "run"
+    command = [str(Path(sys.executable).with_name("torchrun")), *launcher[1:], *TINY.split(),
+               "--steps", str(STEPS), "--save-every", "2", "--out", str(out)]
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PET_", "TORCHELASTIC"))}
+    pods = []
+    for pod in range(2):
+        env = {**base, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PET_NNODES": "2",
+               "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": str(pod), "PET_MASTER_ADDR": "localhost",
+               "PET_MASTER_PORT": str(port), "MASTER_ADDR": "localhost", "MASTER_PORT": str(port),
+               "WORLD_SIZE": "2", "RANK": str(pod)}
+        pods.append(subprocess.Popen(command, env=env, cwd=ROOT, start_new_session=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = [_finish(p) for p in pods]
+    assert [p.returncode for p in pods] == [0, 0], logs[0][-2000:] + logs[1][-2000:]
+    assert _steps(out) == list(range(1, STEPS + 1))
+    _assert_same_weights(out, local_workers)
