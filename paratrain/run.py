@@ -138,8 +138,8 @@ def _stopped(cfg: Config, stopped: int, warning: int | None, rank: int) -> int:
         if cfg.train.requeue:
             _requeue_job()
         else:
-            print(f"paratrain: stopped by the warning signal; exit {code} (start the same command again to "
-                  "continue, or pass --requeue to have Slurm requeue the job)", file=sys.stderr, flush=True)
+            print(f"paratrain: stopped by the warning signal; exit {code}: continue with --resume (with "
+                  "--requeue, Slurm requeues the job and it resumes by itself)", file=sys.stderr, flush=True)
     return code
 
 

@@ -161,7 +161,7 @@ def test_warning_signal_to_every_process_stops_local_workers(tmp_path):
     assert proc.returncode == EXIT_REQUEUE, log[-3000:]
     saved = json.loads((ckpt.latest(out) / "state.json").read_text())["step"]
     assert saved == max(_steps(out)) < STEPS, log[-3000:]
-    assert "start the same command again to continue" in log, log[-3000:]
+    assert "stopped by the warning signal; exit 75: continue with --resume" in log, log[-3000:]
 
 
 def _manifest_launcher() -> list[str]:
