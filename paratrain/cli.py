@@ -215,6 +215,11 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
      "about this long, so lower it (e.g. --timeout 60) to find hangs sooner"),
     ("--max-restarts", "parallel.max_restarts", int, RELIABILITY, "restart every worker after a failure, "
      "resuming from the last checkpoint, at most N times"),
+    ("--signal", "train.warning_signal", str, RELIABILITY, "the scheduler's warning before the time limit "
+     "(#SBATCH --signal=USR1@120): every rank saves at the next step boundary and the run exits 75; "
+     "USR1, USR2, TERM, ... or none (under torchrun spell it --warning-signal)"),
+    ("--requeue", "train.requeue", bool, RELIABILITY, "Slurm: after the warning signal's checkpoint, requeue "
+     "the job (scontrol requeue); a requeued or repeated start resumes from --out by itself"),
     ("--nan-policy", "train.nan_policy", str, RELIABILITY, "a non-finite loss or gradient norm: stop "
      "(naming the step and tensor) or skip the step"),
     ("--check-collectives", "parallel.check_collectives", bool, RELIABILITY, "compare every "
@@ -230,6 +235,10 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
     ("--log-every", "train.log_every", int, RUN, "without a progress bar: a log line (step, loss, tok/s, "
      "MFU, memory, elapsed and ETA) every N steps and at least every 30 s; 0: every 10% of the steps"),
 ]
+# Second names of a flag. --warning-signal: torchrun's parser takes `--signal` after `-m
+# paratrain.cli train` for an abbreviation of its own --signals-to-handle and stops ("ambiguous
+# option"), so a torchrun-launched run (Kubernetes, torchrun under srun) can only spell it this way.
+FLAG_ALIASES = {"--signal": ("--warning-signal",)}
 TRAIN_FLAGS: dict[str, tuple[str, type | typing.Callable]] = {
     flag: (key, typ) for flag, key, typ, _, _ in TRAIN_OPTIONS if typ is not bool}
 TRAIN_SWITCHES: dict[str, str] = {flag: key for flag, key, typ, _, _ in TRAIN_OPTIONS if typ is bool}
@@ -265,7 +274,8 @@ def train_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         if typ is bool:
             groups[group].add_argument(flag, action="store_true", help=text)
         else:
-            groups[group].add_argument(flag, type=typ, default=None, metavar=metavar, help=text)
+            groups[group].add_argument(flag, *FLAG_ALIASES.get(flag, ()), type=typ, default=None,
+                                       metavar=metavar, help=text)
     return p
 
 
@@ -282,9 +292,14 @@ def overrides_from(args: argparse.Namespace) -> dict:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from paratrain.launch import under_torchrun  # lazy: start-up time
+    from paratrain.launch import adopt_slurm, launcher_name, under_torchrun  # lazy: start-up time
     from paratrain.run import run_training  # lazy: start-up time
 
+    try:
+        adopt_slurm()  # srun's tasks: Slurm's variables as torchrun's (scheduler.py says which win)
+    except ValueError as e:  # a host list or count this version cannot read
+        raise UserError(f"cannot read Slurm's variables: {e}; export MASTER_ADDR, MASTER_PORT, RANK, "
+                        "WORLD_SIZE and LOCAL_RANK yourself (they win), and report the value") from None
     cfg = checks.settle_seq_len(train_config(args))  # the planner needs the sequence length too
     if args.layout == "auto":
         from paratrain.plan_cli import auto_layout  # lazy: start-up time
@@ -292,8 +307,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         if under_torchrun():  # every rank would plan (and measure) on its own and could disagree
             raise config.ConfigError(
                 "--layout auto plans for paratrain's own workers on this machine (it measures them); "
-                "under torchrun, run `paratrain plan --model ... --gpus N` once and pass the layout it "
-                "prints (--dp/--tp/--pp/--zero ...) to every rank")
+                f"under {launcher_name()}, run `paratrain plan --model ... --gpus N` once and pass the "
+                "layout it prints (--dp/--tp/--pp/--zero ...) to every rank")
 
         cfg = auto_layout(cfg)
     if under_torchrun():
@@ -327,13 +342,21 @@ def train_config(args: argparse.Namespace) -> config.Config:
 
 
 def adopt_torchrun_world(cfg: config.Config) -> config.Config:
-    """Under torchrun the world is torchrun's (nnodes x nproc-per-node): it stands in for --nproc,
-    so an unset --dp defaults to world / (tp * pp) as it does with paratrain's own workers."""
+    """Under torchrun the world is torchrun's (nnodes x nproc-per-node), under srun Slurm's tasks:
+    it stands in for --nproc, so an unset --dp defaults to world / (tp * pp) as it does with
+    paratrain's own workers."""
+    import os
+
+    from paratrain.launch import launcher_name  # lazy: start-up time
+
     world = int(os.environ["WORLD_SIZE"])
     if cfg.parallel.nproc not in (None, world):
+        who, sets = (("Slurm's tasks", "srun's --ntasks (or --nodes x --ntasks-per-node)")
+                     if launcher_name() == "Slurm" else
+                     ("torchrun's world size", "--nnodes x --nproc-per-node"))
         raise config.ConfigError(
-            f"--nproc {cfg.parallel.nproc} disagrees with torchrun's world size {world}: under torchrun, "
-            "--nnodes x --nproc-per-node sets the processes; drop --nproc (parallel.nproc)")
+            f"--nproc {cfg.parallel.nproc} disagrees with {who} {world}: under {launcher_name()}, "
+            f"{sets} sets the processes; drop --nproc (parallel.nproc)")
     cfg.parallel.nproc = world
     return cfg
 

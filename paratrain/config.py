@@ -170,6 +170,10 @@ class TrainConfig:
     overwrite: bool = False  # start afresh in a folder holding another run's checkpoints (deletes them)
     nan_policy: str = "stop"  # non-finite loss/grad norm: stop (with the tensor's name) | skip the step
     sample_prompt: str | None = None  # the end-of-run sample's prompt; default: the corpus's first line
+    # A scheduler's warning before the time limit (Slurm: #SBATCH --signal=USR1@120): every rank saves
+    # at the next step boundary and the run exits with signals.EXIT_REQUEUE. "none": not handled.
+    warning_signal: str = "USR1"
+    requeue: bool = False  # after the warning signal's save, requeue the Slurm job (scontrol requeue)
 
 
 @dataclass

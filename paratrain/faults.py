@@ -12,7 +12,9 @@ is a single dictionary lookup when it is not:
 * ``PARATRAIN_TEST_HANG_SERVER_AT=k``: a parameter server stops answering (sleeps) once it has
   applied k updates, on the first attempt only: the stand-in for a hung server;
 * ``PARATRAIN_TEST_SKIP_COLLECTIVE=what``: rank 1 skips its first collective whose purpose is
-  ``what``: the stand-in for diverged code paths (the collective checker must name it).
+  ``what``: the stand-in for diverged code paths (the collective checker must name it);
+* ``PARATRAIN_TEST_STEP_PAUSE_S=s``: every rank sleeps s seconds after each step: a long run that a
+  test's signal reliably reaches mid-run (the warning signal's tests).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ HANG_AT_STEP = "PARATRAIN_TEST_HANG_AT_STEP"
 SKIP_COLLECTIVE = "PARATRAIN_TEST_SKIP_COLLECTIVE"
 KILL_SERVER_AT = "PARATRAIN_TEST_KILL_SERVER_AT"
 HANG_SERVER_AT = "PARATRAIN_TEST_HANG_SERVER_AT"
+STEP_PAUSE_S = "PARATRAIN_TEST_STEP_PAUSE_S"
 
 _skipped = False  # the skip fires once per process
 
@@ -37,6 +40,8 @@ def crash_point(step: int, rank: int, attempt: int) -> None:
     if attempt == 0 and rank == 1 and os.environ.get(HANG_AT_STEP) == str(step):
         while True:  # until the launcher kills it
             time.sleep(60)
+    if os.environ.get(STEP_PAUSE_S):
+        time.sleep(float(os.environ[STEP_PAUSE_S]))
 
 
 def server_crash_point(updates: int) -> None:

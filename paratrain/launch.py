@@ -30,6 +30,7 @@ import contextlib
 import datetime
 import faulthandler
 import io
+import ipaddress
 import multiprocessing as mp
 import multiprocessing.forkserver as forkserver
 import multiprocessing.resource_tracker as resource_tracker
@@ -56,6 +57,7 @@ import torch.distributed.nn.functional  # noqa: F401
 
 import paratrain.signals as signals
 from paratrain import orphans
+from paratrain import scheduler
 from paratrain.comm import collectives as C
 from paratrain.comm.trace import TRACE, diagnose, read_mirror, stragglers
 from paratrain.orphans import die_with_parent
@@ -73,6 +75,10 @@ class WorkerError(RuntimeError):
 
 
 ABORT_CODES = {signals.exit_code(s) for s in signals.STOP_SIGNALS}  # a worker left on a second signal
+
+
+class RendezvousError(RuntimeError):
+    """The ranks of a torchrun or Slurm launch did not meet (the message says why and what to do)."""
 
 
 class Interrupted(KeyboardInterrupt):
@@ -126,7 +132,31 @@ def pick_device(local_rank: int, local_ranks: int = 1) -> torch.device:
 
 
 def under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+    """torchrun's variables are set: by torchrun, a Kubernetes operator, or ``adopt_slurm``."""
+    return scheduler.under_torchrun(os.environ)
+
+
+LAUNCHER_VAR = "PARATRAIN_LAUNCHER"  # "slurm" once adopt_slurm has described srun's task
+
+
+def adopt_slurm() -> scheduler.SlurmTask | None:
+    """A task srun started as one of several (and torchrun did not): describe it in torchrun's
+    variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; rules in
+    scheduler.py), so it joins the process group exactly as a torchrun rank does. On one node its
+    gloo sockets and rendezvous stay on loopback, as local workers' do. Returns the task, or None."""
+    task = scheduler.slurm_task(os.environ)
+    if task is None:
+        return None
+    os.environ.update(task.torchrun_env())
+    os.environ[LAUNCHER_VAR] = "slurm"
+    if len(task.hosts) == 1:
+        bind_loopback()
+    return task
+
+
+def launcher_name() -> str:
+    """Who set the world, for messages: "Slurm" or "torchrun"."""
+    return "Slurm" if os.environ.get(LAUNCHER_VAR) == "slurm" else "torchrun"
 
 
 def restart_attempt() -> int:
@@ -138,9 +168,46 @@ def _torchrun_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.
     """torchrun's TCP store (the agent's, or one rank 0 hosts), under a prefix per restart attempt:
     a restarted group that reuses the previous attempt's keys can hang or be refused (DESIGN 5)."""
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=rank == 0 and not agent, timeout=timeout, multi_tenant=not agent)
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    hosting = rank == 0 and not agent
+    try:
+        store = dist.TCPStore(host, port, world, is_master=hosting, timeout=timeout, multi_tenant=not agent,
+                              master_listen_fd=_listen_on(host, port, world) if hosting else None)
+    except (RuntimeError, OSError) as e:  # DistStoreError is a RuntimeError
+        raise RendezvousError(f"rank {rank}: the rendezvous at {host}:{port} (MASTER_ADDR:MASTER_PORT) "
+                              f"failed: {str(e).rstrip('.')}{_rendezvous_hint(world)}") from e
     return dist.PrefixStore(f"paratrain/attempt{restart_attempt()}/", store)
+
+
+def _listen_on(host: str, port: int, world: int) -> int | None:
+    """A listening socket for rank 0's store on ``host``'s address only (torch's own store listens
+    on every interface). None (torch's way) when the name resolves to loopback here but the ranks
+    span several hosts (a Debian-style /etc/hosts entry): the others could not reach it there."""
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    several_hosts = int(os.environ.get("LOCAL_WORLD_SIZE", world)) < world
+    if ipaddress.ip_address(address[0]).is_loopback and several_hosts:
+        return None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"rank 0 cannot listen on {host} ({address[0]}), not an address of this host "
+                      f"({socket.gethostname()}): set MASTER_ADDR to rank 0's host ({e})") from None
+    sock.listen(socket.SOMAXCONN)
+    _LISTENERS.append(sock)  # the store uses the descriptor: the socket object must outlive it
+    return sock.fileno()
+
+
+_LISTENERS: list[socket.socket] = []
+
+
+def _rendezvous_hint(world: int) -> str:
+    if launcher_name() != "Slurm":
+        return ""
+    return (f". Under Slurm all {world} tasks must start together: run paratrain with srun (one task per "
+            "rank); in a batch script without srun, request --ntasks=1 and use --nproc for local workers")
 
 
 def init_from_torchrun(timeout_s: float = 600.0, group_size: int | None = None) -> DistEnv:
@@ -272,12 +339,13 @@ def _worker(fn, rank, world, init_file, pg_timeout, dump_file, dump_after, resul
 
 def spawn(fn: Callable, nproc: int, *args: object, timeout: float | None = 120.0,
           pg_timeout: float | None = None, group_size: int | None = None,
-          rank_names: list[str] | None = None, **kwargs: object) -> list:
+          rank_names: list[str] | None = None, warning_signal: int | None = None, **kwargs: object) -> list:
     """Run ``fn(env, *args, **kwargs)`` on ``nproc`` local ranks; return each rank's result in order.
 
     ``group_size``: only ranks below it form the process group (its ``env.world_size``); the others
     (parameter servers) talk over RPC only, meeting at ``env.rpc_init``. ``rank_names`` name the
-    ranks in failure messages ("rank 2 (server0) died").
+    ranks in failure messages ("rank 2 (server0) died"). ``warning_signal``: a scheduler's warning
+    (signals.py) this launcher passes on to the workers like a first SIGTERM; a repeat is ignored.
 
     ``fn`` must be importable by name (a module-level function). Raises ``WorkerError`` with the
     failing rank's traceback, or with every rank's stack on timeout. ``timeout=None`` waits for as
@@ -305,7 +373,7 @@ def spawn(fn: Callable, nproc: int, *args: object, timeout: float | None = 120.0
         for p in procs:
             p.start()
         try:
-            with _forward_stop_signals(stop_request):
+            with _forward_stop_signals(stop_request, warning_signal):
                 return _collect(procs, results, nproc, timeout, dumps, rank_names)
         except WorkerError:
             # Two signals to the whole group can reach us as one (Python coalesces a signal that
@@ -344,10 +412,11 @@ def _start_forkserver() -> None:
 
 
 @contextlib.contextmanager
-def _forward_stop_signals(stop_request):
+def _forward_stop_signals(stop_request, warning_signal: int | None = None):
     """First SIGINT/SIGTERM: ask the workers to stop at their next step boundary (they may have
     had the SIGINT themselves; the shared value reaches them when only we were signalled).
-    Second: raise ``Interrupted``, and ``spawn`` kills them."""
+    Second: raise ``Interrupted``, and ``spawn`` kills them. The warning signal asks the same,
+    and never aborts."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -359,7 +428,14 @@ def _forward_stop_signals(stop_request):
         print(f"paratrain: signal {signum}: stopping at the next step boundary (again to abort)",
               file=sys.stderr, flush=True)
 
+    def on_warning(signum, frame):
+        if not stop_request.value:
+            stop_request.value = signum
+
     before = {sig: signal.signal(sig, on_signal) for sig in signals.STOP_SIGNALS}
+    if warning_signal is not None:
+        previous = signal.signal(warning_signal, on_warning)
+        before.setdefault(warning_signal, previous)  # SIGTERM as the warning: restore the original
     try:
         yield
     finally:

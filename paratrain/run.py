@@ -1,7 +1,13 @@
 """`paratrain train`: prepare the data once, start the ranks, report where everything is.
 
 Not under torchrun: N local workers (``--nproc``, default dp * tp * pp) from launch.spawn, or the
-calling process itself when N is 1. Under torchrun: this process is one rank of its world.
+calling process itself when N is 1. Under torchrun (or srun, whose variables launch.adopt_slurm
+turned into torchrun's): this process is one rank of its world.
+
+A scheduler's warning signal (``--signal``) stops the run with a checkpoint and exit code
+signals.EXIT_REQUEUE; with ``--requeue`` rank 0 then asks Slurm to requeue the job. A job Slurm
+started again (``SLURM_RESTART_COUNT`` > 0), or any ``--requeue`` run, resumes from the latest
+complete checkpoint in ``--out`` by itself (docs/operations.md).
 """
 
 from __future__ import annotations
@@ -10,6 +16,9 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -25,6 +34,7 @@ from paratrain.inference.loop import Sampling
 from paratrain.launch import (
     DistEnv,
     Interrupted,
+    RendezvousError,
     WorkerError,
     gpu_shortage,
     init_from_torchrun,
@@ -35,6 +45,7 @@ from paratrain.launch import (
 from paratrain.memory.batch_finder import NothingFits
 from paratrain.memory.precision import choose as choose_precision
 from paratrain.safeload import read_json_object
+from paratrain.scheduler import parse_signal, requeued
 from paratrain.train import guards, runlock
 from paratrain.train.ps_run import rank_names, train_or_serve
 from paratrain.train.task import build_task
@@ -46,8 +57,10 @@ def _worker(env: DistEnv, cfg_dict: dict, attempt: int = 0) -> int | str:
     wrong at once (--micro-batch auto with nothing fitting, agreed by all ranks): a message for
     the launcher to print, not a traceback."""
     os.environ["PARATRAIN_RESTART_COUNT"] = str(attempt)  # launch.restart_attempt() reads it
+    cfg = Config.from_dict(cfg_dict)
+    signals.install_warning(parse_signal(cfg.train.warning_signal))  # SIGINT/SIGTERM: launch._worker
     try:
-        return _train_rank(Config.from_dict(cfg_dict), env)
+        return _train_rank(cfg, env)
     except NothingFits as e:
         return str(e)
 
@@ -62,6 +75,8 @@ def _train_rank(cfg: Config, env: DistEnv) -> int:
 
 def run_training(cfg: Config) -> int:
     """Train with `cfg` (already validated); return the process exit code."""
+    if (cfg.train.requeue or requeued(os.environ)) and not cfg.train.resume:
+        cfg = resuming(cfg)  # started again by Slurm: continue from --out's checkpoint, if it has one
     if under_torchrun():
         return _run_torchrun(cfg)
     problem = gpu_shortage(cfg.world_size - cfg.ps_servers)  # parameter servers use no GPU
@@ -78,19 +93,20 @@ def _run_local(cfg: Config) -> int:
         _check_resume(cfg, task)  # another corpus/tokenizer than the checkpoint's: refused here
     if cfg.train.precision == "auto":  # measure once, here; workers read the cached choice
         choose_precision(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
-    world = cfg.world_size
+    world, warning = cfg.world_size, parse_signal(cfg.train.warning_signal)
     if world == 1:
         if cfg.train.threads is None:
             torch.set_num_threads(os.cpu_count() or 1)
         try:
-            with signals.handling_signals():
+            with signals.handling_signals(warning=warning):
                 stopped = Trainer(cfg).fit().stopped_by
         except guards.NumericsError as e:
             print(f"paratrain: training diverged: {e}", file=sys.stderr)
             return 1
     else:
         try:
-            stopped = _spawn_with_restarts(cfg)
+            with _ignoring(warning):  # the forkserver, started now, must survive a warning to the group
+                stopped = _spawn_with_restarts(cfg, warning)
         except Interrupted as e:
             print(f"paratrain: aborted by a second signal {e.signum}; the last complete checkpoint is intact",
                   file=sys.stderr)
@@ -99,7 +115,7 @@ def _run_local(cfg: Config) -> int:
             print(f"paratrain: training failed on rank {e.rank}:\n{e}", file=sys.stderr)
             return 1
     if stopped:
-        return signals.exit_code(stopped)
+        return _stopped(cfg, stopped, warning, rank=0)
     summarize(cfg)
     return 0
 
@@ -124,6 +140,51 @@ def data_line(s: dict, cfg: Config) -> str:
             f"the validation rows; {steps} x {t.global_batch} rows = {s['epochs']:.3g} epochs")
 
 
+@contextlib.contextmanager
+def _ignoring(signum: int | None):
+    """``signum`` ignored in this process (and in the processes it starts meanwhile, until they
+    install a handler: an ignored signal stays ignored across fork and exec)."""
+    if signum is None or signum in signals.STOP_SIGNALS:  # launch.spawn's forkserver handles these
+        yield
+        return
+    before = signal.signal(signum, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signum, before)
+
+
+def _stopped(cfg: Config, stopped: int, warning: int | None, rank: int) -> int:
+    """The exit code of a run stopped by a signal; after the warning signal with --requeue, rank 0
+    asks Slurm to requeue the job (every rank has saved: the checkpoint is complete)."""
+    code = signals.run_exit_code(stopped, warning)
+    if code == signals.EXIT_REQUEUE and rank == 0:
+        if cfg.train.requeue:
+            _requeue_job()
+        else:
+            print(f"paratrain: stopped by the warning signal; exit {code}: continue with --resume (with "
+                  "--requeue, Slurm requeues the job and it resumes by itself)", file=sys.stderr, flush=True)
+    return code
+
+
+def _requeue_job() -> None:
+    job = os.environ["SLURM_JOB_ID"]  # checked by engine/checks.py before the run started
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        print(f"paratrain: --requeue: no scontrol on PATH here, so job {job} was not requeued: requeue it "
+              f"yourself (scontrol requeue {job}), or from the batch script on exit code "
+              f"{signals.EXIT_REQUEUE}",
+              file=sys.stderr, flush=True)
+        return
+    done = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True, timeout=60)
+    if done.returncode == 0:
+        print(f"paratrain: requeued Slurm job {job}; it resumes from the checkpoint when it starts again",
+              flush=True)
+    else:
+        print(f"paratrain: scontrol requeue {job} failed ({done.returncode}): {done.stderr.strip()} "
+              "(is the job requeue-able? #SBATCH --requeue)", file=sys.stderr, flush=True)
+
+
 def _check_resume(cfg: Config, task) -> None:
     """The latest checkpoint's data cursor against this corpus, before any worker starts (from
     ``state.json`` when the checkpoint has one; ``Trainer.resume`` checks again in any case)."""
@@ -135,7 +196,7 @@ def _check_resume(cfg: Config, task) -> None:
         ckpt.read_rng(folder)  # an older or crafted pickle: refused here, before any worker starts
 
 
-def _spawn_with_restarts(cfg: Config) -> int:
+def _spawn_with_restarts(cfg: Config, warning: int | None = None) -> int:
     """Start the workers; after a failure start them all again (up to parallel.max_restarts
     times), resuming from the latest complete checkpoint. Returns the signal that stopped them."""
     attempt = 0
@@ -145,7 +206,7 @@ def _spawn_with_restarts(cfg: Config) -> int:
             results = spawn(_worker, cfg.world_size, cfg.to_dict(), attempt, timeout=None,
                             pg_timeout=cfg.parallel.timeout_s,
                             group_size=cfg.world_size - servers if servers else None,
-                            rank_names=rank_names(cfg) if servers else None)
+                            rank_names=rank_names(cfg) if servers else None, warning_signal=warning)
             refused = [r for r in results if isinstance(r, str)]
             if refused:  # a setting to change: exit 2 with its message, no restart
                 raise ConfigError(refused[0])
@@ -195,6 +256,19 @@ def resuming(cfg: Config) -> Config:
 def _run_torchrun(cfg: Config) -> int:
     if restart_attempt() > 0:  # torchrun restarted the group: continue from the latest checkpoint
         cfg = resuming(cfg)
+    warning = parse_signal(cfg.train.warning_signal)
+    early = signals.install_warning(warning)  # from now on the warning cannot kill this rank
+    try:
+        return _torchrun_rank(cfg, warning)
+    except RendezvousError as e:  # a launch problem, not a bug: its message, not a traceback
+        print(f"paratrain: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        for sig, handler in early.items():
+            signal.signal(sig, handler)
+
+
+def _torchrun_rank(cfg: Config, warning: int | None) -> int:
     env = init_from_torchrun(cfg.parallel.timeout_s, cfg.world_size - cfg.ps_servers)
     with runlock.locked_run(cfg) if env.rank == 0 else contextlib.nullcontext():
         if env.local_rank == 0:
@@ -203,10 +277,11 @@ def _run_torchrun(cfg: Config) -> int:
                 say_data(task, cfg)
         if torch.distributed.is_initialized():  # the workers (parameter servers join RPC only)
             torch.distributed.barrier()
-        with signals.handling_signals():  # torchrun's agent forwards SIGINT/SIGTERM to every worker
+        # torchrun's agent forwards SIGINT/SIGTERM to every worker; Slurm signals every task
+        with signals.handling_signals(warning=warning):
             stopped = _train_rank(cfg, env)
     if stopped:
-        return signals.exit_code(stopped)
+        return _stopped(cfg, stopped, warning, env.rank)
     if env.rank == 0:
         summarize(cfg)
     return 0

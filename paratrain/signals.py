@@ -7,6 +7,12 @@ would leave the peers waiting); at the end of each step the ranks agree with one
 all-reduce, save a checkpoint together and return. A second signal ends the process at once: the
 checkpoint being written is a temporary folder, so the previous complete one stays intact.
 
+A scheduler's *warning* signal (``--signal``, default SIGUSR1: Slurm's ``#SBATCH --signal=USR1@120``
+before the time limit) is a stop request too, with two differences: the run then exits with
+``EXIT_REQUEUE`` (75, EX_TEMPFAIL: "try again later"), and a repeat is ignored rather than ending
+the process, because a scheduler may deliver it to a worker twice (once directly, once forwarded
+by a launcher such as torchrun's agent).
+
 Signal state is per process by nature, hence module-level here and nowhere else.
 """
 
@@ -24,6 +30,7 @@ import torch
 from paratrain.comm import collectives as C
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+EXIT_REQUEUE = os.EX_TEMPFAIL  # 75: stopped by the warning signal, checkpoint saved; start again to continue
 
 _requested = 0  # the signal number of the first stop request in this process, 0 if none
 _shared = None  # a shared int the launcher sets to the signal it received (workers it started)
@@ -41,6 +48,25 @@ def _on_signal(signum, frame) -> None:
     _requested = signum
 
 
+def _on_warning(signum, frame) -> None:
+    global _requested
+    if not _requested:  # a repeat (the same warning delivered twice) changes nothing
+        _requested = signum
+
+
+def install_warning(signum: int | None) -> dict:
+    """Turn the warning signal ``signum`` (None: none) into a stop request (main thread only); it
+    takes over SIGINT/SIGTERM's handler if it is one of them. Returns the old handler."""
+    if signum is None or threading.current_thread() is not threading.main_thread():
+        return {}
+    return {signum: signal.signal(signum, _on_warning)}
+
+
+def run_exit_code(stopped: int, warning: int | None) -> int:
+    """The exit code of a run that ``stopped`` by this signal: EXIT_REQUEUE for the warning signal."""
+    return EXIT_REQUEUE if warning is not None and stopped == warning else exit_code(stopped)
+
+
 def install(shared: Synchronized | None = None) -> dict:
     """Turn SIGINT/SIGTERM into a stop request for this process (main thread only); ``shared``
     (a multiprocessing Value) carries a request the launcher received. Returns the old handlers."""
@@ -52,9 +78,11 @@ def install(shared: Synchronized | None = None) -> dict:
 
 
 @contextlib.contextmanager
-def handling_signals(shared: Synchronized | None = None) -> Iterator[None]:
-    """``install`` for the duration of a run in a process that lives on (the CLI in-process)."""
+def handling_signals(shared: Synchronized | None = None, warning: int | None = None) -> Iterator[None]:
+    """``install`` (and ``install_warning``) for the duration of a run in a process that lives on
+    (the CLI in-process)."""
     before = install(shared)
+    before = {**install_warning(warning), **before}  # the first handler of each signal is the one to restore
     try:
         yield
     finally:

@@ -9,6 +9,8 @@ every technique, so config.py imports nothing of paratrain.
 
 from __future__ import annotations
 
+import os
+
 from paratrain.comm import host_reduce
 from paratrain.config import DEFAULT_SEQ_LEN, Config, ConfigError, ParallelConfig, bullets, check_values
 from paratrain.engine.lora import apply_run_lora, check_lora, trainable_count
@@ -18,6 +20,7 @@ from paratrain.models.adapters import settle_lora_from
 from paratrain.models.from_config import model_shape
 from paratrain.models.llama.hf import HFCheckpoint, HFError, check_init_from
 from paratrain.pipeline.stage import parse_split
+from paratrain.scheduler import parse_signal
 
 
 def validate(cfg: Config, world_size: int | None = None) -> Config:
@@ -26,6 +29,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     problems: list[str] = []
     _check_model_name(cfg, problems)
     check_values(cfg, problems, world_size)
+    _check_warning_signal(cfg, problems)
     if cfg.model.init_from:
         check_init_from(cfg, problems)
     if cfg.lora.from_dir and not problems:  # the adapter sets rank/alpha/targets (models/adapters.py)
@@ -36,6 +40,22 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     if problems:
         raise ConfigError("invalid configuration:" + bullets(problems))
     return cfg
+
+
+def _check_warning_signal(cfg: Config, problems: list[str]) -> None:
+    """--signal names a signal paratrain can take as a warning; --requeue needs one, in a Slurm job."""
+    t = cfg.train
+    try:
+        warning = parse_signal(t.warning_signal)
+    except ValueError as e:
+        problems.append(str(e))
+        return
+    if t.requeue and warning is None:
+        problems.append("--requeue acts on the warning signal, but --signal is none: name the signal the "
+                        "job's #SBATCH --signal sends (default USR1), or drop --requeue")
+    elif t.requeue and not os.environ.get("SLURM_JOB_ID"):
+        problems.append("--requeue asks Slurm to requeue this job, but SLURM_JOB_ID is not set (not in a "
+                        "Slurm job): drop --requeue, or start the run with sbatch/srun")
 
 
 def _check_model_name(cfg: Config, problems: list[str]) -> None:

@@ -394,6 +394,8 @@ class Trainer:
         self.start_step = state["step"]
         self.saver.run_id = state.get("run_id")  # a resumed run prunes its own earlier checkpoints
         self.saver.last = folder  # a run resumed at its last step has nothing to save: export this
+        if self.is_main:
+            print(f"resuming from step {self.start_step} ({folder})", flush=True)
 
     def check_compatible(self, folder: Path, state: dict) -> None:
         """The data position is step x global batch: another global batch would replay other rows.
