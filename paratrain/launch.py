@@ -21,6 +21,9 @@ the launcher passes a request it received alone (SIGTERM from a scheduler) throu
 A second signal kills the workers at once and raises ``Interrupted``. The forkserver ignores both:
 it is started with SIGTERM ignored (multiprocessing ignores SIGINT there itself), so SIGTERM to
 the whole process group (Slurm, ``kill -- -PGID``) cannot kill it and, with it, its workers.
+
+Over 500 lines: the three ways a rank comes to be (local workers, torchrun, srun) share the process
+group's setup, its timeout and its no-orphans rules; reading them apart would hide what they share.
 """
 
 from __future__ import annotations
@@ -56,8 +59,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401
 
 import paratrain.signals as signals
-from paratrain import orphans
-from paratrain import scheduler
+from paratrain import orphans, scheduler
 from paratrain.comm import collectives as C
 from paratrain.comm.trace import TRACE, diagnose, read_mirror, stragglers
 from paratrain.orphans import die_with_parent
