@@ -32,8 +32,8 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def listening(pid: int) -> list[tuple[str, int]]:
-    """(address, port) of every TCP socket ``pid`` listens on."""
+def tcp_sockets(pid: int | str = "self", *, listening_only: bool = False) -> list[tuple[str, int]]:
+    """(local address, port) of ``pid``'s TCP sockets ("self": this process's)."""
     inodes = set()
     for fd in Path(f"/proc/{pid}/fd").glob("*"):
         try:
@@ -50,10 +50,15 @@ def listening(pid: int) -> list[tuple[str, int]]:
             continue
         for row in rows:
             fields = row.split()
-            if fields[3] == "0A" and fields[9] in inodes:
+            if fields[9] in inodes and (fields[3] == "0A" or not listening_only):  # 0A: LISTEN
                 address, port = fields[1].split(":")
                 out.append((_address(address), int(port, 16)))
     return out
+
+
+def listening(pid: int | str) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket ``pid`` listens on."""
+    return tcp_sockets(pid, listening_only=True)
 
 
 def _address(hex_address: str) -> str:

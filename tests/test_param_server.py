@@ -177,7 +177,8 @@ def test_nothing_imports_torch_rpc():
 
     files = list((ROOT / "paratrain").rglob("*.py"))
     assert len(files) > 50
-    users = [str(f.relative_to(ROOT)) for f in files if any(map(imports_rpc, ast.walk(ast.parse(f.read_text()))))]
+    users = [str(f.relative_to(ROOT)) for f in files
+             if any(imports_rpc(node) for node in ast.walk(ast.parse(f.read_text())))]
     assert users == [], users
 
 
