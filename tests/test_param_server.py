@@ -32,6 +32,7 @@ from paratrain.engine import checks
 from paratrain.faults import HANG_SERVER_AT, KILL_SERVER_AT, PAUSE_AT_STEP, PAUSE_DIR
 from paratrain.param_server.placement import assign, loads
 from paratrain.param_server.server import ParamServer
+from paratrain.param_server.wire import Header, Kind, ProtocolError, receive_payload
 from paratrain.train.ps_run import rank_names, train_or_serve
 from paratrain.train.task import build_task
 from paratrain.train.trainer import Trainer
@@ -317,3 +318,22 @@ def test_sync_sum_does_not_depend_on_arrival_order():
         futures = [server.push_sync(w, 0, {"w": parts[w]}) for w in order]
         norms.append(futures[0].wait())
     assert norms == [0.0, 0.0, 0.0], norms
+
+
+@pytest.mark.parametrize("slots, fragment", [
+    ([42, 0, 0, 0, 1, 0, 0, 0], "unknown message kind 42"),
+    ([2, 0.5, 0, 0, 1, 0, 0, 0], "fractional"),
+    ([2, 0, 0, 0, 1, 0, -1, 0], "out of bounds"),
+    ([2, 0, 0, 0, 1, 0, 0, 2.0 ** 50], "out of bounds"),
+    ([2, 0, float("nan"), 0, 1, 0, 0, 0], "non-finite"),
+])
+def test_a_malformed_header_is_refused_before_anything_is_allocated(slots, fragment):
+    with pytest.raises(ProtocolError, match=fragment):
+        Header.parse(torch.tensor(slots, dtype=torch.float64))
+
+
+def test_a_header_round_trips_and_a_body_of_another_size_is_refused():
+    header = Header(Kind.APPLY_SYNC, worker=1, round=7, lr=3e-4, factor=0.5, payload=12)
+    assert Header.parse(header.tensor()) == header
+    with pytest.raises(ProtocolError, match="APPLY_SYNC message of 12 elements, expected 10"):
+        receive_payload(None, 2, header, 10, 1.0, reply=False)  # refused before any receive

@@ -103,8 +103,11 @@ class ParameterServerClient(Strategy):
         """Send server ``k`` a message and post the receive of its reply's header."""
         dst = self.mesh.dp.size + k  # the servers follow the workers in the run's group
         header = replace(header, worker=self.mesh.dp.rank)
-        sent = wire.send(self.settings.group, dst, header, meta, payload)
-        return _Request(k, sent, wire.post_header(self.settings.group, dst, reply=True))
+        try:
+            sent = wire.send(self.settings.group, dst, header, meta, payload)
+            return _Request(k, sent, wire.post_header(self.settings.group, dst, reply=True))
+        except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError when the peer is gone
+            raise self.server_error(k, e) from e
 
     def wait(self, requests: list[_Request], expected: Callable[[int, dict], int] = lambda k, meta: 0
              ) -> list[Reply]:
@@ -122,11 +125,15 @@ class ParameterServerClient(Strategy):
                 meta = wire.receive_meta(group, src, header, timeout, reply=True)
                 payload = wire.receive_payload(group, src, header, expected(r.k, meta), timeout, reply=True)
             except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError for a timeout and a dead peer alike
-                raise ServerError(f"parameter server {server_name(r.k)} (rank {src}) failed, died or did not "
-                                  f"answer within {timeout:g} s: {e}") from e
+                raise self.server_error(r.k, e) from e
             out.append(Reply(header.value, meta, payload))
         self.wait_s += time.perf_counter() - start
         return out
+
+    def server_error(self, k: int, cause: Exception) -> ServerError:
+        rank = self.mesh.dp.size + k
+        return ServerError(f"parameter server {server_name(k)} (rank {rank}) failed, died or did not answer "
+                           f"within {self.settings.timeout_s:g} s: {cause}")
 
     def values_size(self, k: int, meta: dict) -> int:
         return sum(p.numel() for _, p in self.by_server[k])

@@ -169,5 +169,7 @@ def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def unflatten(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
+    if not shapes:  # a server that holds nothing (more servers than tensors)
+        return []
     sizes = [math.prod(s) for s in shapes]
     return [part.view(shape) for part, shape in zip(flat.split(sizes), shapes, strict=True)]
