@@ -116,7 +116,7 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
     ("--sync", "parallel.sync", str, LAYOUT, "how data-parallel replicas meet: ddp sums gradients every "
      "step; local-sgd and diloco step each replica alone and average the parameters every --sync-every "
      "steps (slow links: H-fold fewer bytes between replicas); parameter-server: the last --servers ranks "
-     "hold the parameters and AdamW, the workers send gradients over torch.distributed.rpc"),
+     "hold the parameters and AdamW, the workers send gradients to them as tensors over gloo"),
     ("--sync-every", "parallel.sync_every", int, LAYOUT, "H: inner steps between two averagings (local-sgd, "
      "diloco)"),
     ("--outer-optimizer", "parallel.outer_optimizer", str, LAYOUT, "diloco: the outer step on the averaged "

@@ -11,6 +11,9 @@ is a single dictionary lookup when it is not:
   applied k updates, on the first attempt only: the stand-in for a server machine failure;
 * ``PARATRAIN_TEST_HANG_SERVER_AT=k``: a parameter server stops answering (sleeps) once it has
   applied k updates, on the first attempt only: the stand-in for a hung server;
+* ``PARATRAIN_TEST_PAUSE_AT_STEP=k`` with ``PARATRAIN_TEST_PAUSE_DIR=dir``: rank 0 writes
+  ``dir/paused`` after step k and waits until ``dir/go`` exists: a run held alive, every listener
+  open, while a test probes its ports as a foreign process would (tests/test_param_server.py);
 * ``PARATRAIN_TEST_SKIP_COLLECTIVE=what``: rank 1 skips its first collective whose purpose is
   ``what``: the stand-in for diverged code paths (the collective checker must name it);
 * ``PARATRAIN_TEST_STEP_PAUSE_S=s``: every rank sleeps s seconds after each step: a long run that a
@@ -29,6 +32,8 @@ SKIP_COLLECTIVE = "PARATRAIN_TEST_SKIP_COLLECTIVE"
 KILL_SERVER_AT = "PARATRAIN_TEST_KILL_SERVER_AT"
 HANG_SERVER_AT = "PARATRAIN_TEST_HANG_SERVER_AT"
 STEP_PAUSE_S = "PARATRAIN_TEST_STEP_PAUSE_S"
+PAUSE_AT_STEP = "PARATRAIN_TEST_PAUSE_AT_STEP"
+PAUSE_DIR = "PARATRAIN_TEST_PAUSE_DIR"
 
 _skipped = False  # the skip fires once per process
 
@@ -42,6 +47,11 @@ def crash_point(step: int, rank: int, attempt: int) -> None:
             time.sleep(60)
     if os.environ.get(STEP_PAUSE_S):
         time.sleep(float(os.environ[STEP_PAUSE_S]))
+    if rank == 0 and os.environ.get(PAUSE_AT_STEP) == str(step):
+        folder = os.environ[PAUSE_DIR]
+        open(os.path.join(folder, "paused"), "w").close()
+        while not os.path.exists(os.path.join(folder, "go")):
+            time.sleep(0.05)
 
 
 def server_crash_point(updates: int) -> None:

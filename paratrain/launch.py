@@ -99,7 +99,9 @@ class DistEnv:
     local_rank: int
     backend: str
     device: torch.device
-    rpc_init: str | None = None  # where torch.distributed.rpc meets (param_server/session.py)
+    # Every rank, in one gloo group, when only some form the process group: the parameter server's
+    # messages travel there (param_server/session.py). None otherwise.
+    world_group: dist.ProcessGroup | None = None
 
 
 def pick_backend() -> str:
@@ -212,10 +214,33 @@ def _rendezvous_hint(world: int) -> str:
             "rank); in a batch script without srun, request --ntasks=1 and use --nproc for local workers")
 
 
+def bind_loopback_on_one_host() -> None:
+    """Under torchrun, listen on loopback when rank 0's address is a loopback one (``--standalone``:
+    MASTER_ADDR=localhost), since then every rank is on this host; otherwise gloo keeps its default
+    (the address the host name resolves to) or the interface the job names (GLOO_SOCKET_IFNAME)."""
+    if _is_loopback_host(os.environ.get("MASTER_ADDR", "")):
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # an interface the user named stays
+            os.environ.setdefault(name, loopback_interface())
+
+
+def _is_loopback_host(host: str) -> bool:
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except (OSError, UnicodeError):
+        return False
+    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
+
+
+def _world_group(store: dist.Store, rank: int, world: int, timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """``DistEnv.world_group``: gloo over every rank, whatever the workers' backend (parameter
+    servers keep host memory). It is used through its own send/recv only (param_server/wire.py)."""
+    return dist.ProcessGroupGloo(dist.PrefixStore("world/", store), rank, world, timeout)
+
+
 def init_from_torchrun(timeout_s: float = 600.0, group_size: int | None = None) -> DistEnv:
     """Join the process group torchrun describes in the environment. ``group_size``: only the
-    ranks below it form the process group (the others are parameter servers, on RPC only, which
-    meets at a store of its own: ``_rpc_meeting``)."""
+    ranks below it form the process group (the others are parameter servers); every rank then
+    also joins ``world_group``, which meets in this attempt's prefix of torchrun's store."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     group = group_size or world
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -223,32 +248,17 @@ def init_from_torchrun(timeout_s: float = 600.0, group_size: int | None = None) 
     local_ranks = min(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), group)  # servers need no GPU
     device = pick_device(local_rank, local_ranks) if rank < group else torch.device("cpu")
     die_with_parent()  # torchrun's agent killed: this worker goes too
+    bind_loopback_on_one_host()
     if world > 1 and not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
         store = _torchrun_store(rank, world, timeout)  # every rank connects: rank 0 may wait for all
-        rpc_init = _rpc_meeting(store, rank, world, timeout) if group < world else None
         if group > 1 and rank < group:
             dist.init_process_group(backend, store=store, rank=rank, world_size=group, timeout=timeout)
             atexit.register(_leave_process_group)
-        return DistEnv(rank, group if rank < group else world, local_rank, backend, device, rpc_init=rpc_init)
+        world_group = _world_group(store, rank, world, timeout) if group < world else None
+        return DistEnv(rank, group if rank < group else world, local_rank, backend, device,
+                       world_group=world_group)
     return DistEnv(rank, world, local_rank, backend, device)
-
-
-_RPC_STORES: list[dist.Store] = []  # rank 0's RPC meeting store, alive as long as the process
-
-
-def _rpc_meeting(store: dist.Store, rank: int, world: int, timeout: datetime.timedelta) -> str:
-    """Where torch.distributed.rpc meets under torchrun: a TCP store of its own, hosted by rank 0 on
-    a free port announced in this attempt's prefix of torchrun's store. Why not ``env://``: RPC
-    names its keys the same at every attempt (``rpc_prefix_0``), so a restarted attempt meeting in
-    torchrun's store finds the previous attempt's addresses (seen: "Connection refused" after a
-    killed server, --max-restarts 1). MASTER_ADDR is the host of rank 0 (torchrun's contract)."""
-    if rank == 0:
-        rpc_store = dist.TCPStore(os.environ["MASTER_ADDR"], 0, world, is_master=True, wait_for_workers=False,
-                                  multi_tenant=True, timeout=timeout)
-        _RPC_STORES.append(rpc_store)
-        store.set("rpc_port", str(rpc_store.port))
-    return f"tcp://{os.environ['MASTER_ADDR']}:{int(store.get('rpc_port'))}"
 
 
 EXIT_BARRIER_S = 60.0  # at exit, how long a rank waits for its peers to finish their collectives
@@ -297,12 +307,11 @@ def _is_loopback(name: str) -> bool:
 def bind_loopback() -> None:
     """Local workers talk only to each other: their gloo sockets (and NCCL's bootstrap) listen on
     the loopback interface, not on whatever address the host name resolves to, which may be
-    reachable from the network. (Their rendezvous is a file, so no store listens either.) torchrun
-    runs keep torchrun's addresses: their ranks span machines."""
+    reachable from the network. (Their rendezvous is a file, so no store listens either.) Under
+    torchrun only on one host (``bind_loopback_on_one_host``): otherwise its ranks span machines."""
     iface = loopback_interface()
     os.environ["GLOO_SOCKET_IFNAME"] = iface  # read by every gloo group created in this process
     os.environ["NCCL_SOCKET_IFNAME"] = iface
-    os.environ["TP_SOCKET_IFNAME"] = iface  # TensorPipe's (torch.distributed.rpc) listening sockets
 
 
 def _worker(fn, rank, world, init_file, pg_timeout, dump_file, dump_after, results, args, kwargs,
@@ -317,15 +326,19 @@ def _worker(fn, rank, world, init_file, pg_timeout, dump_file, dump_after, resul
         if dump_after:
             faulthandler.dump_traceback_later(dump_after, exit=False, file=dump)
         try:
-            group = group_size or world  # the ranks beyond it join no process group (RPC only)
+            group = group_size or world  # the ranks beyond it (parameter servers) join world_group only
             # a rank beyond the group (a parameter server) keeps its state in host memory
             backend = pick_backend()
             device = pick_device(rank, group) if rank < group else torch.device("cpu")
             if group > 1 and rank < group:
                 dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                                         world_size=group, timeout=datetime.timedelta(seconds=pg_timeout))
+            world_group = None
+            if group < world:  # every rank, beside a file of its own
+                world_group = _world_group(dist.FileStore(f"{init_file}.world", world), rank, world,
+                                           datetime.timedelta(seconds=pg_timeout))
             env = DistEnv(rank, group if rank < group else world, rank, backend, device,
-                          rpc_init=f"file://{init_file}.rpc")
+                          world_group=world_group)
             out = fn(env, *args, **kwargs)
             results.put((rank, "ok", _to_bytes(out)))
         except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
@@ -345,7 +358,7 @@ def spawn(fn: Callable, nproc: int, *args: object, timeout: float | None = 120.0
     """Run ``fn(env, *args, **kwargs)`` on ``nproc`` local ranks; return each rank's result in order.
 
     ``group_size``: only ranks below it form the process group (its ``env.world_size``); the others
-    (parameter servers) talk over RPC only, meeting at ``env.rpc_init``. ``rank_names`` name the
+    (parameter servers) are only in ``env.world_group``, with every rank. ``rank_names`` name the
     ranks in failure messages ("rank 2 (server0) died"). ``warning_signal``: a scheduler's warning
     (signals.py) this launcher passes on to the workers like a first SIGTERM; a repeat is ignored.
 

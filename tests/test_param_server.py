@@ -12,11 +12,13 @@ of their sum: that halves the norm, far beyond 2e-5).
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,12 +29,14 @@ from paratrain import config
 from paratrain.cli import main
 from paratrain.config import ConfigError
 from paratrain.engine import checks
-from paratrain.faults import HANG_SERVER_AT, KILL_SERVER_AT
+from paratrain.faults import HANG_SERVER_AT, KILL_SERVER_AT, PAUSE_AT_STEP, PAUSE_DIR
 from paratrain.param_server.placement import assign, loads
 from paratrain.param_server.server import ParamServer
+from paratrain.param_server.wire import Header, Kind, ProtocolError, receive_payload
 from paratrain.train.ps_run import rank_names, train_or_serve
 from paratrain.train.task import build_task
 from paratrain.train.trainer import Trainer
+from tests import netprobe
 from tests.dist import WorkerError, run
 from tests.harness import FP32_REORDERED, assert_same_weights, tiny_cfg
 
@@ -91,19 +95,92 @@ def assert_equals_one_process(out: Path, losses: list[float], weights: dict, ref
     assert all(r["mem_optim_bytes"] == 0 for r in rows), "the servers hold the optimizer state"
 
 
+def _run_probed(args: list[str], out: Path, tmp_path: Path, skip: int = 0) -> tuple[str, list]:
+    """Run a parameter-server command; while it is held after step 2, a foreign process sends
+    every TCP port of the job's processes (below the launcher ``skip`` levels down) an HTTP
+    request, pickles that would create a marker file, and garbage. Returns the run's stderr and
+    the listeners probed; the run must exit 0 and nothing may have run the pickles."""
+    marker, pause = tmp_path / "marker", tmp_path / "pause"
+    pause.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", PAUSE_AT_STEP: "2",
+           PAUSE_DIR: str(pause)}
+    log = tmp_path / "stderr.txt"
+    with log.open("w") as stderr:  # a file, not a pipe nobody reads while the run is held
+        proc = subprocess.Popen(args, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
+    try:
+        deadline = time.monotonic() + 180
+        while not (pause / "paused").exists():
+            assert proc.poll() is None, f"the run ended before step 2: {log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, "the run did not reach step 2 within 180 s"
+            time.sleep(0.1)
+        listeners = [(pid, *where) for pid in netprobe.descendants(proc.pid)[skip:]
+                     for where in netprobe.listening(pid)]
+        for pid, address, port in listeners:
+            reached = [netprobe.send_to(address, port, data) for data in netprobe.payloads(str(marker))]
+            assert reached[0], f"process {pid} listens on {address}:{port} but refused a connection"
+        (pause / "go").touch()
+        proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = log.read_text()
+    assert proc.returncode == 0, err[-3000:]
+    assert not marker.exists(), "a foreign process's pickle ran in the job"
+    return err, listeners
+
+
 def test_torchrun_start_equals_one_process(tmp_path, reference):
     """Sync mode, 2 workers + 1 server, equals one process. Started by torchrun: its world is the
     workers then the servers, 3 ranks. (2 workers + 2 servers under paratrain's own launcher: the
-    resume test's unbroken run; the two launchers give bit-identical weights, checked by hand.)"""
+    resume test's unbroken run; the two launchers give bit-identical weights, checked by hand.)
+    Probed by a foreign process while it runs (``_run_probed``): on one host (MASTER_ADDR=localhost)
+    the ranks listen on loopback only, and the run is unharmed. torchrun's agent, whose store is
+    torchrun's, is not probed."""
     out = tmp_path / "run"
     args = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "3",
             "-m", "paratrain.cli", "train", *TINY_CLI, "--sync", "parameter-server", "--dp", "2",
             "--servers", "1", "--out", str(out)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    _, listeners = _run_probed(args, out, tmp_path, skip=1)
+    assert listeners and all(netprobe.is_loopback(address) for _, address, _ in listeners), listeners
     losses = [r["loss"] for r in _rows(out)]
     assert_equals_one_process(out, losses, load_file(str(out / "model.safetensors")), reference)
+
+
+def test_foreign_peer_runs_no_code_and_stops_nothing(tmp_path, reference):
+    """Issue 35 item 11: the servers unpickled and called what a connection sent (torch RPC), and
+    an HTTP request crashed one (std::bad_alloc). Now workers and servers exchange tensors over
+    gloo, every rank's one listener is on loopback (paratrain's launcher), a stranger's bytes
+    are never read as a message, and the run finishes equal to one process, without warnings
+    (item 7: RPC's start-up printed three torch UserWarnings)."""
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "paratrain.cli", "train", *TINY_CLI, "--sync", "parameter-server",
+            "--nproc", "3", "--dp", "2", "--servers", "1", "--out", str(out)]
+    err, listeners = _run_probed(args, out, tmp_path)
+    assert len({pid for pid, _, _ in listeners}) >= 3, listeners  # every rank listens: all were probed
+    assert all(netprobe.is_loopback(address) for _, address, _ in listeners), listeners
+    assert "Warning" not in err, err
+    losses = [r["loss"] for r in _rows(out)]
+    assert_equals_one_process(out, losses, load_file(str(out / "model.safetensors")), reference)
+
+
+def test_nothing_imports_torch_rpc():
+    """The parameter server's transport is the run's gloo group: no module of paratrain imports
+    torch.distributed.rpc, whose calls are pickled callables."""
+    def imports_rpc(node: ast.AST) -> bool:
+        if isinstance(node, ast.Import):
+            return any(a.name.startswith("torch.distributed.rpc") for a in node.names)
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            return module.startswith("torch.distributed.rpc") or (
+                module == "torch.distributed" and any(a.name == "rpc" for a in node.names))
+        return False
+
+    files = list((ROOT / "paratrain").rglob("*.py"))
+    assert len(files) > 50
+    users = [str(f.relative_to(ROOT)) for f in files
+             if any(imports_rpc(node) for node in ast.walk(ast.parse(f.read_text())))]
+    assert users == [], users
 
 
 def test_placement_is_balanced_and_deterministic():
@@ -241,3 +318,22 @@ def test_sync_sum_does_not_depend_on_arrival_order():
         futures = [server.push_sync(w, 0, {"w": parts[w]}) for w in order]
         norms.append(futures[0].wait())
     assert norms == [0.0, 0.0, 0.0], norms
+
+
+@pytest.mark.parametrize("slots, fragment", [
+    ([42, 0, 0, 0, 1, 0, 0, 0], "unknown message kind 42"),
+    ([2, 0.5, 0, 0, 1, 0, 0, 0], "fractional"),
+    ([2, 0, 0, 0, 1, 0, -1, 0], "out of bounds"),
+    ([2, 0, 0, 0, 1, 0, 0, 2.0 ** 50], "out of bounds"),
+    ([2, 0, float("nan"), 0, 1, 0, 0, 0], "non-finite"),
+])
+def test_a_malformed_header_is_refused_before_anything_is_allocated(slots, fragment):
+    with pytest.raises(ProtocolError, match=fragment):
+        Header.parse(torch.tensor(slots, dtype=torch.float64))
+
+
+def test_a_header_round_trips_and_a_body_of_another_size_is_refused():
+    header = Header(Kind.APPLY_SYNC, worker=1, round=7, lr=3e-4, factor=0.5, payload=12)
+    assert Header.parse(header.tensor()) == header
+    with pytest.raises(ProtocolError, match="APPLY_SYNC message of 12 elements, expected 10"):
+        receive_payload(None, 2, header, 10, 1.0, reply=False)  # refused before any receive

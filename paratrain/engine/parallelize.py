@@ -25,6 +25,7 @@ The matching validation (every technique's constraints, before any worker) is en
 
 from __future__ import annotations
 
+import torch.distributed as dist
 import torch.nn as nn
 
 from paratrain.base.executor import MicroBatchLoop
@@ -50,8 +51,10 @@ from paratrain.tensor_parallel.cross_entropy import vocab_parallel_loss_sum
 from paratrain.tensor_parallel.plan import apply_tensor_parallel
 
 
-def parallelize(task: Task, cfg: Config, mesh: ParallelMesh) -> Engine:
-    """Build this rank's model, wrapped in the fixed order above, with its strategy and executor."""
+def parallelize(task: Task, cfg: Config, mesh: ParallelMesh, *,
+                servers: dist.ProcessGroup | None = None) -> Engine:
+    """Build this rank's model, wrapped in the fixed order above, with its strategy and executor.
+    ``servers``: under ``--sync parameter-server``, the run's gloo group of workers then servers."""
     model = task.build_model("meta")
     apply_run_lora(model, cfg)  # before TP: its styles build the LoRA variants of the adapted linears
     loss_fn = task.loss_sum
@@ -77,7 +80,7 @@ def parallelize(task: Task, cfg: Config, mesh: ParallelMesh) -> Engine:
     name_params(model)  # every parameter's ParamInfo now knows its single-device name
     if cfg.parallel.zero == 3:
         # ZeRO-3 materialises only this rank's shard of each unit, straight from the init by name.
-        strategy = _strategy(model, task, cfg, mesh)
+        strategy = _strategy(model, task, cfg, mesh, servers)
     else:
         task.materialize(model, mesh.device)
         task.init_weights(model, cfg.train.seed)
@@ -85,7 +88,7 @@ def parallelize(task: Task, cfg: Config, mesh: ParallelMesh) -> Engine:
             # BatchNorm statistics over the whole dp batch, so dp=N trains as one process would
             # (models without BatchNorm are left untouched). Same parameter objects: init is kept.
             model = convert_sync_batchnorm(model, mesh.dp)
-        strategy = _strategy(model, task, cfg, mesh)
+        strategy = _strategy(model, task, cfg, mesh, servers)
     if chunks is not None:
         executor = PipelineExecutor(model, chunks, loss_fn, strategy, mesh, schedule=cfg.parallel.pp_schedule,
                                     virtual_stages=cfg.parallel.virtual_stages, precision=cfg.train.precision,
@@ -99,10 +102,14 @@ def parallelize(task: Task, cfg: Config, mesh: ParallelMesh) -> Engine:
     return Engine(model, strategy, executor, mesh)
 
 
-def _strategy(model: nn.Module, task: Task, cfg: Config, mesh: ParallelMesh) -> Strategy:
+def _strategy(model: nn.Module, task: Task, cfg: Config, mesh: ParallelMesh,
+              servers: dist.ProcessGroup | None) -> Strategy:
     p = cfg.parallel
     if p.sync == "parameter-server":  # the servers hold the optimizer (param_server/)
-        settings = ServerSettings(p.servers, p.ps_mode == "async", p.timeout_s)
+        if servers is None:
+            raise RuntimeError("--sync parameter-server runs under a launcher that starts the servers too "
+                               "(train/ps_run.py)")
+        settings = ServerSettings(p.servers, p.ps_mode == "async", p.timeout_s, servers)
         return ParameterServerClient(model, mesh, cfg.optim, settings)
     # ZeRO-3 materialises this rank's shards from the full initial value by name: the family's
     # init, or an imported checkpoint's slice (task.init_value)

@@ -1,1 +1,2 @@
-"""A parameter server over torch.distributed.rpc (``--sync parameter-server``): docs/data_parallel.md."""
+"""A parameter server (``--sync parameter-server``): tensors over the run's gloo group, never code;
+docs/data_parallel.md."""

@@ -11,8 +11,9 @@ The trainer's step (base/strategy.py) maps onto the servers like this:
                     and copy the new values     (bounded staleness), copy the new values
 
 Each server holds the parameters placement.assign gives it; a worker talks to all of them,
-concurrently (one rpc_async per server, then wait for all). The worker keeps no optimizer: its
-model holds a copy of the values, refreshed after every step.
+concurrently (a request to each server, then wait for every reply), in wire.py's messages over the
+run's gloo group (session.py). The worker keeps no optimizer: its model holds a copy of the
+values, refreshed after every step.
 
 Async scaling, a choice: a worker's gradient is its share of the global mean (divided by the
 global batch's counted tokens), so dp of them add up to the global gradient. Applied alone it is
@@ -29,18 +30,19 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
-import torch.distributed.rpc as rpc
+import torch.distributed as dist
 import torch.nn as nn
 
 from paratrain.base.strategy import Strategy, read_local
 from paratrain.comm import collectives as C
 from paratrain.comm.collectives import nbytes
 from paratrain.mesh import ParallelMesh
-from paratrain.param_server import server as srv
+from paratrain.param_server import wire
 from paratrain.param_server.placement import assign, server_name
+from paratrain.param_server.wire import Header, Kind
 from paratrain.sharding import info_of
 from paratrain.shards import Piece, ShardReader, pieces_of
 
@@ -54,6 +56,23 @@ class ServerSettings:
     servers: int
     async_mode: bool  # the staleness bound is the servers' business (server.py)
     timeout_s: float
+    group: dist.ProcessGroup  # the run's gloo group of workers then servers (session.py)
+
+
+@dataclass(frozen=True)
+class _Request:
+    """A message sent to server k, and the receive of its reply's header, posted."""
+
+    k: int
+    sent: wire.Outgoing
+    reply: tuple[dist.Work, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Reply:
+    value: float  # the reply's number (a squared norm, a staleness, a step count)
+    meta: dict
+    payload: torch.Tensor  # fp32, flat
 
 
 class ParameterServerClient(Strategy):
@@ -67,7 +86,7 @@ class ParameterServerClient(Strategy):
                           for k in range(settings.servers)]
         self.round = 0  # sync: the step whose gradients are being gathered
         self.factor = 1.0  # the clip factor of this step
-        self.pushed: list[torch.futures.Future] = []
+        self.pushed: list[_Request] = []
         self.staleness: int | None = None  # async: the largest over the servers, this step
         self.staleness_max = 0
         self.wait_s = 0.0
@@ -79,45 +98,72 @@ class ParameterServerClient(Strategy):
 
     # -- talking to the servers -------------------------------------------------------------------
 
-    def call(self, k: int, fn: Callable, *args: object) -> torch.futures.Future:
-        return rpc.rpc_async(server_name(k), fn, args=args, timeout=self.settings.timeout_s)
+    def request(self, k: int, header: Header, meta: dict | None = None,
+                payload: torch.Tensor | None = None) -> _Request:
+        """Send server ``k`` a message and post the receive of its reply's header."""
+        dst = self.mesh.dp.size + k  # the servers follow the workers in the run's group
+        header = replace(header, worker=self.mesh.dp.rank)
+        try:
+            sent = wire.send(self.settings.group, dst, header, meta, payload)
+            return _Request(k, sent, wire.post_header(self.settings.group, dst, reply=True))
+        except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError when the peer is gone
+            raise self.server_error(k, e) from e
 
-    def wait(self, futures: list[torch.futures.Future]) -> list:
-        """Every server's answer, in server order; a failed or silent server is named."""
-        start = time.perf_counter()
+    def wait(self, requests: list[_Request], expected: Callable[[int, dict], int] = lambda k, meta: 0
+             ) -> list[Reply]:
+        """Every server's reply, in server order; a failed or silent server is named.
+        ``expected(k, meta)``: the fp32 elements server k's reply must carry."""
+        start, group, timeout = time.perf_counter(), self.settings.group, self.settings.timeout_s
         out = []
-        for k, f in enumerate(futures):
+        for r in requests:
+            src = self.mesh.dp.size + r.k
             try:
-                out.append(f.wait())
-            except Exception as e:  # noqa: BLE001 - rpc raises RuntimeError and remote exceptions alike
-                rank = self.mesh.dp.size + k
-                raise ServerError(f"parameter server {server_name(k)} (rank {rank}) failed, died or did not "
-                                  f"answer within {self.settings.timeout_s:g} s: {e}") from e
+                wire.wait_sent(r.sent, timeout)
+                header, _ = wire.take_header(r.reply, timeout)
+                if header.kind is not Kind.REPLY:
+                    raise wire.ProtocolError(f"a {header.kind.name} message instead of a reply")
+                meta = wire.receive_meta(group, src, header, timeout, reply=True)
+                payload = wire.receive_payload(group, src, header, expected(r.k, meta), timeout, reply=True)
+            except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError for a timeout and a dead peer alike
+                raise self.server_error(r.k, e) from e
+            out.append(Reply(header.value, meta, payload))
         self.wait_s += time.perf_counter() - start
         return out
 
-    def grads_of(self, k: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, p in self.by_server[k]:
+    def server_error(self, k: int, cause: Exception) -> ServerError:
+        rank = self.mesh.dp.size + k
+        return ServerError(f"parameter server {server_name(k)} (rank {rank}) failed, died or did not answer "
+                           f"within {self.settings.timeout_s:g} s: {cause}")
+
+    def values_size(self, k: int, meta: dict) -> int:
+        return sum(p.numel() for _, p in self.by_server[k])
+
+    def grads_of(self, k: int, scale: float = 1.0) -> torch.Tensor:
+        """This worker's gradients of server k's parameters, flat fp32 in placement order."""
+        out = []
+        for _, p in self.by_server[k]:
             g = p.grad.detach() if p.grad is not None else torch.zeros_like(p)  # unused: a zero share
-            out[name] = (g * scale if scale != 1.0 else g).cpu()
+            out.append(g * scale if scale != 1.0 else g)
             self.mesh.counter.record("send", "ps", 2, nbytes(g))
-        return out
+        return wire.flatten(out)
 
     @torch.no_grad()
-    def take_values(self, k: int, values: dict[str, torch.Tensor]) -> None:
-        for name, p in self.by_server[k]:
-            p.copy_(values[name])
-            self.pulled_bytes += nbytes(values[name])
+    def take_values(self, k: int, flat: torch.Tensor) -> None:
+        params = [p for _, p in self.by_server[k]]
+        for p, value in zip(params, wire.unflatten(flat, [p.shape for p in params]), strict=True):
+            p.copy_(value)
+        self.pulled_bytes += nbytes(flat)
 
     def setup_servers(self) -> None:
-        """Worker 0 gives each server its initial values and AdamW's settings; all workers then
-        meet, so no gradient reaches a server before its values."""
+        """Worker 0 gives each server its parameters' names, shapes and initial values, and
+        AdamW's settings; all workers then meet, so no gradient reaches a server before its values."""
         o = self.optim_cfg
-        optim = {"lr": o.lr, "betas": (o.beta1, o.beta2), "eps": o.eps, "weight_decay": o.weight_decay}
+        optim = {"lr": o.lr, "betas": [o.beta1, o.beta2], "eps": o.eps, "weight_decay": o.weight_decay}
         if self.mesh.dp.rank == 0:
-            self.wait([self.call(k, srv.setup, {n: p.detach().cpu() for n, p in self.by_server[k]}, optim)
-                       for k in range(self.settings.servers)])
+            manifests = [{"names": [n for n, _ in mine], "shapes": [list(p.shape) for _, p in mine],
+                          "optim": optim} for mine in self.by_server]
+            self.wait([self.request(k, Header(Kind.SETUP), manifests[k], wire.flatten([p for _, p in mine]))
+                       for k, mine in enumerate(self.by_server)])
         self.workers_meet()
 
     def workers_meet(self) -> None:
@@ -130,7 +176,7 @@ class ParameterServerClient(Strategy):
         self.wait_s, self.pulled_bytes, self.staleness = 0.0, 0, None
         if self.settings.async_mode:
             return
-        self.pushed = [self.call(k, srv.push_sync, self.mesh.dp.rank, self.round, self.grads_of(k))
+        self.pushed = [self.request(k, Header(Kind.PUSH_SYNC, round=self.round), payload=self.grads_of(k))
                        for k in range(self.settings.servers)]
 
     def grad_norm(self) -> float:
@@ -139,7 +185,7 @@ class ParameterServerClient(Strategy):
                               if p.grad is not None)
             total = local * self.mesh.dp.size ** 2
         else:
-            total = math.fsum(self.wait(self.pushed))
+            total = math.fsum(r.value for r in self.wait(self.pushed))
         return math.sqrt(total) if math.isfinite(total) else float("inf")
 
     def scale_grads(self, factor: float) -> None:
@@ -149,15 +195,16 @@ class ParameterServerClient(Strategy):
         servers = range(self.settings.servers)
         if self.settings.async_mode:
             scale = self.factor * self.mesh.dp.size
-            answers = self.wait([self.call(k, srv.push_async, self.mesh.dp.rank, self.grads_of(k, scale), lr)
-                                 for k in servers])
-            self.staleness = max(s for _, s, _ in answers)
+            pushes = [self.request(k, Header(Kind.PUSH_ASYNC, lr=lr), payload=self.grads_of(k, scale))
+                      for k in servers]
+            replies = self.wait(pushes, self.values_size)
+            self.staleness = max(int(r.value) for r in replies)
             self.staleness_max = max(self.staleness_max, self.staleness)
-            values = [v for v, _, _ in answers]
         else:
-            values = self.wait([self.call(k, srv.apply_sync, self.round, self.factor, lr) for k in servers])
+            apply = Header(Kind.APPLY_SYNC, round=self.round, factor=self.factor, lr=lr)
+            replies = self.wait([self.request(k, apply) for k in servers], self.values_size)
         for k in servers:
-            self.take_values(k, values[k])
+            self.take_values(k, replies[k].payload)
 
     def zero_grad(self) -> None:
         for _, p in self.named_params:
@@ -185,11 +232,33 @@ class ParameterServerClient(Strategy):
 
     # -- checkpoints ------------------------------------------------------------------------------
 
-    def server_states(self) -> list[tuple[dict, int]]:
-        return self.wait([self.call(k, srv.state) for k in range(self.settings.servers)])
+    def server_states(self) -> list[tuple[dict[str, dict[str, torch.Tensor]], int]]:
+        """Each server's tensors ({name: {key: fp32 tensor}}, "param" and AdamW's moments) and step count."""
+        replies = self.wait([self.request(k, Header(Kind.STATE)) for k in range(self.settings.servers)],
+                            self.state_size)
+        out = []
+        for k, reply in enumerate(replies):
+            shape = {n: p.shape for n, p in self.by_server[k]}
+            layout = [(name, key) for name, keys in reply.meta["keys"].items() for key in keys]
+            tensors = wire.unflatten(reply.payload, [shape[name] for name, _ in layout])
+            state: dict[str, dict[str, torch.Tensor]] = {}
+            for (name, key), t in zip(layout, tensors, strict=True):
+                state.setdefault(name, {})[key] = t
+            out.append((state, int(reply.meta["step"])))
+        return out
+
+    def state_size(self, k: int, meta: dict) -> int:
+        """The elements a STATE reply's manifest announces, refused if it names a parameter server k
+        does not hold (wire.py: sizes are checked before anything is allocated)."""
+        numel = {n: p.numel() for n, p in self.by_server[k]}
+        keys = meta.get("keys")
+        if not (isinstance(keys, dict) and set(keys) <= set(numel) and isinstance(meta.get("step"), int)
+                and all(wire.strings(ks) for ks in keys.values())):
+            raise wire.ProtocolError(f"a STATE reply with an unexpected manifest from {server_name(k)}")
+        return sum(numel[n] * len(ks) for n, ks in keys.items())
 
     def optimizer_step_count(self) -> int:
-        return self.wait([self.call(0, srv.updates)])[0]
+        return int(self.wait([self.request(0, Header(Kind.UPDATES))])[0].value)
 
     def state_pieces(self) -> list[Piece]:
         if self.mesh.dp.rank != 0:
@@ -209,8 +278,14 @@ class ParameterServerClient(Strategy):
             read_local(reader, info_of(p), info_of(p).name or name, "param", p)
         self.load_buffers(reader)
         if self.mesh.dp.rank == 0:
-            self.wait([self.call(k, srv.load, self.read_server_state(reader, k), optimizer_step)
-                       for k in range(self.settings.servers)])
+            requests = []
+            for k in range(self.settings.servers):
+                state = self.read_server_state(reader, k)
+                keys = {name: list(by_key) for name, by_key in state.items()}
+                flat = wire.flatten([t for by_key in state.values() for t in by_key.values()])
+                load = Header(Kind.LOAD, round=optimizer_step)
+                requests.append(self.request(k, load, {"keys": keys}, flat))
+            self.wait(requests)
         self.workers_meet()
 
     def read_server_state(self, reader: ShardReader, k: int) -> dict[str, dict[str, torch.Tensor]]:
@@ -220,7 +295,7 @@ class ParameterServerClient(Strategy):
             keys = {"param"} | (set(reader.keys(full)) - {"param", "buffer"})
             out[name] = {}
             for key in sorted(keys):
-                t = torch.zeros(p.shape, dtype=torch.float32)  # host memory: RPC sends no CUDA tensor
+                t = torch.zeros(p.shape, dtype=torch.float32)  # host memory: the servers' group is gloo
                 read_local(reader, info_of(p), full, key, t)
                 out[name][key] = t
         return out

@@ -1,16 +1,16 @@
 """A parameter server process: it holds its share of the parameters in fp32 and AdamW for them.
 
-Workers reach it only through the module-level functions below, which ``torch.distributed.rpc``
-runs on the server's RPC threads. RPC calls a function by its importable name, not a method of an
-object, so each server process keeps its one ``ParamServer`` in ``_SERVED`` (set by ``serve``);
-this is the single process-wide state of the package, and only server processes set it.
+``ParamServer`` is the server's rules, plain Python on tensors; session.py's loop feeds it the
+workers' messages (wire.py) one at a time and sends back what it answers. A push that must wait
+(for the other workers' gradients, or for the staleness bound) returns a ``torch.futures.Future``
+that a later message completes; the loop answers it then.
 
 Synchronous mode (one update per step, as one process with the global batch would make)::
 
     push_sync(worker, round, grads)   every worker, after its backward; answered when all dp
                                       workers' gradients of this round are in: the squared L2 norm
                                       of their sum over this server's tensors (for global clipping)
-    apply_sync(worker, round, c, lr)  every worker: the first call for the round steps AdamW on
+    apply_sync(round, c, lr)          every worker: the first call for the round steps AdamW on
                                       c * sum (c: the clip factor); every call gets the new values
 
 The sum is taken in worker order once every gradient is in, so the result does not depend on
@@ -36,7 +36,6 @@ import threading
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed.rpc as rpc
 import torch.nn as nn
 
 import paratrain.faults as faults
@@ -208,55 +207,3 @@ def _sum_in_order(parts: list[Grads]) -> Grads:
         for n, g in part.items():
             out[n].add_(g)
     return out
-
-
-_SERVED: ParamServer | None = None  # this process's server (module docstring: why a global)
-
-
-def _served() -> ParamServer:
-    if _SERVED is None:
-        raise RuntimeError("this process is not a parameter server")
-    return _SERVED
-
-
-# -- the functions workers call over RPC ---------------------------------------------------------
-
-
-def setup(values: Grads, optim: dict) -> None:
-    _served().setup(values, optim)
-
-
-@rpc.functions.async_execution
-def push_sync(worker: int, round_: int, grads: Grads) -> torch.futures.Future:
-    return _served().push_sync(worker, round_, grads)
-
-
-def apply_sync(round_: int, factor: float, lr: float) -> Grads:
-    return _served().apply_sync(round_, factor, lr)
-
-
-@rpc.functions.async_execution
-def push_async(worker: int, grads: Grads, lr: float) -> torch.futures.Future:
-    return _served().push_async(worker, grads, lr)
-
-
-def state() -> tuple[dict[str, Grads], int]:
-    return _served().state()
-
-
-def updates() -> int:
-    return _served().updates()
-
-
-def load(values: dict[str, Grads], step: int) -> None:
-    _served().load(values, step)
-
-
-def finish(worker: int) -> None:
-    _served().finish(worker)
-
-
-def install(server: ParamServer) -> None:
-    """Make ``server`` this process's, before RPC starts (a call may come at once)."""
-    global _SERVED
-    _SERVED = server

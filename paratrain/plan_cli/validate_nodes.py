@@ -152,7 +152,7 @@ def validate_nodes(args: argparse.Namespace, c: LlamaConfig, tr: Training, resul
             out.append((p, got, cross_node_payload(c, tr, p.layout, got.steps)))
     print(report(out) if out else "none of the plans both fits and runs here: nothing to validate")
     if any(isinstance(p.layout, SlowLayout) and p.layout.servers for p in result.plans):
-        print("(parameter-server rows are not run here: their bytes travel over torch.distributed.rpc, "
+        print("(parameter-server rows are not run here: their bytes travel in the servers' own gloo group, "
               "not a mesh axis the metrics split by node)")
     return out
 

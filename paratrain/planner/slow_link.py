@@ -294,7 +294,7 @@ def cross_node_payload(c: ModelShape, tr: Training, lay: Layout, steps: int) -> 
     group is the data-parallel one (tp = pp = 1): DDP's gradients and ZeRO's collectives over every
     rank (planner/hybrid.py) every step, hybrid sharding's gradient shard every step, the averaged
     fp32 parameters every H steps (steps // H times). None for the others (the parameter server's
-    traffic goes over RPC, not a mesh axis)."""
+    traffic goes over the servers' own gloo group, not a mesh axis)."""
     if lay.tp > 1 or lay.pp > 1 or lay.ep > 1:
         return None
     slow = lay if isinstance(lay, SlowLayout) else SlowLayout(**{f.name: getattr(lay, f.name)

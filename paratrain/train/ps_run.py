@@ -1,36 +1,43 @@
 """One rank of a ``--sync parameter-server`` run: a worker trains, a server serves (param_server/).
 
-Ranks 0..dp-1 are workers (the trainer, its strategy talking to the servers over RPC); the last
-``--servers`` ranks are servers. Both the local launcher and torchrun call this on every rank.
+Ranks 0..dp-1 are workers (the trainer, its strategy talking to the servers); the last
+``--servers`` ranks are servers. Both the local launcher and torchrun call this on every rank;
+both give every rank the run's gloo group of workers and servers (``DistEnv.world_group``).
 """
 
 from __future__ import annotations
 
+import torch.distributed as dist
+
 from paratrain.config import Config
 from paratrain.launch import DistEnv
-from paratrain.param_server.session import RpcWorld, run_server, worker_rpc
+from paratrain.param_server.session import PsWorld, run_server, worker_session
 from paratrain.train.trainer import Trainer, TrainResult
 
 
-def rpc_world(cfg: Config, env: DistEnv) -> RpcWorld:
-    if env.rpc_init is None:
-        raise RuntimeError("--sync parameter-server needs a launcher that gives RPC a meeting place "
-                           "(paratrain's local launcher, or torchrun)")
-    return RpcWorld(env.rpc_init, cfg.dp, cfg.ps_servers, cfg.parallel.timeout_s)
+def ps_world(cfg: Config) -> PsWorld:
+    return PsWorld(cfg.dp, cfg.ps_servers, cfg.parallel.timeout_s)
+
+
+def servers_group(env: DistEnv) -> dist.ProcessGroup:
+    if env.world_group is None:
+        raise RuntimeError("--sync parameter-server needs a launcher that joins workers and servers in one "
+                           "group (paratrain's local launcher, or torchrun)")
+    return env.world_group
 
 
 def train_or_serve(cfg: Config, env: DistEnv) -> TrainResult | None:
     """A worker's TrainResult; None on a server, once every worker has finished."""
-    world = rpc_world(cfg, env)
+    world, group = ps_world(cfg), servers_group(env)
     if world.is_server(env.rank):
-        run_server(env.rank, world, async_mode=cfg.parallel.ps_mode == "async",
-                   max_staleness=cfg.ps_max_staleness)
+        async_mode = cfg.parallel.ps_mode == "async"
+        run_server(group, world, async_mode=async_mode, max_staleness=cfg.ps_max_staleness)
         return None
-    with worker_rpc(env.rank, world):
+    with worker_session(group, env.rank, world):
         return Trainer(cfg, env).fit()
 
 
 def rank_names(cfg: Config) -> list[str]:
     """worker0.., server0..: how failure messages name the ranks."""
-    world = RpcWorld("", cfg.dp, cfg.ps_servers, 0.0)
+    world = ps_world(cfg)
     return [world.name(r) for r in range(world.size)]

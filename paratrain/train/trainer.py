@@ -113,7 +113,7 @@ class Trainer:
 
             self.precision_choice = resolve_precision(cfg, self.mesh)
         self.task = task or build_task(cfg)
-        self.engine: Engine = parallelize(self.task, cfg, self.mesh)
+        self.engine: Engine = parallelize(self.task, cfg, self.mesh, servers=self.env.world_group)
         self.lora = run_record(self.task.model_cfg, cfg)  # {} without --lora (engine/lora.py)
         self.finder = None
         if cfg.train.micro_batch == "auto":  # trials on real steps; sets cfg.train.micro_batch
