@@ -21,6 +21,7 @@ from paratrain.scheduler import (
     parse_signal,
     slurm_task,
 )
+from tests import netprobe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -146,21 +147,6 @@ def test_kubernetes_manifest_feeds_what_paratrain_reads():
         assert re.search(rf"\b{name}\b", comments), f"the manifest says where {name} comes from"
 
 
-def _listening(port: int) -> list[str]:
-    """Addresses this process listens on at ``port`` (/proc/self/net/tcp{,6}, state 0A)."""
-    from tests.test_safeload_launch import _address
-
-    found = []
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                cols = line.split()
-                address, hex_port = cols[1].split(":")
-                if cols[3] == "0A" and int(hex_port, 16) == port:
-                    found.append(str(_address(address)))
-    return found
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_rank0_rendezvous_listens_on_master_addr_only(monkeypatch):
     """torch's own TCPStore listens on every interface; rank 0's listens where MASTER_ADDR says."""
@@ -178,7 +164,7 @@ def test_rank0_rendezvous_listens_on_master_addr_only(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     store = launch._torchrun_store(0, 1, datetime.timedelta(seconds=10))
     store.set("k", "v")
-    addresses = _listening(port)
+    addresses = [address for address, p in netprobe.listening("self") if p == port]
     assert addresses == ["127.0.0.1"], addresses
     del store
 
