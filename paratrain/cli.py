@@ -239,8 +239,10 @@ class UserError(Exception):
     """A mistake the user can fix; printed without a traceback."""
 
 
-def train_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser("train", help="train a model (default: small Llama on the Python stdlib sources)")
+def train_parser(sub: argparse._SubParsersAction, name: str = "train",
+                 what: str = "train a model (default: small Llama on the Python stdlib sources)",
+                 **kwargs: typing.Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=what, **kwargs)
     groups = {name: p.add_argument_group(name) for name in (MODEL, LAYOUT, DATA, OPTIM, SAVERS,
                                                               CHECKPOINTS, RELIABILITY, RUN)}
     groups[RUN].add_argument("--config", metavar="FILE.toml",
@@ -271,10 +273,17 @@ def overrides_from(args: argparse.Namespace) -> dict:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from paratrain.launch import under_torchrun  # lazy: start-up time
     from paratrain.run import run_training  # lazy: start-up time
 
-    cfg = checks.settle_seq_len(config.load(args.config, overrides_from(args)))  # the planner needs it too
+    return run_training(train_config(args))
+
+
+def train_config(args: argparse.Namespace, overrides: dict | None = None) -> config.Config:
+    """The validated configuration of `train`'s flags (and `check`'s, which are train's)."""
+    from paratrain.launch import under_torchrun  # lazy: start-up time
+
+    overrides = overrides_from(args) if overrides is None else overrides
+    cfg = checks.settle_seq_len(config.load(args.config, overrides))  # the planner needs it too
     if args.layout == "auto":
         from paratrain.plan_cli import auto_layout  # lazy: start-up time
 
@@ -289,7 +298,35 @@ def cmd_train(args: argparse.Namespace) -> int:
         checks.validate(adopt_torchrun_world(cfg), cfg.parallel.nproc)
     else:
         checks.validate(cfg)
-    return run_training(cfg)
+    return cfg
+
+
+CHECK_HELP = """Runs this job's first steps (--steps, default 8) in one process and in the layout its flags
+ask for, from the same seed, in fp32 and in temporary folders; then resumes the layout's checkpoint of
+step steps/2 in one process. Prints the losses side by side, the tensors that differ most and a verdict
+against the fp32 tolerance of the test suite (its reason printed with it). Exit 0: PASS, 1: FAIL (or a
+run failed), 2: a setting to change. The first thing to run when moving a job to a new layout
+(docs/operations.md)."""
+
+
+def check_parser(sub: argparse._SubParsersAction) -> None:
+    p = train_parser(sub, "check", "does this job train the same in its layout as in one process? "
+                     "(PASS/FAIL)", description=CHECK_HELP)
+    p.add_argument("--json", action="store_true", help='one line: {"verdict", "losses", "max_rel_diff", '
+                   '"first_worst_tensor", "tolerance", "resume", "tokens", ...}')
+    p.add_argument("--keep", metavar="DIR", help="keep the three runs' folders under DIR (default: a "
+                   "temporary folder, removed)")
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from paratrain.check import DEFAULT_STEPS, run_check  # lazy: start-up time
+    from paratrain.launch import under_torchrun  # lazy: start-up time
+
+    if under_torchrun():
+        raise UserError("paratrain check starts its own workers: run it without torchrun")
+    overrides = overrides_from(args)
+    steps = overrides.setdefault("train.steps", DEFAULT_STEPS)  # the check's K, not the job's length
+    return run_check(train_config(args, overrides), steps=steps, as_json=args.json, keep=args.keep)
 
 
 def adopt_torchrun_world(cfg: config.Config) -> config.Config:
@@ -554,6 +591,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     train_parser(sub)
+    check_parser(sub)
     generate_parser(sub)
     eval_parser(sub)
     export_parser(sub)
@@ -566,10 +604,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("data", help="tokenize a corpus once (data prepare --data SRC --out DIR)", add_help=False)
     args, rest = parser.parse_known_args(argv)
     try:
-        if args.command == "train":
+        if args.command in ("train", "check"):
             if rest:
                 parser.error(f"unrecognized arguments: {' '.join(rest)}")
-            return cmd_train(args)
+            return cmd_train(args) if args.command == "train" else cmd_check(args)
         if args.command in SIMPLE_COMMANDS:
             if rest:
                 parser.error(f"unrecognized arguments: {' '.join(rest)}")

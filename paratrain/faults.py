@@ -12,7 +12,11 @@ is a single dictionary lookup when it is not:
 * ``PARATRAIN_TEST_HANG_SERVER_AT=k``: a parameter server stops answering (sleeps) once it has
   applied k updates, on the first attempt only: the stand-in for a hung server;
 * ``PARATRAIN_TEST_SKIP_COLLECTIVE=what``: rank 1 skips its first collective whose purpose is
-  ``what``: the stand-in for diverged code paths (the collective checker must name it).
+  ``what``: the stand-in for diverged code paths (the collective checker must name it);
+* ``PARATRAIN_TEST_DOUBLE_DIVIDE_GRAD=1``: under dp > 1, every data-parallel rank but the first
+  divides its gradient by the dp degree a second time (a share averaged twice): the planted layout
+  bug that ``paratrain check`` must catch and name a tensor of (tests/test_check.py). Not a uniform
+  scale on purpose: AdamW and clipping hide a gradient scaled uniformly, a skewed sum they do not.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ HANG_AT_STEP = "PARATRAIN_TEST_HANG_AT_STEP"
 SKIP_COLLECTIVE = "PARATRAIN_TEST_SKIP_COLLECTIVE"
 KILL_SERVER_AT = "PARATRAIN_TEST_KILL_SERVER_AT"
 HANG_SERVER_AT = "PARATRAIN_TEST_HANG_SERVER_AT"
+DOUBLE_DIVIDE_GRAD = "PARATRAIN_TEST_DOUBLE_DIVIDE_GRAD"
 
 _skipped = False  # the skip fires once per process
 
@@ -56,3 +61,11 @@ def skip_collective(what: str | None, global_rank: int) -> bool:
         return False
     _skipped = True
     return True
+
+
+def gradient_divisor(divisor: int, dp_rank: int, dp_size: int) -> int:
+    """Called by the trainer with the counted targets a rank divides its loss sum by: the same
+    number, or (fault) dp times it on the dp ranks after the first."""
+    if dp_size > 1 and dp_rank > 0 and os.environ.get(DOUBLE_DIVIDE_GRAD) == "1":
+        return divisor * dp_size
+    return divisor
