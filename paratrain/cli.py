@@ -309,13 +309,14 @@ run failed), 2: a setting to change. The first thing to run when moving a job to
 (docs/operations.md)."""
 
 
-def check_parser(sub: argparse._SubParsersAction) -> None:
+def check_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = train_parser(sub, "check", "does this job train the same in its layout as in one process? "
                      "(PASS/FAIL)", description=CHECK_HELP)
     p.add_argument("--json", action="store_true", help='one line: {"verdict", "losses", "max_rel_diff", '
                    '"first_worst_tensor", "tolerance", "resume", "tokens", ...}')
     p.add_argument("--keep", metavar="DIR", help="keep the three runs' folders under DIR (default: a "
                    "temporary folder, removed)")
+    return p
 
 
 def cmd_check(args: argparse.Namespace) -> int:
