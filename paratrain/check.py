@@ -173,8 +173,8 @@ def train_quietly(name: str, cfg: Config) -> None:
     with contextlib.redirect_stdout(sys.stderr):
         code = run_training(cfg)
     if code != 0:
-        raise CheckRunFailed(f"the {name} run ({describe(cfg)}) ended with exit code {code}; its folder "
-                             f"was {cfg.train.out}", code)
+        raise CheckRunFailed(f"the {name} run ({describe(cfg)}) ended with exit code {code} (its output is "
+                             f"above; --keep DIR keeps the runs' folders)", code)
 
 
 class CheckRunFailed(RuntimeError):
