@@ -55,7 +55,6 @@ from paratrain.engine import checkpoint as ckpt
 from paratrain.engine import checks
 from paratrain.run import run_training
 
-DEFAULT_STEPS = 8
 FP32_REORDERED = {"rtol": 1e-4, "atol": 1e-4}  # fp32 sums in another order: ~1e-6 seen; 100x margin
 FLIP_FRACTION = 1e-3  # isolated elements per tensor allowed beyond atol/rtol (see the docstring)
 MAX_MOVE_FACTOR = 2.1  # two AdamW runs differ by at most ~2 * lr * steps per element; 5% margin

@@ -301,6 +301,7 @@ def train_config(args: argparse.Namespace, overrides: dict | None = None) -> con
     return cfg
 
 
+DEFAULT_CHECK_STEPS = 8  # paratrain check's K: enough steps for AdamW to turn a bug into ~lr per element
 CHECK_HELP = """Runs this job's first steps (--steps, default 8) in one process and in the layout its flags
 ask for, from the same seed, in fp32 and in temporary folders; then resumes the layout's checkpoint of
 step steps/2 in one process. Prints the losses side by side, the tensors that differ most and a verdict
@@ -312,6 +313,8 @@ run failed), 2: a setting to change. The first thing to run when moving a job to
 def check_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = train_parser(sub, "check", "does this job train the same in its layout as in one process? "
                      "(PASS/FAIL)", description=CHECK_HELP)
+    steps = next(a for a in p._actions if "--steps" in a.option_strings)
+    steps.help = f"steps of each of the check's runs (default: {DEFAULT_CHECK_STEPS}; not the job's own)"
     p.add_argument("--json", action="store_true", help='one line: {"verdict", "losses", "max_rel_diff", '
                    '"first_worst_tensor", "tolerance", "resume", "tokens", ...}')
     p.add_argument("--keep", metavar="DIR", help="keep the three runs' folders under DIR (default: a "
@@ -320,13 +323,13 @@ def check_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from paratrain.check import DEFAULT_STEPS, run_check  # lazy: start-up time
+    from paratrain.check import run_check  # lazy: start-up time
     from paratrain.launch import under_torchrun  # lazy: start-up time
 
     if under_torchrun():
         raise UserError("paratrain check starts its own workers: run it without torchrun")
     overrides = overrides_from(args)
-    steps = overrides.setdefault("train.steps", DEFAULT_STEPS)  # the check's K, not the job's length
+    steps = overrides.setdefault("train.steps", DEFAULT_CHECK_STEPS)  # the check's K, not the job's length
     return run_check(train_config(args, overrides), steps=steps, as_json=args.json, keep=args.keep)
 
 
