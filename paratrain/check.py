@@ -53,7 +53,10 @@ import torch
 from paratrain.config import Config, ConfigError, ParallelConfig
 from paratrain.engine import checkpoint as ckpt
 from paratrain.engine import checks
+from paratrain.perf.hardware import host_memory_bytes
+from paratrain.planner.memory import state_bytes_per_param
 from paratrain.run import run_training
+from paratrain.train.task import build_task
 
 FP32_REORDERED = {"rtol": 1e-4, "atol": 1e-4}  # fp32 sums in another order: ~1e-6 seen; 100x margin
 FLIP_FRACTION = 1e-3  # isolated elements per tensor allowed beyond atol/rtol (see the docstring)
@@ -143,6 +146,7 @@ def check_configs(cfg: Config, steps: int, root: Path) -> dict[str, Config]:
         reference.train, out=str(root / "resume"), resume=True, overwrite=False))
     for c in (reference, resume):
         checks.validate(c)  # as `train` would (the layout's was validated by the command)
+    refuse_too_big(reference)
     return {"reference": reference, "layout": layout, "resume": resume}
 
 
@@ -163,6 +167,35 @@ def refuse_uncomparable(cfg: Config, steps: int) -> None:
     if cfg.optim.name != "adamw":
         raise ConfigError(f"--optimizer {cfg.optim.name}: the check's tolerance is derived for fp32 AdamW "
                           "(8-bit moments round per block); check the layout with --optimizer adamw")
+
+
+def refuse_too_big(reference: Config) -> None:
+    """The reference holds the whole model in one process: refused (exit 2) when its fp32 model
+    state alone (weights, gradients, AdamW's two moments: 16 bytes a parameter, 4 for a frozen
+    LoRA base; activations not even counted) exceeds --memory-limit or this machine's memory. A
+    reference in the smallest multi-rank layout that fits is not built."""
+    task = build_task(reference)  # tokenizes once; the runs then map the cache
+    sb = state_bytes_per_param("fp32")
+    per_param = sb.params if reference.lora.rank else sb.params + sb.grads + sb.optim
+    need = task.n_params * per_param
+    limit = reference.train.memory_limit
+    where = f"--memory-limit {size(limit)}" if limit else None
+    if limit is None and torch.cuda.is_available():
+        limit = torch.cuda.get_device_properties(0).total_memory
+        where = f"the GPU's {size(limit)}"
+    elif limit is None:
+        limit = host_memory_bytes()
+        where = f"this machine's {size(limit)}"
+    if need > limit:
+        raise ConfigError(
+            f"check's reference runs the whole model in one process, and its fp32 model state alone is "
+            f"{size(need)} ({task.n_params:,} parameters x {per_param:g} bytes), more than {where}: "
+            "check the layout on a smaller model of the same family (fewer layers, the same widths and "
+            "flags); a reference in the smallest layout that fits is not built yet")
+
+
+def size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def train_quietly(name: str, cfg: Config) -> None:

@@ -54,6 +54,9 @@ def test_planted_double_division_fails_and_names_a_tensor():
     (["--nproc", "1"], "one process"),
     (["--nproc", "2", "--dp", "2", "--sync", "local-sgd", "--sync-every", "2"], "local-sgd"),
     (["--nproc", "2", "--dp", "2", "--steps", "1"], "at least 2 steps"),
+    # tiny's fp32 model state is 213,568 x 16 bytes = 3.3 MiB: the one-process reference cannot fit 2 MiB
+    (["--nproc", "2", "--dp", "2", "--micro-batch", "auto", "--memory-limit", "2MiB"],
+     "model state alone is 3.3 MiB"),
 ])
 def test_uncomparable_jobs_are_refused_before_any_run(flags, says, capsys, tmp_path):
     assert main(["check", *TINY_CHECK, *flags, "--keep", str(tmp_path / "runs")]) == 2
