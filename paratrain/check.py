@@ -350,6 +350,44 @@ def report(result: dict, descriptions: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
+# -- two files: the library door ----------------------------------------------------------------------
+
+def compare_files(reference: str, layout: str, *, lr: float, steps: int) -> dict:
+    """Two safetensors files of full tensors, one process's and a layout's after the same ``steps``
+    of AdamW at peak ``lr``: `paratrain train`'s model.safetensors, or a library user's
+    ``Parallel.full_state_dict()`` saved with ``safetensors.torch.save_file`` (rank 0) in each layout."""
+    from safetensors.torch import load_file  # lazy: start-up time
+
+    for flag, path in (("REFERENCE", reference), ("LAYOUT", layout)):
+        if not Path(path).is_file():
+            raise ConfigError(f"--compare {flag}: {path} is not a file (a .safetensors of full tensors)")
+    lr_steps = lr * steps
+    weights = compare_weights(load_file(layout), load_file(reference), lr_steps=lr_steps)
+    return {"verdict": "FAIL" if weights["problems"] else "PASS", **weights,
+            "tolerance": {**FP32_REORDERED, "flip_fraction": FLIP_FRACTION,
+                          "flip_bound": MAX_MOVE_FACTOR * lr_steps, "precision": "fp32"}}
+
+
+def run_compare(reference: str, layout: str, *, lr: float, steps: int, as_json: bool) -> int:
+    """`paratrain check --compare REFERENCE LAYOUT`: exit 0 PASS, 1 FAIL."""
+    result = compare_files(reference, layout, lr=lr, steps=steps)
+    if as_json:
+        print(json.dumps(json_safe(result), allow_nan=False))
+        return 0 if result["verdict"] == "PASS" else 1
+    ranked = sorted(result["max_rel_diff"].items(), key=lambda kv: -kv[1])[:TOP_TENSORS]
+    lines = [f"tensors that differ most (relative Frobenius difference, of {len(result['max_rel_diff'])}):"]
+    lines += [f"  {d:.3e}  {name}" for name, d in ranked]
+    lines += [f"  {p}" for p in result["problems"][:TOP_TENSORS]]
+    tol = result["tolerance"]
+    lines.append(f"verdict: {result['verdict']} (every tensor within rtol {tol['rtol']:g} + atol "
+                 f"{tol['atol']:g} but for isolated AdamW flips, each <= {tol['flip_bound']:.3g} = "
+                 f"{MAX_MOVE_FACTOR} x lr x steps)")
+    if result["verdict"] == "FAIL":
+        lines.append(f"the tensor that differs most: {result['first_worst_tensor']}")
+    print("\n".join(lines))
+    return 0 if result["verdict"] == "PASS" else 1
+
+
 def run_check(cfg: Config, *, steps: int, as_json: bool, keep: str | None = None) -> int:
     """Run the three runs and print the report (or one JSON line). Exit code: 0 PASS, 1 FAIL."""
     root = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="paratrain-check-"))

@@ -319,6 +319,10 @@ def check_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    '"first_worst_tensor", "tolerance", "resume", "tokens", ...}')
     p.add_argument("--keep", metavar="DIR", help="keep the three runs' folders under DIR (default: a "
                    "temporary folder, removed)")
+    p.add_argument("--compare", nargs=2, metavar=("REFERENCE", "LAYOUT"),
+                   help="run nothing: compare two .safetensors files of full tensors (e.g. a library loop's "
+                        "Parallel.full_state_dict() in one process and in a layout) by the same criterion; "
+                        "give the runs' --lr and --steps")
     return p
 
 
@@ -329,6 +333,14 @@ def cmd_check(args: argparse.Namespace) -> int:
     if under_torchrun():
         raise UserError("paratrain check starts its own workers: run it without torchrun")
     overrides = overrides_from(args)
+    if args.compare:
+        from paratrain.check import run_compare  # lazy: start-up time
+
+        if "optim.lr" not in overrides or "train.steps" not in overrides:
+            raise UserError("--compare needs the runs' --lr and --steps (they bound what AdamW can move an "
+                            "element by), e.g. --compare ref.safetensors dp2.safetensors --lr 3e-4 --steps 8")
+        return run_compare(*args.compare, lr=overrides["optim.lr"], steps=overrides["train.steps"],
+                           as_json=args.json)
     steps = overrides.setdefault("train.steps", DEFAULT_CHECK_STEPS)  # the check's K, not the job's length
     return run_check(train_config(args, overrides), steps=steps, as_json=args.json, keep=args.keep)
 

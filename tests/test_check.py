@@ -93,3 +93,22 @@ def test_the_planted_fault_skews_only_later_dp_ranks(monkeypatch):
     monkeypatch.setenv(faults.DOUBLE_DIVIDE_GRAD, "1")
     assert [faults.gradient_divisor(256, r, 2) for r in (0, 1)] == [256, 512]
     assert faults.gradient_divisor(256, 0, 1) == 256  # one replica: nothing to skew
+
+
+def test_compare_two_files_the_library_door(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    ref = {"a.weight": torch.randn(64, 64), "b.weight": torch.randn(64)}
+    save_file(ref, str(tmp_path / "ref.safetensors"))
+    save_file({k: v.clone() for k, v in ref.items()}, str(tmp_path / "same.safetensors"))
+    save_file({**ref, "b.weight": ref["b.weight"] + 0.1}, str(tmp_path / "bug.safetensors"))
+    files = [str(tmp_path / "ref.safetensors")]
+    assert main(["check", "--compare", *files, str(tmp_path / "same.safetensors"), "--lr", "1e-3",
+                 "--steps", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["verdict"] == "PASS"
+    assert main(["check", "--compare", *files, str(tmp_path / "bug.safetensors"), "--lr", "1e-3",
+                 "--steps", "4"]) == 1
+    assert "the tensor that differs most: b.weight" in capsys.readouterr().out
+    assert main(["check", "--compare", *files, str(tmp_path / "same.safetensors")]) == 2  # no --lr/--steps
+    assert "--compare needs the runs' --lr and --steps" in capsys.readouterr().err
