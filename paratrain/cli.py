@@ -307,7 +307,7 @@ ask for, from the same seed, in fp32 and in temporary folders; then resumes the 
 step steps/2 in one process. Prints the losses side by side, the tensors that differ most and a verdict
 against the fp32 tolerance of the test suite (its reason printed with it). Exit 0: PASS, 1: FAIL (or a
 run failed), 2: a setting to change. The first thing to run when moving a job to a new layout
-(docs/operations.md)."""
+(docs/operations.md). --compare A B: run nothing, compare two weight files by the same criterion."""
 
 
 def check_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
