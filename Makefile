@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test lint bench clean
+.PHONY: setup train test lint bench device-check clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -30,6 +30,11 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/paratrain bench single --json
+
+# On a lent NVIDIA GPU (<= 8 min): the CUDA paths CPU tests cannot reach, one table; record it in
+# docs/benchmarks.md ("Device check"). Without CUDA every row says SKIP.
+device-check: $(STAMP)
+	PYTHONPATH=. $(BIN)/python benchmarks/device_check.py
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

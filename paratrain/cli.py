@@ -259,8 +259,10 @@ class UserError(Exception):
     """A mistake the user can fix; printed without a traceback."""
 
 
-def train_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser("train", help="train a model (default: small Llama on the Python stdlib sources)")
+def train_parser(sub: argparse._SubParsersAction, name: str = "train",
+                 what: str = "train a model (default: small Llama on the Python stdlib sources)",
+                 **kwargs: typing.Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=what, **kwargs)
     groups = {name: p.add_argument_group(name) for name in (MODEL, LAYOUT, DATA, OPTIM, SAVERS,
                                                               CHECKPOINTS, RELIABILITY, RUN)}
     groups[RUN].add_argument("--config", metavar="FILE.toml",
@@ -292,7 +294,7 @@ def overrides_from(args: argparse.Namespace) -> dict:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from paratrain.launch import adopt_slurm, launcher_name, under_torchrun  # lazy: start-up time
+    from paratrain.launch import adopt_slurm  # lazy: start-up time
     from paratrain.run import run_training  # lazy: start-up time
 
     try:
@@ -300,7 +302,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     except ValueError as e:  # a host list or count this version cannot read
         raise UserError(f"cannot read Slurm's variables: {e}; export MASTER_ADDR, MASTER_PORT, RANK, "
                         "WORLD_SIZE and LOCAL_RANK yourself (they win), and report the value") from None
-    cfg = checks.settle_seq_len(train_config(args))  # the planner needs the sequence length too
+    return run_training(train_config(args))
+
+
+def train_config(args: argparse.Namespace, overrides: dict | None = None) -> config.Config:
+    """The validated configuration of `train`'s flags (and `check`'s, which are train's)."""
+    from paratrain.launch import launcher_name, under_torchrun  # lazy: start-up time
+
+    cfg = checks.settle_seq_len(loaded_config(args, overrides))  # the planner needs the sequence length too
     if args.layout == "auto":
         from paratrain.plan_cli import auto_layout  # lazy: start-up time
 
@@ -315,15 +324,59 @@ def cmd_train(args: argparse.Namespace) -> int:
         checks.validate(adopt_torchrun_world(cfg), cfg.parallel.nproc)
     else:
         checks.validate(cfg)
-    return run_training(cfg)
+    return cfg
 
 
-def train_config(args: argparse.Namespace) -> config.Config:
-    """The defaults, the TOML file, the flags given. With --resume, a run folder's recorded
-    configuration (run.json) replaces the defaults: `--out RUN --resume` alone continues RUN as it
-    was started, and flags given beside it override (the resume checks refuse those that would
-    change the training: another corpus, tokenizer or global batch)."""
+DEFAULT_CHECK_STEPS = 8  # paratrain check's K: enough steps for AdamW to turn a bug into ~lr per element
+CHECK_HELP = """Runs this job's first steps (--steps, default 8) in one process and in the layout its flags
+ask for, from the same seed, in fp32 and in temporary folders; then resumes the layout's checkpoint of
+step steps/2 in one process. Prints the losses side by side, the tensors that differ most and a verdict
+against the fp32 tolerance of the test suite (its reason printed with it). Exit 0: PASS, 1: FAIL (or a
+run failed), 2: a setting to change. The first thing to run when moving a job to a new layout
+(docs/operations.md). --compare A B: run nothing, compare two weight files by the same criterion."""
+
+
+def check_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = train_parser(sub, "check", "does this job train the same in its layout as in one process? "
+                     "(PASS/FAIL)", description=CHECK_HELP)
+    steps = next(a for a in p._actions if "--steps" in a.option_strings)
+    steps.help = f"steps of each of the check's runs (default: {DEFAULT_CHECK_STEPS}; not the job's own)"
+    p.add_argument("--json", action="store_true", help='one line: {"verdict", "losses", "max_rel_diff", '
+                   '"first_worst_tensor", "tolerance", "resume", "tokens", ...}')
+    p.add_argument("--keep", metavar="DIR", help="keep the three runs' folders under DIR (default: a "
+                   "temporary folder, removed)")
+    p.add_argument("--compare", nargs=2, metavar=("REFERENCE", "LAYOUT"),
+                   help="run nothing: compare two .safetensors files of full tensors (e.g. a library loop's "
+                        "Parallel.full_state_dict() in one process and in a layout) by the same criterion; "
+                        "give the runs' --lr and --steps")
+    return p
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from paratrain.check import run_check  # lazy: start-up time
+    from paratrain.launch import under_torchrun  # lazy: start-up time
+
+    if under_torchrun():
+        raise UserError("paratrain check starts its own workers: run it without torchrun")
     overrides = overrides_from(args)
+    if args.compare:
+        from paratrain.check import run_compare  # lazy: start-up time
+
+        if "optim.lr" not in overrides or "train.steps" not in overrides:
+            raise UserError("--compare needs the runs' --lr and --steps (they bound what AdamW can move an "
+                            "element by), e.g. --compare ref.safetensors dp2.safetensors --lr 3e-4 --steps 8")
+        return run_compare(*args.compare, lr=overrides["optim.lr"], steps=overrides["train.steps"],
+                           as_json=args.json)
+    steps = overrides.setdefault("train.steps", DEFAULT_CHECK_STEPS)  # the check's K, not the job's length
+    return run_check(train_config(args, overrides), steps=steps, as_json=args.json, keep=args.keep)
+
+
+def loaded_config(args: argparse.Namespace, overrides: dict | None = None) -> config.Config:
+    """The defaults, the TOML file, the flags given (`overrides`: those of `args` unless given). With
+    --resume, a run folder's recorded configuration (run.json) replaces the defaults: `--out RUN
+    --resume` alone continues RUN as it was started, and flags given beside it override (the resume
+    checks refuse those that would change the training: another corpus, tokenizer or global batch)."""
+    overrides = overrides_from(args) if overrides is None else overrides
     cfg = config.load(args.config, overrides)
     if not cfg.train.resume:
         return cfg
@@ -617,6 +670,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     train_parser(sub)
+    check_parser(sub)
     generate_parser(sub)
     eval_parser(sub)
     export_parser(sub)
@@ -629,10 +683,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("data", help="tokenize a corpus once (data prepare --data SRC --out DIR)", add_help=False)
     args, rest = parser.parse_known_args(argv)
     try:
-        if args.command == "train":
+        if args.command in ("train", "check"):
             if rest:
                 parser.error(f"unrecognized arguments: {' '.join(rest)}")
-            return cmd_train(args)
+            return cmd_train(args) if args.command == "train" else cmd_check(args)
         if args.command in SIMPLE_COMMANDS:
             if rest:
                 parser.error(f"unrecognized arguments: {' '.join(rest)}")

@@ -18,6 +18,10 @@ is a single dictionary lookup when it is not:
   ``what``: the stand-in for diverged code paths (the collective checker must name it);
 * ``PARATRAIN_TEST_STEP_PAUSE_S=s``: every rank sleeps s seconds after each step: a long run that a
   test's signal reliably reaches mid-run (the warning signal's tests).
+* ``PARATRAIN_TEST_DOUBLE_DIVIDE_GRAD=1``: under dp > 1, every data-parallel rank but the first
+  divides its gradient by the dp degree a second time (a share averaged twice): the planted layout
+  bug that ``paratrain check`` must catch and name a tensor of (tests/test_check.py). Not a uniform
+  scale on purpose: AdamW and clipping hide a gradient scaled uniformly, a skewed sum they do not.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ HANG_SERVER_AT = "PARATRAIN_TEST_HANG_SERVER_AT"
 STEP_PAUSE_S = "PARATRAIN_TEST_STEP_PAUSE_S"
 PAUSE_AT_STEP = "PARATRAIN_TEST_PAUSE_AT_STEP"
 PAUSE_DIR = "PARATRAIN_TEST_PAUSE_DIR"
+DOUBLE_DIVIDE_GRAD = "PARATRAIN_TEST_DOUBLE_DIVIDE_GRAD"
 
 _skipped = False  # the skip fires once per process
 
@@ -71,3 +76,11 @@ def skip_collective(what: str | None, global_rank: int) -> bool:
         return False
     _skipped = True
     return True
+
+
+def gradient_divisor(divisor: int, dp_rank: int, dp_size: int) -> int:
+    """Called by the trainer with the counted targets a rank divides its loss sum by: the same
+    number, or (fault) dp times it on the dp ranks after the first."""
+    if dp_size > 1 and dp_rank > 0 and os.environ.get(DOUBLE_DIVIDE_GRAD) == "1":
+        return divisor * dp_size
+    return divisor

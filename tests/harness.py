@@ -6,7 +6,8 @@
 
 The corpus is tokenized once in the calling process (cached), so workers only map it.
 
-The parity criterion, and why it is not a plain elementwise tolerance. Where a layout sums fp32
+The parity criterion (paratrain/check.py holds it, so that `paratrain check` applies the same one to
+users' jobs), and why it is not a plain elementwise tolerance. Where a layout sums fp32
 numbers in another order (dp all-reduce, micro-batch accumulation, tp partial sums), each sum
 differs by ~1e-7 relative. Losses then agree to ~1e-6 and are compared elementwise. Weights after
 AdamW are different: AdamW divides each element's step by that element's own gradient scale, so an
@@ -47,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain import config
+from paratrain.check import FLIP_FRACTION, FP32_REORDERED, MAX_MOVE_FACTOR, weight_mismatch  # noqa: F401
 from paratrain.engine import checks
 from paratrain.train.metrics import read_metrics
 from paratrain.train.task import build_task
@@ -75,7 +77,6 @@ def tiny_cfg(out: str | Path, **overrides) -> config.Config:
     return config.load(None, {**base, "train.out": str(out), **overrides})
 
 
-FP32_REORDERED = {"rtol": 1e-4, "atol": 1e-4}
 
 STEPS4 = {"train.steps": 4, "train.save_every": 2}  # a run with checkpoints at steps 2 and 4
 
@@ -132,8 +133,6 @@ def run_layout(cfg: config.Config, nproc: int = 1, timeout: float = 180.0) -> Ru
     return RunResult(losses, state)
 
 
-FLIP_FRACTION = 1e-3  # isolated elements per tensor allowed beyond atol/rtol (see the docstring)
-MAX_MOVE_FACTOR = 2.1  # two AdamW runs differ by at most ~2 * lr * steps per element; 5% margin
 LR_STEPS = TINY["optim.lr"] * TINY["train.steps"]  # every parity test trains with TINY's lr and steps
 
 
@@ -156,27 +155,6 @@ def assert_same_weights(got: dict, ref: dict, *, rtol: float, atol: float,
     problems = [p for name in ref if (p := weight_mismatch(name, got[name], ref[name], rtol=rtol, atol=atol,
                                                            lr_steps=lr_steps))]
     assert not problems, "weights differ:\n" + "\n".join(problems)
-
-
-def weight_mismatch(name: str, got, ref, *, rtol: float, atol: float, lr_steps: float) -> str | None:
-    """None if ``got`` passes the criterion against ``ref``, else what is wrong with it."""
-    got, ref = torch.as_tensor(got), torch.as_tensor(ref)
-    if got.shape != ref.shape or got.dtype != ref.dtype:
-        return f"{name}: {got.dtype}{list(got.shape)} vs reference {ref.dtype}{list(ref.shape)}"
-    diff = (got.double() - ref.double()).abs()
-    beyond = ~(diff <= atol + rtol * ref.double().abs())  # NaN counts as beyond
-    n = int(beyond.sum())
-    if n == 0:
-        return None
-    allowed = max(1, int(FLIP_FRACTION * ref.numel())) if (rtol or atol) else 0
-    bound = MAX_MOVE_FACTOR * lr_steps
-    worst = float(diff[beyond].nan_to_num(float("inf")).max())
-    if n <= allowed and worst <= bound:
-        return None  # isolated flips of near-zero gradients
-    where = tuple(int(i) for i in torch.nonzero(beyond)[0])
-    return (f"{name}: {n} of {ref.numel()} elements beyond atol={atol:g} + rtol={rtol:g}*|ref| "
-            f"(allowed: {allowed} isolated, each <= {bound:.3g}); largest difference {worst:.3g}, "
-            f"first at {list(where)}: {float(got[where]):.6g} vs {float(ref[where]):.6g}")
 
 
 class InterruptedAt(Trainer):

@@ -63,9 +63,10 @@ def test_the_readme_shows_commands_of_every_kind():
 
 
 def _train_config(argv: list[str]) -> config.Config:
-    """What `paratrain train` builds and checks before any worker starts (cli.cmd_train)."""
+    """What `paratrain train` (or `check`, whose flags are train's) builds and checks before any
+    worker starts (cli.cmd_train)."""
     sub = argparse.ArgumentParser().add_subparsers()
-    args = cli.train_parser(sub).parse_args(argv[1:])
+    args = (cli.check_parser if argv[0] == "check" else cli.train_parser)(sub).parse_args(argv[1:])
     cfg = checks.settle_seq_len(config.load(args.config, cli.overrides_from(args)))
     return checks.validate(cfg)
 
@@ -85,7 +86,7 @@ def test_a_readme_command_is_accepted_as_written(argv, monkeypatch, tmp_path):
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}) + "\n")
     argv = [os.path.expanduser(a) for a in argv]
     kind = argv[0]
-    if kind == "train":
+    if kind in ("train", "check"):
         _train_config(argv)
     elif kind == "plan":
         plan_parser().parse_args(argv[1:])

@@ -170,6 +170,7 @@ class Trainer:
         start = time.perf_counter()
         # replicas that step alone (local SGD, DiLoCo) divide by their own rows' counted targets
         grad_units = strategy.gradient_units(units, int((y != IGNORE_INDEX).sum()))
+        grad_units = faults.gradient_divisor(grad_units, self.mesh.dp.rank, self.mesh.dp.size)
         batches = self.micro_batches(x, y, positions)
         local = self.engine.executor.run(batches, float(grad_units), self.scaler.scale)
         if grad_units != units:  # the logged loss stays this rank's share of the global batch's mean
@@ -318,7 +319,7 @@ class Trainer:
         row = {
             "step": step + 1, "loss": None if s["skipped"] else loss, "lr": lr_at(step, self.cfg),
             "grad_norm": s["grad_norm"] if math.isfinite(s["grad_norm"]) else None,
-            "tokens": tokens, "step_time_s": merged["step_time_s"],
+            "tokens": tokens, "counted_tokens": s["units"], "step_time_s": merged["step_time_s"],
             "tokens_per_s": tokens / merged["step_time_s"],
             "n_params": self.task.n_params,
             "n_trainable_params": self.lora.get("n_trainable_params", self.task.n_params),

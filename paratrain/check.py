@@ -1,0 +1,416 @@
+"""`paratrain check`: does this job train the same in the requested layout as in one process?
+
+The user's own configuration (model preset or --init-from folder, data, optimizer) runs K steps
+three times from the same seed, each in its own temporary run folder, in fp32:
+
+* the reference: one process, the same global batch (gradient accumulation over the layout's
+  micro-batch size, so a forward holds no more rows than one rank of the layout does);
+* the requested layout, saving a checkpoint at step K/2;
+* the resume: that checkpoint of the layout, resumed in one process up to step K.
+
+It then compares, from the runs' files (metrics.jsonl and model.safetensors, whose tensors carry
+the one-process model's names, DESIGN.md 2.4): the loss and gradient norm of every step, the tokens
+and counted tokens (the loss's divisor) of every step, and every final tensor, by the parity
+criterion below; the resumed run against the uninterrupted reference the same way.
+
+The criterion is the test suite's (tests/harness.py uses these functions), and why it is not a plain
+elementwise tolerance: where a layout sums fp32 numbers in another order (dp all-reduce, micro-batch
+accumulation, tp partial sums), each sum differs by ~1e-7 relative. Losses then agree to ~1e-6 and
+are compared elementwise. Weights after AdamW are different: AdamW divides each element's step by
+that element's own gradient scale, so an element whose gradient is at rounding-noise level (|g| ~
+1e-9 while its neighbours have ~1e-3) can take its step in the direction the noise picks, up to a
+whole lr per step. Which element that is depends on the CPU's matmul kernels: on an AVX-512/AMX
+machine one element of 8192 moved by 1.7e-4 where the layouts are right. So weights are compared
+per tensor:
+
+  * all elements but a few lie within ``atol + rtol * |ref|`` (the reordering noise);
+  * the few beyond it are isolated: at most ``max(1, FLIP_FRACTION * numel)`` per tensor, i.e.
+    one in a thousand (a flip needs a gradient ~1e-6 of its neighbours', which is rare);
+  * each of them is bounded by what two AdamW runs can possibly differ by: every run moves an
+    element by at most sum(lr_t) * max|m_hat / sqrt(v_hat)| <= lr * steps * 1.002, so two runs
+    differ by at most ~2 * lr * steps: MAX_MOVE_FACTOR * lr * steps.
+
+A real bug fails this: a gradient divided twice on some ranks, a skipped micro-batch or a missing tp
+reduction change the gradient's direction, and AdamW turns that into an ~lr difference on most
+elements of most tensors, far more than one in a thousand. The check runs in fp32 whatever the
+job's --precision: bf16 rounding (~4e-3 relative) would hide such a bug inside its own noise, and
+the layout's arithmetic, not the precision, is what changes when a job moves to a new layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from paratrain.config import Config, ConfigError, ParallelConfig
+from paratrain.engine import checkpoint as ckpt
+from paratrain.engine import checks
+from paratrain.perf.hardware import host_memory_bytes
+from paratrain.planner.memory import state_bytes_per_param
+from paratrain.run import run_training
+from paratrain.train.task import build_task
+
+FP32_REORDERED = {"rtol": 1e-4, "atol": 1e-4}  # fp32 sums in another order: ~1e-6 seen; 100x margin
+FLIP_FRACTION = 1e-3  # isolated elements per tensor allowed beyond atol/rtol (see the docstring)
+MAX_MOVE_FACTOR = 2.1  # two AdamW runs differ by at most ~2 * lr * steps per element; 5% margin
+TOP_TENSORS = 5
+# Replicas that step alone differ from one process by design: nothing for this check to prove.
+NOT_ONE_PROCESS = {"local-sgd": "local SGD", "diloco": "DiLoCo"}
+
+
+# -- the criterion (shared with tests/harness.py) ------------------------------------------------------
+
+def weight_mismatch(name: str, got, ref, *, rtol: float, atol: float, lr_steps: float) -> str | None:
+    """None if ``got`` passes the criterion against ``ref``, else what is wrong with it."""
+    got, ref = torch.as_tensor(got), torch.as_tensor(ref)
+    if got.shape != ref.shape or got.dtype != ref.dtype:
+        return f"{name}: {got.dtype}{list(got.shape)} vs reference {ref.dtype}{list(ref.shape)}"
+    diff = (got.double() - ref.double()).abs()
+    beyond = ~(diff <= atol + rtol * ref.double().abs())  # NaN counts as beyond
+    n = int(beyond.sum())
+    if n == 0:
+        return None
+    allowed = max(1, int(FLIP_FRACTION * ref.numel())) if (rtol or atol) else 0
+    bound = MAX_MOVE_FACTOR * lr_steps
+    worst = float(diff[beyond].nan_to_num(float("inf")).max())
+    if n <= allowed and worst <= bound:
+        return None  # isolated flips of near-zero gradients
+    where = tuple(int(i) for i in torch.nonzero(beyond)[0])
+    return (f"{name}: {n} of {ref.numel()} elements beyond atol={atol:g} + rtol={rtol:g}*|ref| "
+            f"(allowed: {allowed} isolated, each <= {bound:.3g}); largest difference {worst:.3g}, "
+            f"first at {list(where)}: {float(got[where]):.6g} vs {float(ref[where]):.6g}")
+
+
+def relative_difference(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """||got - ref|| / ||ref|| (Frobenius, float64): one figure per tensor to rank them by."""
+    got, ref = got.double(), ref.double()
+    if got.shape != ref.shape:
+        return math.inf
+    scale = float(ref.norm())
+    delta = float((got - ref).norm())
+    return delta / scale if scale > 0 else (0.0 if delta == 0 else math.inf)
+
+
+def compare_weights(got: dict, ref: dict, *, lr_steps: float) -> dict:
+    """Every tensor of ``ref`` (in its order) against ``got``: relative differences, the
+    criterion's complaints, and the tensor that differs most (the first such, in model order)."""
+    rel, problems = {}, []
+    for name in ref:
+        if name not in got:
+            problems.append(f"{name}: missing from the layout's model.safetensors")
+            rel[name] = math.inf
+            continue
+        rel[name] = relative_difference(got[name], ref[name])
+        problem = weight_mismatch(name, got[name], ref[name], lr_steps=lr_steps, **FP32_REORDERED)
+        if problem:
+            problems.append(problem)
+    problems += [f"{name}: not in the reference's model.safetensors" for name in got if name not in ref]
+    worst = max(rel, key=lambda n: rel[n]) if rel else None  # max keeps the first of equals
+    return {"max_rel_diff": rel, "problems": problems, "first_worst_tensor": worst}
+
+
+def close(got: list, ref: list) -> bool:
+    """Per-step figures (losses, gradient norms) elementwise within the fp32 tolerance."""
+    if len(got) != len(ref) or any(g is None or r is None for g, r in zip(got, ref)):
+        return got == ref
+    return bool(torch.isclose(torch.tensor(got, dtype=torch.float64), torch.tensor(ref, dtype=torch.float64),
+                              **FP32_REORDERED).all())
+
+
+# -- the runs -----------------------------------------------------------------------------------------
+
+def check_configs(cfg: Config, steps: int, root: Path) -> dict[str, Config]:
+    """The three runs' configurations: ``layout`` (the user's, saving at steps/2), ``reference``
+    (one process) and ``resume`` (the layout's checkpoint resumed in one process)."""
+    refuse_uncomparable(cfg, steps)
+    train = dataclasses.replace(cfg.train, steps=steps, precision="fp32", eval_every=0, resume=False,
+                                overwrite=True, quiet=True, progress=False, keep_checkpoints=steps,
+                                save_every=0, async_save=False)
+    layout = dataclasses.replace(cfg, train=dataclasses.replace(train, out=str(root / "layout"),
+                                                                save_every=steps // 2))
+    layout.parallel = dataclasses.replace(cfg.parallel, max_restarts=0)
+    one = ParallelConfig(nproc=1, dp=1, timeout_s=cfg.parallel.timeout_s)
+    # the same rows per forward as one rank of the layout: the reference accumulates the rest
+    micro = cfg.train.micro_batch if cfg.train.micro_batch == "auto" else cfg.micro_batch
+    reference = dataclasses.replace(cfg, parallel=one, train=dataclasses.replace(
+        train, out=str(root / "reference"), micro_batch=micro))
+    resume = dataclasses.replace(reference, train=dataclasses.replace(
+        reference.train, out=str(root / "resume"), resume=True, overwrite=False))
+    for c in (reference, resume):
+        checks.validate(c)  # as `train` would (the layout's was validated by the command)
+    refuse_too_big(reference)
+    return {"reference": reference, "layout": layout, "resume": resume}
+
+
+def refuse_uncomparable(cfg: Config, steps: int) -> None:
+    """What this check cannot prove, said before anything runs (exit 2)."""
+    if steps < 2:
+        raise ConfigError(f"--steps {steps}: check needs at least 2 steps (it resumes at step steps/2)")
+    if cfg.world_size == 1:
+        raise ConfigError("check compares a layout with one process, and this job is one process: give "
+                          "the layout to check, e.g. --nproc 2 --dp 2, or --tp 2, or --zero 3")
+    sync = cfg.parallel.sync
+    if sync in NOT_ONE_PROCESS:
+        raise ConfigError(f"--sync {sync}: {NOT_ONE_PROCESS[sync]} replicas step alone and differ from one "
+                          "process by design; check a layout that synchronises every step (--sync ddp)")
+    if sync == "parameter-server" and cfg.parallel.ps_mode == "async":
+        raise ConfigError("--ps-mode async applies gradients as they arrive and differs from one process by "
+                          "design; check --ps-mode sync")
+    if cfg.optim.name != "adamw":
+        raise ConfigError(f"--optimizer {cfg.optim.name}: the check's tolerance is derived for fp32 AdamW "
+                          "(8-bit moments round per block); check the layout with --optimizer adamw")
+
+
+def refuse_too_big(reference: Config) -> None:
+    """The reference holds the whole model in one process: refused (exit 2) when its fp32 model
+    state alone (weights, gradients, AdamW's two moments: 16 bytes a parameter, 4 for a frozen
+    LoRA base; activations not even counted) exceeds --memory-limit or this machine's memory. A
+    reference in the smallest multi-rank layout that fits is not built."""
+    task = build_task(reference)  # tokenizes once; the runs then map the cache
+    sb = state_bytes_per_param("fp32")
+    per_param = sb.params if reference.lora.rank else sb.params + sb.grads + sb.optim
+    need = task.n_params * per_param
+    limit = reference.train.memory_limit
+    where = f"--memory-limit {size(limit)}" if limit else None
+    if limit is None and torch.cuda.is_available():
+        limit = torch.cuda.get_device_properties(0).total_memory
+        where = f"the GPU's {size(limit)}"
+    elif limit is None:
+        limit = host_memory_bytes()
+        where = f"this machine's {size(limit)}"
+    if need > limit:
+        raise ConfigError(
+            f"check's reference runs the whole model in one process, and its fp32 model state alone is "
+            f"{size(need)} ({task.n_params:,} parameters x {per_param:g} bytes), more than {where}: "
+            "check the layout on a smaller model of the same family (fewer layers, the same widths and "
+            "flags); a reference in the smallest layout that fits is not built yet")
+
+
+def size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def train_quietly(name: str, cfg: Config) -> None:
+    """One run, its output on stderr (stdout holds only the check's report)."""
+    print(f"paratrain check: {name} run ({describe(cfg)}, {cfg.train.steps} steps) ...", file=sys.stderr,
+          flush=True)
+    with contextlib.redirect_stdout(sys.stderr):
+        code = run_training(cfg)
+    if code != 0:
+        raise CheckRunFailed(f"the {name} run ({describe(cfg)}) ended with exit code {code} (its output is "
+                             f"above; --keep DIR keeps the runs' folders)", code)
+
+
+class CheckRunFailed(RuntimeError):
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+def describe(cfg: Config) -> str:
+    p = cfg.parallel
+    if cfg.world_size == 1:
+        return f"one process, micro-batch {cfg.micro_batch}"
+    parts = [f"{cfg.world_size} processes", f"dp {cfg.dp}"]
+    degrees = (("tp", p.tp), ("pp", p.pp), ("ep", p.ep), ("zero", p.zero))
+    parts += [f"{k} {v}" for k, v in degrees if v not in (0, 1)]
+    return ", ".join(parts)
+
+
+def seed_resume(layout_out: Path, resume_out: Path, step: int) -> None:
+    """The layout's checkpoint of ``step``, alone in the resume run's folder, as a crash would
+    leave it (the run then continues from it in one process)."""
+    src = ckpt.checkpoint_dir(layout_out) / f"step_{step:06d}"
+    if not src.is_dir():
+        raise CheckRunFailed(f"the layout run left no checkpoint of step {step} in {src.parent}", 1)
+    dst = ckpt.checkpoint_dir(resume_out)
+    dst.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(src, dst / src.name)
+    (dst / "latest").write_text(src.name + "\n")
+
+
+def read_run(out: str | Path) -> dict:
+    """A finished run's per-step figures (metrics.jsonl) and final weights (model.safetensors)."""
+    from safetensors.torch import load_file  # lazy: start-up time
+
+    out = Path(out)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    keys = ("step", "loss", "grad_norm", "tokens", "counted_tokens")
+    figures = {key: [r.get(key) for r in rows] for key in keys}
+    return {**figures, "weights": load_file(str(out / "model.safetensors"))}
+
+
+# -- the verdict --------------------------------------------------------------------------------------
+
+def compare_runs(ref: dict, got: dict, *, lr_steps: float) -> dict:
+    """Losses, gradient norms, token counts and weights of ``got`` against ``ref``."""
+    weights = compare_weights(got["weights"], ref["weights"], lr_steps=lr_steps)
+    checks = {
+        "losses": close(got["loss"], ref["loss"]),
+        "grad_norms": close(got["grad_norm"], ref["grad_norm"]),
+        "tokens": got["tokens"] == ref["tokens"] and got["counted_tokens"] == ref["counted_tokens"],
+        "weights": not weights["problems"],
+    }
+    return {**weights, "checks": checks, "ok": all(checks.values())}
+
+
+def tail(run: dict, steps: list[int]) -> dict:
+    """The figures of ``run`` at ``steps`` only (the resumed part of a reference)."""
+    keep = [i for i, s in enumerate(run["step"]) if s in steps]
+    out = {k: [v[i] for i in keep] for k, v in run.items() if k != "weights"}
+    return {**out, "weights": run["weights"]}
+
+
+def verdict(ref: dict, lay: dict, res: dict, *, lr: float, steps: int) -> dict:
+    lr_steps = lr * steps  # every step's lr <= the peak: sum(lr_t) <= lr * steps
+    layout = compare_runs(ref, lay, lr_steps=lr_steps)
+    resume = compare_runs(tail(ref, res["step"]), res, lr_steps=lr_steps)
+    ok = layout["ok"] and resume["ok"]
+    return {
+        "verdict": "PASS" if ok else "FAIL",
+        "losses": {"reference": ref["loss"], "layout": lay["loss"]},
+        "grad_norms": {"reference": ref["grad_norm"], "layout": lay["grad_norm"]},
+        "max_rel_diff": layout["max_rel_diff"],
+        "first_worst_tensor": layout["first_worst_tensor"],
+        "problems": layout["problems"],
+        "checks": layout["checks"],
+        "tolerance": {**FP32_REORDERED, "flip_fraction": FLIP_FRACTION,
+                      "flip_bound": MAX_MOVE_FACTOR * lr_steps, "precision": "fp32"},
+        "resume": {"ok": resume["ok"], "from_step": res["step"][0] - 1 if res["step"] else None,
+                   "losses": {"reference": tail(ref, res["step"])["loss"], "resumed": res["loss"]},
+                   "checks": resume["checks"], "first_worst_tensor": resume["first_worst_tensor"],
+                   "problems": resume["problems"]},
+        "tokens": {"ok": layout["checks"]["tokens"] and resume["checks"]["tokens"],
+                   "reference": ref["counted_tokens"], "layout": lay["counted_tokens"],
+                   "resumed": res["counted_tokens"]},
+    }
+
+
+def json_safe(value: object) -> object:
+    """``value`` with every non-finite float as null: strict JSON has no Infinity or NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def number(x: float | None) -> str:
+    return "-" if x is None else f"{x:.6f}"
+
+
+def rel(a: float | None, b: float | None) -> str:
+    if a is None or b is None:
+        return "-"
+    return f"{abs(a - b) / max(abs(b), 1e-30):.2e}"
+
+
+def report(result: dict, descriptions: dict[str, str]) -> str:
+    """The human-readable report: losses side by side, the tensors that differ most, the verdict."""
+    tol = result["tolerance"]
+    lines = [f"reference: {descriptions['reference']};  layout: {descriptions['layout']}", "",
+             f"{'step':>5}  {'loss reference':>15}  {'loss layout':>15}  {'rel diff':>9}  "
+             f"{'counted tokens':>14}"]
+    ref, lay = result["losses"]["reference"], result["losses"]["layout"]
+    for i, (a, b) in enumerate(zip(lay, ref)):
+        lines.append(f"{i + 1:>5}  {number(b):>15}  {number(a):>15}  {rel(a, b):>9}  "
+                     f"{result['tokens']['layout'][i]!s:>14}")
+    n = len(result["max_rel_diff"])
+    lines += ["", f"tensors that differ most (relative Frobenius difference, of {n}):"]
+    ranked = sorted(result["max_rel_diff"].items(), key=lambda kv: -kv[1])[:TOP_TENSORS]
+    lines += [f"  {d:.3e}  {name}" for name, d in ranked]
+    checks = result["checks"]
+    lines += ["", "checks: " + ", ".join(f"{k} {'ok' if v else 'DIFFER'}" for k, v in checks.items())]
+    resume = result["resume"]
+    lines.append(f"resume: the layout's checkpoint of step {resume['from_step']} resumed in one process: "
+                 + ("same as the uninterrupted reference" if resume["ok"] else
+                    "DIFFERS: " + ", ".join(k for k, v in resume["checks"].items() if not v)))
+    same = "equal in every run" if result["tokens"]["ok"] else "DIFFER"
+    lines.append(f"counted tokens (the loss's divisor) per step: {same}")
+    lines += [f"  {p}" for p in (result["problems"] + resume["problems"])[:TOP_TENSORS]]
+    why = (f"fp32; losses and grad norms within rtol {tol['rtol']:g} + atol {tol['atol']:g}; every "
+           f"tensor within them but for isolated AdamW flips (<= {tol['flip_fraction']:g} of its elements, "
+           f"each <= "
+           f"{tol['flip_bound']:.3g} = {MAX_MOVE_FACTOR} x lr x steps): fp32 sums in another order differ "
+           "by ~1e-6, a layout bug by ~lr on most elements")
+    first = result["first_worst_tensor"]
+    lines += ["", f"verdict: {result['verdict']} ({why})"]
+    if result["verdict"] == "FAIL":
+        lines.append(f"the tensor that differs most: {first}")
+    return "\n".join(lines)
+
+
+# -- two files: the library door ----------------------------------------------------------------------
+
+def compare_files(reference: str, layout: str, *, lr: float, steps: int) -> dict:
+    """Two safetensors files of full tensors, one process's and a layout's after the same ``steps``
+    of AdamW at peak ``lr``: `paratrain train`'s model.safetensors, or a library user's
+    ``Parallel.full_state_dict()`` saved with ``safetensors.torch.save_file`` (rank 0) in each layout."""
+    from safetensors.torch import load_file  # lazy: start-up time
+
+    for flag, path in (("REFERENCE", reference), ("LAYOUT", layout)):
+        if not Path(path).is_file():
+            raise ConfigError(f"--compare {flag}: {path} is not a file (a .safetensors of full tensors)")
+    lr_steps = lr * steps
+    weights = compare_weights(load_file(layout), load_file(reference), lr_steps=lr_steps)
+    return {"verdict": "FAIL" if weights["problems"] else "PASS", **weights,
+            "tolerance": {**FP32_REORDERED, "flip_fraction": FLIP_FRACTION,
+                          "flip_bound": MAX_MOVE_FACTOR * lr_steps, "precision": "fp32"}}
+
+
+def run_compare(reference: str, layout: str, *, lr: float, steps: int, as_json: bool) -> int:
+    """`paratrain check --compare REFERENCE LAYOUT`: exit 0 PASS, 1 FAIL."""
+    result = compare_files(reference, layout, lr=lr, steps=steps)
+    if as_json:
+        print(json.dumps(json_safe(result), allow_nan=False))
+        return 0 if result["verdict"] == "PASS" else 1
+    ranked = sorted(result["max_rel_diff"].items(), key=lambda kv: -kv[1])[:TOP_TENSORS]
+    lines = [f"tensors that differ most (relative Frobenius difference, of {len(result['max_rel_diff'])}):"]
+    lines += [f"  {d:.3e}  {name}" for name, d in ranked]
+    lines += [f"  {p}" for p in result["problems"][:TOP_TENSORS]]
+    tol = result["tolerance"]
+    lines.append(f"verdict: {result['verdict']} (every tensor within rtol {tol['rtol']:g} + atol "
+                 f"{tol['atol']:g} but for isolated AdamW flips, each <= {tol['flip_bound']:.3g} = "
+                 f"{MAX_MOVE_FACTOR} x lr x steps)")
+    if result["verdict"] == "FAIL":
+        lines.append(f"the tensor that differs most: {result['first_worst_tensor']}")
+    print("\n".join(lines))
+    return 0 if result["verdict"] == "PASS" else 1
+
+
+def run_check(cfg: Config, *, steps: int, as_json: bool, keep: str | None = None) -> int:
+    """Run the three runs and print the report (or one JSON line). Exit code: 0 PASS, 1 FAIL."""
+    root = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="paratrain-check-"))
+    try:
+        cfgs = check_configs(cfg, steps, root)
+        if cfg.train.precision != "fp32":
+            print(f"paratrain check: runs in fp32 (the job's precision is {cfg.train.precision}): see "
+                  "`paratrain check --help`", file=sys.stderr)
+        try:
+            for name in ("reference", "layout"):
+                train_quietly(name, cfgs[name])
+            seed_resume(root / "layout", root / "resume", steps // 2)
+            train_quietly("resume", cfgs["resume"])
+        except CheckRunFailed as e:
+            print(f"paratrain check: {e}", file=sys.stderr)
+            return e.code if e.code != 0 else 1
+        runs = {name: read_run(c.train.out) for name, c in cfgs.items()}
+        result = verdict(runs["reference"], runs["layout"], runs["resume"], lr=cfg.optim.lr, steps=steps)
+        if as_json:
+            print(json.dumps(json_safe(result), allow_nan=False))
+        else:
+            print(report(result, {n: describe(c) for n, c in cfgs.items()}))
+        return 0 if result["verdict"] == "PASS" else 1
+    finally:
+        if not keep:
+            shutil.rmtree(root, ignore_errors=True)
