@@ -68,7 +68,8 @@ NOT_ONE_PROCESS = {"local-sgd": "local SGD", "diloco": "DiLoCo"}
 
 # -- the criterion (shared with tests/harness.py) ------------------------------------------------------
 
-def weight_mismatch(name: str, got, ref, *, rtol: float, atol: float, lr_steps: float) -> str | None:
+def weight_mismatch(name: str, got: torch.Tensor | float, ref: torch.Tensor | float, *, rtol: float,
+                    atol: float, lr_steps: float) -> str | None:
     """None if ``got`` passes the criterion against ``ref``, else what is wrong with it."""
     got, ref = torch.as_tensor(got), torch.as_tensor(ref)
     if got.shape != ref.shape or got.dtype != ref.dtype:
