@@ -1,0 +1,94 @@
+"""ZeRO-3 strong scaling on A100s: the planner against Megatron-LM 2021's ZeRO-3 runs (issue 40, item 6).
+
+Published: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM" (SC21, arXiv:2104.04473), Table 2, "ZeRO-3 without Model Parallelism": the 174.6 B
+GPT-3 (96 layers, h = 12,288, 96 heads) at a fixed global batch of 1,536 sequences on 384, 768 and
+1,536 GPUs (micro-batch 4, 2, 1: one micro-batch per step) at 144, 88 and 44 TFLOP/s per GPU; the
+529.6 B GPT (105 layers, h = 20,480, 128 heads) at batch 2,560 on 640 GPUs (micro-batch 4) and
+2,240 on 1,120 and 2,240 GPUs (micro-batch 2, 1) at 138, 98 and 48. §5.2: "We integrated ZeRO into
+our codebase using the DeepSpeed Python library"; §5: Selene, DGX A100 nodes of 8 80-GB A100s on
+NVLink/NVSwitch, "eight NVIDIA Mellanox 200Gbps HDR Infiniband HCAs for application
+communication" per node; mixed precision, sequence 2,048, vocabulary 51,200; FLOPs counted with
+activation recomputation (their equation 3, ``cost.megatron_flops``).
+
+Posed to the planner as dp = GPUs, ZeRO-3, full recompute, fp16, unfused attention (2021: Megatron's
+fused softmax, no flash attention), ``zero3_runtime="deepspeed"``, the a100-80g preset, NVLink and
+one HDR link per GPU (``make_cluster``'s defaults: 8 x 25 GB/s per node).
+
+The planner is NOT yet within 20% of these rows (docs/planner.md, "ZeRO-3 strong scaling on A100s"):
+it predicts 188 / 147 / 88 and 202 / 166 / 110. The shape holds (throughput falls as the per-GPU
+batch shrinks), the level does not: the published step times leave 2.7-4.0x the communication the
+model prices, on every row. The within-20% test is a strict xfail that records the gap; it turns
+into a failure (XPASS) the day the model closes it, so the marker must then be removed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from paratrain.models.llama import LlamaConfig
+from paratrain.perf.hardware import make_cluster
+from paratrain.planner import cost
+from paratrain.planner.memory import Layout, Training
+from paratrain.planner.search import evaluate
+
+SEQ, VOCAB = 2048, 51200
+
+# (label, hidden, heads, layers, global batch, GPUs, micro-batch, published TFLOP/s per GPU)
+TABLE2_ZERO3 = [
+    ("175B-384", 12288, 96, 96, 1536, 384, 4, 144),
+    ("175B-768", 12288, 96, 96, 1536, 768, 2, 88),
+    ("175B-1536", 12288, 96, 96, 1536, 1536, 1, 44),
+    ("530B-640", 20480, 128, 105, 2560, 640, 4, 138),
+    ("530B-1120", 20480, 128, 105, 2240, 1120, 2, 98),
+    ("530B-2240", 20480, 128, 105, 2240, 2240, 1, 48),
+]
+
+
+def gpt(hidden: int, heads: int, layers: int) -> LlamaConfig:
+    """A GPT block as paratrain's with the same matmul parameters (12 h^2: SwiGLU ffn 8h/3)."""
+    return LlamaConfig(vocab_size=VOCAB, dim=hidden, n_layers=layers, n_heads=heads, n_kv_heads=heads,
+                       ffn_dim=round(8 * hidden / 3 / 64) * 64, max_seq_len=SEQ)
+
+
+def predicted(row, runtime: str = "deepspeed"):
+    """(TFLOP/s per GPU as Megatron counts them, the step's breakdown) for a Table 2 row."""
+    _, hidden, heads, layers, batch, gpus, mb, _ = row
+    tr = Training(SEQ, batch, "fp16", attention="unfused", zero3_runtime=runtime)
+    lay = Layout(dp=gpus, zero=3, recompute="full", micro_batch=mb)
+    t = evaluate(gpt(hidden, heads, layers), tr, lay, make_cluster(gpus=gpus, gpu="a100-80g")).time
+    flops = cost.megatron_flops(batch, SEQ, layers, hidden, VOCAB)
+    return flops / t.total / gpus / 1e12, t
+
+
+def test_the_rows_are_one_micro_batch_per_step():
+    """The posing: global batch / (GPUs x micro-batch) = 1 on every row, as Table 2 sets it."""
+    for _, _, _, _, batch, gpus, mb, _ in TABLE2_ZERO3:
+        assert batch == gpus * mb
+
+
+@pytest.mark.parametrize("rows", [TABLE2_ZERO3[:3], TABLE2_ZERO3[3:]], ids=["175B", "530B"])
+def test_zero3_throughput_per_gpu_falls_as_the_per_gpu_batch_shrinks(rows):
+    """Strong scaling at a fixed batch: the compute per GPU halves with each doubling while the
+    parameter traffic per GPU (every unit gathered and reduce-scattered once per micro-batch) does
+    not, so TFLOP/s per GPU falls -- by more than 40% over the 4x (published: 69% and 65%)."""
+    got = [predicted(r)[0] for r in rows]
+    assert got[0] > got[1] > got[2]
+    assert got[2] < 0.6 * got[0]
+
+
+def test_the_exposed_collectives_grow_while_the_compute_shrinks():
+    """The mechanism of the fall: from 384 to 1,536 GPUs the compute per GPU drops ~4x and the
+    exposed ZeRO-3 collectives grow (the ring latency per collective grows with the ring)."""
+    (_, small), (_, large) = predicted(TABLE2_ZERO3[0]), predicted(TABLE2_ZERO3[2])
+    assert (small.compute + small.recompute) / (large.compute + large.recompute) == pytest.approx(4, rel=0.1)
+    assert large.dp_comm > small.dp_comm
+    assert large.dp_comm > large.compute + large.recompute
+
+
+@pytest.mark.xfail(strict=True, reason="known gap (docs/planner.md, 'ZeRO-3 strong scaling on A100s'): "
+                   "the model prices 2.7-4.0x less communication than these runs show")
+@pytest.mark.parametrize("row", TABLE2_ZERO3, ids=[r[0] for r in TABLE2_ZERO3])
+def test_zero3_within_20_percent_of_megatron_table2(row):
+    got, _ = predicted(row)
+    assert got == pytest.approx(row[7], rel=0.20)
