@@ -160,11 +160,11 @@ def test_a_run_template_failing_in_eval_names_the_runs_file_not_a_temporary_one(
                         "{{ raise_exception('no boom here') }}{% endif %}{% endfor %}" + QWEN2.read_text())
     src = _jsonl(tmp_path / "chat.jsonl", [_chat(i) for i in range(40)])
     run = tmp_path / "run"
-    assert main(["train", "--model", "tiny", "--data", str(src), "--tokenizer", str(tok_dir), "--chat-template",
-                 str(template), "--seq-len", "128", "--global-batch", "4", "--steps", "1", "--eval-every", "0",
-                 "--no-progress", "--threads", "1", "--out", str(run)]) == 0
-    bad = _jsonl(tmp_path / "bad.jsonl", [_chat(0), {"messages": [{"role": "user", "content": "boom?"},
-                                                                    {"role": "assistant", "content": "no."}]}])
+    assert main(["train", "--model", "tiny", "--data", str(src), "--tokenizer", str(tok_dir),
+                 "--chat-template", str(template), "--seq-len", "128", "--global-batch", "4", "--steps", "1",
+                 "--eval-every", "0", "--no-progress", "--threads", "1", "--out", str(run)]) == 0
+    boom = {"messages": [{"role": "user", "content": "boom?"}, {"role": "assistant", "content": "no."}]}
+    bad = _jsonl(tmp_path / "bad.jsonl", [_chat(0), boom])
     capsys.readouterr()
     assert main(["eval", "--run", str(run), "--data", str(bad), "--seq-len", "128", "--json"]) == 2
     err = capsys.readouterr().err

@@ -93,9 +93,9 @@ def test_stale_offload_folders_of_dead_processes_are_removed_at_the_next_start(t
     trainer = Trainer(_cfg(tmp_path / "run", off))
     mine = Path(trainer.engine.strategy.store.dir)
     left = {p.name: sorted(f.name for f in p.iterdir()) for p in _folders(off) if p != mine}
-    kept = ["owner.json", "rank000_shard000_param.f32"]
-    assert left == {f"{OFFLOAD.prefix}dead-user-file": ["notes.txt"], f"{OFFLOAD.prefix}live": kept,
-                    f"{OFFLOAD.prefix}other-host": kept, f"{OFFLOAD.prefix}unmarked": ["rank000_shard000_param.f32"]}
+    state, p = "rank000_shard000_param.f32", OFFLOAD.prefix
+    assert left == {f"{p}dead-user-file": ["notes.txt"], f"{p}live": ["owner.json", state],
+                    f"{p}other-host": ["owner.json", state], f"{p}unmarked": [state]}
     trainer.fit()
 
 
