@@ -29,7 +29,8 @@ Reported (``--json``: one object): n_params, peak RSS per rank (``mem_peak_bytes
 metrics.jsonl: max over ranks, and the per-rank list), total resident across ranks (sum of the
 per-rank peaks), the host's peak memory in use above the idle baseline (sampled every 0.2 s),
 bytes on disk (allocated blocks of the offload files), construction and step time, loss.
-The offload files are deleted at the end (``--keep`` keeps them).
+The offload files (each rank's folder under ``--offload-dir``, paratrain/scratch.py) are deleted at
+the end (``--keep`` keeps them).
 """
 
 from __future__ import annotations
@@ -46,10 +47,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from paratrain import config  # noqa: E402
+from paratrain import config, scratch  # noqa: E402
 from paratrain.engine import checks
 from paratrain.launch import spawn  # noqa: E402
 from paratrain.models.llama import preset  # noqa: E402
+from paratrain.zero.offload import OFFLOAD  # noqa: E402
 
 SHAPE = {"dim": 2048, "ffn_dim": 5504, "n_heads": 16, "n_kv_heads": 4}  # head_dim 128, GQA 4:1
 VOCAB = 512
@@ -165,7 +167,8 @@ def run(args: argparse.Namespace) -> dict:
         sampler.done.set()
         sampler.join()
         if not args.keep:
-            shutil.rmtree(Path(args.offload_dir) / "zero_offload", ignore_errors=True)
+            # the workers are gone: their offload folders are stale ones, removed as a next start does
+            scratch.remove_stale(Path(args.offload_dir), OFFLOAD)
     rows = [json.loads(line) for line in (Path(args.out) / "metrics.jsonl").read_text().splitlines()]
     last = rows[-1]
     peaks = last["per_rank"]["mem_peak_bytes"]

@@ -115,8 +115,8 @@ def eval_corpus(model: Llama, tokenizer: Path, data: str, seq_len: int, hf_confi
     tokenizer (``run``: the run folder the model comes from, whose chat template chat data needs)."""
     check_context(model, hf_config, seq_len)
     with tempfile.TemporaryDirectory() as tmp:
-        tok = chat_tokenizer(run, Path(tmp)) if run is not None else tokenizer
-        corpus = prepare_corpus(data, 0, cache_dir, tokenizer=str(tok))
+        tok, where = chat_tokenizer(run, Path(tmp)) if run is not None else (tokenizer, None)
+        corpus = prepare_corpus(data, 0, cache_dir, tokenizer=str(tok), template_where=where)
     cfg = Config()
     cfg.data.seq_len = seq_len
     return evaluate_rows(model, corpus, make_rows(corpus, cfg, whole=True), data, batch, max_rows)
@@ -165,14 +165,15 @@ def evaluate_rows(model: Llama, corpus: Corpus, rows: TokenRows | PackedRows, wh
     return EvalResult(total / count, count)
 
 
-def chat_tokenizer(run: str, folder: Path) -> Path:
+def chat_tokenizer(run: str, folder: Path) -> tuple[Path, str | None]:
     """A tokenizer folder for a run's chat data: its tokenizer.json beside a tokenizer_config.json
     holding the chat template (and special tokens) it trained with, which a run folder keeps in
-    run.json; the run's tokenizer.json alone when it has no template."""
+    run.json; the run's tokenizer.json alone when it has no template. With it, the file the
+    template's errors name: the run's run.json, where it came from, not the copy in ``folder``."""
     template = run_template(run)
     if template is None:
-        return Path(run) / "tokenizer.json"
+        return Path(run) / "tokenizer.json", None
     shutil.copy(Path(run) / "tokenizer.json", folder / "tokenizer.json")
     config = {"chat_template": template.source, **template.special_tokens}
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder / "tokenizer.json"
+    return folder / "tokenizer.json", template.where

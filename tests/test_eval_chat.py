@@ -146,3 +146,27 @@ def test_eval_data_of_an_imported_model_counts_every_assistant_token_of_the_file
     assert main(["eval", "--init-from", str(folder), "--data", str(src), "--seq-len", "128", "--json"]) == 0
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert got["tokens"] == _hf_assistant_targets(folder, chats) > 0
+
+
+def test_a_run_template_failing_in_eval_names_the_runs_file_not_a_temporary_one(tmp_path, tok_dir,  # noqa: F811
+                                                                                 capsys):
+    """eval renders a run's chats with the template from its run.json, through a tokenizer folder
+    copied to a temporary place; a row the template refuses names the run's run.json (where the
+    template is), never that temporary copy (issue 35 item 16's rule: name the file)."""
+    from tests.test_chat_data import QWEN2
+
+    template = tmp_path / "strict.jinja"
+    template.write_text("{% for m in messages %}{% if 'boom' in m.content %}"
+                        "{{ raise_exception('no boom here') }}{% endif %}{% endfor %}" + QWEN2.read_text())
+    src = _jsonl(tmp_path / "chat.jsonl", [_chat(i) for i in range(40)])
+    run = tmp_path / "run"
+    assert main(["train", "--model", "tiny", "--data", str(src), "--tokenizer", str(tok_dir),
+                 "--chat-template", str(template), "--seq-len", "128", "--global-batch", "4", "--steps", "1",
+                 "--eval-every", "0", "--no-progress", "--threads", "1", "--out", str(run)]) == 0
+    boom = {"messages": [{"role": "user", "content": "boom?"}, {"role": "assistant", "content": "no."}]}
+    bad = _jsonl(tmp_path / "bad.jsonl", [_chat(0), boom])
+    capsys.readouterr()
+    assert main(["eval", "--run", str(run), "--data", str(bad), "--seq-len", "128", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert f"the chat template ({run}/run.json) failed" in err and "no boom here" in err, err
+    assert "tokenizer_config.json" not in err and "Traceback" not in err

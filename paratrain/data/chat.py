@@ -26,6 +26,7 @@ Three formats, detected from the fields of the first row (``--format`` forces on
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -222,11 +223,16 @@ def resolve_format(row: Row | None, fmt: str, text_field: str) -> str:
     return detect_format(row[0], text_field) or "text"
 
 
-def resolve_template(fmt: str, tokenizer: Path | None, override: Path | None) -> ChatTemplate | None:
-    """The chat template of chat data (the tokenizer's, or ``override``); None for other data."""
+def resolve_template(fmt: str, tokenizer: Path | None, override: Path | None,
+                     where: str | None = None) -> ChatTemplate | None:
+    """The chat template of chat data (the tokenizer's, or ``override``); None for other data.
+    ``where``: the file its errors name when the tokenizer folder is a copy made for the occasion
+    (eval's of a run's template: the run's run.json, not a temporary path)."""
     if fmt != "chat":
         return None
     template = load_template(tokenizer, override)
+    if template is not None and where is not None:
+        template = dataclasses.replace(template, where=where)
     if template is None:
         which = f"the tokenizer {tokenizer}" if tokenizer else "the BPE trained here (no --tokenizer given)"
         raise DataError(f"chat data needs a chat template and {which} has none: pass the model's "

@@ -89,10 +89,12 @@ def prepare_corpus(path: str | None, vocab_size: int, cache_dir: str | None = No
                    max_files: int | None = None, *, tokenizer: str | Path | None = None,
                    text_field: str = "text", workers: int | None = None, progress: bool = False,
                    val_fraction: float = 0.02, verify: bool = False, fmt: str = "auto",
-                   chat_template: str | None = None, train_on_prompt: bool = False) -> Corpus:
+                   chat_template: str | None = None, train_on_prompt: bool = False,
+                   template_where: str | None = None) -> Corpus:
     """Tokenize the corpus once and cache it; later calls (and every rank) just map the cache.
 
     `path` may be a folder prepared by ``paratrain data prepare``: it is mapped as it is.
+    ``template_where``: the file the chat template's errors name when ``tokenizer`` is a copy.
     """
     tok_path = tokenizer_file(str(tokenizer)) if tokenizer is not None else None  # a file or a folder
     if P.is_prepared(path):
@@ -105,7 +107,8 @@ def prepare_corpus(path: str | None, vocab_size: int, cache_dir: str | None = No
     opts = P.PrepareOptions(vocab_size=vocab_size, tokenizer=tok_path, text_field=text_field,
                             max_files=max_files, workers=workers, val_fraction=val_fraction,
                             progress=progress, fmt=fmt, train_on_prompt=train_on_prompt,
-                            chat_template=Path(chat_template) if chat_template else None)
+                            chat_template=Path(chat_template) if chat_template else None,
+                            template_where=template_where)
     return load_prepared(P.prepare(path, opts, cache_dir=cache_dir), verify)
 
 

@@ -80,6 +80,7 @@ class PrepareOptions:
     chunk_bytes: int = CHUNK_BYTES
     fmt: str = "auto"  # auto | chat | completion | text (chat.py)
     chat_template: Path | None = None  # a template file instead of the tokenizer's own
+    template_where: str | None = None  # the file template errors name, for a copied tokenizer (eval)
     train_on_prompt: bool = False  # count every token, not only the assistant's / the completion's
 
 
@@ -230,7 +231,7 @@ def prepare(data: str | None, opts: PrepareOptions, *, out: Path | None = None,
     """
     sources = list_sources(data, opts.max_files)
     fmt = resolve_format(first_row(sources), opts.fmt, opts.text_field)
-    template = resolve_template(fmt, opts.tokenizer, opts.chat_template)
+    template = resolve_template(fmt, opts.tokenizer, opts.chat_template, opts.template_where)
     key = cache_key(sources, opts, fmt, template)
     where = "" if out else " (the cache: once, later runs map it)"
     out = out or cache_root(cache_dir) / f"tokens-{key}"

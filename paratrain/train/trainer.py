@@ -26,6 +26,7 @@ import torch
 
 import paratrain.faults as faults
 import paratrain.signals as signals
+from paratrain import scratch
 from paratrain.base.executor import MicroBatch, split_micro_batches
 from paratrain.comm import collectives as C
 from paratrain.config import Config
@@ -113,7 +114,8 @@ class Trainer:
 
             self.precision_choice = resolve_precision(cfg, self.mesh)
         self.task = task or build_task(cfg)
-        self.engine: Engine = parallelize(self.task, cfg, self.mesh, servers=self.env.world_group)
+        with scratch.collecting() as self.scratch:  # --offload disk's folders: removed when fit ends
+            self.engine: Engine = parallelize(self.task, cfg, self.mesh, servers=self.env.world_group)
         self.lora = run_record(self.task.model_cfg, cfg)  # {} without --lora (engine/lora.py)
         self.finder = None
         if cfg.train.micro_batch == "auto":  # trials on real steps; sets cfg.train.micro_batch
@@ -239,6 +241,14 @@ class Trainer:
     # -- the loop --------------------------------------------------------------------------------
 
     def fit(self) -> TrainResult:
+        """Train; the working folders the engine made (--offload disk's, scratch.py) go at the end,
+        whether the run finished, stopped on a signal at a step boundary or failed."""
+        try:
+            return self._fit()
+        finally:
+            scratch.remove_all(self.scratch)
+
+    def _fit(self) -> TrainResult:
         cfg = self.cfg
         if cfg.train.resume:
             self.resume()

@@ -57,7 +57,6 @@ skip the reduce-scatter (FSDP's no_sync: fewer bytes, more memory); the last one
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
@@ -83,7 +82,7 @@ from paratrain.zero.flat import (
     wait_all,
 )
 from paratrain.zero.fsdp_units import Frozen, Unit, UnitHooks
-from paratrain.zero.offload import DiskStore, disk_store, make_store
+from paratrain.zero.offload import DiskStore, disk_store, make_store, offload_folder
 from paratrain.zero.sharded_state import ShardedState, held_sync
 from paratrain.zero.units import NESTED, nest_units
 from paratrain.zero.units import backward_order as _backward_order
@@ -193,10 +192,8 @@ class Zero3(UnitHooks, ShardedState, Strategy):
                               directory=self.offload_dir, chunk=self.offload_chunk)
         regions = [r for i, layout in enumerate(self.layouts)
                    for r in store8.regions_of(layout, i, self.optim_cfg)]
-        if not self.offload_dir:
-            raise ValueError("--offload disk needs --offload-dir DIR (parallel.offload_dir)")
         return DiskStore8(sizes, regions, self.optim_cfg, rank=self.mesh.rank, chunk=self.offload_chunk,
-                          directory=os.path.join(self.offload_dir, "zero_offload"))
+                          directory=offload_folder(self.offload_dir))
 
     def _build_trained(self, index: int, layout: FlatLayout,
                        init_value: InitFn) -> tuple[torch.Tensor | None, torch.Tensor]:

@@ -12,7 +12,8 @@ steps them with AdamW; three stores, one per ``--offload`` value:
   CPU-only machine this moves nothing physically, but the state is a separate buffer, counted as
   offloaded, never aliased with the compute parameters.
 * ``DiskStore`` (``disk``, ZeRO-Infinity's NVMe idea): the master and both moments are ``np.memmap``
-  files under ``offload_dir``; the step streams them through memory ``chunk`` elements at a time
+  files in a working folder of this process under ``offload_dir`` (``offload_folder``); the step
+  streams them through memory ``chunk`` elements at a time
   (map a window, step it, flush, unmap), so resident optimizer memory is ``3 * 4 * chunk`` bytes
   whatever the model size. ``max_resident_bytes`` records it; tests assert it. The files are
   created empty (sparse zeros) and each master written with ``write_master``, one at a time, so
@@ -26,7 +27,6 @@ three ``--offload`` settings produce identical weights.
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 from torch.optim.adam import adam as adam_step
 
+from paratrain import scratch
 from paratrain.comm.collectives import nbytes
 from paratrain.zero.recipe import OptimizerRecipe
 
@@ -43,6 +44,9 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 #: Elements per streamed window of the disk store (4 MiB per file at fp32). Small enough to bound
 #: resident memory, large enough that the per-window Python overhead is negligible.
 DISK_CHUNK = 1 << 20
+#: The disk stores' working folders under --offload-dir: DIR/paratrain-offload-<pid>-<random>/, one per
+#: rank (its own pid), holding only the rank's shard files (DiskStore's *.f32, DiskStore8's *.bin).
+OFFLOAD = scratch.Kind(prefix="paratrain-offload-", files=("rank*_shard*_*.f32", "rank*_shard*_*.bin"))
 
 
 @dataclass(frozen=True)
@@ -352,9 +356,16 @@ def make_store(kind: str, masters: list[torch.Tensor], pieces: list[Piece],
 
 def disk_store(sizes: list[int], pieces: list[Piece], optim_cfg: Any, *,
                directory: str | None, rank: int, chunk: int | None = None) -> DiskStore:
-    """An empty disk store (zero masters and moments) under ``directory/zero_offload``."""
+    """An empty disk store (zero masters and moments) in a new working folder under ``directory``."""
+    cls = RecipeDiskStore if isinstance(optim_cfg, OptimizerRecipe) else DiskStore
+    return cls(sizes, pieces, optim_cfg, directory=offload_folder(directory), rank=rank, chunk=chunk)
+
+
+def offload_folder(directory: str | None) -> str:
+    """A fresh, marked folder of this process under the user's --offload-dir for its disk store
+    (scratch.py): the user's files there, and another run's folder, are never written or removed.
+    It is only a working area (a checkpoint holds the optimizer state, which --resume writes into
+    a new store), so every run makes its own; the run removes it at its end (train/trainer.py)."""
     if not directory:
         raise ValueError("--offload disk needs --offload-dir DIR (parallel.offload_dir)")
-    cls = RecipeDiskStore if isinstance(optim_cfg, OptimizerRecipe) else DiskStore
-    return cls(sizes, pieces, optim_cfg, directory=os.path.join(directory, "zero_offload"), rank=rank,
-               chunk=chunk)
+    return str(scratch.make_folder(directory, OFFLOAD))
