@@ -31,8 +31,8 @@ from paratrain.data import TokenRows, prepare_corpus
 from paratrain.data.packing import IGNORE_INDEX, PackedRows
 from paratrain.data.tokenizer import load_tokenizer
 from paratrain.inference.folders import load_run, run_template
+from paratrain.models.hf import check_seq_len, load_pretrained
 from paratrain.models.llama import Llama
-from paratrain.models.llama.hf import check_seq_len, load_pretrained
 
 
 class EvalError(ValueError):

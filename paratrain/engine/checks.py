@@ -16,7 +16,7 @@ from paratrain.memory.layout import check_savers
 from paratrain.models import PRESETS, build_model
 from paratrain.models.adapters import settle_lora_from
 from paratrain.models.from_config import model_shape
-from paratrain.models.llama.hf import HFCheckpoint, HFError, check_init_from
+from paratrain.models.hf import HFCheckpoint, HFError, check_init_from
 from paratrain.pipeline.stage import parse_split
 
 

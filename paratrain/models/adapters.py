@@ -35,17 +35,9 @@ from paratrain.config import LoraConfig
 from paratrain.models.from_config import config_from_dict
 from paratrain.models.gpt2 import GPT2Config
 from paratrain.models.gpt2.hf import source as gpt2_source
+from paratrain.models.hf import Entry, HFError, expected_shapes, read_json, write_safetensors
 from paratrain.models.llama import LlamaConfig
-from paratrain.models.llama.hf import (
-    Entry,
-    HFError,
-    expected_shapes,
-    hf_name,
-    read_json,
-    rope_from_hf,
-    rope_to_hf,
-    write_safetensors,
-)
+from paratrain.models.llama.hf import hf_name, rope_from_hf, rope_to_hf
 from paratrain.models.lora import LoraError, find_targets
 from paratrain.models.registry import build_model
 from paratrain.safeload import Fields, safetensors_names

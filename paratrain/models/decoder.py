@@ -59,10 +59,12 @@ class Decoder(nn.Module):
 
 
 def decoder_family(name: str, tp_plan: dict[str, str], embedding_weight: str,
-                   init_value: Callable[..., torch.Tensor], lora_targets: tuple[str, ...]) -> ModelFamily:
+                   init_value: Callable[..., torch.Tensor], lora_targets: tuple[str, ...],
+                   config_names: tuple[str, ...]) -> ModelFamily:
     """The declaration of a ``Decoder`` whose blocks hold ``attn`` (its parameter-free core at
     ``attn.core``), ``mlp_norm`` and ``mlp``; ``embedding_weight`` is the weight a tied head copies;
-    ``lora_targets`` the linears LoRA adapts by default."""
+    ``lora_targets`` the linears LoRA adapts by default; ``config_names`` its config's ``family``
+    values."""
     return ModelFamily(
         name=name,
         blocks="layers",
@@ -76,4 +78,5 @@ def decoder_family(name: str, tp_plan: dict[str, str], embedding_weight: str,
         tied=("lm_head.weight", embedding_weight),
         init_value=init_value,
         lora_targets=lora_targets,
+        config_names=config_names,
     )
