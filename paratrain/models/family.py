@@ -62,6 +62,7 @@ class ModelFamily:
     init_value: Callable[..., torch.Tensor] | None = None
     lora_targets: tuple[str, ...] = ()
     config_names: tuple[str, ...] = ()  # the values of its config's ``family`` field (run.json)
+    planned: bool = False  # the planner's cost model is measured against it (`plan` takes its presets)
 
     def blocks_of(self, model: nn.Module) -> nn.ModuleDict:
         return getattr(model, self.blocks)
