@@ -79,6 +79,10 @@ class GPT2Config:
         return self.dim // self.n_heads
 
     @property
+    def norm(self) -> str:
+        return "layer"  # LayerNorm with a bias (models/shape.py NORM_KINDS)
+
+    @property
     def mlp_matrices(self) -> int:
         return 2  # fc, proj
 

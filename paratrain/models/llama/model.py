@@ -63,6 +63,10 @@ class LlamaConfig:
     def head_dim(self) -> int:
         return self.head_size or self.dim // self.n_heads
 
+    @property
+    def norm(self) -> str:
+        return "rms"  # RMSNorm, a gain only (models/shape.py NORM_KINDS)
+
     def to_dict(self) -> dict:
         return asdict(self)
 
