@@ -48,3 +48,10 @@ class ModelShape(Protocol):
         ...
 
     def n_params(self, *, active: bool = False) -> int: ...
+
+
+def norm_params(c: ModelShape) -> int:
+    """One norm's parameters: RMSNorm's gain, LayerNorm's gain and bias (the shape's ``norm``)."""
+    if c.norm not in NORM_KINDS:
+        raise ValueError(f"norm kind {c.norm!r} is not priced: the planner knows {', '.join(NORM_KINDS)}")
+    return c.dim * (2 if c.norm == "layer" else 1)

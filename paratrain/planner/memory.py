@@ -10,10 +10,8 @@ Large Transformer Models"): count the tensors each op saves for backward. ``kort
 is the paper's GPT formula; ``layer_activation_bytes`` applies the same method to paratrain's
 Llama block (SwiGLU, RMSNorm in fp32, grouped-query attention through
 scaled_dot_product_attention, which keeps no s x s scores), and matches what the block saves
-exactly (tests/test_planner.py counts the saved tensors). Parameter counts read the shape
-(models/shape.py): attention n_heads x head_dim wide (not dim x dim: a head size need not be
-dim / n_heads), q/k/v biases when ``qkv_bias``, the norm kind's parameters, ``mlp_matrices``
-(SwiGLU 3, GELU 2); the activation formula is the Llama block's.
+exactly (tests/test_planner.py counts the saved tensors). Parameter counts read the shape: attention
+n_heads x head_dim wide (not dim x dim), ``qkv_bias``, the ``norm`` kind, ``mlp_matrices``.
 
 Mixture of experts (docs/planner.md, "Mixture of experts"): an MoE block holds the router and its
 E / ep local experts (each an MLP, split by tp like the dense MLP); expert parameters and
@@ -25,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from paratrain.models.shape import NORM_KINDS, ModelShape
+from paratrain.models.shape import ModelShape, norm_params
 from paratrain.perf.hardware import Cluster
 from paratrain.perf.ops import ACT_BYTES
 from paratrain.perf.stages import RECEIVE_BUFFERS
@@ -150,19 +148,11 @@ def zero_model_state_bytes(psi: float, nd: int, stage: int, sb: StateBytes) -> d
 def layer_params_local(c: ModelShape, tp: int, *, moe: bool = False, ep: int = 1) -> int:
     """One block's parameters on one tensor-parallel rank (norm gains replicated); an MoE block
     (``moe``) holds the router (replicated) and E / ep experts in place of the MLP."""
-    q = c.n_heads * c.head_dim  # attention is heads x head size wide, which need not be dim
-    kv = c.n_kv_heads * c.head_dim
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim  # heads x head size: q need not be dim
     kv_local = kv // tp if c.n_kv_heads % tp == 0 else kv  # kv heads replicated when tp does not divide
     mlp = moe_mlp_params_local(c, tp, ep) if moe else c.mlp_matrices * c.dim * c.ffn_dim // tp
     bias = q // tp + 2 * kv_local if c.qkv_bias else 0
     return c.dim * q // tp * 2 + 2 * c.dim * kv_local + bias + mlp + 2 * norm_params(c)
-
-
-def norm_params(c: ModelShape) -> int:
-    """One norm's parameters: RMSNorm's gain, LayerNorm's gain and bias (the shape's ``norm``)."""
-    if c.norm not in NORM_KINDS:
-        raise ValueError(f"norm kind {c.norm!r} is not priced: the planner knows {', '.join(NORM_KINDS)}")
-    return c.dim * (2 if c.norm == "layer" else 1)
 
 
 def expert_params_local(c: ModelShape, tp: int, ep: int) -> int:
@@ -263,8 +253,7 @@ def layer_activation_bytes(c: ModelShape, seq: int, micro_batch: int, *, tp: int
 
     Per token, e = activation bytes (4 fp32, 2 bf16), norms computed in fp32 (4 bytes):
       attention: norm input + normed value (4 + 4)h, projection input e*h, SDPA inputs q + k + v
-                 (e*q each, q = heads x head_dim: grouped k/v are repeated to all heads first),
-                 its output e*q,
+                 (e*q each, q = heads x head_dim; grouped k/v repeated to all heads), output e*q,
                  fp32 rstd (4) and log-sum-exp (4 * heads); no s x s scores (fused attention)
       MLP:       (4 + 4)h + e*h norm and input, gate, up, silu(gate), product: 4 e*f, rstd 4
     and RoPE's cos/sin tables (seq x head_dim fp32, per block, not per micro-batch row).

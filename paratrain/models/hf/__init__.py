@@ -16,6 +16,7 @@ from paratrain.models.hf.checkpoint import (
     checkpoint_class_for,
     expected_shapes,
     load_pretrained,
+    read_slice,
     register_checkpoint,
 )
 from paratrain.models.hf.files import (
@@ -31,5 +32,5 @@ from paratrain.models.hf.write import Entry, write_safetensors, write_sharded
 
 __all__ = ["TEMPLATE_DIR", "TOKENIZER_FILES", "TRAIN_OVERRIDES", "Entry", "HFCheckpoint", "HFError",
            "architectures", "check_init_from", "check_seq_len", "checkpoint_class", "checkpoint_class_for",
-           "expected_shapes", "hf_folder", "load_pretrained", "read_json", "register_checkpoint",
-           "tokenizer_file", "weight_files", "write_safetensors", "write_sharded"]
+           "expected_shapes", "hf_folder", "load_pretrained", "read_json", "read_slice",
+           "register_checkpoint", "tokenizer_file", "weight_files", "write_safetensors", "write_sharded"]

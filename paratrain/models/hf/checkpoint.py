@@ -17,7 +17,7 @@ the export command models/hf/export.py's.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -135,6 +135,33 @@ class HFCheckpoint:
         """Fill every (materialised, possibly sharded) parameter from the checkpoint."""
         for name, p in model.named_parameters():  # a tied head appears once (as the embedding)
             p.copy_(self.read(name, shard_of(p)).to(dtype=p.dtype, device=p.device))
+
+
+def read_slice(file: Path, hf: str, spec: TensorShard,
+               index: Callable[[list[slice], tuple[int, ...]], tuple] | None = None) -> torch.Tensor:
+    """This rank's fp32 slice (as ``spec.slice(full)`` would give) of tensor ``hf`` in ``file``,
+    reading only those rows/columns from disk; vocabulary padding rows are zeros. ``index``: where
+    the paratrain slice (one slice per dimension) lies in the stored tensor, when the file stores
+    it inside a larger one (Mixtral's fused experts); else the slice is the stored tensor's."""
+    from safetensors import safe_open
+
+    full = spec.full_shape
+    where = [slice(None)] * len(full)  # this rank's slice, per dimension of the paratrain tensor
+    with safe_open(str(file), framework="pt") as f:
+        part = f.get_slice(hf)
+        if not (spec.is_split or spec.padded_size is not None):
+            return (part[index(where, full)] if index else part[:]).float()
+        d = spec.dim
+        chunk = (spec.padded_size or full[d]) // spec.count
+        a = min(spec.index * chunk, full[d])
+        b = min(a + chunk, full[d])
+        where[d] = slice(a, b)
+        at = index(where, full) if index else tuple(where[:d + 1])
+        local = part[at] if b > a else torch.zeros([0 if i == d else s for i, s in enumerate(full)])
+        if b - a < chunk:  # vocabulary padding rows are zeros
+            pad = [0, 0] * (len(full) - d - 1) + [0, chunk - (b - a)]
+            local = torch.nn.functional.pad(local.float(), pad)
+    return local.float()
 
 
 # --------------------------------------------------------------------------------------------

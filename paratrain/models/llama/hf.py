@@ -33,6 +33,7 @@ from paratrain.models.hf import (
     HFCheckpoint,
     HFError,
     expected_shapes,
+    read_slice,
     register_checkpoint,
     weight_files,
 )
@@ -262,29 +263,9 @@ class LlamaCheckpoint(HFCheckpoint):
     def read(self, name: str, spec: TensorShard) -> torch.Tensor:
         """This rank's fp32 slice (as ``spec.slice(full)`` would give) of paratrain tensor `name`,
         reading only those rows/columns from disk."""
-        from safetensors import safe_open
-
         hf, rope = self.source_name(name)
         fused = self.fused(name)
-        full = spec.full_shape
-        where = [slice(None)] * len(full)  # this rank's slice, per dimension of the paratrain tensor
-        with safe_open(str(self.weight_files[hf]), framework="pt") as f:
-            part = f.get_slice(hf)
-            if not (spec.is_split or spec.padded_size is not None):
-                local = part[fused.index(where, full)] if fused else part[:]
-            else:
-                d = spec.dim
-                chunk = (spec.padded_size or full[d]) // spec.count
-                a = min(spec.index * chunk, full[d])
-                b = min(a + chunk, full[d])
-                where[d] = slice(a, b)
-                index = fused.index(where, full) if fused else tuple(where[:d + 1])
-                local = part[index] if b > a else torch.zeros(
-                    [0 if i == d else s for i, s in enumerate(full)])
-                if b - a < chunk:  # vocabulary padding rows are zeros
-                    pad = [0, 0] * (len(full) - d - 1) + [0, chunk - (b - a)]
-                    local = torch.nn.functional.pad(local.float(), pad)
-        local = local.float()
+        local = read_slice(self.weight_files[hf], hf, spec, fused.index if fused else None)
         if rope:  # a row slice holds whole heads (tp splits q/k by heads), a column slice every row
             hd = self.model_cfg.head_dim
             if local.shape[0] % hd:
