@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from paratrain.config import bullets
+from paratrain.models.family import NoFamilyError
 from paratrain.models.hf.checkpoint import HFCheckpoint, checkpoint_class_for
 from paratrain.models.hf.files import HFError, read_json
 from paratrain.models.hf.write import write_sharded
@@ -36,7 +37,10 @@ def export_run(run: str, out: str, *, max_shard_bytes: int = 2 * 2**30) -> list[
     info = read_json(src / "run.json")
     if "model" not in info:
         raise HFError(f"{src} is not a language-model run (task {info.get('task')!r}): only decoders export")
-    cfg = config_from_dict(info["model"])
+    try:
+        cfg = config_from_dict(info["model"])
+    except NoFamilyError as e:
+        raise HFError(f"{src / 'run.json'}: {e}") from None
     family = checkpoint_class_for(cfg)
     architecture, problems = family.export_problems(cfg)
     if problems:
