@@ -44,6 +44,7 @@ from paratrain.models.hf import (
     Entry,
     HFCheckpoint,
     HFError,
+    TensorSource,
     expected_shapes,
     register_checkpoint,
     weight_files,
@@ -230,6 +231,11 @@ class GPT2Checkpoint(HFCheckpoint):
             problems.append(f"{len(extra)} tensors have no place in the model (first: {extra[0]}): "
                             "is config.json the one these weights were saved with?")
         return problems
+
+    @staticmethod
+    def tensor_source(weight: str, cfg: GPT2Config) -> TensorSource:
+        src = source(weight, cfg)
+        return TensorSource(src.hf, False, src.conv1d, src.part)
 
     # -- export (models/hf/export.py calls these for a run whose model family is gpt2) --
 

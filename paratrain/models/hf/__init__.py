@@ -9,6 +9,7 @@ names and layouts, and registers it), the shape checks before allocation, loadin
 from paratrain.models.hf.checkpoint import (
     TRAIN_OVERRIDES,
     HFCheckpoint,
+    TensorSource,
     architectures,
     check_init_from,
     check_seq_len,
@@ -31,6 +32,7 @@ from paratrain.models.hf.files import (
 from paratrain.models.hf.write import Entry, write_safetensors, write_sharded
 
 __all__ = ["TEMPLATE_DIR", "TOKENIZER_FILES", "TRAIN_OVERRIDES", "Entry", "HFCheckpoint", "HFError",
+           "TensorSource",
            "architectures", "check_init_from", "check_seq_len", "checkpoint_class", "checkpoint_class_for",
            "expected_shapes", "hf_folder", "load_pretrained", "read_json", "read_slice",
            "register_checkpoint", "tokenizer_file", "weight_files", "write_safetensors", "write_sharded"]

@@ -39,6 +39,18 @@ TRAIN_OVERRIDES = ("capacity_factor", "aux_loss_coef", "z_loss_coef")
 LAYER_INDEX = re.compile(r"\.(\d+)\.")  # searched: a tensor name's first number, its block
 
 
+@dataclass(frozen=True)
+class TensorSource:
+    """Where a paratrain weight lies in the family's Hugging Face layout (PEFT adapters follow it):
+    tensor ``hf``; ``rope``: its rows follow the family's head layout (``rows_to_hf``); ``conv1d``:
+    stored transposed; ``part``: its third (q, k, v) of a fused tensor."""
+
+    hf: str
+    rope: bool = False
+    conv1d: bool = False
+    part: int | None = None
+
+
 @dataclass
 class HFCheckpoint:
     """A local Hugging Face model folder: its config, its weights by name, its tokenizer. A family's
@@ -109,6 +121,20 @@ class HFCheckpoint:
     def read(self, name: str, spec: TensorShard) -> torch.Tensor:
         """This rank's fp32 slice (``spec.slice`` of the full value) of paratrain tensor ``name``."""
         raise NotImplementedError
+
+    @staticmethod
+    def tensor_source(weight: str, cfg: object) -> TensorSource:
+        """Where paratrain's parameter ``weight`` lies in the Hugging Face layout (KeyError: nowhere)."""
+        raise KeyError(weight)
+
+    @staticmethod
+    def rows_to_hf(t: torch.Tensor, cfg: object) -> torch.Tensor:
+        """A ``rope`` tensor's rows in the Hugging Face layout (and ``rows_from_hf`` back): as is."""
+        return t
+
+    @staticmethod
+    def rows_from_hf(t: torch.Tensor, cfg: object) -> torch.Tensor:
+        return t
 
     @staticmethod
     def sliding_window(hf: dict, cfg: object) -> int | None:

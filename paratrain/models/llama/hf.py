@@ -32,6 +32,7 @@ from paratrain.models.hf import (
     Entry,
     HFCheckpoint,
     HFError,
+    TensorSource,
     expected_shapes,
     read_slice,
     register_checkpoint,
@@ -272,6 +273,19 @@ class LlamaCheckpoint(HFCheckpoint):
                 raise ValueError(f"{name}: a slice of {local.shape[0]} rows is not whole heads of {hd}")
             local = rope_from_hf(local, hd)
         return local
+
+    @staticmethod
+    def tensor_source(weight: str, cfg: LlamaConfig) -> TensorSource:
+        hf, rope = hf_name(weight)
+        return TensorSource(hf, rope)
+
+    @staticmethod
+    def rows_to_hf(t: torch.Tensor, cfg: LlamaConfig) -> torch.Tensor:
+        return rope_to_hf(t, cfg.head_dim)
+
+    @staticmethod
+    def rows_from_hf(t: torch.Tensor, cfg: LlamaConfig) -> torch.Tensor:
+        return rope_from_hf(t, cfg.head_dim)
 
     @staticmethod
     def sliding_window(hf: dict, cfg: LlamaConfig) -> int | None:
