@@ -43,9 +43,9 @@ SIDES = ["paratrain", "transformers"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="small",
-                        help="Llama preset whose shape the random model takes (default: %(default)s)")
+                        help="dense preset whose shape the random model takes (default: %(default)s)")
     parser.add_argument("--init-from", default=None,
-                        help="a Hugging Face Llama folder to run instead of a random --model")
+                        help="a Hugging Face folder to run instead of a random --model")
     parser.add_argument("--batches", default="1,8",
                         help="comma-separated batch sizes to measure (default: %(default)s)")
     parser.add_argument("--prompt-len", type=int, default=64,
@@ -100,7 +100,7 @@ def _save_random(args: argparse.Namespace, tmp: str) -> str:
 
     preset = PRESETS.get(args.model)
     if preset is None or preset.n_experts:
-        raise ConfigError(f"--model {args.model}: bench generate builds a dense preset "
+        raise ConfigError(f"--model {args.model}: bench generate builds a dense Llama preset or GPT-2's "
                         f"(tiny, small, base, llama-1b, ...); or pass --init-from HF_FOLDER")
     longest = args.prompt_len + args.max_new_tokens
     export_config = checkpoint_class_for(preset).export_config
