@@ -603,7 +603,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def export_hf(args: argparse.Namespace) -> None:
-    from paratrain.models.llama.hf import export_run  # lazy: start-up time
+    from paratrain.models.hf.export import export_run  # lazy: start-up time
 
     if args.max_shard_mb <= 0:
         raise UserError(f"--max-shard-mb must be > 0 (got {args.max_shard_mb})")
@@ -713,7 +713,7 @@ def _is_user_error(e: Exception) -> bool:
     from paratrain.data import DataError  # lazy: start-up time
     from paratrain.eval import EvalError  # lazy: start-up time
     from paratrain.mesh import MeshError  # lazy: start-up time
-    from paratrain.models.llama.hf import HFError  # lazy: start-up time
+    from paratrain.models.hf import HFError  # lazy: start-up time
     from paratrain.shards import CheckpointError  # lazy: start-up time
 
     return isinstance(e, (config.ConfigError, DataError, MeshError, UserError, HFError, EvalError,

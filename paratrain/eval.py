@@ -28,14 +28,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from paratrain.config import Config
 from paratrain.data import Corpus, TokenRows, load_corpus, load_eval_corpus, make_rows, prepare_corpus
 from paratrain.data.packing import IGNORE_INDEX, PackedRows
 from paratrain.data.tokenizer import file_hash, load_tokenizer
 from paratrain.inference.folders import load_run, run_template
-from paratrain.models.llama import Llama
-from paratrain.models.llama.hf import check_seq_len, load_pretrained
+from paratrain.models.hf import check_seq_len, load_pretrained
 
 
 class EvalError(ValueError):
@@ -55,7 +55,7 @@ class EvalResult:
         return {"loss": self.loss, "tokens": self.tokens, "perplexity": self.perplexity}
 
 
-def load_model(run: str | None = None, init_from: str | None = None) -> tuple[Llama, Path, dict | None]:
+def load_model(run: str | None = None, init_from: str | None = None) -> tuple[nn.Module, Path, dict | None]:
     """(model, tokenizer.json, the imported config.json or None) from a run folder or an HF folder."""
     if (run is None) == (init_from is None):
         raise EvalError("give exactly one of --run RUN or --init-from DIR")
@@ -70,7 +70,7 @@ def load_model(run: str | None = None, init_from: str | None = None) -> tuple[Ll
 
 
 @torch.no_grad()
-def loss_sum(model: Llama, x: torch.Tensor, y: torch.Tensor,
+def loss_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
              positions: torch.Tensor | None = None) -> tuple[float, int]:
     """(sum of next-token losses, counted targets): inputs x [n, s], their next tokens y [n, s]
     (IGNORE_INDEX where not counted), positions [n, s] of packed examples or None."""
@@ -82,7 +82,7 @@ def loss_sum(model: Llama, x: torch.Tensor, y: torch.Tensor,
     return float(loss), int((y != IGNORE_INDEX).sum())
 
 
-def check_context(model: Llama, hf_config: dict | None, seq_len: int) -> None:
+def check_context(model: nn.Module, hf_config: dict | None, seq_len: int) -> None:
     if hf_config is not None:
         problem = check_seq_len(model.cfg, hf_config, seq_len)
         if problem:
@@ -92,7 +92,7 @@ def check_context(model: Llama, hf_config: dict | None, seq_len: int) -> None:
                         "tokens, its training --seq-len)")
 
 
-def eval_text(model: Llama, tokenizer: Path, text: str, hf_config: dict | None = None,
+def eval_text(model: nn.Module, tokenizer: Path, text: str, hf_config: dict | None = None,
               seq_len: int | None = None) -> EvalResult:
     """The file's text as one sequence (no special tokens)."""
     ids = load_tokenizer(tokenizer).encode(text, add_special_tokens=False).ids
@@ -108,7 +108,7 @@ def eval_text(model: Llama, tokenizer: Path, text: str, hf_config: dict | None =
     return EvalResult(total / n, n)
 
 
-def eval_corpus(model: Llama, tokenizer: Path, data: str, seq_len: int, hf_config: dict | None = None,
+def eval_corpus(model: nn.Module, tokenizer: Path, data: str, seq_len: int, hf_config: dict | None = None,
                 batch: int = 8, max_rows: int | None = None, cache_dir: str | None = None,
                 run: str | None = None) -> EvalResult:
     """Every row of a corpus (the whole file or folder, none held back), tokenized by the model's
@@ -122,7 +122,7 @@ def eval_corpus(model: Llama, tokenizer: Path, data: str, seq_len: int, hf_confi
     return evaluate_rows(model, corpus, make_rows(corpus, cfg, whole=True), data, batch, max_rows)
 
 
-def eval_run_split(model: Llama, run: str, seq_len: int | None = None, hf_config: dict | None = None,
+def eval_run_split(model: nn.Module, run: str, seq_len: int | None = None, hf_config: dict | None = None,
                    batch: int = 8, max_rows: int | None = None) -> EvalResult:
     """The rows a run validated on: its --eval-data whole, else the rows --val-fraction held out of its
     --data, tokenized and split as training did (its run.json's configuration)."""
@@ -149,7 +149,7 @@ def eval_run_split(model: Llama, run: str, seq_len: int | None = None, hf_config
     return evaluate_rows(model, corpus, make_rows(corpus, cfg), where, batch, max_rows)
 
 
-def evaluate_rows(model: Llama, corpus: Corpus, rows: TokenRows | PackedRows, where: str, batch: int = 8,
+def evaluate_rows(model: nn.Module, corpus: Corpus, rows: TokenRows | PackedRows, where: str, batch: int = 8,
                   max_rows: int | None = None) -> EvalResult:
     """Mean loss over the counted targets of the validation rows of ``rows`` (at most ``max_rows``)."""
     if int(corpus.tokens.max()) >= model.cfg.vocab_size:

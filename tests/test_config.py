@@ -142,7 +142,7 @@ def test_new_data_settings_are_checked_before_any_worker(tmp_path, capsys):
     for fragment in ("train.epochs must be > 0", "data.eval_path", "--eval-data",
                      "data.val_fraction must be in"):
         assert fragment in str(info.value)
-    with pytest.raises(config.ConfigError, match="cnn-tiny trains on generated images"):
+    with pytest.raises(config.ConfigError, match="cnn-tiny trains on generated data, not a corpus"):
         checks.validate(config.load(None, {"model.name": "cnn-tiny", "train.epochs": 1.0}))
     assert main(["train", "--val-fraction", "0.9", "--out", str(tmp_path / "r")]) == 2
     assert "data.val_fraction must be in (0, 0.5) (got 0.9)" in capsys.readouterr().err

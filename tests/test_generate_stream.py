@@ -33,7 +33,7 @@ from paratrain.inference.stream import (
 from paratrain.inference.stream_command import check_offload, generate_ids
 from paratrain.inference.weights import RunWeights
 from paratrain.models.gpt2.model import GPT2Config
-from paratrain.models.llama.hf import HFCheckpoint, load_pretrained
+from paratrain.models.hf import HFCheckpoint, load_pretrained
 from paratrain.models.registry import build_model
 from tests.hf_models import save_hf
 
@@ -139,7 +139,7 @@ from paratrain.config import ConfigError
 from paratrain.inference.loop import Sampling, decode
 from paratrain.inference.stream import StreamedModel, plan_memory, streamed_step
 from paratrain.inference.stream_command import warm_up
-from paratrain.models.llama.hf import HFCheckpoint
+from paratrain.models.hf import HFCheckpoint
 torch.set_num_threads(1)
 folder, limit = sys.argv[1], int(sys.argv[2])
 source = HFCheckpoint.open(folder)

@@ -25,7 +25,7 @@ from paratrain.engine import checks
 from paratrain.inference.folders import load_run
 from paratrain.models import build_model, preset
 from paratrain.models.gpt2 import GPT2Config
-from paratrain.models.llama.hf import HFError, load_pretrained
+from paratrain.models.hf import HFError, load_pretrained
 from tests.harness import FP32_REORDERED, assert_same_training, run_layout, tiny_cfg
 from tests.hf_models import assert_greedy_generation_matches, save_tokenizer
 

@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from paratrain import cli
-from paratrain.models.llama.hf import HFCheckpoint, HFError, expected_shapes, load_pretrained
+from paratrain.models.hf import HFCheckpoint, HFError, expected_shapes, load_pretrained
 from paratrain.sharding import TensorShard
 from tests.harness import FP32_REORDERED, assert_same_training, run_layout, tiny_cfg
 from tests.hf_models import assert_greedy_generation_matches, save_tokenizer

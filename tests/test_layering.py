@@ -6,6 +6,10 @@
 * The layers of docs/architecture.md hold in the code: .importlinter's contracts (layers, the
   planner beside the runtime, no cycle between packages) are kept, and can fail; no module below
   the CLI imports paratrain inside a function.
+* No module outside models/ names a family (issue 36 item 3): none imports a family's folder (the
+  ``families`` contract), none names a family's config class or compares ``--model`` with a
+  model's name (they ask ``models.model_kind``); every module is in a layer (``exhaustive``), and
+  models/ has layers of its own (the families over what they share).
 """
 
 from __future__ import annotations
@@ -73,6 +77,68 @@ def test_layers_contract_fails_on_an_upward_import(tmp_path):
     got = _lint_imports(tmp_path)
     assert got.returncode != 0
     assert "paratrain.models is not allowed to import paratrain.train" in got.stdout, got.stdout[-3000:]
+
+
+def _probe_copy(tmp_path: Path) -> Path:
+    """A copy of the tree and its contracts to add a violation to."""
+    shutil.copytree(ROOT, tmp_path / "paratrain", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / ".importlinter", tmp_path / ".importlinter")
+    return tmp_path / "paratrain"
+
+
+def _append(path: Path, line: str) -> None:
+    path.write_text(path.read_text() + f"\n{line}  # noqa\n")
+
+
+def test_contracts_fail_on_a_family_import_an_upward_import_in_models_and_a_module_in_no_layer(tmp_path):
+    """The contracts close the gaps issue 36 named: the planner importing a family's folder, a
+    module of models/ importing upward inside the package (shape.py -> a family's hf.py), and a new
+    top-level module placed in no layer each fail lint-imports."""
+    tree = _probe_copy(tmp_path)
+    _append(tree / "planner" / "memory.py", "from paratrain.models.llama import model")
+    _append(tree / "models" / "shape.py", "from paratrain.models.gpt2 import hf")
+    (tree / "stray.py").write_text("import paratrain.config  # noqa\n")
+    got = _lint_imports(tmp_path)
+    assert got.returncode != 0
+    for expected in ("paratrain.planner is not allowed to import paratrain.models.llama",
+                     "paratrain.models.shape is not allowed to import paratrain.models.gpt2",
+                     "- paratrain.stray"):
+        assert expected in got.stdout, got.stdout[-4000:]
+
+
+def test_contracts_fail_on_an_upward_import_inside_models_alone(tmp_path):
+    """Within models/, the generic Hugging Face I/O importing a family fails on its own."""
+    tree = _probe_copy(tmp_path)
+    _append(tree / "models" / "hf" / "files.py", "from paratrain.models.llama import hf")
+    got = _lint_imports(tmp_path)
+    assert got.returncode != 0
+    assert "paratrain.models.hf is not allowed to import paratrain.models.llama" in got.stdout, \
+        got.stdout[-4000:]
+
+
+FAMILY_NAMES = {"Llama", "LlamaConfig", "GPT2", "GPT2Config", "CNNConfig"}
+# The CNN example's own task (synthetic images) builds the CNN it belongs to: no switch, its model.
+NAMES_ITS_MODEL = {"train/image_task.py"}
+
+
+def _family_mentions(path: Path) -> list[tuple[int, str]]:
+    """Code (not docstrings or comments) naming a family's classes, or a model's name as a string."""
+    out = []
+    for t in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+        if t.type == tokenize.NAME and t.string in FAMILY_NAMES:
+            out.append((t.start[0], t.string))
+        if t.type == tokenize.STRING and t.string.strip("\"'") == "cnn-tiny":
+            out.append((t.start[0], t.string))
+    return out
+
+
+def test_no_module_outside_models_names_a_family():
+    found = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if not rel.startswith("models/") and rel not in NAMES_ITS_MODEL and _family_mentions(path):
+            found[rel] = _family_mentions(path)
+    assert found == {}, f"ask the family declaration (models.model_kind, family_for_config) instead: {found}"
 
 
 def _function_level_imports(path: Path) -> list[tuple[int, str]]:

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from paratrain import cli
 from paratrain.engine import checks
-from paratrain.models.llama.hf import load_pretrained
+from paratrain.models.hf import load_pretrained
 from paratrain.models.lora import LoraSpec, apply_lora
 from paratrain.train.task import build_task
 from tests.harness import run_layout, tiny_cfg

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from paratrain import cli
-from paratrain.models.llama.hf import HFError, load_pretrained, to_hf_config, to_llama_config
+from paratrain.models.hf import HFError, load_pretrained
+from paratrain.models.llama.hf import to_hf_config, to_llama_config
 from paratrain.models.rope import RopeScaling, example_lengths, rope_tables
 from tests.hf_models import SHAPE, build_hf, save_tokenizer
 

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from paratrain import cli
-from paratrain.models.llama.hf import HFCheckpoint, HFError
+from paratrain.models.hf import HFCheckpoint, HFError
 from tests.harness import run_layout, tiny_cfg
 from tests.hf_models import save_hf
 

@@ -35,17 +35,17 @@ from paratrain.bench.common import machine, rotating_rounds
 from paratrain.config import ConfigError
 from paratrain.inference.loop import Sampling, decode, local_step
 from paratrain.models import PRESETS
-from paratrain.models.llama.hf import load_pretrained, to_hf_config
-from paratrain.models.llama.model import LlamaConfig
+from paratrain.models.hf import checkpoint_class_for, load_pretrained
+from paratrain.models.shape import ModelShape
 
 SIDES = ["paratrain", "transformers"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="small",
-                        help="Llama preset whose shape the random model takes (default: %(default)s)")
+                        help="dense preset whose shape the random model takes (default: %(default)s)")
     parser.add_argument("--init-from", default=None,
-                        help="a Hugging Face Llama folder to run instead of a random --model")
+                        help="a Hugging Face folder to run instead of a random --model")
     parser.add_argument("--batches", default="1,8",
                         help="comma-separated batch sizes to measure (default: %(default)s)")
     parser.add_argument("--prompt-len", type=int, default=64,
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> dict:
 # -- the same weights on both sides -----------------------------------------------------------------
 
 
-def _models(args: argparse.Namespace, tmp: str) -> tuple[torch.nn.Module, torch.nn.Module, LlamaConfig]:
+def _models(args: argparse.Namespace, tmp: str) -> tuple[torch.nn.Module, torch.nn.Module, ModelShape]:
     """(paratrain's model, transformers' model, the shape), both from one safetensors folder."""
     import transformers
 
@@ -95,26 +95,27 @@ def _models(args: argparse.Namespace, tmp: str) -> tuple[torch.nn.Module, torch.
 
 
 def _save_random(args: argparse.Namespace, tmp: str) -> str:
-    """The preset's shape as a random transformers Llama, saved as a Hugging Face folder."""
+    """The preset's shape as a random transformers model of its family, saved as a Hugging Face folder."""
     import transformers
 
     preset = PRESETS.get(args.model)
-    if not isinstance(preset, LlamaConfig) or preset.n_experts:
-        raise ConfigError(f"--model {args.model}: bench generate builds a dense Llama preset "
+    if preset is None or preset.n_experts:
+        raise ConfigError(f"--model {args.model}: bench generate builds a dense Llama preset or GPT-2's "
                         f"(tiny, small, base, llama-1b, ...); or pass --init-from HF_FOLDER")
     longest = args.prompt_len + args.max_new_tokens
-    hf = to_hf_config(replace(preset, max_seq_len=max(preset.max_seq_len, longest)))
+    export_config = checkpoint_class_for(preset).export_config
+    hf = export_config(replace(preset, max_seq_len=max(preset.max_seq_len, longest)))
     torch.manual_seed(args.seed)
     transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**hf)).save_pretrained(tmp)
     return tmp
 
 
-def _shape(cfg: LlamaConfig) -> str:
+def _shape(cfg: ModelShape) -> str:
     return (f"dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads} heads ({cfg.n_kv_heads} kv), "
             f"ffn {cfg.ffn_dim}, vocab {cfg.vocab_size}")
 
 
-def _prompts(args: argparse.Namespace, cfg: LlamaConfig, batch: int) -> list[list[int]]:
+def _prompts(args: argparse.Namespace, cfg: ModelShape, batch: int) -> list[list[int]]:
     """Random prompts, the longest ``--prompt-len`` tokens, the others evenly shorter (to half)."""
     gen = torch.Generator().manual_seed(args.seed + batch)
     lengths = [args.prompt_len - (args.prompt_len // 2) * i // max(batch - 1, 1) for i in range(batch)]

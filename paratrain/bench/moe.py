@@ -43,7 +43,7 @@ from paratrain.device import sync_device
 from paratrain.engine import checks
 from paratrain.launch import spawn
 from paratrain.models.from_config import model_config
-from paratrain.models.llama import LlamaConfig
+from paratrain.models.shape import ModelShape
 from paratrain.train.task import build_task
 from paratrain.train.trainer import Trainer
 
@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(model="small-moe")
 
 
-def dense_ffn_dim(c: LlamaConfig) -> int:
+def dense_ffn_dim(c: ModelShape) -> int:
     """ffn_dim of the dense model whose parameters equal the MoE's active ones (rounded)."""
     active_mlp = c.top_k * 3 * c.dim * c.ffn_dim + c.dim * c.n_experts
     return round(active_mlp / (3 * c.dim))

@@ -15,10 +15,11 @@ from paratrain.comm import host_reduce
 from paratrain.config import DEFAULT_SEQ_LEN, Config, ConfigError, ParallelConfig, bullets, check_values
 from paratrain.engine.lora import apply_run_lora, check_lora, trainable_count
 from paratrain.memory.layout import check_savers
-from paratrain.models import PRESETS, build_model
+from paratrain.models import PRESETS, build_model, model_kind
 from paratrain.models.adapters import settle_lora_from
 from paratrain.models.from_config import model_shape
-from paratrain.models.llama.hf import HFCheckpoint, HFError, check_init_from
+from paratrain.models.hf import HFCheckpoint, HFError, check_init_from
+from paratrain.models.registry import kind_names
 from paratrain.pipeline.stage import parse_split
 from paratrain.scheduler import parse_signal
 
@@ -65,8 +66,9 @@ def _check_model_name(cfg: Config, problems: list[str]) -> None:
     if preset is not None and not m.init_from and cfg.data.seq_len > preset.max_seq_len:  # else: the folder's
         problems.append(f"data.seq_len ({cfg.data.seq_len}) is longer than model {m.name}'s "
                         f"{preset.max_seq_len} positions: lower --seq-len or choose a larger --model")
-    if m.name not in PRESETS and m.name != "cnn-tiny":
-        problems.append(f"model.name = {m.name!r} is unknown; choose one of {', '.join(PRESETS)}, cnn-tiny")
+    if m.name not in PRESETS and m.name not in kind_names():
+        problems.append(f"model.name = {m.name!r} is unknown; choose one of "
+                        f"{', '.join([*PRESETS, *kind_names()])}")
     elif preset is not None and not m.init_from:
         try:
             model_shape(cfg)  # an override the family lacks (--kv-heads for GPT-2) is refused here
@@ -86,11 +88,11 @@ def check_layout(cfg: Config, problems: list[str]) -> None:
     _check_sync(cfg, problems)
     check_savers(cfg, problems)
     check_lora(cfg, problems)  # engine/lora.py: targets, rank, and what LoRA composes with
-    if cfg.train.precision not in ("fp32", "auto") and cfg.model.name == "cnn-tiny":
-        problems.append("cnn-tiny trains in fp32 only: drop --precision")
-    if cfg.model.name == "cnn-tiny" and (cfg.train.epochs is not None or cfg.data.eval_path):
-        problems.append("cnn-tiny trains on generated images, not a corpus: --epochs and --eval-data apply "
-                        "to language models; use --steps")
+    if cfg.train.precision not in ("fp32", "auto") and not model_kind(cfg.model.name).mixed_precision:
+        problems.append(f"{cfg.model.name} trains in fp32 only: drop --precision")
+    if not model_kind(cfg.model.name).decoder and (cfg.train.epochs is not None or cfg.data.eval_path):
+        problems.append(f"{cfg.model.name} trains on generated data, not a corpus: --epochs and --eval-data "
+                        "apply to language models; use --steps")
 
 
 def _check_tensor_parallel(cfg: Config, problems: list[str]) -> None:
@@ -101,8 +103,9 @@ def _check_tensor_parallel(cfg: Config, problems: list[str]) -> None:
                         "it needs --tp > 1 (or drop --sp)")
     if tp == 1:
         return
-    if cfg.model.name == "cnn-tiny":
-        problems.append("cnn-tiny has no tensor-parallel plan: use --tp 1 (data parallelism) with it")
+    if not model_kind(cfg.model.name).tensor_parallel:
+        problems.append(f"{cfg.model.name} has no tensor-parallel plan: use --tp 1 (data parallelism) "
+                        "with it")
         return
     c = model_shape(cfg)
     if c.n_heads % tp:
@@ -132,8 +135,8 @@ def _check_pipeline(cfg: Config, problems: list[str]) -> None:
         if v > 1:
             problems.append("parallel.virtual_stages > 1 needs a pipeline: set --pp >= 2")
         return
-    if cfg.model.name == "cnn-tiny":
-        problems.append("cnn-tiny has no pipeline split: use --pp 1 with it")
+    if not model_kind(cfg.model.name).pipeline:
+        problems.append(f"{cfg.model.name} has no pipeline split: use --pp 1 with it")
         return
     n_layers = model_shape(cfg).n_layers
     if p.pp_schedule == "interleaved":
@@ -171,8 +174,8 @@ def _check_v_schedule(cfg: Config, problems: list[str]) -> None:
         problems.append(f"dualpipev needs at least as many micro-batches as stages: m = global_batch / "
                         f"(dp * micro_batch) = {m} < 2 * pp = {2 * pp}: raise --global-batch or lower "
                         "--micro-batch")
-    if cfg.model.name == "cnn-tiny":
-        problems.append("cnn-tiny has no pipeline split: use --pp 1 with it")
+    if not model_kind(cfg.model.name).pipeline:
+        problems.append(f"{cfg.model.name} has no pipeline split: use --pp 1 with it")
         return
     try:
         parse_split(p.pp_split, model_shape(cfg).n_layers, 2 * pp)
@@ -197,9 +200,9 @@ def _check_zero(cfg: Config, problems: list[str]) -> None:
     if p.zero >= 2 and p.pp > 1:
         problems.append(f"--zero {p.zero} shards gradients, which pipeline micro-batches keep accumulating "
                         "across the schedule: use --zero 1 with --pp (as DeepSpeed does), or --pp 1")
-    if p.zero == 3 and cfg.model.name == "cnn-tiny":
-        problems.append("--zero 3 builds Llama units (blocks, embedding, head): "
-                        "cnn-tiny supports --zero 1 or 2")
+    if p.zero == 3 and not model_kind(cfg.model.name).zero3_units:
+        problems.append("--zero 3 builds a model family's units (blocks, embedding, head): "
+                        f"{cfg.model.name} supports --zero 1 or 2")
     if p.zero >= 1 and p.dp_mode == "plain":
         problems.append("--dp-mode plain is the un-bucketed DDP; ZeRO does its own reduction: drop --dp-mode")
     if p.dp_reduce == "shm" and (p.zero >= 1 or p.dp_mode != "ddp" or p.ep > 1):
@@ -328,7 +331,7 @@ def check_moe(cfg: Config, problems: list[str]) -> None:
     ep = cfg.parallel.ep
     dense_ep = (f"--ep {ep} spreads the experts of a mixture-of-experts model; this model is dense: "
                 "drop --ep, or give it experts (--experts N, or a -moe preset)")
-    if cfg.model.name == "cnn-tiny":
+    if not model_kind(cfg.model.name).decoder:
         if ep > 1:
             problems.append(dense_ep)
         return

@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from paratrain.config import Config
 from paratrain.engine.checkpoint import open_reader
-from paratrain.models import build_model
+from paratrain.models import build_model, model_kind
 from paratrain.models.from_config import model_shape
 from paratrain.models.lora import (
     LoraError,
@@ -73,8 +73,6 @@ def trainable_count(model: nn.Module) -> int:
 
 # Combinations LoRA cannot run, with why (each refused before any worker starts).
 NOT_WITH_LORA = {
-    "cnn-tiny": (lambda c: c.model.name == "cnn-tiny",
-                 "it declares no model family: LoRA adapts Llama and GPT-2 models"),
     "--tile > 1 and --zero 3": (lambda c: c.train.tile > 1 and c.parallel.zero == 3,
                                 "ZeRO-3's weight tiles split the base's linears outside their adapters"),
     "--tile > 1 and --base-precision bf16": (
@@ -97,10 +95,14 @@ def check_lora(cfg: Config, problems: list[str]) -> None:
         if c.base_precision != "fp32":
             problems.append("--base-precision applies to LoRA's frozen base: add --lora RANK or drop it")
         return
+    decoder = model_kind(cfg.model.name).decoder
+    if not decoder:
+        problems.append(f"--lora does not compose with {cfg.model.name}: it declares no model family: "
+                        "LoRA adapts the decoders of the families in paratrain/models/")
     for what, (clash, why) in NOT_WITH_LORA.items():
         if clash(cfg):
             problems.append(f"--lora does not compose with {what}: {why}")
-    if cfg.model.name == "cnn-tiny":
+    if not decoder:
         return
     try:
         model = build_model(model_shape(cfg), "meta")

@@ -22,7 +22,7 @@ from paratrain.data.tokenizer import eot_id, load_tokenizer
 from paratrain.inference.loop import Sampling, decode, local_step
 from paratrain.models import build_model
 from paratrain.models.from_config import config_from_dict
-from paratrain.models.llama.hf import load_pretrained
+from paratrain.models.hf import load_pretrained
 
 
 def load_run(run: str) -> tuple[nn.Module, object]:

@@ -16,7 +16,7 @@ from paratrain.inference.distributed import distributed_step
 from paratrain.inference.folders import chat_prompt, tokenizer_eos
 from paratrain.inference.loop import Sampling, StepFn, decode, local_step, sampling_problems
 from paratrain.inference.prompts import cut_at_stop, stop_check
-from paratrain.models.llama.hf import tokenizer_file
+from paratrain.models.hf import tokenizer_file
 
 
 def generate(model: nn.Module, tokenizer: Tokenizer | str | Path, prompts: str | list[str], *,

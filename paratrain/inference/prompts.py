@@ -15,7 +15,7 @@ from paratrain.inference.folders import chat_prompt, run_template, tokenizer_eos
 from paratrain.inference.loop import StopCheck
 from paratrain.inference.request import GenerateRequest, PreparedPrompts
 from paratrain.models.from_config import config_from_dict
-from paratrain.models.llama.hf import HFCheckpoint, tokenizer_file
+from paratrain.models.hf import HFCheckpoint, tokenizer_file
 
 Prompt = tuple[str | list[dict], str]  # (text or chat messages, where it came from)
 

@@ -25,7 +25,7 @@ from paratrain.config import ConfigError
 from paratrain.engine.checkpoint import latest, open_reader
 from paratrain.inference.folders import for_inference
 from paratrain.models.from_config import config_from_dict
-from paratrain.models.llama.hf import HFCheckpoint
+from paratrain.models.hf import HFCheckpoint
 from paratrain.models.registry import tied_name
 from paratrain.sharding import TensorShard
 from paratrain.shards import ShardReader

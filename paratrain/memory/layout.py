@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 from paratrain.config import Config
+from paratrain.models import model_kind
 
 
 def check_savers(cfg: Config, problems: list[str]) -> None:
     """--micro-batch auto, --recompute, --offload-activations, --tile, --compile (config.validate)."""
-    p, t, cnn = cfg.parallel, cfg.train, cfg.model.name == "cnn-tiny"
-    if t.recompute != "none" and cnn:
-        problems.append(f"--recompute {t.recompute} recomputes transformer blocks; cnn-tiny has none: "
+    p, t, kind = cfg.parallel, cfg.train, model_kind(cfg.model.name)
+    if t.recompute != "none" and not kind.blocks:
+        problems.append(f"--recompute {t.recompute} recomputes transformer blocks; {kind.name} has none: "
                         "drop it")
     _refuse(problems, "--offload-activations cpu", t.offload_activations != "none",
             {"--pp > 1": (p.pp > 1, "the pipeline schedule keeps its own activations")})
     _refuse(problems, f"--tile {t.tile}", t.tile > 1,
-            {"cnn-tiny": (cnn, "it has no MLP or LM head to tile"),
+            {kind.name: (not kind.tiling, "it has no MLP or LM head to tile"),
              "--tp > 1": (p.tp > 1, "split linears and the vocabulary-parallel loss are not tiled"),
              "--pp > 1": (p.pp > 1, "the tiled loss fuses the LM head, which a pipeline stage runs"),
              "--optimizer adamw8bit with --zero 3": (
@@ -22,7 +23,7 @@ def check_savers(cfg: Config, problems: list[str]) -> None:
                  "a weight tile's rows need not start on a quantisation block of the full tensor; "
                  "use --optimizer adamw, or --zero 1/2")})
     _refuse(problems, "--compile", t.compile,
-            {"cnn-tiny": (cnn, "it has no transformer blocks"),
+            {kind.name: (not kind.blocks, "it has no transformer blocks"),
              "--pp > 1": (p.pp > 1, "not tested with pipeline schedules"),
              "--tile > 1": (t.tile > 1, "token tiles recompute in a Python autograd function; under "
                                         "ZeRO-3 each weight tile's gather hook would break the graph")})

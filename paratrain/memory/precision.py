@@ -23,6 +23,7 @@ import torch
 from paratrain.config import Config
 from paratrain.device import measure_matmul_peak
 from paratrain.mesh import ParallelMesh
+from paratrain.models import model_kind
 
 MEASURE_N = 512
 MARGIN = 1.1
@@ -86,9 +87,9 @@ def choose(device: torch.device, *, use_cache: bool = True) -> dict:
 
 def resolve_precision(cfg: Config, mesh: ParallelMesh) -> dict:
     """Replace ``cfg.train.precision == "auto"`` by the agreed choice; return what was measured."""
-    if cfg.model.name == "cnn-tiny":
+    if not model_kind(cfg.model.name).mixed_precision:
         cfg.train.precision = "fp32"
-        return {"chose": "fp32", "why": "cnn-tiny trains in fp32 only"}
+        return {"chose": "fp32", "why": f"{cfg.model.name} trains in fp32 only"}
     result = choose(mesh.device)
     vote = torch.tensor([int(result["chose"] == "bf16")], dtype=torch.int32, device=mesh.device)
     if mesh.world.active:

@@ -4,33 +4,41 @@ Importing this package registers every family (each declaration registers itself
 models/registry.py). ``build_model(cfg, device)`` returns a model on the requested device (``meta``
 for sharded builds); ``init_weights(model, seed, cfg)`` fills every parameter with the slice of its
 full initial value; ``family_of(model)`` is the declaration the parallel techniques read
-(models/family.py). A new family is one folder and one line below.
+(models/family.py); ``model_kind(name)`` what a ``--model`` name supports (checks ask it instead
+of comparing names). A new family is one folder and one line below.
 """
 
 from __future__ import annotations
 
 from dataclasses import fields, replace
 
-from paratrain.models import gpt2, llama
+from paratrain.config import ModelConfig
+from paratrain.models import gpt2, llama  # the families: one line each
+from paratrain.models.cnn import CNN_KIND
 from paratrain.models.gpt2 import parallel as _gpt2_family  # noqa: F401  (registers GPT-2)
 from paratrain.models.llama import Llama, LlamaConfig
 from paratrain.models.llama import parallel as _llama_family  # noqa: F401  (registers Llama)
 from paratrain.models.registry import (
     build_model,
+    family_for_config,
     family_of,
     full_init_value,
     init_weights,
     materialize,
+    model_kind,
     register,
+    register_kind,
     tied_name,
 )
 
 __all__ = ["PRESETS", "Llama", "LlamaConfig", "build_model", "family_of", "full_init_value", "init_weights",
-           "materialize", "preset", "register", "tied_name"]
+           "materialize", "model_kind", "preset", "register", "tied_name", "default_shape", "plan_presets"]
 
 
 # Every named shape (--model), across the families.
 PRESETS: dict[str, object] = {**llama.PRESETS, **gpt2.PRESETS}
+
+register_kind(CNN_KIND)  # the data-parallel example: a --model name outside the families
 
 
 def preset(name: str, **overrides: object) -> LlamaConfig | gpt2.GPT2Config:
@@ -42,3 +50,15 @@ def preset(name: str, **overrides: object) -> LlamaConfig | gpt2.GPT2Config:
         raise ValueError(f"model.{', model.'.join(foreign)} cannot be set for {name} "
                          f"({type(base).__name__} has no such setting)")
     return replace(base, **overrides)
+
+
+def plan_presets() -> dict[str, object]:
+    """The presets `paratrain plan` prices: those of the families whose declaration says the
+    planner's cost model is measured against them (``ModelFamily.planned``)."""
+    return {name: c for name, c in PRESETS.items() if family_for_config(c).planned}
+
+
+def default_shape() -> object:
+    """The config a shape given by its numbers starts from (`plan --layers ...`): the default
+    preset's config class with its own defaults."""
+    return type(PRESETS[ModelConfig.name])()

@@ -33,21 +33,17 @@ import torch
 
 from paratrain.config import LoraConfig
 from paratrain.models.from_config import config_from_dict
-from paratrain.models.gpt2 import GPT2Config
-from paratrain.models.gpt2.hf import source as gpt2_source
-from paratrain.models.llama import LlamaConfig
-from paratrain.models.llama.hf import (
+from paratrain.models.hf import (
     Entry,
     HFError,
+    checkpoint_class_for,
     expected_shapes,
-    hf_name,
     read_json,
-    rope_from_hf,
-    rope_to_hf,
     write_safetensors,
 )
 from paratrain.models.lora import LoraError, find_targets
 from paratrain.models.registry import build_model
+from paratrain.models.shape import ModelShape
 from paratrain.safeload import Fields, safetensors_names
 from paratrain.sharding import TensorShard
 
@@ -59,7 +55,7 @@ LORA_PARAM = re.compile(r"(?P<module>.+)\.(?P<part>lora_A|lora_B)\.weight$")
 PEFT_KEY = re.compile(re.escape(PREFIX) + r"(?P<module>.+)\.(?P<part>lora_A|lora_B)(?:\.default)?\.weight$")
 
 
-ModelCfg = LlamaConfig | GPT2Config
+ModelCfg = ModelShape  # a registered family's config: its checkpoint class maps the names
 
 
 class AdapterError(HFError):
@@ -80,18 +76,14 @@ class Target:
 
 def hf_module(module: str, cfg: ModelCfg) -> Target:
     """The transformers module of paratrain's linear ``module`` (AdapterError if it has none)."""
-    weight = f"{module}.weight"
     try:
-        if isinstance(cfg, GPT2Config):
-            src = gpt2_source(weight, cfg)
-            return Target(module, src.hf.removesuffix(".weight"), False, src.conv1d, src.part)
-        hf, rope = hf_name(weight)
+        src = checkpoint_class_for(cfg).tensor_source(f"{module}.weight", cfg)
     except KeyError:
         raise AdapterError(f"{module} has no Hugging Face counterpart: PEFT cannot adapt it") from None
-    if ".experts." in hf:
+    if ".experts." in src.hf:
         raise AdapterError(f"{module}: transformers stores the experts fused (3-D tensors), which PEFT's "
                            "LoRA does not target; adapt the attention projections only")
-    return Target(module, hf.removesuffix(".weight"), rope)
+    return Target(module, src.hf.removesuffix(".weight"), src.rope, src.conv1d, src.part)
 
 
 def candidates(cfg: ModelCfg) -> dict[str, Target]:
@@ -144,10 +136,6 @@ def run_adapters(names: list[str], cfg: ModelCfg) -> list[Target]:
     return [hf_module(m, cfg) for m in modules]
 
 
-def head_dim(cfg: ModelCfg) -> int:
-    return getattr(cfg, "head_dim", cfg.dim // cfg.n_heads)
-
-
 def peft_entries(source: Path, adapted: list[Target], cfg: ModelCfg) -> list[Entry]:
     """Entries of adapter_model.safetensors: each adapter under PEFT's name, lora_B of q/k permuted;
     GPT-2's q/k/v adapters as one c_attn adapter (``fused``)."""
@@ -165,7 +153,7 @@ def peft_entries(source: Path, adapted: list[Target], cfg: ModelCfg) -> list[Ent
             name = f"{t.module}.{part}.weight"
             rope = t.rope and part == "lora_B"
             out.append(Entry(f"{PREFIX}{t.hf}.{part}.weight", torch.float32, shapes[name],
-                             _reader(source, name, rope_to_hf if rope else None, head_dim(cfg))))
+                             _reader(source, name, _to_hf(cfg) if rope else None)))
     return out
 
 
@@ -205,13 +193,19 @@ def fused(source: Path, hf: str, parts: dict[int, str], shapes: dict) -> list[En
             Entry(f"{PREFIX}{hf}.lora_B.weight", torch.float32, (3 * n_out, 3 * r), stacked("lora_B"))]
 
 
-def _reader(source: Path, name: str, permute: Callable | None, hd: int) -> Callable[[], torch.Tensor]:
+def _to_hf(cfg: ModelCfg) -> Callable[[torch.Tensor], torch.Tensor]:
+    """lora_B's rows into the family's Hugging Face layout (Llama's RoPE permutation)."""
+    family = checkpoint_class_for(cfg)
+    return lambda t: family.rows_to_hf(t, cfg)
+
+
+def _reader(source: Path, name: str, convert: Callable | None) -> Callable[[], torch.Tensor]:
     def produce() -> torch.Tensor:
         from safetensors import safe_open
 
         with safe_open(str(source), framework="pt") as f:
             t = f.get_tensor(name).float()
-        return permute(t, hd) if permute else t
+        return convert(t) if convert else t
 
     return produce
 
@@ -426,7 +420,7 @@ class PeftAdapter:
         with safe_open(str(self.folder / ADAPTER_WEIGHTS), framework="pt") as f:
             full = f.get_tensor(self.key(t, m.group("part"), set(f.keys()))).float()
         if t.rope and m.group("part") == "lora_B":
-            full = rope_from_hf(full, head_dim(cfg))
+            full = checkpoint_class_for(cfg).rows_from_hf(full, cfg)
         return spec.slice(full).contiguous()
 
 

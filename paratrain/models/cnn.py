@@ -22,6 +22,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from paratrain.models.init import param_seed
+from paratrain.models.registry import ModelKind
+
+# What --model cnn-tiny is: no decoder, data parallelism only, fp32 (models/__init__.py registers it).
+CNN_KIND = ModelKind("cnn-tiny", decoder=False, tensor_parallel=False, pipeline=False, zero3_units=False,
+                     blocks=False, tiling=False, mixed_precision=False)
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
 A decoder here is ``embed`` -> ``layers`` ("0", "1", ...) -> ``norm`` -> ``lm_head``, and a pipeline
 stage keeps only some of them (the others are None). Llama and GPT-2 differ inside the blocks and
-the embedding, not in this; so their models subclass ``Decoder`` for the forward, and
-``decoder_family`` writes the parts of their declaration that follow from the layout.
+the embedding, not in this; so their models subclass ``Decoder`` for the forward, share
+``CoreAttention`` (softmax(q k^T) v, selective recompute's target), and ``decoder_family`` writes
+the parts of their declaration that follow from the layout.
 
 Packed rows. ``positions`` [b, s] (or None: 0..s-1, one causal sequence per row) restart at 0 at
 each example's first token; every block gets them (``block(h, positions)``) and its attention
@@ -17,9 +18,33 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from paratrain.models.family import ModelFamily, call_part
 from paratrain.models.kv_cache import KVCache
+
+
+class CoreAttention(nn.Module):
+    """softmax(q k^T / sqrt(d)) v over grouped-query heads: the "core attention" of Korthikanti et
+    al. 2022, a module of its own (no parameters, so no name changes) so that selective
+    recomputation can checkpoint exactly this part. q, k, v: [b, heads, s, hd] -> [b, heads, s, hd].
+
+    ``mask``: packed rows' block-diagonal causal mask [b, 1, s, s] (models/decoder.py), or None for
+    plain causal attention (``is_causal``: the fast path pretraining keeps). It is an argument, not
+    state, so selective recompute's re-run in backward sees the mask of its own micro-batch.
+    Generation passes a KV cache's keys (models/kv_cache.py): more keys than queries, its mask."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                *, causal: bool = True, grouped: bool = False) -> torch.Tensor:
+        """``causal`` (with no mask): query i sees keys 0..i, else every key (a decode step's one
+        query); ``grouped``: keep grouped kv heads grouped (a KV cache's keys), not repeated."""
+        if k.shape[1] != q.shape[1] and not grouped:  # each kv head serves a group of q heads
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
 
 
 def block_causal_mask(positions: torch.Tensor | None) -> torch.Tensor | None:
@@ -59,10 +84,12 @@ class Decoder(nn.Module):
 
 
 def decoder_family(name: str, tp_plan: dict[str, str], embedding_weight: str,
-                   init_value: Callable[..., torch.Tensor], lora_targets: tuple[str, ...]) -> ModelFamily:
+                   init_value: Callable[..., torch.Tensor], lora_targets: tuple[str, ...],
+                   config_names: tuple[str, ...], planned: bool = False) -> ModelFamily:
     """The declaration of a ``Decoder`` whose blocks hold ``attn`` (its parameter-free core at
     ``attn.core``), ``mlp_norm`` and ``mlp``; ``embedding_weight`` is the weight a tied head copies;
-    ``lora_targets`` the linears LoRA adapts by default."""
+    ``lora_targets`` the linears LoRA adapts by default; ``config_names`` its config's ``family``
+    values."""
     return ModelFamily(
         name=name,
         blocks="layers",
@@ -76,4 +103,6 @@ def decoder_family(name: str, tp_plan: dict[str, str], embedding_weight: str,
         tied=("lm_head.weight", embedding_weight),
         init_value=init_value,
         lora_targets=lora_targets,
+        config_names=config_names,
+        planned=planned,
     )

@@ -19,13 +19,16 @@ Techniques (tensor_parallel/, zero/, pipeline/, memory/) know no model by name: 
   the copy takes the owner's value, and across pipeline stages both count once;
 * ``init_value(name, shape, seed, cfg)``: the layout-independent full initial value;
 * ``lora_targets``: the linears ``--lora`` adapts by default, as module-name patterns
-  (models/lora.py's matching: ``attn.wq`` matches ``layers.3.attn.wq``).
+  (models/lora.py's matching: ``attn.wq`` matches ``layers.3.attn.wq``);
+* ``config_names``: the names its config's ``family`` field takes (run.json: how a run's model
+  config finds its class again, ``registry.config_from_dict``).
 
 Blocks are called ``block(h, positions)`` (positions [b, s] of packed rows, or None); a module
 before or after them that reads positions says so with ``reads_positions = True`` (``call_part``).
 
 The Hugging Face mapping of a family (config translation, name table, RoPE permutation) lives
-beside it too (models/llama/hf.py), used by the commands that import and export, not by techniques.
+beside it too (models/<family>/hf.py, a subclass of models/hf/checkpoint.py's ``HFCheckpoint``
+registered there), used by the commands that import and export, not by techniques.
 
 A model class joins by ``registry.register(config_cls, model_cls, family)`` in its family's
 declaration module (models/registry.py; ``family_of`` is there). A model without one (the
@@ -58,6 +61,8 @@ class ModelFamily:
     tied: tuple[str, str] | None = None
     init_value: Callable[..., torch.Tensor] | None = None
     lora_targets: tuple[str, ...] = ()
+    config_names: tuple[str, ...] = ()  # the values of its config's ``family`` field (run.json)
+    planned: bool = False  # the planner's cost model is measured against it (`plan` takes its presets)
 
     def blocks_of(self, model: nn.Module) -> nn.ModuleDict:
         return getattr(model, self.blocks)

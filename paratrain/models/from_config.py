@@ -7,14 +7,14 @@ from dataclasses import replace
 
 from paratrain.config import Config
 from paratrain.models import preset
-from paratrain.models.gpt2 import GPT2Config
-from paratrain.models.llama import LlamaConfig
-from paratrain.models.llama.hf import HFCheckpoint
+from paratrain.models.hf import HFCheckpoint
+from paratrain.models.registry import config_from_dict
+from paratrain.models.shape import ModelShape
 
 MOE_FIELDS = ("n_experts", "top_k", "capacity_factor", "aux_loss_coef", "z_loss_coef")
 
 
-def model_config(cfg: Config, vocab_size: int) -> LlamaConfig:
+def model_config(cfg: Config, vocab_size: int) -> ModelShape:
     """The shape the run builds: an imported model's own, or the preset's with the corpus's vocabulary
     and the configured sequence length."""
     shape = model_shape(cfg)
@@ -23,7 +23,7 @@ def model_config(cfg: Config, vocab_size: int) -> LlamaConfig:
     return replace(shape, vocab_size=vocab_size, max_seq_len=max(cfg.data.seq_len, 2))
 
 
-def model_shape(cfg: Config) -> LlamaConfig:
+def model_shape(cfg: Config) -> ModelShape:
     """The decoder's shape as configured: the imported config.json, or the preset + overrides
     (vocabulary as the preset's: the corpus fixes it later)."""
     if cfg.model.init_from:
@@ -34,6 +34,4 @@ def model_shape(cfg: Config) -> LlamaConfig:
     return preset(m.name, **overrides)
 
 
-def config_from_dict(d: dict) -> LlamaConfig | GPT2Config:
-    """A model config as run.json stores it (``to_dict``); its ``family`` names the class."""
-    return GPT2Config(**d) if d.get("family") == "gpt2" else LlamaConfig(**d)
+__all__ = ["MOE_FIELDS", "config_from_dict", "model_config", "model_shape"]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from paratrain.models.llama import LlamaConfig
 from paratrain.models.moe import moe_layers, moe_loss_sum
+from paratrain.models.shape import ModelShape
 
 
 class MoEAccounting:
@@ -18,7 +18,7 @@ class MoEAccounting:
     executor asks right after each forward, for the modules that forward ran (the whole model, or
     one pipeline stage's chunk): each stage's losses then enter that stage's own backward."""
 
-    def __init__(self, model: nn.Module, cfg: LlamaConfig):
+    def __init__(self, model: nn.Module, cfg: ModelShape):
         self.model, self.cfg = model, cfg
         self.last: dict[int, dict] = {}  # id(layer) -> figures of its last training forward
         self.step_sum = 0.0  # this rank's aux + z loss sums of the training forwards since taken

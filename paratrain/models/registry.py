@@ -9,6 +9,8 @@ touches no function below.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 
@@ -39,6 +41,61 @@ def _of_config(cfg: object) -> tuple[type[nn.Module], ModelFamily]:
     if type(cfg) not in _BY_CONFIG:
         raise NoFamilyError(f"{type(cfg).__name__} is no registered family's config")
     return _BY_CONFIG[type(cfg)]
+
+
+def family_for_config(cfg: object) -> ModelFamily:
+    """The declaration of the family whose config class ``cfg`` is."""
+    return _of_config(cfg)[1]
+
+
+# run.json's model config carries its family's name (the config's ``family`` field); one written
+# before that field was a Llama's.
+DEFAULT_CONFIG_NAME = "llama"
+
+
+def config_from_dict(d: dict) -> object:
+    """A model config as run.json stores it (``to_dict``); its ``family`` names the class (a
+    family's ``config_names``)."""
+    name = d.get("family", DEFAULT_CONFIG_NAME)
+    for config_cls, (_, family) in _BY_CONFIG.items():
+        if name in family.config_names:
+            return config_cls(**d)
+    raise NoFamilyError(f"model family {name!r} (run.json) is no registered family's")
+
+
+@dataclass(frozen=True)
+class ModelKind:
+    """What a ``--model`` name is and which techniques it supports, so that checks, the planner and
+    the techniques ask this instead of comparing model names. Every preset of a registered family
+    is a decoder that supports them all; a model outside the families (models/cnn.py's example)
+    registers its own kind."""
+
+    name: str
+    decoder: bool = True  # a language model: tokens in, logits out (--init-from, LoRA, eval, export)
+    tensor_parallel: bool = True
+    pipeline: bool = True
+    zero3_units: bool = True  # the family's ZeRO-3 units (blocks)
+    blocks: bool = True  # repeated blocks that --recompute wraps
+    tiling: bool = True  # an MLP and an LM head that --tile splits
+    mixed_precision: bool = True  # trains in bf16/fp16 as well as fp32
+
+
+_KINDS: dict[str, ModelKind] = {}
+
+
+def register_kind(kind: ModelKind) -> None:
+    """Make a non-family ``--model`` name known with what it supports (models/__init__.py)."""
+    _KINDS[kind.name] = kind
+
+
+def model_kind(name: str) -> ModelKind:
+    """The kind of ``--model name``: a registered one's, else a family preset's (a decoder)."""
+    return _KINDS.get(name) or ModelKind(name)
+
+
+def kind_names() -> list[str]:
+    """The ``--model`` names that are no family's preset."""
+    return list(_KINDS)
 
 
 def build_model(cfg: object, device: torch.device | str = "cpu") -> nn.Module:

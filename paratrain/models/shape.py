@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+NORM_KINDS = ("rms", "layer")  # RMSNorm (a gain); LayerNorm (a gain and a bias)
+
 
 class ModelShape(Protocol):
     vocab_size: int
@@ -22,7 +24,20 @@ class ModelShape(Protocol):
     top_k: int
 
     @property
-    def head_dim(self) -> int: ...
+    def head_dim(self) -> int:
+        """The head size: dim / n_heads unless the family says otherwise (then q is n_heads x
+        head_dim wide, not dim, and wq / wo are not square)."""
+        ...
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether q, k and v carry a bias (Qwen2, GPT-2)."""
+        ...
+
+    @property
+    def norm(self) -> str:
+        """The norm kind of the blocks and the final norm, one of NORM_KINDS."""
+        ...
 
     @property
     def n_moe_layers(self) -> int: ...
@@ -33,3 +48,10 @@ class ModelShape(Protocol):
         ...
 
     def n_params(self, *, active: bool = False) -> int: ...
+
+
+def norm_params(c: ModelShape) -> int:
+    """One norm's parameters: RMSNorm's gain, LayerNorm's gain and bias (the shape's ``norm``)."""
+    if c.norm not in NORM_KINDS:
+        raise ValueError(f"norm kind {c.norm!r} is not priced: the planner knows {', '.join(NORM_KINDS)}")
+    return c.dim * (2 if c.norm == "layer" else 1)

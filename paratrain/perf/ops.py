@@ -164,7 +164,8 @@ def block_costs(c: ModelShape, env: OpEnv, *, seq: int, micro_batch: int, tp: in
     h, f, hd = c.dim, c.ffn_dim, c.head_dim
     kv = c.n_kv_heads * hd
     heads = c.n_heads / tp
-    shapes = [(t, (h + 2 * kv) / tp, h, 1), (t, h, h / tp, 1)] + mlp_shapes(c, t, tp=tp, moe=moe, ep=ep)
+    q = c.n_heads * hd  # the attention's width: heads x head size, which need not be h
+    shapes = [(t, (q + 2 * kv) / tp, h, 1), (t, h, q / tp, 1)] + mlp_shapes(c, t, tp=tp, moe=moe, ep=ep)
     fwd_g = tot_g = w_g = 0.0
     for m, n, k, calls in shapes:
         a, b, w = _fwd_bwd(env.gemm, m, n / tile, k, env.peak)
@@ -194,9 +195,9 @@ def block_costs(c: ModelShape, env: OpEnv, *, seq: int, micro_batch: int, tp: in
     # reads f and writes f: mlp_matrices x f either way); backward moves ~2x.
     act = c.mlp_matrices * f
     replicated = e * (2 * 2 * h + 2 * 3 * h) / (tp if sp else 1)
-    split = e * (2 * (h + kv) + act) / tp
+    split = e * (2 * (q + kv) + act) / tp
     if moe:  # k activations per token; gathering each assignment's input, scattering its output
-        split = e * (2 * (h + kv) + act * c.top_k) / tp
+        split = e * (2 * (q + kv) + act * c.top_k) / tp
         replicated += e * 4 * h * c.top_k
     mem_fwd_s = t * (replicated + split) / env.bandwidth + scores_fwd
     mem_tot_s = 3 * (mem_fwd_s - scores_fwd) + scores_fwd + scores_bwd

@@ -27,7 +27,8 @@ from dataclasses import dataclass, replace
 import paratrain.config as config
 from paratrain.engine import checks
 from paratrain.launch import spawn
-from paratrain.models.llama import PRESETS, LlamaConfig
+from paratrain.models import default_shape, plan_presets
+from paratrain.models.shape import ModelShape
 from paratrain.perf.hardware import GB, GPUS, LINKS, Cluster, make_cluster
 from paratrain.plan_cli.calibrate import measure_local
 from paratrain.plan_cli.command import first_runnable, layout_config, model_toml, run_line, train_command
@@ -65,6 +66,11 @@ examples:
   paratrain plan --model llama-7b --gpus 16 --gpus-per-node 8 --inter-link 2.5   # slow link between nodes
   paratrain plan --params 175e9 --gpus 1024 --gpu a100-80g        # model states only
   paratrain plan --model small --cluster local --validate          # predicted vs measured here"""
+
+
+# The presets `paratrain plan` prices: those of the families its cost model is measured against
+# (models/__init__.py plan_presets).
+PRESETS = plan_presets()
 
 
 def parser() -> argparse.ArgumentParser:
@@ -145,7 +151,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def model_from(args: argparse.Namespace) -> LlamaConfig | None:
+def model_from(args: argparse.Namespace) -> ModelShape | None:
     shape = {"n_layers": args.layers, "dim": args.hidden, "n_heads": args.heads, "n_kv_heads": args.kv_heads,
              "ffn_dim": args.ffn, "vocab_size": args.vocab}
     given = {k: v for k, v in shape.items() if v is not None}
@@ -164,7 +170,7 @@ def model_from(args: argparse.Namespace) -> LlamaConfig | None:
         if missing:
             raise ValueError(f"an explicit shape needs {', '.join(missing)} (or start from --model PRESET)")
         given.setdefault("n_kv_heads", args.heads)
-    base = PRESETS[args.model] if args.model else LlamaConfig()
+    base = PRESETS[args.model] if args.model else default_shape()
     for k, v in given.items():
         if v < 1:
             raise ValueError(f"shape values must be >= 1 (got {k} = {v})")
@@ -220,7 +226,7 @@ def cluster_from(args: argparse.Namespace) -> Cluster:
     return cl
 
 
-def check_sync_flags(args: argparse.Namespace, c: LlamaConfig | None) -> None:
+def check_sync_flags(args: argparse.Namespace, c: ModelShape | None) -> None:
     """The slow-link choices (issue 26) need a shape to price and a cluster of nodes (this machine's
     model, --cluster local, counts the trainer's own collectives, which do not include them yet)."""
     given = [flag for flag, value in (("--sync", args.sync), ("--sync-every", args.sync_every),
@@ -270,13 +276,13 @@ def report(result: PlanResult, cluster: Cluster) -> str:
     return "\n".join(out)
 
 
-def model_params(c: LlamaConfig) -> dict:
+def model_params(c: ModelShape) -> dict:
     """Total and active parameters (equal for a dense model; an MoE token runs top_k experts)."""
     return {"total": c.n_params(), "active": c.n_params(active=True), "n_experts": c.n_experts,
             "top_k": c.top_k if c.n_experts else None, "moe_layers": c.n_moe_layers}
 
 
-def to_json(args: argparse.Namespace, result: PlanResult, cluster: Cluster, c: LlamaConfig | None = None
+def to_json(args: argparse.Namespace, result: PlanResult, cluster: Cluster, c: ModelShape | None = None
             ) -> dict:
     return {"inputs": {k: v for k, v in vars(args).items() if k not in ("json", "plot", "validate")},
             "cluster": cluster.describe(), "feasible": result.feasible, "decision_tree": result.tree,
@@ -432,7 +438,7 @@ def auto_layout(cfg: config.Config, cluster: Cluster | None = None, verbose: boo
 # -- --validate: predicted vs measured on this machine ----------------------------------------------------
 
 
-def base_config(args: argparse.Namespace, c: LlamaConfig) -> config.Config:
+def base_config(args: argparse.Namespace, c: ModelShape) -> config.Config:
     """The paratrain training config the plan's layouts are applied to (a short run)."""
     if args.model is None:
         raise ValueError("--validate trains the model: give --model PRESET (shape flags override it)")
@@ -511,7 +517,7 @@ def validate_table(rows: list[tuple[str, float, Measured]]) -> str:
     return "\n".join([*lines, WAIT_NOTE])
 
 
-def validate(args: argparse.Namespace, c: LlamaConfig, result: PlanResult, top: int = 3
+def validate(args: argparse.Namespace, c: ModelShape, result: PlanResult, top: int = 3
              ) -> list[tuple[Plan, Measured]]:
     """Run the top plans briefly through paratrain's trainer; print predicted vs measured tokens/s."""
     base = base_config(args, c)

@@ -38,8 +38,7 @@ from paratrain.base.strategy import Strategy
 from paratrain.config import OptimConfig
 from paratrain.memory.recompute import apply_recompute
 from paratrain.mesh import MeshShape, ParallelMesh
-from paratrain.models import build_model
-from paratrain.models.llama import preset
+from paratrain.models import build_model, preset
 from paratrain.planner.machine import CONTEXT_TOKENS, CONTEXT_WIDE
 
 # Square-ish sizes that span what tiny..small models do per worker (rows = tokens of a micro-batch).

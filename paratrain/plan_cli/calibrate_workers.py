@@ -34,8 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from paratrain.launch import spawn
-from paratrain.models import build_model
-from paratrain.models.llama import preset
+from paratrain.models import build_model, preset
 
 # Payload sizes (bytes) at which each collective is timed: latency-bound to bandwidth-bound.
 SIZES = (4, 16 * 2**10, 256 * 2**10, 2**20, 4 * 2**20)

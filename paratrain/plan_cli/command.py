@@ -11,7 +11,8 @@ import shlex
 
 import paratrain.config as config
 from paratrain.engine import checks
-from paratrain.models.llama import PRESETS, LlamaConfig
+from paratrain.models import plan_presets
+from paratrain.models.shape import ModelShape
 from paratrain.perf.hardware import Cluster
 from paratrain.planner.memory import Layout
 from paratrain.planner.search import Plan, PlanResult, layout_to_config
@@ -21,7 +22,7 @@ SHAPE_KEYS = {"layers": "n_layers", "hidden": "dim", "heads": "n_heads", "kv_hea
               "ffn": "ffn_dim"}
 
 
-def train_settings(args: argparse.Namespace, c: LlamaConfig, lay: Layout) -> list[tuple[str, str, object]]:
+def train_settings(args: argparse.Namespace, c: ModelShape, lay: Layout) -> list[tuple[str, str, object]]:
     """The `paratrain train` settings that run ``lay`` as planned, as (flag, config key, value); value
     True is a switch. The model, sequence, batch, precision and every setting of the layout."""
     out: list[tuple[str, str, object]] = []
@@ -97,14 +98,14 @@ def needs_model_file(args: argparse.Namespace) -> bool:
             or args.vocab is not None or args.tie_embeddings)
 
 
-def model_settings(args: argparse.Namespace, c: LlamaConfig) -> dict:
+def model_settings(args: argparse.Namespace, c: ModelShape) -> dict:
     """The config keys of plan-model.toml (see model_toml)."""
     return {"model.name": args.model or "small", "model.n_layers": c.n_layers, "model.dim": c.dim,
             "model.n_heads": c.n_heads, "model.n_kv_heads": c.n_kv_heads, "model.ffn_dim": c.ffn_dim,
             "model.tie_embeddings": c.tie_embeddings, "data.vocab_size": c.vocab_size}
 
 
-def model_toml(args: argparse.Namespace, c: LlamaConfig) -> str | None:
+def model_toml(args: argparse.Namespace, c: ModelShape) -> str | None:
     """The plan-model.toml a plan's command needs when the shape was given by flags (None if not)."""
     if not needs_model_file(args):
         return None
@@ -115,7 +116,7 @@ def model_toml(args: argparse.Namespace, c: LlamaConfig) -> str | None:
     return "\n".join(f"[{name}]\n" + "\n".join(lines) for name, lines in sections.items())
 
 
-def train_command(args: argparse.Namespace, c: LlamaConfig, lay: Layout, cluster: Cluster) -> str:
+def train_command(args: argparse.Namespace, c: ModelShape, lay: Layout, cluster: Cluster) -> str:
     """One complete command for ``lay``: pasted as is it trains what the table's row describes. Over
     several nodes torchrun starts the ranks (README), on one node paratrain's own workers."""
     flags = ["--config plan-model.toml"] if needs_model_file(args) else []
@@ -129,7 +130,7 @@ def train_command(args: argparse.Namespace, c: LlamaConfig, lay: Layout, cluster
     return " ".join([launcher, *flags])
 
 
-def first_runnable(args: argparse.Namespace, c: LlamaConfig, result: PlanResult) -> tuple[int, Plan] | None:
+def first_runnable(args: argparse.Namespace, c: ModelShape, result: PlanResult) -> tuple[int, Plan] | None:
     """The best plan that fits and that paratrain's trainer accepts as printed (its checks), with its
     row number: the planner also ranks layouts this version cannot run (e.g. ZeRO-3 with pipelines)."""
     base = model_settings(args, c) if needs_model_file(args) else {}
@@ -145,9 +146,10 @@ def first_runnable(args: argparse.Namespace, c: LlamaConfig, result: PlanResult)
     return None
 
 
-def run_line(args: argparse.Namespace, c: LlamaConfig, result: PlanResult, cluster: Cluster) -> str:
+def run_line(args: argparse.Namespace, c: ModelShape, result: PlanResult, cluster: Cluster) -> str:
     """The plan's last words: the command for its first choice paratrain can run, or why there is none."""
-    positions = PRESETS[args.model].max_seq_len if args.model in PRESETS else None
+    presets = plan_presets()
+    positions = presets[args.model].max_seq_len if args.model in presets else None
     if positions is not None and args.seq_len > positions:
         return (f"nothing to run as planned: {args.model} has {positions} positions, so `paratrain train` "
                 f"refuses --seq-len {args.seq_len}; plan with --seq-len {positions} or a larger --model")

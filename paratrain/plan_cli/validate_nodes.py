@@ -26,7 +26,7 @@ import paratrain.config as config
 from paratrain.engine import checks
 from paratrain.launch import spawn
 from paratrain.mesh import AXES, MeshShape
-from paratrain.models.llama import LlamaConfig
+from paratrain.models.shape import ModelShape
 from paratrain.perf.hardware import Cluster, link_preset
 from paratrain.plan_cli.command import layout_config
 from paratrain.planner.memory import Layout, Training
@@ -133,7 +133,7 @@ def chosen(result: PlanResult, base: config.Config, top: int) -> list[Plan]:
     return (slow + [p for p in ok if not isinstance(p.layout, SlowLayout)])[:top]
 
 
-def validate_nodes(args: argparse.Namespace, c: LlamaConfig, tr: Training, result: PlanResult,
+def validate_nodes(args: argparse.Namespace, c: ModelShape, tr: Training, result: PlanResult,
                    cluster: Cluster, base: config.Config) -> list[tuple[Plan, NodeRun, float | None]]:
     """Run the chosen plans on the simulated nodes; print predicted vs measured step time and bytes
     across the node boundary. Returns (plan, measured, predicted cross-node bytes) per layout."""

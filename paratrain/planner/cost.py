@@ -80,10 +80,10 @@ def megatron_training_days(n_params: float, tokens: float, n_gpus: int, flops_pe
 def block_matmul_params(c: ModelShape, moe: bool = False) -> int:
     """Matmul parameters one token runs through in a block: an MoE block's top_k experts and its
     router (the active parameters), not all E experts."""
-    kv = c.n_kv_heads * c.head_dim
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim  # heads x head size, not dim
     one = c.mlp_matrices * c.dim * c.ffn_dim  # one MLP (one expert)
     mlp = (c.top_k * one + c.dim * c.n_experts) if moe else one
-    return 2 * c.dim * c.dim + 2 * c.dim * kv + mlp
+    return 2 * c.dim * q + 2 * c.dim * kv + mlp
 
 
 def blocks_matmul_params(c: ModelShape) -> int:
@@ -96,7 +96,7 @@ def model_flops_per_token(c: ModelShape, seq: int, causal: bool = True) -> float
     """Training FLOPs per token: 6 x (active) matmul parameters (blocks + LM head) + attention's
     two products, 12 l s h per token (6 l s h with the causal half). Equals the trainer's MFU
     numerator (perf/flops.py ``lm_flops_per_token``), counted another way."""
-    attn = (6.0 if causal else 12.0) * c.n_layers * seq * c.dim
+    attn = (6.0 if causal else 12.0) * c.n_layers * seq * c.n_heads * c.head_dim
     return 6.0 * (blocks_matmul_params(c) + c.vocab_size * c.dim) + attn
 
 

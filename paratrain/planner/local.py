@@ -42,19 +42,26 @@ from paratrain.planner.memory import Layout, Training, layer_params_local, state
 
 def param_numels(c: ModelShape, tp: int, blocks: int, first: bool, last: bool) -> list[tuple[int, bool]]:
     """(elements, is a norm gain) of a stage's parameter tensors on one tp rank, in registration
-    order (models/llama/model.py): the embedding; per block the attention norm, wq, wk, wv, wo, the MLP
-    norm, the MLP's matrices (gate, up, down); the final norm and the LM head."""
+    order (models/llama/model.py): the embedding; per block the attention norm, wq, wk, wv (each with
+    its bias when ``qkv_bias``), wo, the MLP norm, the MLP's matrices (gate, up, down); the final
+    norm and the LM head. Widths from the shape: q is n_heads x head_dim, a norm its kind's."""
     kv = c.n_kv_heads * c.head_dim
     kv_local = kv // tp if c.n_kv_heads % tp == 0 else kv
     h, f = c.dim, c.ffn_dim
+    q_local = c.n_heads * c.head_dim // tp  # heads x head size, which need not be h
     vocab = math.ceil(c.vocab_size / tp) * h
     mlp = [(h * f // tp, False)] * c.mlp_matrices
-    block = [(h, True), (h * h // tp, False), (h * kv_local, False), (h * kv_local, False),
-             (h * h // tp, False), (h, True), *mlp]
+    norm = [(h, True)] * (2 if c.norm == "layer" else 1)  # a gain (and LayerNorm's bias)
+
+    def linear(rows: int, bias: bool) -> list[tuple[int, bool]]:
+        return [(h * rows, False)] + ([(rows, True)] if bias else [])  # a bias: undecayed, as a gain
+
+    block = [*norm, *linear(q_local, c.qkv_bias), *linear(kv_local, c.qkv_bias),
+             *linear(kv_local, c.qkv_bias), (h * q_local, False), *norm, *mlp]
     out = [(vocab, False)] if first else []
     out += block * blocks
     if last:
-        out += [(h, True)] + ([] if c.tie_embeddings and first else [(vocab, False)])
+        out += [*norm] + ([] if c.tie_embeddings and first else [(vocab, False)])
     return out
 
 

@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-from paratrain.models.llama import preset
+from paratrain.models import preset
 from paratrain.models.shape import ModelShape
 from paratrain.perf.hardware import LINKS, Cluster, Link, cpu_cluster, cpu_device, nominal_cpu_cluster
 from paratrain.perf.ops import FittedGemm, OpEnv, block_costs, embed_costs, head_costs

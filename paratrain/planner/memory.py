@@ -10,8 +10,8 @@ Large Transformer Models"): count the tensors each op saves for backward. ``kort
 is the paper's GPT formula; ``layer_activation_bytes`` applies the same method to paratrain's
 Llama block (SwiGLU, RMSNorm in fp32, grouped-query attention through
 scaled_dot_product_attention, which keeps no s x s scores), and matches what the block saves
-exactly (tests/test_planner.py counts the saved tensors). Parameter counts read the shape's
-``mlp_matrices`` (SwiGLU 3, GELU 2); the activation formula is the Llama block's.
+exactly (tests/test_planner.py counts the saved tensors). Parameter counts read the shape: attention
+n_heads x head_dim wide (not dim x dim), ``qkv_bias``, the ``norm`` kind, ``mlp_matrices``.
 
 Mixture of experts (docs/planner.md, "Mixture of experts"): an MoE block holds the router and its
 E / ep local experts (each an MLP, split by tp like the dense MLP); expert parameters and
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from paratrain.models.shape import ModelShape
+from paratrain.models.shape import ModelShape, norm_params
 from paratrain.perf.hardware import Cluster
 from paratrain.perf.ops import ACT_BYTES
 from paratrain.perf.stages import RECEIVE_BUFFERS
@@ -148,10 +148,11 @@ def zero_model_state_bytes(psi: float, nd: int, stage: int, sb: StateBytes) -> d
 def layer_params_local(c: ModelShape, tp: int, *, moe: bool = False, ep: int = 1) -> int:
     """One block's parameters on one tensor-parallel rank (norm gains replicated); an MoE block
     (``moe``) holds the router (replicated) and E / ep experts in place of the MLP."""
-    kv = c.n_kv_heads * c.head_dim
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim  # heads x head size: q need not be dim
     kv_local = kv // tp if c.n_kv_heads % tp == 0 else kv  # kv heads replicated when tp does not divide
     mlp = moe_mlp_params_local(c, tp, ep) if moe else c.mlp_matrices * c.dim * c.ffn_dim // tp
-    return c.dim * c.dim // tp * 2 + 2 * c.dim * kv_local + mlp + 2 * c.dim
+    bias = q // tp + 2 * kv_local if c.qkv_bias else 0
+    return c.dim * q // tp * 2 + 2 * c.dim * kv_local + bias + mlp + 2 * norm_params(c)
 
 
 def expert_params_local(c: ModelShape, tp: int, ep: int) -> int:
@@ -252,7 +253,7 @@ def layer_activation_bytes(c: ModelShape, seq: int, micro_batch: int, *, tp: int
 
     Per token, e = activation bytes (4 fp32, 2 bf16), norms computed in fp32 (4 bytes):
       attention: norm input + normed value (4 + 4)h, projection input e*h, SDPA inputs q + k + v
-                 (e*h each: grouped k/v are repeated to all heads first), its output e*h,
+                 (e*q each, q = heads x head_dim; grouped k/v repeated to all heads), output e*q,
                  fp32 rstd (4) and log-sum-exp (4 * heads); no s x s scores (fused attention)
       MLP:       (4 + 4)h + e*h norm and input, gate, up, silu(gate), product: 4 e*f, rstd 4
     and RoPE's cos/sin tables (seq x head_dim fp32, per block, not per micro-batch row).
@@ -268,13 +269,14 @@ def layer_activation_bytes(c: ModelShape, seq: int, micro_batch: int, *, tp: int
     e = ACT_BYTES[precision]
     tokens = seq * micro_batch
     h, f, heads = c.dim, c.ffn_dim, c.n_heads
+    q = heads * c.head_dim  # q and the attention output: heads x head size, not dim
     resid = 4  # paratrain keeps the residual stream and the norms in fp32, even under autocast
     rope = seq * c.head_dim * 4  # the cos/sin tables RoPE's products keep, one per block call
     if recompute == "full":
         return tokens * h * resid / (tp if sp else 1)
-    kv = h if c.n_kv_heads != c.n_heads else c.n_kv_heads * c.head_dim
+    kv = q if c.n_kv_heads != c.n_heads else c.n_kv_heads * c.head_dim
     replicated = 2 * (2 * resid * h + 4 + e * h)  # two norms (input, normed, rstd) + two linear inputs
-    core = e * (2 * h + 2 * kv) + 4 * heads  # q, k, v, attention output; log-sum-exp
+    core = e * (2 * q + 2 * kv) + 4 * heads  # q, k, v, attention output; log-sum-exp
     if recompute == "selective":
         # Megatron's selective recompute keeps q, k, v and the output and recomputes the s x s
         # scores; a fused kernel never stores those, so only the log-sum-exp is saved.

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from paratrain.config import Config
+from paratrain.models import model_kind
 from paratrain.models.from_config import model_config
 from paratrain.models.shape import ModelShape
 from paratrain.perf.hardware import GB, Cluster
@@ -475,7 +476,7 @@ def auto_layout(cfg: Config, machine: Callable[[int], Cluster], *,
     core; ``machine(n)``: the cluster of n workers) among the layouts `runnable` accepts (what
     paratrain can run now), and return cfg with the winner's settings."""
     n = cfg.parallel.nproc or os.cpu_count() or 1
-    if cfg.model.name == "cnn-tiny":  # not a transformer: data parallelism is the whole tree
+    if not model_kind(cfg.model.name).tensor_parallel:  # data parallelism is the whole tree
         return replace_parallel(cfg, n)
     cluster = machine(n)
     c, tr = training_from_config(cfg)

@@ -25,6 +25,7 @@ import torch.nn as nn
 from paratrain.mesh import ParallelMesh
 from paratrain.models.lora import LoRALinear
 from paratrain.models.registry import family_of
+from paratrain.models.shape import NORM_KINDS
 from paratrain.tensor_parallel.context import Context
 from paratrain.tensor_parallel.experts import ExpertRowwise, ExpertsReduce, ReplicatedRouter
 from paratrain.tensor_parallel.layers import (
@@ -91,11 +92,18 @@ class VocabHead:
 
 
 class EntryNorm:
-    """A norm feeding column layers: RMSNorm, or nn.LayerNorm (with its bias), as RegionEntryNorm."""
+    """A norm feeding column layers, as RegionEntryNorm: the kind the model's shape declares
+    (``cfg.norm``, models/shape.py NORM_KINDS: RMSNorm, or LayerNorm with its bias); a kind the
+    region entry does not compute is refused, never replaced by another."""
 
     def build(self, old: nn.Module, ctx: Context) -> nn.Module:
-        layer = isinstance(old, nn.LayerNorm)
-        return RegionEntryNorm(old.weight.shape[0], old.eps, ctx.axis, kind="layer" if layer else "rms",
+        kind = ctx.cfg.norm  # the family's config (a ModelShape) declares it
+        if kind not in NORM_KINDS:
+            raise ValueError(f"{type(old).__name__}: the model declares norm kind {kind!r}, which tensor "
+                             f"parallelism's region entry does not compute ({', '.join(NORM_KINDS)}): "
+                             "train this model with --tp 1")
+        layer = kind == "layer"
+        return RegionEntryNorm(old.weight.shape[0], old.eps, ctx.axis, kind=kind,
                                bias=layer and old.bias is not None,
                                sequence_parallel=ctx.sequence_parallel, device=old.weight.device,
                                dtype=old.weight.dtype)

@@ -27,10 +27,10 @@ from paratrain.data import (
     make_rows,
 )
 from paratrain.engine.task import Batch, Task, as_batch
-from paratrain.models import build_model, full_init_value, init_weights, materialize, tied_name
+from paratrain.models import build_model, full_init_value, init_weights, materialize, model_kind, tied_name
 from paratrain.models.adapters import PeftAdapter
 from paratrain.models.from_config import model_config, model_shape  # noqa: F401  (re-exported)
-from paratrain.models.llama.hf import HFCheckpoint
+from paratrain.models.hf import HFCheckpoint
 from paratrain.models.lora import is_adapter_name
 from paratrain.models.moe_train import MoEAccounting
 from paratrain.perf.flops import lm_flops_per_token
@@ -197,6 +197,6 @@ def _counted(rows: TokenRows | PackedRows, train: bool) -> int:
 
 
 def build_task(cfg: Config, corpus: Corpus | None = None) -> Task:
-    if cfg.model.name == "cnn-tiny":
+    if not model_kind(cfg.model.name).decoder:
         return ImageTask(cfg)
     return LanguageModelTask(cfg, corpus)

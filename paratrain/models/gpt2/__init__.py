@@ -1,6 +1,6 @@
 """The GPT-2 family in one folder: the model (model.py), its parallel declaration (parallel.py,
-loaded with models.FAMILIES) and its Hugging Face mapping (hf.py, which joins
-models/llama/hf.py's ``HF_FAMILIES`` when imported here)."""
+loaded with models.FAMILIES) and its Hugging Face mapping (hf.py, which registers itself with
+models/hf/ when imported here)."""
 
 from paratrain.models.gpt2 import hf  # noqa: F401  (registers the Hugging Face mapping)
 from paratrain.models.gpt2.model import GPT2, PRESETS, GPT2Config, full_init_value, preset

@@ -25,8 +25,8 @@ transformers computes in eval mode.
 
 A rank reads each full tensor it needs and keeps its slice (GPT-2's largest, the 50257-row
 embedding, is 0.3 GB in fp32 for gpt2-xl); export streams one tensor at a time through
-models/llama/hf.py's writer. The family joins Hugging Face dispatch by its ``model_type``
-(``HF_FAMILIES`` at the bottom).
+models/hf/'s writer. The family joins Hugging Face dispatch by its ``model_type``
+(``register_checkpoint``).
 """
 
 from __future__ import annotations
@@ -40,15 +40,14 @@ import torch
 
 from paratrain.config import bullets
 from paratrain.models.gpt2.model import ACTIVATIONS, GPT2Config
-from paratrain.models.llama.hf import (
-    HF_FAMILIES,
+from paratrain.models.hf import (
     Entry,
     HFCheckpoint,
     HFError,
-    _weight_files,
+    TensorSource,
     expected_shapes,
-    hf_folder,
-    read_json,
+    register_checkpoint,
+    weight_files,
 )
 from paratrain.safeload import Fields
 from paratrain.sharding import TensorShard
@@ -180,18 +179,20 @@ def to_hf_config(cfg: GPT2Config, base: dict | None = None, **extra: object) -> 
 # --------------------------------------------------------------------------------------------
 
 
+@register_checkpoint
 class GPT2Checkpoint(HFCheckpoint):
     """A local ``GPT2LMHeadModel`` folder (what HFCheckpoint.open returns for model_type gpt2)."""
 
     LAYERS_KEY = "n_layer"
+    MODEL_TYPES = ("gpt2",)
+    ARCHITECTURES = (ARCHITECTURE,)
+    CONFIG = GPT2Config
 
     @classmethod
-    def open(cls, path: str, **train_overrides: object) -> GPT2Checkpoint:
+    def from_folder(cls, folder: Path, hf: dict, **train_overrides: object) -> GPT2Checkpoint:
         if train_overrides:
             raise HFError(f"{', '.join(train_overrides)}: mixture-of-experts settings; GPT-2 is dense")
-        folder = hf_folder(path)
-        hf = read_json(folder / "config.json")
-        return cls(folder, hf, to_gpt2_config(hf, str(folder / "config.json")), _weight_files(folder))
+        return cls(folder, hf, to_gpt2_config(hf, str(folder / "config.json")), weight_files(folder))
 
     def on_disk(self, hf: str) -> str:
         """The stored name: with ``transformer.`` (GPT2LMHeadModel) or without (hub base-model files)."""
@@ -231,11 +232,12 @@ class GPT2Checkpoint(HFCheckpoint):
                             "is config.json the one these weights were saved with?")
         return problems
 
-    # -- export (models/llama/hf.py export_run calls these for a run whose model family is gpt2) --
-
     @staticmethod
-    def model_config(model: dict) -> GPT2Config:
-        return GPT2Config(**model)
+    def tensor_source(weight: str, cfg: GPT2Config) -> TensorSource:
+        src = source(weight, cfg)
+        return TensorSource(src.hf, False, src.conv1d, src.part)
+
+    # -- export (models/hf/export.py calls these for a run whose model family is gpt2) --
 
     @staticmethod
     def entries(source_file: Path, cfg: GPT2Config) -> Iterator[Entry]:
@@ -269,6 +271,3 @@ def _fuser(source_file: Path, names: list[str], conv1d: bool) -> Callable[[], to
         return t.t() if conv1d else t
 
     return produce
-
-
-HF_FAMILIES["gpt2"] = GPT2Checkpoint  # config.json's model_type / run.json's model family

@@ -23,10 +23,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from paratrain.models.decoder import Decoder, block_causal_mask
+from paratrain.models.decoder import CoreAttention, Decoder, block_causal_mask
 from paratrain.models.init import value_by_name
 from paratrain.models.kv_cache import LayerCache
-from paratrain.models.llama import CoreAttention
 
 # Hugging Face's activation_function -> F.gelu's ``approximate`` (gelu_new is the tanh form).
 ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
@@ -78,6 +77,10 @@ class GPT2Config:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def norm(self) -> str:
+        return "layer"  # LayerNorm with a bias (models/shape.py NORM_KINDS)
 
     @property
     def mlp_matrices(self) -> int:

@@ -44,6 +44,7 @@ GPT2_TP_PLAN: dict[str, str] = {
 GPT2_LORA_TARGETS = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.fc", "mlp.proj")  # LoRA's default
 
 GPT2_FAMILY = decoder_family("gpt2", GPT2_TP_PLAN, embedding_weight="embed.wte.weight",
-                             init_value=full_init_value, lora_targets=GPT2_LORA_TARGETS)
+                             init_value=full_init_value, lora_targets=GPT2_LORA_TARGETS,
+                             config_names=("gpt2",))
 
 register(GPT2Config, GPT2, GPT2_FAMILY)

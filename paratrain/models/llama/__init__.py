@@ -1,7 +1,8 @@
 """The Llama family, one folder: the decoder for Llama, Mistral, Qwen2 and Mixtral-style experts
 (model.py), its parallel declaration (parallel.py, which registers it), its Hugging Face mapping
-(hf.py, with Mixtral's names and fused layouts in mixtral_hf.py)."""
+(hf.py, which registers it with models/hf/, with Mixtral's names and fused layouts in mixtral_hf.py)."""
 
+from paratrain.models.llama import hf  # noqa: F401  (registers the Hugging Face mapping)
 from paratrain.models.llama.model import (
     MLP,
     PRESETS,

@@ -1,6 +1,6 @@
 """Hugging Face Llama / Mistral / Qwen2 / Mixtral checkpoints in and out of paratrain's decoder.
 
-Everything paratrain knows about the Hugging Face format sits here, beside the model: the config
+The Llama family's own mapping (the format itself, generic, is models/hf/): the config
 translation (and what is refused), ONE name table, and the RoPE layout permutation.
 
 RoPE layout. paratrain rotates interleaved pairs ``(x[2i], x[2i+1])`` of each head; Hugging Face
@@ -14,36 +14,35 @@ exactly what transformers computes. We permute rather than adopt Hugging Face's 
 checkpoints, the layout-independent init and the tensor-parallel split by heads stay unchanged
 (the permutation never crosses a head, so a tp shard of whole heads is permuted on its own).
 
-Reading is per rank and per slice: ``HFCheckpoint.read(name, spec)`` opens the safetensors file
-with ``safe_open`` and reads only the rows/columns of the shard ``spec`` describes. Writing is
-streamed: each shard file's header is computed from shapes, then tensors are converted and
-written one at a time (peak memory: one tensor).
-
-Over 500 lines: the whole Hugging Face format in one place, as said above.
+Reading is per rank and per slice: ``LlamaCheckpoint.read(name, spec)`` reads only the
+rows/columns of the shard ``spec`` describes.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import struct
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from paratrain.config import Config, DataConfig, ModelConfig, bullets
-from paratrain.models.llama import LlamaConfig, mixtral_hf
-from paratrain.models.registry import build_model
+from paratrain.config import bullets
+from paratrain.models.hf import (
+    Entry,
+    HFCheckpoint,
+    HFError,
+    TensorSource,
+    expected_shapes,
+    read_slice,
+    register_checkpoint,
+    weight_files,
+)
+from paratrain.models.llama import mixtral_hf
+from paratrain.models.llama.model import LlamaConfig
 from paratrain.models.rope import hf_rope_fields, read_hf_rope
-from paratrain.safeload import Fields, member, read_json_object, safetensors_names
-from paratrain.sharding import TensorShard, shard_of
-
-
-class HFError(ValueError):
-    """A Hugging Face folder paratrain cannot use as given; the message says what to change."""
-
+from paratrain.safeload import Fields
+from paratrain.sharding import TensorShard
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                  mixtral_hf.ARCHITECTURE: "mixtral"}
@@ -107,28 +106,6 @@ def rope_to_hf(t: torch.Tensor, head_dim: int) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 # config.json <-> LlamaConfig
 # --------------------------------------------------------------------------------------------
-
-
-def hf_folder(path: str) -> Path:
-    """The local folder, or an error saying that nothing is downloaded."""
-    folder = Path(path)
-    if not folder.exists():
-        if re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not path.startswith("."):
-            raise HFError(f"{path!r} is not a local folder; it looks like a Hugging Face hub name. paratrain "
-                          "downloads nothing: fetch it first (e.g. `huggingface-cli download "
-                          f"{path} --local-dir DIR`) and pass --init-from DIR")
-        raise HFError(f"--init-from {path!r} does not exist: give a local Hugging Face model folder")
-    if not folder.is_dir():
-        raise HFError(f"--init-from {path!r} is a file: give the folder that holds config.json")
-    if not (folder / "config.json").is_file():
-        raise HFError(f"{folder} has no config.json: --init-from needs a Hugging Face model folder "
-                      "(config.json, *.safetensors, tokenizer.json)")
-    return folder
-
-
-def read_json(path: Path) -> dict:
-    """The JSON object in ``path`` (HFError naming the file when it is not one)."""
-    return read_json_object(path, HFError)
 
 
 def _window(hf: dict, family: str) -> int | None:
@@ -196,18 +173,6 @@ def to_llama_config(hf: dict, where: str = "config.json") -> LlamaConfig:
                        **moe)
 
 
-def check_seq_len(cfg: LlamaConfig, hf: dict, seq_len: int) -> str | None:
-    """A problem (or None) with running sequences of seq_len tokens on this imported model."""
-    window = _window(hf, cfg.family)
-    if window is not None and window < seq_len:
-        return (f"the model uses sliding-window attention of {window} tokens, shorter than the sequence "
-                f"length {seq_len}: sliding windows are not implemented; use --seq-len <= {window}")
-    if seq_len > cfg.max_seq_len:
-        return (f"sequence length {seq_len} exceeds the model's max_position_embeddings "
-                f"({cfg.max_seq_len}): use --seq-len <= {cfg.max_seq_len}")
-    return None
-
-
 def to_hf_config(cfg: LlamaConfig, base: dict | None = None, **extra: object) -> dict:
     """A config.json dict for `cfg` (``base``: the imported model's own config, kept verbatim).
     A mixture-of-experts model is a MixtralForCausalLM whatever its attention family."""
@@ -234,98 +199,23 @@ def to_hf_config(cfg: LlamaConfig, base: dict | None = None, **extra: object) ->
 
 
 # --------------------------------------------------------------------------------------------
-# Reading: a Hugging Face folder, slice by slice
+# The checkpoint: read (import) and entries (export)
 # --------------------------------------------------------------------------------------------
 
 
-def tokenizer_file(path: str | Path) -> Path:
-    """tokenizer.json of an HF folder (or the file itself)."""
-    p = Path(path)
-    file = p / "tokenizer.json" if p.is_dir() else p
-    if not file.is_file():
-        raise HFError(f"{p} has no tokenizer.json (the fast-tokenizer file): paratrain tokenizes with the "
-                      "`tokenizers` library; save one with transformers' "
-                      "AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)")
-    return file
+@register_checkpoint
+class LlamaCheckpoint(HFCheckpoint):
+    """A local Llama / Mistral / Qwen2 / Mixtral folder (what HFCheckpoint.open returns for them)."""
 
-
-# The tokenizer files transformers reads beside tokenizer.json and tokenizer_config.json (which
-# run.json keeps as a dict): the chat template among them (transformers 5 writes
-# chat_template.jinja, and named ones under additional_chat_templates/; older versions a key of
-# tokenizer_config.json). Their text travels in run.json, so `export --hf` writes them back.
-TOKENIZER_FILES = ("special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
-                   "chat_template.json")
-TEMPLATE_DIR = "additional_chat_templates"
-
-
-# [model] keys an imported model may override: they change the training loss or routing capacity,
-# not the weights. The shape keys (and n_experts, top_k) always come from config.json.
-TRAIN_OVERRIDES = ("capacity_factor", "aux_loss_coef", "z_loss_coef")
-
-
-LAYER_INDEX = re.compile(r"\.(\d+)\.")  # searched: a tensor name's first number, its block
-
-
-# Families whose Hugging Face mapping lives in their own folder (models/<family>/hf.py registers a
-# subclass of HFCheckpoint): config.json's model_type, and run.json's model family, -> that class.
-HF_FAMILIES: dict[str, type[HFCheckpoint]] = {}
-
-
-@dataclass
-class HFCheckpoint:
-    """A local Hugging Face model folder: its config, its weights by name, its tokenizer."""
-
-    folder: Path
-    hf_config: dict
-    model_cfg: LlamaConfig
-    weight_files: dict[str, Path]  # Hugging Face tensor name -> the safetensors file holding it
-
-    LAYERS_KEY = "num_hidden_layers"  # config.json's layer count (GPT-2: n_layer)
-
-    def __post_init__(self) -> None:
-        """The layer count of config.json against the blocks the weights hold, from the tensor names
-        alone: before anything is built from it (a num_hidden_layers of 60,000 on a 2-layer folder
-        cost 108 s and 2.5 GB of meta modules before check_shapes refused it)."""
-        found = {int(m.group(1)) for n in self.weight_files if (m := LAYER_INDEX.search(n))}
-        if found and found != set(range(self.model_cfg.n_layers)):
-            where = self.folder / "config.json"
-            raise HFError(f"{where}: {self.LAYERS_KEY} is {self.model_cfg.n_layers} but "
-                          f"the weights hold {len(found)} layers (indices {min(found)}..{max(found)}): is "
-                          "config.json the one these weights were saved with?")
+    MODEL_TYPES = tuple(ARCHITECTURES.values())
+    ARCHITECTURES = tuple(ARCHITECTURES)
+    CONFIG = LlamaConfig
 
     @classmethod
-    def open(cls, path: str, **train_overrides: object) -> HFCheckpoint:
-        """``train_overrides``: LlamaConfig fields that shape training, not the weights (the MoE
-        coefficients of TRAIN_OVERRIDES) and replace what config.json implies."""
-        folder = hf_folder(path)
-        hf = read_json(folder / "config.json")
-        family = HF_FAMILIES.get(Fields(hf, str(folder / "config.json"), HFError).text("model_type", ""))
-        if family is not None and family is not cls:
-            return family.open(path, **train_overrides)
+    def from_folder(cls, folder: Path, hf: dict, **train_overrides: object) -> LlamaCheckpoint:
+        """``train_overrides``: LlamaConfig fields that shape training, not the weights."""
         cfg = replace(to_llama_config(hf, str(folder / "config.json")), **train_overrides)
-        return cls(folder, hf, cfg, _weight_files(folder))
-
-    @classmethod
-    def for_config(cls, cfg: Config) -> HFCheckpoint:
-        """The checkpoint of ``cfg.model.init_from`` with the run's --capacity-factor,
-        --aux-loss-coef, --z-loss-coef applied (what training and export use)."""
-        m = cfg.model
-        overrides = {k: getattr(m, k) for k in TRAIN_OVERRIDES if getattr(m, k) is not None}
-        return cls.open(m.init_from, **overrides)
-
-    @property
-    def tokenizer_path(self) -> Path:
-        return tokenizer_file(self.folder)
-
-    def optional_json(self, name: str) -> dict | None:
-        path = self.folder / name
-        return read_json(path) if path.is_file() else None
-
-    def tokenizer_files(self) -> dict[str, str]:
-        """The text of the folder's TOKENIZER_FILES and named chat templates, by relative name."""
-        names = [n for n in TOKENIZER_FILES if (self.folder / n).is_file()]
-        names += sorted(f"{TEMPLATE_DIR}/{p.name}" for p in (self.folder / TEMPLATE_DIR).glob("*.jinja"))
-        return {n: (self.folder / n).read_text(errors="replace") for n in names}
+        return cls(folder, hf, cfg, weight_files(folder))
 
     def source_name(self, name: str) -> tuple[str, bool]:
         """The Hugging Face tensor that holds paratrain's `name` (a tied head reads the embedding;
@@ -374,29 +264,9 @@ class HFCheckpoint:
     def read(self, name: str, spec: TensorShard) -> torch.Tensor:
         """This rank's fp32 slice (as ``spec.slice(full)`` would give) of paratrain tensor `name`,
         reading only those rows/columns from disk."""
-        from safetensors import safe_open
-
         hf, rope = self.source_name(name)
         fused = self.fused(name)
-        full = spec.full_shape
-        where = [slice(None)] * len(full)  # this rank's slice, per dimension of the paratrain tensor
-        with safe_open(str(self.weight_files[hf]), framework="pt") as f:
-            part = f.get_slice(hf)
-            if not (spec.is_split or spec.padded_size is not None):
-                local = part[fused.index(where, full)] if fused else part[:]
-            else:
-                d = spec.dim
-                chunk = (spec.padded_size or full[d]) // spec.count
-                a = min(spec.index * chunk, full[d])
-                b = min(a + chunk, full[d])
-                where[d] = slice(a, b)
-                index = fused.index(where, full) if fused else tuple(where[:d + 1])
-                local = part[index] if b > a else torch.zeros(
-                    [0 if i == d else s for i, s in enumerate(full)])
-                if b - a < chunk:  # vocabulary padding rows are zeros
-                    pad = [0, 0] * (len(full) - d - 1) + [0, chunk - (b - a)]
-                    local = torch.nn.functional.pad(local.float(), pad)
-        local = local.float()
+        local = read_slice(self.weight_files[hf], hf, spec, fused.index if fused else None)
         if rope:  # a row slice holds whole heads (tp splits q/k by heads), a column slice every row
             hd = self.model_cfg.head_dim
             if local.shape[0] % hd:
@@ -404,10 +274,22 @@ class HFCheckpoint:
             local = rope_from_hf(local, hd)
         return local
 
-    # How a run of this family is written back (export_run); HF_FAMILIES' classes override them.
     @staticmethod
-    def model_config(model: dict) -> LlamaConfig:
-        return LlamaConfig(**model)
+    def tensor_source(weight: str, cfg: LlamaConfig) -> TensorSource:
+        hf, rope = hf_name(weight)
+        return TensorSource(hf, rope)
+
+    @staticmethod
+    def rows_to_hf(t: torch.Tensor, cfg: LlamaConfig) -> torch.Tensor:
+        return rope_to_hf(t, cfg.head_dim)
+
+    @staticmethod
+    def rows_from_hf(t: torch.Tensor, cfg: LlamaConfig) -> torch.Tensor:
+        return rope_from_hf(t, cfg.head_dim)
+
+    @staticmethod
+    def sliding_window(hf: dict, cfg: LlamaConfig) -> int | None:
+        return _window(hf, cfg.family)
 
     @staticmethod
     def entries(source: Path, cfg: LlamaConfig) -> Iterator[Entry]:
@@ -417,183 +299,10 @@ class HFCheckpoint:
     def export_config(cfg: LlamaConfig, base: dict | None = None, **extra: object) -> dict:
         return to_hf_config(cfg, base, **extra)
 
-    @torch.no_grad()
-    def load_into(self, model: torch.nn.Module) -> None:
-        """Fill every (materialised, possibly sharded) parameter from the checkpoint."""
-        for name, p in model.named_parameters():  # a tied head appears once (as the embedding)
-            p.copy_(self.read(name, shard_of(p)).to(dtype=p.dtype, device=p.device))
-
-
-SAFE_SERIALIZATION = "re-save with save_pretrained(DIR, safe_serialization=True)"
-
-
-def _weight_files(folder: Path) -> dict[str, Path]:
-    """Hugging Face tensor name -> its file. Weights are read from safetensors only (a PyTorch
-    ``.bin`` is a pickle, which can run code when loaded): every file's header is checked here, and
-    an index may name only safetensors files inside the folder."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        mapping = Fields(read_json(index), str(index), HFError).obj("weight_map")
-        out = {}
-        for name, file in mapping.items():
-            out[name] = member(folder, file, f"{index}: weight_map[{json.dumps(name)}]", HFError)
-            if out[name].suffix != ".safetensors":
-                raise HFError(f"{index}: weight_map[{json.dumps(name)}] names {file!r}: paratrain reads "
-                              f"safetensors weights only, never pickles; {SAFE_SERIALIZATION}")
-        for file in sorted(set(out.values())):
-            safetensors_names(file, HFError)
-        return out
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        bins = sorted(folder.glob("*.bin"))
-        hint = f" (only PyTorch .bin files, which are pickles paratrain never loads: {SAFE_SERIALIZATION})" \
-            if bins else ""
-        raise HFError(f"{folder} holds no *.safetensors weights{hint}")
-    return {name: file for file in files for name in safetensors_names(file, HFError)}
-
-
-def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Full shapes of the single-device model's parameters (ties listed once), built on meta."""
-    return {n: tuple(p.shape) for n, p in build_model(cfg, "meta").named_parameters()}
-
-
-def load_pretrained(path: str) -> tuple[torch.nn.Module, HFCheckpoint]:
-    """The whole imported model on the CPU in one process (eval, generate)."""
-    ckpt = HFCheckpoint.open(path)
-    problems = ckpt.check_shapes(expected_shapes(ckpt.model_cfg))
-    if problems:
-        raise HFError(f"{ckpt.folder}:" + bullets(problems))
-    model = build_model(ckpt.model_cfg, "cpu")
-    ckpt.load_into(model)
-    return model.eval(), ckpt
-
-
-def _ignored_with_init_from(cfg, path: str) -> list[str]:
-    """Settings the imported model replaces: a run must not look as if they took effect."""
-    out = []
-    if cfg.model.name != ModelConfig.name:
-        out.append(f"model.name = {cfg.model.name!r} cannot be combined with --init-from: the model is "
-                   f"{path}; drop --model")
-    if cfg.data.vocab_size != DataConfig.vocab_size:
-        out.append(f"data.vocab_size = {cfg.data.vocab_size} cannot be combined with --init-from: the "
-                   f"vocabulary is the imported model's and its tokenizer's; drop --vocab-size")
-    return out
-
-
-def check_init_from(cfg: Config, problems: list[str]) -> None:
-    """config.validate's checks of ``model.init_from`` (before any worker starts)."""
-    path = cfg.model.init_from
-    if not path:
-        return
-    shape_keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings", "n_experts",
-                  "top_k")
-    set_keys = [k for k in shape_keys if getattr(cfg.model, k) is not None]
-    if set_keys:
-        problems.append(f"model.{', model.'.join(set_keys)} cannot be set with --init-from: the shape comes "
-                        f"from {path}/config.json")
-    if cfg.model.name == "cnn-tiny":
-        problems.append("--init-from imports a decoder (Llama/Mistral/Qwen2/Mixtral): drop --model cnn-tiny")
-    else:
-        problems.extend(_ignored_with_init_from(cfg, path))
-    try:
-        ckpt = HFCheckpoint.for_config(cfg)
-        tok = ckpt.tokenizer_path
-    except HFError as e:
-        problems.append(str(e))
-        return
-    problems.extend(ckpt.check_shapes(expected_shapes(ckpt.model_cfg)))
-    seq = check_seq_len(ckpt.model_cfg, ckpt.hf_config, cfg.data.seq_len)
-    if seq:
-        problems.append(seq)
-    if cfg.data.tokenizer and Path(cfg.data.tokenizer).resolve() not in (tok.resolve(), tok.parent.resolve()):
-        problems.append(f"data.tokenizer ({cfg.data.tokenizer}) differs from the imported model's "
-                        f"({tok}): token ids must be the model's; drop data.tokenizer")
-    from tokenizers import Tokenizer
-
-    try:
-        n_tok = Tokenizer.from_file(str(tok)).get_vocab_size()
-    except Exception as e:  # noqa: BLE001 - the Rust side raises a bare Exception for every parse error
-        problems.append(f"{tok} is not a tokenizer the tokenizers library can read ({e}): copy the model's "
-                        "tokenizer.json again, or save one with AutoTokenizer.save_pretrained(DIR)")
-        return
-    if n_tok > ckpt.model_cfg.vocab_size:
-        problems.append(f"{tok} has {n_tok} tokens but the model's vocab_size is "
-                        f"{ckpt.model_cfg.vocab_size}: the tokenizer does not belong to these weights")
-
-
-# --------------------------------------------------------------------------------------------
-# Writing: streamed safetensors, sharded, with the index transformers reads
-# --------------------------------------------------------------------------------------------
-
-DTYPE_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
-
-
-@dataclass
-class Entry:
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    produce: Callable[[], torch.Tensor]  # called once, when the tensor's bytes are written
-
-    @property
-    def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * torch.empty(0, dtype=self.dtype).element_size()
-
-
-def write_safetensors(path: Path, entries: list[Entry]) -> None:
-    """The safetensors format, written header first, then one tensor at a time (peak: one tensor)."""
-    header: dict = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for e in entries:
-        header[e.name] = {"dtype": DTYPE_CODES[e.dtype], "shape": list(e.shape),
-                          "data_offsets": [offset, offset + e.nbytes]}
-        offset += e.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for e in entries:
-            t = e.produce().to(e.dtype).contiguous()
-            if tuple(t.shape) != e.shape:
-                raise ValueError(f"{e.name}: produced shape {tuple(t.shape)}, header says {e.shape}")
-            f.write(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself: no copy
-            del t
-    tmp.replace(path)
-
-
-def shard_groups(entries: list[Entry], max_shard_bytes: int) -> list[list[Entry]]:
-    """Consecutive entries grouped into files of at most max_shard_bytes (a bigger tensor alone)."""
-    groups: list[list[Entry]] = [[]]
-    size = 0
-    for e in entries:
-        if groups[-1] and size + e.nbytes > max_shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(e)
-        size += e.nbytes
-    return groups
-
-
-def write_sharded(folder: Path, entries: list[Entry], max_shard_bytes: int) -> list[Path]:
-    """model.safetensors, or model-0000i-of-0000N.safetensors + model.safetensors.index.json."""
-    groups = shard_groups(entries, max_shard_bytes)
-    if len(groups) == 1:
-        write_safetensors(folder / "model.safetensors", groups[0])
-        return [folder / "model.safetensors"]
-    paths, weight_map = [], {}
-    for i, group in enumerate(groups, start=1):
-        path = folder / f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-        write_safetensors(path, group)
-        weight_map.update({e.name: path.name for e in group})
-        paths.append(path)
-    index = {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    return paths
+    @staticmethod
+    def export_problems(cfg: LlamaConfig) -> tuple[str, list[str]]:
+        """A mixture-of-experts run is written as a Mixtral, which has what this names."""
+        return mixtral_hf.ARCHITECTURE, mixtral_hf.export_problems(cfg) if cfg.n_experts else []
 
 
 def hf_entries(source: Path, cfg: LlamaConfig) -> Iterator[Entry]:
@@ -621,99 +330,3 @@ def _reader(source: Path, name: str, rope: bool, head_dim: int) -> Callable[[], 
         return rope_to_hf(t, head_dim) if rope else t
 
     return produce
-
-
-# --------------------------------------------------------------------------------------------
-# paratrain export RUN --hf DIR
-# --------------------------------------------------------------------------------------------
-
-NATIVE_EOS = "<|endoftext|>"  # the special token paratrain's own BPE separates documents with
-
-
-def export_run(run: str, out: str, *, max_shard_bytes: int = 2 * 2**30) -> list[Path]:
-    """Write RUN's final weights as a Hugging Face folder (config, sharded safetensors, tokenizer).
-
-    A native preset becomes LlamaForCausalLM (MixtralForCausalLM with experts; a family of
-    HF_FAMILIES, its own architecture); an imported model keeps its own architecture and config
-    (from run.json). Returns the weight files written.
-    """
-    src = Path(run)
-    for name in ("run.json", "model.safetensors", "tokenizer.json"):
-        if not (src / name).is_file():
-            raise HFError(f"{src / name} not found: is {run!r} the --out folder of a finished "
-                          "language-model run?")
-    info = read_json(src / "run.json")
-    if "model" not in info:
-        raise HFError(f"{src} is not a language-model run (task {info.get('task')!r}): only decoders export")
-    family = HF_FAMILIES.get(info["model"].get("family"), HFCheckpoint)
-    cfg = family.model_config(info["model"])
-    problems = mixtral_hf.export_problems(cfg) if cfg.n_experts else []
-    if problems:
-        raise HFError(f"{src} cannot be written as a {mixtral_hf.ARCHITECTURE}:"
-                      + bullets(problems))
-    imported = info.get("hf") or {}
-    dest = Path(out)
-    if dest.exists() and not dest.is_dir():
-        raise HFError(f"{dest} is a file: --hf takes a folder")
-    import os
-    import shutil
-
-    # Written beside DEST first, so an interrupted export leaves DEST as it was; then moved in.
-    folder = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
-    try:
-        _write_export(src, folder, cfg, imported, max_shard_bytes, family)
-        return _move_in(folder, dest)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-# the index first: never an index naming files that are gone
-WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "model-*-of-*.safetensors")
-
-
-def _move_in(new: Path, dest: Path) -> list[Path]:
-    """Move the finished export NEW into DEST, removing DEST's previous weights first: a previous
-    export's shards left beside new weights would be read instead of them (its index names them).
-    Other files in DEST (a README, .git) stay."""
-    import os
-    import shutil
-
-    dest.mkdir(parents=True, exist_ok=True)
-    for pattern in WEIGHT_FILES:
-        for stale in dest.glob(pattern):
-            stale.unlink()
-    for f in sorted(new.iterdir()):
-        if f.is_dir() and (dest / f.name).is_dir():  # a previous export's additional_chat_templates/
-            shutil.rmtree(dest / f.name)
-        os.replace(f, dest / f.name)
-    return sorted(dest.glob("*.safetensors"))
-
-
-def _write_export(src: Path, folder: Path, cfg: LlamaConfig, imported: dict, max_shard_bytes: int,
-                  family: type[HFCheckpoint] = HFCheckpoint) -> None:
-    """The weights (in the family's Hugging Face layout), tokenizer and configs into FOLDER."""
-    import shutil
-
-    write_sharded(folder, list(family.entries(src / "model.safetensors", cfg)), max_shard_bytes)
-    shutil.copy(src / "tokenizer.json", folder / "tokenizer.json")
-    for name, text in (imported.get("tokenizer_files") or {}).items():  # the chat template...
-        path = member(folder, name, f"{src / 'run.json'}: hf.tokenizer_files", HFError)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    tok_cfg, extra = imported.get("tokenizer_config"), {}
-    if tok_cfg is None:  # a native run: its BPE has one special token, the document separator
-        from tokenizers import Tokenizer
-
-        eos_id = Tokenizer.from_file(str(src / "tokenizer.json")).token_to_id(NATIVE_EOS)
-        tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len,
-                   "clean_up_tokenization_spaces": False}
-        if eos_id is not None:
-            tok_cfg["eos_token"] = NATIVE_EOS
-            extra = {"eos_token_id": eos_id, "bos_token_id": None, "pad_token_id": None}
-    (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
-    config = family.export_config(cfg, imported.get("config"), **extra)
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    if imported.get("generation_config"):
-        (folder / "generation_config.json").write_text(json.dumps(imported["generation_config"], indent=2))

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from paratrain.models.decoder import Decoder, block_causal_mask
+from paratrain.models.decoder import CoreAttention, Decoder, block_causal_mask
 from paratrain.models.init import value_by_name
 from paratrain.models.kv_cache import LayerCache
 from paratrain.models.moe import MoE
@@ -62,6 +62,10 @@ class LlamaConfig:
     @property
     def head_dim(self) -> int:
         return self.head_size or self.dim // self.n_heads
+
+    @property
+    def norm(self) -> str:
+        return "rms"  # RMSNorm, a gain only (models/shape.py NORM_KINDS)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -142,29 +146,6 @@ class RMSNorm(nn.Module):
         x32 = x.to(torch.promote_types(x.dtype, torch.float32))
         y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return y.type_as(x) * self.weight
-
-
-class CoreAttention(nn.Module):
-    """softmax(q k^T / sqrt(d)) v over grouped-query heads: the "core attention" of Korthikanti et
-    al. 2022, a module of its own (no parameters, so no name changes) so that selective
-    recomputation can checkpoint exactly this part. q, k, v: [b, heads, s, hd] -> [b, heads, s, hd].
-
-    ``mask``: packed rows' block-diagonal causal mask [b, 1, s, s] (models/decoder.py), or None for
-    plain causal attention (``is_causal``: the fast path pretraining keeps). It is an argument, not
-    state, so selective recompute's re-run in backward sees the mask of its own micro-batch.
-    Generation passes a KV cache's keys (models/kv_cache.py): more keys than queries, its mask."""
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-                *, causal: bool = True, grouped: bool = False) -> torch.Tensor:
-        """``causal`` (with no mask): query i sees keys 0..i, else every key (a decode step's one
-        query); ``grouped``: keep grouped kv heads grouped (a KV cache's keys), not repeated."""
-        if k.shape[1] != q.shape[1] and not grouped:  # each kv head serves a group of q heads
-            group = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
-        if mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
 
 
 class Attention(nn.Module):

@@ -42,6 +42,7 @@ LLAMA_LORA_TARGETS = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.gate", "m
                       "mlp.experts.*.gate", "mlp.experts.*.up", "mlp.experts.*.down")
 
 LLAMA = decoder_family("llama", LLAMA_TP_PLAN, embedding_weight="embed.weight", init_value=full_init_value,
-                       lora_targets=LLAMA_LORA_TARGETS)
+                       lora_targets=LLAMA_LORA_TARGETS,
+                       config_names=("llama", "mistral", "qwen2", "mixtral"), planned=True)
 
 register(LlamaConfig, Llama, LLAMA)
