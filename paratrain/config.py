@@ -166,6 +166,8 @@ class TrainConfig:
     overwrite: bool = False  # start afresh in a folder holding another run's checkpoints (deletes them)
     nan_policy: str = "stop"  # non-finite loss/grad norm: stop (with the tensor's name) | skip the step
     sample_prompt: str | None = None  # the end-of-run sample's prompt; default: the corpus's first line
+    profile: str | None = None  # "A:B": torch.profiler traces of steps A..B per rank (observe/profile.py)
+    memory_snapshot: int | None = None  # a step whose memory is recorded per rank (observe/memory.py)
 
 
 @dataclass
