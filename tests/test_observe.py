@@ -145,3 +145,30 @@ def test_out_of_memory_in_the_recorded_step_dumps_and_names_the_file(tmp_path):
             model(torch.ones(1))
     snap = json.loads((tmp_path / "memory" / "rank0.oom.step1.json").read_text())
     assert snap["oom"] and snap["samples"][0]["phase"] == "step start"
+
+
+def test_cuda_history_is_recorded_through_the_step_and_dumped_on_out_of_memory(tmp_path, monkeypatch):
+    """The CUDA path without a GPU: the allocator history starts with the run's first step, and an
+    out-of-memory error before the snapshot step dumps it and names the file."""
+    calls = []
+
+    def record(enabled="all", max_entries=None):
+        calls.append(enabled)
+
+    def dump(path):
+        calls.append("dump")
+        open(path, "wb").close()
+
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", record)
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", dump)
+    rec = MemoryRecorder(3, tmp_path, 1, torch.device("cuda"), nn.Linear(1, 1),
+                         lambda: {"params": 8, "grads": 0, "optim": 0})
+    with rec.step(0):
+        pass
+    assert calls == ["all"]  # recording from the first step on
+    with pytest.raises(torch.OutOfMemoryError, match=r"rank1\.oom\.step2\.pickle"):
+        with rec.step(1):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert calls == ["all", "dump", None]  # dumped, then recording stopped
+    assert (tmp_path / "memory" / "rank1.oom.step2.pickle").exists()
+    assert not (tmp_path / "memory" / "rank1.oom.step2.json").exists()  # step 3 is the sampled one
