@@ -80,10 +80,11 @@ def render(snapshots: dict[int, dict], png: str | Path, title: str | None = None
                      fontsize=9)
         ax.set_ylabel("MiB")
         ax.grid(alpha=0.3)
-    axes[0, 0].legend(fontsize=7, loc="upper left")
     axes[-1, 0].set_xlabel("time (ms) from the step's start")
     fig.suptitle(title or "memory over one step, by owner", fontsize=10)
-    fig.tight_layout()
+    fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="lower center", ncol=len(KINDS), fontsize=7,
+               frameon=False)  # below the panels: inside, it hides the phase marks
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(png, dpi=110)
     plt.close(fig)
     return Path(png)
