@@ -196,7 +196,8 @@ class HostReducer:
 
     def reduce_async(self, i: int, what: str | None = None) -> Handle | None:
         """Start summing bucket ``i`` over the group; counted as an all-reduce of the bucket.
-        None when a test fault says this rank skips the collective (comm/trace.py)."""
+        None when a test fault says this rank skips the collective (comm/trace.py). While a
+        profiler records (--profile), the handle comes wrapped so that its wait is named."""
         buffer = self.buffers[i]
         if not C.enter_all_reduce(buffer, self.axis, what):
             return None
