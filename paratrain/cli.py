@@ -234,6 +234,13 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
      "for files and schedulers (also whenever stderr is not a terminal)"),
     ("--log-every", "train.log_every", int, RUN, "without a progress bar: a log line (step, loss, tok/s, "
      "MFU, memory, elapsed and ETA) every N steps and at least every 30 s; 0: every 10% of the steps"),
+    ("--profile", "train.profile", str, RUN, "record steps A:B (e.g. 5:8, counted from 1) with "
+     "torch.profiler: one Chrome/Perfetto trace per rank in OUT/profile/, collectives named by purpose; "
+     "draw with `paratrain viz profile OUT`"),
+    ("--memory-snapshot", "train.memory_snapshot", int, RUN, "record what holds memory during this step, "
+     "per rank, in OUT/memory/ (parameters, gradients, optimizer state, activations; on CUDA also the "
+     "allocator history for PyTorch's memory_viz, dumped on out-of-memory too); draw with "
+     "`paratrain viz memory OUT`"),
 ]
 # Second names of a flag. --warning-signal: torchrun's parser takes `--signal` after `-m
 # paratrain.cli train` for an abbreviation of its own --signals-to-handle and stops ("ambiguous
@@ -679,7 +686,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("kind", help="single | ddp | zero | tp | pp | moe | api | sync "
                                 "(`paratrain bench KIND --help` for its options)")
     sub.add_parser("plan", help="choose a layout for a model and a cluster, and explain why", add_help=False)
-    sub.add_parser("viz", help="pictures of a run (viz timeline OUT)", add_help=False)
+    sub.add_parser("viz", help="pictures of a run (viz timeline|profile|memory OUT)", add_help=False)
     sub.add_parser("data", help="tokenize a corpus once (data prepare --data SRC --out DIR)", add_help=False)
     args, rest = parser.parse_known_args(argv)
     try:

@@ -174,6 +174,8 @@ class TrainConfig:
     # at the next step boundary and the run exits with signals.EXIT_REQUEUE. "none": not handled.
     warning_signal: str = "USR1"
     requeue: bool = False  # after the warning signal's save, requeue the Slurm job (scontrol requeue)
+    profile: str | None = None  # "A:B": torch.profiler traces of steps A..B per rank (observe/profile.py)
+    memory_snapshot: int | None = None  # a step whose memory is recorded per rank (observe/memory.py)
 
 
 @dataclass

@@ -60,7 +60,7 @@ def expanded(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
 def test_every_subcommand_is_covered(monkeypatch):
     progs = set(all_parsers(monkeypatch))
     for name in ("train", "generate", "eval", "export", "plan", "data prepare", "viz timeline",
-                 "bench ddp", "bench pp", "bench single"):
+                 "viz profile", "viz memory", "bench ddp", "bench pp", "bench single"):
         assert f"paratrain {name}" in progs, sorted(progs)
 
 

@@ -167,7 +167,7 @@ class Strategy:
             total += (torch.stack(norms).double() ** 2 / copies.to(total.device)).sum()
         if not replicated:
             with self.mesh.counter.paused():  # a scalar; not part of the training traffic
-                C.all_reduce(total, self.mesh.world)
+                C.all_reduce(total, self.mesh.world, what="all-reduce of the squared gradient norm")
         return math.sqrt(total.item()) if torch.isfinite(total) else float("inf")
 
     @torch.no_grad()

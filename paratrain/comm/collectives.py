@@ -135,6 +135,65 @@ def nbytes(t: torch.Tensor | None) -> int:
 
 
 # --------------------------------------------------------------------------------------------
+# Profiler labels (--profile, observe/profile.py): while a profiler records, each collective and
+# each wait for an asynchronous one is a named range in the trace, under its purpose ("all-reduce
+# of DDP bucket 0", "all-gather of unit layers.3"; otherwise its kind and group). Off, nothing is
+# built: a record_function costs a dispatcher call even with no profiler running.
+# --------------------------------------------------------------------------------------------
+
+_PROFILING = False
+
+
+def set_profiling(on: bool) -> None:
+    """Label collectives in profiler traces from now on (or stop)."""
+    global _PROFILING
+    _PROFILING = on
+
+
+#: How every label begins (after "wait for "): what tells a collective's range in a trace from the
+#: ranges torch itself adds ("Optimizer.step#AdamW.step"). observe/viz_profile.py reads it.
+LABEL_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "broadcast", "gather-object",
+               "barrier", "point-to-point")
+
+
+def label_of(kind: str, axis: Axis, what: str | None) -> str:
+    """A collective's name in a trace: its purpose ("all-gather of unit layers.3"), else its kind
+    and group ("all-reduce on tp[0, 1]"); a purpose that does not start with its kind is prefixed."""
+    name = kind.replace("_", "-")
+    if what is None:
+        return f"{name} on {axis.name}{axis.ranks}"
+    return what if what.startswith(LABEL_KINDS) else f"{name}: {what}"
+
+
+def _label(kind: str, axis: Axis, what: str | None) -> contextlib.AbstractContextManager:
+    if not _PROFILING:
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(label_of(kind, axis, what))
+
+
+class _LabelledWait:
+    """A work handle whose ``wait`` is a named range in the trace ("wait for <purpose>"): where an
+    asynchronous collective's time shows on the waiting thread."""
+
+    def __init__(self, work, label: str):
+        self._work, self._label = work, label
+
+    def wait(self, *args, **kwargs):
+        with torch.profiler.record_function(f"wait for {self._label}"):
+            return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str):  # is_completed, get_future, ...: the handle's own
+        return getattr(self._work, name)
+
+
+def labelled_wait(work: object, kind: str, axis: Axis, what: str | None) -> object:
+    """``work`` itself, or while profiling a handle whose wait is labelled in the trace."""
+    if work is None or not _PROFILING:
+        return work
+    return _LabelledWait(work, label_of(kind, axis, what))
+
+
+# --------------------------------------------------------------------------------------------
 # Fingerprints (comm/trace.py): every collective is numbered per group and remembered; with
 # counter.check the group first compares them, so a divergence fails at the first mismatch.
 # --------------------------------------------------------------------------------------------
@@ -184,7 +243,9 @@ def all_reduce(t: torch.Tensor, axis: Axis, op: dist.ReduceOp.RedOpType = dist.R
     if not axis.active or not _enter("all_reduce", axis, t.shape, t.dtype, what):
         return None
     axis.counter.record("all_reduce", axis.name, axis.size, nbytes(t))
-    return dist.all_reduce(t, op=op, group=axis.group, async_op=async_op)
+    with _label("all_reduce", axis, what):
+        work = dist.all_reduce(t, op=op, group=axis.group, async_op=async_op)
+    return labelled_wait(work, "all_reduce", axis, what)
 
 
 def enter_all_reduce(t: torch.Tensor, axis: Axis, what: str | None = None) -> bool:
@@ -206,7 +267,9 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, axis: Axis, async_op
     if not _enter("all_gather", axis, shard.shape, shard.dtype, what):
         return None
     axis.counter.record("all_gather", axis.name, axis.size, nbytes(out))
-    return dist.all_gather_single(out, shard, group=axis.group, async_op=async_op)
+    with _label("all_gather", axis, what):
+        work = dist.all_gather_single(out, shard, group=axis.group, async_op=async_op)
+    return labelled_wait(work, "all_gather", axis, what)
 
 
 def reduce_scatter_into(
@@ -221,7 +284,9 @@ def reduce_scatter_into(
     if not _enter("reduce_scatter", axis, full.shape, full.dtype, what):
         return None
     axis.counter.record("reduce_scatter", axis.name, axis.size, nbytes(full))
-    return dist.reduce_scatter_single(out, full, op=op, group=axis.group, async_op=async_op)
+    with _label("reduce_scatter", axis, what):
+        work = dist.reduce_scatter_single(out, full, op=op, group=axis.group, async_op=async_op)
+    return labelled_wait(work, "reduce_scatter", axis, what)
 
 
 #: Which primitive carries a reduce-scatter, per backend. Measured on gloo (2 ranks, loopback,
@@ -284,7 +349,8 @@ def all_gather_list(t: torch.Tensor, axis: Axis) -> list[torch.Tensor]:
     out = [torch.empty_like(t) for _ in range(axis.size)]
     _enter("all_gather", axis, t.shape, t.dtype, None)
     axis.counter.record("all_gather", axis.name, axis.size, nbytes(t) * axis.size)
-    dist.all_gather(out, t.contiguous(), group=axis.group)
+    with _label("all_gather", axis, None):
+        dist.all_gather(out, t.contiguous(), group=axis.group)
     return out
 
 
@@ -293,7 +359,9 @@ def broadcast(t: torch.Tensor, axis: Axis, src_index: int = 0, async_op: bool = 
     if not axis.active or not _enter("broadcast", axis, t.shape, t.dtype, what):
         return None
     axis.counter.record("broadcast", axis.name, axis.size, nbytes(t) if axis.rank == src_index else 0)
-    return dist.broadcast(t, src=axis.ranks[src_index], group=axis.group, async_op=async_op)
+    with _label("broadcast", axis, what):
+        work = dist.broadcast(t, src=axis.ranks[src_index], group=axis.group, async_op=async_op)
+    return labelled_wait(work, "broadcast", axis, what)
 
 
 def all_to_all_single(
@@ -312,9 +380,9 @@ def all_to_all_single(
     row = math.prod(inp.shape[1:]) * inp.element_size()  # bytes per row (a rank may send none)
     own = in_splits[axis.rank] if in_splits is not None else inp.shape[0] // axis.size
     axis.counter.record("all_to_all", axis.name, axis.size, nbytes(inp), wire=nbytes(inp) - own * row)
-    return dist.all_to_all_single(
-        out, inp, out_splits, in_splits, group=axis.group, async_op=async_op
-    )
+    with _label("all_to_all", axis, None):
+        work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=axis.group, async_op=async_op)
+    return labelled_wait(work, "all_to_all", axis, None)
 
 
 def gather_object(obj: object, axis: Axis, dst_index: int = 0) -> list | None:
@@ -323,7 +391,8 @@ def gather_object(obj: object, axis: Axis, dst_index: int = 0) -> list | None:
         return [obj]
     out = [None] * axis.size if axis.rank == dst_index else None
     _enter("gather_object", axis, None, "object", None)
-    dist.gather_object(obj, out, dst=axis.ranks[dst_index], group=axis.group)
+    with _label("gather_object", axis, None):
+        dist.gather_object(obj, out, dst=axis.ranks[dst_index], group=axis.group)
     return out
 
 
@@ -332,14 +401,16 @@ def all_gather_object(obj: object, axis: Axis) -> list:
         return [obj]
     out = [None] * axis.size
     _enter("all_gather_object", axis, None, "object", None)
-    dist.all_gather_object(out, obj, group=axis.group)
+    with _label("all_gather_object", axis, None):
+        dist.all_gather_object(out, obj, group=axis.group)
     return out
 
 
 def barrier(axis: Axis) -> None:
     if axis.active:
         _enter("barrier", axis, None, "-", None)
-        dist.barrier(group=axis.group)
+        with _label("barrier", axis, None):
+            dist.barrier(group=axis.group)
 
 
 # --------------------------------------------------------------------------------------------
@@ -360,4 +431,10 @@ def batch_p2p(ops: list[dist.P2POp]) -> list:
     """Launch sends and receives together (avoids the ordering deadlocks of blocking p2p)."""
     if not ops:
         return []
-    return dist.batch_isend_irecv(ops)
+    if not _PROFILING:
+        return dist.batch_isend_irecv(ops)
+    sends = sum(op.op is dist.isend for op in ops)
+    label = f"point-to-point: {sends} send(s), {len(ops) - sends} receive(s)"
+    with torch.profiler.record_function(label):
+        works = dist.batch_isend_irecv(ops)
+    return [_LabelledWait(w, label) for w in works]

@@ -196,7 +196,8 @@ class HostReducer:
 
     def reduce_async(self, i: int, what: str | None = None) -> Handle | None:
         """Start summing bucket ``i`` over the group; counted as an all-reduce of the bucket.
-        None when a test fault says this rank skips the collective (comm/trace.py)."""
+        None when a test fault says this rank skips the collective (comm/trace.py). While a
+        profiler records (--profile), the handle comes wrapped so that its wait is named."""
         buffer = self.buffers[i]
         if not C.enter_all_reduce(buffer, self.axis, what):
             return None
@@ -205,7 +206,7 @@ class HostReducer:
             self._thread.start()
         handle = Handle()
         self._queue.put((i, handle))
-        return handle
+        return C.labelled_wait(handle, "all_reduce", self.axis, what)  # its wait named in --profile traces
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:

@@ -20,6 +20,7 @@ from paratrain.models.adapters import settle_lora_from
 from paratrain.models.from_config import model_shape
 from paratrain.models.hf import HFCheckpoint, HFError, check_init_from
 from paratrain.models.registry import kind_names
+from paratrain.observe.profile import parse_steps
 from paratrain.pipeline.stage import parse_split
 from paratrain.scheduler import parse_signal
 
@@ -31,6 +32,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     _check_model_name(cfg, problems)
     check_values(cfg, problems, world_size)
     _check_warning_signal(cfg, problems)
+    _check_observers(cfg, problems)
     if cfg.model.init_from:
         check_init_from(cfg, problems)
     if cfg.lora.from_dir and not problems:  # the adapter sets rank/alpha/targets (models/adapters.py)
@@ -57,6 +59,24 @@ def _check_warning_signal(cfg: Config, problems: list[str]) -> None:
     elif t.requeue and not os.environ.get("SLURM_JOB_ID"):
         problems.append("--requeue asks Slurm to requeue this job, but SLURM_JOB_ID is not set (not in a "
                         "Slurm job): drop --requeue, or start the run with sbatch/srun")
+
+
+def _check_observers(cfg: Config, problems: list[str]) -> None:
+    """--profile A:B and --memory-snapshot STEP name steps this run takes (counted from 1)."""
+    t = cfg.train
+    if t.profile is not None:
+        try:
+            first, last = parse_steps(t.profile)
+        except ValueError as e:
+            problems.append(str(e))
+        else:
+            if last > t.steps:
+                problems.append(f"--profile {t.profile} (train.profile) ends after the run's last step "
+                                f"({t.steps}): record steps within 1:{t.steps}, or raise --steps")
+    snap = t.memory_snapshot
+    if snap is not None and (not isinstance(snap, int) or isinstance(snap, bool) or not 1 <= snap <= t.steps):
+        problems.append(f"--memory-snapshot {snap} (train.memory_snapshot) must be a step of this run, "
+                        f"1 to {t.steps} (steps counted from 1, as in metrics.jsonl)")
 
 
 def _check_model_name(cfg: Config, problems: list[str]) -> None:

@@ -13,6 +13,8 @@ import argparse
 import json
 from pathlib import Path
 
+from paratrain.observe import viz_memory, viz_profile
+
 FORWARD = ("#9ecae1", "#4292c6", "#08519c", "#08306b")  # by chunk
 BACKWARD = ("#fdae6b", "#f16913", "#a63603", "#7f2704")
 WEIGHT = ("#a1d99b", "#41ab5d", "#006d2c", "#00441b")  # W: the deferred weight gradients
@@ -78,13 +80,18 @@ def render(info: dict, png: str | Path, title: str | None = None) -> Path:
 # What `paratrain viz --help` tells a user.
 DESCRIPTION = """Pictures of a run. `paratrain viz timeline OUT` draws the last step of a pipeline-parallel
 run as a Gantt chart, one row per rank: forward, backward and weight-gradient passes coloured, idle
-time blank, and the measured bubble beside the schedule's theoretical one.
+time blank, and the measured bubble beside the schedule's theoretical one. `paratrain viz profile
+OUT` draws one step of any layout from its --profile traces (compute, communication, idle per rank);
+`paratrain viz memory OUT` draws memory over the --memory-snapshot step, by owner, per rank.
 
-example:
-  paratrain train --nproc 2 --pp 2 --pp-schedule 1f1b --out runs/pp && paratrain viz timeline runs/pp"""
+examples:
+  paratrain train --nproc 2 --pp 2 --pp-schedule 1f1b --out runs/pp && paratrain viz timeline runs/pp
+  paratrain train --nproc 2 --steps 4 --profile 2:3 --out runs/p && paratrain viz profile runs/p
+  paratrain train --nproc 2 --steps 4 --memory-snapshot 2 --out runs/m && paratrain viz memory runs/m"""
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """`paratrain viz`'s parser: timeline (here), profile and memory (observe/)."""
     parser = argparse.ArgumentParser(prog="paratrain viz", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
@@ -92,7 +99,17 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("out", help="the run folder (--out of paratrain train) or a timeline.json")
     t.add_argument("--png", help="where to write the picture (default: OUT/timeline.png)")
     t.add_argument("--title", help="title instead of the schedule's parameters")
-    args = parser.parse_args(argv)
+    viz_profile.add_parser(sub)
+    viz_memory.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.what == "profile":
+        return viz_profile.main(args)
+    if args.what == "memory":
+        return viz_memory.main(args)
     info = load(args.out)
     folder = Path(args.out) if Path(args.out).is_dir() else Path(args.out).parent
     png = render(info, args.png or folder / "timeline.png", args.title)

@@ -41,6 +41,7 @@ from paratrain.launch import DistEnv, restart_attempt
 from paratrain.memory.batch_finder import resolve_micro_batch
 from paratrain.memory.precision import resolve_precision
 from paratrain.mesh import MeshShape, ParallelMesh
+from paratrain.observe import Observers
 from paratrain.sharding import info_of
 from paratrain.shards import ShardReader
 from paratrain.train import guards
@@ -131,6 +132,7 @@ class Trainer:
         self.phase_s: dict[str, float] = {}  # the last step's PHASES in seconds
         self.phase_sync = False  # drain the device queue at each phase boundary (benchmarks)
         self.phase_marks: list[float] = []  # the last step's phase boundaries, perf_counter seconds
+        self.observe = Observers()  # --profile / --memory-snapshot: set up by fit() (observe/)
         self.saver = ckpt.Saver(self.out, self.mesh, keep=cfg.train.keep_checkpoints,
                                 async_save=cfg.train.async_save)
 
@@ -177,9 +179,9 @@ class Trainer:
         local = self.engine.executor.run(batches, float(grad_units), self.scaler.scale)
         if grad_units != units:  # the logged loss stays this rank's share of the global batch's mean
             local = local * (grad_units / units)
-        marks = [start, self._phase_mark()]
+        marks = [start, self._phase_mark("forward_backward")]
         norm = strategy.grad_norm() / self.scaler.scale
-        marks.append(self._phase_mark())
+        marks.append(self._phase_mark("grad_norm"))
         skipped = self.scaler.update(norm * self.scaler.scale)
         if not skipped and not math.isfinite(norm):  # no fp16 scaler to absorb it: the nan policy
             skipped = guards.non_finite_step(step, norm, self.cfg.train.nan_policy, self.engine.model)
@@ -198,11 +200,12 @@ class Trainer:
         return {"local_loss": local, "grad_norm": norm, "skipped": skipped, "time": elapsed,
                 "state_bytes": state_bytes, "units": units}
 
-    def _phase_mark(self) -> float:
+    def _phase_mark(self, ended: str) -> float:
         """A phase boundary of the step on the host clock; with ``phase_sync`` (benchmarks) the
         device queue is drained first, so GPU phases are not just their launch time."""
         if self.phase_sync:
             sync_device(self.mesh.device)
+        self.observe.phase(ended)  # --memory-snapshot samples here
         return time.perf_counter()
 
     def reduce_loss(self, local: torch.Tensor) -> float:
@@ -264,9 +267,12 @@ class Trainer:
         if self.is_main:  # measured in the precision that runs
             self.peak_flops = PeakFlops(self.mesh.device, cfg.train.precision, self.env.world_size)
         bar = _progress(cfg, self.start_step) if self.is_main and not cfg.train.quiet else None
+        self.observe = self.observers()
         try:
             for step in range(self.start_step, cfg.train.steps):
-                row = self.log_step(step, self.train_step(step))
+                with self.observe.step(step):
+                    s = self.train_step(step)
+                row = self.log_step(step, s)
                 done = step + 1
                 if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == cfg.train.steps):
                     row["val_loss"] = self.evaluate()
@@ -277,6 +283,7 @@ class Trainer:
                     bar.step(row)
                 if cfg.train.save_every and done % cfg.train.save_every == 0 and done < cfg.train.steps:
                     self.save(done)
+                self.observe.after_step(step)
                 faults.crash_point(done, self.env.rank, restart_attempt())
                 if done < cfg.train.steps and self.stop_requested(done):
                     self.saver.finish()
@@ -285,6 +292,7 @@ class Trainer:
             self.saver.abandon()  # no collective commit while other ranks may be gone
             raise
         finally:
+            self.observe.close()
             if bar is not None:
                 bar.close()
             if writer:
@@ -298,6 +306,13 @@ class Trainer:
         self.export()
         self.engine.executor.write_timeline(self.out, self.is_main)  # pipelines: OUT/timeline.json
         return self.result
+
+    def observers(self) -> Observers:
+        """--profile and --memory-snapshot of this rank (observe/)."""
+        t = self.cfg.train
+        return Observers(profile=t.profile, memory_snapshot=t.memory_snapshot, out=self.out,
+                         rank=self.env.rank, device=self.mesh.device, model=self.engine.model,
+                         model_state=self.engine.strategy.state_bytes, start_step=self.start_step)
 
     def stop_requested(self, done: int) -> bool:
         """A signal reached any rank: all save step ``done`` together and stop (signals.py)."""

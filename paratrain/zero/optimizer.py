@@ -62,6 +62,17 @@ from paratrain.zero.sharded_state import ShardedState, held_sync
 # --------------------------------------------------------------------------------------------
 
 
+def grads_of(i: int) -> str:
+    """The purpose of bucket ``i``'s gradient reduction: its name for the collective checker and
+    in --profile traces."""
+    return f"reduce-scatter of ZeRO bucket {i}'s gradients"
+
+
+def params_of(i: int) -> str:
+    """The purpose of the all-gather that brings every rank bucket ``i``'s updated parameters."""
+    return f"all-gather of ZeRO bucket {i}'s parameters"
+
+
 @dataclass
 class _Bucket:
     layout: FlatLayout
@@ -141,9 +152,9 @@ class ZeroDP(Strategy):
 
     def after_backward(self) -> None:
         replicas = []  # HSDP: each shard's all-reduce across replicas overlaps the next reduce-scatter
-        for b in self.buckets:
+        for i, b in enumerate(self.buckets):
             b.grad_shard = b.layout.local(b.grad_flat)  # reduced in place: the shard is a view
-            C.reduce_scatter_auto(b.grad_shard, b.grad_flat, self._axis(b))
+            C.reduce_scatter_auto(b.grad_shard, b.grad_flat, self._axis(b), what=grads_of(i))
             replicas.append(self.over_replicas(b.layout, b.grad_shard))
         wait_all(replicas)
 
@@ -170,8 +181,8 @@ class ZeroDP(Strategy):
         shards = [b.layout.local(b.flat) for b in self.buckets]
         self.step_partition([b.grad_shard for b in self.buckets], shards, lr)
         self.after_partition_step(shards)
-        for b in self.buckets:  # every rank's updated slice to every rank, in place
-            C.all_gather_into(b.flat, b.layout.local(b.flat), self._axis(b))
+        for i, b in enumerate(self.buckets):  # every rank's updated slice to every rank, in place
+            C.all_gather_into(b.flat, b.layout.local(b.flat), self._axis(b), what=params_of(i))
         self._factor = 1.0
 
     def _axis(self, b: _Bucket) -> C.Axis:
@@ -220,7 +231,7 @@ class ZeroDP(Strategy):
         for i, b in enumerate(self.buckets):
             local = self.store.read(i, "param").to(self.mesh.device, self.compute_dtype)
             b.layout.local(b.flat).copy_(local)
-            C.all_gather_into(b.flat, b.layout.local(b.flat), self._axis(b))
+            C.all_gather_into(b.flat, b.layout.local(b.flat), self._axis(b), what=params_of(i))
 
 
 class Zero1(ShardedState, ZeroDP):
@@ -244,23 +255,25 @@ class Zero2(ShardedState, ZeroDP):
     def _on_grad(self, p: nn.Parameter) -> None:
         if not self._sync:
             return  # accumulation micro-batch: p.grad keeps the running sum
-        b = self.buckets[self._bucket_of[p]]
+        i = self._bucket_of[p]
+        b = self.buckets[i]
         b.ready += 1
         if b.ready == len(b.layout.params):
-            self._reduce(b)
+            self._reduce(b, i)
 
-    def _reduce(self, b: _Bucket) -> None:
+    def _reduce(self, b: _Bucket, i: int) -> None:
         """Pack the bucket's gradients, free them, launch the reduce-scatter (async)."""
         b.grad_flat = b.layout.flatten([p.grad for p in b.layout.params], self.reduce_dtype, self.mesh.device)
         for p in b.layout.params:
             p.grad = None
         b.grad_shard = torch.empty(b.layout.shard, dtype=self.reduce_dtype, device=self.mesh.device)
-        b.work = C.reduce_scatter_auto(b.grad_shard, b.grad_flat, self._axis(b), async_op=True)
+        b.work = C.reduce_scatter_auto(b.grad_shard, b.grad_flat, self._axis(b), async_op=True,
+                                       what=grads_of(i))
 
     def after_backward(self) -> None:
-        for b in self.buckets:  # a bucket whose parameters got no gradient: reduce zeros, in order
+        for i, b in enumerate(self.buckets):  # a bucket whose parameters got no gradient: reduce zeros
             if b.work is None and b.grad_shard is None:
-                self._reduce(b)
+                self._reduce(b, i)
         replicas = []  # HSDP: launched bucket by bucket as their reduce-scatters complete
         for b in self.buckets:
             if b.work is not None:

@@ -1,0 +1,174 @@
+"""--profile and --memory-snapshot (paratrain/observe/): traces parsed back, memory by owner,
+the pictures, and bad input refused before any worker starts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+from paratrain.cli import main
+from paratrain.comm import collectives as C
+from paratrain.observe import viz_memory, viz_profile
+from paratrain.observe.memory import MemoryRecorder
+from paratrain.observe.profile import parse_steps
+from paratrain.train.metrics import read_metrics
+from tests.harness import run_layout, tiny_cfg
+
+TINY_FLAGS = ["--model", "tiny", "--vocab-size", "512", "--max-files", "40", "--seq-len", "32",
+              "--global-batch", "8", "--eval-every", "0", "--no-progress"]
+
+
+def _names(trace: dict) -> set[str]:
+    return {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}
+
+
+def _viz(what: str, out, **kw) -> argparse.Namespace:
+    return argparse.Namespace(out=str(out), step=None, png=None, title=None, json=False, what=what, **kw)
+
+
+def test_dp2_run_writes_profiles_and_memory_snapshots(tmp_path, capsys):
+    """One 2-rank DDP run with --profile 2:3 --memory-snapshot 2: per-rank traces with the step
+    ranges and the buckets' purpose names, the timeline's fractions, memory by owner."""
+    out = tmp_path / "run"
+    run_layout(tiny_cfg(out, **{"parallel.dp": 2, "train.profile": "2:3", "train.memory_snapshot": 2}),
+               nproc=2)
+    for rank in (0, 1):
+        names = _names(json.loads((out / "profile" / f"rank{rank}.step2-3.json").read_text()))
+        assert {"step 2", "step 3"} <= names and "step 1" not in names and "step 4" not in names
+        assert any("all-reduce of DDP bucket 0" in n for n in names), sorted(names)
+
+    assert viz_profile.main(_viz("profile", out)) == 0
+    assert (out / "profile" / "step3.png").stat().st_size > 0
+    summary = viz_profile.summarise(out)
+    assert summary["step"] == 3 and sorted(summary["ranks"]) == [0, 1]
+    for r in summary["ranks"].values():
+        assert r["compute"] > 0 and min(r["communication"], r["idle"]) >= 0
+        assert r["compute"] + r["communication"] + r["idle"] == pytest.approx(1.0, abs=1e-9)
+    assert "rank 1: compute" in capsys.readouterr().out
+
+    row = read_metrics(out / "metrics.jsonl")[1]  # step 2
+    for rank in (0, 1):
+        snap = json.loads((out / "memory" / f"rank{rank}.step2.json").read_text())
+        by_phase = {s["phase"]: s for s in snap["samples"] if s["phase"]}
+        assert {s["params"] for s in snap["samples"]} == {row["per_rank"]["mem_params_bytes"][rank]}
+        assert by_phase["step end"]["optim"] == row["per_rank"]["mem_optim_bytes"][rank]
+        peak = max(s["activations"] for s in snap["samples"])
+        assert by_phase["forward 0 end"]["activations"] > 0.5 * peak > 0  # saved for backward
+        assert by_phase["forward_backward end"]["activations"] <= 0.01 * peak  # freed by backward
+    assert viz_memory.main(_viz("memory", out)) == 0
+    assert (out / "memory" / "step2.png").stat().st_size > 0
+
+
+def test_pp2_profile_names_the_pipeline_transfers(tmp_path):
+    out = tmp_path / "run"
+    run_layout(tiny_cfg(out, **{"parallel.pp": 2, "train.micro_batch": 2, "train.steps": 2,
+                                "train.profile": "2:2"}), nproc=2)
+    for rank in (0, 1):
+        names = _names(json.loads((out / "profile" / f"rank{rank}.step2-2.json").read_text()))
+        assert "step 2" in names and any(n.startswith("point-to-point:") for n in names), sorted(names)
+    summary = viz_profile.summarise(out)
+    for r in summary["ranks"].values():
+        assert r["compute"] + r["communication"] + r["idle"] == pytest.approx(1.0, abs=1e-9)
+    assert viz_profile.render(summary, tmp_path / "pp.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--profile", "5:3"], "--profile '5:3'"),
+    (["--profile", "two"], "--profile 'two'"),
+    (["--profile", "2:9"], "--profile 2:9"),
+    (["--memory-snapshot", "9"], "--memory-snapshot 9"),
+    (["--memory-snapshot", "0"], "--memory-snapshot 0"),
+])
+def test_bad_steps_exit_2_before_any_worker(tmp_path, capsys, monkeypatch, flags, named):
+    import paratrain.run as run_module
+
+    monkeypatch.setattr(run_module, "run_training", lambda cfg: pytest.fail("workers started"))
+    code = main(["train", *TINY_FLAGS, "--nproc", "2", "--steps", "4", "--out", str(tmp_path), *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and named in err and "Traceback" not in err, err
+
+
+def test_parse_steps():
+    assert parse_steps("5:8") == (5, 8) and parse_steps("3") == (3, 3)
+    for bad in ("0:2", "3:2", "a:b", "1:2:3", ""):
+        with pytest.raises(ValueError, match="FIRST:LAST"):
+            parse_steps(bad)
+
+
+def test_labels_cost_nothing_while_no_profiler_records(monkeypatch):
+    """Off, a collective builds no record_function and its work handle is returned as is."""
+    axis = C.single_axis()
+    monkeypatch.setattr(torch.profiler, "record_function", lambda name: pytest.fail("labelled"))
+    C.set_profiling(False)
+    work = object()
+    assert C.labelled_wait(work, "all_reduce", axis, "all-reduce of DDP bucket 0") is work
+    with C._label("all_reduce", axis, None):
+        pass
+    assert C.label_of("all_reduce", axis, None) == "all-reduce on world[0]"
+    assert C.label_of("all_gather", axis, "all-gather of unit layers.3") == "all-gather of unit layers.3"
+    assert C.label_of("all_reduce", axis, "loss") == "all-reduce: loss"  # every label says its kind
+
+
+def test_timeline_counts_only_the_step_thread_and_labelled_ranges():
+    """compute = operators outside labelled collectives; communication = the labels; idle = the
+    rest; another thread's ranges (gloo's) and torch's own annotations are not communication."""
+    def ev(name, cat, ts, dur, tid=1):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 7, "tid": tid}
+
+    events = [ev("step 4", "user_annotation", 1000, 100),
+              ev("aten::mm", "cpu_op", 1000, 40),
+              ev("all-reduce of DDP bucket 0", "user_annotation", 1050, 20),
+              ev("gloo:all_reduce", "user_annotation", 1050, 45),  # an async op's lifetime
+              ev("Optimizer.step#AdamW.step", "user_annotation", 1075, 10),
+              ev("aten::add_", "cpu_op", 1075, 10),
+              ev("aten::mm", "cpu_op", 1000, 100, tid=2)]  # another thread
+    r = viz_profile.classify(events, 4)
+    assert (r["compute"], r["communication"], r["idle"]) == pytest.approx((0.5, 0.2, 0.3))
+    assert r["collectives"] == ["all-reduce of DDP bucket 0"]
+
+
+class _OOM(nn.Module):
+    def forward(self, x):
+        raise MemoryError("out of host memory")
+
+
+def test_out_of_memory_in_the_recorded_step_dumps_and_names_the_file(tmp_path):
+    model = _OOM()
+    rec = MemoryRecorder(1, tmp_path, 0, torch.device("cpu"), model,
+                         lambda: {"params": 8, "grads": 0, "optim": 0})
+    with pytest.raises(MemoryError, match="memory snapshot written to .*rank0.oom.step1.json"):
+        with rec.step(0):
+            model(torch.ones(1))
+    snap = json.loads((tmp_path / "memory" / "rank0.oom.step1.json").read_text())
+    assert snap["oom"] and snap["samples"][0]["phase"] == "step start"
+
+
+def test_cuda_history_is_recorded_through_the_step_and_dumped_on_out_of_memory(tmp_path, monkeypatch):
+    """The CUDA path without a GPU: the allocator history starts with the run's first step, and an
+    out-of-memory error before the snapshot step dumps it and names the file."""
+    calls = []
+
+    def record(enabled="all", max_entries=None):
+        calls.append(enabled)
+
+    def dump(path):
+        calls.append("dump")
+        open(path, "wb").close()
+
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", record)
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", dump)
+    rec = MemoryRecorder(3, tmp_path, 1, torch.device("cuda"), nn.Linear(1, 1),
+                         lambda: {"params": 8, "grads": 0, "optim": 0})
+    with rec.step(0):
+        pass
+    assert calls == ["all"]  # recording from the first step on
+    with pytest.raises(torch.OutOfMemoryError, match=r"rank1\.oom\.step2\.pickle"):
+        with rec.step(1):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert calls == ["all", "dump", None]  # dumped, then recording stopped
+    assert (tmp_path / "memory" / "rank1.oom.step2.pickle").exists()
+    assert not (tmp_path / "memory" / "rank1.oom.step2.json").exists()  # step 3 is the sampled one
