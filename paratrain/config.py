@@ -11,6 +11,7 @@ worker starts. TOML sections mirror the dataclasses::
     [optim]     lr = 3e-3
     [train]     steps = 200
     [lora]      rank = 16
+    [tracking]  trackers = ["mlflow"]
 """
 
 from __future__ import annotations
@@ -178,6 +179,23 @@ class LoraConfig:
     from_dir: str | None = None  # a PEFT adapter folder to start from (--lora-from)
 
 
+#: --tracker names -> the modules each needs (found before any worker starts: engine/checks.py) and
+#: the pyproject extra that installs them. MLflow's default store is SQLite (OUT/mlflow.db).
+TRACKERS: dict[str, tuple[tuple[str, ...], str]] = {
+    "tensorboard": (("tensorboard",), "tensorboard"),
+    "mlflow": (("mlflow", "sqlalchemy", "alembic"), "mlflow"),
+    "wandb": (("wandb",), "wandb"),
+}
+
+
+@dataclass
+class TrackingConfig:
+    trackers: list[str] | None = None  # metrics rows, config and layout also go to these (TRACKERS)
+    project: str = "paratrain"  # MLflow's experiment, W&B's project; the run is named after --out
+    mlflow_uri: str | None = None  # MLflow tracking URI; None: sqlite:///OUT/mlflow.db (offline)
+    wandb_mode: str = "offline"  # offline: OUT/wandb, `wandb sync` later | online (needs `wandb login`)
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -186,6 +204,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -244,7 +263,7 @@ class Config:
 
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "data": DataConfig,
-            "optim": OptimConfig, "train": TrainConfig, "lora": LoraConfig}
+            "optim": OptimConfig, "train": TrainConfig, "lora": LoraConfig, "tracking": TrackingConfig}
 
 
 def apply_sections(cfg: Config, d: dict, source: str) -> None:
@@ -326,6 +345,7 @@ CHOICES: dict[str, tuple] = {
     "lora.base_precision": ("fp32", "bf16"),
     "data.format": ("auto", "chat", "completion", "text"),
     "data.long_examples": ("truncate", "refuse"),
+    "tracking.wandb_mode": ("offline", "online"),
 }
 
 
@@ -439,6 +459,9 @@ def check_values(cfg: Config, problems: list[str], world_size: int | None = None
         _check_8bit(problems, cfg)
     if p.offload == "disk" and not p.offload_dir:
         problems.append("parallel.offload = 'disk' needs parallel.offload_dir (--offload-dir DIR)")
+    for name in cfg.tracking.trackers or []:
+        if name not in TRACKERS:
+            problems.append(f"--tracker {name!r} (tracking.trackers) is not one of {', '.join(TRACKERS)}")
 
 
 def _check_8bit(problems: list[str], cfg: Config) -> None:
