@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from paratrain import cli
-from paratrain.config import TRACKERS
+from paratrain.config import TRACKERS, check_trackers
 from paratrain.engine import checks
 from paratrain.train import trackers as trackers_module
 from paratrain.train.metrics import read_metrics
@@ -279,10 +279,10 @@ def test_a_tracking_server_needs_no_sqlite_store(tmp_path, monkeypatch):
                         None if name in ("sqlalchemy", "alembic") else found(name))
     problems: list[str] = []
     cfg = tiny_cfg(tmp_path, **{"tracking.trackers": ["mlflow"], "tracking.mlflow_uri": "http://127.0.0.1:5000"})
-    checks.check_trackers(cfg, problems)
+    check_trackers(cfg.tracking, problems)
     assert problems == []
     cfg.tracking.mlflow_uri = None  # the default store, OUT/mlflow.db, is SQLite
-    checks.check_trackers(cfg, problems)
+    check_trackers(cfg.tracking, problems)
     assert problems == ["--tracker mlflow needs the sqlalchemy and alembic packages: pip install "
                         "'paratrain[mlflow]'"]
 

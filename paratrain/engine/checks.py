@@ -9,18 +9,8 @@ every technique, so config.py imports nothing of paratrain.
 
 from __future__ import annotations
 
-import importlib.util
-
 from paratrain.comm import host_reduce
-from paratrain.config import (
-    DEFAULT_SEQ_LEN,
-    TRACKERS,
-    Config,
-    ConfigError,
-    ParallelConfig,
-    bullets,
-    check_values,
-)
+from paratrain.config import DEFAULT_SEQ_LEN, Config, ConfigError, ParallelConfig, bullets, check_values
 from paratrain.engine.lora import apply_run_lora, check_lora, trainable_count
 from paratrain.memory.layout import check_savers
 from paratrain.models import PRESETS, build_model
@@ -43,26 +33,9 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
             "--lora-from continues a PEFT adapter of a Hugging Face base model: add --init-from BASE"]
     if not problems:
         check_layout(cfg, problems)
-    check_trackers(cfg, problems)
     if problems:
         raise ConfigError("invalid configuration:" + bullets(problems))
     return cfg
-
-
-def check_trackers(cfg: Config, problems: list[str]) -> None:
-    """Each --tracker's packages are installed (found, not imported: MLflow alone costs ~2.7 s)."""
-    t = cfg.tracking
-    for name in t.trackers or []:
-        if name not in TRACKERS:
-            continue  # config.check_values names it
-        modules, extra = TRACKERS[name]
-        if name == "mlflow" and t.mlflow_uri and not t.mlflow_uri.startswith("sqlite:"):
-            modules = modules[:1]  # a server or a file store: no SQLAlchemy in this process
-        missing = [m for m in modules if importlib.util.find_spec(m) is None]
-        if missing:
-            listed = " and ".join([", ".join(missing[:-1]), missing[-1]] if len(missing) > 1 else missing)
-            problems.append(f"--tracker {name} needs the {listed} package{'s' if len(missing) > 1 else ''}: "
-                            f"pip install 'paratrain[{extra}]'")
 
 
 def _check_model_name(cfg: Config, problems: list[str]) -> None:
