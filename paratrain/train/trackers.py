@@ -167,7 +167,9 @@ class MLflow:
 
         now = int(time.time() * 1000)
         rows = [Metric(k, float(v), now, step) for k, v in metrics.items()]
-        self.client.log_batch(self.run_id, metrics=rows)
+        # queued, written by MLflow's own thread (a SQLite commit a step costs ~10-50 ms here);
+        # set_terminated in close() flushes the queue
+        self.client.log_batch(self.run_id, metrics=rows, synchronous=False)
 
     def close(self, status: str) -> None:
         self.client.set_terminated(self.run_id, status=MLFLOW_STATUS[status])
@@ -216,6 +218,7 @@ class Trackers:
 
     def __init__(self, cfg: Config, start_step: int):
         out = Path(cfg.train.out)
+        out.mkdir(parents=True, exist_ok=True)  # W&B looks into its dir as it starts
         recorded = read_record(out) if cfg.train.resume else {}
         self.open: list[tuple[str, Tracker]] = []
         try:
