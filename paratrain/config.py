@@ -1,5 +1,7 @@
 """Typed configuration: dataclasses, loaded from TOML, overridden by command-line flags.
 
+Over 500 lines: every setting with its type, choices and range in one plain-data module.
+
 This module is plain data: it imports nothing of paratrain. ``check_values`` lists the problems
 the settings alone show; ``paratrain.engine.checks.validate(cfg, world_size)`` adds those that need
 the model and the techniques, lists *every* problem with what to change, and runs before any
