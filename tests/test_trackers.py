@@ -248,11 +248,12 @@ def test_rows_are_flattened_and_every_tracker_closes_in_order(tmp_path, monkeypa
     trackers.write(row)
     trackers.write({**row, "step": 2})
     trackers.close(error, stopped)  # stopped: a signal stop at a step boundary, to be resumed
-    metrics = {"loss": 2.5, "skipped": True, "comm_bytes/all_reduce": 8}
+    metrics = {"loss": 2.5, "skipped": 1, "comm_bytes/all_reduce": 8}  # no null, text, list; bools 0/1
     assert Fake.calls == [("first", "params", 1, 4), ("second", "params", 1, 4),
                           ("first", "metrics", 1, metrics), ("second", "metrics", 1, metrics),
                           ("first", "metrics", 2, metrics), ("second", "metrics", 2, metrics),
                           ("first", "close", status), ("second", "close", status)]
+    assert type(Fake.calls[2][3]["skipped"]) is int
     assert "closing the tensorboard tracker failed: disk full" in capsys.readouterr().err
     assert json.loads((tmp_path / "trackers.json").read_text()) == {
         "tensorboard": {"name": "first"}, "mlflow": {"name": "second"}}

@@ -3,15 +3,16 @@ run's config and layout, also sent to TensorBoard, MLflow or Weights & Biases; o
 
 One small protocol, ``Tracker``: ``log_params`` once per attempt (the config and the layout, flat:
 ``train/steps``, ``layout/dp``), ``log_metrics`` once per optimizer step (the row's numbers, nested
-keys joined by "/": ``comm_bytes/all_reduce``, ``comm_by_axis/dp``) and ``close`` on every way out
-(finished, failed, killed). Rank 0 alone holds them, fed where it writes metrics.jsonl (metrics.py).
+keys joined by "/": ``comm_bytes/all_reduce``, ``comm_by_axis/dp``), ``close`` on every way out
+(finished, failed, killed) and ``record`` (what a resume needs). Rank 0 alone holds them, fed where
+it writes metrics.jsonl (metrics.py). docs/operations.md says what each tracker holds and where.
 
 A resumed run continues the same tracker run: MLflow's run id and W&B's run id are recorded in
 ``OUT/trackers.json``; TensorBoard is told to purge the steps after the checkpoint (``purge_step``),
 the steps a crashed attempt logged, as metrics.jsonl drops them (``drop_rows_after``).
 
 Each library is imported in the function that opens it, and only when asked for: importing MLflow
-costs ~2.7 s, W&B ~1.4 s, TensorBoard's writer ~0.3 s (this machine, torch already imported).
+costs ~1.5 s, W&B ~0.9 s, TensorBoard's writer ~0.3 s (2-core machine, torch already imported).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def flat_numbers(row: dict, prefix: str = "") -> dict[str, float]:
         if isinstance(value, dict):
             out.update(flat_numbers(value, f"{prefix}{key}/"))
         elif isinstance(value, (bool, int, float)):
-            out[f"{prefix}{key}"] = value
+            out[f"{prefix}{key}"] = int(value) if isinstance(value, bool) else value
     return out
 
 
