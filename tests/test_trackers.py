@@ -296,5 +296,17 @@ def test_an_unknown_tracker_exits_2_naming_the_choices(tmp_path, monkeypatch, ca
     assert "--tracker 'neptune' (tracking.trackers) is not one of tensorboard, mlflow, wandb" in err
 
 
+def test_a_resume_without_a_tracker_keeps_its_record_for_a_later_one(tmp_path, monkeypatch):
+    fakes = {name: lambda *a, n=name: Fake(*a, name=n) for name in TRACKERS}
+    monkeypatch.setattr(trackers_module, "OPENERS", fakes)
+    Trackers(tiny_cfg(tmp_path, **{"tracking.trackers": ["mlflow", "wandb"]}), start_step=0).close()
+    resumed = tiny_cfg(tmp_path, **{"tracking.trackers": ["wandb"], "train.resume": True})
+    Trackers(resumed, start_step=2).close()
+    assert json.loads((tmp_path / "trackers.json").read_text()) == {"mlflow": {"name": "mlflow"},
+                                                                    "wandb": {"name": "wandb"}}
+    Trackers(tiny_cfg(tmp_path, **{"tracking.trackers": ["wandb"]}), start_step=0).close()  # afresh
+    assert json.loads((tmp_path / "trackers.json").read_text()) == {"wandb": {"name": "wandb"}}
+
+
 def test_no_tracker_unless_asked(tmp_path):
     assert trackers_module.open_trackers(tiny_cfg(tmp_path), start_step=0) is None

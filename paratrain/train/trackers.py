@@ -230,7 +230,8 @@ class Trackers:
         except BaseException as e:  # the ones opened are ended, as failed
             self.close(e)
             raise
-        write_record(out, {name: tracker.record() for name, tracker in self.open})
+        # a tracker left out of this attempt keeps its entry, for a later resume that asks for it again
+        write_record(out, {**recorded, **{name: tracker.record() for name, tracker in self.open}})
         self.config = flat_params(cfg.to_dict())
         self.params_sent = False
 
