@@ -45,6 +45,14 @@ def names_arg(text: str) -> list[str]:
     return names
 
 
+def trackers_arg(text: str) -> list[str]:
+    """--tracker: comma-separated tracker names (checked against config.TRACKERS with the rest)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: name a tracker, e.g. {','.join(config.TRACKERS)}")
+    return names
+
+
 # README's groups, in its order: `paratrain train --help` shows the flags under these headings.
 MODEL, LAYOUT, DATA, OPTIM, SAVERS, CHECKPOINTS, RELIABILITY, RUN = (
     "model", "layout (processes and parallelism)", "data", "optimisation",
@@ -241,6 +249,16 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
      "per rank, in OUT/memory/ (parameters, gradients, optimizer state, activations; on CUDA also the "
      "allocator history for PyTorch's memory_viz, dumped on out-of-memory too); draw with "
      "`paratrain viz memory OUT`"),
+    ("--tracker", "tracking.trackers", trackers_arg, RUN, "also send each metrics.jsonl row (nested keys as "
+     "comm_bytes/all_reduce), the config and the layout to these experiment trackers, comma-separated: "
+     "tensorboard (OUT/tensorboard), mlflow (OUT/mlflow.db), wandb (OUT/wandb, offline); --resume "
+     "continues the same tracker run (docs/operations.md)"),
+    ("--tracker-project", "tracking.project", str, RUN, "the MLflow experiment / W&B project the run is "
+     "logged under; the run is named after --out's folder"),
+    ("--mlflow-uri", "tracking.mlflow_uri", str, RUN, "--tracker mlflow: the tracking URI, e.g. "
+     "http://HOST:5000 for a server (default: sqlite:///OUT/mlflow.db, a local store)"),
+    ("--wandb-mode", "tracking.wandb_mode", str, RUN, "--tracker wandb: offline writes OUT/wandb for a "
+     "later `wandb sync`; online sends as it runs (needs `wandb login`)"),
 ]
 # Second names of a flag. --warning-signal: torchrun's parser takes `--signal` after `-m
 # paratrain.cli train` for an abbreviation of its own --signals-to-handle and stops ("ambiguous

@@ -13,11 +13,13 @@ worker starts. TOML sections mirror the dataclasses::
     [optim]     lr = 3e-3
     [train]     steps = 200
     [lora]      rank = 16
+    [tracking]  trackers = ["mlflow"]
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 import types
@@ -188,6 +190,23 @@ class LoraConfig:
     from_dir: str | None = None  # a PEFT adapter folder to start from (--lora-from)
 
 
+#: --tracker names -> the modules each needs (found before any worker starts: check_trackers) and
+#: the pyproject extra that installs them. MLflow's default store is SQLite (OUT/mlflow.db).
+TRACKERS: dict[str, tuple[tuple[str, ...], str]] = {
+    "tensorboard": (("tensorboard",), "tensorboard"),
+    "mlflow": (("mlflow", "sqlalchemy", "alembic"), "mlflow"),
+    "wandb": (("wandb",), "wandb"),
+}
+
+
+@dataclass
+class TrackingConfig:
+    trackers: list[str] | None = None  # metrics rows, config and layout also go to these (TRACKERS)
+    project: str = "paratrain"  # MLflow's experiment, W&B's project; the run is named after --out
+    mlflow_uri: str | None = None  # MLflow tracking URI; None: sqlite:///OUT/mlflow.db (offline)
+    wandb_mode: str = "offline"  # offline: OUT/wandb, `wandb sync` later | online (needs `wandb login`)
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -196,6 +215,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -254,7 +274,7 @@ class Config:
 
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "data": DataConfig,
-            "optim": OptimConfig, "train": TrainConfig, "lora": LoraConfig}
+            "optim": OptimConfig, "train": TrainConfig, "lora": LoraConfig, "tracking": TrackingConfig}
 
 
 def apply_sections(cfg: Config, d: dict, source: str) -> None:
@@ -362,6 +382,7 @@ CHOICES: dict[str, tuple] = {
     "lora.base_precision": ("fp32", "bf16"),
     "data.format": ("auto", "chat", "completion", "text"),
     "data.long_examples": ("truncate", "refuse"),
+    "tracking.wandb_mode": ("offline", "online"),
 }
 
 
@@ -479,6 +500,24 @@ def check_values(cfg: Config, problems: list[str], world_size: int | None = None
         _check_8bit(problems, cfg)
     if p.offload == "disk" and not p.offload_dir:
         problems.append("parallel.offload = 'disk' needs parallel.offload_dir (--offload-dir DIR)")
+    check_trackers(cfg.tracking, problems)
+
+
+def check_trackers(t: TrackingConfig, problems: list[str]) -> None:
+    """Each --tracker is known and its packages are installed (found, not imported: importing MLflow
+    alone costs ~1.5 s), like a data path that must exist, so that a missing one exits 2 at once."""
+    for name in t.trackers or []:
+        if name not in TRACKERS:
+            problems.append(f"--tracker {name!r} (tracking.trackers) is not one of {', '.join(TRACKERS)}")
+            continue
+        modules, extra = TRACKERS[name]
+        if name == "mlflow" and t.mlflow_uri and not t.mlflow_uri.startswith("sqlite:"):
+            modules = modules[:1]  # a server or a file store: no SQLAlchemy in this process
+        missing = [m for m in modules if importlib.util.find_spec(m) is None]
+        if missing:
+            listed = " and ".join([", ".join(missing[:-1]), missing[-1]] if len(missing) > 1 else missing)
+            problems.append(f"--tracker {name} needs the {listed} package{'s' if len(missing) > 1 else ''}: "
+                            f"pip install 'paratrain[{extra}]'")
 
 
 def _check_8bit(problems: list[str], cfg: Config) -> None:

@@ -1,4 +1,5 @@
-"""Metrics: one JSON object per optimizer step in ``OUT/metrics.jsonl``, a loss plot, tensorboard.
+"""Metrics: one JSON object per optimizer step in ``OUT/metrics.jsonl``, a loss plot; the same rows
+to the experiment trackers of --tracker (trackers.py).
 
 Per-rank figures are gathered to rank 0: each contract key holds the maximum over ranks (the
 busiest rank for communication), and ``per_rank`` holds the full lists.
@@ -12,6 +13,7 @@ from pathlib import Path
 from paratrain.comm import collectives as C
 from paratrain.device import peak_memory_bytes
 from paratrain.mesh import ParallelMesh
+from paratrain.train.trackers import Trackers
 
 
 def rank_record(mesh: ParallelMesh, state_bytes: dict, extra: dict | None = None) -> dict:
@@ -80,36 +82,28 @@ def drop_rows_after(path: Path, step: int) -> None:
 
 
 class MetricsWriter:
-    """Rank 0's sink: metrics.jsonl (appending on resume), optional tensorboard."""
+    """Rank 0's sink: metrics.jsonl (appending on resume), and each row to the trackers, if any."""
 
-    def __init__(self, out: Path, resume: bool):
+    def __init__(self, out: Path, resume: bool, trackers: Trackers | None = None):
         self.path = out / "metrics.jsonl"
         out.mkdir(parents=True, exist_ok=True)
         if not resume and self.path.exists():
             self.path.unlink()
         self._file = open(self.path, "a")
-        self._tb = _tensorboard(out)
+        self._trackers = trackers
 
     def write(self, row: dict) -> None:
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            for key in ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
-                if isinstance(row.get(key), (int, float)):
-                    self._tb.add_scalar(key, row[key], row["step"])
+        if self._trackers is not None:
+            self._trackers.write(row)
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None = None, stopped: bool = False) -> None:
+        """metrics.jsonl, then the trackers: their runs end as killed (Ctrl-C, a signal), failed
+        (``error``) or finished (trackers.exit_status)."""
         self._file.close()
-        if self._tb is not None:
-            self._tb.close()
-
-
-def _tensorboard(out: Path):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # tensorboard is an optional extra
-        return None
-    return SummaryWriter(str(out / "tensorboard"))
+        if self._trackers is not None:
+            self._trackers.close(error, stopped)
 
 
 def read_metrics(path: str | Path) -> list[dict]:

@@ -57,6 +57,7 @@ from paratrain.train.metrics import (
 from paratrain.train.mfu import PeakFlops
 from paratrain.train.progress import progress as _progress
 from paratrain.train.task import build_task
+from paratrain.train.trackers import open_trackers
 
 # The parts of a step ``Trainer.phase_s`` times: forwards and backwards (with the data-parallel
 # communication they could not hide), the global grad norm (a collective under sharding), and the
@@ -263,11 +264,13 @@ class Trainer:
         every = cfg.train.save_every
         self.saver.check_free([s for s in range(self.start_step + 1, cfg.train.steps)
                                if every and s % every == 0] + [cfg.train.steps])
-        writer = MetricsWriter(self.out, resume=cfg.train.resume) if self.is_main else None
+        trackers = open_trackers(cfg, self.start_step) if self.is_main else None  # --tracker
+        writer = MetricsWriter(self.out, resume=cfg.train.resume, trackers=trackers) if self.is_main else None
         if self.is_main:  # measured in the precision that runs
             self.peak_flops = PeakFlops(self.mesh.device, cfg.train.precision, self.env.world_size)
         bar = _progress(cfg, self.start_step) if self.is_main and not cfg.train.quiet else None
         self.observe = self.observers()
+        error = None  # what ends the loop, if anything: the trackers' runs end as failed or killed
         try:
             for step in range(self.start_step, cfg.train.steps):
                 with self.observe.step(step):
@@ -288,7 +291,8 @@ class Trainer:
                 if done < cfg.train.steps and self.stop_requested(done):
                     self.saver.finish()
                     return self.result
-        except BaseException:
+        except BaseException as e:
+            error = e
             self.saver.abandon()  # no collective commit while other ranks may be gone
             raise
         finally:
@@ -296,7 +300,7 @@ class Trainer:
             if bar is not None:
                 bar.close()
             if writer:
-                writer.close()
+                writer.close(error, stopped=bool(self.result.stopped_by))
             if self.is_main and self.stop_note:  # after the bar has ended its line, not glued to it
                 print(self.stop_note, flush=True)
         if self.start_step < cfg.train.steps:
