@@ -415,6 +415,15 @@ def model_state_bytes(dense: float, experts: float, lay: Layout, sb: StateBytes)
     return states
 
 
+def rank_model_states(c: ModelShape, tr: Training, lay: Layout, pp_rank: int) -> dict[str, float]:
+    """Params / grads / optimizer bytes of a rank of pipeline stage ``pp_rank`` (``device_memory``'s
+    model states for that stage, before offload), what the dry run (plan_cli/dry_run.py) measures."""
+    sb = state_bytes_per_param(tr.precision, tr.optimizer)
+    psi = stage_params(c, lay.tp, lay.pp, lay.v, ep=lay.ep)[pp_rank]
+    experts = stage_expert_params(c, lay.tp, lay.pp, lay.v, ep=lay.ep)[pp_rank]
+    return model_state_bytes(psi - experts, experts, lay, sb)
+
+
 def comm_buffer_bytes(c: ModelShape, tr: Training, lay: Layout, sb: StateBytes, psi: float) -> float:
     """Buffers that exist for communication.
 
