@@ -180,8 +180,9 @@ def tp_collectives(c: ModelShape, lay: Layout, tokens: int, act_bytes: float, re
     Per block, without SP: f before attention and the MLP (identity forward, an all-reduce of the
     input gradient backward) and g after wo and down (an all-reduce forward): 4 all-reduces of
     ``act``. With SP: each f is an all-gather forward and a reduce-scatter backward, each g a
-    reduce-scatter forward and an all-gather backward, and each norm's replicated weight passes f too (an all-reduce of its [h] gradient backward): 4
-    all-gathers, 4 reduce-scatters and 2 small all-reduces. SP's reduce-scatter is gloo's real
+    reduce-scatter forward and an all-gather backward, and each norm's replicated weight passes
+    f too (an all-reduce of its [h] gradient backward): 4 all-gathers, 4 reduce-scatters and 2
+    small all-reduces. SP's reduce-scatter is gloo's real
     ``reduce_scatter_single`` (comm/autograd.py calls ``reduce_scatter_into``, not the
     ``REDUCE_SCATTER_VIA`` route ZeRO takes), so it is priced on that curve.
 
