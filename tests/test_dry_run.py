@@ -97,3 +97,17 @@ def test_cli_json_lists_each_sampled_rank(capsys):
 def test_cli_refuses_params_only(capsys):
     assert plan_cli.main(["--params", "7e9", "--dry-run"]) == 2
     assert "--dry-run builds the model" in capsys.readouterr().err
+
+
+def test_ddp_mixed_precision_holds_fp32_weights_and_sends_fp32_residuals():
+    """Without ZeRO, bf16 is autocast over fp32 weights: 4 + 4 + 8 bytes a parameter (not the ZeRO
+    paper's 2 + 2 + 12), fp32 gradients all-reduced, and the residual stream (pipeline boundaries,
+    TP's f collectives) in fp32 while TP's g collectives carry bf16 (found by this dry run)."""
+    lay = Layout(dp=32, tp=8, pp=4, zero=0, sp=True, recompute="full")
+    (r,) = check(PRESETS["llama-7b"], lay, [1023])
+    assert r.measured_bytes["params"] == r.measured_bytes["grads"] == r.measured_bytes["optim"] // 2
+
+
+def test_ddp_mixed_precision_without_tp():
+    (r,) = check(PRESETS["llama-7b"], Layout(dp=1024, zero=0), [1023])
+    assert r.measured_comm["bytes"]["all_reduce"] == r.measured_bytes["grads"]  # fp32 gradients

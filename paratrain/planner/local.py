@@ -41,6 +41,7 @@ from paratrain.planner.collectives import all_gather_time, all_reduce_time, grou
 from paratrain.planner.memory import (
     Layout,
     Training,
+    held_state_bytes,
     layer_params_local,
     stage_layers,
     state_bytes_per_param,
@@ -100,7 +101,7 @@ def collectives(c: ModelShape, tr: Training, lay: Layout, psi: float, blocks: in
                 last: bool, m: int) -> dict[str, list[float]]:
     """The data-parallel collectives of one step on the busiest rank, by phase: kind and payload
     bytes as cost.py counts them ('reduce': on gloo an all-reduce of the full buffer)."""
-    sb = state_bytes_per_param(tr.precision, tr.optimizer)
+    sb = held_state_bytes(state_bytes_per_param(tr.precision, tr.optimizer), lay.zero)
     out: dict[str, list[float]] = {"reduce": [], "gather": [], "norm": []}
     if lay.world > 1 and not (lay.zero == 0 and lay.dp == lay.world):
         out["norm"] = [8.0]  # the fp64 squared norm, over the world
@@ -170,13 +171,18 @@ def post_step(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, psi: f
 
 
 def tp_collectives(c: ModelShape, lay: Layout, tokens: int, act_bytes: float, recompute: str = "none",
-                   grad_bytes: float = 4.0) -> dict[str, list[tuple[str, float]]]:
+                   grad_bytes: float = 4.0, resid_bytes: float | None = None
+                   ) -> dict[str, list[tuple[str, float]]]:
     """The tensor-parallel collectives of one micro-batch, as (kind, payload bytes) per block and
     at the stage edges, exactly as the tp layers issue them (tensor_parallel/layers.py,
     comm/autograd.py; counted against a real forward + backward in tests/test_planner_local.py).
 
     A [tokens, h] activation is ``act``; ``grad_bytes``: bytes of a replicated weight's gradient
-    element (4 in fp32; 2 where ZeRO keeps bf16/fp16 compute parameters, as the dry run measured).
+    element (4 in fp32; 2 where ZeRO keeps bf16/fp16 compute parameters, as the dry run measured);
+    ``resid_bytes`` (default ``act_bytes``): bytes of an element of the residual stream, which is
+    in the weights' dtype: fp32 under autocast over fp32 weights (DDP), so there the f collectives
+    (of a norm's output or its gradient), the embedding's and the pipeline's boundaries are fp32
+    while g's (of a linear's output) are in ``act_bytes``.
     Per block, without SP: f before attention and the MLP (identity forward, an all-reduce of the
     input gradient backward) and g after wo and down (an all-reduce forward): 4 all-reduces of
     ``act``. With SP: each f is an all-gather forward and a reduce-scatter backward, each g a
@@ -202,15 +208,17 @@ def tp_collectives(c: ModelShape, lay: Layout, tokens: int, act_bytes: float, re
     if lay.tp <= 1:
         return {"block": [], "first": [], "last": [], "moe_block": []}
     act = tokens * c.dim * act_bytes
+    res = tokens * c.dim * (act_bytes if resid_bytes is None else resid_bytes)
     gain = grad_bytes * c.dim  # a norm weight's gradient
-    if lay.sp:
-        block = [("all_gather", act), ("reduce_scatter", act)] * 4 + [("all_reduce", gain)] * 2
-        repeat = [("all_gather", act)] * 2 + [("reduce_scatter", act)]
-        first = [("reduce_scatter", act), ("all_gather", act)]
-        last = [("all_gather", act), ("reduce_scatter", act), ("all_reduce", gain)]
-    else:
-        block, repeat = [("all_reduce", act)] * 4, [("all_reduce", act)]
-        first, last = [("all_reduce", act)], [("all_reduce", act)]
+    if lay.sp:  # f: gather a norm's output, reduce-scatter its gradient; g: the conjugate on a linear's
+        f, g = [("all_gather", res), ("reduce_scatter", res)], [("reduce_scatter", act), ("all_gather", act)]
+        block = (f + g) * 2 + [("all_reduce", gain)] * 2
+        repeat = [("all_gather", res)] * 2 + [("reduce_scatter", act)]
+        first = [("reduce_scatter", res), ("all_gather", res)]
+        last = f + [("all_reduce", gain)]
+    else:  # f all-reduces a norm output's gradient backward, g a linear's output forward
+        block, repeat = [("all_reduce", res)] * 2 + [("all_reduce", act)] * 2, [("all_reduce", act)]
+        first, last = [("all_reduce", res)], [("all_reduce", res)]
     if c.n_kv_heads % lay.tp:
         kv = c.n_kv_heads * c.head_dim
         block += [("all_reduce", grad_bytes * c.dim * kv)] * 2
@@ -311,12 +319,12 @@ def rank_step_collectives(c: ModelShape, tr: Training, lay: Layout, pp_rank: int
     add("all_gather", "dp", dp["gather"])
     tokens = tr.seq_len * lay.micro_batch
     act = ACT_BYTES[tr.precision]
-    grad = state_bytes_per_param(tr.precision, tr.optimizer).grads if lay.zero else 4.0  # DDP: fp32 weights
-    tp = tp_collectives(c, lay, tokens, act, lay.recompute, grad)
+    held = held_state_bytes(state_bytes_per_param(tr.precision, tr.optimizer), lay.zero)
+    tp = tp_collectives(c, lay, tokens, act, lay.recompute, held.grads, resid_bytes=held.params)
     for kind, size in tp["block"] * blocks + tp["first"] * first + tp["last"] * last:
         add(kind, "tp", [size], m)
     if lay.pp > 1:  # a boundary activation forward, its gradient backward, per micro-batch and chunk
-        boundary = tokens * c.dim * act / (lay.tp if lay.sp else 1)
+        boundary = tokens * c.dim * held.params / (lay.tp if lay.sp else 1)  # the residual stream
         sends = m * (2 * lay.v - last - first)
         add("send", "pp", [boundary], sends)
     return {"calls": dict(calls), "bytes": dict(nbytes), "by_axis": dict(axes)}
