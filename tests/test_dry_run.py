@@ -16,6 +16,7 @@ from paratrain import plan_cli
 from paratrain.models.llama import PRESETS, LlamaConfig
 from paratrain.plan_cli.dry_run import dry_run, sample_ranks
 from paratrain.planner.memory import Layout, Training
+from paratrain.planner.slow_link import SlowLayout
 
 LLAMA_405B = LlamaConfig(vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
                          ffn_dim=53248, max_seq_len=4096)
@@ -111,3 +112,20 @@ def test_ddp_mixed_precision_holds_fp32_weights_and_sends_fp32_residuals():
 def test_ddp_mixed_precision_without_tp():
     (r,) = check(PRESETS["llama-7b"], Layout(dp=1024, zero=0), [1023])
     assert r.measured_comm["bytes"]["all_reduce"] == r.measured_bytes["grads"]  # fp32 gradients
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_hybrid_sharding_slow_link_layout(zero):
+    """The slow-link branch's hsdp R x S: ZeRO over dp_shard, each reduced shard all-reduced over
+    dp_replicate (planner/hybrid.py), measured on the last dp rank (another replica)."""
+    lay = SlowLayout(dp=128, tp=8, zero=zero, replicate=16)
+    (r,) = check(PRESETS["llama-7b"], lay, [1023])
+    by_axis = r.measured_comm["by_axis"]
+    assert by_axis["dp_replicate"] * 8 == r.measured_comm["bytes"]["reduce_scatter"]  # 1/S of it
+    assert "dp" not in by_axis
+
+
+def test_averaging_layouts_refused():
+    lay = SlowLayout(dp=16, zero=1, replicate=2, sync="diloco", sync_every=8)
+    with pytest.raises(ValueError, match="fix --sync ddp"):
+        dry_run(PRESETS["llama-7b"], Training(seq_len=64, global_batch=16), lay, model="llama-7b")

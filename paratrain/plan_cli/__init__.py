@@ -36,7 +36,7 @@ from paratrain.planner.machine import local_cluster
 from paratrain.planner.memory import Layout, Training
 from paratrain.planner.search import Plan, PlanResult, layout_to_config, plan, states_only
 from paratrain.planner.single_device import walk, walk_json, walk_report
-from paratrain.planner.slow_link import SYNCS, SlowLayout
+from paratrain.planner.slow_link import SYNCS
 from paratrain.train.metrics import read_metrics
 from paratrain.train.task import build_task
 from paratrain.train.trainer import Trainer
@@ -419,9 +419,6 @@ def run_dry(args: argparse.Namespace, c: LlamaConfig, tr: Training, result: Plan
     if found is None:
         raise ValueError("--dry-run: none of the plans is one paratrain's trainer runs (see above)")
     lay = found[1].layout
-    if isinstance(lay, SlowLayout):
-        raise ValueError(f"--dry-run builds one-axis data parallelism; {lay.short()} (the slow-link branch) "
-                         "is not supported yet: fix --dp-replicate 1 --sync ddp, or plan without --dry-run")
     dry_run.check_dry_run(c, lay)
     return dry_run.dry_run(c, tr, lay, model=args.model or "small"), lay
 

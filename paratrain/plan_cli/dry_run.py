@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,7 @@ from paratrain.models import build_model, materialize
 from paratrain.models.llama import LlamaConfig
 from paratrain.planner.local import rank_step_collectives
 from paratrain.planner.memory import Layout, Training, rank_model_states
+from paratrain.planner.slow_link import SlowLayout
 
 KINDS = ("params", "grads", "optim")
 MEMORY_TOLERANCE = 0.01  # ZeRO pads flat buffers to a multiple of dp: a few elements per rank
@@ -106,10 +107,20 @@ def _rounded_all(comm: dict) -> dict:
     return {key: _rounded(value) for key, value in comm.items()}
 
 
+def replicas(lay: Layout) -> int:
+    """R of hybrid sharding (a slow-link layout's --dp-replicate), 1 otherwise."""
+    return lay.replicate if isinstance(lay, SlowLayout) else 1
+
+
+def mesh_shape(lay: Layout) -> MeshShape:
+    return MeshShape(pp=lay.pp, dp=lay.dp, tp=lay.tp, ep=lay.ep, dp_replicate=replicas(lay))
+
+
 def sample_ranks(lay: Layout) -> list[int]:
     """Ranks that cover the layout's kinds of rank: each tp rank of the first stage (dp 0), the
-    first and last tp rank of the last stage, and the last dp rank (another expert group under ep)."""
-    shape = MeshShape(pp=lay.pp, dp=lay.dp, tp=lay.tp, ep=lay.ep)
+    first and last tp rank of the last stage, and the last dp rank (another expert group under ep,
+    another replica under hybrid sharding)."""
+    shape = mesh_shape(lay)
     picked = [shape.rank_of(pp=0, dp=0, tp=t) for t in range(lay.tp)]
     picked += [shape.rank_of(pp=lay.pp - 1, dp=0, tp=0), shape.rank_of(pp=lay.pp - 1, dp=0, tp=lay.tp - 1)]
     picked.append(shape.rank_of(pp=lay.pp - 1, dp=lay.dp - 1, tp=lay.tp - 1))
@@ -119,7 +130,9 @@ def sample_ranks(lay: Layout) -> list[int]:
 def run_config(c: LlamaConfig, tr: Training, lay: Layout, model: str) -> config.Config:
     """The training config of ``lay`` (pipeline blocks split evenly, as the planner counts them),
     refused as `paratrain train` would refuse it (engine/checks.py)."""
-    over = {"parallel.dp": lay.dp, "parallel.tp": lay.tp, "parallel.pp": lay.pp, "parallel.zero": lay.zero,
+    hybrid = {"parallel.dp_replicate": replicas(lay), "parallel.dp_shard": lay.dp // replicas(lay)}
+    over = {**(hybrid if replicas(lay) > 1 else {}),
+            "parallel.dp": lay.dp, "parallel.tp": lay.tp, "parallel.pp": lay.pp, "parallel.zero": lay.zero,
             "parallel.sp": lay.sp, "parallel.ep": lay.ep, "parallel.pp_schedule": lay.schedule,
             "parallel.virtual_stages": lay.v, "parallel.bucket_mb": tr.bucket_mb,
             "parallel.dp_reduce": "collective",  # a cluster's dp ranks are on many hosts: no shared memory
@@ -158,7 +171,7 @@ def dry_run_rank(c: LlamaConfig, tr: Training, lay: Layout, rank: int, model: st
     """Build rank ``rank`` of ``lay`` as training does, run one step, count what it holds and sends.
     ``model``: the preset `paratrain train --model` names (its positions bound --seq-len)."""
     cfg = run_config(c, tr, lay, model)
-    shape = MeshShape(pp=lay.pp, dp=lay.dp, tp=lay.tp, ep=lay.ep)
+    shape = mesh_shape(lay)
     with fake_world(rank, lay.world):
         mesh = make_mesh(shape, rank, torch.device("cpu"), check_collectives=False)
         engine = parallelize(ShapeTask(c), cfg, mesh)
@@ -171,8 +184,10 @@ def dry_run_rank(c: LlamaConfig, tr: Training, lay: Layout, rank: int, model: st
         measured = {k: int(v) for k, v in engine.strategy.state_bytes().items() if k in KINDS}
         snap = mesh.counter.snapshot()
     coords = {k: v for k, v in shape.coords(rank).items() if k in ("pp", "dp", "tp", "ep")}
-    predicted = rank_model_states(c, tr, lay, coords["pp"])
-    comm = rank_step_collectives(c, tr, lay, coords["pp"])
+    sharded_over = Layout(**{f.name: getattr(lay, f.name) for f in fields(Layout)})  # the plain degrees
+    sharded_over = replace(sharded_over, dp=lay.dp // replicas(lay))  # hybrid: ZeRO over dp_shard
+    predicted = rank_model_states(c, tr, sharded_over, coords["pp"])
+    comm = rank_step_collectives(c, tr, lay, coords["pp"], replicate=replicas(lay))
     return RankResult(rank, coords, measured, predicted,
                       {"calls": snap["calls"], "bytes": snap["payload"], "by_axis": snap["by_axis"]}, comm)
 
@@ -182,6 +197,9 @@ def check_dry_run(c: LlamaConfig, lay: Layout) -> None:
     if c.n_experts:
         raise ValueError("--dry-run: a mixture-of-experts layer routes tokens by their values, which the "
                          "dry run's fake tensors do not have; plan MoE shapes without --dry-run")
+    if isinstance(lay, SlowLayout) and (lay.sync != "ddp" or (lay.replicate > 1 and not lay.zero)):
+        raise ValueError(f"--dry-run builds every-step synchronisation (hybrid sharding included), not "
+                         f"{lay.short()}: fix --sync ddp")
     if lay.offload != "none" or lay.tile > 1:
         raise ValueError("--dry-run builds the layout without --offload and --tile: fix them off")
 

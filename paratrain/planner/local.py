@@ -293,14 +293,16 @@ def tp_seconds(colls: list[tuple[str, float]], n: int, link: Link, op_s: float =
     return sum(fn[kind](nbytes, n, link) + TP_WRAPPER_OPS * op_s for kind, nbytes in colls)
 
 
-def rank_step_collectives(c: ModelShape, tr: Training, lay: Layout, pp_rank: int, *, gloo: bool = False
-                          ) -> dict[str, dict[str, float]]:
+def rank_step_collectives(c: ModelShape, tr: Training, lay: Layout, pp_rank: int, *, gloo: bool = False,
+                          replicate: int = 1) -> dict[str, dict[str, float]]:
     """The collectives one step issues on a rank of pipeline stage ``pp_rank``, as comm/ counts them:
     ``{"calls": {kind: n}, "bytes": {kind: payload}, "by_axis": {axis: payload}}``, which the dry run
     (plan_cli/dry_run.py) compares with what the runtime really issued. The gradient norm's scalar is
     left out (the strategies issue it with the counter paused). ``gloo``: ZeRO's reductions are
     all-reduces there (comm/collectives.py REDUCE_SCATTER_VIA), reduce-scatters on NCCL.
-    Interleaved stages send from each chunk; recompute and SP as ``tp_collectives``."""
+    Interleaved stages send from each chunk; recompute and SP as ``tp_collectives``. ``replicate``
+    R > 1: hybrid sharding (planner/hybrid.py), ZeRO over the dp / R ranks of ``dp_shard`` and each
+    reduced shard all-reduced over ``dp_replicate``."""
     calls: Counter = Counter()
     nbytes: Counter = Counter()
     axes: Counter = Counter()
@@ -315,8 +317,11 @@ def rank_step_collectives(c: ModelShape, tr: Training, lay: Layout, pp_rank: int
     m = lay.n_micro(tr.global_batch)
     dp = collectives(c, tr, lay, 0.0, blocks, first, last, m)
     reduce = "all_reduce" if lay.zero == 0 or gloo else "reduce_scatter"
-    add(reduce, "dp", dp["reduce"])
-    add("all_gather", "dp", dp["gather"])
+    shard_axis = "dp_shard" if replicate > 1 else "dp"
+    add(reduce, shard_axis, dp["reduce"])
+    add("all_gather", shard_axis, dp["gather"])
+    if replicate > 1:  # each bucket's (ZeRO-3: unit's) reduced shard, across the replicas
+        add("all_reduce", "dp_replicate", [b * replicate / lay.dp for b in dp["reduce"]])
     tokens = tr.seq_len * lay.micro_batch
     act = ACT_BYTES[tr.precision]
     held = held_state_bytes(state_bytes_per_param(tr.precision, tr.optimizer), lay.zero)
