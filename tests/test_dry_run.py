@@ -129,3 +129,11 @@ def test_averaging_layouts_refused():
     lay = SlowLayout(dp=16, zero=1, replicate=2, sync="diloco", sync_every=8)
     with pytest.raises(ValueError, match="fix --sync ddp"):
         dry_run(PRESETS["llama-7b"], Training(seq_len=64, global_batch=16), lay, model="llama-7b")
+
+
+def test_cli_moe_dry_run_exits_2_with_the_reason(capsys):
+    code = plan_cli.main(["--model", "small-moe", "--gpus", "64", "--seq-len", "64", "--global-batch", "64",
+                          "--top", "1", "--dry-run"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "mixture-of-experts" in err and "Traceback" not in err
