@@ -30,6 +30,7 @@ from paratrain.launch import spawn
 from paratrain.models import default_shape, plan_presets
 from paratrain.models.shape import ModelShape
 from paratrain.perf.hardware import GB, GPUS, LINKS, Cluster, make_cluster
+from paratrain.plan_cli import dry_run
 from paratrain.plan_cli.calibrate import measure_local
 from paratrain.plan_cli.command import first_runnable, layout_config, model_toml, run_line, train_command
 from paratrain.plan_cli.cpu_wait import Wait, at_full_cores, busiest_fraction, timed_wait
@@ -148,6 +149,10 @@ def parser() -> argparse.ArgumentParser:
                    help="steps of each --validate run (default: %(default)s)")
     o.add_argument("--validate-top", type=int, default=3,
                    help="how many of the top plans --validate runs (default: %(default)s)")
+    o.add_argument("--dry-run", action="store_true",
+                   help="build the first choice for a sample of its ranks at the full world size on this "
+                        "machine (fake process group and tensors), run one step, and print each rank's "
+                        "parameter, gradient and optimizer bytes and collectives beside the prediction")
     return p
 
 
@@ -376,6 +381,9 @@ def run(args: argparse.Namespace) -> int:
                   optimizer=args.optimizer, margin=args.margin)
     check_nodes(args)
     check_sync_flags(args, c)  # before --cluster local measures this machine
+    if args.dry_run and c is None:
+        raise ValueError("--dry-run builds the model: give its shape (--model PRESET or --layers ...), "
+                         "not --params")
     cluster = cluster_from(args)
     if c is None:
         text, rows = states_only_report(args.params, tr, cluster, fixed_from(args))
@@ -399,6 +407,10 @@ def run(args: argparse.Namespace) -> int:
         out["model_toml"] = found and model_toml(args, c)
     else:  # the walk above is the seeds' order; the command is the table's first choice
         out = f"{out}\n\n{run_line(args, c, result, cluster)}"
+    if args.dry_run:
+        results, lay = run_dry(args, c, tr, result)
+        out = {**out, "dry_run": dry_run.to_json(results, lay)} if args.json else (
+            f"{out}\n\n{dry_run.report(results, lay)}")
     print(json.dumps(out) if args.json else out)
     if args.plot:
         print(f"memory plot: {plot(result.plans, args.plot)}", file=sys.stderr if args.json else sys.stdout)
@@ -407,6 +419,17 @@ def run(args: argparse.Namespace) -> int:
     elif args.validate:
         validate(args, c, result, top=args.validate_top)
     return 0
+
+
+def run_dry(args: argparse.Namespace, c: LlamaConfig, tr: Training, result: PlanResult
+            ) -> tuple[list[dry_run.RankResult], Layout]:
+    """--dry-run: the first choice paratrain's trainer runs (plan_cli/dry_run.py)."""
+    found = first_runnable(args, c, result)
+    if found is None:
+        raise ValueError("--dry-run: none of the plans is one paratrain's trainer runs (see above)")
+    lay = found[1].layout
+    dry_run.check_dry_run(c, lay)
+    return dry_run.dry_run(c, tr, lay, model=args.model or "small"), lay
 
 
 # -- what the trainer runs: --validate, paratrain train --layout auto ----------------------------------

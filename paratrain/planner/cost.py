@@ -42,6 +42,7 @@ from paratrain.planner.memory import (
     Layout,
     Training,
     a2a_bytes,
+    held_state_bytes,
     layer_params_local,
     rank_layers,
     stage_expert_params,
@@ -324,7 +325,7 @@ def dp_exposed(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, mb_co
     """
     if lay.dp == 1:
         return 0.0
-    sb = state_bytes_per_param(tr.precision, tr.optimizer)
+    sb = held_state_bytes(state_bytes_per_param(tr.precision, tr.optimizer), lay.zero)  # DDP: fp32 grads
     link = ring_link(cluster, lay, "dp")
     groups = [(psi, lay.dp, link)]
     if experts:

@@ -36,8 +36,16 @@ from collections import Counter
 from paratrain.comm.bucketing import FIRST_BUCKET_BYTES, cut_before_overflow, fill_per_key
 from paratrain.models.shape import ModelShape
 from paratrain.perf.hardware import Cluster, Link
+from paratrain.perf.ops import ACT_BYTES
 from paratrain.planner.collectives import all_gather_time, all_reduce_time, group_link, reduce_scatter_time
-from paratrain.planner.memory import Layout, Training, layer_params_local, state_bytes_per_param
+from paratrain.planner.memory import (
+    Layout,
+    Training,
+    held_state_bytes,
+    layer_params_local,
+    stage_layers,
+    state_bytes_per_param,
+)
 
 
 def param_numels(c: ModelShape, tp: int, blocks: int, first: bool, last: bool) -> list[tuple[int, bool]]:
@@ -100,7 +108,7 @@ def collectives(c: ModelShape, tr: Training, lay: Layout, psi: float, blocks: in
                 last: bool, m: int) -> dict[str, list[float]]:
     """The data-parallel collectives of one step on the busiest rank, by phase: kind and payload
     bytes as cost.py counts them ('reduce': on gloo an all-reduce of the full buffer)."""
-    sb = state_bytes_per_param(tr.precision, tr.optimizer)
+    sb = held_state_bytes(state_bytes_per_param(tr.precision, tr.optimizer), lay.zero)
     out: dict[str, list[float]] = {"reduce": [], "gather": [], "norm": []}
     if lay.world > 1 and not (lay.zero == 0 and lay.dp == lay.world):
         out["norm"] = [8.0]  # the fp64 squared norm, over the world
@@ -169,18 +177,25 @@ def post_step(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, psi: f
     return t * (cluster.contention if lay.world > 1 else 1.0)
 
 
-def tp_collectives(c: ModelShape, lay: Layout, tokens: int, act_bytes: float, recompute: str = "none"
+def tp_collectives(c: ModelShape, lay: Layout, tokens: int, act_bytes: float, recompute: str = "none",
+                   grad_bytes: float = 4.0, resid_bytes: float | None = None
                    ) -> dict[str, list[tuple[str, float]]]:
     """The tensor-parallel collectives of one micro-batch, as (kind, payload bytes) per block and
     at the stage edges, exactly as the tp layers issue them (tensor_parallel/layers.py,
     comm/autograd.py; counted against a real forward + backward in tests/test_planner_local.py).
 
-    A [tokens, h] activation is ``act``. Per block, without SP: f before attention and the MLP
-    (identity forward, an all-reduce of the input gradient backward) and g after wo and down (an
-    all-reduce forward): 4 all-reduces of ``act``. With SP: each f is an all-gather forward and a
-    reduce-scatter backward, each g a reduce-scatter forward and an all-gather backward, and each
-    norm's replicated weight passes f too (an all-reduce of its [h] fp32 gradient backward): 4
-    all-gathers, 4 reduce-scatters and 2 small all-reduces. SP's reduce-scatter is gloo's real
+    A [tokens, h] activation is ``act``; ``grad_bytes``: bytes of a replicated weight's gradient
+    element (4 in fp32; 2 where ZeRO keeps bf16/fp16 compute parameters, as the dry run measured);
+    ``resid_bytes`` (default ``act_bytes``): bytes of an element of the residual stream, which is
+    in the weights' dtype: fp32 under autocast over fp32 weights (DDP), so there the f collectives
+    (of a norm's output or its gradient), the embedding's and the pipeline's boundaries are fp32
+    while g's (of a linear's output) are in ``act_bytes``.
+    Per block, without SP: f before attention and the MLP (identity forward, an all-reduce of the
+    input gradient backward) and g after wo and down (an all-reduce forward): 4 all-reduces of
+    ``act``. With SP: each f is an all-gather forward and a reduce-scatter backward, each g a
+    reduce-scatter forward and an all-gather backward, and each norm's replicated weight passes
+    f too (an all-reduce of its [h] gradient backward): 4 all-gathers, 4 reduce-scatters and 2
+    small all-reduces. SP's reduce-scatter is gloo's real
     ``reduce_scatter_single`` (comm/autograd.py calls ``reduce_scatter_into``, not the
     ``REDUCE_SCATTER_VIA`` route ZeRO takes), so it is priced on that curve.
 
@@ -200,21 +215,23 @@ def tp_collectives(c: ModelShape, lay: Layout, tokens: int, act_bytes: float, re
     if lay.tp <= 1:
         return {"block": [], "first": [], "last": [], "moe_block": []}
     act = tokens * c.dim * act_bytes
-    gain = 4.0 * c.dim  # a norm weight's fp32 gradient
-    if lay.sp:
-        block = [("all_gather", act), ("reduce_scatter", act)] * 4 + [("all_reduce", gain)] * 2
-        repeat = [("all_gather", act)] * 2 + [("reduce_scatter", act)]
-        first = [("reduce_scatter", act), ("all_gather", act)]
-        last = [("all_gather", act), ("reduce_scatter", act), ("all_reduce", gain)]
-    else:
-        block, repeat = [("all_reduce", act)] * 4, [("all_reduce", act)]
-        first, last = [("all_reduce", act)], [("all_reduce", act)]
+    res = tokens * c.dim * (act_bytes if resid_bytes is None else resid_bytes)
+    gain = grad_bytes * c.dim  # a norm weight's gradient
+    if lay.sp:  # f: gather a norm's output, reduce-scatter its gradient; g: the conjugate on a linear's
+        f, g = [("all_gather", res), ("reduce_scatter", res)], [("reduce_scatter", act), ("all_gather", act)]
+        block = (f + g) * 2 + [("all_reduce", gain)] * 2
+        repeat = [("all_gather", res)] * 2 + [("reduce_scatter", act)]
+        first = [("reduce_scatter", res), ("all_gather", res)]
+        last = f + [("all_reduce", gain)]
+    else:  # f all-reduces a norm output's gradient backward, g a linear's output forward
+        block, repeat = [("all_reduce", res)] * 2 + [("all_reduce", act)] * 2, [("all_reduce", act)]
+        first, last = [("all_reduce", res)], [("all_reduce", res)]
     if c.n_kv_heads % lay.tp:
         kv = c.n_kv_heads * c.head_dim
-        block += [("all_reduce", 4.0 * c.dim * kv)] * 2
+        block += [("all_reduce", grad_bytes * c.dim * kv)] * 2
         # (only a grouped-query shape replicates kv heads: LlamaConfig's, whose qkv_bias says
         # whether the biases' gradients are all-reduced too)
-        block += [("all_reduce", 4.0 * kv)] * 2 if c.qkv_bias else []
+        block += [("all_reduce", grad_bytes * kv)] * 2 if c.qkv_bias else []
     if recompute == "full":
         block += repeat
     last += [("all_reduce", 4.0 * tokens), ("all_reduce", 8.0 * tokens)]
@@ -281,3 +298,45 @@ def tp_seconds(colls: list[tuple[str, float]], n: int, link: Link, op_s: float =
     plus ``TP_WRAPPER_OPS`` x `op_s` of Python around each."""
     fn = {"all_reduce": all_reduce_time, "all_gather": all_gather_time, "reduce_scatter": reduce_scatter_time}
     return sum(fn[kind](nbytes, n, link) + TP_WRAPPER_OPS * op_s for kind, nbytes in colls)
+
+
+def rank_step_collectives(c: ModelShape, tr: Training, lay: Layout, pp_rank: int, *, gloo: bool = False,
+                          replicate: int = 1) -> dict[str, dict[str, float]]:
+    """The collectives one step issues on a rank of pipeline stage ``pp_rank``, as comm/ counts them:
+    ``{"calls": {kind: n}, "bytes": {kind: payload}, "by_axis": {axis: payload}}``, which the dry run
+    (plan_cli/dry_run.py) compares with what the runtime really issued. The gradient norm's scalar is
+    left out (the strategies issue it with the counter paused). ``gloo``: ZeRO's reductions are
+    all-reduces there (comm/collectives.py REDUCE_SCATTER_VIA), reduce-scatters on NCCL.
+    Interleaved stages send from each chunk; recompute and SP as ``tp_collectives``. ``replicate``
+    R > 1: hybrid sharding (planner/hybrid.py), ZeRO over the dp / R ranks of ``dp_shard`` and each
+    reduced shard all-reduced over ``dp_replicate``."""
+    calls: Counter = Counter()
+    nbytes: Counter = Counter()
+    axes: Counter = Counter()
+
+    def add(kind: str, axis: str, sizes: list[float], times: int = 1) -> None:
+        calls[kind] += len(sizes) * times
+        nbytes[kind] += sum(sizes) * times
+        axes[axis] += sum(sizes) * times
+
+    blocks = stage_layers(c.n_layers, lay.pp, lay.v)[pp_rank]
+    first, last = pp_rank == 0, pp_rank == lay.pp - 1
+    m = lay.n_micro(tr.global_batch)
+    dp = collectives(c, tr, lay, 0.0, blocks, first, last, m)
+    reduce = "all_reduce" if lay.zero == 0 or gloo else "reduce_scatter"
+    shard_axis = "dp_shard" if replicate > 1 else "dp"
+    add(reduce, shard_axis, dp["reduce"])
+    add("all_gather", shard_axis, dp["gather"])
+    if replicate > 1:  # each bucket's (ZeRO-3: unit's) reduced shard, across the replicas
+        add("all_reduce", "dp_replicate", [b * replicate / lay.dp for b in dp["reduce"]])
+    tokens = tr.seq_len * lay.micro_batch
+    act = ACT_BYTES[tr.precision]
+    held = held_state_bytes(state_bytes_per_param(tr.precision, tr.optimizer), lay.zero)
+    tp = tp_collectives(c, lay, tokens, act, lay.recompute, held.grads, resid_bytes=held.params)
+    for kind, size in tp["block"] * blocks + tp["first"] * first + tp["last"] * last:
+        add(kind, "tp", [size], m)
+    if lay.pp > 1:  # a boundary activation forward, its gradient backward, per micro-batch and chunk
+        boundary = tokens * c.dim * held.params / (lay.tp if lay.sp else 1)  # the residual stream
+        sends = m * (2 * lay.v - last - first)
+        add("send", "pp", [boundary], sends)
+    return {"calls": dict(calls), "bytes": dict(nbytes), "by_axis": dict(axes)}

@@ -132,6 +132,17 @@ def state_bytes_per_param(precision: str, optimizer: str = "adamw") -> StateByte
     return StateBytes(2, 2, 4 + moments)
 
 
+def held_state_bytes(sb: StateBytes, zero: int) -> StateBytes:
+    """Bytes per parameter as paratrain's runtime holds them. ZeRO keeps parameters and gradients
+    in the compute precision and the fp32 master in the optimizer state (the paper's 2 + 2 + K).
+    Without ZeRO, mixed precision is autocast over fp32 weights: parameters and gradients of 4
+    bytes and no separate master, 4 + 4 + (K - 4), the same total split otherwise (measured by
+    the dry run, plan_cli/dry_run.py); DDP therefore all-reduces fp32 gradients."""
+    if zero or sb.params >= 4:
+        return sb
+    return StateBytes(4, 4, sb.params + sb.grads + sb.optim - 8)
+
+
 def zero_model_state_bytes(psi: float, nd: int, stage: int, sb: StateBytes) -> dict[str, float]:
     """Per-device bytes of params / grads / optimizer for Ψ parameters under ZeRO stage 0-3.
 
@@ -140,6 +151,7 @@ def zero_model_state_bytes(psi: float, nd: int, stage: int, sb: StateBytes) -> d
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"--zero must be 0, 1, 2 or 3 (got {stage})")
+    sb = held_state_bytes(sb, stage)
     return {"params": psi * sb.params / (nd if stage >= 3 else 1),
             "grads": psi * sb.grads / (nd if stage >= 2 else 1),
             "optim": psi * sb.optim / (nd if stage >= 1 else 1)}
@@ -415,6 +427,15 @@ def model_state_bytes(dense: float, experts: float, lay: Layout, sb: StateBytes)
         for key, value in zero_model_state_bytes(experts, lay.edp, lay.zero, sb).items():
             states[key] += value
     return states
+
+
+def rank_model_states(c: ModelShape, tr: Training, lay: Layout, pp_rank: int) -> dict[str, float]:
+    """Params / grads / optimizer bytes of a rank of pipeline stage ``pp_rank`` (``device_memory``'s
+    model states for that stage, before offload), what the dry run (plan_cli/dry_run.py) measures."""
+    sb = state_bytes_per_param(tr.precision, tr.optimizer)
+    psi = stage_params(c, lay.tp, lay.pp, lay.v, ep=lay.ep)[pp_rank]
+    experts = stage_expert_params(c, lay.tp, lay.pp, lay.v, ep=lay.ep)[pp_rank]
+    return model_state_bytes(psi - experts, experts, lay, sb)
 
 
 def comm_buffer_bytes(c: ModelShape, tr: Training, lay: Layout, sb: StateBytes, psi: float) -> float:
