@@ -421,7 +421,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_dry(args: argparse.Namespace, c: LlamaConfig, tr: Training, result: PlanResult
+def run_dry(args: argparse.Namespace, c: ModelShape, tr: Training, result: PlanResult
             ) -> tuple[list[dry_run.RankResult], Layout]:
     """--dry-run: the first choice paratrain's trainer runs (plan_cli/dry_run.py)."""
     found = first_runnable(args, c, result)

@@ -38,7 +38,7 @@ from paratrain.engine.parallelize import parallelize
 from paratrain.engine.task import Task
 from paratrain.mesh import MeshShape
 from paratrain.models import build_model, materialize
-from paratrain.models.llama import LlamaConfig
+from paratrain.models.shape import ModelShape
 from paratrain.planner.local import rank_step_collectives
 from paratrain.planner.memory import Layout, Training, rank_model_states
 from paratrain.planner.slow_link import SlowLayout
@@ -52,7 +52,7 @@ class ShapeTask(Task):
 
     name = "dry-run"
 
-    def __init__(self, model_cfg: LlamaConfig):
+    def __init__(self, model_cfg: ModelShape):
         self.model_cfg = model_cfg
         self.n_params = model_cfg.n_params()
 
@@ -127,7 +127,7 @@ def sample_ranks(lay: Layout) -> list[int]:
     return sorted(set(picked))
 
 
-def run_config(c: LlamaConfig, tr: Training, lay: Layout, model: str) -> config.Config:
+def run_config(c: ModelShape, tr: Training, lay: Layout, model: str) -> config.Config:
     """The training config of ``lay`` (pipeline blocks split evenly, as the planner counts them),
     refused as `paratrain train` would refuse it (engine/checks.py)."""
     hybrid = {"parallel.dp_replicate": replicas(lay), "parallel.dp_shard": lay.dp // replicas(lay)}
@@ -167,7 +167,7 @@ def fake_world(rank: int, world: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def dry_run_rank(c: LlamaConfig, tr: Training, lay: Layout, rank: int, model: str = "small") -> RankResult:
+def dry_run_rank(c: ModelShape, tr: Training, lay: Layout, rank: int, model: str = "small") -> RankResult:
     """Build rank ``rank`` of ``lay`` as training does, run one step, count what it holds and sends.
     ``model``: the preset `paratrain train --model` names (its positions bound --seq-len)."""
     cfg = run_config(c, tr, lay, model)
@@ -192,7 +192,7 @@ def dry_run_rank(c: LlamaConfig, tr: Training, lay: Layout, rank: int, model: st
                       {"calls": snap["calls"], "bytes": snap["payload"], "by_axis": snap["by_axis"]}, comm)
 
 
-def check_dry_run(c: LlamaConfig, lay: Layout) -> None:
+def check_dry_run(c: ModelShape, lay: Layout) -> None:
     """What the dry run cannot build, refused with the reason before anything is built."""
     if c.n_experts:
         raise ValueError("--dry-run: a mixture-of-experts layer routes tokens by their values, which the "
@@ -204,7 +204,7 @@ def check_dry_run(c: LlamaConfig, lay: Layout) -> None:
         raise ValueError("--dry-run builds the layout without --offload and --tile: fix them off")
 
 
-def dry_run(c: LlamaConfig, tr: Training, lay: Layout, ranks: list[int] | None = None, model: str = "small"
+def dry_run(c: ModelShape, tr: Training, lay: Layout, ranks: list[int] | None = None, model: str = "small"
             ) -> list[RankResult]:
     """Every sampled rank of ``lay`` (default ``sample_ranks``) built, stepped and compared."""
     check_dry_run(c, lay)
