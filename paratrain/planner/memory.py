@@ -17,6 +17,9 @@ Mixture of experts (docs/planner.md, "Mixture of experts"): an MoE block holds t
 E / ep local experts (each an MLP, split by tp like the dense MLP); expert parameters and
 their gradients and optimizer state are sharded by ZeRO over the expert-data-parallel group
 (dp / ep ranks that hold the same experts), everything else over dp as for a dense model.
+
+Over 500 lines: every kind of a rank's memory (model states per ZeRO stage and precision, activations,
+buffers) is priced here against the same layout, so the dry run and the planner read one formula.
 """
 
 from __future__ import annotations
