@@ -12,7 +12,6 @@ from paratrain.engine import checks
 from tests.hf_models import save_hf
 
 
-
 def test_bullets_caps_and_counts():
     text = bullets([f"problem {i}" for i in range(1000)])
     lines = text.strip("\n").splitlines()
