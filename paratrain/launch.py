@@ -58,8 +58,9 @@ import torch.distributed as dist
 # end the group's threads and they meet interpreter shutdown (SIGABRT: docs/failures.md).
 import torch.distributed.nn.functional  # noqa: F401
 
+import paratrain.orphans as orphans
+import paratrain.scheduler as scheduler
 import paratrain.signals as signals
-from paratrain import orphans, scheduler
 from paratrain.comm import collectives as C
 from paratrain.comm.trace import TRACE, diagnose, read_mirror, stragglers
 from paratrain.orphans import die_with_parent

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from paratrain import scratch
+import paratrain.scratch as scratch
 
 BLOCKS = scratch.Kind(prefix="paratrain-blocks-", files=("block_*.bin",))
 

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 import paratrain.faults as faults
+import paratrain.scratch as scratch
 import paratrain.signals as signals
-from paratrain import scratch
 from paratrain.base.executor import MicroBatch, split_micro_batches
 from paratrain.comm import collectives as C
 from paratrain.config import Config

@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 from torch.optim.adam import adam as adam_step
 
-from paratrain import scratch
+import paratrain.scratch as scratch
 from paratrain.comm.collectives import nbytes
 from paratrain.zero.recipe import OptimizerRecipe
 

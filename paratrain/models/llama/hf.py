@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+import paratrain.models.llama.mixtral_hf as mixtral_hf
 from paratrain.config import bullets
 from paratrain.models.hf import (
     Entry,
@@ -38,7 +39,6 @@ from paratrain.models.hf import (
     register_checkpoint,
     weight_files,
 )
-from paratrain.models.llama import mixtral_hf
 from paratrain.models.llama.model import LlamaConfig
 from paratrain.models.rope import hf_rope_fields, read_hf_rope
 from paratrain.safeload import Fields
