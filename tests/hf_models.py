@@ -7,6 +7,7 @@ byte-level BPE wrapped as a PreTrainedTokenizerFast, saved with save_pretrained 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -85,3 +86,20 @@ def assert_greedy_generation_matches(ref, folder, capsys) -> None:
     prompt = torch.tensor([tok.encode("def ").ids])
     want = ref.generate(prompt, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert out == tok.decode(want[0, prompt.shape[1]:].tolist())
+
+
+def save_chatml_tokenizer(folder: Path, words: list[str], template: str) -> None:
+    """A small BPE knowing ChatML's special tokens, with ``template`` (the chat tests' tokenizer folder)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=500, show_progress=False,
+                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([" ".join(words) + "?. You are a helpful assistant.\nsystem user assistant"] * 20,
+                            trainer=trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": template, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}))

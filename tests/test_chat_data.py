@@ -18,6 +18,7 @@ from paratrain.data import IGNORE_INDEX, DataError, PackedRows, PrepareOptions, 
 from paratrain.data.chat import Encoder, detect_format, resolve_format
 from paratrain.data.sources import first_row, list_sources
 from paratrain.data.template import load_template
+from tests.hf_models import save_chatml_tokenizer
 
 QWEN2 = Path(__file__).parent / "data" / "chat_templates" / "qwen2-7b-instruct.jinja"
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "why", "because", "it", "was", "warm", "yes", "no", "ok"]
@@ -34,20 +35,8 @@ def _chat(i: int, turns: int = 1, system: bool = False) -> dict:
 
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=500, show_progress=False,
-                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([" ".join(WORDS) + "?. You are a helpful assistant.\nsystem user assistant"] * 20,
-                            trainer=trainer)
     folder = tmp_path_factory.mktemp("qwen")
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": QWEN2.read_text(), "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}))
+    save_chatml_tokenizer(folder, WORDS, QWEN2.read_text())
     return folder
 
 

@@ -30,7 +30,7 @@ from paratrain.data import cli as data_cli
 from paratrain.engine import checks
 from paratrain.pipeline.timeline import parser as viz_parser
 from paratrain.plan_cli import parser as plan_parser
-from tests.hf_models import save_hf
+from tests.hf_models import save_chatml_tokenizer, save_hf
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -136,7 +136,7 @@ def test_the_readme_resume_continues_a_fine_tune_with_its_recorded_configuration
     monkeypatch.setenv("HOME", str(tmp_path))
     folder = tmp_path / "models" / "Qwen2-0.5B-Instruct"  # a tiny random Qwen2 with the ChatML template
     save_hf(folder, "qwen2", vocab_size=500)
-    _chatml_tokenizer(folder, WORDS, QWEN2.read_text())
+    save_chatml_tokenizer(folder, WORDS, QWEN2.read_text())
     (tmp_path / "data").mkdir()
     _jsonl(tmp_path / "data" / "chat.jsonl", [_chat(i, turns=1 + i % 2) for i in range(60)])
     tiny = ["--out", "runs/mine", "--steps", "3", "--save-every", "1", "--global-batch", "4", "--eval-every",
@@ -161,20 +161,3 @@ def test_the_readme_resume_continues_a_fine_tune_with_its_recorded_configuration
     assert info["config"]["data"]["path"] == str(tmp_path / "data" / "chat.jsonl")
     assert info["lora"]["rank"] == 16 and info["config"]["parallel"]["zero"] == 3
     assert (tmp_path / "runs/mine/model.safetensors").exists()
-
-
-def _chatml_tokenizer(folder: Path, words: list[str], template: str) -> None:
-    """A small BPE knowing ChatML's special tokens, with Qwen2's template (as tests/test_chat_data.py)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=500, show_progress=False,
-                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([" ".join(words) + "?. You are a helpful assistant.\nsystem user assistant"] * 20,
-                            trainer=trainer)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": template, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}))
