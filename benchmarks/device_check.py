@@ -101,7 +101,7 @@ def rel_diff(a: list[float], b: list[float]) -> float:
 
 
 def gpu_model(ctx: Context, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    from paratrain.models.llama.hf import load_pretrained
+    from paratrain.models.families.llama.hf import load_pretrained
 
     return load_pretrained(str(ctx.hf_folder()))[0].to("cuda", dtype).eval()
 
@@ -162,7 +162,7 @@ def check_offload_cpu_train(ctx: Context) -> tuple[str, str]:
 def check_offload_cpu_stream(ctx: Context) -> tuple[str, str]:
     from paratrain.inference.loop import local_step
     from paratrain.inference.stream import RESERVE, StreamedModel, plan_memory, streamed_step
-    from paratrain.models.llama.hf import HFCheckpoint
+    from paratrain.models.families.llama.hf import HFCheckpoint
 
     prompt, tokens = list(range(1, 17)), 32
     want, t_mem = greedy(local_step(gpu_model(ctx)), prompt, tokens)

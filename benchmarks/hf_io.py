@@ -38,8 +38,8 @@ def peak_rss_bytes() -> int:
 def phase_make(work: Path, preset: str, shard_gb: float) -> dict:
     import torch
 
-    from paratrain.models.llama import preset as get_preset
-    from paratrain.models.llama.hf import Entry, expected_shapes, hf_name, to_hf_config, write_sharded
+    from paratrain.models.families.llama import preset as get_preset
+    from paratrain.models.families.llama.hf import Entry, expected_shapes, hf_name, to_hf_config, write_sharded
     from paratrain.train.data import train_tokenizer
 
     cfg = get_preset(preset)
@@ -59,7 +59,7 @@ def phase_make(work: Path, preset: str, shard_gb: float) -> dict:
 
 
 def phase_import(work: Path) -> dict:
-    from paratrain.models.llama.hf import Entry, load_pretrained, write_safetensors
+    from paratrain.models.families.llama.hf import Entry, load_pretrained, write_safetensors
 
     t0 = time.perf_counter()
     model, ckpt = load_pretrained(str(work / "source"))
@@ -79,7 +79,7 @@ def phase_import(work: Path) -> dict:
 
 
 def phase_export(work: Path, shard_gb: float) -> dict:
-    from paratrain.models.llama.hf import export_run
+    from paratrain.models.families.llama.hf import export_run
 
     t0 = time.perf_counter()
     files = export_run(str(work / "run"), str(work / "export"), max_shard_bytes=int(shard_gb * 2**30))

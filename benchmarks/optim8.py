@@ -57,7 +57,7 @@ def _train(args, name: str) -> dict:
 
 
 def _optimizer_step_times(args, names: list[str]) -> dict[str, float]:
-    from paratrain.models.llama import Llama, preset
+    from paratrain.models.families.llama import Llama, preset
     from paratrain.optim import AdamW8bit
 
     torch.manual_seed(0)

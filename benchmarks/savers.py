@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 def _model(name: str, seq: int):
     from paratrain.models import build_model, init_weights
-    from paratrain.models.llama import preset
+    from paratrain.models.families.llama import preset
 
     c = preset(name, max_seq_len=seq)
     model = build_model(c)
@@ -92,7 +92,7 @@ def _tiling_child(n: int, tokens: int, dim: int, ffn: int, vocab: int) -> dict:
 
     from paratrain.device import reset_peak_memory, rss_peak_bytes
     from paratrain.memory.tiling import TiledHeadLoss, tiled_rows
-    from paratrain.models.llama import MLP, preset
+    from paratrain.models.families.llama import MLP, preset
 
     torch.manual_seed(0)
     mlp = MLP(preset("tiny", dim=dim, ffn_dim=ffn))
@@ -178,7 +178,7 @@ def zero3_tiles(args) -> dict:
     (max over steps) against the unit sizes (tests/test_tiling_layouts.py states the bound)."""
     import tempfile
 
-    from paratrain.models.llama import preset
+    from paratrain.models.families.llama import preset
     from paratrain.train.metrics import read_metrics
 
     c = preset(args.model, ffn_dim=args.ffn)

@@ -20,7 +20,7 @@ import torch
 
 from paratrain.inference.loop import Sampling, decode, local_step
 from paratrain.inference.stream import StreamedModel, plan_memory, streamed_step
-from paratrain.models.llama.hf import HFCheckpoint, load_pretrained
+from paratrain.models.families.llama.hf import HFCheckpoint, load_pretrained
 
 
 def write_model(folder: Path, layers: int) -> int:

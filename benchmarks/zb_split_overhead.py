@@ -17,7 +17,7 @@ import torch
 
 from paratrain.base.weight_grad import WeightGradStore
 from paratrain.models import preset
-from paratrain.models.llama.model import Block
+from paratrain.models.families.llama.model import Block
 
 
 def one_pass(blocks: torch.nn.ModuleList, x0: torch.Tensor, split: bool) -> tuple[float, float, float]:

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from paratrain import config, scratch  # noqa: E402
 from paratrain.engine import checks
 from paratrain.launch import spawn  # noqa: E402
-from paratrain.models.llama import preset  # noqa: E402
+from paratrain.models.families.llama import preset  # noqa: E402
 from paratrain.zero.offload import OFFLOAD  # noqa: E402
 
 SHAPE = {"dim": 2048, "ffn_dim": 5504, "n_heads": 16, "n_kv_heads": 4}  # head_dim 128, GQA 4:1

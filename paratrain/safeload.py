@@ -8,8 +8,8 @@ the user says they trust it (``--trust-checkpoint``), and then with a warning.
 
 Every reader takes the caller's error class (HFError, CheckpointError, DataError: ValueErrors the
 CLI prints as one line with exit status 2) and names the file, and the field in it, that is wrong.
-One place for every model family's config checks (models/hf/, models/llama/hf.py,
-models/gpt2/hf.py), the checkpoint index and the tokenizer folder. torch is imported only by the
+One place for every model family's config checks (models/hf/, models/families/llama/hf.py,
+models/families/gpt2/hf.py), the checkpoint index and the tokenizer folder. torch is imported only by the
 two functions that load or save torch files: the data layer uses this module and stays free of
 torch at import time.
 """

@@ -10,7 +10,7 @@ import torch
 
 from paratrain.bench import moe as bench_moe
 from paratrain.bench.common import worker_args
-from paratrain.models.llama import PRESETS, preset
+from paratrain.models.families.llama import PRESETS, preset
 
 
 def _args(argv: list[str], out) -> tuple[argparse.Namespace, dict]:

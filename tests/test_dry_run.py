@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 
 from paratrain import plan_cli
-from paratrain.models.llama import PRESETS, LlamaConfig
+from paratrain.models.families.llama import PRESETS, LlamaConfig
 from paratrain.plan_cli.dry_run import dry_run, sample_ranks
 from paratrain.planner.memory import Layout, Training
 from paratrain.planner.slow_link import SlowLayout

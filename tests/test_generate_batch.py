@@ -16,7 +16,7 @@ import paratrain
 from paratrain import cli
 from paratrain.inference.loop import Sampling, decode, local_step
 from paratrain.models import build_model
-from paratrain.models.llama.model import LlamaConfig
+from paratrain.models.families.llama.model import LlamaConfig
 from tests.hf_models import save_hf, save_tokenizer
 
 PROMPTS = ["def f(x):", "import os", "the quick brown fox jumps over", "x"]

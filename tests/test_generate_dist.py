@@ -33,8 +33,8 @@ from paratrain.inference.request import GenerateRequest
 from paratrain.inference.stream_command import generate_ids as stream_ids
 from paratrain.inference.weights import open_weights
 from paratrain.models import build_model
-from paratrain.models.gpt2.model import GPT2Config
-from paratrain.models.llama.model import LlamaConfig
+from paratrain.models.families.gpt2.model import GPT2Config
+from paratrain.models.families.llama.model import LlamaConfig
 from paratrain.planner.inference import generation_bytes
 from tests.dist import run
 from tests.hf_models import save_hf, save_tokenizer

@@ -32,7 +32,7 @@ from paratrain.inference.stream import (
 )
 from paratrain.inference.stream_command import check_offload, generate_ids
 from paratrain.inference.weights import RunWeights
-from paratrain.models.gpt2.model import GPT2Config
+from paratrain.models.families.gpt2.model import GPT2Config
 from paratrain.models.hf import HFCheckpoint, load_pretrained
 from paratrain.models.registry import build_model
 from tests.hf_models import save_hf

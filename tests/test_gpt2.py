@@ -1,4 +1,4 @@
-"""GPT-2 as a model family (models/gpt2/): Hugging Face import and export checked against
+"""GPT-2 as a model family (models/families/gpt2/): Hugging Face import and export checked against
 transformers' GPT2LMHeadModel (a test-only oracle, built offline with random weights), and
 training in every layout equal to one process.
 
@@ -24,7 +24,7 @@ from paratrain import cli, config
 from paratrain.engine import checks
 from paratrain.inference.folders import load_run
 from paratrain.models import build_model, preset
-from paratrain.models.gpt2 import GPT2Config
+from paratrain.models.families.gpt2 import GPT2Config
 from paratrain.models.hf import HFError, load_pretrained
 from tests.harness import FP32_REORDERED, assert_same_training, run_layout, tiny_cfg
 from tests.hf_models import assert_greedy_generation_matches, save_tokenizer

@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from paratrain import cli
+from paratrain.models.families.llama.hf import rope_from_hf, rope_to_hf
 from paratrain.models.hf import HFError, load_pretrained
-from paratrain.models.llama.hf import rope_from_hf, rope_to_hf
 from tests.harness import FP32_REORDERED, assert_same_training, run_layout, tiny_cfg
 from tests.hf_models import assert_greedy_generation_matches, save_hf
 
@@ -78,8 +78,8 @@ def test_rope_permutation_is_inverse_and_per_head():
 
 
 def test_config_translation_reads_both_rope_layouts_and_their_scaling():
+    from paratrain.models.families.llama.hf import to_hf_config, to_llama_config
     from paratrain.models.hf import check_seq_len
-    from paratrain.models.llama.hf import to_hf_config, to_llama_config
 
     old = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
            "num_hidden_layers": 2, "intermediate_size": 96, "vocab_size": 320, "rope_theta": 1e6,

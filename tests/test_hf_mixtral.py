@@ -163,7 +163,7 @@ def test_aux_coefficient_conversion_matches_transformers_definition(top_k):
     transformers' load-balancing loss is exactly k times paratrain's (fᵢ summing to k vs 1)."""
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-    from paratrain.models.llama.mixtral_hf import moe_fields
+    from paratrain.models.families.llama.mixtral_hf import moe_fields
     from paratrain.models.moe import balance_loss_rows, route
 
     logits = torch.randn(24, 6, generator=torch.Generator().manual_seed(top_k), dtype=torch.float64)

@@ -10,8 +10,8 @@ import torch
 
 from paratrain.inference.loop import Sampling, decode, local_step
 from paratrain.models import build_model
-from paratrain.models.gpt2.model import GPT2Config
-from paratrain.models.llama.model import LlamaConfig
+from paratrain.models.families.gpt2.model import GPT2Config
+from paratrain.models.families.llama.model import LlamaConfig
 
 SMALL = {"vocab_size": 96, "dim": 48, "n_layers": 2, "ffn_dim": 80, "max_seq_len": 64}
 CONFIGS = {

@@ -95,13 +95,13 @@ def test_contracts_fail_on_a_family_import_an_upward_import_in_models_and_a_modu
     module of models/ importing upward inside the package (shape.py -> a family's hf.py), and a new
     top-level module placed in no layer each fail lint-imports."""
     tree = _probe_copy(tmp_path)
-    _append(tree / "planner" / "memory.py", "from paratrain.models.llama import model")
-    _append(tree / "models" / "shape.py", "from paratrain.models.gpt2 import hf")
+    _append(tree / "planner" / "memory.py", "from paratrain.models.families.llama import model")
+    _append(tree / "models" / "shape.py", "from paratrain.models.families.gpt2 import hf")
     (tree / "stray.py").write_text("import paratrain.config  # noqa\n")
     got = _lint_imports(tmp_path)
     assert got.returncode != 0
-    for expected in ("paratrain.planner is not allowed to import paratrain.models.llama",
-                     "paratrain.models.shape is not allowed to import paratrain.models.gpt2",
+    for expected in ("paratrain.planner is not allowed to import paratrain.models.families",
+                     "paratrain.models.shape is not allowed to import paratrain.models.families",
                      "- paratrain.stray"):
         assert expected in got.stdout, got.stdout[-4000:]
 
@@ -109,10 +109,10 @@ def test_contracts_fail_on_a_family_import_an_upward_import_in_models_and_a_modu
 def test_contracts_fail_on_an_upward_import_inside_models_alone(tmp_path):
     """Within models/, the generic Hugging Face I/O importing a family fails on its own."""
     tree = _probe_copy(tmp_path)
-    _append(tree / "models" / "hf" / "files.py", "from paratrain.models.llama import hf")
+    _append(tree / "models" / "hf" / "files.py", "from paratrain.models.families.llama import hf")
     got = _lint_imports(tmp_path)
     assert got.returncode != 0
-    assert "paratrain.models.hf is not allowed to import paratrain.models.llama" in got.stdout, \
+    assert "paratrain.models.hf is not allowed to import paratrain.models.families" in got.stdout, \
         got.stdout[-4000:]
 
 

@@ -17,7 +17,7 @@ from paratrain.memory.activation_offload import ActivationOffload
 from paratrain.memory.recompute import apply_recompute
 from paratrain.memory.tiling import apply_tiling, tiled_mlp_bytes
 from paratrain.models import build_model, init_weights
-from paratrain.models.llama import preset
+from paratrain.models.families.llama import preset
 from paratrain.train.metrics import read_metrics
 from tests.harness import run_layout, tiny_cfg
 

@@ -3,8 +3,8 @@
 import torch
 
 from paratrain.models import build_model, init_weights, materialize, preset
+from paratrain.models.families.llama import full_init_value
 from paratrain.models.init import param_seed
-from paratrain.models.llama import full_init_value
 from paratrain.sharding import TensorShard, set_shard
 
 

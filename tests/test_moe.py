@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from paratrain.models.llama import PRESETS, Llama, preset
+from paratrain.models.families.llama import PRESETS, Llama, preset
 from paratrain.models.moe import MoE, moe_loss_sum, moe_metrics
 from paratrain.perf.flops import lm_flops_per_token
 

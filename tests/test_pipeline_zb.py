@@ -26,7 +26,7 @@ from paratrain.base.weight_grad import WeightGradStore
 from paratrain.data_parallel.ddp import DDP
 from paratrain.engine import checks
 from paratrain.mesh import MeshShape, ParallelMesh
-from paratrain.models.llama import PRESETS
+from paratrain.models.families.llama import PRESETS
 from paratrain.models.lora import LoRALinear, LoraSpec
 from paratrain.models.moe import MoE
 from paratrain.perf.hardware import make_cluster

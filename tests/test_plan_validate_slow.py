@@ -18,7 +18,7 @@ import pytest
 
 import paratrain.plan_cli as plan_cli
 from paratrain.mesh import MeshShape
-from paratrain.models.llama import PRESETS
+from paratrain.models.families.llama import PRESETS
 from paratrain.plan_cli import main as plan_main
 from paratrain.plan_cli.validate_nodes import crossing_axes
 from paratrain.planner import slow_link

@@ -19,8 +19,8 @@ from paratrain.config import Config
 from paratrain.engine import checks
 from paratrain.memory.recompute import FullRecompute
 from paratrain.models import build_model, init_weights
+from paratrain.models.families.llama import PRESETS, preset
 from paratrain.models.from_config import model_config
-from paratrain.models.llama import PRESETS, preset
 from paratrain.perf.flops import lm_flops_per_token
 from paratrain.perf.hardware import GB, Link, device_preset, make_cluster
 from paratrain.plan_cli import auto_layout, runnable_here

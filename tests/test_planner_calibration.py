@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from paratrain.models.llama import preset
+from paratrain.models.families.llama import preset
 from paratrain.plan_cli import calibrate
 from paratrain.planner import cost
 from paratrain.planner.machine import local_cluster

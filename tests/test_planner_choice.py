@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from paratrain.models.llama import PRESETS
+from paratrain.models.families.llama import PRESETS
 from paratrain.perf.hardware import make_cluster
 from paratrain.planner.choice import MODEL_ERROR, choose, simplicity
 from paratrain.planner.machine import local_cluster

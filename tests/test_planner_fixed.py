@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from paratrain.models.llama import PRESETS
+from paratrain.models.families.llama import PRESETS
 from paratrain.perf.hardware import make_cluster
 from paratrain.perf.ops import FittedGemm
 from paratrain.plan_cli import calibrate, parser, resolve_defaults

@@ -17,7 +17,7 @@ from paratrain.data_parallel.ddp import FIRST_BUCKET_BYTES, build_buckets
 from paratrain.memory.recompute import apply_recompute
 from paratrain.mesh import MeshShape, ParallelMesh
 from paratrain.models import build_model
-from paratrain.models.llama import preset
+from paratrain.models.families.llama import preset
 from paratrain.perf import hardware
 from paratrain.perf.hardware import Link
 from paratrain.perf.ops import FittedGemm, OpEnv, block_costs, embed_costs, head_costs

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import pytest
 
-from paratrain.models.llama import LlamaConfig
+from paratrain.models.families.llama import LlamaConfig
 from paratrain.perf.hardware import make_cluster
 from paratrain.planner import cost
 from paratrain.planner.memory import Layout, Training

@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 
 from paratrain.engine import checks
+from paratrain.models.families.llama import PRESETS, preset
 from paratrain.models.from_config import model_config
-from paratrain.models.llama import PRESETS, preset
 from paratrain.perf.flops import lm_flops_per_token
 from paratrain.perf.hardware import make_cluster
 from paratrain.plan_cli import main as plan_main

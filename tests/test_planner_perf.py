@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from paratrain.models.llama import PRESETS, LlamaConfig
+from paratrain.models.families.llama import PRESETS, LlamaConfig
 from paratrain.perf.hardware import GPUS, SUSTAINED, make_cluster
 from paratrain.perf.ops import GemmModel
 from paratrain.perf.stages import balanced_split

@@ -24,7 +24,7 @@ from dataclasses import replace
 
 import pytest
 
-from paratrain.models.llama import LlamaConfig
+from paratrain.models.families.llama import LlamaConfig
 from paratrain.perf.hardware import GPUS, Cluster, Link, make_cluster
 from paratrain.planner import cost, zero3
 from paratrain.planner.collectives import (

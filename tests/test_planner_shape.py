@@ -11,7 +11,7 @@ import pytest
 import torch.nn as nn
 
 from paratrain.models import build_model, preset
-from paratrain.models.llama import LlamaConfig
+from paratrain.models.families.llama import LlamaConfig
 from paratrain.perf.flops import lm_flops_per_token
 from paratrain.planner import local, memory
 from paratrain.planner.cost import model_flops_per_token

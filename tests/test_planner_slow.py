@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from paratrain.models.llama import PRESETS
+from paratrain.models.families.llama import PRESETS
 from paratrain.perf.hardware import LINKS, make_cluster
 from paratrain.plan_cli import main as plan_main
 from paratrain.plan_cli import parser, resolve_defaults

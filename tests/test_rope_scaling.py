@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from paratrain import cli
+from paratrain.models.families.llama.hf import to_hf_config, to_llama_config
 from paratrain.models.hf import HFError, load_pretrained
-from paratrain.models.llama.hf import to_hf_config, to_llama_config
 from paratrain.models.rope import RopeScaling, example_lengths, rope_tables
 from tests.hf_models import SHAPE, build_hf, save_tokenizer
 
@@ -185,7 +185,7 @@ def test_packed_dynamic_row_equals_its_examples_alone():
     """float64, model level: a packed row of a 30- and an 18-token example (both beyond the original
     16) gives each example's logits alone, so packing and data-parallel slicing change nothing."""
     from paratrain.models import build_model, init_weights
-    from paratrain.models.llama import LlamaConfig
+    from paratrain.models.families.llama import LlamaConfig
 
     cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=64,
                       rope_scaling=RopeScaling("dynamic", 4.0, ORIGINAL))

@@ -26,7 +26,7 @@ from paratrain.comm import collectives as C
 from paratrain.engine import checks
 from paratrain.mesh import MeshShape, ParallelMesh
 from paratrain.models import build_model, init_weights, materialize
-from paratrain.models.llama import LlamaConfig, RMSNorm
+from paratrain.models.families.llama import LlamaConfig, RMSNorm
 from paratrain.sharding import shard_of
 from paratrain.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_loss_sum
 from paratrain.tensor_parallel.layers import (

@@ -19,7 +19,7 @@ import torch
 from paratrain import config
 from paratrain.comm import collectives as C
 from paratrain.engine import checks
-from paratrain.models.llama import preset
+from paratrain.models.families.llama import preset
 from paratrain.train.metrics import read_metrics
 from paratrain.train.trainer import Trainer
 from paratrain.zero import offload

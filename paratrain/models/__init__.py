@@ -5,7 +5,7 @@ models/registry.py). ``build_model(cfg, device)`` returns a model on the request
 for sharded builds); ``init_weights(model, seed, cfg)`` fills every parameter with the slice of its
 full initial value; ``family_of(model)`` is the declaration the parallel techniques read
 (models/family.py); ``model_kind(name)`` what a ``--model`` name supports (checks ask it instead
-of comparing names). A new family is one folder and one line below.
+of comparing names). A new family is one folder and its name on models/families/__init__.py's line.
 """
 
 from __future__ import annotations
@@ -13,11 +13,8 @@ from __future__ import annotations
 from dataclasses import fields, replace
 
 from paratrain.config import ModelConfig
-from paratrain.models import gpt2, llama  # the families: one line each
+from paratrain.models import families  # noqa: F401  (registers every family: its __init__ lists them)
 from paratrain.models.cnn import CNN_KIND
-from paratrain.models.gpt2 import parallel as _gpt2_family  # noqa: F401  (registers GPT-2)
-from paratrain.models.llama import Llama, LlamaConfig
-from paratrain.models.llama import parallel as _llama_family  # noqa: F401  (registers Llama)
 from paratrain.models.registry import (
     build_model,
     family_for_config,
@@ -28,20 +25,22 @@ from paratrain.models.registry import (
     model_kind,
     register,
     register_kind,
+    registered_presets,
     tied_name,
 )
+from paratrain.models.shape import ModelShape
 
-__all__ = ["PRESETS", "Llama", "LlamaConfig", "build_model", "family_of", "full_init_value", "init_weights",
+__all__ = ["PRESETS", "build_model", "family_of", "full_init_value", "init_weights",
            "materialize", "model_kind", "preset", "register", "tied_name", "default_shape", "plan_presets"]
 
 
 # Every named shape (--model), across the families.
-PRESETS: dict[str, object] = {**llama.PRESETS, **gpt2.PRESETS}
+PRESETS: dict[str, object] = registered_presets()
 
 register_kind(CNN_KIND)  # the data-parallel example: a --model name outside the families
 
 
-def preset(name: str, **overrides: object) -> LlamaConfig | gpt2.GPT2Config:
+def preset(name: str, **overrides: object) -> ModelShape:
     if name not in PRESETS:
         raise KeyError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
     base = PRESETS[name]

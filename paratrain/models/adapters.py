@@ -2,8 +2,8 @@
 
 Out (``paratrain export RUN --peft DIR``): the run's adapters (``layers.0.attn.wq.lora_A.weight``,
 models/lora.py) under PEFT's names (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``),
-the module part translated by the family's Hugging Face table (models/llama/hf.py,
-models/gpt2/hf.py), so ``peft.PeftModel.from_pretrained(base, DIR)`` computes what paratrain's model
+the module part translated by the family's Hugging Face table (models/families/llama/hf.py,
+models/families/gpt2/hf.py), so ``peft.PeftModel.from_pretrained(base, DIR)`` computes what paratrain's model
 computes. The RoPE layout (hf.py's docstring): the base q/k rows are permuted on export, so the
 adapter's output rows must be too; ``lora_B`` [out, r] holds those rows, ``lora_A`` [r, in] none of
 them: P(W + s B A) = P W + s (P B) A.

@@ -13,7 +13,7 @@ Each attention layer keeps the keys and values it computed (RoPE already applied
   tokens. ``begin`` sets the mask of the next forward (the new tokens see the real tokens before
   them and themselves; padding is never seen), ``end`` commits the new tokens.
 
-A layer's use of it (models/llama/model.py ``Attention``):
+A layer's use of it (models/families/llama/model.py ``Attention``):
 
     k, v = cache.append(k, v)            # [b, kv_heads, length + s, hd]: everything so far
     y = core(q, k, v, cache.mask, causal=cache.causal, grouped=True)

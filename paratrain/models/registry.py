@@ -20,12 +20,24 @@ from paratrain.sharding import copy_info, shard_of
 
 _BY_MODEL: dict[type, ModelFamily] = {}
 _BY_CONFIG: dict[type, tuple[type[nn.Module], ModelFamily]] = {}
+_PRESETS: dict[str, object] = {}
 
 
-def register(config_cls: type, model_cls: type[nn.Module], family: ModelFamily) -> None:
-    """Make a family known: its config class builds ``model_cls``, whose declaration is ``family``."""
+def register(config_cls: type, model_cls: type[nn.Module], family: ModelFamily,
+             presets: dict[str, object] | None = None) -> None:
+    """Make a family known: its config class builds ``model_cls``, whose declaration is ``family``;
+    ``presets`` are its named shapes (``--model NAME``), each an instance of ``config_cls``."""
+    taken = sorted(set(presets or {}) & set(_PRESETS))
+    if taken:
+        raise ValueError(f"preset name(s) {', '.join(taken)} of family {family.name!r} are another family's")
     _BY_MODEL[model_cls] = family
     _BY_CONFIG[config_cls] = (model_cls, family)
+    _PRESETS.update(presets or {})
+
+
+def registered_presets() -> dict[str, object]:
+    """Every registered family's presets, in registration order (models/families/__init__.py)."""
+    return dict(_PRESETS)
 
 
 def family_of(model: nn.Module, needed_for: str = "this technique") -> ModelFamily:

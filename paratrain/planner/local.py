@@ -50,7 +50,7 @@ from paratrain.planner.memory import (
 
 def param_numels(c: ModelShape, tp: int, blocks: int, first: bool, last: bool) -> list[tuple[int, bool]]:
     """(elements, is a norm gain) of a stage's parameter tensors on one tp rank, in registration
-    order (models/llama/model.py): the embedding; per block the attention norm, wq, wk, wv (each with
+    order (models/families/llama/model.py): the embedding; per block the attention norm, wq, wk, wv (each with
     its bias when ``qkv_bias``), wo, the MLP norm, the MLP's matrices (gate, up, down); the final
     norm and the LM head. Widths from the shape: q is n_heads x head_dim, a norm its kind's."""
     kv = c.n_kv_heads * c.head_dim

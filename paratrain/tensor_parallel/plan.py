@@ -1,6 +1,6 @@
 """Tensor-parallel styles and ``apply_tensor_parallel`` (the plan itself is the model family's).
 
-A plan (a data table declared beside the model, e.g. models/llama/parallel.py) maps submodule name
+A plan (a data table declared beside the model, e.g. models/families/llama/parallel.py) maps submodule name
 patterns to the styles below; applying it replaces each matched module of the
 model built on the *meta* device by its tensor-parallel counterpart, under the same name, so
 every parameter keeps its single-device name (``layers.0.attn.wq.weight``) and carries a

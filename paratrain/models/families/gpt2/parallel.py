@@ -1,4 +1,4 @@
-"""The GPT-2 family's declaration: what each technique needs to know about models/gpt2/model.py.
+"""The GPT-2 family's declaration: what each technique needs to know about models/families/gpt2/model.py.
 
 Tensor parallelism (Megatron-LM's split, as for Llama): every LayerNorm is a region entry (it
 makes its output whole once for the column layers after it; under SP its weight *and* bias see
@@ -23,7 +23,7 @@ Pipeline: ``embed`` (tokens and positions) runs on the first stage, ``norm`` and
 from __future__ import annotations
 
 from paratrain.models.decoder import decoder_family
-from paratrain.models.gpt2.model import GPT2, GPT2Config, full_init_value
+from paratrain.models.families.gpt2.model import GPT2, PRESETS, GPT2Config, full_init_value
 from paratrain.models.registry import register
 
 GPT2_TP_PLAN: dict[str, str] = {
@@ -47,4 +47,4 @@ GPT2_FAMILY = decoder_family("gpt2", GPT2_TP_PLAN, embedding_weight="embed.wte.w
                              init_value=full_init_value, lora_targets=GPT2_LORA_TARGETS,
                              config_names=("gpt2",))
 
-register(GPT2Config, GPT2, GPT2_FAMILY)
+register(GPT2Config, GPT2, GPT2_FAMILY, PRESETS)

@@ -2,8 +2,11 @@
 (model.py), its parallel declaration (parallel.py, which registers it), its Hugging Face mapping
 (hf.py, which registers it with models/hf/, with Mixtral's names and fused layouts in mixtral_hf.py)."""
 
-from paratrain.models.llama import hf  # noqa: F401  (registers the Hugging Face mapping)
-from paratrain.models.llama.model import (
+from paratrain.models.families.llama import (
+    hf,  # noqa: F401  (registers the Hugging Face mapping)
+    parallel,  # noqa: F401  (registers the family and its presets)
+)
+from paratrain.models.families.llama.model import (
     MLP,
     PRESETS,
     Attention,

@@ -14,7 +14,7 @@ the router is replicated with its gradient summed over tp (tensor_parallel/exper
 from __future__ import annotations
 
 from paratrain.models.decoder import decoder_family
-from paratrain.models.llama import Llama, LlamaConfig, full_init_value
+from paratrain.models.families.llama.model import PRESETS, Llama, LlamaConfig, full_init_value
 from paratrain.models.registry import register
 
 LLAMA_TP_PLAN: dict[str, str] = {
@@ -45,4 +45,4 @@ LLAMA = decoder_family("llama", LLAMA_TP_PLAN, embedding_weight="embed.weight", 
                        lora_targets=LLAMA_LORA_TARGETS,
                        config_names=("llama", "mistral", "qwen2", "mixtral"), planned=True)
 
-register(LlamaConfig, Llama, LLAMA)
+register(LlamaConfig, Llama, LLAMA, PRESETS)

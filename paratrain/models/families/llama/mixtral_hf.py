@@ -32,7 +32,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from paratrain.models.llama.model import LlamaConfig
+from paratrain.models.families.llama.model import LlamaConfig
 from paratrain.safeload import Fields
 
 ARCHITECTURE = "MixtralForCausalLM"

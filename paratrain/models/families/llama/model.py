@@ -41,7 +41,7 @@ class LlamaConfig:
     rope_scaling: RopeScaling | None = None  # None: plain RoPE; else how it stretches (models/rope.py)
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
-    # Families of the same decoder (Hugging Face import/export, models/llama/hf.py): Qwen2 adds a
+    # Families of the same decoder (Hugging Face import/export, models/families/llama/hf.py): Qwen2 adds a
     # bias to q/k/v; some checkpoints use a head size other than dim / n_heads (then
     # n_heads * head_dim != dim and wq/wo are not square).
     family: str = "llama"  # llama | mistral | qwen2: the architecture an export writes

@@ -6,10 +6,10 @@ token + learned position embedding -> [LayerNorm -> attention -> residual -> Lay
 It departs from Hugging Face's module on purpose in one place: q, k and v are three ``nn.Linear``s
 ([out, in] weights, as every linear here), not one fused ``Conv1D`` ([in, 3 * out]). Attention then
 reads its head count from the projections' output size, so the tensor-parallel column split of the
-family's plan (models/gpt2/parallel.py) makes each rank compute its local heads, exactly as for
-Llama; the fused, transposed layout lives only in the Hugging Face mapping (models/gpt2/hf.py).
+family's plan (models/families/gpt2/parallel.py) makes each rank compute its local heads, exactly as for
+Llama; the fused, transposed layout lives only in the Hugging Face mapping (models/families/gpt2/hf.py).
 
-As in models/llama/model.py, blocks sit in a ``ModuleDict`` keyed by index and ``embed`` / ``norm`` /
+As in models/families/llama/model.py, blocks sit in a ``ModuleDict`` keyed by index and ``embed`` / ``norm`` /
 ``lm_head`` may be ``None`` (a pipeline stage drops what it does not own), and the model holds no
 parallel code.
 """
@@ -119,7 +119,7 @@ class Embeddings(nn.Module):
     """Token embedding + learned position embedding, one module so a pipeline's first stage owns
     both. Positions are looked up like tokens (ids [1, s], or a packed batch's [b, s]), so the
     tensor-parallel plan can split the position table as it splits the vocabulary
-    (models/gpt2/parallel.py says why)."""
+    (models/families/gpt2/parallel.py says why)."""
 
     reads_positions = True  # models/family.py call_part: the decoder hands it the batch's positions
 

@@ -27,8 +27,9 @@ from pathlib import Path
 
 import torch
 
-import paratrain.models.llama.mixtral_hf as mixtral_hf
+import paratrain.models.families.llama.mixtral_hf as mixtral_hf
 from paratrain.config import bullets
+from paratrain.models.families.llama.model import LlamaConfig
 from paratrain.models.hf import (
     Entry,
     HFCheckpoint,
@@ -39,7 +40,6 @@ from paratrain.models.hf import (
     register_checkpoint,
     weight_files,
 )
-from paratrain.models.llama.model import LlamaConfig
 from paratrain.models.rope import hf_rope_fields, read_hf_rope
 from paratrain.safeload import Fields
 from paratrain.sharding import TensorShard

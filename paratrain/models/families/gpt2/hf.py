@@ -1,4 +1,4 @@
-"""Hugging Face ``GPT2LMHeadModel`` folders in and out of paratrain's GPT-2 (models/gpt2/model.py).
+"""Hugging Face ``GPT2LMHeadModel`` folders in and out of paratrain's GPT-2 (models/families/gpt2/model.py).
 
 Names and layouts (paratrain <-> Hugging Face, under ``transformer.``; hub folders saved from the
 base model omit that prefix and are read as well)::
@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from paratrain.config import bullets
-from paratrain.models.gpt2.model import ACTIVATIONS, GPT2Config
+from paratrain.models.families.gpt2.model import ACTIVATIONS, GPT2Config
 from paratrain.models.hf import (
     Entry,
     HFCheckpoint,
