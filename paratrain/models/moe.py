@@ -80,11 +80,14 @@ class Expert(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
-def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 logits [T, E] -> (probs [T, E], weights [T, k] renormalised over the k, experts [T, k])."""
+def route(logits: torch.Tensor, top_k: int, renormalize: bool = True
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 logits [T, E] -> (probs [T, E], weights [T, k], experts [T, k]). The weights are the
+    k probabilities renormalised over the k (Mixtral; Qwen3-MoE's ``norm_topk_prob``), or with
+    ``renormalize=False`` the softmax's own (Qwen3-MoE without it: they sum to less than 1)."""
     probs = logits.softmax(dim=-1)
     weights, experts = probs.topk(top_k, dim=-1)
-    return probs, weights / weights.sum(dim=-1, keepdim=True), experts
+    return probs, weights / weights.sum(dim=-1, keepdim=True) if renormalize else weights, experts
 
 
 def capacity_keep(experts: torch.Tensor, n_experts: int, capacity_factor: float) -> torch.Tensor:
@@ -114,9 +117,11 @@ class MoE(nn.Module):
     ``self.experts`` holds experts by their global index as strings (``experts.5.gate.weight``), so
     an expert-parallel rank keeps the single-device names of the experts it owns."""
 
-    def __init__(self, *, dim: int, ffn_dim: int, n_experts: int, top_k: int, capacity_factor: float = 0.0):
+    def __init__(self, *, dim: int, ffn_dim: int, n_experts: int, top_k: int, capacity_factor: float = 0.0,
+                 renormalize: bool = True):
         super().__init__()
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
+        self.renormalize = renormalize  # the k weights divided by their sum (``route``)
         self.router = Router(dim, n_experts)
         self.experts = nn.ModuleDict({str(e): Expert(dim, ffn_dim) for e in range(n_experts)})
         # The sum of the experts' outputs over tensor-parallel ranks, once per layer: identity on
@@ -140,7 +145,7 @@ class MoE(nn.Module):
         logits = self.router(tokens)  # [b*s, E], fp32
         if self.share is not None:  # EP x TP: every tp rank routes every token, dispatches its share
             logits = self.share.whole_logits(logits, b)  # [T, E]
-        probs, weights, experts = route(logits, self.top_k)
+        probs, weights, experts = route(logits, self.top_k, self.renormalize)
         keep = capacity_keep(experts, self.n_experts, self.capacity_factor)
         if self.share is None:
             mixed = self.combine(tokens, weights, experts, keep)

@@ -271,3 +271,22 @@ class RegionEntryNorm(nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.weight.shape[0]}, {self.kind}, eps={self.eps}, bias={self.bias is not None}, "
                 f"tp={self.axis.size}, sp={self.sequence_parallel}, entry={self.entry}")
+
+
+class HeadNorm(nn.Module):
+    """An RMSNorm over each head's features (Qwen3's q/k norms: ``[b, s, heads, head_dim]``),
+    replicated on every tp rank: it acts on head_dim, which tp never splits, so each rank applies
+    the whole weight to its local heads. Its gradient on one rank comes from that rank's heads
+    only, a partial sum, so the weight goes through f (identity forward, all-reduce of its gradient
+    over tp), as the MoE router's does (tensor_parallel/experts.py)."""
+
+    def __init__(self, head_dim: int, eps: float, axis: C.Axis, *, device=None, dtype=None):
+        super().__init__()
+        self.axis, self.eps = axis, eps
+        self.weight = _param((head_dim,), TensorShard((head_dim,)), device, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return normalize(x, copy_to_tp(self.weight, self.axis), None, self.eps, "rms")
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, tp={self.axis.size}"

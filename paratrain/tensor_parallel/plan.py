@@ -30,6 +30,7 @@ from paratrain.tensor_parallel.context import Context
 from paratrain.tensor_parallel.experts import ExpertRowwise, ExpertsReduce, ReplicatedRouter
 from paratrain.tensor_parallel.layers import (
     ColumnParallelLinear,
+    HeadNorm,
     RegionEntryNorm,
     ReplicatedHeadsLinear,
     RowParallelLinear,
@@ -109,12 +110,21 @@ class EntryNorm:
                                dtype=old.weight.dtype)
 
 
+class HeadNormStyle:
+    """A norm over each head's features (Qwen3's q/k norms): replicated, not split (tp splits
+    heads, never head_dim), with its gradient summed over tp (HeadNorm says why)."""
+
+    def build(self, old: nn.Module, ctx: Context) -> nn.Module:
+        return HeadNorm(old.weight.shape[0], old.eps, ctx.axis, device=old.weight.device,
+                        dtype=old.weight.dtype)
+
+
 # A family's plan maps module name patterns to these names (plain data, beside the model).
 STYLES: dict[str, object] = {
     "colwise": Colwise(), "colwise_kv": ColwiseKV(), "rowwise": Rowwise(),
     "vocab_embedding": VocabEmbedding(), "vocab_head": VocabHead(), "entry_norm": EntryNorm(),
     "replicated_router": ReplicatedRouter(), "expert_rowwise": ExpertRowwise(),
-    "experts_reduce": ExpertsReduce(),
+    "experts_reduce": ExpertsReduce(), "head_norm": HeadNormStyle(),
 }
 
 

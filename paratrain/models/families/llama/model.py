@@ -165,10 +165,7 @@ class Attention(nn.Module):
         """x [b, s, dim] -> [b, s, dim]; with ``cache`` (generation) x holds the new tokens only,
         ``positions`` their absolute positions, and the keys of earlier tokens come from the cache."""
         b, s, _ = x.shape  # the whole sequence, also under SP (the entry norm gathered it)
-        # Head counts come from the projections, so a column-split projection yields local heads.
-        q = self.wq(x).view(b, s, -1, self.head_dim)  # [b, s, n_heads, hd]
-        k = self.wk(x).view(b, s, -1, self.head_dim)  # [b, s, n_kv_heads, hd]
-        v = self.wv(x).view(b, s, -1, self.head_dim)
+        q, k, v = self.project(x)
         cos, sin = rope_tables(s, self.head_dim, self.rope_theta, x.device, positions, self.rope_scaling)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, hd]
@@ -178,6 +175,17 @@ class Attention(nn.Module):
             k, v = cache.append(k, v)  # [b, kv_heads, cached + s, hd]
             y = self.core(q, k, v, cache.mask, causal=cache.causal, grouped=True)
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))  # [b, s, dim]
+
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [b, s, dim] -> q, k, v per head, before RoPE (a family that normalises each head's q
+        and k, Qwen3, overrides this)."""
+        b, s, _ = x.shape
+        # Head counts come from the projections, so a column-split projection yields local heads.
+        q = self.wq(x).view(b, s, -1, self.head_dim)  # [b, s, n_heads, hd]
+        k = self.wk(x).view(b, s, -1, self.head_dim)  # [b, s, n_kv_heads, hd]
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        return q, k, v
 
 
 class MLP(nn.Module):
