@@ -1,17 +1,17 @@
 """The planner and the FLOP counts price a model from its ModelShape alone (issue 36 item 1, the
 planner's part): attention is n_heads x head_dim wide, which need not be dim (a head size other
 than dim / n_heads, as imported Qwen3 or Llama folders may have), q/k/v biases count when the
-shape says so, and tensor parallelism's entry norm is the kind the shape declares."""
+shape says so, and tensor parallelism's entry norm computes what the model's norm module computes
+(its norm_fn), whatever norm that is."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 import pytest
+import torch
 import torch.nn as nn
 
+from paratrain.comm.collectives import single_axis
 from paratrain.models import build_model, preset
-from paratrain.models.families.llama import LlamaConfig
 from paratrain.perf.flops import lm_flops_per_token
 from paratrain.planner import local, memory
 from paratrain.planner.cost import model_flops_per_token
@@ -53,25 +53,44 @@ def test_activations_of_wide_heads_match_saved_tensors(recompute):
     assert_activations_match_saved_tensors(preset("tiny", max_seq_len=64, **WIDE_HEADS), recompute)
 
 
-class _ThirdNorm(LlamaConfig):
-    """A shape whose family declares a norm kind the region entry does not compute."""
+class _ScaledRMSNorm(nn.Module):
+    """A third norm (neither RMSNorm nor LayerNorm: a gain of 2 + w) that only its module knows."""
 
-    @property
-    def norm(self) -> str:
-        return "group"
+    @staticmethod
+    def norm_fn(x, weight, bias, eps):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (2.0 + weight)
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.eps, self.weight = 1e-6, nn.Parameter(torch.randn(dim))
+
+    def forward(self, x):
+        return self.norm_fn(x, self.weight, None, self.eps)
 
 
-def test_entry_norm_takes_the_declared_kind_and_refuses_a_third():
-    """tensor_parallel's entry norm is what the shape declares (GPT-2: LayerNorm with its bias;
-    Llama: RMSNorm), and a third kind is refused instead of being computed as RMSNorm."""
-    gpt2 = preset("gpt2-tiny")
-    norm = build_model(gpt2, "meta").layers["0"].attn_norm
-    built = STYLES["entry_norm"].build(norm, Context(None, False, gpt2))
-    assert built.kind == "layer" and built.bias is not None
-    llama = preset("tiny")
-    built = STYLES["entry_norm"].build(build_model(llama, "meta").layers["0"].attn_norm,
-                                       Context(None, False, llama))
-    assert built.kind == "rms" and built.bias is None
-    third = _ThirdNorm(**asdict(llama))
-    with pytest.raises(ValueError, match="norm kind 'group'"):
-        STYLES["entry_norm"].build(nn.LayerNorm(llama.dim, device="meta"), Context(None, False, third))
+def _entry(norm: nn.Module, cfg) -> nn.Module:
+    """The region entry tensor parallelism puts in place of ``norm`` (tp = 1), with norm's weights."""
+    built = STYLES["entry_norm"].build(norm, Context(single_axis("tp"), False, cfg))
+    built.load_state_dict(norm.state_dict())
+    return built
+
+
+def test_entry_norm_computes_what_the_module_computes_and_refuses_a_module_without_norm_fn():
+    """tensor_parallel's entry norm is the module's own norm_fn (GPT-2: LayerNorm with its bias;
+    Llama: RMSNorm; a third norm it has never heard of), bit for bit at tp = 1, with no norm kind
+    listed in tensor_parallel/; a module without one is refused instead of being computed as
+    another norm."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 64)
+    gpt2, llama = preset("gpt2-tiny"), preset("tiny")
+    for cfg, norm in ((gpt2, build_model(gpt2).layers["0"].attn_norm),
+                      (llama, build_model(llama).layers["0"].attn_norm), (llama, _ScaledRMSNorm(64))):
+        with torch.no_grad():
+            norm.weight.add_(torch.randn(64))
+            if getattr(norm, "bias", None) is not None:
+                norm.bias.add_(torch.randn(64))
+        built = _entry(norm, cfg)
+        assert (built.bias is not None) == (getattr(norm, "bias", None) is not None)
+        assert torch.equal(built(x), norm(x)), type(norm).__name__
+    with pytest.raises(ValueError, match="GroupNorm: .*norm_fn"):
+        STYLES["entry_norm"].build(nn.GroupNorm(1, 64), Context(single_axis("tp"), False, llama))

@@ -168,7 +168,7 @@ def _entry_norm(tp_axis: C.Axis, rank: int, tp: int, sp: bool) -> None:
     dy = torch.randn(2, 8, 16)
     xr = x.clone().requires_grad_()
     ref(xr).backward(dy)
-    norm = RegionEntryNorm(16, 1e-5, tp_axis, sequence_parallel=sp)
+    norm = RegionEntryNorm(16, 1e-5, tp_axis, norm_fn=RMSNorm.norm_fn, sequence_parallel=sp)
     _load(norm.weight, ref.weight.detach())
     xt = (x.chunk(tp, 1)[rank] if sp else x).clone().requires_grad_()
     y = norm(xt)  # whole on every rank: all-gathered under SP

@@ -16,7 +16,9 @@ recomputed forward of the tiled parts (as full recompute, but of these layers on
 
 The head is applied inside the loss (``TiledHeadLoss``): with N = 1 the logits [tokens, vocab]
 would exist whole, which is what tiling avoids. The model's ``lm_head`` then returns its input
-(the normed hidden state); its weight stays the same parameter under the same name.
+(the normed hidden state); its weight stays the same parameter under the same name. Modules the
+model runs after its head (Gemma-2's logit soft-cap; parameter-free) run inside the loss as well,
+on each tile's logits.
 
 Parameter gradients reach ``.grad`` once per backward (summed over tiles here, not accumulated
 tile by tile), so data-parallel gradient hooks fire exactly as without tiling.
@@ -124,12 +126,16 @@ class TiledHeadLoss:
     ``ignore_index``): a tile holding only such targets adds exactly 0.
     """
 
-    def __init__(self, head: nn.Linear, n_tiles: int):
-        self.head, self.n_tiles = head, n_tiles
+    def __init__(self, head: nn.Linear, n_tiles: int, after: tuple[Callable, ...] = ()):
+        """``after``: what the model applies to the logits after its head (parameter-free forwards,
+        e.g. Gemma-2's logit soft-cap), applied to each tile's logits in the same order."""
+        self.head, self.n_tiles, self.after = head, n_tiles, after
         self._fn = _ModuleFn(self._tile_loss, head)
 
     def _tile_loss(self, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         logits = F.linear(h, self.head.weight, self.head.bias)  # [tile, vocab]
+        for forward in self.after:
+            logits = forward(logits)
         return F.cross_entropy(logits.float(), t, reduction="sum")
 
     def __call__(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -154,9 +160,25 @@ def apply_tiling(model: nn.Module, n_tiles: int) -> Callable:
         inner = mlp.forward
         mlp.forward = lambda x, _m=mlp, _f=inner: tiled_rows(_m, _f, x, n_tiles)
     head = model.get_submodule(family.head)
-    loss = TiledHeadLoss(head, n_tiles)
+    loss = TiledHeadLoss(head, n_tiles, _after_head(model, family.after, family.head))
     head.forward = _identity  # the head runs inside the tiled loss
     return loss
+
+
+def _after_head(model: nn.Module, after: tuple[str, ...], head: str) -> tuple[Callable, ...]:
+    """The forwards of the modules the model runs after its head (a logit soft-cap), which then
+    run inside the tiled loss on each tile's logits (their modules return their input): they must
+    hold no parameters, since the loss's autograd Function sums only the head's gradients."""
+    names = after[after.index(head) + 1:] if head in after else ()
+    forwards = []
+    for name in names:
+        module = model.get_submodule(name)
+        if any(True for _ in module.parameters()):
+            raise ValueError(f"--tile: {name} runs after the LM head and holds parameters, which the tiled "
+                             "loss does not differentiate: use --tile 1")
+        forwards.append(module.forward)
+        module.forward = _identity
+    return tuple(forwards)
 
 
 # -- the memory it saves (pure; for the planner) -------------------------------------------------------

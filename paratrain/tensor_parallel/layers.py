@@ -20,6 +20,7 @@ weight, so layout-independent init, checkpoint load and export work unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -227,50 +228,47 @@ class VocabParallelEmbedding(nn.Module):
                 f"{self.start + self.local_rows}), tp={self.axis.size}, sp={self.sequence_parallel}")
 
 
-NormKind = Literal["rms", "layer"]
-
-
-def normalize(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
-              kind: NormKind) -> torch.Tensor:
-    """RMSNorm (as models.llama.RMSNorm: fp32 statistics) or LayerNorm (as nn.LayerNorm), so a
-    region entry at tp = 1 computes bit-for-bit what the norm it replaced computed."""
-    if kind == "layer":
-        return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
-    x32 = x.to(torch.promote_types(x.dtype, torch.float32))  # at least fp32, as RMSNorm
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * weight  # no bias
+NormFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", float], torch.Tensor]
 
 
 class RegionEntryNorm(nn.Module):
-    """A norm (RMSNorm, or LayerNorm with its bias) at the entry of a tensor-parallel region
-    (before attention, the MLP, the LM head).
+    """A model's norm at the entry of a tensor-parallel region (before attention, the MLP, the LM
+    head), computing what the model's own norm module computes: its ``norm_fn(x, weight, bias,
+    eps)`` (a family's RMSNorm, LayerNorm, Gemma's (1 + w) RMSNorm...), so no norm kind is listed
+    here and a region entry at tp = 1 is bit for bit the norm it replaced.
 
     After normalising it makes the input whole ONCE for all the column layers that read it: f
     (copy_to_tp) without SP, an all-gather of the sequence with SP. Under SP the norm works on
     [b, s/tp, h]: the gradients of its weight and bias are partial per rank, so f is applied to
     them too (identity forward; autograd all-reduces their gradients over tp).
+
+    ``entry="none"``: a norm outside any region (Gemma-2's norms after a row-parallel output, on
+    the residual stream): its output stays as it is (the sequence slice under SP), only the
+    weight's f remains.
     """
 
-    def __init__(self, dim: int, eps: float, axis: C.Axis, *, kind: NormKind = "rms", bias: bool = False,
-                 sequence_parallel: bool = False, device=None, dtype=None):
+    def __init__(self, dim: int, eps: float, axis: C.Axis, *, norm_fn: NormFn, bias: bool = False,
+                 sequence_parallel: bool = False, entry: InputOp | None = None, device=None, dtype=None):
         super().__init__()
-        self.axis, self.eps, self.kind, self.sequence_parallel = axis, eps, kind, sequence_parallel
+        self.axis, self.eps, self.norm_fn, self.sequence_parallel = axis, eps, norm_fn, sequence_parallel
         self.weight = _param((dim,), TensorShard((dim,)), device, dtype)
         self.bias = _param((dim,), TensorShard((dim,)), device, dtype) if bias else None
         # How the output enters the region. "none" when the consumer takes the sequence slice as it
         # is: a mixture of experts under expert parallelism dispatches its slice itself
         # (expert_parallel/tp_share.py), so gathering the sequence would only be undone.
-        self.entry: InputOp = "gather" if sequence_parallel else "copy"
+        self.entry: InputOp = entry or ("gather" if sequence_parallel else "copy")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self.weight, self.bias
         if self.sequence_parallel:
             w = copy_to_tp(w, self.axis)
             b = copy_to_tp(b, self.axis) if b is not None else None
-        return enter_region(normalize(x, w, b, self.eps, self.kind), self.axis, self.entry)
+        return enter_region(self.norm_fn(x, w, b, self.eps), self.axis, self.entry)
 
     def extra_repr(self) -> str:
-        return (f"{self.weight.shape[0]}, {self.kind}, eps={self.eps}, bias={self.bias is not None}, "
-                f"tp={self.axis.size}, sp={self.sequence_parallel}, entry={self.entry}")
+        return (f"{self.weight.shape[0]}, {getattr(self.norm_fn, '__name__', 'norm')}, eps={self.eps}, "
+                f"bias={self.bias is not None}, tp={self.axis.size}, sp={self.sequence_parallel}, "
+                f"entry={self.entry}")
 
 
 class HeadNorm(nn.Module):
@@ -280,13 +278,13 @@ class HeadNorm(nn.Module):
     only, a partial sum, so the weight goes through f (identity forward, all-reduce of its gradient
     over tp), as the MoE router's does (tensor_parallel/experts.py)."""
 
-    def __init__(self, head_dim: int, eps: float, axis: C.Axis, *, device=None, dtype=None):
+    def __init__(self, head_dim: int, eps: float, axis: C.Axis, *, norm_fn: NormFn, device=None, dtype=None):
         super().__init__()
-        self.axis, self.eps = axis, eps
+        self.axis, self.eps, self.norm_fn = axis, eps, norm_fn
         self.weight = _param((head_dim,), TensorShard((head_dim,)), device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return normalize(x, copy_to_tp(self.weight, self.axis), None, self.eps, "rms")
+        return self.norm_fn(x, copy_to_tp(self.weight, self.axis), None, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, tp={self.axis.size}"

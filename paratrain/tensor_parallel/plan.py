@@ -25,12 +25,13 @@ import torch.nn as nn
 from paratrain.mesh import ParallelMesh
 from paratrain.models.lora import LoRALinear
 from paratrain.models.registry import family_of
-from paratrain.models.shape import NORM_KINDS
 from paratrain.tensor_parallel.context import Context
 from paratrain.tensor_parallel.experts import ExpertRowwise, ExpertsReduce, ReplicatedRouter
 from paratrain.tensor_parallel.layers import (
     ColumnParallelLinear,
     HeadNorm,
+    InputOp,
+    NormFn,
     RegionEntryNorm,
     ReplicatedHeadsLinear,
     RowParallelLinear,
@@ -92,22 +93,39 @@ class VocabHead:
                                     pad_value=float("-inf"), device=old.weight.device, dtype=old.weight.dtype)
 
 
+def norm_fn_of(old: nn.Module) -> NormFn:
+    """The norm module's own ``norm_fn(x, weight, bias, eps)``, which a tensor-parallel norm calls."""
+    norm_fn = getattr(old, "norm_fn", None)  # the optional member this check exists for
+    if norm_fn is None:
+        raise ValueError(f"{type(old).__name__}: tensor parallelism replaces this norm by one that calls "
+                         "its module's norm_fn(x, weight, bias, eps), which it does not define: give the "
+                         "module one (models/families/llama/model.py RMSNorm), or train with --tp 1")
+    return norm_fn
+
+
 class EntryNorm:
-    """A norm feeding column layers, as RegionEntryNorm: the kind the model's shape declares
-    (``cfg.norm``, models/shape.py NORM_KINDS: RMSNorm, or LayerNorm with its bias); a kind the
-    region entry does not compute is refused, never replaced by another."""
+    """A norm feeding column layers, as RegionEntryNorm: it computes what the model's norm module
+    computes, by the module's own ``norm_fn(x, weight, bias, eps)`` (a static function beside the
+    module: Llama's RMSNorm, GPT-2's LayerNorm, Gemma-2's (1 + w) RMSNorm), so a new norm needs no
+    edit here; a module that offers none is refused, never replaced by another norm."""
+
+    entry: InputOp | None = None  # the region's own: f, or the sequence all-gather under SP
 
     def build(self, old: nn.Module, ctx: Context) -> nn.Module:
-        kind = ctx.cfg.norm  # the family's config (a ModelShape) declares it
-        if kind not in NORM_KINDS:
-            raise ValueError(f"{type(old).__name__}: the model declares norm kind {kind!r}, which tensor "
-                             f"parallelism's region entry does not compute ({', '.join(NORM_KINDS)}): "
-                             "train this model with --tp 1")
-        layer = kind == "layer"
-        return RegionEntryNorm(old.weight.shape[0], old.eps, ctx.axis, kind=kind,
-                               bias=layer and old.bias is not None,
-                               sequence_parallel=ctx.sequence_parallel, device=old.weight.device,
-                               dtype=old.weight.dtype)
+        bias = getattr(old, "bias", None)  # optional by nature: RMSNorm has none, LayerNorm one
+        return RegionEntryNorm(old.weight.shape[0], old.eps, ctx.axis, norm_fn=norm_fn_of(old),
+                               bias=bias is not None,
+                               sequence_parallel=ctx.sequence_parallel, entry=self.entry,
+                               device=old.weight.device, dtype=old.weight.dtype)
+
+
+class ResidualNorm(EntryNorm):
+    """A norm on the residual stream outside any region (Gemma-2's norms after a row-parallel
+    output): its input is already whole (tp) or this rank's sequence slice (SP) and its output
+    stays so (no f, no gather). Its weight is replicated; under SP it sees only this rank's
+    tokens, so its gradient is summed over tp (f on the weight), as an entry norm's."""
+
+    entry: InputOp | None = "none"
 
 
 class HeadNormStyle:
@@ -115,14 +133,15 @@ class HeadNormStyle:
     heads, never head_dim), with its gradient summed over tp (HeadNorm says why)."""
 
     def build(self, old: nn.Module, ctx: Context) -> nn.Module:
-        return HeadNorm(old.weight.shape[0], old.eps, ctx.axis, device=old.weight.device,
-                        dtype=old.weight.dtype)
+        return HeadNorm(old.weight.shape[0], old.eps, ctx.axis, norm_fn=norm_fn_of(old),
+                        device=old.weight.device, dtype=old.weight.dtype)
 
 
 # A family's plan maps module name patterns to these names (plain data, beside the model).
 STYLES: dict[str, object] = {
     "colwise": Colwise(), "colwise_kv": ColwiseKV(), "rowwise": Rowwise(),
     "vocab_embedding": VocabEmbedding(), "vocab_head": VocabHead(), "entry_norm": EntryNorm(),
+    "residual_norm": ResidualNorm(),
     "replicated_router": ReplicatedRouter(), "expert_rowwise": ExpertRowwise(),
     "experts_reduce": ExpertsReduce(), "head_norm": HeadNormStyle(),
 }

@@ -7,4 +7,4 @@ A family's folder registers itself when imported: its declaration (``parallel.py
 below: the registry line.
 """
 
-from paratrain.models.families import gpt2, llama, qwen3, qwen3_moe  # noqa: F401  (the registry line: one name a family)
+from paratrain.models.families import gemma2, gpt2, llama, qwen3, qwen3_moe  # noqa: F401  (the registry line: one name a family)

@@ -115,6 +115,18 @@ def preset(name: str, **overrides: object) -> GPT2Config:
     return replace(PRESETS[name], **overrides)
 
 
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """LayerNorm over the last dimension, as nn.LayerNorm computes it."""
+    return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm that says what tensor parallelism's region entry computes in its place
+    (tensor_parallel/plan.py EntryNorm); its forward and parameters are nn.LayerNorm's."""
+
+    norm_fn = staticmethod(layer_norm)
+
+
 class Embeddings(nn.Module):
     """Token embedding + learned position embedding, one module so a pipeline's first stage owns
     both. Positions are looked up like tokens (ids [1, s], or a packed batch's [b, s]), so the
@@ -173,9 +185,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: GPT2Config):
         super().__init__()
-        self.attn_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attn_norm = LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
-        self.mlp_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.mlp_norm = LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
@@ -190,7 +202,7 @@ class GPT2(Decoder):
         self.cfg = cfg
         self.embed: nn.Module | None = Embeddings(cfg)
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
-        self.norm: nn.Module | None = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.norm: nn.Module | None = LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.lm_head: nn.Module | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.wte.weight

@@ -134,18 +134,26 @@ def preset(name: str, **overrides: object) -> LlamaConfig:
     return replace(PRESETS[name], **overrides)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm with a gain (no bias). Normalise in fp32 even under autocast: the mean of squares
+    underflows in half precision. At least fp32: a float64 model (the float64 parity tests) stays
+    float64 throughout."""
+    x32 = x.to(torch.promote_types(x.dtype, torch.float32))
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return y.type_as(x) * weight
+
+
 class RMSNorm(nn.Module):
+    # What tensor parallelism's region entry computes in its place (tensor_parallel/plan.py EntryNorm).
+    norm_fn = staticmethod(rms_norm)
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 even under autocast: the mean of squares underflows in half precision.
-        # At least fp32: a float64 model (the float64 parity tests) stays float64 throughout.
-        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return y.type_as(x) * self.weight
+        return rms_norm(x, self.weight, None, self.eps)
 
 
 class Attention(nn.Module):
