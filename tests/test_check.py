@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from paratrain import faults
+from paratrain import check, faults
 from paratrain.check import compare_weights, json_safe, report
 from paratrain.cli import main
 
@@ -54,14 +54,35 @@ def test_planted_double_division_fails_and_names_a_tensor():
     (["--nproc", "1"], "one process"),
     (["--nproc", "2", "--dp", "2", "--sync", "local-sgd", "--sync-every", "2"], "local-sgd"),
     (["--nproc", "2", "--dp", "2", "--steps", "1"], "at least 2 steps"),
-    # tiny's fp32 model state is 213,568 x 16 bytes = 3.3 MiB: the one-process reference cannot fit 2 MiB
-    (["--nproc", "2", "--dp", "2", "--micro-batch", "auto", "--memory-limit", "2MiB"],
+    # tiny's fp32 model state is 213,568 x 16 bytes = 3.3 MiB: the one-process reference cannot fit
+    # 1 MiB, nor can ZeRO-3 over the job's 2 processes (1.6 MiB a rank)
+    (["--nproc", "2", "--dp", "2", "--micro-batch", "auto", "--memory-limit", "1MiB"],
      "model state alone is 3.3 MiB"),
+    # 2 MiB: ZeRO-3 over 2 fits, but that is the job itself: nothing to compare it with
+    (["--nproc", "2", "--dp", "2", "--zero", "3", "--micro-batch", "auto", "--memory-limit", "2MiB"],
+     "other than the job's own"),
 ])
 def test_uncomparable_jobs_are_refused_before_any_run(flags, says, capsys, tmp_path):
     assert main(["check", *TINY_CHECK, *flags, "--keep", str(tmp_path / "runs")]) == 2
     assert says in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()  # nothing ran
+
+
+def test_a_model_one_process_cannot_hold_is_checked_against_the_smallest_layout_that_fits(
+        monkeypatch, capsys):
+    """This machine's memory (here 2 MiB) below the one-process reference's fp32 model state
+    (3.3 MiB): the reference is ZeRO-3 over 2 processes (1.6 MiB a rank), said in the JSON, and a
+    tp 2 layout passes against it."""
+    monkeypatch.setattr(check, "host_memory_bytes", lambda: 2 * 2**20)
+    assert main(["check", *TINY_CHECK, "--steps", "2", "--nproc", "2", "--tp", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["verdict"] == "PASS" and result["resume"]["ok"]
+    assert result["reference"]["layout"] == "2 processes, dp 2, zero 3"
+    assert not result["reference"]["one_process"]
+    why = result["reference"]["why"]
+    assert "smallest layout that fits" in why and "3.3 MiB" in why
+    text = report(result, {"reference": result["reference"]["layout"], "layout": "2 processes, dp 1, tp 2"})
+    assert text.startswith("reference: 2 processes, dp 2, zero 3 (the smallest layout that fits")
 
 
 def test_the_worst_tensor_is_the_first_of_the_largest():

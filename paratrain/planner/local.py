@@ -34,13 +34,14 @@ import math
 from collections import Counter
 
 from paratrain.comm.bucketing import FIRST_BUCKET_BYTES, cut_before_overflow, fill_per_key
-from paratrain.models.shape import ModelShape
+from paratrain.models.shape import ModelShape, learned_positions, linear_bias, norm_params
 from paratrain.perf.hardware import Cluster, Link
 from paratrain.perf.ops import ACT_BYTES
 from paratrain.planner.collectives import all_gather_time, all_reduce_time, group_link, reduce_scatter_time
 from paratrain.planner.memory import (
     Layout,
     Training,
+    embedding_params_local,
     held_state_bytes,
     layer_params_local,
     stage_layers,
@@ -50,23 +51,30 @@ from paratrain.planner.memory import (
 
 def param_numels(c: ModelShape, tp: int, blocks: int, first: bool, last: bool) -> list[tuple[int, bool]]:
     """(elements, is a norm gain) of a stage's parameter tensors on one tp rank, in registration
-    order (models/families/llama/model.py): the embedding; per block the attention norm, wq, wk, wv (each with
-    its bias when ``qkv_bias``), wo, the MLP norm, the MLP's matrices (gate, up, down); the final
-    norm and the LM head. Widths from the shape: q is n_heads x head_dim, a norm its kind's."""
+    order (models/families/llama/model.py): the embedding (and a learned position table); per
+    block the attention norm, wq, wk, wv (each with its bias when ``qkv_bias``), wo, the MLP norm,
+    the MLP's matrices (gate, up, down; with ``linear_bias`` wo and the MLP's matrices carry a bias
+    too: GPT-2); the final norm and the LM head. Widths from the shape: q is n_heads x head_dim, a
+    norm its kind's. A shape's further norms (``norms_per_block`` > 2, ``qk_norm``) are appended
+    to the block, a count rather than their place in the order."""
     kv = c.n_kv_heads * c.head_dim
     kv_local = kv // tp if c.n_kv_heads % tp == 0 else kv
     h, f = c.dim, c.ffn_dim
     q_local = c.n_heads * c.head_dim // tp  # heads x head size, which need not be h
     vocab = math.ceil(c.vocab_size / tp) * h
-    mlp = [(h * f // tp, False)] * c.mlp_matrices
     norm = [(h, True)] * (2 if c.norm == "layer" else 1)  # a gain (and LayerNorm's bias)
+    biased = linear_bias(c)
 
-    def linear(rows: int, bias: bool) -> list[tuple[int, bool]]:
-        return [(h * rows, False)] + ([(rows, True)] if bias else [])  # a bias: undecayed, as a gain
+    def linear(rows: int, bias: bool, cols: int = h) -> list[tuple[int, bool]]:
+        return [(cols * rows, False)] + ([(rows, True)] if bias else [])  # a bias: undecayed, as a gain
 
+    mlp = linear(f // tp, biased) * (c.mlp_matrices - 1) + linear(h, biased, f // tp)
+    extra = norm * (c.norms_per_block - 2) + ([(c.head_dim, True)] * 2 if c.qk_norm else [])
     block = [*norm, *linear(q_local, c.qkv_bias), *linear(kv_local, c.qkv_bias),
-             *linear(kv_local, c.qkv_bias), (h * q_local, False), *norm, *mlp]
+             *linear(kv_local, c.qkv_bias), *linear(h, biased, q_local), *norm, *mlp, *extra]
     out = [(vocab, False)] if first else []
+    if first and learned_positions(c):
+        out.append((embedding_params_local(c, tp) - vocab, False))
     out += block * blocks
     if last:
         out += [*norm] + ([] if c.tie_embeddings and first else [(vocab, False)])
@@ -97,10 +105,10 @@ def zero3_units(c: ModelShape, lay: Layout, blocks: int, first: bool, last: bool
     embedding, each block, the final norm + head. A unit's flat buffer holds its matrices then its
     norm gains; the last dp rank's shard takes the tail of both, so two pieces where a unit has both."""
     v = math.ceil(c.vocab_size / lay.tp) * c.dim
-    units = [(v * per_param, 1)] if first else []
+    units = [(embedding_params_local(c, lay.tp) * per_param, 1)] if first else []
     units += [(layer_params_local(c, lay.tp) * per_param, 2)] * blocks
     if last:
-        units.append(((c.dim + (0 if c.tie_embeddings and first else v)) * per_param, 2))
+        units.append(((norm_params(c) + (0 if c.tie_embeddings and first else v)) * per_param, 2))
     return units
 
 
