@@ -389,7 +389,6 @@ REALITY = {  # name -> (overrides, nproc)
     "pp2": ({"parallel.pp": 2, "parallel.dp": 1, "train.micro_batch": 2}, 2),
     # GPT-2 (a planned family): biases on every linear, LayerNorm, a learned position table
     "gpt2_single": ({"model.name": "gpt2-tiny"}, 1),
-    "gpt2_tp2": ({"model.name": "gpt2-tiny", "parallel.tp": 2, "parallel.dp": 1}, 2),
 }
 
 
