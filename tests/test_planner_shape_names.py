@@ -90,3 +90,20 @@ class _Relu(LlamaConfig):
 
 def cluster_env():
     return op_env(make_cluster(gpus=1, gpu="a100-80g"), "bf16")
+
+
+def test_unfused_attention_stores_the_scores_of_its_keys():
+    """Unfused attention (Megatron-LM 2021's) stores per query and key the scores, the softmax
+    output and the dropout mask: Korthikanti's 5as/h term in 16 bits; a sliding layer over its
+    window's keys only (here 2 of 4 layers, window 8 of 32)."""
+    seq, mb = 32, 2
+    c = preset("tiny")
+    term = memory.korthikanti_layer_bytes(seq, mb, c.dim, c.n_heads) - memory.korthikanti_layer_bytes(
+        seq, mb, c.dim, c.n_heads, recompute="selective")
+    scores = (memory.layer_activation_bytes(c, seq, mb, attention="unfused")
+              - memory.layer_activation_bytes(c, seq, mb))
+    assert scores == pytest.approx(term)
+    shaped = _shaped()
+    windowed = (memory.layer_activation_bytes(shaped, seq, mb, attention="unfused")
+                - memory.layer_activation_bytes(shaped, seq, mb))
+    assert windowed == pytest.approx(term * (2 * seq + 2 * 8) / (4 * seq))

@@ -282,7 +282,8 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
 
 
 def layer_activation_bytes(c: ModelShape, seq: int, micro_batch: int, *, tp: int = 1, sp: bool = False,
-                           recompute: str = "none", precision: str = "bf16", moe: bool = False) -> float:
+                           recompute: str = "none", precision: str = "bf16", moe: bool = False,
+                           attention: str = "flash") -> float:
     """Bytes one paratrain Llama block saves for backward, per micro-batch (per tp rank).
 
     Per token, e = activation bytes (4 fp32, 2 bf16), norms computed in fp32 (4 bytes):
@@ -295,7 +296,10 @@ def layer_activation_bytes(c: ModelShape, seq: int, micro_batch: int, *, tp: int
     ``norms_per_block`` norms saves what its kind saves (a LayerNorm: input, mean, rstd), a GELU
     MLP saves 2 e*f (fc's output and gelu's), a gated one (SwiGLU, GeGLU) 4 e*f, ``qk_norm`` adds
     the fp32 q/k norms' input and output, and a shape with learned positions has no RoPE tables.
-    A sliding window changes nothing here: the fused kernel stores no scores whatever the window.
+    With the fused kernel a sliding window changes nothing: it stores no scores. ``unfused``
+    attention (Megatron-LM 2021's) stores the scores and the softmax output (e bytes each) and the
+    dropout mask (1 byte) per query and key, Korthikanti's 5as/h term in 16 bits; a sliding
+    layer's over its window's keys, a full layer's over the sequence's (the mean over the blocks).
     Under tp the projections' inputs stay replicated and the rest splits by t; under sp all of it
     splits by t. Full recompute keeps the block input only; selective recomputes the attention
     core (the SDPA inputs, output and log-sum-exp).
@@ -323,6 +327,8 @@ def layer_activation_bytes(c: ModelShape, seq: int, micro_batch: int, *, tp: int
         # Megatron's selective recompute keeps q, k, v and the output and recomputes the s x s
         # scores; a fused kernel never stores those, so only the log-sum-exp is saved.
         core -= 4 * heads
+    elif attention == "unfused":
+        core += heads * stored_keys(c, seq) * (2 * e + 1)
     # Gated (SwiGLU, GeGLU): gate, up, act(gate), their product; GELU: fc's output, gelu's output.
     mlp = (4 if gated_mlp(c) else 2) * e * f
     if moe:
@@ -332,6 +338,13 @@ def layer_activation_bytes(c: ModelShape, seq: int, micro_batch: int, *, tp: int
     if sp:
         return tokens * (replicated + split) / tp + rope
     return tokens * (replicated + split / tp) + rope
+
+
+def stored_keys(c: ModelShape, seq: int) -> float:
+    """Keys per query whose scores unfused attention stores, averaged over the blocks: the whole
+    sequence in a full layer, the window in a sliding one."""
+    sliding = c.n_sliding_layers if 0 < c.sliding_window < seq else 0
+    return ((c.n_layers - sliding) * seq + sliding * c.sliding_window) / c.n_layers
 
 
 def norm_activation_bytes(c: ModelShape) -> float:
@@ -438,7 +451,8 @@ def device_memory(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster,
         disk_params = lay.zero >= 3 and lay.offload == "disk" and tr.precision == "fp32"
         for key in [] if lay.offload == "none" else ["optim"] + (["params"] if disk_params else []):
             offloaded, states[key] = offloaded + states[key], 0.0
-        kw = {"tp": lay.tp, "sp": lay.sp, "recompute": lay.recompute, "precision": tr.precision}
+        kw = {"tp": lay.tp, "sp": lay.sp, "recompute": lay.recompute, "precision": tr.precision,
+              "attention": tr.attention}
         per_mb = ((layers[rank] - n_moe[rank]) * layer_activation_bytes(c, tr.seq_len, lay.micro_batch, **kw)
                   + n_moe[rank] * layer_activation_bytes(c, tr.seq_len, lay.micro_batch, moe=True, **kw))
         if rank == 0:
@@ -538,7 +552,7 @@ def transient_bytes(c: ModelShape, tr: Training, lay: Layout, rank: int) -> floa
     out = 0.0
     if lay.recompute == "full":
         out += layer_activation_bytes(c, tr.seq_len, lay.micro_batch, tp=lay.tp, sp=lay.sp,
-                                      precision=tr.precision, moe=c.n_moe_layers > 0)
+                                      precision=tr.precision, moe=c.n_moe_layers > 0, attention=tr.attention)
     if rank == lay.pp - 1:
         out += tr.seq_len * lay.micro_batch * vocab_local(c, lay.tp) * 4
     return out
