@@ -4,9 +4,12 @@ The user's own configuration (model preset or --init-from folder, data, optimize
 three times from the same seed, each in its own temporary run folder, in fp32:
 
 * the reference: one process, the same global batch (gradient accumulation over the layout's
-  micro-batch size, so a forward holds no more rows than one rank of the layout does);
+  micro-batch size, so a forward holds no more rows than one rank of the layout does); when the
+  model's fp32 state does not fit one process (--memory-limit, else the GPU's or the machine's
+  memory), the smallest ZeRO-3 data-parallel layout that fits by the planner's memory model, said
+  in the report and the JSON (``reference``);
 * the requested layout, saving a checkpoint at step K/2;
-* the resume: that checkpoint of the layout, resumed in one process up to step K.
+* the resume: that checkpoint of the layout, resumed in the reference's layout up to step K.
 
 It then compares, from the runs' files (metrics.jsonl and model.safetensors, whose tensors carry
 the one-process model's names, DESIGN.md 2.4): the loss and gradient norm of every step, the tokens
@@ -54,7 +57,7 @@ from paratrain.config import Config, ConfigError, ParallelConfig
 from paratrain.engine import checkpoint as ckpt
 from paratrain.engine import checks
 from paratrain.perf.hardware import host_memory_bytes
-from paratrain.planner.memory import state_bytes_per_param
+from paratrain.planner.memory import state_bytes_per_param, zero_model_state_bytes
 from paratrain.run import run_training
 from paratrain.train.task import build_task
 
@@ -128,9 +131,11 @@ def close(got: list, ref: list) -> bool:
 
 # -- the runs -----------------------------------------------------------------------------------------
 
-def check_configs(cfg: Config, steps: int, root: Path) -> dict[str, Config]:
+def check_configs(cfg: Config, steps: int, root: Path) -> tuple[dict[str, Config], str | None]:
     """The three runs' configurations: ``layout`` (the user's, saving at steps/2), ``reference``
-    (one process) and ``resume`` (the layout's checkpoint resumed in one process)."""
+    (one process, or the smallest layout that fits: ``reference_parallel``) and ``resume`` (the
+    layout's checkpoint resumed in the reference's layout); and why the reference is not one
+    process (None when it is)."""
     refuse_uncomparable(cfg, steps)
     train = dataclasses.replace(cfg.train, steps=steps, precision="fp32", eval_every=0, resume=False,
                                 overwrite=True, quiet=True, progress=False, keep_checkpoints=steps,
@@ -143,12 +148,19 @@ def check_configs(cfg: Config, steps: int, root: Path) -> dict[str, Config]:
     micro = cfg.train.micro_batch if cfg.train.micro_batch == "auto" else cfg.micro_batch
     reference = dataclasses.replace(cfg, parallel=one, train=dataclasses.replace(
         train, out=str(root / "reference"), micro_batch=micro))
+    checks.validate(reference)  # as `train` would (the layout's was validated by the command)
+    parallel, why = reference_parallel(reference, cfg)
+    if parallel.dp and parallel.dp > 1 and reference.train.micro_batch != "auto":
+        # each of the dp ranks takes global / dp rows, in micro-batches no larger than the job's
+        micro = math.gcd(reference.micro_batch, reference.train.global_batch // parallel.dp)
+        train_ref = dataclasses.replace(reference.train, micro_batch=micro)
+        reference = dataclasses.replace(reference, train=train_ref)
+    reference = dataclasses.replace(reference, parallel=parallel)
     resume = dataclasses.replace(reference, train=dataclasses.replace(
         reference.train, out=str(root / "resume"), resume=True, overwrite=False))
     for c in (reference, resume):
-        checks.validate(c)  # as `train` would (the layout's was validated by the command)
-    refuse_too_big(reference)
-    return {"reference": reference, "layout": layout, "resume": resume}
+        checks.validate(c, c.world_size)
+    return {"reference": reference, "layout": layout, "resume": resume}, why
 
 
 def refuse_uncomparable(cfg: Config, steps: int) -> None:
@@ -170,11 +182,39 @@ def refuse_uncomparable(cfg: Config, steps: int) -> None:
                           "(8-bit moments round per block); check the layout with --optimizer adamw")
 
 
-def refuse_too_big(reference: Config) -> None:
-    """The reference holds the whole model in one process: refused (exit 2) when its fp32 model
-    state alone (weights, gradients, AdamW's two moments: 16 bytes a parameter, 4 for a frozen
-    LoRA base; activations not even counted) exceeds --memory-limit or this machine's memory. A
-    reference in the smallest multi-rank layout that fits is not built."""
+def reference_parallel(reference: Config, job: Config) -> tuple[ParallelConfig, str | None]:
+    """The reference's layout: one process when the model's fp32 state fits one; else the smallest
+    ZeRO-3 data-parallel layout whose per-rank state fits (the planner's memory model,
+    ``zero_model_state_bytes``), at most the job's processes and dividing its batch, and not the
+    job's own layout (comparing a layout with itself proves nothing). Refused (exit 2) when none
+    exists. Returns the layout and why it is not one process (None when it is)."""
+    need, limit, where = state_need(reference)
+    if need <= limit:
+        return reference.parallel, None
+    sb = state_bytes_per_param("fp32")
+    n_params = need / (sb.params + sb.grads + sb.optim)
+    for n in range(2, job.world_size + 1):
+        per_rank = sum(zero_model_state_bytes(n_params, n, 3, sb).values())
+        if reference.train.global_batch % n or per_rank > limit or reference.lora.rank:
+            continue
+        if (job.dp, job.parallel.zero, job.world_size) == (n, 3, n):
+            break  # the smallest reference that fits is the job itself
+        why = (f"the smallest layout that fits: one process's fp32 model state is {size(need)}, more than "
+               f"{where}; ZeRO-3 over {n} holds {size(per_rank)} a rank")
+        return dataclasses.replace(reference.parallel, nproc=n, dp=n, zero=3), why
+    lora = " (a LoRA job's frozen base is not sharded by ZeRO-3 here)" if reference.lora.rank else ""
+    raise ConfigError(
+        f"check's reference runs the whole model in one process, and its fp32 model state alone is "
+        f"{size(need)}, more than {where}; nor does a smaller layout than the job's fit as the reference "
+        f"(ZeRO-3 over 2..{job.world_size} processes, dividing the global batch, other than the job's "
+        f"own){lora}: check the layout on a smaller model of the same family (fewer layers, the same "
+        "widths and flags), or with more processes")
+
+
+def state_need(reference: Config) -> tuple[float, float, str]:
+    """(bytes of the one-process fp32 model state, the memory it must fit, that memory in words).
+    Weights, gradients, AdamW's two moments: 16 bytes a parameter, 4 for a frozen LoRA base;
+    activations not counted; the limit is --memory-limit, else the GPU's or this machine's memory."""
     task = build_task(reference)  # tokenizes once; the runs then map the cache
     sb = state_bytes_per_param("fp32")
     per_param = sb.params if reference.lora.rank else sb.params + sb.grads + sb.optim
@@ -187,12 +227,7 @@ def refuse_too_big(reference: Config) -> None:
     elif limit is None:
         limit = host_memory_bytes()
         where = f"this machine's {size(limit)}"
-    if need > limit:
-        raise ConfigError(
-            f"check's reference runs the whole model in one process, and its fp32 model state alone is "
-            f"{size(need)} ({task.n_params:,} parameters x {per_param:g} bytes), more than {where}: "
-            "check the layout on a smaller model of the same family (fewer layers, the same widths and "
-            "flags); a reference in the smallest layout that fits is not built yet")
+    return need, limit, where
 
 
 def size(n: float) -> str:
@@ -319,7 +354,9 @@ def rel(a: float | None, b: float | None) -> str:
 def report(result: dict, descriptions: dict[str, str]) -> str:
     """The human-readable report: losses side by side, the tensors that differ most, the verdict."""
     tol = result["tolerance"]
-    lines = [f"reference: {descriptions['reference']};  layout: {descriptions['layout']}", "",
+    why = (result.get("reference") or {}).get("why")
+    lines = [f"reference: {descriptions['reference']}" + (f" ({why})" if why else "")
+             + f";  layout: {descriptions['layout']}", "",
              f"{'step':>5}  {'loss reference':>15}  {'loss layout':>15}  {'rel diff':>9}  "
              f"{'counted tokens':>14}"]
     ref, lay = result["losses"]["reference"], result["losses"]["layout"]
@@ -333,7 +370,8 @@ def report(result: dict, descriptions: dict[str, str]) -> str:
     checks = result["checks"]
     lines += ["", "checks: " + ", ".join(f"{k} {'ok' if v else 'DIFFER'}" for k, v in checks.items())]
     resume = result["resume"]
-    lines.append(f"resume: the layout's checkpoint of step {resume['from_step']} resumed in one process: "
+    lines.append(f"resume: the layout's checkpoint of step {resume['from_step']} resumed in the reference's "
+                 "layout: "
                  + ("same as the uninterrupted reference" if resume["ok"] else
                     "DIFFERS: " + ", ".join(k for k, v in resume["checks"].items() if not v)))
     same = "equal in every run" if result["tokens"]["ok"] else "DIFFER"
@@ -393,7 +431,7 @@ def run_check(cfg: Config, *, steps: int, as_json: bool, keep: str | None = None
     """Run the three runs and print the report (or one JSON line). Exit code: 0 PASS, 1 FAIL."""
     root = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="paratrain-check-"))
     try:
-        cfgs = check_configs(cfg, steps, root)
+        cfgs, why = check_configs(cfg, steps, root)
         if cfg.train.precision != "fp32":
             print(f"paratrain check: runs in fp32 (the job's precision is {cfg.train.precision}): see "
                   "`paratrain check --help`", file=sys.stderr)
@@ -407,6 +445,7 @@ def run_check(cfg: Config, *, steps: int, as_json: bool, keep: str | None = None
             return e.code if e.code != 0 else 1
         runs = {name: read_run(c.train.out) for name, c in cfgs.items()}
         result = verdict(runs["reference"], runs["layout"], runs["resume"], lr=cfg.optim.lr, steps=steps)
+        result["reference"] = {"layout": describe(cfgs["reference"]), "one_process": why is None, "why": why}
         if as_json:
             print(json.dumps(json_safe(result), allow_nan=False))
         else:

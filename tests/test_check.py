@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from paratrain import faults
+from paratrain import check, faults
 from paratrain.check import compare_weights, json_safe, report
 from paratrain.cli import main
 
@@ -54,14 +54,44 @@ def test_planted_double_division_fails_and_names_a_tensor():
     (["--nproc", "1"], "one process"),
     (["--nproc", "2", "--dp", "2", "--sync", "local-sgd", "--sync-every", "2"], "local-sgd"),
     (["--nproc", "2", "--dp", "2", "--steps", "1"], "at least 2 steps"),
-    # tiny's fp32 model state is 213,568 x 16 bytes = 3.3 MiB: the one-process reference cannot fit 2 MiB
-    (["--nproc", "2", "--dp", "2", "--micro-batch", "auto", "--memory-limit", "2MiB"],
+    # tiny's fp32 model state is 213,568 x 16 bytes = 3.3 MiB: the one-process reference cannot fit
+    # 1 MiB, nor can ZeRO-3 over the job's 2 processes (1.6 MiB a rank)
+    (["--nproc", "2", "--dp", "2", "--micro-batch", "auto", "--memory-limit", "1MiB"],
      "model state alone is 3.3 MiB"),
+    # 2 MiB: ZeRO-3 over 2 fits, but that is the job itself: nothing to compare it with
+    (["--nproc", "2", "--dp", "2", "--zero", "3", "--micro-batch", "auto", "--memory-limit", "2MiB"],
+     "other than the job's own"),
 ])
 def test_uncomparable_jobs_are_refused_before_any_run(flags, says, capsys, tmp_path):
     assert main(["check", *TINY_CHECK, *flags, "--keep", str(tmp_path / "runs")]) == 2
     assert says in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()  # nothing ran
+
+
+def test_a_model_one_process_cannot_hold_is_checked_against_the_smallest_layout_that_fits(
+        monkeypatch, tmp_path):
+    """This machine's memory (here 2 MiB) below the one-process reference's fp32 model state
+    (3.3 MiB): the reference (and the resume) is ZeRO-3 over 2 processes (1.6 MiB a rank), rows per
+    forward no more than the job's, and the report's first line says why. (Run end to end, a tp 2
+    job passes against it: 35 s here, so the suite checks the choice, not the three runs.)"""
+    from tests.harness import tiny_cfg
+
+    monkeypatch.setattr(check, "host_memory_bytes", lambda: 2 * 2**20)
+    job = tiny_cfg(tmp_path / "job", **{"parallel.tp": 2, "parallel.nproc": 2})
+    cfgs, why = check.check_configs(job, 4, tmp_path / "runs")
+    ref = cfgs["reference"]
+    assert check.describe(ref) == "2 processes, dp 2, zero 3"
+    assert cfgs["resume"].parallel == ref.parallel and cfgs["layout"].parallel.tp == 2
+    assert ref.micro_batch <= job.micro_batch and ref.train.global_batch == job.train.global_batch
+    assert "smallest layout that fits" in why and "3.3 MiB" in why and "ZeRO-3 over 2 holds 1.6 MiB" in why
+    result = {"verdict": "PASS", "losses": {"reference": [2.0], "layout": [2.0]}, "max_rel_diff": {"w": 0.0},
+              "first_worst_tensor": "w", "problems": [], "checks": {"losses": True},
+              "tolerance": {"rtol": 1e-4, "atol": 1e-4, "flip_fraction": 1e-3, "flip_bound": 0.04},
+              "resume": {"ok": True, "from_step": 2, "checks": {}, "problems": []},
+              "tokens": {"ok": True, "layout": [256]},
+              "reference": {"layout": check.describe(ref), "one_process": False, "why": why}}
+    text = report(result, {"reference": check.describe(ref), "layout": check.describe(job)})
+    assert text.startswith("reference: 2 processes, dp 2, zero 3 (the smallest layout that fits")
 
 
 def test_the_worst_tensor_is_the_first_of_the_largest():

@@ -76,10 +76,30 @@ def test_sample_covers_stages_tp_ranks_and_last_dp_rank():
     assert {768, 775, 1023} <= set(ranks)  # the last stage, and the last dp (another expert group)
 
 
-def test_moe_refused_with_reason():
-    c = replace(PRESETS["small-moe"])
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        dry_run(c, Training(seq_len=64, global_batch=8), Layout(dp=8), model="small-moe")
+# Mixtral 8x7B's widths (dim 4096, 8 experts of 14336, top 2), 2 of its 32 blocks: a rank's build
+# and step stay a few seconds while every byte kind of the full model's rank is there.
+MIXTRAL_2 = replace(PRESETS["mixtral-8x7b"], n_layers=2)
+
+
+@pytest.mark.parametrize("lay, rank", [
+    (Layout(dp=64, tp=8, pp=2, ep=8, zero=1), 1023),  # the last stage's last tp rank of another expert group
+    (Layout(dp=4096, ep=8, zero=3), 4095),  # ZeRO-3: the experts a unit of their own over edp
+], ids=["world1024-zero1-tp8-pp2-ep8", "world4096-zero3-ep8"])
+def test_mixtral_expert_rank_at_scale(lay, rank):
+    """An expert-parallel rank (balanced routing, plan_cli/dry_run_moe.py): its experts' memory
+    within 1% and the all-to-all bytes, the tp rows' gathers and the dp / edp buffers exact."""
+    (r,) = check(MIXTRAL_2, lay, [rank], model="mixtral-8x7b")
+    assert r.coords["ep"] == 7
+    assert r.measured_comm["by_axis"]["ep"] > 0 and r.measured_comm["by_axis"]["edp"] > 0
+    expert = 3 * 4096 * 14336 // lay.tp  # one expert's matrices on one tp rank
+    # bf16 parameters under ZeRO; the experts' shard of 1 / edp under ZeRO-3
+    experts = 2 // lay.pp * (8 // lay.ep) * expert * 2 / (lay.edp if lay.zero == 3 else 1)
+    assert experts < r.measured_bytes["params"] < 2 * experts
+
+
+def test_moe_tokens_that_do_not_split_evenly_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="routes the 30 tokens"):
+        dry_run(MIXTRAL_2, Training(seq_len=30, global_batch=8), Layout(dp=8, ep=8), model="mixtral-8x7b")
 
 
 def test_cli_json_lists_each_sampled_rank(capsys):
@@ -131,9 +151,11 @@ def test_averaging_layouts_refused():
         dry_run(PRESETS["llama-7b"], Training(seq_len=64, global_batch=16), lay, model="llama-7b")
 
 
-def test_cli_moe_dry_run_exits_2_with_the_reason(capsys):
+def test_cli_moe_dry_run_runs(capsys):
     code = plan_cli.main(["--model", "small-moe", "--gpus", "64", "--seq-len", "64", "--global-batch", "64",
-                          "--top", "1", "--dry-run"])
-    assert code == 2
-    err = capsys.readouterr().err
-    assert "mixture-of-experts" in err and "Traceback" not in err
+                          "--dp", "64", "--tp", "1", "--pp", "1", "--ep", "4", "--zero", "1",
+                          "--micro-batch", "1", "--top", "1", "--dry-run", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)["dry_run"]
+    assert out["memory_within_1pct"] and out["collectives_exact"]
+    assert any(r["coords"]["ep"] == 3 for r in out["ranks"])

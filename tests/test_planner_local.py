@@ -189,7 +189,7 @@ def test_zero3_units_are_the_model_familys():
     model = build_model(TINY)
     units = local.zero3_units(TINY, Layout(dp=2, zero=3), TINY.n_layers, True, True, 4.0)
     assert len(units) == len(family_units(model))
-    assert sum(b for b, _ in units) == pytest.approx(4.0 * sum(p.numel() for p in model.parameters()))
+    assert sum(b for b, _, _ in units) == pytest.approx(4.0 * sum(p.numel() for p in model.parameters()))
 
 
 def test_collectives_per_step_by_layout():
@@ -199,7 +199,7 @@ def test_collectives_per_step_by_layout():
         lay = Layout(**kw)
         m = lay.n_micro(TR.global_batch)
         out = local.collectives(TINY, TR, lay, psi, TINY.n_layers, True, True, m)
-        return {k: len(v) for k, v in out.items()}
+        return {k: len(v) for k, v in out.items() if not k.endswith("_axes")}
 
     assert count(dp=2, zero=0, micro_batch=4) == {"reduce": 1, "gather": 0, "norm": 0}  # tiny < 1 MiB
     assert count(dp=2, zero=1, micro_batch=4) == {"reduce": 2, "gather": 2, "norm": 1}

@@ -12,14 +12,14 @@ communication" per node; mixed precision, sequence 2,048, vocabulary 51,200; FLO
 activation recomputation (their equation 3, ``cost.megatron_flops``).
 
 Posed to the planner as dp = GPUs, ZeRO-3, full recompute, fp16, unfused attention (2021: Megatron's
-fused softmax, no flash attention), ``zero3_runtime="deepspeed"``, the a100-80g preset, NVLink and
-one HDR link per GPU (``make_cluster``'s defaults: 8 x 25 GB/s per node).
+fused softmax, no flash attention), ``zero3_runtime="deepspeed-2021"`` (DeepSpeed 0.3.x, what the
+runs used: planner/zero3.py), the a100-80g preset, NVLink and one HDR link per GPU
+(``make_cluster``'s defaults: 8 x 25 GB/s per node).
 
-The planner is NOT yet within 20% of these rows (docs/planner.md, "ZeRO-3 strong scaling on A100s"):
-it predicts 188 / 147 / 88 and 202 / 166 / 110. The shape holds (throughput falls as the per-GPU
-batch shrinks), the level does not: the published step times leave 2.7-4.0x the communication the
-model prices, on every row. The within-20% test is a strict xfail that records the gap; it turns
-into a failure (XPASS) the day the model closes it, so the marker must then be removed.
+The 175 B rows are within 20% (165 / 103 / 44: +15%, +17%, -1%). The 530 B rows are NOT yet
+(186 / 133 / 66: +35%, +36%, +38%; docs/planner.md, "ZeRO-3 strong scaling on A100s"): their
+within-20% test is a strict xfail that records the gap; it turns into a failure (XPASS) the day the
+model closes it, so the marker must then be removed.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def gpt(hidden: int, heads: int, layers: int) -> LlamaConfig:
                        ffn_dim=round(8 * hidden / 3 / 64) * 64, max_seq_len=SEQ)
 
 
-def predicted(row, runtime: str = "deepspeed"):
+def predicted(row, runtime: str = "deepspeed-2021"):
     """(TFLOP/s per GPU as Megatron counts them, the step's breakdown) for a Table 2 row."""
     _, hidden, heads, layers, batch, gpus, mb, _ = row
     tr = Training(SEQ, batch, "fp16", attention="unfused", zero3_runtime=runtime)
@@ -86,9 +86,23 @@ def test_the_exposed_collectives_grow_while_the_compute_shrinks():
     assert large.dp_comm > large.compute + large.recompute
 
 
-@pytest.mark.xfail(strict=True, reason="known gap (docs/planner.md, 'ZeRO-3 strong scaling on A100s'): "
-                   "the model prices 2.7-4.0x less communication than these runs show")
-@pytest.mark.parametrize("row", TABLE2_ZERO3, ids=[r[0] for r in TABLE2_ZERO3])
-def test_zero3_within_20_percent_of_megatron_table2(row):
+@pytest.mark.parametrize("row", TABLE2_ZERO3[:3], ids=[r[0] for r in TABLE2_ZERO3[:3]])
+def test_zero3_within_20_percent_of_megatron_table2_175b(row):
     got, _ = predicted(row)
     assert got == pytest.approx(row[7], rel=0.20)
+
+
+@pytest.mark.xfail(strict=True, reason="known gap (docs/planner.md, 'ZeRO-3 strong scaling on A100s'): "
+                   "the 530 B rows are predicted 35-38% faster than published")
+@pytest.mark.parametrize("row", TABLE2_ZERO3[3:], ids=[r[0] for r in TABLE2_ZERO3[3:]])
+def test_zero3_within_20_percent_of_megatron_table2_530b(row):
+    got, _ = predicted(row)
+    assert got == pytest.approx(row[7], rel=0.20)
+
+
+def test_the_2021_runtime_is_what_moves_the_rows():
+    """The same rows under the later DeepSpeed runtime (bucketed prefetch, no host loop over the
+    ranks) are predicted 31-129% fast: the 2021 implementation's properties, not the hardware,
+    carry the difference."""
+    later = [predicted(r, "deepspeed")[0] / r[7] - 1 for r in TABLE2_ZERO3[:3]]
+    assert all(e > 0.3 for e in later)

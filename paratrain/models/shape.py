@@ -2,6 +2,11 @@
 
 A family's config class satisfies it (``LlamaConfig``, ``GPT2Config``); nothing here is a module or
 a tensor, so readers of shapes (planner/, perf/) never depend on how a family builds its layers.
+
+Two members are optional, read through the helpers below with a default, because only one family
+has them: ``linear_bias`` (every linear of a block but the head carries a bias: GPT-2; default
+False, only q/k/v's per ``qkv_bias``) and ``learned_positions`` (a max_seq_len x dim position table
+beside the token embedding: GPT-2; default False, RoPE).
 """
 
 from __future__ import annotations
@@ -9,6 +14,10 @@ from __future__ import annotations
 from typing import Protocol
 
 NORM_KINDS = ("rms", "layer")  # RMSNorm (a gain); LayerNorm (a gain and a bias)
+# The MLP's kinds: gated (three matrices, the activation of the gate times the up projection) or a
+# plain GELU MLP (two). A GELU config may name the Hugging Face variant (gelu_new, gelu_pytorch_tanh).
+GATED = ("swiglu", "geglu")
+GELU = ("gelu", "gelu_new", "gelu_pytorch_tanh")
 
 
 class ModelShape(Protocol):
@@ -44,7 +53,37 @@ class ModelShape(Protocol):
 
     @property
     def mlp_matrices(self) -> int:
-        """Weight matrices of one MLP (SwiGLU: gate, up, down = 3; GELU: fc, proj = 2)."""
+        """Weight matrices of one MLP (SwiGLU, GeGLU: gate, up, down = 3; GELU: fc, proj = 2)."""
+        ...
+
+    @property
+    def activation(self) -> str:
+        """The MLP's kind: "swiglu" (Llama, Qwen3), "geglu" (Gemma-2), "gelu" (GPT-2)."""
+        ...
+
+    @property
+    def norms_per_block(self) -> int:
+        """Norm layers in one block: 2 (Llama, GPT-2, Qwen3), 4 (Gemma-2's sandwich norms)."""
+        ...
+
+    @property
+    def qk_norm(self) -> bool:
+        """Per-head RMSNorm on q and k (Qwen3): 2 x head_dim parameters per block."""
+        ...
+
+    @property
+    def moe_ffn_dim(self) -> int:
+        """One expert's hidden width (Qwen3-MoE's moe_intermediate_size; ffn_dim for Mixtral)."""
+        ...
+
+    @property
+    def sliding_window(self) -> int:
+        """Keys a sliding-window layer attends to (0: no such layers)."""
+        ...
+
+    @property
+    def n_sliding_layers(self) -> int:
+        """Layers that attend within ``sliding_window`` (Gemma-2: every other layer)."""
         ...
 
     def n_params(self, *, active: bool = False) -> int: ...
@@ -55,3 +94,46 @@ def norm_params(c: ModelShape) -> int:
     if c.norm not in NORM_KINDS:
         raise ValueError(f"norm kind {c.norm!r} is not priced: the planner knows {', '.join(NORM_KINDS)}")
     return c.dim * (2 if c.norm == "layer" else 1)
+
+
+def block_norm_params(c: ModelShape) -> int:
+    """A block's norm parameters, replicated under tensor parallelism: its ``norms_per_block``
+    norms and, with ``qk_norm``, the q and k norms' gains (head_dim each, shared by the heads)."""
+    return c.norms_per_block * norm_params(c) + (2 * c.head_dim if c.qk_norm else 0)
+
+
+def gated_mlp(c: ModelShape) -> bool:
+    """Whether the MLP is gated (SwiGLU, GeGLU) rather than a plain GELU MLP; refuses a kind the
+    planner does not price."""
+    if c.activation in GATED:
+        return True
+    if c.activation in GELU:
+        return False
+    raise ValueError(f"MLP activation {c.activation!r} is not priced: the planner knows "
+                     f"{', '.join(GATED + GELU)}")
+
+
+def linear_bias(c: ModelShape) -> bool:
+    """Every linear of a block carries a bias (GPT-2's attention output and MLP), not only q/k/v."""
+    return bool(getattr(c, "linear_bias", False))
+
+
+def learned_positions(c: ModelShape) -> bool:
+    """A learned position table (max_seq_len x dim) sits beside the token embedding (GPT-2)."""
+    return bool(getattr(c, "learned_positions", False))
+
+
+def attended_keys(seq: int, window: int = 0) -> float:
+    """Keys a query attends to on average in a causal sequence of ``seq`` tokens: seq / 2 (the
+    causal half, as the FLOP counts take it), or within a ``window`` shorter than the sequence
+    w - w^2 / (2 seq) (the first w tokens see fewer than w keys)."""
+    if window <= 0 or window >= seq:
+        return seq / 2
+    return window - window * window / (2 * seq)
+
+
+def mean_attended_keys(c: ModelShape, seq: int) -> float:
+    """Keys per query averaged over the blocks: the sliding layers attend within their window."""
+    sliding = c.n_sliding_layers if c.sliding_window > 0 else 0
+    full = c.n_layers - sliding
+    return (full * attended_keys(seq) + sliding * attended_keys(seq, c.sliding_window)) / c.n_layers

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from paratrain.models.shape import ModelShape
+from paratrain.models.shape import ModelShape, mean_attended_keys
 
 ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes of one activation value by precision
 EMBED_OPS = 4  # lookup forward; its backward (a dense scatter-add), zeroing, accumulation
@@ -145,7 +145,8 @@ def mlp_shapes(c: ModelShape, t: float, *, tp: int = 1, moe: bool = False, ep: i
     MoE: the router [t, E], then each of the E / ep local experts on the tokens routed to it from
     the ep group's ranks, t * k * ep / E rows under balanced routing (so ep makes each expert's
     GEMMs larger, and more efficient, for the same FLOPs per rank)."""
-    h, f = c.dim, c.ffn_dim
+    h = c.dim
+    f = c.moe_ffn_dim if moe else c.ffn_dim  # an expert is moe_ffn_dim wide
     up = (c.mlp_matrices - 1) * f  # every MLP matrix but the output projection reads the input
     if not moe:
         return [(t, up / tp, h, 1), (t, h, f / tp, 1)]
@@ -177,11 +178,13 @@ def block_costs(c: ModelShape, env: OpEnv, *, seq: int, micro_batch: int, tp: in
     e = act_bytes
     scores_fwd = scores_bwd = 0.0
     if attention == "flash":
-        flops = micro_batch * heads * 4 * seq * seq * hd * 0.5  # causal: masked blocks skipped
+        # causal: masked blocks skipped; a sliding-window layer's kernel skips those beyond its
+        # window too (the block here is the mean of the model's blocks: mean_attended_keys)
+        flops = micro_batch * heads * 4 * seq * hd * mean_attended_keys(c, seq)
         if isinstance(env.gemm, GemmModel):  # a fused GPU kernel: published efficiency
             attn_fwd = flops / (env.peak * env.gemm.flash) + call
         else:
-            attn_fwd *= 0.5
+            attn_fwd *= mean_attended_keys(c, seq) / seq  # the causal half (or the window)
         attn_tot = 3.5 * attn_fwd  # backward: 4 products + the scores recomputed
     else:
         attn_tot = 3.0 * attn_fwd
@@ -193,7 +196,7 @@ def block_costs(c: ModelShape, env: OpEnv, *, seq: int, micro_batch: int, tp: in
     # Memory-bound ops per token: two norms (read + write h), two residual adds (read 2h, write h),
     # RoPE on q and k (read + write), the activation (SwiGLU's product reads 2f and writes f; GELU
     # reads f and writes f: mlp_matrices x f either way); backward moves ~2x.
-    act = c.mlp_matrices * f
+    act = c.mlp_matrices * (c.moe_ffn_dim if moe else f)
     replicated = e * (2 * 2 * h + 2 * 3 * h) / (tp if sp else 1)
     split = e * (2 * (q + kv) + act) / tp
     if moe:  # k activations per token; gathering each assignment's input, scattering its output

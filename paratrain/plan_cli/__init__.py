@@ -428,7 +428,7 @@ def run_dry(args: argparse.Namespace, c: ModelShape, tr: Training, result: PlanR
     if found is None:
         raise ValueError("--dry-run: none of the plans is one paratrain's trainer runs (see above)")
     lay = found[1].layout
-    dry_run.check_dry_run(c, lay)
+    dry_run.check_dry_run(c, lay, tr)
     return dry_run.dry_run(c, tr, lay, model=args.model or "small"), lay
 
 

@@ -15,7 +15,8 @@ Measured: parameter, gradient and optimizer-state bytes from the strategy's own 
 and payload bytes per kind, payload per axis). Not measured: the gradient norm's scalar all-reduce
 (its value would be data; the strategies issue it with the counter paused anyway), activations
 and peak memory (fake tensors have no allocator). A mixture-of-experts layer routes by values
-(its token counts), which fake tensors do not have: MoE shapes are refused here.
+(its token counts), which fake tensors do not have: the dry run routes it evenly, as the planner
+assumes (plan_cli/dry_run_moe.py), and samples a rank of another expert group too.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from paratrain.engine.task import Task
 from paratrain.mesh import MeshShape
 from paratrain.models import build_model, materialize
 from paratrain.models.shape import ModelShape
+from paratrain.plan_cli.dry_run_moe import balanced_routing, refuse_unbalanced
 from paratrain.planner.local import rank_step_collectives
 from paratrain.planner.memory import Layout, Training, rank_model_states
 from paratrain.planner.slow_link import SlowLayout
@@ -141,7 +143,8 @@ def run_config(c: ModelShape, tr: Training, lay: Layout, model: str) -> config.C
             "train.micro_batch": lay.micro_batch, "model.name": model, "model.n_layers": c.n_layers,
             "model.dim": c.dim, "model.n_heads": c.n_heads, "model.n_kv_heads": c.n_kv_heads,
             "model.ffn_dim": c.ffn_dim, "model.tie_embeddings": c.tie_embeddings,
-            "data.vocab_size": c.vocab_size}
+            "data.vocab_size": c.vocab_size,
+            **({"model.n_experts": c.n_experts, "model.top_k": c.top_k} if c.n_experts else {})}
     try:
         cfg = config.load(None, over)
         checks.validate(cfg, lay.world)
@@ -178,8 +181,9 @@ def dry_run_rank(c: ModelShape, tr: Training, lay: Layout, rank: int, model: str
         rows = tr.global_batch // lay.dp
         ids = torch.zeros(rows, tr.seq_len, dtype=torch.long)
         mesh.counter.reset()
-        engine.executor.run(split_micro_batches(ids, ids, None, lay.micro_batch, mesh.device),
-                            float(tr.global_batch * tr.seq_len))
+        with balanced_routing(engine.model):  # MoE layers: no values to route by
+            engine.executor.run(split_micro_batches(ids, ids, None, lay.micro_batch, mesh.device),
+                                float(tr.global_batch * tr.seq_len))
         engine.strategy.step(1e-4)  # the optimizer's state exists after its first step
         measured = {k: int(v) for k, v in engine.strategy.state_bytes().items() if k in KINDS}
         snap = mesh.counter.snapshot()
@@ -192,11 +196,12 @@ def dry_run_rank(c: ModelShape, tr: Training, lay: Layout, rank: int, model: str
                       {"calls": snap["calls"], "bytes": snap["payload"], "by_axis": snap["by_axis"]}, comm)
 
 
-def check_dry_run(c: ModelShape, lay: Layout) -> None:
+def check_dry_run(c: ModelShape, lay: Layout, tr: Training | None = None) -> None:
     """What the dry run cannot build, refused with the reason before anything is built."""
-    if c.n_experts:
-        raise ValueError("--dry-run: a mixture-of-experts layer routes tokens by their values, which the "
-                         "dry run's fake tensors do not have; plan MoE shapes without --dry-run")
+    if c.n_experts and tr is not None:
+        problem = refuse_unbalanced(tr.seq_len * lay.micro_batch, c.top_k, lay.ep, lay.tp, c.n_experts)
+        if problem:
+            raise ValueError(problem)
     if isinstance(lay, SlowLayout) and (lay.sync != "ddp" or (lay.replicate > 1 and not lay.zero)):
         raise ValueError(f"--dry-run builds every-step synchronisation (hybrid sharding included), not "
                          f"{lay.short()}: fix --sync ddp")
@@ -207,7 +212,7 @@ def check_dry_run(c: ModelShape, lay: Layout) -> None:
 def dry_run(c: ModelShape, tr: Training, lay: Layout, ranks: list[int] | None = None, model: str = "small"
             ) -> list[RankResult]:
     """Every sampled rank of ``lay`` (default ``sample_ranks``) built, stepped and compared."""
-    check_dry_run(c, lay)
+    check_dry_run(c, lay, tr)
     return [dry_run_rank(c, tr, lay, r, model) for r in (ranks or sample_ranks(lay))]
 
 

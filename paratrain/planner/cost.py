@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paratrain.models.shape import ModelShape
+from paratrain.models.shape import ModelShape, mean_attended_keys
 from paratrain.perf.hardware import Cluster, op_env
 from paratrain.perf.ops import ACT_BYTES, block_costs, embed_costs, head_costs
 from paratrain.perf.stages import balanced_split, chunk_costs
@@ -82,8 +82,8 @@ def block_matmul_params(c: ModelShape, moe: bool = False) -> int:
     """Matmul parameters one token runs through in a block: an MoE block's top_k experts and its
     router (the active parameters), not all E experts."""
     q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim  # heads x head size, not dim
-    one = c.mlp_matrices * c.dim * c.ffn_dim  # one MLP (one expert)
-    mlp = (c.top_k * one + c.dim * c.n_experts) if moe else one
+    expert = c.mlp_matrices * c.dim * c.moe_ffn_dim  # one expert (moe_ffn_dim wide)
+    mlp = (c.top_k * expert + c.dim * c.n_experts) if moe else c.mlp_matrices * c.dim * c.ffn_dim
     return 2 * c.dim * q + 2 * c.dim * kv + mlp
 
 
@@ -97,7 +97,8 @@ def model_flops_per_token(c: ModelShape, seq: int, causal: bool = True) -> float
     """Training FLOPs per token: 6 x (active) matmul parameters (blocks + LM head) + attention's
     two products, 12 l s h per token (6 l s h with the causal half). Equals the trainer's MFU
     numerator (perf/flops.py ``lm_flops_per_token``), counted another way."""
-    attn = (6.0 if causal else 12.0) * c.n_layers * seq * c.n_heads * c.head_dim
+    keys = mean_attended_keys(c, seq) if causal else seq  # sliding layers: within their window
+    attn = 12.0 * c.n_layers * keys * c.n_heads * c.head_dim
     return 6.0 * (blocks_matmul_params(c) + c.vocab_size * c.dim) + attn
 
 

@@ -34,40 +34,64 @@ import math
 from collections import Counter
 
 from paratrain.comm.bucketing import FIRST_BUCKET_BYTES, cut_before_overflow, fill_per_key
-from paratrain.models.shape import ModelShape
+from paratrain.models.shape import ModelShape, learned_positions, linear_bias, norm_params
 from paratrain.perf.hardware import Cluster, Link
 from paratrain.perf.ops import ACT_BYTES
 from paratrain.planner.collectives import all_gather_time, all_reduce_time, group_link, reduce_scatter_time
 from paratrain.planner.memory import (
     Layout,
     Training,
+    chunk_sizes,
+    embedding_params_local,
+    expert_params_local,
     held_state_bytes,
     layer_params_local,
     stage_layers,
+    stage_moe_layers,
     state_bytes_per_param,
 )
 
+EXPERT = "edp"  # param_numels' key of an expert's matrix under expert parallelism: buffers over edp
+REPLICATED = "tp-copies"  # ... of a decayed matrix replicated over tp (the router): a buffer of its own
 
-def param_numels(c: ModelShape, tp: int, blocks: int, first: bool, last: bool) -> list[tuple[int, bool]]:
+
+def param_numels(c: ModelShape, tp: int, blocks: int, first: bool, last: bool, *, start: int = 0,
+                 ep: int = 1) -> list[tuple[int, bool | str]]:
     """(elements, is a norm gain) of a stage's parameter tensors on one tp rank, in registration
-    order (models/families/llama/model.py): the embedding; per block the attention norm, wq, wk, wv (each with
-    its bias when ``qkv_bias``), wo, the MLP norm, the MLP's matrices (gate, up, down); the final
-    norm and the LM head. Widths from the shape: q is n_heads x head_dim, a norm its kind's."""
+    order (models/families/llama/model.py): the embedding (and a learned position table); per
+    block the attention norm, wq, wk, wv (each with its bias when ``qkv_bias``), wo, the MLP norm,
+    the MLP's matrices (gate, up, down; with ``linear_bias`` wo and the MLP's matrices carry a bias
+    too: GPT-2); the final norm and the LM head. Widths from the shape: q is n_heads x head_dim, a
+    norm its kind's. A shape's further norms (``norms_per_block`` > 2, ``qk_norm``) are appended
+    to the block, a count rather than their place in the order. An MoE block (of the stage's blocks
+    ``start``, ``start + 1``, ...) holds the router and its E / ep experts' matrices in place of the
+    MLP, keyed ``EXPERT`` under expert parallelism (ZeRO's buffers of their own, over edp); the
+    router, replicated over tp, is keyed ``REPLICATED`` under tp (its own buffers too)."""
     kv = c.n_kv_heads * c.head_dim
     kv_local = kv // tp if c.n_kv_heads % tp == 0 else kv
     h, f = c.dim, c.ffn_dim
     q_local = c.n_heads * c.head_dim // tp  # heads x head size, which need not be h
     vocab = math.ceil(c.vocab_size / tp) * h
-    mlp = [(h * f // tp, False)] * c.mlp_matrices
     norm = [(h, True)] * (2 if c.norm == "layer" else 1)  # a gain (and LayerNorm's bias)
+    biased = linear_bias(c)
 
-    def linear(rows: int, bias: bool) -> list[tuple[int, bool]]:
-        return [(h * rows, False)] + ([(rows, True)] if bias else [])  # a bias: undecayed, as a gain
+    def linear(rows: int, bias: bool, cols: int = h) -> list[tuple[int, bool]]:
+        return [(cols * rows, False)] + ([(rows, True)] if bias else [])  # a bias: undecayed, as a gain
 
-    block = [*norm, *linear(q_local, c.qkv_bias), *linear(kv_local, c.qkv_bias),
-             *linear(kv_local, c.qkv_bias), (h * q_local, False), *norm, *mlp]
+    mlp = linear(f // tp, biased) * (c.mlp_matrices - 1) + linear(h, biased, f // tp)
+    extra = norm * (c.norms_per_block - 2) + ([(c.head_dim, True)] * 2 if c.qk_norm else [])
+    attn = [*norm, *linear(q_local, c.qkv_bias), *linear(kv_local, c.qkv_bias),
+            *linear(kv_local, c.qkv_bias), *linear(h, biased, q_local), *norm]
+    expert_key = EXPERT if ep > 1 else False
+    router_key = REPLICATED if tp > 1 else False  # zero/flat.py param_key: copies outside dp
+    experts = [(h * c.n_experts, router_key)] + [(h * c.moe_ffn_dim // tp, expert_key)] * (
+        c.mlp_matrices * (c.n_experts // ep)) if c.n_experts else []
     out = [(vocab, False)] if first else []
-    out += block * blocks
+    if first and learned_positions(c):
+        out.append((embedding_params_local(c, tp) - vocab, False))
+    for i in range(start, start + blocks):
+        moe = c.n_moe_layers and c.is_moe_block(i)
+        out += attn + (experts if moe else mlp) + extra
     if last:
         out += [*norm] + ([] if c.tie_embeddings and first else [(vocab, False)])
     return out
@@ -82,49 +106,80 @@ def ddp_buckets(sizes: list[float], bucket_mb: float) -> list[float]:
     return [sum(backward[i] for i in bucket) for bucket in cut]
 
 
-def zero_buckets(sizes: list[tuple[float, bool]], bucket_mb: float) -> list[float]:
+def zero_buckets(sizes: list[tuple[float, bool | str]], bucket_mb: float) -> list[float]:
     """Bytes of ZeRO-1/2's flat buckets over (bytes, is a norm gain) in registration order, by
     ZeRO's own rule (comm/bucketing.py): keyed by weight decay, which here is "not a
-    norm gain"."""
+    norm gain", and by data-parallel axis (an ``EXPERT`` matrix: edp)."""
+    return [b for b, _ in keyed_zero_buckets(sizes, bucket_mb)]
+
+
+def keyed_zero_buckets(sizes: list[tuple[float, bool | str]], bucket_mb: float
+                       ) -> list[tuple[float, bool | str]]:
+    """``zero_buckets`` with each bucket's key."""
     backward = list(reversed(sizes))
-    cut = fill_per_key([b for b, _ in backward], [norm for _, norm in backward], bucket_mb * 2**20)
-    return [sum(backward[i][0] for i in bucket) for bucket in cut]
+    keys = [key for _, key in backward]
+    cut = fill_per_key([b for b, _ in backward], keys, bucket_mb * 2**20)
+    return [(sum(backward[i][0] for i in bucket), keys[bucket[0]]) for bucket in cut]
 
 
-def zero3_units(c: ModelShape, lay: Layout, blocks: int, first: bool, last: bool, per_param: float
-                ) -> list[tuple[float, int]]:
-    """(bytes, pieces on the busiest rank) of each ZeRO-3 unit of a stage, in forward order: the
-    embedding, each block, the final norm + head. A unit's flat buffer holds its matrices then its
-    norm gains; the last dp rank's shard takes the tail of both, so two pieces where a unit has both."""
+def padded(nbytes: float, group: int, per_elem: float) -> float:
+    """A flat buffer of ``nbytes`` padded to a multiple of its group's ranks (zero/flat.py)."""
+    return math.ceil(nbytes / per_elem / group) * group * per_elem
+
+
+def zero3_units(c: ModelShape, lay: Layout, blocks: int, first: bool, last: bool, per_param: float,
+                start: int = 0) -> list[tuple[float, int, str]]:
+    """(bytes, pieces on the busiest rank, axis) of each ZeRO-3 unit of a stage, in forward order:
+    the embedding, each block, the final norm + head. A unit's flat buffer holds its matrices then
+    its norm gains; the last dp rank's shard takes the tail of both, so two pieces where a unit has
+    both. Under expert parallelism an MoE block's local experts are a unit of their own, over edp,
+    just before the block's (expert_parallel/dispatch.py ``split_expert_units``). Each buffer is
+    padded to a multiple of its group's ranks."""
     v = math.ceil(c.vocab_size / lay.tp) * c.dim
-    units = [(v * per_param, 1)] if first else []
-    units += [(layer_params_local(c, lay.tp) * per_param, 2)] * blocks
+    units = [(embedding_params_local(c, lay.tp), 1, "dp")] if first else []
+    experts = expert_params_local(c, lay.tp, lay.ep) if c.n_experts else 0
+    for i in range(start, start + blocks):
+        moe = bool(c.n_moe_layers) and c.is_moe_block(i)
+        block = layer_params_local(c, lay.tp, moe=moe, ep=lay.ep)
+        if moe and lay.ep > 1:
+            units += [(experts, 1, "edp"), (block - experts, 2, "dp")]
+        else:
+            units.append((block, 2, "dp"))
     if last:
-        units.append(((c.dim + (0 if c.tie_embeddings and first else v)) * per_param, 2))
-    return units
+        units.append((norm_params(c) + (0 if c.tie_embeddings and first else v), 2, "dp"))
+    return [(padded(n * per_param, lay.edp if axis == "edp" else lay.dp, per_param), pieces, axis)
+            for n, pieces, axis in units]
 
 
 def collectives(c: ModelShape, tr: Training, lay: Layout, psi: float, blocks: int, first: bool,
-                last: bool, m: int) -> dict[str, list[float]]:
+                last: bool, m: int, start: int = 0) -> dict[str, list]:
     """The data-parallel collectives of one step on the busiest rank, by phase: kind and payload
-    bytes as cost.py counts them ('reduce': on gloo an all-reduce of the full buffer)."""
+    bytes as cost.py counts them ('reduce': on gloo an all-reduce of the full buffer), and the
+    axis of each ('reduce_axes', 'gather_axes': dp, or edp for experts' buffers under ep)."""
     sb = held_state_bytes(state_bytes_per_param(tr.precision, tr.optimizer), lay.zero)
-    out: dict[str, list[float]] = {"reduce": [], "gather": [], "norm": []}
+    out: dict[str, list] = {"reduce": [], "gather": [], "norm": [], "reduce_axes": [], "gather_axes": []}
     if lay.world > 1 and not (lay.zero == 0 and lay.dp == lay.world):
         out["norm"] = [8.0]  # the fp64 squared norm, over the world
     if lay.dp == 1:
         return out
-    sizes = [(n * sb.grads, norm) for n, norm in param_numels(c, lay.tp, blocks, first, last)]
+    sizes = [(n * sb.grads, key) for n, key in param_numels(c, lay.tp, blocks, first, last, start=start,
+                                                               ep=lay.ep)]
     if lay.zero == 0:
         out["reduce"] = ddp_buckets([b for b, _ in sizes], tr.bucket_mb)
+        out["reduce_axes"] = ["dp"] * len(out["reduce"])
     elif lay.zero in (1, 2):
-        buckets = zero_buckets(sizes, tr.bucket_mb)
-        out["reduce"] = buckets
-        out["gather"] = [b * sb.params / sb.grads for b in buckets]
+        axes = {EXPERT: ("edp", lay.edp)}
+        buckets = [(padded(b, axes.get(key, ("dp", lay.dp))[1], sb.grads), axes.get(key, ("dp", 0))[0])
+                   for b, key in keyed_zero_buckets(sizes, tr.bucket_mb)]
+        out["reduce"] = [b for b, _ in buckets]
+        out["gather"] = [b * sb.params / sb.grads for b in out["reduce"]]
+        out["reduce_axes"] = out["gather_axes"] = [axis for _, axis in buckets]
     else:
-        units = zero3_units(c, lay, blocks, first, last, sb.params)
-        out["reduce"] = [b * sb.grads / sb.params for b, _ in units]
-        out["gather"] = [b for b, _ in units] * (2 * m)
+        units = zero3_units(c, lay, blocks, first, last, sb.params, start)
+        out["reduce"] = [b * sb.grads / sb.params for b, _, _ in units]
+        out["reduce_axes"] = [axis for _, _, axis in units]
+        out["gather_axes"] = out["reduce_axes"] * (2 * m)
+        out["gather"] = [b for b, _, _ in units] * (2 * m)
     return out
 
 
@@ -171,7 +226,7 @@ def post_step(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, psi: f
         pieces = len(zero_buckets(sizes, tr.bucket_mb))
         elements = psi / lay.dp
     else:
-        pieces = sum(p for _, p in zero3_units(c, lay, blocks, first, last, 1.0))
+        pieces = sum(p for _, p, _ in zero3_units(c, lay, blocks, first, last, 1.0))
         elements = psi / lay.dp
     t = pieces * dev.optimizer_tensor_s + elements * dev.optimizer_element_s
     return t * (cluster.contention if lay.world > 1 else 1.0)
@@ -235,22 +290,22 @@ def tp_collectives(c: ModelShape, lay: Layout, tokens: int, act_bytes: float, re
     if recompute == "full":
         block += repeat
     last += [("all_reduce", 4.0 * tokens), ("all_reduce", 8.0 * tokens)]
-    return {"block": block, "first": first, "last": last, "moe_block": moe_block(c, lay, block, tokens,
-                                                                                   act_bytes, recompute)}
+    moe = moe_block(c, lay, block, tokens, act_bytes, recompute, grad_bytes)
+    return {"block": block, "first": first, "last": last, "moe_block": moe}
 
 
 def moe_block(c: ModelShape, lay: Layout, block: list[tuple[str, float]], tokens: int, act_bytes: float,
-              recompute: str) -> list[tuple[str, float]]:
+              recompute: str, grad_bytes: float = 4.0) -> list[tuple[str, float]]:
     """An MoE block's tp collectives: a dense block's, except under expert parallelism, where the
     MLP's are replaced (``ep_tp_mlp_collectives``)."""
     if not c.n_moe_layers or lay.ep <= 1:
         return block
-    dense, moe = ep_tp_mlp_collectives(c, lay, tokens, act_bytes, recompute)
+    dense, moe = ep_tp_mlp_collectives(c, lay, tokens, act_bytes, recompute, grad_bytes)
     return list((Counter(block) - Counter(dense)).elements()) + moe
 
 
-def ep_tp_mlp_collectives(c: ModelShape, lay: Layout, tokens: int, act_bytes: float, recompute: str = "none"
-                          ) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
+def ep_tp_mlp_collectives(c: ModelShape, lay: Layout, tokens: int, act_bytes: float, recompute: str = "none",
+                          grad_bytes: float = 4.0) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
     """An MoE block's tensor-parallel collectives under expert parallelism with tp > 1, per micro-batch,
     as (kind, payload bytes): (the dense MLP's, which it does not issue; its own, instead).
 
@@ -258,15 +313,16 @@ def ep_tp_mlp_collectives(c: ModelShape, lay: Layout, tokens: int, act_bytes: fl
     is ``memory.a2a_bytes``, divided by tp). Around the experts: the rows all tp ranks received are
     all-gathered and the outputs reduce-scattered, forward and (conjugates) backward: 2 all-gathers
     and 2 reduce-scatters of the T*k rows (balanced routing; each rank pads to the largest share).
-    The router weight's fp32 gradient is all-reduced (f). Without SP the entry's f stays and the
-    output's all-reduce becomes an all-gather of the tokens (backward: none). Under SP the entry no
-    longer gathers the sequence and the output is not reduce-scattered: the router's T x E fp32
-    logits are gathered instead (reduce-scatter backward). Full recompute re-runs the MoE forward up
-    to the weighted sum (the rows' gather and reduce-scatter; under SP the logits' gather), not
-    the output's gather (it feeds only the residual add)."""
+    The router weight's gradient is all-reduced (f), in ``grad_bytes`` (fp32, or the compute
+    precision where ZeRO keeps compute-precision weights: found by the dry run). Without SP the
+    entry's f stays and the output's all-reduce becomes an all-gather of the tokens (backward:
+    none). Under SP the entry no longer gathers the sequence and the output is not reduce-scattered:
+    the router's T x E fp32 logits are gathered instead (reduce-scatter backward). Full recompute
+    re-runs the MoE forward up to the weighted sum (the rows' gather and reduce-scatter; under SP
+    the logits' gather), not the output's gather (it feeds only the residual add)."""
     act = tokens * c.dim * act_bytes
     rows = tokens * c.top_k * c.dim * act_bytes
-    router = 4.0 * c.dim * c.n_experts
+    router = grad_bytes * c.dim * c.n_experts  # the weight's gradient: bf16 where ZeRO keeps bf16 weights
     experts = [("all_gather", rows), ("reduce_scatter", rows)] * 2 + [("all_reduce", router)]
     if lay.sp:
         logits = 4.0 * tokens * c.n_experts
@@ -281,6 +337,18 @@ def ep_tp_mlp_collectives(c: ModelShape, lay: Layout, tokens: int, act_bytes: fl
         dense += dense_repeat
         moe += moe_repeat + [("all_gather", rows), ("reduce_scatter", rows)]
     return dense, moe
+
+
+def ep_collectives(c: ModelShape, lay: Layout, tokens: int, resid_bytes: float, recompute: str = "none"
+                   ) -> list[float]:
+    """Payload bytes of the all-to-alls of one MoE block's micro-batch on an ep rank
+    (expert_parallel/dispatch.py): the counts ([ep, tp, E / ep] int64: tp x E x 8), the rank's
+    rows out and back forward and both reversed in backward, each its share of the tokens (1/tp)
+    x top_k rows of dim in the residual stream's dtype (balanced routing: it receives as many as
+    it sends). Full recompute re-runs the forward's three."""
+    rows = -(-tokens // lay.tp) * c.top_k * c.dim * resid_bytes
+    forward = [lay.tp * c.n_experts * 8.0, rows, rows]
+    return forward + [rows, rows] + (forward if recompute == "full" else [])
 
 
 #: Torch ops' worth of Python around each tp collective, on top of the collective itself
@@ -322,21 +390,27 @@ def rank_step_collectives(c: ModelShape, tr: Training, lay: Layout, pp_rank: int
     blocks = stage_layers(c.n_layers, lay.pp, lay.v)[pp_rank]
     first, last = pp_rank == 0, pp_rank == lay.pp - 1
     m = lay.n_micro(tr.global_batch)
-    dp = collectives(c, tr, lay, 0.0, blocks, first, last, m)
+    start = sum(chunk_sizes(c.n_layers, lay.pp, lay.v)[:pp_rank]) if lay.v == 1 else 0
+    dp = collectives(c, tr, lay, 0.0, blocks, first, last, m, start)
     reduce = "all_reduce" if lay.zero == 0 or gloo else "reduce_scatter"
     shard_axis = "dp_shard" if replicate > 1 else "dp"
-    add(reduce, shard_axis, dp["reduce"])
-    add("all_gather", shard_axis, dp["gather"])
+    for kind, key in ((reduce, "reduce"), ("all_gather", "gather")):
+        for size, axis in zip(dp[key], dp[key + "_axes"]):
+            add(kind, shard_axis if axis == "dp" else axis, [size])
     if replicate > 1:  # each bucket's (ZeRO-3: unit's) reduced shard, across the replicas
         add("all_reduce", "dp_replicate", [b * replicate / lay.dp for b in dp["reduce"]])
     tokens = tr.seq_len * lay.micro_batch
     act = ACT_BYTES[tr.precision]
     held = held_state_bytes(state_bytes_per_param(tr.precision, tr.optimizer), lay.zero)
     tp = tp_collectives(c, lay, tokens, act, lay.recompute, held.grads, resid_bytes=held.params)
-    for kind, size in tp["block"] * blocks + tp["first"] * first + tp["last"] * last:
+    n_moe = stage_moe_layers(c, lay.pp, lay.v)[pp_rank]
+    for kind, size in (tp["block"] * (blocks - n_moe) + tp["moe_block"] * n_moe + tp["first"] * first
+                       + tp["last"] * last):
         add(kind, "tp", [size], m)
     if lay.pp > 1:  # a boundary activation forward, its gradient backward, per micro-batch and chunk
         boundary = tokens * c.dim * held.params / (lay.tp if lay.sp else 1)  # the residual stream
         sends = m * (2 * lay.v - last - first)
         add("send", "pp", [boundary], sends)
+    if lay.ep > 1:
+        add("all_to_all", "ep", ep_collectives(c, lay, tokens, held.params, lay.recompute), m * n_moe)
     return {"calls": dict(calls), "bytes": dict(nbytes), "by_axis": dict(axes)}

@@ -26,7 +26,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from paratrain.models.shape import ModelShape, norm_params
+from paratrain.models.shape import (
+    ModelShape,
+    block_norm_params,
+    gated_mlp,
+    learned_positions,
+    linear_bias,
+    norm_params,
+)
 from paratrain.perf.hardware import Cluster
 from paratrain.perf.ops import ACT_BYTES
 from paratrain.perf.stages import RECEIVE_BUFFERS
@@ -50,7 +57,7 @@ class Training:
     overlap_dp: bool = True  # DDP / ZeRO-2 reduce buckets during backward (Megatron-LM 2021: after)
     lora_rank: int = 0  # LoRA adapters of this rank on a frozen base (planner/lora.py); 0: full training
     lora_base_bytes: float | None = None  # bytes per frozen base parameter (2: bf16); None: as trained
-    zero3_runtime: str = "paratrain"  # whose ZeRO-3 gathers: paratrain | deepspeed (planner/zero3.py)
+    zero3_runtime: str = "paratrain"  # whose ZeRO-3: paratrain | deepspeed | deepspeed-2021 (zero3.py)
 
     def __post_init__(self):
         if self.seq_len < 1 or self.global_batch < 1:
@@ -161,18 +168,23 @@ def zero_model_state_bytes(psi: float, nd: int, stage: int, sb: StateBytes) -> d
 
 
 def layer_params_local(c: ModelShape, tp: int, *, moe: bool = False, ep: int = 1) -> int:
-    """One block's parameters on one tensor-parallel rank (norm gains replicated); an MoE block
-    (``moe``) holds the router (replicated) and E / ep experts in place of the MLP."""
+    """One block's parameters on one tensor-parallel rank (norm gains replicated: the block's
+    ``norms_per_block`` norms and a ``qk_norm``'s gains); an MoE block (``moe``) holds the router
+    (replicated) and E / ep experts of ``moe_ffn_dim`` in place of the MLP. With ``linear_bias``
+    (GPT-2) the output projection's and the MLP's biases count too: the column-split ones by tp,
+    the row-split ones (added after the reduce) whole."""
     q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim  # heads x head size: q need not be dim
     kv_local = kv // tp if c.n_kv_heads % tp == 0 else kv  # kv heads replicated when tp does not divide
     mlp = moe_mlp_params_local(c, tp, ep) if moe else c.mlp_matrices * c.dim * c.ffn_dim // tp
     bias = q // tp + 2 * kv_local if c.qkv_bias else 0
-    return c.dim * q // tp * 2 + 2 * c.dim * kv_local + bias + mlp + 2 * norm_params(c)
+    if linear_bias(c):
+        bias += c.dim + (c.mlp_matrices - 1) * c.ffn_dim // tp + c.dim  # wo; fc (and up); proj
+    return c.dim * q // tp * 2 + 2 * c.dim * kv_local + bias + mlp + block_norm_params(c)
 
 
 def expert_params_local(c: ModelShape, tp: int, ep: int) -> int:
-    """The experts one rank holds in one MoE block: E / ep experts, each split by tp."""
-    return c.n_experts // ep * (c.mlp_matrices * c.dim * c.ffn_dim // tp)
+    """The experts one rank holds in one MoE block: E / ep experts of ``moe_ffn_dim``, each split by tp."""
+    return c.n_experts // ep * (c.mlp_matrices * c.dim * c.moe_ffn_dim // tp)
 
 
 def moe_mlp_params_local(c: ModelShape, tp: int, ep: int) -> int:
@@ -211,6 +223,13 @@ def vocab_local(c: ModelShape, tp: int) -> int:
     return -(-c.vocab_size // tp)
 
 
+def embedding_params_local(c: ModelShape, tp: int) -> int:
+    """The first stage's embedding on one tp rank: the token table and, with ``learned_positions``
+    (GPT-2), the position table, which tensor parallelism splits by rows as it splits the vocabulary."""
+    positions = -(-c.max_seq_len // tp) if learned_positions(c) else 0
+    return (vocab_local(c, tp) + positions) * c.dim
+
+
 def stage_layers(n_layers: int, pp: int, v: int = 1) -> list[int]:
     """Blocks held by each pipeline rank: L split into p*v chunks as evenly as possible
     (earlier chunks take the remainder), chunk j on rank j % p."""
@@ -236,9 +255,9 @@ def stage_params(c: ModelShape, tp: int, pp: int, v: int = 1, counts: list[int] 
     for r, (n, n_moe) in enumerate(zip(per_rank, stage_moe_layers(c, pp, v, counts))):
         count = n * layer_params_local(c, tp) + n_moe * moe_extra
         if r == 0:
-            count += emb
+            count += embedding_params_local(c, tp)
         if r == pp - 1:
-            count += c.dim + (0 if (c.tie_embeddings and pp == 1) else emb)
+            count += norm_params(c) + (0 if (c.tie_embeddings and pp == 1) else emb)
         out.append(count)
     return out
 
@@ -263,7 +282,8 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
 
 
 def layer_activation_bytes(c: ModelShape, seq: int, micro_batch: int, *, tp: int = 1, sp: bool = False,
-                           recompute: str = "none", precision: str = "bf16", moe: bool = False) -> float:
+                           recompute: str = "none", precision: str = "bf16", moe: bool = False,
+                           attention: str = "flash") -> float:
     """Bytes one paratrain Llama block saves for backward, per micro-batch (per tp rank).
 
     Per token, e = activation bytes (4 fp32, 2 bf16), norms computed in fp32 (4 bytes):
@@ -272,6 +292,14 @@ def layer_activation_bytes(c: ModelShape, seq: int, micro_batch: int, *, tp: int
                  fp32 rstd (4) and log-sum-exp (4 * heads); no s x s scores (fused attention)
       MLP:       (4 + 4)h + e*h norm and input, gate, up, silu(gate), product: 4 e*f, rstd 4
     and RoPE's cos/sin tables (seq x head_dim fp32, per block, not per micro-batch row).
+    That is the Llama block; the shape generalises it (``norm_activation_bytes``): each of its
+    ``norms_per_block`` norms saves what its kind saves (a LayerNorm: input, mean, rstd), a GELU
+    MLP saves 2 e*f (fc's output and gelu's), a gated one (SwiGLU, GeGLU) 4 e*f, ``qk_norm`` adds
+    the fp32 q/k norms' input and output, and a shape with learned positions has no RoPE tables.
+    With the fused kernel a sliding window changes nothing: it stores no scores. ``unfused``
+    attention (Megatron-LM 2021's) stores the scores and the softmax output (e bytes each) and the
+    dropout mask (1 byte) per query and key, Korthikanti's 5as/h term in 16 bits; a sliding
+    layer's over its window's keys, a full layer's over the sequence's (the mean over the blocks).
     Under tp the projections' inputs stay replicated and the rest splits by t; under sp all of it
     splits by t. Full recompute keeps the block input only; selective recomputes the attention
     core (the SDPA inputs, output and log-sum-exp).
@@ -283,20 +311,26 @@ def layer_activation_bytes(c: ModelShape, seq: int, micro_batch: int, *, tp: int
     """
     e = ACT_BYTES[precision]
     tokens = seq * micro_batch
-    h, f, heads = c.dim, c.ffn_dim, c.n_heads
+    h, heads = c.dim, c.n_heads
+    f = c.moe_ffn_dim if moe else c.ffn_dim
     q = heads * c.head_dim  # q and the attention output: heads x head size, not dim
     resid = 4  # paratrain keeps the residual stream and the norms in fp32, even under autocast
-    rope = seq * c.head_dim * 4  # the cos/sin tables RoPE's products keep, one per block call
+    rope = 0 if learned_positions(c) else seq * c.head_dim * 4  # RoPE's cos/sin tables, per block call
     if recompute == "full":
         return tokens * h * resid / (tp if sp else 1)
     kv = q if c.n_kv_heads != c.n_heads else c.n_kv_heads * c.head_dim
-    replicated = 2 * (2 * resid * h + 4 + e * h)  # two norms (input, normed, rstd) + two linear inputs
+    replicated = c.norms_per_block * norm_activation_bytes(c) + 2 * e * h  # + the two sublayers' inputs
     core = e * (2 * q + 2 * kv) + 4 * heads  # q, k, v, attention output; log-sum-exp
+    if c.qk_norm:  # per-head RMSNorm of q and k in fp32: input, normed, one rstd per head
+        core += 8 * (q + c.n_kv_heads * c.head_dim) + 4 * (heads + c.n_kv_heads)
     if recompute == "selective":
         # Megatron's selective recompute keeps q, k, v and the output and recomputes the s x s
         # scores; a fused kernel never stores those, so only the log-sum-exp is saved.
         core -= 4 * heads
-    mlp = 4 * e * f
+    elif attention == "unfused":
+        core += heads * stored_keys(c, seq) * (2 * e + 1)
+    # Gated (SwiGLU, GeGLU): gate, up, act(gate), their product; GELU: fc's output, gelu's output.
+    mlp = (4 if gated_mlp(c) else 2) * e * f
     if moe:
         mlp *= c.top_k
         replicated += c.top_k * 2 * e * h + 4 * h + 8 * c.n_experts
@@ -306,12 +340,27 @@ def layer_activation_bytes(c: ModelShape, seq: int, micro_batch: int, *, tp: int
     return tokens * (replicated + split / tp) + rope
 
 
+def stored_keys(c: ModelShape, seq: int) -> float:
+    """Keys per query whose scores unfused attention stores, averaged over the blocks: the whole
+    sequence in a full layer, the window in a sliding one."""
+    sliding = c.n_sliding_layers if 0 < c.sliding_window < seq else 0
+    return ((c.n_layers - sliding) * seq + sliding * c.sliding_window) / c.n_layers
+
+
+def norm_activation_bytes(c: ModelShape) -> float:
+    """Bytes one norm saves per token, in fp32: RMSNorm (computed by hand) its input, the normed
+    value and rstd; LayerNorm (torch's kernel) its input, mean and rstd."""
+    if c.norm == "layer":
+        return 4 * c.dim + 8
+    return 2 * 4 * c.dim + 4
+
+
 def output_activation_bytes(c: ModelShape, seq: int, micro_batch: int, *, tp: int = 1, sp: bool = False,
                             precision: str = "bf16") -> float:
     """Final norm + LM head + loss: norm (fp32 input, normed, rstd), head input, fp32 log-probs
     (cross-entropy saves log_softmax's output; vocab-parallel under tp); + token ids."""
     tokens = seq * micro_batch
-    norm = (2 * 4 * c.dim + 4) / (tp if sp else 1)
+    norm = norm_activation_bytes(c) / (tp if sp else 1)
     return tokens * (norm + ACT_BYTES[precision] * c.dim + 4 * vocab_local(c, tp) + 8)
 
 
@@ -402,7 +451,8 @@ def device_memory(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster,
         disk_params = lay.zero >= 3 and lay.offload == "disk" and tr.precision == "fp32"
         for key in [] if lay.offload == "none" else ["optim"] + (["params"] if disk_params else []):
             offloaded, states[key] = offloaded + states[key], 0.0
-        kw = {"tp": lay.tp, "sp": lay.sp, "recompute": lay.recompute, "precision": tr.precision}
+        kw = {"tp": lay.tp, "sp": lay.sp, "recompute": lay.recompute, "precision": tr.precision,
+              "attention": tr.attention}
         per_mb = ((layers[rank] - n_moe[rank]) * layer_activation_bytes(c, tr.seq_len, lay.micro_batch, **kw)
                   + n_moe[rank] * layer_activation_bytes(c, tr.seq_len, lay.micro_batch, moe=True, **kw))
         if rank == 0:
@@ -502,7 +552,7 @@ def transient_bytes(c: ModelShape, tr: Training, lay: Layout, rank: int) -> floa
     out = 0.0
     if lay.recompute == "full":
         out += layer_activation_bytes(c, tr.seq_len, lay.micro_batch, tp=lay.tp, sp=lay.sp,
-                                      precision=tr.precision, moe=c.n_moe_layers > 0)
+                                      precision=tr.precision, moe=c.n_moe_layers > 0, attention=tr.attention)
     if rank == lay.pp - 1:
         out += tr.seq_len * lay.micro_batch * vocab_local(c, lay.tp) * 4
     return out

@@ -24,6 +24,16 @@ scale: planner vs published"):
    (1e9 by default): a block larger than that is gathered three times per micro-batch (the rule
    is per parameter; applied here to the whole block, a simplification).
 
+5. **Host work per rank of the ring** (``per_rank_s``). DeepSpeed 0.3.x (2021: what Megatron-LM's
+   ZeRO-3 runs used, ``deepspeed-2021``) builds each gather's output as a Python loop over the
+   world's ranks (a narrowed view each) and PyTorch copies the gathered buffer back into that list
+   one rank at a time; its reduce-scatter builds and flattens a list of world-size slices the same
+   way (partition_parameters.py ``_allgather_param``, ``_reduce_scatter_gradient``). So each
+   collective costs two host operations per rank of the ring, ~4 us each (a kernel launch's,
+   ``HOST_OP_S``) -- 12 ms per collective at 1,536 ranks -- on the critical path, and it calls
+   ``torch.cuda.synchronize()`` before every gather, so nothing is prefetched under compute
+   (``prefetch_params`` 0). Later DeepSpeed (``deepspeed``) gathers flat buckets and prefetches.
+
 The runtime is ``Training.zero3_runtime``; DeepSpeed's figures are its defaults
 (deepspeed/runtime/zero/config.py). Units: the rank's parameters in block-sized units (the embedding
 and the head count as units of a block's size).
@@ -46,6 +56,12 @@ class Zero3Runtime:
     keep_params: float | None  # a parameter is kept gathered from recompute to backward if its next
     #                            use lies within this many parameters; None: always (one gather)
     per_matrix: bool  # one collective per weight matrix (norm gains stay whole) instead of per unit
+    per_rank_s: float = 0.0  # host seconds per rank of the group, per collective (item 5 above)
+
+
+# Host time of one torch operation issued from Python on a GPU host: a kernel launch's (as
+# perf/ops.py GemmModel.call_s).
+HOST_OP_S = 4e-6
 
 
 RUNTIMES = {
@@ -53,6 +69,9 @@ RUNTIMES = {
     # stage3_prefetch_bucket_size 5e7, stage3_max_reuse_distance 1e9; norm gains are under
     # stage3_param_persistence_threshold (1e5) and never gathered.
     "deepspeed": Zero3Runtime("deepspeed", 5e7, 1e9, True),
+    # DeepSpeed 0.3.x (v0.3.13-v0.3.16, 2021): a synchronize before every gather (nothing prefetched
+    # under compute), per parameter, a view and a copy per rank of the ring in each collective.
+    "deepspeed-2021": Zero3Runtime("deepspeed-2021", 0.0, 1e9, True, per_rank_s=2 * HOST_OP_S),
 }
 
 
@@ -86,7 +105,8 @@ def unit_traffic(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, psi
     unit = layer_params_local(c, lay.tp)
     units = max(1, round(psi / unit))
     per_unit = (4 + c.mlp_matrices) if rt.per_matrix else 1  # attention's q, k, v, o and the MLP's
-    latency = units * per_unit * spanning_latency(lay.dp, spanned_nodes(cluster, lay, "dp"), cluster)
+    one = spanning_latency(lay.dp, spanned_nodes(cluster, lay, "dp"), cluster) + rt.per_rank_s * lay.dp
+    latency = units * per_unit * one
     passes = gathers_per_micro_batch(rt, unit, lay.recompute)
     per_byte = spanning_bandwidth_time(psi, lay.dp, cluster, lay)  # seconds for 1 byte of every parameter
     if experts:

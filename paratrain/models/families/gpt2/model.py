@@ -86,6 +86,36 @@ class GPT2Config:
     def mlp_matrices(self) -> int:
         return 2  # fc, proj
 
+    # The rest of models/shape.py's ModelShape. ``activation`` is the field above: Hugging Face's
+    # name of the GELU variant (gelu_new: tanh), a plain GELU MLP to the planner (shape.GELU).
+    @property
+    def norms_per_block(self) -> int:
+        return 2
+
+    @property
+    def qk_norm(self) -> bool:
+        return False
+
+    @property
+    def moe_ffn_dim(self) -> int:
+        return self.ffn_dim  # no experts
+
+    @property
+    def sliding_window(self) -> int:
+        return 0
+
+    @property
+    def n_sliding_layers(self) -> int:
+        return 0
+
+    @property
+    def linear_bias(self) -> bool:
+        return True  # shape.linear_bias: wo, fc and proj carry a bias too
+
+    @property
+    def learned_positions(self) -> bool:
+        return True  # shape.learned_positions: wpe, max_seq_len x dim
+
     def to_dict(self) -> dict:
         return asdict(self)
 

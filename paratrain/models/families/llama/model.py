@@ -67,6 +67,31 @@ class LlamaConfig:
     def norm(self) -> str:
         return "rms"  # RMSNorm, a gain only (models/shape.py NORM_KINDS)
 
+    # The rest of models/shape.py's ModelShape: what this decoder does not vary.
+    @property
+    def activation(self) -> str:
+        return "swiglu"
+
+    @property
+    def norms_per_block(self) -> int:
+        return 2  # before attention, before the MLP
+
+    @property
+    def qk_norm(self) -> bool:
+        return False
+
+    @property
+    def moe_ffn_dim(self) -> int:
+        return self.ffn_dim  # Mixtral-style: each expert is the dense MLP's width
+
+    @property
+    def sliding_window(self) -> int:
+        return 0
+
+    @property
+    def n_sliding_layers(self) -> int:
+        return 0
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -97,6 +122,10 @@ class LlamaConfig:
         return self.n_params(active=True)
 
 
+# Llama 3.1's and 3.2's rope_scaling (config.json: rope_type llama3, factor 8 and 32).
+LLAMA31_ROPE = RopeScaling("llama3", 8.0, 8192, low_freq_factor=1.0, high_freq_factor=4.0)
+LLAMA32_ROPE = RopeScaling("llama3", 32.0, 8192, low_freq_factor=1.0, high_freq_factor=4.0)
+
 # Named shapes. `tiny` is for tests (8-worker runs on 2 cores), `small` for the default run on a
 # CPU, the others are real shapes for the planner (Llama 2/3 published configurations).
 PRESETS: dict[str, LlamaConfig] = {
@@ -114,6 +143,23 @@ PRESETS: dict[str, LlamaConfig] = {
                              ffn_dim=13824, max_seq_len=4096),
     "llama-70b": LlamaConfig(vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
                              ffn_dim=28672, max_seq_len=4096),
+    # Llama 3.1 / 3.2 as released (their config.json): 131,072 positions by llama3 RoPE scaling of
+    # an 8,192-token pretraining length; the 3.2 models tie the head to the embedding.
+    "llama-3.1-8b": LlamaConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                                ffn_dim=14336, max_seq_len=131072, rope_theta=500000.0,
+                                rope_scaling=LLAMA31_ROPE),
+    "llama-3.1-70b": LlamaConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                                 ffn_dim=28672, max_seq_len=131072, rope_theta=500000.0,
+                                 rope_scaling=LLAMA31_ROPE),
+    "llama-3.1-405b": LlamaConfig(vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
+                                  ffn_dim=53248, max_seq_len=131072, rope_theta=500000.0,
+                                  rope_scaling=LLAMA31_ROPE),
+    "llama-3.2-1b": LlamaConfig(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+                                ffn_dim=8192, max_seq_len=131072, rope_theta=500000.0,
+                                rope_scaling=LLAMA32_ROPE, tie_embeddings=True),
+    "llama-3.2-3b": LlamaConfig(vocab_size=128256, dim=3072, n_layers=28, n_heads=24, n_kv_heads=8,
+                                ffn_dim=8192, max_seq_len=131072, rope_theta=500000.0,
+                                rope_scaling=LLAMA32_ROPE, tie_embeddings=True),
     # Mixture of experts: tiny/small shapes with 4 experts, and Mixtral's published shapes.
     "tiny-moe": LlamaConfig(vocab_size=512, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128,
                             max_seq_len=128, n_experts=4, top_k=2),
