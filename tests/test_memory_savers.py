@@ -51,6 +51,9 @@ def _grads(model, x, y, loss_fn=None, context=None):
 
 
 @pytest.mark.parametrize("saver", ["selective", "full", "offload"])
+@pytest.mark.composes(("recompute",), case="selective")
+@pytest.mark.composes(("recompute",), case="full")
+@pytest.mark.composes(("act-offload",), case="offload")
 def test_saver_gradients_equal_plain_exactly(saver):
     c, ref = _tiny()
     model = copy.deepcopy(ref)
@@ -91,6 +94,7 @@ def test_selective_recompute_saves_what_the_planner_says(shape):
     assert predicted == pytest.approx(sel_b, rel=0.10)
 
 
+@pytest.mark.composes(("act-offload", "zero3"))
 def test_activation_offload_with_zero3_equals_without(tmp_path):
     """ZeRO-3 binds parameters to gathered buffers during forward: the hooks leave them on the device
     and move the rest; same operations, so the same bits."""
@@ -147,6 +151,7 @@ def test_tiled_layers_save_only_their_input():
     assert tiled_mlp_bytes(4096, 64, 256, 4) < tiled_mlp_bytes(4096, 64, 256, 1) / 3
 
 
+@pytest.mark.composes(("tiling",))
 def test_tiled_training_equals_untiled(tmp_path):
     ref = run_layout(tiny_cfg(tmp_path / "ref"))
     got = run_layout(tiny_cfg(tmp_path / "tile", **{"train.tile": 4}))
@@ -161,6 +166,7 @@ def test_tiled_training_equals_untiled(tmp_path):
 # for every CI run: set PARATRAIN_COMPILE_TEST_BACKEND=inductor to run this test with it (it passes).
 
 
+@pytest.mark.composes(("compile",))
 def test_compile_equals_eager():
     """Compiled blocks (dynamo graph + AOT autograd; inductor also fuses and reorders fp32
     arithmetic): loss within 1e-5 relative, gradients within 1e-4 of their scale."""
@@ -245,6 +251,7 @@ def test_finder_process_measure_on_cpu():
     assert all(t.peak_bytes > 50 * 2**20 for t in result.trials)  # torch alone is resident
 
 
+@pytest.mark.composes(("batch-finder",))
 def test_auto_micro_batch_trains_as_the_fixed_one(tmp_path):
     """Find with a limit between the micro-batch 2 and 4 trials: it picks 2, and training equals
     --micro-batch 2 exactly (same operations, same order); micro_batch is in every metrics row."""

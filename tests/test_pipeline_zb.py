@@ -265,11 +265,17 @@ def pp2(tmp_path_factory):
 
 @pytest.mark.parametrize("name,ref", [("zb-h1", "m4"), ("zbv", "m4"), ("dualpipev", "m8"),
                                       ("zbv_recompute", "m4")])
+@pytest.mark.composes(("zb-h1",), case="zb-h1-m4")
+@pytest.mark.composes(("zbv",), case="zbv-m4")
+@pytest.mark.composes(("dualpipev",), case="dualpipev-m8")
+@pytest.mark.composes(("zbv", "recompute"), case="zbv_recompute-m4")
 def test_pp2_zero_bubble_schedules_equal_one_process(pp2, refs, name, ref):
     assert_same_training(pp2[0][name], refs[ref], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", ["zbv_moe", "zb-h1_moe"])
+@pytest.mark.composes(("zbv", "moe"), case="zbv_moe")
+@pytest.mark.composes(("zb-h1", "moe"), case="zb-h1_moe")
 def test_pp2_zero_bubble_mixture_of_experts(pp2, refs, name):
     """Experts' weights deferred to W. The reported loss adds each stage's aux losses in another
     order than one process (test_moe_compose.py's pipelines: FP32_REORDERED, its reason)."""
@@ -320,11 +326,16 @@ def test_pp4_zb_h1_is_exact(world4, refs):
 
 @pytest.mark.parametrize("name,ref", [("pp2_dp2_zb-h1", "m4"), ("pp2_dp2_zbv_zero1", "m4"),
                                       ("pp2_dp2_zbv_tied", "tied")])
+@pytest.mark.composes(("zb-h1", "ddp"), case="pp2_dp2_zb-h1-m4")
+@pytest.mark.composes(("zbv", "zero1"), case="pp2_dp2_zbv_zero1-m4")
+@pytest.mark.composes(("zbv", "ddp"), case="pp2_dp2_zbv_tied-tied")
 def test_zero_bubble_with_data_parallel(world4, refs, name, ref):
     assert_same_training(world4[name], refs[ref], **SUMMED)
 
 
 @pytest.mark.parametrize("name", ["pp2_tp2_zb-h1", "pp2_tp2_sp_zbv"])
+@pytest.mark.composes(("zb-h1", "tp"), case="pp2_tp2_zb-h1")
+@pytest.mark.composes(("zbv", "tp", "sp"), case="pp2_tp2_sp_zbv")
 def test_zero_bubble_with_tensor_parallel(world4, refs, name):
     assert_composed(world4[name], refs["m4"])
 

@@ -10,6 +10,7 @@ every technique, so config.py imports nothing of paratrain.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from paratrain.comm import host_reduce
 from paratrain.config import DEFAULT_SEQ_LEN, Config, ConfigError, ParallelConfig, bullets, check_values
@@ -22,6 +23,7 @@ from paratrain.models.hf import HFCheckpoint, HFError, check_init_from
 from paratrain.models.registry import kind_names
 from paratrain.observe.profile import parse_steps
 from paratrain.pipeline.stage import parse_split
+from paratrain.refusals import PP_SCHEDULES, Refusal, emit
 from paratrain.scheduler import parse_signal
 
 
@@ -145,6 +147,7 @@ def _check_pipeline(cfg: Config, problems: list[str]) -> None:
     """--pp / --pp-schedule / --virtual-stages / pp_split: stages fit the layers and the batch."""
     p = cfg.parallel
     pp, v, m = p.pp, p.virtual_stages, cfg.n_micro_batches
+    emit(PIPELINE_REFUSALS, cfg, problems)
     if p.pp_schedule in V_SCHEDULES:
         _check_v_schedule(cfg, problems)
         return
@@ -162,7 +165,7 @@ def _check_pipeline(cfg: Config, problems: list[str]) -> None:
     if p.pp_schedule == "interleaved":
         if v < 2:
             problems.append("--pp-schedule interleaved needs --virtual-stages >= 2 (with 1 it is 1f1b)")
-        if m % pp:
+        if m % pp and not _auto_batch(cfg):
             problems.append(f"interleaved 1F1B needs the number of micro-batches m = global_batch / "
                             f"(dp * micro_batch) = {m} to be a multiple of pp ({pp}): change --micro-batch "
                             "or --global-batch")
@@ -175,6 +178,20 @@ def _check_pipeline(cfg: Config, problems: list[str]) -> None:
     except ValueError as e:
         problems.append(str(e))
 
+
+def _auto_batch(cfg: Config) -> bool:
+    return cfg.train.micro_batch == "auto"
+
+
+# These schedules need a number of micro-batches the checks must know before the finder chooses it.
+PIPELINE_REFUSALS = (
+    Refusal(("interleaved", "dualpipev"), "batch-finder", "the schedule's micro-batch count must be known "
+            "when the run is checked (a multiple of pp, or at least 2 * pp), before the finder picks the "
+            "micro-batch size (not built)",
+            flags=("--micro-batch auto", "--pp-schedule interleaved|dualpipev"),
+            when=lambda c: _auto_batch(c) and c.parallel.pp > 1
+            and c.parallel.pp_schedule in ("interleaved", "dualpipev")),
+)
 
 V_SCHEDULES = ("zbv", "dualpipev")  # 2 stages per rank, placed in a V (schedules_zb.py)
 ZERO_BUBBLE = ("zb-h1", "zbv", "dualpipev")  # the backward split into B and W
@@ -190,7 +207,7 @@ def _check_v_schedule(cfg: Config, problems: list[str]) -> None:
     if pp == 1:
         problems.append(f"--pp-schedule {name} needs a pipeline: set --pp >= 2")
         return
-    if name == "dualpipev" and m < 2 * pp:
+    if name == "dualpipev" and m < 2 * pp and not _auto_batch(cfg):
         problems.append(f"dualpipev needs at least as many micro-batches as stages: m = global_batch / "
                         f"(dp * micro_batch) = {m} < 2 * pp = {2 * pp}: raise --global-batch or lower "
                         "--micro-batch")
@@ -205,10 +222,17 @@ def _check_v_schedule(cfg: Config, problems: list[str]) -> None:
 
 def _check_zero_bubble(cfg: Config, problems: list[str]) -> None:
     """zb-h1 / zbv / dualpipev route the linears through a Python autograd function (weight_grad.py)."""
-    if cfg.parallel.pp_schedule in ZERO_BUBBLE and cfg.parallel.pp > 1 and cfg.train.compile:
-        problems.append(f"--pp-schedule {cfg.parallel.pp_schedule} splits each linear's backward into input "
-                        "and weight gradients, which torch.compile'd blocks cannot: drop --compile or use "
-                        "--pp-schedule 1f1b (torch's zero-bubble schedules refuse compile too)")
+    emit(ZERO_BUBBLE_REFUSALS, cfg, problems)
+
+
+ZERO_BUBBLE_REFUSALS = (
+    Refusal(ZERO_BUBBLE, "compile", "each linear's backward is split into input and weight gradients, which "
+            "torch.compile'd blocks cannot (torch's zero-bubble schedules refuse compile too)",
+            when=lambda c: c.parallel.pp_schedule in ZERO_BUBBLE and c.parallel.pp > 1 and c.train.compile,
+            message=lambda c: f"--pp-schedule {c.parallel.pp_schedule} splits each linear's backward into "
+            "input and weight gradients, which torch.compile'd blocks cannot: drop --compile or use "
+            "--pp-schedule 1f1b (torch's zero-bubble schedules refuse compile too)"),
+)
 
 
 def _check_zero(cfg: Config, problems: list[str]) -> None:
@@ -217,21 +241,36 @@ def _check_zero(cfg: Config, problems: list[str]) -> None:
     if p.offload != "none" and p.zero < 1:
         problems.append(f"--offload {p.offload} moves the ZeRO optimizer partition off the device: it needs "
                         "--zero 1, 2 or 3")
-    if p.zero >= 2 and p.pp > 1:
-        problems.append(f"--zero {p.zero} shards gradients, which pipeline micro-batches keep accumulating "
-                        "across the schedule: use --zero 1 with --pp (as DeepSpeed does), or --pp 1")
+    emit(ZERO_REFUSALS, cfg, problems)
     if p.zero == 3 and not model_kind(cfg.model.name).zero3_units:
         problems.append("--zero 3 builds a model family's units (blocks, embedding, head): "
                         f"{cfg.model.name} supports --zero 1 or 2")
-    if p.zero >= 1 and p.dp_mode == "plain":
-        problems.append("--dp-mode plain is the un-bucketed DDP; ZeRO does its own reduction: drop --dp-mode")
-    if p.dp_reduce == "shm" and (p.zero >= 1 or p.dp_mode != "ddp" or p.ep > 1):
-        problems.append("--dp-reduce shm sums DDP's buckets through shared memory on a CPU host: it needs "
-                        "--zero 0, --dp-mode ddp and --ep 1; use --dp-reduce auto")
-    else:
+    shm = [r for r in ZERO_REFUSALS if r.first == "ddp-shm"]
+    if not any(r.hits(cfg) for r in shm):
         check_shm_room(cfg, problems)
     if not p.reshard_after_forward and p.zero != 3:
         problems.append("parallel.reshard_after_forward = false only applies to --zero 3")
+
+
+ZEROS = ("zero1", "zero2", "zero3")
+SHM = ("--dp-reduce shm sums DDP's buckets through shared memory on a CPU host: it needs --zero 0, "
+       "--dp-mode ddp and --ep 1; use --dp-reduce auto")
+ZERO_REFUSALS = (
+    Refusal(("zero2", "zero3"), PP_SCHEDULES, "gradients are sharded, which pipeline micro-batches keep "
+            "accumulating across the schedule (DeepSpeed refuses the same); not built yet",
+            when=lambda c: c.parallel.zero >= 2 and c.parallel.pp > 1,
+            message=lambda c: f"--zero {c.parallel.zero} shards gradients, which pipeline micro-batches keep "
+            "accumulating across the schedule: use --zero 1 with --pp (as DeepSpeed does), or --pp 1"),
+    Refusal("dp-plain", ZEROS, "by definition: --dp-mode picks how DDP reduces; ZeRO does its own reduction",
+            when=lambda c: c.parallel.zero >= 1 and c.parallel.dp_mode == "plain",
+            message="--dp-mode plain is the un-bucketed DDP; ZeRO does its own reduction: drop --dp-mode"),
+    Refusal("ddp-shm", ZEROS, "the shared-memory sum reduces DDP's buckets; ZeRO reduce-scatters its own",
+            when=lambda c: c.parallel.dp_reduce == "shm" and c.parallel.zero >= 1, message=SHM),
+    Refusal("ddp-shm", "dp-plain", "by definition: the shared-memory sum reduces DDP's buckets",
+            when=lambda c: c.parallel.dp_reduce == "shm" and c.parallel.dp_mode != "ddp", message=SHM),
+    Refusal("ddp-shm", "ep", "not built: expert gradients reduce over the edp groups, not the host's segment",
+            when=lambda c: c.parallel.dp_reduce == "shm" and c.parallel.ep > 1, message=SHM),
+)
 
 
 def check_shm_room(cfg: Config, problems: list[str]) -> None:
@@ -274,9 +313,15 @@ def _check_hybrid(cfg: Config, problems: list[str]) -> None:
                         "inside each replica, averaging across): with --zero 0, DDP already replicates "
                         "everything on every rank (hybrid sharding shards inside a node); add --zero or drop "
                         "--dp-replicate")
-    if p.ep > 1:
-        problems.append(f"--dp-replicate {r} with --ep {p.ep} is not supported: experts are sharded over "
-                        "edp, not the hybrid groups; use --ep 1 or --dp-replicate 1")
+    emit(HYBRID_REFUSALS, cfg, problems)
+
+
+HYBRID_REFUSALS = (
+    Refusal("hsdp", "ep", "not built: experts are sharded over edp, not the hybrid groups",
+            when=lambda c: c.parallel.dp_replicate > 1 and c.parallel.ep > 1,
+            message=lambda c: f"--dp-replicate {c.parallel.dp_replicate} with --ep {c.parallel.ep} is not "
+            "supported: experts are sharded over edp, not the hybrid groups; use --ep 1 or --dp-replicate 1"),
+)
 
 
 AVERAGING = ("local-sgd", "diloco")
@@ -286,11 +331,7 @@ OUTER_FLAGS = {"outer_optimizer": "--outer-optimizer", "outer_lr": "--outer-lr",
 
 def _check_sync(cfg: Config, problems: list[str]) -> None:
     check_sync(cfg.parallel, cfg.dp, problems)
-    p = cfg.parallel
-    if p.sync in AVERAGING and p.zero >= 1 and cfg.optim.name != "adamw":
-        problems.append(f"--sync {p.sync} with --zero {p.zero}: --optimizer {cfg.optim.name} inside an "
-                        "averaging replica is not built (ZeRO's 8-bit store is untested there): use "
-                        "--optimizer adamw, or --zero 0")
+    emit(AVERAGING_REFUSALS, cfg, problems)
 
 
 def check_sync(p: ParallelConfig, dp: int, problems: list[str]) -> None:
@@ -315,17 +356,43 @@ def check_sync(p: ParallelConfig, dp: int, problems: list[str]) -> None:
                         "one sharded replica: nothing to average. Add --dp-replicate R (R replicas of S = "
                         "dp / R ranks, ZeRO inside each, averaged across them) or use --zero 0 (every dp "
                         "rank its own replica)")
-    if p.zero >= 1 and p.offload != "none":
-        problems.append(f"--sync {p.sync} averages the fp32 master shards held on the device; --offload "
-                        f"{p.offload} with ZeRO inside an averaging replica is not built: use --offload none")
-    if p.ep > 1:
-        problems.append(f"--sync {p.sync} makes every dp rank a replica; expert parallelism (--ep {p.ep}) "
-                        "spreads one replica's experts over dp ranks: use --ep 1")
-    if p.dp_mode != "ddp":
-        problems.append(f"--dp-mode {p.dp_mode} chooses how gradients are all-reduced every step; --sync "
-                        f"{p.sync} does not all-reduce them: drop --dp-mode")
+    emit(SYNC_REFUSALS, p, problems)
     if p.sync == "diloco":
         _check_outer(p, problems)
+
+
+SYNC_REFUSALS = (  # they read a ParallelConfig or a Config (the library door calls check_sync too)
+    Refusal(AVERAGING, ("offload-cpu", "offload-disk"), "not built: averaging reads the fp32 master shards "
+            "on the device", when=lambda c: _averaging(c) and _p(c).zero >= 1 and _p(c).offload != "none",
+            message=lambda c: f"--sync {_p(c).sync} averages the fp32 master shards held on the device; "
+            f"--offload {_p(c).offload} with ZeRO inside an averaging replica is not built: use "
+            "--offload none"),
+    Refusal(AVERAGING, "ep", "not built: every dp rank is a replica, while EP spreads one replica's experts "
+            "over dp ranks", when=lambda c: _averaging(c) and _p(c).ep > 1,
+            message=lambda c: f"--sync {_p(c).sync} makes every dp rank a replica; expert parallelism (--ep "
+            f"{_p(c).ep}) spreads one replica's experts over dp ranks: use --ep 1"),
+    Refusal(AVERAGING, "dp-plain", "by definition: --dp-mode picks how gradients are all-reduced every step, "
+            "and averaging does not all-reduce them", when=lambda c: _averaging(c) and _p(c).dp_mode != "ddp",
+            message=lambda c: f"--dp-mode {_p(c).dp_mode} chooses how gradients are all-reduced every step; "
+            f"--sync {_p(c).sync} does not all-reduce them: drop --dp-mode"),
+)
+
+
+def _p(cfg_or_parallel: Config | ParallelConfig) -> ParallelConfig:
+    return getattr(cfg_or_parallel, "parallel", cfg_or_parallel)
+
+
+def _averaging(cfg_or_parallel: Config | ParallelConfig) -> bool:
+    return _p(cfg_or_parallel).sync in AVERAGING
+
+
+AVERAGING_REFUSALS = (
+    Refusal(AVERAGING, "8bit", "not built: ZeRO's 8-bit store inside an averaging replica (with --zero 1-3)",
+            when=lambda c: _averaging(c) and c.parallel.zero >= 1 and c.optim.name != "adamw",
+            message=lambda c: f"--sync {c.parallel.sync} with --zero {c.parallel.zero}: --optimizer "
+            f"{c.optim.name} inside an averaging replica is not built (ZeRO's 8-bit store is untested "
+            "there): use --optimizer adamw, or --zero 0"),
+)
 
 
 def _check_outer(p: ParallelConfig, problems: list[str]) -> None:
@@ -341,9 +408,19 @@ def _check_outer(p: ParallelConfig, problems: list[str]) -> None:
                         "outer step without momentum")
 
 
-NOT_WITH_MOE = {
-    "tile": (lambda c: c.train.tile > 1, "use --tile 1 (tiling replaces the dense MLP)"),
-}
+def _has_experts(cfg: Config) -> bool:
+    try:
+        return model_kind(cfg.model.name).decoder and model_shape(cfg).n_experts > 0
+    except (KeyError, OSError, ValueError):
+        return False  # an unknown model or folder is reported elsewhere
+
+
+NOT_WITH_MOE = (
+    Refusal(("moe", "ep"), "tiling", "not built: tiling replaces the dense MLP, which an MoE block has not",
+            when=lambda c: c.train.tile > 1 and _has_experts(c),
+            message="tile with a mixture-of-experts model is not supported yet: use --tile 1 (tiling "
+            "replaces the dense MLP)"),
+)
 
 
 def check_moe(cfg: Config, problems: list[str]) -> None:
@@ -377,9 +454,7 @@ def check_moe(cfg: Config, problems: list[str]) -> None:
     if ep > 1 and c.n_experts % ep:
         problems.append(f"--ep ({ep}) must divide the number of experts ({c.n_experts}): "
                         "change --ep or --experts")
-    for name, (used, fix) in NOT_WITH_MOE.items():
-        if used(cfg):
-            problems.append(f"{name} with a mixture-of-experts model is not supported yet: {fix}")
+    emit(NOT_WITH_MOE, cfg, problems)
 
 
 def settle_seq_len(cfg: Config) -> Config:
@@ -403,6 +478,36 @@ def _model_positions(cfg: Config) -> int:
     return preset.max_seq_len if preset is not None else DEFAULT_SEQ_LEN
 
 
+def _ps_refusal(other: str | tuple[str, ...], fix: str, reason: str,
+                when: Callable[[Config], bool]) -> Refusal:
+    return Refusal("param-server", other, reason, message=f"--sync parameter-server supports {fix} for now",
+                   when=lambda c: c.parallel.sync == "parameter-server" and when(c))
+
+
+PARAM_SERVER_REFUSALS = (  # the workers are whole-model replicas; the servers run fp32 AdamW
+    _ps_refusal("tp", "--tp 1 (a worker holds the whole model)", "not built: a worker holds the whole "
+                "model", lambda c: c.parallel.tp > 1),
+    _ps_refusal(PP_SCHEDULES, "--pp 1 (a worker holds the whole model)", "not built: a worker holds the "
+                "whole model", lambda c: c.parallel.pp > 1),
+    _ps_refusal("ep", "--ep 1", "not built: a worker holds every expert", lambda c: c.parallel.ep > 1),
+    _ps_refusal(ZEROS, "--zero 0 (the servers shard the optimizer state)", "by construction: the servers "
+                "shard the optimizer state themselves", lambda c: c.parallel.zero != 0),
+    _ps_refusal("hsdp", "no --dp-replicate / --dp-shard", "by construction: the servers shard the state",
+                lambda c: c.parallel.dp_replicate > 1 or c.parallel.dp_shard is not None),
+    _ps_refusal(("offload-cpu", "offload-disk"), "--offload none (the servers hold the optimizer state)",
+                "by construction: the servers hold the optimizer state",
+                lambda c: c.parallel.offload != "none"),
+    _ps_refusal("8bit", "--optimizer adamw (the servers run torch's AdamW)", "not built: the servers run "
+                "torch's fp32 AdamW", lambda c: c.optim.name != "adamw"),
+    _ps_refusal("bf16", "--precision fp32 (the servers keep fp32 weights)", "not built: the servers keep "
+                "fp32 weights", lambda c: c.train.precision != "fp32"),
+    _ps_refusal("batch-finder", "a numeric --micro-batch (not auto)", "not built: the trial steps would push "
+                "to the servers", lambda c: c.train.micro_batch == "auto"),
+    _ps_refusal(("lora", "lora-bf16"), "no --lora", "not built: the servers would update frozen weights",
+                lambda c: bool(c.lora.rank)),
+)
+
+
 def _check_param_server(cfg: Config, problems: list[str]) -> None:
     """--sync parameter-server: what the servers (param_server/) support today. The workers are
     whole-model data-parallel replicas; the servers run the fp32 AdamW."""
@@ -413,18 +518,7 @@ def _check_param_server(cfg: Config, problems: list[str]) -> None:
             if value != default:
                 problems.append(f"{flag} applies to --sync parameter-server only: add it or drop {flag}")
         return
-    unsupported = [(p.tp > 1, "--tp 1 (a worker holds the whole model)"),
-                   (p.pp > 1, "--pp 1 (a worker holds the whole model)"),
-                   (p.ep > 1, "--ep 1"), (p.zero != 0, "--zero 0 (the servers shard the optimizer state)"),
-                   (p.dp_replicate > 1 or p.dp_shard is not None, "no --dp-replicate / --dp-shard"),
-                   (p.offload != "none", "--offload none (the servers hold the optimizer state)"),
-                   (cfg.optim.name != "adamw", "--optimizer adamw (the servers run torch's AdamW)"),
-                   (cfg.train.precision != "fp32", "--precision fp32 (the servers keep fp32 weights)"),
-                   (cfg.train.micro_batch == "auto", "a numeric --micro-batch (not auto)"),
-                   (bool(cfg.lora.rank), "no --lora")]
-    for bad, fix in unsupported:
-        if bad:
-            problems.append(f"--sync parameter-server supports {fix} for now")
+    emit(PARAM_SERVER_REFUSALS, cfg, problems)
     if p.ps_mode == "async" and p.max_staleness is not None and p.max_staleness < cfg.dp - 1:
         problems.append(f"--max-staleness {p.max_staleness} is below dp - 1 = {cfg.dp - 1}: when all "
                         f"{cfg.dp} workers push at once the last of them is dp - 1 updates late; raise "
