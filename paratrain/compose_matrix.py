@@ -272,7 +272,14 @@ def render(m: Matrix) -> str:
              "it with one process (the same loss, gradients or weights, in float64 or with the tolerance",
              "the test gives). A **refused** cell gives the reason: a fact of the mathematics or of torch,",
              "by definition (two settings of one thing), or \"not built\" when it could be built.",
-             "**Untested** means neither: it may run, and nothing shows it equal to one process.", "",
+             "**Untested** means neither: it may run, and nothing shows it equal to one process. A few tests",
+             "compare bit for bit with a layout that is itself tested against one process (activation",
+             "offload x ZeRO-3 with ZeRO-3 alone), or, for averaging, with the same averaging over whole",
+             "one-process replicas (H > 1 steps are not one process's by design); their docstrings say so.",
+             "",
+             "A refusal is declared where it is checked: one `Refusal(...)` line in that check's table",
+             "(docs/architecture.md, \"What composes\"); a test joins a cell with a `composes` mark. Then",
+             "run `python -m paratrain.compose_matrix`.", "",
              "Legend: `T` tested, `R` refused, `T/R` tested in some settings and refused in others, `.`",
              "untested, `=` alternatives (values of one setting), blank: the feature itself.", "",
              "## Features", "", "| # | feature | what |", "|---|---|---|"]
@@ -294,8 +301,13 @@ def render(m: Matrix) -> str:
     for (a, b), cell in m.cells.items():
         for r in cell.refusals:
             lines.append(f"- `{a}` x `{b}`: {_reason(r, a, b)}")
-    untested = [f"`{a}` x `{b}`" for (a, b), c in m.cells.items() if not c.tests and not c.refusals]
-    lines += ["", f"## Untested pairs ({len(untested)})", "", ", ".join(untested), ""]
+    untested = [(a, b) for (a, b), c in m.cells.items() if not c.tests and not c.refusals]
+    lines += ["", f"## Untested pairs ({len(untested)})", ""]
+    for a in names:
+        with_a = [b for x, b in untested if x == a]
+        if with_a:
+            lines.append(f"- `{a}` x " + ", ".join(f"`{b}`" for b in with_a))
+    lines.append("")
     return "\n".join(lines)
 
 

@@ -42,9 +42,6 @@ def _gpu_trial(c: Config) -> bool:
 
 
 SAVER_REFUSALS = (  # the message: "<flags[0]> does not compose with <flags[1]>: <reason>"
-    Refusal("act-offload", PP_SCHEDULES, "the pipeline schedule keeps its own activations (not built)",
-            flags=("--offload-activations cpu", "--pp > 1"),
-            when=lambda c: c.train.offload_activations != "none" and c.parallel.pp > 1),
     Refusal("tiling", "tp", "split linears and the vocabulary-parallel loss are not tiled (not built)",
             flags=("--tile", "--tp > 1"), when=_tile(lambda c: c.parallel.tp > 1)),
     Refusal("tiling", PP_SCHEDULES, "the tiled loss fuses the LM head, which a pipeline stage runs "
