@@ -79,9 +79,6 @@ NOT_WITH_LORA = (
     Refusal(LORAS, "tiling", "ZeRO-3's weight tiles split the base's linears outside their adapters "
             "(not built)", flags=("--lora", "--tile > 1 and --zero 3"),
             when=lambda c: bool(c.lora.rank) and c.train.tile > 1 and c.parallel.zero == 3),
-    Refusal("lora-bf16", "tiling", "the tiled loss runs the head's stored weight itself, with no cast "
-            "(not built)", flags=("--lora", "--tile > 1 and --base-precision bf16"),
-            when=lambda c: bool(c.lora.rank) and c.train.tile > 1 and c.lora.base_precision != "fp32"),
     Refusal(LORAS, "ep", "each tp rank dispatches a share of the tokens; adapters there are not "
             "tested", flags=("--lora", "--ep > 1 with --tp > 1"),
             when=lambda c: bool(c.lora.rank) and c.parallel.ep > 1 and c.parallel.tp > 1),

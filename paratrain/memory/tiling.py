@@ -129,7 +129,10 @@ class TiledHeadLoss:
         self._fn = _ModuleFn(self._tile_loss, head)
 
     def _tile_loss(self, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(h, self.head.weight, self.head.bias)  # [tile, vocab]
+        # The input in the weight's dtype, as the untiled head's forward pre-hook casts it when a
+        # LoRA base is stored in bf16 (models/lora.store_base_in); a no-op otherwise.
+        weight = self.head.weight
+        logits = F.linear(h.to(weight.dtype), weight, self.head.bias)  # [tile, vocab]
         return F.cross_entropy(logits.float(), t, reduction="sum")
 
     def __call__(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
