@@ -51,18 +51,20 @@ def test_checks_refuse_before_any_worker():
     # A bf16 base under --pp is accepted (stages stream the widest dtype: test_lora_layouts pp2_bf16_base).
     checks.validate(tiny_cfg("unused", **LORA, **{"parallel.pp": 2, "lora.base_precision": "bf16",
                                                   "train.micro_batch": 4}))
-    assert "lm_head does not compose with --tile" in _problems(
-        **LORA, **{"lora.targets": ["wq", "lm_head"], "train.tile": 2})
     checks.validate(tiny_cfg("unused", **LORA, **{"parallel.tp": 2, "parallel.sp": True}))  # accepted
 
 
-@pytest.mark.composes(("lora-bf16", "tiling"))
-def test_bf16_base_tiled_trains_as_untiled(tmp_path):
+@pytest.mark.composes(("lora-bf16", "tiling"), case="bf16_base")
+@pytest.mark.composes(("lora", "tiling"), case="adapted_head")
+@pytest.mark.parametrize("lora", [{"lora.base_precision": "bf16"}, {"lora.targets": ["wq", "lm_head"]}],
+                         ids=["bf16_base", "adapted_head"])
+def test_tiled_lora_trains_as_untiled(tmp_path, lora):
     """--tile 2 with the frozen base in bf16: each tile's head matmul runs on the input cast to the
-    weight's bf16 as the untiled head's hook casts it, one tile's rows at a time. The same rows of
-    the same bf16 product, then fp32 cross-entropy: the same training as untiled, to fp32
-    reordering (the tile sums of the MLP and loss)."""
-    common = {**LORA, "lora.base_precision": "bf16", "train.steps": 2}
+    weight's bf16 as the untiled head's hook casts it; with lm_head adapted, each tile runs the
+    LoRA head's own forward (base + adapters). The same rows of the same products, then fp32
+    cross-entropy: the same training as untiled, to fp32 reordering (the tile sums of the MLP,
+    the loss and the head's gradients)."""
+    common = {**LORA, **lora, "train.steps": 2}
     ref = run_layout(tiny_cfg(tmp_path / "ref", **common))
     got = run_layout(tiny_cfg(tmp_path / "tile", **common, **{"train.tile": 2}))
     torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(ref.losses), rtol=1e-5, atol=0)

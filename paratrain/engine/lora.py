@@ -88,9 +88,6 @@ NOT_WITH_LORA = (
             when=lambda c: bool(c.lora.rank) and c.lora.dropout > 0 and c.parallel.tp > 1),
 )
 # Refused where the adapted modules are known (check_lora), not from the settings alone.
-LORA_HEAD_TILED = Refusal(LORAS, "tiling", "the tiled loss runs the head's base weight without its "
-                          "adapters; leave lm_head out of --lora-targets",
-                          flags=("--lora on lm_head", "--tile > 1"))
 LORA_TP_STYLES = Refusal(LORAS, "tp", "an adapted layer whose TP style has no LoRA variant, or k/v "
                          "projections with fewer kv heads than tp (replicated on every rank): not built")
 
@@ -114,12 +111,10 @@ def check_lora(cfg: Config, problems: list[str]) -> None:
     except (KeyError, OSError, ValueError):
         return  # an unknown model or folder is reported elsewhere
     try:
-        names = apply_lora(model, lora_spec(cfg))
+        apply_lora(model, lora_spec(cfg))
     except LoraError as e:
         problems.append(str(e))
         return
-    if cfg.train.tile > 1 and "lm_head" in names:  # the tiled loss reads the head's weight alone
-        problems.append(LORA_HEAD_TILED.says())
     if cfg.parallel.tp > 1:  # adapted layers whose tensor-parallel style has no LoRA variant
         problems += unsupported(model, cfg.parallel.tp)
 

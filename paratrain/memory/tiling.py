@@ -129,10 +129,15 @@ class TiledHeadLoss:
         self._fn = _ModuleFn(self._tile_loss, head)
 
     def _tile_loss(self, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        # The input in the weight's dtype, as the untiled head's forward pre-hook casts it when a
-        # LoRA base is stored in bf16 (models/lora.store_base_in); a no-op otherwise.
-        weight = self.head.weight
-        logits = F.linear(h.to(weight.dtype), weight, self.head.bias)  # [tile, vocab]
+        if getattr(self.head, "casts_base", False):
+            # A head that computes its stored base itself (a LoRA layer: base + its adapters) runs
+            # its class's forward (the instance's is the identity apply_tiling left).
+            logits = type(self.head).forward(self.head, h)
+        else:
+            # The input in the weight's dtype, as the untiled head's forward pre-hook casts it when
+            # a LoRA base is stored in bf16 (models/lora.store_base_in); a no-op otherwise.
+            weight = self.head.weight
+            logits = F.linear(h.to(weight.dtype), weight, self.head.bias)  # [tile, vocab]
         return F.cross_entropy(logits.float(), t, reduction="sum")
 
     def __call__(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
