@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from paratrain import config
@@ -142,6 +143,23 @@ def test_tiling_equals_untiled(n_tiles):
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-6, atol=0)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_a_tile_recomputes_the_dropout_mask_its_forward_drew():
+    """A tiled module that draws random numbers (LoRA's dropout): backward recomputes each tile
+    with the RNG state its forward had, so the gradient is that of the output forward returned
+    (was: another mask, a gradient of nothing computed). The global RNG continues as after forward."""
+    from paratrain.memory.tiling import tiled_rows
+
+    drop = nn.Dropout(0.5)
+    torch.manual_seed(0)
+    x = torch.randn(6, 4, requires_grad=True)
+    y = tiled_rows(drop, drop.forward, x, 3)
+    g = torch.randn(6, 4)
+    after_forward = torch.get_rng_state()
+    (y * g).sum().backward()
+    assert torch.equal(x.grad, (y != 0) * 2.0 * g)
+    assert torch.equal(torch.get_rng_state(), after_forward)
 
 
 def test_tiled_layers_save_only_their_input():
