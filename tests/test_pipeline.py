@@ -75,6 +75,7 @@ def _ref(out, **overrides) -> RunResult:
 # global_batch 8 on one pipeline: micro_batch 8, 2, 1 -> m = 1, 4, 8.
 M1, M4, M8 = ({"train.micro_batch": b} for b in (8, 2, 1))
 TIED = {"model.tie_embeddings": True}
+AUTO = {"train.micro_batch": "auto", "train.memory_limit": 2**30}
 DEEP = {"model.n_layers": 8}
 
 
@@ -221,6 +222,8 @@ def test_metrics_report_bubble_and_timeline_renders(pp2, tmp_path):
 @pytest.mark.parametrize("overrides,needle", [
     ({**_pp(8, "1f1b"), "parallel.nproc": 8}, "8 pipeline stages (pp * virtual_stages) but the model has"),
     ({**_pp(2, "interleaved", 2), "train.micro_batch": 8}, "multiple of pp (2)"),
+    # --micro-batch auto: the finder chooses m up to global_batch / dp, among those the schedule takes
+    ({**_pp(2, "interleaved", 2), **AUTO, "train.global_batch": 3}, "multiple of pp (2)"),
     ({**_pp(2, "interleaved", 3), **M4}, "pp * virtual_stages = 6 equal stages"),
     ({**_pp(2, "1f1b", 2), **M4}, "needs --pp-schedule interleaved"),
     ({**_pp(2, "interleaved", 1), **M4}, "needs --virtual-stages >= 2"),

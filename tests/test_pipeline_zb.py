@@ -454,6 +454,9 @@ def test_planner_zb_h1_same_memory_as_1f1b_its_bubble_from_the_passes():
 @pytest.mark.parametrize("overrides,needle", [
     ({**_pp(2, "zbv", 3), **M4}, "exactly 2 stages per rank"),
     ({**_pp(4, "dualpipev"), **M4, "parallel.nproc": 4}, "2 * pp = 8"),
+    # --micro-batch auto: the finder chooses m up to global_batch / dp = 2 here, fewer than 2 * pp
+    ({**_pp(2, "dualpipev"), "train.micro_batch": "auto", "train.memory_limit": 2**30,
+      "train.global_batch": 2}, "2 * pp = 4"),
     ({**_pp(4, "zbv"), **M4, "parallel.nproc": 4}, "8 pipeline stages"),
     ({**_pp(2, "zb-h1"), **M4, "train.compile": True}, "drop --compile"),
     ({**_pp(1, "zbv"), **M4}, "needs a pipeline"),

@@ -146,8 +146,7 @@ def _check_tensor_parallel(cfg: Config, problems: list[str]) -> None:
 def _check_pipeline(cfg: Config, problems: list[str]) -> None:
     """--pp / --pp-schedule / --virtual-stages / pp_split: stages fit the layers and the batch."""
     p = cfg.parallel
-    pp, v, m = p.pp, p.virtual_stages, cfg.n_micro_batches
-    emit(PIPELINE_REFUSALS, cfg, problems)
+    pp, v, m = p.pp, p.virtual_stages, _most_micro_batches(cfg)
     if p.pp_schedule in V_SCHEDULES:
         _check_v_schedule(cfg, problems)
         return
@@ -165,7 +164,7 @@ def _check_pipeline(cfg: Config, problems: list[str]) -> None:
     if p.pp_schedule == "interleaved":
         if v < 2:
             problems.append("--pp-schedule interleaved needs --virtual-stages >= 2 (with 1 it is 1f1b)")
-        if m % pp and not _auto_batch(cfg):
+        if m % pp:
             problems.append(f"interleaved 1F1B needs the number of micro-batches m = global_batch / "
                             f"(dp * micro_batch) = {m} to be a multiple of pp ({pp}): change --micro-batch "
                             "or --global-batch")
@@ -179,19 +178,14 @@ def _check_pipeline(cfg: Config, problems: list[str]) -> None:
         problems.append(str(e))
 
 
-def _auto_batch(cfg: Config) -> bool:
-    return cfg.train.micro_batch == "auto"
+def _most_micro_batches(cfg: Config) -> int:
+    """m, the step's micro-batches per pipeline; under --micro-batch auto the most the finder can
+    choose (micro-batches of one row): it tries only the sizes the schedule accepts
+    (memory/batch_finder.py), so the run is possible iff the schedule accepts that many."""
+    if cfg.train.micro_batch == "auto":
+        return max(1, cfg.train.global_batch // cfg.dp)
+    return cfg.n_micro_batches
 
-
-# These schedules need a number of micro-batches the checks must know before the finder chooses it.
-PIPELINE_REFUSALS = (
-    Refusal(("interleaved", "dualpipev"), "batch-finder", "the schedule's micro-batch count must be known "
-            "when the run is checked (a multiple of pp, or at least 2 * pp), before the finder picks the "
-            "micro-batch size (not built)",
-            flags=("--micro-batch auto", "--pp-schedule interleaved|dualpipev"),
-            when=lambda c: _auto_batch(c) and c.parallel.pp > 1
-            and c.parallel.pp_schedule in ("interleaved", "dualpipev")),
-)
 
 V_SCHEDULES = ("zbv", "dualpipev")  # 2 stages per rank, placed in a V (schedules_zb.py)
 ZERO_BUBBLE = ("zb-h1", "zbv", "dualpipev")  # the backward split into B and W
@@ -200,14 +194,14 @@ ZERO_BUBBLE = ("zb-h1", "zbv", "dualpipev")  # the backward split into B and W
 def _check_v_schedule(cfg: Config, problems: list[str]) -> None:
     """zbv / dualpipev: 2 stages per rank (--virtual-stages 1 or 2, taken as 2), 2 * pp stages."""
     p = cfg.parallel
-    pp, v, m, name = p.pp, p.virtual_stages, cfg.n_micro_batches, p.pp_schedule
+    pp, v, m, name = p.pp, p.virtual_stages, _most_micro_batches(cfg), p.pp_schedule
     if v not in (1, 2):
         problems.append(f"--pp-schedule {name} runs exactly 2 stages per rank (a V): parallel.virtual_stages "
                         f"= {v}; leave it at 1 or set 2")
     if pp == 1:
         problems.append(f"--pp-schedule {name} needs a pipeline: set --pp >= 2")
         return
-    if name == "dualpipev" and m < 2 * pp and not _auto_batch(cfg):
+    if name == "dualpipev" and m < 2 * pp:
         problems.append(f"dualpipev needs at least as many micro-batches as stages: m = global_batch / "
                         f"(dp * micro_batch) = {m} < 2 * pp = {2 * pp}: raise --global-batch or lower "
                         "--micro-batch")
