@@ -28,6 +28,7 @@ from pathlib import Path
 from paratrain import config
 from paratrain.config import Config
 from paratrain.engine import checks
+from paratrain.engine.sync_checks import AVERAGING
 from paratrain.inference import library  # noqa: F401  (declares generation's refusals)
 from paratrain.refusals import FEATURES, GROUPS, Refusal, declared
 
@@ -93,7 +94,7 @@ def _settle(cfg: Config) -> None:
     """What a pair's two changes need together to be a valid run: ZeRO under an offload or a
     hybrid layout, replicas to average under ZeRO."""
     p = cfg.parallel
-    averaging = p.sync in checks.AVERAGING
+    averaging = p.sync in AVERAGING
     if p.zero == 0 and (p.offload != "none" or (p.dp_replicate > 1 and not averaging)):
         p.zero = 1
     if averaging and p.zero >= 1 and p.dp_replicate == 1:
