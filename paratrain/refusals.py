@@ -114,8 +114,11 @@ class Refusal:
 
 
 def emit(table: tuple[Refusal, ...] | list[Refusal], cfg: Any, problems: list[str]) -> None:
-    """Append the message of every refusal of ``table`` that ``cfg`` hits."""
-    problems.extend(r.says(cfg) for r in table if r.hits(cfg))
+    """Append the message of every refusal of ``table`` that ``cfg`` hits, each message once (two
+    records may share the fix, as --dp-reduce shm's do)."""
+    for r in table:
+        if r.hits(cfg) and r.says(cfg) not in problems:
+            problems.append(r.says(cfg))
 
 
 def declared() -> tuple[Refusal, ...]:

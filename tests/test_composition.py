@@ -88,3 +88,11 @@ def test_marks_and_records_name_known_features(tmp_path):
     problems = compose_matrix.mark_problems(tmp_path)
     assert len(problems) == 2 and "warp" in problems[0] and "'three'" in problems[1], problems
     assert set(FEATURES) >= {"tp", "zero3"}
+
+
+def test_a_message_two_records_share_is_said_once():
+    cfg, _ = compose_matrix.probe(("ddp-shm", "zero1"))
+    cfg.parallel.dp_mode = "plain"  # hits the shm records of ZeRO and of plain DP: one fix
+    problems: list[str] = []
+    emit(checks.ZERO_REFUSALS, cfg, problems)
+    assert problems.count(checks.SHM) == 1 and len(problems) == 2, problems
