@@ -43,8 +43,8 @@ from paratrain.config import ParallelConfig
 from paratrain.data_parallel.averaging import SyncPlan
 from paratrain.data_parallel.sync_batchnorm import convert_sync_batchnorm
 from paratrain.engine import checkpoint as ckpt
-from paratrain.engine.checks import check_sync
 from paratrain.engine.engine import Engine, find_checkpoint, make_mesh, make_strategy
+from paratrain.engine.sync_checks import check_sync
 from paratrain.launch import init_from_torchrun, pick_device, under_torchrun
 from paratrain.mesh import MeshShape
 from paratrain.models.family import NoFamilyError

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field, fields
 
 import tomllib
 
+from paratrain.refusals import Refusal, emit
+
 
 class ConfigError(ValueError):
     """One or more settings are wrong; the message lists each with the fix."""
@@ -521,17 +523,29 @@ def check_trackers(t: TrackingConfig, problems: list[str]) -> None:
 
 
 def _check_8bit(problems: list[str], cfg: Config) -> None:
-    o, p = cfg.optim, cfg.parallel
+    o = cfg.optim
     if o.block_size < 1 or o.min_8bit_size < 0:
         problems.append(f"optim.block_size must be >= 1 and optim.min_8bit_size >= 0 "
                         f"(got {o.block_size}, {o.min_8bit_size})")
-    if p.offload == "disk" and p.zero != 3:  # ZeRO-3's disk store streams 8-bit state (zero/disk8.py)
-        problems.append("--optimizer adamw8bit keeps its quantised state on disk only under --zero 3: use "
-                        "--zero 3, or --offload none or cpu, or --optimizer adamw with --offload disk")
-    if p.tp > 1:
-        problems.append("--optimizer adamw8bit quantises whole tensors in blocks; a tensor-parallel slice's "
-                        "blocks are not the full tensor's, so its state would depend on the layout: "
-                        "use --tp 1, or --optimizer adamw with --tp > 1")
+    emit(OPTIM8_REFUSALS, cfg, problems)
+
+
+def _disk8(c: Config) -> bool:
+    return c.optim.name == "adamw8bit" and c.parallel.offload == "disk" and c.parallel.zero != 3
+
+
+OPTIM8_REFUSALS = (
+    Refusal("8bit", "offload-disk", "with --zero 1/2 (not built): ZeRO-3's disk store streams 8-bit state "
+            "(zero/disk8.py), ZeRO-1/2's does not", when=_disk8,
+            message="--optimizer adamw8bit keeps its quantised state on disk only under --zero 3: use "
+            "--zero 3, or --offload none or cpu, or --optimizer adamw with --offload disk"),
+    Refusal("8bit", "tp", "a tensor-parallel slice's quantisation blocks are not the full tensor's, so the "
+            "state would depend on the layout (not built: blocks aligned to the tp slices in every layout)",
+            when=lambda c: c.optim.name == "adamw8bit" and c.parallel.tp > 1,
+            message="--optimizer adamw8bit quantises whole tensors in blocks; a tensor-parallel slice's "
+            "blocks are not the full tensor's, so its state would depend on the layout: use --tp 1, or "
+            "--optimizer adamw with --tp > 1"),
+)
 
 
 def _check_batch(problems: list[str], cfg: Config) -> None:

@@ -124,6 +124,8 @@ def two_replicas() -> list[dict]:
 
 
 @pytest.mark.parametrize("plan", ["local-sgd", "diloco-sgd-lr1"])
+@pytest.mark.composes(("local-sgd",), case="local-sgd")
+@pytest.mark.composes(("diloco",), case="diloco-sgd-lr1")
 def test_h1_equals_ddp_with_a_linear_inner_optimizer_not_with_adamw(two_replicas, plan):
     for rank in range(2):
         for got, ref in zip(two_replicas[rank][f"{plan}-sgd"], two_replicas[rank]["ddp-sgd"]):
@@ -268,6 +270,7 @@ def trained(tmp_path_factory) -> dict:
 IN_A_REPLICA = {"train.steps": 4, "train.micro_batch": 2, "parallel.sync": "diloco", "parallel.sync_every": 2}
 
 
+@pytest.mark.composes(("diloco", "tp"), ("diloco", "1f1b"))
 def test_each_replica_may_split_over_tp_or_pp(trained, tmp_path):
     """dp 2 replicas, each over 2 ranks (tp 2, or pp 2): every rank averages its part with the rank
     of the other replica holding the same part, and trains as the dp 2 run of whole replicas. The

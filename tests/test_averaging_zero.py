@@ -41,6 +41,8 @@ def _assert_runs_equal(got: tuple, ref: tuple) -> None:
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.composes(("local-sgd", "hsdp", "zero1"), ("local-sgd", "hsdp", "zero2"),
+                      ("local-sgd", "hsdp", "zero3"))
 def test_h1_with_sgd_every_zero_stage_equals_zero0_averaging_ddp_and_one_process():
     local1 = {"sync": "local-sgd", "sync_every": 1, **HYBRID}
     runs = {"ddp": {}, "avg-zero0": local1, **{f"avg-zero{z}": {**local1, "zero": z} for z in (1, 2, 3)}}
@@ -51,6 +53,7 @@ def test_h1_with_sgd_every_zero_stage_equals_zero0_averaging_ddp_and_one_process
         _assert_runs_equal(got[name], got["ddp"])
 
 
+@pytest.mark.composes(("diloco", "hsdp", "zero3"))
 def test_diloco_over_zero3_equals_diloco_over_zero0_with_the_same_replicas():
     diloco = {"sync": "diloco", "sync_every": 3, "outer_lr": 0.7, "outer_momentum": 0.9, **HYBRID}
     got = run(_library, 4, {"zero0": diloco, "zero3": {**diloco, "zero": 3},

@@ -62,6 +62,11 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "zero3", "tp2"])
+@pytest.mark.composes(("compile", "ddp"), case="ddp")
+@pytest.mark.composes(("compile", "zero1"), case="zero1")
+@pytest.mark.composes(("compile", "zero2"), case="zero2")
+@pytest.mark.composes(("compile", "zero3"), case="zero3")
+@pytest.mark.composes(("compile", "tp"), case="tp2")
 def test_compiled_layout_equals_one_eager_process(runs, name):
     ref, results = runs
     losses, weights, _, _ = results[name]

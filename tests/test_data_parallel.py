@@ -91,6 +91,7 @@ CASES = [
 
 @pytest.mark.parametrize("mode,dp,micro_batch,bucket_mb", CASES,
                          ids=[f"{m}-dp{d}-acc{GLOBAL_BATCH // (d * mb)}-{b}MB" for m, d, mb, b in CASES])
+@pytest.mark.composes(("ddp",), ("dp-plain",))
 def test_dp_matches_single_process(tmp_path, reference, mode, dp, micro_batch, bucket_mb):
     got = _train(tmp_path, dp, **{"parallel.dp": dp, "parallel.dp_mode": mode,
                                   "train.micro_batch": micro_batch, "parallel.bucket_mb": bucket_mb})

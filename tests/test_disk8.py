@@ -102,6 +102,7 @@ def _train(env, runs: list[dict]) -> list:
     return train_each(env, runs)
 
 
+@pytest.mark.composes(("8bit", "zero3", "offload-disk"))
 def test_zero3_8bit_disk_trains_the_same_bits_and_resumes_at_dp1(tmp_path, monkeypatch):
     """dp2 ZeRO-3: 8-bit state on disk = 8-bit state in memory, bit for bit; fp32 on disk keeps no
     compute shard in memory; the dp2 disk run's step-2 checkpoint resumes in one process (dp1, disk)

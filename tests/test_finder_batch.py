@@ -25,14 +25,23 @@ LAYOUTS = {
     "tp2": {"parallel.dp": 1, "parallel.tp": 2},
 }
 # A pipeline's trial is the whole schedule of the step (8, 4, 2, then 1 micro-batches in flight).
+# interleaved runs a multiple of pp micro-batches: the finder tries only those (the schedule's
+# accepts; dualpipev's at least 2 * pp the same way).
 PIPELINES = {
-    "pp2-gpipe": {"parallel.dp": 1, "parallel.pp": 2, "parallel.pp_schedule": "gpipe"},
-    "pp2-1f1b-tied": {"parallel.dp": 1, "parallel.pp": 2, "parallel.pp_schedule": "1f1b",
-                      "model.tie_embeddings": True},
+    "pp2-gpipe": ({"parallel.dp": 1, "parallel.pp": 2, "parallel.pp_schedule": "gpipe"}, [1, 2, 4, 8]),
+    "pp2-1f1b-tied": ({"parallel.dp": 1, "parallel.pp": 2, "parallel.pp_schedule": "1f1b",
+                       "model.tie_embeddings": True}, [1, 2, 4, 8]),
+    "pp2-interleaved": ({"parallel.dp": 1, "parallel.pp": 2, "parallel.pp_schedule": "interleaved",
+                         "parallel.virtual_stages": 2}, [1, 2, 4]),
 }
 FINDER = {"train.micro_batch": "auto", "train.memory_measure": "tensors"}  # deterministic peaks
 
 
+@pytest.mark.composes(("batch-finder", "ddp"), case="ddp")
+@pytest.mark.composes(("batch-finder", "zero1"), case="zero1")
+@pytest.mark.composes(("batch-finder", "zero2"), case="zero2-tied")
+@pytest.mark.composes(("batch-finder", "zero3"), case="zero3-tied")
+@pytest.mark.composes(("batch-finder", "tp"), case="tp2")
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_auto_micro_batch_trains_as_the_same_micro_batch_by_hand(tmp_path, layout):
     """A probe run reads each candidate's peak; a limit between micro-batch 2 and the next makes
@@ -56,17 +65,22 @@ def test_auto_micro_batch_trains_as_the_same_micro_batch_by_hand(tmp_path, layou
         assert torch.equal(torch.as_tensor(got.weights[name]), torch.as_tensor(ref.weights[name])), name
 
 
+@pytest.mark.composes(("batch-finder", "gpipe"), case="pp2-gpipe")
+@pytest.mark.composes(("batch-finder", "1f1b"), case="pp2-1f1b-tied")
+@pytest.mark.composes(("batch-finder", "interleaved"), case="pp2-interleaved")
 @pytest.mark.parametrize("layout", PIPELINES)
 def test_pipeline_trials_leave_the_step_as_the_same_micro_batch_by_hand(tmp_path, layout):
     """Every candidate fits (the stages' peaks differ, so no single limit picks a middle one on
-    both): the finder ran the schedule with 8, 4, 2 and 1 micro-batches of the step, then chose the
-    largest; training then equals that micro-batch given by hand, loss for loss and bit for bit."""
-    over = PIPELINES[layout]
+    both): the finder ran the schedule with 8, 4, 2 and 1 micro-batches of the step (those the
+    schedule accepts), then chose the largest; training then equals that micro-batch given by hand,
+    loss for loss and bit for bit."""
+    over, tried = PIPELINES[layout]
     got = run_layout(tiny_cfg(tmp_path / "auto", **over, **FINDER, **{"train.memory_limit": 2**40}),
                      nproc=2, timeout=120)
     finder = read_metrics(tmp_path / "auto" / "metrics.jsonl")[0]["batch_finder"]
-    assert [t["micro_batch"] for t in finder["trials"]] == [1, 2, 4, 8] and finder["chosen"] == 8
-    ref = run_layout(tiny_cfg(tmp_path / "hand", **over, **{"train.micro_batch": 8}), nproc=2, timeout=120)
+    assert [t["micro_batch"] for t in finder["trials"]] == tried and finder["chosen"] == tried[-1]
+    ref = run_layout(tiny_cfg(tmp_path / "hand", **over, **{"train.micro_batch": tried[-1]}), nproc=2,
+                     timeout=120)
     assert got.losses == ref.losses
     for name in ref.weights:
         assert torch.equal(torch.as_tensor(got.weights[name]), torch.as_tensor(ref.weights[name])), name

@@ -86,6 +86,7 @@ def across_ranks(tp: int, pp: int, **source) -> list[tuple[list[list[int]], dict
 
 
 @pytest.mark.parametrize("tp,pp", LAYOUTS)
+@pytest.mark.composes(("generation", "tp"), case="2-1")
 def test_hf_llama_across_ranks_equals_one_process(hf_folder, tp, pp):
     want = one_process(init_from=str(hf_folder))
     results = across_ranks(tp, pp, init_from=str(hf_folder))
@@ -121,6 +122,7 @@ def zero3_run(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.composes(("generation", "zero3"))
 def test_sharded_checkpoint_of_another_layout_equals_one_process(zero3_run):
     """tp2 x pp2 reads its slices from the pieces a dp2 ZeRO-3 run wrote (through the resharding
     reader) and generates what one process generates from the run's model.safetensors."""

@@ -66,6 +66,7 @@ def reference(tmp_path_factory) -> Reference:
     return Reference(run_layout(tiny_cfg(out, **STEPS4, **{"train.micro_batch": 2})), out)
 
 
+@pytest.mark.composes(("hsdp", "zero1"), ("hsdp", "zero2"), ("hsdp", "zero3"))
 def test_hsdp_every_zero_stage_matches_one_process_and_the_byte_formula(tmp_path, reference):
     """dp 4 = R2 x S2, two micro-batches per rank (accumulation, then one reduction): ZeRO-1/2/3
     equal one process; each axis carries the formula's bytes; state is divided by S, not dp."""
@@ -93,6 +94,7 @@ def test_hsdp_every_zero_stage_matches_one_process_and_the_byte_formula(tmp_path
     assert got[0][2][0]["layout"]["dp_replicate"] == 2
 
 
+@pytest.mark.composes(("hsdp", "zero1", "1f1b"))
 def test_hsdp_with_pipeline_parallelism_matches_one_process(tmp_path, reference):
     """dp 4 = R2 x S2 under pp 2 (8 workers), ZeRO-1: each stage's shards reduced over its own
     dp_shard and dp_replicate groups; the norm summed over stages."""
@@ -101,6 +103,7 @@ def test_hsdp_with_pipeline_parallelism_matches_one_process(tmp_path, reference)
     assert {"dp_shard", "dp_replicate", "pp"} <= got[2][-1]["comm_by_axis"].keys()
 
 
+@pytest.mark.composes(("hsdp", "zero3", "tp"))
 def test_hsdp_with_tensor_parallelism_matches_one_process(tmp_path, reference):
     """dp 4 = R2 x S2 under tp 2 (8 workers), ZeRO-3: tp-split and tp-replicated parameters
     sharded over dp_shard, reduced over dp_replicate, the global norm counting each element once."""
@@ -197,6 +200,7 @@ def test_dp_shard_sets_dp_and_the_mesh():
     assert shape.groups("dp_replicate") == [[0, 3], [1, 4], [2, 5]]  # across the nodes
 
 
+@pytest.mark.composes(("hsdp", "local-sgd"))
 def test_ddp_inside_replicas_averaged_across_equals_whole_replicas(tmp_path):
     """--zero 0 --dp-replicate 2 --sync local-sgd: each replica is 2 ranks running DDP (gradients summed
     over dp_shard every step), the replicas averaged over dp_replicate every H steps. It trains as

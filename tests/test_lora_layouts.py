@@ -180,6 +180,30 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", [*LAYOUTS, *OTHERS])
+@pytest.mark.composes(("lora", "ddp"), case="ddp")
+@pytest.mark.composes(("lora", "zero1"), case="zero1")
+@pytest.mark.composes(("lora", "zero2"), case="zero2")
+@pytest.mark.composes(("lora", "zero2", "offload-cpu"), case="zero2_offload")
+@pytest.mark.composes(("lora", "zero3"), case="zero3")
+@pytest.mark.composes(("lora", "zero3", "offload-cpu"), case="zero3_offload")
+@pytest.mark.composes(("lora", "zero3", "tp"), case="zero3_tp2")
+@pytest.mark.composes(("lora", "tp"), case="tp2")
+@pytest.mark.composes(("lora", "tp", "sp"), case="tp2_sp")
+@pytest.mark.composes(("lora", "1f1b"), case="pp2_1f1b")
+@pytest.mark.composes(("lora", "recompute"), case="ddp_recompute_full")
+@pytest.mark.composes(("lora", "tp", "recompute"), case="tp2_recompute_selective")
+@pytest.mark.composes(("lora", "tiling"), case="ddp_tile2")
+@pytest.mark.composes(("lora", "compile"), case="ddp_compile")
+@pytest.mark.composes(("lora", "8bit", "zero1"), case="zero1_8bit")
+@pytest.mark.composes(("lora", "moe"), case="moe_ddp")
+@pytest.mark.composes(("lora-bf16", "zero2"), case="zero2_bf16_base")
+@pytest.mark.composes(("lora-bf16", "ddp"), case="ddp_bf16_base")
+@pytest.mark.composes(("lora-bf16", "zero3"), case="zero3_bf16_base")
+@pytest.mark.composes(("lora-bf16", "1f1b"), case="pp2_bf16_base")
+@pytest.mark.composes(("lora", "moe", "tp"), case="moe_tp2")
+@pytest.mark.composes(("lora", "moe", "tp", "sp"), case="moe_tp2_sp")
+@pytest.mark.composes(("lora", "ep"), case="moe_ep2")
+@pytest.mark.composes(("lora", "ep", "zero2"), case="moe_ep2_zero2")
 def test_layout_equals_one_process(runs, name):
     refs, results = runs
     (ref, ref_adapters) = refs[OTHERS[name][0] if name in OTHERS else "ref"]

@@ -20,7 +20,7 @@ from paratrain.planner.machine import local_cluster
 from paratrain.planner.search import training_from_config
 from paratrain.train.metrics import read_metrics
 from paratrain.train.trainer import Trainer
-from tests.harness import InterruptedAt, tiny_cfg
+from tests.harness import InterruptedAt, run_layout, tiny_cfg
 
 LORA = {"lora.rank": 4}
 # tiny: dim 64, 4 heads of 16, 2 kv heads (wk/wv 64 -> 32), ffn 128, 4 layers; rank 4 adapters:
@@ -51,11 +51,25 @@ def test_checks_refuse_before_any_worker():
     # A bf16 base under --pp is accepted (stages stream the widest dtype: test_lora_layouts pp2_bf16_base).
     checks.validate(tiny_cfg("unused", **LORA, **{"parallel.pp": 2, "lora.base_precision": "bf16",
                                                   "train.micro_batch": 4}))
-    assert "lm_head does not compose with --tile" in _problems(
-        **LORA, **{"lora.targets": ["wq", "lm_head"], "train.tile": 2})
-    assert "--tile > 1 and --base-precision bf16" in _problems(
-        **LORA, **{"lora.base_precision": "bf16", "train.tile": 2})
     checks.validate(tiny_cfg("unused", **LORA, **{"parallel.tp": 2, "parallel.sp": True}))  # accepted
+
+
+@pytest.mark.composes(("lora-bf16", "tiling"), case="bf16_base")
+@pytest.mark.composes(("lora", "tiling"), case="adapted_head")
+@pytest.mark.parametrize("lora", [{"lora.base_precision": "bf16"}, {"lora.targets": ["wq", "lm_head"]}],
+                         ids=["bf16_base", "adapted_head"])
+def test_tiled_lora_trains_as_untiled(tmp_path, lora):
+    """--tile 2 with the frozen base in bf16: each tile's head matmul runs on the input cast to the
+    weight's bf16 as the untiled head's hook casts it; with lm_head adapted, each tile runs the
+    LoRA head's own forward (base + adapters). The same rows of the same products, then fp32
+    cross-entropy: the same training as untiled, to fp32 reordering (the tile sums of the MLP,
+    the loss and the head's gradients)."""
+    common = {**LORA, **lora, "train.steps": 2}
+    ref = run_layout(tiny_cfg(tmp_path / "ref", **common))
+    got = run_layout(tiny_cfg(tmp_path / "tile", **common, **{"train.tile": 2}))
+    torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(ref.losses), rtol=1e-5, atol=0)
+    for name, want in ref.weights.items():
+        torch.testing.assert_close(got.weights[name], want, rtol=1e-4, atol=1e-4, msg=name)
 
 
 def test_cli_exit_2_with_the_message(capsys, tmp_path):

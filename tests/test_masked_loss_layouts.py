@@ -225,15 +225,23 @@ ONE_PROCESS = {
 
 
 @pytest.mark.parametrize("name", ONE_PROCESS)
+@pytest.mark.composes(("packing", "recompute"), case="acc4_full")
+@pytest.mark.composes(("packing", "tiling"), case="tile2")
+@pytest.mark.composes(("packing", "batch-finder"), case="finder")
 def test_one_process_accumulation_recompute_tiling(tmp_path, ref, name):
     _assert_same(_train(_cfg(tmp_path, **ONE_PROCESS[name])), ref)
 
 
+@pytest.mark.composes(("packing", "ddp", "1f1b"))
 def test_accumulation4_dp2_pp2_equals_one_process(world4, ref):
     _assert_same(world4["acc4_dp2_pp2"], ref)
 
 
 @pytest.mark.parametrize("name", ["tp2_sp", "pp2_interleaved", "pp2_1f1b_selective", "zero3_dp2"])
+@pytest.mark.composes(("packing", "tp", "sp"), case="tp2_sp")
+@pytest.mark.composes(("packing", "interleaved"), case="pp2_interleaved")
+@pytest.mark.composes(("packing", "1f1b", "recompute"), case="pp2_1f1b_selective")
+@pytest.mark.composes(("packing", "zero3"), case="zero3_dp2")
 def test_two_worker_layouts_equal_one_process(world2, ref, name):
     _assert_same(world2[name], ref)
 
@@ -273,6 +281,7 @@ def _library_pp2(env) -> tuple[list[float], dict]:
     return _library_loop(2)
 
 
+@pytest.mark.composes(("packing", "moe", "1f1b"))
 def test_moe_pp2_equals_one_process_with_its_ce_loss(world2, ref_moe):
     """Mixture of experts on packed rows, accumulation 4 x pp2: losses, eval, ``ce_loss``, weights."""
     steps = BASE["train.steps"]

@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from paratrain import config
@@ -19,7 +20,8 @@ from paratrain.memory.tiling import apply_tiling, tiled_mlp_bytes
 from paratrain.models import build_model, init_weights
 from paratrain.models.families.llama import preset
 from paratrain.train.metrics import read_metrics
-from tests.harness import run_layout, tiny_cfg
+from tests.dist import run
+from tests.harness import run_layout, tiny_cfg, train_each
 
 
 def _tiny(dtype=torch.float32, **shape):
@@ -51,6 +53,9 @@ def _grads(model, x, y, loss_fn=None, context=None):
 
 
 @pytest.mark.parametrize("saver", ["selective", "full", "offload"])
+@pytest.mark.composes(("recompute",), case="selective")
+@pytest.mark.composes(("recompute",), case="full")
+@pytest.mark.composes(("act-offload",), case="offload")
 def test_saver_gradients_equal_plain_exactly(saver):
     c, ref = _tiny()
     model = copy.deepcopy(ref)
@@ -91,6 +96,7 @@ def test_selective_recompute_saves_what_the_planner_says(shape):
     assert predicted == pytest.approx(sel_b, rel=0.10)
 
 
+@pytest.mark.composes(("act-offload", "zero3"))
 def test_activation_offload_with_zero3_equals_without(tmp_path):
     """ZeRO-3 binds parameters to gathered buffers during forward: the hooks leave them on the device
     and move the rest; same operations, so the same bits."""
@@ -100,6 +106,25 @@ def test_activation_offload_with_zero3_equals_without(tmp_path):
     assert got.losses == ref.losses
     for k in ref.weights:
         assert torch.equal(got.weights[k], ref.weights[k]), k
+
+
+@pytest.mark.composes(("act-offload", "1f1b"), ("act-offload", "zbv"))
+def test_activation_offload_under_a_pipeline_equals_one_process(tmp_path):
+    """pp2: what each F saves (its loss on the last stage included) waits in host memory for its B,
+    with two micro-batches in flight; zbv's W passes read the inputs B unpacked. The same operations
+    as one process with the same micro-batches, so the same bits (the pipelines' exactness)."""
+    common = {"train.micro_batch": 2, "train.steps": 2}
+    ref = run_layout(tiny_cfg(tmp_path / "ref", **common))
+    cfgs = [tiny_cfg(tmp_path / schedule, **common, **{"parallel.pp": 2, "parallel.pp_schedule": schedule,
+                                                        "train.offload_activations": "cpu"})
+            for schedule in ("1f1b", "zbv")]
+    for cfg in cfgs:
+        checks.validate(cfg, 2)
+    for losses, weights, rows in run(train_each, 2, [c.to_dict() for c in cfgs], timeout=180)[0]:
+        assert losses == ref.losses
+        for k in ref.weights:
+            assert torch.equal(weights[k], ref.weights[k]), k
+        assert all(r["mem_activations_offloaded_bytes"] > 0 for r in rows)  # the hooks really ran
 
 
 # -- tiling ---------------------------------------------------------------------------------------------
@@ -118,6 +143,23 @@ def test_tiling_equals_untiled(n_tiles):
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-6, atol=0)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_a_tile_recomputes_the_dropout_mask_its_forward_drew():
+    """A tiled module that draws random numbers (LoRA's dropout): backward recomputes each tile
+    with the RNG state its forward had, so the gradient is that of the output forward returned
+    (was: another mask, a gradient of nothing computed). The global RNG continues as after forward."""
+    from paratrain.memory.tiling import tiled_rows
+
+    drop = nn.Dropout(0.5)
+    torch.manual_seed(0)
+    x = torch.randn(6, 4, requires_grad=True)
+    y = tiled_rows(drop, drop.forward, x, 3)
+    g = torch.randn(6, 4)
+    after_forward = torch.get_rng_state()
+    (y * g).sum().backward()
+    assert torch.equal(x.grad, (y != 0) * 2.0 * g)
+    assert torch.equal(torch.get_rng_state(), after_forward)
 
 
 def test_tiled_layers_save_only_their_input():
@@ -147,6 +189,7 @@ def test_tiled_layers_save_only_their_input():
     assert tiled_mlp_bytes(4096, 64, 256, 4) < tiled_mlp_bytes(4096, 64, 256, 1) / 3
 
 
+@pytest.mark.composes(("tiling",))
 def test_tiled_training_equals_untiled(tmp_path):
     ref = run_layout(tiny_cfg(tmp_path / "ref"))
     got = run_layout(tiny_cfg(tmp_path / "tile", **{"train.tile": 4}))
@@ -161,6 +204,7 @@ def test_tiled_training_equals_untiled(tmp_path):
 # for every CI run: set PARATRAIN_COMPILE_TEST_BACKEND=inductor to run this test with it (it passes).
 
 
+@pytest.mark.composes(("compile",))
 def test_compile_equals_eager():
     """Compiled blocks (dynamo graph + AOT autograd; inductor also fuses and reorders fp32
     arithmetic): loss within 1e-5 relative, gradients within 1e-4 of their scale."""
@@ -245,6 +289,7 @@ def test_finder_process_measure_on_cpu():
     assert all(t.peak_bytes > 50 * 2**20 for t in result.trials)  # torch alone is resident
 
 
+@pytest.mark.composes(("batch-finder",))
 def test_auto_micro_batch_trains_as_the_fixed_one(tmp_path):
     """Find with a limit between the micro-batch 2 and 4 trials: it picks 2, and training equals
     --micro-batch 2 exactly (same operations, same order); micro_batch is in every metrics row."""
@@ -276,7 +321,6 @@ def test_auto_micro_batch_trains_as_the_fixed_one(tmp_path):
     ({"train.compile": True, "train.tile": 2}, "--compile does not compose with --tile"),
     ({"train.micro_batch": "auto"}, "--memory-limit"),
     ({"train.memory_limit": 10**9}, "--micro-batch auto"),
-    ({"train.offload_activations": "cpu", "parallel.pp": 2, "parallel.dp": 1}, "offload-activations"),
     ({"train.recompute": "some"}, "train.recompute"),
 ])
 def test_savers_refuse_what_does_not_compose(tmp_path, overrides, message):

@@ -69,6 +69,14 @@ def _launch(base, layouts: dict, nproc: int) -> dict:
 
 
 @pytest.mark.parametrize("layout", [*LAYOUTS, *ONE_PROCESS])
+@pytest.mark.composes(("moe", "tp"), case="tp2")
+@pytest.mark.composes(("moe", "tp", "sp"), case="tp2_sp")
+@pytest.mark.composes(("moe", "tp", "sp", "recompute"), case="tp2_sp_full_recompute")
+@pytest.mark.composes(("moe", "1f1b"), case="pp2_1f1b")
+@pytest.mark.composes(("moe", "gpipe"), case="pp2_gpipe")
+@pytest.mark.composes(("moe", "interleaved"), case="pp2_interleaved")
+@pytest.mark.composes(("moe", "1f1b", "recompute"), case="pp2_full_recompute")
+@pytest.mark.composes(("moe", "recompute"), case="selective_recompute")
 def test_moe_layout_equals_one_process(runs, layout):
     ref, got, _ = runs
     assert_same_training(got[layout], ref, **FP32_REORDERED)
@@ -101,6 +109,7 @@ def test_moe_under_tp_communicates_like_the_dense_mlp(runs):
             assert got["comm_by_axis"]["tp"] - want["comm_by_axis"]["tp"] == router_grads
 
 
+@pytest.mark.composes(("moe", "ddp", "tp"), ("moe", "1f1b", "tp", "sp"))
 def test_moe_dp2_tp2_and_pp2_tp2_sp_equal_one_process(runs):
     ref, _, base = runs
     for name, got in _launch(base, WIDE, 4).items():

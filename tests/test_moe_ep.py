@@ -85,6 +85,11 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout", [*LAYOUTS_2, *LAYOUTS_4])
+@pytest.mark.composes(("ep", "ddp"), case="ep2")
+@pytest.mark.composes(("ep", "dp-plain"), case="ep2_plain")
+@pytest.mark.composes(("ep", "zero1"), case="ep2_zero1")
+@pytest.mark.composes(("ep", "zero2"), case="ep2_zero2")
+@pytest.mark.composes(("ep", "zero3"), case="ep2_zero3")
 def test_ep_equals_one_process(runs, layout):
     ref, got, base = runs
     assert_same_training(got[layout], ref, **FP32_REORDERED)
@@ -159,6 +164,10 @@ def composed(runs):
 
 
 @pytest.mark.parametrize("layout", list(COMPOSED))
+@pytest.mark.composes(("ep", "1f1b"), case="ep2_pp2")
+@pytest.mark.composes(("ep", "interleaved", "zero1"), case="ep2_pp2_interleaved_zero1")
+@pytest.mark.composes(("ep", "tp", "ddp"), case="ep2_tp2")
+@pytest.mark.composes(("ep", "tp", "sp", "zero1"), ("ep", "recompute"), case="ep2_tp2_sp_recompute_zero1")
 def test_ep_with_tp_or_pp_equals_one_process(runs, composed, layout):
     """The bug this caught first: TP replacing the expert linears by new parameters that forgot
     their edp gradient axis (engine/parallelize.py applies EP after TP for that reason)."""

@@ -65,6 +65,11 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.composes(("moe", "ddp"), case="ddp")
+@pytest.mark.composes(("moe", "dp-plain"), case="plain")
+@pytest.mark.composes(("moe", "zero1"), case="zero1")
+@pytest.mark.composes(("moe", "zero2"), case="zero2")
+@pytest.mark.composes(("moe", "zero3"), case="zero3")
 def test_dp2_equals_one_process(runs, layout):
     ref, got, _ = runs
     assert_same_training(got[layout], ref, **FP32_REORDERED)

@@ -162,6 +162,7 @@ def _expected_state_bytes(weights: dict) -> int:
                for t in weights.values())
 
 
+@pytest.mark.composes(("8bit", "ddp"), ("8bit", "zero1"), ("8bit", "zero3"), ("8bit", "zero2", "offload-cpu"))
 def test_every_zero_stage_at_dp2_trains_the_same_bits_and_resumes_any_layout(tmp_path):
     one = tiny_cfg(tmp_path / "one", **EIGHT, **{"train.micro_batch": 4, "train.threads": 1})
     ref = run_layout(one)

@@ -130,6 +130,7 @@ def _run_probed(args: list[str], out: Path, tmp_path: Path, skip: int = 0) -> tu
     return err, listeners
 
 
+@pytest.mark.composes(("param-server",))
 def test_torchrun_start_equals_one_process(tmp_path, reference):
     """Sync mode, 2 workers + 1 server, equals one process. Started by torchrun: its world is the
     workers then the servers, 3 ranks. (2 workers + 2 servers under paratrain's own launcher: the

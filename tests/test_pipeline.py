@@ -75,6 +75,7 @@ def _ref(out, **overrides) -> RunResult:
 # global_batch 8 on one pipeline: micro_batch 8, 2, 1 -> m = 1, 4, 8.
 M1, M4, M8 = ({"train.micro_batch": b} for b in (8, 2, 1))
 TIED = {"model.tie_embeddings": True}
+AUTO = {"train.micro_batch": "auto", "train.memory_limit": 2**30}
 DEEP = {"model.n_layers": 8}
 
 
@@ -133,6 +134,9 @@ def world4(tmp_path_factory):
 
 @pytest.mark.parametrize("name,ref", [("naive_m4", "m4"), ("gpipe_m8", "m8"), ("1f1b_m4", "m4"),
                                       ("interleaved_m4", "m4")])
+@pytest.mark.composes(("gpipe",), case="gpipe_m8-m8")
+@pytest.mark.composes(("1f1b",), case="1f1b_m4-m4")
+@pytest.mark.composes(("interleaved",), case="interleaved_m4-m4")
 def test_pp2_schedules_are_exact(pp2, refs, name, ref):
     assert_same_training(pp2[0][name], refs[ref], rtol=0, atol=0)
 
@@ -153,10 +157,12 @@ def test_tied_embeddings_across_first_and_last_stage(request, refs, fixture):
     assert_same_training(got, refs["tied"], **SUMMED)
 
 
+@pytest.mark.composes(("1f1b", "ddp"))
 def test_pp2_x_dp2(world4, refs):
     assert_same_training(world4["pp2_dp2"], refs["m4"], **SUMMED)
 
 
+@pytest.mark.composes(("1f1b", "zero1"))
 def test_pp2_x_dp2_zero1(world4, refs):
     assert_same_training(world4["pp2_dp2_zero1"], refs["m4"], **SUMMED)
 
@@ -170,6 +176,7 @@ def test_pp2_x_dp2_zero1_tied_embeddings(world4, refs):
 
 @pytest.mark.parametrize("fixture,name", [("pp2", "interleaved_tied"), ("world4", "pp2_dp2_tied"),
                                           ("world4", "pp2_tp2_tied")])
+@pytest.mark.composes(("interleaved",), case="pp2-interleaved_tied")
 def test_tied_embeddings_in_every_pipeline_composition(request, refs, fixture, name):
     results = request.getfixturevalue(fixture)
     got = (results[0] if fixture == "pp2" else results)[name]
@@ -180,11 +187,13 @@ def test_tied_embeddings_in_every_pipeline_composition(request, refs, fixture, n
         assert_same_training(got, refs["tied"], **SUMMED)
 
 
+@pytest.mark.composes(("1f1b", "tp"))
 def test_pp2_x_tp2(world4, refs):
     # tp all-reduces partial sums of every row-parallel product: fp32 sums in another order.
     assert_composed(world4["pp2_tp2"], refs["m4"])
 
 
+@pytest.mark.composes(("ddp", "tp", "1f1b"))
 def test_pp2_x_dp2_x_tp2(tmp_path, refs):
     cfg = tiny_cfg(tmp_path, **_pp(2, "1f1b"), **{"parallel.dp": 2, "parallel.tp": 2, **M4})
     assert_composed(_layouts(8, {"3d": cfg})["3d"], refs["m4"])
@@ -213,6 +222,8 @@ def test_metrics_report_bubble_and_timeline_renders(pp2, tmp_path):
 @pytest.mark.parametrize("overrides,needle", [
     ({**_pp(8, "1f1b"), "parallel.nproc": 8}, "8 pipeline stages (pp * virtual_stages) but the model has"),
     ({**_pp(2, "interleaved", 2), "train.micro_batch": 8}, "multiple of pp (2)"),
+    # --micro-batch auto: the finder chooses m up to global_batch / dp, among those the schedule takes
+    ({**_pp(2, "interleaved", 2), **AUTO, "train.global_batch": 3}, "multiple of pp (2)"),
     ({**_pp(2, "interleaved", 3), **M4}, "pp * virtual_stages = 6 equal stages"),
     ({**_pp(2, "1f1b", 2), **M4}, "needs --pp-schedule interleaved"),
     ({**_pp(2, "interleaved", 1), **M4}, "needs --virtual-stages >= 2"),

@@ -265,11 +265,17 @@ def pp2(tmp_path_factory):
 
 @pytest.mark.parametrize("name,ref", [("zb-h1", "m4"), ("zbv", "m4"), ("dualpipev", "m8"),
                                       ("zbv_recompute", "m4")])
+@pytest.mark.composes(("zb-h1",), case="zb-h1-m4")
+@pytest.mark.composes(("zbv",), case="zbv-m4")
+@pytest.mark.composes(("dualpipev",), case="dualpipev-m8")
+@pytest.mark.composes(("zbv", "recompute"), case="zbv_recompute-m4")
 def test_pp2_zero_bubble_schedules_equal_one_process(pp2, refs, name, ref):
     assert_same_training(pp2[0][name], refs[ref], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", ["zbv_moe", "zb-h1_moe"])
+@pytest.mark.composes(("zbv", "moe"), case="zbv_moe")
+@pytest.mark.composes(("zb-h1", "moe"), case="zb-h1_moe")
 def test_pp2_zero_bubble_mixture_of_experts(pp2, refs, name):
     """Experts' weights deferred to W. The reported loss adds each stage's aux losses in another
     order than one process (test_moe_compose.py's pipelines: FP32_REORDERED, its reason)."""
@@ -320,11 +326,16 @@ def test_pp4_zb_h1_is_exact(world4, refs):
 
 @pytest.mark.parametrize("name,ref", [("pp2_dp2_zb-h1", "m4"), ("pp2_dp2_zbv_zero1", "m4"),
                                       ("pp2_dp2_zbv_tied", "tied")])
+@pytest.mark.composes(("zb-h1", "ddp"), case="pp2_dp2_zb-h1-m4")
+@pytest.mark.composes(("zbv", "zero1"), case="pp2_dp2_zbv_zero1-m4")
+@pytest.mark.composes(("zbv", "ddp"), case="pp2_dp2_zbv_tied-tied")
 def test_zero_bubble_with_data_parallel(world4, refs, name, ref):
     assert_same_training(world4[name], refs[ref], **SUMMED)
 
 
 @pytest.mark.parametrize("name", ["pp2_tp2_zb-h1", "pp2_tp2_sp_zbv"])
+@pytest.mark.composes(("zb-h1", "tp"), case="pp2_tp2_zb-h1")
+@pytest.mark.composes(("zbv", "tp", "sp"), case="pp2_tp2_sp_zbv")
 def test_zero_bubble_with_tensor_parallel(world4, refs, name):
     assert_composed(world4[name], refs["m4"])
 
@@ -443,6 +454,9 @@ def test_planner_zb_h1_same_memory_as_1f1b_its_bubble_from_the_passes():
 @pytest.mark.parametrize("overrides,needle", [
     ({**_pp(2, "zbv", 3), **M4}, "exactly 2 stages per rank"),
     ({**_pp(4, "dualpipev"), **M4, "parallel.nproc": 4}, "2 * pp = 8"),
+    # --micro-batch auto: the finder chooses m up to global_batch / dp = 2 here, fewer than 2 * pp
+    ({**_pp(2, "dualpipev"), "train.micro_batch": "auto", "train.memory_limit": 2**30,
+      "train.global_batch": 2}, "2 * pp = 4"),
     ({**_pp(4, "zbv"), **M4, "parallel.nproc": 4}, "8 pipeline stages"),
     ({**_pp(2, "zb-h1"), **M4, "train.compile": True}, "drop --compile"),
     ({**_pp(1, "zbv"), **M4}, "needs a pipeline"),

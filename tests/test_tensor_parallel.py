@@ -293,6 +293,9 @@ def reference(tmp_path_factory):
     # TP + SP inside pipeline stages: stages exchange [micro_batch, seq / tp, dim] activations
     {"parallel.tp": 2, "parallel.pp": 2, "parallel.sp": True, "train.micro_batch": 2},
 ], ids=["tp2", "tp2-sp-accum-recompute", "tp4-sp", "tp2-pp2-sp"])
+@pytest.mark.composes(("tp",), case="tp2")
+@pytest.mark.composes(("tp", "sp"), ("tp", "recompute"), ("sp", "recompute"), case="tp2-sp-accum-recompute")
+@pytest.mark.composes(("tp", "sp", "1f1b"), case="tp2-pp2-sp")
 def test_training_matches_single_process(layout, reference, tmp_path):
     got = _run(tiny_cfg(tmp_path, **layout), layout["parallel.tp"] * layout.get("parallel.pp", 1))
     torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(reference().losses), **LOSS_TOL)
@@ -311,6 +314,9 @@ def test_training_vocab_not_divisible_tied(reference, tmp_path):
 
 
 @pytest.mark.parametrize("zero", [0, 1, 3], ids=["ddp", "zero1", "zero3"])
+@pytest.mark.composes(("tp", "sp", "ddp"), case="ddp")
+@pytest.mark.composes(("tp", "zero1"), case="zero1")
+@pytest.mark.composes(("tp", "zero3"), case="zero3")
 def test_training_tp2_dp2(zero, reference, tmp_path):
     """A 2-D mesh: tp ranks adjacent, DDP (zero 0) or ZeRO over dp; SP on for DDP."""
     layout = {"parallel.tp": 2, "parallel.dp": 2, "parallel.zero": zero, "parallel.sp": zero == 0}

@@ -114,6 +114,12 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["z3_tile2", "z3_tile4", "z3_tile4_composed", "ddp_tile4", "z1_tile4",
                                   "z2_tile4"])
+@pytest.mark.composes(("tiling", "zero3"), case="z3_tile2")
+@pytest.mark.composes(("tiling", "zero3", "recompute"), ("tiling", "zero3", "offload-cpu"),
+                      case="z3_tile4_composed")
+@pytest.mark.composes(("tiling", "ddp"), case="ddp_tile4")
+@pytest.mark.composes(("tiling", "zero1"), case="z1_tile4")
+@pytest.mark.composes(("tiling", "zero2"), case="z2_tile4")
 def test_tiled_dp2_training_equals_one_untiled_process(runs, name):
     ref, results = runs
     losses, weights, _ = results[name]

@@ -94,6 +94,7 @@ def _unit_bytes(n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("dp", [2, 4])
+@pytest.mark.composes(("zero1",), ("zero2",), ("zero3",))
 def test_zero_stages_match_single_process_fp32(tmp_path, dp):
     # Two micro-batches per rank: accumulation under no_sync, then one reduction.
     mb = 8 // dp // 2
@@ -140,6 +141,8 @@ def _check_gathered_bound(rows, n):
         assert max(units) <= peak <= bound, (peak, bound)
 
 
+@pytest.mark.composes(("zero1", "bf16"), ("zero2", "bf16"), ("zero3", "bf16"), ("zero2", "offload-cpu"),
+                      ("zero3", "offload-disk"))
 def test_zero_bf16_and_offload(tmp_path):
     """bf16 stages agree with each other exactly at dp=2 and with the single-process bf16 run
     loosely; cpu and disk offload step the very same numbers as no offload."""
@@ -273,6 +276,7 @@ def test_tied_embeddings_under_ddp_and_every_zero_stage(tmp_path):
         _assert_close(got, ref)
 
 
+@pytest.mark.composes(("zero3", "recompute"))
 def test_zero3_with_tied_embeddings_and_recompute(tmp_path):
     """ZeRO-3 gathers units inside checkpointed blocks (recompute gathers again in backward) and
     keeps the tied head = embedding in one unit: same training as one process."""

@@ -12,8 +12,9 @@ from __future__ import annotations
 import os
 
 from paratrain.comm import host_reduce
-from paratrain.config import DEFAULT_SEQ_LEN, Config, ConfigError, ParallelConfig, bullets, check_values
+from paratrain.config import DEFAULT_SEQ_LEN, Config, ConfigError, bullets, check_values
 from paratrain.engine.lora import apply_run_lora, check_lora, trainable_count
+from paratrain.engine.sync_checks import AVERAGING, ZEROS, check_param_server, check_run_sync
 from paratrain.memory.layout import check_savers
 from paratrain.models import PRESETS, build_model, model_kind
 from paratrain.models.adapters import settle_lora_from
@@ -22,6 +23,7 @@ from paratrain.models.hf import HFCheckpoint, HFError, check_init_from
 from paratrain.models.registry import kind_names
 from paratrain.observe.profile import parse_steps
 from paratrain.pipeline.stage import parse_split
+from paratrain.refusals import PP_SCHEDULES, Refusal, emit
 from paratrain.scheduler import parse_signal
 
 
@@ -104,8 +106,8 @@ def check_layout(cfg: Config, problems: list[str]) -> None:
     _check_zero_bubble(cfg, problems)
     _check_zero(cfg, problems)
     _check_hybrid(cfg, problems)
-    _check_param_server(cfg, problems)
-    _check_sync(cfg, problems)
+    check_param_server(cfg, problems)
+    check_run_sync(cfg, problems)
     check_savers(cfg, problems)
     check_lora(cfg, problems)  # engine/lora.py: targets, rank, and what LoRA composes with
     if cfg.train.precision not in ("fp32", "auto") and not model_kind(cfg.model.name).mixed_precision:
@@ -144,7 +146,7 @@ def _check_tensor_parallel(cfg: Config, problems: list[str]) -> None:
 def _check_pipeline(cfg: Config, problems: list[str]) -> None:
     """--pp / --pp-schedule / --virtual-stages / pp_split: stages fit the layers and the batch."""
     p = cfg.parallel
-    pp, v, m = p.pp, p.virtual_stages, cfg.n_micro_batches
+    pp, v, m = p.pp, p.virtual_stages, _most_micro_batches(cfg)
     if p.pp_schedule in V_SCHEDULES:
         _check_v_schedule(cfg, problems)
         return
@@ -176,6 +178,15 @@ def _check_pipeline(cfg: Config, problems: list[str]) -> None:
         problems.append(str(e))
 
 
+def _most_micro_batches(cfg: Config) -> int:
+    """m, the step's micro-batches per pipeline; under --micro-batch auto the most the finder can
+    choose (micro-batches of one row): it tries only the sizes the schedule accepts
+    (memory/batch_finder.py), so the run is possible iff the schedule accepts that many."""
+    if cfg.train.micro_batch == "auto":
+        return max(1, cfg.train.global_batch // cfg.dp)
+    return cfg.n_micro_batches
+
+
 V_SCHEDULES = ("zbv", "dualpipev")  # 2 stages per rank, placed in a V (schedules_zb.py)
 ZERO_BUBBLE = ("zb-h1", "zbv", "dualpipev")  # the backward split into B and W
 
@@ -183,7 +194,7 @@ ZERO_BUBBLE = ("zb-h1", "zbv", "dualpipev")  # the backward split into B and W
 def _check_v_schedule(cfg: Config, problems: list[str]) -> None:
     """zbv / dualpipev: 2 stages per rank (--virtual-stages 1 or 2, taken as 2), 2 * pp stages."""
     p = cfg.parallel
-    pp, v, m, name = p.pp, p.virtual_stages, cfg.n_micro_batches, p.pp_schedule
+    pp, v, m, name = p.pp, p.virtual_stages, _most_micro_batches(cfg), p.pp_schedule
     if v not in (1, 2):
         problems.append(f"--pp-schedule {name} runs exactly 2 stages per rank (a V): parallel.virtual_stages "
                         f"= {v}; leave it at 1 or set 2")
@@ -205,10 +216,17 @@ def _check_v_schedule(cfg: Config, problems: list[str]) -> None:
 
 def _check_zero_bubble(cfg: Config, problems: list[str]) -> None:
     """zb-h1 / zbv / dualpipev route the linears through a Python autograd function (weight_grad.py)."""
-    if cfg.parallel.pp_schedule in ZERO_BUBBLE and cfg.parallel.pp > 1 and cfg.train.compile:
-        problems.append(f"--pp-schedule {cfg.parallel.pp_schedule} splits each linear's backward into input "
-                        "and weight gradients, which torch.compile'd blocks cannot: drop --compile or use "
-                        "--pp-schedule 1f1b (torch's zero-bubble schedules refuse compile too)")
+    emit(ZERO_BUBBLE_REFUSALS, cfg, problems)
+
+
+ZERO_BUBBLE_REFUSALS = (
+    Refusal(ZERO_BUBBLE, "compile", "each linear's backward is split into input and weight gradients, which "
+            "torch.compile'd blocks cannot (torch's zero-bubble schedules refuse compile too)",
+            when=lambda c: c.parallel.pp_schedule in ZERO_BUBBLE and c.parallel.pp > 1 and c.train.compile,
+            message=lambda c: f"--pp-schedule {c.parallel.pp_schedule} splits each linear's backward into "
+            "input and weight gradients, which torch.compile'd blocks cannot: drop --compile or use "
+            "--pp-schedule 1f1b (torch's zero-bubble schedules refuse compile too)"),
+)
 
 
 def _check_zero(cfg: Config, problems: list[str]) -> None:
@@ -217,21 +235,35 @@ def _check_zero(cfg: Config, problems: list[str]) -> None:
     if p.offload != "none" and p.zero < 1:
         problems.append(f"--offload {p.offload} moves the ZeRO optimizer partition off the device: it needs "
                         "--zero 1, 2 or 3")
-    if p.zero >= 2 and p.pp > 1:
-        problems.append(f"--zero {p.zero} shards gradients, which pipeline micro-batches keep accumulating "
-                        "across the schedule: use --zero 1 with --pp (as DeepSpeed does), or --pp 1")
+    emit(ZERO_REFUSALS, cfg, problems)
     if p.zero == 3 and not model_kind(cfg.model.name).zero3_units:
         problems.append("--zero 3 builds a model family's units (blocks, embedding, head): "
                         f"{cfg.model.name} supports --zero 1 or 2")
-    if p.zero >= 1 and p.dp_mode == "plain":
-        problems.append("--dp-mode plain is the un-bucketed DDP; ZeRO does its own reduction: drop --dp-mode")
-    if p.dp_reduce == "shm" and (p.zero >= 1 or p.dp_mode != "ddp" or p.ep > 1):
-        problems.append("--dp-reduce shm sums DDP's buckets through shared memory on a CPU host: it needs "
-                        "--zero 0, --dp-mode ddp and --ep 1; use --dp-reduce auto")
-    else:
+    shm = [r for r in ZERO_REFUSALS if r.first == "ddp-shm"]
+    if not any(r.hits(cfg) for r in shm):
         check_shm_room(cfg, problems)
     if not p.reshard_after_forward and p.zero != 3:
         problems.append("parallel.reshard_after_forward = false only applies to --zero 3")
+
+
+SHM = ("--dp-reduce shm sums DDP's buckets through shared memory on a CPU host: it needs --zero 0, "
+       "--dp-mode ddp and --ep 1; use --dp-reduce auto")
+ZERO_REFUSALS = (
+    Refusal(("zero2", "zero3"), PP_SCHEDULES, "gradients are sharded, which pipeline micro-batches keep "
+            "accumulating across the schedule (DeepSpeed refuses the same); not built yet",
+            when=lambda c: c.parallel.zero >= 2 and c.parallel.pp > 1,
+            message=lambda c: f"--zero {c.parallel.zero} shards gradients, which pipeline micro-batches keep "
+            "accumulating across the schedule: use --zero 1 with --pp (as DeepSpeed does), or --pp 1"),
+    Refusal("dp-plain", ZEROS, "by definition: --dp-mode picks how DDP reduces; ZeRO does its own reduction",
+            when=lambda c: c.parallel.zero >= 1 and c.parallel.dp_mode == "plain",
+            message="--dp-mode plain is the un-bucketed DDP; ZeRO does its own reduction: drop --dp-mode"),
+    Refusal("ddp-shm", ZEROS, "the shared-memory sum reduces DDP's buckets; ZeRO reduce-scatters its own",
+            when=lambda c: c.parallel.dp_reduce == "shm" and c.parallel.zero >= 1, message=SHM),
+    Refusal("ddp-shm", "dp-plain", "by definition: the shared-memory sum reduces DDP's buckets",
+            when=lambda c: c.parallel.dp_reduce == "shm" and c.parallel.dp_mode != "ddp", message=SHM),
+    Refusal("ddp-shm", "ep", "not built: expert gradients reduce over the edp groups, not the host's segment",
+            when=lambda c: c.parallel.dp_reduce == "shm" and c.parallel.ep > 1, message=SHM),
+)
 
 
 def check_shm_room(cfg: Config, problems: list[str]) -> None:
@@ -274,76 +306,30 @@ def _check_hybrid(cfg: Config, problems: list[str]) -> None:
                         "inside each replica, averaging across): with --zero 0, DDP already replicates "
                         "everything on every rank (hybrid sharding shards inside a node); add --zero or drop "
                         "--dp-replicate")
-    if p.ep > 1:
-        problems.append(f"--dp-replicate {r} with --ep {p.ep} is not supported: experts are sharded over "
-                        "edp, not the hybrid groups; use --ep 1 or --dp-replicate 1")
+    emit(HYBRID_REFUSALS, cfg, problems)
 
 
-AVERAGING = ("local-sgd", "diloco")
-OUTER_FLAGS = {"outer_optimizer": "--outer-optimizer", "outer_lr": "--outer-lr",
-               "outer_momentum": "--outer-momentum"}
+HYBRID_REFUSALS = (
+    Refusal("hsdp", "ep", "not built: experts are sharded over edp, not the hybrid groups",
+            when=lambda c: c.parallel.dp_replicate > 1 and c.parallel.ep > 1,
+            message=lambda c: f"--dp-replicate {c.parallel.dp_replicate} with --ep {c.parallel.ep} is not "
+            "supported: experts are sharded over edp, not the hybrid groups; use --ep 1 or --dp-replicate 1"),
+)
 
 
-def _check_sync(cfg: Config, problems: list[str]) -> None:
-    check_sync(cfg.parallel, cfg.dp, problems)
-    p = cfg.parallel
-    if p.sync in AVERAGING and p.zero >= 1 and cfg.optim.name != "adamw":
-        problems.append(f"--sync {p.sync} with --zero {p.zero}: --optimizer {cfg.optim.name} inside an "
-                        "averaging replica is not built (ZeRO's 8-bit store is untested there): use "
-                        "--optimizer adamw, or --zero 0")
+def _has_experts(cfg: Config) -> bool:
+    try:
+        return model_kind(cfg.model.name).decoder and model_shape(cfg).n_experts > 0
+    except (KeyError, OSError, ValueError):
+        return False  # an unknown model or folder is reported elsewhere
 
 
-def check_sync(p: ParallelConfig, dp: int, problems: list[str]) -> None:
-    """--sync local-sgd / diloco (data_parallel/averaging.py): what averaging replicas need (the
-    trainer's settings, or the library's keyword arguments gathered in a ParallelConfig)."""
-    for key, flag in OUTER_FLAGS.items():
-        if getattr(p, key) is not None and p.sync != "diloco":
-            problems.append(f"{flag} sets DiLoCo's outer optimizer: use it with --sync diloco (not {p.sync})")
-    if p.sync not in AVERAGING:
-        if p.sync_every is not None:
-            problems.append("--sync-every sets the period of parameter averaging: add --sync local-sgd or "
-                            f"--sync diloco (--sync {p.sync} synchronises every step)")
-        return
-    if p.sync_every is None or p.sync_every < 1:
-        problems.append(f"--sync {p.sync} needs --sync-every H >= 1 (inner steps between two averagings, "
-                        f"e.g. 8; got {p.sync_every})")
-    if dp < 2:
-        problems.append(f"--sync {p.sync} averages data-parallel replicas; with dp {dp} there is one: "
-                        "use --dp >= 2 (or --sync ddp)")
-    if p.zero >= 1 and p.dp_replicate == 1:
-        problems.append(f"--sync {p.sync} with --zero {p.zero} and --dp-replicate 1 makes the {dp} dp ranks "
-                        "one sharded replica: nothing to average. Add --dp-replicate R (R replicas of S = "
-                        "dp / R ranks, ZeRO inside each, averaged across them) or use --zero 0 (every dp "
-                        "rank its own replica)")
-    if p.zero >= 1 and p.offload != "none":
-        problems.append(f"--sync {p.sync} averages the fp32 master shards held on the device; --offload "
-                        f"{p.offload} with ZeRO inside an averaging replica is not built: use --offload none")
-    if p.ep > 1:
-        problems.append(f"--sync {p.sync} makes every dp rank a replica; expert parallelism (--ep {p.ep}) "
-                        "spreads one replica's experts over dp ranks: use --ep 1")
-    if p.dp_mode != "ddp":
-        problems.append(f"--dp-mode {p.dp_mode} chooses how gradients are all-reduced every step; --sync "
-                        f"{p.sync} does not all-reduce them: drop --dp-mode")
-    if p.sync == "diloco":
-        _check_outer(p, problems)
-
-
-def _check_outer(p: ParallelConfig, problems: list[str]) -> None:
-    if p.outer_optimizer not in (None, "sgd", "nesterov"):
-        problems.append(f"--outer-optimizer {p.outer_optimizer!r} is not one of sgd, nesterov")
-    if p.outer_lr is not None and not p.outer_lr > 0:
-        problems.append(f"--outer-lr must be > 0 (got {p.outer_lr}); 1 with --outer-momentum 0 and "
-                        "--outer-optimizer sgd is plain averaging")
-    if p.outer_momentum is not None and not 0 <= p.outer_momentum < 1:
-        problems.append(f"--outer-momentum must be in [0, 1) (got {p.outer_momentum})")
-    if p.outer_momentum == 0 and p.outer_optimizer in (None, "nesterov"):
-        problems.append("Nesterov momentum needs --outer-momentum > 0: use --outer-optimizer sgd for an "
-                        "outer step without momentum")
-
-
-NOT_WITH_MOE = {
-    "tile": (lambda c: c.train.tile > 1, "use --tile 1 (tiling replaces the dense MLP)"),
-}
+NOT_WITH_MOE = (
+    Refusal(("moe", "ep"), "tiling", "not built: tiling replaces the dense MLP, which an MoE block has not",
+            when=lambda c: c.train.tile > 1 and _has_experts(c),
+            message="tile with a mixture-of-experts model is not supported yet: use --tile 1 (tiling "
+            "replaces the dense MLP)"),
+)
 
 
 def check_moe(cfg: Config, problems: list[str]) -> None:
@@ -377,9 +363,7 @@ def check_moe(cfg: Config, problems: list[str]) -> None:
     if ep > 1 and c.n_experts % ep:
         problems.append(f"--ep ({ep}) must divide the number of experts ({c.n_experts}): "
                         "change --ep or --experts")
-    for name, (used, fix) in NOT_WITH_MOE.items():
-        if used(cfg):
-            problems.append(f"{name} with a mixture-of-experts model is not supported yet: {fix}")
+    emit(NOT_WITH_MOE, cfg, problems)
 
 
 def settle_seq_len(cfg: Config) -> Config:
@@ -401,33 +385,3 @@ def _model_positions(cfg: Config) -> int:
             return DEFAULT_SEQ_LEN
     preset = PRESETS.get(cfg.model.name)
     return preset.max_seq_len if preset is not None else DEFAULT_SEQ_LEN
-
-
-def _check_param_server(cfg: Config, problems: list[str]) -> None:
-    """--sync parameter-server: what the servers (param_server/) support today. The workers are
-    whole-model data-parallel replicas; the servers run the fp32 AdamW."""
-    p = cfg.parallel
-    if p.sync != "parameter-server":
-        for flag, value, default in (("--servers", p.servers, 1), ("--ps-mode", p.ps_mode, "sync"),
-                                     ("--max-staleness", p.max_staleness, None)):
-            if value != default:
-                problems.append(f"{flag} applies to --sync parameter-server only: add it or drop {flag}")
-        return
-    unsupported = [(p.tp > 1, "--tp 1 (a worker holds the whole model)"),
-                   (p.pp > 1, "--pp 1 (a worker holds the whole model)"),
-                   (p.ep > 1, "--ep 1"), (p.zero != 0, "--zero 0 (the servers shard the optimizer state)"),
-                   (p.dp_replicate > 1 or p.dp_shard is not None, "no --dp-replicate / --dp-shard"),
-                   (p.offload != "none", "--offload none (the servers hold the optimizer state)"),
-                   (cfg.optim.name != "adamw", "--optimizer adamw (the servers run torch's AdamW)"),
-                   (cfg.train.precision != "fp32", "--precision fp32 (the servers keep fp32 weights)"),
-                   (cfg.train.micro_batch == "auto", "a numeric --micro-batch (not auto)"),
-                   (bool(cfg.lora.rank), "no --lora")]
-    for bad, fix in unsupported:
-        if bad:
-            problems.append(f"--sync parameter-server supports {fix} for now")
-    if p.ps_mode == "async" and p.max_staleness is not None and p.max_staleness < cfg.dp - 1:
-        problems.append(f"--max-staleness {p.max_staleness} is below dp - 1 = {cfg.dp - 1}: when all "
-                        f"{cfg.dp} workers push at once the last of them is dp - 1 updates late; raise "
-                        "--max-staleness or use --ps-mode sync")
-    if p.ps_mode == "sync" and p.max_staleness is not None:
-        problems.append("--max-staleness bounds --ps-mode async: add --ps-mode async or drop it")

@@ -33,6 +33,7 @@ from paratrain.models.lora import (
     is_adapter_name,
     store_base_in,
 )
+from paratrain.refusals import Refusal, emit
 from paratrain.shards import TORCH_DTYPES, write_safetensors
 from paratrain.tensor_parallel.lora import unsupported
 
@@ -71,21 +72,24 @@ def trainable_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-# Combinations LoRA cannot run, with why (each refused before any worker starts).
-NOT_WITH_LORA = {
-    "--tile > 1 and --zero 3": (lambda c: c.train.tile > 1 and c.parallel.zero == 3,
-                                "ZeRO-3's weight tiles split the base's linears outside their adapters"),
-    "--tile > 1 and --base-precision bf16": (
-        lambda c: c.train.tile > 1 and c.lora.base_precision != "fp32",
-        "the tiled loss runs the head's stored weight itself, with no cast"),
-    "--ep > 1 with --tp > 1": (
-        lambda c: c.parallel.ep > 1 and c.parallel.tp > 1,
-        "each tp rank dispatches a share of the tokens; adapters there are not tested"),
-    "--lora-dropout with --tp > 1": (
-        lambda c: c.lora.dropout > 0 and c.parallel.tp > 1,
-        "every tp rank would drop other inputs of the same replicated adapter (with --lora-from: the "
-        "adapter's lora_dropout; set it to 0 in its adapter_config.json to continue without dropout)"),
-}
+LORAS = ("lora", "lora-bf16")
+# Combinations LoRA cannot run, with why (each refused before any worker starts; "--lora does not
+# compose with <flags[1]>: <reason>").
+NOT_WITH_LORA = (
+    Refusal(LORAS, "tiling", "ZeRO-3's weight tiles split the base's linears outside their adapters "
+            "(not built)", flags=("--lora", "--tile > 1 and --zero 3"),
+            when=lambda c: bool(c.lora.rank) and c.train.tile > 1 and c.parallel.zero == 3),
+    Refusal(LORAS, "ep", "each tp rank dispatches a share of the tokens; adapters there are not "
+            "tested", flags=("--lora", "--ep > 1 with --tp > 1"),
+            when=lambda c: bool(c.lora.rank) and c.parallel.ep > 1 and c.parallel.tp > 1),
+    Refusal(LORAS, "tp", "every tp rank would drop other inputs of the same replicated adapter (with "
+            "--lora-from: the adapter's lora_dropout; set it to 0 in its adapter_config.json to continue "
+            "without dropout)", flags=("--lora", "--lora-dropout with --tp > 1"),
+            when=lambda c: bool(c.lora.rank) and c.lora.dropout > 0 and c.parallel.tp > 1),
+)
+# Refused where the adapted modules are known (check_lora), not from the settings alone.
+LORA_TP_STYLES = Refusal(LORAS, "tp", "an adapted layer whose TP style has no LoRA variant, or k/v "
+                         "projections with fewer kv heads than tp (replicated on every rank): not built")
 
 
 def check_lora(cfg: Config, problems: list[str]) -> None:
@@ -99,9 +103,7 @@ def check_lora(cfg: Config, problems: list[str]) -> None:
     if not decoder:
         problems.append(f"--lora does not compose with {cfg.model.name}: it declares no model family: "
                         "LoRA adapts the decoders of the families in paratrain/models/")
-    for what, (clash, why) in NOT_WITH_LORA.items():
-        if clash(cfg):
-            problems.append(f"--lora does not compose with {what}: {why}")
+    emit(NOT_WITH_LORA, cfg, problems)
     if not decoder:
         return
     try:
@@ -109,13 +111,10 @@ def check_lora(cfg: Config, problems: list[str]) -> None:
     except (KeyError, OSError, ValueError):
         return  # an unknown model or folder is reported elsewhere
     try:
-        names = apply_lora(model, lora_spec(cfg))
+        apply_lora(model, lora_spec(cfg))
     except LoraError as e:
         problems.append(str(e))
         return
-    if cfg.train.tile > 1 and "lm_head" in names:  # the tiled loss reads the head's weight alone
-        problems.append("--lora on lm_head does not compose with --tile > 1: the tiled loss runs the "
-                        "head's base weight without its adapters; leave lm_head out of --lora-targets")
     if cfg.parallel.tp > 1:  # adapted layers whose tensor-parallel style has no LoRA variant
         problems += unsupported(model, cfg.parallel.tp)
 

@@ -89,14 +89,12 @@ def parallelize(task: Task, cfg: Config, mesh: ParallelMesh, *,
             # (models without BatchNorm are left untouched). Same parameter objects: init is kept.
             model = convert_sync_batchnorm(model, mesh.dp)
         strategy = _strategy(model, task, cfg, mesh, servers)
+    offload = ActivationOffload(model) if cfg.train.offload_activations == "cpu" else None
     if chunks is not None:
         executor = PipelineExecutor(model, chunks, loss_fn, strategy, mesh, schedule=cfg.parallel.pp_schedule,
                                     virtual_stages=cfg.parallel.virtual_stages, precision=cfg.train.precision,
-                                    sequence_parallel=cfg.parallel.sp, side_loss=side_loss)
+                                    sequence_parallel=cfg.parallel.sp, side_loss=side_loss, offload=offload)
     else:
-        offload = None
-        if cfg.train.offload_activations == "cpu":
-            offload = ActivationOffload(model)
         executor = MicroBatchLoop(model, loss_fn, strategy, cfg.train.precision, mesh.device, offload,
                                   side_loss=side_loss)
     return Engine(model, strategy, executor, mesh)

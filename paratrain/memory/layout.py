@@ -2,40 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from paratrain.config import Config
 from paratrain.models import model_kind
+from paratrain.refusals import PP_SCHEDULES, Refusal, emit
 
 
 def check_savers(cfg: Config, problems: list[str]) -> None:
     """--micro-batch auto, --recompute, --offload-activations, --tile, --compile (config.validate)."""
-    p, t, kind = cfg.parallel, cfg.train, model_kind(cfg.model.name)
+    t, kind = cfg.train, model_kind(cfg.model.name)
     if t.recompute != "none" and not kind.blocks:
         problems.append(f"--recompute {t.recompute} recomputes transformer blocks; {kind.name} has none: "
                         "drop it")
-    _refuse(problems, "--offload-activations cpu", t.offload_activations != "none",
-            {"--pp > 1": (p.pp > 1, "the pipeline schedule keeps its own activations")})
-    _refuse(problems, f"--tile {t.tile}", t.tile > 1,
-            {kind.name: (not kind.tiling, "it has no MLP or LM head to tile"),
-             "--tp > 1": (p.tp > 1, "split linears and the vocabulary-parallel loss are not tiled"),
-             "--pp > 1": (p.pp > 1, "the tiled loss fuses the LM head, which a pipeline stage runs"),
-             "--optimizer adamw8bit with --zero 3": (
-                 p.zero == 3 and cfg.optim.name == "adamw8bit",
-                 "a weight tile's rows need not start on a quantisation block of the full tensor; "
-                 "use --optimizer adamw, or --zero 1/2")})
-    _refuse(problems, "--compile", t.compile,
-            {kind.name: (not kind.blocks, "it has no transformer blocks"),
-             "--pp > 1": (p.pp > 1, "not tested with pipeline schedules"),
-             "--tile > 1": (t.tile > 1, "token tiles recompute in a Python autograd function; under "
-                                        "ZeRO-3 each weight tile's gather hook would break the graph")})
+    if t.tile > 1 and not kind.tiling:
+        problems.append(f"--tile {t.tile} does not compose with {kind.name}: it has no MLP or LM head to "
+                        "tile")
+    if t.compile and not kind.blocks:
+        problems.append(f"--compile does not compose with {kind.name}: it has no transformer blocks")
+    emit(SAVER_REFUSALS, cfg, problems)
     auto = t.micro_batch == "auto"
-    # On a GPU a trial can run out of memory on one rank mid-forward while the others wait in a
-    # TP or ZeRO-3 collective; on a CPU a trial never fails alone (the OS ends the whole job).
-    gpu = auto and (p.tp > 1 or p.zero == 3) and _cuda()
-    _refuse(problems, "--micro-batch auto", auto,
-            {"--tp > 1 on a GPU": (gpu and p.tp > 1, "a trial out of memory inside a tensor-parallel "
-                                                     "collective would hang"),
-             "--zero 3 on a GPU": (gpu and p.zero == 3, "a trial out of memory inside a ZeRO-3 all-gather "
-                                                        "would hang")})
     if t.memory_limit is not None and not auto:
         problems.append("train.memory_limit (--memory-limit) is the budget of --micro-batch auto: "
                         "add --micro-batch auto or drop --memory-limit")
@@ -45,12 +31,38 @@ def check_savers(cfg: Config, problems: list[str]) -> None:
                             "the OS kills a process over its memory instead of raising an error")
 
 
-def _refuse(problems: list[str], what: str, used: bool, table: dict[str, tuple[bool, str]]) -> None:
-    if not used:
-        return
-    for other, (clash, why) in table.items():
-        if clash:
-            problems.append(f"{what} does not compose with {other}: {why}")
+def _tile(when: Callable[[Config], bool]) -> Callable[[Config], bool]:
+    return lambda c: c.train.tile > 1 and when(c)
+
+
+def _gpu_trial(c: Config) -> bool:
+    # On a GPU a trial can run out of memory on one rank mid-forward while the others wait in a
+    # TP or ZeRO-3 collective; on a CPU a trial never fails alone (the OS ends the whole job).
+    return c.train.micro_batch == "auto" and _cuda()
+
+
+SAVER_REFUSALS = (  # the message: "<flags[0]> does not compose with <flags[1]>: <reason>"
+    Refusal("tiling", "tp", "split linears and the vocabulary-parallel loss are not tiled (not built)",
+            flags=("--tile", "--tp > 1"), when=_tile(lambda c: c.parallel.tp > 1)),
+    Refusal("tiling", PP_SCHEDULES, "the tiled loss fuses the LM head, which a pipeline stage runs "
+            "(not built)",
+            flags=("--tile", "--pp > 1"), when=_tile(lambda c: c.parallel.pp > 1)),
+    Refusal("tiling", "8bit", "a weight tile's rows need not start on a quantisation block of the full "
+            "tensor; use --optimizer adamw, or --zero 1/2",
+            flags=("--tile", "--optimizer adamw8bit with --zero 3"),
+            when=_tile(lambda c: c.parallel.zero == 3 and c.optim.name == "adamw8bit")),
+    Refusal("compile", PP_SCHEDULES, "not tested with pipeline schedules", flags=("--compile", "--pp > 1"),
+            when=lambda c: c.train.compile and c.parallel.pp > 1),
+    Refusal("compile", "tiling", "token tiles recompute in a Python autograd function; under ZeRO-3 each "
+            "weight tile's gather hook would break the graph", flags=("--compile", "--tile > 1"),
+            when=lambda c: c.train.compile and c.train.tile > 1),
+    Refusal("batch-finder", "tp", "a trial out of memory inside a tensor-parallel collective would hang",
+            flags=("--micro-batch auto", "--tp > 1 on a GPU"),
+            when=lambda c: _gpu_trial(c) and c.parallel.tp > 1),
+    Refusal("batch-finder", "zero3", "a trial out of memory inside a ZeRO-3 all-gather would hang",
+            flags=("--micro-batch auto", "--zero 3 on a GPU"),
+            when=lambda c: _gpu_trial(c) and c.parallel.zero == 3),
+)
 
 
 def _cuda() -> bool:

@@ -48,8 +48,12 @@ class _Tiled(torch.autograd.Function):
         ctx.f, ctx.n_tiles, ctx.reduce = f, n_tiles, reduce
         ctx.autocast = _autocast_state(x.device.type)
         ctx.save_for_backward(x, targets)
+        ctx.rng = []  # each tile's RNG state: its recompute draws the same dropout masks (LoRA's)
+        outs = []
         with torch.no_grad():
-            outs = [f(xi, ti) for xi, ti in _tiles(x, targets, n_tiles)]
+            for xi, ti in _tiles(x, targets, n_tiles):
+                ctx.rng.append(_rng_state(x.device))
+                outs.append(f(xi, ti))
         return torch.cat(outs, dim=0) if reduce == "cat" else torch.stack(outs).sum()
 
     @staticmethod
@@ -60,8 +64,10 @@ class _Tiled(torch.autograd.Function):
         grad_params = [None] * len(params)
         row = 0
         grads_out = grad_out.split(_tile_rows(x.shape[0], ctx.n_tiles)) if ctx.reduce == "cat" else None
-        with torch.enable_grad(), torch.autocast(**ctx.autocast):
+        devices = [x.device] if x.device.type == "cuda" else []
+        with torch.enable_grad(), torch.autocast(**ctx.autocast), torch.random.fork_rng(devices):
             for i, (xi, ti) in enumerate(_tiles(x, targets, ctx.n_tiles)):
+                _set_rng_state(ctx.rng[i], x.device)
                 xi = xi.detach().requires_grad_(True)
                 out = ctx.f(xi, ti)
                 g = grads_out[i] if grads_out is not None else grad_out
@@ -72,6 +78,16 @@ class _Tiled(torch.autograd.Function):
         all_params = list(ctx.f.params())
         by_id = {id(p): g for p, g in zip(params, grad_params)}
         return (None, None, None, grad_x, None, *[by_id.get(id(p)) for p in all_params])
+
+
+def _rng_state(device: torch.device) -> tuple:
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_rng_state(state: tuple, device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
 
 
 def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
@@ -133,7 +149,15 @@ class TiledHeadLoss:
         self._fn = _ModuleFn(self._tile_loss, head)
 
     def _tile_loss(self, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(h, self.head.weight, self.head.bias)  # [tile, vocab]
+        if getattr(self.head, "casts_base", False):
+            # A head that computes its stored base itself (a LoRA layer: base + its adapters) runs
+            # its class's forward (the instance's is the identity apply_tiling left).
+            logits = type(self.head).forward(self.head, h)
+        else:
+            # The input in the weight's dtype, as the untiled head's forward pre-hook casts it when
+            # a LoRA base is stored in bf16 (models/lora.store_base_in); a no-op otherwise.
+            weight = self.head.weight
+            logits = F.linear(h.to(weight.dtype), weight, self.head.bias)  # [tile, vocab]
         for forward in self.after:
             logits = forward(logits)
         return F.cross_entropy(logits.float(), t, reduction="sum")

@@ -42,7 +42,15 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from paratrain.base.executor import LossFn, MicroBatch, SideLossFn, autocast_for, micro_batch, with_side_loss
+from paratrain.base.executor import (
+    LossFn,
+    MicroBatch,
+    SavedTensors,
+    SideLossFn,
+    autocast_for,
+    micro_batch,
+    with_side_loss,
+)
 from paratrain.base.strategy import Strategy
 from paratrain.base.weight_grad import WeightGradStore
 from paratrain.comm import collectives as C
@@ -71,8 +79,13 @@ from paratrain.pipeline.stage import StageChunk, TiedEmbedding, ends_share_rank
 class PipelineExecutor:
     def __init__(self, model: nn.Module, chunks: list[StageChunk], loss_fn: LossFn, strategy: Strategy,
                  mesh: ParallelMesh, *, schedule: str, virtual_stages: int, precision: str,
-                 sequence_parallel: bool = False, side_loss: SideLossFn | None = None):
+                 sequence_parallel: bool = False, side_loss: SideLossFn | None = None,
+                 offload: SavedTensors | None = None):
         self.model, self.chunks = model, {c.stage: c for c in chunks}
+        # --offload-activations: what each F saves for its B goes to host memory until the B runs
+        # (the schedule keeps several micro-batches in flight, so this is where the bytes are).
+        self.offload = offload
+        self.saved_tensors = offload or contextlib.nullcontext
         self.side_loss = side_loss
         self.loss_fn, self.strategy, self.mesh = loss_fn, strategy, mesh
         self.p = mesh.pp.size
@@ -120,6 +133,8 @@ class PipelineExecutor:
             loss_scale: float = 1.0) -> torch.Tensor:
         """One step's forwards and backwards; returns the step's loss share, the same on every stage."""
         self._trained_m = len(micro_batches)
+        if self.offload is not None:
+            self.offload.reset()
         actions = self._rank_actions(self._trained_m, train=True)
         total = self._execute(actions, micro_batches, divisor, loss_scale, train=True)
         # The tied pair's gradients are summed across stages on the side of the data-parallel
@@ -231,11 +246,13 @@ class PipelineExecutor:
         """F: run the chunk; keep (input, output) for B; return the loss it adds (detached)."""
         inp = mb.x if a.stage == 0 else needs
         chunk = self.chunks[a.stage]
-        with self.autocast():
-            out = chunk(inp, mb.positions)
+        with self.saved_tensors():  # the loss's saved tensors are offloaded too, as in one process
+            with self.autocast():
+                out = chunk(inp, mb.positions)
+            if a.stage == self.n_stages - 1:
+                out = self.loss_fn(out, mb.y)
         added = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
         if a.stage == self.n_stages - 1:
-            out = self.loss_fn(out, mb.y)
             out = with_side_loss(out, self.side_loss, chunk.modules(), train) / divisor
             added = out.detach().float()
         else:
@@ -284,10 +301,12 @@ class PipelineExecutor:
     # -- measurements ---------------------------------------------------------------------------------
 
     def step_metrics(self) -> dict[str, float]:
-        """``bubble``: the measured idle fraction of the last step (every rank calls this)."""
+        """``bubble``: the measured idle fraction of the last step (every rank calls this), and the
+        bytes activation offload moved to host memory on this rank."""
+        out = {"mem_activations_offloaded_bytes": self.offload.offloaded_bytes} if self.offload else {}
         if not self.timeline:
-            return {}
-        return {"bubble": measured_bubble(self.gather_timelines())}
+            return out
+        return {**out, "bubble": measured_bubble(self.gather_timelines())}
 
     def gather_timelines(self) -> list[list[dict]]:
         """The last training step's computations of every stage (a collective: every rank calls)."""

@@ -1,0 +1,149 @@
+"""What the synchronisation modes need (engine/checks.py calls these before any worker starts):
+the averaging replicas of ``--sync local-sgd | diloco`` (data_parallel/averaging.py; the library
+door calls ``check_sync`` too, with its keyword arguments gathered in a ParallelConfig) and the
+parameter server of ``--sync parameter-server`` (param_server/), with the combinations each
+refuses as ``Refusal`` records (docs/composition.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from paratrain.config import Config, ParallelConfig
+from paratrain.refusals import PP_SCHEDULES, Refusal, emit
+
+ZEROS = ("zero1", "zero2", "zero3")
+
+
+AVERAGING = ("local-sgd", "diloco")
+OUTER_FLAGS = {"outer_optimizer": "--outer-optimizer", "outer_lr": "--outer-lr",
+               "outer_momentum": "--outer-momentum"}
+
+
+def check_run_sync(cfg: Config, problems: list[str]) -> None:
+    """--sync local-sgd / diloco in a run: check_sync, and what ZeRO inside a replica takes."""
+    check_sync(cfg.parallel, cfg.dp, problems)
+    emit(AVERAGING_REFUSALS, cfg, problems)
+
+
+def check_sync(p: ParallelConfig, dp: int, problems: list[str]) -> None:
+    """--sync local-sgd / diloco (data_parallel/averaging.py): what averaging replicas need (the
+    trainer's settings, or the library's keyword arguments gathered in a ParallelConfig)."""
+    for key, flag in OUTER_FLAGS.items():
+        if getattr(p, key) is not None and p.sync != "diloco":
+            problems.append(f"{flag} sets DiLoCo's outer optimizer: use it with --sync diloco (not {p.sync})")
+    if p.sync not in AVERAGING:
+        if p.sync_every is not None:
+            problems.append("--sync-every sets the period of parameter averaging: add --sync local-sgd or "
+                            f"--sync diloco (--sync {p.sync} synchronises every step)")
+        return
+    if p.sync_every is None or p.sync_every < 1:
+        problems.append(f"--sync {p.sync} needs --sync-every H >= 1 (inner steps between two averagings, "
+                        f"e.g. 8; got {p.sync_every})")
+    if dp < 2:
+        problems.append(f"--sync {p.sync} averages data-parallel replicas; with dp {dp} there is one: "
+                        "use --dp >= 2 (or --sync ddp)")
+    if p.zero >= 1 and p.dp_replicate == 1:
+        problems.append(f"--sync {p.sync} with --zero {p.zero} and --dp-replicate 1 makes the {dp} dp ranks "
+                        "one sharded replica: nothing to average. Add --dp-replicate R (R replicas of S = "
+                        "dp / R ranks, ZeRO inside each, averaged across them) or use --zero 0 (every dp "
+                        "rank its own replica)")
+    emit(SYNC_REFUSALS, p, problems)
+    if p.sync == "diloco":
+        _check_outer(p, problems)
+
+
+SYNC_REFUSALS = (  # they read a ParallelConfig or a Config (the library door calls check_sync too)
+    Refusal(AVERAGING, ("offload-cpu", "offload-disk"), "not built: averaging reads the fp32 master shards "
+            "on the device", when=lambda c: _averaging(c) and _p(c).zero >= 1 and _p(c).offload != "none",
+            message=lambda c: f"--sync {_p(c).sync} averages the fp32 master shards held on the device; "
+            f"--offload {_p(c).offload} with ZeRO inside an averaging replica is not built: use "
+            "--offload none"),
+    Refusal(AVERAGING, "ep", "not built: every dp rank is a replica, while EP spreads one replica's experts "
+            "over dp ranks", when=lambda c: _averaging(c) and _p(c).ep > 1,
+            message=lambda c: f"--sync {_p(c).sync} makes every dp rank a replica; expert parallelism (--ep "
+            f"{_p(c).ep}) spreads one replica's experts over dp ranks: use --ep 1"),
+    Refusal(AVERAGING, "dp-plain", "by definition: --dp-mode picks how gradients are all-reduced every step, "
+            "and averaging does not all-reduce them", when=lambda c: _averaging(c) and _p(c).dp_mode != "ddp",
+            message=lambda c: f"--dp-mode {_p(c).dp_mode} chooses how gradients are all-reduced every step; "
+            f"--sync {_p(c).sync} does not all-reduce them: drop --dp-mode"),
+)
+
+
+def _p(cfg_or_parallel: Config | ParallelConfig) -> ParallelConfig:
+    return getattr(cfg_or_parallel, "parallel", cfg_or_parallel)
+
+
+def _averaging(cfg_or_parallel: Config | ParallelConfig) -> bool:
+    return _p(cfg_or_parallel).sync in AVERAGING
+
+
+AVERAGING_REFUSALS = (
+    Refusal(AVERAGING, "8bit", "not built: ZeRO's 8-bit store inside an averaging replica (with --zero 1-3)",
+            when=lambda c: _averaging(c) and c.parallel.zero >= 1 and c.optim.name != "adamw",
+            message=lambda c: f"--sync {c.parallel.sync} with --zero {c.parallel.zero}: --optimizer "
+            f"{c.optim.name} inside an averaging replica is not built (ZeRO's 8-bit store is untested "
+            "there): use --optimizer adamw, or --zero 0"),
+)
+
+
+def _check_outer(p: ParallelConfig, problems: list[str]) -> None:
+    if p.outer_optimizer not in (None, "sgd", "nesterov"):
+        problems.append(f"--outer-optimizer {p.outer_optimizer!r} is not one of sgd, nesterov")
+    if p.outer_lr is not None and not p.outer_lr > 0:
+        problems.append(f"--outer-lr must be > 0 (got {p.outer_lr}); 1 with --outer-momentum 0 and "
+                        "--outer-optimizer sgd is plain averaging")
+    if p.outer_momentum is not None and not 0 <= p.outer_momentum < 1:
+        problems.append(f"--outer-momentum must be in [0, 1) (got {p.outer_momentum})")
+    if p.outer_momentum == 0 and p.outer_optimizer in (None, "nesterov"):
+        problems.append("Nesterov momentum needs --outer-momentum > 0: use --outer-optimizer sgd for an "
+                        "outer step without momentum")
+
+
+def _ps_refusal(other: str | tuple[str, ...], fix: str, reason: str,
+                when: Callable[[Config], bool]) -> Refusal:
+    return Refusal("param-server", other, reason, message=f"--sync parameter-server supports {fix} for now",
+                   when=lambda c: c.parallel.sync == "parameter-server" and when(c))
+
+
+PARAM_SERVER_REFUSALS = (  # the workers are whole-model replicas; the servers run fp32 AdamW
+    _ps_refusal("tp", "--tp 1 (a worker holds the whole model)", "not built: a worker holds the whole "
+                "model", lambda c: c.parallel.tp > 1),
+    _ps_refusal(PP_SCHEDULES, "--pp 1 (a worker holds the whole model)", "not built: a worker holds the "
+                "whole model", lambda c: c.parallel.pp > 1),
+    _ps_refusal("ep", "--ep 1", "not built: a worker holds every expert", lambda c: c.parallel.ep > 1),
+    _ps_refusal(ZEROS, "--zero 0 (the servers shard the optimizer state)", "by construction: the servers "
+                "shard the optimizer state themselves", lambda c: c.parallel.zero != 0),
+    _ps_refusal("hsdp", "no --dp-replicate / --dp-shard", "by construction: the servers shard the state",
+                lambda c: c.parallel.dp_replicate > 1 or c.parallel.dp_shard is not None),
+    _ps_refusal(("offload-cpu", "offload-disk"), "--offload none (the servers hold the optimizer state)",
+                "by construction: the servers hold the optimizer state",
+                lambda c: c.parallel.offload != "none"),
+    _ps_refusal("8bit", "--optimizer adamw (the servers run torch's AdamW)", "not built: the servers run "
+                "torch's fp32 AdamW", lambda c: c.optim.name != "adamw"),
+    _ps_refusal("bf16", "--precision fp32 (the servers keep fp32 weights)", "not built: the servers keep "
+                "fp32 weights", lambda c: c.train.precision != "fp32"),
+    _ps_refusal("batch-finder", "a numeric --micro-batch (not auto)", "not built: the trial steps would push "
+                "to the servers", lambda c: c.train.micro_batch == "auto"),
+    _ps_refusal(("lora", "lora-bf16"), "no --lora", "not built: the servers would update frozen weights",
+                lambda c: bool(c.lora.rank)),
+)
+
+
+def check_param_server(cfg: Config, problems: list[str]) -> None:
+    """--sync parameter-server: what the servers (param_server/) support today. The workers are
+    whole-model data-parallel replicas; the servers run the fp32 AdamW."""
+    p = cfg.parallel
+    if p.sync != "parameter-server":
+        for flag, value, default in (("--servers", p.servers, 1), ("--ps-mode", p.ps_mode, "sync"),
+                                     ("--max-staleness", p.max_staleness, None)):
+            if value != default:
+                problems.append(f"{flag} applies to --sync parameter-server only: add it or drop {flag}")
+        return
+    emit(PARAM_SERVER_REFUSALS, cfg, problems)
+    if p.ps_mode == "async" and p.max_staleness is not None and p.max_staleness < cfg.dp - 1:
+        problems.append(f"--max-staleness {p.max_staleness} is below dp - 1 = {cfg.dp - 1}: when all "
+                        f"{cfg.dp} workers push at once the last of them is dp - 1 updates late; raise "
+                        "--max-staleness or use --ps-mode sync")
+    if p.ps_mode == "sync" and p.max_staleness is not None:
+        problems.append("--max-staleness bounds --ps-mode async: add --ps-mode async or drop it")
