@@ -65,6 +65,12 @@ def stored_bytes(kind: str, numel: int, block: int = BLOCK) -> int:
     return shapes["codes"][0] + shapes["absmax_q"][0] + 4 * shapes["absmax_scale"][0] + 4
 
 
+def kind_of(codes_numel: int, shape: tuple[int, ...]) -> str:
+    """The kind whose codes for a weight of ``shape`` number ``codes_numel`` (nf4: two per byte)."""
+    n = math.prod(shape)
+    return "int8" if codes_numel == n and n > 1 else "nf4"
+
+
 @torch.no_grad()
 def quantise_weight(w: torch.Tensor, kind: str, block: int = BLOCK) -> dict[str, torch.Tensor]:
     """The ``PARTS`` of ``w`` (any shape; flattened row-major) stored as ``kind``."""
