@@ -1,6 +1,6 @@
 """QLoRA runs (--base-precision nf4 | int8, engine/qlora.py): the checks before any worker, the
 bytes held, the quantised base in the checkpoint (the quantisation of the initial base, frozen),
-the merged export = dequantise then merge, exact resume, and DDP / ZeRO-2 / ZeRO-3 (the base's
+the merged export = dequantise then merge, exact resume, and DDP / ZeRO-3 (the base's
 bytes and scales sharded) / PP each equal to one process with the same quantised base.
 
 Parity criterion: tests/harness.py's FP32_REORDERED, as tests/test_lora_layouts.py (the same fp32
