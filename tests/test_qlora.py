@@ -9,14 +9,20 @@ bytes in every layout, checked by name)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from paratrain import config
+from paratrain.cli import main
 from paratrain.engine import checkpoint as ckpt
 from paratrain.engine import checks
 from paratrain.optim import nf4
+from paratrain.planner import memory
+from paratrain.planner.machine import local_cluster
+from paratrain.planner.search import training_from_config
 from paratrain.train.metrics import read_metrics
 from paratrain.train.task import build_task
 from paratrain.train.trainer import Trainer
@@ -147,3 +153,32 @@ def test_zero3_shards_the_quantised_base(layouts):
     unsharded or corrupted 4-bit base): the per-rank bytes are about half of DDP's replicated copy."""
     ddp, zero3 = layouts["ddp"][2], layouts["zero3"][2]
     assert 0.45 * ddp < zero3 < 0.6 * ddp, (zero3, ddp)
+
+
+def test_planner_prices_the_quantised_base(one):
+    """planner/lora.py: the adapted linears at nf4's stored bytes, the rest in fp32; equal to the
+    run's own count (within 1%: the planner counts whole blocks of a large matrix)."""
+    cfg, _ = one
+    row = read_metrics(f"{cfg.train.out}/metrics.jsonl")[0]
+    c, tr = training_from_config(cfg)
+    assert tr.lora_quantised == "nf4"
+    got = memory.device_memory(c, tr, memory.Layout(), local_cluster(1))
+    assert got.params == pytest.approx(row["mem_params_bytes"], rel=0.01)
+    assert got.optim == row["mem_optim_bytes"] and got.grads == row["mem_grads_bytes"]
+
+
+def test_plan_says_a_7b_qlora_fits_one_cpu_worker(capsys):
+    """`paratrain plan --model llama-7b --lora 16 --base-precision nf4 --gpus 1 --gpu cpu`: the
+    base at ~0.516 bytes per weight of its linears (6.48 B of them), embeddings and head in fp32."""
+    assert main(["plan", "--model", "llama-7b", "--lora", "16", "--base-precision", "nf4", "--gpus", "1",
+                 "--gpu", "cpu", "--seq-len", "512", "--global-batch", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    best = out["plans"][0]
+    linears = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008)
+    rest = 2 * 32000 * 4096 + 65 * 4096  # embeddings, head, norms
+    adapters = 32 * 16 * (4 * (4096 + 4096) + 3 * (4096 + 11008))
+    want = linears * nf4.stored_bytes("nf4", 1 << 24) / (1 << 24) + 4 * (rest + adapters)
+    mem = best["memory_bytes"]
+    assert mem["params"] == pytest.approx(want, rel=0.01)
+    assert best["fits"] and mem["total"] < mem["capacity"] - mem["margin"]
+    assert "--lora 16 --base-precision nf4" in out["command"]

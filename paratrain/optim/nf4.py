@@ -35,6 +35,11 @@ from collections.abc import Callable
 import torch
 
 from paratrain.optim.quant import SIGNED, dequantise, n_blocks, quantise
+from paratrain.perf.quantised import BITS, BLOCK, PARTS, SCALE_BLOCK, part_shapes, stored_bytes
+
+__all__ = ["BITS", "BLOCK", "CODES", "INT8", "NF4", "PARTS", "SCALE_BLOCK", "QuantisedLinear",
+           "block_scales", "dequantise_range", "dequantise_weight", "kind_of", "part_shapes",
+           "quantise_weight", "stored_bytes"]
 
 #: bitsandbytes' NF4 code book (functional.py ``get_4bit_type("nf4")``; QLoRA, appendix E).
 NF4_VALUES = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
@@ -44,25 +49,7 @@ NF4_VALUES = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.394917488098144
 NF4 = torch.tensor(NF4_VALUES, dtype=torch.float32)
 INT8 = torch.arange(-127, 128, dtype=torch.float32) / 127
 CODES = {"nf4": NF4, "int8": INT8}
-BITS = {"nf4": 4, "int8": 8}
-BLOCK = 64  # weights per absmax (QLoRA's block size)
-SCALE_BLOCK = 256  # absmax values per second-level scale (QLoRA's double quantisation)
 CHUNK_ELEMS = 1 << 20  # weights dequantised at a time inside a linear's forward and backward
-PARTS = ("codes", "absmax_q", "absmax_scale", "absmax_offset")
-
-
-def part_shapes(kind: str, numel: int, block: int = BLOCK) -> dict[str, tuple[int, ...]]:
-    """The shape of each stored tensor of a ``kind`` weight of ``numel`` elements."""
-    nb = n_blocks(numel, block)
-    codes = math.ceil(numel / 2) if BITS[kind] == 4 else numel
-    return {"codes": (codes,), "absmax_q": (nb,), "absmax_scale": (n_blocks(nb, SCALE_BLOCK),),
-            "absmax_offset": (1,)}
-
-
-def stored_bytes(kind: str, numel: int, block: int = BLOCK) -> int:
-    """Bytes a ``kind`` weight of ``numel`` elements occupies (codes and both levels of scales)."""
-    shapes = part_shapes(kind, numel, block)
-    return shapes["codes"][0] + shapes["absmax_q"][0] + 4 * shapes["absmax_scale"][0] + 4
 
 
 def kind_of(codes_numel: int, shape: tuple[int, ...]) -> str:
