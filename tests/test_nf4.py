@@ -78,7 +78,7 @@ def test_ranges_dequantise_as_the_whole():
     x = _weights(7 * 33, seed=1)  # rows of 33: chunks start mid-block and mid-byte
     parts = nf4.quantise_weight(x, "nf4")
     whole = nf4.dequantise_weight(parts, "nf4", (7 * 33,))
-    for lo, hi in [(0, 33), (33, 99), (65, 66), (100, 231)]:
+    for lo, hi in [(0, 33), (33, 99), (65, 66), (100, 231), (64, 192)]:  # the last: whole blocks
         assert torch.equal(nf4.dequantise_range(parts, "nf4", lo, hi), whole[lo:hi])
 
 

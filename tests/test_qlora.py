@@ -182,3 +182,15 @@ def test_plan_says_a_7b_qlora_fits_one_cpu_worker(capsys):
     assert mem["params"] == pytest.approx(want, rel=0.01)
     assert best["fits"] and mem["total"] < mem["capacity"] - mem["margin"]
     assert "--lora 16 --base-precision nf4" in out["command"]
+
+
+def test_export_peft_and_hf_read_a_qlora_run(one, tmp_path):
+    """export --peft (the adapters) and --hf (the merged, dequantised weights) as for any run."""
+    cfg, result = one
+    assert main(["export", str(cfg.train.out), "--peft", str(tmp_path / "peft")]) == 0
+    peft = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    assert len(peft) == 2 * 28 and all("lora_" in k for k in peft)
+    assert main(["export", str(cfg.train.out), "--hf", str(tmp_path / "hf")]) == 0
+    hf = load_file(next((tmp_path / "hf").glob("*.safetensors")))
+    wo = result.final_state["layers.0.attn.wo.weight"]  # o_proj: no RoPE row permutation in the HF layout
+    assert torch.equal(hf["model.layers.0.self_attn.o_proj.weight"].float(), wo)
