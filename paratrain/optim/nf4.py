@@ -76,7 +76,7 @@ def quantise_weight(w: torch.Tensor, kind: str, block: int = BLOCK) -> dict[str,
         scaled[tail:] = torch.clamp(flat[tail:] / safe[-1], -1, 1)
     if BITS[kind] == 4:
         scaled = torch.cat([scaled, scaled.new_zeros(n % 2)])
-    idx = torch.bucketize(scaled, (code[1:] + code[:-1]) / 2).to(torch.uint8)
+    idx = torch.bucketize(scaled, (code[1:] + code[:-1]) / 2, out_int32=True).to(torch.uint8)
     if BITS[kind] == 4:
         idx = (idx[0::2] << 4) | idx[1::2]
     offset = absmax.mean()
