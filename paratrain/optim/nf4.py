@@ -116,17 +116,19 @@ def _pair_table(code: torch.Tensor) -> torch.Tensor:
     return torch.stack([code[byte >> 4], code[byte & 0xF]], dim=1)
 
 
-_BYTE_VALUES = {"nf4": _pair_table(NF4), "int8": INT8.view(-1, 1)}  # codes of one byte, as fp32
+# The values of one byte's codes: nf4's pair of fp32 values viewed as ONE 8-byte element, so the
+# lookup is a 1-D gather (measured here: ~5x faster than gathering rows of a [256, 2] table)
+_BYTE_VALUES = {"nf4": _pair_table(NF4).view(torch.float64).view(-1), "int8": INT8}
 
 
 def _whole_blocks(codes: torch.Tensor, kind: str, lo: int, hi: int, absmax: torch.Tensor,
                   block: int) -> torch.Tensor:
     """``dequantise_range`` of whole blocks: one lookup per byte, each block times its scale by
-    broadcasting (no per-element index arithmetic: ~1.4x faster here)."""
+    broadcasting (no per-element index arithmetic)."""
     per_byte = 2 if BITS[kind] == 4 else 1
     table = _BYTE_VALUES[kind].to(codes.device)
-    values = table.index_select(0, codes[lo // per_byte:hi // per_byte].int()).view(-1, block)
-    return (values * absmax[lo // block:hi // block, None]).view(-1)
+    values = table.index_select(0, codes[lo // per_byte:hi // per_byte].int()).view(torch.float32)
+    return (values.view(-1, block) * absmax[lo // block:hi // block, None]).view(-1)
 
 
 def dequantise_weight(parts: dict[str, torch.Tensor], kind: str, shape: tuple[int, ...]) -> torch.Tensor:
