@@ -82,6 +82,7 @@ PROBES: dict[str, Callable[[Config], None] | None] = {
     "ep": _set(model__name="tiny-moe", parallel__ep=2),
     "lora": _set(lora__rank=4),
     "lora-bf16": _set(lora__rank=4, lora__base_precision="bf16"),
+    "qlora": _set(lora__rank=4, lora__base_precision="nf4"),
     "bf16": _set(train__precision="bf16"),
     "recompute": _set(train__recompute="selective"),
     "tiling": _set(train__tile=2),

@@ -188,7 +188,7 @@ class LoraConfig:
     alpha: float | None = None  # the adapters' scale is alpha / rank; None: 2 * rank
     dropout: float = 0.0  # dropout on the adapters' input (PEFT's lora_dropout)
     targets: list[str] | None = None  # module-name patterns (PEFT's target_modules); None: the family's
-    base_precision: str = "fp32"  # fp32 | bf16: the frozen base's storage (adapters stay fp32)
+    base_precision: str = "fp32"  # fp32 | bf16 | nf4 | int8: the frozen base's storage (adapters stay fp32)
     from_dir: str | None = None  # a PEFT adapter folder to start from (--lora-from)
 
 
@@ -381,7 +381,7 @@ CHOICES: dict[str, tuple] = {
     "train.memory_measure": ("process", "tensors"),
     "train.offload_activations": ("none", "cpu"),
     "optim.name": ("adamw", "adamw8bit"),
-    "lora.base_precision": ("fp32", "bf16"),
+    "lora.base_precision": ("fp32", "bf16", "nf4", "int8"),
     "data.format": ("auto", "chat", "completion", "text"),
     "data.long_examples": ("truncate", "refuse"),
     "tracking.wandb_mode": ("offline", "online"),

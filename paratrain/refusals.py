@@ -45,6 +45,7 @@ FEATURES: dict[str, str] = {
     "ep": "expert parallel (--ep N)",
     "lora": "LoRA adapters on an fp32 base (--lora R)",
     "lora-bf16": "LoRA with the frozen base stored in bf16 (--lora R --base-precision bf16)",
+    "qlora": "LoRA on a quantised frozen base: QLoRA (--lora R --base-precision nf4|int8)",
     "bf16": "bf16 mixed precision (--precision bf16)",
     "recompute": "activation recompute (--recompute selective|full)",
     "tiling": "token tiles / ZeRO-3 weight tiles (--tile N)",
@@ -64,7 +65,7 @@ GROUPS: tuple[tuple[str, ...], ...] = (
     ("offload-cpu", "offload-disk"),
     ("local-sgd", "diloco", "param-server"),
     PP_SCHEDULES,
-    ("lora", "lora-bf16"),
+    ("lora", "lora-bf16", "qlora"),
 )
 
 _DECLARED: list[Refusal] = []

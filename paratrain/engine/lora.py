@@ -33,6 +33,7 @@ from paratrain.models.lora import (
     is_adapter_name,
     store_base_in,
 )
+from paratrain.optim.nf4 import PARTS, dequantise_weight, kind_of
 from paratrain.refusals import Refusal, emit
 from paratrain.shards import TORCH_DTYPES, write_safetensors
 from paratrain.tensor_parallel.lora import unsupported
@@ -63,7 +64,7 @@ def settle_base(model: nn.Module, cfg: Config) -> None:
     if lora_spec(cfg) is None:
         return
     freeze_base(model)
-    if cfg.lora.base_precision != "fp32":
+    if cfg.lora.base_precision in DTYPES and cfg.lora.base_precision != "fp32":  # nf4/int8: engine/qlora.py
         store_base_in(model, DTYPES[cfg.lora.base_precision])
 
 
@@ -72,13 +73,20 @@ def trainable_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-LORAS = ("lora", "lora-bf16")
+LORAS = ("lora", "lora-bf16", "qlora")
 # Combinations LoRA cannot run, with why (each refused before any worker starts; "--lora does not
 # compose with <flags[1]>: <reason>").
 NOT_WITH_LORA = (
     Refusal(LORAS, "tiling", "ZeRO-3's weight tiles split the base's linears outside their adapters "
             "(not built)", flags=("--lora", "--tile > 1 and --zero 3"),
             when=lambda c: bool(c.lora.rank) and c.train.tile > 1 and c.parallel.zero == 3),
+    Refusal("qlora", "tiling", "the tiled MLP and head run a quantised base's linears outside the "
+            "tests (not built)", flags=("--base-precision nf4/int8", "--tile > 1"),
+            when=lambda c: c.lora.base_precision in ("nf4", "int8") and c.train.tile > 1),
+    Refusal("qlora", "tp", "a rank's slice of a row-parallel weight needs quantisation blocks aligned "
+            "to the slice (not built); use --base-precision bf16 with --tp, or nf4 with dp/ZeRO/pp",
+            flags=("--base-precision nf4/int8", "--tp > 1"),
+            when=lambda c: c.lora.base_precision in ("nf4", "int8") and c.parallel.tp > 1),
     Refusal(LORAS, "ep", "each tp rank dispatches a share of the tokens; adapters there are not "
             "tested", flags=("--lora", "--ep > 1 with --tp > 1"),
             when=lambda c: bool(c.lora.rank) and c.parallel.ep > 1 and c.parallel.tp > 1),
@@ -145,9 +153,12 @@ def export_lora(folder: Path, out: Path, scale: float) -> tuple[Path, Path]:
         items = [(name, key, tuple(rec["shape"]), TORCH_DTYPES[rec["dtype"]])
                  for name, keys in reader.tensors.items() for key, rec in keys.items()
                  if key in ("param", "buffer")]
-        base = [i for i in items if not is_adapter_name(i[0])]
         adapters = [i for i in items if is_adapter_name(i[0])]
         merged = {n.removesuffix("lora_A.weight") + "weight" for n, *_ in adapters}
+        shapes = {n: s for n, _, s, _ in items}
+        quantised = quantised_weights(shapes, merged)  # QLoRA: weight -> its kind
+        base = [i for i in items if not is_adapter_name(i[0]) and i[0] not in quantised_part_names(quantised)]
+        base += [(w, "param", quantised_shape(w, shapes), torch.float32) for w in quantised]
 
         def full(name: str, key: str = "param") -> torch.Tensor:
             shape = tuple(reader.tensors[name][key]["shape"])
@@ -155,11 +166,14 @@ def export_lora(folder: Path, out: Path, scale: float) -> tuple[Path, Path]:
             return reader.read(name, key, (0,) * len(slab), slab).view(shape)
 
         def produce_base(i: int) -> torch.Tensor:
-            name, key, _, _ = base[i]
+            name, key, shape, _ = base[i]
             if name not in merged:
                 return full(name, key)
             stem = name.removesuffix("weight")
             delta = full(stem + "lora_B.weight").float() @ full(stem + "lora_A.weight").float()
+            if name in quantised:  # dequantise, then merge
+                parts = {k: full(part_name(name, k)) for k in PARTS}
+                return dequantise_weight(parts, quantised[name], shape) + scale * delta
             return full(name).float() + scale * delta
 
         model_path, adapter_path = out / "model.safetensors", out / "adapters.safetensors"
@@ -169,6 +183,32 @@ def export_lora(folder: Path, out: Path, scale: float) -> tuple[Path, Path]:
     finally:
         reader.close()
     return model_path, adapter_path
+
+
+def quantised_weights(shapes: dict[str, tuple[int, ...]], merged: set[str]) -> dict[str, str]:
+    """The adapted weights a checkpoint holds quantised (``<weight>_codes`` and the other parts,
+    engine/qlora.py), each with its kind, told from the codes' size (nf4 packs two per byte)."""
+    out = {}
+    for w in merged:
+        codes = shapes.get(part_name(w, "codes"))
+        if codes is not None and w not in shapes:
+            out[w] = kind_of(codes[0], quantised_shape(w, shapes))
+    return out
+
+
+def quantised_part_names(quantised: dict[str, str]) -> set[str]:
+    return {part_name(w, k) for w in quantised for k in PARTS}
+
+
+def quantised_shape(weight: str, shapes: dict[str, tuple[int, ...]]) -> tuple[int, int]:
+    """[out, in] of an adapted weight, read from its adapters (B: [out, r], A: [r, in])."""
+    stem = weight.removesuffix("weight")
+    return shapes[stem + "lora_B.weight"][0], shapes[stem + "lora_A.weight"][1]
+
+
+def part_name(weight_name: str, part: str) -> str:
+    """The checkpoint name of one stored part of a quantised weight (engine/qlora.py)."""
+    return f"{weight_name}_{part}"
 
 
 def _write_atomic(path: Path, entries: list, produce: Callable[[int], torch.Tensor]) -> None:

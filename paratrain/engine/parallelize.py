@@ -3,8 +3,9 @@
     build (meta device) -> LoRA adapters -> tensor/sequence parallel -> expert parallel (drop the
     experts other ranks hold) -> freeze the LoRA base (+ its --base-precision) -> tiling (of
     tokens; of weights under ZeRO-3) -> activation checkpointing -> torch.compile per block
-    -> pipeline split -> materialise + layout-independent init -> data-parallel strategy (DDP or
-    ZeRO-1/2/3) -> optimizer (inside the strategy) -> executor (micro-batch loop or pipeline schedule)
+    -> pipeline split -> QLoRA's quantised base (on meta) -> materialise + layout-independent init
+    -> data-parallel strategy (DDP or ZeRO-1/2/3) -> optimizer (inside the strategy) -> executor
+    (micro-batch loop or pipeline schedule)
 
 Why this order: LoRA comes first so that tensor parallelism's styles see the ``LoRALinear``s and
 build their LoRA variants (tensor_parallel/lora.py), and every later technique sees the adapters
@@ -25,6 +26,8 @@ The matching validation (every technique's constraints, before any worker) is en
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch.distributed as dist
 import torch.nn as nn
 
@@ -35,6 +38,7 @@ from paratrain.data_parallel.averaging import SyncPlan
 from paratrain.data_parallel.sync_batchnorm import convert_sync_batchnorm
 from paratrain.engine.engine import Engine, make_strategy
 from paratrain.engine.lora import apply_run_lora, settle_base
+from paratrain.engine.qlora import QUANTISED, init_quantised, quantise_base_on_meta, quantised_init_value
 from paratrain.engine.task import Task
 from paratrain.expert_parallel import apply_expert_parallel
 from paratrain.memory.activation_offload import ActivationOffload
@@ -78,17 +82,24 @@ def parallelize(task: Task, cfg: Config, mesh: ParallelMesh, *,
         chunks = split_for_pipeline(model, mesh, virtual_stages=cfg.parallel.virtual_stages,
                                     split=cfg.parallel.pp_split, schedule=cfg.parallel.pp_schedule)
     name_params(model)  # every parameter's ParamInfo now knows its single-device name
+    kind = cfg.lora.base_precision if cfg.lora.rank else "fp32"
+    quantised = quantise_base_on_meta(model, kind) if kind in QUANTISED else {}  # QLoRA: engine/qlora.py
+    init_value = quantised_init_value(task.init_value, quantised, kind) if quantised else task.init_value
     if cfg.parallel.zero == 3:
         # ZeRO-3 materialises only this rank's shard of each unit, straight from the init by name.
-        strategy = _strategy(model, task, cfg, mesh, servers)
+        strategy = _strategy(model, task, cfg, mesh, servers, init_value)
     else:
         task.materialize(model, mesh.device)
-        task.init_weights(model, cfg.train.seed)
+        if quantised:  # the base's parts quantised one linear at a time, never the fp32 model whole
+            init_quantised(model, quantised, kind, task.init_value,
+                           lambda m: task.init_weights(m, cfg.train.seed))
+        else:
+            task.init_weights(model, cfg.train.seed)
         if mesh.dp.size > 1 and cfg.parallel.sync == "ddp":  # averaging replicas keep their own statistics
             # BatchNorm statistics over the whole dp batch, so dp=N trains as one process would
             # (models without BatchNorm are left untouched). Same parameter objects: init is kept.
             model = convert_sync_batchnorm(model, mesh.dp)
-        strategy = _strategy(model, task, cfg, mesh, servers)
+        strategy = _strategy(model, task, cfg, mesh, servers, init_value)
     offload = ActivationOffload(model) if cfg.train.offload_activations == "cpu" else None
     if chunks is not None:
         executor = PipelineExecutor(model, chunks, loss_fn, strategy, mesh, schedule=cfg.parallel.pp_schedule,
@@ -101,7 +112,7 @@ def parallelize(task: Task, cfg: Config, mesh: ParallelMesh, *,
 
 
 def _strategy(model: nn.Module, task: Task, cfg: Config, mesh: ParallelMesh,
-              servers: dist.ProcessGroup | None) -> Strategy:
+              servers: dist.ProcessGroup | None, init_value: Callable) -> Strategy:
     p = cfg.parallel
     if p.sync == "parameter-server":  # the servers hold the optimizer (param_server/)
         if servers is None:
@@ -113,6 +124,6 @@ def _strategy(model: nn.Module, task: Task, cfg: Config, mesh: ParallelMesh,
     # init, or an imported checkpoint's slice (task.init_value)
     return make_strategy(model, mesh, cfg.optim, zero=p.zero, dp_mode=p.dp_mode,
                          bucket_bytes=int(p.bucket_mb * 2**20), precision=cfg.train.precision,
-                         offload=p.offload, offload_dir=p.offload_dir, init_value=task.init_value,
+                         offload=p.offload, offload_dir=p.offload_dir, init_value=init_value,
                          reshard_after_forward=p.reshard_after_forward, sync=SyncPlan.from_config(p),
                          dp_reduce=p.dp_reduce, timeout_s=p.timeout_s)

@@ -125,8 +125,8 @@ PARAM_SERVER_REFUSALS = (  # the workers are whole-model replicas; the servers r
                 "fp32 weights", lambda c: c.train.precision != "fp32"),
     _ps_refusal("batch-finder", "a numeric --micro-batch (not auto)", "not built: the trial steps would push "
                 "to the servers", lambda c: c.train.micro_batch == "auto"),
-    _ps_refusal(("lora", "lora-bf16"), "no --lora", "not built: the servers would update frozen weights",
-                lambda c: bool(c.lora.rank)),
+    _ps_refusal(("lora", "lora-bf16", "qlora"), "no --lora",
+                "not built: the servers would update frozen weights", lambda c: bool(c.lora.rank)),
 )
 
 

@@ -29,7 +29,7 @@ from paratrain.engine import checks
 from paratrain.launch import spawn
 from paratrain.models import default_shape, plan_presets
 from paratrain.models.shape import ModelShape
-from paratrain.perf.hardware import GB, GPUS, LINKS, Cluster, make_cluster
+from paratrain.perf.hardware import GB, GPUS, LINKS, Cluster, make_cluster, nominal_cpu_cluster
 from paratrain.plan_cli import dry_run
 from paratrain.plan_cli.calibrate import measure_local
 from paratrain.plan_cli.command import first_runnable, layout_config, model_toml, run_line, train_command
@@ -98,6 +98,11 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--optimizer", default="adamw", choices=config.CHOICES["optim.name"],
                    help="adamw8bit: 8-bit moments, ~2 bytes per parameter instead of 8 "
                         "(default: %(default)s)")
+    t.add_argument("--lora", type=int, default=0, metavar="R",
+                   help="LoRA adapters of rank R on a frozen base (0: full training; docs/finetune.md)")
+    t.add_argument("--base-precision", default="fp32", choices=config.CHOICES["lora.base_precision"],
+                   help="with --lora: the frozen base's storage; nf4/int8 quantise the adapted linears "
+                        "(QLoRA; default: %(default)s)")
     t.add_argument("--margin", type=float, default=0.10,
                    help="fraction of device memory kept free (default: %(default)s)")
     c = p.add_argument_group("cluster")
@@ -110,7 +115,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--gpus-per-node", type=int, help="devices per node, joined by --intra-link "
                    "(default: all of --gpus, up to 8)")
     c.add_argument("--gpu", default="a100-80g",
-                   help=f"device preset: {', '.join(GPUS)} (default: %(default)s)")
+                   help=f"device preset: {', '.join(GPUS)}, or cpu: this host's memory and nominal CPU "
+                        "figures, unmeasured (--cluster local measures them) (default: %(default)s)")
     c.add_argument("--gpu-memory", type=float, help="GB per device (overrides the preset)")
     c.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per device (overrides the preset)")
     c.add_argument("--intra-link", default="nvlink",
@@ -217,7 +223,20 @@ def check_numbers(args: argparse.Namespace) -> None:
                          f"{args.validate_steps})")
 
 
+def lora_training(args: argparse.Namespace) -> dict:
+    """Training's LoRA fields from --lora / --base-precision (planner/lora.py prices them)."""
+    if args.base_precision != "fp32" and not args.lora:
+        raise ValueError("--base-precision applies to LoRA's frozen base: add --lora RANK or drop it")
+    if not args.lora:
+        return {}
+    kind = args.base_precision
+    return {"lora_rank": args.lora, "lora_base_bytes": 2 if kind == "bf16" else None,
+            "lora_quantised": kind if kind in ("nf4", "int8") else None}
+
+
 def cluster_from(args: argparse.Namespace) -> Cluster:
+    if args.gpu == "cpu" and args.cluster != "local":  # nominal figures; --cluster local measures
+        return nominal_cpu_cluster(args.gpus or 1)
     if args.cluster == "local":
         cl = local_cluster(args.gpus, measure_local())
         cl = split_nodes(cl, args) if args.nodes else cl
@@ -375,10 +394,10 @@ def run(args: argparse.Namespace) -> int:
     resolve_defaults(args)
     check_numbers(args)
     if args.precision is None:
-        args.precision = "fp32" if args.cluster == "local" else "bf16"
+        args.precision = "fp32" if args.cluster == "local" or args.gpu == "cpu" else "bf16"
     c = model_from(args)
     tr = Training(seq_len=args.seq_len, global_batch=args.global_batch, precision=args.precision,
-                  optimizer=args.optimizer, margin=args.margin)
+                  optimizer=args.optimizer, margin=args.margin, **lora_training(args))
     check_nodes(args)
     check_sync_flags(args, c)  # before --cluster local measures this machine
     if args.dry_run and c is None:

@@ -34,6 +34,10 @@ def train_settings(args: argparse.Namespace, c: ModelShape, lay: Layout) -> list
             args.global_batch), ("--precision", "train.precision", args.precision)]
     if args.optimizer != config.default_of("optim.name"):
         out.append(("--optimizer", "optim.name", args.optimizer))
+    if getattr(args, "lora", 0):  # LoRA / QLoRA (train --layout auto passes no such flags)
+        out.append(("--lora", "lora.rank", args.lora))
+        if args.base_precision != "fp32":
+            out.append(("--base-precision", "lora.base_precision", args.base_precision))
     out += [("--dp", "parallel.dp", lay.dp), ("--tp", "parallel.tp", lay.tp), ("--pp", "parallel.pp", lay.pp),
             ("--zero", "parallel.zero", lay.zero), ("--micro-batch", "train.micro_batch", lay.micro_batch)]
     out += [("--sp", "parallel.sp", True)] if lay.sp else []

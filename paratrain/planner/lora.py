@@ -1,5 +1,6 @@
 """LoRA's model states per device (models/lora.py, docs/finetune.md): the frozen base holds only
-its parameters (no gradient, no optimizer state; in bf16 with ``--base-precision bf16``), the
+its parameters (no gradient, no optimizer state; in bf16 with ``--base-precision bf16``; with nf4 /
+int8 its adapted linears in ~0.516 / ~1.016 bytes per weight and the rest as trained), the
 adapters hold all three and ZeRO shards them as it shards any trainable parameter.
 
 Adapters of rank r on one tensor-parallel rank, per block, with the families' default targets
@@ -14,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from paratrain.models.shape import ModelShape
+from paratrain.perf.quantised import bytes_per_weight
 
 
 def lora_block_params(c: ModelShape, rank: int, tp: int = 1, *, moe: bool = False, ep: int = 1) -> int:
@@ -26,6 +28,16 @@ def lora_block_params(c: ModelShape, rank: int, tp: int = 1, *, moe: bool = Fals
     return rank * (attn + experts * mlp)
 
 
+def block_linear_params(c: ModelShape, tp: int = 1, *, moe: bool = False, ep: int = 1) -> int:
+    """One block's adapted (default targets) linear weights on one tp rank: what ``--base-precision
+    nf4 | int8`` quantises (engine/qlora.py)."""
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    kv_local = kv // tp if c.n_kv_heads % tp == 0 else kv
+    attn = c.dim * (q // tp) + 2 * c.dim * kv_local + (q // tp) * c.dim
+    experts = c.n_experts // ep if moe else 1
+    return attn + experts * c.mlp_matrices * c.dim * (c.ffn_dim // tp)
+
+
 def lora_states(c: ModelShape, tr: Any, lay: Any, sb: Any, psi: float, dense: int,
                 sparse: int) -> dict[str, float]:
     """Per-device params / grads / optimizer bytes of a rank holding ``psi`` base parameters
@@ -35,6 +47,11 @@ def lora_states(c: ModelShape, tr: Any, lay: Any, sb: Any, psi: float, dense: in
     adapters = dense * lora_block_params(c, rank, lay.tp) + sparse * lora_block_params(
         c, rank, lay.tp, moe=True, ep=lay.ep)
     base_bytes = tr.lora_base_bytes or sb.params
-    return {"params": (psi * base_bytes + adapters * sb.params) / (nd if zero >= 3 else 1),
+    base = psi * base_bytes
+    if tr.lora_quantised:  # the adapted linears quantised, the rest (embeddings, head, norms) as trained
+        linear = dense * block_linear_params(c, lay.tp) + sparse * block_linear_params(c, lay.tp, moe=True,
+                                                                                        ep=lay.ep)
+        base = (psi - linear) * sb.params + linear * bytes_per_weight(tr.lora_quantised)
+    return {"params": (base + adapters * sb.params) / (nd if zero >= 3 else 1),
             "grads": adapters * sb.grads / (nd if zero >= 2 else 1),
             "optim": adapters * sb.optim / (nd if zero >= 1 else 1)}

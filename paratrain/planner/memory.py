@@ -55,6 +55,7 @@ class Training:
     margin: float = 0.10  # fraction of device memory kept free (fragmentation, spikes)
     attention: str = "flash"  # flash (fused SDPA) | unfused (scores materialised: Megatron-LM 2021)
     overlap_dp: bool = True  # DDP / ZeRO-2 reduce buckets during backward (Megatron-LM 2021: after)
+    lora_quantised: str | None = None  # --base-precision nf4 | int8: the adapted linears so (planner/lora.py)
     lora_rank: int = 0  # LoRA adapters of this rank on a frozen base (planner/lora.py); 0: full training
     lora_base_bytes: float | None = None  # bytes per frozen base parameter (2: bf16); None: as trained
     zero3_runtime: str = "paratrain"  # whose ZeRO-3: paratrain | deepspeed | deepspeed-2021 (zero3.py)

@@ -465,9 +465,12 @@ def layout_to_config(cfg: Config, lay: Layout) -> Config:
 def training_from_config(cfg: Config) -> tuple[ModelShape, Training]:
     c = model_config(cfg, cfg.data.vocab_size)
     bf16_base = cfg.lora.rank and cfg.lora.base_precision == "bf16"  # LoRA: planner/lora.py
+    quantised = cfg.lora.base_precision if cfg.lora.rank else None
+    quantised = quantised if quantised in ("nf4", "int8") else None  # the adapted linears' storage
     return c, Training(seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch,
                        precision=cfg.train.precision, bucket_mb=cfg.parallel.bucket_mb,
-                       lora_rank=cfg.lora.rank, lora_base_bytes=2 if bf16_base else None)
+                       lora_rank=cfg.lora.rank, lora_base_bytes=2 if bf16_base else None,
+                       lora_quantised=quantised)
 
 
 def auto_layout(cfg: Config, machine: Callable[[int], Cluster], *,

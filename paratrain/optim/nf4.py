@@ -1,0 +1,174 @@
+"""A frozen weight stored in 4 or 8 bits: QLoRA's NF4 (Dettmers et al. 2023) and a linear int8.
+
+The weight, flattened row-major, is cut into blocks of ``BLOCK`` (64) consecutive elements. Each
+block is multiplied by the reciprocal of its absolute maximum (so it lies in [-1, 1]) and every
+value is replaced by the index of the nearest entry of a code book:
+
+* ``nf4``: the 16 NormalFloat values (quantiles of N(0, 1) normalised to [-1, 1], with an exact
+  zero), bitsandbytes' ``get_4bit_type("nf4")``; two indices per byte, the first element of a pair
+  in the high nibble (bitsandbytes' packing);
+* ``int8``: 255 evenly spaced values k/127, k = -127..127 (symmetric absmax int8, per block of 64,
+  not per row: the same block layout as nf4, so both share every other piece of code).
+
+Double quantisation (QLoRA §3): the fp32 block scales (one per 64 weights: 0.5 bit per weight) are
+themselves stored in 8 bits: their mean is subtracted (the ``offset``), and the centred scales are
+quantised block-wise in blocks of ``SCALE_BLOCK`` (256) with the signed dynamic 8-bit map of
+optim/quant.py (bitsandbytes' ``create_dynamic_map(signed=True)``, the map its
+``quantize_blockwise`` uses), one fp32 scale per 256 scales: 8/64 + 32/(64*256) = 0.127 bit per
+weight. This is bitsandbytes' ``quantize_4bit(..., compress_statistics=True)`` exactly (the
+nearest code by the midpoints between codes, as its ``torch.bucketize``; ties to the lower code).
+
+A quantised weight is four tensors (``PARTS``), each a frozen parameter of its layer (checkpointed,
+sharded by ZeRO, gathered like any other): ``codes`` (uint8), ``absmax_q`` (uint8, one per block),
+``absmax_scale`` (fp32, one per 256 blocks) and ``absmax_offset`` (fp32 [1]).
+
+``QuantisedLinear`` is the linear over such a weight: forward and backward dequantise it a chunk of
+rows at a time (``CHUNK_ELEMS`` weights, 4 MiB in fp32), so no step ever holds a layer's weight, let
+alone the model's, in full precision; the frozen weight gets no gradient, only the input does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from paratrain.optim.quant import SIGNED, dequantise, n_blocks, quantise
+from paratrain.perf.quantised import BITS, BLOCK, PARTS, SCALE_BLOCK, part_shapes, stored_bytes
+
+__all__ = ["BITS", "BLOCK", "CODES", "INT8", "NF4", "PARTS", "SCALE_BLOCK", "QuantisedLinear",
+           "block_scales", "dequantise_range", "dequantise_weight", "kind_of", "part_shapes",
+           "quantise_weight", "stored_bytes"]
+
+#: bitsandbytes' NF4 code book (functional.py ``get_4bit_type("nf4")``; QLoRA, appendix E).
+NF4_VALUES = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+              -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+              0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+              0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)
+NF4 = torch.tensor(NF4_VALUES, dtype=torch.float32)
+INT8 = torch.arange(-127, 128, dtype=torch.float32) / 127
+CODES = {"nf4": NF4, "int8": INT8}
+CHUNK_ELEMS = 1 << 20  # weights dequantised at a time inside a linear's forward and backward
+
+
+def kind_of(codes_numel: int, shape: tuple[int, ...]) -> str:
+    """The kind whose codes for a weight of ``shape`` number ``codes_numel`` (nf4: two per byte)."""
+    n = math.prod(shape)
+    return "int8" if codes_numel == n and n > 1 else "nf4"
+
+
+@torch.no_grad()
+def quantise_weight(w: torch.Tensor, kind: str, block: int = BLOCK) -> dict[str, torch.Tensor]:
+    """The ``PARTS`` of ``w`` (any shape; flattened row-major) stored as ``kind``."""
+    code = CODES[kind]
+    flat = w.detach().reshape(-1).float()
+    n = flat.numel()
+    pad = n_blocks(n, block) * block - n
+    blocks = torch.cat([flat, flat.new_zeros(pad)]).view(-1, block)  # zeros change no absmax
+    absmax = blocks.abs().amax(dim=1)
+    # As bitsandbytes: whole blocks multiplied by the reciprocal, a last partial block divided (the
+    # same roundings, so the same codes); an odd count padded with a zero before packing
+    safe = absmax.clamp(min=1e-38)
+    scaled = torch.clamp(blocks * (1.0 / safe)[:, None], -1, 1).reshape(-1)[:n]
+    if pad:
+        tail = n - (block - pad)
+        scaled[tail:] = torch.clamp(flat[tail:] / safe[-1], -1, 1)
+    if BITS[kind] == 4:
+        scaled = torch.cat([scaled, scaled.new_zeros(n % 2)])
+    idx = torch.bucketize(scaled, (code[1:] + code[:-1]) / 2, out_int32=True).to(torch.uint8)
+    if BITS[kind] == 4:
+        idx = (idx[0::2] << 4) | idx[1::2]
+    offset = absmax.mean()
+    absmax_q, absmax_scale = quantise(absmax - offset, SIGNED, SCALE_BLOCK)
+    return {"codes": idx.contiguous(), "absmax_q": absmax_q, "absmax_scale": absmax_scale,
+            "absmax_offset": offset.reshape(1)}
+
+
+def block_scales(parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """fp32 [n_blocks]: every block's absmax, as dequantised from the second level."""
+    return dequantise(parts["absmax_q"], parts["absmax_scale"], SIGNED, SCALE_BLOCK) + parts["absmax_offset"]
+
+
+def dequantise_range(parts: dict[str, torch.Tensor], kind: str, lo: int, hi: int, *,
+                     absmax: torch.Tensor | None = None, block: int = BLOCK) -> torch.Tensor:
+    """fp32 values of flat elements [lo, hi) of a quantised weight; ``absmax`` (``block_scales``) may
+    be passed by a caller that reads many ranges of one weight."""
+    absmax = block_scales(parts) if absmax is None else absmax
+    codes = parts["codes"]
+    if lo % block == 0 and hi % block == 0 and block % 2 == 0:  # whole blocks (a linear's row chunks)
+        return _whole_blocks(codes, kind, lo, hi, absmax, block)
+    if BITS[kind] == 4:  # the bytes holding [lo, hi), unpacked
+        b0, b1 = lo // 2, (hi + 1) // 2
+        byte = codes[b0:b1]
+        idx = torch.stack([byte >> 4, byte & 0xF], dim=1).reshape(-1)[lo - 2 * b0:hi - 2 * b0]
+    else:
+        idx = codes[lo:hi]
+    values = CODES[kind].to(codes.device).index_select(0, idx.int())
+    first = lo // block
+    scale = absmax[first:n_blocks(hi, block)].repeat_interleave(block)
+    return values * scale[lo - first * block:hi - first * block]
+
+
+def _pair_table(code: torch.Tensor) -> torch.Tensor:
+    """[256, 2]: a packed nf4 byte's two values (high nibble first)."""
+    byte = torch.arange(256)
+    return torch.stack([code[byte >> 4], code[byte & 0xF]], dim=1)
+
+
+# The values of one byte's codes: nf4's pair of fp32 values viewed as ONE 8-byte element, so the
+# lookup is a 1-D gather (measured here: ~5x faster than gathering rows of a [256, 2] table)
+_BYTE_VALUES = {"nf4": _pair_table(NF4).view(torch.float64).view(-1), "int8": INT8}
+
+
+def _whole_blocks(codes: torch.Tensor, kind: str, lo: int, hi: int, absmax: torch.Tensor,
+                  block: int) -> torch.Tensor:
+    """``dequantise_range`` of whole blocks: one lookup per byte, each block times its scale by
+    broadcasting (no per-element index arithmetic)."""
+    per_byte = 2 if BITS[kind] == 4 else 1
+    table = _BYTE_VALUES[kind].to(codes.device)
+    values = table.index_select(0, codes[lo // per_byte:hi // per_byte].int()).view(torch.float32)
+    return (values.view(-1, block) * absmax[lo // block:hi // block, None]).view(-1)
+
+
+def dequantise_weight(parts: dict[str, torch.Tensor], kind: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """The whole fp32 weight (export, tests): never used inside training's forward or backward."""
+    return dequantise_range(parts, kind, 0, math.prod(shape)).view(shape)
+
+
+def _row_chunks(out_features: int, in_features: int) -> list[tuple[int, int]]:
+    rows = max(1, CHUNK_ELEMS // max(1, in_features))
+    return [(r, min(r + rows, out_features)) for r in range(0, out_features, rows)]
+
+
+class QuantisedLinear(torch.autograd.Function):
+    """``x W^T`` with W read from ``parts()`` (a callable, so that a ZeRO-3 gather in backward is
+    seen), dequantised a chunk of rows at a time in forward and again in backward; W gets no
+    gradient. Computed in x's dtype."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, parts: Callable[[], dict[str, torch.Tensor]], kind: str,
+                shape: tuple[int, int]) -> torch.Tensor:
+        ctx.parts, ctx.kind, ctx.shape = parts, kind, shape
+        out_f, in_f = shape
+        p = parts()
+        absmax = block_scales(p)
+        y = x.new_empty(*x.shape[:-1], out_f)
+        for r0, r1 in _row_chunks(out_f, in_f):
+            w = dequantise_range(p, kind, r0 * in_f, r1 * in_f, absmax=absmax).view(r1 - r0, in_f)
+            y[..., r0:r1] = x @ w.to(x.dtype).t()  # [..., rows of this chunk]
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        out_f, in_f = ctx.shape
+        p = ctx.parts()
+        absmax = block_scales(p)
+        grad_x = None
+        for r0, r1 in _row_chunks(out_f, in_f):
+            w = dequantise_range(p, ctx.kind, r0 * in_f, r1 * in_f, absmax=absmax).view(r1 - r0, in_f)
+            part = grad_y[..., r0:r1] @ w.to(grad_y.dtype)  # [..., in]
+            grad_x = part if grad_x is None else grad_x.add_(part)
+        return grad_x, None, None, None
