@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from paratrain.comm.collectives import Axis, CommCounter
+from paratrain.context_parallel.alltoall import alltoall_attention
 from paratrain.context_parallel.ring import ring_attention
 from paratrain.context_parallel.split import split_batch, split_sequence
 from paratrain.models.decoder import block_causal_mask
@@ -42,7 +43,7 @@ def _reference(q, k, v, positions, dout):
     return y.detach(), q.grad, k.grad, v.grad
 
 
-def _ring_on_rank(env):
+def _cp_attention_on_rank(env, method: str):
     axis = Axis("cp", env.world_size, env.rank, list(range(env.world_size)), torch.distributed.group.WORLD,
                 CommCounter())
     q, k, v, packed, dout = _qkv_and_positions()
@@ -51,18 +52,21 @@ def _ring_on_rank(env):
         ref = _reference(q, k, v, positions, dout)
         mine = [split_sequence(t.transpose(1, 2), r, n).transpose(1, 2) for t in (q, k, v, dout)]
         ql, kl, vl = (t.clone().requires_grad_() for t in mine[:3])
-        y = ring_attention(ql, kl, vl, split_sequence(positions, r, n), axis)
+        attention = ring_attention if method == "ring" else alltoall_attention
+        y = attention(ql, kl, vl, split_sequence(positions, r, n), axis)
         y.backward(mine[3])
         for got, want in zip((y, ql.grad, kl.grad, vl.grad), ref):
             want = split_sequence(want.transpose(1, 2), r, n).transpose(1, 2)
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    return axis.counter.snapshot()["payload"].get("send", 0)
+    return sum(axis.counter.snapshot()["payload"].values())
 
 
-def test_ring_attention_equals_one_process_cp2_cp4():
-    """Outputs and q/k/v gradients at cp2 and cp4, plain and packed (documents crossing ranks)."""
+@pytest.mark.parametrize("method", ["ring", "alltoall"])
+def test_cp_attention_equals_one_process_cp2_cp4(method):
+    """Outputs and q/k/v gradients at cp2 and cp4, plain and packed (documents crossing ranks);
+    4 query heads, 2 kv heads: all-to-all scatters them at cp2 and replicates them at cp4."""
     for n in (2, 4):
-        sent = run(_ring_on_rank, n)
+        sent = run(_cp_attention_on_rank, n, method)
         assert all(s > 0 for s in sent)
 
 
@@ -127,3 +131,25 @@ def test_cp_training_equals_one_process_float64(tmp_path):
     """cp2, cp4 and dp2 x cp2 (DDP over dp x cp): losses and final weights as one process."""
     _layouts(tmp_path, {}, {2: {"cp2": {"parallel.cp": 2}},
                             4: {"cp4": {"parallel.cp": 4}, "dp2_cp2": {"parallel.dp": 2, "parallel.cp": 2}}})
+
+
+# -- bad input: one message with the fix, exit 2, before any worker --------------------------------
+
+
+def test_bad_cp_input_is_refused_before_any_worker(tmp_path, capsys):
+    from paratrain import cli, config
+    from paratrain.engine import checks
+    from tests.harness import tiny_cfg
+
+    cases = {"must be divisible by 2 x cp = 8": {"parallel.cp": 4, "data.seq_len": 20},
+             "use --cp-method ring": {"parallel.cp": 4, "parallel.cp_method": "alltoall", "model.n_heads": 2},
+             "routes no attention": {"parallel.cp": 2, "model.name": "cnn-tiny"},
+             "add --cp N": {"parallel.cp_method": "alltoall"}}
+    for message, overrides in cases.items():
+        cfg = tiny_cfg(tmp_path / "bad", **{**SHAPE, "model.n_heads": 4, "model.n_kv_heads": 2, **overrides})
+        with pytest.raises(config.ConfigError, match=message):
+            checks.validate(cfg, cfg.world_size)
+    code = cli.main(["train", "--model", "tiny", "--cp", "2", "--seq-len", "30", "--max-files", "10",
+                     "--out", str(tmp_path / "run"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--seq-len 28" in err and "Traceback" not in err

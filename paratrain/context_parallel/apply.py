@@ -14,13 +14,14 @@ import torch
 import torch.nn as nn
 
 from paratrain.comm.collectives import Axis
+from paratrain.context_parallel.alltoall import alltoall_attention
 from paratrain.context_parallel.ring import ring_attention
 from paratrain.models.registry import family_of
 
 
 class ContextParallelAttention(nn.Module):
     """The attention core under context parallelism: q/k/v of this rank's positions [b, h, s, hd],
-    attention over every cp rank's keys by ``method`` (ring: ring.py)."""
+    attention over every cp rank's keys by ``method`` (ring: ring.py; alltoall: alltoall.py)."""
 
     def __init__(self, axis: Axis, method: str = "ring"):
         super().__init__()
@@ -32,6 +33,11 @@ class ContextParallelAttention(nn.Module):
         if positions is None or mask is not None or not causal:
             raise RuntimeError("context-parallel attention needs this rank's positions (training and "
                                "evaluation pass them: context_parallel/split.py), and runs no KV cache")
+        method = self.method
+        if method == "auto":  # all-to-all moves 4/N of q/k/v/out per rank, the ring (N-1)/N of k/v
+            method = "alltoall" if q.shape[1] % self.axis.size == 0 else "ring"  # twice, dK/dV too
+        if method == "alltoall":
+            return alltoall_attention(q, k, v, positions, self.axis)
         return ring_attention(q, k, v, positions, self.axis)
 
 

@@ -13,6 +13,7 @@ import os
 
 from paratrain.comm import host_reduce
 from paratrain.config import DEFAULT_SEQ_LEN, Config, ConfigError, ParallelConfig, bullets, check_values
+from paratrain.context_parallel.checks import check_context_parallel
 from paratrain.engine.lora import apply_run_lora, check_lora, trainable_count
 from paratrain.memory.layout import check_savers
 from paratrain.models import PRESETS, build_model, model_kind
@@ -106,6 +107,7 @@ def check_layout(cfg: Config, problems: list[str]) -> None:
     _check_hybrid(cfg, problems)
     _check_param_server(cfg, problems)
     _check_sync(cfg, problems)
+    check_context_parallel(cfg, problems)  # context_parallel/checks.py
     check_savers(cfg, problems)
     check_lora(cfg, problems)  # engine/lora.py: targets, rank, and what LoRA composes with
     if cfg.train.precision not in ("fp32", "auto") and not model_kind(cfg.model.name).mixed_precision:
