@@ -12,7 +12,12 @@ from paratrain.context_parallel.alltoall import alltoall_attention
 from paratrain.context_parallel.ring import ring_attention
 from paratrain.context_parallel.split import split_batch, split_sequence
 from paratrain.models.decoder import block_causal_mask
+from paratrain import config
+from paratrain.models import preset
+from paratrain.train.trainer import Trainer
 from tests.dist import run
+from tests.harness import FP32_REORDERED, RunResult, assert_same_training
+from tests.test_masked_loss_layouts import PackedTask
 
 
 def test_head_tail_split_holds_chunks_r_and_2n_minus_1_minus_r():
@@ -70,74 +75,92 @@ def test_cp_attention_equals_one_process_cp2_cp4(method):
         assert all(s > 0 for s in sent)
 
 
-# -- training: every layout against one process, in float64 ------------------------------------
+# -- training: every layout against one process ---------------------------------------------------
+#
+# On tests/test_masked_loss_layouts.py's packed rows (examples of random lengths crossing the chunk
+# borders, positions restarting at each, prompt targets -100, a row with nothing counted), with a
+# smaller Llama (2 layers, dim 32, 4 heads, 2 kv heads). Head-tail chunks of 16 positions: 4 at
+# cp2, 2 at cp4.
 
 SHAPE = {"model.dim": 32, "model.n_layers": 2, "model.n_heads": 2, "model.n_kv_heads": 1, "model.ffn_dim": 64,
          "train.steps": 3, "train.global_batch": 4, "data.seq_len": 16}
-# float64: reordering noise after 3 AdamW steps stays ~1e-14 relative; a wrong attention gradient
-# or a mis-normalised loss moves weights by ~lr (1e-2), far outside this.
+SMALL = {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64}
+BASE = {"model.name": "tiny", "data.seq_len": 16, "train.steps": 3, "train.global_batch": 4,
+        "train.eval_every": 3, "train.eval_batches": 1, "train.progress": False,
+        "optim.warmup_steps": 1, "optim.lr": 1e-2}
+# float64: reordering noise after 3 AdamW steps stays ~1e-14 relative; a wrong attention gradient,
+# a mask that lets documents (or the future) through, or a mis-normalised loss moves weights by
+# ~lr (1e-2), far outside this.
 REL64 = 1e-9
 
 
-def _fit_float64(env, runs: list[dict]) -> list:
-    """Train each run with every tensor in float64; rank 0 returns (losses, final weights) of each."""
-    from paratrain import config
-    from paratrain.train.trainer import Trainer
+class SmallPackedTask(PackedTask):
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.model_cfg = preset(cfg.model.name, max_seq_len=16, **SMALL)
+        self.n_params = self.model_cfg.n_params()
 
+
+def _fit(env, runs: list[dict], float64: bool) -> list:
+    """Train each run (every tensor in float64 if asked); rank 0 returns (losses incl. eval, final
+    weights) of each."""
     default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
+    if float64:
+        torch.set_default_dtype(torch.float64)
     try:
         out = []
         for d in runs:
-            result = Trainer(config.Config.from_dict(d), env).fit()
+            cfg = config.Config.from_dict(d)
+            result = Trainer(cfg, env, task=SmallPackedTask(cfg)).fit()
             if env is None or env.rank == 0:
-                out.append((result.losses, {k: v.clone() for k, v in result.final_state.items()}))
+                out.append(RunResult(result.losses + [v for _, v in result.val_losses],
+                                     {k: v.clone() for k, v in result.final_state.items()}))
         return out
     finally:
         torch.set_default_dtype(default)
 
 
-def _assert_same64(got, ref, what: str) -> None:
-    (losses, weights), (ref_losses, ref_weights) = got, ref
+def _assert_same64(got: RunResult, ref: RunResult, what: str) -> None:
     # the logged loss is each rank's share summed in fp32 by the executor (base/executor.py), so
     # it agrees to fp32 rounding of N shares; the weights carry the float64 check
-    assert losses == pytest.approx(ref_losses, rel=1e-6, abs=0), what
-    assert weights.keys() == ref_weights.keys()
-    for name, w in ref_weights.items():
-        rel = ((weights[name] - w).norm() / w.norm()).item()
+    assert got.losses == pytest.approx(ref.losses, rel=1e-6, abs=0), what
+    assert got.weights.keys() == ref.weights.keys()
+    for name, w in ref.weights.items():
+        rel = ((got.weights[name] - w).norm() / w.norm()).item()
         assert rel < REL64, f"{what}: {name} differs from one process by {rel:.2e} (relative)"
 
 
-def _layouts(tmp_path, ref_overrides: dict, layouts: dict[int, dict[str, dict]]) -> None:
-    """Train one process and each layout (grouped by process count: one launch each) in float64."""
-    from paratrain.engine import checks
-    from paratrain.train.task import build_task
-    from tests.harness import tiny_cfg
-
-    ref_cfg = tiny_cfg(tmp_path / "ref", **SHAPE, **ref_overrides)
-    checks.validate(ref_cfg, 1)
-    build_task(ref_cfg)  # tokenize once; the workers map the cache
-    ref = _fit_float64(None, [ref_cfg.to_dict()])[0]
+def _check_layouts(tmp_path, layouts: dict[int, dict[str, dict]], *, float64: bool = True) -> None:
+    """One process, then each layout (one launch per process count), against it."""
+    ref_cfg = config.load(None, {**BASE, "train.out": str(tmp_path / "ref")})
+    ref = _fit(None, [ref_cfg.to_dict()], float64)[0]
     for nproc, named in layouts.items():
-        cfgs = [tiny_cfg(tmp_path / name, **SHAPE, **ref_overrides, **lay) for name, lay in named.items()]
-        for c in cfgs:
-            checks.validate(c, nproc)
-        got = run(_fit_float64, nproc, [c.to_dict() for c in cfgs], timeout=240)[0]
+        cfgs = [config.load(None, {**BASE, "train.out": str(tmp_path / name), **lay}) for name, lay in named.items()]
+        got = run(_fit, nproc, [c.to_dict() for c in cfgs], float64, timeout=240)[0]
         for name, result in zip(named, got):
-            _assert_same64(result, ref, name)
+            if float64:
+                _assert_same64(result, ref, name)
+            else:  # ZeRO keeps fp32 flat buffers: the harness's fp32 criterion (tests/harness.py)
+                assert_same_training(result, ref, **FP32_REORDERED)
 
 
 def test_cp_training_equals_one_process_float64(tmp_path):
-    """cp2, cp4 and dp2 x cp2 (DDP over dp x cp): losses and final weights as one process."""
-    _layouts(tmp_path, {}, {2: {"cp2": {"parallel.cp": 2}},
-                            4: {"cp4": {"parallel.cp": 4}, "dp2_cp2": {"parallel.dp": 2, "parallel.cp": 2}}})
+    """Packed rows, loss masks, eval: cp2 (ring; all-to-all with selective recompute), cp4,
+    dp2 x cp2 (DDP over dp x cp, all-to-all), tp2 x cp2 with SP; losses and weights as one process."""
+    _check_layouts(tmp_path, {
+        2: {"cp2": {"parallel.cp": 2},
+            "cp2_a2a_recompute": {"parallel.cp": 2, "parallel.cp_method": "alltoall",
+                                  "train.recompute": "selective"}},
+        4: {"cp4": {"parallel.cp": 4},
+            "dp2_cp2_a2a": {"parallel.dp": 2, "parallel.cp": 2, "parallel.cp_method": "alltoall"},
+            "tp2_cp2_sp": {"parallel.tp": 2, "parallel.cp": 2, "parallel.sp": True}}})
 
 
 # -- bad input: one message with the fix, exit 2, before any worker --------------------------------
 
 
 def test_bad_cp_input_is_refused_before_any_worker(tmp_path, capsys):
-    from paratrain import cli, config
+    from paratrain import cli
     from paratrain.engine import checks
     from tests.harness import tiny_cfg
 
