@@ -3,6 +3,8 @@ equal to one process in float64 (no cross-rank reduction reorders much: toleranc
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -97,7 +99,8 @@ REL64 = 1e-9
 class SmallPackedTask(PackedTask):
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.model_cfg = preset(cfg.model.name, max_seq_len=16, **SMALL)
+        own = {f.name for f in dataclasses.fields(preset(cfg.model.name))}  # GPT-2 has no n_kv_heads
+        self.model_cfg = preset(cfg.model.name, max_seq_len=16, **{k: v for k, v in SMALL.items() if k in own})
         self.n_params = self.model_cfg.n_params()
 
 
@@ -126,31 +129,48 @@ def _assert_same64(got: RunResult, ref: RunResult, what: str) -> None:
     assert got.losses == pytest.approx(ref.losses, rel=1e-6, abs=0), what
     assert got.weights.keys() == ref.weights.keys()
     for name, w in ref.weights.items():
+        if name.endswith("attn.wk.bias"):
+            # GPT-2's key bias adds q.b to every score of a query: softmax ignores it, so its exact
+            # gradient is 0 and what is computed is rounding noise, which AdamW scales to +-lr
+            # whatever its size; it is checked to stay that small instead
+            assert (got.weights[name] - w).abs().max() < 2 * BASE["optim.lr"] * BASE["train.steps"]
+            continue
         rel = ((got.weights[name] - w).norm() / w.norm()).item()
         assert rel < REL64, f"{what}: {name} differs from one process by {rel:.2e} (relative)"
 
 
+LAYOUT_KEYS = ("parallel.", "train.recompute")  # what a layout changes; the rest is the run itself
+
+
 def _check_layouts(tmp_path, layouts: dict[int, dict[str, dict]], *, float64: bool = True) -> None:
-    """One process, then each layout (one launch per process count), against it."""
-    ref_cfg = config.load(None, {**BASE, "train.out": str(tmp_path / "ref")})
-    ref = _fit(None, [ref_cfg.to_dict()], float64)[0]
+    """Each layout (one launch per process count) against one process running the same model and
+    settings without the layout keys."""
+    refs: dict[str, RunResult] = {}
     for nproc, named in layouts.items():
         cfgs = [config.load(None, {**BASE, "train.out": str(tmp_path / name), **lay}) for name, lay in named.items()]
         got = run(_fit, nproc, [c.to_dict() for c in cfgs], float64, timeout=240)[0]
-        for name, result in zip(named, got):
+        for (name, lay), result in zip(named.items(), got):
+            own = {k: v for k, v in lay.items() if not k.startswith(LAYOUT_KEYS)}
+            key = repr(sorted(own.items()))
+            if key not in refs:
+                ref_cfg = config.load(None, {**BASE, "train.out": str(tmp_path / f"ref{len(refs)}"), **own})
+                refs[key] = _fit(None, [ref_cfg.to_dict()], float64)[0]
             if float64:
-                _assert_same64(result, ref, name)
+                _assert_same64(result, refs[key], name)
             else:  # ZeRO keeps fp32 flat buffers: the harness's fp32 criterion (tests/harness.py)
-                assert_same_training(result, ref, **FP32_REORDERED)
+                assert_same_training(result, refs[key], **FP32_REORDERED)
 
 
 def test_cp_training_equals_one_process_float64(tmp_path):
-    """Packed rows, loss masks, eval: cp2 (ring; all-to-all with selective recompute), cp4,
-    dp2 x cp2 (DDP over dp x cp, all-to-all), tp2 x cp2 with SP; losses and weights as one process."""
+    """Packed rows, loss masks, eval: cp2 (ring; all-to-all with selective recompute; GPT-2's
+    learned positions; LoRA), cp4, dp2 x cp2 (DDP over dp x cp, all-to-all), tp2 x cp2 with SP;
+    losses and final weights as one process."""
     _check_layouts(tmp_path, {
         2: {"cp2": {"parallel.cp": 2},
             "cp2_a2a_recompute": {"parallel.cp": 2, "parallel.cp_method": "alltoall",
-                                  "train.recompute": "selective"}},
+                                  "train.recompute": "selective"},
+            "gpt2_cp2": {"model.name": "gpt2-tiny", "parallel.cp": 2},  # learned positions
+            "lora_cp2": {"lora.rank": 4, "parallel.cp": 2}},
         4: {"cp4": {"parallel.cp": 4},
             "dp2_cp2_a2a": {"parallel.dp": 2, "parallel.cp": 2, "parallel.cp_method": "alltoall"},
             "tp2_cp2_sp": {"parallel.tp": 2, "parallel.cp": 2, "parallel.sp": True}}})
@@ -176,3 +196,9 @@ def test_bad_cp_input_is_refused_before_any_worker(tmp_path, capsys):
                      "--out", str(tmp_path / "run"), "--no-progress"])
     err = capsys.readouterr().err
     assert code == 2 and "--seq-len 28" in err and "Traceback" not in err
+
+
+def test_cp_with_zero_1_2_3_equals_one_process(tmp_path):
+    """ZeRO shards over dp x cp (the mesh's dp axis): fp32, the harness's criterion."""
+    _check_layouts(tmp_path, {2: {f"cp2_zero{z}": {"parallel.cp": 2, "parallel.zero": z} for z in (1, 2, 3)}},
+                   float64=False)
