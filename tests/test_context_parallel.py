@@ -139,7 +139,7 @@ def _assert_same64(got: RunResult, ref: RunResult, what: str) -> None:
         assert rel < REL64, f"{what}: {name} differs from one process by {rel:.2e} (relative)"
 
 
-LAYOUT_KEYS = ("parallel.", "train.recompute")  # what a layout changes; the rest is the run itself
+LAYOUT_KEYS = ("parallel.", "train.recompute", "train.micro_batch")  # what a layout changes; the rest is the run itself
 
 
 def _check_layouts(tmp_path, layouts: dict[int, dict[str, dict]], *, float64: bool = True) -> None:
@@ -163,7 +163,7 @@ def _check_layouts(tmp_path, layouts: dict[int, dict[str, dict]], *, float64: bo
 
 def test_cp_training_equals_one_process_float64(tmp_path):
     """Packed rows, loss masks, eval: cp2 (ring; all-to-all with selective recompute; GPT-2's
-    learned positions; LoRA), cp4, dp2 x cp2 (DDP over dp x cp, all-to-all), tp2 x cp2 with SP;
+    learned positions; LoRA), cp4, dp2 x cp2 (DDP over dp x cp, all-to-all), tp2 x cp2 with SP, pp2 x cp2 (1F1B, zero-bubble H1);
     losses and final weights as one process."""
     _check_layouts(tmp_path, {
         2: {"cp2": {"parallel.cp": 2},
@@ -173,7 +173,10 @@ def test_cp_training_equals_one_process_float64(tmp_path):
             "lora_cp2": {"lora.rank": 4, "parallel.cp": 2}},
         4: {"cp4": {"parallel.cp": 4},
             "dp2_cp2_a2a": {"parallel.dp": 2, "parallel.cp": 2, "parallel.cp_method": "alltoall"},
-            "tp2_cp2_sp": {"parallel.tp": 2, "parallel.cp": 2, "parallel.sp": True}}})
+            "tp2_cp2_sp": {"parallel.tp": 2, "parallel.cp": 2, "parallel.sp": True},
+            "pp2_cp2_1f1b": {"parallel.pp": 2, "parallel.cp": 2, "train.micro_batch": 1},
+            "pp2_cp2_zbh1": {"parallel.pp": 2, "parallel.cp": 2, "parallel.pp_schedule": "zb-h1",
+                             "train.micro_batch": 1}}})
 
 
 # -- bad input: one message with the fix, exit 2, before any worker --------------------------------

@@ -34,7 +34,8 @@ def check_context_parallel(cfg: Config, problems: list[str]) -> None:
                 "fractions are per micro-batch: not checked under a split sequence yet)"),
                (p.sync != "ddp", f"--sync {p.sync} (the cp ranks of a batch must sum gradients every step)"),
                (cfg.train.compile, "--compile (the ring's point-to-point calls are not compiled)"),
-               (p.pp > 1, "--pp (pipeline stages are not checked with a split sequence yet)")]
+               (p.dp_replicate > 1 or p.dp_shard is not None,
+                "--dp-replicate / --dp-shard (hybrid shard groups over dp x cp are not checked yet)")]
     for bad, what in refused:
         if bad:
             problems.append(f"--cp {cp} with {what} is not supported: drop one of them")
