@@ -4,18 +4,19 @@ equal to one process in float64 (no cross-rank reduction reorders much: toleranc
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from paratrain import config
 from paratrain.comm.collectives import Axis, CommCounter
 from paratrain.context_parallel.alltoall import alltoall_attention
 from paratrain.context_parallel.ring import ring_attention
 from paratrain.context_parallel.split import split_batch, split_sequence
-from paratrain.models.decoder import block_causal_mask
-from paratrain import config
 from paratrain.models import preset
+from paratrain.models.decoder import block_causal_mask
 from paratrain.train.trainer import Trainer
 from tests.dist import run
 from tests.harness import FP32_REORDERED, RunResult, assert_same_training
@@ -139,10 +140,10 @@ def _assert_same64(got: RunResult, ref: RunResult, what: str) -> None:
         assert rel < REL64, f"{what}: {name} differs from one process by {rel:.2e} (relative)"
 
 
-LAYOUT_KEYS = ("parallel.", "train.recompute", "train.micro_batch")  # what a layout changes; the rest is the run itself
+LAYOUT_KEYS = ("parallel.", "train.recompute", "train.micro_batch", "train.save_every")  # what a layout changes; the rest is the run itself
 
 
-def _check_layouts(tmp_path, layouts: dict[int, dict[str, dict]], *, float64: bool = True) -> None:
+def _check_layouts(tmp_path, layouts: dict[int, dict[str, dict]], *, float64: bool = True) -> RunResult:
     """Each layout (one launch per process count) against one process running the same model and
     settings without the layout keys."""
     refs: dict[str, RunResult] = {}
@@ -159,6 +160,7 @@ def _check_layouts(tmp_path, layouts: dict[int, dict[str, dict]], *, float64: bo
                 _assert_same64(result, refs[key], name)
             else:  # ZeRO keeps fp32 flat buffers: the harness's fp32 criterion (tests/harness.py)
                 assert_same_training(result, refs[key], **FP32_REORDERED)
+    return refs[repr([])]  # the plain run's reference
 
 
 def test_cp_training_equals_one_process_float64(tmp_path):
@@ -201,7 +203,18 @@ def test_bad_cp_input_is_refused_before_any_worker(tmp_path, capsys):
     assert code == 2 and "--seq-len 28" in err and "Traceback" not in err
 
 
-def test_cp_with_zero_1_2_3_equals_one_process(tmp_path):
-    """ZeRO shards over dp x cp (the mesh's dp axis): fp32, the harness's criterion."""
-    _check_layouts(tmp_path, {2: {f"cp2_zero{z}": {"parallel.cp": 2, "parallel.zero": z} for z in (1, 2, 3)}},
-                   float64=False)
+def test_cp_with_zero_1_2_3_and_resume_at_cp1_equal_one_process(tmp_path):
+    """ZeRO shards over dp x cp (the mesh's dp axis): fp32, the harness's criterion. Then ZeRO-1
+    cp2's checkpoint of step 2 resumes at cp1 (one process, DDP) and ends where one process does:
+    checkpoints hold full tensors, and cp splits none."""
+    layouts = {f"cp2_zero{z}": {"parallel.cp": 2, "parallel.zero": z} for z in (1, 2, 3)}
+    layouts["cp2_zero1"]["train.save_every"] = 2
+    ref = _check_layouts(tmp_path, {2: layouts}, float64=False)
+    resumed = tmp_path / "resumed_cp1" / "checkpoints"
+    shutil.copytree(tmp_path / "cp2_zero1" / "checkpoints" / "step_000002", resumed / "step_000002")
+    (resumed / "latest").write_text("step_000002\n")
+    cfg = config.load(None, {**BASE, "train.out": str(tmp_path / "resumed_cp1"), "train.resume": True})
+    got = _fit(None, [cfg.to_dict()], False)[0]
+    assert len(got.losses) == 2, got.losses  # step 3 and the eval: it did resume, not start over
+    assert_same_training(RunResult(got.losses[-2:], got.weights), RunResult(ref.losses[-2:], ref.weights),
+                         **FP32_REORDERED)
