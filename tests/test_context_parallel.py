@@ -101,7 +101,8 @@ class SmallPackedTask(PackedTask):
     def __init__(self, cfg):
         super().__init__(cfg)
         own = {f.name for f in dataclasses.fields(preset(cfg.model.name))}  # GPT-2 has no n_kv_heads
-        self.model_cfg = preset(cfg.model.name, max_seq_len=16, **{k: v for k, v in SMALL.items() if k in own})
+        shape = {k: v for k, v in SMALL.items() if k in own}
+        self.model_cfg = preset(cfg.model.name, max_seq_len=16, **shape)
         self.n_params = self.model_cfg.n_params()
 
 
@@ -140,7 +141,8 @@ def _assert_same64(got: RunResult, ref: RunResult, what: str) -> None:
         assert rel < REL64, f"{what}: {name} differs from one process by {rel:.2e} (relative)"
 
 
-LAYOUT_KEYS = ("parallel.", "train.recompute", "train.micro_batch", "train.save_every")  # what a layout changes; the rest is the run itself
+# what a layout changes; the rest is the run itself
+LAYOUT_KEYS = ("parallel.", "train.recompute", "train.micro_batch", "train.save_every")
 
 
 def _check_layouts(tmp_path, layouts: dict[int, dict[str, dict]], *, float64: bool = True) -> RunResult:
@@ -148,7 +150,8 @@ def _check_layouts(tmp_path, layouts: dict[int, dict[str, dict]], *, float64: bo
     settings without the layout keys."""
     refs: dict[str, RunResult] = {}
     for nproc, named in layouts.items():
-        cfgs = [config.load(None, {**BASE, "train.out": str(tmp_path / name), **lay}) for name, lay in named.items()]
+        cfgs = [config.load(None, {**BASE, "train.out": str(tmp_path / name), **lay})
+                for name, lay in named.items()]
         got = run(_fit, nproc, [c.to_dict() for c in cfgs], float64, timeout=240)[0]
         for (name, lay), result in zip(named.items(), got):
             own = {k: v for k, v in lay.items() if not k.startswith(LAYOUT_KEYS)}
@@ -165,8 +168,8 @@ def _check_layouts(tmp_path, layouts: dict[int, dict[str, dict]], *, float64: bo
 
 def test_cp_training_equals_one_process_float64(tmp_path):
     """Packed rows, loss masks, eval: cp2 (ring; all-to-all with selective recompute; GPT-2's
-    learned positions; LoRA), cp4, dp2 x cp2 (DDP over dp x cp, all-to-all), tp2 x cp2 with SP, pp2 x cp2 (1F1B, zero-bubble H1);
-    losses and final weights as one process."""
+    learned positions; LoRA), cp4, dp2 x cp2 (DDP over dp x cp, all-to-all), tp2 x cp2 with SP,
+    pp2 x cp2 (1F1B, zero-bubble H1); losses and final weights as one process."""
     _check_layouts(tmp_path, {
         2: {"cp2": {"parallel.cp": 2},
             "cp2_a2a_recompute": {"parallel.cp": 2, "parallel.cp_method": "alltoall",
