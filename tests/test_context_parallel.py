@@ -221,3 +221,51 @@ def test_cp_with_zero_1_2_3_and_resume_at_cp1_equal_one_process(tmp_path):
     assert len(got.losses) == 2, got.losses  # step 3 and the eval: it did resume, not start over
     assert_same_training(RunResult(got.losses[-2:], got.weights), RunResult(ref.losses[-2:], ref.weights),
                          **FP32_REORDERED)
+
+
+# -- the library door: a paratrain Llama in the user's own loop -----------------------------------
+
+
+def _user_loop(par_kwargs: dict | None) -> dict:
+    """The user's loop on paratrain's Llama in float64 (par None: plain torch); final weights."""
+    import torch.nn.functional as F  # noqa: N812
+
+    import paratrain
+    from paratrain.models import build_model, init_weights
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        cfg = preset("tiny", max_seq_len=32, **SMALL)
+        model = build_model(cfg, "cpu")
+        init_weights(model, 0, cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        par = paratrain.Parallel(**par_kwargs) if par_kwargs is not None else None
+        if par is not None:
+            model, opt = par.prepare(model, opt)
+        for k in range(2):
+            ids = torch.randint(0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(k))
+            x, y, positions = ids[:, :-1], ids[:, 1:], None
+            if par is not None:
+                x, y, positions = par.cp_split(x, y)
+            loss = F.cross_entropy(model(x, positions).flatten(0, 1), y.flatten())
+            par.backward(loss) if par is not None else loss.backward()
+            opt.step()
+            opt.zero_grad()
+        state = par.full_state_dict(model) if par is not None else model.state_dict()
+        return {k: v.detach().clone() for k, v in state.items()}
+    finally:
+        torch.set_default_dtype(default)
+
+
+def _library_cp(env) -> list[dict]:
+    return [_user_loop({"cp": 2, "cp_method": m}) for m in ("ring", "alltoall")]
+
+
+def test_library_cp2_in_the_users_loop_equals_one_process():
+    """Parallel(cp=2): cp_split in the loop, ring and all-to-all; final weights as plain torch."""
+    ref = _user_loop(None)
+    for got in run(_library_cp, 2)[0]:
+        for name, w in ref.items():
+            rel = ((got[name] - w).norm() / w.norm()).item()
+            assert rel < REL64, f"{name}: {rel:.2e}"
