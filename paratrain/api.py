@@ -108,7 +108,8 @@ class Parallel:
                                offload_dir=offload_dir, bucket_mb=bucket_mb, precision=precision,
                                timeout=timeout, units=units, tp_plan=tp_plan,
                                sequence_parallel=sequence_parallel, dp_replicate=dp_replicate, sync=sync)
-        if cp < 1 or cp_method not in ("ring", "alltoall", "auto") or (cp > 1 and (pp > 1 or sync != "ddp" or dp_replicate > 1)):
+        cp_unchecked = cp > 1 and (pp > 1 or sync != "ddp" or dp_replicate > 1)
+        if cp < 1 or cp_method not in ("ring", "alltoall", "auto") or cp_unchecked:
             problems.append(f"cp = {cp}, cp_method = {cp_method!r}: cp >= 1, a method of ring | alltoall | "
                             "auto; the library's cp runs with pp = 1, sync = 'ddp', dp_replicate = 1")
         if problems:
