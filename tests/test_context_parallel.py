@@ -66,16 +66,29 @@ def _cp_attention_on_rank(env, method: str):
         for got, want in zip((y, ql.grad, kl.grad, vl.grad), ref):
             want = split_sequence(want.transpose(1, 2), r, n).transpose(1, 2)
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    return sum(axis.counter.snapshot()["payload"].values())
+    return dict(axis.counter.snapshot()["payload"])
+
+
+def _bytes_per_attention(method: str, n: int) -> dict[str, int]:
+    """The formula: payload bytes one rank sends for one forward + backward (float64, b 2, s 16/n,
+    4 q heads, 2 kv heads, hd 8; int64 document starts)."""
+    s = 16 // n
+    q, kv, starts = 2 * 4 * s * 8 * 8, 2 * 2 * s * 8 * 8, 2 * s * 8
+    if method == "ring":  # K, V, starts shifted n-1 times each way; dK, dV (float64) n times
+        return {"send": 2 * (n - 1) * (2 * kv + starts) + n * 2 * kv}
+    kv_sent = kv if 2 % n == 0 else q  # kv heads scattered, or repeated to one per q head first
+    # q, k, v and the output, each way (backward: the reverse exchanges); positions all-gathered
+    return {"all_to_all": 2 * (2 * q + 2 * kv_sent), "all_gather": n * starts}
 
 
 @pytest.mark.parametrize("method", ["ring", "alltoall"])
 def test_cp_attention_equals_one_process_cp2_cp4(method):
     """Outputs and q/k/v gradients at cp2 and cp4, plain and packed (documents crossing ranks);
-    4 query heads, 2 kv heads: all-to-all scatters them at cp2 and replicates them at cp4."""
+    4 query heads, 2 kv heads: all-to-all scatters them at cp2 and replicates them at cp4. The
+    bytes each rank sends (two attentions) are the formula's."""
     for n in (2, 4):
-        sent = run(_cp_attention_on_rank, n, method)
-        assert all(s > 0 for s in sent)
+        want = {kind: 2 * b for kind, b in _bytes_per_attention(method, n).items()}
+        assert run(_cp_attention_on_rank, n, method) == [want] * n
 
 
 # -- training: every layout against one process ---------------------------------------------------
