@@ -4,6 +4,7 @@ equal to one process in float64 (no cross-rank reduction reorders much: toleranc
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import shutil
 
 import pytest
@@ -51,11 +52,9 @@ def _reference(q, k, v, positions, dout):
     return y.detach(), q.grad, k.grad, v.grad
 
 
-def _cp_attention_on_rank(env, method: str):
-    axis = Axis("cp", env.world_size, env.rank, list(range(env.world_size)), torch.distributed.group.WORLD,
-                CommCounter())
+def _cp_attention(axis: Axis, method: str) -> None:
     q, k, v, packed, dout = _qkv_and_positions()
-    n, r = env.world_size, env.rank
+    n, r = axis.size, axis.rank
     for positions in (packed, torch.arange(16).expand(2, -1)):
         ref = _reference(q, k, v, positions, dout)
         mine = [split_sequence(t.transpose(1, 2), r, n).transpose(1, 2) for t in (q, k, v, dout)]
@@ -66,7 +65,20 @@ def _cp_attention_on_rank(env, method: str):
         for got, want in zip((y, ql.grad, kl.grad, vl.grad), ref):
             want = split_sequence(want.transpose(1, 2), r, n).transpose(1, 2)
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    return dict(axis.counter.snapshot()["payload"])
+
+
+def _cp_attention_on_rank(env) -> dict:
+    """cp4 over the 4 ranks and cp2 over ranks {0, 1} and {2, 3}, each method; bytes sent by each."""
+    pairs = [torch.distributed.new_group([0, 1]), torch.distributed.new_group([2, 3])]
+    axes = {4: Axis("cp", 4, env.rank, [0, 1, 2, 3], torch.distributed.group.WORLD, CommCounter())}
+    pair = [0, 1] if env.rank < 2 else [2, 3]
+    axes[2] = Axis("cp", 2, env.rank % 2, pair, pairs[env.rank // 2], CommCounter())
+    sent = {}
+    for (n, axis), method in itertools.product(axes.items(), ("ring", "alltoall")):
+        axis.counter.reset()
+        _cp_attention(axis, method)
+        sent[(method, n)] = dict(axis.counter.snapshot()["payload"])
+    return sent
 
 
 def _bytes_per_attention(method: str, n: int) -> dict[str, int]:
@@ -81,14 +93,14 @@ def _bytes_per_attention(method: str, n: int) -> dict[str, int]:
     return {"all_to_all": 2 * (2 * q + 2 * kv_sent), "all_gather": n * starts}
 
 
-@pytest.mark.parametrize("method", ["ring", "alltoall"])
-def test_cp_attention_equals_one_process_cp2_cp4(method):
-    """Outputs and q/k/v gradients at cp2 and cp4, plain and packed (documents crossing ranks);
-    4 query heads, 2 kv heads: all-to-all scatters them at cp2 and replicates them at cp4. The
-    bytes each rank sends (two attentions) are the formula's."""
-    for n in (2, 4):
-        want = {kind: 2 * b for kind, b in _bytes_per_attention(method, n).items()}
-        assert run(_cp_attention_on_rank, n, method) == [want] * n
+def test_cp_attention_equals_one_process_cp2_cp4():
+    """Ring and all-to-all: outputs and q/k/v gradients at cp2 and cp4, plain and packed
+    (documents crossing ranks); 4 query heads, 2 kv heads: all-to-all scatters them at cp2 and
+    replicates them at cp4. The bytes each rank sends (two attentions) are the formula's."""
+    for sent in run(_cp_attention_on_rank, 4):
+        for (method, n), got in sent.items():
+            want = {kind: 2 * b for kind, b in _bytes_per_attention(method, n).items()}
+            assert got == want, (method, n)
 
 
 # -- training: every layout against one process ---------------------------------------------------
@@ -119,15 +131,14 @@ class SmallPackedTask(PackedTask):
         self.n_params = self.model_cfg.n_params()
 
 
-def _fit(env, runs: list[dict], float64: bool) -> list:
-    """Train each run (every tensor in float64 if asked); rank 0 returns (losses incl. eval, final
-    weights) of each."""
+def _fit(env, runs: list[dict], fp32: set[int] = frozenset()) -> list:
+    """Train each run (every tensor in float64, but for the runs numbered in ``fp32``); rank 0
+    returns (losses incl. eval, final weights) of each."""
     default = torch.get_default_dtype()
-    if float64:
-        torch.set_default_dtype(torch.float64)
     try:
         out = []
-        for d in runs:
+        for i, d in enumerate(runs):
+            torch.set_default_dtype(torch.float32 if i in fp32 else torch.float64)
             cfg = config.Config.from_dict(d)
             result = Trainer(cfg, env, task=SmallPackedTask(cfg)).fit()
             if env is None or env.rank == 0:
@@ -158,43 +169,59 @@ def _assert_same64(got: RunResult, ref: RunResult, what: str) -> None:
 LAYOUT_KEYS = ("parallel.", "train.recompute", "train.micro_batch", "train.save_every")
 
 
-def _check_layouts(tmp_path, layouts: dict[int, dict[str, dict]], *, float64: bool = True) -> RunResult:
+def _check_layouts(tmp_path, layouts: dict[int, dict[str, dict]]) -> dict[str, RunResult]:
     """Each layout (one launch per process count) against one process running the same model and
-    settings without the layout keys."""
+    settings without the layout keys; layouts with ZeRO run in fp32 (its flat buffers and masters
+    are fp32) and are held to the harness's fp32 criterion. Returns the references by key."""
     refs: dict[str, RunResult] = {}
     for nproc, named in layouts.items():
         cfgs = [config.load(None, {**BASE, "train.out": str(tmp_path / name), **lay})
                 for name, lay in named.items()]
-        got = run(_fit, nproc, [c.to_dict() for c in cfgs], float64, timeout=240)[0]
-        for (name, lay), result in zip(named.items(), got):
+        fp32 = {i for i, lay in enumerate(named.values()) if lay.get("parallel.zero")}
+        got = run(_fit, nproc, [c.to_dict() for c in cfgs], fp32, timeout=240)[0]
+        for i, ((name, lay), result) in enumerate(zip(named.items(), got)):
             own = {k: v for k, v in lay.items() if not k.startswith(LAYOUT_KEYS)}
-            key = repr(sorted(own.items()))
+            key = f"{sorted(own.items())} {'fp32' if i in fp32 else 'fp64'}"
             if key not in refs:
                 ref_cfg = config.load(None, {**BASE, "train.out": str(tmp_path / f"ref{len(refs)}"), **own})
-                refs[key] = _fit(None, [ref_cfg.to_dict()], float64)[0]
-            if float64:
-                _assert_same64(result, refs[key], name)
-            else:  # ZeRO keeps fp32 flat buffers: the harness's fp32 criterion (tests/harness.py)
+                refs[key] = _fit(None, [ref_cfg.to_dict()], {0} if i in fp32 else set())[0]
+            if i in fp32:  # the harness's fp32 criterion (tests/harness.py)
                 assert_same_training(result, refs[key], **FP32_REORDERED)
-    return refs[repr([])]  # the plain run's reference
+            else:
+                _assert_same64(result, refs[key], name)
+    return refs
 
 
-def test_cp_training_equals_one_process_float64(tmp_path):
+def test_cp_training_equals_one_process(tmp_path):
     """Packed rows, loss masks, eval: cp2 (ring; all-to-all with selective recompute; GPT-2's
     learned positions; LoRA), cp4, dp2 x cp2 (DDP over dp x cp, all-to-all), tp2 x cp2 with SP,
-    pp2 x cp2 (1F1B, zero-bubble H1); losses and final weights as one process."""
-    _check_layouts(tmp_path, {
+    pp2 x cp2 (1F1B, zero-bubble H1); losses and final weights as one process. ZeRO-1/2/3 at cp2
+    (sharded over dp x cp, the mesh's dp axis) in fp32. Then ZeRO-1 cp2's checkpoint of step 2
+    resumes at cp1 (one process, DDP) and ends where one process does: checkpoints hold full
+    tensors, and cp splits none."""
+    refs = _check_layouts(tmp_path, {
         2: {"cp2": {"parallel.cp": 2},
             "cp2_a2a_recompute": {"parallel.cp": 2, "parallel.cp_method": "alltoall",
                                   "train.recompute": "selective"},
             "gpt2_cp2": {"model.name": "gpt2-tiny", "parallel.cp": 2},  # learned positions
-            "lora_cp2": {"lora.rank": 4, "parallel.cp": 2}},
+            "lora_cp2": {"lora.rank": 4, "parallel.cp": 2},
+            **{f"cp2_zero{z}": {"parallel.cp": 2, "parallel.zero": z, "train.save_every": 2 if z == 1 else 0}
+               for z in (1, 2, 3)}},
         4: {"cp4": {"parallel.cp": 4},
             "dp2_cp2_a2a": {"parallel.dp": 2, "parallel.cp": 2, "parallel.cp_method": "alltoall"},
             "tp2_cp2_sp": {"parallel.tp": 2, "parallel.cp": 2, "parallel.sp": True},
             "pp2_cp2_1f1b": {"parallel.pp": 2, "parallel.cp": 2, "train.micro_batch": 1},
             "pp2_cp2_zbh1": {"parallel.pp": 2, "parallel.cp": 2, "parallel.pp_schedule": "zb-h1",
                              "train.micro_batch": 1}}})
+    ref = refs[f"{[]} fp32"]
+    resumed = tmp_path / "resumed_cp1" / "checkpoints"
+    shutil.copytree(tmp_path / "cp2_zero1" / "checkpoints" / "step_000002", resumed / "step_000002")
+    (resumed / "latest").write_text("step_000002\n")
+    cfg = config.load(None, {**BASE, "train.out": str(tmp_path / "resumed_cp1"), "train.resume": True})
+    got = _fit(None, [cfg.to_dict()], {0})[0]
+    assert len(got.losses) == 2, got.losses  # step 3 and the eval: it did resume, not start over
+    assert_same_training(RunResult(got.losses[-2:], got.weights), RunResult(ref.losses[-2:], ref.weights),
+                         **FP32_REORDERED)
 
 
 # -- bad input: one message with the fix, exit 2, before any worker --------------------------------
@@ -217,23 +244,6 @@ def test_bad_cp_input_is_refused_before_any_worker(tmp_path, capsys):
                      "--out", str(tmp_path / "run"), "--no-progress"])
     err = capsys.readouterr().err
     assert code == 2 and "--seq-len 28" in err and "Traceback" not in err
-
-
-def test_cp_with_zero_1_2_3_and_resume_at_cp1_equal_one_process(tmp_path):
-    """ZeRO shards over dp x cp (the mesh's dp axis): fp32, the harness's criterion. Then ZeRO-1
-    cp2's checkpoint of step 2 resumes at cp1 (one process, DDP) and ends where one process does:
-    checkpoints hold full tensors, and cp splits none."""
-    layouts = {f"cp2_zero{z}": {"parallel.cp": 2, "parallel.zero": z} for z in (1, 2, 3)}
-    layouts["cp2_zero1"]["train.save_every"] = 2
-    ref = _check_layouts(tmp_path, {2: layouts}, float64=False)
-    resumed = tmp_path / "resumed_cp1" / "checkpoints"
-    shutil.copytree(tmp_path / "cp2_zero1" / "checkpoints" / "step_000002", resumed / "step_000002")
-    (resumed / "latest").write_text("step_000002\n")
-    cfg = config.load(None, {**BASE, "train.out": str(tmp_path / "resumed_cp1"), "train.resume": True})
-    got = _fit(None, [cfg.to_dict()], False)[0]
-    assert len(got.losses) == 2, got.losses  # step 3 and the eval: it did resume, not start over
-    assert_same_training(RunResult(got.losses[-2:], got.weights), RunResult(ref.losses[-2:], ref.weights),
-                         **FP32_REORDERED)
 
 
 # -- the library door: a paratrain Llama in the user's own loop -----------------------------------
