@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from paratrain import config
 from paratrain.comm.collectives import Axis, CommCounter
+from paratrain.context_parallel.allgather import allgather_attention
 from paratrain.context_parallel.alltoall import alltoall_attention
 from paratrain.context_parallel.ring import ring_attention
 from paratrain.context_parallel.split import split_batch, split_sequence
@@ -59,7 +60,7 @@ def _cp_attention(axis: Axis, method: str) -> None:
         ref = _reference(q, k, v, positions, dout)
         mine = [split_sequence(t.transpose(1, 2), r, n).transpose(1, 2) for t in (q, k, v, dout)]
         ql, kl, vl = (t.clone().requires_grad_() for t in mine[:3])
-        attention = ring_attention if method == "ring" else alltoall_attention
+        attention = {"ring": ring_attention, "alltoall": alltoall_attention, "allgather": allgather_attention}[method]
         y = attention(ql, kl, vl, split_sequence(positions, r, n), axis)
         y.backward(mine[3])
         for got, want in zip((y, ql.grad, kl.grad, vl.grad), ref):
@@ -74,7 +75,7 @@ def _cp_attention_on_rank(env) -> dict:
     pair = [0, 1] if env.rank < 2 else [2, 3]
     axes[2] = Axis("cp", 2, env.rank % 2, pair, pairs[env.rank // 2], CommCounter())
     sent = {}
-    for (n, axis), method in itertools.product(axes.items(), ("ring", "alltoall")):
+    for (n, axis), method in itertools.product(axes.items(), ("ring", "alltoall", "allgather")):
         axis.counter.reset()
         _cp_attention(axis, method)
         sent[(method, n)] = dict(axis.counter.snapshot()["payload"])
@@ -88,6 +89,8 @@ def _bytes_per_attention(method: str, n: int) -> dict[str, int]:
     q, kv, starts = 2 * 4 * s * 8 * 8, 2 * 2 * s * 8 * 8, 2 * s * 8
     if method == "ring":  # K, V, starts shifted n-1 times each way; dK, dV (float64) n times
         return {"send": 2 * (n - 1) * (2 * kv + starts) + n * 2 * kv}
+    if method == "allgather":  # K and V gathered (backward: their gradients reduce-scattered), starts
+        return {"all_gather": 2 * n * kv + n * starts, "reduce_scatter": 2 * n * kv}
     kv_sent = kv if 2 % n == 0 else q  # kv heads scattered, or repeated to one per q head first
     # q, k, v and the output, each way (backward: the reverse exchanges); positions all-gathered
     return {"all_to_all": 2 * (2 * q + 2 * kv_sent), "all_gather": n * starts}

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from paratrain.comm.collectives import Axis
+from paratrain.context_parallel.allgather import allgather_attention
 from paratrain.context_parallel.alltoall import alltoall_attention
 from paratrain.context_parallel.ring import ring_attention
 from paratrain.models.registry import family_of
@@ -38,6 +39,8 @@ class ContextParallelAttention(nn.Module):
             method = "alltoall" if q.shape[1] % self.axis.size == 0 else "ring"  # twice, dK/dV too
         if method == "alltoall":
             return alltoall_attention(q, k, v, positions, self.axis)
+        if method == "allgather":  # the benchmark's peer (allgather.py), not a --cp-method
+            return allgather_attention(q, k, v, positions, self.axis)
         return ring_attention(q, k, v, positions, self.axis)
 
 

@@ -51,7 +51,7 @@ def _wait(works: list) -> None:
             w.wait()
 
 
-def _visible(q_glob: torch.Tensor, q_start: torch.Tensor, k_glob: torch.Tensor,
+def visible_mask(q_glob: torch.Tensor, q_start: torch.Tensor, k_glob: torch.Tensor,
              k_start: torch.Tensor) -> torch.Tensor:
     """[b, 1, s, t] bool: query i may see key j (causal over global positions, same document)."""
     causal = k_glob[None, None, :] <= q_glob[None, :, None]  # [1, s, t]
@@ -106,7 +106,7 @@ class RingAttentionFn(torch.autograd.Function):
             nxt, works = ring.shift(held) if i < n - 1 else (None, [])
             kb, vb, k_start = held
             k_glob = global_index(kb.shape[2], (r - i) % n, n, q.device)
-            visible = _visible(q_glob, q_start, k_glob, k_start)
+            visible = visible_mask(q_glob, q_start, k_glob, k_start)
             if i == 0 or bool(visible.any()):
                 bo, bl = _block_forward(qw, _expand(kb, group).to(wide), _expand(vb, group).to(wide),
                                         visible, scale)
@@ -136,7 +136,7 @@ class RingAttentionFn(torch.autograd.Function):
             nxt, works = ring.shift(held) if i < n - 1 else (None, [])
             kb, vb, k_start = held
             k_glob = global_index(kb.shape[2], (r - i) % n, n, q.device)
-            visible = _visible(q_glob, q_start, k_glob, k_start)
+            visible = visible_mask(q_glob, q_start, k_glob, k_start)
             dk = dv = None
             if i == 0 or bool(visible.any()):
                 ke, ve = _expand(kb, group).to(wide), _expand(vb, group).to(wide)
