@@ -53,6 +53,9 @@ def _reference(q, k, v, positions, dout):
     return y.detach(), q.grad, k.grad, v.grad
 
 
+METHODS = {"ring": ring_attention, "alltoall": alltoall_attention, "allgather": allgather_attention}
+
+
 def _cp_attention(axis: Axis, method: str) -> None:
     q, k, v, packed, dout = _qkv_and_positions()
     n, r = axis.size, axis.rank
@@ -60,7 +63,7 @@ def _cp_attention(axis: Axis, method: str) -> None:
         ref = _reference(q, k, v, positions, dout)
         mine = [split_sequence(t.transpose(1, 2), r, n).transpose(1, 2) for t in (q, k, v, dout)]
         ql, kl, vl = (t.clone().requires_grad_() for t in mine[:3])
-        attention = {"ring": ring_attention, "alltoall": alltoall_attention, "allgather": allgather_attention}[method]
+        attention = METHODS[method]
         y = attention(ql, kl, vl, split_sequence(positions, r, n), axis)
         y.backward(mine[3])
         for got, want in zip((y, ql.grad, kl.grad, vl.grad), ref):

@@ -1,7 +1,8 @@
 """The one place that fixes the order in which techniques wrap the model.
 
     build (meta device) -> LoRA adapters -> tensor/sequence parallel -> expert parallel (drop the
-    experts other ranks hold) -> context parallel (swap each block's attention core) -> freeze the LoRA base (+ its --base-precision) -> tiling (of
+    experts other ranks hold) -> context parallel (swap each block's attention core) -> freeze
+    the LoRA base (+ its --base-precision) -> tiling (of
     tokens; of weights under ZeRO-3) -> activation checkpointing -> torch.compile per block
     -> pipeline split -> materialise + layout-independent init -> data-parallel strategy (DDP or
     ZeRO-1/2/3) -> optimizer (inside the strategy) -> executor (micro-batch loop or pipeline schedule)
