@@ -106,12 +106,13 @@ def _merge(out, lse, blk_out, blk_lse):
 class _Pairs:
     """The (query chunk, key chunk) pairs of this rank's two chunks and a key block's two that see
     anything: key chunk before the query chunk (all of it) or the same chunk (causal). Plain rows
-    run them through the fused CPU/GPU flash kernel (``is_causal`` on the diagonal, nothing else to
+    run them through the fused CPU flash kernel (``is_causal`` on the diagonal, nothing else to
     mask); packed rows through the explicit computation with the per-document mask."""
 
     def __init__(self, q_glob, q_start, k_glob, k_start, n: int, r: int, owner: int):
         self.c = q_glob.shape[0] // 2
-        self.plain = not bool(q_start.any()) and not bool(k_start.any())
+        # the fused kernel is the CPU one; elsewhere every pair goes the explicit way
+        self.plain = q_glob.is_cpu and not bool(q_start.any()) and not bool(k_start.any())
         self.items = []  # (query half, key half, causal, mask or None)
         for qi, qc in enumerate(chunk_ids(r, n)):
             for ki, kc in enumerate(chunk_ids(owner, n)):
