@@ -64,7 +64,10 @@ def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positi
     order = torch.argsort(gathered_order(positions.shape[1], n, q.device))  # gathered -> global
     glob_pos = everyone.transpose(0, 1).reshape(b, n * s)[:, order]  # [b, N*s]
     q, k, v = (t[:, :, order] for t in (q, k, v))
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_mask(glob_pos),
-                                       enable_gqa=q.shape[1] != k.shape[1])
+    gqa = q.shape[1] != k.shape[1]
+    if torch.equal(glob_pos, torch.arange(n * s, device=glob_pos.device).expand_as(glob_pos)):
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # plain rows: no mask
+    else:
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_mask(glob_pos), enable_gqa=gqa)
     y = y[:, :, torch.argsort(order)]  # back to the gathered order
     return _gather_heads(y, axis)
