@@ -9,6 +9,9 @@ configuration runs in fresh workers, so the peak resident memory of a rank is it
 * ``cpN_allgather``: the peer, all-gathered K/V attention (context_parallel/allgather.py: what
   DTensor falls back to where its ring kernels do not run, a CPU among them).
 
+``attention_s_per_rank``: the attention forward each rank of the largest cp computes, timed alone
+in this process (the load balance measured, not argued), head-tail against contiguous pieces.
+
 Rounds rotate which configuration runs first; figures are medians over rounds, ``ratio`` is
 ring / all-gathered K/V tokens/s at the largest cp, within each round.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -26,6 +30,8 @@ import torch.nn.functional as F
 import paratrain.config as config
 from paratrain.bench.common import add_common_arguments, machine, rotating_rounds, time_steps
 from paratrain.context_parallel.apply import ContextParallelAttention
+from paratrain.context_parallel.ring import Pairs, fused_forward
+from paratrain.context_parallel.split import global_index
 from paratrain.device import rss_peak_bytes
 from paratrain.engine.task import Task
 from paratrain.launch import spawn
@@ -100,6 +106,38 @@ def _config(args: argparse.Namespace, out: str, cp: int) -> config.Config:
         "train.eval_every": 0, "parallel.cp": cp, "parallel.dp": 1})
 
 
+def attention_time_by_rank(seq_len: int, cp: int, *, heads: int = 4, head_dim: int = 16,
+                           repeats: int = 3) -> dict[str, list[float]]:
+    """Seconds of one causal attention forward each cp rank computes (its pairs against every
+    rank's keys, no communication: the work itself), best of ``repeats``: the head-tail split
+    (ring.py's pairs) and, for contrast, contiguous pieces (rank r: its diagonal and r earlier)."""
+    s = seq_len // cp
+    q = torch.randn(1, heads, s, head_dim)
+    zeros = torch.zeros(1, s, dtype=torch.long)
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    def head_tail(r: int) -> None:
+        for owner in range(cp):
+            pairs = Pairs(global_index(s, r, cp), zeros, global_index(s, owner, cp), zeros, cp, r, owner)
+            for qi, ki, causal, _ in pairs.items:
+                fused_forward(q[:, :, pairs.half(qi)], q[:, :, pairs.half(ki)], q[:, :, pairs.half(ki)],
+                               causal, head_dim ** -0.5)
+
+    def contiguous(r: int) -> None:
+        for owner in range(r + 1):
+            fused_forward(q, q, q, owner == r, head_dim ** -0.5)
+
+    return {"head_tail": [best(lambda r=r: head_tail(r)) for r in range(cp)],
+            "contiguous": [best(lambda r=r: contiguous(r)) for r in range(cp)]}
+
+
 def run(args: argparse.Namespace) -> dict:
     degrees = [int(c) for c in args.cp.split(",")]
     methods = args.methods.split(",")
@@ -125,4 +163,5 @@ def run(args: argparse.Namespace) -> dict:
             "paratrain_tokens_per_s": configs.get(f"cp{top}_ring", {}).get("tokens_per_s"),
             "peer_tokens_per_s": configs.get(f"cp{top}_allgather", {}).get("tokens_per_s"),
             "ratio": statistics.median(ratios) if ratios else None, "ratios": ratios,
-            "rounds": args.rounds, "configs": configs, "machine": machine()}
+            "rounds": args.rounds, "configs": configs,
+            "attention_s_per_rank": attention_time_by_rank(args.seq_len, top), "machine": machine()}

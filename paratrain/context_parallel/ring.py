@@ -103,7 +103,7 @@ def _merge(out, lse, blk_out, blk_lse):
     return out * torch.exp(lse - new)[..., None] + blk_out * torch.exp(blk_lse - new)[..., None], new
 
 
-class _Pairs:
+class Pairs:
     """The (query chunk, key chunk) pairs of this rank's two chunks and a key block's two that see
     anything: key chunk before the query chunk (all of it) or the same chunk (causal). Plain rows
     run them through the fused CPU flash kernel (``is_causal`` on the diagonal, nothing else to
@@ -130,7 +130,7 @@ class _Pairs:
         return slice(i * self.c, (i + 1) * self.c)
 
 
-def _fused_forward(q, k, v, causal, scale):
+def fused_forward(q, k, v, causal, scale):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
 
 
@@ -142,7 +142,7 @@ def _fused_backward(dout, q, k, v, out, lse, causal, scale):
 class RingAttentionFn(torch.autograd.Function):
     """softmax(q k^T * scale) v over the whole cp group's keys, causal and per document by GLOBAL
     positions. q [b, hq, s, d], k/v [b, hkv, s, d] (hkv divides hq), positions [b, s] (this
-    rank's, split.py) -> [b, hq, s, d]. Computed per (query chunk, key chunk) pair (``_Pairs``)."""
+    rank's, split.py) -> [b, hq, s, d]. Computed per (query chunk, key chunk) pair (``Pairs``)."""
 
     @staticmethod
     def forward(ctx, q, k, v, positions, axis: Axis, scale: float):
@@ -159,13 +159,13 @@ class RingAttentionFn(torch.autograd.Function):
             kb, vb, k_start = held
             owner = (r - i) % n
             k_glob = global_index(kb.shape[2], owner, n, q.device)
-            pairs = _Pairs(q_glob, q_start, k_glob, k_start, n, r, owner)
+            pairs = Pairs(q_glob, q_start, k_glob, k_start, n, r, owner)
             ke, ve = _expand(kb, group).to(wide), _expand(vb, group).to(wide)
             for qi, ki, causal, mask in pairs.items:
                 qs, ks = pairs.half(qi), pairs.half(ki)
                 qh, kh, vh = qw[:, :, qs], ke[:, :, ks], ve[:, :, ks]
                 if mask is None:
-                    bo, bl = _fused_forward(qh, kh, vh, causal, scale)
+                    bo, bl = fused_forward(qh, kh, vh, causal, scale)
                 else:
                     bo, bl = _block_forward(qh, kh, vh, mask, scale)
                 outs[qi], lses[qi] = _merge(outs[qi], lses[qi], bo, bl)
@@ -196,7 +196,7 @@ class RingAttentionFn(torch.autograd.Function):
             kb, vb, k_start = held
             owner = (r - i) % n
             k_glob = global_index(kb.shape[2], owner, n, q.device)
-            pairs = _Pairs(q_glob, q_start, k_glob, k_start, n, r, owner)
+            pairs = Pairs(q_glob, q_start, k_glob, k_start, n, r, owner)
             ke, ve = _expand(kb, group).to(wide), _expand(vb, group).to(wide)
             dk, dv = torch.zeros_like(ke), torch.zeros_like(ve)
             for qi, ki, causal, mask in pairs.items:
