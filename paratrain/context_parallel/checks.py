@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from paratrain.config import Config
 from paratrain.models.from_config import model_shape
-from paratrain.models.registry import model_kind
+from paratrain.models.registry import family_for_config, model_kind
 
 
 def check_context_parallel(cfg: Config, problems: list[str]) -> None:
@@ -15,7 +15,7 @@ def check_context_parallel(cfg: Config, problems: list[str]) -> None:
             problems.append(f"--cp-method {p.cp_method} chooses context parallelism's attention: add --cp N "
                             "(N >= 2) or drop --cp-method")
         return
-    if not model_kind(cfg.model.name).decoder:
+    if not model_kind(cfg.model.name).decoder or not family_for_config(model_shape(cfg)).attention:
         problems.append(f"{cfg.model.name} routes no attention through paratrain's attention core, which "
                         "context parallelism (--cp) replaces: use --cp 1 with it")
         return

@@ -91,11 +91,14 @@ class Decoder(nn.Module):
 
 def decoder_family(name: str, tp_plan: dict[str, str], embedding_weight: str,
                    init_value: Callable[..., torch.Tensor], lora_targets: tuple[str, ...],
-                   config_names: tuple[str, ...], planned: bool = False) -> ModelFamily:
+                   config_names: tuple[str, ...], planned: bool = False,
+                   context_parallel: bool = False) -> ModelFamily:
     """The declaration of a ``Decoder`` whose blocks hold ``attn`` (its parameter-free core at
     ``attn.core``), ``mlp_norm`` and ``mlp``; ``embedding_weight`` is the weight a tied head copies;
     ``lora_targets`` the linears LoRA adapts by default; ``config_names`` its config's ``family``
-    values."""
+    values. ``context_parallel``: its attention calls ``core(q, k, v, positions=positions)`` with
+    plain causal (or packed) masking, so context parallelism may swap the core (a family with its
+    own masks, sliding windows or score caps, leaves it off and --cp is refused)."""
     return ModelFamily(
         name=name,
         blocks="layers",
@@ -104,7 +107,7 @@ def decoder_family(name: str, tp_plan: dict[str, str], embedding_weight: str,
         tp_plan=tp_plan,
         recompute={"full": "", "selective": "attn.core"},  # attn.core: softmax(qk^T)v, no parameters
         mlp="mlp",
-        attention="attn.core",
+        attention="attn.core" if context_parallel else "",
         mlp_norm="mlp_norm",
         head="lm_head",
         tied=("lm_head.weight", embedding_weight),
