@@ -107,9 +107,9 @@ def check_layout(cfg: Config, problems: list[str]) -> None:
     _check_hybrid(cfg, problems)
     _check_param_server(cfg, problems)
     _check_sync(cfg, problems)
-    check_context_parallel(cfg, problems)  # context_parallel/checks.py
     check_savers(cfg, problems)
     check_lora(cfg, problems)  # engine/lora.py: targets, rank, and what LoRA composes with
+    check_context_parallel(cfg, problems)  # context_parallel/checks.py: --cp, --cp-method
     if cfg.train.precision not in ("fp32", "auto") and not model_kind(cfg.model.name).mixed_precision:
         problems.append(f"{cfg.model.name} trains in fp32 only: drop --precision")
     if not model_kind(cfg.model.name).decoder and (cfg.train.epochs is not None or cfg.data.eval_path):
