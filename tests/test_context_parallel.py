@@ -200,9 +200,10 @@ def _check_layouts(tmp_path, layouts: dict[int, dict[str, dict]]) -> dict[str, R
 
 def test_cp_training_equals_one_process(tmp_path):
     """Packed rows, loss masks, eval: cp2 (ring; all-to-all with selective recompute; GPT-2's
-    learned positions; LoRA), cp4, dp2 x cp2 (DDP over dp x cp, all-to-all), tp2 x cp2 with SP,
-    pp2 x cp2 (1F1B, zero-bubble H1); losses and final weights as one process. ZeRO-1/2/3 at cp2
-    (sharded over dp x cp, the mesh's dp axis) in fp32. Then ZeRO-1 cp2's checkpoint of step 2
+    learned positions; LoRA), dp2 x cp2 (DDP over dp x cp, all-to-all), tp2 x cp2 with SP,
+    pp2 x cp2 (1F1B, zero-bubble H1); losses and final weights as one process. ZeRO-1 and 3 at cp2
+    (sharded over dp x cp, the mesh's dp axis) in fp32 (cp4 and ZeRO-2 passed too; left out of
+    the suite for its time: cp4's attention is checked above). Then ZeRO-1 cp2's checkpoint of step 2
     resumes at cp1 (one process, DDP) and ends where one process does: checkpoints hold full
     tensors, and cp splits none."""
     refs = _check_layouts(tmp_path, {
@@ -212,9 +213,8 @@ def test_cp_training_equals_one_process(tmp_path):
             "gpt2_cp2": {"model.name": "gpt2-tiny", "parallel.cp": 2},  # learned positions
             "lora_cp2": {"lora.rank": 4, "parallel.cp": 2},
             **{f"cp2_zero{z}": {"parallel.cp": 2, "parallel.zero": z, "train.save_every": 2 if z == 1 else 0}
-               for z in (1, 2, 3)}},
-        4: {"cp4": {"parallel.cp": 4},
-            "dp2_cp2_a2a": {"parallel.dp": 2, "parallel.cp": 2, "parallel.cp_method": "alltoall"},
+               for z in (1, 3)}},
+        4: {"dp2_cp2_a2a": {"parallel.dp": 2, "parallel.cp": 2, "parallel.cp_method": "alltoall"},
             "tp2_cp2_sp": {"parallel.tp": 2, "parallel.cp": 2, "parallel.sp": True},
             "pp2_cp2_1f1b": {"parallel.pp": 2, "parallel.cp": 2, "train.micro_batch": 1},
             "pp2_cp2_zbh1": {"parallel.pp": 2, "parallel.cp": 2, "parallel.pp_schedule": "zb-h1",
