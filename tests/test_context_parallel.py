@@ -233,7 +233,7 @@ def test_cp_training_equals_one_process(tmp_path):
 # -- bad input: one message with the fix, exit 2, before any worker --------------------------------
 
 
-def test_bad_cp_input_is_refused_before_any_worker(tmp_path, capsys):
+def test_bad_cp_input_is_refused_before_any_worker(tmp_path, capsys, monkeypatch):
     from paratrain import cli
     from paratrain.engine import checks
     from tests.harness import tiny_cfg
@@ -246,6 +246,16 @@ def test_bad_cp_input_is_refused_before_any_worker(tmp_path, capsys):
         cfg = tiny_cfg(tmp_path / "bad", **{**SHAPE, "model.n_heads": 4, "model.n_kv_heads": 2, **overrides})
         with pytest.raises(config.ConfigError, match=message):
             checks.validate(cfg, cfg.world_size)
+    # a family that does not opt in (its own masks: a sliding window, score caps) is refused too
+    from paratrain.context_parallel import checks as cp_checks
+    from paratrain.models.registry import family_for_config
+
+    monkeypatch.setattr(cp_checks, "family_for_config",
+                        lambda c: dataclasses.replace(family_for_config(c), attention=""))
+    cfg = tiny_cfg(tmp_path / "bad", **{**SHAPE, "parallel.cp": 2})
+    with pytest.raises(config.ConfigError, match="routes no attention"):
+        checks.validate(cfg, cfg.world_size)
+    monkeypatch.undo()
     code = cli.main(["train", "--model", "tiny", "--cp", "2", "--seq-len", "30", "--max-files", "10",
                      "--out", str(tmp_path / "run"), "--no-progress"])
     err = capsys.readouterr().err
