@@ -39,7 +39,13 @@ def phase_make(work: Path, preset: str, shard_gb: float) -> dict:
     import torch
 
     from paratrain.models.families.llama import preset as get_preset
-    from paratrain.models.families.llama.hf import Entry, expected_shapes, hf_name, to_hf_config, write_sharded
+    from paratrain.models.families.llama.hf import (
+        Entry,
+        expected_shapes,
+        hf_name,
+        to_hf_config,
+        write_sharded,
+    )
     from paratrain.train.data import train_tokenizer
 
     cfg = get_preset(preset)

@@ -40,6 +40,8 @@ from paratrain.base.executor import split_micro_batches
 from paratrain.base.strategy import Strategy
 from paratrain.comm import collectives as C
 from paratrain.config import ParallelConfig
+from paratrain.context_parallel.apply import apply_context_parallel
+from paratrain.context_parallel.split import split_batch
 from paratrain.data_parallel.averaging import SyncPlan
 from paratrain.data_parallel.sync_batchnorm import convert_sync_batchnorm
 from paratrain.engine import checkpoint as ckpt
@@ -86,6 +88,10 @@ class Parallel:
     ``--sync local-sgd|diloco`` (data_parallel/averaging.py): every dp rank steps alone on its own
     mean loss and the parameters are averaged (DiLoCo: the outer step) every ``sync_every`` steps;
     call ``end_period()`` after the last step so every replica holds the same weights.
+    cp / cp_method: context parallelism for a paratrain model family (docs/context_parallel.md):
+    each of the cp ranks of a dp slice holds 1/cp of every row's positions (``cp_split``), and
+    attention sees all of them (ring or all-to-all); the gradient is the mean of the dp x cp ranks'
+    mean losses, which is the rows' token mean when every rank counts as many targets.
     """
 
     def __init__(self, *, dp: int | None = None, tp: int = 1, pp: int = 1, zero: int = 0,
@@ -96,13 +102,19 @@ class Parallel:
                  sequence_parallel: bool = False, allow_non_elementwise: bool = False,
                  pp_schedule: str = "1f1b", virtual_stages: int = 1, sync: str = "ddp",
                  sync_every: int | None = None, outer_optimizer: str | None = None,
-                 outer_lr: float | None = None, outer_momentum: float | None = None):
+                 outer_lr: float | None = None, outer_momentum: float | None = None, cp: int = 1,
+                 cp_method: str = "ring"):
         problems = _check_args(tp=tp, pp=pp, zero=zero, dp_mode=dp_mode, offload=offload,
                                offload_dir=offload_dir, bucket_mb=bucket_mb, precision=precision,
                                timeout=timeout, units=units, tp_plan=tp_plan,
                                sequence_parallel=sequence_parallel, dp_replicate=dp_replicate, sync=sync)
+        cp_unchecked = cp > 1 and (pp > 1 or sync != "ddp" or dp_replicate > 1)
+        if cp < 1 or cp_method not in ("ring", "alltoall", "auto") or cp_unchecked:
+            problems.append(f"cp = {cp}, cp_method = {cp_method!r}: cp >= 1, a method of ring | alltoall | "
+                            "auto; the library's cp runs with pp = 1, sync = 'ddp', dp_replicate = 1")
         if problems:
             raise ValueError("paratrain.Parallel: " + "; ".join(problems))
+        self.cp_method = cp_method
         self.zero, self.offload, self.offload_dir, self.bucket_mb = zero, offload, offload_dir, bucket_mb
         self.dp_mode = dp_mode
         self.precision, self.timeout, self.check_collectives = precision, timeout, check_collectives
@@ -110,7 +122,7 @@ class Parallel:
         self.allow_non_elementwise, self.sequence_parallel = allow_non_elementwise, sequence_parallel
         self.pp_schedule, self.virtual_stages = pp_schedule, virtual_stages
         rank, world, self.device = _join(timeout)
-        dp = dp if dp is not None else max(1, world // (tp * pp))
+        dp = dp if dp is not None else max(1, world // (tp * pp * cp))
         averaging = ParallelConfig(zero=zero, dp_mode=dp_mode, sync=sync, sync_every=sync_every,
                                    outer_optimizer=outer_optimizer, outer_lr=outer_lr,
                                    outer_momentum=outer_momentum, dp_replicate=dp_replicate,
@@ -123,7 +135,8 @@ class Parallel:
         if problems:
             raise ValueError("paratrain.Parallel: " + "; ".join(problems))
         self.sync = SyncPlan.from_config(averaging)
-        self.mesh = make_mesh(MeshShape(pp=pp, dp=dp, tp=tp, dp_replicate=dp_replicate), rank, self.device,
+        shape = MeshShape(pp=pp, dp=dp * cp, tp=tp, dp_replicate=dp_replicate, cp=cp)  # mesh.py: dp x cp
+        self.mesh = make_mesh(shape, rank, self.device,
                               check_collectives=check_collectives, timeout_s=timeout)
         self.engine: Engine | None = None  # what prepare builds: the trainer's engine (engine/engine.py)
         self.model: nn.Module | None = None
@@ -144,11 +157,22 @@ class Parallel:
 
     @property
     def dp_rank(self) -> int:
-        return self.mesh.dp.rank
+        """Which slice of the rows this rank takes (the cp ranks of one slice share it)."""
+        return self.mesh.dp.rank // self.mesh.cp.size
 
     @property
     def dp_size(self) -> int:
-        return self.mesh.dp.size
+        """How many slices the rows are cut into (data-parallel replicas, not counting cp)."""
+        return self.mesh.dp.size // self.mesh.cp.size
+
+    def cp_split(self, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """This rank's positions of rows x / y [rows, seq] (y: next-token targets of the whole rows),
+        as ``model(x, positions)`` then takes them under context parallelism (cp > 1); unchanged
+        with cp = 1. ``positions``: packed rows' (restarting at 0 at each example), or None."""
+        if self.mesh.cp.size == 1:
+            return x, y, positions
+        return split_batch(x, y, positions, self.mesh.cp.rank, self.mesh.cp.size)
 
     @property
     def is_main(self) -> bool:
@@ -190,7 +214,9 @@ class Parallel:
             # ZeRO's stores build their own state on the shards: drop any the class made eagerly
             # (Adagrad's sums), which would keep full-size tensors of the old parameters alive.
             optimizer.state.clear()
-        if self.dp_size > 1 and self.sync is None:  # averaging replicas keep their own statistics
+        if self.mesh.cp.size > 1:  # a model family's attention over every cp rank's keys
+            apply_context_parallel(model, self.mesh.cp, method=self.cp_method)
+        if self.mesh.dp.size > 1 and self.sync is None:  # averaging replicas keep their own statistics
             model = convert_sync_batchnorm(model, self.mesh.dp)  # batch statistics over the whole dp batch
         strategy = self._strategy(model, optimizer, recipe, names, full)
         executor = None  # the user's loop runs forward and backward, or with pp > 1 the schedule does
@@ -311,7 +337,7 @@ class Parallel:
         replica's own when replicas average their parameters instead (one, or under hybrid sharding
         the S = dp / R ranks of a replica, which sum their gradients inside it)."""
         if self.sync is None:
-            return self.dp_size
+            return self.mesh.dp.size  # dp x cp: a cp rank's loss is the mean of its own positions
         replicas = self.mesh.shape.dp_replicate
         return self.dp_size // replicas if replicas > 1 else 1  # R = 1: every dp rank a replica
 

@@ -109,6 +109,10 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
      "list like 3,1 (default: equal)"),
     ("--ep", "parallel.ep", int, LAYOUT, "expert-parallel degree: the experts split over this many "
      "data-parallel ranks (all-to-all)"),
+    ("--cp", "parallel.cp", int, LAYOUT, "context-parallel degree: every sequence's positions split over "
+     "this many ranks (head-tail chunks), attention over all of them (docs/context_parallel.md)"),
+    ("--cp-method", "parallel.cp_method", str, LAYOUT, "context parallelism's attention: ring (K/V blocks "
+     "passed rank to rank), alltoall (heads scattered, Ulysses) or auto"),
     ("--zero", "parallel.zero", int, LAYOUT, "ZeRO stage: shard over data-parallel ranks 1: optimizer "
      "states, 2: + gradients, 3: + parameters (FSDP); 0: replicate"),
     ("--dp-replicate", "parallel.dp_replicate", int, LAYOUT, "hybrid sharding (HSDP) with --zero 1|2|3: "
@@ -345,6 +349,9 @@ def train_config(args: argparse.Namespace, overrides: dict | None = None) -> con
                 f"under {launcher_name()}, run `paratrain plan --model ... --gpus N` once and pass the "
                 "layout it prints (--dp/--tp/--pp/--zero ...) to every rank")
 
+        if cfg.parallel.cp > 1:  # the planner does not price context parallelism yet (issue 38)
+            raise config.ConfigError("--layout auto does not plan context parallelism (--cp) yet: drop "
+                                     "--cp, or give the layout yourself (--dp/--tp/--pp/--cp)")
         cfg = auto_layout(cfg)
     if under_torchrun():
         checks.validate(adopt_torchrun_world(cfg), cfg.parallel.nproc)

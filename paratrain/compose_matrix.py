@@ -78,6 +78,7 @@ PROBES: dict[str, Callable[[Config], None] | None] = {
     "zb-h1": _pp("zb-h1"),
     "zbv": _pp("zbv"),
     "dualpipev": _pp("dualpipev"),
+    "cp": _set(parallel__cp=2),
     "moe": _set(model__name="tiny-moe"),
     "ep": _set(model__name="tiny-moe", parallel__ep=2),
     "lora": _set(lora__rank=4),

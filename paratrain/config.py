@@ -71,6 +71,8 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    cp: int = 1  # context parallelism: ranks that split every row's positions (docs/context_parallel.md)
+    cp_method: str = "ring"  # how attention sees every cp rank's keys: ring | alltoall | auto
     zero: int = 0  # 0: replicated (DDP), 1: optimizer states, 2: + gradients, 3: + parameters
     dp_replicate: int = 1  # hybrid sharding: replicas of the ZeRO shard groups (one per node)
     dp_shard: int | None = None  # hybrid sharding: ranks of one shard group; default dp / dp_replicate
@@ -235,7 +237,7 @@ class Config:
         p = self.parallel
         if p.nproc is not None:
             return p.nproc
-        return self.dp_given * p.tp * p.pp + self.ps_servers
+        return self.dp_given * p.tp * p.pp * p.cp + self.ps_servers
 
     @property
     def dp_given(self) -> int:
@@ -262,7 +264,7 @@ class Config:
         p = self.parallel
         if p.dp is not None or (p.dp_shard is not None and p.nproc is None):
             return self.dp_given
-        return max(1, (self.world_size - self.ps_servers) // (p.tp * p.pp))
+        return max(1, (self.world_size - self.ps_servers) // (p.tp * p.pp * p.cp))
 
     @property
     def micro_batch(self) -> int:
@@ -372,6 +374,7 @@ CHOICES: dict[str, tuple] = {
     "parallel.dp_reduce": ("auto", "shm", "collective"),
     "parallel.sync": ("ddp", "local-sgd", "diloco", "parameter-server"),
     "parallel.ps_mode": ("sync", "async"),
+    "parallel.cp_method": ("ring", "alltoall", "auto"),
     "parallel.pp_schedule": ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"),
     "parallel.offload": ("none", "cpu", "disk"),
     "train.nan_policy": ("stop", "skip"),
@@ -438,7 +441,8 @@ def check_values(cfg: Config, problems: list[str], world_size: int | None = None
     p, t, d, o = cfg.parallel, cfg.train, cfg.data, cfg.optim
     world = world_size or cfg.world_size
     _numbers(problems, cfg)
-    for name, value in (("tp", p.tp), ("pp", p.pp), ("ep", p.ep), ("virtual_stages", p.virtual_stages)):
+    for name, value in (("tp", p.tp), ("pp", p.pp), ("ep", p.ep), ("cp", p.cp),
+                        ("virtual_stages", p.virtual_stages)):
         if value < 1:
             problems.append(f"parallel.{name} must be >= 1 (got {value})")
     if p.dp is not None and p.dp < 1:
@@ -448,14 +452,15 @@ def check_values(cfg: Config, problems: list[str], world_size: int | None = None
     if p.nproc is not None and p.nproc < 1:
         problems.append(f"--nproc must be >= 1 (got {p.nproc})")
     if not problems:
-        product = cfg.dp * p.tp * p.pp
+        product = cfg.dp * p.tp * p.pp * p.cp
+        cp = f" * cp({p.cp})" if p.cp > 1 else ""
         if cfg.ps_servers and product + cfg.ps_servers != world:
-            problems.append(f"dp({cfg.dp}) * tp({p.tp}) * pp({p.pp}) workers + {cfg.ps_servers} server(s) "
-                            f"= {product + cfg.ps_servers} != world size {world}: change --dp, --servers "
-                            "or --nproc")
+            problems.append(f"dp({cfg.dp}) * tp({p.tp}) * pp({p.pp}){cp} workers + {cfg.ps_servers} "
+                            f"server(s) = {product + cfg.ps_servers} != world size {world}: change --dp, "
+                            "--servers or --nproc")
         elif not cfg.ps_servers and product != world:
-            problems.append(f"dp({cfg.dp}) * tp({p.tp}) * pp({p.pp}) = {product} != world size {world}: "
-                            "change --dp/--tp/--pp or --nproc")
+            problems.append(f"dp({cfg.dp}) * tp({p.tp}) * pp({p.pp}){cp} = {product} != world size "
+                            f"{world}: change --dp/--tp/--pp{'/--cp' if cp else ''} or --nproc")
     for dotted, allowed in CHOICES.items():
         section, key = dotted.split(".")
         _choice(problems, dotted, getattr(getattr(cfg, section), key), allowed)

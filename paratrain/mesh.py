@@ -14,6 +14,12 @@ Hybrid sharding subdivides it too: ``dp_index = replica_index * dp_shard + shard
 the ``dp_replicate`` group holds the ranks with the same shard index in each replica (one per node),
 across which the shards are replicated (the slow links). With ``dp_replicate = 1``, ``dp_shard`` is
 ``dp`` and shares its process group.
+
+Context parallelism subdivides it too: ``dp_index = batch_index * cp + cp_index``. Here ``dp`` is
+the whole dp x cp group: the cp ranks of one batch share its rows (each holds 1/cp of every row's
+positions), and their gradients are summed, and their ZeRO shards cut, over dp x cp with the other
+replicas' (as torchtitan does). The ``cp`` group (neighbours) is where attention's K/V blocks travel;
+``batch_rows`` says which rows of the global batch a rank takes.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import torch.distributed as dist
 
 from paratrain.comm.collectives import Axis, CommCounter
 
-AXES = ("pp", "dp", "tp", "ep", "edp", "dp_shard", "dp_replicate", "world")
+AXES = ("pp", "dp", "tp", "ep", "edp", "dp_shard", "dp_replicate", "cp", "world")
 
 
 class MeshError(ValueError):
@@ -40,6 +46,7 @@ class MeshShape:
     tp: int = 1
     ep: int = 1
     dp_replicate: int = 1  # replicas of the data-parallel axis (hybrid sharding); dp_shard = dp / this
+    cp: int = 1  # context parallelism: ranks of dp that split every row's positions (dp counts them)
 
     @property
     def dp_shard(self) -> int:
@@ -51,7 +58,7 @@ class MeshShape:
 
     def check(self, world_size: int) -> None:
         """Raise a MeshError naming the numbers when the degrees do not multiply to the world."""
-        for name in ("pp", "dp", "tp", "ep", "dp_replicate"):
+        for name in ("pp", "dp", "tp", "ep", "dp_replicate", "cp"):
             if getattr(self, name) < 1:
                 raise MeshError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.world_size != world_size:
@@ -64,6 +71,8 @@ class MeshShape:
         if self.dp % self.dp_replicate:
             raise MeshError(f"dp_replicate({self.dp_replicate}) must divide dp({self.dp}): "
                             "dp = dp_replicate x dp_shard")
+        if self.dp % self.cp:
+            raise MeshError(f"cp({self.cp}) must divide dp({self.dp}): context parallelism subdivides dp")
 
     def coords(self, rank: int) -> dict[str, int]:
         """Rank -> its index along each axis."""
@@ -78,6 +87,8 @@ class MeshShape:
             "edp": dp_i // self.ep,
             "dp_shard": dp_i % self.dp_shard,
             "dp_replicate": dp_i // self.dp_shard,
+            "cp": dp_i % self.cp,
+            "batch": dp_i // self.cp,
             "world": rank,
         }
 
@@ -97,6 +108,7 @@ class MeshShape:
             "edp": lambda c: (c["pp"], c["tp"], c["ep"]),
             "dp_shard": lambda c: (c["pp"], c["tp"], c["dp_replicate"]),
             "dp_replicate": lambda c: (c["pp"], c["tp"], c["dp_shard"]),
+            "cp": lambda c: (c["pp"], c["tp"], c["batch"]),
         }[axis]
         buckets: dict[tuple, list[int]] = {}
         for r in ranks:
@@ -151,7 +163,16 @@ class ParallelMesh:
         return _new_group(members, world, self.timeout_s)
 
     def describe(self) -> dict[str, int]:
-        return {"pp": self.shape.pp, "dp": self.shape.dp, "tp": self.shape.tp, "ep": self.shape.ep}
+        dp = self.shape.dp // self.shape.cp  # the replicas of the data, as --dp says
+        out = {"pp": self.shape.pp, "dp": dp, "tp": self.shape.tp, "ep": self.shape.ep}
+        return out | ({"cp": self.shape.cp} if self.shape.cp > 1 else {})
+
+    def batch_rows(self, global_batch: int) -> slice:
+        """The rows of the global batch this rank takes: contiguous slices over the dp ranks, the
+        same slice for the ``cp`` ranks of one batch (each then keeps its positions of them)."""
+        per_rank = global_batch // (self.dp.size // self.cp.size)
+        index = self.dp.rank // self.cp.size
+        return slice(index * per_rank, (index + 1) * per_rank)
 
 
 def _new_group(members: list[int], world: int, timeout_s: float | None):

@@ -41,6 +41,7 @@ FEATURES: dict[str, str] = {
     "zb-h1": "pipeline, zero-bubble ZB-H1 (--pp-schedule zb-h1)",
     "zbv": "pipeline, zero-bubble V (--pp-schedule zbv)",
     "dualpipev": "pipeline, DualPipeV (--pp-schedule dualpipev)",
+    "cp": "context parallelism: every sequence split over the cp ranks (--cp N, ring or all-to-all)",
     "moe": "a mixture-of-experts model, experts replicated (--model tiny-moe, --experts N)",
     "ep": "expert parallel (--ep N)",
     "lora": "LoRA adapters on an fp32 base (--lora R)",

@@ -11,11 +11,22 @@ from tests.dist import run
 def test_tp_varies_fastest_then_dp_then_pp():
     s = MeshShape(pp=2, dp=2, tp=2)
     assert s.coords(0) == {"pp": 0, "dp": 0, "tp": 0, "ep": 0, "edp": 0, "dp_shard": 0, "dp_replicate": 0,
-                           "world": 0}
+                           "cp": 0, "batch": 0, "world": 0}
     assert s.coords(1)["tp"] == 1 and s.coords(2)["dp"] == 1 and s.coords(4)["pp"] == 1
     for r in range(8):
         c = s.coords(r)
         assert s.rank_of(c["pp"], c["dp"], c["tp"]) == r
+
+
+def test_cp_subdivides_dp_neighbours_share_rows():
+    """dp x cp = 4 with cp 2, tp 2: cp groups are neighbouring dp indices (same rows), the dp axis
+    (gradient sums, ZeRO shards) spans all four."""
+    s = MeshShape(dp=4, tp=2, cp=2)
+    assert sorted(s.groups("cp")) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert s.groups("dp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert [s.coords(r)["batch"] for r in (0, 2, 4, 6)] == [0, 0, 1, 1]
+    with pytest.raises(MeshError, match="cp"):
+        MeshShape(dp=3, cp=2).check(3)
 
 
 @pytest.mark.parametrize("pp,dp,tp", [(1, 4, 1), (1, 2, 2), (2, 2, 2), (2, 1, 4), (4, 2, 1)])

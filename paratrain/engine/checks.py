@@ -13,6 +13,7 @@ import os
 
 from paratrain.comm import host_reduce
 from paratrain.config import DEFAULT_SEQ_LEN, Config, ConfigError, bullets, check_values
+from paratrain.context_parallel.checks import check_context_parallel
 from paratrain.engine.lora import apply_run_lora, check_lora, trainable_count
 from paratrain.engine.sync_checks import AVERAGING, ZEROS, check_param_server, check_run_sync
 from paratrain.memory.layout import check_savers
@@ -110,6 +111,7 @@ def check_layout(cfg: Config, problems: list[str]) -> None:
     check_run_sync(cfg, problems)
     check_savers(cfg, problems)
     check_lora(cfg, problems)  # engine/lora.py: targets, rank, and what LoRA composes with
+    check_context_parallel(cfg, problems)  # context_parallel/checks.py: --cp, --cp-method
     if cfg.train.precision not in ("fp32", "auto") and not model_kind(cfg.model.name).mixed_precision:
         problems.append(f"{cfg.model.name} trains in fp32 only: drop --precision")
     if not model_kind(cfg.model.name).decoder and (cfg.train.epochs is not None or cfg.data.eval_path):

@@ -1,7 +1,8 @@
 """The one place that fixes the order in which techniques wrap the model.
 
     build (meta device) -> LoRA adapters -> tensor/sequence parallel -> expert parallel (drop the
-    experts other ranks hold) -> freeze the LoRA base (+ its --base-precision) -> tiling (of
+    experts other ranks hold) -> context parallel (swap each block's attention core) -> freeze
+    the LoRA base (+ its --base-precision) -> tiling (of
     tokens; of weights under ZeRO-3) -> activation checkpointing -> torch.compile per block
     -> pipeline split -> QLoRA's quantised base (on meta) -> materialise + layout-independent init
     -> data-parallel strategy (DDP or ZeRO-1/2/3) -> optimizer (inside the strategy) -> executor
@@ -34,6 +35,7 @@ import torch.nn as nn
 from paratrain.base.executor import MicroBatchLoop
 from paratrain.base.strategy import Strategy
 from paratrain.config import Config
+from paratrain.context_parallel.apply import apply_context_parallel
 from paratrain.data_parallel.averaging import SyncPlan
 from paratrain.data_parallel.sync_batchnorm import convert_sync_batchnorm
 from paratrain.engine.engine import Engine, make_strategy
@@ -67,6 +69,8 @@ def parallelize(task: Task, cfg: Config, mesh: ParallelMesh, *,
         loss_fn = vocab_parallel_loss_sum(mesh.tp)  # logits stay split over the vocabulary
     if mesh.ep.size > 1:  # on the meta model: the experts this rank does not hold never materialise
         apply_expert_parallel(model, mesh.ep, tp=mesh.tp, sequence_parallel=cfg.parallel.sp)
+    if mesh.cp.size > 1:  # every block's attention over the cp group's keys (the rest is position-wise)
+        apply_context_parallel(model, mesh.cp, method=cfg.parallel.cp_method)
     settle_base(model, cfg)  # LoRA: only the adapters train; the base in --base-precision
     if cfg.train.tile > 1 and cfg.parallel.zero == 3:  # tiles of the weights, each gathered alone
         apply_weight_tiling(model, cfg.train.tile)

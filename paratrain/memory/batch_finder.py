@@ -323,7 +323,8 @@ def resolve_micro_batch(trainer: Any) -> FinderResult:  # a train.Trainer, a lay
         if device.type != "cuda":
             raise ValueError("--micro-batch auto on a CPU needs --memory-limit BYTES per rank")
         limit = torch.cuda.get_device_properties(device).total_memory
-    per_rank = cfg.train.global_batch // mesh.dp.size
+    rows = mesh.batch_rows(cfg.train.global_batch)  # the cp ranks of one batch share its rows
+    per_rank = rows.stop - rows.start
     # The first step's rows, positions (packed rows) and counted targets: what training runs first.
     (batch,) = trainer.micro_batches(*trainer.task_batch(0), rows=per_rank)
     executor = trainer.engine.executor

@@ -84,7 +84,7 @@ def apply_recompute(model: nn.Module, policy: str) -> nn.Module:
 
 
 def _checkpointed_forward(forward):
-    def run(*args):
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=_contexts)
+    def run(*args, **kwargs):  # keywords too: attention's core takes positions by name
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=_contexts, **kwargs)
 
     return run

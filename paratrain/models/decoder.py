@@ -29,15 +29,21 @@ class CoreAttention(nn.Module):
     al. 2022, a module of its own (no parameters, so no name changes) so that selective
     recomputation can checkpoint exactly this part. q, k, v: [b, heads, s, hd] -> [b, heads, s, hd].
 
-    ``mask``: packed rows' block-diagonal causal mask [b, 1, s, s] (models/decoder.py), or None for
-    plain causal attention (``is_causal``: the fast path pretraining keeps). It is an argument, not
-    state, so selective recompute's re-run in backward sees the mask of its own micro-batch.
+    ``positions`` [b, s]: packed rows' positions, from which it builds their block-diagonal causal
+    mask [b, 1, s, s] (``block_causal_mask``), or None for plain causal attention (``is_causal``:
+    the fast path pretraining keeps). They are arguments, not state, so selective recompute's re-run
+    in backward sees its own micro-batch's. Context parallelism swaps this module for one with the
+    same call (context_parallel/apply.py), which reads the positions to know which tokens it holds.
     Generation passes a KV cache's keys (models/kv_cache.py): more keys than queries, its mask."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-                *, causal: bool = True, grouped: bool = False) -> torch.Tensor:
+                *, causal: bool = True, grouped: bool = False,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """``causal`` (with no mask): query i sees keys 0..i, else every key (a decode step's one
-        query); ``grouped``: keep grouped kv heads grouped (a KV cache's keys), not repeated."""
+        query); ``grouped``: keep grouped kv heads grouped (a KV cache's keys), not repeated;
+        ``mask`` (a KV cache's) or ``positions`` (packed rows), not both."""
+        if positions is not None:
+            mask = block_causal_mask(positions)
         if k.shape[1] != q.shape[1] and not grouped:  # each kv head serves a group of q heads
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -85,11 +91,14 @@ class Decoder(nn.Module):
 
 def decoder_family(name: str, tp_plan: dict[str, str], embedding_weight: str,
                    init_value: Callable[..., torch.Tensor], lora_targets: tuple[str, ...],
-                   config_names: tuple[str, ...], planned: bool = False) -> ModelFamily:
+                   config_names: tuple[str, ...], planned: bool = False,
+                   context_parallel: bool = False) -> ModelFamily:
     """The declaration of a ``Decoder`` whose blocks hold ``attn`` (its parameter-free core at
     ``attn.core``), ``mlp_norm`` and ``mlp``; ``embedding_weight`` is the weight a tied head copies;
     ``lora_targets`` the linears LoRA adapts by default; ``config_names`` its config's ``family``
-    values."""
+    values. ``context_parallel``: its attention calls ``core(q, k, v, positions=positions)`` with
+    plain causal (or packed) masking, so context parallelism may swap the core (a family with its
+    own masks, sliding windows or score caps, leaves it off and --cp is refused)."""
     return ModelFamily(
         name=name,
         blocks="layers",
@@ -98,6 +107,7 @@ def decoder_family(name: str, tp_plan: dict[str, str], embedding_weight: str,
         tp_plan=tp_plan,
         recompute={"full": "", "selective": "attn.core"},  # attn.core: softmax(qk^T)v, no parameters
         mlp="mlp",
+        attention="attn.core" if context_parallel else "",
         mlp_norm="mlp_norm",
         head="lm_head",
         tied=("lm_head.weight", embedding_weight),

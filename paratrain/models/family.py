@@ -13,6 +13,9 @@ Techniques (tensor_parallel/, zero/, pipeline/, memory/) know no model by name: 
 * ``recompute``: policy -> the submodule of a block that policy checkpoints ("" = the block);
 * ``mlp`` / ``head``: the block's MLP submodule and the model's output projection (memory-centric
   tiling splits both; the library gathers the head's logits under tensor parallelism);
+* ``attention``: the block's attention core, a parameter-free module called ``core(q, k, v,
+  positions=positions)`` on [b, heads, s, hd] (context parallelism swaps it for ring or all-to-all
+  attention; "" when the family routes no attention through one);
 * ``mlp_norm``: the block's norm that feeds ``mlp``, its tensor-parallel region entry (expert
   parallelism under SP turns its sequence gather off: the MoE dispatches the slice it holds);
 * ``tied``: (copy, owner) parameter names when weights may be tied (the LM head and embedding):
@@ -56,6 +59,7 @@ class ModelFamily:
     tp_plan: dict[str, str] = field(default_factory=dict)  # pattern -> a name in tensor_parallel STYLES
     recompute: dict[str, str] = field(default_factory=dict)
     mlp: str = ""
+    attention: str = ""  # the block's attention core (context parallelism swaps it)
     mlp_norm: str = ""
     head: str = ""
     tied: tuple[str, str] | None = None

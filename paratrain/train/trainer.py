@@ -30,6 +30,7 @@ import paratrain.signals as signals
 from paratrain.base.executor import MicroBatch, split_micro_batches
 from paratrain.comm import collectives as C
 from paratrain.config import Config
+from paratrain.context_parallel.split import split_batch
 from paratrain.data import IGNORE_INDEX, check_cursor, data_cursor
 from paratrain.device import sync_device
 from paratrain.engine import checkpoint as ckpt
@@ -100,7 +101,8 @@ def single_process_env() -> DistEnv:
 
 def build_mesh(cfg: Config, env: DistEnv) -> ParallelMesh:
     p = cfg.parallel
-    shape = MeshShape(pp=p.pp, dp=cfg.dp, tp=p.tp, ep=p.ep, dp_replicate=p.dp_replicate)
+    # the mesh's dp axis is dp x cp: the ranks whose gradients are summed (mesh.py)
+    shape = MeshShape(pp=p.pp, dp=cfg.dp * p.cp, tp=p.tp, ep=p.ep, dp_replicate=p.dp_replicate, cp=p.cp)
     return make_mesh(shape, env.rank, env.device, check_collectives=p.check_collectives,
                      timeout_s=p.timeout_s)
 
@@ -140,12 +142,19 @@ class Trainer:
     # -- data ------------------------------------------------------------------------------------
 
     def local_rows(self) -> slice:
-        per_rank = self.cfg.train.global_batch // self.mesh.dp.size
-        return slice(self.mesh.dp.rank * per_rank, (self.mesh.dp.rank + 1) * per_rank)
+        return self.mesh.batch_rows(self.cfg.train.global_batch)
 
     def task_batch(self, step: int) -> tuple:
-        """This rank's rows of the global batch at ``step``: (x, y, positions)."""
-        return as_batch(self.task.train_batch(step, self.cfg.train.global_batch, self.local_rows()))
+        """This rank's rows of the global batch at ``step``: (x, y, positions); under context
+        parallelism its positions of them (targets shifted on the whole rows first)."""
+        return self.held(self.task.train_batch(step, self.cfg.train.global_batch, self.local_rows()))
+
+    def held(self, batch: tuple) -> tuple:
+        """(x, y, positions) as this rank holds them: all positions, or its cp share."""
+        x, y, positions = as_batch(batch)
+        if self.mesh.cp.size == 1:
+            return x, y, positions
+        return split_batch(x, y, positions, self.mesh.cp.rank, self.mesh.cp.size)
 
     def micro_batches(self, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None = None, *,
                       rows: int | None = None) -> list[MicroBatch]:
@@ -238,7 +247,7 @@ class Trainer:
         n = self.task.val_batches(gb, self.cfg.train.eval_batches)
         units = max(1, sum(self.task.val_units(i, gb) for i in range(n)))
         for i in range(n):
-            x, y, positions = as_batch(self.task.val_batch(i, gb, self.local_rows()))
+            x, y, positions = self.held(self.task.val_batch(i, gb, self.local_rows()))
             total += self.engine.executor.evaluate(self.micro_batches(x, y, positions), float(units))
         return self.reduce_loss(total)
 

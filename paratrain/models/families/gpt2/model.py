@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from paratrain.models.decoder import CoreAttention, Decoder, block_causal_mask
+from paratrain.models.decoder import CoreAttention, Decoder
 from paratrain.models.init import value_by_name
 from paratrain.models.kv_cache import LayerCache
 
@@ -192,7 +192,7 @@ class Attention(nn.Module):
         # Head counts come from the projections, so a column-split projection yields local heads.
         q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         if cache is None:
-            y = self.core(q, k, v, block_causal_mask(positions))  # [b, heads, s, hd]
+            y = self.core(q, k, v, positions=positions)  # [b, heads, s, hd]
         else:  # generation: x holds the new tokens, the earlier keys/values come from the cache
             k, v = cache.append(k, v)
             y = self.core(q, k, v, cache.mask, causal=cache.causal)

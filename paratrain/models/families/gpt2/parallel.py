@@ -45,6 +45,6 @@ GPT2_LORA_TARGETS = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.fc", "mlp.
 
 GPT2_FAMILY = decoder_family("gpt2", GPT2_TP_PLAN, embedding_weight="embed.wte.weight",
                              init_value=full_init_value, lora_targets=GPT2_LORA_TARGETS,
-                             config_names=("gpt2",), planned=True)
+                             config_names=("gpt2",), planned=True, context_parallel=True)
 
 register(GPT2Config, GPT2, GPT2_FAMILY, PRESETS)

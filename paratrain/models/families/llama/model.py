@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from paratrain.models.decoder import CoreAttention, Decoder, block_causal_mask
+from paratrain.models.decoder import CoreAttention, Decoder
 from paratrain.models.init import value_by_name
 from paratrain.models.kv_cache import LayerCache
 from paratrain.models.moe import MoE
@@ -224,7 +224,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, hd]
         if cache is None:
-            y = self.core(q, k, v, block_causal_mask(positions))
+            y = self.core(q, k, v, positions=positions)
         else:
             k, v = cache.append(k, v)  # [b, kv_heads, cached + s, hd]
             y = self.core(q, k, v, cache.mask, causal=cache.causal, grouped=True)

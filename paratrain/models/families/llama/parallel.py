@@ -43,6 +43,7 @@ LLAMA_LORA_TARGETS = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.gate", "m
 
 LLAMA = decoder_family("llama", LLAMA_TP_PLAN, embedding_weight="embed.weight", init_value=full_init_value,
                        lora_targets=LLAMA_LORA_TARGETS,
-                       config_names=("llama", "mistral", "qwen2", "mixtral"), planned=True)
+                       config_names=("llama", "mistral", "qwen2", "mixtral"), planned=True,
+                       context_parallel=True)
 
 register(LlamaConfig, Llama, LLAMA, PRESETS)

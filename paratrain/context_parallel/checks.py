@@ -1,0 +1,61 @@
+"""What --cp needs of a run, checked before any worker starts (engine/checks.py calls this)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from paratrain.config import Config
+from paratrain.models.from_config import model_shape
+from paratrain.models.registry import family_for_config, model_kind
+from paratrain.refusals import Refusal, emit
+
+
+def check_context_parallel(cfg: Config, problems: list[str]) -> None:
+    """Append every problem --cp / --cp-method have with this run, each with its fix."""
+    p, cp = cfg.parallel, cfg.parallel.cp
+    if cp == 1:
+        if p.cp_method != "ring":
+            problems.append(f"--cp-method {p.cp_method} chooses context parallelism's attention: add --cp N "
+                            "(N >= 2) or drop --cp-method")
+        return
+    if not model_kind(cfg.model.name).decoder or not family_for_config(model_shape(cfg)).attention:
+        problems.append(f"{cfg.model.name} routes no attention through paratrain's attention core, which "
+                        "context parallelism (--cp) replaces: use --cp 1 with it")
+        return
+    if cfg.data.seq_len % (2 * cp):
+        fit = (cfg.data.seq_len // (2 * cp)) * 2 * cp
+        problems.append(f"data.seq_len ({cfg.data.seq_len}) must be divisible by 2 x cp = {2 * cp}: context "
+                        f"parallelism cuts every row into 2 x cp equal chunks (rank r holds chunks r and "
+                        f"2cp-1-r); use --seq-len {fit or 2 * cp} (no padding is added)")
+    shape = model_shape(cfg)
+    local_heads = shape.n_heads // p.tp
+    if p.cp_method == "alltoall" and local_heads % cp:
+        problems.append(f"--cp-method alltoall scatters the query heads over the cp ranks: {local_heads} "
+                        f"head(s) per tp rank (n_heads {shape.n_heads} / tp {p.tp}) do not divide by cp "
+                        f"({cp}); use --cp-method ring (or auto), or a --cp that divides {local_heads}")
+    emit(CP_REFUSALS, cfg, problems)
+
+
+def _refused(what: str) -> Callable[[Config], str]:
+    return lambda c: f"--cp {c.parallel.cp} with {what} is not supported: drop one of them"
+
+
+# What --cp is refused with (records of docs/composition.md: refusals.py).
+CP_REFUSALS = (
+    Refusal("cp", ("moe", "ep"), "the aux loss's token fractions are per micro-batch: not checked under a "
+            "split sequence yet", when=lambda c: c.parallel.cp > 1 and model_shape(c).n_experts > 0,
+            message=_refused("a mixture-of-experts model (the aux loss's token fractions are per "
+                             "micro-batch: not checked under a split sequence yet)")),
+    Refusal("cp", ("local-sgd", "diloco", "param-server"), "the cp ranks of a batch must sum gradients "
+            "every step", when=lambda c: c.parallel.cp > 1 and c.parallel.sync != "ddp",
+            message=lambda c: _refused(f"--sync {c.parallel.sync} (the cp ranks of a batch must sum "
+                                       "gradients every step)")(c)),
+    Refusal("cp", "compile", "the ring's point-to-point calls are not compiled",
+            when=lambda c: c.parallel.cp > 1 and c.train.compile,
+            message=_refused("--compile (the ring's point-to-point calls are not compiled)")),
+    Refusal("cp", "hsdp", "hybrid shard groups over dp x cp are not checked yet (not built)",
+            when=lambda c: c.parallel.cp > 1 and (c.parallel.dp_replicate > 1
+                                                  or c.parallel.dp_shard is not None),
+            message=_refused("--dp-replicate / --dp-shard (hybrid shard groups over dp x cp are not "
+                             "checked yet)")),
+)
