@@ -217,9 +217,6 @@ def _check_zero(cfg: Config, problems: list[str]) -> None:
     if p.offload != "none" and p.zero < 1:
         problems.append(f"--offload {p.offload} moves the ZeRO optimizer partition off the device: it needs "
                         "--zero 1, 2 or 3")
-    if p.zero >= 2 and p.pp > 1:
-        problems.append(f"--zero {p.zero} shards gradients, which pipeline micro-batches keep accumulating "
-                        "across the schedule: use --zero 1 with --pp (as DeepSpeed does), or --pp 1")
     if p.zero == 3 and not model_kind(cfg.model.name).zero3_units:
         problems.append("--zero 3 builds a model family's units (blocks, embedding, head): "
                         f"{cfg.model.name} supports --zero 1 or 2")

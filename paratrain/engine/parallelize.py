@@ -90,6 +90,8 @@ def parallelize(task: Task, cfg: Config, mesh: ParallelMesh, *,
             model = convert_sync_batchnorm(model, mesh.dp)
         strategy = _strategy(model, task, cfg, mesh, servers)
     if chunks is not None:
+        if cfg.parallel.zero == 3:  # a unit prefetches only inside its own stage's pass
+            strategy.prefetch_within([c.modules() for c in chunks])
         executor = PipelineExecutor(model, chunks, loss_fn, strategy, mesh, schedule=cfg.parallel.pp_schedule,
                                     virtual_stages=cfg.parallel.virtual_stages, precision=cfg.train.precision,
                                     sequence_parallel=cfg.parallel.sp, side_loss=side_loss)

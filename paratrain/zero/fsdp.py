@@ -139,6 +139,7 @@ class Zero3(UnitHooks, ShardedState, Strategy):
         self.gathered_bytes = self.gathered_peak_bytes = self.last_gathered_peak_bytes = 0
         self.model, self.mesh, self.optim_cfg = model, mesh, optim_cfg  # _materialize needs them
         self._in_flight: list[Unit] = []  # units whose gradient reduction is launched, oldest first
+        self.pipelined, self.held = mesh.pp.size > 1, set()
         self._materialize(init_value)
         super().__init__(model, mesh, optim_cfg)
         self._install_hooks()
@@ -371,7 +372,20 @@ class Zero3(UnitHooks, ShardedState, Strategy):
 
     @staticmethod
     def _reset_backward(u: Unit) -> None:
-        u.ready, u.inputs_pending, u.grads_in, u.has_backward = 0, 0, False, False
+        u.ready, u.landed, u.inputs_pending, u.grads_in, u.has_backward = 0, 0, 0, False, False
+
+    def hold_reduction(self, params: list[nn.Parameter]) -> bool:
+        """The units owning ``params`` keep their full gradients until after_backward (pipeline: the
+        tied embedding and head, summed across the two end stages first): Psi of those units."""
+        ids = {id(p) for p in params}
+        self.held |= {i for i, u in enumerate(self.units) if any(id(q) in ids for q in u.params)}
+        return True
+
+    def prefetch_within(self, passes: list[list[nn.Module]]) -> None:
+        """Under a pipeline: the modules each stage on this rank runs; a unit prefetches only units of
+        its own stage (its first module's)."""
+        where = {id(m): k for k, modules in enumerate(passes) for m in modules}
+        self.prefetch_group = [where.get(id(u.modules[0]), -1) for u in self.units]
 
     def grads_for_norm(self) -> list[tuple[torch.Tensor, int]]:
         return [(self.trained[pc.index].grad_shard[pc.start:pc.end], copies) for pc, copies in self.pieces
