@@ -6,18 +6,23 @@ per step, from the hooks of each parameter's last gradient of the step: its stag
 last W under a zero-bubble schedule (executor._sync_points). Under ZeRO-3 a unit is gathered for
 each F and B that runs it (W reads no weight) and released when that B has produced its inputs'
 gradients. The dp reduction sums fp32 gradients in another order than one process:
-test_pipeline.py's SUMMED tolerance and its reason apply.
+test_pipeline.py's SUMMED tolerance and its reason apply. Two steps each: the second step runs on
+weights the first step's reduction made, so a reduction that is wrong shows in its loss and in
+the final weights.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.harness import assert_same_training, tiny_cfg
-from tests.test_pipeline import M4, M8, SUMMED, TIED, _layouts, _pp, _ref
+from paratrain.train.metrics import read_metrics
+from tests.harness import FP32_REORDERED, assert_same_training, tiny_cfg
+from tests.test_pipeline import M4, M8, SUMMED, TIED, _layouts, _pp, _ref, assert_composed
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
-DP2 = {"parallel.dp": 2}
+STEPS = {"train.steps": 2}
+DP2 = {"parallel.dp": 2, **STEPS}
+MOE = {"model.name": "tiny-moe"}
 
 
 def _sched(name: str) -> dict:
@@ -27,26 +32,72 @@ def _sched(name: str) -> dict:
     return {**_pp(2, name, 2 if name == "interleaved" else 1), **DP2, **batch}
 
 
-def _ref_of(name: str) -> str:
-    return "m8" if name == "dualpipev" else "m4"
-
-
 @pytest.fixture(scope="module")
 def refs(tmp_path_factory):
     base = tmp_path_factory.mktemp("ref")
-    return {"m4": _ref(base / "m4", **M4), "m8": _ref(base / "m8", **M8),
-            "tied": _ref(base / "tied", **M4, **TIED)}
+    return {"m4": _ref(base / "m4", **M4, **STEPS), "m8": _ref(base / "m8", **M8, **STEPS),
+            "tied": _ref(base / "tied", **M4, **TIED, **STEPS)}
 
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
+    """One launch of 4 workers (pp 2 x dp 2) for every run: each schedule under ZeRO-2 and ZeRO-3,
+    the tied pair across stages (1f1b) and on one rank (zbv's V), CPU offload, experts over ep."""
     base = tmp_path_factory.mktemp("w4")
     cfgs = {f"z{z}_{name}": tiny_cfg(base / f"z{z}_{name}", **_sched(name), **{"parallel.zero": z})
             for z in (2, 3) for name in SCHEDULES}
-    return _layouts(4, cfgs)
+    z3 = {"parallel.zero": 3}
+    cfgs.update({
+        "z2_1f1b_tied": tiny_cfg(base / "z2t", **_sched("1f1b"), **TIED, **{"parallel.zero": 2}),
+        "z3_1f1b_tied": tiny_cfg(base / "z3t", **_sched("1f1b"), **TIED, **z3),
+        "z3_zbv_tied": tiny_cfg(base / "z3vt", **_sched("zbv"), **TIED, **z3),
+        "z3_zbv_offload": tiny_cfg(base / "z3o", **_sched("zbv"), **z3, **{"parallel.offload": "cpu"}),
+        "z3_zb-h1_ep2": tiny_cfg(base / "z3e", **_sched("zb-h1"), **z3, **MOE, **{"parallel.ep": 2}),
+        "z0_zb-h1_ep2": tiny_cfg(base / "z0e", **_sched("zb-h1"), **MOE, **{"parallel.ep": 2}),
+    })
+    return _layouts(4, cfgs), base
 
 
 @pytest.mark.parametrize("zero", [2, 3])
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_zero_in_every_schedule_equals_one_process(world4, refs, zero, name):
-    assert_same_training(world4[f"z{zero}_{name}"], refs[_ref_of(name)], **SUMMED)
+    assert_same_training(world4[0][f"z{zero}_{name}"], refs["m8" if name == "dualpipev" else "m4"], **SUMMED)
+
+
+@pytest.mark.parametrize("name", ["z2_1f1b_tied", "z3_1f1b_tied", "z3_zbv_tied"])
+def test_tied_embeddings_under_zero_and_pipeline(world4, refs, name):
+    """1f1b: the embedding on stage 0 and the head on stage 1 are two copies, their gradients
+    summed across the stages before ZeRO shards them; zbv: one parameter on rank 0."""
+    assert_same_training(world4[0][name], refs["tied"], **SUMMED)
+
+
+def test_zero3_pipeline_with_cpu_offload(world4, refs):
+    assert_same_training(world4[0]["z3_zbv_offload"], refs["m4"], **SUMMED)
+
+
+def test_zero3_pipeline_with_expert_parallel(world4):
+    """Experts sharded and reduced over edp, the dense part over dp: the same run as DDP's in the
+    same layout (pp2 x ep2 is not compared with one process: test_pipeline_zb.py says why)."""
+    assert_same_training(world4[0]["z3_zb-h1_ep2"], world4[0]["z0_zb-h1_ep2"], **FP32_REORDERED)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+@pytest.mark.parametrize("name", ["1f1b", "zbv"])
+def test_gradients_reduced_once_per_step_units_gathered_per_pass(world4, zero, name):
+    """Per step the busiest rank reduces its stage's gradients once (not once per micro-batch: m = 2
+    here) and, under ZeRO-3, gathers its units for each of the m forwards and m backwards (W reads
+    no weight). gloo's reduce-scatter runs as an all-reduce (comm layer's choice): both count."""
+    row = read_metrics(world4[1] / f"z{zero}_{name}" / "metrics.jsonl")[-1]
+    full = 2 * row["mem_grads_bytes"]  # the stage's padded gradient: dp (2) x this rank's shard
+    comm = row["comm_bytes"]
+    assert comm.get("reduce_scatter", 0) + comm.get("all_reduce", 0) == full
+    m = 2
+    assert comm["all_gather"] == (2 * m * full if zero == 3 else full)  # ZeRO-2: the updated parameters
+
+
+def test_issue_layout_dp2_pp2_tp2_zero3_zbv(tmp_path, refs):
+    """The issue's command (`paratrain train --nproc 8 --dp 2 --pp 2 --tp 2 --zero 3 --pp-schedule
+    zbv`), tiny: the units are tensor-parallel shards of the stage's blocks, gathered over dp.
+    Row-parallel products sum over tp ranks: assert_composed's tolerance and reason."""
+    cfg = tiny_cfg(tmp_path, **_sched("zbv"), **{"parallel.zero": 3, "parallel.tp": 2})
+    assert_composed(_layouts(8, {"x": cfg})["x"], refs["m4"])
