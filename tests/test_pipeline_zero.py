@@ -15,6 +15,13 @@ from __future__ import annotations
 
 import pytest
 
+from paratrain.models.families.llama import PRESETS
+from paratrain.models.from_config import model_config
+from paratrain.perf.hardware import make_cluster
+from paratrain.plan_cli import runnable_here
+from paratrain.planner import memory
+from paratrain.planner.memory import Layout, Training
+from paratrain.planner.search import plan
 from paratrain.train.metrics import read_metrics
 from tests.harness import FP32_REORDERED, assert_same_training, tiny_cfg
 from tests.test_pipeline import M4, M8, SUMMED, TIED, _layouts, _pp, _ref, assert_composed
@@ -101,3 +108,50 @@ def test_issue_layout_dp2_pp2_tp2_zero3_zbv(tmp_path, refs):
     Row-parallel products sum over tp ranks: assert_composed's tolerance and reason."""
     cfg = tiny_cfg(tmp_path, **_sched("zbv"), **{"parallel.zero": 3, "parallel.tp": 2})
     assert_composed(_layouts(8, {"x": cfg})["x"], refs["m4"])
+
+
+# -- memory per rank: the planner's formulas against the counted tensors ----------------------------
+
+
+def _planned(name: str, zero: int):
+    """(model shape, Training, Layout) of the world4 run ``z{zero}_{name}`` for the planner."""
+    cfg = tiny_cfg("unused", **_sched(name), **{"parallel.zero": zero})
+    p = cfg.parallel
+    lay = Layout(dp=cfg.dp, tp=p.tp, pp=p.pp, v=p.virtual_stages, zero=p.zero, micro_batch=cfg.micro_batch,
+                 schedule=p.pp_schedule)
+    return (model_config(cfg, cfg.data.vocab_size), Training(cfg.data.seq_len, cfg.train.global_batch,
+                                                             precision="fp32"), lay)
+
+
+@pytest.mark.parametrize("zero,name", [(2, "1f1b"), (3, "1f1b"), (3, "gpipe")])
+def test_memory_per_rank_is_the_planners(world4, zero, name):
+    """Model states at the step (params, gradient shards, optimizer) and the full gradients held
+    before the step's first reduction (the accumulation across the schedule's m = 2 micro-batches),
+    each the largest over the ranks, within 5 % of the planner's (the slack: ZeRO's padding)."""
+    row = read_metrics(world4[1] / f"z{zero}_{name}" / "metrics.jsonl")[-1]
+    c, tr, lay = _planned(name, zero)
+    states = [memory.rank_model_states(c, tr, lay, r) for r in range(lay.pp)]
+    for key in ("params", "grads", "optim"):
+        assert row[f"mem_{key}_bytes"] == pytest.approx(max(s[key] for s in states), rel=0.05), key
+    sb = memory.state_bytes_per_param("fp32", "adamw")
+    held = max(memory.held_grad_bytes(psi, lay, sb, m=2) for psi in memory.stage_params(c, 1, lay.pp))
+    assert row["zero_grads_held_bytes"] == pytest.approx(held, rel=0.05)
+    assert held > 1.9 * row["mem_grads_bytes"]  # whole, not the dp 2 shard the step holds
+
+
+def test_planner_prices_zero3_with_pipeline_and_its_command_runs_here(tmp_path):
+    """The search prices ZeRO-3 x PP with the stage's accumulated gradients (llama-13b on 32 GPUs
+    of 24 GB: among the five best), and the trainer's own check now accepts the layout."""
+    tr, cluster = Training(4096, 64), make_cluster(gpus=32, gpu_memory_gb=24)
+    found = [p for p in plan(PRESETS["llama-13b"], tr, cluster, {}, top=5).plans
+             if p.layout.zero == 3 and p.layout.pp > 1]
+    assert found, "no ZeRO-3 x PP layout among the five best"
+    best = found[0]
+    m = best.layout.n_micro(tr.global_batch)
+    sb = memory.state_bytes_per_param(tr.precision, tr.optimizer)
+    lay = best.layout
+    psi = memory.stage_params(PRESETS["llama-13b"], lay.tp, lay.pp, lay.v)[best.memory.stage]
+    assert m > 1 and best.memory.transient >= psi * sb.grads * (1 - 1 / lay.dp) * 0.999
+    cfg = tiny_cfg(tmp_path, **_sched("zbv"), **{"parallel.zero": 3, "parallel.tp": 2})
+    lay = Layout(dp=2, tp=2, pp=2, v=2, zero=3, micro_batch=2, schedule="zbv")
+    assert runnable_here(cfg)(lay)

@@ -326,6 +326,7 @@ class Zero3(UnitHooks, ShardedState, Strategy):
 
     def _reduce(self, u: Unit) -> None:
         """Pack the unit's gradients, free them, reduce-scatter (async) into our shard."""
+        self.note_first_reduction()
         u.grad_flat = u.layout.flatten([p.grad for p in u.layout.params], self.reduce_dtype, self.mesh.device)
         for p in u.layout.params:
             p.grad = None
@@ -407,6 +408,7 @@ class Zero3(UnitHooks, ShardedState, Strategy):
                 p.grad = None
         self.last_gathered_peak_bytes = self.gathered_peak_bytes
         self.gathered_peak_bytes = self.gathered_bytes
+        self._grads_noted = False
         if self._trim_host_heap:
             release_host_heap()  # device.py says why: the host heap grows around freed buffers
 
@@ -435,6 +437,7 @@ class Zero3(UnitHooks, ShardedState, Strategy):
 
     def step_metrics(self) -> dict[str, float]:
         return {"zero3_gathered_peak_bytes": self.last_gathered_peak_bytes,
+                "zero_grads_held_bytes": self.grads_held_bytes,
                 "zero3_unit_max_bytes": max(u.nbytes for u in self.units), **self.offload_metrics()}
 
     @torch.no_grad()

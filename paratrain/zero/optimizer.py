@@ -274,6 +274,7 @@ class Zero2(ShardedState, ZeroDP):
 
     def _reduce(self, b: _Bucket, i: int) -> None:
         """Pack the bucket's gradients, free them, launch the reduce-scatter (async)."""
+        self.note_first_reduction()
         b.grad_flat = b.layout.flatten([p.grad for p in b.layout.params], self.reduce_dtype, self.mesh.device)
         for p in b.layout.params:
             p.grad = None
@@ -298,6 +299,10 @@ class Zero2(ShardedState, ZeroDP):
             b.grad_shard, b.ready = None, 0
             for p in b.layout.params:
                 p.grad = None
+        self._grads_noted = False
+
+    def step_metrics(self) -> dict[str, float]:
+        return {"zero_grads_held_bytes": self.grads_held_bytes, **self.offload_metrics()}
 
     def discard_backward(self) -> None:
         """Reductions a discarded backward launched are waited for and dropped with its gradients."""
