@@ -53,6 +53,13 @@ backward prefetch skips it.
 
 Accumulation (``no_sync``): micro-batches before the last keep their full gradients in p.grad and
 skip the reduce-scatter (FSDP's no_sync: fewer bytes, more memory); the last one reduces the sum.
+
+Inside a pipeline schedule (``pipelined``: each rank's units are its stages'): a unit is gathered
+for each F and B that runs it and released once that B has produced its inputs' gradients (W
+reads no weight); gradients land in sync only on the stage's last B or W (executor._sync_points),
+so a unit reduces once per step, after its last gradient (docs/pipeline_parallel.md). The tied
+embedding / head copies are held back from the hooks (``hold_reduction``) and reduced in
+after_backward, once the executor has summed them across the two end stages.
 """
 
 from __future__ import annotations
