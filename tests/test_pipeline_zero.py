@@ -127,7 +127,8 @@ def _planned(name: str, zero: int):
 def test_memory_per_rank_is_the_planners(world4, zero, name):
     """Model states at the step (params, gradient shards, optimizer) and the full gradients held
     before the step's first reduction (the accumulation across the schedule's m = 2 micro-batches),
-    each the largest over the ranks, within 5 % of the planner's (the slack: ZeRO's padding)."""
+    each the largest over the ranks, within 5 % of the planner's (the slack: ZeRO's padding); ZeRO-3's
+    gathered units at their peak within the planner's two units."""
     row = read_metrics(world4[1] / f"z{zero}_{name}" / "metrics.jsonl")[-1]
     c, tr, lay = _planned(name, zero)
     states = [memory.rank_model_states(c, tr, lay, r) for r in range(lay.pp)]
@@ -137,6 +138,9 @@ def test_memory_per_rank_is_the_planners(world4, zero, name):
     held = max(memory.held_grad_bytes(psi, lay, sb, m=2) for psi in memory.stage_params(c, 1, lay.pp))
     assert row["zero_grads_held_bytes"] == pytest.approx(held, rel=0.05)
     assert held > 1.9 * row["mem_grads_bytes"]  # whole, not the dp 2 shard the step holds
+    if zero == 3:  # gathered at once: at most the current unit and the prefetched one, as without pp
+        gathered, _ = memory.zero3_gathered_elements(c, lay)
+        assert 0 < row["zero3_gathered_peak_bytes"] <= 1.05 * gathered * sb.params
 
 
 def test_planner_prices_zero3_with_pipeline_and_its_command_runs_here(tmp_path):
