@@ -110,6 +110,13 @@ class Strategy:
     def after_backward(self) -> None:
         """Called once after the last micro-batch's backward."""
 
+    def hold_reduction(self, params: list[nn.Parameter]) -> bool:
+        """Whether this strategy can leave ``params``' reduction to ``after_backward`` (their
+        gradients whole until then) when it reduces from backward hooks: the pipeline's tied
+        embedding and head, whose two stages' gradients are summed first. DDP all-reduces a
+        gradient in place, so the sum may come after it and it holds nothing (False)."""
+        return False
+
     def gradient_units(self, global_units: int, local_units: int) -> int:
         """The counted targets a rank's loss sum is divided by: the global batch's (every gradient
         is a share of the global mean), unless replicas step alone (data_parallel/averaging.py)."""

@@ -24,7 +24,7 @@ from paratrain.models.hf import HFCheckpoint, HFError, check_init_from
 from paratrain.models.registry import kind_names
 from paratrain.observe.profile import parse_steps
 from paratrain.pipeline.stage import parse_split
-from paratrain.refusals import PP_SCHEDULES, Refusal, emit
+from paratrain.refusals import Refusal, emit
 from paratrain.scheduler import parse_signal
 
 
@@ -251,11 +251,6 @@ def _check_zero(cfg: Config, problems: list[str]) -> None:
 SHM = ("--dp-reduce shm sums DDP's buckets through shared memory on a CPU host: it needs --zero 0, "
        "--dp-mode ddp and --ep 1; use --dp-reduce auto")
 ZERO_REFUSALS = (
-    Refusal(("zero2", "zero3"), PP_SCHEDULES, "gradients are sharded, which pipeline micro-batches keep "
-            "accumulating across the schedule (DeepSpeed refuses the same); not built yet",
-            when=lambda c: c.parallel.zero >= 2 and c.parallel.pp > 1,
-            message=lambda c: f"--zero {c.parallel.zero} shards gradients, which pipeline micro-batches keep "
-            "accumulating across the schedule: use --zero 1 with --pp (as DeepSpeed does), or --pp 1"),
     Refusal("dp-plain", ZEROS, "by definition: --dp-mode picks how DDP reduces; ZeRO does its own reduction",
             when=lambda c: c.parallel.zero >= 1 and c.parallel.dp_mode == "plain",
             message="--dp-mode plain is the un-bucketed DDP; ZeRO does its own reduction: drop --dp-mode"),

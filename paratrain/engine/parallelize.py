@@ -106,6 +106,8 @@ def parallelize(task: Task, cfg: Config, mesh: ParallelMesh, *,
         strategy = _strategy(model, task, cfg, mesh, servers, init_value)
     offload = ActivationOffload(model) if cfg.train.offload_activations == "cpu" else None
     if chunks is not None:
+        if cfg.parallel.zero == 3:  # a unit prefetches only inside its own stage's pass
+            strategy.prefetch_within([c.modules() for c in chunks])
         executor = PipelineExecutor(model, chunks, loss_fn, strategy, mesh, schedule=cfg.parallel.pp_schedule,
                                     virtual_stages=cfg.parallel.virtual_stages, precision=cfg.train.precision,
                                     sequence_parallel=cfg.parallel.sp, side_loss=side_loss, offload=offload)

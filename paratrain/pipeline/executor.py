@@ -96,6 +96,13 @@ class PipelineExecutor:
         self.autocast = autocast_for(precision, mesh.device)
         same_rank = ends_share_rank(self.p, self.n_stages, self.placement)  # a V: both ends on rank 0
         self.tied = TiedEmbedding(model, mesh, same_rank=same_rank)
+        # The tied pair's gradients are summed across the two end stages where the gradient is
+        # whole: after DDP's all-reduce (launched from backward hooks, it must not race) or before
+        # a reduction that shards it (ZeRO-1 after backward; ZeRO-2/3 hold the pair's bucket or
+        # unit back from their hooks: after it, each stage's dp shard covers other elements of the
+        # weight, so only the partner's reduced slice would be summed).
+        self._tied_sum_first = not strategy.reduces_during_backward or (
+            bool(self.tied.params) and strategy.hold_reduction(self.tied.params))
         self.weight_grads = WeightGradStore()  # zero-bubble schedules: the W passes' products
         # Activations between stages are the residual stream: the parameters' widest dtype even
         # under autocast (fp32 residual + bf16 branch promotes to fp32; a LoRA base stored in bf16
@@ -137,16 +144,12 @@ class PipelineExecutor:
             self.offload.reset()
         actions = self._rank_actions(self._trained_m, train=True)
         total = self._execute(actions, micro_batches, divisor, loss_scale, train=True)
-        # The tied pair's gradients are summed across stages on the side of the data-parallel
-        # reduction where the gradient is whole: after DDP's (launched from backward hooks, it
-        # must not race), before ZeRO-1's reduce-scatter (after it, each stage's dp shard covers
-        # other elements of the weight, so only the partner's reduced slice would be summed).
-        if self.strategy.reduces_during_backward:
-            self.strategy.after_backward()
+        if self._tied_sum_first:  # (__init__ says why the order)
             self.tied.all_reduce_grads()
+            self.strategy.after_backward()
         else:
-            self.tied.all_reduce_grads()
             self.strategy.after_backward()
+            self.tied.all_reduce_grads()
         return self._loss_from_last_stage(total)
 
     def rehearse(self, micro_batches: list[MicroBatch], divisor: float) -> None:

@@ -349,7 +349,10 @@ def dp_exposed(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, mb_co
         return exposed_rs + over(all_gather_time, sb.params)
     if not cluster.local:  # NCCL rings across nodes, unit by unit, with the runtime's prefetch
         return zero3_exposed(c, tr, lay, cluster, mb_compute, m, psi, experts)
-    per_mb = 2 * over(all_gather_time, sb.params) + over(reduce_scatter_time, sb.grads)
+    # Inside a pipeline the gradients are reduce-scattered once per step (each parameter's last B or
+    # W of the schedule), not per micro-batch: 1/m of a reduction per micro-batch.
+    reduces = 1 / m if lay.pp > 1 else 1.0
+    per_mb = 2 * over(all_gather_time, sb.params) + reduces * over(reduce_scatter_time, sb.grads)
     unit = layer_params_local(c, lay.tp) * sb.params
     first = all_gather_time(unit, lay.dp, link)  # nothing to hide the first unit's gather behind
     return m * (max(0.0, per_mb - cluster.overlap * mb_compute) + first)

@@ -462,15 +462,27 @@ def device_memory(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster,
             per_mb += output_activation_bytes(c, tr.seq_len, lay.micro_batch, tp=lay.tp, sp=lay.sp,
                                               precision=tr.precision)
         acts = per_mb * in_flight(lay.schedule, lay.pp, m, lay.v, rank)
+        accumulated = 0.0 if tr.lora_rank else max(0.0, held_grad_bytes(psi, lay, sb, m) - states["grads"])
         mem = Memory(params=states["params"], grads=states["grads"], optim=states["optim"],
                      activations=acts, comm_buffers=comm_buffer_bytes(c, tr, lay, sb, psi),
-                     transient=transient_bytes(c, tr, lay, rank),
+                     transient=transient_bytes(c, tr, lay, rank) + accumulated,
                      runtime=cluster.device.runtime_overhead_bytes,
                      capacity=cluster.device.memory_bytes, margin=tr.margin * cluster.device.memory_bytes,
                      offloaded=offloaded, stage=rank)
         if best is None or mem.total > best.total:
             best = mem
     return best
+
+
+def held_grad_bytes(psi: float, lay: Layout, sb: StateBytes, m: int) -> float:
+    """Gradient bytes a rank holds at the step's peak. ZeRO-2/3 keep their 1/N shard, except inside a
+    pipeline schedule of m > 1 micro-batches: each stage's full gradients accumulate across the
+    schedule and are reduce-scattered once per step, after each parameter's last B or W
+    (docs/pipeline_parallel.md), so before the first reduction the rank holds all ``psi`` of them
+    (the runtime's ``zero_grads_held_bytes``). Otherwise the model state's gradients."""
+    if lay.zero >= 2 and lay.pp > 1 and m > 1:
+        return psi * held_state_bytes(sb, lay.zero).grads
+    return model_state_bytes(psi, 0.0, lay, sb)["grads"]
 
 
 def model_state_bytes(dense: float, experts: float, lay: Layout, sb: StateBytes) -> dict[str, float]:

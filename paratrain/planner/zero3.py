@@ -125,7 +125,8 @@ def zero3_exposed(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, mb
     if lay.dp == 1:
         return 0.0
     t = unit_traffic(c, tr, lay, cluster, psi, experts)
-    p, traffic = t["prefetched"], t["gather"] + t["reduce"]
+    # inside a pipeline, gradients are reduce-scattered once per step, not per micro-batch
+    p, traffic = t["prefetched"], t["gather"] + t["reduce"] / (m if lay.pp > 1 else 1)
     first = t["gather"] / t["passes"] / t["units"]
     left_over = max(0.0, p * traffic - cluster.overlap * mb_compute)
     return m * ((1 - p) * traffic + left_over + p * first)

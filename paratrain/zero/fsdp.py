@@ -53,6 +53,13 @@ backward prefetch skips it.
 
 Accumulation (``no_sync``): micro-batches before the last keep their full gradients in p.grad and
 skip the reduce-scatter (FSDP's no_sync: fewer bytes, more memory); the last one reduces the sum.
+
+Inside a pipeline schedule (``pipelined``: each rank's units are its stages'): a unit is gathered
+for each F and B that runs it and released once that B has produced its inputs' gradients (W
+reads no weight); gradients land in sync only on the stage's last B or W (executor._sync_points),
+so a unit reduces once per step, after its last gradient (docs/pipeline_parallel.md). The tied
+embedding / head copies are held back from the hooks (``hold_reduction``) and reduced in
+after_backward, once the executor has summed them across the two end stages.
 """
 
 from __future__ import annotations
@@ -139,6 +146,7 @@ class Zero3(UnitHooks, ShardedState, Strategy):
         self.gathered_bytes = self.gathered_peak_bytes = self.last_gathered_peak_bytes = 0
         self.model, self.mesh, self.optim_cfg = model, mesh, optim_cfg  # _materialize needs them
         self._in_flight: list[Unit] = []  # units whose gradient reduction is launched, oldest first
+        self.pipelined, self.held = mesh.pp.size > 1, set()
         self._materialize(init_value)
         super().__init__(model, mesh, optim_cfg)
         self._install_hooks()
@@ -325,6 +333,7 @@ class Zero3(UnitHooks, ShardedState, Strategy):
 
     def _reduce(self, u: Unit) -> None:
         """Pack the unit's gradients, free them, reduce-scatter (async) into our shard."""
+        self.note_first_reduction()
         u.grad_flat = u.layout.flatten([p.grad for p in u.layout.params], self.reduce_dtype, self.mesh.device)
         for p in u.layout.params:
             p.grad = None
@@ -371,7 +380,20 @@ class Zero3(UnitHooks, ShardedState, Strategy):
 
     @staticmethod
     def _reset_backward(u: Unit) -> None:
-        u.ready, u.inputs_pending, u.grads_in, u.has_backward = 0, 0, False, False
+        u.ready, u.landed, u.inputs_pending, u.grads_in, u.has_backward = 0, 0, 0, False, False
+
+    def hold_reduction(self, params: list[nn.Parameter]) -> bool:
+        """The units owning ``params`` keep their full gradients until after_backward (pipeline: the
+        tied embedding and head, summed across the two end stages first): Psi of those units."""
+        ids = {id(p) for p in params}
+        self.held |= {i for i, u in enumerate(self.units) if any(id(q) in ids for q in u.params)}
+        return True
+
+    def prefetch_within(self, passes: list[list[nn.Module]]) -> None:
+        """Under a pipeline: the modules each stage on this rank runs; a unit prefetches only units of
+        its own stage (its first module's)."""
+        where = {id(m): k for k, modules in enumerate(passes) for m in modules}
+        self.prefetch_group = [where.get(id(u.modules[0]), -1) for u in self.units]
 
     def grads_for_norm(self) -> list[tuple[torch.Tensor, int]]:
         return [(self.trained[pc.index].grad_shard[pc.start:pc.end], copies) for pc, copies in self.pieces
@@ -393,6 +415,7 @@ class Zero3(UnitHooks, ShardedState, Strategy):
                 p.grad = None
         self.last_gathered_peak_bytes = self.gathered_peak_bytes
         self.gathered_peak_bytes = self.gathered_bytes
+        self._grads_noted = False
         if self._trim_host_heap:
             release_host_heap()  # device.py says why: the host heap grows around freed buffers
 
@@ -421,6 +444,7 @@ class Zero3(UnitHooks, ShardedState, Strategy):
 
     def step_metrics(self) -> dict[str, float]:
         return {"zero3_gathered_peak_bytes": self.last_gathered_peak_bytes,
+                "zero_grads_held_bytes": self.grads_held_bytes,
                 "zero3_unit_max_bytes": max(u.nbytes for u in self.units), **self.offload_metrics()}
 
     @torch.no_grad()

@@ -48,7 +48,8 @@ class Unit:
     index: int | None = None  # the trainable layout's place in the store (Zero3.layouts)
     gathered: bool = False
     work: list = field(default_factory=list)  # in-flight all-gathers
-    ready: int = 0  # gradients landed in this backward
+    ready: int = 0  # gradients landed in sync since the last reduction (when all have: reduce)
+    landed: int = 0  # gradients landed since this unit's backward began (when all have: release)
     grads_in: bool = False  # every trainable gradient landed since this unit's backward began
     inputs_pending: int = 0  # forward inputs whose gradients backward has not produced yet
     has_backward: bool = False  # a forward since the last step produced an output needing a gradient
@@ -81,6 +82,14 @@ class UnitHooks:
 
     units: list[Unit]
     shards_on_disk: bool = False  # fp32 + disk offload: the compute shard is read from the store
+    #: Under a pipeline schedule (pipelined = True) several forwards of a unit are in flight, and a
+    #: zero-bubble B leaves the linears' gradients to W: a unit is released when the B now running
+    #: has produced its inputs' gradients (no later node of that B reads its weights; W reads none),
+    #: and its prefetches stay inside its own stage (``prefetch_group``: a V rank's other chunk
+    #: runs in another pass, maybe much later).
+    pipelined: bool = False
+    prefetch_group: list[int] | None = None  # unit -> its stage's index on this rank (pipelined)
+    held: set[int]  # units reduced in after_backward only (hold_reduction: the tied pair)
 
     # -- gather / free ------------------------------------------------------------------------------
 
@@ -144,9 +153,10 @@ class UnitHooks:
         def hook(module, args, kwargs):
             for k in self.units[i].uses:
                 self._wait(k)
-            if first and self.prefetch and i + 1 < len(self.units):
+            if first and self.prefetch and i + 1 < len(self.units) and self._same_pass(i, i + 1):
                 self._gather(i + 1, async_op=True)
-            if self.units[i].frozen:
+            # pipelined: the first module's inputs, whose gradients come last in the unit's backward
+            if first if self.pipelined else self.units[i].frozen:
                 self._watch_inputs(i, (args, kwargs))
         return hook
 
@@ -165,8 +175,16 @@ class UnitHooks:
         def hook(grads):
             u = self.units[i]
             u.inputs_pending = max(0, u.inputs_pending - 1)
-            self._release_if_done(i)
+            if self.pipelined:  # this B is past the unit's weights (other forwards may be in flight)
+                for k in u.uses:
+                    self._free(k)
+            else:
+                self._release_if_done(i)
         return hook
+
+    def _same_pass(self, i: int, j: int) -> bool:
+        """Whether units i and j run in the same pipeline pass (always, without a pipeline)."""
+        return self.prefetch_group is None or self.prefetch_group[i] == self.prefetch_group[j]
 
     def _release_if_done(self, i: int) -> None:
         """Free the unit once no backward node can still read it: its trainable gradients landed
@@ -200,24 +218,29 @@ class UnitHooks:
 
     def _pre_backward(self, i: int):
         def hook(grad):
-            self.units[i].grads_in = False
+            self.units[i].grads_in, self.units[i].landed = False, 0
             for k in self.units[i].uses:
                 self._wait(k)
             nxt = self._backward_next[i]
             while nxt is not None and not self.units[nxt].has_backward:  # a frozen embedding has none
                 nxt = self._backward_next[nxt]
-            if self.prefetch and nxt is not None:
+            if self.prefetch and nxt is not None and self._same_pass(i, nxt):
                 self._gather(nxt, async_op=True)
         return hook  # returns None: the gradient passes unchanged
 
     def _grad_hook(self, i: int):
         def hook(p):
             u = self.units[i]
-            u.ready += 1
-            if u.ready < len(u.layout.params):
+            # Reduce once every gradient landed in sync: under a pipeline schedule each one lands in
+            # sync exactly once per step, in its stage's last B (norms, biases) or last W (linears).
+            if self._sync and i not in self.held:
+                u.ready += 1
+                if u.ready == len(u.layout.params):
+                    u.ready = 0
+                    self._reduce(u)
+            u.landed += 1
+            if u.landed < len(u.layout.params):
                 return
-            u.ready, u.grads_in = 0, True
-            if self._sync:
-                self._reduce(u)
+            u.landed, u.grads_in = 0, True
             self._release_if_done(i)  # the unit's backward is over, unless frozen weights still serve
         return hook

@@ -245,6 +245,7 @@ class Zero2(ShardedState, ZeroDP):
 
     def _install_grads(self) -> None:
         self._bucket_of = {}
+        self._held: set[int] = set()  # buckets reduced in after_backward only (hold_reduction)
         for i, b in enumerate(self.buckets):
             for p in b.layout.params:
                 self._bucket_of[p] = i
@@ -252,10 +253,20 @@ class Zero2(ShardedState, ZeroDP):
 
     no_sync = held_sync
 
+    def hold_reduction(self, params: list[nn.Parameter]) -> bool:
+        """The buckets holding ``params`` keep their full gradients until after_backward (pipeline:
+        the tied pair is summed across stages first); the other buckets still reduce from hooks."""
+        self._held |= {self._bucket_of[p] for p in params}
+        return True
+
     def _on_grad(self, p: nn.Parameter) -> None:
+        # Counted only in sync: under a pipeline schedule each parameter's hook fires once in sync
+        # (its stage's last B, or last W), so the bucket is complete when every one has.
         if not self._sync:
             return  # accumulation micro-batch: p.grad keeps the running sum
         i = self._bucket_of[p]
+        if i in self._held:
+            return  # reduced in after_backward, once its partner's gradient is added
         b = self.buckets[i]
         b.ready += 1
         if b.ready == len(b.layout.params):
@@ -263,6 +274,7 @@ class Zero2(ShardedState, ZeroDP):
 
     def _reduce(self, b: _Bucket, i: int) -> None:
         """Pack the bucket's gradients, free them, launch the reduce-scatter (async)."""
+        self.note_first_reduction()
         b.grad_flat = b.layout.flatten([p.grad for p in b.layout.params], self.reduce_dtype, self.mesh.device)
         for p in b.layout.params:
             p.grad = None
@@ -287,6 +299,10 @@ class Zero2(ShardedState, ZeroDP):
             b.grad_shard, b.ready = None, 0
             for p in b.layout.params:
                 p.grad = None
+        self._grads_noted = False
+
+    def step_metrics(self) -> dict[str, float]:
+        return {"zero_grads_held_bytes": self.grads_held_bytes, **self.offload_metrics()}
 
     def discard_backward(self) -> None:
         """Reductions a discarded backward launched are waited for and dropped with its gradients."""

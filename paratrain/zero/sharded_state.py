@@ -45,6 +45,20 @@ class ShardedState:
     #: average their parameters every H steps instead (engine/zero_averaging.py) set this False.
     sums_over_replicas = True
 
+    #: Gradient bytes held (the parameters' full ``.grad``) when the step's first reduction began:
+    #: under accumulation (a pipeline schedule, m > 1) the step's gradient peak, since every
+    #: parameter holds its sum of the earlier micro-batches by then (planner: held_grad_bytes).
+    grads_held_bytes = 0
+    _grads_noted = False
+
+    def note_first_reduction(self) -> None:
+        """Count the full gradients held, once per step (at its first reduction; zero_grad rearms)."""
+        if self._grads_noted:
+            return
+        self._grads_noted = True
+        self.grads_held_bytes = sum(p.grad.numel() * p.grad.element_size() for layout in self.layouts
+                                    for p in layout.params if p.grad is not None)
+
     def over_replicas(self, layout: FlatLayout, grad_shard: torch.Tensor) -> object:
         """Launch HSDP's all-reduce of ``grad_shard`` across the replicas (zero/flat.py), unless
         the replicas step alone; the in-flight work, or None."""
