@@ -18,6 +18,12 @@ from tests.harness import tiny_cfg
 PEAK = 1e12  # a stand-in measurement: the test asserts which dtype was measured, never a time
 
 
+@pytest.fixture(autouse=True)
+def no_remembered_peak(monkeypatch):
+    """Each test starts with no peak measured in this process (device._PEAKS keeps the best)."""
+    monkeypatch.setattr(device, "_PEAKS", {})
+
+
 @pytest.fixture
 def measured(monkeypatch):
     dtypes: list[torch.dtype] = []
@@ -60,6 +66,18 @@ def test_no_known_peak_means_no_mfu(tmp_path, monkeypatch):
 def test_the_real_measurement_uses_the_dtype():
     assert device.matmul_peak(torch.device("cpu"), "fp32") > 0
     assert device.PRECISION_DTYPES["bf16"] is torch.bfloat16
+
+
+def test_a_process_measures_once_and_keeps_its_best(monkeypatch):
+    """Runs built in one process reuse its best peak; a fresh measurement (a step proved the peak
+    low) can only raise it."""
+    figures = iter([5e11, 2e11, 9e11])
+    monkeypatch.setattr(device, "measure_matmul_peak", lambda *a, **k: next(figures))
+    cpu = torch.device("cpu")
+    assert device.matmul_peak(cpu, "fp32") == 5e11
+    assert device.matmul_peak(cpu, "fp32") == 5e11  # remembered, not measured again
+    assert device.matmul_peak(cpu, "fp32", fresh=True) == 5e11  # 2e11 measured: the best stays
+    assert device.matmul_peak(cpu, "fp32", fresh=True) == 9e11
 
 
 # -- MFU is bounded by its definition (issue 35, item 4) ------------------------------------------------

@@ -4,7 +4,8 @@ MFU is the model's FLOP/s over the devices' peak, so it cannot exceed 1 by defin
 above 1 means the peak was measured too low (issue 35: ``mfu 192%`` after the matmul peak was
 measured once, at start, on a loaded machine). Three guards keep the denominator an upper bound:
 
-* the measurement is the best of several short windows (``device.measure_matmul_peak``);
+* the measurement is the best of several short windows (``device.measure_matmul_peak``), and the
+  best of the process's measurements so far (a process building several runs measures once);
 * on a GPU the vendor's published peak is used where the model is known (``perf.hardware``),
   or the measurement where that is higher (e.g. TF32 matmuls running an "fp32" run);
 * a step whose model FLOP/s exceeds the peak proves it low: the peak is measured again once (the
@@ -46,7 +47,7 @@ class PeakFlops:
         """A step ran faster than the peak: measure again, once, and keep at least `achieved`."""
         if not self.remeasured:
             self.remeasured = True
-            again = matmul_peak(self.device, self.precision)
+            again = matmul_peak(self.device, self.precision, fresh=True)
             self.flops = max(self.flops, (again or 0.0) * self.world_size)
         self.flops = max(self.flops, achieved)
         self.source = "raised"
