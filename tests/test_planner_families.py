@@ -40,6 +40,17 @@ def test_qwen3_moe_sparse_blocks_follow_decoder_sparse_step():
     assert_activations_match_saved_tensors(c, "none", rel=0.01)
 
 
+def test_qwen3_moe_renormalised_routing_keeps_the_division():
+    """norm_topk_prob (Qwen3-30B-A3B's setting; the tiny preset has it off) divides the k weights by
+    their sum, which keeps both for backward: priced (4k + 4 per token), still within 1 %."""
+    c = preset("qwen3-moe-tiny", max_seq_len=64, norm_topk_prob=True)
+    off = preset("qwen3-moe-tiny", max_seq_len=64)
+    on_bytes, off_bytes = (memory.layer_activation_bytes(x, 32, 4, moe=True, precision="fp32")
+                           for x in (c, off))
+    assert on_bytes - off_bytes == 4 * 32 * (4 * c.top_k + 4)
+    assert_activations_match_saved_tensors(c, "none", rel=0.01)
+
+
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_family_parameters_and_model_states_follow_the_shape(name):
     """Per block (dense and sparse), per stage and per tensor, the shape's counts equal the built

@@ -11,7 +11,9 @@ core is written out, not a fused kernel: it materialises the s x s scores over e
 layers' too, masks them and keeps the softmax output per head for backward: Gemma-2's
 ``SoftcapAttention``; default False), ``attn_softcap`` (such scores are soft-capped, tanh(s / c) * c,
 which keeps the tanh output and the -inf test per score; default None) and ``final_softcap`` (the
-logits are soft-capped the same way, per token and vocabulary row; default None).
+logits are soft-capped the same way, per token and vocabulary row; default None) and
+``norm_topk_prob`` (an MoE block divides its k routing weights by their sum, which keeps both:
+Qwen3-MoE's flag; default True, Mixtral's rule).
 """
 
 from __future__ import annotations
@@ -141,6 +143,11 @@ def scores_softcapped(c: ModelShape) -> bool:
 def logits_softcapped(c: ModelShape) -> bool:
     """The logits pass through a soft-cap (Gemma-2's final_logit_softcapping)."""
     return getattr(c, "final_softcap", None) is not None
+
+
+def renormalised_top_k(c: ModelShape) -> bool:
+    """An MoE block renormalises its k routing weights over the k (Mixtral; Qwen3-MoE's norm_topk_prob)."""
+    return bool(getattr(c, "norm_topk_prob", True))
 
 
 def attended_keys(seq: int, window: int = 0) -> float:

@@ -35,6 +35,7 @@ from paratrain.models.shape import (
     linear_bias,
     logits_softcapped,
     norm_params,
+    renormalised_top_k,
     scores_softcapped,
 )
 from paratrain.perf.hardware import Cluster
@@ -314,7 +315,8 @@ def layer_activation_bytes(c: ModelShape, seq: int, micro_batch: int, *, tp: int
     4 e*f become k * 4 e*f; per assignment the gathered expert input (e*h), the expert output and
     its slot of the combine (4h each: the residual stream's dtype) and two int64 indices (16); per
     token the router's fp32 input (4h, in place of the dense MLP's e*h), logits and probabilities
-    (8E), the z-loss's log-sum-exp (4), and the top-k's indices, kept mask and weights (8k + k + 4k).
+    (8E), the z-loss's log-sum-exp (4), and the top-k's indices, kept mask and weights (8k + k + 4k);
+    renormalised weights (``norm_topk_prob``) keep the division's operands too (4k + 4).
     Balanced routing is assumed (each expert receives T*k/E assignments).
     """
     e = ACT_BYTES[precision]
@@ -347,6 +349,8 @@ def layer_activation_bytes(c: ModelShape, seq: int, micro_batch: int, *, tp: int
         k = c.top_k
         mlp *= k
         replicated += (4 - e) * h + k * (e * h + 2 * 4 * h + 16) + 8 * c.n_experts + 4 + 13 * k
+        if renormalised_top_k(c):
+            replicated += 4 * k + 4
     split = core + mlp
     if sp:
         return tokens * (replicated + split) / tp + per_call
