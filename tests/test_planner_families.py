@@ -69,6 +69,26 @@ def test_family_parameters_and_model_states_follow_the_shape(name):
     assert states == 16 * numel
 
 
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_model_states_match_a_run(name, tmp_path):
+    """Predicted model-state bytes vs the counted mem_params/grads/optim_bytes of a 2-step one-process
+    run of the family's tiny preset (tests/test_planner.py's reality check, one layout): equal."""
+    from paratrain.models.from_config import model_config
+    from paratrain.train.metrics import read_metrics
+    from tests.harness import tiny_cfg
+    from tests.test_planner import _fit
+
+    cfg = tiny_cfg(tmp_path, **{"model.name": name, "train.steps": 2})
+    _fit(cfg, 1)
+    row = read_metrics(tmp_path / "metrics.jsonl")[-1]
+    measured = row["mem_params_bytes"] + row["mem_grads_bytes"] + row["mem_optim_bytes"]
+    lay = Layout(micro_batch=cfg.micro_batch)
+    c = model_config(cfg, cfg.data.vocab_size)
+    predicted = memory.device_memory(c, Training(cfg.data.seq_len, cfg.train.global_batch, precision="fp32"),
+                                     lay, local_cluster(1)).model_states
+    assert predicted == pytest.approx(measured, rel=1e-9), (name, predicted, measured)
+
+
 @pytest.mark.parametrize("precision,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
 def test_gemma2_core_keeps_what_eager_score_bytes_prices(precision, dtype):
     """SoftcapAttention alone, under the trainer's autocast: what it keeps beyond its inputs (q, and
