@@ -89,16 +89,19 @@ def test_family_model_states_match_a_run(name, tmp_path):
     assert predicted == pytest.approx(measured, rel=1e-9), (name, predicted, measured)
 
 
-def test_moe_dry_run_under_full_recompute():
-    """`plan --dry-run` of an expert-parallel layout with full recompute (the first choice for
-    Qwen3-30B-A3B on 8 H100s): the balanced routing's re-run saves what its forward saved (it
-    crashed in torch's checkpoint: 'a different number of tensors'), and model states are within 1%."""
+def test_moe_dry_run_ep_equal_dp_full_recompute():
+    """`plan --dry-run` of Qwen3-30B-A3B's first choice on 8 H100s, in small: ep = dp (one rank per
+    expert group), ZeRO-1, full recompute. The balanced routing's re-run saves what its forward
+    saved (it crashed in torch's checkpoint: 'a different number of tensors'), and no collective is
+    predicted for the experts' one-rank edp group (the runtime issues none): memory and collectives
+    both as measured."""
     from paratrain.plan_cli.dry_run import dry_run
 
-    lay = Layout(dp=4, ep=2, micro_batch=2, recompute="full")
+    lay = Layout(dp=4, ep=4, zero=1, micro_batch=2, recompute="full")
     name = "qwen3-moe-tiny"
     (r,) = dry_run(preset(name), Training(seq_len=32, global_batch=8), lay, [3], model=name)
     assert r.memory_ok(), (r.measured_bytes, r.predicted_bytes)
+    assert r.comm_ok(), (r.measured_comm, r.predicted_comm)
 
 
 @pytest.mark.parametrize("precision,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
