@@ -3,10 +3,17 @@
 A family's config class satisfies it (``LlamaConfig``, ``GPT2Config``); nothing here is a module or
 a tensor, so readers of shapes (planner/, perf/) never depend on how a family builds its layers.
 
-Two members are optional, read through the helpers below with a default, because only one family
+Some members are optional, read through the helpers below with a default, because only one family
 has them: ``linear_bias`` (every linear of a block but the head carries a bias: GPT-2; default
-False, only q/k/v's per ``qkv_bias``) and ``learned_positions`` (a max_seq_len x dim position table
-beside the token embedding: GPT-2; default False, RoPE).
+False, only q/k/v's per ``qkv_bias``), ``learned_positions`` (a max_seq_len x dim position table
+beside the token embedding: GPT-2; default False, RoPE), ``attention_stores_scores`` (the attention
+core is written out, not a fused kernel: it materialises the s x s scores over every key, sliding
+layers' too, masks them and keeps the softmax output per head for backward: Gemma-2's
+``SoftcapAttention``; default False), ``attn_softcap`` (such scores are soft-capped, tanh(s / c) * c,
+which keeps the tanh output and the -inf test per score; default None) and ``final_softcap`` (the
+logits are soft-capped the same way, per token and vocabulary row; default None) and
+``norm_topk_prob`` (an MoE block divides its k routing weights by their sum, which keeps both:
+Qwen3-MoE's flag; default True, Mixtral's rule).
 """
 
 from __future__ import annotations
@@ -121,6 +128,26 @@ def linear_bias(c: ModelShape) -> bool:
 def learned_positions(c: ModelShape) -> bool:
     """A learned position table (max_seq_len x dim) sits beside the token embedding (GPT-2)."""
     return bool(getattr(c, "learned_positions", False))
+
+
+def attention_stores_scores(c: ModelShape) -> bool:
+    """The attention core materialises and keeps the s x s scores (Gemma-2's eager soft-capped core)."""
+    return bool(getattr(c, "attention_stores_scores", False))
+
+
+def scores_softcapped(c: ModelShape) -> bool:
+    """The stored attention scores pass through a soft-cap (Gemma-2's attn_logit_softcapping)."""
+    return attention_stores_scores(c) and getattr(c, "attn_softcap", None) is not None
+
+
+def logits_softcapped(c: ModelShape) -> bool:
+    """The logits pass through a soft-cap (Gemma-2's final_logit_softcapping)."""
+    return getattr(c, "final_softcap", None) is not None
+
+
+def renormalised_top_k(c: ModelShape) -> bool:
+    """An MoE block renormalises its k routing weights over the k (Mixtral; Qwen3-MoE's norm_topk_prob)."""
+    return bool(getattr(c, "norm_topk_prob", True))
 
 
 def attended_keys(seq: int, window: int = 0) -> float:

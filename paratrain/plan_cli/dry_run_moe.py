@@ -71,12 +71,14 @@ def balanced_forward(layer: MoE, x: torch.Tensor) -> torch.Tensor:
     if share is not None and not share.sequence_parallel:
         mixed = gather_replicated_rows(mixed, tp, sizes)
     out = layer.reduce(mixed.view(b, s, d))  # g without expert parallelism; the identity with it
+    p = probs.mean(0)  # a balanced f_i = 1 / E: the aux loss's shape, from the logits' graph
+    # Built on every call, as MoE.forward does: full recompute's re-run must save the same tensors
+    # as the forward (torch's checkpoint counts them); only the forward's stats are kept.
+    stats = MoEStats(aux_sum=layer.router.count_once(p.sum() * t / layer.n_experts * b),
+                     z_sum=layer.router.count_once(torch.logsumexp(logits, dim=-1).pow(2).sum()),
+                     assigned=t * k, dropped=0, load=torch.full((layer.n_experts,), t * k // layer.n_experts))
     if not recomputing():
-        p = probs.mean(0)  # a balanced f_i = 1 / E: the aux loss's shape, from the logits' graph
-        layer.stats = MoEStats(aux_sum=layer.router.count_once(p.sum() * t / layer.n_experts * b),
-                               z_sum=layer.router.count_once(torch.logsumexp(logits, dim=-1).pow(2).sum()),
-                               assigned=t * k, dropped=0,
-                               load=torch.full((layer.n_experts,), t * k // layer.n_experts))
+        layer.stats = stats
     return out
 
 

@@ -164,6 +164,8 @@ def collectives(c: ModelShape, tr: Training, lay: Layout, psi: float, blocks: in
         return out
     sizes = [(n * sb.grads, key) for n, key in param_numels(c, lay.tp, blocks, first, last, start=start,
                                                                ep=lay.ep)]
+    if lay.ep > 1 and lay.edp == 1:  # ep = dp: no other rank holds these experts, nothing to reduce
+        sizes = [(b, key) for b, key in sizes if key != EXPERT]
     if lay.zero == 0:
         out["reduce"] = ddp_buckets([b for b, _ in sizes], tr.bucket_mb)
         out["reduce_axes"] = ["dp"] * len(out["reduce"])
@@ -175,7 +177,8 @@ def collectives(c: ModelShape, tr: Training, lay: Layout, psi: float, blocks: in
         out["gather"] = [b * sb.params / sb.grads for b in out["reduce"]]
         out["reduce_axes"] = out["gather_axes"] = [axis for _, axis in buckets]
     else:
-        units = zero3_units(c, lay, blocks, first, last, sb.params, start)
+        units = [u for u in zero3_units(c, lay, blocks, first, last, sb.params, start)
+                 if u[2] != "edp" or lay.edp > 1]  # ep = dp: the experts stay whole, never gathered
         out["reduce"] = [b * sb.grads / sb.params for b, _, _ in units]
         out["reduce_axes"] = [axis for _, _, axis in units]
         out["gather_axes"] = out["reduce_axes"] * (2 * m)

@@ -28,11 +28,15 @@ from dataclasses import dataclass, field
 
 from paratrain.models.shape import (
     ModelShape,
+    attention_stores_scores,
     block_norm_params,
     gated_mlp,
     learned_positions,
     linear_bias,
+    logits_softcapped,
     norm_params,
+    renormalised_top_k,
+    scores_softcapped,
 )
 from paratrain.perf.hardware import Cluster
 from paratrain.perf.ops import ACT_BYTES
@@ -301,13 +305,19 @@ def layer_activation_bytes(c: ModelShape, seq: int, micro_batch: int, *, tp: int
     attention (Megatron-LM 2021's) stores the scores and the softmax output (e bytes each) and the
     dropout mask (1 byte) per query and key, Korthikanti's 5as/h term in 16 bits; a sliding
     layer's over its window's keys, a full layer's over the sequence's (the mean over the blocks).
-    Under tp the projections' inputs stay replicated and the rest splits by t; under sp all of it
-    splits by t. Full recompute keeps the block input only; selective recomputes the attention
-    core (the SDPA inputs, output and log-sum-exp).
+    A shape whose core is written out (``attention_stores_scores``: Gemma-2) stores what that code
+    keeps per head, query and key (``eager_score_bytes``) over the whole sequence, sliding layers
+    too (it masks s x s scores rather than computing the window's), and the bool mask once per
+    block (s x s), but no log-sum-exp. Under tp the projections' inputs stay replicated and the
+    rest splits by t; under sp all of it splits by t. Full recompute keeps the block input only;
+    selective recomputes the attention core (the SDPA inputs, output and log-sum-exp).
 
-    An MoE block (``moe``): each token runs through top_k experts, so the MLP's 4 e*f become
-    k * 4 e*f, plus per assignment the gathered expert input and the expert output (2 e*h, kept
-    for the weighted combine), and the fp32 router input, logits and probabilities (4h + 8E).
+    An MoE block (``moe``, models/moe.py): each token runs through top_k experts, so the MLP's
+    4 e*f become k * 4 e*f; per assignment the gathered expert input (e*h), the expert output and
+    its slot of the combine (4h each: the residual stream's dtype) and two int64 indices (16); per
+    token the router's fp32 input (4h, in place of the dense MLP's e*h), logits and probabilities
+    (8E), the z-loss's log-sum-exp (4), and the top-k's indices, kept mask and weights (8k + k + 4k);
+    renormalised weights (``norm_topk_prob``) keep the division's operands too (4k + 4).
     Balanced routing is assumed (each expert receives T*k/E assignments).
     """
     e = ACT_BYTES[precision]
@@ -317,6 +327,8 @@ def layer_activation_bytes(c: ModelShape, seq: int, micro_batch: int, *, tp: int
     q = heads * c.head_dim  # q and the attention output: heads x head size, not dim
     resid = 4  # paratrain keeps the residual stream and the norms in fp32, even under autocast
     rope = 0 if learned_positions(c) else seq * c.head_dim * 4  # RoPE's cos/sin tables, per block call
+    eager = attention_stores_scores(c) and recompute != "selective"
+    per_call = rope + (seq * seq if eager else 0)  # + an eager core's bool mask [1, 1, s, s]
     if recompute == "full":
         return tokens * h * resid / (tp if sp else 1)
     kv = q if c.n_kv_heads != c.n_heads else c.n_kv_heads * c.head_dim
@@ -328,17 +340,30 @@ def layer_activation_bytes(c: ModelShape, seq: int, micro_batch: int, *, tp: int
         # Megatron's selective recompute keeps q, k, v and the output and recomputes the s x s
         # scores; a fused kernel never stores those, so only the log-sum-exp is saved.
         core -= 4 * heads
+    elif eager:  # the family's own written-out core: its scores, no log-sum-exp
+        core += heads * (seq * eager_score_bytes(c, e) - 4)
     elif attention == "unfused":
         core += heads * stored_keys(c, seq) * (2 * e + 1)
     # Gated (SwiGLU, GeGLU): gate, up, act(gate), their product; GELU: fc's output, gelu's output.
     mlp = (4 if gated_mlp(c) else 2) * e * f
     if moe:
-        mlp *= c.top_k
-        replicated += c.top_k * 2 * e * h + 4 * h + 8 * c.n_experts
+        k = c.top_k
+        mlp *= k
+        replicated += (4 - e) * h + k * (e * h + 2 * 4 * h + 16) + 8 * c.n_experts + 4 + 13 * k
+        if renormalised_top_k(c):
+            replicated += 4 * k + 4
     split = core + mlp
     if sp:
-        return tokens * (replicated + split) / tp + rope
-    return tokens * (replicated + split / tp) + rope
+        return tokens * (replicated + split) / tp + per_call
+    return tokens * (replicated + split / tp) + per_call
+
+
+def eager_score_bytes(c: ModelShape, e: int) -> int:
+    """Bytes a written-out attention core (``attention_stores_scores``) keeps per head, query and
+    key: the fp32 softmax output (4) and its cast to the compute dtype for the product with v (e,
+    the same tensor in fp32); with a soft-cap the tanh output (e) and the -inf test (1 byte)."""
+    out = 4 + (e if e < 4 else 0)
+    return out + (e + 1 if scores_softcapped(c) else 0)
 
 
 def stored_keys(c: ModelShape, seq: int) -> float:
@@ -359,10 +384,13 @@ def norm_activation_bytes(c: ModelShape) -> float:
 def output_activation_bytes(c: ModelShape, seq: int, micro_batch: int, *, tp: int = 1, sp: bool = False,
                             precision: str = "bf16") -> float:
     """Final norm + LM head + loss: norm (fp32 input, normed, rstd), head input, fp32 log-probs
-    (cross-entropy saves log_softmax's output; vocab-parallel under tp); + token ids."""
+    (cross-entropy saves log_softmax's output; vocab-parallel under tp); + token ids. A logit
+    soft-cap (``final_softcap``) keeps its tanh output (e) and -inf test (1) per vocabulary row."""
     tokens = seq * micro_batch
+    e = ACT_BYTES[precision]
     norm = norm_activation_bytes(c) / (tp if sp else 1)
-    return tokens * (norm + ACT_BYTES[precision] * c.dim + 4 * vocab_local(c, tp) + 8)
+    cap = (e + 1) * vocab_local(c, tp) if logits_softcapped(c) else 0
+    return tokens * (norm + e * c.dim + 4 * vocab_local(c, tp) + cap + 8)
 
 
 def in_flight(schedule: str, pp: int, m: int, v: int = 1, rank: int = 0) -> float:

@@ -19,8 +19,8 @@ def _count(n: float) -> str:
 
 
 def expert_params(c: ModelShape) -> int:
-    """Parameters of all experts of the single-device model (not the routers)."""
-    return c.n_moe_layers * c.n_experts * c.mlp_matrices * c.dim * c.ffn_dim
+    """Parameters of all experts of the single-device model (not the routers), each ``moe_ffn_dim`` wide."""
+    return c.n_moe_layers * c.n_experts * c.mlp_matrices * c.dim * c.moe_ffn_dim
 
 
 def moe_tree(c: ModelShape, tr: Training, cluster: Cluster) -> list[str]:

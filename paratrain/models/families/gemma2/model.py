@@ -99,6 +99,10 @@ class Gemma2Config:
         return False
 
     @property
+    def attention_stores_scores(self) -> bool:
+        return True  # SoftcapAttention: s x s scores over every key (masked), kept for backward
+
+    @property
     def n_sliding_layers(self) -> int:
         return sum(self.is_sliding(i) for i in range(self.n_layers))
 

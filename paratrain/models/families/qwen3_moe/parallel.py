@@ -12,10 +12,11 @@ from paratrain.models.families.qwen3.parallel import QWEN3_TP_PLAN
 from paratrain.models.families.qwen3_moe.model import PRESETS, Qwen3Moe, Qwen3MoeConfig, full_init_value
 from paratrain.models.registry import register
 
-# planned=False: the planner prices experts at ffn_dim; Qwen3-MoE's are moe_ffn_dim wide (the
-# shape field is there for it: models/shape.py's moe_ffn_dim).
+# planned=True: the planner prices its sparse blocks (moe_ffn_dim experts, is_moe_block's placement,
+# the router's and the top-k's saved tensors) within 1 % of what autograd keeps
+# (tests/test_planner_families.py).
 QWEN3_MOE = decoder_family("qwen3_moe", QWEN3_TP_PLAN, embedding_weight="embed.weight",
                            init_value=full_init_value, lora_targets=LLAMA_LORA_TARGETS,
-                           config_names=("qwen3_moe",), planned=False)
+                           config_names=("qwen3_moe",), planned=True)
 
 register(Qwen3MoeConfig, Qwen3Moe, QWEN3_MOE, PRESETS)
