@@ -106,6 +106,7 @@ def check_layout(cfg: Config, problems: list[str]) -> None:
     _check_hybrid(cfg, problems)
     _check_param_server(cfg, problems)
     _check_sync(cfg, problems)
+    check_parallel_rules(cfg.parallel, problems)  # the rules the library's keywords share
     check_savers(cfg, problems)
     check_lora(cfg, problems)  # engine/lora.py: targets, rank, and what LoRA composes with
     if cfg.train.precision not in ("fp32", "auto") and not model_kind(cfg.model.name).mixed_precision:
@@ -118,10 +119,7 @@ def check_layout(cfg: Config, problems: list[str]) -> None:
 def _check_tensor_parallel(cfg: Config, problems: list[str]) -> None:
     """--tp / --sp: heads and widths must split evenly over tp; SP splits the sequence too."""
     p, tp = cfg.parallel, cfg.parallel.tp
-    if p.sp and tp == 1:
-        problems.append("parallel.sp (sequence parallelism) splits the sequence over the tp ranks: "
-                        "it needs --tp > 1 (or drop --sp)")
-    if tp == 1:
+    if tp == 1:  # --sp without --tp: check_parallel_rules
         return
     if not model_kind(cfg.model.name).tensor_parallel:
         problems.append(f"{cfg.model.name} has no tensor-parallel plan: use --tp 1 (data parallelism) "
@@ -213,18 +211,10 @@ def _check_zero_bubble(cfg: Config, problems: list[str]) -> None:
 
 def _check_zero(cfg: Config, problems: list[str]) -> None:
     """--zero / --offload / reshard_after_forward: what each ZeRO stage composes with."""
-    p = cfg.parallel
-    if p.offload != "none" and p.zero < 1:
-        problems.append(f"--offload {p.offload} moves the ZeRO optimizer partition off the device: it needs "
-                        "--zero 1, 2 or 3")
-    if p.zero >= 2 and p.pp > 1:
-        problems.append(f"--zero {p.zero} shards gradients, which pipeline micro-batches keep accumulating "
-                        "across the schedule: use --zero 1 with --pp (as DeepSpeed does), or --pp 1")
+    p = cfg.parallel  # --offload without ZeRO, ZeRO-2/3 with --pp: check_parallel_rules
     if p.zero == 3 and not model_kind(cfg.model.name).zero3_units:
         problems.append("--zero 3 builds a model family's units (blocks, embedding, head): "
                         f"{cfg.model.name} supports --zero 1 or 2")
-    if p.zero >= 1 and p.dp_mode == "plain":
-        problems.append("--dp-mode plain is the un-bucketed DDP; ZeRO does its own reduction: drop --dp-mode")
     if p.dp_reduce == "shm" and (p.zero >= 1 or p.dp_mode != "ddp" or p.ep > 1):
         problems.append("--dp-reduce shm sums DDP's buckets through shared memory on a CPU host: it needs "
                         "--zero 0, --dp-mode ddp and --ep 1; use --dp-reduce auto")
@@ -268,12 +258,7 @@ def _check_hybrid(cfg: Config, problems: list[str]) -> None:
         problems.append(f"--dp-replicate ({r}) must divide dp ({cfg.dp}): dp = R x S; change "
                         "--dp-replicate or --dp")
     if r == 1:
-        return
-    if p.zero == 0 and p.sync not in AVERAGING:
-        problems.append(f"--dp-replicate {r} needs --zero 1, 2 or 3 (or --sync local-sgd|diloco: DDP "
-                        "inside each replica, averaging across): with --zero 0, DDP already replicates "
-                        "everything on every rank (hybrid sharding shards inside a node); add --zero or drop "
-                        "--dp-replicate")
+        return  # R > 1 without ZeRO or averaging: check_parallel_rules
     if p.ep > 1:
         problems.append(f"--dp-replicate {r} with --ep {p.ep} is not supported: experts are sharded over "
                         "edp, not the hybrid groups; use --ep 1 or --dp-replicate 1")
@@ -431,3 +416,51 @@ def _check_param_server(cfg: Config, problems: list[str]) -> None:
                         "--max-staleness or use --ps-mode sync")
     if p.ps_mode == "sync" and p.max_staleness is not None:
         problems.append("--max-staleness bounds --ps-mode async: add --ps-mode async or drop it")
+
+
+class Spelling:
+    """How the user wrote a setting, so one rule speaks to both doors: the trainer's flags
+    (``--zero 2``) or the library's keywords (``zero = 2``)."""
+
+    KEYWORDS = {"sp": "sequence_parallel"}  # where the library's keyword is not the config key
+
+    def __init__(self, *, flags: bool):
+        self.flags = flags
+
+    def __call__(self, key: str, value: object = None, *, text: str | None = None) -> str:
+        """``key`` alone, with ``value`` as the user writes it, or followed by ``text`` as is."""
+        shown = text if text is not None else None if value is None else (
+            str(value) if self.flags else repr(value))
+        if self.flags:
+            flag = "--" + key.replace("_", "-")
+            return flag if shown is None else f"{flag} {shown}"
+        name = self.KEYWORDS.get(key, key)
+        return name if shown is None else f"{name} = {shown}"
+
+
+FLAGS = Spelling(flags=True)
+
+
+def check_parallel_rules(p: ParallelConfig, problems: list[str], say: Spelling = FLAGS) -> None:
+    """The layout rules both doors share, each implemented once: ``validate`` calls it with the
+    run's settings, ``paratrain.Parallel`` with its keywords gathered in a ParallelConfig (and
+    ``say`` spelling them as keywords)."""
+    zeros = say("zero", text="1, 2 or 3")
+    if p.offload != "none" and p.zero < 1:
+        problems.append(f"{say('offload', p.offload)} moves the ZeRO optimizer partition off the device: "
+                        f"it needs {zeros}")
+    if p.zero >= 2 and p.pp > 1:
+        problems.append(f"{say('pp', p.pp)} with {say('zero', p.zero)}: gradients must stay whole across "
+                        f"the schedule's micro-batches, which ZeRO-{p.zero} shards: use {say('zero', 1)} "
+                        f"with {say('pp')} (as DeepSpeed does), or {say('pp', 1)}")
+    if p.zero >= 1 and p.dp_mode == "plain":
+        problems.append(f"{say('dp_mode', 'plain')} is the un-bucketed DDP; ZeRO does its own reduction: "
+                        f"drop {say('dp_mode')}")
+    if p.sp and p.tp == 1:
+        problems.append(f"{say('sp')} (sequence parallelism) splits the sequence over the tensor-parallel "
+                        f"ranks: it needs {say('tp')} > 1 (or drop {say('sp')})")
+    if p.dp_replicate > 1 and p.zero == 0 and p.sync not in AVERAGING:
+        problems.append(f"{say('dp_replicate', p.dp_replicate)} needs {zeros} (or {say('sync')} local-sgd | "
+                        "diloco: DDP inside each replica, averaging across): without ZeRO, DDP already "
+                        "replicates everything on every rank (hybrid sharding shards inside a node); add "
+                        f"{say('zero')} or drop {say('dp_replicate')}")

@@ -20,7 +20,6 @@ from paratrain.sharding import info_of
 from paratrain.shards import CheckpointError, Piece, ShardReader, pieces_of
 from paratrain.zero import store8
 from paratrain.zero.flat import FlatLayout, owned, reduce_over_replicas
-from paratrain.zero.offload import MOMENTS
 
 
 @contextlib.contextmanager
@@ -61,15 +60,14 @@ class ShardedState:
         """Where the optimizer partition lives (host / disk bytes) and the disk store's resident peak."""
         s = self.store.bytes()
         out = {"mem_offloaded_host_bytes": s["host"], "mem_offloaded_disk_bytes": s["disk"]}
-        if hasattr(self.store, "max_resident_bytes"):
+        if self.store.max_resident_bytes is not None:  # a disk store's window
             out["offload_resident_peak_bytes"] = self.store.max_resident_bytes
         return out
 
     def state_keys(self) -> tuple[str, ...]:
         """The store's per-element state besides the master ("param"): AdamW's two moments, the
         8-bit store's codes and scales, or what the library user's optimizer class keeps."""
-        keys = getattr(self.store, "state_keys", None)
-        return tuple(keys()) if keys is not None else MOMENTS
+        return tuple(self.store.state_keys())
 
     def state_pieces(self) -> list[Piece]:
         """Each flat shard cut at parameter boundaries: 1-D ranges of each (tp-local) parameter.
