@@ -305,6 +305,7 @@ class Parallel:
     def register_for_checkpointing(self, *objects: object) -> None:
         """Objects with state_dict / load_state_dict (an LR scheduler, a data sampler) saved by save()."""
         for obj in objects:
+            # probe kept: the user's object: any class
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(f"{type(obj).__name__} has no state_dict/load_state_dict: "
                                 "it cannot be checkpointed")

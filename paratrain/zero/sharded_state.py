@@ -43,6 +43,8 @@ class ShardedState:
     #: HSDP sums each gradient shard across the dp_replicate replicas every step; replicas that
     #: average their parameters every H steps instead (engine/zero_averaging.py) set this False.
     sums_over_replicas = True
+    #: The one flat shard of state ``_shard_range`` holds while the writer reads it: (key, tensor).
+    _shard_cache: tuple[tuple[int, str], torch.Tensor] | None = None
 
     def over_replicas(self, layout: FlatLayout, grad_shard: torch.Tensor) -> object:
         """Launch HSDP's all-reduce of ``grad_shard`` across the replicas (zero/flat.py), unless
@@ -126,7 +128,7 @@ class ShardedState:
     def _shard_range(self, index: int, which: str, a: int, b: int) -> torch.Tensor:
         """Elements [a, b) of flat shard ``index``'s state ``which``. The writer asks shard by shard,
         so one cached shard bounds the memory (offloaded state is read from disk once per shard)."""
-        cached = getattr(self, "_shard_cache", None)
+        cached = self._shard_cache
         if cached is None or cached[0] != (index, which):
             cached = self._shard_cache = ((index, which), self.store.read(index, which))
         if b >= cached[1].numel():  # the shard's last piece: release it after this read
