@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 import paratrain.faults as faults
-from paratrain.base.executor import MicroBatchLoop
+from paratrain.base.executor import Executor
 from paratrain.base.strategy import OptimizerSource, Strategy
 from paratrain.comm import collectives as C
 from paratrain.data_parallel.averaging import LocalSGD, SyncPlan
@@ -49,7 +49,7 @@ from paratrain.zero.optimizer import Zero1, Zero2
 class Engine:
     model: nn.Module  # this rank's part: local shards, single-device parameter names
     strategy: Strategy  # gradients, their synchronisation, the optimizer, layout-free state
-    executor: MicroBatchLoop | None  # one step's micro-batches or a pipeline schedule (None: the
+    executor: Executor | None  # one step's micro-batches or a pipeline schedule (None: the
     #                                  library's own loop runs forward and backward itself)
     mesh: ParallelMesh
 
