@@ -63,6 +63,23 @@ class AdamWSettings(OptimizerSettings, Protocol):
     eps: float
 
 
+class SteppedOptimizer(Protocol):
+    """The optimizer seam, the other way: what the strategies, the checkpoint code and the
+    library's ``ParallelOptimizer`` call on the optimizer a strategy holds (torch's AdamW, 8-bit
+    AdamW, the user's class, or one ZeRO rebuilt from its recipe)."""
+
+    param_groups: list[dict]
+    state: dict
+
+    def step(self, closure: Any = None) -> Any: ...
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state_dict: dict) -> None: ...
+
+
 #: What the engine hands a strategy: settings to build AdamW / 8-bit AdamW from (the trainer), or
 #: the user's optimizer over these parameters (the library; ZeRO: its ``OptimizerRecipe``, which
 #: is ``OptimizerSettings``). Told apart once, in ``Strategy.build_optimizer``.
@@ -131,7 +148,7 @@ class Strategy:
         self.mesh = mesh
         self.optim_cfg = optim_cfg
         self.named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.optimizer = self.build_optimizer()
+        self.optimizer: SteppedOptimizer = self.build_optimizer()
 
     # -- optimizer ------------------------------------------------------------------------------
 
