@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test lint bench device-check clean
+.PHONY: setup train test test-fast lint bench device-check clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,15 @@ test: $(STAMP)
 	$(BIN)/ruff check paratrain tests benchmarks examples
 	$(BIN)/lint-imports --no-cache   # the layers of docs/architecture.md (.importlinter)
 	$(BIN)/python -m pytest -q tests
+
+# The edit loop's tier (docs/testing.md): lint, the import contracts, and the single- and
+# two-process checks of every package, listed by node id in tests/fast.txt (chosen by their
+# measured time; tests/test_fast_tier.py keeps every entry pointing at a real test). `make test`
+# (CI, .ci/run) still runs everything.
+test-fast: $(STAMP)
+	$(BIN)/ruff check paratrain tests benchmarks examples
+	$(BIN)/lint-imports --no-cache
+	$(BIN)/python -m pytest -q @tests/fast.txt
 
 lint: $(STAMP)
 	$(BIN)/ruff check paratrain tests benchmarks examples

@@ -40,11 +40,11 @@ from paratrain.base.executor import split_micro_batches
 from paratrain.base.strategy import Strategy
 from paratrain.comm import collectives as C
 from paratrain.config import ParallelConfig
-from paratrain.context_parallel.apply import apply_context_parallel
 from paratrain.context_parallel.split import split_batch
 from paratrain.data_parallel.averaging import SyncPlan
-from paratrain.data_parallel.sync_batchnorm import convert_sync_batchnorm
 from paratrain.engine import checkpoint as ckpt
+from paratrain.engine.build import BuildLayout, build_engine
+from paratrain.engine.checks import Spelling, check_parallel_rules
 from paratrain.engine.engine import Engine, find_checkpoint, make_mesh, make_strategy
 from paratrain.engine.sync_checks import check_sync
 from paratrain.launch import init_from_torchrun, pick_device, under_torchrun
@@ -52,9 +52,8 @@ from paratrain.mesh import MeshShape
 from paratrain.models.family import NoFamilyError
 from paratrain.models.registry import family_of
 from paratrain.pipeline.executor import PipelineExecutor
-from paratrain.pipeline.stage import split_for_pipeline
 from paratrain.safeload import load_data, to_data_bytes
-from paratrain.sharding import name_params, shard_of
+from paratrain.sharding import shard_of
 from paratrain.shards import assemble
 from paratrain.tensor_parallel.user_plan import apply_native_plan, apply_user_plan, check_plan
 from paratrain.zero.recipe import OptimizerRecipe, check_elementwise
@@ -65,6 +64,7 @@ LIBRARY_FILE = "library.pt"  # in each checkpoint folder: optimizer settings/sca
 
 
 LIBRARY_SYNCS = ("ddp", "local-sgd", "diloco")  # the parameter server needs its own processes
+KEYWORDS = Spelling(flags=False)  # the shared rules speak of Parallel's keywords
 
 
 class Parallel:
@@ -106,8 +106,12 @@ class Parallel:
                  cp_method: str = "ring"):
         problems = _check_args(tp=tp, pp=pp, zero=zero, dp_mode=dp_mode, offload=offload,
                                offload_dir=offload_dir, bucket_mb=bucket_mb, precision=precision,
-                               timeout=timeout, units=units, tp_plan=tp_plan,
-                               sequence_parallel=sequence_parallel, dp_replicate=dp_replicate, sync=sync)
+                               timeout=timeout, units=units, tp_plan=tp_plan)
+        if zero in (0, 1, 2, 3) and dp_mode in ("ddp", "plain") and offload in OFFLOADS:
+            # the rules `paratrain train` checks too, in one place (engine/checks.py), said as keywords
+            check_parallel_rules(ParallelConfig(tp=tp, pp=pp, zero=zero, dp_mode=dp_mode, offload=offload,
+                                                sp=sequence_parallel, dp_replicate=dp_replicate, sync=sync),
+                                 problems, KEYWORDS)
         cp_unchecked = cp > 1 and (pp > 1 or sync != "ddp" or dp_replicate > 1)
         if cp < 1 or cp_method not in ("ring", "alltoall", "auto") or cp_unchecked:
             problems.append(f"cp = {cp}, cp_method = {cp_method!r}: cp >= 1, a method of ring | alltoall | "
@@ -144,6 +148,7 @@ class Parallel:
         self._objects: list = []
         self._accumulating = False
         self._saver = None  # engine/checkpoint.py's Saver, made by the first save()
+        self._summed_ranks = 1  # prepare asks the engine (Engine.gradient_divisor)
 
     # -- where this process stands ---------------------------------------------------------------
 
@@ -199,90 +204,26 @@ class Parallel:
         if self.strategy is not None:
             raise RuntimeError("Parallel.prepare was already called: use one Parallel per model")
         _check_optimizer(model, optimizer)
+        if self.mesh.pp.size > 1:  # before any change to the model: a refusal leaves it as it was
+            family_of(model, f"pp = {self.mesh.pp.size} through the library (its blocks and stages)")
         model.to(self.device)
         self._broadcast(model)  # every rank starts from rank 0's weights, as DDP does
-        full = {n: p.detach() for n, p in model.named_parameters()}  # full values by single-device name
-        if self.mesh.tp.size > 1:
-            _repoint(optimizer, self._split_tensor_parallel(model, full))
-        names = _group_names(model, optimizer)
-        chunks = self._split_pipeline(model, names) if self.mesh.pp.size > 1 else None
-        name_params(model)  # each parameter's single-device name: checkpoints and gathers use it
-        recipe = None
-        if self.zero >= 1:
-            check_elementwise(optimizer, allow_non_elementwise=self.allow_non_elementwise)
-            recipe = OptimizerRecipe.of(optimizer)
-            # ZeRO's stores build their own state on the shards: drop any the class made eagerly
-            # (Adagrad's sums), which would keep full-size tensors of the old parameters alive.
-            optimizer.state.clear()
-        if self.mesh.cp.size > 1:  # a model family's attention over every cp rank's keys
-            apply_context_parallel(model, self.mesh.cp, method=self.cp_method)
-        if self.mesh.dp.size > 1 and self.sync is None:  # averaging replicas keep their own statistics
-            model = convert_sync_batchnorm(model, self.mesh.dp)  # batch statistics over the whole dp batch
-        strategy = self._strategy(model, optimizer, recipe, names, full)
-        executor = None  # the user's loop runs forward and backward, or with pp > 1 the schedule does
-        if chunks is not None:
-            executor = PipelineExecutor(
-                model, chunks, _token_loss_sum, strategy, self.mesh, schedule=self.pp_schedule,
-                virtual_stages=self.virtual_stages, precision=self.precision,
-                sequence_parallel=self.sequence_parallel)
-        self.engine = Engine(model, strategy, executor, self.mesh)
+        door = LibraryDoor(self, optimizer, _group_names(model, optimizer))
+        layout = BuildLayout(zero=self.zero, sequence_parallel=self.sequence_parallel,
+                             pp_schedule=self.pp_schedule, virtual_stages=self.virtual_stages,
+                             precision=self.precision, sync_batchnorm=self.sync is None,
+                             cp_method=self.cp_method,
+                             micro_batch_loop=False)  # the user's loop, or with pp > 1 the schedule
+        self.engine = build_engine(model, self.mesh, layout, door)
+        model = self.engine.model
         by_name = dict(model.named_parameters())
-        for group, group_names in zip(optimizer.param_groups, names):  # ZeRO-3 made new parameters
+        for group, group_names in zip(optimizer.param_groups, door.names):  # ZeRO-3 made new parameters
             group["params"] = [by_name[n] for n in group_names]
         self.model = model
-        self.optimizer = ParallelOptimizer(optimizer, self.strategy, recipe)
+        self.optimizer = ParallelOptimizer(optimizer, self.strategy, door.recipe)
+        # the ranks whose gradients are summed: dp x cp (a cp rank's loss is the mean of its positions)
+        self._summed_ranks = self.engine.gradient_divisor(self.mesh.dp.size, 1)
         return model, self.optimizer
-
-    def _split_pipeline(self, model: nn.Module, names: list[list[str]]) -> list:
-        """Keep this rank's stages of a paratrain model family (pipeline/stage.py); the optimizer's
-        groups keep the names this rank still holds (a tied head's copy joins its owner's group)."""
-        family = family_of(model, f"pp = {self.mesh.pp.size} through the library (its blocks and stages)")
-        chunks = split_for_pipeline(model, self.mesh, virtual_stages=self.virtual_stages,
-                                    schedule=self.pp_schedule)
-        held = {n for n, _ in model.named_parameters()}
-        for group in names:
-            if family.is_tied(model) and family.tied[1] in group and family.tied[0] in held:
-                group.append(family.tied[0])
-            group[:] = [n for n in group if n in held]
-        return chunks
-
-    def _split_tensor_parallel(self, model: nn.Module, full: dict) -> dict[int, nn.Parameter]:
-        """The user's plan, or the plan a paratrain model family declares; old param id -> new."""
-        if not self.tp_plan:
-            try:
-                family_of(model)
-            except NoFamilyError:
-                raise ValueError(f"tp = {self.mesh.tp.size}: paratrain has no tensor-parallel plan for "
-                                 f"{type(model).__name__}; pass tp_plan = {{'<Linear name>': 'colwise' | "
-                                 "'rowwise', ...}} naming how to split its linears") from None
-            return apply_native_plan(model, self.mesh, full, sequence_parallel=self.sequence_parallel)
-        if self.sequence_parallel:
-            raise ValueError("sequence_parallel needs a model family's declared plan; a user "
-                             "tp_plan splits linears only: drop sequence_parallel")
-        problems = check_plan(model, self.tp_plan, self.mesh.tp.size)
-        if problems:
-            raise ValueError("paratrain.Parallel tp_plan: " + "; ".join(problems))
-        return apply_user_plan(model, self.tp_plan, self.mesh.tp)
-
-    def _strategy(self, model: nn.Module, optimizer, recipe, names: list[list[str]], full: dict) -> Strategy:
-        """The trainer's strategies (engine.make_strategy) over the user's optimizer (ZeRO: its recipe)."""
-        group_index = {n: g for g, group_names in enumerate(names) for n in group_names}
-
-        def group_of(name: str, p: torch.Tensor) -> int:
-            return group_index[name]
-
-        def units(m: nn.Module):
-            return named_units(m, self.units) if self.units else size_units(m, self.unit_min_params)
-
-        def init_value(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-            return full[name]  # the user's own (rank 0's) weights; Zero3 keeps this rank's slice
-
-        return make_strategy(model, self.mesh, recipe if self.zero else optimizer, zero=self.zero,
-                             dp_mode=self.dp_mode, bucket_bytes=int(self.bucket_mb * 2**20),
-                             precision=self.precision,
-                             offload=self.offload, offload_dir=self.offload_dir, init_value=init_value,
-                             units=units, group_of=group_of if self.zero else None, sync=self.sync,
-                             timeout_s=self.timeout)  # DDP's shared-memory sum waits this long too
 
     @torch.no_grad()
     def _broadcast(self, model: nn.Module) -> None:
@@ -335,11 +276,11 @@ class Parallel:
     def summed_ranks(self) -> int:
         """The dp ranks whose gradients are summed each step: every one under DDP and ZeRO, a
         replica's own when replicas average their parameters instead (one, or under hybrid sharding
-        the S = dp / R ranks of a replica, which sum their gradients inside it)."""
-        if self.sync is None:
-            return self.mesh.dp.size  # dp x cp: a cp rank's loss is the mean of its own positions
-        replicas = self.mesh.shape.dp_replicate
-        return self.dp_size // replicas if replicas > 1 else 1  # R = 1: every dp rank a replica
+        the S = dp / R ranks of a replica, which sum their gradients inside it; under cp, dp x cp:
+        a cp rank's loss is the mean of its own positions). The engine's one rule
+        (``Engine.gradient_divisor``), asked once in ``prepare``."""
+        self._require_prepared()
+        return self._summed_ranks
 
     def end_period(self) -> None:
         """Averaging (``sync``): close the open period, so every replica holds the same weights (every
@@ -391,6 +332,7 @@ class Parallel:
     def register_for_checkpointing(self, *objects: object) -> None:
         """Objects with state_dict / load_state_dict (an LR scheduler, a data sampler) saved by save()."""
         for obj in objects:
+            # probe kept: the user's object: any class
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(f"{type(obj).__name__} has no state_dict/load_state_dict: "
                                 "it cannot be checkpointed")
@@ -452,6 +394,90 @@ class Parallel:
         if self.strategy is None:
             raise RuntimeError("call Parallel.prepare(model, optimizer) first")
 
+
+
+class LibraryDoor:
+    """The library's inputs to the one build (engine/build.py's ``Door``): the user's module,
+    already built and broadcast, its optimizer (ZeRO: rebuilt from its recipe) and param groups."""
+
+    side_loss = None  # the user's loss is the user's; the pipeline adds none
+
+    def __init__(self, par: Parallel, optimizer: torch.optim.Optimizer, names: list[list[str]]):
+        self.par, self.optimizer, self.names = par, optimizer, names
+        self.loss_sum = _token_loss_sum  # the pipeline schedule's (pp > 1); the user's loop has its own
+        self.full: dict[str, torch.Tensor] = {}  # full values by single-device name (ZeRO-3's init)
+        self.recipe: OptimizerRecipe | None = None
+
+    def add_adapters(self, model: nn.Module) -> None:
+        """The user's full values by single-device name, before any split (ZeRO-3, TP slice them)."""
+        self.full = {n: p.detach() for n, p in model.named_parameters()}
+
+    def split_tensor_parallel(self, model: nn.Module) -> None:
+        """The user's plan, or the plan a paratrain model family declares; the optimizer follows."""
+        par, mesh = self.par, self.par.mesh
+        if not par.tp_plan:
+            try:
+                family_of(model)
+            except NoFamilyError:
+                raise ValueError(f"tp = {mesh.tp.size}: paratrain has no tensor-parallel plan for "
+                                 f"{type(model).__name__}; pass tp_plan = {{'<Linear name>': 'colwise' | "
+                                 "'rowwise', ...}} naming how to split its linears") from None
+            new_of = apply_native_plan(model, mesh, self.full, sequence_parallel=par.sequence_parallel)
+        elif par.sequence_parallel:
+            raise ValueError("sequence_parallel needs a model family's declared plan; a user "
+                             "tp_plan splits linears only: drop sequence_parallel")
+        else:
+            problems = check_plan(model, par.tp_plan, mesh.tp.size)
+            if problems:
+                raise ValueError("paratrain.Parallel tp_plan: " + "; ".join(problems))
+            new_of = apply_user_plan(model, par.tp_plan, mesh.tp)
+        _repoint(self.optimizer, new_of)
+
+    def settle_base(self, model: nn.Module) -> None:
+        """Nothing: the user chose what trains (requires_grad)."""
+
+    def after_pipeline_split(self, model: nn.Module) -> None:
+        """The optimizer's groups keep the names this rank still holds (pipeline/stage.py kept
+        this rank's stages); a tied head's copy joins its owner's group."""
+        family = family_of(model)
+        held = {n for n, _ in model.named_parameters()}
+        for group in self.names:
+            if family.is_tied(model) and family.tied[1] in group and family.tied[0] in held:
+                group.append(family.tied[0])
+            group[:] = [n for n in group if n in held]
+
+    def quantise_base(self, model: nn.Module) -> None:
+        """Nothing: the user's module keeps its own weights (QLoRA is the trainer's)."""
+
+    def materialize(self, model: nn.Module) -> None:
+        """Nothing: the user's module is real, on the device, with rank 0's weights."""
+
+    def make_strategy(self, model: nn.Module) -> Strategy:
+        """The trainer's strategies (engine.make_strategy) over the user's optimizer (ZeRO: its recipe)."""
+        par = self.par
+        if par.zero >= 1:
+            check_elementwise(self.optimizer, allow_non_elementwise=par.allow_non_elementwise)
+            self.recipe = OptimizerRecipe.of(self.optimizer)
+            # ZeRO's stores build their own state on the shards: drop any the class made eagerly
+            # (Adagrad's sums), which would keep full-size tensors of the old parameters alive.
+            self.optimizer.state.clear()
+        group_index = {n: g for g, group_names in enumerate(self.names) for n in group_names}
+
+        def group_of(name: str, p: torch.Tensor) -> int:
+            return group_index[name]
+
+        def units(m: nn.Module):
+            return named_units(m, par.units) if par.units else size_units(m, par.unit_min_params)
+
+        def init_value(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            return self.full[name]  # the user's own (rank 0's) weights; Zero3 keeps this rank's slice
+
+        return make_strategy(model, par.mesh, self.recipe or self.optimizer, zero=par.zero,
+                             dp_mode=par.dp_mode, bucket_bytes=int(par.bucket_mb * 2**20),
+                             precision=par.precision, offload=par.offload, offload_dir=par.offload_dir,
+                             init_value=init_value, units=units, group_of=group_of if par.zero else None,
+                             sync=par.sync,
+                             timeout_s=par.timeout)  # DDP's shared-memory sum waits this long too
 
 def _library_extra(path: os.PathLike, trust: bool) -> dict:
     """The library's file of a checkpoint: optimizer settings and scalars, registered objects."""
@@ -535,29 +561,22 @@ class ParallelOptimizer(torch.optim.Optimizer):
 
 def _check_args(*, tp: int, pp: int, zero: int, dp_mode: str, offload: str, offload_dir: str | None,
                 bucket_mb: float, precision: str, timeout: float, units: list[str] | None,
-                tp_plan: dict | None, sequence_parallel: bool, dp_replicate: int = 1,
-                sync: str = "ddp") -> list[str]:
+                tp_plan: dict | None) -> list[str]:
+    """The keywords' own values (their combinations: engine/checks.py's check_parallel_rules)."""
     problems = []
-    if dp_replicate > 1 and zero == 0 and sync == "ddp":
-        problems.append(f"dp_replicate = {dp_replicate} needs zero = 1, 2 or 3 (or sync = 'local-sgd' | "
-                        "'diloco': DDP inside each replica, averaging across): with zero 0, DDP already "
-                        "replicates everything (hybrid sharding shards inside a node)")
-    if pp > 1 and zero >= 2:
-        problems.append(f"pp = {pp} with zero = {zero}: gradients must stay whole across the schedule's "
-                        "micro-batches (as in `paratrain train`); use zero 0 or 1 with pp > 1")
     if pp < 1:
         problems.append(f"pp = {pp} must be >= 1 (pipeline stages of a paratrain model family)")
+    if pp > 1 and zero >= 2:  # the library door only: `paratrain train` runs ZeRO-2/3 inside the schedules
+        problems.append(f"pp = {pp} with zero = {zero}: gradients must stay whole across the schedule's "
+                        "micro-batches in the library's pipeline (ZeRO-2/3 inside the schedules is built for "
+                        "`paratrain train` only, not yet here): use zero 0 or 1 with pp > 1")
     if zero not in (0, 1, 2, 3):
         problems.append(f"zero = {zero!r} must be 0 (DDP), 1, 2 or 3")
     if dp_mode not in ("ddp", "plain"):
         problems.append(f"dp_mode = {dp_mode!r} must be 'ddp' (buckets overlapped with backward) or 'plain' "
                         "(one all-reduce per gradient after backward)")
-    elif dp_mode == "plain" and zero >= 1:
-        problems.append("dp_mode = 'plain' is the un-bucketed DDP; ZeRO does its own reduction: drop dp_mode")
     if offload not in OFFLOADS:
         problems.append(f"offload = {offload!r} must be one of {', '.join(OFFLOADS)}")
-    elif offload != "none" and zero == 0:
-        problems.append(f"offload = {offload!r} moves ZeRO's optimizer partition: it needs zero = 1, 2 or 3")
     if offload == "disk" and not offload_dir:
         problems.append('offload = "disk" needs offload_dir = a directory for the optimizer files')
     if bucket_mb <= 0:
@@ -571,9 +590,6 @@ def _check_args(*, tp: int, pp: int, zero: int, dp_mode: str, offload: str, offl
         problems.append("units = [...] chooses ZeRO-3's units: it needs zero = 3")
     if tp_plan and tp == 1:
         problems.append("tp_plan splits linears over tensor-parallel ranks: it needs tp > 1")
-    if sequence_parallel and tp == 1:
-        problems.append("sequence_parallel splits the sequence over the tensor-parallel ranks: it needs "
-                        "tp > 1")
     return problems
 
 

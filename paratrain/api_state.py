@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from paratrain.base.strategy import Strategy
+from paratrain.base.strategy import StateStore, Strategy
 from paratrain.sharding import info_of, shard_of
 
 
-def _store(strategy: Strategy):
-    return getattr(strategy, "store", None)
+def _store(strategy: Strategy) -> StateStore | None:
+    return strategy.store  # ZeRO's flat shards and their state; None: the optimizer's own state
 
 
 def _per_element(st: dict, p: torch.Tensor) -> set[str]:
@@ -28,7 +28,7 @@ def optimizer_scalars(strategy: Strategy) -> dict:
     """The optimizer's per-parameter scalars (the same on every rank)."""
     store = _store(strategy)
     if store is not None:
-        return store.scalars() if hasattr(store, "scalars") else {}
+        return store.scalars()
     for _, p in strategy.named_params:
         st = strategy.optimizer.state.get(p, {})
         if st:
@@ -42,8 +42,7 @@ def set_optimizer_scalars(strategy: Strategy, scalars: dict) -> None:
         return
     store = _store(strategy)
     if store is not None:
-        if hasattr(store, "set_scalars"):
-            store.set_scalars(scalars)
+        store.set_scalars(scalars)
         return
     for _, p in strategy.named_params:
         st = strategy.optimizer.state[p]

@@ -20,7 +20,7 @@ def _glibc() -> ctypes.CDLL | None:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:
         return None
-    return libc if hasattr(libc, "malloc_trim") else None
+    return libc if hasattr(libc, "malloc_trim") else None  # probe kept: glibc only (musl has none)
 
 
 _LIBC = _glibc()

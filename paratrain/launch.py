@@ -278,6 +278,7 @@ def _leave_process_group() -> None:
     uncaught exception (a peer may be gone; the run failed anyway) and bounded by EXIT_BARRIER_S."""
     if not dist.is_initialized():
         return
+    # probe kept: set only after an uncaught error
     if getattr(sys, "last_value", None) is None and dist.get_world_size() > 1:
         with contextlib.suppress(Exception):  # a peer that left already: nothing to drain
             if dist.get_backend() == "gloo":  # the one backend with a barrier of its own timeout

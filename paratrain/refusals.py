@@ -71,6 +71,29 @@ GROUPS: tuple[tuple[str, ...], ...] = (
 
 _DECLARED: list[Refusal] = []
 
+
+class Spelling:
+    """How the user wrote a setting, so one rule speaks to both doors: the trainer's flags
+    (``--zero 2``) or the library's keywords (``zero = 2``)."""
+
+    KEYWORDS = {"sp": "sequence_parallel"}  # where the library's keyword is not the config key
+
+    def __init__(self, *, flags: bool):
+        self.flags = flags
+
+    def __call__(self, key: str, value: object = None, *, text: str | None = None) -> str:
+        """``key`` alone, with ``value`` as the user writes it, or followed by ``text`` as is."""
+        shown = text if text is not None else None if value is None else (
+            str(value) if self.flags else repr(value))
+        if self.flags:
+            flag = "--" + key.replace("_", "-")
+            return flag if shown is None else f"{flag} {shown}"
+        name = self.KEYWORDS.get(key, key)
+        return name if shown is None else f"{name} = {shown}"
+
+
+FLAGS = Spelling(flags=True)  # the trainer's words (and the matrix's)
+
 Names = str | tuple[str, ...]
 
 
@@ -81,7 +104,9 @@ class Refusal:
     where the adapted modules or the weights are known, and the check emits ``says()`` itself);
     ``door="library"`` when ``when`` reads a ``paratrain.Parallel``; ``message`` is the user's
     line (a string or ``cfg -> str``; default ``"<first> does not compose with <second>: why"``
-    from ``flags``)."""
+    from ``flags``); ``spoken`` instead, ``(cfg, say) -> str``, for a rule both doors check (engine/
+    checks.py ``check_parallel_rules``): ``say`` (a ``Spelling``) writes the settings in the door's
+    words."""
 
     first: Names
     second: Names
@@ -89,6 +114,7 @@ class Refusal:
     when: Callable[[Any], bool] | None = None
     message: str | Callable[[Any], str] | None = None
     flags: tuple[str, str] = ("", "")
+    spoken: Callable[[Any, Spelling], str] | None = None
     door: str = "train"  # what when/message read: "train" a run's Config, "library" a paratrain.Parallel
     where: str = field(default="", compare=False)
 
@@ -104,7 +130,9 @@ class Refusal:
         """Every (a, b) matrix cell this refusal covers."""
         return [(a, b) for a in _names(self.first) for b in _names(self.second) if a != b]
 
-    def says(self, cfg: Any = None) -> str:
+    def says(self, cfg: Any = None, say: Spelling = FLAGS) -> str:
+        if self.spoken is not None:
+            return self.spoken(cfg, say)
         if callable(self.message):
             return self.message(cfg)
         if self.message is not None:
@@ -115,12 +143,13 @@ class Refusal:
         return self.when is not None and bool(self.when(cfg))
 
 
-def emit(table: tuple[Refusal, ...] | list[Refusal], cfg: Any, problems: list[str]) -> None:
+def emit(table: tuple[Refusal, ...] | list[Refusal], cfg: Any, problems: list[str],
+         say: Spelling = FLAGS) -> None:
     """Append the message of every refusal of ``table`` that ``cfg`` hits, each message once (two
-    records may share the fix, as --dp-reduce shm's do)."""
+    records may share the fix, as --dp-reduce shm's do); ``say``: the door's words (``spoken``)."""
     for r in table:
-        if r.hits(cfg) and r.says(cfg) not in problems:
-            problems.append(r.says(cfg))
+        if r.hits(cfg) and r.says(cfg, say) not in problems:
+            problems.append(r.says(cfg, say))
 
 
 def declared() -> tuple[Refusal, ...]:

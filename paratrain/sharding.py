@@ -103,6 +103,7 @@ _ATTR = "_pt_info"  # the one record a parameter carries
 
 def info_of(t: torch.Tensor) -> ParamInfo:
     """The record attached to a parameter (an unnamed replicated one when none is attached)."""
+    # probe kept: any tensor may be asked: one no technique described has no record
     info = getattr(t, _ATTR, None)
     return info if info is not None else ParamInfo("", TensorShard(tuple(t.shape)))
 
@@ -117,7 +118,7 @@ def update_info(t: torch.Tensor, **changes: object) -> None:
 
 def copy_info(src: torch.Tensor, dst: torch.Tensor) -> None:
     """Carry the record over to a new parameter object (materialise, ZeRO-3's views)."""
-    info = getattr(src, _ATTR, None)
+    info = getattr(src, _ATTR, None)  # probe kept: the source may be a tensor no technique described
     if info is not None:
         set_info(dst, info)
 

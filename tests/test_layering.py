@@ -116,6 +116,21 @@ def test_contracts_fail_on_an_upward_import_inside_models_alone(tmp_path):
         got.stdout[-4000:]
 
 
+def test_contracts_fail_on_an_upward_import_inside_a_package(tmp_path):
+    """Every package has its own exhaustive layers (issue 36 item 3): inside zero/, the flat layout
+    (low) importing ZeRO-3's strategy (top), even inside a function, fails; so does a new module
+    of zero/ that no line of its contract places."""
+    tree = _probe_copy(tmp_path)
+    _append(tree / "zero" / "flat.py", "def _upward():\n    from paratrain.zero import fsdp")
+    (tree / "zero" / "stray.py").write_text('"""A module in no layer of zero/."""\n')
+    got = _lint_imports(tmp_path)
+    assert got.returncode != 0
+    for expected in ("inside zero/: its modules top to bottom",
+                     "paratrain.zero.flat is not allowed to import paratrain.zero.fsdp",
+                     "paratrain.zero.stray"):
+        assert expected in got.stdout, got.stdout[-4000:]
+
+
 FAMILY_NAMES = {"Llama", "LlamaConfig", "GPT2", "GPT2Config", "CNNConfig"}
 # The CNN example's own task (synthetic images) builds the CNN it belongs to: no switch, its model.
 NAMES_ITS_MODEL = {"train/image_task.py"}

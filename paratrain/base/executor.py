@@ -79,6 +79,22 @@ class SavedTensors(Protocol):
     def __call__(self) -> contextlib.AbstractContextManager: ...
 
 
+class Executor(Protocol):
+    """What the engine's doors call on an executor: ``MicroBatchLoop`` below, or a pipeline
+    schedule (pipeline/executor.py's ``PipelineExecutor``, a peer, not a subclass)."""
+
+    def run(self, micro_batches: list[MicroBatch], divisor: float,
+            loss_scale: float = 1.0) -> torch.Tensor:
+        """Forward + backward of one step's micro-batches; this rank's share of the mean loss."""
+        ...
+
+    def evaluate(self, micro_batches: list[MicroBatch], divisor: float) -> torch.Tensor: ...
+
+    def step_metrics(self) -> dict: ...
+
+    def write_timeline(self, out: str | Path, is_main: bool) -> None: ...
+
+
 class MicroBatchLoop:
     def __init__(self, model: nn.Module, loss_fn: LossFn, strategy: Strategy, precision: str,
                  device: torch.device, offload: SavedTensors | None = None,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
+from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
@@ -39,6 +40,74 @@ from paratrain.shards import CheckpointError, Piece, ShardReader, pieces_of
 # A state key holding this mark is a strategy's auxiliary state (another replica's copy, an outer
 # optimizer's: data_parallel/averaging.py), never loaded as the optimizer's own state.
 AUX_KEY_MARK = "~"
+
+
+class OptimizerSettings(Protocol):
+    """The optimizer seam, trainer side: the settings a strategy builds its optimizer from
+    (config.OptimConfig; the library's zero/recipe.OptimizerRecipe declares the same names for
+    ZeRO's stores, with ``name = "recipe"``). The library's own optimizer, built by the user, is
+    the other side: a ``torch.optim.Optimizer`` (see ``OptimizerSource``)."""
+
+    name: str  # "adamw" | "adamw8bit" (OptimizerRecipe: "recipe")
+    weight_decay: float
+    block_size: int  # 8-bit AdamW's quantisation block
+    min_8bit_size: int  # smaller tensors keep fp32 moments
+
+
+class AdamWSettings(OptimizerSettings, Protocol):
+    """The trainer's settings (config.OptimConfig): AdamW's hyper-parameters besides the above."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+
+
+class SteppedOptimizer(Protocol):
+    """The optimizer seam, the other way: what the strategies, the checkpoint code and the
+    library's ``ParallelOptimizer`` call on the optimizer a strategy holds (torch's AdamW, 8-bit
+    AdamW, the user's class, or one ZeRO rebuilt from its recipe)."""
+
+    param_groups: list[dict]
+    state: dict
+
+    def step(self, closure: Any = None) -> Any: ...
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state_dict: dict) -> None: ...
+
+
+#: What the engine hands a strategy: settings to build AdamW / 8-bit AdamW from (the trainer), or
+#: the user's optimizer over these parameters (the library; ZeRO: its ``OptimizerRecipe``, which
+#: is ``OptimizerSettings``). Told apart once, in ``Strategy.build_optimizer``.
+OptimizerSource = OptimizerSettings | torch.optim.Optimizer
+
+
+class StateStore(Protocol):
+    """What ZeRO's sharded strategies, the checkpoint and the library call on the store that holds
+    a rank's flat master shards and their optimizer state (zero/offload.py: device, host, disk;
+    zero/store8.py, zero/disk8.py: 8-bit). Every store declares every member."""
+
+    location: str  # "device" | "host" | "disk"
+    steps: int  # optimizer steps taken (the step count of a checkpoint)
+    max_resident_bytes: int | None  # disk stores: the largest host window held; None: not on disk
+
+    def step(self, grads: list[torch.Tensor], lr: float | None, outs: list[Any]) -> None: ...
+
+    def read(self, index: int, which: str) -> torch.Tensor: ...
+
+    def write(self, index: int, which: str, values: torch.Tensor, step: int | None = None) -> None: ...
+
+    def state_keys(self) -> list[str] | tuple[str, ...]: ...
+
+    def scalars(self) -> dict: ...
+
+    def set_scalars(self, values: dict) -> None: ...
+
+    def bytes(self) -> dict[str, int]: ...
 
 
 def decays(name: str, p: torch.Tensor) -> bool:
@@ -69,13 +138,17 @@ class Strategy:
     #: Whether gradient reduction is launched from backward hooks (DDP, ZeRO-2/3) rather than in
     #: ``after_backward`` (plain DP, ZeRO-1): the pipeline sums tied gradients accordingly.
     reduces_during_backward = False
+    #: ZeRO's store of flat master shards and their optimizer state (None: the optimizer's own).
+    store: StateStore | None = None
+    #: How DDP sums gradients ("shm" | "collective": what --dp-reduce auto chose); None elsewhere.
+    reduce: str | None = None
 
-    def __init__(self, model: nn.Module, mesh: ParallelMesh, optim_cfg: object):
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, optim_cfg: OptimizerSource):
         self.model = model
         self.mesh = mesh
         self.optim_cfg = optim_cfg
         self.named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.optimizer = self.build_optimizer()
+        self.optimizer: SteppedOptimizer = self.build_optimizer()
 
     # -- optimizer ------------------------------------------------------------------------------
 

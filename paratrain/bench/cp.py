@@ -58,28 +58,29 @@ class RandomRows(Task):
         self.units_per_row = self.seq_len
         self.n_params = self.model_cfg.n_params()
 
-    def build_model(self, device):
+    def build_model(self, device: torch.device | str) -> torch.nn.Module:
         return build_model(self.model_cfg, device)
 
-    def materialize(self, model, device):
+    def materialize(self, model: torch.nn.Module, device: torch.device) -> None:
         materialize(model, device)
 
-    def init_weights(self, model, seed):
+    def init_weights(self, model: torch.nn.Module, seed: int) -> None:
         init_weights(model, seed, self.model_cfg)
 
-    def init_value(self, name, shape):
+    def init_value(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return full_init_value(tied_name(name, self.model_cfg), shape, self.seed, self.model_cfg)
 
-    def loss_sum(self, logits, targets):
+    def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
 
-    def train_batch(self, step, global_batch, rows=None):
+    def train_batch(self, step: int, global_batch: int, rows: slice | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, None]:
         g = torch.Generator().manual_seed(step)
         ids = torch.randint(0, self.model_cfg.vocab_size, (global_batch, self.seq_len + 1), generator=g)
         sl = rows or slice(None)
         return ids[sl, :-1], ids[sl, 1:], None
 
-    def train_units(self, step, global_batch):
+    def train_units(self, step: int, global_batch: int) -> int:
         return global_batch * self.seq_len
 
 

@@ -130,7 +130,8 @@ class Pairs:
         return slice(i * self.c, (i + 1) * self.c)
 
 
-def fused_forward(q, k, v, causal, scale):
+def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+                  ) -> tuple[torch.Tensor, ...]:
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
 
 
@@ -145,7 +146,8 @@ class RingAttentionFn(torch.autograd.Function):
     rank's, split.py) -> [b, hq, s, d]. Computed per (query chunk, key chunk) pair (``Pairs``)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, positions, axis: Axis, scale: float):
+    def forward(ctx: torch.autograd.function.FunctionCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                positions: torch.Tensor, axis: Axis, scale: float) -> torch.Tensor:
         wide = torch.promote_types(q.dtype, torch.float32)
         n, r, group = axis.size, axis.rank, q.shape[1] // k.shape[1]
         q_glob = global_index(q.shape[2], r, n, q.device)
@@ -177,7 +179,8 @@ class RingAttentionFn(torch.autograd.Function):
         return out.to(q.dtype)
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx: torch.autograd.function.FunctionCtx, dout: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None, None]:
         q, k, v, positions, out, lse = ctx.saved_tensors
         axis, scale = ctx.axis, ctx.scale
         wide = out.dtype

@@ -31,7 +31,7 @@ SAMPLE_BYTES = 16 << 20  # the default BPE is trained on at most 16 MiB of the c
 
 def resolve_tokenizer(cfg: Config) -> Path | None:
     """The tokenizer.json the config asks for, or None for the default BPE trained on the corpus."""
-    spec = cfg.data.tokenizer or getattr(cfg.model, "init_from", None)
+    spec = cfg.data.tokenizer or cfg.model.init_from
     return tokenizer_file(spec) if spec else None
 
 

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from paratrain.base.strategy import AUX_KEY_MARK, Strategy, read_local
+from paratrain.base.strategy import AUX_KEY_MARK, OptimizerSource, Strategy, read_local
 from paratrain.comm import collectives as C
 from paratrain.comm.collectives import Axis, nbytes
 from paratrain.mesh import ParallelMesh
@@ -289,7 +289,7 @@ class ReplicaView:
 class LocalSGD(Strategy):
     """Replicas that step alone and meet every H steps: local SGD or DiLoCo, as ``plan`` says."""
 
-    def __init__(self, model: nn.Module, mesh: ParallelMesh, optim_cfg: object, *, plan: SyncPlan):
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, optim_cfg: OptimizerSource, *, plan: SyncPlan):
         super().__init__(model, mesh, optim_cfg)
         self.replicas, self.inner = replica_axis(mesh), inner_axis(mesh)
         self.averager = Averager(self.named_params, self.replicas, plan)

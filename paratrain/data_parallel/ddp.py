@@ -224,6 +224,7 @@ class DDP(Strategy):
         launched = time.perf_counter()
         self.trace.append({"what": "launch", "bucket": b, "start": launched, "end": launched,
                            "bytes": nbytes(self.buckets[b].buffer)})
+        # probe kept: a backend's Work may not offer futures
         if work is not None and hasattr(work, "get_future"):
             event = {"what": "all_reduce", "bucket": b, "start": launched, "end": None}
             self.trace.append(event)

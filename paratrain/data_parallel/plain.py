@@ -21,7 +21,7 @@ import time
 import torch
 import torch.nn as nn
 
-from paratrain.base.strategy import Strategy
+from paratrain.base.strategy import OptimizerSource, Strategy
 from paratrain.comm import collectives as C
 from paratrain.mesh import ParallelMesh
 from paratrain.sharding import info_of
@@ -30,7 +30,7 @@ from paratrain.sharding import info_of
 class PlainDP(Strategy):
     """All-reduce (SUM) each gradient over the dp axis after the last micro-batch's backward."""
 
-    def __init__(self, model: nn.Module, mesh: ParallelMesh, optim_cfg: object):
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, optim_cfg: OptimizerSource):
         super().__init__(model, mesh, optim_cfg)
         self.grad_copies_over_dp = mesh.dp.size  # after the sum every dp rank holds the same gradient
         self._exposed_s = 0.0

@@ -139,10 +139,10 @@ def _swap(bn: nn.modules.batchnorm._BatchNorm, axis: C.Axis) -> SyncBatchNorm:
     new = SyncBatchNorm(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats,
                         axis=axis, device="meta")
     for name in ("weight", "bias"):
-        if getattr(bn, name, None) is not None:
+        if getattr(bn, name, None) is not None:  # probe kept: affine=False: torch sets them None
             setattr(new, name, getattr(bn, name))
     for name in ("running_mean", "running_var", "num_batches_tracked"):
-        if getattr(bn, name, None) is not None:
+        if getattr(bn, name, None) is not None:  # probe kept: track_running_stats=False: None
             setattr(new, name, getattr(bn, name))
     new.train(bn.training)
     return new

@@ -1,10 +1,10 @@
-"""The base classes every technique extends, below the training loop (train/) and the library (api.py):
+"""The engine both doors drive (docs/architecture.md, "One engine, two doors"), top to bottom:
 
-* ``strategy.Strategy``: gradients, their synchronisation, the optimizer, layout-free state (DDP,
-  plain DP and ZeRO-1/2/3 subclass it);
-* ``executor.MicroBatchLoop``: one step's micro-batches (pipeline schedules are its peers);
-* ``shards``: pieces of full tensors, the one description of what a rank holds (checkpoints,
-  exports and the library's gathers are built from it).
-
-Nothing here imports the trainer, the config or the dispatcher (engine/parallelize.py).
+* ``parallelize``: the trainer's door (a Task built on the meta device, the run's settings);
+* ``build``: THE build, one order of wrapping for both doors (``build_engine``), and ``checks``:
+  every check of a run before any worker, with the layout rules the library shares;
+* ``engine``: the Engine record and what both doors call on it (the gradient divisor, clipping,
+  save, load behind the model check), ``make_mesh``, ``make_strategy``; ``lora``: LoRA in a run;
+* ``checkpoint`` (sharded, atomic), ``rng``, ``task`` (what the engine needs of a model, its data
+  and its loss), ``zero_averaging`` (ZeRO inside averaging replicas).
 """

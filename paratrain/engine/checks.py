@@ -12,10 +12,10 @@ from __future__ import annotations
 import os
 
 from paratrain.comm import host_reduce
-from paratrain.config import DEFAULT_SEQ_LEN, Config, ConfigError, bullets, check_values
+from paratrain.config import DEFAULT_SEQ_LEN, Config, ConfigError, ParallelConfig, bullets, check_values
 from paratrain.context_parallel.checks import check_context_parallel
 from paratrain.engine.lora import apply_run_lora, check_lora, trainable_count
-from paratrain.engine.sync_checks import AVERAGING, ZEROS, check_param_server, check_run_sync
+from paratrain.engine.sync_checks import AVERAGING, ZEROS, check_param_server, check_run_sync, parallel_of
 from paratrain.memory.layout import check_savers
 from paratrain.models import PRESETS, build_model, model_kind
 from paratrain.models.adapters import settle_lora_from
@@ -24,7 +24,7 @@ from paratrain.models.hf import HFCheckpoint, HFError, check_init_from
 from paratrain.models.registry import kind_names
 from paratrain.observe.profile import parse_steps
 from paratrain.pipeline.stage import parse_split
-from paratrain.refusals import Refusal, emit
+from paratrain.refusals import FLAGS, Refusal, Spelling, emit
 from paratrain.scheduler import parse_signal
 
 
@@ -109,6 +109,7 @@ def check_layout(cfg: Config, problems: list[str]) -> None:
     _check_hybrid(cfg, problems)
     check_param_server(cfg, problems)
     check_run_sync(cfg, problems)
+    check_parallel_rules(cfg.parallel, problems)  # the rules the library's keywords share
     check_savers(cfg, problems)
     check_lora(cfg, problems)  # engine/lora.py: targets, rank, and what LoRA composes with
     check_context_parallel(cfg, problems)  # context_parallel/checks.py: --cp, --cp-method
@@ -122,10 +123,7 @@ def check_layout(cfg: Config, problems: list[str]) -> None:
 def _check_tensor_parallel(cfg: Config, problems: list[str]) -> None:
     """--tp / --sp: heads and widths must split evenly over tp; SP splits the sequence too."""
     p, tp = cfg.parallel, cfg.parallel.tp
-    if p.sp and tp == 1:
-        problems.append("parallel.sp (sequence parallelism) splits the sequence over the tp ranks: "
-                        "it needs --tp > 1 (or drop --sp)")
-    if tp == 1:
+    if tp == 1:  # --sp without --tp: check_parallel_rules
         return
     if not model_kind(cfg.model.name).tensor_parallel:
         problems.append(f"{cfg.model.name} has no tensor-parallel plan: use --tp 1 (data parallelism) "
@@ -233,16 +231,12 @@ ZERO_BUBBLE_REFUSALS = (
 
 def _check_zero(cfg: Config, problems: list[str]) -> None:
     """--zero / --offload / reshard_after_forward: what each ZeRO stage composes with."""
-    p = cfg.parallel
-    if p.offload != "none" and p.zero < 1:
-        problems.append(f"--offload {p.offload} moves the ZeRO optimizer partition off the device: it needs "
-                        "--zero 1, 2 or 3")
-    emit(ZERO_REFUSALS, cfg, problems)
+    p = cfg.parallel  # --offload without ZeRO, --dp-mode plain with ZeRO: check_parallel_rules
     if p.zero == 3 and not model_kind(cfg.model.name).zero3_units:
         problems.append("--zero 3 builds a model family's units (blocks, embedding, head): "
                         f"{cfg.model.name} supports --zero 1 or 2")
-    shm = [r for r in ZERO_REFUSALS if r.first == "ddp-shm"]
-    if not any(r.hits(cfg) for r in shm):
+    emit(SHM_REFUSALS, cfg, problems)
+    if not any(r.hits(cfg) for r in SHM_REFUSALS):
         check_shm_room(cfg, problems)
     if not p.reshard_after_forward and p.zero != 3:
         problems.append("parallel.reshard_after_forward = false only applies to --zero 3")
@@ -250,10 +244,7 @@ def _check_zero(cfg: Config, problems: list[str]) -> None:
 
 SHM = ("--dp-reduce shm sums DDP's buckets through shared memory on a CPU host: it needs --zero 0, "
        "--dp-mode ddp and --ep 1; use --dp-reduce auto")
-ZERO_REFUSALS = (
-    Refusal("dp-plain", ZEROS, "by definition: --dp-mode picks how DDP reduces; ZeRO does its own reduction",
-            when=lambda c: c.parallel.zero >= 1 and c.parallel.dp_mode == "plain",
-            message="--dp-mode plain is the un-bucketed DDP; ZeRO does its own reduction: drop --dp-mode"),
+SHM_REFUSALS = (
     Refusal("ddp-shm", ZEROS, "the shared-memory sum reduces DDP's buckets; ZeRO reduce-scatters its own",
             when=lambda c: c.parallel.dp_reduce == "shm" and c.parallel.zero >= 1, message=SHM),
     Refusal("ddp-shm", "dp-plain", "by definition: the shared-memory sum reduces DDP's buckets",
@@ -297,12 +288,7 @@ def _check_hybrid(cfg: Config, problems: list[str]) -> None:
         problems.append(f"--dp-replicate ({r}) must divide dp ({cfg.dp}): dp = R x S; change "
                         "--dp-replicate or --dp")
     if r == 1:
-        return
-    if p.zero == 0 and p.sync not in AVERAGING:
-        problems.append(f"--dp-replicate {r} needs --zero 1, 2 or 3 (or --sync local-sgd|diloco: DDP "
-                        "inside each replica, averaging across): with --zero 0, DDP already replicates "
-                        "everything on every rank (hybrid sharding shards inside a node); add --zero or drop "
-                        "--dp-replicate")
+        return  # R > 1 without ZeRO or averaging: check_parallel_rules
     emit(HYBRID_REFUSALS, cfg, problems)
 
 
@@ -382,3 +368,31 @@ def _model_positions(cfg: Config) -> int:
             return DEFAULT_SEQ_LEN
     preset = PRESETS.get(cfg.model.name)
     return preset.max_seq_len if preset is not None else DEFAULT_SEQ_LEN
+
+
+def check_parallel_rules(p: ParallelConfig, problems: list[str], say: Spelling = FLAGS) -> None:
+    """The layout rules both doors share, each implemented once: ``validate`` calls it with the
+    run's settings, ``paratrain.Parallel`` with its keywords gathered in a ParallelConfig (and
+    ``say`` spelling them as keywords). A rule that refuses two features is a ``Refusal`` record
+    (``PARALLEL_REFUSALS``, docs/composition.md) spoken in the door's words."""
+    zeros = say("zero", text="1, 2 or 3")
+    if p.offload != "none" and p.zero < 1:
+        problems.append(f"{say('offload', p.offload)} moves the ZeRO optimizer partition off the device: "
+                        f"it needs {zeros}")
+    emit(PARALLEL_REFUSALS, p, problems, say)
+    if p.sp and p.tp == 1:
+        problems.append(f"{say('sp')} (sequence parallelism) splits the sequence over the tensor-parallel "
+                        f"ranks: it needs {say('tp')} > 1 (or drop {say('sp')})")
+    if p.dp_replicate > 1 and p.zero == 0 and p.sync not in AVERAGING:
+        problems.append(f"{say('dp_replicate', p.dp_replicate)} needs {zeros} (or {say('sync')} local-sgd | "
+                        "diloco: DDP inside each replica, averaging across): without ZeRO, DDP already "
+                        "replicates everything on every rank (hybrid sharding shards inside a node); add "
+                        f"{say('zero')} or drop {say('dp_replicate')}")
+
+
+PARALLEL_REFUSALS = (  # they read a Config or the library's ParallelConfig (parallel_of)
+    Refusal("dp-plain", ZEROS, "by definition: --dp-mode picks how DDP reduces; ZeRO does its own reduction",
+            when=lambda c: parallel_of(c).zero >= 1 and parallel_of(c).dp_mode == "plain",
+            spoken=lambda c, say: f"{say('dp_mode', 'plain')} is the un-bucketed DDP; ZeRO does its own "
+            f"reduction: drop {say('dp_mode')}"),
+)

@@ -1,8 +1,9 @@
 """LoRA in a run: the spec from ``[lora]``, where the engine applies it, and what it composes with.
 
-engine/parallelize.py applies the adapters to the model built on the meta device, *before* every
-other technique (so tensor parallelism's styles see ``LoRALinear``s and build their LoRA variants,
-tensor_parallel/lora.py), and freezes the base again once the techniques have replaced modules
+engine/build.py (through the trainer's door, engine/parallelize.py) applies the adapters to the
+model built on the meta device, *before* every other technique (so tensor parallelism's styles see
+``LoRALinear``s and build their LoRA variants, tensor_parallel/lora.py), and freezes the base again
+once the techniques have replaced modules
 (a style builds new, trainable parameters); then ``--base-precision bf16`` stores the frozen
 matrices in bf16, before they are materialised (models/lora.py ``store_base_in``).
 

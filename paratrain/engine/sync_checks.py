@@ -70,8 +70,13 @@ SYNC_REFUSALS = (  # they read a ParallelConfig or a Config (the library door ca
 )
 
 
-def _p(cfg_or_parallel: Config | ParallelConfig) -> ParallelConfig:
+def parallel_of(cfg_or_parallel: Config | ParallelConfig) -> ParallelConfig:
+    """A run's parallel settings (its Config's), or the library's ParallelConfig itself: what the
+    records both doors check read (here, and engine/checks.py's ``check_parallel_rules``)."""
     return getattr(cfg_or_parallel, "parallel", cfg_or_parallel)
+
+
+_p = parallel_of  # short, for the tables above
 
 
 def _averaging(cfg_or_parallel: Config | ParallelConfig) -> bool:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from paratrain.base.strategy import OptimizerSource
 from paratrain.data_parallel.averaging import (
     MOMENTUM_KEY,
     START_KEY,
@@ -52,7 +53,7 @@ class AveragedZero:
     layouts: list[FlatLayout]
     mesh: ParallelMesh
 
-    def __init__(self, model: nn.Module, mesh: ParallelMesh, optim: object, *, plan: SyncPlan, **kw):
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, optim: OptimizerSource, *, plan: SyncPlan, **kw):
         super().__init__(model, mesh, optim, **kw)
         self.replicas, self.inner = mesh.dp_replicate, mesh.dp_shard
         # The store's fp32 masters: this rank's 1/S shard, the same slice in every replica.

@@ -96,5 +96,5 @@ def keep_sequence_slices(model: nn.Module) -> None:
         return
     family = family_of(model, "expert parallelism with sequence parallelism (its mlp_norm)")
     for block in family.blocks_of(model).values():
-        if isinstance(getattr(block, family.mlp, None), MoE):
+        if isinstance(getattr(block, family.mlp, None), MoE):  # probe kept: a dense block may hold none
             getattr(block, family.mlp_norm).entry = "none"

@@ -220,11 +220,11 @@ def forget_trial_peaks(device: torch.device) -> bool:
 
 def _agree(fits: bool, group, device: torch.device) -> bool:
     """MIN over the group: True only if the trial fitted on every rank."""
-    pg = getattr(group, "group", group)
+    pg = getattr(group, "group", group)  # probe kept: an Axis, a raw ProcessGroup or None
     if pg is None or not dist.is_initialized() or dist.get_world_size(pg) == 1:
         return fits
     t = torch.tensor([int(fits)], dtype=torch.int32, device=device)
-    counter = getattr(group, "counter", None)
+    counter = getattr(group, "counter", None)  # probe kept: an Axis counts; a raw group has no counter
     with counter.paused() if counter is not None else contextlib.nullcontext():  # bookkeeping, uncounted
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=pg)
     return bool(t.item())

@@ -73,6 +73,7 @@ class ModelFamily:
 
     def present(self, model: nn.Module, names: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
         """The modules of ``names`` this rank still holds (a pipeline stage may have dropped them)."""
+        # probe kept: a stage dropped it
         return [(n, getattr(model, n)) for n in names if getattr(model, n, None) is not None]
 
     def zero3_units(self, model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
@@ -110,6 +111,7 @@ class ModelFamily:
 def call_part(module: nn.Module, h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
     """Run a module before or after the blocks: with ``positions`` when it declares that it reads
     them (``reads_positions = True``: GPT-2's learned position embedding), else on ``h`` alone."""
+    # probe kept: opt-in mark
     return module(h, positions) if getattr(module, "reads_positions", False) else module(h)
 
 

@@ -200,6 +200,7 @@ def store_base_in(model: nn.Module, dtype: torch.dtype) -> None:
         own = [p for p in module.parameters(recurse=False) if not p.requires_grad and p.ndim >= 2]
         for p in own:
             p.data = p.data.to(dtype)
+        # probe kept: opt-in mark: a module that casts itself
         if own and not getattr(module, "casts_base", False):
             module.register_forward_pre_hook(lambda m, args, d=dtype: _cast_floats(args, d))
             module.register_forward_hook(lambda m, args, out, d=compute: _cast_floats(out, d))

@@ -17,13 +17,13 @@ _state = threading.local()
 
 def recomputing() -> bool:
     """True while activation checkpointing re-runs a forward during backward."""
-    return getattr(_state, "depth", 0) > 0
+    return getattr(_state, "depth", 0) > 0  # probe kept: thread-local: unset in a new thread
 
 
 @contextlib.contextmanager
 def recompute_context() -> Iterator[None]:
     """Entered by activation checkpointing (memory/recompute.py) around each re-run."""
-    _state.depth = getattr(_state, "depth", 0) + 1
+    _state.depth = getattr(_state, "depth", 0) + 1  # probe kept: thread-local: unset in a new thread
     try:
         yield
     finally:

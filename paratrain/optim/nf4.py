@@ -147,7 +147,8 @@ class QuantisedLinear(torch.autograd.Function):
     gradient. Computed in x's dtype."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, parts: Callable[[], dict[str, torch.Tensor]], kind: str,
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor,
+                parts: Callable[[], dict[str, torch.Tensor]], kind: str,
                 shape: tuple[int, int]) -> torch.Tensor:
         ctx.parts, ctx.kind, ctx.shape = parts, kind, shape
         out_f, in_f = shape
@@ -160,7 +161,8 @@ class QuantisedLinear(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_y: torch.Tensor
+                 ) -> tuple[torch.Tensor | None, None, None, None]:
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
         out_f, in_f = ctx.shape

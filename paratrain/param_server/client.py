@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from paratrain.base.strategy import Strategy, read_local
+from paratrain.base.strategy import OptimizerSource, Strategy, read_local
 from paratrain.comm import collectives as C
 from paratrain.comm.collectives import nbytes
 from paratrain.mesh import ParallelMesh
@@ -78,7 +78,8 @@ class Reply:
 class ParameterServerClient(Strategy):
     """Whole-model data-parallel workers whose gradients go to the parameter servers."""
 
-    def __init__(self, model: nn.Module, mesh: ParallelMesh, optim_cfg: object, settings: ServerSettings):
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, optim_cfg: OptimizerSource,
+                 settings: ServerSettings):
         self.settings = settings
         super().__init__(model, mesh, optim_cfg)
         self.owner = assign({n: p.numel() for n, p in self.named_params}, settings.servers)

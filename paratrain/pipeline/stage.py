@@ -149,7 +149,7 @@ def _held(model: nn.Module, name: str) -> nn.Parameter | None:
     *path, attr = name.split(".")
     module = model
     for part in path:
-        module = getattr(module, part, None)
+        module = getattr(module, part, None)  # probe kept: a stage may have dropped it
         if module is None:
             return None
     return getattr(module, attr)

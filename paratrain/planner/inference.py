@@ -26,7 +26,7 @@ def generation_bytes(c: ModelShape, tp: int, pp: int, *, batch: int, capacity: i
                      pp_rank: int, tp_rank: int = 0) -> dict[str, int]:
     """{"weights", "kv_cache"}: the bytes one rank holds to generate ``batch`` rows of ``capacity`` tokens."""
     weights = stage_params(c, tp, pp)[pp_rank]
-    if getattr(c, "qkv_bias", False):
+    if c.qkv_bias:  # ModelShape declares it
         weights += stage_layers(c.n_layers, pp)[pp_rank] * _bias_local(c, tp, tp_rank)
     layers = stage_layers(c.n_layers, pp)[pp_rank]
     cache = 2 * layers * batch * capacity * local_kv_heads(c, tp, tp_rank) * c.head_dim

@@ -43,8 +43,6 @@ from paratrain.memory.batch_finder import resolve_micro_batch
 from paratrain.memory.precision import resolve_precision
 from paratrain.mesh import MeshShape, ParallelMesh
 from paratrain.observe import Observers
-from paratrain.sharding import info_of
-from paratrain.shards import ShardReader
 from paratrain.train import guards
 from paratrain.train.loss_scaler import LossScaler
 from paratrain.train.metrics import (
@@ -183,8 +181,7 @@ class Trainer:
         self.mesh.counter.step = step  # in every collective's fingerprint (comm/trace.py)
         start = time.perf_counter()
         # replicas that step alone (local SGD, DiLoCo) divide by their own rows' counted targets
-        grad_units = strategy.gradient_units(units, int((y != IGNORE_INDEX).sum()))
-        grad_units = faults.gradient_divisor(grad_units, self.mesh.dp.rank, self.mesh.dp.size)
+        grad_units = self.engine.gradient_divisor(units, int((y != IGNORE_INDEX).sum()))
         batches = self.micro_batches(x, y, positions)
         local = self.engine.executor.run(batches, float(grad_units), self.scaler.scale)
         if grad_units != units:  # the logged loss stays this rank's share of the global batch's mean
@@ -399,7 +396,7 @@ class Trainer:
         return {**self.mesh.describe(), "dp_replicate": p.dp_replicate, "zero": p.zero, "sp": p.sp,
                 "pp_schedule": p.pp_schedule, "virtual_stages": p.virtual_stages, "dp_mode": p.dp_mode,
                 # what --dp-reduce auto chose (DDP: "shm" or "collective"); None where DDP does not run
-                "dp_reduce": getattr(self.engine.strategy, "reduce", None),
+                "dp_reduce": self.engine.strategy.reduce,
                 "offload": p.offload, "sync": p.sync, "sync_every": p.sync_every,
                 "micro_batch": self.cfg.micro_batch, "n_micro_batches": self.cfg.n_micro_batches,
                 "precision": self.cfg.train.precision, "recompute": self.cfg.train.recompute,
@@ -428,7 +425,7 @@ class Trainer:
             print(f"resuming from step {state['step']} of {self.out}", flush=True)
         check_cursor(state, self.task, self.cfg)  # refuse another corpus/tokenizer unless allowed
         self.check_compatible(folder, state)
-        self.engine.load(folder, state, check=self.check_model, trust=self.cfg.train.trust_checkpoint)
+        self.engine.load(folder, state, trust=self.cfg.train.trust_checkpoint)  # checks the model first
         self.scaler.load_state_dict(state["scaler"])
         self.start_step = state["step"]
         self.saver.run_id = state.get("run_id")  # a resumed run prunes its own earlier checkpoints
@@ -450,26 +447,6 @@ class Trainer:
                 f"{folder / 'state.json'}: written with global batch {saved}, this run has "
                 f"{self.cfg.train.global_batch}; the data position is step x global batch, so resume with "
                 f"--global-batch {saved} (or start afresh with another --out)")
-
-    def check_model(self, folder: Path, reader: ShardReader) -> None:
-        """Every parameter of this rank's part exists in the checkpoint with its full shape (all
-        ranks agree before any loads, so a mismatch on one stage cannot leave the others waiting)."""
-        problems = []
-        for name, p in self.engine.model.named_parameters():
-            info = info_of(p)
-            full = info.name or name
-            if not reader.has(full, "param"):
-                problems.append(f"{full!r} is not in it")
-            elif reader.shape(full, "param") != tuple(info.full_shape):
-                problems.append(f"{full!r} has shape {reader.shape(full, 'param')} there, "
-                                f"{tuple(info.full_shape)} here")
-        with self.mesh.counter.paused():
-            problems = sorted({q for part in C.all_gather_object(problems, self.mesh.world) for q in part})
-        if problems:
-            raise ckpt.CheckpointError(
-                f"{folder} was written for another model: {'; '.join(problems[:4])}"
-                f"{f' (and {len(problems) - 4} more)' if len(problems) > 4 else ''}. Resume with the model "
-                "it was trained with, or start afresh with another --out")
 
     def export(self) -> None:
         """OUT/model.safetensors (full weights, single-device names) + what generate needs.

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -37,6 +36,7 @@ import torch.nn as nn
 from torch.optim.adam import adam as adam_step
 
 import paratrain.scratch as scratch
+from paratrain.base.strategy import OptimizerSettings
 from paratrain.comm.collectives import nbytes
 from paratrain.zero.recipe import OptimizerRecipe
 
@@ -70,6 +70,7 @@ class DeviceStore:
     """Masters + moments on the compute device, stepped by torch AdamW (no offload)."""
 
     location = "device"
+    max_resident_bytes: int | None = None  # nothing on disk (base.strategy.StateStore)
 
     def __init__(self, masters: list[torch.Tensor], pieces: list[Piece], optim_cfg, *,
                  aliased: bool = False):
@@ -256,6 +257,17 @@ class DiskStore:
     def bytes(self) -> dict[str, int]:
         return {"device": 0, "host": 0, "disk": len(self.FILES) * 4 * sum(self.sizes)}
 
+    def state_keys(self) -> list[str] | tuple[str, ...]:
+        """AdamW's two moments, one file each."""
+        return MOMENTS
+
+    def scalars(self) -> dict:
+        """AdamW's step count is ``steps``, saved as the checkpoint's optimizer step: nothing else."""
+        return {}
+
+    def set_scalars(self, values: dict) -> None:
+        """Nothing to set (``scalars``)."""
+
 
 class RecipeDiskStore(DiskStore):
     """Disk offload for the user's own optimizer class: one file per per-element state tensor (learnt
@@ -337,7 +349,7 @@ class Window:
 
 
 def make_store(kind: str, masters: list[torch.Tensor], pieces: list[Piece],
-               optim_cfg: Any, *,  # OptimConfig or OptimizerRecipe (techniques do not import config)
+               optim_cfg: OptimizerSettings, *,  # OptimConfig or OptimizerRecipe
                aliased: bool, directory: str | None, rank: int,
                chunk: int | None = None) -> DeviceStore | DiskStore:
     """The store for ``--offload kind`` (none | cpu | disk)."""
@@ -354,7 +366,7 @@ def make_store(kind: str, masters: list[torch.Tensor], pieces: list[Piece],
     raise ValueError(f"parallel.offload = {kind!r} is not one of none, cpu, disk")
 
 
-def disk_store(sizes: list[int], pieces: list[Piece], optim_cfg: Any, *,
+def disk_store(sizes: list[int], pieces: list[Piece], optim_cfg: OptimizerSettings, *,
                directory: str | None, rank: int, chunk: int | None = None) -> DiskStore:
     """An empty disk store (zero masters and moments) in a new working folder under ``directory``."""
     cls = RecipeDiskStore if isinstance(optim_cfg, OptimizerRecipe) else DiskStore

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from paratrain.optim import adamw8bit as a8
+
 #: Classes whose update is element-wise (checked one by one against torch's implementations).
 ELEMENTWISE: tuple[type, ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop,
@@ -58,6 +60,11 @@ class OptimizerRecipe:
 
     #: Pieces carry their group index; the group's own settings hold any weight decay.
     weight_decay = 0.0
+    #: The rest of base.strategy.OptimizerSettings, for ZeRO's stores: the user's class is never
+    #: paratrain's 8-bit AdamW store (its own class steps the fp32 shards).
+    name = "recipe"
+    block_size = a8.BLOCK_SIZE
+    min_8bit_size = a8.MIN_8BIT_SIZE
 
     @classmethod
     def of(cls, optimizer: torch.optim.Optimizer) -> OptimizerRecipe:

@@ -20,7 +20,6 @@ from paratrain.sharding import info_of
 from paratrain.shards import CheckpointError, Piece, ShardReader, pieces_of
 from paratrain.zero import store8
 from paratrain.zero.flat import FlatLayout, owned, reduce_over_replicas
-from paratrain.zero.offload import MOMENTS
 
 
 @contextlib.contextmanager
@@ -44,6 +43,8 @@ class ShardedState:
     #: HSDP sums each gradient shard across the dp_replicate replicas every step; replicas that
     #: average their parameters every H steps instead (engine/zero_averaging.py) set this False.
     sums_over_replicas = True
+    #: The one flat shard of state ``_shard_range`` holds while the writer reads it: (key, tensor).
+    _shard_cache: tuple[tuple[int, str], torch.Tensor] | None = None
 
     #: Gradient bytes held (the parameters' full ``.grad``) when the step's first reduction began:
     #: under accumulation (a pipeline schedule, m > 1) the step's gradient peak, since every
@@ -75,15 +76,14 @@ class ShardedState:
         """Where the optimizer partition lives (host / disk bytes) and the disk store's resident peak."""
         s = self.store.bytes()
         out = {"mem_offloaded_host_bytes": s["host"], "mem_offloaded_disk_bytes": s["disk"]}
-        if hasattr(self.store, "max_resident_bytes"):
+        if self.store.max_resident_bytes is not None:  # a disk store's window
             out["offload_resident_peak_bytes"] = self.store.max_resident_bytes
         return out
 
     def state_keys(self) -> tuple[str, ...]:
         """The store's per-element state besides the master ("param"): AdamW's two moments, the
         8-bit store's codes and scales, or what the library user's optimizer class keeps."""
-        keys = getattr(self.store, "state_keys", None)
-        return tuple(keys()) if keys is not None else MOMENTS
+        return tuple(self.store.state_keys())
 
     def state_pieces(self) -> list[Piece]:
         """Each flat shard cut at parameter boundaries: 1-D ranges of each (tp-local) parameter.
@@ -142,7 +142,7 @@ class ShardedState:
     def _shard_range(self, index: int, which: str, a: int, b: int) -> torch.Tensor:
         """Elements [a, b) of flat shard ``index``'s state ``which``. The writer asks shard by shard,
         so one cached shard bounds the memory (offloaded state is read from disk once per shard)."""
-        cached = getattr(self, "_shard_cache", None)
+        cached = self._shard_cache
         if cached is None or cached[0] != (index, which):
             cached = self._shard_cache = ((index, which), self.store.read(index, which))
         if b >= cached[1].numel():  # the shard's last piece: release it after this read

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from paratrain.base.strategy import decays
+from paratrain.base.strategy import OptimizerSettings, decays
 from paratrain.comm.collectives import nbytes
 from paratrain.optim import adamw8bit as a8
 from paratrain.optim.adamw8bit import QUANT_KEYS, STATE_KEYS, full_numel
@@ -42,20 +42,20 @@ from paratrain.shards import ShardReader, pieces_of
 from paratrain.zero.flat import owned
 
 
-def is_8bit(optim_cfg: Any) -> bool:  # optim_cfg: OptimConfig or OptimizerRecipe, read by attribute
-    return getattr(optim_cfg, "name", "adamw") == "adamw8bit"
+def is_8bit(optim_cfg: OptimizerSettings) -> bool:  # OptimConfig or OptimizerRecipe (base/strategy.py)
+    return optim_cfg.name == "adamw8bit"
 
 
-def block_of(optim_cfg: Any) -> int:
-    return getattr(optim_cfg, "block_size", a8.BLOCK_SIZE)
+def block_of(optim_cfg: OptimizerSettings) -> int:
+    return optim_cfg.block_size
 
 
-def quantised(p: torch.Tensor, optim_cfg: Any) -> bool:
+def quantised(p: torch.Tensor, optim_cfg: OptimizerSettings) -> bool:
     """Quantised state or fp32, decided on the full tensor's size (never on a shard's)."""
-    return full_numel(p) >= getattr(optim_cfg, "min_8bit_size", a8.MIN_8BIT_SIZE)
+    return full_numel(p) >= optim_cfg.min_8bit_size
 
 
-def align_kwargs(named: list[tuple[str, nn.Parameter]], optim_cfg: Any) -> dict:
+def align_kwargs(named: list[tuple[str, nn.Parameter]], optim_cfg: OptimizerSettings) -> dict:
     """``FlatLayout.build`` arguments: block alignment of quantised parameters when 8-bit is on."""
     if not is_8bit(optim_cfg):
         return {}
@@ -74,7 +74,7 @@ class Region:
 
 
 def regions_of(layout: Any, index: int,  # a FlatLayout: zero/optimizer.py imports this module
-               optim_cfg: Any) -> list[Region]:
+               optim_cfg: OptimizerSettings) -> list[Region]:
     """This rank's regions of master shard ``index`` (shard coordinates), one per parameter."""
     out = []
     for name, p, off in zip(layout.names, layout.params, layout.offsets):
@@ -89,6 +89,7 @@ class Store8:
     """8-bit AdamW over master shards (the fp32 masters stay; the moments are quantised)."""
 
     location = "device"
+    max_resident_bytes: int | None = None  # nothing on disk (disk8.DiskStore8 counts its window)
 
     def __init__(self, masters: list[torch.Tensor], regions: list[Region], optim_cfg, *,
                  aliased: bool = False):
@@ -154,6 +155,13 @@ class Store8:
         """What a checkpoint holds of it (ShardedState.state_pieces)."""
         return STATE_KEYS
 
+    def scalars(self) -> dict:
+        """8-bit AdamW's only scalar is the step count, ``steps``: nothing else to save."""
+        return {}
+
+    def set_scalars(self, values: dict) -> None:
+        """Nothing to set (``scalars``)."""
+
     def bytes(self) -> dict[str, int]:
         state = sum(nbytes(t) for st in self.state for t in st.values())
         masters = 0 if self.aliased else sum(nbytes(m) for m in self.masters)
@@ -176,7 +184,7 @@ class HostStore8(Store8):
 
 
 def make_store8(kind: str, masters: list[torch.Tensor], layouts: list,
-                optim_cfg: Any, *, aliased: bool) -> Store8:
+                optim_cfg: OptimizerSettings, *, aliased: bool) -> Store8:
     """The 8-bit store of master shards laid out by ``layouts`` for ``--offload kind`` (none | cpu;
     disk is refused by config.validate)."""
     regions = [r for i, layout in enumerate(layouts) for r in regions_of(layout, i, optim_cfg)]
@@ -192,7 +200,7 @@ def make_store8(kind: str, masters: list[torch.Tensor], layouts: list,
 # --------------------------------------------------------------------------------------------
 
 
-def holds(p: torch.Tensor, key: str, optim_cfg: Any) -> bool:
+def holds(p: torch.Tensor, key: str, optim_cfg: OptimizerSettings) -> bool:
     """Whether parameter ``p`` has state ``key`` (quantised keys for quantised tensors only)."""
     return quantised(p, optim_cfg) == (key in QUANT_KEYS)
 

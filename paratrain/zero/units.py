@@ -45,6 +45,7 @@ def _count(module: nn.Module) -> int:
 
 def block_classes(model: nn.Module) -> set[str]:
     """Class names of the blocks the model declares (``_no_split_modules`` on it or a submodule)."""
+    # probe kept: a user's module (transformers' convention) may declare it
     return {c for m in model.modules() for c in (getattr(m, "_no_split_modules", None) or ())
             if isinstance(c, str)}
 
@@ -94,6 +95,7 @@ def _with_rest(model: nn.Module, units: Units) -> Units:
 
 
 def is_nested(modules: list[nn.Module]) -> bool:
+    # probe kept: a mark only some of the user's modules carry
     return len(modules) == 1 and getattr(modules[0], NESTED, False)
 
 
@@ -105,7 +107,7 @@ def nest_units(units: list[tuple[str, list[nn.Module]]]) -> list[tuple[str, list
         out.append((uname, modules))
         for m in modules:
             out += [(f"{uname}/{sub}", [s]) for sub, s in m.named_modules()
-                    if s is not m and getattr(s, NESTED, False)]
+                    if s is not m and getattr(s, NESTED, False)]  # probe kept: a mark only some modules carry
     return out
 
 
