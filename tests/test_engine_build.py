@@ -19,6 +19,7 @@ from paratrain.base.strategy import StateStore
 from paratrain.engine import build, checks, parallelize
 from paratrain.engine.checks import Spelling, check_parallel_rules
 from paratrain.shards import CheckpointError
+from paratrain.train.metrics import read_metrics
 from paratrain.train.trainer import Trainer
 from paratrain.zero import disk8, offload, store8
 from tests.harness import tiny_cfg
@@ -128,3 +129,14 @@ def test_every_state_store_declares_what_is_called_on_it(cls):
     missing = [n for n in methods if not callable(getattr(cls, n, None))]
     assert missing == [], f"{cls.__name__} lacks {missing}"
     assert isinstance(cls.location, str)
+
+
+def test_the_trainers_door_adds_the_moe_aux_losses_of_the_model_it_built(tmp_path):
+    """The door hands the executor the task's side losses when the executor is built, after the
+    task built the model (the MoE accounting exists only then): a mixture-of-experts run trains on
+    cross-entropy + aux + z, and its rows say so. Read at the door's creation, they were None and
+    every MoE run trained without its balance losses."""
+    cfg = tiny_cfg(tmp_path, **{"model.name": "tiny-moe", "train.steps": 1, "train.eval_every": 0})
+    Trainer(cfg).fit()
+    row = read_metrics(tmp_path / "metrics.jsonl")[-1]
+    assert row["moe_aux_loss"] > 0 and row["loss"] > row["ce_loss"]

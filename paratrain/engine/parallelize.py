@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 import torch.nn as nn
 
+from paratrain.base.executor import SideLossFn
 from paratrain.base.strategy import Strategy
 from paratrain.config import Config
 from paratrain.data_parallel.averaging import SyncPlan
@@ -56,10 +57,15 @@ class TrainerDoor:
     def __init__(self, task: Task, cfg: Config, mesh: ParallelMesh, servers: dist.ProcessGroup | None):
         self.task, self.cfg, self.mesh, self.servers = task, cfg, mesh, servers
         self.loss_sum: LossFn = task.loss_sum
-        self.side_loss = task.side_loss_sum  # MoE aux losses, added by the executor (None: a dense model)
         self.kind = cfg.lora.base_precision if cfg.lora.rank else "fp32"
         self.quantised: dict = {}  # QLoRA: each quantised part's name -> its base weight (engine/qlora.py)
         self.init_value: Callable = task.init_value  # by name: the family's init or an imported slice
+
+    @property
+    def side_loss(self) -> SideLossFn | None:
+        """MoE aux losses, added by the executor (None: a dense model). Read when the executor is
+        built, not at the door's creation: the task knows its MoE layers once it built the model."""
+        return self.task.side_loss_sum
 
     def add_adapters(self, model: nn.Module) -> None:
         apply_run_lora(model, self.cfg)
