@@ -164,3 +164,33 @@ def mean_attended_keys(c: ModelShape, seq: int) -> float:
     sliding = c.n_sliding_layers if c.sliding_window > 0 else 0
     full = c.n_layers - sliding
     return (full * attended_keys(seq) + sliding * attended_keys(seq, c.sliding_window)) / c.n_layers
+
+
+class DenseShape:
+    """The MoE members of ``ModelShape`` for a family without experts (GPT-2, Qwen3, Gemma-2): a
+    base of its config class, so each dense family does not restate them."""
+
+    ffn_dim: int
+
+    @property
+    def n_experts(self) -> int:
+        return 0  # dense
+
+    @property
+    def top_k(self) -> int:
+        return 0
+
+    @property
+    def n_moe_layers(self) -> int:
+        return 0
+
+    @property
+    def moe_every(self) -> int:
+        return 1
+
+    @property
+    def moe_ffn_dim(self) -> int:
+        return self.ffn_dim  # no experts: the one MLP's width
+
+    def is_moe_block(self, index: int) -> bool:
+        return False

@@ -35,10 +35,11 @@ from paratrain.models.decoder import Decoder, block_causal_mask
 from paratrain.models.init import value_by_name
 from paratrain.models.kv_cache import KVCache, LayerCache
 from paratrain.models.rope import RopeScaling, apply_rope, rope_tables
+from paratrain.models.shape import DenseShape
 
 
 @dataclass(frozen=True)
-class Gemma2Config:
+class Gemma2Config(DenseShape):
     """Gemma 2's shape; also the plain description the planner reads (models/shape.py ModelShape)."""
 
     vocab_size: int = 256000
@@ -109,29 +110,6 @@ class Gemma2Config:
     @property
     def mlp_matrices(self) -> int:
         return 3  # gate, up, down
-
-    @property
-    def n_experts(self) -> int:
-        return 0  # dense
-
-    @property
-    def top_k(self) -> int:
-        return 0
-
-    @property
-    def moe_ffn_dim(self) -> int:
-        return self.ffn_dim
-
-    @property
-    def n_moe_layers(self) -> int:
-        return 0
-
-    @property
-    def moe_every(self) -> int:
-        return 1
-
-    def is_moe_block(self, index: int) -> bool:
-        return False
 
     def to_dict(self) -> dict:
         return asdict(self)

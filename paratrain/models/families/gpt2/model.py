@@ -26,13 +26,14 @@ import torch.nn.functional as F
 from paratrain.models.decoder import CoreAttention, Decoder
 from paratrain.models.init import value_by_name
 from paratrain.models.kv_cache import LayerCache
+from paratrain.models.shape import DenseShape
 
 # Hugging Face's activation_function -> F.gelu's ``approximate`` (gelu_new is the tanh form).
 ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
 
 
 @dataclass(frozen=True)
-class GPT2Config:
+class GPT2Config(DenseShape):
     """GPT-2's shape; also the plain description the planner reads (models/shape.py ModelShape)."""
 
     vocab_size: int = 50257
@@ -50,25 +51,6 @@ class GPT2Config:
     @property
     def n_kv_heads(self) -> int:
         return self.n_heads  # no grouped-query attention
-
-    @property
-    def n_experts(self) -> int:
-        return 0  # dense
-
-    @property
-    def top_k(self) -> int:
-        return 0
-
-    @property
-    def n_moe_layers(self) -> int:
-        return 0
-
-    @property
-    def moe_every(self) -> int:
-        return 1
-
-    def is_moe_block(self, index: int) -> bool:
-        return False
 
     @property
     def qkv_bias(self) -> bool:
@@ -95,10 +77,6 @@ class GPT2Config:
     @property
     def qk_norm(self) -> bool:
         return False
-
-    @property
-    def moe_ffn_dim(self) -> int:
-        return self.ffn_dim  # no experts
 
     @property
     def sliding_window(self) -> int:

@@ -30,6 +30,7 @@ from paratrain.models.families.llama.model import MLP, Attention, RMSNorm
 from paratrain.models.families.llama.model import full_init_value as llama_init_value
 from paratrain.models.kv_cache import LayerCache
 from paratrain.models.rope import RopeScaling
+from paratrain.models.shape import DenseShape
 
 
 @dataclass(frozen=True)
@@ -106,31 +107,11 @@ class Qwen3Shape:
 
 
 @dataclass(frozen=True)
-class Qwen3Config(Qwen3Shape):
+class Qwen3Config(DenseShape, Qwen3Shape):
     """The dense Qwen3's shape; ``family`` is run.json's marker (``export --hf`` writes a
     Qwen3ForCausalLM)."""
 
     family: str = "qwen3"
-
-    # What a dense Qwen3 has not, in the names the shape readers use.
-    @property
-    def n_experts(self) -> int:
-        return 0
-
-    @property
-    def top_k(self) -> int:
-        return 0
-
-    @property
-    def n_moe_layers(self) -> int:
-        return 0
-
-    @property
-    def moe_ffn_dim(self) -> int:
-        return self.ffn_dim
-
-    def is_moe_block(self, index: int) -> bool:
-        return False
 
     def n_params(self, *, active: bool = False) -> int:
         """Parameters of the single-device model (a tied head counted once)."""
