@@ -31,7 +31,6 @@ from paratrain import config
 from paratrain.config import Config
 from paratrain.engine import checks
 from paratrain.engine.sync_checks import AVERAGING
-from paratrain.inference import library  # noqa: F401  (declares generation's refusals)
 from paratrain.memory import layout
 from paratrain.refusals import FEATURES, GROUPS, Refusal, declared
 
@@ -91,7 +90,7 @@ PROBES: dict[str, Callable[[Config], None] | None] = {
     "8bit": _set(optim__name="adamw8bit"),
     "batch-finder": _set(train__micro_batch="auto", train__memory_limit=4 << 30),
     "packing": None,  # the data's format, not a layout setting: no check refuses it
-    "generation": None,  # not a training run: its refusals are declared by inference/library.py
+    "generation": None,  # not a training run: the library door generates in every layout it trains in
 }
 
 

@@ -148,19 +148,6 @@ def test_library_generate_under_parallel_equals_one_process(hf_folder, tp, pp):
     assert run(_library, tp * pp, str(hf_folder), tp, pp, timeout=120) == [want] * (tp * pp)
 
 
-def _refused(env, folder: str) -> str:
-    model = load_model(None, folder)
-    par = paratrain.Parallel(tp=2, sequence_parallel=True)
-    model, _ = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(ValueError, match="sequence_parallel") as refused:
-        paratrain.generate(model, folder, "x", parallel=par)
-    return str(refused.value)
-
-
-def test_library_refuses_sequence_parallel(hf_folder):
-    assert all("prepare with sequence_parallel=False" in m for m in run(_refused, 2, str(hf_folder)))
-
-
 def test_cli_tp2_writes_outputs_and_reports_bytes(hf_folder, tmp_path, capsys):
     out = tmp_path / "out.jsonl"
     code = cli.main(["generate", "def f(x):", "import os", "--init-from", str(hf_folder), "--greedy",

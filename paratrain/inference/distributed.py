@@ -34,7 +34,8 @@ from paratrain.launch import DistEnv, init_from_torchrun, spawn, under_torchrun
 from paratrain.mesh import MeshShape, ParallelMesh
 from paratrain.models.kv_cache import KVCache
 from paratrain.models.registry import build_model, family_of, materialize
-from paratrain.pipeline.stage import split_for_pipeline
+from paratrain.pipeline.schedules import stage_rank
+from paratrain.pipeline.stage import StageChunk, split_for_pipeline
 from paratrain.planner.inference import generation_bytes
 from paratrain.sharding import info_of, name_params, shard_of
 from paratrain.tensor_parallel.plan import apply_tensor_parallel
@@ -73,25 +74,38 @@ def load_for_generation(source: object, mesh: ParallelMesh | None, device: torch
     return model.to(dtype).eval()
 
 
-def distributed_step(model: nn.Module, mesh: ParallelMesh) -> StepFn:
-    """The StepFn of this rank's part: stage to stage, logits gathered over tp, broadcast over pp."""
-    family = family_of(model, "pipeline-parallel generation")
+def distributed_step(model: nn.Module, mesh: ParallelMesh, chunks: list[StageChunk] | None = None,
+                     placement: str = "loop") -> StepFn:
+    """The StepFn of this rank's part: stage to stage, logits gathered over tp, broadcast over pp.
+    ``chunks``: this rank's stages as the pipeline split made them (virtual stages: several per
+    rank, visited in stage order, rank ``schedules.stage_rank(s, p, placement)`` running stage
+    s); None: one stage per rank, the blocks it holds."""
     pp, vocab = mesh.pp, model.cfg.vocab_size
-    first, last = pp.rank == 0, pp.rank == pp.size - 1
-    blocks = sorted(int(k) for k in family.blocks_of(model))
+    if chunks is None:
+        family = family_of(model, "pipeline-parallel generation")
+        blocks = sorted(int(k) for k in family.blocks_of(model))
+        chunks = [StageChunk(model, pp.rank, blocks, pp.rank == 0, pp.rank == pp.size - 1, family)]
+    mine = {c.stage: c for c in chunks}
+    n_stages = len(chunks) * pp.size  # every rank holds as many stages
+    owner = [stage_rank(s, pp.size, placement) for s in range(n_stages)]
     dtype = next(model.parameters()).dtype
 
     def step(ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        x = ids if first else _receive(ids.shape + (model.cfg.dim,), dtype, ids.device, pp, pp.rank - 1)
-        with head_on_last_position(model):
-            h = family.forward_stage(model, x, blocks, first, last, positions, cache)
-        if not last:
-            _send(h, pp, pp.rank + 1)
-            logits = torch.empty(ids.shape[0], vocab, dtype=torch.float32, device=ids.device)
-        else:
+        h = ids
+        for s in sorted(mine):
+            if s > 0 and owner[s - 1] != pp.rank:
+                h = _receive(ids.shape + (model.cfg.dim,), dtype, ids.device, pp, owner[s - 1])
+            c = mine[s]
+            with head_on_last_position(model):
+                h = c.family.forward_stage(model, h, c.layers, c.is_first, c.is_last, positions, cache)
+            if s + 1 < n_stages and owner[s + 1] != pp.rank:
+                _send(h, pp, owner[s + 1])
+        if owner[-1] == pp.rank:
             logits = _full_vocab(h[:, -1].float(), mesh, vocab)
+        else:
+            logits = torch.empty(ids.shape[0], vocab, dtype=torch.float32, device=ids.device)
         if pp.size > 1:
-            C.broadcast(logits, pp, src_index=pp.size - 1)
+            C.broadcast(logits, pp, src_index=owner[-1])
         return logits
 
     return step

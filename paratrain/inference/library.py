@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 import torch.nn as nn
 from tokenizers import Tokenizer
 
@@ -17,7 +18,9 @@ from paratrain.inference.folders import chat_prompt, tokenizer_eos
 from paratrain.inference.loop import Sampling, StepFn, decode, local_step, sampling_problems
 from paratrain.inference.prompts import cut_at_stop, stop_check
 from paratrain.models.hf import tokenizer_file
-from paratrain.refusals import Refusal, emit
+from paratrain.models.kv_cache import KVCache
+from paratrain.pipeline.schedules_zb import SCHEDULES
+from paratrain.tensor_parallel.plan import without_sequence_parallel
 
 
 def generate(model: nn.Module, tokenizer: Tokenizer | str | Path, prompts: str | list[str], *,
@@ -54,38 +57,29 @@ def _step(model: nn.Module, parallel: object | None) -> StepFn:
     if parallel.model is not model:
         raise ValueError("paratrain.generate: pass the model that parallel.prepare returned")
     mesh = parallel.mesh
-    problems: list[str] = []
-    emit(GENERATE_REFUSALS, parallel, problems)
-    if problems:
-        raise ValueError("paratrain.generate(parallel=...): " + "; ".join(problems))
     if mesh.tp.size == 1 and mesh.pp.size == 1:
-        return local_step(model)  # data parallel only: each rank holds the whole model
-    return distributed_step(model, mesh)
+        return local_step(model)  # data parallel, ZeRO-3 included: its hooks gather each unit as in training
+    step = local_step(model) if parallel.tp_plan else _across_stages(model, parallel)
+    return _plain_tensor_parallel(model, step) if parallel.sequence_parallel else step
 
 
-def _library_tp_plan(par: object) -> bool:
-    return par.mesh.tp.size > 1 and bool(par.tp_plan)
+def _across_stages(model: nn.Module, parallel: object) -> StepFn:
+    """The step through the Parallel's own pipeline split (its stages per rank, virtual ones and a
+    V placement included), or through tp alone."""
+    if parallel.mesh.pp.size == 1:
+        return distributed_step(model, parallel.mesh)
+    chunks = sorted(parallel.executor.chunks.values(), key=lambda c: c.stage)
+    return distributed_step(model, parallel.mesh, chunks, SCHEDULES[parallel.pp_schedule].placement)
 
 
-# What paratrain.generate(parallel=...) refuses, read from the Parallel (the library door; the CLI's
-# generate reads every layout's checkpoint through the resharding reader).
-GENERATE_REFUSALS = (
-    Refusal("generation", "zero3", "in the library door only (not built): zero 3 keeps 1/dp of each weight "
-            "per rank; the CLI generates from its checkpoint", door="library", when=lambda par: par.zero == 3,
-            message="zero 3 keeps 1/dp of each weight per rank (generate from a checkpoint it saved: "
-            "`paratrain generate --run ... --checkpoint DIR`, or use zero <= 2)"),
-    Refusal("generation", "sp", "by construction: decoding runs one token per step, which has no sequence "
-            "to split", door="library", when=lambda par: par.sequence_parallel,
-            message="sequence_parallel splits the sequence, which decoding (one token per step) cannot: "
-            "prepare with sequence_parallel=False"),
-    Refusal("generation", "interleaved", "not built: virtual stages interleave the stages", door="library",
-            when=lambda par: par.mesh.pp.size > 1 and par.virtual_stages > 1,
-            message="virtual_stages > 1 interleaves the stages: generate with virtual_stages=1"),
-    Refusal("generation", "tp", "with a user tp_plan (library door; not built): only a model family's "
-            "declared plan generates across tp ranks", door="library", when=_library_tp_plan,
-            message="a user tp_plan: paratrain generates across tp ranks only with a model family's declared "
-            "plan"),
-)
+def _plain_tensor_parallel(model: nn.Module, step: StepFn) -> StepFn:
+    """The step with sequence parallelism off (tensor_parallel/plan.py says why it computes the same)."""
+
+    def plain(ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        with without_sequence_parallel(model):
+            return step(ids, positions, cache)
+
+    return plain
 
 
 def _encode(tok: Tokenizer, text: str, chat: bool, path: Path | None) -> list[int]:

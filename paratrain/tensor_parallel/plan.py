@@ -19,6 +19,8 @@ a reduce-scatter of the sequence, and the residual stream holds [b, s/tp, h])::
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch.nn as nn
 
@@ -203,3 +205,26 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, child, module)
+
+
+@contextmanager
+def without_sequence_parallel(model: nn.Module) -> Iterator[None]:
+    """While inside, the model's sequence-parallel modules run as plain tensor parallelism, which
+    computes the same (SP only moves where the norms and dropout run): a decode step's one token
+    cannot be split over tp, so generation runs a model prepared with SP this way. The entry norms'
+    sequence all-gather becomes f (identity forward); the row layers all-reduce instead of
+    reduce-scattering; the embedding keeps every position."""
+    changed: list[tuple[nn.Module, str, object]] = []
+    for module in model.modules():
+        if getattr(module, "sequence_parallel", False):
+            changed.append((module, "sequence_parallel", True))
+            module.sequence_parallel = False
+        if getattr(module, "entry", None) == "gather":
+            changed.append((module, "entry", "gather"))
+            module.entry = "copy"
+    try:
+        yield
+    finally:
+        for module, attr, value in changed:
+            setattr(module, attr, value)
+

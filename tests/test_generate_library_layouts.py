@@ -1,0 +1,58 @@
+"""``paratrain.generate(parallel=...)`` in the layouts the library door once refused, each against one
+process token for token (float64, greedy: tests/test_generate_dist.py says why float64): a model
+held as ZeRO-3 shards, tensor parallel with sequence parallelism (decoding runs as plain TP, which
+computes the same), interleaved virtual stages, the V placement of zbv, and a user tp_plan
+splitting the MLP's linears."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import paratrain
+from paratrain.inference.folders import load_model
+from tests.dist import run
+from tests.hf_models import save_hf
+
+PROMPTS = ["def f(x):", "import os"]
+USER_PLAN = {f"layers.{i}.mlp.{name}": style for i in range(4)
+             for name, style in (("gate", "colwise"), ("up", "colwise"), ("down", "rowwise"))}
+LAYOUTS = {
+    "zero3": dict(zero=3),
+    "tp-sp": dict(tp=2, sequence_parallel=True),
+    "pp-virtual": dict(pp=2, virtual_stages=2),
+    "pp-zbv": dict(pp=2, pp_schedule="zbv"),  # a V placement: rank 0 runs the first and the last stage
+    "tp-user-plan": dict(tp=2, tp_plan=USER_PLAN),
+}
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("hf")
+    save_hf(path, "llama", num_hidden_layers=4)
+    return path
+
+
+def _generate(model, folder: str, parallel=None) -> list[str]:
+    return paratrain.generate(model, folder, PROMPTS, max_new_tokens=6, temperature=0, eos_ids=(),
+                              parallel=parallel)
+
+
+def _library(env, folder: str, layout: str) -> list[str]:
+    model = load_model(None, folder).double()
+    par = paratrain.Parallel(**LAYOUTS[layout])
+    model, _ = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    return _generate(model, folder, par)
+
+
+@pytest.mark.composes(("generation", "zero3"), case="zero3")
+@pytest.mark.composes(("generation", "sp"), case="tp-sp")
+@pytest.mark.composes(("generation", "interleaved"), case="pp-virtual")
+@pytest.mark.composes(("generation", "zbv"), case="pp-zbv")
+@pytest.mark.composes(("generation", "tp"), case="tp-user-plan")
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_library_generate_equals_one_process(hf_folder, layout):
+    want = _generate(load_model(None, str(hf_folder)).double(), str(hf_folder))
+    assert run(_library, 2, str(hf_folder), layout, timeout=120) == [want, want]
