@@ -127,6 +127,7 @@ LAYOUTS = {
     "ddp_recompute_full": {"parallel.dp": 2, "train.recompute": "full"},
     "tp2_recompute_selective": {"parallel.tp": 2, "train.recompute": "selective"},
     "ddp_tile2": {"parallel.dp": 2, "train.tile": 2},  # token tiles run the adapted MLP per tile
+    "zero3_tile2": {"parallel.dp": 2, "parallel.zero": 3, "train.tile": 2},  # token tiles, not weight tiles
     "ddp_compile": {"parallel.dp": 2, "train.compile": True, "train.compile_backend": "aot_eager"},
 }
 # Layouts whose reference is another one-process run: 8-bit AdamW, GPT-2 (biases on the column and
@@ -193,6 +194,7 @@ def runs(tmp_path_factory):
 @pytest.mark.composes(("lora", "recompute"), case="ddp_recompute_full")
 @pytest.mark.composes(("lora", "tp", "recompute"), case="tp2_recompute_selective")
 @pytest.mark.composes(("lora", "tiling"), case="ddp_tile2")
+@pytest.mark.composes(("lora", "tiling", "zero3"), case="zero3_tile2")
 @pytest.mark.composes(("lora", "compile"), case="ddp_compile")
 @pytest.mark.composes(("lora", "8bit", "zero1"), case="zero1_8bit")
 @pytest.mark.composes(("lora", "moe"), case="moe_ddp")

@@ -34,7 +34,9 @@ WQ = "layers.0.attn.wq.weight"  # tiny: dim 64, so wq is [64, 64]
 # ZeRO-1/2 leave frozen parameters to the model as DDP does (they shard only what trains): ddp
 # stands for them, and keeps the suite's time
 LAYOUTS = {"ddp": {"parallel.dp": 2}, "zero3": {"parallel.dp": 2, "parallel.zero": 3},
-           "pp2": {"parallel.pp": 2, "train.micro_batch": 2}}
+           "pp2": {"parallel.pp": 2, "train.micro_batch": 2},
+           # token tiles of the MLP's quantised linears (ZeRO-3: the head untiled, engine/build.py)
+           "zero3_tile2": {"parallel.dp": 2, "parallel.zero": 3, "train.tile": 2}}
 
 
 def _problems(**overrides) -> str:
@@ -142,6 +144,7 @@ def layouts(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.composes(("qlora", "tiling"), ("qlora", "tiling", "zero3"), case="zero3_tile2")
 def test_layout_equals_one_process(one, layouts, name):
     cfg, ref = one
     losses, adapters, _ = layouts[name]

@@ -1,6 +1,7 @@
 """--tile N across layouts (issue 14, item 4): under ZeRO-3 each weight tile is gathered alone
 (memory/tiled_linear.py); under DDP and ZeRO-1/2 the token tiles of memory/tiling.py run as in one
-process. Every run is compared with ONE untiled process.
+process; with tp2 (and SP) and pp2 (1F1B, ZB-H1) the split layers and the last stage's head are
+tiled by tokens. Every run is compared with ONE untiled process.
 
 Tolerance: FP32_REORDERED (tests/harness.py). dp2 sums each gradient as two per-rank partial sums
 (fp32 reassociation, ~1e-7 relative per op), the token tiles sum a weight's gradient over tiles, and
@@ -96,7 +97,19 @@ def runs(tmp_path_factory):
         "z1_tile4": {"parallel.zero": 1, "train.tile": 4},
         "z2_tile4": {"parallel.zero": 2, "train.tile": 4},
     }
+    # the model split instead of the batch (2 ranks, dp 1): token tiles of the split MLP and of the
+    # vocabulary-parallel head + loss; under SP the MLP's tiles are whole sequences (its
+    # reduce-scatter runs along them); each pipeline stage tiles its own blocks, the last its head
+    split = {
+        "tp2_tile2": {"parallel.tp": 2, "train.tile": 2},
+        "tp2_sp_tile4": {"parallel.tp": 2, "parallel.sp": True, "train.tile": 4},
+        "pp2_tile2": {"parallel.pp": 2, "train.tile": 2, "train.micro_batch": 2},
+        "pp2_zbh1_tile2": {"parallel.pp": 2, "parallel.pp_schedule": "zb-h1", "train.tile": 2,
+                           "train.micro_batch": 2},
+    }
     cfgs = [_cfg(tmp / k, **DP2, **v) for k, v in layouts.items()]
+    cfgs += [_cfg(tmp / k, **{"parallel.dp": 1}, **v) for k, v in split.items()]
+    layouts.update(split)
     resumes = {  # a tiled ZeRO-3 checkpoint continues untiled, an untiled one tiled
         "z3_from_tile4": ("z3_tile4", {"parallel.zero": 3}),
         "z3_tile2_from_untiled": ("z3", {"parallel.zero": 3, "train.tile": 2}),
@@ -113,13 +126,17 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["z3_tile2", "z3_tile4", "z3_tile4_composed", "ddp_tile4", "z1_tile4",
-                                  "z2_tile4"])
+                                  "z2_tile4", "tp2_tile2", "tp2_sp_tile4", "pp2_tile2", "pp2_zbh1_tile2"])
 @pytest.mark.composes(("tiling", "zero3"), case="z3_tile2")
 @pytest.mark.composes(("tiling", "zero3", "recompute"), ("tiling", "zero3", "offload-cpu"),
                       case="z3_tile4_composed")
 @pytest.mark.composes(("tiling", "ddp"), case="ddp_tile4")
 @pytest.mark.composes(("tiling", "zero1"), case="z1_tile4")
 @pytest.mark.composes(("tiling", "zero2"), case="z2_tile4")
+@pytest.mark.composes(("tiling", "tp"), case="tp2_tile2")
+@pytest.mark.composes(("tiling", "sp"), case="tp2_sp_tile4")
+@pytest.mark.composes(("tiling", "1f1b"), case="pp2_tile2")
+@pytest.mark.composes(("tiling", "zb-h1"), case="pp2_zbh1_tile2")
 def test_tiled_dp2_training_equals_one_untiled_process(runs, name):
     ref, results = runs
     losses, weights, _ = results[name]

@@ -58,6 +58,7 @@ from paratrain.memory.recompute import apply_recompute
 from paratrain.memory.tiled_linear import apply_weight_tiling
 from paratrain.memory.tiling import apply_tiling
 from paratrain.mesh import ParallelMesh
+from paratrain.models.lora import LoRALinear
 from paratrain.pipeline.executor import PipelineExecutor
 from paratrain.pipeline.stage import split_for_pipeline
 from paratrain.sharding import name_params
@@ -127,7 +128,7 @@ def build_engine(model: nn.Module, mesh: ParallelMesh, layout: BuildLayout, door
     if mesh.cp.size > 1:  # every block's attention over the cp group's keys (the rest is position-wise)
         apply_context_parallel(model, mesh.cp, method=layout.cp_method)
     door.settle_base(model)
-    loss_fn = _memory_wrappers(model, layout, loss_fn)
+    loss_fn = _memory_wrappers(model, layout, loss_fn, mesh.tp.size)
     chunks = None
     if mesh.pp.size > 1:
         chunks = split_for_pipeline(model, mesh, virtual_stages=layout.virtual_stages,
@@ -158,12 +159,22 @@ def build_engine(model: nn.Module, mesh: ParallelMesh, layout: BuildLayout, door
     return Engine(model, strategy, executor, mesh)
 
 
-def _memory_wrappers(model: nn.Module, layout: BuildLayout, loss_fn: LossFn) -> LossFn:
+def _adapted(model: nn.Module) -> bool:
+    """Whether LoRA adapted a linear of ``model`` (models/lora.py)."""
+    return any(isinstance(m, LoRALinear) for m in model.modules())
+
+
+def _memory_wrappers(model: nn.Module, layout: BuildLayout, loss_fn: LossFn, tp: int) -> LossFn:
     """Tiling, recompute and compile, in that order (each wraps what the one before left)."""
-    if layout.tile > 1 and layout.zero == 3:  # tiles of the weights, each gathered alone
+    weight_tiles = layout.zero == 3 and tp == 1 and not _adapted(model)
+    if layout.tile > 1 and weight_tiles:  # tiles of the weights, each gathered alone
         apply_weight_tiling(model, layout.tile)
     elif layout.tile > 1:  # before recompute and compile: they wrap the forward tiling leaves
-        loss_fn = apply_tiling(model, layout.tile)  # the LM head now runs inside the loss
+        # Token tiles. Under ZeRO-3 with TP (whose split linears already hold 1/tp of each weight)
+        # or LoRA (an adapted linear is its base and its adapters: weight tiles would cut the base
+        # alone) the head stays untiled: its unit is gathered around its module's call, which a
+        # loss run after the module would not see.
+        loss_fn = apply_tiling(model, layout.tile, loss_fn, head=layout.zero != 3)
     if layout.recompute != "none":
         apply_recompute(model, layout.recompute)
     if layout.compile:  # last of the in-block wrappers: it compiles the forward they leave

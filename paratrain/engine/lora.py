@@ -78,12 +78,6 @@ LORAS = ("lora", "lora-bf16", "qlora")
 # Combinations LoRA cannot run, with why (each refused before any worker starts; "--lora does not
 # compose with <flags[1]>: <reason>").
 NOT_WITH_LORA = (
-    Refusal(LORAS, "tiling", "ZeRO-3's weight tiles split the base's linears outside their adapters "
-            "(not built)", flags=("--lora", "--tile > 1 and --zero 3"),
-            when=lambda c: bool(c.lora.rank) and c.train.tile > 1 and c.parallel.zero == 3),
-    Refusal("qlora", "tiling", "the tiled MLP and head run a quantised base's linears outside the "
-            "tests (not built)", flags=("--base-precision nf4/int8", "--tile > 1"),
-            when=lambda c: c.lora.base_precision in ("nf4", "int8") and c.train.tile > 1),
     Refusal("qlora", "tp", "a rank's slice of a row-parallel weight needs quantisation blocks aligned "
             "to the slice (not built); use --base-precision bf16 with --tp, or nf4 with dp/ZeRO/pp",
             flags=("--base-precision nf4/int8", "--tp > 1"),

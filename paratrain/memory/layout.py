@@ -42,11 +42,6 @@ def _gpu_trial(c: Config) -> bool:
 
 
 SAVER_REFUSALS = (  # the message: "<flags[0]> does not compose with <flags[1]>: <reason>"
-    Refusal("tiling", "tp", "split linears and the vocabulary-parallel loss are not tiled (not built)",
-            flags=("--tile", "--tp > 1"), when=_tile(lambda c: c.parallel.tp > 1)),
-    Refusal("tiling", PP_SCHEDULES, "the tiled loss fuses the LM head, which a pipeline stage runs "
-            "(not built)",
-            flags=("--tile", "--pp > 1"), when=_tile(lambda c: c.parallel.pp > 1)),
     Refusal("tiling", "8bit", "a weight tile's rows need not start on a quantisation block of the full "
             "tensor; use --optimizer adamw, or --zero 1/2",
             flags=("--tile", "--optimizer adamw8bit with --zero 3"),

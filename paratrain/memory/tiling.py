@@ -126,41 +126,59 @@ class _ModuleFn:
 
 
 def tiled_rows(module: nn.Module, forward: Callable, x: torch.Tensor, n_tiles: int) -> torch.Tensor:
-    """``forward(x)`` of a row-wise module, computed in n_tiles tiles of tokens (x: [..., dim])."""
+    """``forward(x)`` of a row-wise module, computed in n_tiles tiles of tokens (x: [..., dim]).
+
+    Under sequence parallelism the module ends with a reduce-scatter along the sequence (dim 1 of
+    [b, s, dim]), which needs whole sequences: the tiles are then rows of the batch, each
+    [b_i, s, dim], at most b of them."""
+    if _sequence_parallel(module) and x.dim() == 3:
+        f = _ModuleFn(lambda xi, _t: forward(xi), module)
+        return _Tiled.apply(f, min(n_tiles, x.shape[0]), "cat", x, None, *module.parameters())
     flat = x.reshape(-1, x.shape[-1])  # [tokens, dim]
     f = _ModuleFn(lambda xi, _t: forward(xi), module)
     y = _Tiled.apply(f, n_tiles, "cat", flat, None, *module.parameters())
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
-class TiledHeadLoss:
-    """sum of cross-entropy(lm_head(h), targets) over tokens, in n_tiles tiles of tokens.
+def _sequence_parallel(module: nn.Module) -> bool:
+    """Whether a layer of ``module`` reduce-scatters along the sequence (tensor_parallel/layers.py)."""
+    return any(getattr(m, "sequence_parallel", False) for m in module.modules())
 
-    A loss function for the executor: (hidden [b, s, dim], targets [b, s]) -> scalar sum.
-    Logits are computed as the untiled model computes them (the head's linear, then fp32
-    cross-entropy), one tile at a time. Targets of -100 are not counted (``F.cross_entropy``'s
-    ``ignore_index``): a tile holding only such targets adds exactly 0.
+
+def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed fp32 cross-entropy of logits [..., vocab] (targets of -100 not counted): the default
+    loss of a tiled head (the trainer passes its own, which computes the same on one device)."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction="sum")
+
+
+class TiledHeadLoss:
+    """The untiled run's summed loss of lm_head(h), computed in n_tiles tiles of tokens.
+
+    A loss function for the executor: (hidden [b, s, dim], targets [b, s]) -> scalar sum. Each
+    tile's logits are computed as the untiled model computes them (the head's own forward: a
+    tensor-parallel head's logits stay split over the vocabulary), then ``loss_sum`` (the loss the
+    untiled run uses: fp32 cross-entropy, or the vocabulary-parallel one under TP) of the tile as
+    one row [1, tile, vocab]. Targets of -100 are not counted: a tile of only such targets adds 0.
     """
 
-    def __init__(self, head: nn.Linear, n_tiles: int, after: tuple[Callable, ...] = ()):
+    def __init__(self, head: nn.Module, n_tiles: int, loss_sum: Callable = cross_entropy_sum,
+                 after: tuple[Callable, ...] = ()):
         """``after``: what the model applies to the logits after its head (parameter-free forwards,
         e.g. Gemma-2's logit soft-cap), applied to each tile's logits in the same order."""
-        self.head, self.n_tiles, self.after = head, n_tiles, after
+        self.head, self.n_tiles, self.loss_sum, self.after = head, n_tiles, loss_sum, after
         self._fn = _ModuleFn(self._tile_loss, head)
 
     def _tile_loss(self, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        if getattr(self.head, "casts_base", False):
-            # A head that computes its stored base itself (a LoRA layer: base + its adapters) runs
-            # its class's forward (the instance's is the identity apply_tiling left).
-            logits = type(self.head).forward(self.head, h)
-        else:
+        # The head's class forward (its instance forward is the identity apply_tiling left): a LoRA
+        # head adds its adapters itself, a column-parallel head masks its vocabulary padding.
+        if not getattr(self.head, "casts_base", False):
             # The input in the weight's dtype, as the untiled head's forward pre-hook casts it when
             # a LoRA base is stored in bf16 (models/lora.store_base_in); a no-op otherwise.
-            weight = self.head.weight
-            logits = F.linear(h.to(weight.dtype), weight, self.head.bias)  # [tile, vocab]
+            h = h.to(self.head.weight.dtype)
+        logits = type(self.head).forward(self.head, h)  # [tile, vocab (or vocab / tp)]
         for forward in self.after:
             logits = forward(logits)
-        return F.cross_entropy(logits.float(), t, reduction="sum")
+        return self.loss_sum(logits[None], t[None])
 
     def __call__(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
@@ -171,8 +189,10 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def apply_tiling(model: nn.Module, n_tiles: int) -> Callable:
-    """Tile every block's MLP and the LM head + loss; returns the loss function to train with.
+def apply_tiling(model: nn.Module, n_tiles: int, loss_sum: Callable = cross_entropy_sum, *,
+                 head: bool = True) -> Callable:
+    """Tile every block's MLP and (``head``) the LM head + ``loss_sum`` (the untiled run's);
+    returns the loss function to train with (``loss_sum`` itself when the head is not tiled).
 
     Forwards are wrapped in place (no module inserted), so parameter names do not change.
     """
@@ -183,9 +203,11 @@ def apply_tiling(model: nn.Module, n_tiles: int) -> Callable:
         mlp = block.get_submodule(family.mlp)
         inner = mlp.forward
         mlp.forward = lambda x, _m=mlp, _f=inner: tiled_rows(_m, _f, x, n_tiles)
-    head = model.get_submodule(family.head)
-    loss = TiledHeadLoss(head, n_tiles, _after_head(model, family.after, family.head))
-    head.forward = _identity  # the head runs inside the tiled loss
+    if not head:
+        return loss_sum
+    lm_head = model.get_submodule(family.head)
+    loss = TiledHeadLoss(lm_head, n_tiles, loss_sum, _after_head(model, family.after, family.head))
+    lm_head.forward = _identity  # the head runs inside the tiled loss
     return loss
 
 
