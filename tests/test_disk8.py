@@ -102,8 +102,8 @@ def _train(env, runs: list[dict]) -> list:
     return train_each(env, runs)
 
 
-@pytest.mark.composes(("8bit", "zero1", "offload-disk"), case="zero1")
-@pytest.mark.composes(("8bit", "zero2", "offload-disk"), case="zero2")
+@pytest.mark.composes(("8bit", "zero1", "offload-disk"))
+@pytest.mark.composes(("8bit", "zero2", "offload-disk"))
 def test_zero12_8bit_disk_trains_the_same_bits_as_in_memory(tmp_path):
     """dp2 ZeRO-1 and ZeRO-2: the 8-bit state streamed from disk (disk8.DiskStore8, windows of two
     blocks) steps the same bits as the in-memory 8-bit store: losses and weights equal."""

@@ -18,11 +18,14 @@ from safetensors.torch import load_file
 from paratrain import config
 from paratrain.cli import main
 from paratrain.engine import checkpoint as ckpt
-from paratrain.engine import checks
+from paratrain.engine import checks, qlora
+from paratrain.models.from_config import model_config
+from paratrain.models.registry import family_for_config
 from paratrain.optim import nf4
 from paratrain.planner import memory
 from paratrain.planner.machine import local_cluster
 from paratrain.planner.search import training_from_config
+from paratrain.sharding import TensorShard
 from paratrain.train.metrics import read_metrics
 from paratrain.train.task import build_task
 from paratrain.train.trainer import Trainer
@@ -34,7 +37,9 @@ WQ = "layers.0.attn.wq.weight"  # tiny: dim 64, so wq is [64, 64]
 # ZeRO-1/2 leave frozen parameters to the model as DDP does (they shard only what trains): ddp
 # stands for them, and keeps the suite's time
 LAYOUTS = {"ddp": {"parallel.dp": 2}, "zero3": {"parallel.dp": 2, "parallel.zero": 3},
-           "pp2": {"parallel.pp": 2, "train.micro_batch": 2}}
+           "pp2": {"parallel.pp": 2, "train.micro_batch": 2},
+           # each rank quantises its own slice in whole pieces (optim/nf4.py): the one process's bytes
+           "tp2_sp": {"parallel.tp": 2, "parallel.sp": True}}
 
 
 def _problems(**overrides) -> str:
@@ -43,10 +48,33 @@ def _problems(**overrides) -> str:
     return str(e.value)
 
 
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_a_tp_rank_quantises_its_slice_into_the_one_process_bytes(kind):
+    """Quantised after the split: a rank's slice of a column- (rows) or row-parallel (columns)
+    weight, quantised alone in its share of the pieces, is byte for byte its TensorShard's slice of
+    the one-process parts, at tp 2 and 4; and the slices dequantise to the one-process weight."""
+    w = torch.randn(48, 80, generator=torch.Generator().manual_seed(0))
+    for dim in (0, 1):
+        pieces = nf4.pieces_of(w.shape[dim])  # 16 along the 48 rows and the 80 columns
+        whole = nf4.quantise_split(w, kind, dim, pieces)
+        full = nf4.dequantise_weight(whole, kind, tuple(w.shape))
+        for tp in (2, 4):
+            slices = w.chunk(tp, dim)
+            for rank, local in enumerate(slices):
+                own = nf4.quantise_split(local, kind, dim, pieces // tp)
+                for k, t in whole.items():
+                    spec = qlora._part_shard(tuple(t.shape), TensorShard(tuple(w.shape), dim, rank, tp))
+                    assert torch.equal(own[k], spec.slice(t)), (kind, dim, tp, k)
+            rebuilt = torch.cat([nf4.dequantise_weight(nf4.quantise_split(s, kind, dim, pieces // tp), kind,
+                                                       tuple(s.shape)) for s in slices], dim)
+            assert torch.equal(rebuilt, full)
+    flat = nf4.quantise_split(w, kind, None, 1)  # a weight TP does not split: bitsandbytes' flat blocks
+    assert all(torch.equal(flat[k], t) for k, t in nf4.quantise_weight(w, kind).items())
+
+
 def test_checks_refuse_what_cannot_run():
     assert "--base-precision applies to LoRA" in _problems(**{"lora.base_precision": "nf4"})
-    refused = "--base-precision nf4/int8 does not compose with --tp > 1"
-    assert refused in _problems(**QLORA, **{"parallel.tp": 2})
+    assert "--tp must divide 16" in _problems(**QLORA, **{"parallel.tp": 32})
     assert "lora.base_precision" in _problems(**{**QLORA, "lora.base_precision": "nf3"})
 
 
@@ -65,11 +93,13 @@ def test_base_is_quantised_frozen_and_merged_after_dequantising(one):
     try:
         assert not reader.has(WQ, "param")  # the fp32 weight is nowhere: its four parts instead
         shapes = {k: tuple(reader.tensors[f"{WQ}_{k}"]["param"]["shape"]) for k in nf4.PARTS}
-        parts = {k: reader.read(f"{WQ}_{k}", "param", (0,), shape) for k, shape in shapes.items()}
+        parts = {k: reader.read(f"{WQ}_{k}", "param", (0,) * len(shape), shape).view(shape)
+                 for k, shape in shapes.items()}
         assert set(reader.keys(f"{WQ}_codes")) == {"param"}  # frozen: no optimizer state
     finally:
         reader.close()
-    initial = nf4.quantise_weight(build_task(cfg).init_value(WQ, (64, 64)), "nf4")
+    # wq is column-parallel in the family's tp plan: quantised as 16 row pieces in every layout
+    initial = nf4.quantise_split(build_task(cfg).init_value(WQ, (64, 64)), "nf4", 0, 16)
     for k in nf4.PARTS:  # after training: still the quantisation of the base's initial value
         assert torch.equal(parts[k], initial[k]), k
     adapters = load_file(f"{out}/adapters.safetensors")
@@ -84,11 +114,17 @@ PROJECTIONS = ("wq", "wk", "wv", "wo", "gate", "up", "down")  # the tiny family'
 
 
 def _expected_params_bytes(final_state: dict, row: dict, kind: str) -> int:
-    """Each adapted projection's stored bytes (codes + both levels of scales), every other tensor
-    and the adapters in fp32."""
+    """Each adapted projection's stored bytes (codes + both levels of scales; the projections tensor
+    parallelism splits in their 16 pieces, in every layout), every other tensor and the adapters in
+    fp32."""
     adapted = [n for n in final_state if n.rsplit(".", 2)[-2] in PROJECTIONS]
     assert len(adapted) == 28  # every projection of 4 layers
-    quantised = sum(nf4.stored_bytes(kind, final_state[n].numel()) for n in adapted)
+    plan = family_for_config(model_config(tiny_cfg("unused"), 512)).tp_plan  # split weights: in pieces
+    quantised = 0
+    for n in adapted:
+        dim = qlora.split_dim(n, plan)
+        pieces = nf4.pieces_of(final_state[n].shape[dim]) if dim is not None else 1
+        quantised += nf4.stored_bytes(kind, final_state[n].numel(), pieces=pieces)
     rest = sum(t.numel() for n, t in final_state.items() if n not in adapted)
     return quantised + 4 * (rest + row["n_trainable_params"])
 
@@ -141,6 +177,8 @@ def layouts(tmp_path_factory):
     return dict(zip(LAYOUTS, run(_train_each, 2, [c.to_dict() for c in cfgs], timeout=300)[0]))
 
 
+@pytest.mark.composes(("qlora", "tp"), case="tp2_sp")
+@pytest.mark.composes(("qlora", "tp", "sp"), case="tp2_sp")
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_equals_one_process(one, layouts, name):
     cfg, ref = one
