@@ -174,7 +174,7 @@ def layouts(tmp_path_factory):
     cfgs = [tiny_cfg(tmp / name, **QLORA, **v) for name, v in LAYOUTS.items()]
     for c in cfgs:
         checks.validate(c, 2)
-    return dict(zip(LAYOUTS, run(_train_each, 2, [c.to_dict() for c in cfgs], timeout=300)[0]))
+    return dict(zip(LAYOUTS, run(_train_each, 2, [c.to_dict() for c in cfgs], timeout=300)[0])), tmp
 
 
 @pytest.mark.composes(("qlora", "tp"), case="tp2_sp")
@@ -182,7 +182,7 @@ def layouts(tmp_path_factory):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_equals_one_process(one, layouts, name):
     cfg, ref = one
-    losses, adapters, _ = layouts[name]
+    losses, adapters, _ = layouts[0][name]
     ref_adapters = load_file(f"{cfg.train.out}/adapters.safetensors")
     assert_same_training(RunResult(losses, adapters), RunResult(ref.losses, ref_adapters), **FP32_REORDERED)
 
@@ -190,8 +190,24 @@ def test_layout_equals_one_process(one, layouts, name):
 def test_zero3_shards_the_quantised_base(layouts):
     """ZeRO-3 holds half of every frozen part per rank (the accelerate/FSDP2 failure mode was an
     unsharded or corrupted 4-bit base): the per-rank bytes are about half of DDP's replicated copy."""
-    ddp, zero3 = layouts["ddp"][2], layouts["zero3"][2]
+    ddp, zero3 = layouts[0]["ddp"][2], layouts[0]["zero3"][2]
     assert 0.45 * ddp < zero3 < 0.6 * ddp, (zero3, ddp)
+
+
+def test_tp_checkpoint_holds_the_one_process_quantised_base(one, layouts):
+    """The tp2 + SP run's checkpoint (each rank wrote its pieces) holds every quantised part of
+    every adapted weight byte for byte as one process's does: the same quantised base."""
+    readers = [ckpt.open_reader(ckpt.latest(out)) for out in (one[0].train.out, layouts[1] / "tp2_sp")]
+    try:
+        parts = [n for n in readers[0].tensors if n.rsplit("_", 1)[-1] in ("codes", "q", "scale", "offset")]
+        assert len(parts) == 4 * 28
+        for name in parts:
+            shape = tuple(readers[0].tensors[name]["param"]["shape"])
+            one_bytes, tp_bytes = (r.read(name, "param", (0,) * len(shape), shape) for r in readers)
+            assert torch.equal(one_bytes, tp_bytes), name
+    finally:
+        for r in readers:
+            r.close()
 
 
 def test_planner_prices_the_quantised_base(one):
