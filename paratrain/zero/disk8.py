@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from paratrain.base.strategy import OptimizerSettings
 from paratrain.optim import adamw8bit as a8
 from paratrain.optim.adamw8bit import QUANT_KEYS, STATE_KEYS
 from paratrain.zero import offload
@@ -151,8 +152,8 @@ class DiskStore8(Store8):
         return {"device": 0, "host": 0, "disk": total}
 
 
-def disk_store8(layouts: list, optim_cfg, *, directory: str | None, rank: int,  # FlatLayouts
-                chunk: int | None = None) -> DiskStore8:
+def disk_store8(layouts: list, optim_cfg: OptimizerSettings, *,  # layouts: FlatLayouts
+                directory: str | None, rank: int, chunk: int | None = None) -> DiskStore8:
     """The empty 8-bit disk store of the master shards ``layouts`` cut (zeros: fresh moments), in a
     new working folder under ``directory``: ZeRO-3 builds it before any master exists, ZeRO-1/2
     then write their masters into it (``write_master``)."""
