@@ -535,15 +535,7 @@ def _check_8bit(problems: list[str], cfg: Config) -> None:
     emit(OPTIM8_REFUSALS, cfg, problems)
 
 
-def _disk8(c: Config) -> bool:
-    return c.optim.name == "adamw8bit" and c.parallel.offload == "disk" and c.parallel.zero != 3
-
-
 OPTIM8_REFUSALS = (
-    Refusal("8bit", "offload-disk", "with --zero 1/2 (not built): ZeRO-3's disk store streams 8-bit state "
-            "(zero/disk8.py), ZeRO-1/2's does not", when=_disk8,
-            message="--optimizer adamw8bit keeps its quantised state on disk only under --zero 3: use "
-            "--zero 3, or --offload none or cpu, or --optimizer adamw with --offload disk"),
     Refusal("8bit", "tp", "a tensor-parallel slice's quantisation blocks are not the full tensor's, so the "
             "state would depend on the layout (not built: blocks aligned to the tp slices in every layout)",
             when=lambda c: c.optim.name == "adamw8bit" and c.parallel.tp > 1,

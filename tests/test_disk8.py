@@ -102,6 +102,30 @@ def _train(env, runs: list[dict]) -> list:
     return train_each(env, runs)
 
 
+@pytest.mark.composes(("8bit", "zero1", "offload-disk"))
+@pytest.mark.composes(("8bit", "zero2", "offload-disk"))
+def test_zero12_8bit_disk_trains_the_same_bits_as_in_memory(tmp_path):
+    """dp2 ZeRO-1 and ZeRO-2: the 8-bit state streamed from disk (disk8.DiskStore8, windows of two
+    blocks) steps the same bits as the in-memory 8-bit store: losses and weights equal. One
+    in-memory run (ZeRO-1) stands for both stages: ZeRO-2 reduce-scatters the same gradient
+    buckets, so its in-memory run is the same bits (tests/test_optim8.py: every stage equals one
+    process bit for bit)."""
+    lay = {"parallel.dp": 2, "train.steps": 2}
+    runs = [tiny_cfg(tmp_path / "m1", **EIGHT, **lay, **{"parallel.zero": 1})]
+    for zero in (1, 2):
+        disk = {"parallel.zero": zero, "parallel.offload": "disk",
+                "parallel.offload_dir": str(tmp_path / f"o{zero}")}
+        runs.append(tiny_cfg(tmp_path / f"d{zero}", **EIGHT, **lay, **disk))
+    for cfg in runs:
+        checks.validate(cfg, 2)
+    (m, mw, _), *disks = run(_train, 2, [c.to_dict() for c in runs], timeout=300)[0]
+    for d, dw, drows in disks:
+        assert d == m
+        for name, w in mw.items():
+            assert torch.equal(dw[name], w), name
+        assert drows[-1]["mem_optim_bytes"] == 0 < drows[-1]["mem_offloaded_disk_bytes"]
+
+
 @pytest.mark.composes(("8bit", "zero3", "offload-disk"))
 def test_zero3_8bit_disk_trains_the_same_bits_and_resumes_at_dp1(tmp_path, monkeypatch):
     """dp2 ZeRO-3: 8-bit state on disk = 8-bit state in memory, bit for bit; fp32 on disk keeps no

@@ -18,11 +18,14 @@ from safetensors.torch import load_file
 from paratrain import config
 from paratrain.cli import main
 from paratrain.engine import checkpoint as ckpt
-from paratrain.engine import checks
+from paratrain.engine import checks, qlora
+from paratrain.models.from_config import model_config
+from paratrain.models.registry import family_for_config
 from paratrain.optim import nf4
 from paratrain.planner import memory
 from paratrain.planner.machine import local_cluster
 from paratrain.planner.search import training_from_config
+from paratrain.sharding import TensorShard
 from paratrain.train.metrics import read_metrics
 from paratrain.train.task import build_task
 from paratrain.train.trainer import Trainer
@@ -36,7 +39,9 @@ WQ = "layers.0.attn.wq.weight"  # tiny: dim 64, so wq is [64, 64]
 LAYOUTS = {"ddp": {"parallel.dp": 2}, "zero3": {"parallel.dp": 2, "parallel.zero": 3},
            "pp2": {"parallel.pp": 2, "train.micro_batch": 2},
            # token tiles of the MLP's quantised linears (ZeRO-3: the head untiled, engine/build.py)
-           "zero3_tile2": {"parallel.dp": 2, "parallel.zero": 3, "train.tile": 2}}
+           "zero3_tile2": {"parallel.dp": 2, "parallel.zero": 3, "train.tile": 2},
+           # each rank quantises its own slice in whole pieces (optim/nf4.py): the one process's bytes
+           "tp2_sp": {"parallel.tp": 2, "parallel.sp": True}}
 
 
 def _problems(**overrides) -> str:
@@ -45,10 +50,33 @@ def _problems(**overrides) -> str:
     return str(e.value)
 
 
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_a_tp_rank_quantises_its_slice_into_the_one_process_bytes(kind):
+    """Quantised after the split: a rank's slice of a column- (rows) or row-parallel (columns)
+    weight, quantised alone in its share of the pieces, is byte for byte its TensorShard's slice of
+    the one-process parts, at tp 2 and 4; and the slices dequantise to the one-process weight."""
+    w = torch.randn(48, 80, generator=torch.Generator().manual_seed(0))
+    for dim in (0, 1):
+        pieces = nf4.pieces_of(w.shape[dim])  # 16 along the 48 rows and the 80 columns
+        whole = nf4.quantise_split(w, kind, dim, pieces)
+        full = nf4.dequantise_weight(whole, kind, tuple(w.shape))
+        for tp in (2, 4):
+            slices = w.chunk(tp, dim)
+            for rank, local in enumerate(slices):
+                own = nf4.quantise_split(local, kind, dim, pieces // tp)
+                for k, t in whole.items():
+                    spec = qlora._part_shard(tuple(t.shape), TensorShard(tuple(w.shape), dim, rank, tp))
+                    assert torch.equal(own[k], spec.slice(t)), (kind, dim, tp, k)
+            rebuilt = torch.cat([nf4.dequantise_weight(nf4.quantise_split(s, kind, dim, pieces // tp), kind,
+                                                       tuple(s.shape)) for s in slices], dim)
+            assert torch.equal(rebuilt, full)
+    flat = nf4.quantise_split(w, kind, None, 1)  # a weight TP does not split: bitsandbytes' flat blocks
+    assert all(torch.equal(flat[k], t) for k, t in nf4.quantise_weight(w, kind).items())
+
+
 def test_checks_refuse_what_cannot_run():
     assert "--base-precision applies to LoRA" in _problems(**{"lora.base_precision": "nf4"})
-    refused = "--base-precision nf4/int8 does not compose with --tp > 1"
-    assert refused in _problems(**QLORA, **{"parallel.tp": 2})
+    assert "--tp must divide 16" in _problems(**QLORA, **{"parallel.tp": 32})
     assert "lora.base_precision" in _problems(**{**QLORA, "lora.base_precision": "nf3"})
 
 
@@ -67,11 +95,13 @@ def test_base_is_quantised_frozen_and_merged_after_dequantising(one):
     try:
         assert not reader.has(WQ, "param")  # the fp32 weight is nowhere: its four parts instead
         shapes = {k: tuple(reader.tensors[f"{WQ}_{k}"]["param"]["shape"]) for k in nf4.PARTS}
-        parts = {k: reader.read(f"{WQ}_{k}", "param", (0,), shape) for k, shape in shapes.items()}
+        parts = {k: reader.read(f"{WQ}_{k}", "param", (0,) * len(shape), shape).view(shape)
+                 for k, shape in shapes.items()}
         assert set(reader.keys(f"{WQ}_codes")) == {"param"}  # frozen: no optimizer state
     finally:
         reader.close()
-    initial = nf4.quantise_weight(build_task(cfg).init_value(WQ, (64, 64)), "nf4")
+    # wq is column-parallel in the family's tp plan: quantised as 16 row pieces in every layout
+    initial = nf4.quantise_split(build_task(cfg).init_value(WQ, (64, 64)), "nf4", 0, 16)
     for k in nf4.PARTS:  # after training: still the quantisation of the base's initial value
         assert torch.equal(parts[k], initial[k]), k
     adapters = load_file(f"{out}/adapters.safetensors")
@@ -86,11 +116,17 @@ PROJECTIONS = ("wq", "wk", "wv", "wo", "gate", "up", "down")  # the tiny family'
 
 
 def _expected_params_bytes(final_state: dict, row: dict, kind: str) -> int:
-    """Each adapted projection's stored bytes (codes + both levels of scales), every other tensor
-    and the adapters in fp32."""
+    """Each adapted projection's stored bytes (codes + both levels of scales; the projections tensor
+    parallelism splits in their 16 pieces, in every layout), every other tensor and the adapters in
+    fp32."""
     adapted = [n for n in final_state if n.rsplit(".", 2)[-2] in PROJECTIONS]
     assert len(adapted) == 28  # every projection of 4 layers
-    quantised = sum(nf4.stored_bytes(kind, final_state[n].numel()) for n in adapted)
+    plan = family_for_config(model_config(tiny_cfg("unused"), 512)).tp_plan  # split weights: in pieces
+    quantised = 0
+    for n in adapted:
+        dim = qlora.split_dim(n, plan)
+        pieces = nf4.pieces_of(final_state[n].shape[dim]) if dim is not None else 1
+        quantised += nf4.stored_bytes(kind, final_state[n].numel(), pieces=pieces)
     rest = sum(t.numel() for n, t in final_state.items() if n not in adapted)
     return quantised + 4 * (rest + row["n_trainable_params"])
 
@@ -140,14 +176,16 @@ def layouts(tmp_path_factory):
     cfgs = [tiny_cfg(tmp / name, **QLORA, **v) for name, v in LAYOUTS.items()]
     for c in cfgs:
         checks.validate(c, 2)
-    return dict(zip(LAYOUTS, run(_train_each, 2, [c.to_dict() for c in cfgs], timeout=300)[0]))
+    return dict(zip(LAYOUTS, run(_train_each, 2, [c.to_dict() for c in cfgs], timeout=300)[0])), tmp
 
 
+@pytest.mark.composes(("qlora", "tp"), case="tp2_sp")
+@pytest.mark.composes(("qlora", "tp", "sp"), case="tp2_sp")
 @pytest.mark.parametrize("name", list(LAYOUTS))
 @pytest.mark.composes(("qlora", "tiling"), ("qlora", "tiling", "zero3"), case="zero3_tile2")
 def test_layout_equals_one_process(one, layouts, name):
     cfg, ref = one
-    losses, adapters, _ = layouts[name]
+    losses, adapters, _ = layouts[0][name]
     ref_adapters = load_file(f"{cfg.train.out}/adapters.safetensors")
     assert_same_training(RunResult(losses, adapters), RunResult(ref.losses, ref_adapters), **FP32_REORDERED)
 
@@ -155,8 +193,24 @@ def test_layout_equals_one_process(one, layouts, name):
 def test_zero3_shards_the_quantised_base(layouts):
     """ZeRO-3 holds half of every frozen part per rank (the accelerate/FSDP2 failure mode was an
     unsharded or corrupted 4-bit base): the per-rank bytes are about half of DDP's replicated copy."""
-    ddp, zero3 = layouts["ddp"][2], layouts["zero3"][2]
+    ddp, zero3 = layouts[0]["ddp"][2], layouts[0]["zero3"][2]
     assert 0.45 * ddp < zero3 < 0.6 * ddp, (zero3, ddp)
+
+
+def test_tp_checkpoint_holds_the_one_process_quantised_base(one, layouts):
+    """The tp2 + SP run's checkpoint (each rank wrote its pieces) holds every quantised part of
+    every adapted weight byte for byte as one process's does: the same quantised base."""
+    readers = [ckpt.open_reader(ckpt.latest(out)) for out in (one[0].train.out, layouts[1] / "tp2_sp")]
+    try:
+        parts = [n for n in readers[0].tensors if n.rsplit("_", 1)[-1] in ("codes", "q", "scale", "offset")]
+        assert len(parts) == 4 * 28
+        for name in parts:
+            shape = tuple(readers[0].tensors[name]["param"]["shape"])
+            one_bytes, tp_bytes = (r.read(name, "param", (0,) * len(shape), shape) for r in readers)
+            assert torch.equal(one_bytes, tp_bytes), name
+    finally:
+        for r in readers:
+            r.close()
 
 
 def test_planner_prices_the_quantised_base(one):

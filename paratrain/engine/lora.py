@@ -34,7 +34,7 @@ from paratrain.models.lora import (
     is_adapter_name,
     store_base_in,
 )
-from paratrain.optim.nf4 import PARTS, dequantise_weight, kind_of
+from paratrain.optim.nf4 import CODES, PARTS, TP_ALIGN, dequantise_weight, kind_of
 from paratrain.refusals import Refusal, emit
 from paratrain.shards import TORCH_DTYPES, write_safetensors
 from paratrain.tensor_parallel.lora import unsupported
@@ -78,10 +78,6 @@ LORAS = ("lora", "lora-bf16", "qlora")
 # Combinations LoRA cannot run, with why (each refused before any worker starts; "--lora does not
 # compose with <flags[1]>: <reason>").
 NOT_WITH_LORA = (
-    Refusal("qlora", "tp", "a rank's slice of a row-parallel weight needs quantisation blocks aligned "
-            "to the slice (not built); use --base-precision bf16 with --tp, or nf4 with dp/ZeRO/pp",
-            flags=("--base-precision nf4/int8", "--tp > 1"),
-            when=lambda c: c.lora.base_precision in ("nf4", "int8") and c.parallel.tp > 1),
     Refusal(LORAS, "ep", "each tp rank dispatches a share of the tokens; adapters there are not "
             "tested", flags=("--lora", "--ep > 1 with --tp > 1"),
             when=lambda c: bool(c.lora.rank) and c.parallel.ep > 1 and c.parallel.tp > 1),
@@ -118,7 +114,12 @@ def check_lora(cfg: Config, problems: list[str]) -> None:
     except LoraError as e:
         problems.append(str(e))
         return
-    if cfg.parallel.tp > 1:  # adapted layers whose tensor-parallel style has no LoRA variant
+    tp = cfg.parallel.tp
+    if c.base_precision in CODES and TP_ALIGN % tp:  # split weights are quantised in pieces
+        problems.append(f"--base-precision {c.base_precision} with --tp {tp}: a weight tensor parallelism "
+                        f"splits is quantised as gcd(its size, {TP_ALIGN}) pieces, so --tp must divide "
+                        f"{TP_ALIGN} (optim/nf4.py); use --tp 2, 4, 8 or 16")
+    if tp > 1:  # adapted layers whose tensor-parallel style has no LoRA variant
         problems += unsupported(model, cfg.parallel.tp)
 
 

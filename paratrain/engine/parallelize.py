@@ -25,6 +25,7 @@ from paratrain.engine.lora import apply_run_lora, settle_base
 from paratrain.engine.qlora import QUANTISED, init_quantised, quantise_base_on_meta, quantised_init_value
 from paratrain.engine.task import Task
 from paratrain.mesh import ParallelMesh
+from paratrain.models.registry import family_for_config
 from paratrain.param_server.client import ParameterServerClient, ServerSettings
 from paratrain.tensor_parallel.cross_entropy import vocab_parallel_loss_sum
 from paratrain.tensor_parallel.plan import apply_tensor_parallel
@@ -82,7 +83,8 @@ class TrainerDoor:
 
     def quantise_base(self, model: nn.Module) -> None:
         if self.kind in QUANTISED:
-            self.quantised = quantise_base_on_meta(model, self.kind)
+            plan = family_for_config(self.task.model_cfg).tp_plan  # split weights: quantised in pieces
+            self.quantised = quantise_base_on_meta(model, self.kind, plan)
         if self.quantised:  # ZeRO-3 slices the parts' full values (the quantised base weight's)
             self.init_value = quantised_init_value(self.task.init_value, self.quantised, self.kind)
 

@@ -16,12 +16,20 @@ holds the parts; the merged export dequantises and then merges (``export_lora``)
 
 Quantised: the adapted linears only (the family's attention and MLP projections by default: all
 but a fraction of a percent of a decoder's weights, as QLoRA's ``Linear4bit``); the embeddings,
-the head and the norms stay in fp32. Not with ``--tp > 1`` yet (engine/lora.py refuses it): a
-rank's slice of a row-parallel weight would need blocks and scales aligned to the slice.
+the head and the norms stay in fp32.
+
+Tensor parallelism (and SP): a projection the family's tp plan splits (colwise: output rows,
+rowwise: input columns) is quantised in pieces along that dimension in every layout, one process
+included (nf4.quantise_split: gcd(size, 16) pieces, each its own blocks and double quantisation),
+so a tp rank's slice is whole pieces: its parts are a slice (``TensorShard`` along dim 0; the
+offsets' grid along the split) of the one-process parts, the same bytes, quantised after the split
+from the full weight's value. Every layout dequantises the same weights; tp must divide 16
+(engine/lora.py checks it).
 """
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Callable
 
 import torch
@@ -29,58 +37,115 @@ import torch.nn as nn
 
 from paratrain.engine.lora import part_name
 from paratrain.models.lora import LoRALinear
-from paratrain.optim.nf4 import PARTS, QuantisedLinear, part_shapes, quantise_weight
+from paratrain.optim.nf4 import PARTS, QuantisedLinear, pieces_of, quantise_split, split_part_shapes
 from paratrain.sharding import ParamInfo, TensorShard, info_of, set_info
+from paratrain.tensor_parallel.lora import (
+    ColumnParallelLoRALinear,
+    PartialRowLoRALinear,
+    RowParallelLoRALinear,
+)
 
 QUANTISED = ("nf4", "int8")
 InitFn = Callable[[str, tuple[int, ...]], torch.Tensor]
+#: The dimension of a weight each tp style splits (engine/qlora.py quantises it in pieces along it).
+SPLIT_DIM = {"colwise": 0, "colwise_kv": 0, "rowwise": 1, "expert_rowwise": 1}
+#: part name -> (base weight's name, its full shape, the part, split dim or None, pieces)
+Parts = dict[str, tuple[str, tuple[int, ...], str, int | None, int]]
 
 
-class QuantLoRALinear(LoRALinear):
-    """A ``LoRALinear`` whose frozen weight is stored quantised (``weight_<part>`` parameters);
-    the base's product is ``QuantisedLinear``'s, a chunk of dequantised rows at a time."""
+class QuantisedBase:
+    """A LoRA layer whose frozen weight is stored quantised (``weight_<part>`` parameters, this
+    rank's slice of them); the base's product is ``QuantisedLinear``'s, a chunk of dequantised rows
+    at a time, over this rank's ``base_shape`` [out, in] slice."""
 
     kind = "nf4"
+    base_shape: tuple[int, int]
 
     def quantised_parts(self) -> dict[str, torch.Tensor]:
         # read at call time: ZeRO-3 swaps the gathered bytes in before forward and again for backward
         return {k: getattr(self, f"weight_{k}") for k in PARTS}
 
+    def base_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = QuantisedLinear.apply(x, self.quantised_parts, self.kind, self.base_shape)
+        return y if bias is None else y + bias.to(y.dtype)
+
+
+class QuantLoRALinear(QuantisedBase, LoRALinear):
+    """A ``LoRALinear`` with a quantised base."""
+
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = QuantisedLinear.apply(x, self.quantised_parts, self.kind, (self.out_features, self.in_features))
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+        return self.base_product(x, self.bias)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, base={self.kind}"
 
 
-def quantise_base_on_meta(model: nn.Module, kind: str) -> dict[str, tuple[str, tuple[int, ...], str]]:
-    """Swap every adapted linear of the meta ``model`` for a ``QuantLoRALinear`` (same module
-    object: its adapters, hooks and records stay) with empty ``kind`` parts; returns each part's
-    single-device name -> (the base weight's name, its shape, the part)."""
-    out = {}
+class QuantColumnParallelLoRALinear(QuantisedBase, ColumnParallelLoRALinear):
+    """The column-parallel LoRA layer with this rank's pieces of a quantised base."""
+
+
+class QuantRowParallelLoRALinear(QuantisedBase, RowParallelLoRALinear):
+    """The row-parallel LoRA layer with this rank's pieces of a quantised base."""
+
+
+class QuantPartialRowLoRALinear(QuantisedBase, PartialRowLoRALinear):
+    """An expert's partial row layer with this rank's pieces of a quantised base."""
+
+
+QUANT_CLASS = {LoRALinear: QuantLoRALinear, ColumnParallelLoRALinear: QuantColumnParallelLoRALinear,
+               RowParallelLoRALinear: QuantRowParallelLoRALinear,
+               PartialRowLoRALinear: QuantPartialRowLoRALinear}
+
+
+def split_dim(weight_name: str, tp_plan: dict[str, object]) -> int | None:
+    """The dimension the family's tp plan splits the weight ``weight_name`` along (None: not split)."""
+    module = weight_name.removesuffix(".weight")
+    style = next((s for p, s in tp_plan.items() if fnmatch.fnmatchcase(module, p)), None)
+    return SPLIT_DIM.get(style) if isinstance(style, str) else None
+
+
+def quantise_base_on_meta(model: nn.Module, kind: str, tp_plan: dict[str, object]) -> Parts:
+    """Swap every adapted linear of the meta ``model`` for its quantised class (same module object:
+    its adapters, hooks and records stay) with empty ``kind`` parts, in pieces along the dimension
+    ``tp_plan`` splits; returns each part's single-device name -> how to quantise its weight."""
+    out: Parts = {}
     for module in model.modules():
-        if not isinstance(module, LoRALinear) or isinstance(module, QuantLoRALinear):
+        cls = QUANT_CLASS.get(type(module))
+        info = info_of(module.weight) if cls is not None else None
+        if info is None or info.tied_to:  # not adapted, already quantised, or a tied head
             continue
-        info = info_of(module.weight)
-        if info.tied_to or info.shard.is_split:  # a tied head, a TP slice: left as it is
-            continue
-        shape = tuple(module.weight.shape)
+        full, shard = info.full_shape, info.shard
+        dim = split_dim(info.name, tp_plan)
+        pieces = pieces_of(full[dim]) if dim is not None else 1
+        if shard.is_split and (shard.dim != dim or pieces % shard.count):
+            raise ValueError(f"{info.name}: split over {shard.count} along dim {shard.dim}, but quantised "
+                             f"as {pieces} pieces along dim {dim}: --tp must divide them")
+        module.base_shape = tuple(module.weight.shape)
         del module.weight
-        module.__class__ = QuantLoRALinear
+        module.__class__ = cls
         module.kind = kind
-        for part, part_shape in part_shapes(kind, shape[0] * shape[1]).items():
+        for part, part_full in split_part_shapes(kind, full, dim, pieces).items():
+            spec = _part_shard(part_full, shard)
             dtype = torch.uint8 if part in ("codes", "absmax_q") else torch.float32
-            p = nn.Parameter(torch.empty(part_shape, dtype=dtype, device="meta"), requires_grad=False)
+            local = spec.slab()[1]
+            p = nn.Parameter(torch.empty(local, dtype=dtype, device="meta"), requires_grad=False)
             name = part_name(info.name, part)
-            set_info(p, ParamInfo(name, TensorShard(part_shape), stage_copies=info.stage_copies))
+            set_info(p, ParamInfo(name, spec, stage_copies=info.stage_copies))
             module.register_parameter(f"weight_{part}", p)
-            out[name] = (info.name, shape, part)
+            out[name] = (info.name, full, part, dim, pieces)
     return out
 
 
-def quantised_init_value(init_value: InitFn, parts: dict[str, tuple[str, tuple[int, ...], str]],
-                         kind: str) -> InitFn:
+def _part_shard(part_full: tuple[int, ...], weight: TensorShard) -> TensorShard:
+    """A part's slice on this rank: whole pieces, as the weight's slice (1-D parts along dim 0, the
+    offsets' grid along its long side); the whole part where the weight is whole."""
+    if not weight.is_split:
+        return TensorShard(part_full)
+    dim = 1 if len(part_full) == 2 and part_full[1] > 1 else 0
+    return TensorShard(part_full, dim, weight.index, weight.count)
+
+
+def quantised_init_value(init_value: InitFn, parts: Parts, kind: str) -> InitFn:
     """``init_value`` that also answers a part's name: its base weight's initial value, quantised.
     A linear's parts are kept until each was asked for once (ZeRO-3 builds a unit's uint8 and fp32
     parts in separate flat buffers), so a linear is quantised once; they are small (~0.52 B/weight)."""
@@ -89,10 +154,10 @@ def quantised_init_value(init_value: InitFn, parts: dict[str, tuple[str, tuple[i
     def value(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if name not in parts:
             return init_value(name, shape)
-        base, base_shape, part = parts[name]
+        base, base_shape, part, dim, pieces = parts[name]
         cached = pending.get(base)
         if cached is None or part not in cached:  # first asked, or asked again: quantise (again)
-            cached = pending[base] = quantise_weight(init_value(base, base_shape), kind)
+            cached = pending[base] = quantise_split(init_value(base, base_shape), kind, dim, pieces)
         out = cached.pop(part)
         if not cached:
             del pending[base]
@@ -102,13 +167,13 @@ def quantised_init_value(init_value: InitFn, parts: dict[str, tuple[str, tuple[i
 
 
 @torch.no_grad()
-def init_quantised(model: nn.Module, parts: dict[str, tuple[str, tuple[int, ...], str]], kind: str,
-                   init_value: InitFn, init_rest: Callable[[nn.Module], None]) -> None:
+def init_quantised(model: nn.Module, parts: Parts, kind: str, init_value: InitFn,
+                   init_rest: Callable[[nn.Module], None]) -> None:
     """Fill a materialised model: ``init_rest`` (the task's init) sees every parameter but the
     parts, which then take their quantised values, one linear at a time."""
     held = []
     for module in model.modules():
-        if isinstance(module, QuantLoRALinear):
+        if isinstance(module, QuantisedBase):
             held += [(module, k, module._parameters.pop(f"weight_{k}")) for k in PARTS]
     try:
         init_rest(model)
@@ -116,5 +181,6 @@ def init_quantised(model: nn.Module, parts: dict[str, tuple[str, tuple[int, ...]
         for module, k, p in held:
             module._parameters[f"weight_{k}"] = p
     value = quantised_init_value(init_value, parts, kind)
-    for _, _, p in held:  # a linear's four parts in a row: one quantisation each
-        p.copy_(value(info_of(p).name, tuple(p.shape)))
+    for _, _, p in held:  # a linear's four parts in a row: one quantisation each (tp: this rank's slice)
+        spec = info_of(p).shard
+        p.copy_(spec.slice(value(info_of(p).name, spec.full_shape)))

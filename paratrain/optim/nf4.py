@@ -22,6 +22,17 @@ A quantised weight is four tensors (``PARTS``), each a frozen parameter of its l
 sharded by ZeRO, gathered like any other): ``codes`` (uint8), ``absmax_q`` (uint8, one per block),
 ``absmax_scale`` (fp32, one per 256 blocks) and ``absmax_offset`` (fp32 [1]).
 
+Weights tensor parallelism splits (``quantise_split``): a weight the model's tensor-parallel plan
+splits along ``dim`` (a column-parallel linear's output rows, a row-parallel one's input columns) is
+quantised as ``pieces = gcd(shape[dim], TP_ALIGN)`` equal pieces cut along ``dim``, each one
+quantised as above on its own (its blocks, its double quantisation, its offset), in every layout,
+one process included. Each part of the weight is its pieces' parts concatenated, and
+``absmax_offset`` is the grid of their offsets laid along the split, [pieces, 1] for rows or [1,
+pieces] for columns (how a reader knows the layout). A tp rank's slice of the weight is a run of
+whole pieces, so its quantised parts are the same bytes as a slice of the one-process parts: every
+layout computes with the same dequantised weight, for every tp that divides TP_ALIGN. A weight TP
+does not split (or with pieces = 1) is quantised flat, as bitsandbytes blocks it.
+
 ``QuantisedLinear`` is the linear over such a weight: forward and backward dequantise it a chunk of
 rows at a time (``CHUNK_ELEMS`` weights, 4 MiB in fp32), so no step ever holds a layer's weight, let
 alone the model's, in full precision; the frozen weight gets no gradient, only the input does.
@@ -30,16 +41,16 @@ alone the model's, in full precision; the frozen weight gets no gradient, only t
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
 from paratrain.optim.quant import SIGNED, dequantise, n_blocks, quantise
 from paratrain.perf.quantised import BITS, BLOCK, PARTS, SCALE_BLOCK, part_shapes, stored_bytes
 
-__all__ = ["BITS", "BLOCK", "CODES", "INT8", "NF4", "PARTS", "SCALE_BLOCK", "QuantisedLinear",
-           "block_scales", "dequantise_range", "dequantise_weight", "kind_of", "part_shapes",
-           "quantise_weight", "stored_bytes"]
+__all__ = ["BITS", "BLOCK", "CODES", "INT8", "NF4", "PARTS", "SCALE_BLOCK", "TP_ALIGN", "QuantisedLinear",
+           "block_scales", "dequantise_range", "dequantise_weight", "kind_of", "part_shapes", "pieces_of",
+           "quantise_split", "quantise_weight", "split_part_shapes", "stored_bytes"]
 
 #: bitsandbytes' NF4 code book (functional.py ``get_4bit_type("nf4")``; QLoRA, appendix E).
 NF4_VALUES = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
@@ -50,6 +61,10 @@ NF4 = torch.tensor(NF4_VALUES, dtype=torch.float32)
 INT8 = torch.arange(-127, 128, dtype=torch.float32) / 127
 CODES = {"nf4": NF4, "int8": INT8}
 CHUNK_ELEMS = 1 << 20  # weights dequantised at a time inside a linear's forward and backward
+#: A split weight is quantised as gcd(size, TP_ALIGN) pieces (module docstring): whole pieces per
+#: rank for every tp dividing it (1, 2, 4, 8, 16), at a double-quantisation cost of one offset and
+#: one second-level scale per piece, nothing for a 7B model's 4096-wide projections.
+TP_ALIGN = 16
 
 
 def kind_of(codes_numel: int, shape: tuple[int, ...]) -> str:
@@ -83,6 +98,69 @@ def quantise_weight(w: torch.Tensor, kind: str, block: int = BLOCK) -> dict[str,
     absmax_q, absmax_scale = quantise(absmax - offset, SIGNED, SCALE_BLOCK)
     return {"codes": idx.contiguous(), "absmax_q": absmax_q, "absmax_scale": absmax_scale,
             "absmax_offset": offset.reshape(1)}
+
+
+def pieces_of(size: int) -> int:
+    """How many pieces a weight split along a dimension of ``size`` is quantised as."""
+    return math.gcd(size, TP_ALIGN)
+
+
+def _grid(pieces: int, dim: int) -> tuple[int, int]:
+    return (pieces, 1) if dim == 0 else (1, pieces)
+
+
+@torch.no_grad()
+def quantise_split(w: torch.Tensor, kind: str, dim: int | None, pieces: int) -> dict[str, torch.Tensor]:
+    """The ``PARTS`` of 2-D ``w`` quantised as ``pieces`` pieces along ``dim`` (module docstring);
+    ``quantise_weight``'s flat parts when ``dim`` is None or ``pieces`` is 1."""
+    if dim is None or pieces == 1:
+        return quantise_weight(w, kind)
+    each = [quantise_weight(c.contiguous(), kind) for c in w.chunk(pieces, dim)]
+    out = {k: torch.cat([e[k] for e in each]) for k in PARTS[:3]}
+    out["absmax_offset"] = torch.cat([e["absmax_offset"] for e in each]).view(_grid(pieces, dim))
+    return out
+
+
+def split_part_shapes(kind: str, shape: tuple[int, int], dim: int | None,
+                      pieces: int) -> dict[str, tuple[int, ...]]:
+    """The shape of each part ``quantise_split`` gives a weight of ``shape``."""
+    numel = math.prod(shape)
+    if dim is None or pieces == 1:
+        return part_shapes(kind, numel)
+    each = part_shapes(kind, numel // pieces)
+    return {**{k: (pieces * each[k][0],) for k in PARTS[:3]}, "absmax_offset": _grid(pieces, dim)}
+
+
+def _pieces(parts: dict[str, torch.Tensor]) -> tuple[int, list[dict[str, torch.Tensor]]]:
+    """(the split dim, 0 or 1, and each piece's parts) of a weight's parts, as its offset grid says;
+    a flat weight is one piece along dim 0."""
+    offset = parts["absmax_offset"]
+    dim = 1 if offset.dim() == 2 and offset.shape[1] > 1 else 0
+    n = offset.numel()
+    flat = {k: t.reshape(-1) for k, t in parts.items()}
+    return dim, [{k: t[j * (t.numel() // n):(j + 1) * (t.numel() // n)] for k, t in flat.items()}
+                 for j in range(n)]
+
+
+def weight_chunks(parts: dict[str, torch.Tensor], kind: str,
+                  shape: tuple[int, int]) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """(r0, r1, rows r0:r1 of the fp32 weight of ``shape``) a chunk at a time, the whole weight in
+    row order: a piece's row chunks for row pieces; every column piece's same rows side by side."""
+    out_f, in_f = shape
+    dim, pieces = _pieces(parts)
+    scales = [block_scales(p) for p in pieces]
+    if dim == 1:
+        cols = in_f // len(pieces)
+        for r0, r1 in _row_chunks(out_f, in_f):
+            side = [dequantise_range(p, kind, r0 * cols, r1 * cols, absmax=a).view(r1 - r0, cols)
+                    for p, a in zip(pieces, scales)]
+            yield r0, r1, torch.cat(side, dim=1)
+        return
+    rows = out_f // len(pieces)
+    for j, (p, a) in enumerate(zip(pieces, scales)):
+        for r0, r1 in _row_chunks(rows, in_f):
+            w = dequantise_range(p, kind, r0 * in_f, r1 * in_f, absmax=a).view(r1 - r0, in_f)
+            yield j * rows + r0, j * rows + r1, w
 
 
 def block_scales(parts: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -133,7 +211,9 @@ def _whole_blocks(codes: torch.Tensor, kind: str, lo: int, hi: int, absmax: torc
 
 def dequantise_weight(parts: dict[str, torch.Tensor], kind: str, shape: tuple[int, ...]) -> torch.Tensor:
     """The whole fp32 weight (export, tests): never used inside training's forward or backward."""
-    return dequantise_range(parts, kind, 0, math.prod(shape)).view(shape)
+    if parts["absmax_offset"].dim() == 1:  # flat (any shape)
+        return dequantise_range(parts, kind, 0, math.prod(shape)).view(shape)
+    return torch.cat([w for _, _, w in weight_chunks(parts, kind, shape)])
 
 
 def _row_chunks(out_features: int, in_features: int) -> list[tuple[int, int]]:
@@ -151,12 +231,8 @@ class QuantisedLinear(torch.autograd.Function):
                 parts: Callable[[], dict[str, torch.Tensor]], kind: str,
                 shape: tuple[int, int]) -> torch.Tensor:
         ctx.parts, ctx.kind, ctx.shape = parts, kind, shape
-        out_f, in_f = shape
-        p = parts()
-        absmax = block_scales(p)
-        y = x.new_empty(*x.shape[:-1], out_f)
-        for r0, r1 in _row_chunks(out_f, in_f):
-            w = dequantise_range(p, kind, r0 * in_f, r1 * in_f, absmax=absmax).view(r1 - r0, in_f)
+        y = x.new_empty(*x.shape[:-1], shape[0])
+        for r0, r1, w in weight_chunks(parts(), kind, shape):
             y[..., r0:r1] = x @ w.to(x.dtype).t()  # [..., rows of this chunk]
         return y
 
@@ -165,12 +241,8 @@ class QuantisedLinear(torch.autograd.Function):
                  ) -> tuple[torch.Tensor | None, None, None, None]:
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
-        out_f, in_f = ctx.shape
-        p = ctx.parts()
-        absmax = block_scales(p)
         grad_x = None
-        for r0, r1 in _row_chunks(out_f, in_f):
-            w = dequantise_range(p, ctx.kind, r0 * in_f, r1 * in_f, absmax=absmax).view(r1 - r0, in_f)
+        for r0, r1, w in weight_chunks(ctx.parts(), ctx.kind, ctx.shape):
             part = grad_y[..., r0:r1] @ w.to(grad_y.dtype)  # [..., in]
             grad_x = part if grad_x is None else grad_x.add_(part)
         return grad_x, None, None, None

@@ -24,10 +24,11 @@ def part_shapes(kind: str, numel: int, block: int = BLOCK) -> dict[str, tuple[in
             "absmax_offset": (1,)}
 
 
-def stored_bytes(kind: str, numel: int, block: int = BLOCK) -> int:
-    """Bytes a ``kind`` weight of ``numel`` elements occupies (codes and both levels of scales)."""
-    shapes = part_shapes(kind, numel, block)
-    return shapes["codes"][0] + shapes["absmax_q"][0] + 4 * shapes["absmax_scale"][0] + 4
+def stored_bytes(kind: str, numel: int, block: int = BLOCK, pieces: int = 1) -> int:
+    """Bytes a ``kind`` weight of ``numel`` elements occupies (codes and both levels of scales),
+    quantised as ``pieces`` equal pieces (a weight tensor parallelism splits: optim/nf4.py)."""
+    shapes = part_shapes(kind, numel // pieces, block)
+    return pieces * (shapes["codes"][0] + shapes["absmax_q"][0] + 4 * shapes["absmax_scale"][0] + 4)
 
 
 def bytes_per_weight(kind: str) -> float:

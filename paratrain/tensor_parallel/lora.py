@@ -54,7 +54,15 @@ def _take_lora(layer: nn.Module, old: LoRALinear) -> None:
     layer.lora_dropout = old.lora_dropout
 
 
-class ColumnParallelLoRALinear(ColumnParallelLinear):
+class DenseBase:
+    """The base's product of a tensor-parallel LoRA layer from its ``weight`` (a quantised base,
+    engine/qlora.py, computes it from its stored parts instead)."""
+
+    def base_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return base_linear(x, self.weight, bias)
+
+
+class ColumnParallelLoRALinear(DenseBase, ColumnParallelLinear):
     """y_i = x W_i^T + b_i + s (x A^T) B_i^T; A replicated (gradient summed by f), B split by output."""
 
     casts_base = True  # base_linear computes a base stored in another dtype
@@ -71,12 +79,12 @@ class ColumnParallelLoRALinear(ColumnParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = enter_region(x, self.axis, self.input_op)  # [b, s, in], whole on every rank
-        y = base_linear(x, self.weight, self.bias)  # [b, s, out/tp]
+        y = self.base_product(x, self.bias)  # [b, s, out/tp]
         a = copy_to_tp(self.lora_A.weight, self.axis)  # f: A's gradient summed over tp
         return y + self.scale * F.linear(F.linear(self.lora_dropout(x), a), self.lora_B.weight)
 
 
-class RowParallelLoRALinear(RowParallelLinear):
+class RowParallelLoRALinear(DenseBase, RowParallelLinear):
     """y = g(cat[x_i W_i^T, x_i A_i^T]) -> y_base + s u B^T (+ b): the base's one collective, widened."""
 
     casts_base = True
@@ -88,7 +96,7 @@ class RowParallelLoRALinear(RowParallelLinear):
         _row_split_adapters(self, old, axis)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = base_linear(x, self.weight, None)  # [b, s, out], this rank's partial sum
+        partial = self.base_product(x, None)  # [b, s, out], this rank's partial sum
         u = F.linear(self.lora_dropout(x), self.lora_A.weight)  # [b, s, r], partial too
         both = torch.cat([partial, u.to(partial.dtype)], dim=-1)  # one collective for both
         if self.sequence_parallel:
@@ -114,7 +122,7 @@ def _row_split_adapters(layer: nn.Module, old: LoRALinear, axis: C.Axis) -> None
     layer.lora_B = Adapter((old.out_features, r), TensorShard((old.out_features, r)), a)
 
 
-class PartialRowLoRALinear(RowParallelLinear):
+class PartialRowLoRALinear(DenseBase, RowParallelLinear):
     """An expert's ``down`` (experts.py's PartialRowLinear) with its adapters: A split by input, B
     replicated, and the partial sum x_i W_i^T + s (x_i A_i^T) B^T left for the layer's one reduce
     (the adapters' term is linear in x_i A_i^T, so summing it over tp after B is exact). B's
@@ -130,7 +138,7 @@ class PartialRowLoRALinear(RowParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         u = F.linear(self.lora_dropout(x), self.lora_A.weight)  # [tokens, r], partial
         b = copy_to_tp(self.lora_B.weight, self.axis)
-        return base_linear(x, self.weight, None) + self.scale * F.linear(u, b)
+        return self.base_product(x, None) + self.scale * F.linear(u, b)
 
 
 # The styles (plan.py names) that build a LoRA variant of a LoRALinear.

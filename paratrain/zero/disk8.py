@@ -1,4 +1,4 @@
-"""8-bit AdamW state on disk: ``--optimizer adamw8bit --offload disk`` (ZeRO-3).
+"""8-bit AdamW state on disk: ``--optimizer adamw8bit --offload disk`` (ZeRO-1/2/3).
 
 The fp32 master and AdamW's two moments take 12 bytes per parameter: 36 GB at 3 B parameters, once
 for the disk store and again for a checkpoint, more than this machine's disk allows. With 8-bit
@@ -25,11 +25,12 @@ from pathlib import Path
 
 import torch
 
+from paratrain.base.strategy import OptimizerSettings
 from paratrain.optim import adamw8bit as a8
 from paratrain.optim.adamw8bit import QUANT_KEYS, STATE_KEYS
 from paratrain.zero import offload
-from paratrain.zero.offload import Window
-from paratrain.zero.store8 import Region, Store8, block_of
+from paratrain.zero.offload import Window, offload_folder
+from paratrain.zero.store8 import Region, Store8, block_of, regions_of
 
 DTYPE_OF = {"param": torch.float32, "exp_avg.q": torch.uint8, "exp_avg_sq.q": torch.uint8}
 
@@ -149,3 +150,13 @@ class DiskStore8(Store8):
             n = r.end - r.start
             total += (2 * n + 8 * math.ceil(n / self.block) if r.quantised else 8 * n)
         return {"device": 0, "host": 0, "disk": total}
+
+
+def disk_store8(layouts: list, optim_cfg: OptimizerSettings, *,  # layouts: FlatLayouts
+                directory: str | None, rank: int, chunk: int | None = None) -> DiskStore8:
+    """The empty 8-bit disk store of the master shards ``layouts`` cut (zeros: fresh moments), in a
+    new working folder under ``directory``: ZeRO-3 builds it before any master exists, ZeRO-1/2
+    then write their masters into it (``write_master``)."""
+    regions = [r for i, layout in enumerate(layouts) for r in regions_of(layout, i, optim_cfg)]
+    return DiskStore8([layout.shard for layout in layouts], regions, optim_cfg, rank=rank, chunk=chunk,
+                      directory=offload_folder(directory))

@@ -79,7 +79,7 @@ from paratrain.models import family_of
 from paratrain.sharding import copy_info, info_of, shard_of
 from paratrain.shards import ShardReader
 from paratrain.zero import store8
-from paratrain.zero.disk8 import DiskStore8
+from paratrain.zero.disk8 import DiskStore8, disk_store8
 from paratrain.zero.flat import (
     DTYPES,
     FlatLayout,
@@ -89,7 +89,7 @@ from paratrain.zero.flat import (
     wait_all,
 )
 from paratrain.zero.fsdp_units import Frozen, Unit, UnitHooks
-from paratrain.zero.offload import DiskStore, disk_store, make_store, offload_folder
+from paratrain.zero.offload import DiskStore, disk_store, make_store
 from paratrain.zero.sharded_state import ShardedState, held_sync
 from paratrain.zero.units import NESTED, nest_units
 from paratrain.zero.units import backward_order as _backward_order
@@ -198,10 +198,8 @@ class Zero3(UnitHooks, ShardedState, Strategy):
         if not store8.is_8bit(self.optim_cfg):
             return disk_store(sizes, [pc for pc, _ in self.pieces], self.optim_cfg, rank=self.mesh.rank,
                               directory=self.offload_dir, chunk=self.offload_chunk)
-        regions = [r for i, layout in enumerate(self.layouts)
-                   for r in store8.regions_of(layout, i, self.optim_cfg)]
-        return DiskStore8(sizes, regions, self.optim_cfg, rank=self.mesh.rank, chunk=self.offload_chunk,
-                          directory=offload_folder(self.offload_dir))
+        return disk_store8(self.layouts, self.optim_cfg, directory=self.offload_dir, rank=self.mesh.rank,
+                           chunk=self.offload_chunk)
 
     def _build_trained(self, index: int, layout: FlatLayout,
                        init_value: InitFn) -> tuple[torch.Tensor | None, torch.Tensor]:

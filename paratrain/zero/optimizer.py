@@ -45,6 +45,7 @@ from paratrain.mesh import ParallelMesh
 from paratrain.sharding import info_of
 from paratrain.shards import ShardReader
 from paratrain.zero import store8
+from paratrain.zero.disk8 import disk_store8
 from paratrain.zero.flat import (
     DTYPES,
     FlatLayout,
@@ -124,7 +125,12 @@ class ZeroDP(Strategy):
         self.layouts = [b.layout for b in self.buckets]
         self.pieces = pieces
         aliased = self.compute_dtype == torch.float32 and self.offload == "none"
-        if store8.is_8bit(self.optim_cfg):
+        if store8.is_8bit(self.optim_cfg) and self.offload == "disk":  # streamed as ZeRO-3's (disk8.py)
+            self.store = disk_store8(self.layouts, self.optim_cfg, directory=self.offload_dir,
+                                     rank=self.mesh.rank, chunk=self.offload_chunk)
+            for i, m in enumerate(masters):
+                self.store.write_master(i, m)
+        elif store8.is_8bit(self.optim_cfg):
             self.store = store8.make_store8(self.offload, masters, self.layouts, self.optim_cfg,
                                             aliased=aliased)
         else:

@@ -186,7 +186,7 @@ class HostStore8(Store8):
 def make_store8(kind: str, masters: list[torch.Tensor], layouts: list,
                 optim_cfg: OptimizerSettings, *, aliased: bool) -> Store8:
     """The 8-bit store of master shards laid out by ``layouts`` for ``--offload kind`` (none | cpu;
-    disk is refused by config.validate)."""
+    disk: disk8.disk_store8)."""
     regions = [r for i, layout in enumerate(layouts) for r in regions_of(layout, i, optim_cfg)]
     if kind == "none":
         return Store8(masters, regions, optim_cfg, aliased=aliased)
