@@ -197,6 +197,9 @@ class Parallel:
         (the same on every rank), and through ``backward`` one process's gradient, however unevenly
         the counted targets fall on the ranks. One scalar all-reduce."""
         self._require_prepared()
+        if self.sync is not None:
+            raise ValueError(f"token_mean_loss is the global batch's mean: with sync = {self.sync.mode!r} "
+                             "each replica steps on its own rows' mean; use F.cross_entropy")
         return token_mean_cross_entropy(logits, targets, self.mesh.dp, self.summed_ranks, ignore_index)
 
     @property

@@ -157,6 +157,7 @@ def _door_runs(env) -> dict:
     x, positions = torch.zeros(1, 8, dtype=torch.long), torch.arange(8)[None]
     out["refused"] = [_refused(lambda: llama(x, labels=x)),
                       _refused(lambda: llama(x, attention_mask=(positions > 0).long())),
+                      _refused(lambda: llama(x, (positions > 0).long())),  # a positional mask
                       _refused(lambda: not_causal(x, positions)),
                       _refused(lambda: manual(x, positions))]
     if env.rank == 0:  # one process, here: transformers is imported once per worker, not in pytest too
@@ -168,8 +169,9 @@ def test_transformers_llama_and_a_user_module_at_cp2_equal_one_process():
     """cp2 in the user's loop: a transformers LlamaForCausalLM (ring, GQA, RoPE from the injected
     global position_ids) and a user module (all-to-all, learned positions, is_causal and a tril
     mask), a loss mask that falls on one rank only (token_mean_loss: the global token mean). Then
-    what is refused: labels= (shifted inside a chunk), a padding attention_mask, a mask that is not
-    causal, attention that does not go through F.scaled_dot_product_attention."""
+    what is refused: labels= (shifted inside a chunk), a padding attention_mask (by keyword or
+    positionally), a mask that is not causal, attention that does not go through
+    F.scaled_dot_product_attention."""
     got = run(_door_runs, 2, timeout=120.0)
     ref = got[0]["one_process"]
     for rank_out in got:
@@ -178,9 +180,10 @@ def test_transformers_llama_and_a_user_module_at_cp2_equal_one_process():
             for name, w in ref[kind]["weights"].items():
                 rel = ((rank_out[kind]["weights"][name] - w).norm() / w.norm()).item()
                 assert rel < REL, f"{kind} {name}: {rel:.2e}"
-    labels, padding, not_causal, manual = got[0]["refused"]
+    labels, padding, positional, not_causal, manual = got[0]["refused"]
     assert "labels=" in labels and "par.token_mean_loss" in labels
     assert "attention_mask with masked positions" in padding
+    assert "everything else by keyword" in positional
     assert "not the causal one" in not_causal
     assert "ran no attention through" in manual and "scaled_dot_product_attention" in manual
 

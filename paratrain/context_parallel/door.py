@@ -73,7 +73,8 @@ class UserModuleDoor:
         self.axis, self.method = axis, method
         self.hf = transformers_model(model)
         self.split_positions: torch.Tensor | None = None
-        self.positions: torch.Tensor | None = None  # of the forward running now (None: none runs)
+        # of the last forward: a transformers layer's recompute in backward attends with them too
+        self.positions: torch.Tensor | None = None
         self.calls = 0
         self._mode: _RouteSdpa | None = None
         if self.hf:
@@ -92,6 +93,9 @@ class UserModuleDoor:
                              "model(x) (it gives this rank its tokens and their global positions), or "
                              "pass those positions as position_ids= / positions=")
         if self.hf:
+            if len(args) > 1:  # attention_mask, position_ids ... would pass unseen
+                raise ValueError(f"cp = {self.axis.size}: give {type(model).__name__} its input_ids "
+                                 "positionally and everything else by keyword (attention_mask=, ...)")
             kwargs = self._transformers_kwargs(kwargs, positions)
         self.positions, self.calls = positions, 0
         if not self.hf:
