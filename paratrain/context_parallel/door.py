@@ -194,10 +194,11 @@ class UserModuleDoor:
         if not causal or attention_mask is not None:
             raise ValueError(f"{where}: only causal attention without a mask of its own runs "
                              "context-parallel (the mask comes from the positions); use cp = 1")
-        for limit in ("sliding_window", "softcap"):
-            if kwargs.get(limit) is not None:
-                raise ValueError(f"{where}: {limit} is refused (the ring computes full causal "
-                                 "attention over documents); use cp = 1 for this model")
+        window, row = kwargs.get("sliding_window"), query.shape[2] * self.axis.size
+        if kwargs.get("softcap") is not None or (window is not None and window < row):
+            raise ValueError(f"{where}: a score softcap, or a sliding window shorter than the rows "
+                             f"({window} < {row} positions), is refused (the ring computes full causal "
+                             "attention over documents); use cp = 1 for this model")
         _refuse_dropout(where, dropout)
         y = self.attend(query, key, value, scaling, kwargs.get("position_ids"))
         return y.transpose(1, 2).contiguous(), None
