@@ -17,9 +17,6 @@ import torch.nn.functional as F
 from paratrain.context_parallel.door import is_local_causal
 from tests.dist import run
 
-if importlib.util.find_spec("transformers") is None:  # a test-only oracle (the dev extra); not imported here
-    pytest.skip("transformers is not installed", allow_module_level=True)
-
 REL = 1e-9
 VOCAB, SEQ, ROWS, STEPS = 64, 16, 2, 2
 
@@ -165,6 +162,8 @@ def _door_runs(env) -> dict:
     return out
 
 
+# transformers: a test-only oracle (the dev extra), imported by the workers only
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
 def test_transformers_llama_and_a_user_module_at_cp2_equal_one_process():
     """cp2 in the user's loop: a transformers LlamaForCausalLM (ring, GQA, RoPE from the injected
     global position_ids) and a user module (all-to-all, learned positions, is_causal and a tril
