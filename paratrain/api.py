@@ -40,6 +40,8 @@ from paratrain.base.executor import split_micro_batches
 from paratrain.base.strategy import Strategy
 from paratrain.comm import collectives as C
 from paratrain.config import ParallelConfig
+from paratrain.context_parallel.apply import apply_context_parallel
+from paratrain.context_parallel.door import UserModuleDoor, token_mean_cross_entropy
 from paratrain.context_parallel.split import split_batch
 from paratrain.data_parallel.averaging import SyncPlan
 from paratrain.engine import checkpoint as ckpt
@@ -88,10 +90,12 @@ class Parallel:
     ``--sync local-sgd|diloco`` (data_parallel/averaging.py): every dp rank steps alone on its own
     mean loss and the parameters are averaged (DiLoCo: the outer step) every ``sync_every`` steps;
     call ``end_period()`` after the last step so every replica holds the same weights.
-    cp / cp_method: context parallelism for a paratrain model family (docs/context_parallel.md):
-    each of the cp ranks of a dp slice holds 1/cp of every row's positions (``cp_split``), and
-    attention sees all of them (ring or all-to-all); the gradient is the mean of the dp x cp ranks'
-    mean losses, which is the rows' token mean when every rank counts as many targets.
+    cp / cp_method: context parallelism (docs/context_parallel.md): each of the cp ranks of a dp
+    slice holds 1/cp of every row's positions (``cp_split``), and attention sees all of them (ring
+    or all-to-all): a paratrain model family's attention core, a transformers model's attention
+    interface, or any module's F.scaled_dot_product_attention (context_parallel/door.py); the
+    gradient is the mean of the dp x cp ranks' mean losses (the rows' token mean when every rank
+    counts as many targets; ``token_mean_loss`` gives it exactly).
     """
 
     def __init__(self, *, dp: int | None = None, tp: int = 1, pp: int = 1, zero: int = 0,
@@ -149,6 +153,7 @@ class Parallel:
         self._accumulating = False
         self._saver = None  # engine/checkpoint.py's Saver, made by the first save()
         self._summed_ranks = 1  # prepare asks the engine (Engine.gradient_divisor)
+        self.cp_door: UserModuleDoor | None = None  # cp > 1 on a module no family declares (prepare)
 
     # -- where this process stands ---------------------------------------------------------------
 
@@ -174,10 +179,28 @@ class Parallel:
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """This rank's positions of rows x / y [rows, seq] (y: next-token targets of the whole rows),
         as ``model(x, positions)`` then takes them under context parallelism (cp > 1); unchanged
-        with cp = 1. ``positions``: packed rows' (restarting at 0 at each example), or None."""
+        with cp = 1. ``positions``: packed rows' (restarting at 0 at each example), or None.
+        A transformers model or a user's module (no paratrain family) gets these positions for its
+        attention's mask (and a transformers model as ``position_ids``) without being passed them."""
         if self.mesh.cp.size == 1:
             return x, y, positions
-        return split_batch(x, y, positions, self.mesh.cp.rank, self.mesh.cp.size)
+        x, y, positions = split_batch(x, y, positions, self.mesh.cp.rank, self.mesh.cp.size)
+        if self.cp_door is not None:
+            self.cp_door.split_positions = positions
+        return x, y, positions
+
+    def token_mean_loss(self, logits: torch.Tensor, targets: torch.Tensor,
+                        ignore_index: int = -100) -> torch.Tensor:
+        """Next-token cross-entropy of ``logits`` [rows, seq, vocab] against ``targets`` [rows, seq]
+        (cp_split's: shifted on the whole rows; ``ignore_index`` not counted) as the mean over the
+        counted targets of the whole global batch, every dp x cp rank's: the value one process gets
+        (the same on every rank), and through ``backward`` one process's gradient, however unevenly
+        the counted targets fall on the ranks. One scalar all-reduce."""
+        self._require_prepared()
+        if self.sync is not None:
+            raise ValueError(f"token_mean_loss is the global batch's mean: with sync = {self.sync.mode!r} "
+                             "each replica steps on its own rows' mean; use F.cross_entropy")
+        return token_mean_cross_entropy(logits, targets, self.mesh.dp, self.summed_ranks, ignore_index)
 
     @property
     def is_main(self) -> bool:
@@ -432,6 +455,16 @@ class LibraryDoor:
                 raise ValueError("paratrain.Parallel tp_plan: " + "; ".join(problems))
             new_of = apply_user_plan(model, par.tp_plan, mesh.tp)
         _repoint(self.optimizer, new_of)
+
+    def route_context_parallel(self, model: nn.Module, method: str) -> None:
+        """A paratrain family's attention core swapped; any other module's attention routed
+        (a transformers model's attention interface, or F.scaled_dot_product_attention)."""
+        try:
+            family_of(model)
+        except NoFamilyError:
+            self.par.cp_door = UserModuleDoor(model, self.par.mesh.cp, method)
+            return
+        apply_context_parallel(model, self.par.mesh.cp, method=method)
 
     def settle_base(self, model: nn.Module) -> None:
         """Nothing: the user chose what trains (requires_grad)."""

@@ -49,9 +49,10 @@ def gathered_order(local_len: int, n: int, device: torch.device) -> torch.Tensor
 
 
 def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                       axis: Axis) -> torch.Tensor:
+                       axis: Axis, scale: float | None = None) -> torch.Tensor:
     """Causal, per-document attention of this rank's queries over every cp rank's keys, heads
-    scattered. q [b, hq, s, d], k/v [b, hkv, s, d], positions [b, s] -> [b, hq, s, d]."""
+    scattered. q [b, hq, s, d], k/v [b, hkv, s, d], positions [b, s] -> [b, hq, s, d]; ``scale``:
+    of the scores (None: 1 / sqrt(d), as F.scaled_dot_product_attention)."""
     n, hq, hkv = axis.size, q.shape[1], k.shape[1]
     if hkv % n:  # too few kv heads to scatter: one per query head, replicated
         k, v = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)
@@ -66,8 +67,10 @@ def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positi
     q, k, v = (t[:, :, order] for t in (q, k, v))
     gqa = q.shape[1] != k.shape[1]
     if torch.equal(glob_pos, torch.arange(n * s, device=glob_pos.device).expand_as(glob_pos)):
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # plain rows: no mask
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa,
+                                           scale=scale)  # plain rows: no mask
     else:
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_mask(glob_pos), enable_gqa=gqa)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_mask(glob_pos), enable_gqa=gqa,
+                                           scale=scale)
     y = y[:, :, torch.argsort(order)]  # back to the gathered order
     return _gather_heads(y, axis)

@@ -20,6 +20,20 @@ from paratrain.context_parallel.ring import ring_attention
 from paratrain.models.registry import family_of
 
 
+def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, axis: Axis,
+                 method: str = "ring", scale: float | None = None) -> torch.Tensor:
+    """Causal, per-document attention of this rank's queries [b, hq, s, hd] over every cp rank's
+    keys [b, hkv, s, hd] by ``method`` (ring: ring.py; alltoall: alltoall.py; auto: all-to-all
+    when the query heads divide by cp); ``positions`` [b, s]: the global ones of this rank's tokens."""
+    if method == "auto":  # all-to-all moves 4/N of q/k/v/out per rank, the ring (N-1)/N of k/v
+        method = "alltoall" if q.shape[1] % axis.size == 0 else "ring"  # twice, dK/dV too
+    if method == "alltoall":
+        return alltoall_attention(q, k, v, positions, axis, scale)
+    if method == "allgather":  # the benchmark's peer (allgather.py), not a --cp-method
+        return allgather_attention(q, k, v, positions, axis)
+    return ring_attention(q, k, v, positions, axis, scale)
+
+
 class ContextParallelAttention(nn.Module):
     """The attention core under context parallelism: q/k/v of this rank's positions [b, h, s, hd],
     attention over every cp rank's keys by ``method`` (ring: ring.py; alltoall: alltoall.py)."""
@@ -34,14 +48,7 @@ class ContextParallelAttention(nn.Module):
         if positions is None or mask is not None or not causal:
             raise RuntimeError("context-parallel attention needs this rank's positions (training and "
                                "evaluation pass them: context_parallel/split.py), and runs no KV cache")
-        method = self.method
-        if method == "auto":  # all-to-all moves 4/N of q/k/v/out per rank, the ring (N-1)/N of k/v
-            method = "alltoall" if q.shape[1] % self.axis.size == 0 else "ring"  # twice, dK/dV too
-        if method == "alltoall":
-            return alltoall_attention(q, k, v, positions, self.axis)
-        if method == "allgather":  # the benchmark's peer (allgather.py), not a --cp-method
-            return allgather_attention(q, k, v, positions, self.axis)
-        return ring_attention(q, k, v, positions, self.axis)
+        return cp_attention(q, k, v, positions, self.axis, self.method)
 
 
 def apply_context_parallel(model: nn.Module, axis: Axis, *, method: str = "ring") -> int:

@@ -3,7 +3,8 @@
 ``LibraryDoor``: the user's module and optimizer, already built). One function, one order:
 
     LoRA adapters -> tensor/sequence parallel -> expert parallel (drop the experts other ranks
-    hold) -> context parallel (swap each block's attention core) -> freeze the LoRA base (+ its
+    hold) -> context parallel (swap each block's attention core; the library routes
+    a module no family declares: context_parallel/door.py) -> freeze the LoRA base (+ its
     --base-precision) -> tiling (of tokens; of weights under ZeRO-3) -> activation checkpointing
     -> torch.compile per block -> pipeline split -> names of the single-device model -> QLoRA's
     quantised base (on meta) -> materialise + layout-independent init (not ZeRO-3: it
@@ -47,7 +48,6 @@ import torch.nn as nn
 
 from paratrain.base.executor import MicroBatchLoop
 from paratrain.base.strategy import Strategy
-from paratrain.context_parallel.apply import apply_context_parallel
 from paratrain.data_parallel.sync_batchnorm import convert_sync_batchnorm
 from paratrain.engine.engine import Engine
 from paratrain.engine.task import SideLossFn
@@ -99,6 +99,10 @@ class Door(Protocol):
     def split_tensor_parallel(self, model: nn.Module) -> LossFn | None:
         """Apply the door's tensor-parallel plan (tp > 1); the loss over split logits, or None."""
 
+    def route_context_parallel(self, model: nn.Module, method: str) -> None:
+        """Attention over every cp rank's keys (cp > 1): a family's declared core swapped
+        (context_parallel/apply.py); the library also routes a module no family declares (door.py)."""
+
     def settle_base(self, model: nn.Module) -> None:
         """Freeze the LoRA base in its precision, once TP and EP have replaced modules."""
 
@@ -126,7 +130,7 @@ def build_engine(model: nn.Module, mesh: ParallelMesh, layout: BuildLayout, door
     if mesh.ep.size > 1:  # on the meta model: the experts this rank does not hold never materialise
         apply_expert_parallel(model, mesh.ep, tp=mesh.tp, sequence_parallel=layout.sequence_parallel)
     if mesh.cp.size > 1:  # every block's attention over the cp group's keys (the rest is position-wise)
-        apply_context_parallel(model, mesh.cp, method=layout.cp_method)
+        door.route_context_parallel(model, layout.cp_method)
     door.settle_base(model)
     loss_fn = _memory_wrappers(model, layout, loss_fn, mesh.tp.size)
     chunks = None

@@ -18,6 +18,7 @@ import torch.nn as nn
 from paratrain.base.executor import SideLossFn
 from paratrain.base.strategy import Strategy
 from paratrain.config import Config
+from paratrain.context_parallel.apply import apply_context_parallel
 from paratrain.data_parallel.averaging import SyncPlan
 from paratrain.engine.build import BuildLayout, LossFn, build_engine
 from paratrain.engine.engine import Engine, make_strategy
@@ -74,6 +75,9 @@ class TrainerDoor:
     def split_tensor_parallel(self, model: nn.Module) -> LossFn:
         apply_tensor_parallel(model, self.mesh, sequence_parallel=self.cfg.parallel.sp)
         return vocab_parallel_loss_sum(self.mesh.tp)  # logits stay split over the vocabulary
+
+    def route_context_parallel(self, model: nn.Module, method: str) -> None:
+        apply_context_parallel(model, self.mesh.cp, method=method)  # every block's attention core
 
     def settle_base(self, model: nn.Module) -> None:
         settle_base(model, self.cfg)  # LoRA: only the adapters train; the base in --base-precision
