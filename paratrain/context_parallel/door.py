@@ -186,7 +186,7 @@ class UserModuleDoor:
     def transformers_attention(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                                value: torch.Tensor, attention_mask: torch.Tensor | None,
                                dropout: float = 0.0, scaling: float | None = None,
-                               is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                               is_causal: bool | None = None, **kwargs: object) -> tuple[torch.Tensor, None]:
         """transformers' attention-function signature: q/k/v [b, h, s, d] -> ([b, s, hq, d], None)."""
         where = f"{type(module).__name__} under cp"
         # probe kept: transformers' own attribute (decoder attention layers set it True)
