@@ -186,3 +186,14 @@ def test_backward_prefetch_follows_the_order_forward_finished_units():
     nested = [False, False, True, True, False, True]  # embed, b0, t0, t1, b1, t2
     assert _backward_order(nested) == [None, 3, 0, 2, 5, 1]
     assert _backward_order([False] * 4) == [None, 0, 1, 2]
+
+
+@pytest.mark.composes(("tiling", "moe"))
+def test_moe_model_tiles_its_dense_blocks_and_head(tmp_path):
+    """A mixture of experts is left untiled (its capacity and load-balancing loss count the whole
+    micro-batch: memory/tiling.dense_blocks); the head (and any dense block) is tiled, and the run
+    equals the untiled one."""
+    moe = {"model.name": "tiny-moe", "train.steps": 3}
+    ref = run_layout(tiny_cfg(tmp_path / "ref", **moe))
+    tiled = run_layout(tiny_cfg(tmp_path / "tiled", **moe, **{"train.tile": 2}))
+    assert_same_training(tiled, ref, **FP32_REORDERED)

@@ -300,21 +300,6 @@ HYBRID_REFUSALS = (
 )
 
 
-def _has_experts(cfg: Config) -> bool:
-    try:
-        return model_kind(cfg.model.name).decoder and model_shape(cfg).n_experts > 0
-    except (KeyError, OSError, ValueError):
-        return False  # an unknown model or folder is reported elsewhere
-
-
-NOT_WITH_MOE = (
-    Refusal(("moe", "ep"), "tiling", "not built: tiling replaces the dense MLP, which an MoE block has not",
-            when=lambda c: c.train.tile > 1 and _has_experts(c),
-            message="tile with a mixture-of-experts model is not supported yet: use --tile 1 (tiling "
-            "replaces the dense MLP)"),
-)
-
-
 def check_moe(cfg: Config, problems: list[str]) -> None:
     """MoE settings and the layouts that cannot hold them (called by check_layout)."""
     ep = cfg.parallel.ep
@@ -346,7 +331,6 @@ def check_moe(cfg: Config, problems: list[str]) -> None:
     if ep > 1 and c.n_experts % ep:
         problems.append(f"--ep ({ep}) must divide the number of experts ({c.n_experts}): "
                         "change --ep or --experts")
-    emit(NOT_WITH_MOE, cfg, problems)
 
 
 def settle_seq_len(cfg: Config) -> Config:

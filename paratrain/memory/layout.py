@@ -51,10 +51,12 @@ SAVER_REFUSALS = (  # the message: "<flags[0]> does not compose with <flags[1]>:
     Refusal("compile", "tiling", "token tiles recompute in a Python autograd function; under ZeRO-3 each "
             "weight tile's gather hook would break the graph", flags=("--compile", "--tile > 1"),
             when=lambda c: c.train.compile and c.train.tile > 1),
-    Refusal("batch-finder", "tp", "a trial out of memory inside a tensor-parallel collective would hang",
+    Refusal("batch-finder", "tp", "a rank out of memory inside a tensor-parallel collective leaves its peers "
+            "blocked in it: NCCL cannot cancel a collective, only abort the communicator",
             flags=("--micro-batch auto", "--tp > 1 on a GPU"),
             when=lambda c: _gpu_trial(c) and c.parallel.tp > 1),
-    Refusal("batch-finder", "zero3", "a trial out of memory inside a ZeRO-3 all-gather would hang",
+    Refusal("batch-finder", "zero3", "a rank out of memory inside a ZeRO-3 all-gather leaves its peers "
+            "blocked in it: NCCL cannot cancel a collective, only abort the communicator",
             flags=("--micro-batch auto", "--zero 3 on a GPU"),
             when=lambda c: _gpu_trial(c) and c.parallel.zero == 3),
 )

@@ -93,7 +93,7 @@ def apply_weight_tiling(model: nn.Module, n_tiles: int) -> list[str]:
         raise ValueError(f"weight tiling needs n_tiles >= 2 (got {n_tiles})")
     family = family_of(model, "--tile under ZeRO-3 (its MLP and head)")
     targets = [f"{family.blocks}.{k}.{family.mlp}.{n}"
-               for k, block in family.blocks_of(model).items()
+               for k, block in family.blocks_of(model).items() if not model.cfg.is_moe_block(int(k))
                for n, m in block.get_submodule(family.mlp).named_children() if isinstance(m, nn.Linear)]
     if family.head and not family.is_tied(model):
         targets.append(family.head)

@@ -199,7 +199,7 @@ def apply_tiling(model: nn.Module, n_tiles: int, loss_sum: Callable = cross_entr
     if n_tiles < 1:
         raise ValueError(f"--tile must be >= 1 (got {n_tiles})")
     family = family_of(model, "--tile (its MLP and head)")
-    for block in family.blocks_of(model).values():
+    for block in dense_blocks(model, family):
         mlp = block.get_submodule(family.mlp)
         inner = mlp.forward
         mlp.forward = lambda x, _m=mlp, _f=inner: tiled_rows(_m, _f, x, n_tiles)
@@ -209,6 +209,13 @@ def apply_tiling(model: nn.Module, n_tiles: int, loss_sum: Callable = cross_entr
     loss = TiledHeadLoss(lm_head, n_tiles, loss_sum, _after_head(model, family.after, family.head))
     lm_head.forward = _identity  # the head runs inside the tiled loss
     return loss
+
+
+def dense_blocks(model: nn.Module, family: object) -> list[nn.Module]:
+    """The blocks whose MLP is dense. A mixture of experts is left untiled: its router's capacity
+    and load-balancing loss count every token of the micro-batch together, which tiles of tokens
+    would split (the head and the dense blocks of an MoE model are still tiled)."""
+    return [block for key, block in family.blocks_of(model).items() if not model.cfg.is_moe_block(int(key))]
 
 
 def _after_head(model: nn.Module, after: tuple[str, ...], head: str) -> tuple[Callable, ...]:
