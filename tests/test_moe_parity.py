@@ -92,7 +92,6 @@ def test_aux_loss_is_in_the_loss_and_metrics_are_written(runs, tmp_path):
 @pytest.mark.parametrize(("overrides", "needle"), [
     ({"model.top_k": 5}, "--top-k (5) must be between 1 and the number of experts (4)"),
     ({"model.n_experts": 3, "parallel.ep": 2, "parallel.dp": 2}, "must divide the number of experts (3)"),
-    ({"train.tile": 2}, "tile with a mixture-of-experts model is not supported yet: use --tile 1"),
     ({"model.capacity_factor": -1.0}, "--capacity-factor must be >= 0"),
 ])
 def test_bad_moe_configuration_is_refused(tmp_path, overrides, needle):
