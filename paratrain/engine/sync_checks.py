@@ -21,9 +21,9 @@ OUTER_FLAGS = {"outer_optimizer": "--outer-optimizer", "outer_lr": "--outer-lr",
 
 
 def check_run_sync(cfg: Config, problems: list[str]) -> None:
-    """--sync local-sgd / diloco in a run: check_sync, and what ZeRO inside a replica takes."""
+    """--sync local-sgd / diloco in a run: check_sync. ZeRO inside a replica takes every offload
+    and the 8-bit store: the masters are averaged where they live (engine/zero_averaging.py)."""
     check_sync(cfg.parallel, cfg.dp, problems)
-    emit(AVERAGING_REFUSALS, cfg, problems)
 
 
 def check_sync(p: ParallelConfig, dp: int, problems: list[str]) -> None:
@@ -54,11 +54,6 @@ def check_sync(p: ParallelConfig, dp: int, problems: list[str]) -> None:
 
 
 SYNC_REFUSALS = (  # they read a ParallelConfig or a Config (the library door calls check_sync too)
-    Refusal(AVERAGING, ("offload-cpu", "offload-disk"), "not built: averaging reads the fp32 master shards "
-            "on the device", when=lambda c: _averaging(c) and _p(c).zero >= 1 and _p(c).offload != "none",
-            message=lambda c: f"--sync {_p(c).sync} averages the fp32 master shards held on the device; "
-            f"--offload {_p(c).offload} with ZeRO inside an averaging replica is not built: use "
-            "--offload none"),
     Refusal(AVERAGING, "ep", "not built: every dp rank is a replica, while EP spreads one replica's experts "
             "over dp ranks", when=lambda c: _averaging(c) and _p(c).ep > 1,
             message=lambda c: f"--sync {_p(c).sync} makes every dp rank a replica; expert parallelism (--ep "
@@ -81,15 +76,6 @@ _p = parallel_of  # short, for the tables above
 
 def _averaging(cfg_or_parallel: Config | ParallelConfig) -> bool:
     return _p(cfg_or_parallel).sync in AVERAGING
-
-
-AVERAGING_REFUSALS = (
-    Refusal(AVERAGING, "8bit", "not built: ZeRO's 8-bit store inside an averaging replica (with --zero 1-3)",
-            when=lambda c: _averaging(c) and c.parallel.zero >= 1 and c.optim.name != "adamw",
-            message=lambda c: f"--sync {c.parallel.sync} with --zero {c.parallel.zero}: --optimizer "
-            f"{c.optim.name} inside an averaging replica is not built (ZeRO's 8-bit store is untested "
-            "there): use --optimizer adamw, or --zero 0"),
-)
 
 
 def _check_outer(p: ParallelConfig, problems: list[str]) -> None:
