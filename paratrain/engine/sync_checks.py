@@ -112,12 +112,8 @@ PARAM_SERVER_REFUSALS = (  # the workers are whole-model replicas; the servers r
                 lambda c: c.parallel.offload != "none"),
     _ps_refusal("8bit", "--optimizer adamw (the servers run torch's AdamW)", "not built: the servers run "
                 "torch's fp32 AdamW", lambda c: c.optim.name != "adamw"),
-    _ps_refusal("bf16", "--precision fp32 (the servers keep fp32 weights)", "not built: the servers keep "
-                "fp32 weights", lambda c: c.train.precision != "fp32"),
     _ps_refusal("batch-finder", "a numeric --micro-batch (not auto)", "not built: the trial steps would push "
                 "to the servers", lambda c: c.train.micro_batch == "auto"),
-    _ps_refusal(("lora", "lora-bf16", "qlora"), "no --lora",
-                "not built: the servers would update frozen weights", lambda c: bool(c.lora.rank)),
 )
 
 

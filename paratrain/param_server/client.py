@@ -76,7 +76,9 @@ class Reply:
 
 
 class ParameterServerClient(Strategy):
-    """Whole-model data-parallel workers whose gradients go to the parameter servers."""
+    """Whole-model data-parallel workers whose gradients go to the parameter servers: only the
+    trainable parameters' (``named_params``); frozen ones (a LoRA base) are never sent and stay
+    on the workers, as they are in one process."""
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, optim_cfg: OptimizerSource,
                  settings: ServerSettings):
@@ -271,7 +273,17 @@ class ParameterServerClient(Strategy):
                 info = info_of(params[name])
                 for key, t in by_key.items():
                     out += pieces_of(info, key, t, name=info.name or name)
-        return out + self.buffer_pieces()
+        return out + self.frozen_pieces() + self.buffer_pieces()
+
+    def frozen_pieces(self) -> list[Piece]:
+        """The parameters no server holds (frozen: a LoRA base), from this worker's copy: every
+        worker holds them unchanged, in their own dtype (a bf16 base stays bf16)."""
+        out = []
+        for name, p in self.model.named_parameters():
+            info = info_of(p)
+            if not p.requires_grad and not info.tied_to:
+                out += pieces_of(info, "param", p, name=info.name or name)
+        return out
 
     @torch.no_grad()
     def load_state_pieces(self, reader: ShardReader, optimizer_step: int) -> None:
