@@ -284,6 +284,29 @@ def test_worker_forms_equal_one_process(tmp_path, form):
     assert all(r["comm_bytes"]["send"] == trainable == r["ps_pull_bytes"] for r in rows), rows[0]
 
 
+@pytest.mark.composes(("param-server", "8bit"))
+def test_servers_run_8bit_adamw_and_resume_its_state_exactly(tmp_path):
+    """--optimizer adamw8bit: each server runs the 8-bit AdamW on its whole tensors (the blocks one
+    process cuts) and equals one process on the workers' micro-batches; its codes and block scales
+    travel as data (fp32 on the wire, uint8 in the checkpoint, as one process writes them) and a
+    resume from step 2 under the servers is bit for bit the unbroken run."""
+    eight = {"optim.name": "adamw8bit", "train.save_every": 2}
+    one = Trainer(tiny_cfg(tmp_path / "one", **{"train.global_batch": GLOBAL_BATCH, "train.micro_batch": 4},
+                           **eight)).fit()
+    unbroken = tmp_path / "unbroken"
+    losses, weights = _train_ps(_ps_cfg(unbroken, dp=2, servers=2, **eight))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(one.losses), **FP32_REORDERED)
+    assert_same_weights(weights, one.final_state, **FP32_REORDERED)
+    index = json.loads((unbroken / "checkpoints" / "step_000002" / "index.json").read_text())["tensors"]
+    assert {"exp_avg.q", "exp_avg_sq.absmax"} <= set(index["layers.0.attn.wq.weight"])  # 4096: quantised
+    assert {"exp_avg", "exp_avg_sq"} <= set(index["layers.0.attn_norm.weight"])  # small: fp32 moments
+    _continue_from(unbroken, tmp_path / "resumed")
+    again, weights_again = _train_ps(_ps_cfg(tmp_path / "resumed", dp=2, servers=2,
+                                             **{**eight, "train.resume": True}))
+    assert again == losses[2:]
+    assert_same_weights(weights_again, weights, rtol=0, atol=0)
+
+
 def _continue_from(src: Path, dst: Path, step: int = 2) -> None:
     """A fresh run folder holding only checkpoint ``step`` of ``src`` (what a crash would leave)."""
     name = f"step_{step:06d}"

@@ -97,7 +97,7 @@ def _ps_refusal(other: str | tuple[str, ...], fix: str, reason: str,
                    when=lambda c: c.parallel.sync == "parameter-server" and when(c))
 
 
-PARAM_SERVER_REFUSALS = (  # the workers are whole-model replicas; the servers run fp32 AdamW
+PARAM_SERVER_REFUSALS = (  # the workers are whole-model replicas; the servers run (8-bit) AdamW
     _ps_refusal("tp", "--tp 1 (a worker holds the whole model)", "not built: a worker holds the whole "
                 "model", lambda c: c.parallel.tp > 1),
     _ps_refusal(PP_SCHEDULES, "--pp 1 (a worker holds the whole model)", "not built: a worker holds the "
@@ -110,8 +110,6 @@ PARAM_SERVER_REFUSALS = (  # the workers are whole-model replicas; the servers r
     _ps_refusal(("offload-cpu", "offload-disk"), "--offload none (the servers hold the optimizer state)",
                 "by construction: the servers hold the optimizer state",
                 lambda c: c.parallel.offload != "none"),
-    _ps_refusal("8bit", "--optimizer adamw (the servers run torch's AdamW)", "not built: the servers run "
-                "torch's fp32 AdamW", lambda c: c.optim.name != "adamw"),
     _ps_refusal("batch-finder", "a numeric --micro-batch (not auto)", "not built: the trial steps would push "
                 "to the servers", lambda c: c.train.micro_batch == "auto"),
 )
@@ -119,7 +117,7 @@ PARAM_SERVER_REFUSALS = (  # the workers are whole-model replicas; the servers r
 
 def check_param_server(cfg: Config, problems: list[str]) -> None:
     """--sync parameter-server: what the servers (param_server/) support today. The workers are
-    whole-model data-parallel replicas; the servers run the fp32 AdamW."""
+    whole-model data-parallel replicas; the servers run AdamW, fp32 or 8-bit."""
     p = cfg.parallel
     if p.sync != "parameter-server":
         for flag, value, default in (("--servers", p.servers, 1), ("--ps-mode", p.ps_mode, "sync"),
