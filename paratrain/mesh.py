@@ -15,6 +15,12 @@ the ``dp_replicate`` group holds the ranks with the same shard index in each rep
 across which the shards are replicated (the slow links). With ``dp_replicate = 1``, ``dp_shard`` is
 ``dp`` and shares its process group.
 
+Both together (experts under hybrid sharding): ep divides dp_shard, so a replica holds every
+expert, and an expert's edp ranks split the same way: ``edp_shard`` the ranks of one replica that
+hold it (ZeRO shards it there), ``edp_replicate`` the ranks with the same expert shard in each
+replica (its shard's copies, one per node). Without replicas ``edp_shard`` is ``edp`` and shares
+its process group.
+
 Context parallelism subdivides it too: ``dp_index = batch_index * cp + cp_index``. Here ``dp`` is
 the whole dp x cp group: the cp ranks of one batch share its rows (each holds 1/cp of every row's
 positions), and their gradients are summed, and their ZeRO shards cut, over dp x cp with the other
@@ -32,7 +38,8 @@ import torch.distributed as dist
 
 from paratrain.comm.collectives import Axis, CommCounter
 
-AXES = ("pp", "dp", "tp", "ep", "edp", "dp_shard", "dp_replicate", "cp", "world")
+AXES = ("pp", "dp", "tp", "ep", "edp", "dp_shard", "dp_replicate", "edp_shard", "edp_replicate", "cp",
+        "world")
 
 
 class MeshError(ValueError):
@@ -87,6 +94,8 @@ class MeshShape:
             "edp": dp_i // self.ep,
             "dp_shard": dp_i % self.dp_shard,
             "dp_replicate": dp_i // self.dp_shard,
+            "edp_shard": (dp_i % self.dp_shard) // self.ep,  # ep | dp_shard under hybrid sharding
+            "edp_replicate": dp_i // self.dp_shard,
             "cp": dp_i % self.cp,
             "batch": dp_i // self.cp,
             "world": rank,
@@ -108,6 +117,8 @@ class MeshShape:
             "edp": lambda c: (c["pp"], c["tp"], c["ep"]),
             "dp_shard": lambda c: (c["pp"], c["tp"], c["dp_replicate"]),
             "dp_replicate": lambda c: (c["pp"], c["tp"], c["dp_shard"]),
+            "edp_shard": lambda c: (c["pp"], c["tp"], c["ep"], c["dp_replicate"]),
+            "edp_replicate": lambda c: (c["pp"], c["tp"], c["ep"], c["edp_shard"]),
             "cp": lambda c: (c["pp"], c["tp"], c["batch"]),
         }[axis]
         buckets: dict[tuple, list[int]] = {}

@@ -174,8 +174,8 @@ BAD = [
     (["--dp", "2", "--zero", "1", "--dp-replicate", "2", "--dp-shard", "2"],
      "--dp-replicate (2) x --dp-shard (2) = 4 != dp (2)"),
     (["--nproc", "4", "--zero", "1", "--dp-replicate", "0"], "--dp-replicate (0) and --dp-shard (None)"),
-    (["--model", "tiny-moe", "--nproc", "4", "--zero", "1", "--ep", "2", "--dp-replicate", "2"],
-     "with --ep 2 is not supported"),
+    (["--model", "tiny-moe", "--nproc", "8", "--zero", "1", "--ep", "4", "--dp-replicate", "4"],
+     "--ep 4 must divide the 2 ranks of a replica"),
 ]
 
 

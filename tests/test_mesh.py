@@ -11,7 +11,7 @@ from tests.dist import run
 def test_tp_varies_fastest_then_dp_then_pp():
     s = MeshShape(pp=2, dp=2, tp=2)
     assert s.coords(0) == {"pp": 0, "dp": 0, "tp": 0, "ep": 0, "edp": 0, "dp_shard": 0, "dp_replicate": 0,
-                           "cp": 0, "batch": 0, "world": 0}
+                           "edp_shard": 0, "edp_replicate": 0, "cp": 0, "batch": 0, "world": 0}
     assert s.coords(1)["tp"] == 1 and s.coords(2)["dp"] == 1 and s.coords(4)["pp"] == 1
     for r in range(8):
         c = s.coords(r)
@@ -68,6 +68,20 @@ def test_hybrid_groups_reduce_over_their_members():
     got = run(_hybrid_sums, 4)
     assert [g[:2] for g in got] == [(1.0, 2.0), (1.0, 4.0), (5.0, 2.0), (5.0, 4.0)]
     assert not any(g[2] for g in got)
+
+
+def test_experts_under_hybrid_sharding_split_edp_like_dp():
+    """dp 8 = R2 x S4 with ep 2: a replica (ranks 0-3, 4-7) holds every expert over its ep pairs;
+    an expert's edp ranks (same ep index) split into the replica's (edp_shard) and the copies of
+    its shard across the replicas (edp_replicate). Without replicas edp_shard is edp."""
+    s = MeshShape(dp=8, ep=2, dp_replicate=2)
+    assert s.groups("edp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert sorted(s.groups("edp_shard")) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert sorted(s.groups("edp_replicate")) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [s.coords(r)["edp_shard"] for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    plain = MeshShape(dp=4, ep=2)
+    assert plain.groups("edp_shard") == plain.groups("edp")
+    assert sorted(plain.groups("edp_replicate")) == [[r] for r in range(4)]
 
 
 def test_2x2x2_groups_explicitly():

@@ -36,10 +36,15 @@ RESUMES = {  # name: (the run whose step-4 checkpoint it resumes, its layout)
     "dp2_from_ep2": ("ep2", {"parallel.ep": 1}),  # experts replicated again
     "ep2_from_one": ("ref", {}),  # one process's checkpoint spread over ep2
 }
+# another number of replicas: the R2 hybrid-sharded run's checkpoint read by ep2 ZeRO-3 at dp 4, R1
+RESUMES_4 = {"ep2_dp4_zero3_from_hsdp": ("ep2_hsdp_zero3", {})}
 DP4_EP2 = {"parallel.dp": 4, "parallel.ep": 2}  # edp = 2: experts replicated (or ZeRO-sharded) twice
 LAYOUTS_4 = {"ep4": {"parallel.dp": 4, "parallel.ep": 4}, "ep2_dp4": DP4_EP2,
              "ep2_dp4_zero2": {**DP4_EP2, "parallel.zero": 2},
-             "ep2_dp4_zero3": {**DP4_EP2, "parallel.zero": 3}}
+             "ep2_dp4_zero3": {**DP4_EP2, "parallel.zero": 3},
+             # hybrid sharding: 2 replicas of 2 ranks, each replica's ep2 holding every expert once
+             "ep2_hsdp_zero3": {**DP4_EP2, "parallel.zero": 3, "parallel.dp_replicate": 2},
+             "ep2_hsdp_zero2": {**DP4_EP2, "parallel.zero": 2, "parallel.dp_replicate": 2}}
 
 
 def _continue_from(src: Path, dst: Path, step: int = 4) -> None:
@@ -77,10 +82,14 @@ def runs(tmp_path_factory):
                timeout=500)[0]
     got = {name: _result(*o) for name, o in zip([*LAYOUTS_2, *RESUMES], outs)}
     cfgs4 = [tiny_cfg(base / name, **MOE, **STEPS, **extra) for name, extra in LAYOUTS_4.items()]
-    for cfg in cfgs4:
+    resume4 = {**MOE, **STEPS, **DP4_EP2, "parallel.zero": 3, "train.resume": True}
+    resumes4 = [(str(base / src), tiny_cfg(base / name, **{**resume4, **extra}))
+                for name, (src, extra) in RESUMES_4.items()]
+    for cfg in cfgs4 + [c for _, c in resumes4]:
         checks.validate(cfg, 4)
-    outs4 = run(_train_then_resume, 4, [c.to_dict() for c in cfgs4], [], timeout=500)[0]
-    got.update({name: _result(*o) for name, o in zip(LAYOUTS_4, outs4)})
+    outs4 = run(_train_then_resume, 4, [c.to_dict() for c in cfgs4], [(s, c.to_dict()) for s, c in resumes4],
+                timeout=500)[0]
+    got.update({name: _result(*o) for name, o in zip([*LAYOUTS_4, *RESUMES_4], outs4)})
     return ref, got, base
 
 
@@ -90,6 +99,8 @@ def runs(tmp_path_factory):
 @pytest.mark.composes(("ep", "zero1"), case="ep2_zero1")
 @pytest.mark.composes(("ep", "zero2"), case="ep2_zero2")
 @pytest.mark.composes(("ep", "zero3"), case="ep2_zero3")
+@pytest.mark.composes(("ep", "hsdp", "zero3"), case="ep2_hsdp_zero3")
+@pytest.mark.composes(("ep", "hsdp", "zero2"), case="ep2_hsdp_zero2")
 def test_ep_equals_one_process(runs, layout):
     ref, got, base = runs
     assert_same_training(got[layout], ref, **FP32_REORDERED)
@@ -100,7 +111,7 @@ def test_ep_equals_one_process(runs, layout):
         assert mine["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), mine["step"]
 
 
-@pytest.mark.parametrize("name", list(RESUMES))
+@pytest.mark.parametrize("name", [*RESUMES, *RESUMES_4])
 def test_checkpoint_crosses_ep2_and_replicated_experts(runs, name):
     ref, got, _ = runs
     assert len(got[name].losses) == 4
@@ -117,6 +128,20 @@ def test_expert_tensors_are_written_once_and_memory_drops(runs):
     layers, n_experts = 4, 4
     assert one - ep2 == layers * (n_experts - n_experts // 2) * expert
     assert one - ep4 == layers * (n_experts - n_experts // 4) * expert
+
+
+def test_hsdp_experts_cross_replicas_as_their_shard(runs):
+    """Under --dp-replicate 2 an expert is sharded over its edp ranks inside a replica (here one:
+    ep 2 = the replica's 2 ranks) and its shard all-reduced across the replicas (edp_replicate):
+    per step the busiest rank sends its experts' fp32 gradient once across, 4 layers x 2 of the 4
+    experts x (gate, up, down of 64 x 128), and the dense shard over dp_replicate: both on the
+    inter-node link, nothing else. ZeRO-3 and ZeRO-2 (buckets reduced from backward hooks) alike."""
+    _, _, base = runs
+    expert_bytes = 4 * 2 * 3 * 64 * 128 * 4
+    for row in _rows(base / "ep2_hsdp_zero3") + _rows(base / "ep2_hsdp_zero2"):
+        by_axis = row["comm_by_axis"]
+        assert by_axis["edp_replicate"] == expert_bytes, by_axis
+        assert row["comm_by_link"]["inter_node"] == by_axis["edp_replicate"] + by_axis["dp_replicate"]
 
 
 @pytest.mark.parametrize("layout", ["ep2", "ep2_m2", "ep2_dp4", "ep4"])

@@ -244,6 +244,69 @@ def test_cli_bad_flags_exit_2(tmp_path, capsys):
     assert not (tmp_path / "a").exists(), "refused before anything was written"
 
 
+# A worker's compute in another form: the servers see only the trainable parameters' fp32 gradients
+# (LoRA: the adapters'; the frozen base, fp32, bf16 or nf4, never leaves the workers) and keep fp32
+# values (bf16: autocast over fp32 weights, mixed precision's normal form). Two steps each: the
+# second is the first the servers' AdamW takes from moments it kept.
+LORA = {"lora.rank": 4, "lora.alpha": 8.0, "train.steps": 2}
+WORKER_FORMS = {"lora": LORA,
+                "lora-bf16-base-bf16": {**LORA, "lora.base_precision": "bf16", "train.precision": "bf16"},
+                "qlora-nf4": {**LORA, "lora.base_precision": "nf4"}}
+# bf16 autocast: the process and a worker run the same rows through bf16 matmuls whose kernels may
+# block a 4-row micro-batch differently: measured up to 1e-3 on weights of ~1e-2 after 4 steps;
+# a worker's lost or doubled gradient moves every element by ~lr = 1e-2 and its norm 2x.
+BF16_TOL = {"rtol": 1e-2, "atol": 5e-3}
+
+
+@pytest.mark.composes(("param-server", "bf16"), ("param-server", "lora"), ("param-server", "lora-bf16"),
+                      ("param-server", "qlora"))
+@pytest.mark.parametrize("form", WORKER_FORMS, ids=list(WORKER_FORMS))
+def test_worker_forms_equal_one_process(tmp_path, form):
+    """2 workers + 1 server vs one process on micro-batches of the workers' rows (4 of the 8): each
+    worker's gradient is the process's micro-batch gradient (the same rows, the same autocast), the
+    server adds the two in the order the process accumulates them, and its AdamW steps the same
+    values. The pushed and pulled bytes are the adapters' alone, and the export holds the unchanged
+    frozen base (written by worker 0: no server holds it)."""
+    extra = WORKER_FORMS[form]
+    tol = BF16_TOL if extra.get("train.precision") == "bf16" else FP32_REORDERED
+    one_out = tmp_path / "one"
+    batches = {"train.global_batch": GLOBAL_BATCH, "train.micro_batch": 4}
+    one = Trainer(tiny_cfg(one_out, **batches, **extra)).fit()
+    out = tmp_path / "ps"
+    losses, weights = _train_ps(_ps_cfg(out, dp=2, servers=1, **extra))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(one.losses), **tol)
+    assert_same_weights(weights, one.final_state, **tol)
+    rows, ref_rows = _rows(out), _rows(one_out)
+    torch.testing.assert_close(torch.tensor([r["grad_norm"] for r in rows]),
+                               torch.tensor([r["grad_norm"] for r in ref_rows]), rtol=tol["rtol"], atol=0)
+    trainable = 4 * rows[0]["n_trainable_params"]
+    assert trainable < rows[0]["n_params"]
+    assert all(r["comm_bytes"]["send"] == trainable == r["ps_pull_bytes"] for r in rows), rows[0]
+
+
+@pytest.mark.composes(("param-server", "8bit"))
+def test_servers_run_8bit_adamw_and_resume_its_state_exactly(tmp_path):
+    """--optimizer adamw8bit: each server runs the 8-bit AdamW on its whole tensors (the blocks one
+    process cuts) and equals one process on the workers' micro-batches; its codes and block scales
+    travel as data (fp32 on the wire, uint8 in the checkpoint, as one process writes them) and a
+    resume from step 2 under the servers is bit for bit the unbroken run."""
+    eight = {"optim.name": "adamw8bit", "train.save_every": 2}
+    one = Trainer(tiny_cfg(tmp_path / "one", **{"train.global_batch": GLOBAL_BATCH, "train.micro_batch": 4},
+                           **eight)).fit()
+    unbroken = tmp_path / "unbroken"
+    losses, weights = _train_ps(_ps_cfg(unbroken, dp=2, servers=2, **eight))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(one.losses), **FP32_REORDERED)
+    assert_same_weights(weights, one.final_state, **FP32_REORDERED)
+    index = json.loads((unbroken / "checkpoints" / "step_000002" / "index.json").read_text())["tensors"]
+    assert {"exp_avg.q", "exp_avg_sq.absmax"} <= set(index["layers.0.attn.wq.weight"])  # 4096: quantised
+    assert {"exp_avg", "exp_avg_sq"} <= set(index["layers.0.attn_norm.weight"])  # small: fp32 moments
+    _continue_from(unbroken, tmp_path / "resumed")
+    again, weights_again = _train_ps(_ps_cfg(tmp_path / "resumed", dp=2, servers=2,
+                                             **{**eight, "train.resume": True}))
+    assert again == losses[2:]
+    assert_same_weights(weights_again, weights, rtol=0, atol=0)
+
+
 def _continue_from(src: Path, dst: Path, step: int = 2) -> None:
     """A fresh run folder holding only checkpoint ``step`` of ``src`` (what a crash would leave)."""
     name = f"step_{step:06d}"

@@ -94,8 +94,12 @@ def inner_axis(mesh: ParallelMesh) -> Axis | None:
 class Averager:
     """The periodic averaging of ``named`` parameters over ``axis`` (one replica per rank of it)."""
 
-    def __init__(self, named: list[tuple[str, nn.Parameter]], axis: Axis, plan: SyncPlan):
+    def __init__(self, named: list[tuple[str, nn.Parameter]], axis: Axis, plan: SyncPlan, *,
+                 device: torch.device | None = None):
         self.named, self.axis, self.plan = named, axis, plan
+        # Where the sums run: the collective's device (an offloaded master lives on the host, and
+        # NCCL reduces device tensors only); None: where the tensors are.
+        self.device = device
         self.period_step = 0  # inner steps since the last averaging
         self.syncs = 0  # averagings done by this process
         self.sync_s = 0.0  # seconds the last averaging took
@@ -105,6 +109,19 @@ class Averager:
             self.start = [p.detach().clone() for _, p in named]
             self.outer = torch.optim.SGD(self.start, lr=plan.outer_lr, momentum=plan.outer_momentum,
                                          nesterov=plan.outer_optimizer == "nesterov")
+
+    def rebind(self, tensors: list[torch.Tensor]) -> None:
+        """Average ``tensors`` from now on, in the order and shapes of the named ones: a disk
+        store's master shards are read into memory for each averaging (engine/zero_averaging.py)."""
+        self.named = [(name, t) for (name, _), t in zip(self.named, tensors, strict=True)]
+
+    def reads_before_step(self) -> bool:
+        """Whether ``before_inner_step`` reads the parameters (DiLoCo, at a period's first step)."""
+        return self.outer is not None and self.period_step == 0
+
+    def ends_period(self) -> bool:
+        """Whether the next ``after_inner_step`` averages."""
+        return self.period_step + 1 >= self.plan.every
 
     @torch.no_grad()
     def before_inner_step(self) -> None:
@@ -145,9 +162,10 @@ class Averager:
         out: list[torch.Tensor | None] = [None] * len(params)
         for dtype in dict.fromkeys(p.dtype for p in params):
             index = [i for i, p in enumerate(params) if p.dtype == dtype]
-            flat = torch.cat([params[i].detach().reshape(-1) for i in index])
+            home = params[index[0]].device
+            flat = torch.cat([params[i].detach().reshape(-1) for i in index]).to(self.device or home)
             C.all_reduce(flat, self.axis)
-            flat /= self.axis.size
+            flat = flat.div_(self.axis.size).to(home)
             for i, part in zip(index, flat.split([params[i].numel() for i in index])):
                 out[i] = part.view_as(params[i])
         return out

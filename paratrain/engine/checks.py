@@ -287,17 +287,12 @@ def _check_hybrid(cfg: Config, problems: list[str]) -> None:
     elif cfg.dp % r:
         problems.append(f"--dp-replicate ({r}) must divide dp ({cfg.dp}): dp = R x S; change "
                         "--dp-replicate or --dp")
-    if r == 1:
+    if r == 1 or cfg.dp % r:
         return  # R > 1 without ZeRO or averaging: check_parallel_rules
-    emit(HYBRID_REFUSALS, cfg, problems)
-
-
-HYBRID_REFUSALS = (
-    Refusal("hsdp", "ep", "not built: experts are sharded over edp, not the hybrid groups",
-            when=lambda c: c.parallel.dp_replicate > 1 and c.parallel.ep > 1,
-            message=lambda c: f"--dp-replicate {c.parallel.dp_replicate} with --ep {c.parallel.ep} is not "
-            "supported: experts are sharded over edp, not the hybrid groups; use --ep 1 or --dp-replicate 1"),
-)
+    if p.ep > 1 and (cfg.dp // r) % p.ep:
+        problems.append(f"--ep {p.ep} must divide the {cfg.dp // r} ranks of a replica (dp {cfg.dp} / "
+                        f"--dp-replicate {r}): a replica holds every expert, spread over its ep ranks; "
+                        "change --ep or --dp-replicate")
 
 
 def check_moe(cfg: Config, problems: list[str]) -> None:

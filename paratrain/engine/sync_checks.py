@@ -21,9 +21,9 @@ OUTER_FLAGS = {"outer_optimizer": "--outer-optimizer", "outer_lr": "--outer-lr",
 
 
 def check_run_sync(cfg: Config, problems: list[str]) -> None:
-    """--sync local-sgd / diloco in a run: check_sync, and what ZeRO inside a replica takes."""
+    """--sync local-sgd / diloco in a run: check_sync. ZeRO inside a replica takes every offload
+    and the 8-bit store: the masters are averaged where they live (engine/zero_averaging.py)."""
     check_sync(cfg.parallel, cfg.dp, problems)
-    emit(AVERAGING_REFUSALS, cfg, problems)
 
 
 def check_sync(p: ParallelConfig, dp: int, problems: list[str]) -> None:
@@ -54,11 +54,6 @@ def check_sync(p: ParallelConfig, dp: int, problems: list[str]) -> None:
 
 
 SYNC_REFUSALS = (  # they read a ParallelConfig or a Config (the library door calls check_sync too)
-    Refusal(AVERAGING, ("offload-cpu", "offload-disk"), "not built: averaging reads the fp32 master shards "
-            "on the device", when=lambda c: _averaging(c) and _p(c).zero >= 1 and _p(c).offload != "none",
-            message=lambda c: f"--sync {_p(c).sync} averages the fp32 master shards held on the device; "
-            f"--offload {_p(c).offload} with ZeRO inside an averaging replica is not built: use "
-            "--offload none"),
     Refusal(AVERAGING, "ep", "not built: every dp rank is a replica, while EP spreads one replica's experts "
             "over dp ranks", when=lambda c: _averaging(c) and _p(c).ep > 1,
             message=lambda c: f"--sync {_p(c).sync} makes every dp rank a replica; expert parallelism (--ep "
@@ -83,15 +78,6 @@ def _averaging(cfg_or_parallel: Config | ParallelConfig) -> bool:
     return _p(cfg_or_parallel).sync in AVERAGING
 
 
-AVERAGING_REFUSALS = (
-    Refusal(AVERAGING, "8bit", "not built: ZeRO's 8-bit store inside an averaging replica (with --zero 1-3)",
-            when=lambda c: _averaging(c) and c.parallel.zero >= 1 and c.optim.name != "adamw",
-            message=lambda c: f"--sync {c.parallel.sync} with --zero {c.parallel.zero}: --optimizer "
-            f"{c.optim.name} inside an averaging replica is not built (ZeRO's 8-bit store is untested "
-            "there): use --optimizer adamw, or --zero 0"),
-)
-
-
 def _check_outer(p: ParallelConfig, problems: list[str]) -> None:
     if p.outer_optimizer not in (None, "sgd", "nesterov"):
         problems.append(f"--outer-optimizer {p.outer_optimizer!r} is not one of sgd, nesterov")
@@ -111,7 +97,7 @@ def _ps_refusal(other: str | tuple[str, ...], fix: str, reason: str,
                    when=lambda c: c.parallel.sync == "parameter-server" and when(c))
 
 
-PARAM_SERVER_REFUSALS = (  # the workers are whole-model replicas; the servers run fp32 AdamW
+PARAM_SERVER_REFUSALS = (  # the workers are whole-model replicas; the servers run (8-bit) AdamW
     _ps_refusal("tp", "--tp 1 (a worker holds the whole model)", "not built: a worker holds the whole "
                 "model", lambda c: c.parallel.tp > 1),
     _ps_refusal(PP_SCHEDULES, "--pp 1 (a worker holds the whole model)", "not built: a worker holds the "
@@ -124,20 +110,14 @@ PARAM_SERVER_REFUSALS = (  # the workers are whole-model replicas; the servers r
     _ps_refusal(("offload-cpu", "offload-disk"), "--offload none (the servers hold the optimizer state)",
                 "by construction: the servers hold the optimizer state",
                 lambda c: c.parallel.offload != "none"),
-    _ps_refusal("8bit", "--optimizer adamw (the servers run torch's AdamW)", "not built: the servers run "
-                "torch's fp32 AdamW", lambda c: c.optim.name != "adamw"),
-    _ps_refusal("bf16", "--precision fp32 (the servers keep fp32 weights)", "not built: the servers keep "
-                "fp32 weights", lambda c: c.train.precision != "fp32"),
     _ps_refusal("batch-finder", "a numeric --micro-batch (not auto)", "not built: the trial steps would push "
                 "to the servers", lambda c: c.train.micro_batch == "auto"),
-    _ps_refusal(("lora", "lora-bf16", "qlora"), "no --lora",
-                "not built: the servers would update frozen weights", lambda c: bool(c.lora.rank)),
 )
 
 
 def check_param_server(cfg: Config, problems: list[str]) -> None:
     """--sync parameter-server: what the servers (param_server/) support today. The workers are
-    whole-model data-parallel replicas; the servers run the fp32 AdamW."""
+    whole-model data-parallel replicas; the servers run AdamW, fp32 or 8-bit."""
     p = cfg.parallel
     if p.sync != "parameter-server":
         for flag, value, default in (("--servers", p.servers, 1), ("--ps-mode", p.ps_mode, "sync"),

@@ -24,6 +24,9 @@ checkpoint crosses to any other layout.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn as nn
 
@@ -56,10 +59,33 @@ class AveragedZero:
     def __init__(self, model: nn.Module, mesh: ParallelMesh, optim: OptimizerSource, *, plan: SyncPlan, **kw):
         super().__init__(model, mesh, optim, **kw)
         self.replicas, self.inner = mesh.dp_replicate, mesh.dp_shard
-        # The store's fp32 masters: this rank's 1/S shard, the same slice in every replica.
-        masters = [(f"flat{i}", m) for i, m in enumerate(self.store.masters)]
-        self.averager = Averager(masters, self.replicas, plan)
+        # The store's fp32 masters: this rank's 1/S shard, the same slice in every replica. In
+        # memory (device or host) the averager works on the store's own tensors; a disk store's are
+        # read for each averaging and written back (``_masters_in_memory``).
+        self.in_memory = hasattr(self.store, "masters")
+        masters = [(f"flat{i}", m) for i, m in enumerate(self._read_masters())]
+        self.averager = Averager(masters, self.replicas, plan, device=mesh.device)
         self.synced = False  # the last step ended a period
+
+    def _read_masters(self) -> list[torch.Tensor]:
+        """The fp32 master shards: the store's own tensors, or a disk store's read into host memory."""
+        if self.in_memory:
+            return self.store.masters
+        return [self.store.read(i, "param") for i in range(len(self.layouts))]
+
+    @contextlib.contextmanager
+    def _masters_in_memory(self, *, write_back: bool) -> Iterator[list[torch.Tensor]]:
+        """The masters as tensors the averager reads (and writes): a disk store's are read whole,
+        one shard of fp32 in host memory for the averaging's moment, and written back after it.
+        The optimizer moments, fp32 or 8-bit, are never read: averaging averages parameters only,
+        each replica keeps its own moments (as data_parallel/averaging.py's replicas do)."""
+        masters = self._read_masters()
+        if not self.in_memory:
+            self.averager.rebind(masters)
+        yield masters
+        if write_back and not self.in_memory:
+            for i, m in enumerate(masters):
+                self.store.write(i, "param", m)
 
     # -- inside a replica -------------------------------------------------------------------------
 
@@ -76,31 +102,41 @@ class AveragedZero:
     # -- the step ---------------------------------------------------------------------------------
 
     def step(self, lr: float | None) -> None:
-        self.averager.before_inner_step()
+        if self.averager.reads_before_step():
+            with self._masters_in_memory(write_back=False):
+                self.averager.before_inner_step()
         super().step(lr)
 
     @torch.no_grad()
-    def after_partition_step(self, shards: list[torch.Tensor]) -> None:
-        """Count the inner step; at the period's end average the masters, then write them into the
-        compute shards the stage is about to publish (the same tensors in fp32 without offload)."""
-        self.synced = self.averager.after_inner_step()
-        if self.synced:
-            for master, shard in zip(self.store.masters, shards):
-                if shard.data_ptr() != master.data_ptr():
+    def after_partition_step(self, shards: list[torch.Tensor | None]) -> None:
+        """Count the inner step; at the period's end average the masters where they live (device,
+        host, or disk: read, averaged, written back), then write them into the compute shards the
+        stage is about to publish (the same tensors in fp32 without offload; none when ZeRO-3's
+        shard is the disk store's master)."""
+        if not self.averager.ends_period():
+            self.synced = self.averager.after_inner_step()
+            return
+        with self._masters_in_memory(write_back=True) as masters:
+            self.synced = self.averager.after_inner_step()
+            for master, shard in zip(masters, shards):
+                if shard is not None and shard.data_ptr() != master.data_ptr():
                     shard.copy_(master)
 
     def finish(self) -> None:
         """The end of the run: close an open period, so the replicas (and the export) agree."""
         if self.averager.period_step:
-            self.averager.sync()
+            with self._masters_in_memory(write_back=True):
+                self.averager.sync()
             self.publish_masters()
 
     def step_metrics(self) -> dict[str, float]:
         return {**super().step_metrics(), **self.averager.metrics(self.synced)}
 
     def state_bytes(self) -> dict[str, int]:
+        """DiLoCo's θ_start and outer momentum beside the masters: on the device, or offloaded
+        (host memory) when the store is."""
         out = super().state_bytes()
-        out["optim"] += self.averager.state_bytes()
+        out["optim" if self.store.location == "device" else "offloaded"] += self.averager.state_bytes()
         return out
 
     # -- checkpoints ------------------------------------------------------------------------------
@@ -129,7 +165,7 @@ class AveragedZero:
     def load_state_pieces(self, reader: ShardReader, optimizer_step: int) -> None:
         super().load_state_pieces(ReplicaView(reader, self.replicas.rank), optimizer_step)
         self.averager.load_period(reader)
-        for layout, start, master in zip(self.layouts, self.averager.start, self.store.masters):
+        for layout, start, master in zip(self.layouts, self.averager.start, self._read_masters()):
             held = [info_of(p).name or name for name, p, *_ in owned(layout)]
             if held and reader.has(held[0], START_KEY):
                 start.copy_(self._read_shard(reader, layout, START_KEY))

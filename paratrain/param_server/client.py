@@ -40,8 +40,10 @@ from paratrain.base.strategy import OptimizerSource, Strategy, read_local
 from paratrain.comm import collectives as C
 from paratrain.comm.collectives import nbytes
 from paratrain.mesh import ParallelMesh
+from paratrain.optim import adamw8bit as a8
 from paratrain.param_server import wire
 from paratrain.param_server.placement import assign, server_name
+from paratrain.param_server.server import state_shape
 from paratrain.param_server.wire import Header, Kind
 from paratrain.sharding import info_of
 from paratrain.shards import Piece, ShardReader, pieces_of
@@ -76,7 +78,9 @@ class Reply:
 
 
 class ParameterServerClient(Strategy):
-    """Whole-model data-parallel workers whose gradients go to the parameter servers."""
+    """Whole-model data-parallel workers whose gradients go to the parameter servers: only the
+    trainable parameters' (``named_params``); frozen ones (a LoRA base) are never sent and stay
+    on the workers, as they are in one process."""
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, optim_cfg: OptimizerSource,
                  settings: ServerSettings):
@@ -155,14 +159,19 @@ class ParameterServerClient(Strategy):
             p.copy_(value)
         self.pulled_bytes += nbytes(flat)
 
+    @property
+    def server_optim(self) -> dict:
+        """The servers' optimizer settings (SETUP's ``optim``): torch's AdamW or the 8-bit one."""
+        o = self.optim_cfg
+        return {"lr": o.lr, "betas": [o.beta1, o.beta2], "eps": o.eps, "weight_decay": o.weight_decay,
+                "name": o.name, "block_size": o.block_size, "min_8bit_size": o.min_8bit_size}
+
     def setup_servers(self) -> None:
         """Worker 0 gives each server its parameters' names, shapes and initial values, and
         AdamW's settings; all workers then meet, so no gradient reaches a server before its values."""
-        o = self.optim_cfg
-        optim = {"lr": o.lr, "betas": [o.beta1, o.beta2], "eps": o.eps, "weight_decay": o.weight_decay}
         if self.mesh.dp.rank == 0:
             manifests = [{"names": [n for n, _ in mine], "shapes": [list(p.shape) for _, p in mine],
-                          "optim": optim} for mine in self.by_server]
+                          "optim": self.server_optim} for mine in self.by_server]
             self.wait([self.request(k, Header(Kind.SETUP), manifests[k], wire.flatten([p for _, p in mine]))
                        for k, mine in enumerate(self.by_server)])
         self.workers_meet()
@@ -241,7 +250,8 @@ class ParameterServerClient(Strategy):
         for k, reply in enumerate(replies):
             shape = {n: p.shape for n, p in self.by_server[k]}
             layout = [(name, key) for name, keys in reply.meta["keys"].items() for key in keys]
-            tensors = wire.unflatten(reply.payload, [shape[name] for name, _ in layout])
+            tensors = wire.unflatten(reply.payload, [state_shape(key, shape[name], self.server_optim)
+                                                     for name, key in layout])
             state: dict[str, dict[str, torch.Tensor]] = {}
             for (name, key), t in zip(layout, tensors, strict=True):
                 state.setdefault(name, {})[key] = t
@@ -251,12 +261,13 @@ class ParameterServerClient(Strategy):
     def state_size(self, k: int, meta: dict) -> int:
         """The elements a STATE reply's manifest announces, refused if it names a parameter server k
         does not hold (wire.py: sizes are checked before anything is allocated)."""
-        numel = {n: p.numel() for n, p in self.by_server[k]}
+        shape = {n: p.shape for n, p in self.by_server[k]}
         keys = meta.get("keys")
-        if not (isinstance(keys, dict) and set(keys) <= set(numel) and isinstance(meta.get("step"), int)
+        if not (isinstance(keys, dict) and set(keys) <= set(shape) and isinstance(meta.get("step"), int)
                 and all(wire.strings(ks) for ks in keys.values())):
             raise wire.ProtocolError(f"a STATE reply with an unexpected manifest from {server_name(k)}")
-        return sum(numel[n] * len(ks) for n, ks in keys.items())
+        optim = self.server_optim
+        return sum(state_shape(key, shape[n], optim).numel() for n, ks in keys.items() for key in ks)
 
     def optimizer_step_count(self) -> int:
         return int(self.wait([self.request(0, Header(Kind.UPDATES))])[0].value)
@@ -266,12 +277,27 @@ class ParameterServerClient(Strategy):
             return self.buffer_pieces()
         params = dict(self.named_params)
         out = []
+        block = self.optim_cfg.block_size
         for tensors, _ in self.server_states():
             for name, by_key in tensors.items():
-                info = info_of(params[name])
+                info, numel = info_of(params[name]), params[name].numel()
                 for key, t in by_key.items():
-                    out += pieces_of(info, key, t, name=info.name or name)
-        return out + self.buffer_pieces()
+                    if key in a8.QUANT_KEYS:  # 8-bit codes and block scales: flat, as one process writes them
+                        t = t.to(torch.uint8) if key.endswith(".q") else t
+                        out.append(a8.quantised_piece(info.name or name, key, numel, block, 0, numel, t))
+                    else:
+                        out += pieces_of(info, key, t, name=info.name or name)
+        return out + self.frozen_pieces() + self.buffer_pieces()
+
+    def frozen_pieces(self) -> list[Piece]:
+        """The parameters no server holds (frozen: a LoRA base), from this worker's copy: every
+        worker holds them unchanged, in their own dtype (a bf16 base stays bf16)."""
+        out = []
+        for name, p in self.model.named_parameters():
+            info = info_of(p)
+            if not p.requires_grad and not info.tied_to:
+                out += pieces_of(info, "param", p, name=info.name or name)
+        return out
 
     @torch.no_grad()
     def load_state_pieces(self, reader: ShardReader, optimizer_step: int) -> None:
@@ -290,9 +316,15 @@ class ParameterServerClient(Strategy):
         self.workers_meet()
 
     def read_server_state(self, reader: ShardReader, k: int) -> dict[str, dict[str, torch.Tensor]]:
+        """Server k's tensors from a checkpoint: values and the optimizer state in the form the
+        server keeps (8-bit: codes and scales, quantised from fp32 moments where the checkpoint
+        holds those; fp32 moments from 8-bit ones the other way round)."""
         out = {}
         for name, p in self.by_server[k]:
             full = info_of(p).name or name
+            if self.optim_cfg.name == "adamw8bit":
+                out[name] = self.read_8bit_state(reader, full, p)
+                continue
             keys = {"param"} | (set(reader.keys(full)) - {"param", "buffer"})
             out[name] = {}
             for key in sorted(keys):
@@ -300,3 +332,11 @@ class ParameterServerClient(Strategy):
                 read_local(reader, info_of(p), full, key, t)
                 out[name][key] = t
         return out
+
+    def read_8bit_state(self, reader: ShardReader, full: str, p: nn.Parameter) -> dict[str, torch.Tensor]:
+        value = torch.zeros(p.shape, dtype=torch.float32)
+        read_local(reader, info_of(p), full, "param", value)
+        o = self.optim_cfg
+        state = a8.read_param_state(reader, full, tuple(p.shape), 0, p.numel(), block=o.block_size,
+                                    quantised=p.numel() >= o.min_8bit_size)
+        return {"param": value, **(state or {})}

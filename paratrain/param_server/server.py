@@ -40,8 +40,19 @@ import torch.nn as nn
 
 import paratrain.faults as faults
 from paratrain.base.strategy import adamw_param_groups
+from paratrain.optim import adamw8bit as a8
 
 Grads = dict[str, torch.Tensor]
+
+
+def state_shape(key: str, shape: torch.Size, optim: dict) -> torch.Size:
+    """The shape of a parameter's optimizer tensor ``key`` in messages (STATE replies, LOAD
+    requests), from the settings both sides hold (SETUP's ``optim``): the parameter's own, or for
+    the 8-bit store's codes and block scales a flat run (optim/adamw8bit.py's flat layout)."""
+    if key not in a8.QUANT_KEYS:
+        return shape
+    numel = math.prod(shape)
+    return torch.Size([a8.key_range(key, 0, numel, int(optim["block_size"]))[1]])
 
 
 @dataclass
@@ -76,14 +87,19 @@ class ParamServer:
     pending: list[_Push] = field(default_factory=list)
 
     def setup(self, values: Grads, optim: dict) -> None:
-        """Take the initial values (fp32 copies) and build AdamW as the single process does."""
+        """Take the initial values (fp32 copies) and build AdamW as the single process does: torch's,
+        or the 8-bit one (``optim["name"]``) on this server's tensors, which are whole tensors
+        (a worker holds the whole model), so its blocks are one process's."""
         with self.lock:
             self.params = {n: nn.Parameter(v.detach().float().clone(), requires_grad=False)
                            for n, v in values.items()}
             groups = adamw_param_groups(list(self.params.items()), optim["weight_decay"])
-            # foreach=False: the per-tensor loop, as the single process on a CPU (base/strategy.py)
-            self.optimizer = torch.optim.AdamW(groups, lr=optim["lr"], betas=optim["betas"], eps=optim["eps"],
-                                               foreach=False)
+            hyper = {"lr": optim["lr"], "betas": optim["betas"], "eps": optim["eps"]}
+            if optim.get("name") == "adamw8bit":
+                self.optimizer = a8.AdamW8bit(groups, **hyper, block_size=optim["block_size"],
+                                              min_8bit_size=optim["min_8bit_size"])
+            else:  # foreach=False: the per-tensor loop, as the single process on a CPU (base/strategy.py)
+                self.optimizer = torch.optim.AdamW(groups, **hyper, foreach=False)
             self.read = [0] * self.dp
 
     # -- synchronous mode -----------------------------------------------------------------------
@@ -178,7 +194,8 @@ class ParamServer:
             out, step = {}, 0
             for name, p in self.params.items():
                 st = self.optimizer.state.get(p, {})
-                moments = {k: t.clone() for k, t in st.items() if torch.is_tensor(t) and t.shape == p.shape}
+                moments = {k: t.clone() for k, t in st.items()
+                           if torch.is_tensor(t) and (t.shape == p.shape or k in a8.QUANT_KEYS)}
                 out[name] = {"param": p.detach().clone(), **moments}
                 if "step" in st:
                     step = int(st["step"])
@@ -197,7 +214,9 @@ class ParamServer:
                 p = self.params[name]
                 p.data.copy_(tensors["param"])
                 moments = {k: t.float().clone() for k, t in tensors.items() if k != "param"}
-                if moments:
+                if moments and isinstance(self.optimizer, a8.AdamW8bit):  # codes cast back to uint8
+                    self.optimizer.load_named(p, moments, step=step)
+                elif moments:
                     self.optimizer.state[p] = {**moments, "step": torch.tensor(float(step))}
 
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from paratrain.param_server import wire
 from paratrain.param_server.placement import server_name, worker_name
-from paratrain.param_server.server import Grads, ParamServer
+from paratrain.param_server.server import Grads, ParamServer, state_shape
 from paratrain.param_server.wire import Header, Kind, ProtocolError
 
 # A server waits for its workers' next message as long as the run lasts (an eval or a checkpoint
@@ -90,6 +90,7 @@ class ServerLoop:
     def __init__(self, group: dist.ProcessGroup, world: PsWorld, server: ParamServer):
         self.group, self.world, self.server = group, world, server
         self.shapes: list[torch.Size] = []  # this server's parameters, in the order worker 0 gave them
+        self.optim: dict = {}  # the optimizer settings of SETUP (8-bit state shapes read them)
         self.outgoing: wire.Outgoing = []
         self.awaiting: list[tuple[torch.futures.Future, int, Callable]] = []  # parked pushes
 
@@ -164,8 +165,15 @@ class ServerLoop:
             raise ProtocolError("a SETUP manifest without names, shapes and optimizer settings")
         self.shapes = [torch.Size(s) for s in shapes]
         values = wire.unflatten(self.payload(h, src, sum(s.numel() for s in self.shapes)), self.shapes)
+        if optim.get("name", "adamw") not in ("adamw", "adamw8bit"):
+            raise ProtocolError(f"a SETUP for an optimizer the servers do not run: {optim.get('name')!r}")
         settings = {"lr": float(optim["lr"]), "betas": tuple(float(b) for b in optim["betas"]),
-                    "eps": float(optim["eps"]), "weight_decay": float(optim["weight_decay"])}
+                    "eps": float(optim["eps"]), "weight_decay": float(optim["weight_decay"]),
+                    "name": optim.get("name", "adamw"), "block_size": int(optim.get("block_size", 1)),
+                    "min_8bit_size": int(optim.get("min_8bit_size", 0))}
+        if settings["block_size"] < 1:
+            raise ProtocolError("a SETUP with an 8-bit block size below 1")
+        self.optim = settings
         self.server.setup(dict(zip(names, values, strict=True)), settings)
         self.reply(src)
 
@@ -175,7 +183,7 @@ class ServerLoop:
         if not (isinstance(keys, dict) and set(keys) <= set(shape_of)
                 and all(wire.strings(k) and "param" in k for k in keys.values())):
             raise ProtocolError("a LOAD manifest that names unknown parameters or no values")
-        shapes = [shape_of[name] for name, ks in keys.items() for _ in ks]
+        shapes = [state_shape(k, shape_of[name], self.optim) for name, ks in keys.items() for k in ks]
         tensors = iter(wire.unflatten(self.payload(h, src, sum(s.numel() for s in shapes)), shapes))
         self.server.load({name: {k: next(tensors) for k in ks} for name, ks in keys.items()}, h.round)
         self.reply(src)

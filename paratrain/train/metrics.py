@@ -34,7 +34,7 @@ def rank_record(mesh: ParallelMesh, state_bytes: dict, extra: dict | None = None
 
 #: The axes whose groups span nodes by construction: hybrid sharding's replicas, one per node
 #: (mesh.py). Every other axis (tp, dp_shard, pp, ...) is laid out on a node's fast links.
-INTER_NODE_AXES = ("dp_replicate",)
+INTER_NODE_AXES = ("dp_replicate", "edp_replicate")
 
 
 def by_link(by_axis: dict[str, int]) -> dict[str, int]:

@@ -108,15 +108,23 @@ def shard_axes(dp_axis: str, mesh: ParallelMesh) -> tuple[C.Axis, C.Axis | None]
     node): its gradient is reduce-scattered over dp_shard, then that 1/S shard is all-reduced over
     dp_replicate, so the sum covers all of dp. Otherwise (R = 1, or an expert-parallel expert over
     edp) the axis itself, with no replicas: R = 1 keeps the name "dp", so byte counts per axis are
-    those of plain ZeRO."""
-    if dp_axis == "dp" and mesh.shape.dp_replicate > 1:
-        return mesh.dp_shard, mesh.dp_replicate
+    those of plain ZeRO. An expert-parallel expert under HSDP splits its edp ranks the same way:
+    sharded over ``edp_shard`` (the ranks of one replica holding it), its shard held by the R
+    ranks of ``edp_replicate``: reduce-scatter inside the replica, all-reduce across replicas,
+    the sum over all of edp (mesh.py)."""
+    if dp_axis in REPLICATED and mesh.shape.dp_replicate > 1:
+        return getattr(mesh, f"{dp_axis}_shard"), getattr(mesh, f"{dp_axis}_replicate")
     return getattr(mesh, dp_axis), None
 
 
+REPLICATED = ("dp", "edp")  # the axes hybrid sharding splits into <axis>_shard x <axis>_replicate
+
+
 def replicas_of(layout: FlatLayout, mesh: ParallelMesh) -> C.Axis | None:
-    """The axis holding copies of this layout's shard (dp_replicate under HSDP), else None."""
-    return mesh.dp_replicate if layout.axis == "dp_shard" else None
+    """The axis holding copies of this layout's shard (dp_replicate, or edp_replicate for an
+    expert, under HSDP), else None."""
+    base = layout.axis.removesuffix("_shard")
+    return getattr(mesh, f"{base}_replicate") if base != layout.axis and base in REPLICATED else None
 
 
 def reduce_over_replicas(layout: FlatLayout, grad_shard: torch.Tensor, mesh: ParallelMesh,
