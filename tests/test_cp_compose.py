@@ -1,0 +1,83 @@
+"""Context parallelism composed with a mixture of experts (replicated experts and EP), hybrid
+sharding and the Qwen3 families (docs/context_parallel.md "What composes"), each against one
+process on tests/test_context_parallel.py's packed rows (documents crossing the chunk borders, loss
+masks, the eval loss), float64 but for ZeRO (fp32: the harness's criterion)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from paratrain import config
+from paratrain.context_parallel.split import split_sequence
+from paratrain.engine import checks
+from paratrain.models.moe import balance_loss_rows
+from tests.harness import tiny_cfg
+from tests.test_context_parallel import SHAPE, _check_layouts
+
+
+def test_balance_loss_shares_sum_to_one_process():
+    """The load-balancing loss of rows split over cp2 (models/moe.py): given the whole rows' expert
+    counts (what the cp all-reduce hands each rank; the training test below runs the collective),
+    the two ranks' shares sum to one process's value and each rank's gradient is the one-process
+    gradient of its tokens. Each rank's own f and P (the micro-batch rule, refused before) differ."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 16, 4, generator=g, dtype=torch.float64)  # [rows, seq, E]
+    whole = logits.reshape(-1, 4).requires_grad_()
+    probs = whole.softmax(-1)
+    ref = balance_loss_rows(probs, probs.topk(2, dim=-1).indices, 2)
+    ref.sum().backward()
+    grad = whole.grad.view(2, 16, 4)
+
+    mine = [split_sequence(logits, r, 2).reshape(-1, 4).requires_grad_() for r in range(2)]
+    probs = [m.softmax(-1) for m in mine]
+    experts = [p.topk(2, dim=-1).indices for p in probs]
+    counts = sum(F.one_hot(e, 4).view(2, -1, 4).sum(1) for e in experts)  # the all-reduce's result
+    shares = [balance_loss_rows(p, e, 2, lambda t: counts, 2) for p, e in zip(probs, experts)]
+    torch.testing.assert_close(shares[0] + shares[1], ref.detach(), rtol=1e-12, atol=0)
+    for r in range(2):
+        shares[r].sum().backward()
+        torch.testing.assert_close(mine[r].grad, split_sequence(grad, r, 2).reshape(-1, 4),
+                                   rtol=1e-12, atol=1e-15)
+    alone = [balance_loss_rows(p, e, 2) for p, e in zip(probs, experts)]
+    assert not torch.allclose((alone[0] + alone[1]).detach() / 2, ref.detach(), rtol=1e-6)
+
+
+@pytest.mark.composes(("cp", "moe"))
+@pytest.mark.composes(("cp", "ep"))
+@pytest.mark.composes(("cp", "hsdp"))
+def test_cp_with_experts_hsdp_and_qwen3_equals_one_process(tmp_path):
+    """cp2 with a mixture of experts (experts replicated; and --ep 2 over the same two ranks: the
+    all-to-all carries every rank's tokens, the row's other positions included), Qwen3 (per-head
+    q/k norms before RoPE of the global positions) and Qwen3-MoE (its per-layer aux loss, ring and
+    all-to-all) against one process in float64; --dp-replicate 2 --cp 2 --zero 3 on 4 ranks (ZeRO-3
+    shard groups over dp_shard x cp = the cp pair, replicated across the two batch indices) in fp32."""
+    _check_layouts(tmp_path, {
+        2: {"moe_cp2": {"model.name": "tiny-moe", "parallel.cp": 2},
+            "moe_ep2_cp2": {"model.name": "tiny-moe", "parallel.cp": 2, "parallel.ep": 2},
+            "qwen3_cp2": {"model.name": "qwen3-tiny", "parallel.cp": 2},
+            "qwen3_moe_cp2_a2a": {"model.name": "qwen3-moe-tiny", "parallel.cp": 2,
+                                  "parallel.cp_method": "alltoall"}},
+        4: {"hsdp_cp2_zero3": {"parallel.dp": 2, "parallel.dp_replicate": 2, "parallel.cp": 2,
+                               "parallel.zero": 3}}})
+
+
+def test_cp_moe_and_hsdp_checks(tmp_path):
+    """The layouts lifted here pass the checks; --ep must divide dp x cp (the experts may spread
+    over the cp ranks, which hold tokens too), and averaging with cp stays refused with its reason."""
+    base = {**SHAPE, "model.n_heads": 4, "model.n_kv_heads": 2}
+    ok = [{"model.name": "tiny-moe", "parallel.cp": 2, "parallel.ep": 2, "parallel.nproc": 2},
+          {"parallel.dp_replicate": 2, "parallel.cp": 2, "parallel.zero": 3, "parallel.nproc": 4},
+          {"model.name": "qwen3-moe-tiny", "parallel.cp": 2, "parallel.nproc": 2}]
+    for overrides in ok:
+        cfg = tiny_cfg(tmp_path / "ok", **{**base, **overrides})
+        checks.validate(cfg, cfg.world_size)
+    cfg = tiny_cfg(tmp_path / "bad", **{**base, "model.name": "tiny-moe", "parallel.cp": 2,
+                                         "parallel.ep": 4, "parallel.nproc": 2})
+    with pytest.raises(config.ConfigError, match=r"--ep \(4\) must divide dp x cp \(1 x 2 = 2\)"):
+        checks.validate(cfg, cfg.world_size)
+    cfg = tiny_cfg(tmp_path / "bad", **{**base, "parallel.cp": 2, "parallel.sync": "local-sgd",
+                                         "parallel.nproc": 4})
+    with pytest.raises(config.ConfigError, match="must sum gradients every step"):
+        checks.validate(cfg, cfg.world_size)
