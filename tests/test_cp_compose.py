@@ -13,7 +13,7 @@ from paratrain import config
 from paratrain.context_parallel.split import split_sequence
 from paratrain.engine import checks
 from paratrain.models.moe import balance_loss_rows
-from tests.harness import tiny_cfg
+from tests.harness import FP32_REORDERED, assert_same_training, run_layout, tiny_cfg
 from tests.test_context_parallel import SHAPE, _check_layouts
 
 
@@ -80,4 +80,28 @@ def test_cp_moe_and_hsdp_checks(tmp_path):
     cfg = tiny_cfg(tmp_path / "bad", **{**base, "parallel.cp": 2, "parallel.sync": "local-sgd",
                                          "parallel.nproc": 4})
     with pytest.raises(config.ConfigError, match="must sum gradients every step"):
+        checks.validate(cfg, cfg.world_size)
+
+
+def test_hf_mistral_import_under_cp_equals_one_process_and_families_refused(tmp_path):
+    """A transformers Mistral folder (--init-from; sliding window 16) trains at --cp 2 --seq-len 16
+    as one process does (fp32, the harness's criterion; lr 1e-3 as tests/test_hf.py says why).
+    paratrain runs a window only as long as the whole sequence (longer ones are refused), so the
+    window never cuts inside a row; the check must read the GLOBAL length: at --seq-len 32 a cp2
+    rank holds 16 positions, which alone would fit the window, and it is refused all the same.
+    Gemma-2 stays refused with the fact (its attention's score cap)."""
+    from tests.hf_models import save_hf
+
+    save_hf(tmp_path / "mistral", "mistral", sliding_window=16)
+    common = {"model.init_from": str(tmp_path / "mistral"), "train.steps": 2, "train.global_batch": 4,
+              "data.seq_len": 16, "optim.lr": 1e-3}
+    ref = run_layout(tiny_cfg(tmp_path / "ref", **common))
+    got = run_layout(tiny_cfg(tmp_path / "cp2", **common, **{"parallel.cp": 2}), nproc=2)
+    assert_same_training(got, ref, **FP32_REORDERED, lr_steps=2e-3)
+    cfg = tiny_cfg(tmp_path / "long", **{**common, "data.seq_len": 32, "parallel.cp": 2})
+    with pytest.raises(config.ConfigError, match="sliding-window attention of 16 tokens"):
+        checks.validate(cfg, 2)
+    base = {**SHAPE, "model.n_heads": 4, "model.n_kv_heads": 2}
+    cfg = tiny_cfg(tmp_path / "g", **{**base, "model.name": "gemma2-tiny", "parallel.cp": 2})
+    with pytest.raises(config.ConfigError, match="soft-caps its attention scores"):
         checks.validate(cfg, cfg.world_size)

@@ -20,8 +20,8 @@ def check_context_parallel(cfg: Config, problems: list[str]) -> None:
         return
     family = family_for_config(model_shape(cfg)) if model_kind(cfg.model.name).decoder else None
     if family is None or not family.attention:
-        why = (family and family.no_context_parallel) or ("routes no attention through paratrain's "
-                                                           "attention core, which context parallelism replaces")
+        why = (family and family.no_context_parallel) or \
+            "routes no attention through paratrain's attention core, which --cp (context parallelism) swaps"
         problems.append(f"{cfg.model.name} {why}: use --cp 1 with it")
         return
     if cfg.data.seq_len % (2 * cp):
