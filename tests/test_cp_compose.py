@@ -105,3 +105,40 @@ def test_hf_mistral_import_under_cp_equals_one_process_and_families_refused(tmp_
     cfg = tiny_cfg(tmp_path / "g", **{**base, "model.name": "gemma2-tiny", "parallel.cp": 2})
     with pytest.raises(config.ConfigError, match="soft-caps its attention scores"):
         checks.validate(cfg, cfg.world_size)
+
+
+def test_eval_with_cp_equals_one_process(tmp_path, capsys):
+    """`paratrain eval --cp 2` of a Qwen2 import (q/k/v biases, tied head): a --text-file (its
+    predicted tokens not a multiple of 4: padded at the end, the padding not counted) by the ring,
+    and --data in windows of --seq-len 30 (padded to 32; the last window's end ignored) by
+    all-to-all: the counted tokens and the loss of --cp 1. fp32: the ranks' loss sums add in
+    another order and the ring merges attention by log-sum-exp, ~1e-7 relative; a position or a
+    mask wrong at a chunk border moves the loss by ~1e-2. Bad --cp input exits 2 before any rank."""
+    import json
+
+    from paratrain import cli
+    from paratrain.eval import EvalError, check_cp
+    from paratrain.models import build_model, preset
+    from tests.hf_models import save_hf
+
+    folder = tmp_path / "qwen2"
+    save_hf(folder, "qwen2", tie_word_embeddings=True)
+    (tmp_path / "t.txt").write_text("def greet(name):\n    return 'hello ' + name\n" * 3)
+    (tmp_path / "corpus.txt").write_text("".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(12)))
+
+    def evaluate(*flags: str) -> dict:
+        assert cli.main(["eval", "--init-from", str(folder), *flags, "--json"]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    for what, method in ((["--text-file", str(tmp_path / "t.txt")], "ring"),
+                         (["--data", str(tmp_path / "corpus.txt"), "--seq-len", "30"], "alltoall")):
+        ref = evaluate(*what)
+        got = evaluate(*what, "--cp", "2", "--cp-method", method)
+        assert got["tokens"] == ref["tokens"] and got["loss"] == pytest.approx(ref["loss"], rel=1e-5), what
+    assert ref["tokens"] > 30 and evaluate("--text-file", str(tmp_path / "t.txt"))["tokens"] % 4
+    assert cli.main(["eval", "--init-from", str(folder), "--text-file", str(tmp_path / "t.txt"),
+                     "--cp", "3", "--cp-method", "alltoall"]) == 2
+    err = capsys.readouterr().err
+    assert "use --cp-method ring" in err and "Traceback" not in err
+    with pytest.raises(EvalError, match="soft-caps its attention scores"):
+        check_cp(build_model(preset("gemma2-tiny"), "meta"), 2, "ring")
