@@ -44,23 +44,28 @@ def test_balance_loss_shares_sum_to_one_process():
     assert not torch.allclose((alone[0] + alone[1]).detach() / 2, ref.detach(), rtol=1e-6)
 
 
+# Two steps and the eval after them: enough for AdamW's second step to act on the first one's
+# moments (a wrong gradient at step 1 moves every weight by ~lr), at two thirds of three's cost.
+TWO_STEPS = {"train.steps": 2, "train.eval_every": 2}
+
+
 @pytest.mark.composes(("cp", "moe"))
 @pytest.mark.composes(("cp", "ep"))
 @pytest.mark.composes(("cp", "hsdp"))
 def test_cp_with_experts_hsdp_and_qwen3_equals_one_process(tmp_path):
-    """cp2 with a mixture of experts (experts replicated; and --ep 2 over the same two ranks: the
-    all-to-all carries every rank's tokens, the row's other positions included), Qwen3 (per-head
-    q/k norms before RoPE of the global positions) and Qwen3-MoE (its per-layer aux loss, ring and
-    all-to-all) against one process in float64; --dp-replicate 2 --cp 2 --zero 3 on 4 ranks (ZeRO-3
-    shard groups over dp_shard x cp = the cp pair, replicated across the two batch indices) in fp32."""
+    """Against one process: Qwen3-MoE at cp2 (all-to-all; experts replicated; Qwen3's per-head q/k
+    norms before RoPE of the global positions; one MoE and one dense block: the per-layer aux loss)
+    and tiny-moe with --ep 2 over the same two ranks (the all-to-all carries every rank's tokens,
+    their rows' other positions wherever they are; ring) in float64; --dp 2 --dp-replicate 2
+    --cp 2 --zero 3 on 4 ranks (ZeRO-3 shards over dp_shard x cp = each cp pair, replicated
+    across the two batch indices) in fp32. Without the cp sum of the expert counts the MoE
+    layouts' losses differ from the first step (seen while this was built)."""
     _check_layouts(tmp_path, {
-        2: {"moe_cp2": {"model.name": "tiny-moe", "parallel.cp": 2},
-            "moe_ep2_cp2": {"model.name": "tiny-moe", "parallel.cp": 2, "parallel.ep": 2},
-            "qwen3_cp2": {"model.name": "qwen3-tiny", "parallel.cp": 2},
-            "qwen3_moe_cp2_a2a": {"model.name": "qwen3-moe-tiny", "parallel.cp": 2,
-                                  "parallel.cp_method": "alltoall"}},
+        2: {"qwen3_moe_cp2_a2a": {"model.name": "qwen3-moe-tiny", "parallel.cp": 2,
+                                  "parallel.cp_method": "alltoall", **TWO_STEPS},
+            "moe_ep2_cp2": {"model.name": "tiny-moe", "parallel.cp": 2, "parallel.ep": 2, **TWO_STEPS}},
         4: {"hsdp_cp2_zero3": {"parallel.dp": 2, "parallel.dp_replicate": 2, "parallel.cp": 2,
-                               "parallel.zero": 3}}})
+                               "parallel.zero": 3, **TWO_STEPS}}})
 
 
 def test_cp_moe_and_hsdp_checks(tmp_path):
@@ -94,7 +99,7 @@ def test_hf_mistral_import_under_cp_equals_one_process_and_families_refused(tmp_
 
     save_hf(tmp_path / "mistral", "mistral", sliding_window=16)
     common = {"model.init_from": str(tmp_path / "mistral"), "train.steps": 2, "train.global_batch": 4,
-              "data.seq_len": 16, "optim.lr": 1e-3}
+              "data.seq_len": 16, "data.max_files": 4, "optim.lr": 1e-3}
     ref = run_layout(tiny_cfg(tmp_path / "ref", **common))
     got = run_layout(tiny_cfg(tmp_path / "cp2", **common, **{"parallel.cp": 2}), nproc=2)
     assert_same_training(got, ref, **FP32_REORDERED, lr_steps=2e-3)
