@@ -56,14 +56,16 @@ def test_cp_with_experts_hsdp_and_qwen3_equals_one_process(tmp_path):
     """Against one process: Qwen3-MoE at cp2 (all-to-all; experts replicated; Qwen3's per-head q/k
     norms before RoPE of the global positions; one MoE and one dense block: the per-layer aux loss)
     and tiny-moe with --ep 2 over the same two ranks (the all-to-all carries every rank's tokens,
-    their rows' other positions wherever they are; ring) in float64; --dp 2 --dp-replicate 2
+    their rows' other positions wherever they are; ring), and the dense Qwen3 family (ring) in
+    float64; --dp 2 --dp-replicate 2
     --cp 2 --zero 3 on 4 ranks (ZeRO-3 shards over dp_shard x cp = each cp pair, replicated
     across the two batch indices) in fp32. Without the cp sum of the expert counts the MoE
     layouts' losses differ from the first step (seen while this was built)."""
     _check_layouts(tmp_path, {
         2: {"qwen3_moe_cp2_a2a": {"model.name": "qwen3-moe-tiny", "parallel.cp": 2,
                                   "parallel.cp_method": "alltoall", **TWO_STEPS},
-            "moe_ep2_cp2": {"model.name": "tiny-moe", "parallel.cp": 2, "parallel.ep": 2, **TWO_STEPS}},
+            "moe_ep2_cp2": {"model.name": "tiny-moe", "parallel.cp": 2, "parallel.ep": 2, **TWO_STEPS},
+            "qwen3_cp2": {"model.name": "qwen3-tiny", "parallel.cp": 2, **TWO_STEPS}},
         4: {"hsdp_cp2_zero3": {"parallel.dp": 2, "parallel.dp_replicate": 2, "parallel.cp": 2,
                                "parallel.zero": 3, **TWO_STEPS}}})
 
