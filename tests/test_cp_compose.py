@@ -1,7 +1,8 @@
 """Context parallelism composed with a mixture of experts (replicated experts and EP), hybrid
 sharding and the Qwen3 families (docs/context_parallel.md "What composes"), each against one
 process on tests/test_context_parallel.py's packed rows (documents crossing the chunk borders, loss
-masks, the eval loss), float64 but for ZeRO (fp32: the harness's criterion)."""
+masks, the eval loss), float64 but for ZeRO (fp32: the harness's criterion); a transformers
+Mistral import at cp2; `paratrain eval --cp 2` against --cp 1."""
 
 from __future__ import annotations
 
