@@ -556,6 +556,13 @@ def eval_parser(sub: argparse._SubParsersAction) -> None:
                       "--eval-data, else the rows --val-fraction held out of its --data)")
     e.add_argument("--seq-len", type=int, help="rows of --data (default: the model's context, at most 1024)")
     e.add_argument("--max-rows", type=int, help="evaluate at most this many rows of --data")
+    e.add_argument("--cp", type=int, default=1, metavar="N",
+                   help="context parallelism (default 1): N local processes each hold 1/N of every row's "
+                        "positions, attention sees all of them (a file longer than one process's attention "
+                        "holds; rows are padded at the end to a multiple of 2N, the padding not counted)")
+    e.add_argument("--cp-method", default="ring", choices=("ring", "alltoall", "auto"),
+                   help="with --cp: ring (K/V passed rank to rank; the default), alltoall (heads "
+                        "scattered) or auto (alltoall when the heads divide by N)")
     e.add_argument("--json", action="store_true", help='one line {"loss", "tokens", "perplexity"}')
 
 
@@ -564,7 +571,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from paratrain.eval import (  # lazy: start-up time
+        ContextParallelEval,
         EvalError,
+        check_cp,
         eval_corpus,
         eval_run_split,
         eval_text,
@@ -577,17 +586,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise UserError("eval --init-from DIR needs --data FILE or --text-file FILE (a Hugging Face "
                         "folder has no held-out rows of its own)")
     model, tokenizer, hf_config = load_model(args.run, args.init_from)
+    check_cp(model, args.cp, args.cp_method)
+    split = ContextParallelEval(args.cp, args.cp_method, args.run, args.init_from) if args.cp > 1 else None
     if not (args.data or args.text_file):
-        result = eval_run_split(model, args.run, args.seq_len, hf_config, max_rows=args.max_rows)
+        result = eval_run_split(model, args.run, args.seq_len, hf_config, max_rows=args.max_rows, split=split)
     elif args.text_file:
         if not Path(args.text_file).is_file():
             raise EvalError(f"--text-file {args.text_file!r} does not exist")
         text = Path(args.text_file).read_bytes().decode("utf-8", errors="replace")
-        result = eval_text(model, tokenizer, text, hf_config, args.seq_len)
+        result = eval_text(model, tokenizer, text, hf_config, args.seq_len, split)
     else:
         seq_len = args.seq_len or min(model.cfg.max_seq_len, 1024)
         result = eval_corpus(model, tokenizer, args.data, seq_len, hf_config, max_rows=args.max_rows,
-                             run=args.run)
+                             run=args.run, split=split)
     if args.json:
         print(json.dumps(result.to_dict()))
     else:

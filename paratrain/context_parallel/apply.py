@@ -6,17 +6,26 @@ family declares its attention core (``ModelFamily.attention``: a parameter-free 
 ``core(q, k, v, positions=positions)``); it is swapped for ``ContextParallelAttention`` in every
 block, so parameter names do not change and recompute, TP (local heads) and pipeline stages wrap
 it as they wrap the original.
+
+The one other thing that is not position-wise is a mixture-of-experts layer's load-balancing loss,
+a product of two means over each row (models/moe.py): its layers are told to sum their per-row
+expert counts over the cp group (``row_sum``), so every rank's share adds up to one process's loss.
+Experts need nothing: tokens are tokens, wherever their row's other positions are.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 
+from paratrain.comm import collectives as C
 from paratrain.comm.collectives import Axis
 from paratrain.context_parallel.allgather import allgather_attention
 from paratrain.context_parallel.alltoall import alltoall_attention
 from paratrain.context_parallel.ring import ring_attention
+from paratrain.models.moe import moe_layers
 from paratrain.models.registry import family_of
 
 
@@ -64,4 +73,13 @@ def apply_context_parallel(model: nn.Module, axis: Axis, *, method: str = "ring"
         parent = block.get_submodule(parent_path) if parent_path else block
         setattr(parent, leaf, ContextParallelAttention(axis, method))
         swapped += 1
+    for layer in moe_layers(model):  # the aux loss's expert counts are the whole row's
+        layer.row_sum, layer.row_shards = functools.partial(_sum_over_cp, axis=axis), axis.size
     return swapped
+
+
+def _sum_over_cp(t: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """The sum of ``t`` over the cp ranks (a copy: the caller's tensor is left as it was)."""
+    total = t.clone()
+    C.all_reduce(total, axis, what="expert counts of the rows (MoE aux loss under cp)")
+    return total

@@ -18,9 +18,11 @@ def check_context_parallel(cfg: Config, problems: list[str]) -> None:
             problems.append(f"--cp-method {p.cp_method} chooses context parallelism's attention: add --cp N "
                             "(N >= 2) or drop --cp-method")
         return
-    if not model_kind(cfg.model.name).decoder or not family_for_config(model_shape(cfg)).attention:
-        problems.append(f"{cfg.model.name} routes no attention through paratrain's attention core, which "
-                        "context parallelism (--cp) replaces: use --cp 1 with it")
+    family = family_for_config(model_shape(cfg)) if model_kind(cfg.model.name).decoder else None
+    if family is None or not family.attention:
+        why = (family and family.no_context_parallel) or \
+            "routes no attention through paratrain's attention core, which --cp (context parallelism) swaps"
+        problems.append(f"{cfg.model.name} {why}: use --cp 1 with it")
         return
     if cfg.data.seq_len % (2 * cp):
         fit = (cfg.data.seq_len // (2 * cp)) * 2 * cp
@@ -42,10 +44,6 @@ def _refused(what: str) -> Callable[[Config], str]:
 
 # What --cp is refused with (records of docs/composition.md: refusals.py).
 CP_REFUSALS = (
-    Refusal("cp", ("moe", "ep"), "the aux loss's token fractions are per micro-batch: not checked under a "
-            "split sequence yet", when=lambda c: c.parallel.cp > 1 and model_shape(c).n_experts > 0,
-            message=_refused("a mixture-of-experts model (the aux loss's token fractions are per "
-                             "micro-batch: not checked under a split sequence yet)")),
     Refusal("cp", ("local-sgd", "diloco", "param-server"), "the cp ranks of a batch must sum gradients "
             "every step", when=lambda c: c.parallel.cp > 1 and c.parallel.sync != "ddp",
             message=lambda c: _refused(f"--sync {c.parallel.sync} (the cp ranks of a batch must sum "
@@ -53,9 +51,4 @@ CP_REFUSALS = (
     Refusal("cp", "compile", "the ring's point-to-point calls are not compiled",
             when=lambda c: c.parallel.cp > 1 and c.train.compile,
             message=_refused("--compile (the ring's point-to-point calls are not compiled)")),
-    Refusal("cp", "hsdp", "hybrid shard groups over dp x cp are not checked yet (not built)",
-            when=lambda c: c.parallel.cp > 1 and (c.parallel.dp_replicate > 1
-                                                  or c.parallel.dp_shard is not None),
-            message=_refused("--dp-replicate / --dp-shard (hybrid shard groups over dp x cp are not "
-                             "checked yet)")),
 )

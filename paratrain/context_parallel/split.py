@@ -60,3 +60,23 @@ def document_starts(positions: torch.Tensor, rank: int, cp: int) -> torch.Tensor
     position p belongs to the run starting at g - p; two tokens may attend to each other only when
     these agree. Plain rows (positions = global index) give 0 everywhere: one run."""
     return global_index(positions.shape[1], rank, cp, positions.device) - positions
+
+
+def pad_rows(x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None, cp: int, *,
+             ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows ``x``/``y`` [b, S] (positions None: 0..S-1) padded at the end to a multiple of 2 * cp,
+    for a caller whose sequence length is not its to choose (``paratrain eval`` of a file).
+
+    The padding is exact for every causal model: pad tokens come after every real one, so no real
+    query sees them; their targets are ``ignore_index`` (not counted); each is a document of its
+    own (position 0), so it sees only itself (no empty softmax row) and no position past the
+    model's table is asked for. Returns explicit positions."""
+    b, s = x.shape
+    if positions is None:
+        positions = torch.arange(s, device=x.device).expand(b, -1)
+    pad = -s % (2 * cp)
+    if pad == 0:
+        return x, y, positions
+    tail = x.new_zeros(b, pad)
+    return (torch.cat([x, tail], 1), torch.cat([y, torch.full_like(tail, ignore_index)], 1),
+            torch.cat([positions, torch.zeros_like(tail, dtype=positions.dtype)], 1))

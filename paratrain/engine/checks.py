@@ -321,8 +321,11 @@ def check_moe(cfg: Config, problems: list[str]) -> None:
     for name in ("aux_loss_coef", "z_loss_coef"):
         if getattr(c, name) < 0:
             problems.append(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(c, name)})")
-    if ep > 1 and cfg.dp % ep:
-        problems.append(f"--ep ({ep}) must divide the data-parallel degree ({cfg.dp}): change --ep or --dp")
+    ranks = cfg.dp * cfg.parallel.cp  # the ranks the experts may spread over: the cp ranks hold tokens too
+    if ep > 1 and ranks % ep:
+        over = f"the data-parallel degree ({cfg.dp})" if cfg.parallel.cp == 1 else \
+            f"dp x cp ({cfg.dp} x {cfg.parallel.cp} = {ranks})"
+        problems.append(f"--ep ({ep}) must divide {over}: change --ep or --dp")
     if ep > 1 and c.n_experts % ep:
         problems.append(f"--ep ({ep}) must divide the number of experts ({c.n_experts}): "
                         "change --ep or --experts")

@@ -16,6 +16,8 @@ Techniques (tensor_parallel/, zero/, pipeline/, memory/) know no model by name: 
 * ``attention``: the block's attention core, a parameter-free module called ``core(q, k, v,
   positions=positions)`` on [b, heads, s, hd] (context parallelism swaps it for ring or all-to-all
   attention; "" when the family routes no attention through one);
+* ``no_context_parallel``: where ``attention`` is "", the fact about the family's attention that
+  context parallelism cannot reproduce (the reason ``--cp`` is refused with);
 * ``mlp_norm``: the block's norm that feeds ``mlp``, its tensor-parallel region entry (expert
   parallelism under SP turns its sequence gather off: the MoE dispatches the slice it holds);
 * ``tied``: (copy, owner) parameter names when weights may be tied (the LM head and embedding):
@@ -60,6 +62,7 @@ class ModelFamily:
     recompute: dict[str, str] = field(default_factory=dict)
     mlp: str = ""
     attention: str = ""  # the block's attention core (context parallelism swaps it)
+    no_context_parallel: str = ""  # why --cp is refused, where attention is "" (a fact of its attention)
     mlp_norm: str = ""
     head: str = ""
     tied: tuple[str, str] | None = None

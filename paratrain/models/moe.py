@@ -21,6 +21,13 @@ tokens are the same in every layout. The training loss is then
 and each layer records it as a *sum in token units* (row value x seq_len, summed over the rows it
 saw), the same form as the cross-entropy sum the executor divides by the global token count. So
 one process, any dp degree and any number of micro-batches add up the same total.
+
+Under context parallelism a rank holds 1/cp of every row's positions (context_parallel/). f_i is
+then the whole row's (its expert counts summed over the cp ranks, ``row_sum``: one all-reduce of
+[rows, E] integers per layer), and P_i is a sum over the row's tokens divided by the whole row's
+length, so each cp rank records its tokens' share of sum_i f_i P_i: the shares add up to the one
+process's value, and each rank's gradient (through its own tokens' probabilities; f has none) is
+exactly its part of the one-process gradient. The z-loss is per token and needs nothing.
 """
 
 from __future__ import annotations
@@ -102,12 +109,21 @@ def capacity_keep(experts: torch.Tensor, n_experts: int, capacity_factor: float)
     return (position < capacity).view(k, t).t()
 
 
-def balance_loss_rows(probs: torch.Tensor, experts: torch.Tensor, rows: int) -> torch.Tensor:
-    """E * sum_i f_i P_i for each row: probs [T, E], experts [T, k], T = rows * seq -> [rows]."""
+def balance_loss_rows(probs: torch.Tensor, experts: torch.Tensor, rows: int,
+                      row_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                      shards: int = 1) -> torch.Tensor:
+    """E * sum_i f_i P_i for each row: probs [T, E], experts [T, k], T = rows * seq -> [rows].
+
+    ``shards`` > 1 (context parallelism): the T tokens are this rank's 1/shards of each row's
+    positions and ``row_sum`` sums a [rows, E] tensor over the ranks holding the others; the
+    result is then this rank's share of each row's value (the shares sum to it)."""
     n_experts = probs.shape[-1]
-    p = probs.view(rows, -1, n_experts).mean(1)  # [rows, E]
+    seq = experts.shape[0] // rows * shards  # the whole row's tokens
     counts = F.one_hot(experts, n_experts).view(rows, -1, n_experts).sum(1)  # [rows, E] (k per token)
-    f = counts.float() / (experts.shape[-1] * (experts.shape[0] // rows))
+    if row_sum is not None:
+        counts = row_sum(counts)  # the whole row's counts: f_i has no gradient, so a plain sum
+    f = counts.to(probs.dtype) / (experts.shape[-1] * seq)
+    p = probs.view(rows, -1, n_experts).sum(1) / seq  # [rows, E]: this rank's share of the mean
     return n_experts * (f * p).sum(-1)
 
 
@@ -138,6 +154,11 @@ class MoE(nn.Module):
         # Under expert and tensor parallelism, which tokens this tp rank dispatches
         # (expert_parallel/tp_share.py: a TokenShare); None: all of them.
         self.share = None
+        # Under context parallelism (set by context_parallel/apply.py) this rank holds 1/row_shards
+        # of every row's positions, and ``row_sum`` sums a per-row [rows, E] tensor over the ranks
+        # that hold the rest (an all-reduce over cp): the aux loss's f_i is the whole row's.
+        self.row_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.row_shards = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape  # under EP x TP x SP, s is this tp rank's sequence slice
@@ -152,9 +173,10 @@ class MoE(nn.Module):
         else:
             mixed = self.share.combine(self, tokens, weights, experts, keep, rows=b)
         out = self.reduce(mixed.view(b, s, d))
-        seq = logits.shape[0] // b  # the whole sequence: the aux loss is per row
+        seq = logits.shape[0] // b * self.row_shards  # the whole sequence: the aux loss is per row
+        aux_rows = balance_loss_rows(probs, experts, b, self.row_sum, self.row_shards)
         stats = MoEStats(
-            aux_sum=self.router.count_once(balance_loss_rows(probs, experts, b).sum() * seq),
+            aux_sum=self.router.count_once(aux_rows.sum() * seq),
             z_sum=self.router.count_once(torch.logsumexp(logits, dim=-1).pow(2).sum()),
             assigned=experts.numel(), dropped=int((~keep).sum()),
             load=torch.bincount(experts.flatten(), minlength=self.n_experts).detach())

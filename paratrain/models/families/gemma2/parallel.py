@@ -42,10 +42,17 @@ GEMMA2_TP_PLAN: dict[str, str] = {
 
 GEMMA2_LORA_TARGETS = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.gate", "mlp.up", "mlp.down")
 
+# Context parallelism stays off: ring and all-to-all attention run the fused SDPA kernels (they
+# return each block's log-sum-exp), which take no score cap, and the windowed layers' mask counts
+# slots of the sequence a rank holds. Opting in needs a ring path of explicit per-block capped
+# scores with their log-sum-exp, and the window taken from global positions.
+NO_CP = ("soft-caps its attention scores (tanh(s / cap) * cap before the softmax), which the fused "
+         "attention kernels that context parallelism's ring and all-to-all run cannot apply")
+
 # The decoder layout, with the logit soft-cap after the head (the last stage's, ZeRO-3's head unit).
 GEMMA2 = replace(decoder_family("gemma2", GEMMA2_TP_PLAN, embedding_weight="embed.tokens.weight",
                                 init_value=full_init_value, lora_targets=GEMMA2_LORA_TARGETS,
                                 config_names=("gemma2",), planned=True),
-                 after=("norm", "lm_head", "logit_cap"))
+                 after=("norm", "lm_head", "logit_cap"), no_context_parallel=NO_CP)
 
 register(Gemma2Config, Gemma2, GEMMA2, PRESETS)

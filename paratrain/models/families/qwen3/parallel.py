@@ -25,7 +25,10 @@ QWEN3_TP_PLAN: dict[str, str] = {
 # LoRA's default targets: every attention and MLP projection (the norms are not linears).
 QWEN3_LORA_TARGETS = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.gate", "mlp.up", "mlp.down")
 
+# context_parallel: the q/k norms are per head and per token, before RoPE, which reads the positions
+# a rank is handed (the global ones under --cp), so the core is the only part that needs every rank.
 QWEN3 = decoder_family("qwen3", QWEN3_TP_PLAN, embedding_weight="embed.weight", init_value=full_init_value,
-                       lora_targets=QWEN3_LORA_TARGETS, config_names=("qwen3",), planned=True)
+                       lora_targets=QWEN3_LORA_TARGETS, config_names=("qwen3",), planned=True,
+                       context_parallel=True)
 
 register(Qwen3Config, Qwen3, QWEN3, PRESETS)

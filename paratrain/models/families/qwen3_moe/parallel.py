@@ -2,7 +2,9 @@
 summed over tp), whose mixture-of-experts entries are Llama's (every expert split like the dense
 MLP, ``down`` left partial and reduced once per layer, the router replicated with its gradient
 summed over tp: tensor_parallel/experts.py). Expert parallelism needs nothing declared: it finds
-models/moe.py's layers and keeps each rank's experts under their global index."""
+models/moe.py's layers and keeps each rank's experts under their global index. Context
+parallelism: Qwen3's attention (per-head q/k norms before RoPE of the global positions), and the
+MoE layers' per-row aux loss summed over the cp ranks (context_parallel/apply.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,6 @@ from paratrain.models.registry import register
 # (tests/test_planner_families.py).
 QWEN3_MOE = decoder_family("qwen3_moe", QWEN3_TP_PLAN, embedding_weight="embed.weight",
                            init_value=full_init_value, lora_targets=LLAMA_LORA_TARGETS,
-                           config_names=("qwen3_moe",), planned=True)
+                           config_names=("qwen3_moe",), planned=True, context_parallel=True)
 
 register(Qwen3MoeConfig, Qwen3Moe, QWEN3_MOE, PRESETS)
