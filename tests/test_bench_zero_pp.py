@@ -15,8 +15,8 @@ def _args(argv: list[str]) -> argparse.Namespace:
 
 
 def test_both_sides_run_and_compute_the_same_losses():
-    result = zero_pp.run(_args(["--model", "tiny", "--n-layers", "2", "--seq-len", "16", "--global-batch", "4",
-                                "--rounds", "1", "--steps", "1", "--warmup", "0"]))
+    result = zero_pp.run(_args(["--model", "tiny", "--n-layers", "2", "--seq-len", "16",
+                                "--global-batch", "4", "--rounds", "1", "--steps", "1", "--warmup", "0"]))
     assert (result["dp"], result["pp"], result["micro_batches"]) == (2, 2, 2)
     assert result["peer"].endswith("Schedule1F1B") and result["peer_reshard_after_forward"]
     for side in zero_pp.CONFIGS:
