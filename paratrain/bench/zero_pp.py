@@ -118,11 +118,11 @@ def _summary(runs: list[dict]) -> dict:
 
 def _dp(args: argparse.Namespace) -> int:
     if args.pp < 2 or args.nproc % args.pp or args.nproc // args.pp < 2:
-        raise SystemExit(f"paratrain bench zero-pp: --nproc ({args.nproc}) must be dp * --pp ({args.pp}) "
+        raise config.ConfigError(f"bench zero-pp: --nproc ({args.nproc}) must be dp * --pp ({args.pp}) "
                          "with dp >= 2 and pp >= 2 (ZeRO-3 shards over dp inside a pipeline)")
     dp = args.nproc // args.pp
     if args.global_batch % (dp * args.micro_batch):
-        raise SystemExit(f"paratrain bench zero-pp: --global-batch ({args.global_batch}) must be a multiple "
+        raise config.ConfigError(f"bench zero-pp: --global-batch ({args.global_batch}) must be a multiple "
                          f"of dp ({dp}) x --micro-batch ({args.micro_batch})")
     return dp
 
