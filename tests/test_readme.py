@@ -94,7 +94,7 @@ def test_a_readme_command_is_accepted_as_written(argv, monkeypatch, tmp_path):
     elif kind == "data":
         data_cli.parser().parse_args(argv[1:])
     elif kind == "bench":
-        module = importlib.import_module(f"paratrain.bench.{argv[1]}")
+        module = importlib.import_module(f"paratrain.bench.{argv[1].replace('-', '_')}")  # as cli.cmd_bench
         bench = argparse.ArgumentParser()
         module.add_arguments(bench)
         bench.parse_args(argv[2:])

@@ -19,6 +19,7 @@ import torch
 
 import paratrain.config as config
 from paratrain.engine import checks
+from paratrain.memory.precision import device_key
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, *, nproc: int = 2, steps: int = 12,
@@ -100,10 +101,12 @@ def time_steps(step: Callable[[int], None], warmup: int, steps: int, sync: Calla
 
 
 def machine() -> dict:
+    """The machine the figures came from; ``cpu_key``: the CPU's model name and the flags that
+    decide its matmul speed (AVX2, AVX-512, BF16, AMX), as the precision cache keys it."""
     import os
 
     return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "torch": torch.__version__,
+            "cpu_key": device_key(torch.device("cpu")), "torch": torch.__version__,
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 

@@ -48,12 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class RandomRows(Task):
-    """Rows of random tokens of the model's vocabulary: (x, y = x shifted, no positions)."""
+    """Rows of random tokens of the model's vocabulary: (x, y = x shifted, no positions).
+    ``overrides``: fields of the preset to change (``n_layers``, ``vocab_size``)."""
 
     name = "random-rows"
 
-    def __init__(self, cfg: config.Config):
-        self.model_cfg = preset(cfg.model.name, max_seq_len=cfg.data.seq_len)
+    def __init__(self, cfg: config.Config, **overrides: int):
+        self.model_cfg = preset(cfg.model.name, max_seq_len=cfg.data.seq_len, **overrides)
         self.seq_len, self.seed = cfg.data.seq_len, cfg.train.seed
         self.units_per_row = self.seq_len
         self.n_params = self.model_cfg.n_params()

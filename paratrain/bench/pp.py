@@ -227,8 +227,9 @@ def _virtual(name: str, a: dict) -> int:
     return 2 if name in V_SHAPED else a["virtual_stages"] if name == "interleaved" else 1
 
 
-def _stage_model(cfg, mesh, stages: list[int], n_stages: int, counts: list[int]):
-    """A Llama holding only ``stages``' blocks (embedding / head where owned), initialised."""
+def stage_model(cfg, mesh, stages: list[int], n_stages: int, counts: list[int], seed: int = 1234):
+    """A Llama holding only ``stages``' blocks (embedding / head where owned), initialised as the
+    whole model would be with ``seed`` (initial values depend on the name only)."""
     model = build_model(cfg, "meta")
     layers = stage_layers(counts)
     keep = {i for s in stages for i in layers[s]}
@@ -239,11 +240,11 @@ def _stage_model(cfg, mesh, stages: list[int], n_stages: int, counts: list[int])
     if n_stages - 1 not in stages:
         model.norm, model.lm_head = None, None
     materialize(model, mesh.device)
-    init_weights(model, 1234, cfg)
+    init_weights(model, seed, cfg)
     return model
 
 
-def _loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
 
 
@@ -284,7 +285,7 @@ class _Ours(_Side):
         materialize(model, mesh.device)
         init_weights(model, 1234, cfg)
         self.strategy = Strategy(model, mesh, OptimConfig())
-        self.executor = PipelineExecutor(model, chunks, _loss_sum, self.strategy, mesh, schedule=name,
+        self.executor = PipelineExecutor(model, chunks, loss_sum, self.strategy, mesh, schedule=name,
                                          virtual_stages=self.v, precision="fp32")
         self.micro = [MicroBatch(xs, ys) for xs, ys in zip(x.split(self.mb), y.split(self.mb))]
         self.bubbles: list[float] = []
@@ -317,10 +318,10 @@ class _Peer(_Side):
         n_stages = p * self.v
         counts = parse_split(a["split"], cfg.n_layers, n_stages, layer_costs(cfg))
         my_stages = _local_stages(name, p, rank, self.v)
-        self.modules = [_stage_model(cfg, mesh, [s], n_stages, counts) for s in my_stages]
+        self.modules = [stage_model(cfg, mesh, [s], n_stages, counts) for s in my_stages]
         stages = [pipelining.PipelineStage(mod, s, n_stages, mesh.device, group=mesh.pp.group)
                   for mod, s in zip(self.modules, my_stages)]
-        loss = lambda out, tgt: _loss_sum(out, tgt) / self.tokens  # noqa: E731 - same loss as ours
+        loss = lambda out, tgt: loss_sum(out, tgt) / self.tokens  # noqa: E731 - same loss as ours
         cls = getattr(pipelining, PEERS[name])
         first = stages if name in MULTI_STAGE else stages[0]
         self.schedule = cls(first, n_microbatches=self.m, loss_fn=loss, scale_grads=False)

@@ -117,11 +117,20 @@ def unit_traffic(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, psi
             "prefetched": prefetched_fraction(rt, unit)}
 
 
+def cold_gathers(lay: Layout) -> int:
+    """Unit gathers per micro-batch that no compute runs under: a pass's first unit. Inside a
+    pipeline each F and each B of each of the rank's ``v`` chunks is a pass of its own, with other
+    micro-batches' passes between them, and prefetch stays inside a pass (zero/fsdp.py
+    ``prefetch_within``): 2v. Without one, the forward's first unit (the backward's is taken as
+    prefetched from the forward's end)."""
+    return 2 * lay.v if lay.pp > 1 else 1
+
+
 def zero3_exposed(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, mb_compute: float, m: int,
                   psi: float, experts: float = 0.0) -> float:
     """Exposed seconds of a step's ZeRO-3 collectives over dp (module docstring): per micro-batch
     the unprefetched share of the traffic, what the prefetched share leaves over ``overlap`` x the
-    compute, and the first unit's gather (nothing computes before it)."""
+    compute, and the gathers of each pass's first unit (``cold_gathers``: nothing computes before)."""
     if lay.dp == 1:
         return 0.0
     t = unit_traffic(c, tr, lay, cluster, psi, experts)
@@ -129,4 +138,4 @@ def zero3_exposed(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, mb
     p, traffic = t["prefetched"], t["gather"] + t["reduce"] / (m if lay.pp > 1 else 1)
     first = t["gather"] / t["passes"] / t["units"]
     left_over = max(0.0, p * traffic - cluster.overlap * mb_compute)
-    return m * ((1 - p) * traffic + left_over + p * first)
+    return m * ((1 - p) * traffic + left_over + p * first * cold_gathers(lay))

@@ -146,7 +146,7 @@ class Zero3(UnitHooks, ShardedState, Strategy):
         self.gathered_bytes = self.gathered_peak_bytes = self.last_gathered_peak_bytes = 0
         self.model, self.mesh, self.optim_cfg = model, mesh, optim_cfg  # _materialize needs them
         self._in_flight: list[Unit] = []  # units whose gradient reduction is launched, oldest first
-        self.pipelined, self.held = mesh.pp.size > 1, set()
+        self.pipelined, self.held, self.input_watches = mesh.pp.size > 1, set(), []
         self._materialize(init_value)
         super().__init__(model, mesh, optim_cfg)
         self._install_hooks()
@@ -368,6 +368,7 @@ class Zero3(UnitHooks, ShardedState, Strategy):
             self._finish_reduce(u)
             self._reset_backward(u)
             self._free(i)
+        self._drop_input_watches()
         self._in_flight = []
         self._wait_replicas()
 
@@ -424,6 +425,7 @@ class Zero3(UnitHooks, ShardedState, Strategy):
             self._finish_reduce(u, replicas=False)  # dropped: no need to sum it across replicas
             self._reset_backward(u)
             self._free(i)
+        self._drop_input_watches()
         self._in_flight = []
         self._wait_replicas()  # launched before the discard (the in-flight bound): let them land
         self.zero_grad()

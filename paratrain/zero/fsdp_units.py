@@ -90,6 +90,12 @@ class UnitHooks:
     pipelined: bool = False
     prefetch_group: list[int] | None = None  # unit -> its stage's index on this rank (pipelined)
     held: set[int]  # units reduced in after_backward only (hold_reduction: the tied pair)
+    #: The hooks watching units' inputs (``_watch_inputs``), removed when the step's backward is
+    #: over (``_drop_input_watches``). Left on a leaf input (a pipeline stage's received
+    #: activation) they keep it alive for ever: torch's multi-grad hook holds the leaf's gradient
+    #: accumulator, which holds the leaf, in a closure stored on the leaf itself, a cycle through
+    #: C++ that Python's gc cannot see (measured: every received activation of every step stayed).
+    input_watches: list
 
     # -- gather / free ------------------------------------------------------------------------------
 
@@ -169,7 +175,15 @@ class UnitHooks:
         tensors = [t for t in tree_leaves(inputs) if torch.is_tensor(t) and t.requires_grad]
         if tensors:
             self.units[i].inputs_pending += 1
-            torch.autograd.graph.register_multi_grad_hook(tensors, self._inputs_done(i))
+            watch = torch.autograd.graph.register_multi_grad_hook(tensors, self._inputs_done(i))
+            self.input_watches.append(watch)
+
+    def _drop_input_watches(self) -> None:
+        """Remove the input hooks of the step's forwards (``input_watches`` says why); their
+        backward is over, and removing them inside it would change the hooks torch is running."""
+        for handle in self.input_watches:
+            handle.remove()
+        self.input_watches = []
 
     def _inputs_done(self, i: int):
         def hook(grads):
