@@ -88,17 +88,10 @@ NOT_WITH_LORA = (
             "to the slice (not built); use --base-precision bf16 with --tp, or nf4 with dp/ZeRO/pp",
             flags=("--base-precision nf4/int8", "--tp > 1"),
             when=lambda c: c.lora.base_precision in ("nf4", "int8") and c.parallel.tp > 1),
-    Refusal(LORAS, "ep", "each tp rank dispatches a share of the tokens; adapters there are not "
-            "tested", flags=("--lora", "--ep > 1 with --tp > 1"),
-            when=lambda c: bool(c.lora.rank) and c.parallel.ep > 1 and c.parallel.tp > 1),
-    Refusal(LORAS, "tp", "every tp rank would drop other inputs of the same replicated adapter (with "
-            "--lora-from: the adapter's lora_dropout; set it to 0 in its adapter_config.json to continue "
-            "without dropout)", flags=("--lora", "--lora-dropout with --tp > 1"),
-            when=lambda c: bool(c.lora.rank) and c.lora.dropout > 0 and c.parallel.tp > 1),
 )
 # Refused where the adapted modules are known (check_lora), not from the settings alone.
-LORA_TP_STYLES = Refusal(LORAS, "tp", "an adapted layer whose TP style has no LoRA variant, or k/v "
-                         "projections with fewer kv heads than tp (replicated on every rank): not built")
+LORA_TP_STYLES = Refusal(LORAS, "tp", "an adapted layer whose TP style has no LoRA variant (the "
+                         "vocabulary-parallel head, lm_head: not built)")
 
 
 def check_lora(cfg: Config, problems: list[str]) -> None:

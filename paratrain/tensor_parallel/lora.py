@@ -18,10 +18,14 @@ s = alpha / r, with A [r, in] and B [out, r]:
   Under SP each rank holds only its tokens' u, so B's gradient is partial: B enters through f,
   as the row layer's bias does (and the region entry norm's weight).
 
-k/v projections split by kv heads take the column variant, an expert's partial row layer its own
-(``PartialRowLoRALinear``); a replicated-heads k/v (``ColwiseKV`` when tp does not divide
-n_kv_heads) and the vocabulary head have no LoRA variant: ``unsupported`` names them before any
-worker starts.
+k/v projections split by kv heads take the column variant, replicated ones (``ColwiseKV`` when tp
+does not divide n_kv_heads) ``ReplicatedHeadsLoRALinear`` (adapters replicated, their gradients
+summed over tp as the weight's), an expert's partial row layer its own (``PartialRowLoRALinear``);
+the vocabulary head has no LoRA variant: ``unsupported`` names it before any worker starts.
+
+Dropout (``--lora-dropout``) drops what one process drops: a column layer's input is whole on
+every rank and every rank draws the same mask; a row layer's is a feature slice, and its mask is
+the same slice of the full-width mask (models/lora.py ``LoRADropout``).
 """
 
 from __future__ import annotations
@@ -34,10 +38,16 @@ import torch.nn.functional as F
 
 from paratrain.comm import collectives as C
 from paratrain.comm.autograd import copy_to_tp, reduce_from_tp, reduce_scatter_to_sp
-from paratrain.models.lora import LoRALinear, base_linear
+from paratrain.models.lora import LoRADropout, LoRALinear, base_linear
 from paratrain.models.registry import family_of
 from paratrain.sharding import TensorShard
-from paratrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, _param, enter_region
+from paratrain.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    ReplicatedHeadsLinear,
+    RowParallelLinear,
+    _param,
+    enter_region,
+)
 
 
 class Adapter(nn.Module):
@@ -48,10 +58,14 @@ class Adapter(nn.Module):
         self.weight = _param(shape, spec, like.device, like.dtype)
 
 
-def _take_lora(layer: nn.Module, old: LoRALinear) -> None:
-    """The settings every variant keeps from the LoRALinear it replaces."""
+def _take_lora(layer: nn.Module, old: LoRALinear, sliced: C.Axis | None = None) -> None:
+    """The settings every variant keeps from the LoRALinear it replaces; ``sliced``: the input is
+    this rank's slice of the features over that axis, so is its dropout mask (models/lora.py)."""
     layer.rank, layer.alpha, layer.scale = old.rank, old.alpha, old.scale
-    layer.lora_dropout = old.lora_dropout
+    drop = old.lora_dropout
+    if sliced is not None and isinstance(drop, LoRADropout):
+        drop = drop.sliced(sliced.rank, sliced.size)
+    layer.lora_dropout = drop
 
 
 class ColumnParallelLoRALinear(ColumnParallelLinear):
@@ -107,7 +121,7 @@ class RowParallelLoRALinear(RowParallelLinear):
 
 def _row_split_adapters(layer: nn.Module, old: LoRALinear, axis: C.Axis) -> None:
     """A row-parallel base's adapters: A split by input like the base's weight, B replicated."""
-    _take_lora(layer, old)
+    _take_lora(layer, old, sliced=axis)
     r, a, tp = old.rank, old.lora_A.weight, axis.size
     a_spec = TensorShard((r, old.in_features), 1, axis.rank, tp)
     layer.lora_A = Adapter((r, old.in_features // tp), a_spec, a)
@@ -133,6 +147,31 @@ class PartialRowLoRALinear(RowParallelLinear):
         return base_linear(x, self.weight, None) + self.scale * F.linear(u, b)
 
 
+class ReplicatedHeadsLoRALinear(ReplicatedHeadsLinear):
+    """A replicated k/v projection (tp does not divide n_kv_heads: ReplicatedHeadsLinear) with its
+    adapters, replicated like its weight: y = x W_h^T + b_h + s (x A^T) B_h^T, where _h keeps the
+    rows of the kv heads this rank's q heads use. Each rank's dA and dB are partial (its heads'
+    share of K/V, as the base weight's gradient is), so both enter through f: summed over tp,
+    every rank steps the same full gradient."""
+
+    casts_base = True
+
+    def __init__(self, old: LoRALinear, n_kv_heads: int, head_dim: int, heads: list[int], axis: C.Axis):
+        w = old.weight
+        super().__init__(old.in_features, n_kv_heads, head_dim, heads, axis, bias=old.bias is not None,
+                         device=w.device, dtype=w.dtype)
+        _take_lora(self, old)  # the input is whole on every rank: so is the dropout mask
+        r, a = old.rank, old.lora_A.weight
+        self.lora_A = Adapter((r, old.in_features), TensorShard((r, old.in_features)), a)
+        self.lora_B = Adapter((old.out_features, r), TensorShard((old.out_features, r)), a)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = self._heads(self.bias) if self.bias is not None else None
+        y = base_linear(x, self._heads(self.weight), b)  # [b, s, len(heads) * hd]
+        a = copy_to_tp(self.lora_A.weight, self.axis)  # f: A's gradient summed over tp
+        return y + self.scale * F.linear(F.linear(self.lora_dropout(x), a), self._heads(self.lora_B.weight))
+
+
 # The styles (plan.py names) that build a LoRA variant of a LoRALinear.
 LORA_STYLES = ("colwise", "rowwise", "colwise_kv", "expert_rowwise")
 
@@ -141,16 +180,13 @@ def unsupported(model: nn.Module, tp: int) -> list[str]:
     """The adapted layers of ``model`` (built, adapters applied) that tensor parallelism over ``tp``
     ranks cannot split with their adapters, each with what to change."""
     family = family_of(model, "tensor parallelism (its plan)")
-    cfg = model.cfg
     out: dict[str, None] = {}  # one line per layer pattern (layers.*.attn.wk), in model order
     for name, m in model.named_modules():
         if not isinstance(m, LoRALinear):
             continue
         style = next((s for p, s in family.tp_plan.items() if fnmatch.fnmatchcase(name, p)), None)
-        kv_replicated = style == "colwise_kv" and cfg.n_kv_heads % tp != 0
-        if style not in LORA_STYLES or kv_replicated:
-            why = (f"its {cfg.n_kv_heads} kv heads do not split over tp {tp} (each rank keeps them all)"
-                   if kv_replicated else f"its tensor-parallel style {style or 'none'} has no LoRA variant")
+        if style not in LORA_STYLES:
+            why = f"its tensor-parallel style {style or 'none'} has no LoRA variant"
             pattern = ".".join("*" if part.isdigit() else part for part in name.split("."))
             out[f"--lora on {pattern} with --tp {tp}: {why}; leave it out of --lora-targets "
                 "or change --tp"] = None

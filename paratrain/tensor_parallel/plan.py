@@ -37,7 +37,11 @@ from paratrain.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from paratrain.tensor_parallel.lora import ColumnParallelLoRALinear, RowParallelLoRALinear
+from paratrain.tensor_parallel.lora import (
+    ColumnParallelLoRALinear,
+    ReplicatedHeadsLoRALinear,
+    RowParallelLoRALinear,
+)
 
 # -- styles: how one module becomes its tensor-parallel counterpart -----------------------------
 
@@ -63,6 +67,8 @@ class ColwiseKV:
         if c.n_kv_heads % tp == 0:
             return Colwise().build(old, ctx)
         heads = kv_heads_for_rank(c.n_heads, c.n_kv_heads, tp, ctx.axis.rank)
+        if isinstance(old, LoRALinear):
+            return ReplicatedHeadsLoRALinear(old, c.n_kv_heads, c.head_dim, heads, ctx.axis)
         return ReplicatedHeadsLinear(old.in_features, c.n_kv_heads, c.head_dim, heads, ctx.axis,
                                      bias=old.bias is not None, device=old.weight.device,
                                      dtype=old.weight.dtype)
