@@ -293,3 +293,39 @@ def test_lora_from_honours_target_modules_as_a_regex(peft_folder, tmp_path):
     cfg = tiny_cfg(tmp_path / "run", **{"model.init_from": str(base), "lora.from_dir": str(ad)})
     checks.validate(cfg)
     assert sorted(cfg.lora.targets) == ["attn.wq", "attn.wv", "mlp.down"]
+
+
+def test_lora_from_a_peft_c_attn_adapter_gives_peft_s_logits(tmp_path):
+    """A PEFT adapter trained on transformers' GPT2LMHeadModel targets the fused c_attn (A [r, d],
+    B [3d, r]): --lora-from takes it as q, k, v adapters (A each, B's thirds) and the model computes
+    peft's logits; the checks accept it under --tp 2 with the adapter's lora_dropout (issue 37)."""
+    from paratrain.models.adapters import PeftAdapter
+    from paratrain.sharding import TensorShard
+    from tests.test_gpt2 import save_gpt2
+
+    base, ad = tmp_path / "base", tmp_path / "ad"
+    save_gpt2(base)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(base)).float()
+    conf = peft.LoraConfig(r=4, lora_alpha=12, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True,
+                           task_type="CAUSAL_LM", init_lora_weights=False, lora_dropout=0.1)
+    torch.manual_seed(3)
+    peft.get_peft_model(hf, conf).save_pretrained(str(ad))
+    layout = {"model.init_from": str(base), "lora.from_dir": str(ad), "train.steps": 1, "parallel.tp": 2}
+    cfg = tiny_cfg(tmp_path / "run", **layout)
+    checks.validate(cfg, 2)  # accepted: the fused adapter, and its dropout under --tp
+    assert sorted(cfg.lora.targets) == ["attn.wk", "attn.wq", "attn.wv", "mlp.fc"] and cfg.lora.dropout == 0.1
+    ours, _ = load_pretrained(str(base))
+    apply_lora(ours, LoraSpec(4, 12.0, 0.0, tuple(cfg.lora.targets)))
+    adapter = PeftAdapter.open(str(ad))
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if ".lora_" in name:
+                p.copy_(adapter.read(name, TensorShard(tuple(p.shape)), ours.cfg))
+    ids = _ids()
+    model = peft.PeftModel.from_pretrained(_hf(base), str(ad)).double().eval()
+    with torch.no_grad():
+        got, want = ours.double().eval()(ids), model(ids).logits
+        with model.disable_adapter():
+            plain = model(ids).logits
+    assert (want - plain).abs().max() > 1e-2  # the adapter matters, so the comparison can fail
+    torch.testing.assert_close(got, want, **LOGITS)
