@@ -98,7 +98,7 @@ def test_dropout_and_replicated_kv_under_tp_equal_one_process(tp_runs, layout):
 MOE = {**SMALL, "model.name": "tiny-moe", "lora.rank": 4}
 
 
-@pytest.mark.composes(("lora", "ep", "tp"), case="ep2_tp2")
+@pytest.mark.composes(("lora", "ep", "tp"))
 def test_lora_under_ep_and_tp_equals_one_process(tmp_path):
     ref = run_layout(tiny_cfg(tmp_path / "ref", **MOE))
     ref_adapters = load_file(tmp_path / "ref" / "adapters.safetensors")
