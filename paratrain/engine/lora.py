@@ -37,7 +37,6 @@ from paratrain.models.lora import (
 from paratrain.optim.nf4 import PARTS, dequantise_weight, kind_of
 from paratrain.refusals import Refusal, emit
 from paratrain.shards import TORCH_DTYPES, write_safetensors
-from paratrain.tensor_parallel.lora import unsupported
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -89,9 +88,6 @@ NOT_WITH_LORA = (
             flags=("--base-precision nf4/int8", "--tp > 1"),
             when=lambda c: c.lora.base_precision in ("nf4", "int8") and c.parallel.tp > 1),
 )
-# Refused where the adapted modules are known (check_lora), not from the settings alone.
-LORA_TP_STYLES = Refusal(LORAS, "tp", "an adapted layer whose TP style has no LoRA variant (the "
-                         "vocabulary-parallel head, lm_head: not built)")
 
 
 def check_lora(cfg: Config, problems: list[str]) -> None:
@@ -116,9 +112,6 @@ def check_lora(cfg: Config, problems: list[str]) -> None:
         apply_lora(model, lora_spec(cfg))
     except LoraError as e:
         problems.append(str(e))
-        return
-    if cfg.parallel.tp > 1:  # adapted layers whose tensor-parallel style has no LoRA variant
-        problems += unsupported(model, cfg.parallel.tp)
 
 
 def run_record(model_cfg: object, cfg: Config) -> dict:

@@ -20,8 +20,10 @@ s = alpha / r, with A [r, in] and B [out, r]:
 
 k/v projections split by kv heads take the column variant, replicated ones (``ColwiseKV`` when tp
 does not divide n_kv_heads) ``ReplicatedHeadsLoRALinear`` (adapters replicated, their gradients
-summed over tp as the weight's), an expert's partial row layer its own (``PartialRowLoRALinear``);
-the vocabulary head has no LoRA variant: ``unsupported`` names it before any worker starts.
+summed over tp as the weight's), an expert's partial row layer its own (``PartialRowLoRALinear``),
+the vocabulary head the column variant over the padded vocabulary (B's padding rows zero, the
+padded logits -inf as the base's). Every style of the families' plans that holds a linear has its
+variant (plan.py's ``apply_tensor_parallel`` stops on one without).
 
 Dropout (``--lora-dropout``) drops what one process drops: a column layer's input is whole on
 every rank and every rank draws the same mask; a row layer's is a feature slice, and its mask is
@@ -30,8 +32,6 @@ the same slice of the full-width mask (models/lora.py ``LoRADropout``).
 
 from __future__ import annotations
 
-import fnmatch
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -39,8 +39,7 @@ import torch.nn.functional as F
 from paratrain.comm import collectives as C
 from paratrain.comm.autograd import copy_to_tp, reduce_from_tp, reduce_scatter_to_sp
 from paratrain.models.lora import LoRADropout, LoRALinear, base_linear
-from paratrain.models.registry import family_of
-from paratrain.sharding import TensorShard
+from paratrain.sharding import TensorShard, shard_of
 from paratrain.tensor_parallel.layers import (
     ColumnParallelLinear,
     ReplicatedHeadsLinear,
@@ -73,21 +72,24 @@ class ColumnParallelLoRALinear(ColumnParallelLinear):
 
     casts_base = True  # base_linear computes a base stored in another dtype
 
-    def __init__(self, old: LoRALinear, axis: C.Axis, *, input_op: str = "none"):
+    def __init__(self, old: LoRALinear, axis: C.Axis, *, input_op: str = "none",
+                 pad_value: float | None = None):
         w = old.weight
         super().__init__(old.in_features, old.out_features, axis, bias=old.bias is not None,
-                         input_op=input_op, device=w.device, dtype=w.dtype)
+                         input_op=input_op, pad_value=pad_value, device=w.device, dtype=w.dtype)
         _take_lora(self, old)
         r, a = old.rank, old.lora_A.weight
         self.lora_A = Adapter((r, old.in_features), TensorShard((r, old.in_features)), a)
-        b_spec = TensorShard((old.out_features, r), 0, axis.rank, axis.size)
-        self.lora_B = Adapter((self.local_out, r), b_spec, a)
+        pad = shard_of(self.weight).padded_size  # the vocabulary head's; None elsewhere
+        b_spec = TensorShard((old.out_features, r), 0, axis.rank, axis.size, pad)
+        self.lora_B = Adapter((self.local_out, r), b_spec, a)  # the vocabulary head's padding rows too
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = enter_region(x, self.axis, self.input_op)  # [b, s, in], whole on every rank
         y = base_linear(x, self.weight, self.bias)  # [b, s, out/tp]
         a = copy_to_tp(self.lora_A.weight, self.axis)  # f: A's gradient summed over tp
-        return y + self.scale * F.linear(F.linear(self.lora_dropout(x), a), self.lora_B.weight)
+        y = y + self.scale * F.linear(F.linear(self.lora_dropout(x), a), self.lora_B.weight)
+        return self.fill_padding(y)  # the vocabulary head's padded logits: -inf
 
 
 class RowParallelLoRALinear(RowParallelLinear):
@@ -170,24 +172,3 @@ class ReplicatedHeadsLoRALinear(ReplicatedHeadsLinear):
         y = base_linear(x, self._heads(self.weight), b)  # [b, s, len(heads) * hd]
         a = copy_to_tp(self.lora_A.weight, self.axis)  # f: A's gradient summed over tp
         return y + self.scale * F.linear(F.linear(self.lora_dropout(x), a), self._heads(self.lora_B.weight))
-
-
-# The styles (plan.py names) that build a LoRA variant of a LoRALinear.
-LORA_STYLES = ("colwise", "rowwise", "colwise_kv", "expert_rowwise")
-
-
-def unsupported(model: nn.Module, tp: int) -> list[str]:
-    """The adapted layers of ``model`` (built, adapters applied) that tensor parallelism over ``tp``
-    ranks cannot split with their adapters, each with what to change."""
-    family = family_of(model, "tensor parallelism (its plan)")
-    out: dict[str, None] = {}  # one line per layer pattern (layers.*.attn.wk), in model order
-    for name, m in model.named_modules():
-        if not isinstance(m, LoRALinear):
-            continue
-        style = next((s for p, s in family.tp_plan.items() if fnmatch.fnmatchcase(name, p)), None)
-        if style not in LORA_STYLES:
-            why = f"its tensor-parallel style {style or 'none'} has no LoRA variant"
-            pattern = ".".join("*" if part.isdigit() else part for part in name.split("."))
-            out[f"--lora on {pattern} with --tp {tp}: {why}; leave it out of --lora-targets "
-                "or change --tp"] = None
-    return list(out)

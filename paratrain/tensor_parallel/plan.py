@@ -95,6 +95,8 @@ class VocabHead:
     vocab-parallel cross-entropy; padding logits are -inf."""
 
     def build(self, old: nn.Linear, ctx: Context) -> nn.Module:
+        if isinstance(old, LoRALinear):
+            return ColumnParallelLoRALinear(old, ctx.axis, pad_value=float("-inf"))
         return ColumnParallelLinear(old.in_features, old.out_features, ctx.axis, input_op="none",
                                     pad_value=float("-inf"), device=old.weight.device, dtype=old.weight.dtype)
 
