@@ -19,7 +19,7 @@ which ``export --hf`` writes as any run's, and ``adapters.safetensors``, which i
 GPT-2 stores q, k, v as one fused ``c_attn``: their adapters go out as one c_attn adapter of rank
 3r (``fused``), exactly. An incoming c_attn adapter (A [r, d], B [3d, r], as PEFT trains it on
 GPT2LMHeadModel) comes in as q, k and v adapters of rank r: each takes A whole and its third of
-B's rows (``split``), so s B_q A x | s B_k A x | s B_v A x is exactly s B A x: the same logits.
+B's rows (``PeftAdapter.read``), so s B_q A x | s B_k A x | s B_v A x is exactly s B A x: the same logits.
 Training then continues with three copies of A, each with its own third's gradient (paratrain
 keeps q, k and v as three layers; PEFT's one A would take their sum), and goes out again as the
 rank-3r c_attn adapter above. Mixtral's experts (fused 3-D tensors in transformers 5) have no PEFT
