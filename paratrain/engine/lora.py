@@ -37,6 +37,7 @@ from paratrain.models.lora import (
 from paratrain.optim.nf4 import PARTS, dequantise_weight, kind_of
 from paratrain.refusals import Refusal, emit
 from paratrain.shards import TORCH_DTYPES, write_safetensors
+from paratrain.tensor_parallel.lora import replicated_kv_adapters
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -88,6 +89,12 @@ NOT_WITH_LORA = (
             flags=("--base-precision nf4/int8", "--tp > 1"),
             when=lambda c: c.lora.base_precision in ("nf4", "int8") and c.parallel.tp > 1),
 )
+# Refused where the adapted modules are known (check_lora), not from the settings alone.
+QLORA_REPLICATED_KV = Refusal(
+    "qlora", "tp", "a replicated k/v projection (tp does not divide n_kv_heads: "
+    "ReplicatedHeadsLoRALinear) selects its kv heads' rows of the whole weight on every rank, and "
+    "has no quantised variant (engine/qlora.py quantises the split layers' pieces): not built",
+    flags=("--base-precision nf4/int8", "--tp not dividing n_kv_heads (k/v adapted)"))
 
 
 def check_lora(cfg: Config, problems: list[str]) -> None:
@@ -112,6 +119,9 @@ def check_lora(cfg: Config, problems: list[str]) -> None:
         apply_lora(model, lora_spec(cfg))
     except LoraError as e:
         problems.append(str(e))
+        return
+    if c.base_precision in ("nf4", "int8") and replicated_kv_adapters(model, cfg.parallel.tp):
+        problems.append(QLORA_REPLICATED_KV.says())
 
 
 def run_record(model_cfg: object, cfg: Config) -> dict:

@@ -32,6 +32,8 @@ the same slice of the full-width mask (models/lora.py ``LoRADropout``).
 
 from __future__ import annotations
 
+import fnmatch
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -39,6 +41,7 @@ import torch.nn.functional as F
 from paratrain.comm import collectives as C
 from paratrain.comm.autograd import copy_to_tp, reduce_from_tp, reduce_scatter_to_sp
 from paratrain.models.lora import LoRADropout, LoRALinear, base_linear
+from paratrain.models.registry import family_of
 from paratrain.sharding import TensorShard, shard_of
 from paratrain.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -172,3 +175,15 @@ class ReplicatedHeadsLoRALinear(ReplicatedHeadsLinear):
         y = base_linear(x, self._heads(self.weight), b)  # [b, s, len(heads) * hd]
         a = copy_to_tp(self.lora_A.weight, self.axis)  # f: A's gradient summed over tp
         return y + self.scale * F.linear(F.linear(self.lora_dropout(x), a), self._heads(self.lora_B.weight))
+
+
+def replicated_kv_adapters(model: nn.Module, tp: int) -> list[str]:
+    """The adapted k/v projections of ``model`` (adapters applied) that tensor parallelism over
+    ``tp`` ranks replicates (``colwise_kv`` when tp does not divide n_kv_heads): ReplicatedHeadsLoRALinear."""
+    n_kv = getattr(model.cfg, "n_kv_heads", None)
+    if tp <= 1 or not n_kv or n_kv % tp == 0:
+        return []
+    plan = family_of(model, "tensor parallelism (its plan)").tp_plan
+    kv = [pattern for pattern, style in plan.items() if style == "colwise_kv"]
+    return [n for n, m in model.named_modules()
+            if isinstance(m, LoRALinear) and any(fnmatch.fnmatchcase(n, p) for p in kv)]
