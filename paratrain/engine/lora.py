@@ -37,7 +37,7 @@ from paratrain.models.lora import (
 from paratrain.optim.nf4 import PARTS, dequantise_weight, kind_of
 from paratrain.refusals import Refusal, emit
 from paratrain.shards import TORCH_DTYPES, write_safetensors
-from paratrain.tensor_parallel.lora import replicated_kv_adapters
+from paratrain.tensor_parallel.lora import without_quantised_variant
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -90,11 +90,11 @@ NOT_WITH_LORA = (
             when=lambda c: c.lora.base_precision in ("nf4", "int8") and c.parallel.tp > 1),
 )
 # Refused where the adapted modules are known (check_lora), not from the settings alone.
-QLORA_REPLICATED_KV = Refusal(
-    "qlora", "tp", "a replicated k/v projection (tp does not divide n_kv_heads: "
-    "ReplicatedHeadsLoRALinear) selects its kv heads' rows of the whole weight on every rank, and "
-    "has no quantised variant (engine/qlora.py quantises the split layers' pieces): not built",
-    flags=("--base-precision nf4/int8", "--tp not dividing n_kv_heads (k/v adapted)"))
+QLORA_TP_LAYERS = Refusal(
+    "qlora", "tp", "an adapted replicated k/v projection (tp does not divide n_kv_heads: each rank "
+    "selects its kv heads' rows of the whole weight) or an adapted vocabulary head (padded to a "
+    "multiple of tp) has a tensor-parallel LoRA variant but no quantised one: not built",
+    flags=("--base-precision nf4/int8", "--tp with k/v replicated or lm_head adapted"))
 
 
 def check_lora(cfg: Config, problems: list[str]) -> None:
@@ -120,8 +120,8 @@ def check_lora(cfg: Config, problems: list[str]) -> None:
     except LoraError as e:
         problems.append(str(e))
         return
-    if c.base_precision in ("nf4", "int8") and replicated_kv_adapters(model, cfg.parallel.tp):
-        problems.append(QLORA_REPLICATED_KV.says())
+    if c.base_precision in ("nf4", "int8") and without_quantised_variant(model, cfg.parallel.tp):
+        problems.append(QLORA_TP_LAYERS.says())
 
 
 def run_record(model_cfg: object, cfg: Config) -> dict:

@@ -177,13 +177,17 @@ class ReplicatedHeadsLoRALinear(ReplicatedHeadsLinear):
         return y + self.scale * F.linear(F.linear(self.lora_dropout(x), a), self._heads(self.lora_B.weight))
 
 
-def replicated_kv_adapters(model: nn.Module, tp: int) -> list[str]:
-    """The adapted k/v projections of ``model`` (adapters applied) that tensor parallelism over
-    ``tp`` ranks replicates (``colwise_kv`` when tp does not divide n_kv_heads): ReplicatedHeadsLoRALinear."""
-    n_kv = getattr(model.cfg, "n_kv_heads", None)
-    if tp <= 1 or not n_kv or n_kv % tp == 0:
+def without_quantised_variant(model: nn.Module, tp: int) -> list[str]:
+    """The adapted layers of ``model`` (adapters applied) whose tensor-parallel LoRA variant over
+    ``tp`` ranks has no quantised counterpart (engine/qlora.py quantises the split layers in pieces
+    of the split dimension): a replicated k/v projection (``colwise_kv`` when tp does not divide
+    n_kv_heads: ReplicatedHeadsLoRALinear) and the vocabulary head (padded to a multiple of tp)."""
+    if tp <= 1:
         return []
+    n_kv = getattr(model.cfg, "n_kv_heads", None)
+    kv_replicated = bool(n_kv) and n_kv % tp != 0
     plan = family_of(model, "tensor parallelism (its plan)").tp_plan
-    kv = [pattern for pattern, style in plan.items() if style == "colwise_kv"]
+    styles = {"vocab_head"} | ({"colwise_kv"} if kv_replicated else set())
+    patterns = [pattern for pattern, style in plan.items() if style in styles]
     return [n for n, m in model.named_modules()
-            if isinstance(m, LoRALinear) and any(fnmatch.fnmatchcase(n, p) for p in kv)]
+            if isinstance(m, LoRALinear) and any(fnmatch.fnmatchcase(n, p) for p in patterns)]
