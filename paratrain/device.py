@@ -81,8 +81,11 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32
     `windows` windows of seconds / windows each. Other work on the machine (another process, this
     run's other ranks starting) only ever lowers a window's rate, so the best window is the one
     least disturbed; a single window measured under load put MFU at 192 % (issue 35)."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    # Its own generator: the global one is the run's (dropout masks that every tp rank draws in
+    # step, engine/rng.py), and only rank 0 measures.
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
     for _ in range(3):
         a @ b
     sync_device(device)

@@ -131,3 +131,11 @@ def test_a_known_gpu_uses_its_published_peak_unless_a_measurement_beats_it(monke
     fp32 = PeakFlops(torch.device("cuda"), "fp32", world_size=1)
     assert (fp32.flops, fp32.source) == (700e12, "measured")
     assert fp32.mfu(350e12) == 0.5
+
+
+def test_the_measurement_leaves_the_run_s_generator_alone():
+    """Only rank 0 measures (and may measure again mid-run): drawing its matrices from the global
+    generator put rank 0's dropout masks out of step with the other tp ranks' (engine/rng.py)."""
+    state = torch.get_rng_state()
+    device.measure_matmul_peak(torch.device("cpu"), n=8, seconds=0.001, windows=1)
+    assert torch.equal(torch.get_rng_state(), state)

@@ -40,14 +40,19 @@ def test_checks_refuse_before_any_worker():
     assert "lora.rank must be >= 0" in _problems(**{"lora.rank": -1})
     assert "--lora 32 is not below the width of layers.0.attn.wk (64 -> 32)" in _problems(**{"lora.rank": 32})
     assert "cnn-tiny" in _problems(**LORA, **{"model.name": "cnn-tiny"})
-    kv = _problems(**LORA, **{"parallel.tp": 4})  # 2 kv heads cannot split over 4 ranks
-    assert "--lora on layers.*.attn.wk with --tp 4: its 2 kv heads do not split" in kv
     assert "--base-precision applies to LoRA" in _problems(**{"lora.base_precision": "bf16"})
-    assert "--lora-dropout with --tp > 1" in _problems(**LORA, **{"lora.dropout": 0.1, "parallel.tp": 2})
-    assert "lm_head with --tp 2: its tensor-parallel style vocab_head has no LoRA variant" in _problems(
-        **LORA, **{"lora.targets": ["wq", "lm_head"], "parallel.tp": 2})
-    assert "--ep > 1 with --tp > 1" in _problems(
-        **LORA, **{"model.name": "tiny-moe", "parallel.tp": 2, "parallel.dp": 2, "parallel.ep": 2})
+    # Accepted since issue 37 (tests/test_lora_tp_compose.py): replicated k/v heads (2 kv heads,
+    # tp 4), dropout under TP, the LM head under TP, EP x TP.
+    checks.validate(tiny_cfg("unused", **LORA, **{"lora.targets": ["wq", "lm_head"], "parallel.tp": 2}))
+    checks.validate(tiny_cfg("unused", **LORA, **{"parallel.tp": 4}))
+    # ... but not with a quantised base: the replicated k/v layer has no quantised variant (nor the head)
+    nf4_tp4 = {"parallel.tp": 4, "lora.base_precision": "nf4"}
+    assert "replicated k/v projection" in _problems(**LORA, **nf4_tp4)
+    nf4_head = {"parallel.tp": 2, "lora.base_precision": "nf4", "lora.targets": ["wq", "lm_head"]}
+    assert "vocabulary head" in _problems(**LORA, **nf4_head)
+    checks.validate(tiny_cfg("unused", **LORA, **{"lora.dropout": 0.1, "parallel.tp": 2}))
+    checks.validate(tiny_cfg("unused", **LORA, **{"model.name": "tiny-moe", "parallel.tp": 2,
+                                                  "parallel.dp": 2, "parallel.ep": 2}))
     # A bf16 base under --pp is accepted (stages stream the widest dtype: test_lora_layouts pp2_bf16_base).
     checks.validate(tiny_cfg("unused", **LORA, **{"parallel.pp": 2, "lora.base_precision": "bf16",
                                                   "train.micro_batch": 4}))

@@ -293,3 +293,48 @@ def test_lora_from_honours_target_modules_as_a_regex(peft_folder, tmp_path):
     cfg = tiny_cfg(tmp_path / "run", **{"model.init_from": str(base), "lora.from_dir": str(ad)})
     checks.validate(cfg)
     assert sorted(cfg.lora.targets) == ["attn.wq", "attn.wv", "mlp.down"]
+
+
+def test_lora_from_a_peft_c_attn_adapter_gives_peft_s_logits(tmp_path):
+    """A PEFT adapter trained on transformers' GPT2LMHeadModel targets the fused c_attn (A [r, d],
+    B [3d, r]): --lora-from takes it as q, k, v adapters (A each, B's thirds) and the model computes
+    peft's logits; a --tp 2 run starts from it (each rank its slice of the thirds: the first loss is
+    peft's, 1e-5 as above); with the adapter's lora_dropout 0.1 the checks accept it under --tp 2."""
+    from paratrain.models.adapters import PeftAdapter
+    from paratrain.sharding import TensorShard
+    from tests.test_gpt2 import save_gpt2
+
+    base, ad = tmp_path / "base", tmp_path / "ad"
+    save_gpt2(base)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(base)).float()
+    conf = peft.LoraConfig(r=4, lora_alpha=12, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True,
+                           task_type="CAUSAL_LM", init_lora_weights=False)
+    torch.manual_seed(3)
+    peft.get_peft_model(hf, conf).save_pretrained(str(ad))
+    cfg = tiny_cfg(tmp_path / "run", **{"model.init_from": str(base), "lora.from_dir": str(ad),
+                                        "train.steps": 1, "parallel.tp": 2})
+    checks.validate(cfg, 2)
+    assert sorted(cfg.lora.targets) == ["attn.wk", "attn.wq", "attn.wv", "mlp.fc"]
+    ours, _ = load_pretrained(str(base))
+    apply_lora(ours, LoraSpec(4, 12.0, 0.0, tuple(cfg.lora.targets)))
+    adapter = PeftAdapter.open(str(ad))
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if ".lora_" in name:
+                p.copy_(adapter.read(name, TensorShard(tuple(p.shape)), ours.cfg))
+    ids = _ids()
+    model = peft.PeftModel.from_pretrained(_hf(base), str(ad)).double().eval()
+    x, y = build_task(cfg).train_batch(0, cfg.train.global_batch)[:2]
+    with torch.no_grad():
+        got, want = ours.double().eval()(ids), model(ids).logits
+        first = F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten(), ignore_index=-100).item()
+        with model.disable_adapter():
+            plain = model(ids).logits
+    assert (want - plain).abs().max() > 1e-2  # the adapter matters, so the comparison can fail
+    torch.testing.assert_close(got, want, **LOGITS)
+    assert run_layout(cfg, nproc=2).losses[0] == pytest.approx(first, rel=1e-5)
+    dropped = _edited(ad, tmp_path / "ad_dropout", lora_dropout=0.1)
+    cfg = tiny_cfg(tmp_path / "run2", **{"model.init_from": str(base), "lora.from_dir": str(dropped),
+                                         "parallel.tp": 2})
+    checks.validate(cfg, 2)  # accepted since issue 37: the adapter's dropout under --tp
+    assert cfg.lora.dropout == 0.1

@@ -37,7 +37,7 @@ from paratrain.models.lora import (
 from paratrain.optim.nf4 import CODES, PARTS, TP_ALIGN, dequantise_weight, kind_of
 from paratrain.refusals import Refusal, emit
 from paratrain.shards import TORCH_DTYPES, write_safetensors
-from paratrain.tensor_parallel.lora import unsupported
+from paratrain.tensor_parallel.lora import without_quantised_variant
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -78,17 +78,13 @@ LORAS = ("lora", "lora-bf16", "qlora")
 # Combinations LoRA cannot run, with why (each refused before any worker starts; "--lora does not
 # compose with <flags[1]>: <reason>").
 NOT_WITH_LORA = (
-    Refusal(LORAS, "ep", "each tp rank dispatches a share of the tokens; adapters there are not "
-            "tested", flags=("--lora", "--ep > 1 with --tp > 1"),
-            when=lambda c: bool(c.lora.rank) and c.parallel.ep > 1 and c.parallel.tp > 1),
-    Refusal(LORAS, "tp", "every tp rank would drop other inputs of the same replicated adapter (with "
-            "--lora-from: the adapter's lora_dropout; set it to 0 in its adapter_config.json to continue "
-            "without dropout)", flags=("--lora", "--lora-dropout with --tp > 1"),
-            when=lambda c: bool(c.lora.rank) and c.lora.dropout > 0 and c.parallel.tp > 1),
 )
 # Refused where the adapted modules are known (check_lora), not from the settings alone.
-LORA_TP_STYLES = Refusal(LORAS, "tp", "an adapted layer whose TP style has no LoRA variant, or k/v "
-                         "projections with fewer kv heads than tp (replicated on every rank): not built")
+QLORA_TP_LAYERS = Refusal(
+    "qlora", "tp", "an adapted replicated k/v projection (tp does not divide n_kv_heads: each rank "
+    "selects its kv heads' rows of the whole weight) or an adapted vocabulary head (padded to a "
+    "multiple of tp) has a tensor-parallel LoRA variant but no quantised one: not built",
+    flags=("--base-precision nf4/int8", "--tp with k/v replicated or lm_head adapted"))
 
 
 def check_lora(cfg: Config, problems: list[str]) -> None:
@@ -119,8 +115,8 @@ def check_lora(cfg: Config, problems: list[str]) -> None:
         problems.append(f"--base-precision {c.base_precision} with --tp {tp}: a weight tensor parallelism "
                         f"splits is quantised as gcd(its size, {TP_ALIGN}) pieces, so --tp must divide "
                         f"{TP_ALIGN} (optim/nf4.py); use --tp 2, 4, 8 or 16")
-    if tp > 1:  # adapted layers whose tensor-parallel style has no LoRA variant
-        problems += unsupported(model, cfg.parallel.tp)
+    if c.base_precision in ("nf4", "int8") and without_quantised_variant(model, cfg.parallel.tp):
+        problems.append(QLORA_TP_LAYERS.says())
 
 
 def run_record(model_cfg: object, cfg: Config) -> dict:

@@ -14,6 +14,16 @@ import random
 import numpy as np
 import torch
 
+from paratrain.models.init import param_seed
+
+
+def seed_draws(seed: int) -> None:
+    """Every rank's global generator to one state, a function of the run's seed: what a step draws
+    from it (LoRA's dropout masks, models/lora.py ``LoRADropout``) is then the same on every tp
+    rank and in one process, whichever process started the run (a test's, a fork, a spawn). A
+    resumed run then restores the state its checkpoint saved."""
+    torch.manual_seed(param_seed(seed, "draws"))
+
 
 def rng_state() -> dict[str, object]:
     py_version, py_state, py_gauss = random.getstate()

@@ -17,8 +17,13 @@ A LoRA run's folder holds ``model.safetensors`` already merged (W + alpha/r * B 
 which ``export --hf`` writes as any run's, and ``adapters.safetensors``, which is what goes out here.
 
 GPT-2 stores q, k, v as one fused ``c_attn``: their adapters go out as one c_attn adapter of rank
-3r (``fused``), exactly; an incoming c_attn adapter cannot be split back and is refused. Mixtral's
-experts (fused 3-D tensors in transformers 5) have no PEFT module: refused.
+3r (``fused``), exactly. An incoming c_attn adapter (A [r, d], B [3d, r], as PEFT trains it on
+GPT2LMHeadModel) comes in as q, k and v adapters of rank r: each takes A whole and its third of
+B's rows (``PeftAdapter.read``), so s B_q A x | s B_k A x | s B_v A x is exactly s B A x: the same logits.
+Training then continues with three copies of A, each with its own third's gradient (paratrain
+keeps q, k and v as three layers; PEFT's one A would take their sum), and goes out again as the
+rank-3r c_attn adapter above. Mixtral's experts (fused 3-D tensors in transformers 5) have no PEFT
+module: refused.
 """
 
 from __future__ import annotations
@@ -86,18 +91,26 @@ def hf_module(module: str, cfg: ModelCfg) -> Target:
     return Target(module, src.hf.removesuffix(".weight"), src.rope, src.conv1d, src.part)
 
 
-def candidates(cfg: ModelCfg) -> dict[str, Target]:
-    """Every linear of the model PEFT could adapt, by transformers name (its leaf names matter:
-    PEFT's ``target_modules`` list matches name suffixes)."""
-    out = {}
+FUSED_PARTS = 3  # GPT-2's c_attn: q | k | v, each of the model's width
+
+
+def all_targets(cfg: ModelCfg) -> list[Target]:
+    """Every paratrain linear PEFT could adapt through a transformers module, in model order
+    (GPT-2's q, k and v each, all three through c_attn)."""
+    out = []
     for name, shape in expected_shapes(cfg).items():
         if name.endswith(".weight") and len(shape) == 2:
             try:
-                t = hf_module(name.removesuffix(".weight"), cfg)
+                out.append(hf_module(name.removesuffix(".weight"), cfg))
             except AdapterError:
                 continue
-            out[t.hf] = t
     return out
+
+
+def candidates(cfg: ModelCfg) -> dict[str, Target]:
+    """Every linear of the model PEFT could adapt, by transformers name (its leaf names matter:
+    PEFT's ``target_modules`` list matches name suffixes); a fused module once."""
+    return {t.hf: t for t in all_targets(cfg)}
 
 
 def target_modules(adapted: list[Target], cfg: ModelCfg) -> list[str]:
@@ -360,13 +373,9 @@ class PeftAdapter:
             raise AdapterError(f"{self.folder}: the adapter adapts {missing[0]}"
                                f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}, which the "
                                "base model does not have: is this adapter for another base model?")
-        split = [m for m in self.modules if known[m].part is not None]
-        if split:
-            raise AdapterError(f"{self.folder}: the adapter adapts GPT-2's fused {split[0]} (q, k and v in "
-                               "one module), which paratrain keeps as three layers: a LoRA of the whole "
-                               "cannot be split into theirs; use an adapter on c_proj / c_fc only")
         self.check_selection(known)
-        return [known[m] for m in self.modules]
+        fused_parts = by_module([t for t in all_targets(cfg) if t.part is not None])
+        return [t for m in self.modules for t in fused_parts.get(m, [known[m]])]
 
     def check_selection(self, known: dict[str, Target]) -> None:
         """AdapterError unless the modules adapter_config.json selects (target_modules, as PEFT matches
@@ -396,6 +405,7 @@ class PeftAdapter:
             keys = set(f.keys())
             for t in self.targets(cfg):
                 out, inp = shapes[f"{t.module}.weight"]
+                out *= 1 if t.part is None else FUSED_PARTS  # GPT-2's c_attn: B holds q, k and v
                 for part, want in (("lora_A", [self.rank, inp]), ("lora_B", [out, self.rank])):
                     key = self.key(t, part, keys)
                     got = list(f.get_slice(key).get_shape()) if key else None
@@ -419,6 +429,8 @@ class PeftAdapter:
         t = hf_module(m.group("module"), cfg)
         with safe_open(str(self.folder / ADAPTER_WEIGHTS), framework="pt") as f:
             full = f.get_tensor(self.key(t, m.group("part"), set(f.keys()))).float()
+        if t.part is not None and m.group("part") == "lora_B":  # GPT-2's c_attn: its third's rows
+            full = full.chunk(FUSED_PARTS, 0)[t.part]
         if t.rope and m.group("part") == "lora_B":
             full = checkpoint_class_for(cfg).rows_from_hf(full, cfg)
         return spec.slice(full).contiguous()

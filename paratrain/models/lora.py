@@ -31,9 +31,9 @@ import torch.nn.functional as F
 from paratrain.models.init import ADAPTER_KEYS, is_adapter_name, lora_init_value
 from paratrain.models.registry import family_of
 
-__all__ = ["ADAPTER_KEYS", "LoRALinear", "LoraError", "LoraSpec", "adapter_parameters", "apply_lora",
-           "base_linear", "find_targets", "freeze_base", "init_adapters", "is_adapter_name", "linear_names",
-           "lora_init_value", "store_base_in"]
+__all__ = ["ADAPTER_KEYS", "LoRADropout", "LoRALinear", "LoraError", "LoraSpec", "adapter_parameters",
+           "apply_lora", "base_linear", "find_targets", "freeze_base", "init_adapters", "is_adapter_name",
+           "linear_names", "lora_init_value", "store_base_in"]
 
 
 class LoraError(ValueError):
@@ -56,6 +56,38 @@ class LoraSpec:
         return float(2 * self.rank if self.alpha is None else self.alpha)
 
 
+class LoRADropout(nn.Module):
+    """Dropout on an adapter's input that drops, in every tensor-parallel layout, what one process
+    drops: the mask always has the single-device input's shape and comes from torch's global
+    generator (which every rank starts in the same state, engine/rng.py ``seed_draws``, and which
+    recompute and tiling restore before they redraw); a rank whose input is a slice of that input
+    (a row-parallel base's: the features ``dim``) keeps the same slice of the mask. A column-
+    parallel base's input is whole on every tp rank, so each rank draws the same whole mask."""
+
+    def __init__(self, p: float, *, dim: int = -1, rank: int = 0, size: int = 1):
+        super().__init__()
+        self.p, self.dim, self.rank, self.size = p, dim, rank, size
+
+    def sliced(self, rank: int, size: int, dim: int = -1) -> LoRADropout:
+        """The same dropout for an input that is slice ``rank`` of ``size`` along ``dim``."""
+        return LoRADropout(self.p, dim=dim, rank=rank, size=size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return x
+        local = x.shape[self.dim]
+        full = list(x.shape)
+        full[self.dim] = local * self.size
+        keep = torch.empty(full, dtype=x.dtype, device=x.device).bernoulli_(1 - self.p)
+        if self.size > 1:  # our slice, copied: autograd keeps it, not the whole mask
+            keep = keep.narrow(self.dim, self.rank * local, local).contiguous()
+        return x * keep / (1 - self.p)
+
+    def extra_repr(self) -> str:
+        where = f", slice {self.rank} of {self.size} along {self.dim}" if self.size > 1 else ""
+        return f"p={self.p:g}{where}"
+
+
 class LoRALinear(nn.Linear):
     """An ``nn.Linear`` (the frozen base) plus ``scale * lora_B(lora_A(dropout(x)))``."""
 
@@ -66,7 +98,7 @@ class LoRALinear(nn.Linear):
                  dtype: torch.dtype | None = None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
-        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.lora_dropout = LoRADropout(dropout) if dropout > 0 else nn.Identity()
         self.lora_A = nn.Linear(in_features, rank, bias=False, device=device, dtype=dtype)
         self.lora_B = nn.Linear(rank, out_features, bias=False, device=device, dtype=dtype)
 

@@ -88,12 +88,16 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = enter_region(x, self.axis, self.input_op)  # [b, s, in]
-        y = F.linear(x, self.weight, self.bias)  # [b, s, out/tp]
+        y = self.fill_padding(F.linear(x, self.weight, self.bias))  # [b, s, out/tp]
+        if self.gather_output:  # a full output on every rank (padding dropped)
+            y = torch.cat(_all_gather_last_dim(y, self.axis), dim=-1)[..., : self.out_features]
+        return y
+
+    def fill_padding(self, y: torch.Tensor) -> torch.Tensor:
+        """``pad_value`` in the padded outputs of this rank's slice [..., out/tp] (the last rank's)."""
         if self.local_valid < self.local_out:
             pad_mask = torch.arange(self.local_out, device=y.device) >= self.local_valid
             y = y.masked_fill(pad_mask, self.pad_value)
-        if self.gather_output:  # a full output on every rank (padding dropped)
-            y = torch.cat(_all_gather_last_dim(y, self.axis), dim=-1)[..., : self.out_features]
         return y
 
     def extra_repr(self) -> str:

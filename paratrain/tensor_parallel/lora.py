@@ -18,10 +18,16 @@ s = alpha / r, with A [r, in] and B [out, r]:
   Under SP each rank holds only its tokens' u, so B's gradient is partial: B enters through f,
   as the row layer's bias does (and the region entry norm's weight).
 
-k/v projections split by kv heads take the column variant, an expert's partial row layer its own
-(``PartialRowLoRALinear``); a replicated-heads k/v (``ColwiseKV`` when tp does not divide
-n_kv_heads) and the vocabulary head have no LoRA variant: ``unsupported`` names them before any
-worker starts.
+k/v projections split by kv heads take the column variant, replicated ones (``ColwiseKV`` when tp
+does not divide n_kv_heads) ``ReplicatedHeadsLoRALinear`` (adapters replicated, their gradients
+summed over tp as the weight's), an expert's partial row layer its own (``PartialRowLoRALinear``),
+the vocabulary head the column variant over the padded vocabulary (B's padding rows zero, the
+padded logits -inf as the base's). Every style of the families' plans that holds a linear has its
+variant (plan.py's ``apply_tensor_parallel`` stops on one without).
+
+Dropout (``--lora-dropout``) drops what one process drops: a column layer's input is whole on
+every rank and every rank draws the same mask; a row layer's is a feature slice, and its mask is
+the same slice of the full-width mask (models/lora.py ``LoRADropout``).
 """
 
 from __future__ import annotations
@@ -34,10 +40,16 @@ import torch.nn.functional as F
 
 from paratrain.comm import collectives as C
 from paratrain.comm.autograd import copy_to_tp, reduce_from_tp, reduce_scatter_to_sp
-from paratrain.models.lora import LoRALinear, base_linear
+from paratrain.models.lora import LoRADropout, LoRALinear, base_linear
 from paratrain.models.registry import family_of
-from paratrain.sharding import TensorShard
-from paratrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, _param, enter_region
+from paratrain.sharding import TensorShard, shard_of
+from paratrain.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    ReplicatedHeadsLinear,
+    RowParallelLinear,
+    _param,
+    enter_region,
+)
 
 
 class Adapter(nn.Module):
@@ -48,10 +60,14 @@ class Adapter(nn.Module):
         self.weight = _param(shape, spec, like.device, like.dtype)
 
 
-def _take_lora(layer: nn.Module, old: LoRALinear) -> None:
-    """The settings every variant keeps from the LoRALinear it replaces."""
+def _take_lora(layer: nn.Module, old: LoRALinear, sliced: C.Axis | None = None) -> None:
+    """The settings every variant keeps from the LoRALinear it replaces; ``sliced``: the input is
+    this rank's slice of the features over that axis, so is its dropout mask (models/lora.py)."""
     layer.rank, layer.alpha, layer.scale = old.rank, old.alpha, old.scale
-    layer.lora_dropout = old.lora_dropout
+    drop = old.lora_dropout
+    if sliced is not None and isinstance(drop, LoRADropout):
+        drop = drop.sliced(sliced.rank, sliced.size)
+    layer.lora_dropout = drop
 
 
 class DenseBase:
@@ -67,21 +83,24 @@ class ColumnParallelLoRALinear(DenseBase, ColumnParallelLinear):
 
     casts_base = True  # base_linear computes a base stored in another dtype
 
-    def __init__(self, old: LoRALinear, axis: C.Axis, *, input_op: str = "none"):
+    def __init__(self, old: LoRALinear, axis: C.Axis, *, input_op: str = "none",
+                 pad_value: float | None = None):
         w = old.weight
         super().__init__(old.in_features, old.out_features, axis, bias=old.bias is not None,
-                         input_op=input_op, device=w.device, dtype=w.dtype)
+                         input_op=input_op, pad_value=pad_value, device=w.device, dtype=w.dtype)
         _take_lora(self, old)
         r, a = old.rank, old.lora_A.weight
         self.lora_A = Adapter((r, old.in_features), TensorShard((r, old.in_features)), a)
-        b_spec = TensorShard((old.out_features, r), 0, axis.rank, axis.size)
-        self.lora_B = Adapter((self.local_out, r), b_spec, a)
+        pad = shard_of(self.weight).padded_size  # the vocabulary head's; None elsewhere
+        b_spec = TensorShard((old.out_features, r), 0, axis.rank, axis.size, pad)
+        self.lora_B = Adapter((self.local_out, r), b_spec, a)  # the vocabulary head's padding rows too
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = enter_region(x, self.axis, self.input_op)  # [b, s, in], whole on every rank
         y = self.base_product(x, self.bias)  # [b, s, out/tp]
         a = copy_to_tp(self.lora_A.weight, self.axis)  # f: A's gradient summed over tp
-        return y + self.scale * F.linear(F.linear(self.lora_dropout(x), a), self.lora_B.weight)
+        y = y + self.scale * F.linear(F.linear(self.lora_dropout(x), a), self.lora_B.weight)
+        return self.fill_padding(y)  # the vocabulary head's padded logits: -inf
 
 
 class RowParallelLoRALinear(DenseBase, RowParallelLinear):
@@ -115,7 +134,7 @@ class RowParallelLoRALinear(DenseBase, RowParallelLinear):
 
 def _row_split_adapters(layer: nn.Module, old: LoRALinear, axis: C.Axis) -> None:
     """A row-parallel base's adapters: A split by input like the base's weight, B replicated."""
-    _take_lora(layer, old)
+    _take_lora(layer, old, sliced=axis)
     r, a, tp = old.rank, old.lora_A.weight, axis.size
     a_spec = TensorShard((r, old.in_features), 1, axis.rank, tp)
     layer.lora_A = Adapter((r, old.in_features // tp), a_spec, a)
@@ -141,25 +160,42 @@ class PartialRowLoRALinear(DenseBase, RowParallelLinear):
         return self.base_product(x, None) + self.scale * F.linear(u, b)
 
 
-# The styles (plan.py names) that build a LoRA variant of a LoRALinear.
-LORA_STYLES = ("colwise", "rowwise", "colwise_kv", "expert_rowwise")
+class ReplicatedHeadsLoRALinear(ReplicatedHeadsLinear):
+    """A replicated k/v projection (tp does not divide n_kv_heads: ReplicatedHeadsLinear) with its
+    adapters, replicated like its weight: y = x W_h^T + b_h + s (x A^T) B_h^T, where _h keeps the
+    rows of the kv heads this rank's q heads use. Each rank's dA and dB are partial (its heads'
+    share of K/V, as the base weight's gradient is), so both enter through f: summed over tp,
+    every rank steps the same full gradient."""
+
+    casts_base = True
+
+    def __init__(self, old: LoRALinear, n_kv_heads: int, head_dim: int, heads: list[int], axis: C.Axis):
+        w = old.weight
+        super().__init__(old.in_features, n_kv_heads, head_dim, heads, axis, bias=old.bias is not None,
+                         device=w.device, dtype=w.dtype)
+        _take_lora(self, old)  # the input is whole on every rank: so is the dropout mask
+        r, a = old.rank, old.lora_A.weight
+        self.lora_A = Adapter((r, old.in_features), TensorShard((r, old.in_features)), a)
+        self.lora_B = Adapter((old.out_features, r), TensorShard((old.out_features, r)), a)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = self._heads(self.bias) if self.bias is not None else None
+        y = base_linear(x, self._heads(self.weight), b)  # [b, s, len(heads) * hd]
+        a = copy_to_tp(self.lora_A.weight, self.axis)  # f: A's gradient summed over tp
+        return y + self.scale * F.linear(F.linear(self.lora_dropout(x), a), self._heads(self.lora_B.weight))
 
 
-def unsupported(model: nn.Module, tp: int) -> list[str]:
-    """The adapted layers of ``model`` (built, adapters applied) that tensor parallelism over ``tp``
-    ranks cannot split with their adapters, each with what to change."""
-    family = family_of(model, "tensor parallelism (its plan)")
-    cfg = model.cfg
-    out: dict[str, None] = {}  # one line per layer pattern (layers.*.attn.wk), in model order
-    for name, m in model.named_modules():
-        if not isinstance(m, LoRALinear):
-            continue
-        style = next((s for p, s in family.tp_plan.items() if fnmatch.fnmatchcase(name, p)), None)
-        kv_replicated = style == "colwise_kv" and cfg.n_kv_heads % tp != 0
-        if style not in LORA_STYLES or kv_replicated:
-            why = (f"its {cfg.n_kv_heads} kv heads do not split over tp {tp} (each rank keeps them all)"
-                   if kv_replicated else f"its tensor-parallel style {style or 'none'} has no LoRA variant")
-            pattern = ".".join("*" if part.isdigit() else part for part in name.split("."))
-            out[f"--lora on {pattern} with --tp {tp}: {why}; leave it out of --lora-targets "
-                "or change --tp"] = None
-    return list(out)
+def without_quantised_variant(model: nn.Module, tp: int) -> list[str]:
+    """The adapted layers of ``model`` (adapters applied) whose tensor-parallel LoRA variant over
+    ``tp`` ranks has no quantised counterpart (engine/qlora.py quantises the split layers in pieces
+    of the split dimension): a replicated k/v projection (``colwise_kv`` when tp does not divide
+    n_kv_heads: ReplicatedHeadsLoRALinear) and the vocabulary head (padded to a multiple of tp)."""
+    if tp <= 1:
+        return []
+    n_kv = getattr(model.cfg, "n_kv_heads", None)
+    kv_replicated = bool(n_kv) and n_kv % tp != 0
+    plan = family_of(model, "tensor parallelism (its plan)").tp_plan
+    styles = {"vocab_head"} | ({"colwise_kv"} if kv_replicated else set())
+    patterns = [pattern for pattern, style in plan.items() if style in styles]
+    return [n for n, m in model.named_modules()
+            if isinstance(m, LoRALinear) and any(fnmatch.fnmatchcase(n, p) for p in patterns)]

@@ -39,7 +39,11 @@ from paratrain.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from paratrain.tensor_parallel.lora import ColumnParallelLoRALinear, RowParallelLoRALinear
+from paratrain.tensor_parallel.lora import (
+    ColumnParallelLoRALinear,
+    ReplicatedHeadsLoRALinear,
+    RowParallelLoRALinear,
+)
 
 # -- styles: how one module becomes its tensor-parallel counterpart -----------------------------
 
@@ -65,6 +69,8 @@ class ColwiseKV:
         if c.n_kv_heads % tp == 0:
             return Colwise().build(old, ctx)
         heads = kv_heads_for_rank(c.n_heads, c.n_kv_heads, tp, ctx.axis.rank)
+        if isinstance(old, LoRALinear):
+            return ReplicatedHeadsLoRALinear(old, c.n_kv_heads, c.head_dim, heads, ctx.axis)
         return ReplicatedHeadsLinear(old.in_features, c.n_kv_heads, c.head_dim, heads, ctx.axis,
                                      bias=old.bias is not None, device=old.weight.device,
                                      dtype=old.weight.dtype)
@@ -91,6 +97,8 @@ class VocabHead:
     vocab-parallel cross-entropy; padding logits are -inf."""
 
     def build(self, old: nn.Linear, ctx: Context) -> nn.Module:
+        if isinstance(old, LoRALinear):
+            return ColumnParallelLoRALinear(old, ctx.axis, pad_value=float("-inf"))
         return ColumnParallelLinear(old.in_features, old.out_features, ctx.axis, input_op="none",
                                     pad_value=float("-inf"), device=old.weight.device, dtype=old.weight.dtype)
 

@@ -37,6 +37,7 @@ from paratrain.engine import checkpoint as ckpt
 from paratrain.engine.engine import Engine, find_checkpoint, make_mesh
 from paratrain.engine.lora import export_lora, run_record
 from paratrain.engine.parallelize import parallelize
+from paratrain.engine.rng import seed_draws
 from paratrain.engine.task import Task, as_batch
 from paratrain.launch import DistEnv, restart_attempt
 from paratrain.memory.batch_finder import resolve_micro_batch
@@ -260,6 +261,7 @@ class Trainer:
 
     def _fit(self) -> TrainResult:
         cfg = self.cfg
+        seed_draws(cfg.train.seed)  # dropout draws the same masks on every tp rank as in one process
         if cfg.train.resume:
             self.resume()
             if self.is_main:
