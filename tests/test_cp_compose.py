@@ -150,3 +150,13 @@ def test_eval_with_cp_equals_one_process(tmp_path, capsys):
     assert "use --cp-method ring" in err and "Traceback" not in err
     with pytest.raises(EvalError, match="soft-caps its attention scores"):
         check_cp(build_model(preset("gemma2-tiny"), "meta"), 2, "ring")
+
+
+@pytest.mark.composes(("cp", "compile"))
+def test_compiled_blocks_at_cp2_equal_one_process(tmp_path):
+    """--compile with --cp 2 (ring): the blocks compile around the ring's autograd function (a
+    graph break at its point-to-point calls, which run eagerly), float64 against one compiled
+    process (aot_eager: the graphs and AOT autograd without code generation, as
+    tests/test_compile_layouts.py; compile alone is held to eager there)."""
+    compiled = {"train.compile": True, "train.compile_backend": "aot_eager", **TWO_STEPS}
+    _check_layouts(tmp_path, {2: {"cp2_compile": {"parallel.cp": 2, **compiled}}})

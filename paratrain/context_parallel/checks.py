@@ -48,7 +48,4 @@ CP_REFUSALS = (
             "every step", when=lambda c: c.parallel.cp > 1 and c.parallel.sync != "ddp",
             message=lambda c: _refused(f"--sync {c.parallel.sync} (the cp ranks of a batch must sum "
                                        "gradients every step)")(c)),
-#TMP    Refusal("cp", "compile", "the ring's point-to-point calls are not compiled",
-#TMP            when=lambda c: c.parallel.cp > 1 and c.train.compile,
-#TMP            message=_refused("--compile (the ring's point-to-point calls are not compiled)")),
 )
