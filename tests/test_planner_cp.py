@@ -4,12 +4,14 @@ for a cp rank is what autograd saves on that rank."""
 
 from __future__ import annotations
 
+import argparse
 import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from paratrain.bench import cp as bench_cp
 from paratrain.comm.collectives import Axis, CommCounter
 from paratrain.context_parallel.apply import apply_context_parallel
 from paratrain.context_parallel.split import split_sequence
@@ -38,9 +40,12 @@ def test_plan_proposes_cp_at_131072_tokens_and_not_at_2048(capsys):
     cp = re.search(r"--cp (\d+) --cp-method (ring|alltoall)", command)
     assert cp and int(cp.group(1)) > 1, command
     assert f"cp{cp.group(1)}-{cp.group(2)}" in out.split("why:")[1]  # the verdict names the winner
+    assert f"context parallelism: cp{cp.group(1)} ({cp.group(2)}) holds" in out  # and says why
+    assert "without cp the best that fits is" in out
     assert plan_main([*LONG, "--seq-len", "2048"]) in (0, None)
     out = capsys.readouterr().out
     assert "--cp" not in _first_command(out) and " cp" not in out.split("why:")[1].split(";")[0]
+    assert "context parallelism not proposed: the best cp layout that fits" in out
 
 
 # -- the activation formula against what autograd saves on a cp rank --------------------------------
@@ -105,3 +110,26 @@ def test_planner_bytes_per_attention_are_the_counted_ones(method, n):
     c = preset("tiny", dim=32, n_heads=4, n_kv_heads=2)
     got = context.attention_payload(c, method, n, rows=2, positions=16 // n, e=8)
     assert got == _bytes_per_attention(method, n)
+
+
+def test_bench_cp_reports_cp1_as_not_fitting_under_a_memory_limit(monkeypatch):
+    """`bench cp --memory-limit`: a configuration the planner predicts above the limit is reported
+    as not fitting, with the prediction, and never started; the others run (workers faked here:
+    what is checked is which configurations start and what is reported)."""
+    started = []
+
+    def fake_spawn(fn, n, cfg, method, *rest, **kw):
+        started.append((n, method))
+        return [{"tokens_per_s": 1.0, "peak_bytes": 2**20}] * n
+
+    monkeypatch.setattr(bench_cp, "spawn", fake_spawn)
+    one, two = (bench_cp.predicted_bytes("tiny", 1024, 1, n, "ring") for n in (1, 2))
+    assert two < 0.7 * one  # activations dominate at 1,024 positions: cp2 holds half
+    parser = argparse.ArgumentParser()
+    bench_cp.add_arguments(parser)
+    args = parser.parse_args(["--seq-len", "1024", "--cp", "2", "--methods", "ring,alltoall", "--rounds", "1",
+                              "--memory-limit", str(int((one + two) / 2))])
+    out = bench_cp.run(args)
+    assert sorted(started) == [(2, "alltoall"), (2, "ring")]
+    assert out["configs"]["cp1"]["fits"].startswith(f"does not fit (predicted {one / 2**20:,.0f} MiB > limit")
+    assert "fits" not in out["configs"]["cp2_ring"] and out["configs"]["cp2_ring"]["tokens_per_s"] == 1.0

@@ -119,5 +119,35 @@ def methods(c: ModelShape, cp: int, tp: int, fixed: dict) -> list[str]:
     return ["ring"] + (["alltoall"] if alltoall_fits(c, tp, cp) else [])
 
 
-__all__ = ["CP_METHODS", "alltoall_fits", "attention_payload", "degrees", "methods", "ring_core_bytes",
-           "runs_under_cp", "transient_bytes"]
+
+
+def choice_note(plans: list, winner, seq_len: int) -> str:
+    """Why the winner does or does not split the sequence, for the plan's notes: the best feasible
+    layout of the other kind (with / without cp) against it. ``plans``: the search's (layout,
+    memory, time, fits) records; '' when no other kind fits or nothing was priced with cp."""
+    lay = winner.layout
+    other = [p for p in plans if p.fits and (p.layout.cp > 1) != (lay.cp > 1)]
+    if not any(p.layout.cp > 1 for p in plans):
+        return ""
+    best = min(other, key=lambda p: p.time.total, default=None)
+    gb = 1e9
+    if lay.cp > 1:
+        held = (f"context parallelism: cp{lay.cp} ({lay.cp_method}) holds {seq_len // lay.cp:,} of every "
+                f"row's {seq_len:,} positions, activations {winner.memory.activations / gb:.3g} GB per "
+                f"device; its exposed exchanges cost {winner.time.cp_comm:.3g} s of the "
+                f"{winner.time.total:.3g} s step")
+        if best is None:
+            return held + "; without cp no layout fits"
+        return (held + f"; without cp the best that fits is {best.layout.short()} at "
+                f"{best.time.tokens_per_s:,.0f} tokens/s ({best.time.total / winner.time.total:.2f}x the "
+                f"step time; activations {best.memory.activations / gb:.3g} GB)")
+    if best is None:
+        return ""
+    return (f"context parallelism not proposed: the best cp layout that fits, {best.layout.short()}, runs at "
+            f"{best.time.tokens_per_s:,.0f} tokens/s against {winner.time.tokens_per_s:,.0f}; at {seq_len:,} "
+            f"positions a row's activations ({winner.memory.activations / gb:.3g} GB per device here) do not "
+            "decide the layout")
+
+
+__all__ = ["CP_METHODS", "alltoall_fits", "attention_payload", "choice_note", "degrees", "methods",
+           "ring_core_bytes", "runs_under_cp", "transient_bytes"]

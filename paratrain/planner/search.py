@@ -304,6 +304,7 @@ def plan(c: ModelShape, tr: Training, cluster: Cluster, fixed: dict | None = Non
         ranked = choice.reorder(distinct, [slow_link.rank_seconds(p.layout, p.time) for p in distinct])[:top]
         tree = _tree(c, tr, cluster, ranked[0].layout)
         notes = _ep_notes(c, plans, ranked[0], cluster) + slow_link.choice_notes(ranked, feasible)
+        notes += [note] if (note := context.choice_note(plans, ranked[0], tr.seq_len)) else []
         return PlanResult(ranked, tree, compare(ranked), True, evaluated, notes)
     closest = sorted(plans, key=lambda p: p.memory.total)[:top]
     tree = _tree(c, tr, cluster, closest[0].layout)
