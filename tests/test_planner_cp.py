@@ -17,7 +17,7 @@ from paratrain.context_parallel.apply import apply_context_parallel
 from paratrain.context_parallel.split import split_sequence
 from paratrain.models import build_model, init_weights, preset
 from paratrain.plan_cli import main as plan_main
-from paratrain.planner import context, memory
+from paratrain.planner import context, cost, memory
 from paratrain.planner.machine import local_cluster
 from paratrain.planner.memory import Layout, Training
 from tests.dist import run
@@ -54,9 +54,9 @@ SHAPE = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128
 SEQ, ROWS = 512, 1  # long enough that the blocks' activations are most of what a rank saves
 
 
-def _saved_on_rank(env, method: str) -> list[int]:
+def _saved_on_rank(env, method: str) -> tuple[int, dict]:
     """Bytes of the distinct non-parameter storages autograd saves on this cp rank in one forward
-    (the method of tests/test_planner.py), for each of ring and all-to-all."""
+    (the method of tests/test_planner.py), and the payload it sent over the step, by kind."""
     torch.manual_seed(0)
     c = preset("tiny", max_seq_len=SEQ, **SHAPE)
     model = build_model(c)
@@ -78,26 +78,29 @@ def _saved_on_rank(env, method: str) -> list[int]:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = F.cross_entropy(model(x, positions).flatten(0, 1).float(), y.flatten(), reduction="sum")
     loss.backward()  # the ring's backward runs its collectives on both ranks
-    return sum(seen.values())
+    return sum(seen.values()), dict(axis.counter.snapshot()["payload"])
 
 
-def _saved_both(env) -> dict[str, int]:
+def _saved_both(env) -> dict[str, tuple[int, dict]]:
     return {m: _saved_on_rank(env, m) for m in ("ring", "alltoall")}
 
 
-def test_cp2_activation_formula_matches_saved_tensors_within_5_percent():
+def test_cp2_activations_and_bytes_per_step_are_the_planners():
     """At cp2 each rank holds 256 of 512 positions; the planner's activation bytes for that rank
-    (planner/memory.py at seq/cp, planner/context.py's attention core) are within 5 % of what
-    autograd saves, for ring and all-to-all, and about half of cp1's (fp32)."""
+    (planner/memory.py at seq/cp, planner/context.py's attention core) are within 2 % of what
+    autograd saves (the issue asks 5 %; measured: exact to a few bytes), for ring and all-to-all,
+    and about half of cp1's (fp32); the payload each rank sent over the step (forward and backward
+    through both blocks) is the planner's bytes per step, exactly."""
     c = preset("tiny", max_seq_len=SEQ, **SHAPE)
     tr = Training(SEQ, ROWS, precision="fp32")
     whole = memory.device_memory(c, tr, Layout(), local_cluster(1)).activations
     for measured in run(_saved_both, 2):
-        for method, got in measured.items():
+        for method, (got, sent) in measured.items():
             lay = Layout(dp=2, cp=2, cp_method=method)
             predicted = memory.device_memory(c, tr, lay, local_cluster(2)).activations
             assert predicted == pytest.approx(got, rel=0.02), method
             assert predicted < 0.6 * whole
+            assert sent == cost.cp_step_bytes(c, tr, lay), method
 
 
 @pytest.mark.parametrize("method", ["ring", "alltoall"])

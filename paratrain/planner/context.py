@@ -75,6 +75,21 @@ def attention_payload(c: ModelShape, method: str, cp: int, *, rows: int, positio
     return {"all_to_all": 2 * (2 * q + 2 * kv_sent), "all_gather": cp * starts}
 
 
+def step_payload(c: ModelShape, method: str, cp: int, *, rows: int, positions: int, tp: int, e: int,
+                 blocks: int, micro_batches: int, recompute: str = "none") -> dict[str, float]:
+    """Payload bytes one cp rank sends in one optimizer step: ``attention_payload`` for each of its
+    ``blocks`` attentions in each of the ``micro_batches``; full recompute runs each attention's
+    forward exchanges once more (the ring's K/V shifts; all-to-all's q/k/v/out and the positions)."""
+    one = attention_payload(c, method, cp, rows=rows, positions=positions, tp=tp, e=e)
+    if recompute == "full" and cp > 1:
+        hq, hkv = local_heads(c, tp)
+        kv = hkv * rows * positions * c.head_dim * e
+        again = ({"send": (cp - 1) * (2 * kv + rows * positions * POSITION_BYTES)} if method == "ring"
+                 else {"all_to_all": one["all_to_all"] / 2, "all_gather": one["all_gather"]})
+        one = {k: v + again.get(k, 0.0) for k, v in one.items()}
+    return {k: v * blocks * micro_batches for k, v in one.items()}
+
+
 def transient_bytes(c: ModelShape, method: str, cp: int, tokens: float, tp: int, e: int) -> float:
     """The attention's working set beyond what it saves, at its peak (the backward), for ``tokens``
     local positions: ring: held + next K/V blocks (with starts), their repeated wide copies, the
@@ -150,4 +165,4 @@ def choice_note(plans: list, winner, seq_len: int) -> str:
 
 
 __all__ = ["CP_METHODS", "alltoall_fits", "attention_payload", "choice_note", "degrees", "methods",
-           "ring_core_bytes", "runs_under_cp", "transient_bytes"]
+           "ring_core_bytes", "runs_under_cp", "step_payload", "transient_bytes"]

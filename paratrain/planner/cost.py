@@ -48,6 +48,7 @@ from paratrain.planner.memory import (
     local_positions,
     rank_layers,
     stage_expert_params,
+    stage_layers,
     stage_moe_layers,
     stage_params,
     state_bytes_per_param,
@@ -433,3 +434,15 @@ def cp_exposed(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster) -> fl
     fwd = max(0.0, (lay.cp - 1) * shift - blk.attention_forward)
     bwd = max(0.0, (lay.cp - 1) * shift + lay.cp * grads - (blk.attention - blk.attention_forward))
     return again * fwd + bwd
+
+
+def cp_step_bytes(c: ModelShape, tr: Training, lay: Layout) -> dict[str, float]:
+    """Payload bytes a cp rank of the first pipeline stage sends per optimizer step, by collective
+    kind (planner/context.py ``step_payload``: what the comm counter reports); {} without cp."""
+    if lay.cp == 1:
+        return {}
+    blocks = stage_layers(c.n_layers, lay.pp, lay.v)[0]
+    return context.step_payload(c, lay.cp_method, lay.cp, rows=lay.micro_batch,
+                                positions=local_positions(tr, lay), tp=lay.tp, e=ACT_BYTES[tr.precision],
+                                blocks=blocks, micro_batches=lay.n_micro(tr.global_batch),
+                                recompute=lay.recompute)

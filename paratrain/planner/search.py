@@ -28,7 +28,7 @@ from paratrain.models.from_config import model_config
 from paratrain.models.shape import ModelShape
 from paratrain.perf.hardware import GB, Cluster
 from paratrain.planner import choice, context, slow_link
-from paratrain.planner.cost import TIME_WORDS, StepTime, stage_counts, step_time
+from paratrain.planner.cost import TIME_WORDS, StepTime, cp_step_bytes, stage_counts, step_time
 from paratrain.planner.memory import (
     RECOMPUTE,
     SCHEDULES,
@@ -57,6 +57,7 @@ class Plan:
     n_micro: int
     why_not: str = ""
     link_bytes: dict | None = None  # slow-link layouts: bytes per device per step on each link
+    cp_bytes: dict | None = None  # context parallelism: a rank's attention exchanges per step, by kind
 
     def explanation(self) -> str:
         m, t = self.memory, self.time
@@ -78,7 +79,8 @@ class Plan:
                 "hardware_tflops_per_device": t.hardware_tflops_per_device, "mfu": t.mfu,
                 "bubble_fraction": t.bubble_fraction, "pipeline_imbalance": t.imbalance,
                 "explanation": self.explanation(),
-                **({"link_bytes_per_step": self.link_bytes} if self.link_bytes else {})}
+                **({"link_bytes_per_step": self.link_bytes} if self.link_bytes else {}),
+                **({"cp_bytes_per_step": self.cp_bytes} if self.cp_bytes else {})}
 
 
 @dataclass
@@ -271,7 +273,8 @@ def evaluate(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster) -> Plan
     if fits and host > cluster.host_memory_per_device:
         fits, why = False, (f"offload needs {host / GB:.2f} GB of host memory per device > "
                             f"{cluster.host_memory_per_device / GB:.2f} GB")
-    return Plan(lay, mem, step_time(c, tr, lay, cluster), fits, lay.n_micro(tr.global_batch), why)
+    return Plan(lay, mem, step_time(c, tr, lay, cluster), fits, lay.n_micro(tr.global_batch), why,
+                cp_bytes=cp_step_bytes(c, tr, lay) or None)
 
 
 def plan(c: ModelShape, tr: Training, cluster: Cluster, fixed: dict | None = None, *, top: int = 10,
