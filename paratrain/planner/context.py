@@ -107,6 +107,16 @@ def transient_bytes(c: ModelShape, method: str, cp: int, tokens: float, tp: int,
     return tokens * 2 * (4 * hq * d * e)
 
 
+def local_positions(tr, lay) -> int:
+    """Positions of every row a rank holds (a Training, a Layout): all, or 1/cp under cp."""
+    return tr.seq_len // lay.cp
+
+
+def cp_kwargs(lay) -> dict:
+    """``memory.layer_activation_bytes``' context-parallel arguments for a Layout (none without cp)."""
+    return {"cp": lay.cp, "cp_method": lay.cp_method} if lay.cp > 1 else {}
+
+
 def runs_under_cp(c: ModelShape) -> bool:
     """Whether paratrain runs this model with --cp: its family routes attention through a core
     (``ModelFamily.attention``) and it has no experts (cp x MoE is refused: context_parallel/checks.py)."""

@@ -45,7 +45,6 @@ from paratrain.planner.memory import (
     a2a_bytes,
     held_state_bytes,
     layer_params_local,
-    local_positions,
     rank_layers,
     stage_expert_params,
     stage_layers,
@@ -189,7 +188,7 @@ def stage_costs(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, coun
     blk = block_costs(c, env, sp=lay.sp, attention=tr.attention, tile=lay.tile, cp=lay.cp, **kw)
     moe = (block_costs(c, env, sp=lay.sp, attention=tr.attention, tile=lay.tile, moe=True, ep=lay.ep, **kw)
            if c.n_moe_layers else blk)
-    kw["seq"] = local_positions(tr, lay)  # the head and the embedding: this rank's positions
+    kw["seq"] = context.local_positions(tr, lay)  # the head and the embedding: this rank's positions
     head, emb = head_costs(c, env, sp=lay.sp, **kw), embed_costs(c, env, **kw)
     counts = counts or stage_counts(c, tr, lay, cluster)
     chunks = lay.pp * lay.v
@@ -224,7 +223,7 @@ def step_time(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster) -> Ste
     """Seconds per optimizer step of `lay`, broken down (see the module docstring)."""
     e = ACT_BYTES[tr.precision]
     m = lay.n_micro(tr.global_batch)
-    mb_tokens = local_positions(tr, lay) * lay.micro_batch  # a rank's tokens of one micro-batch
+    mb_tokens = context.local_positions(tr, lay) * lay.micro_batch  # a rank's tokens of one micro-batch
     peak = cluster.device.peak_for(tr.precision)
 
     counts = stage_counts(c, tr, lay, cluster)
@@ -416,7 +415,7 @@ def cp_exposed(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster) -> fl
     if lay.cp == 1:
         return 0.0
     e = ACT_BYTES[tr.precision]
-    rows, positions = lay.micro_batch, local_positions(tr, lay)
+    rows, positions = lay.micro_batch, context.local_positions(tr, lay)
     link = group_link(cluster, lay, "cp")
     again = 2 if lay.recompute == "full" else 1
     if lay.cp_method == "alltoall":
@@ -443,6 +442,7 @@ def cp_step_bytes(c: ModelShape, tr: Training, lay: Layout) -> dict[str, float]:
         return {}
     blocks = stage_layers(c.n_layers, lay.pp, lay.v)[0]
     return context.step_payload(c, lay.cp_method, lay.cp, rows=lay.micro_batch,
-                                positions=local_positions(tr, lay), tp=lay.tp, e=ACT_BYTES[tr.precision],
+                                positions=context.local_positions(tr, lay), tp=lay.tp,
+                                e=ACT_BYTES[tr.precision],
                                 blocks=blocks, micro_batches=lay.n_micro(tr.global_batch),
                                 recompute=lay.recompute)

@@ -502,9 +502,9 @@ def device_memory(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster,
         disk_params = lay.zero >= 3 and lay.offload == "disk" and tr.precision == "fp32"
         for key in [] if lay.offload == "none" else ["optim"] + (["params"] if disk_params else []):
             offloaded, states[key] = offloaded + states[key], 0.0
-        seq = local_positions(tr, lay)  # context parallelism: this rank's positions of every row
+        seq = context.local_positions(tr, lay)  # context parallelism: this rank's positions of every row
         kw = {"tp": lay.tp, "sp": lay.sp, "recompute": lay.recompute, "precision": tr.precision,
-              "attention": tr.attention, **cp_kwargs(lay)}
+              "attention": tr.attention, **context.cp_kwargs(lay)}
         per_mb = ((layers[rank] - n_moe[rank]) * layer_activation_bytes(c, seq, lay.micro_batch, **kw)
                   + n_moe[rank] * layer_activation_bytes(c, seq, lay.micro_batch, moe=True, **kw))
         if rank == 0:  # token ids (and under the ring its saved positions, one tensor for every block)
@@ -523,16 +523,6 @@ def device_memory(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster,
         if best is None or mem.total > best.total:
             best = mem
     return best
-
-
-def local_positions(tr: Training, lay: Layout) -> int:
-    """Positions of every row a rank holds: all of them, or 1/cp under context parallelism."""
-    return tr.seq_len // lay.cp
-
-
-def cp_kwargs(lay: Layout) -> dict:
-    """``layer_activation_bytes``' context-parallel arguments for ``lay`` (none without cp)."""
-    return {"cp": lay.cp, "cp_method": lay.cp_method} if lay.cp > 1 else {}
 
 
 def held_grad_bytes(psi: float, lay: Layout, sb: StateBytes, m: int) -> float:
@@ -583,7 +573,7 @@ def comm_buffer_bytes(c: ModelShape, tr: Training, lay: Layout, sb: StateBytes, 
         gathered, reduced = zero3_gathered_elements(c, lay)
         out += gathered * sb.params + reduced * sb.grads
     if lay.pp > 1:
-        tokens = local_positions(tr, lay) * lay.micro_batch
+        tokens = context.local_positions(tr, lay) * lay.micro_batch
         boundary = tokens * c.dim * ACT_BYTES[tr.precision] / (lay.tp if lay.sp else 1)
         out += (RECEIVE_BUFFERS[lay.schedule] + 1) * boundary
     if lay.ep > 1:
@@ -626,10 +616,11 @@ def transient_bytes(c: ModelShape, tr: Training, lay: Layout, rank: int) -> floa
     on the last stage the fp32 gradient of the log-probs (tokens x vocab / tp); under context
     parallelism the attention's working set (K/V blocks in flight: planner/context.py)."""
     out = 0.0
-    seq = local_positions(tr, lay)
+    seq = context.local_positions(tr, lay)
     if lay.recompute == "full":
         out += layer_activation_bytes(c, seq, lay.micro_batch, tp=lay.tp, sp=lay.sp, precision=tr.precision,
-                                      moe=c.n_moe_layers > 0, attention=tr.attention, **cp_kwargs(lay))
+                                      moe=c.n_moe_layers > 0, attention=tr.attention,
+                                      **context.cp_kwargs(lay))
     if rank == lay.pp - 1:
         out += seq * lay.micro_batch * vocab_local(c, lay.tp) * 4
     return out + context.transient_bytes(c, lay.cp_method, lay.cp, seq * lay.micro_batch, lay.tp,

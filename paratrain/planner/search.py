@@ -70,7 +70,9 @@ class Plan:
 
     def to_json(self) -> dict:
         lay, t = self.layout, self.time
-        return {"layout": lay.__dict__ | {"n_micro_batches": self.n_micro}, "fits": self.fits,
+        # "dp": the mesh's dp axis (dp x cp); "data_replicas": the command's --dp
+        return {"layout": lay.__dict__ | {"n_micro_batches": self.n_micro, "data_replicas": lay.replicas},
+                "fits": self.fits,
                 "memory_bytes": self.memory.breakdown(),
                 "model_state_bytes_per_device": self.memory.model_states,
                 "activation_bytes_per_device": self.memory.activations,
