@@ -136,3 +136,21 @@ def test_bench_cp_reports_cp1_as_not_fitting_under_a_memory_limit(monkeypatch):
     assert sorted(started) == [(2, "alltoall"), (2, "ring")]
     assert out["configs"]["cp1"]["fits"].startswith(f"does not fit (predicted {one / 2**20:,.0f} MiB > limit")
     assert "fits" not in out["configs"]["cp2_ring"] and out["configs"]["cp2_ring"]["tokens_per_s"] == 1.0
+
+
+@pytest.mark.parametrize("method", ["ring", "auto"])
+def test_train_layout_auto_keeps_cp_and_prices_its_method(tmp_path, method):
+    """`paratrain train --layout auto --cp 2`: the planner plans the rest around cp2 (its method
+    as given, or under --cp-method auto the one it prices cheaper) and the result passes the
+    trainer's checks (on the nominal local machine: no calibration)."""
+    from paratrain.plan_cli import auto_layout, runnable_here
+    from tests.harness import tiny_cfg
+
+    cfg = tiny_cfg(tmp_path, **{"parallel.nproc": 2, "parallel.cp": 2, "parallel.cp_method": method,
+                                "data.seq_len": 64})
+    chosen = auto_layout(cfg, cluster=local_cluster(2), verbose=False)
+    p = chosen.parallel
+    assert (p.cp, p.dp, p.nproc) == (2, 1, 2) and p.cp_method in (("ring",) if method == "ring"
+                                                                  else ("ring", "alltoall"))
+    assert runnable_here(cfg)(Layout(dp=2, cp=2, cp_method=p.cp_method, zero=p.zero,
+                                     micro_batch=chosen.train.micro_batch, recompute=chosen.train.recompute))

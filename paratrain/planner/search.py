@@ -527,6 +527,10 @@ def auto_layout(cfg: Config, machine: Callable[[int], Cluster], *,
     cluster = machine(n)
     c, tr = training_from_config(cfg)
     fixed = {"micro_batch": cfg.train.micro_batch} if cfg.train.micro_batch else {}
+    if cfg.parallel.cp > 1:  # --cp N kept; its method too unless auto (the planner's cheaper one then)
+        fixed["cp"] = cfg.parallel.cp
+        if cfg.parallel.cp_method != "auto":
+            fixed["cp_method"] = cfg.parallel.cp_method
     result = None
     for count in range(n, 0, -1):  # n workers first; fewer only if no layout of n can run
         try:
