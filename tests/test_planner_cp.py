@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import argparse
 import re
+import shlex
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from paratrain import cli, config
 from paratrain.bench import cp as bench_cp
 from paratrain.comm.collectives import Axis, CommCounter
 from paratrain.context_parallel.apply import apply_context_parallel
 from paratrain.context_parallel.split import split_sequence
+from paratrain.engine import checks
 from paratrain.models import build_model, init_weights, preset
 from paratrain.plan_cli import main as plan_main
 from paratrain.planner import context, cost, memory
@@ -42,6 +45,10 @@ def test_plan_proposes_cp_at_131072_tokens_and_not_at_2048(capsys):
     assert f"cp{cp.group(1)}-{cp.group(2)}" in out.split("why:")[1]  # the verdict names the winner
     assert f"context parallelism: cp{cp.group(1)} ({cp.group(2)}) holds" in out  # and says why
     assert "without cp the best that fits is" in out
+    argv = shlex.split(command.split("-m paratrain.cli ")[1].splitlines()[0])  # train --model ... as printed
+    args = cli.train_parser(argparse.ArgumentParser().add_subparsers()).parse_args(argv[1:])
+    cfg = checks.validate(checks.settle_seq_len(config.load(None, cli.overrides_from(args))), 16)
+    assert (cfg.parallel.cp, cfg.parallel.cp_method) == (int(cp.group(1)), cp.group(2))
     assert plan_main([*LONG, "--seq-len", "2048"]) in (0, None)
     out = capsys.readouterr().out
     assert "--cp" not in _first_command(out) and " cp" not in out.split("why:")[1].split(";")[0]
