@@ -349,9 +349,6 @@ def train_config(args: argparse.Namespace, overrides: dict | None = None) -> con
                 f"under {launcher_name()}, run `paratrain plan --model ... --gpus N` once and pass the "
                 "layout it prints (--dp/--tp/--pp/--zero ...) to every rank")
 
-        if cfg.parallel.cp > 1:  # the planner does not price context parallelism yet (issue 38)
-            raise config.ConfigError("--layout auto does not plan context parallelism (--cp) yet: drop "
-                                     "--cp, or give the layout yourself (--dp/--tp/--pp/--cp)")
         cfg = auto_layout(cfg)
     if under_torchrun():
         checks.validate(adopt_torchrun_world(cfg), cfg.parallel.nproc)

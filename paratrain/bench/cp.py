@@ -9,6 +9,12 @@ configuration runs in fresh workers, so the peak resident memory of a rank is it
 * ``cpN_allgather``: the peer, all-gathered K/V attention (context_parallel/allgather.py: what
   DTensor falls back to where its ring kernels do not run, a CPU among them).
 
+``--memory-limit BYTES``: a configuration whose training memory per rank the planner predicts
+above it (planner/memory.py with planner/context.py: model states, activations, buffers and
+transients; the process's own torch and gloo are not in it) is reported as "does not fit
+(predicted X > limit)" and not started: the point of cp1 at a length it cannot hold. Every
+configuration reports ``predicted_training_mib_per_rank`` beside its measured peak.
+
 ``attention_s_per_rank``: the attention forward each rank of the largest cp computes, timed alone
 in this process (the load balance measured, not argued), head-tail against contiguous pieces.
 
@@ -35,7 +41,10 @@ from paratrain.context_parallel.split import global_index
 from paratrain.device import rss_peak_bytes
 from paratrain.engine.task import Task
 from paratrain.launch import spawn
+from paratrain.memory.batch_finder import parse_bytes
 from paratrain.models import build_model, full_init_value, init_weights, materialize, preset, tied_name
+from paratrain.planner.machine import local_cluster
+from paratrain.planner.memory import Layout, Training, device_memory
 from paratrain.train.trainer import Trainer
 
 
@@ -45,6 +54,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cp", default="2,4", help="cp degrees besides cp1 (default: %(default)s)")
     parser.add_argument("--methods", default="ring,alltoall,allgather",
                         help="attentions to run at each cp; allgather is the peer (default: %(default)s)")
+    parser.add_argument("--memory-limit", type=_bytes, default=None, metavar="BYTES",
+                        help="bytes per rank (e.g. 200MiB): a configuration whose training memory the "
+                        "planner predicts above it is reported as not fitting, not run")
+
+
+def _bytes(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def predicted_bytes(model: str, seq_len: int, global_batch: int, cp: int, method: str) -> float | None:
+    """The planner's training memory per rank of one configuration (model states, activations,
+    buffers and transients, fp32; planner/memory.py with planner/context.py): what --memory-limit
+    is compared with. None for the all-gathered peer, which the planner does not price."""
+    if method == "allgather":
+        return None
+    c = preset(model, max_seq_len=seq_len)
+    lay = Layout(dp=cp, cp=cp, cp_method=method if cp > 1 else "ring")
+    mem = device_memory(c, Training(seq_len, global_batch, precision="fp32"), lay, local_cluster(cp))
+    return mem.total - mem.runtime
 
 
 class RandomRows(Task):
@@ -101,6 +132,12 @@ def _worker(env, cfg_dict: dict, method: str, warmup: int, steps: int) -> dict:
     return {"tokens_per_s": steps * trainer.units_per_step / seconds, "peak_bytes": rss_peak_bytes()}
 
 
+def _degree_method(name: str) -> tuple[int, str]:
+    """"cp4_alltoall" -> (4, "alltoall"); "cp1" -> (1, "ring")."""
+    n, _, method = name[2:].partition("_")
+    return int(n), method or "ring"
+
+
 def _config(args: argparse.Namespace, out: str, cp: int) -> config.Config:
     return config.load(None, {
         "model.name": args.model, "data.seq_len": args.seq_len, "train.global_batch": args.global_batch,
@@ -144,18 +181,29 @@ def run(args: argparse.Namespace) -> dict:
     degrees = [int(c) for c in args.cp.split(",")]
     methods = args.methods.split(",")
     names = ["cp1"] + [f"cp{n}_{m}" for n in degrees for m in methods]
+    predicted = {name: predicted_bytes(args.model, args.seq_len, args.global_batch, *_degree_method(name))
+                 for name in names}
+    limit = args.memory_limit
+    too_big = {n for n, b in predicted.items() if limit is not None and b is not None and b > limit}
     with tempfile.TemporaryDirectory(prefix="paratrain-bench-cp-") as out:
         def run_one(name: str) -> dict:
-            n, _, method = name[2:].partition("_")
-            ranks = spawn(_worker, int(n), _config(args, f"{out}/{name}", int(n)).to_dict(), method or "ring",
+            n, method = _degree_method(name)
+            ranks = spawn(_worker, n, _config(args, f"{out}/{name}", n).to_dict(), method,
                           args.warmup, args.steps, timeout=None)
             return {"tokens_per_s": ranks[0]["tokens_per_s"],
                     "peak_bytes": max(r["peak_bytes"] for r in ranks)}
 
-        runs = rotating_rounds(names, args.rounds, run_one)
+        to_run = [n for n in names if n not in too_big]
+        runs = rotating_rounds(to_run, args.rounds, run_one) if to_run else {}
     configs = {name: {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
                       "peak_mib_per_rank": statistics.median(r["peak_bytes"] for r in rs) / 2**20}
                for name, rs in runs.items()}
+    for name in names:
+        mib = None if predicted[name] is None else predicted[name] / 2**20
+        configs.setdefault(name, {})["predicted_training_mib_per_rank"] = mib
+        if name in too_big:
+            configs[name]["fits"] = (f"does not fit (predicted {mib:,.0f} MiB > limit "
+                                     f"{limit / 2**20:,.0f} MiB): not run")
     top = max(degrees)
     ours, peer = runs.get(f"cp{top}_ring", []), runs.get(f"cp{top}_allgather", [])
     ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(ours, peer)]
@@ -165,5 +213,5 @@ def run(args: argparse.Namespace) -> dict:
             "paratrain_tokens_per_s": configs.get(f"cp{top}_ring", {}).get("tokens_per_s"),
             "peer_tokens_per_s": configs.get(f"cp{top}_allgather", {}).get("tokens_per_s"),
             "ratio": statistics.median(ratios) if ratios else None, "ratios": ratios,
-            "rounds": args.rounds, "configs": configs,
+            "rounds": args.rounds, "configs": configs, "memory_limit_bytes": limit,
             "attention_s_per_rank": attention_time_by_rank(args.seq_len, top), "machine": machine()}

@@ -157,11 +157,13 @@ def mlp_shapes(c: ModelShape, t: float, *, tp: int = 1, moe: bool = False, ep: i
 
 def block_costs(c: ModelShape, env: OpEnv, *, seq: int, micro_batch: int, tp: int = 1, sp: bool = False,
                 act_bytes: int = 2, attention: str = "flash", tile: int = 1, moe: bool = False,
-                ep: int = 1) -> Costs:
+                ep: int = 1, cp: int = 1) -> Costs:
     """One transformer block, one micro-batch, one tp rank (each linear run as `tile` slices of
-    its output columns under memory-centric tiling); ``moe``: an MoE block on an ep group."""
+    its output columns under memory-centric tiling); ``moe``: an MoE block on an ep group; ``cp``:
+    one context-parallel rank of a ``seq``-long row (seq / cp positions; its queries against every
+    key, head-tail balanced: 1/cp of the attention, as cp blocks of [seq/cp, seq/cp])."""
     env = in_context_env(env)
-    t = seq * micro_batch
+    t = seq * micro_batch / cp
     h, f, hd = c.dim, c.ffn_dim, c.head_dim
     kv = c.n_kv_heads * hd
     heads = c.n_heads / tp
@@ -174,13 +176,15 @@ def block_costs(c: ModelShape, env: OpEnv, *, seq: int, micro_batch: int, tp: in
 
     # Attention products per (sequence, head): scores [s, s] = q [s, hd] @ k^T, out = p @ v.
     call = env.gemm.call_s
-    attn_fwd = micro_batch * heads * 2 * (env.gemm.seconds(seq, seq, hd, env.peak) - call) + 2 * call
+    block = seq / cp  # keys (and queries) of one block: the whole row without cp
+    products = micro_batch * heads * 2 * (env.gemm.seconds(block, block, hd, env.peak) - call)
+    attn_fwd = cp * (products + 2 * call)
     e = act_bytes
     scores_fwd = scores_bwd = 0.0
     if attention == "flash":
         # causal: masked blocks skipped; a sliding-window layer's kernel skips those beyond its
         # window too (the block here is the mean of the model's blocks: mean_attended_keys)
-        flops = micro_batch * heads * 4 * seq * hd * mean_attended_keys(c, seq)
+        flops = micro_batch * heads * 4 * seq * hd * mean_attended_keys(c, seq) / cp
         if isinstance(env.gemm, GemmModel):  # a fused GPU kernel: published efficiency
             attn_fwd = flops / (env.peak * env.gemm.flash) + call
         else:
@@ -190,7 +194,7 @@ def block_costs(c: ModelShape, env: OpEnv, *, seq: int, micro_batch: int, tp: in
         attn_tot = 3.0 * attn_fwd
         # [s, s] scores per head in 16 bits: the softmax and the dropout each read and write them
         # (4 passes); backward: dropout (2) and softmax (read y and dy, write dx: 3)
-        one = micro_batch * heads * seq * seq * e / env.bandwidth
+        one = micro_batch * heads * seq * seq / cp * e / env.bandwidth
         scores_fwd, scores_bwd = 4 * one, 5 * one
 
     # Memory-bound ops per token: two norms (read + write h), two residual adds (read 2h, write h),

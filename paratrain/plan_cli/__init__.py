@@ -132,6 +132,10 @@ def parser() -> argparse.ArgumentParser:
         f.add_argument(flag, type=int, help=what)
     f.add_argument("--ep", type=int, help="expert parallelism (mixture-of-experts models only: 1 for dense)")
     f.add_argument("--tile", type=int, help="memory-centric tiling: split each linear into N tiles")
+    f.add_argument("--cp", type=int, help="context parallelism: ranks of dp that split every row's positions "
+                   "(1: none)")
+    f.add_argument("--cp-method", choices=("ring", "alltoall"),
+                   help="context parallelism's attention (default: the cheaper, priced)")
     f.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
                    help="sequence parallelism on (--sp) or off (--no-sp)")
     f.add_argument("--recompute", choices=config.CHOICES["train.recompute"],
@@ -205,8 +209,8 @@ def check_numbers(args: argparse.Namespace) -> None:
                 "--params": args.params, "--nodes": args.nodes,
                 "--gpu-memory": args.gpu_memory, "--peak-tflops": args.peak_tflops, "--dp": args.dp,
                 "--tp": args.tp, "--pp": args.pp, "--virtual-stages": args.virtual_stages, "--ep": args.ep,
-                "--tile": args.tile, "--sync-every": args.sync_every, "--dp-replicate": args.dp_replicate,
-                "--servers": args.servers}
+                "--tile": args.tile, "--cp": args.cp, "--sync-every": args.sync_every,
+                "--dp-replicate": args.dp_replicate, "--servers": args.servers}
     for flag, value in positive.items():
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ValueError(f"{flag} must be a positive number (got {value})")
@@ -267,6 +271,7 @@ def fixed_from(args: argparse.Namespace) -> dict:
     pairs = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "zero": args.zero, "v": args.virtual_stages,
              "sp": args.sp, "recompute": args.recompute, "schedule": args.pp_schedule,
              "offload": args.offload, "micro_batch": args.micro_batch, "ep": args.ep, "tile": args.tile,
+             "cp": args.cp, "cp_method": args.cp_method,
              "sync": args.sync, "sync_every": args.sync_every, "replicate": args.dp_replicate,
              "servers": args.servers}
     return {k: v for k, v in pairs.items() if v is not None}

@@ -38,10 +38,13 @@ def train_settings(args: argparse.Namespace, c: ModelShape, lay: Layout) -> list
         out.append(("--lora", "lora.rank", args.lora))
         if args.base_precision != "fp32":
             out.append(("--base-precision", "lora.base_precision", args.base_precision))
-    out += [("--dp", "parallel.dp", lay.dp), ("--tp", "parallel.tp", lay.tp), ("--pp", "parallel.pp", lay.pp),
-            ("--zero", "parallel.zero", lay.zero), ("--micro-batch", "train.micro_batch", lay.micro_batch)]
+    out += [("--dp", "parallel.dp", lay.replicas), ("--tp", "parallel.tp", lay.tp),
+            ("--pp", "parallel.pp", lay.pp), ("--zero", "parallel.zero", lay.zero),
+            ("--micro-batch", "train.micro_batch", lay.micro_batch)]
     out += [("--sp", "parallel.sp", True)] if lay.sp else []
     out += [("--ep", "parallel.ep", lay.ep)] if lay.ep > 1 else []
+    if lay.cp > 1:
+        out += [("--cp", "parallel.cp", lay.cp), ("--cp-method", "parallel.cp_method", lay.cp_method)]
     if lay.pp > 1:
         out += [("--pp-schedule", "parallel.pp_schedule", lay.schedule), ("--pp-split", "parallel.pp_split",
                                                                              "auto")]

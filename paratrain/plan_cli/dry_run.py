@@ -207,6 +207,9 @@ def check_dry_run(c: ModelShape, lay: Layout, tr: Training | None = None) -> Non
                          f"{lay.short()}: fix --sync ddp")
     if lay.offload != "none" or lay.tile > 1:
         raise ValueError("--dry-run builds the layout without --offload and --tile: fix them off")
+    if lay.cp > 1:  # its per-step collective table (planner/local.py) has no cp exchanges yet
+        raise ValueError(f"--dry-run does not build context-parallel layouts ({lay.short()}) yet: fix --cp 1 "
+                         "(cp's bytes per attention are the planner's: tests/test_planner_cp.py)")
 
 
 def dry_run(c: ModelShape, tr: Training, lay: Layout, ranks: list[int] | None = None, model: str = "small"

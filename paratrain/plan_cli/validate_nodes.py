@@ -84,7 +84,7 @@ def crossing_axes(shape: MeshShape, per_node: int) -> list[str]:
 
 def mesh_shape(lay: Layout) -> MeshShape:
     replicate = lay.replicate if isinstance(lay, SlowLayout) else 1
-    return MeshShape(pp=lay.pp, dp=lay.dp, tp=lay.tp, ep=lay.ep, dp_replicate=replicate)
+    return MeshShape(pp=lay.pp, dp=lay.dp, tp=lay.tp, ep=lay.ep, dp_replicate=replicate, cp=lay.cp)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ MODEL_ERROR = 0.10
 
 #: Simplest first; each criterion is compared only when the ones before it tie.
 SIMPLICITY_ORDER = (
-    "fewer parallel axes (tensor, pipeline, expert parallelism; hybrid sharding's replicas and "
+    "fewer parallel axes (tensor, pipeline, expert, context parallelism; hybrid sharding's replicas and "
     "parameter servers count as one more each)",
     "the lower ZeRO stage: plain DDP < ZeRO-1 < ZeRO-2 < ZeRO-3",
     "no offload, no recomputation, no sequence parallelism, one virtual stage, no tiling",
@@ -39,7 +39,7 @@ def _averages(lay: Layout) -> bool:
 def simplicity(lay: Layout) -> tuple[int, ...]:
     """The layout's rank by ``SIMPLICITY_ORDER`` (smaller is simpler)."""
     slow = lay if isinstance(lay, SlowLayout) else SlowLayout()
-    axes = (sum(d > 1 for d in (lay.tp, lay.pp, lay.ep)) + int(slow.replicate > 1)
+    axes = (sum(d > 1 for d in (lay.tp, lay.pp, lay.ep, lay.cp)) + int(slow.replicate > 1)
             + int(slow.sync == "parameter-server"))
     extras = (int(lay.offload != "none") + int(lay.recompute != "none") + int(lay.sp) + int(lay.v > 1)
               + int(lay.tile > 1))

@@ -88,9 +88,10 @@ def all_to_all_time(nbytes: float, n: int, link: Link) -> float:
 def group_link(cluster: Cluster, lay: Layout, axis: str) -> Link:
     """The link a group's ring crosses: ranks are laid out tp fastest, then dp, then pp, so a
     group of `size` ranks at stride `stride` spans stride * size consecutive ranks. ep groups are
-    neighbours inside dp (stride tp), edp groups stride over them (tp * ep)."""
+    neighbours inside dp (stride tp), edp groups stride over them (tp * ep); cp groups are
+    neighbours inside dp too (mesh.py: ``dp_index = batch_index * cp + cp_index``)."""
     stride, size = {"tp": (1, lay.tp), "dp": (lay.tp, lay.dp), "pp": (lay.tp * lay.dp, lay.pp),
-                    "ep": (lay.tp, lay.ep), "edp": (lay.tp * lay.ep, lay.edp)}[axis]
+                    "ep": (lay.tp, lay.ep), "edp": (lay.tp * lay.ep, lay.edp), "cp": (lay.tp, lay.cp)}[axis]
     if stride * size <= cluster.devices_per_node:
         return cluster.intra
     return cluster.inter

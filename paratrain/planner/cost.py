@@ -28,6 +28,7 @@ from paratrain.models.shape import ModelShape, mean_attended_keys
 from paratrain.perf.hardware import Cluster, op_env
 from paratrain.perf.ops import ACT_BYTES, block_costs, embed_costs, head_costs
 from paratrain.perf.stages import balanced_split, chunk_costs
+from paratrain.planner import context
 from paratrain.planner.collectives import (
     all_gather_time,
     all_reduce_time,
@@ -46,6 +47,7 @@ from paratrain.planner.memory import (
     layer_params_local,
     rank_layers,
     stage_expert_params,
+    stage_layers,
     stage_moe_layers,
     stage_params,
     state_bytes_per_param,
@@ -119,7 +121,8 @@ def hardware_flops_per_token(c: ModelShape, seq: int, recompute: str) -> float:
 TIME_WORDS = {"compute": "compute", "recompute": "recomputation", "bubble": "pipeline bubble",
               "tp_comm": "tensor-parallel communication", "pp_comm": "pipeline send/recv",
               "dp_comm": "exposed data-parallel communication", "ep_comm": "expert-parallel all-to-all",
-              "optimizer": "optimizer step", "offload": "offload traffic"}
+              "optimizer": "optimizer step", "offload": "offload traffic",
+              "cp_comm": "exposed context-parallel attention exchanges"}
 
 
 @dataclass
@@ -139,11 +142,12 @@ class StepTime:
     peak: float  # FLOP/s of one device at the run's precision
     imbalance: float = 0.0  # pipeline: slowest stage / mean stage - 1 (modelled)
     ep_comm: float = 0.0  # expert-parallel all-to-all (dispatch and return), exposed
+    cp_comm: float = 0.0  # context parallelism: ring transfers beyond the attention beside them, all-to-alls
 
     @property
     def total(self) -> float:
         return (self.compute + self.recompute + self.bubble + self.tp_comm + self.pp_comm + self.dp_comm
-                + self.optimizer + self.offload + self.ep_comm)
+                + self.optimizer + self.offload + self.ep_comm + self.cp_comm)
 
     @property
     def tokens_per_s(self) -> float:
@@ -168,8 +172,8 @@ class StepTime:
     def breakdown(self) -> dict[str, float]:
         return {"compute": self.compute, "recompute": self.recompute, "bubble": self.bubble,
                 "tp_comm": self.tp_comm, "pp_comm": self.pp_comm, "dp_comm": self.dp_comm,
-                "ep_comm": self.ep_comm, "optimizer": self.optimizer, "offload": self.offload,
-                "total": self.total}
+                "ep_comm": self.ep_comm, "cp_comm": self.cp_comm, "optimizer": self.optimizer,
+                "offload": self.offload, "total": self.total}
 
 
 def stage_costs(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, counts: list[int] | None = None
@@ -181,9 +185,10 @@ def stage_costs(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, coun
     env = op_env(cluster, tr.precision)
     kw = {"seq": tr.seq_len, "micro_batch": lay.micro_batch, "tp": lay.tp,
           "act_bytes": ACT_BYTES[tr.precision]}
-    blk = block_costs(c, env, sp=lay.sp, attention=tr.attention, tile=lay.tile, **kw)
+    blk = block_costs(c, env, sp=lay.sp, attention=tr.attention, tile=lay.tile, cp=lay.cp, **kw)
     moe = (block_costs(c, env, sp=lay.sp, attention=tr.attention, tile=lay.tile, moe=True, ep=lay.ep, **kw)
            if c.n_moe_layers else blk)
+    kw["seq"] = context.local_positions(tr, lay)  # the head and the embedding: this rank's positions
     head, emb = head_costs(c, env, sp=lay.sp, **kw), embed_costs(c, env, **kw)
     counts = counts or stage_counts(c, tr, lay, cluster)
     chunks = lay.pp * lay.v
@@ -218,7 +223,7 @@ def step_time(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster) -> Ste
     """Seconds per optimizer step of `lay`, broken down (see the module docstring)."""
     e = ACT_BYTES[tr.precision]
     m = lay.n_micro(tr.global_batch)
-    mb_tokens = tr.seq_len * lay.micro_batch
+    mb_tokens = context.local_positions(tr, lay) * lay.micro_batch  # a rank's tokens of one micro-batch
     peak = cluster.device.peak_for(tr.precision)
 
     counts = stage_counts(c, tr, lay, cluster)
@@ -262,9 +267,12 @@ def step_time(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster) -> Ste
     mb_ep = n_moe * (6 if lay.recompute == "full" else 4) * all_to_all_time(
         a2a_bytes(c, tr, lay), lay.ep, group_link(cluster, lay, "ep"))
 
+    # Context parallel: each block's attention exchanges K/V (ring) or q/k/v/out (all-to-all).
+    mb_cp = layers[busiest] * cp_exposed(c, tr, lay, cluster)
+
     if cluster.local:  # full recompute as torch's checkpoint really costs it (measured)
         mb_recompute *= cluster.device.recompute_scale if lay.recompute == "full" else 1.0
-    mb_time = mb_compute + mb_recompute + mb_tp + mb_pp + mb_ep  # (the bubble: stages idle)
+    mb_time = mb_compute + mb_recompute + mb_tp + mb_pp + mb_ep + mb_cp  # (the bubble: stages idle)
     mb_weight = costs[busiest][3]  # the weight products within mb_compute (zero-bubble schedules' W)
     if cluster.local and lay.world > 1:  # workers computing at once slow each other (measured)
         slow = cluster.contention
@@ -302,7 +310,8 @@ def step_time(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster) -> Ste
                     tokens_per_step=tokens,
                     model_flops=model_flops_per_token(c, tr.seq_len) * tokens,
                     hardware_flops=hardware_flops_per_token(c, tr.seq_len, lay.recompute) * tokens,
-                    world=lay.world, peak=peak, imbalance=stage_imbalance, ep_comm=m * mb_ep)
+                    world=lay.world, peak=peak, imbalance=stage_imbalance, ep_comm=m * mb_ep,
+                    cp_comm=m * mb_cp)
 
 
 def _shard(dense: float, experts: float, lay: Layout) -> float:
@@ -391,3 +400,49 @@ def _optimizer_time(tr: Training, lay: Layout, cluster: Cluster, shard: float, m
             per_mb += 2 * shard * sb.params / cluster.disk_bandwidth
         traffic += m * per_mb
     return shard / cluster.cpu_adam_params_per_s, traffic
+
+
+# -- context parallelism ------------------------------------------------------------------------------
+
+
+def cp_exposed(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster) -> float:
+    """Exposed seconds of one block's context-parallel attention exchanges, one micro-batch
+    (planner/context.py counts their bytes). Ring: N-1 shifts of the K/V block forward, N-1 more
+    and N of the wide dK/dV accumulators backward, each beside a block's attention, so only
+    max(0, transfers - attention compute) shows, forward and backward apart. All-to-all: the four
+    exchanges of q/k/v/out and their reverses, not overlapped (attention waits for its heads).
+    Full recompute repeats the forward's exchanges."""
+    if lay.cp == 1:
+        return 0.0
+    e = ACT_BYTES[tr.precision]
+    rows, positions = lay.micro_batch, context.local_positions(tr, lay)
+    link = group_link(cluster, lay, "cp")
+    again = 2 if lay.recompute == "full" else 1
+    if lay.cp_method == "alltoall":
+        sent = context.attention_payload(c, "alltoall", lay.cp, rows=rows, positions=positions, tp=lay.tp,
+                                         e=e)
+        fwd = 4 * all_to_all_time(sent["all_to_all"] / 8, lay.cp, link) + all_gather_time(
+            sent["all_gather"], lay.cp, link)
+        return again * fwd + 4 * all_to_all_time(sent["all_to_all"] / 8, lay.cp, link)
+    blk = block_costs(c, op_env(cluster, tr.precision), seq=tr.seq_len, micro_batch=rows, tp=lay.tp,
+                      sp=lay.sp, act_bytes=e, attention=tr.attention, cp=lay.cp)
+    hq, hkv = context.local_heads(c, lay.tp)
+    kv = hkv * rows * positions * c.head_dim * e
+    shift = p2p_time(2 * kv + rows * positions * context.POSITION_BYTES, link)
+    grads = p2p_time(2 * kv * context.wide_bytes(e) / e, link)
+    fwd = max(0.0, (lay.cp - 1) * shift - blk.attention_forward)
+    bwd = max(0.0, (lay.cp - 1) * shift + lay.cp * grads - (blk.attention - blk.attention_forward))
+    return again * fwd + bwd
+
+
+def cp_step_bytes(c: ModelShape, tr: Training, lay: Layout) -> dict[str, float]:
+    """Payload bytes a cp rank of the first pipeline stage sends per optimizer step, by collective
+    kind (planner/context.py ``step_payload``: what the comm counter reports); {} without cp."""
+    if lay.cp == 1:
+        return {}
+    blocks = stage_layers(c.n_layers, lay.pp, lay.v)[0]
+    return context.step_payload(c, lay.cp_method, lay.cp, rows=lay.micro_batch,
+                                positions=context.local_positions(tr, lay), tp=lay.tp,
+                                e=ACT_BYTES[tr.precision],
+                                blocks=blocks, micro_batches=lay.n_micro(tr.global_batch),
+                                recompute=lay.recompute)

@@ -41,6 +41,7 @@ from paratrain.models.shape import (
 from paratrain.perf.hardware import Cluster
 from paratrain.perf.ops import ACT_BYTES
 from paratrain.perf.stages import RECEIVE_BUFFERS
+from paratrain.planner import context
 from paratrain.planner.lora import lora_states
 from paratrain.planner.zero_bubble import ZERO_BUBBLE, zb_in_flight
 
@@ -94,6 +95,10 @@ class Layout:
     offload: str = "none"
     tile: int = 1  # memory-centric tiling: each linear runs as `tile` slices
     ep: int = 1  # expert parallelism (MoE): E / ep experts per rank, carved out of dp
+    # context parallelism: ranks of dp that split every row's positions. ``dp`` is the mesh's dp
+    # axis, dp x cp (gradients summed and ZeRO sharded over it, as mesh.py); --dp is dp / cp.
+    cp: int = 1
+    cp_method: str = "ring"  # ring | alltoall (planner/context.py)
 
     @property
     def world(self) -> int:
@@ -104,11 +109,18 @@ class Layout:
         """Expert-data-parallel degree: the dp ranks holding the same experts."""
         return self.dp // self.ep
 
+    @property
+    def replicas(self) -> int:
+        """Data replicas (--dp): the dp ranks that take different rows; cp ranks share theirs."""
+        return self.dp // self.cp
+
     def n_micro(self, global_batch: int) -> int:
-        return global_batch // (self.dp * self.micro_batch)
+        return global_batch // (self.replicas * self.micro_batch)
 
     def short(self) -> str:
-        parts = [f"dp{self.dp}", f"tp{self.tp}" + ("+sp" if self.sp else ""), f"pp{self.pp}"]
+        parts = [f"dp{self.replicas}", f"tp{self.tp}" + ("+sp" if self.sp else ""), f"pp{self.pp}"]
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}-{self.cp_method}")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
         if self.pp > 1:
@@ -288,8 +300,13 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
 
 def layer_activation_bytes(c: ModelShape, seq: int, micro_batch: int, *, tp: int = 1, sp: bool = False,
                            recompute: str = "none", precision: str = "bf16", moe: bool = False,
-                           attention: str = "flash") -> float:
+                           attention: str = "flash", cp: int = 1, cp_method: str | None = None) -> float:
     """Bytes one paratrain Llama block saves for backward, per micro-batch (per tp rank).
+
+    ``cp`` > 1 with ``cp_method`` (ring | alltoall): a context-parallel rank's block, ``seq`` its
+    positions (seq_len / cp; planner/context.py): the same per position, except that RoPE's tables
+    are per row (positions are passed explicitly), the ring saves grouped k/v and a wide output, and
+    all-to-all's reorder keeps two int64 indices over the gathered cp x seq positions.
 
     Per token, e = activation bytes (4 fp32, 2 bf16), norms computed in fp32 (4 bytes):
       attention: norm input + normed value (4 + 4)h, projection input e*h, SDPA inputs q + k + v
@@ -326,9 +343,12 @@ def layer_activation_bytes(c: ModelShape, seq: int, micro_batch: int, *, tp: int
     f = c.moe_ffn_dim if moe else c.ffn_dim
     q = heads * c.head_dim  # q and the attention output: heads x head size, not dim
     resid = 4  # paratrain keeps the residual stream and the norms in fp32, even under autocast
-    rope = 0 if learned_positions(c) else seq * c.head_dim * 4  # RoPE's cos/sin tables, per block call
+    rope_rows = micro_batch if cp > 1 else 1  # explicit positions: a table per row [b, s, hd]
+    rope = 0 if learned_positions(c) else rope_rows * seq * c.head_dim * 4  # RoPE's cos/sin, per block call
     eager = attention_stores_scores(c) and recompute != "selective"
     per_call = rope + (seq * seq if eager else 0)  # + an eager core's bool mask [1, 1, s, s]
+    if cp > 1 and cp_method == "alltoall":
+        per_call += 2 * 8 * cp * seq
     if recompute == "full":
         return tokens * h * resid / (tp if sp else 1)
     kv = q if c.n_kv_heads != c.n_heads else c.n_kv_heads * c.head_dim
@@ -336,6 +356,8 @@ def layer_activation_bytes(c: ModelShape, seq: int, micro_batch: int, *, tp: int
     core = e * (2 * q + 2 * kv) + 4 * heads  # q, k, v, attention output; log-sum-exp
     if c.qk_norm:  # per-head RMSNorm of q and k in fp32: input, normed, one rstd per head
         core += 8 * (q + c.n_kv_heads * c.head_dim) + 4 * (heads + c.n_kv_heads)
+    if cp > 1 and cp_method == "ring":
+        core = context.ring_core_bytes(c, 1, e)  # all heads: split by tp below, as the core is
     if recompute == "selective":
         # Megatron's selective recompute keeps q, k, v and the output and recomputes the s x s
         # scores; a fused kernel never stores those, so only the log-sum-exp is saved.
@@ -480,14 +502,15 @@ def device_memory(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster,
         disk_params = lay.zero >= 3 and lay.offload == "disk" and tr.precision == "fp32"
         for key in [] if lay.offload == "none" else ["optim"] + (["params"] if disk_params else []):
             offloaded, states[key] = offloaded + states[key], 0.0
+        seq = context.local_positions(tr, lay)  # context parallelism: this rank's positions of every row
         kw = {"tp": lay.tp, "sp": lay.sp, "recompute": lay.recompute, "precision": tr.precision,
-              "attention": tr.attention}
-        per_mb = ((layers[rank] - n_moe[rank]) * layer_activation_bytes(c, tr.seq_len, lay.micro_batch, **kw)
-                  + n_moe[rank] * layer_activation_bytes(c, tr.seq_len, lay.micro_batch, moe=True, **kw))
-        if rank == 0:
-            per_mb += tr.seq_len * lay.micro_batch * 8  # token ids
+              "attention": tr.attention, **context.cp_kwargs(lay)}
+        per_mb = ((layers[rank] - n_moe[rank]) * layer_activation_bytes(c, seq, lay.micro_batch, **kw)
+                  + n_moe[rank] * layer_activation_bytes(c, seq, lay.micro_batch, moe=True, **kw))
+        if rank == 0:  # token ids (and under the ring its saved positions, one tensor for every block)
+            per_mb += seq * lay.micro_batch * (16 if lay.cp > 1 and lay.cp_method == "ring" else 8)
         if rank == lay.pp - 1:
-            per_mb += output_activation_bytes(c, tr.seq_len, lay.micro_batch, tp=lay.tp, sp=lay.sp,
+            per_mb += output_activation_bytes(c, seq, lay.micro_batch, tp=lay.tp, sp=lay.sp,
                                               precision=tr.precision)
         acts = per_mb * in_flight(lay.schedule, lay.pp, m, lay.v, rank)
         accumulated = 0.0 if tr.lora_rank else max(0.0, held_grad_bytes(psi, lay, sb, m) - states["grads"])
@@ -550,7 +573,8 @@ def comm_buffer_bytes(c: ModelShape, tr: Training, lay: Layout, sb: StateBytes, 
         gathered, reduced = zero3_gathered_elements(c, lay)
         out += gathered * sb.params + reduced * sb.grads
     if lay.pp > 1:
-        boundary = tr.seq_len * lay.micro_batch * c.dim * ACT_BYTES[tr.precision] / (lay.tp if lay.sp else 1)
+        tokens = context.local_positions(tr, lay) * lay.micro_batch
+        boundary = tokens * c.dim * ACT_BYTES[tr.precision] / (lay.tp if lay.sp else 1)
         out += (RECEIVE_BUFFERS[lay.schedule] + 1) * boundary
     if lay.ep > 1:
         out += 2 * a2a_bytes(c, tr, lay)
@@ -589,14 +613,18 @@ def a2a_bytes(c: ModelShape, tr: Training, lay: Layout) -> float:
 
 def transient_bytes(c: ModelShape, tr: Training, lay: Layout, rank: int) -> float:
     """Short-lived peaks in backward: under full recompute one block's activations are rebuilt;
-    on the last stage the fp32 gradient of the log-probs (tokens x vocab / tp)."""
+    on the last stage the fp32 gradient of the log-probs (tokens x vocab / tp); under context
+    parallelism the attention's working set (K/V blocks in flight: planner/context.py)."""
     out = 0.0
+    seq = context.local_positions(tr, lay)
     if lay.recompute == "full":
-        out += layer_activation_bytes(c, tr.seq_len, lay.micro_batch, tp=lay.tp, sp=lay.sp,
-                                      precision=tr.precision, moe=c.n_moe_layers > 0, attention=tr.attention)
+        out += layer_activation_bytes(c, seq, lay.micro_batch, tp=lay.tp, sp=lay.sp, precision=tr.precision,
+                                      moe=c.n_moe_layers > 0, attention=tr.attention,
+                                      **context.cp_kwargs(lay))
     if rank == lay.pp - 1:
-        out += tr.seq_len * lay.micro_batch * vocab_local(c, lay.tp) * 4
-    return out
+        out += seq * lay.micro_batch * vocab_local(c, lay.tp) * 4
+    return out + context.transient_bytes(c, lay.cp_method, lay.cp, seq * lay.micro_batch, lay.tp,
+                                         ACT_BYTES[tr.precision])
 
 
 def largest_unit_bytes(c: ModelShape, tr: Training, tp: int, ep: int = 1) -> tuple[str, float]:

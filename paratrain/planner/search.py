@@ -27,8 +27,8 @@ from paratrain.models import model_kind
 from paratrain.models.from_config import model_config
 from paratrain.models.shape import ModelShape
 from paratrain.perf.hardware import GB, Cluster
-from paratrain.planner import choice, slow_link
-from paratrain.planner.cost import TIME_WORDS, StepTime, stage_counts, step_time
+from paratrain.planner import choice, context, slow_link
+from paratrain.planner.cost import TIME_WORDS, StepTime, cp_step_bytes, stage_counts, step_time
 from paratrain.planner.memory import (
     RECOMPUTE,
     SCHEDULES,
@@ -45,7 +45,7 @@ from paratrain.planner.moe import ep_choice, moe_tree
 from paratrain.planner.zero_bubble import V_SCHEDULES
 
 FIXABLE = ("dp", "tp", "pp", "v", "zero", "sp", "recompute", "micro_batch", "schedule", "offload", "ep",
-           "tile", *slow_link.FIXABLE)
+           "tile", "cp", "cp_method", *slow_link.FIXABLE)
 
 
 @dataclass
@@ -57,6 +57,7 @@ class Plan:
     n_micro: int
     why_not: str = ""
     link_bytes: dict | None = None  # slow-link layouts: bytes per device per step on each link
+    cp_bytes: dict | None = None  # context parallelism: a rank's attention exchanges per step, by kind
 
     def explanation(self) -> str:
         m, t = self.memory, self.time
@@ -69,7 +70,9 @@ class Plan:
 
     def to_json(self) -> dict:
         lay, t = self.layout, self.time
-        return {"layout": lay.__dict__ | {"n_micro_batches": self.n_micro}, "fits": self.fits,
+        # "dp": the mesh's dp axis (dp x cp); "data_replicas": the command's --dp
+        return {"layout": lay.__dict__ | {"n_micro_batches": self.n_micro, "data_replicas": lay.replicas},
+                "fits": self.fits,
                 "memory_bytes": self.memory.breakdown(),
                 "model_state_bytes_per_device": self.memory.model_states,
                 "activation_bytes_per_device": self.memory.activations,
@@ -78,7 +81,8 @@ class Plan:
                 "hardware_tflops_per_device": t.hardware_tflops_per_device, "mfu": t.mfu,
                 "bubble_fraction": t.bubble_fraction, "pipeline_imbalance": t.imbalance,
                 "explanation": self.explanation(),
-                **({"link_bytes_per_step": self.link_bytes} if self.link_bytes else {})}
+                **({"link_bytes_per_step": self.link_bytes} if self.link_bytes else {}),
+                **({"cp_bytes_per_step": self.cp_bytes} if self.cp_bytes else {})}
 
 
 @dataclass
@@ -114,12 +118,15 @@ def check_fixed(fixed: dict, c: ModelShape | None, tr: Training, n: int) -> None
     unknown = set(fixed) - set(FIXABLE)
     if unknown:
         raise ValueError(f"cannot fix {', '.join(sorted(unknown))}; fixable: {', '.join(FIXABLE)}")
-    for key in ("dp", "tp", "pp", "v", "micro_batch", "ep", "tile"):
+    for key in ("dp", "tp", "pp", "v", "micro_batch", "ep", "tile", "cp"):
         if key in fixed and fixed[key] < 1:
             raise ValueError(f"--{key.replace('_', '-')} must be >= 1 (got {fixed[key]})")
-    prod = fixed.get("dp", 1) * fixed.get("tp", 1) * fixed.get("pp", 1)
-    if all(k in fixed for k in ("dp", "tp", "pp")) and prod != n or prod > n or n % prod:
-        raise ValueError(f"dp * tp * pp = {prod} does not fit --gpus {n}: the degrees must multiply to it")
+    prod = fixed.get("dp", 1) * fixed.get("tp", 1) * fixed.get("pp", 1) * fixed.get("cp", 1)
+    if all(k in fixed for k in ("dp", "tp", "pp", "cp")) and prod != n or prod > n or n % prod:
+        cp = " * cp" if "cp" in fixed else ""
+        raise ValueError(f"dp * tp * pp{cp} = {prod} does not fit --gpus {n}: the degrees must multiply to "
+                         "it")
+    check_fixed_cp(fixed, c, tr)
     if "zero" in fixed and fixed["zero"] not in (0, 1, 2, 3):
         raise ValueError(f"--zero must be 0, 1, 2 or 3 (got {fixed['zero']})")
     slow_link.check_fixed(fixed)
@@ -157,6 +164,27 @@ def check_fixed(fixed: dict, c: ModelShape | None, tr: Training, n: int) -> None
             raise ValueError(f"--pp {fixed['pp']} is more stages than the model's {c.n_layers} layers")
 
 
+def check_fixed_cp(fixed: dict, c: ModelShape | None, tr: Training) -> None:
+    """A fixed --cp / --cp-method the run could not take, refused as the trainer refuses it."""
+    cp = fixed.get("cp", 1)
+    if fixed.get("cp_method", "ring") not in context.CP_METHODS:
+        raise ValueError(f"--cp-method {fixed['cp_method']!r}: choose one of {', '.join(context.CP_METHODS)}")
+    if "cp_method" in fixed and cp == 1 and "cp" in fixed:
+        raise ValueError("--cp-method chooses context parallelism's attention: give --cp N (N >= 2) too")
+    if cp == 1:
+        return
+    if c is None or not context.runs_under_cp(c):
+        raise ValueError(f"--cp {cp}: context parallelism splits a decoder's attention, and this model "
+                         "does not run under it (a model-states-only answer, a mixture of experts, or a "
+                         "family without an attention core): use --cp 1")
+    if tr.seq_len % (2 * cp):
+        raise ValueError(f"--seq-len {tr.seq_len} must be divisible by 2 x cp = {2 * cp} (--cp {cp} cuts "
+                         "every row into 2 x cp equal chunks)")
+    if fixed.get("cp_method") == "alltoall" and not context.alltoall_fits(c, fixed.get("tp", 1), cp):
+        raise ValueError(f"--cp-method alltoall scatters the {c.n_heads} query heads (per tp rank) over --cp "
+                         f"{cp}: they must divide; use --cp-method ring")
+
+
 def enumerate_layouts(c: ModelShape, tr: Training, n: int, fixed: dict, offload: bool) -> list[Layout]:
     """Every layout of n devices allowed by the model's shape, the batch and the fixed choices."""
     out = []
@@ -165,27 +193,39 @@ def enumerate_layouts(c: ModelShape, tr: Training, n: int, fixed: dict, offload:
         for pp in pick("pp", [d for d in _divisors(n // tp) if d <= c.n_layers]):
             if n % (tp * pp):
                 continue
-            dp = n // (tp * pp)
-            if "dp" in fixed and fixed["dp"] != dp or tr.global_batch % dp:
-                continue
-            per_rank = tr.global_batch // dp
-            mbs = pick("micro_batch", _micro_batches(per_rank))
-            for mb in mbs:
-                if per_rank % mb:
+            dp = n // (tp * pp)  # the mesh's dp axis: data replicas x cp
+            for cp in context.degrees(c, tr.seq_len, dp, fixed):
+                out += _data_layouts(c, tr, fixed, offload, dp=dp, tp=tp, pp=pp, cp=cp)
+    return out
+
+
+def _data_layouts(c: ModelShape, tr: Training, fixed: dict, offload: bool, *, dp: int, tp: int, pp: int,
+                  cp: int) -> list[Layout]:
+    """The layouts of given degrees: micro-batch, schedule, ZeRO, sp, recompute, offload, ep, cp method."""
+    out = []
+    pick = lambda key, options: [fixed[key]] if key in fixed else options  # noqa: E731
+    replicas = dp // cp
+    if "dp" in fixed and fixed["dp"] != replicas or tr.global_batch % replicas:
+        return out
+    per_rank = tr.global_batch // replicas
+    # cp cuts one row because a row is too long: more rows per micro-batch would undo it (a lower cp
+    # holds as many positions), so cp layouts run micro-batch 1 unless it is fixed
+    for mb in pick("micro_batch", _micro_batches(per_rank) if cp == 1 else [1]):
+        if per_rank % mb:
+            continue
+        m = per_rank // mb
+        for sched, v in _schedules(c, pp, m, fixed):
+            zeros = [0, 1, 2, 3] if dp > 1 or offload else [0]
+            offs = ["cpu", "disk"] if offload else ["none"]
+            for zero, sp, rc, off, ep, method in itertools.product(
+                    pick("zero", zeros), pick("sp", [False, True] if tp > 1 else [False]),
+                    pick("recompute", ["none", "full"]), pick("offload", offs),
+                    ep_degrees(c, dp, fixed) if cp == 1 else [1], context.methods(c, cp, tp, fixed)):
+                if off != "none" and zero == 0 or sp and tp == 1:
                     continue
-                m = per_rank // mb
-                for sched, v in _schedules(c, pp, m, fixed):
-                    zeros = [0, 1, 2, 3] if dp > 1 or offload else [0]
-                    offs = ["cpu", "disk"] if offload else ["none"]
-                    for zero, sp, rc, off, ep in itertools.product(
-                            pick("zero", zeros), pick("sp", [False, True] if tp > 1 else [False]),
-                            pick("recompute", ["none", "full"]), pick("offload", offs),
-                            ep_degrees(c, dp, fixed)):
-                        if off != "none" and zero == 0 or sp and tp == 1:
-                            continue
-                        out.append(Layout(dp=dp, tp=tp, pp=pp, v=v, zero=zero, sp=sp, recompute=rc,
-                                          micro_batch=mb, schedule=sched, offload=off,
-                                          tile=fixed.get("tile", 1), ep=ep))
+                out.append(Layout(dp=dp, tp=tp, pp=pp, v=v, zero=zero, sp=sp, recompute=rc,
+                                  micro_batch=mb, schedule=sched, offload=off,
+                                  tile=fixed.get("tile", 1), ep=ep, cp=cp, cp_method=method))
     return out
 
 
@@ -235,7 +275,8 @@ def evaluate(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster) -> Plan
     if fits and host > cluster.host_memory_per_device:
         fits, why = False, (f"offload needs {host / GB:.2f} GB of host memory per device > "
                             f"{cluster.host_memory_per_device / GB:.2f} GB")
-    return Plan(lay, mem, step_time(c, tr, lay, cluster), fits, lay.n_micro(tr.global_batch), why)
+    return Plan(lay, mem, step_time(c, tr, lay, cluster), fits, lay.n_micro(tr.global_batch), why,
+                cp_bytes=cp_step_bytes(c, tr, lay) or None)
 
 
 def plan(c: ModelShape, tr: Training, cluster: Cluster, fixed: dict | None = None, *, top: int = 10,
@@ -268,6 +309,7 @@ def plan(c: ModelShape, tr: Training, cluster: Cluster, fixed: dict | None = Non
         ranked = choice.reorder(distinct, [slow_link.rank_seconds(p.layout, p.time) for p in distinct])[:top]
         tree = _tree(c, tr, cluster, ranked[0].layout)
         notes = _ep_notes(c, plans, ranked[0], cluster) + slow_link.choice_notes(ranked, feasible)
+        notes += [note] if (note := context.choice_note(plans, ranked[0], tr.seq_len)) else []
         return PlanResult(ranked, tree, compare(ranked), True, evaluated, notes)
     closest = sorted(plans, key=lambda p: p.memory.total)[:top]
     tree = _tree(c, tr, cluster, closest[0].layout)
@@ -449,7 +491,8 @@ def layout_to_config(cfg: Config, lay: Layout) -> Config:
     """A copy of `cfg` with the layout's degrees, ZeRO stage, schedule and micro-batch set."""
     new = copy.deepcopy(cfg)
     p = new.parallel
-    p.dp, p.tp, p.pp, p.zero, p.sp = lay.dp, lay.tp, lay.pp, lay.zero, lay.sp
+    p.dp, p.tp, p.pp, p.zero, p.sp = lay.replicas, lay.tp, lay.pp, lay.zero, lay.sp
+    p.cp, p.cp_method = lay.cp, lay.cp_method
     p.nproc = lay.world
     p.ep = lay.ep
     p.pp_schedule, p.virtual_stages, p.offload = lay.schedule, lay.v, lay.offload
@@ -484,6 +527,10 @@ def auto_layout(cfg: Config, machine: Callable[[int], Cluster], *,
     cluster = machine(n)
     c, tr = training_from_config(cfg)
     fixed = {"micro_batch": cfg.train.micro_batch} if cfg.train.micro_batch else {}
+    if cfg.parallel.cp > 1:  # --cp N kept; its method too unless auto (the planner's cheaper one then)
+        fixed["cp"] = cfg.parallel.cp
+        if cfg.parallel.cp_method != "auto":
+            fixed["cp_method"] = cfg.parallel.cp_method
     result = None
     for count in range(n, 0, -1):  # n workers first; fewer only if no layout of n can run
         try:

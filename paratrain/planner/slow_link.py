@@ -152,8 +152,8 @@ def variants(lay: Layout, cluster: Cluster, fits: bool = True, fixed: dict | Non
     that does not fit yields only the parameter server (the one variant needing less memory). Unless
     asked for (fixed), only layouts whose data-parallel group crosses the slow link get them."""
     fixed = fixed or {}
-    if lay.dp == 1 or lay.ep > 1 or lay.offload != "none" or isinstance(lay, SlowLayout):
-        return []
+    if lay.dp == 1 or lay.ep > 1 or lay.cp > 1 or lay.offload != "none" or isinstance(lay, SlowLayout):
+        return []  # (cp: its ranks sum gradients every step, and hybrid sharding over dp x cp is refused)
     if not fixed and group_link(cluster, lay, "dp") is cluster.intra:
         return []
     if not fits:
