@@ -132,7 +132,9 @@ class SmallPackedTask(PackedTask):
     def __init__(self, cfg):
         super().__init__(cfg)
         own = {f.name for f in dataclasses.fields(preset(cfg.model.name))}  # GPT-2 has no n_kv_heads
-        shape = {k: v for k, v in SMALL.items() if k in own}
+        # --n-layers may deepen it (a V schedule needs 2 x pp stages of whole layers)
+        shape = {k: v for k, v in {**SMALL, "n_layers": cfg.model.n_layers or SMALL["n_layers"]}.items()
+                 if k in own}
         self.model_cfg = preset(cfg.model.name, max_seq_len=16, **shape)
         self.n_params = self.model_cfg.n_params()
 
@@ -198,6 +200,8 @@ def _check_layouts(tmp_path, layouts: dict[int, dict[str, dict]]) -> dict[str, R
     return refs
 
 
+@pytest.mark.composes(("cp", "packing"), ("cp", "recompute"), ("cp", "lora"), ("cp", "ddp"), ("cp", "tp"),
+                      ("cp", "sp"), ("cp", "1f1b"), ("cp", "zb-h1"), ("cp", "zero1"), ("cp", "zero3"))
 def test_cp_training_equals_one_process(tmp_path):
     """Packed rows, loss masks, eval: cp2 (ring; all-to-all with selective recompute; GPT-2's
     learned positions; LoRA), dp2 x cp2 (DDP over dp x cp, all-to-all), tp2 x cp2 with SP,

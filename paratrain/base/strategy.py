@@ -344,7 +344,8 @@ class Strategy:
                            if AUX_KEY_MARK not in k} - {"param", "buffer"})
             st = self.optimizer.state[p] if keys else {}
             for key in keys:  # an optimizer's state is empty before its first step: create it
-                st[key] = torch.zeros_like(p, dtype=torch.float32)
+                # in the parameter's dtype, as torch's AdamW does (a float64 run's moments are float64)
+                st[key] = torch.zeros_like(p)
                 read_local(reader, info, full, key, st[key])
             if keys:
                 st["step"] = torch.tensor(float(optimizer_step))
