@@ -181,7 +181,16 @@ def _planned_layout(layout: dict, **overrides):
                                                              precision="fp32"), lay)
 
 
-@pytest.mark.parametrize("zero,name", [(2, "1f1b"), (3, "1f1b"), (3, "gpipe")])
+# A V (zbv, dualpipev) puts the last stage, with the final norm and the head, on rank 0 beside the
+# embedding; planner/memory.py's stage_params puts them on rank pp - 1 whatever the schedule, so it
+# prices rank 0 short by the head (tiny, dp2 zero3: parameters 213,632 bytes planned, 279,168
+# held). Recorded as a strict xfail: it fails
+# (XPASS) the day the planner places the head by the schedule; then drop the mark.
+V_HEAD = pytest.mark.xfail(strict=True, reason="the planner puts a V's head on rank pp - 1, the runtime on 0")
+
+
+@pytest.mark.parametrize("zero,name", [(2, "1f1b"), (3, "1f1b"), (3, "gpipe"),
+                                       pytest.param(3, "zbv", marks=V_HEAD)])
 def test_memory_per_rank_is_the_planners(world4, zero, name):
     """Model states at the step (params, gradient shards, optimizer) and the full gradients held
     before the step's first reduction (the accumulation across the schedule's m = 2 micro-batches),
