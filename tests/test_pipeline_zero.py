@@ -134,12 +134,11 @@ TRIPLES = {
 
 
 @pytest.fixture(scope="module")
-def world8(tmp_path_factory):
+def world8(tmp_path_factory, refs):
     """One launch of 8 workers for the four layouts, and the one-process runs they equal."""
     base = tmp_path_factory.mktemp("w8")
     got = _layouts(8, {name: tiny_cfg(base / name, **layout) for name, (layout, _) in TRIPLES.items()})
-    refs = {"m4": _ref(base / "m4", **M4, **STEPS), "m8": _ref(base / "m8", **M8, **STEPS),
-            "moe": _ref(base / "moe", **M4, **STEPS, **MOE_PARITY),
+    refs = {**refs, "moe": _ref(base / "moe", **M4, **STEPS, **MOE_PARITY),
             "lora": _ref(base / "lora", **M4, **STEPS, **LORA)}
     return got, refs, base
 
