@@ -81,8 +81,9 @@ class Parallel:
     gradient bucket size; timeout: seconds before a collective that never completes fails, naming
     the rank it waited for (every axis's process group, DDP's shared-memory sum; a process group
     you made yourself keeps its own timeout over the whole world); units / unit_min_params: ZeRO-3
-    units (names, or the size threshold of zero/units.py); tp_plan: how to split the user's linears
-    (a paratrain model family has its declared plan; sequence_parallel applies it with SP);
+    units (names, or the size threshold of zero/units.py; with pp > 1 the family's own); tp_plan:
+    how to split the user's linears (a paratrain model family has its declared plan;
+    sequence_parallel applies it with SP);
     allow_non_elementwise: let ZeRO shard an optimizer class it does not know to be element-wise.
     pp / pp_schedule / virtual_stages: pipeline stages for a paratrain model family (the schedule
     runs forward and backward: the loop calls ``pipeline_step`` instead of ``backward``).
@@ -110,7 +111,8 @@ class Parallel:
                  cp_method: str = "ring"):
         problems = _check_args(tp=tp, pp=pp, zero=zero, dp_mode=dp_mode, offload=offload,
                                offload_dir=offload_dir, bucket_mb=bucket_mb, precision=precision,
-                               timeout=timeout, units=units, tp_plan=tp_plan)
+                               timeout=timeout, units=units, unit_min_params=unit_min_params,
+                               tp_plan=tp_plan)
         if zero in (0, 1, 2, 3) and dp_mode in ("ddp", "plain") and offload in OFFLOADS:
             # the rules `paratrain train` checks too, in one place (engine/checks.py), said as keywords
             check_parallel_rules(ParallelConfig(tp=tp, pp=pp, zero=zero, dp_mode=dp_mode, offload=offload,
@@ -430,6 +432,7 @@ class LibraryDoor:
         self.loss_sum = _token_loss_sum  # the pipeline schedule's (pp > 1); the user's loop has its own
         self.full: dict[str, torch.Tensor] = {}  # full values by single-device name (ZeRO-3's init)
         self.recipe: OptimizerRecipe | None = None
+        self.tied_alias: dict[str, str] = {}  # pp > 1, tied: the owner's name -> the copy's, on its stage
 
     def add_adapters(self, model: nn.Module) -> None:
         """The user's full values by single-device name, before any split (ZeRO-3, TP slice them)."""
@@ -478,6 +481,8 @@ class LibraryDoor:
             if family.is_tied(model) and family.tied[1] in group and family.tied[0] in held:
                 group.append(family.tied[0])
             group[:] = [n for n in group if n in held]
+        if family.is_tied(model):  # ZeRO-3 names the copy by its owner's single-device name (ParamInfo)
+            self.tied_alias = {family.tied[1]: family.tied[0]}
 
     def quantise_base(self, model: nn.Module) -> None:
         """Nothing: the user's module keeps its own weights (QLoRA is the trainer's)."""
@@ -497,10 +502,15 @@ class LibraryDoor:
         group_index = {n: g for g, group_names in enumerate(self.names) for n in group_names}
 
         def group_of(name: str, p: torch.Tensor) -> int:
-            return group_index[name]
+            return group_index[name if name in group_index else self.tied_alias[name]]
 
         def units(m: nn.Module):
             return named_units(m, par.units) if par.units else size_units(m, par.unit_min_params)
+
+        # A pipeline stage runs its family's parts (family.forward_stage), never the whole model's
+        # forward, where the size policy's leftover unit is gathered: under pp > 1 ZeRO-3 takes the
+        # family's declared units (the trainer's), each stage's own.
+        pipelined = par.mesh.pp.size > 1
 
         def init_value(name: str, shape: tuple[int, ...]) -> torch.Tensor:
             return self.full[name]  # the user's own (rank 0's) weights; Zero3 keeps this rank's slice
@@ -508,8 +518,8 @@ class LibraryDoor:
         return make_strategy(model, par.mesh, self.recipe or self.optimizer, zero=par.zero,
                              dp_mode=par.dp_mode, bucket_bytes=int(par.bucket_mb * 2**20),
                              precision=par.precision, offload=par.offload, offload_dir=par.offload_dir,
-                             init_value=init_value, units=units, group_of=group_of if par.zero else None,
-                             sync=par.sync,
+                             init_value=init_value, units=None if pipelined else units,
+                             group_of=group_of if par.zero else None, sync=par.sync,
                              timeout_s=par.timeout)  # DDP's shared-memory sum waits this long too
 
 def _library_extra(path: os.PathLike, trust: bool) -> dict:
@@ -594,15 +604,11 @@ class ParallelOptimizer(torch.optim.Optimizer):
 
 def _check_args(*, tp: int, pp: int, zero: int, dp_mode: str, offload: str, offload_dir: str | None,
                 bucket_mb: float, precision: str, timeout: float, units: list[str] | None,
-                tp_plan: dict | None) -> list[str]:
+                unit_min_params: int | None, tp_plan: dict | None) -> list[str]:
     """The keywords' own values (their combinations: engine/checks.py's check_parallel_rules)."""
     problems = []
     if pp < 1:
         problems.append(f"pp = {pp} must be >= 1 (pipeline stages of a paratrain model family)")
-    if pp > 1 and zero >= 2:  # the library door only: `paratrain train` runs ZeRO-2/3 inside the schedules
-        problems.append(f"pp = {pp} with zero = {zero}: gradients must stay whole across the schedule's "
-                        "micro-batches in the library's pipeline (ZeRO-2/3 inside the schedules is built for "
-                        "`paratrain train` only, not yet here): use zero 0 or 1 with pp > 1")
     if zero not in (0, 1, 2, 3):
         problems.append(f"zero = {zero!r} must be 0 (DDP), 1, 2 or 3")
     if dp_mode not in ("ddp", "plain"):
@@ -621,6 +627,10 @@ def _check_args(*, tp: int, pp: int, zero: int, dp_mode: str, offload: str, offl
         problems.append(f"timeout = {timeout} must be > 0 seconds")
     if units is not None and zero != 3:
         problems.append("units = [...] chooses ZeRO-3's units: it needs zero = 3")
+    if (units is not None or unit_min_params is not None) and pp > 1:
+        problems.append(f"units / unit_min_params with pp = {pp}: a pipeline stage runs its model family's "
+                        "parts, not the model's forward, so ZeRO-3 gathers the family's declared units "
+                        "(each block, the parts before and after): drop units and unit_min_params")
     if tp_plan and tp == 1:
         problems.append("tp_plan splits linears over tensor-parallel ranks: it needs tp > 1")
     return problems

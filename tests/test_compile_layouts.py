@@ -1,4 +1,5 @@
-"""--compile with data parallelism (DDP, ZeRO-1/2/3) and tensor parallelism, against ONE eager process.
+"""--compile with data parallelism (DDP, ZeRO-1/2/3), tensor parallelism and the pipeline schedules
+that keep a block's backward whole (GPipe, 1F1B, interleaved), against ONE eager process.
 
 Compiled blocks (dynamo graph + AOT autograd; the aot_eager backend, as test_memory_savers.py's
 test_compile_equals_eager explains: inductor's C++ code generation costs minutes on 2 cores) compute
@@ -34,10 +35,19 @@ LAYOUTS = {
     "tp2": {"parallel.tp": 2, **COMPILE},
     "tp2_eager": {"parallel.tp": 2},
 }
+# --pp 2 with the schedules that run each block's backward whole (the zero-bubble ones split it:
+# engine/checks.py refuses them); micro-batch 2: m = 4, the schedules fill
+PP2 = {"parallel.pp": 2, "train.micro_batch": 2, **COMPILE}
+PIPELINES = {
+    "pp2_gpipe": {**PP2, "parallel.pp_schedule": "gpipe"},
+    "pp2_1f1b": {**PP2, "parallel.pp_schedule": "1f1b"},
+    "pp2_interleaved": {**PP2, "parallel.pp_schedule": "interleaved", "parallel.virtual_stages": 2},
+}
 
 
 def _train_each(env, runs: list[dict]) -> list:
-    """(losses, weights, comm_bytes per step, graph breaks) of each run, in one set of workers."""
+    """(losses, weights, comm_bytes per step, graph breaks, frames compiled) of each run, in one set
+    of workers."""
     from torch._dynamo.utils import counters
 
     out = []
@@ -46,7 +56,8 @@ def _train_each(env, runs: list[dict]) -> list:
         result = Trainer(config.Config.from_dict(d), env).fit()
         rows = read_metrics(f"{d['train']['out']}/metrics.jsonl") if env.rank == 0 else []
         comm = [r["comm_bytes"] for r in rows]
-        out.append((result.losses, result.final_state, comm, sum(counters["graph_break"].values())))
+        out.append((result.losses, result.final_state, comm, sum(counters["graph_break"].values()),
+                    counters["stats"]["unique_graphs"]))
     return out
 
 
@@ -54,11 +65,12 @@ def _train_each(env, runs: list[dict]) -> list:
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("compile")
     ref = run_layout(tiny_cfg(tmp / "ref"))
-    cfgs = [tiny_cfg(tmp / name, **v) for name, v in LAYOUTS.items()]
+    layouts = {**LAYOUTS, **PIPELINES}
+    cfgs = [tiny_cfg(tmp / name, **v) for name, v in layouts.items()]
     for c in cfgs:
         checks.validate(c, 2)
-    outs = run(_train_each, 2, [c.to_dict() for c in cfgs], timeout=600)[0]
-    return ref, dict(zip(LAYOUTS, outs))
+    outs = run(_train_each, 2, [c.to_dict() for c in cfgs], timeout=600)
+    return ref, dict(zip(layouts, outs[0])), dict(zip(layouts, outs[1]))
 
 
 @pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "zero3", "tp2"])
@@ -68,15 +80,32 @@ def runs(tmp_path_factory):
 @pytest.mark.composes(("compile", "zero3"), case="zero3")
 @pytest.mark.composes(("compile", "tp"), case="tp2")
 def test_compiled_layout_equals_one_eager_process(runs, name):
-    ref, results = runs
-    losses, weights, _, _ = results[name]
+    ref, results, _ = runs
+    losses, weights, _, _, _ = results[name]
     assert_same_training(RunResult(losses, weights), ref, **FP32_REORDERED)
+
+
+@pytest.mark.parametrize("name", list(PIPELINES))
+@pytest.mark.composes(("compile", "gpipe"), case="pp2_gpipe")
+@pytest.mark.composes(("compile", "1f1b"), case="pp2_1f1b")
+@pytest.mark.composes(("compile", "interleaved"), case="pp2_interleaved")
+def test_compiled_pipeline_equals_one_eager_process(runs, name):
+    """Each stage's blocks compiled, on both ranks (a stage's graph is traced on the rank that
+    holds it): the schedule calls a block's forward per micro-batch and autograd runs its compiled
+    backward; the stage's send / receive stay outside the blocks, eager."""
+    ref, results, last_stage = runs
+    losses, weights, _, breaks, _ = results[name]
+    assert_same_training(RunResult(losses, weights), ref, **FP32_REORDERED)
+    assert breaks == 0
+    # The first pipeline run traces the blocks at its micro-batch's shape (2 rows, new to these
+    # workers) on both ranks; the later ones reuse those graphs (the same code, shapes and guards).
+    assert results["pp2_gpipe"][4] > 0 and last_stage["pp2_gpipe"][4] > 0
 
 
 def test_compile_keeps_the_hooks_and_collectives_eager(runs):
     """ZeRO-3: no graph break (its gather / free hooks are not traced). TP: the collectives run and
     are counted every step, as without compile."""
-    _, results = runs
+    _, results, _ = runs
     assert results["zero3"][3] == 0
     assert results["tp2"][2] == results["tp2_eager"][2]
     assert all(row.get("all_reduce", 0) > 0 for row in results["tp2"][2])

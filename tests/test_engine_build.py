@@ -18,6 +18,7 @@ from paratrain import api, config
 from paratrain.base.strategy import StateStore
 from paratrain.engine import build, checks, parallelize
 from paratrain.engine.checks import Spelling, check_parallel_rules
+from paratrain.mesh import MeshError
 from paratrain.shards import CheckpointError
 from paratrain.train.metrics import read_metrics
 from paratrain.train.trainer import Trainer
@@ -89,13 +90,16 @@ def test_a_shared_refusal_record_speaks_each_doors_words(tmp_path):
     assert record.says(cfg, Spelling(flags=False)).startswith("dp_mode = 'plain' is the un-bucketed DDP")
 
 
-def test_zero_2_with_a_pipeline_is_the_trainers_alone(tmp_path):
-    """The trainer runs ZeRO-2/3 inside the schedules (no rule left); the library still refuses it."""
+def test_zero_2_with_a_pipeline_is_refused_by_neither_door(tmp_path):
+    """Both doors run ZeRO-2/3 inside the schedules (no rule left; the library's parity test is
+    tests/test_api.py's pp2 x dp2); only the library's size-policy units are refused with pp > 1."""
     assert _rules({"pp": 2, "zero": 2}) == []
     cfg = tiny_cfg(tmp_path, **{"parallel.zero": 2, "parallel.pp": 2, "parallel.dp": 1})
     checks.validate(cfg, cfg.world_size)
-    with pytest.raises(ValueError, match="pp = 2 with zero = 2: gradients must stay whole"):
+    with pytest.raises(MeshError, match=r"pp\(2\) = 2 != world size 1"):  # past the keyword checks
         paratrain.Parallel(pp=2, zero=2)
+    with pytest.raises(ValueError, match=r"units / unit_min_params with pp = 2"):
+        paratrain.Parallel(pp=2, zero=3, units=["layers.0"])
 
 
 def _rules(keywords: dict) -> list[str]:

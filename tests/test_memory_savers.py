@@ -317,7 +317,8 @@ def test_auto_micro_batch_trains_as_the_fixed_one(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     ({"train.tile": 2, "parallel.zero": 3, "parallel.dp": 2, "optim.name": "adamw8bit"},
      "quantisation block"),
-    ({"train.compile": True, "parallel.pp": 2, "parallel.dp": 1}, "--compile does not compose with --pp"),
+    ({"train.compile": True, "parallel.pp": 2, "parallel.dp": 1, "parallel.pp_schedule": "zbv"},
+     "--pp-schedule zbv splits each linear's backward"),
     ({"train.compile": True, "train.tile": 2}, "--compile does not compose with --tile"),
     ({"train.micro_batch": "auto"}, "--memory-limit"),
     ({"train.memory_limit": 10**9}, "--micro-batch auto"),
@@ -329,6 +330,14 @@ def test_savers_refuse_what_does_not_compose(tmp_path, overrides, message):
     cfg = tiny_cfg(tmp_path, **overrides)
     with pytest.raises(config.ConfigError, match=message):
         checks.validate(cfg)
+
+
+def test_compile_with_the_whole_backward_schedules_is_accepted(tmp_path):
+    """--compile with --pp 2 (gpipe, 1f1b, interleaved): tests/test_compile_layouts.py's parity."""
+    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
+        pipeline = {"parallel.pp": 2, "parallel.dp": 1, "parallel.pp_schedule": schedule,
+                    "parallel.virtual_stages": v, "train.micro_batch": 2}
+        checks.validate(tiny_cfg(tmp_path, **{"train.compile": True, **pipeline}))
 
 
 # -- precision auto -------------------------------------------------------------------------------------

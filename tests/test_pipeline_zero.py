@@ -22,8 +22,10 @@ from paratrain.plan_cli import runnable_here
 from paratrain.planner import memory
 from paratrain.planner.memory import Layout, Training
 from paratrain.planner.search import plan
+from paratrain.planner.zero_bubble import V_SCHEDULES
 from paratrain.train.metrics import read_metrics
 from tests.harness import FP32_REORDERED, assert_same_training, tiny_cfg
+from tests.test_moe_parity import MOE as MOE_PARITY
 from tests.test_pipeline import M4, M8, SUMMED, TIED, _layouts, _pp, _ref, assert_composed
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
@@ -115,13 +117,48 @@ def test_gradients_reduced_once_per_step_units_gathered_per_pass(world4, zero, n
     assert comm["all_gather"] == (2 * m * full if zero == 3 else full)  # ZeRO-2: the updated parameters
 
 
-@pytest.mark.composes(("zero3", "zbv", "tp"))
-def test_issue_layout_dp2_pp2_tp2_zero3_zbv(tmp_path, refs):
-    """The issue's command (`paratrain train --nproc 8 --dp 2 --pp 2 --tp 2 --zero 3 --pp-schedule
-    zbv`), tiny: the units are tensor-parallel shards of the stage's blocks, gathered over dp.
-    Row-parallel products sum over tp ranks: assert_composed's tolerance and reason."""
-    cfg = tiny_cfg(tmp_path, **_sched("zbv"), **{"parallel.zero": 3, "parallel.tp": 2})
-    assert_composed(_layouts(8, {"x": cfg})["x"], refs["m4"])
+# -- the layouts large jobs use: ZeRO-3 x TP x PP, with EP, LoRA or hybrid sharding (8 ranks) --------
+
+Z3_TP2 = {"parallel.zero": 3, "parallel.tp": 2}
+LORA = {"lora.rank": 4, "lora.alpha": 8.0}
+# dp 4 = 2 replicas of 2 shard ranks: each dp rank takes 2 of the 8 rows, micro-batch 1 -> m = 2
+# (the one-process m8 run's micro-batches)
+HSDP = {"parallel.dp": 4, "parallel.dp_replicate": 2, "parallel.zero": 3, **M8}
+# (the layout, the one-process run it equals); each on a schedule its other tests do not cover
+TRIPLES = {
+    "z3_tp2_zbv": ({**_sched("zbv"), **Z3_TP2}, "m4"),  # the issue's command, tiny
+    "z3_tp2_ep2_gpipe": ({**_sched("gpipe"), **Z3_TP2, **MOE_PARITY, "parallel.ep": 2}, "moe"),
+    "z3_tp2_lora_interleaved": ({**_sched("interleaved"), **Z3_TP2, **LORA}, "lora"),
+    "z3_hsdp_zbv": ({**_pp(2, "zbv"), **STEPS, **HSDP}, "m8"),
+}
+
+
+@pytest.fixture(scope="module")
+def world8(tmp_path_factory, refs):
+    """One launch of 8 workers for the four layouts, and the one-process runs they equal."""
+    base = tmp_path_factory.mktemp("w8")
+    got = _layouts(8, {name: tiny_cfg(base / name, **layout) for name, (layout, _) in TRIPLES.items()})
+    refs = {**refs, "moe": _ref(base / "moe", **M4, **STEPS, **MOE_PARITY),
+            "lora": _ref(base / "lora", **M4, **STEPS, **LORA)}
+    return got, refs, base
+
+
+@pytest.mark.composes(("zero3", "zbv", "tp"), case="z3_tp2_zbv")
+@pytest.mark.composes(("zero3", "tp", "gpipe", "moe", "ep"), case="z3_tp2_ep2_gpipe")
+@pytest.mark.composes(("zero3", "tp", "interleaved", "lora"), case="z3_tp2_lora_interleaved")
+@pytest.mark.composes(("zero3", "zbv", "hsdp"), case="z3_hsdp_zbv")
+@pytest.mark.parametrize("name", list(TRIPLES))
+def test_large_job_layouts_equal_one_process(world8, name):
+    """ZeRO-3 x TP x PP (the issue's `paratrain train --nproc 8 --dp 2 --pp 2 --tp 2 --zero 3
+    --pp-schedule zbv`): the units are tensor-parallel shards of the stage's blocks, gathered over
+    dp; with EP (each ep rank's experts whole, edp = 1, the dense part sharded; against one process, not
+    DDP: micro-batches are the one process's, so the aux losses see the same tokens, and
+    test_moe_parity.py's settings keep the router's ties out of rounding noise); with LoRA (the
+    frozen base sharded and gathered, the adapters reduced); with hybrid sharding (each stage's
+    units sharded over 2 ranks and their gradients all-reduced across the 2 replicas). Row-parallel
+    products sum over tp ranks, hybrid sharding reduces in two steps: assert_composed's tolerance."""
+    got, refs, _ = world8
+    assert_composed(got[name], refs[TRIPLES[name][1]])
 
 
 # -- memory per rank: the planner's formulas against the counted tensors ----------------------------
@@ -129,15 +166,30 @@ def test_issue_layout_dp2_pp2_tp2_zero3_zbv(tmp_path, refs):
 
 def _planned(name: str, zero: int):
     """(model shape, Training, Layout) of the world4 run ``z{zero}_{name}`` for the planner."""
-    cfg = tiny_cfg("unused", **_sched(name), **{"parallel.zero": zero})
+    return _planned_layout(_sched(name), zero=zero)
+
+
+def _planned_layout(layout: dict, **overrides):
+    """(model shape, Training, Layout) of a run of ``layout`` for the planner."""
+    cfg = tiny_cfg("unused", **layout, **{f"parallel.{k}": v for k, v in overrides.items()})
     p = cfg.parallel
-    lay = Layout(dp=cfg.dp, tp=p.tp, pp=p.pp, v=p.virtual_stages, zero=p.zero, micro_batch=cfg.micro_batch,
-                 schedule=p.pp_schedule)
+    v = 2 if p.pp_schedule in V_SCHEDULES else p.virtual_stages  # a V's two stages a rank
+    lay = Layout(dp=cfg.dp, tp=p.tp, pp=p.pp, v=v, zero=p.zero, micro_batch=cfg.micro_batch,
+                 schedule=p.pp_schedule, ep=p.ep)
     return (model_config(cfg, cfg.data.vocab_size), Training(cfg.data.seq_len, cfg.train.global_batch,
                                                              precision="fp32"), lay)
 
 
-@pytest.mark.parametrize("zero,name", [(2, "1f1b"), (3, "1f1b"), (3, "gpipe")])
+# A V (zbv, dualpipev) puts the last stage, with the final norm and the head, on rank 0 beside the
+# embedding; planner/memory.py's stage_params puts them on rank pp - 1 whatever the schedule, so it
+# prices rank 0 short by the head (tiny, dp2 zero3: parameters 213,632 bytes planned, 279,168
+# held). Recorded as a strict xfail: it fails
+# (XPASS) the day the planner places the head by the schedule; then drop the mark.
+V_HEAD = pytest.mark.xfail(strict=True, reason="the planner puts a V's head on rank pp - 1, the runtime on 0")
+
+
+@pytest.mark.parametrize("zero,name", [(2, "1f1b"), (3, "1f1b"), (3, "gpipe"),
+                                       pytest.param(3, "zbv", marks=V_HEAD)])
 def test_memory_per_rank_is_the_planners(world4, zero, name):
     """Model states at the step (params, gradient shards, optimizer) and the full gradients held
     before the step's first reduction (the accumulation across the schedule's m = 2 micro-batches),
@@ -155,6 +207,22 @@ def test_memory_per_rank_is_the_planners(world4, zero, name):
     if zero == 3:  # gathered at once: at most the current unit and the prefetched one, as without pp
         gathered, _ = memory.zero3_gathered_elements(c, lay)
         assert 0 < row["zero3_gathered_peak_bytes"] <= 1.05 * gathered * sb.params
+
+
+def test_memory_per_rank_of_zero3_tp_pp_ep_is_the_planners(world8):
+    """The EP layout of the large-job runs (dp2 tp2 pp2 ep2, ZeRO-3, GPipe): model states at the
+    step within 5 % of the planner's for the busiest stage rank (the dense part sharded over dp,
+    each ep rank's experts over edp = 1), and the held stage gradient (m = 2 micro-batches
+    accumulate before the one reduce-scatter)."""
+    row = read_metrics(world8[2] / "z3_tp2_ep2_gpipe" / "metrics.jsonl")[-1]
+    c, tr, lay = _planned_layout(TRIPLES["z3_tp2_ep2_gpipe"][0])
+    states = [memory.rank_model_states(c, tr, lay, r) for r in range(lay.pp)]
+    for key in ("params", "grads", "optim"):
+        assert row[f"mem_{key}_bytes"] == pytest.approx(max(s[key] for s in states), rel=0.05), key
+    sb = memory.state_bytes_per_param("fp32", "adamw")
+    psis = memory.stage_params(c, lay.tp, lay.pp, lay.v, ep=lay.ep)
+    held = max(memory.held_grad_bytes(psi, lay, sb, m=lay.n_micro(tr.global_batch)) for psi in psis)
+    assert row["zero_grads_held_bytes"] == pytest.approx(held, rel=0.05)
 
 
 def test_planner_prices_zero3_with_pipeline_and_its_command_runs_here(tmp_path):

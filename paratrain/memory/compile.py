@@ -20,8 +20,12 @@ pipeline split (which only removes blocks). How it composes (tests/test_compile_
   graphs around eagerly run, counted collectives (measured on torch 2.13: 17 graphs for 4 blocks,
   the same comm_bytes as eager).
 
-Refused (``check_savers``): pipelines (untested), --tile (the token tiles recompute inside a Python
-autograd Function; under ZeRO-3 every weight tile's gather hook would be a graph break).
+* Pipelines (GPipe, 1F1B, interleaved): compiled before the split, each rank keeps its stages'
+  compiled blocks; the schedule's sends and receives run outside them (no graph break).
+
+Refused: the zero-bubble schedules (engine/checks.py: their split backward), --tile
+(``check_savers``: the token tiles recompute inside a Python autograd Function; under ZeRO-3
+every weight tile's gather hook would be a graph break).
 """
 
 from __future__ import annotations

@@ -46,8 +46,6 @@ SAVER_REFUSALS = (  # the message: "<flags[0]> does not compose with <flags[1]>:
             "tensor; use --optimizer adamw, or --zero 1/2",
             flags=("--tile", "--optimizer adamw8bit with --zero 3"),
             when=_tile(lambda c: c.parallel.zero == 3 and c.optim.name == "adamw8bit")),
-    Refusal("compile", PP_SCHEDULES, "not tested with pipeline schedules", flags=("--compile", "--pp > 1"),
-            when=lambda c: c.train.compile and c.parallel.pp > 1),
     Refusal("compile", "tiling", "token tiles recompute in a Python autograd function; under ZeRO-3 each "
             "weight tile's gather hook would break the graph", flags=("--compile", "--tile > 1"),
             when=lambda c: c.train.compile and c.train.tile > 1),
