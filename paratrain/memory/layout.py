@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from paratrain.config import Config
 from paratrain.models import model_kind
-from paratrain.refusals import PP_SCHEDULES, Refusal, emit
+from paratrain.refusals import Refusal, emit
 
 
 def check_savers(cfg: Config, problems: list[str]) -> None:
