@@ -180,33 +180,41 @@ def _planned_layout(layout: dict, **overrides):
                                                              precision="fp32"), lay)
 
 
-# A V (zbv, dualpipev) puts the last stage, with the final norm and the head, on rank 0 beside the
-# embedding; planner/memory.py's stage_params puts them on rank pp - 1 whatever the schedule, so it
-# prices rank 0 short by the head (tiny, dp2 zero3: parameters 213,632 bytes planned, 279,168
-# held). Recorded as a strict xfail: it fails
-# (XPASS) the day the planner places the head by the schedule; then drop the mark.
-V_HEAD = pytest.mark.xfail(strict=True, reason="the planner puts a V's head on rank pp - 1, the runtime on 0")
+# In a V (zbv) rank 0 runs the first and the last stage: the planner's held gradient is its whole
+# stage pair (embedding, two blocks, norm, head: 558,336 bytes on tiny), the runtime's counter saw
+# 295,936 (the two blocks alone): the two stages' reductions at their own last W are not the one
+# reduction per rank the formula assumes. A strict xfail until the formula follows each stage.
+V_HELD = pytest.mark.xfail(strict=True, reason="a V's two stages on one rank: held not as the formula")
 
 
-@pytest.mark.parametrize("zero,name", [(2, "1f1b"), (3, "1f1b"), (3, "gpipe"),
-                                       pytest.param(3, "zbv", marks=V_HEAD)])
+@pytest.mark.parametrize("zero,name", [(2, "1f1b"), (3, "1f1b"), (3, "gpipe"), (3, "zbv")])
 def test_memory_per_rank_is_the_planners(world4, zero, name):
-    """Model states at the step (params, gradient shards, optimizer) and the full gradients held
-    before the step's first reduction (the accumulation across the schedule's m = 2 micro-batches),
-    each the largest over the ranks, within 5 % of the planner's (the slack: ZeRO's padding); ZeRO-3's
-    gathered units at their peak within the planner's two units."""
+    """Model states at the step (params, gradient shards, optimizer), each the largest over the
+    ranks, within 5 % of the planner's (the slack: ZeRO's padding); ZeRO-3's gathered units at their
+    peak within the planner's two units. A V places the head on rank 0 (memory.chunk_rank)."""
     row = read_metrics(world4[1] / f"z{zero}_{name}" / "metrics.jsonl")[-1]
     c, tr, lay = _planned(name, zero)
     states = [memory.rank_model_states(c, tr, lay, r) for r in range(lay.pp)]
     for key in ("params", "grads", "optim"):
         assert row[f"mem_{key}_bytes"] == pytest.approx(max(s[key] for s in states), rel=0.05), key
-    sb = memory.state_bytes_per_param("fp32", "adamw")
-    held = max(memory.held_grad_bytes(psi, lay, sb, m=2) for psi in memory.stage_params(c, 1, lay.pp))
-    assert row["zero_grads_held_bytes"] == pytest.approx(held, rel=0.05)
-    assert held > 1.9 * row["mem_grads_bytes"]  # whole, not the dp 2 shard the step holds
     if zero == 3:  # gathered at once: at most the current unit and the prefetched one, as without pp
         gathered, _ = memory.zero3_gathered_elements(c, lay)
+        sb = memory.state_bytes_per_param("fp32", "adamw")
         assert 0 < row["zero3_gathered_peak_bytes"] <= 1.05 * gathered * sb.params
+
+
+@pytest.mark.parametrize("zero,name", [(2, "1f1b"), (3, "1f1b"), (3, "gpipe"),
+                                       pytest.param(3, "zbv", marks=V_HELD)])
+def test_held_gradients_are_the_planners(world4, zero, name):
+    """The full gradients held before the step's first reduction (the accumulation across the
+    schedule's m = 2 micro-batches), the largest over the ranks, within 5 % of the planner's."""
+    row = read_metrics(world4[1] / f"z{zero}_{name}" / "metrics.jsonl")[-1]
+    c, tr, lay = _planned(name, zero)
+    sb = memory.state_bytes_per_param("fp32", "adamw")
+    stages = memory.stage_params(c, 1, lay.pp, lay.v, v_shape=lay.v_shape)
+    held = max(memory.held_grad_bytes(psi, lay, sb, m=2) for psi in stages)
+    assert row["zero_grads_held_bytes"] == pytest.approx(held, rel=0.05)
+    assert held > 1.9 * row["mem_grads_bytes"]  # whole, not the dp 2 shard the step holds
 
 
 def test_memory_per_rank_of_zero3_tp_pp_ep_is_the_planners(world8):

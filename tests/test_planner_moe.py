@@ -182,7 +182,7 @@ def test_dense_model_is_unchanged():
     the figures themselves)."""
     result = plan(PRESETS["llama-7b"], Training(2048, 64), make_cluster(gpus=16), {"pp": 1}, top=3)
     assert all(p.layout.ep == 1 and p.time.ep_comm == 0 for p in result.plans)
-    assert result.notes == [] and not any("experts" in s for s in result.tree)
+    assert not any("expert" in s for s in [*result.notes, *result.tree])  # (a cp note may stand)
 
 
 # -- checked against paratrain's own counters ----------------------------------------------------------

@@ -193,7 +193,7 @@ def stage_costs(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, coun
     counts = counts or stage_counts(c, tr, lay, cluster)
     chunks = lay.pp * lay.v
     out = []
-    for r, n_moe in enumerate(stage_moe_layers(c, lay.pp, lay.v, counts)):
+    for r, n_moe in enumerate(stage_moe_layers(c, lay.pp, lay.v, counts, lay.v_shape)):
         n = sum(counts[j] for j in range(r, chunks, lay.pp)) - n_moe  # dense blocks
         t = (n * blk.total + n_moe * moe.total + (emb.total if r == 0 else 0.0)
              + (head.total if r == lay.pp - 1 else 0.0))
@@ -243,7 +243,7 @@ def step_time(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster) -> Ste
     n_coll = 4 + (2 if lay.recompute == "full" else 0)
     embed = all_reduce_time(act, lay.tp, tp_link)  # the vocab-parallel embedding's output
     mb_tp = layers[busiest] * n_coll * per_collective + embed
-    n_moe = stage_moe_layers(c, lay.pp, lay.v, counts)[busiest]
+    n_moe = stage_moe_layers(c, lay.pp, lay.v, counts, lay.v_shape)[busiest]
     tpc = tp_collectives(c, lay, mb_tokens, e, lay.recompute)
     op_s = cluster.device.op_s if cluster.local else 0.0
     # An MoE block under ep x tp issues other collectives than a dense one (planner/moe.py).
@@ -285,8 +285,8 @@ def step_time(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster) -> Ste
         mb_compute, mb_recompute = mb_compute * slow, mb_recompute * slow
     bubble = pipeline_bubble(lay, m, mb_time, mb_weight)
 
-    psi = stage_params(c, lay.tp, lay.pp, lay.v, counts, lay.ep)[busiest]
-    experts = stage_expert_params(c, lay.tp, lay.pp, lay.v, counts, lay.ep)[busiest]
+    psi = stage_params(c, lay.tp, lay.pp, lay.v, counts, lay.ep, lay.v_shape)[busiest]
+    experts = stage_expert_params(c, lay.tp, lay.pp, lay.v, counts, lay.ep, lay.v_shape)[busiest]
     stage_imbalance = imbalance([x[0] for x in costs]) if lay.pp > 1 else 0.0
     first, last = busiest == 0, busiest == lay.pp - 1
     # Parameter tensors of the busiest rank: per block two norms, four attention projections and

@@ -406,7 +406,7 @@ def rank_step_collectives(c: ModelShape, tr: Training, lay: Layout, pp_rank: int
     act = ACT_BYTES[tr.precision]
     held = held_state_bytes(state_bytes_per_param(tr.precision, tr.optimizer), lay.zero)
     tp = tp_collectives(c, lay, tokens, act, lay.recompute, held.grads, resid_bytes=held.params)
-    n_moe = stage_moe_layers(c, lay.pp, lay.v)[pp_rank]
+    n_moe = stage_moe_layers(c, lay.pp, lay.v, v_shape=lay.v_shape)[pp_rank]
     for kind, size in (tp["block"] * (blocks - n_moe) + tp["moe_block"] * n_moe + tp["first"] * first
                        + tp["last"] * last):
         add(kind, "tp", [size], m)

@@ -43,7 +43,7 @@ from paratrain.perf.ops import ACT_BYTES
 from paratrain.perf.stages import RECEIVE_BUFFERS
 from paratrain.planner import context
 from paratrain.planner.lora import lora_states
-from paratrain.planner.zero_bubble import ZERO_BUBBLE, zb_in_flight
+from paratrain.planner.zero_bubble import V_SCHEDULES, ZERO_BUBBLE, zb_in_flight
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", *ZERO_BUBBLE)
 RECOMPUTE = ("none", "selective", "full")
@@ -103,6 +103,11 @@ class Layout:
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp
+
+    @property
+    def v_shape(self) -> bool:
+        """Whether the stages sit in a V (zbv, dualpipev): the last one on rank 0 (chunk_rank)."""
+        return self.schedule in V_SCHEDULES
 
     @property
     def edp(self) -> int:
@@ -217,22 +222,31 @@ def chunk_sizes(n_layers: int, pp: int, v: int = 1, counts: list[int] | None = N
     return [n_layers // chunks + (1 if j < n_layers % chunks else 0) for j in range(chunks)]
 
 
-def stage_moe_layers(c: ModelShape, pp: int, v: int = 1, counts: list[int] | None = None) -> list[int]:
-    """MoE blocks held by each pipeline rank (chunk j of contiguous blocks on rank j % pp)."""
+def chunk_rank(j: int, pp: int, v_shape: bool = False) -> int:
+    """The pipeline rank of (virtual) stage j: dealt round-robin (j % pp), or in a V (zbv, dualpipev:
+    down then back up, so rank 0 holds the first and the last stage) -- the placement of
+    pipeline/schedules.stage_rank, restated because the planner never reads the runtime."""
+    chunk, pos = divmod(j, pp)
+    return pp - 1 - pos if v_shape and chunk % 2 else pos
+
+
+def stage_moe_layers(c: ModelShape, pp: int, v: int = 1, counts: list[int] | None = None,
+                     v_shape: bool = False) -> list[int]:
+    """MoE blocks held by each pipeline rank (chunk j of contiguous blocks on ``chunk_rank(j)``)."""
     out, start = [0] * pp, 0
     if not c.n_moe_layers:  # a dense shape (GPT-2's, say) places no sparse blocks
         return out
     for j, size in enumerate(chunk_sizes(c.n_layers, pp, v, counts)):
         # is_moe_block: a mixture-of-experts shape's placement (LlamaConfig's ``moe_every``)
-        out[j % pp] += sum(c.is_moe_block(i) for i in range(start, start + size))
+        out[chunk_rank(j, pp, v_shape)] += sum(c.is_moe_block(i) for i in range(start, start + size))
         start += size
     return out
 
 
 def stage_expert_params(c: ModelShape, tp: int, pp: int, v: int = 1, counts: list[int] | None = None,
-                        ep: int = 1) -> list[int]:
+                        ep: int = 1, v_shape: bool = False) -> list[int]:
     """Expert parameters of each pipeline rank (the part ZeRO shards over edp, not dp)."""
-    return [n * expert_params_local(c, tp, ep) for n in stage_moe_layers(c, pp, v, counts)]
+    return [n * expert_params_local(c, tp, ep) for n in stage_moe_layers(c, pp, v, counts, v_shape)]
 
 
 def vocab_local(c: ModelShape, tp: int) -> int:
@@ -261,20 +275,23 @@ def rank_layers(counts: list[int], pp: int) -> list[int]:
 
 
 def stage_params(c: ModelShape, tp: int, pp: int, v: int = 1, counts: list[int] | None = None,
-                 ep: int = 1) -> list[int]:
-    """Local parameter count of each pipeline rank (embedding on the first, norm + head on the last;
-    a tied head is a second copy on the last stage when pp > 1; MoE blocks with their E / ep
-    local experts)."""
+                 ep: int = 1, v_shape: bool = False) -> list[int]:
+    """Local parameter count of each pipeline rank (embedding on the first stage's rank, norm + head
+    on the last stage's: rank pp - 1, or rank 0 in a V (``v_shape``); a tied head is a second copy
+    when the two stages are on two ranks; MoE blocks with their E / ep local experts)."""
     emb = vocab_local(c, tp) * c.dim
-    out = []
-    per_rank = rank_layers(counts, pp) if counts else stage_layers(c.n_layers, pp, v)
+    per_rank = [0] * pp
+    for j, size in enumerate(chunk_sizes(c.n_layers, pp, v, counts)):
+        per_rank[chunk_rank(j, pp, v_shape)] += size
+    last = chunk_rank(pp * v - 1, pp, v_shape) if not counts else chunk_rank(len(counts) - 1, pp, v_shape)
     moe_extra = layer_params_local(c, tp, moe=True, ep=ep) - layer_params_local(c, tp)
-    for r, (n, n_moe) in enumerate(zip(per_rank, stage_moe_layers(c, pp, v, counts))):
+    out = []
+    for r, (n, n_moe) in enumerate(zip(per_rank, stage_moe_layers(c, pp, v, counts, v_shape))):
         count = n * layer_params_local(c, tp) + n_moe * moe_extra
         if r == 0:
             count += embedding_params_local(c, tp)
-        if r == pp - 1:
-            count += norm_params(c) + (0 if (c.tie_embeddings and pp == 1) else emb)
+        if r == last:
+            count += norm_params(c) + (0 if (c.tie_embeddings and last == 0) else emb)
         out.append(count)
     return out
 
@@ -486,9 +503,9 @@ def device_memory(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster,
     m = lay.n_micro(tr.global_batch)
     layers = rank_layers(counts, lay.pp) if counts else stage_layers(c.n_layers, lay.pp, lay.v)
     best: Memory | None = None
-    params = stage_params(c, lay.tp, lay.pp, lay.v, counts, lay.ep)
-    experts = stage_expert_params(c, lay.tp, lay.pp, lay.v, counts, lay.ep)
-    n_moe = stage_moe_layers(c, lay.pp, lay.v, counts)
+    params = stage_params(c, lay.tp, lay.pp, lay.v, counts, lay.ep, lay.v_shape)
+    experts = stage_expert_params(c, lay.tp, lay.pp, lay.v, counts, lay.ep, lay.v_shape)
+    n_moe = stage_moe_layers(c, lay.pp, lay.v, counts, lay.v_shape)
     # The first rank holds the most layers and micro-batches in flight, the last one the head:
     # the busiest device is one of the two (with MoE blocks only every few blocks, check every rank).
     ranks = range(lay.pp) if counts or 0 < c.n_moe_layers < c.n_layers else sorted({0, lay.pp - 1})
@@ -550,8 +567,8 @@ def rank_model_states(c: ModelShape, tr: Training, lay: Layout, pp_rank: int) ->
     """Params / grads / optimizer bytes of a rank of pipeline stage ``pp_rank`` (``device_memory``'s
     model states for that stage, before offload), what the dry run (plan_cli/dry_run.py) measures."""
     sb = state_bytes_per_param(tr.precision, tr.optimizer)
-    psi = stage_params(c, lay.tp, lay.pp, lay.v, ep=lay.ep)[pp_rank]
-    experts = stage_expert_params(c, lay.tp, lay.pp, lay.v, ep=lay.ep)[pp_rank]
+    psi = stage_params(c, lay.tp, lay.pp, lay.v, ep=lay.ep, v_shape=lay.v_shape)[pp_rank]
+    experts = stage_expert_params(c, lay.tp, lay.pp, lay.v, ep=lay.ep, v_shape=lay.v_shape)[pp_rank]
     return model_state_bytes(psi - experts, experts, lay, sb)
 
 

@@ -245,8 +245,8 @@ def _stage_params(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster) ->
     """Parameters and expert parameters of every pipeline rank, the stages balanced as the time model
     balances them (cached: each slow-link variant asks several times, and balancing is the cost)."""
     counts = stage_counts(c, tr, lay, cluster)
-    return (stage_params(c, lay.tp, lay.pp, lay.v, counts, lay.ep),
-            stage_expert_params(c, lay.tp, lay.pp, lay.v, counts, lay.ep))
+    return (stage_params(c, lay.tp, lay.pp, lay.v, counts, lay.ep, lay.v_shape),
+            stage_expert_params(c, lay.tp, lay.pp, lay.v, counts, lay.ep, lay.v_shape))
 
 
 def _ring(n: int, passes: int = 1) -> float:
