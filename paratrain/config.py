@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, fields
 import tomllib
 
 from paratrain.refusals import Refusal, emit
+from paratrain.sharding import TP_PIECES
 
 
 class ConfigError(ValueError):
@@ -532,6 +533,10 @@ def _check_8bit(problems: list[str], cfg: Config) -> None:
     if o.block_size < 1 or o.min_8bit_size < 0:
         problems.append(f"optim.block_size must be >= 1 and optim.min_8bit_size >= 0 "
                         f"(got {o.block_size}, {o.min_8bit_size})")
+    if cfg.parallel.tp > 1 and TP_PIECES % cfg.parallel.tp:
+        problems.append(f"--optimizer adamw8bit cuts each tensor-parallel weight's state in {TP_PIECES} "
+                        f"pieces along its split (the same blocks in every layout), so --tp must divide "
+                        f"{TP_PIECES} (got --tp {cfg.parallel.tp})")
     emit(OPTIM8_REFUSALS, cfg, problems)
 
 
@@ -544,12 +549,6 @@ OPTIM8_REFUSALS = (
             "(zero/disk8.py), ZeRO-1/2's does not", when=_disk8,
             message="--optimizer adamw8bit keeps its quantised state on disk only under --zero 3: use "
             "--zero 3, or --offload none or cpu, or --optimizer adamw with --offload disk"),
-    Refusal("8bit", "tp", "a tensor-parallel slice's quantisation blocks are not the full tensor's, so the "
-            "state would depend on the layout (not built: blocks aligned to the tp slices in every layout)",
-            when=lambda c: c.optim.name == "adamw8bit" and c.parallel.tp > 1,
-            message="--optimizer adamw8bit quantises whole tensors in blocks; a tensor-parallel slice's "
-            "blocks are not the full tensor's, so its state would depend on the layout: use --tp 1, or "
-            "--optimizer adamw with --tp > 1"),
 )
 
 
