@@ -433,6 +433,10 @@ class LibraryDoor:
             new_of = apply_user_plan(model, par.tp_plan, mesh.tp)
         _repoint(self.optimizer, new_of)
 
+    def record_tp_dims(self, model: nn.Module) -> None:
+        """Nothing: at tp = 1 the library has no plan (a user ``tp_plan`` needs tp > 1), so its
+        8-bit state cuts plain blocks there (docs/optim8.md)."""
+
     def settle_base(self, model: nn.Module) -> None:
         """Nothing: the user chose what trains (requires_grad)."""
 
