@@ -23,8 +23,10 @@ import torch
 from paratrain import config
 from paratrain.engine import checkpoint as ckpt
 from paratrain.engine import checks
+from paratrain.engine.parallelize import TrainerDoor
 from paratrain.optim import AdamW8bit
-from paratrain.optim.adamw8bit import QUANT_KEYS, blocks_of, key_range
+from paratrain.optim.adamw8bit import QUANT_KEYS, blocks_of, key_range, read_fp32_moment
+from paratrain.optim.quant import SIGNED, dequantise
 from paratrain.sharding import ParamInfo, TensorShard, set_info
 from paratrain.train.task import build_task
 from paratrain.train.trainer import Trainer
@@ -197,3 +199,29 @@ def test_tp2_trains_the_same_8bit_state_as_one_process_and_resumes_at_tp1(tmp_pa
     torch.testing.assert_close(torch.tensor(resumed_losses), torch.tensor(ref_losses[3:]), rtol=1e-12, atol=0)
     for name, w in ref_weights.items():  # float64 reordering after 4 steps: ~1e-15
         torch.testing.assert_close(resumed[name], w, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_a_checkpoint_of_flat_blocks_resumes_into_tp_cut_blocks(tmp_path, monkeypatch):
+    """A checkpoint written before the tp-cut blocks (flat 1-D state of every tensor) resumes: its
+    moments are dequantised and quantised again in the tensor's blocks, within one code."""
+    cfg = {**EIGHT, "train.steps": 2, "train.save_every": 2}
+    with monkeypatch.context() as m:
+        m.setattr(TrainerDoor, "record_tp_dims", lambda self, model: None)  # the old, flat cut
+        Trainer(tiny_cfg(tmp_path, **cfg)).fit()
+    name = "layers.0.attn.wo.weight"  # row-parallel: blocks of 4 now, of 256 in the checkpoint
+    reader = ckpt.open_reader(ckpt.latest(tmp_path))
+    assert reader.shape(name, "exp_avg.q") == (64 * 64,)
+    old = _read_moment(reader, name, "exp_avg", TensorShard((64, 64)))
+    trainer = Trainer(tiny_cfg(tmp_path, **{**cfg, "train.steps": 3, "train.resume": True}))
+    trainer.resume()
+    p = dict(trainer.engine.model.named_parameters())[name]
+    st = trainer.engine.strategy.optimizer.state[p]
+    assert st["exp_avg.absmax"].numel() == 64 * 64 // 4 and int(st["step"]) == 2
+    m = dequantise(st["exp_avg.q"], st["exp_avg.absmax"], SIGNED, 4)
+    scale = st["exp_avg.absmax"].repeat_interleave(4)
+    assert torch.all((m - old).abs() <= 0.008 * scale)  # the map's largest half gap, per block
+
+
+def _read_moment(reader, name: str, key: str, shard: TensorShard) -> torch.Tensor:
+    start, shape = shard.slab()
+    return read_fp32_moment(reader, name, key, shard.full_shape, start, shape, 0, shard.full_shape[0] ** 2)
