@@ -29,7 +29,6 @@ from dataclasses import dataclass, field, fields
 import tomllib
 
 from paratrain.refusals import Refusal, emit
-from paratrain.sharding import TP_PIECES
 
 
 class ConfigError(ValueError):
@@ -533,10 +532,6 @@ def _check_8bit(problems: list[str], cfg: Config) -> None:
     if o.block_size < 1 or o.min_8bit_size < 0:
         problems.append(f"optim.block_size must be >= 1 and optim.min_8bit_size >= 0 "
                         f"(got {o.block_size}, {o.min_8bit_size})")
-    if cfg.parallel.tp > 1 and TP_PIECES % cfg.parallel.tp:
-        problems.append(f"--optimizer adamw8bit cuts each tensor-parallel weight's state in {TP_PIECES} "
-                        f"pieces along its split (the same blocks in every layout), so --tp must divide "
-                        f"{TP_PIECES} (got --tp {cfg.parallel.tp})")
     emit(OPTIM8_REFUSALS, cfg, problems)
 
 

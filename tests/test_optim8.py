@@ -296,7 +296,7 @@ def test_an_adamw_checkpoint_resumes_into_8bit_state_and_back(tmp_path):
 
 
 @pytest.mark.parametrize("bad, says", [({"optim.name": "adam8"}, "optim.name"),
-                                       ({"parallel.tp": 3}, "--tp must divide 16"),
+                                       ({"parallel.tp": 32}, "which tp must divide"),
                                        ({"parallel.zero": 1, "parallel.offload": "disk",
                                          "parallel.offload_dir": "/tmp"}, "--offload none or cpu")])
 def test_config_refuses_what_8bit_does_not_support(tmp_path, bad, says):

@@ -79,9 +79,13 @@ def test_a_tp_slice_that_is_not_whole_pieces_is_refused():
     p = _param(torch.zeros(24, 8), 0, 16, 0)  # gcd(24, 16) = 8 pieces: tp 16 cuts them
     with pytest.raises(ValueError, match="does not divide"):
         blocks_of(p, BLOCK)
-    cfg = tiny_cfg("/tmp/unused", **{"optim.name": "adamw8bit", "parallel.tp": 3})
-    with pytest.raises(config.ConfigError, match="must divide 16"):
-        checks.validate(cfg, 3)
+    cfg = tiny_cfg("/tmp/unused", **{"optim.name": "adamw8bit", "parallel.tp": 32})
+    with pytest.raises(config.ConfigError, match=r"= 16 pieces .* which tp must divide"):
+        checks.validate(cfg, 32)
+    # before any worker starts: a vocabulary of 501 rows is one piece (its padded tp slices are not)
+    cfg = tiny_cfg("/tmp/unused", **{"optim.name": "adamw8bit", "parallel.tp": 2, "data.vocab_size": 501})
+    with pytest.raises(config.ConfigError, match=r"vocabulary \(501\) is cut in gcd\(501, 16\) = 1 pieces"):
+        checks.validate(cfg, 2)
 
 
 def test_zero_stores_shard_tensors_of_several_block_sizes_like_one_process(tmp_path):
