@@ -295,10 +295,9 @@ def test_an_adamw_checkpoint_resumes_into_8bit_state_and_back(tmp_path):
             assert torch.equal(st["exp_avg"].reshape(-1).cpu(), dequantise(q, absmax, SIGNED, BLOCK))
 
 
+# (ZeRO-1/2 with --offload disk: refused here until blocks8's disk store, merged on main, lifts it)
 @pytest.mark.parametrize("bad, says", [({"optim.name": "adam8"}, "optim.name"),
-                                       ({"parallel.tp": 32}, "which tp must divide"),
-                                       ({"parallel.zero": 1, "parallel.offload": "disk",
-                                         "parallel.offload_dir": "/tmp"}, "--offload none or cpu")])
+                                       ({"parallel.tp": 32}, "which tp must divide")])
 def test_config_refuses_what_8bit_does_not_support(tmp_path, bad, says):
     cfg = tiny_cfg(tmp_path, **{"optim.name": "adamw8bit", **bad})
     with pytest.raises(config.ConfigError, match=says):
