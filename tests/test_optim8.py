@@ -295,7 +295,6 @@ def test_an_adamw_checkpoint_resumes_into_8bit_state_and_back(tmp_path):
             assert torch.equal(st["exp_avg"].reshape(-1).cpu(), dequantise(q, absmax, SIGNED, BLOCK))
 
 
-# (ZeRO-1/2 with --offload disk: refused here until blocks8's disk store, merged on main, lifts it)
 @pytest.mark.parametrize("bad, says", [({"optim.name": "adam8"}, "optim.name"),
                                        ({"parallel.tp": 32}, "which tp must divide")])
 def test_config_refuses_what_8bit_does_not_support(tmp_path, bad, says):
