@@ -469,6 +469,10 @@ class LibraryDoor:
             return
         apply_context_parallel(model, self.par.mesh.cp, method=method)
 
+    def record_tp_dims(self, model: nn.Module) -> None:
+        """Nothing: at tp = 1 the library has no plan (a user ``tp_plan`` needs tp > 1), so its
+        8-bit state cuts plain blocks there (docs/optim8.md)."""
+
     def settle_base(self, model: nn.Module) -> None:
         """Nothing: the user chose what trains (requires_grad)."""
 

@@ -28,8 +28,6 @@ from dataclasses import dataclass, field, fields
 
 import tomllib
 
-from paratrain.refusals import Refusal, emit
-
 
 class ConfigError(ValueError):
     """One or more settings are wrong; the message lists each with the fix."""
@@ -532,17 +530,6 @@ def _check_8bit(problems: list[str], cfg: Config) -> None:
     if o.block_size < 1 or o.min_8bit_size < 0:
         problems.append(f"optim.block_size must be >= 1 and optim.min_8bit_size >= 0 "
                         f"(got {o.block_size}, {o.min_8bit_size})")
-    emit(OPTIM8_REFUSALS, cfg, problems)
-
-
-OPTIM8_REFUSALS = (
-    Refusal("8bit", "tp", "a tensor-parallel slice's quantisation blocks are not the full tensor's, so the "
-            "state would depend on the layout (not built: blocks aligned to the tp slices in every layout)",
-            when=lambda c: c.optim.name == "adamw8bit" and c.parallel.tp > 1,
-            message="--optimizer adamw8bit quantises whole tensors in blocks; a tensor-parallel slice's "
-            "blocks are not the full tensor's, so its state would depend on the layout: use --tp 1, or "
-            "--optimizer adamw with --tp > 1"),
-)
 
 
 def _check_batch(problems: list[str], cfg: Config) -> None:

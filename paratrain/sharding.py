@@ -9,6 +9,9 @@ model); a shard is a slice of that full value. Every parameter carries one ``Par
   vocabulary padding);
 * ``stage_copies``: pipeline stages holding this same weight (a tied embedding: 2);
 * ``tied_to``: set on the copy that is not the owner (saved and exported by the owner);
+* ``tp_dim``: the dimension the tp plan splits this tensor along, recorded in every layout, tp = 1
+  and replicated k/v heads included (``record_tp_dims``), so layout-free state (8-bit AdamW's
+  blocks, optim/adamw8bit.py) is cut along it the same way whether or not this run splits it;
 * ``dp_axis``: the data-parallel axis whose ranks hold this same tensor and reduce its gradient:
   ``dp`` for every dense parameter, ``edp`` for an expert held by one expert-parallel rank
   (expert_parallel/: its gradient is summed over the edp group only).
@@ -27,6 +30,10 @@ import torch
 import torch.nn.functional as F
 
 from paratrain.comm import collectives as C
+
+#: Pieces along a tp split that layout-free quantised state is cut into (8-bit AdamW's blocks,
+#: optim/adamw8bit.py Blocks): any tp dividing gcd(size, 16) holds whole pieces.
+TP_PIECES = 16
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,7 @@ class ParamInfo:
     stage_copies: int = 1  # pipeline stages holding this same weight (tied embedding: 2)
     tied_to: str | None = None  # on a copy: the owner that saves and exports it
     dp_axis: str = "dp"  # the axis its gradient is reduced (and ZeRO-sharded) over: "dp" or "edp"
+    tp_dim: int | None = None  # the dim the family's tp plan splits, recorded at every tp (1 included)
 
     @property
     def full_shape(self) -> tuple[int, ...]:

@@ -23,10 +23,13 @@ import torch
 from paratrain import config
 from paratrain.engine import checkpoint as ckpt
 from paratrain.engine import checks
+from paratrain.models.from_config import model_config
+from paratrain.models.registry import build_model
 from paratrain.optim import AdamW8bit
-from paratrain.optim.adamw8bit import QUANT_KEYS, STATE_KEYS, key_range
+from paratrain.optim.adamw8bit import QUANT_KEYS, STATE_KEYS, blocks_of, key_range
 from paratrain.optim.quant import SIGNED, UNSIGNED, dequantise, quantise
-from paratrain.sharding import TensorShard, set_shard
+from paratrain.sharding import TensorShard, set_shard, update_info
+from paratrain.tensor_parallel.plan import record_tp_dims
 from paratrain.train.metrics import read_metrics
 from paratrain.train.trainer import Trainer
 from paratrain.zero import store8
@@ -91,6 +94,7 @@ def test_unsigned_map_never_rounds_a_positive_value_to_zero():
 def test_threshold_reads_the_full_tensor_size_not_the_shard():
     p = torch.nn.Parameter(torch.zeros(16, 64))  # 1024 local elements of a 4096-element tensor
     set_shard(p, TensorShard((64, 64), dim=0, index=1, count=4))
+    update_info(p, tp_dim=0)  # the plan's split, as every tp layer records it
     opt = AdamW8bit([p], block_size=BLOCK, min_8bit_size=MIN8)
     assert opt.quantised(p) and not opt.quantised(torch.zeros(1024))
     p.grad = torch.ones_like(p)
@@ -156,10 +160,20 @@ def _spawn(cfgs: list[config.Config], nproc: int) -> list:
     return run(_train, nproc, [c.to_dict() for c in cfgs], timeout=300)[0]
 
 
+def _whole(reader, name: str, key: str) -> torch.Tensor:
+    """A full state tensor of the checkpoint, flat (8-bit state cut along tp pieces is 3-D)."""
+    shape = reader.shape(name, key)
+    return reader.read(name, key, (0,) * len(shape), shape)
+
+
 def _expected_state_bytes(weights: dict) -> int:
-    """2 bytes per element + two fp32 scales per block, or fp32 moments below the threshold."""
-    return sum(2 * t.numel() + 8 * math.ceil(t.numel() / BLOCK) if t.numel() >= MIN8 else 8 * t.numel()
-               for t in weights.values())
+    """2 bytes per element + two fp32 scales per block, or fp32 moments below the threshold; a
+    weight the tp plan splits has blocks cut along its 16 pieces (smaller for row-parallel ones)."""
+    model = build_model(model_config(tiny_cfg("/tmp/unused"), 512), "meta")
+    record_tp_dims(model)
+    params = dict(model.named_parameters())
+    return sum(2 * t.numel() + 8 * math.ceil(t.numel() / blocks_of(params[n], BLOCK).size)
+               if t.numel() >= MIN8 else 8 * t.numel() for n, t in weights.items())
 
 
 @pytest.mark.composes(("8bit", "ddp"), ("8bit", "zero1"), ("8bit", "zero3"), ("8bit", "zero2", "offload-cpu"))
@@ -201,9 +215,11 @@ def test_checkpoint_holds_the_quantised_state_and_resumes_bit_for_bit(tmp_path):
     assert ckpt.read_state(folder)["optimizer_step"] == 3
     w = "layers.0.attn.wq.weight"  # 64 x 64 = 4096 >= MIN8: quantised; norms are not
     assert set(reader.keys(w)) == {"param", *QUANT_KEYS}
-    q = reader.read(w, "exp_avg.q", (0,), reader.shape(w, "exp_avg.q"))
+    q = _whole(reader, w, "exp_avg.q")
     assert q.dtype == torch.uint8 and q.numel() == 64 * 64
-    assert reader.shape(w, "exp_avg_sq.absmax") == (64 * 64 // BLOCK,)
+    # wq is column-parallel: cut in 16 pieces of 4 rows (optim/adamw8bit.py Blocks), one block each
+    assert reader.shape(w, "exp_avg.q") == (1, 16, 4 * 64)
+    assert reader.shape(w, "exp_avg_sq.absmax") == (1, 16, 4 * 64 // BLOCK)
     assert set(reader.keys("layers.0.attn_norm.weight")) == {"param", "exp_avg", "exp_avg_sq"}
     part.train.resume = True
     resumed = Trainer(part).fit()
@@ -274,16 +290,13 @@ def test_an_adamw_checkpoint_resumes_into_8bit_state_and_back(tmp_path):
         else:
             st = back.engine.strategy.optimizer.state[dict(back.engine.model.named_parameters())[name]]
             reader = ckpt.open_reader(ckpt.latest(tmp_path / "a"))
-            q = reader.read(name, "exp_avg.q", (0,), (64 * 64,))
-            absmax = reader.read(name, "exp_avg.absmax", (0,), (64 * 64 // BLOCK,))
+            q, absmax = _whole(reader, name, "exp_avg.q"), _whole(reader, name, "exp_avg.absmax")
             assert int(st["step"]) == 3
             assert torch.equal(st["exp_avg"].reshape(-1).cpu(), dequantise(q, absmax, SIGNED, BLOCK))
 
 
 @pytest.mark.parametrize("bad, says", [({"optim.name": "adam8"}, "optim.name"),
-                                       ({"parallel.tp": 2}, "--tp 1"),
-                                       ({"parallel.zero": 1, "parallel.offload": "disk",
-                                         "parallel.offload_dir": "/tmp"}, "--offload none or cpu")])
+                                       ({"parallel.tp": 32}, "which tp must divide")])
 def test_config_refuses_what_8bit_does_not_support(tmp_path, bad, says):
     cfg = tiny_cfg(tmp_path, **{"optim.name": "adamw8bit", **bad})
     with pytest.raises(config.ConfigError, match=says):

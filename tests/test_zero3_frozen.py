@@ -189,8 +189,10 @@ def test_zero3_with_frozen_blocks_8bit_state_is_the_trainable_parameters_only(tm
     trainable = sum(w.numel() for k, w in ref.weights.items() if not k.startswith(FROZEN))
     assert abs(held["trained"] - trainable / 2) < 64 * 256, held  # blocks of 256 aligned per shard
     # 2 bytes per element and a scale per block (the fp32 master is the shard): the trainable half
-    # only; with the frozen parameters' state it would be over twice as much.
-    assert held["store"]["device"] <= 2.1 * held["trained"], held
+    # only; with the frozen parameters' state it would be over twice as much. The row-parallel
+    # weights' blocks are cut along their tp pieces (docs/optim8.md): of 4 here (in = 64), so
+    # their scales add up to 2 bytes per element: 2.2 per trained element in all, not 2.0.
+    assert held["store"]["device"] <= 2.5 * held["trained"], held
 
 
 def test_zero3_keeps_a_bf16_frozen_base_in_bf16(tmp_path, monkeypatch):

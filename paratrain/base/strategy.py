@@ -290,10 +290,9 @@ class Strategy:
             for key, t in self.optimizer.state.get(p, {}).items():
                 if torch.is_tensor(t) and t.shape == p.shape:
                     out += pieces_of(info, key, t, name=info.name or name)
-                elif key in a8.QUANT_KEYS:  # 8-bit codes and scales: flat (tp is refused for them)
-                    block = self.optimizer.block_size
-                    out.append(a8.quantised_piece(info.name or name, key, p.numel(), block, 0, p.numel(),
-                                                  t.reshape(-1)))
+                elif key in a8.QUANT_KEYS:  # 8-bit codes and scales: cut along tp pieces (Blocks)
+                    blocks = self.optimizer.blocks(p)
+                    out.append(a8.state_piece(info.name or name, key, blocks, 0, p.numel(), t.reshape(-1)))
         return out + self.buffer_pieces()
 
     def buffer_pieces(self) -> list[Piece]:
@@ -353,7 +352,7 @@ class Strategy:
 
     def _load_8bit(self, reader: ShardReader, name: str, p: torch.Tensor, optimizer_step: int) -> None:
         opt = self.optimizer
-        state = a8.read_param_state(reader, name, tuple(p.shape), 0, p.numel(), quantised=opt.quantised(p),
+        state = a8.read_param_state(reader, name, p, 0, p.numel(), quantised=opt.quantised(p),
                                     block=opt.block_size)
         if state is not None:  # else: a checkpoint without optimizer state, fresh moments
             opt.load_named(p, state, step=optimizer_step)

@@ -103,6 +103,10 @@ class Door(Protocol):
         """Attention over every cp rank's keys (cp > 1): a family's declared core swapped
         (context_parallel/apply.py); the library also routes a module no family declares (door.py)."""
 
+    def record_tp_dims(self, model: nn.Module) -> None:
+        """At tp = 1: record the dims the door's tp plan would split (``ParamInfo.tp_dim``), so state
+        cut along tp slices (8-bit AdamW's blocks) is cut as under tp > 1; nothing for the library."""
+
     def settle_base(self, model: nn.Module) -> None:
         """Freeze the LoRA base in its precision, once TP and EP have replaced modules."""
 
@@ -127,6 +131,8 @@ def build_engine(model: nn.Module, mesh: ParallelMesh, layout: BuildLayout, door
     loss_fn = door.loss_sum
     if mesh.tp.size > 1:
         loss_fn = door.split_tensor_parallel(model) or loss_fn  # e.g. logits split over the vocabulary
+    else:
+        door.record_tp_dims(model)  # what tp > 1 records as it splits
     if mesh.ep.size > 1:  # on the meta model: the experts this rank does not hold never materialise
         apply_expert_parallel(model, mesh.ep, tp=mesh.tp, sequence_parallel=layout.sequence_parallel)
     if mesh.cp.size > 1:  # every block's attention over the cp group's keys (the rest is position-wise)

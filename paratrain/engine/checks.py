@@ -9,6 +9,7 @@ every technique, so config.py imports nothing of paratrain.
 
 from __future__ import annotations
 
+import math
 import os
 
 from paratrain.comm import host_reduce
@@ -26,6 +27,7 @@ from paratrain.observe.profile import parse_steps
 from paratrain.pipeline.stage import parse_split
 from paratrain.refusals import FLAGS, Refusal, Spelling, emit
 from paratrain.scheduler import parse_signal
+from paratrain.sharding import TP_PIECES
 
 
 def validate(cfg: Config, world_size: int | None = None) -> Config:
@@ -141,6 +143,24 @@ def _check_tensor_parallel(cfg: Config, problems: list[str]) -> None:
     if p.sp and cfg.data.seq_len % tp:
         problems.append(f"data.seq_len ({cfg.data.seq_len}) must be divisible by tp ({tp}) with --sp: "
                         "sequence parallelism gives each tp rank seq_len / tp tokens")
+    if cfg.optim.name == "adamw8bit":
+        _check_8bit_pieces(cfg, c, tp, problems)
+
+
+def _check_8bit_pieces(cfg: Config, c: object, tp: int, problems: list[str]) -> None:
+    """8-bit AdamW cuts a split weight's state in gcd(size, 16) pieces along the split, in every
+    layout (optim/adamw8bit.py Blocks): tp must divide the pieces of every split size."""
+    sizes = {"the vocabulary": c.vocab_size if cfg.model.init_from else cfg.data.vocab_size,
+             "the attention width (n_heads x head_dim)": c.n_heads * c.head_dim, "ffn_dim": c.ffn_dim}
+    if c.n_experts:
+        sizes["moe_ffn_dim"] = c.moe_ffn_dim
+    for what, size in sizes.items():
+        pieces = math.gcd(size, TP_PIECES)
+        if pieces % tp:
+            problems.append(f"--optimizer adamw8bit with --tp {tp}: {what} ({size}) is cut in gcd({size}, "
+                            f"{TP_PIECES}) = {pieces} pieces for the 8-bit blocks (the same in every "
+                            f"layout), which tp must divide: use a --tp that divides {pieces}, or "
+                            "--optimizer adamw")
 
 
 def _check_pipeline(cfg: Config, problems: list[str]) -> None:

@@ -26,10 +26,10 @@ from paratrain.engine.lora import apply_run_lora, settle_base
 from paratrain.engine.qlora import QUANTISED, init_quantised, quantise_base_on_meta, quantised_init_value
 from paratrain.engine.task import Task
 from paratrain.mesh import ParallelMesh
-from paratrain.models.registry import family_for_config
+from paratrain.models.registry import family_for_config, model_kind
 from paratrain.param_server.client import ParameterServerClient, ServerSettings
 from paratrain.tensor_parallel.cross_entropy import vocab_parallel_loss_sum
-from paratrain.tensor_parallel.plan import apply_tensor_parallel
+from paratrain.tensor_parallel.plan import apply_tensor_parallel, record_tp_dims
 
 
 def parallelize(task: Task, cfg: Config, mesh: ParallelMesh, *,
@@ -78,6 +78,11 @@ class TrainerDoor:
 
     def route_context_parallel(self, model: nn.Module, method: str) -> None:
         apply_context_parallel(model, self.mesh.cp, method=method)  # every block's attention core
+
+    def record_tp_dims(self, model: nn.Module) -> None:
+        # the one state cut along tp slices; a model outside the families (a CNN) has no tp plan
+        if self.cfg.optim.name == "adamw8bit" and model_kind(self.cfg.model.name).tensor_parallel:
+            record_tp_dims(model)
 
     def settle_base(self, model: nn.Module) -> None:
         settle_base(model, self.cfg)  # LoRA: only the adapters train; the base in --base-precision

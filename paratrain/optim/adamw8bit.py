@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from paratrain.optim.quant import SIGNED, UNSIGNED, dequantise, n_blocks, quantise
-from paratrain.sharding import info_of
+from paratrain.sharding import TP_PIECES, info_of
 from paratrain.shards import Piece, PieceSpec, ShardReader
 
 #: Tensors with fewer elements keep fp32 moments (bitsandbytes' ``min_8bit_size`` default).
@@ -50,6 +51,62 @@ FP32_KEYS = STATE_KEYS[4:]
 def full_numel(p: torch.Tensor) -> int:
     """Elements of the full (unsharded) tensor ``p`` is a slice of (tp shards carry their record)."""
     return math.prod(info_of(p).full_shape)
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """How one tensor's 8-bit state is cut into blocks: a function of the full tensor and of the
+    dimension the tp plan splits (``ParamInfo.tp_dim``), so the same in every layout, tp = 1 included.
+
+    A tensor the plan splits along dim d is viewed, in its row-major order, as ``[outer, pieces,
+    run]``: outer = the product of the dims before d, pieces = gcd(size of d, 16), run = one piece's
+    elements per outer index. Its blocks are ``size`` = gcd(run, block) consecutive elements, so no
+    block straddles a piece, and a tp slice (whole pieces: ``[outer, pieces / tp, run]``, its own
+    row-major order) holds exactly the one-process blocks. A column-parallel [out, in] weight is
+    one run per piece (out / 16 * in: ``size`` = block as a rule); a row-parallel one has runs of
+    in / 16 (smaller blocks: more scales). Its state's full tensors are 3-D (``*.q`` [outer,
+    pieces, run], ``*.absmax`` [outer, pieces, run / size]), so a tp slice is a slab of them. A
+    tensor no plan splits (or whose split size is odd: no tp > 1 can split it) keeps blocks of
+    ``block`` over its flat elements, full tensors 1-D."""
+
+    shape: tuple[int, ...]  # the full "*.q" tensor: (numel,) or (outer, pieces, run)
+    size: int  # elements per block
+    start: tuple[int, ...]  # this rank's slab of both keys (in pieces along dim 1 when 3-D)
+    count: tuple[int, ...]
+
+    def full(self, key: str) -> tuple[int, ...]:
+        """The full tensor of state ``key`` (absmax: one slot per block)."""
+        if key.endswith(".absmax"):
+            return (*self.shape[:-1], n_blocks(self.shape[-1], self.size))
+        return self.shape
+
+    def slab(self, key: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(start, shape) of this rank's part of the full tensor of ``key``."""
+        return self.start, (*self.count[:-1], self.full(key)[-1])
+
+
+def blocks_of(p: torch.Tensor, block: int) -> Blocks:
+    """``p``'s ``Blocks`` for the setting ``block`` (see Blocks); a tp slice that is not whole
+    pieces is refused (tp must divide gcd(size, 16), as for NF4)."""
+    info = info_of(p)
+    d, shard, full = info.tp_dim, info.shard, info.full_shape
+    split = shard.is_split and shard.axis == "tp"
+    pieces = math.gcd(full[d], TP_PIECES) if d is not None else 1
+    if pieces == 1 and not split:  # no tp can split it (an odd size): flat blocks in every layout
+        return Blocks((p.numel(),), block, (0,), (p.numel(),))
+    if d is None:
+        raise ValueError(f"{info.name}: a tensor-parallel slice without a recorded split dimension "
+                         "(ParamInfo.tp_dim): its 8-bit blocks would depend on the layout")
+    outer = math.prod(full[:d])
+    run = math.prod(full) // (outer * pieces)
+    per, index = pieces, 0
+    if split:
+        if shard.dim != d or pieces % shard.count:
+            raise ValueError(f"{info.name}: 8-bit AdamW cuts its state in gcd({full[d]}, {TP_PIECES}) = "
+                             f"{pieces} pieces along dim {d}; --tp {shard.count} does not divide them: use "
+                             f"a --tp that divides {pieces}, or --optimizer adamw")
+        per, index = pieces // shard.count, shard.index
+    return Blocks((outer, pieces, run), math.gcd(run, block), (0, index * per, 0), (outer, per, run))
 
 
 def new_state(numel: int, *, quantised: bool, block: int,
@@ -119,12 +176,17 @@ class AdamW8bit(torch.optim.Optimizer):
     def quantised(self, p: torch.Tensor) -> bool:
         return full_numel(p) >= self.min_8bit_size
 
+    def blocks(self, p: torch.Tensor) -> Blocks:
+        """How ``p``'s state is cut into blocks (the same in every layout: ``Blocks``)."""
+        return blocks_of(p, self.block_size)
+
     def init_state(self, p: torch.Tensor) -> dict:
         """Create ``p``'s (zero) state now; a resume must do this before loading into it."""
         st = self.state[p]
         if not st:
             st["step"] = torch.tensor(0.0)
-            fresh = new_state(p.numel(), quantised=self.quantised(p), block=self.block_size, device=p.device)
+            fresh = new_state(p.numel(), quantised=self.quantised(p), block=self.blocks(p).size,
+                              device=p.device)
             # fp32 moments take the parameter's shape (as torch's AdamW); quantised keys stay flat.
             st.update({k: t.view(p.shape) if k in ("exp_avg", "exp_avg_sq") else t for k, t in fresh.items()})
         return st
@@ -155,7 +217,7 @@ class AdamW8bit(torch.optim.Optimizer):
                 flat = p.view(-1) if p.is_contiguous() else p.detach().clone().view(-1)
                 adamw8bit_update(flat, p.grad.reshape(-1), st, step=int(st["step"]), lr=group["lr"],
                                  weight_decay=group["weight_decay"], beta1=beta1, beta2=beta2,
-                                 eps=group["eps"], block=self.block_size)
+                                 eps=group["eps"], block=self.blocks(p).size)
                 if not p.is_contiguous():
                     p.copy_(flat.view(p.shape))
         return loss
@@ -179,19 +241,27 @@ def key_range(key: str, lo: int, hi: int, block: int) -> tuple[int, int]:
     return lo, hi
 
 
-def quantised_piece(name: str, key: str, numel: int, block: int, lo: int, hi: int,
-                    values: torch.Tensor | Callable[[], torch.Tensor]) -> Piece:
-    """The piece of 8-bit state ``key`` of tensor ``name`` covering its elements [lo, hi)
-    (``lo`` a multiple of ``block``); ``values``: those slots, or a function producing them."""
-    a, b = key_range(key, lo, hi, block)
-    n = key_range(key, 0, numel, block)[1]
+def state_piece(name: str, key: str, blocks: Blocks, lo: int, hi: int,
+                values: torch.Tensor | Callable[[], torch.Tensor]) -> Piece:
+    """The piece of 8-bit state ``key`` of tensor ``name`` covering this rank's elements [lo, hi) of
+    its slab (``lo`` a multiple of ``blocks.size``; a tp slice's flat order is its slab's);
+    ``values``: those slots, or a function producing them."""
+    a, b = key_range(key, lo, hi, blocks.size)
+    start, shape = blocks.slab(key)
     dtype = "uint8" if key.endswith(".q") else "float32"
-    return Piece(PieceSpec(name, key, (n,), dtype, (0,), (n,), a, b), values)
+    return Piece(PieceSpec(name, key, blocks.full(key), dtype, start, shape, a, b), values)
 
 
 def checkpoint_block(reader: ShardReader) -> int:
     """The block size the checkpoint's 8-bit state was written with (its config says)."""
     return int(reader.meta.get("config", {}).get("optim", {}).get("block_size", BLOCK_SIZE))
+
+
+def stored_blocks(reader: ShardReader, name: str, moment: str) -> tuple[tuple[int, ...], int]:
+    """(full shape of the stored "<moment>.q", its block size): a tensor cut along tp pieces is
+    3-D with one absmax per ``size`` of its last dim; a flat one used the config's block size."""
+    q, absmax = reader.shape(name, f"{moment}.q"), reader.shape(name, f"{moment}.absmax")
+    return q, (q[-1] // absmax[-1] if len(q) > 1 else checkpoint_block(reader))
 
 
 def has_moments(reader: ShardReader, name: str) -> bool:
@@ -201,15 +271,18 @@ def has_moments(reader: ShardReader, name: str) -> bool:
 def read_fp32_moment(reader: ShardReader, name: str, key: str, full_shape: tuple[int, ...],
                      start: tuple[int, ...], shape: tuple[int, ...], lo: int, hi: int) -> torch.Tensor:
     """Elements [lo, hi) of the slab [start, start + shape) of moment ``key`` ("exp_avg" or
-    "exp_avg_sq") of ``name``, fp32: as stored, or dequantised from 8-bit state."""
+    "exp_avg_sq") of ``name``, fp32: as stored, or dequantised from 8-bit state (flat or cut
+    along tp pieces: either way its row-major order is the tensor's, blocks whole in it)."""
     if reader.has(name, key):
         return reader.read(name, key, start, shape, lo, hi)
-    numel, block = math.prod(full_shape), checkpoint_block(reader)
+    numel = math.prod(full_shape)
+    q_shape, block = stored_blocks(reader, name, key)
     whole = tuple(shape) == tuple(full_shape)
     a, b = (lo // block * block, min(numel, math.ceil(hi / block) * block)) if whole else (0, numel)
-    q = reader.read(name, f"{key}.q", (0,), (numel,), a, b)
-    slots = key_range(".absmax", a, b, block)
-    absmax = reader.read(name, f"{key}.absmax", (0,), (n_blocks(numel, block),), *slots)
+    q = reader.read(name, f"{key}.q", (0,) * len(q_shape), q_shape, a, b)
+    absmax_shape = reader.shape(name, f"{key}.absmax")
+    absmax = reader.read(name, f"{key}.absmax", (0,) * len(absmax_shape), absmax_shape,
+                         *key_range(".absmax", a, b, block))
     x = dequantise(q, absmax, SIGNED if key == "exp_avg" else UNSIGNED, block)
     if whole:
         return x[lo - a:hi - a]
@@ -217,31 +290,41 @@ def read_fp32_moment(reader: ShardReader, name: str, key: str, full_shape: tuple
     return x.view(full_shape)[box].reshape(-1)[lo:hi]
 
 
-def read_quantised(reader: ShardReader, name: str, full_shape: tuple[int, ...], lo: int, hi: int, *,
-                   block: int) -> dict[str, torch.Tensor]:
-    """8-bit state of elements [lo, hi) of ``name`` (``lo`` a multiple of ``block``): as stored
-    when the checkpoint holds 8-bit state of this block size, else quantised from fp32 moments."""
-    numel, out = math.prod(full_shape), {}
-    same = checkpoint_block(reader) == block
+def read_quantised(reader: ShardReader, name: str, p: torch.Tensor, blocks: Blocks, lo: int,
+                   hi: int) -> dict[str, torch.Tensor]:
+    """8-bit state of this rank's elements [lo, hi) of ``name`` (``lo`` a multiple of the block
+    size): as stored when the checkpoint holds it cut the same way, else quantised from fp32."""
+    out = {}
     for key, code in MOMENTS8:
-        if same and reader.has(name, f"{key}.q"):
-            out[f"{key}.q"] = reader.read(name, f"{key}.q", (0,), (numel,), lo, hi)
-            out[f"{key}.absmax"] = reader.read(name, f"{key}.absmax", (0,), (n_blocks(numel, block),),
-                                               *key_range(".absmax", lo, hi, block))
+        if reader.has(name, f"{key}.q") and stored_blocks(reader, name, key) == (blocks.shape, blocks.size):
+            for part in (".q", ".absmax"):
+                start, shape = blocks.slab(part)
+                out[key + part] = reader.read(name, key + part, start, shape,
+                                              *key_range(part, lo, hi, blocks.size))
         else:
-            zeros = (0,) * len(full_shape)
-            x = read_fp32_moment(reader, name, key, full_shape, zeros, full_shape, lo, hi)
-            out[f"{key}.q"], out[f"{key}.absmax"] = quantise(x, code, block)
+            x = _read_moment(reader, name, key, p, lo, hi)
+            out[f"{key}.q"], out[f"{key}.absmax"] = quantise(x, code, blocks.size)
     return out
 
 
-def read_param_state(reader: ShardReader, name: str, full_shape: tuple[int, ...], lo: int, hi: int, *,
+def _read_moment(reader: ShardReader, name: str, key: str, p: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """fp32 moment ``key`` of ``p``'s elements [lo, hi) (its tp slab; tp padding reads as 0)."""
+    info = info_of(p)
+    start, shape = info.shard.slab()
+    valid = min(hi, math.prod(shape))
+    x = read_fp32_moment(reader, name, key, info.full_shape, start, shape, lo, valid) if valid > lo else None
+    out = torch.zeros(hi - lo)
+    if x is not None:
+        out[:valid - lo] = x
+    return out
+
+
+def read_param_state(reader: ShardReader, name: str, p: torch.Tensor, lo: int, hi: int, *,
                      quantised: bool, block: int) -> dict[str, torch.Tensor] | None:
-    """Every state key of elements [lo, hi) of ``name`` as this optimizer holds it (flat), from
-    whatever the checkpoint holds; None when it holds no optimizer state for ``name``."""
+    """Every state key of ``p``'s elements [lo, hi) (this rank's tensor, flat) as this optimizer
+    holds it, from whatever the checkpoint holds; None when it holds no optimizer state for ``name``."""
     if not has_moments(reader, name):
         return None
     if quantised:
-        return read_quantised(reader, name, full_shape, lo, hi, block=block)
-    zeros = (0,) * len(full_shape)
-    return {k: read_fp32_moment(reader, name, k, full_shape, zeros, full_shape, lo, hi) for k in FP32_KEYS}
+        return read_quantised(reader, name, p, blocks_of(p, block), lo, hi)
+    return {k: _read_moment(reader, name, k, p, lo, hi) for k in FP32_KEYS}

@@ -104,6 +104,8 @@ class ReplicatedRouter:
 
 
 class ExpertRowwise:
+    dims = {"weight": 1, "lora_A.weight": 1}  # plan.ROW_DIMS (plan.py imports this module)
+
     def build(self, old: nn.Linear, ctx: Context) -> nn.Module:
         if old.bias is not None:
             raise ValueError("an expert's down projection with a bias cannot stay a partial sum")

@@ -27,6 +27,7 @@ import torch.nn as nn
 from paratrain.mesh import ParallelMesh
 from paratrain.models.lora import LoRALinear
 from paratrain.models.registry import family_of
+from paratrain.sharding import update_info
 from paratrain.tensor_parallel.context import Context
 from paratrain.tensor_parallel.experts import ExpertRowwise, ExpertsReduce, ReplicatedRouter
 from paratrain.tensor_parallel.layers import (
@@ -48,9 +49,16 @@ from paratrain.tensor_parallel.lora import (
 # -- styles: how one module becomes its tensor-parallel counterpart -----------------------------
 
 
+#: The dimension each style splits, per parameter of the module it replaces (``record_tp_dims``).
+COLUMN_DIMS = {"weight": 0, "bias": 0, "lora_B.weight": 0}
+ROW_DIMS = {"weight": 1, "lora_A.weight": 1}
+
+
 class Colwise:
     """Column-parallel linear fed by a RegionEntryNorm (which already did f / the SP gather once);
     its LoRA variant for a LoRALinear (tensor_parallel/lora.py)."""
+
+    dims = COLUMN_DIMS
 
     def build(self, old: nn.Linear, ctx: Context) -> nn.Module:
         if isinstance(old, LoRALinear):
@@ -63,6 +71,8 @@ class ColwiseKV:
     """k/v projections: split by kv heads when tp divides n_kv_heads; otherwise each kv head is
     needed by q heads on several ranks, so the weight is replicated and each rank computes just
     the kv heads its local q heads attend with (ReplicatedHeadsLinear)."""
+
+    dims = COLUMN_DIMS  # recorded even where replicated: the state is cut the same in every layout
 
     def build(self, old: nn.Linear, ctx: Context) -> nn.Module:
         c, tp = ctx.cfg, ctx.axis.size
@@ -77,6 +87,8 @@ class ColwiseKV:
 
 
 class Rowwise:
+    dims = ROW_DIMS
+
     def build(self, old: nn.Linear, ctx: Context) -> nn.Module:
         if isinstance(old, LoRALinear):
             return RowParallelLoRALinear(old, ctx.axis, sequence_parallel=ctx.sequence_parallel)
@@ -86,6 +98,8 @@ class Rowwise:
 
 
 class VocabEmbedding:
+    dims = {"weight": 0}
+
     def build(self, old: nn.Embedding, ctx: Context) -> nn.Module:
         return VocabParallelEmbedding(old.num_embeddings, old.embedding_dim, ctx.axis,
                                       sequence_parallel=ctx.sequence_parallel, device=old.weight.device,
@@ -95,6 +109,8 @@ class VocabEmbedding:
 class VocabHead:
     """LM head: column-parallel over the (padded) vocabulary; logits stay sharded for the
     vocab-parallel cross-entropy; padding logits are -inf."""
+
+    dims = {"weight": 0}
 
     def build(self, old: nn.Linear, ctx: Context) -> nn.Module:
         if isinstance(old, LoRALinear):
@@ -201,7 +217,23 @@ def apply_tensor_parallel(model: nn.Module, mesh: ParallelMesh, *, sequence_para
     if family.is_tied(model):  # the copy re-shares the owner's identically split weight
         copy, owner = family.tied
         _tie(model, copy, owner)
+    record_tp_dims(model, plan)
     return model
+
+
+def record_tp_dims(model: nn.Module, plan: dict[str, object] | None = None) -> None:
+    """Record on each parameter the plan splits the dimension it splits along (``ParamInfo.tp_dim``),
+    whether or not this layout splits it: called by ``apply_tensor_parallel`` and, at tp = 1, by
+    the trainer, so state cut along tp slices (8-bit AdamW's blocks) is cut alike in every layout.
+    ``plan``: the family's when None. Styles without ``dims`` (norms, routers) split nothing."""
+    plan = family_of(model, "tensor parallelism (its plan)").tp_plan if plan is None else plan
+    named = dict(model.named_modules())
+    for pattern, style in plan.items():
+        dims = getattr(style_of(style), "dims", {})  # optional by design: most styles split nothing
+        for name in [n for n in named if fnmatch.fnmatchcase(n, pattern)]:
+            for pname, p in named[name].named_parameters():
+                if pname in dims:
+                    update_info(p, tp_dim=dims[pname])
 
 
 def _tie(model: nn.Module, copy: str, owner: str) -> None:

@@ -19,7 +19,7 @@ import torch.nn as nn
 from paratrain.comm.collectives import Axis
 from paratrain.mesh import ParallelMesh
 from paratrain.models import family_of
-from paratrain.sharding import shard_of
+from paratrain.sharding import shard_of, update_info
 from paratrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from paratrain.tensor_parallel.plan import apply_tensor_parallel
 
@@ -78,6 +78,8 @@ def apply_user_plan(model: nn.Module, plan: dict[str, str], axis: Axis) -> dict[
                 continue
             p_new.copy_(shard_of(p_new).slice(p_old.detach()))
             p_new.requires_grad_(p_old.requires_grad)
+            if shard_of(p_new).is_split:  # what layout-free state cuts along (8-bit AdamW's blocks)
+                update_info(p_new, tp_dim=shard_of(p_new).dim)
             new_of[id(p_old)] = p_new
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)

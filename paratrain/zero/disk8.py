@@ -30,7 +30,7 @@ from paratrain.optim import adamw8bit as a8
 from paratrain.optim.adamw8bit import QUANT_KEYS, STATE_KEYS
 from paratrain.zero import offload
 from paratrain.zero.offload import Window, offload_folder
-from paratrain.zero.store8 import Region, Store8, block_of, regions_of
+from paratrain.zero.store8 import Region, Store8, absmax_unit, block_of, regions_of
 
 DTYPE_OF = {"param": torch.float32, "exp_avg.q": torch.uint8, "exp_avg_sq.q": torch.uint8}
 
@@ -48,6 +48,7 @@ class DiskStore8(Store8):
                  chunk: int | None = None):
         self.sizes, self.regions, self.aliased = list(sizes), regions, False
         self.block = block_of(optim_cfg)
+        self.unit = absmax_unit(regions, self.block)
         o = optim_cfg
         self.hp = {"beta1": o.beta1, "beta2": o.beta2, "eps": o.eps}
         # whole blocks per window: a window's blocks are the region's blocks (module docstring)
@@ -64,7 +65,7 @@ class DiskStore8(Store8):
 
     def _length(self, index: int, key: str) -> int:
         n = self.sizes[index]
-        return n // self.block if key.endswith(".absmax") else n
+        return n // self.unit if key.endswith(".absmax") else n
 
     def _window(self, index: int, key: str, a: int, b: int) -> Window:
         return Window(self.paths[index, key], a, b, _dtype(key))
@@ -88,7 +89,9 @@ class DiskStore8(Store8):
     def _state_windows(self, r: Region, a: int, b: int) -> dict[str, Window]:
         if not r.quantised:
             return {k: self._window(r.index, k, a, b) for k in a8.FP32_KEYS}
-        lo, hi = a // self.block, math.ceil(b / self.block)
+        # the region's scales start at slot start / unit (store8.absmax_slots), one per r.block
+        lo = r.start // self.unit + (a - r.start) // r.block
+        hi = lo + math.ceil((b - a) / r.block)
         return {k: self._window(r.index, k, *((lo, hi) if k.endswith(".absmax") else (a, b)))
                 for k in QUANT_KEYS}
 
@@ -102,7 +105,7 @@ class DiskStore8(Store8):
                 self.max_resident_bytes = max(self.max_resident_bytes, held)
                 g = grad[a:b].to("cpu", torch.float32)
                 a8.adamw8bit_update(p, g.mul_(scale) if scale != 1.0 else g, state, step=self.steps, lr=lr,
-                                    weight_decay=r.weight_decay, block=self.block, **self.hp)
+                                    weight_decay=r.weight_decay, block=r.block, **self.hp)
             finally:
                 for w in windows.values():
                     w.__exit__(None, None, None)
@@ -148,7 +151,7 @@ class DiskStore8(Store8):
         total = 4 * sum(self.sizes)  # the masters, padding included
         for r in self.regions:
             n = r.end - r.start
-            total += (2 * n + 8 * math.ceil(n / self.block) if r.quantised else 8 * n)
+            total += (2 * n + 8 * math.ceil(n / r.block) if r.quantised else 8 * n)
         return {"device": 0, "host": 0, "disk": total}
 
 

@@ -71,6 +71,7 @@ class Region:
     end: int
     quantised: bool
     weight_decay: float
+    block: int  # its tensor's block size (adamw8bit.Blocks: smaller along a row-parallel split)
 
 
 def regions_of(layout: Any, index: int,  # a FlatLayout: zero/optimizer.py imports this module
@@ -81,8 +82,22 @@ def regions_of(layout: Any, index: int,  # a FlatLayout: zero/optimizer.py impor
         a, b = max(off, layout.lo), min(off + p.numel(), layout.lo + layout.shard)
         if a < b:
             wd = optim_cfg.weight_decay if decays(name, p) else 0.0
-            out.append(Region(index, a - layout.lo, b - layout.lo, quantised(p, optim_cfg), wd))
+            q = quantised(p, optim_cfg)
+            block = a8.blocks_of(p, block_of(optim_cfg)).size if q else block_of(optim_cfg)
+            out.append(Region(index, a - layout.lo, b - layout.lo, q, wd, block))
     return out
+
+
+def absmax_unit(regions: list[Region], block: int) -> int:
+    """Elements per slot of the flat "*.absmax" coordinates: a divisor of every region's block (and
+    of ``block``, a multiple of which every quantised region starts at), so each region's scales
+    get slots of their own (``absmax_slots``)."""
+    return functools.reduce(math.gcd, (r.block for r in regions if r.quantised), block)
+
+
+def absmax_slots(r: Region, unit: int) -> tuple[int, int]:
+    """Where region ``r``'s scales lie in the flat "*.absmax" coordinates (``absmax_unit``)."""
+    return r.start // unit, r.start // unit + math.ceil((r.end - r.start) / r.block)
 
 
 class Store8:
@@ -95,9 +110,10 @@ class Store8:
                  aliased: bool = False):
         self.masters, self.regions, self.aliased = masters, regions, aliased
         self.block = block_of(optim_cfg)
+        self.unit = absmax_unit(regions, self.block)
         o = optim_cfg
         self.hp = {"beta1": o.beta1, "beta2": o.beta2, "eps": o.eps}
-        self.state = [a8.new_state(r.end - r.start, quantised=r.quantised, block=self.block,
+        self.state = [a8.new_state(r.end - r.start, quantised=r.quantised, block=r.block,
                                 device=masters[r.index].device) for r in regions]
         self.steps = 0
 
@@ -107,7 +123,7 @@ class Store8:
         for r, st in zip(self.regions, self.state):
             g = grads[r.index][r.start:r.end].to(self.masters[r.index].device)
             a8.adamw8bit_update(self.masters[r.index][r.start:r.end], g, st, step=self.steps, lr=lr,
-                             weight_decay=r.weight_decay, block=self.block, **self.hp)
+                             weight_decay=r.weight_decay, block=r.block, **self.hp)
         for master, out in zip(self.masters, outs):
             if out is not None and out.data_ptr() != master.data_ptr():
                 out.copy_(master)
@@ -119,13 +135,13 @@ class Store8:
         if r.quantised != (key in QUANT_KEYS):
             return None
         if key.endswith(".absmax"):
-            return r.start // self.block, r.start // self.block + math.ceil((r.end - r.start) / self.block)
+            return absmax_slots(r, self.unit)
         return r.start, r.end
 
     def _flat(self, index: int, key: str) -> torch.Tensor:
         n = self.masters[index].numel()
         if key.endswith(".absmax"):
-            return torch.zeros(n // self.block)
+            return torch.zeros(n // self.unit)
         return torch.zeros(n, dtype=torch.uint8 if key.endswith(".q") else torch.float32)
 
     def read(self, index: int, which: str) -> torch.Tensor:
@@ -214,10 +230,18 @@ def state_pieces(s: Any, i: int, key: str, name: str, p: torch.Tensor, at: int, 
     if key not in QUANT_KEYS:  # a small tensor's fp32 moment: parameter-shaped, like AdamW's
         values = functools.partial(s._shard_range, i, key, at, at + b - a)
         return pieces_of(info_of(p), key, p, a, b, values=values, name=name)
-    block = s.store.block
-    sa, sb = a8.key_range(key, at, at + b - a, block)
+    blocks = a8.blocks_of(p, s.store.block)
+    sa, sb = _flat_range(key, at, a, b, blocks.size, s.store.unit)
     values = functools.partial(s._shard_range, i, key, sa, sb)
-    return [a8.quantised_piece(name, key, p.numel(), block, a, b, values)]
+    return [a8.state_piece(name, key, blocks, a, b, values)]
+
+
+def _flat_range(key: str, at: int, a: int, b: int, block: int, unit: int) -> tuple[int, int]:
+    """Where elements [a, b) of a tensor of ``block``, held at ``at``, lie in the flat coordinates
+    of ``key`` (absmax: from slot at / unit, one per block; ``absmax_slots``)."""
+    if key.endswith(".absmax"):
+        return at // unit, at // unit + math.ceil((b - a) / block)
+    return at, at + b - a
 
 
 @torch.no_grad()
@@ -225,16 +249,17 @@ def load_state(s: Any, reader: ShardReader, i: int, layout: Any,  # a ZeRO strat
                optimizer_step: int) -> None:
     """ZeRO ``_load_flats`` for 8-bit state: this rank's slots of master shard ``i``, converted
     from whatever the checkpoint holds (8-bit of another block size or plain AdamW: requantised)."""
-    store, block = s.store, s.store.block
+    store = s.store
     flats = {k: store._flat(i, k) for k in STATE_KEYS}
     for name, p, at, a, b in owned(layout):
         full = info_of(p).name or name
-        state = a8.read_param_state(reader, full, tuple(p.shape), a, b, quantised=quantised(p, s.optim_cfg),
-                                    block=block)
+        q = quantised(p, s.optim_cfg)
+        state = a8.read_param_state(reader, full, p, a, b, quantised=q, block=store.block)
         if state is None:
             return  # a checkpoint without optimizer state: fresh moments
+        block = a8.blocks_of(p, store.block).size if q else store.block
         for key, values in state.items():
-            lo, hi = a8.key_range(key, at, at + b - a, block)
+            lo, hi = _flat_range(key, at, a, b, block, store.unit)
             flats[key][lo:hi] = values
     for key, flat in flats.items():
         store.write(i, key, flat, step=optimizer_step)
