@@ -235,11 +235,12 @@ def test_memory_per_rank_of_zero3_tp_pp_ep_is_the_planners(world8):
 
 def test_planner_prices_zero3_with_pipeline_and_its_command_runs_here(tmp_path):
     """The search prices ZeRO-3 x PP with the stage's accumulated gradients (llama-13b on 32 GPUs
-    of 24 GB: among the five best), and the trainer's own check now accepts the layout."""
+    of 24 GB: among the ten best, where context-parallel layouts take most of the first five at
+    4,096 positions), and the trainer's own check now accepts the layout."""
     tr, cluster = Training(4096, 64), make_cluster(gpus=32, gpu_memory_gb=24)
-    found = [p for p in plan(PRESETS["llama-13b"], tr, cluster, {}, top=5).plans
+    found = [p for p in plan(PRESETS["llama-13b"], tr, cluster, {}, top=10).plans
              if p.layout.zero == 3 and p.layout.pp > 1]
-    assert found, "no ZeRO-3 x PP layout among the five best"
+    assert found, "no ZeRO-3 x PP layout among the ten best"
     best = found[0]
     m = best.layout.n_micro(tr.global_batch)
     sb = memory.state_bytes_per_param(tr.precision, tr.optimizer)
