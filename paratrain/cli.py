@@ -354,6 +354,10 @@ def train_config(args: argparse.Namespace, overrides: dict | None = None) -> con
         checks.validate(adopt_torchrun_world(cfg), cfg.parallel.nproc)
     else:
         checks.validate(cfg)
+    if cfg.parallel.cp > 1 and cfg.parallel.cp_method == "auto":
+        from paratrain.plan_cli.cp_method import settle_cp_method  # lazy: start-up time
+
+        cfg = settle_cp_method(cfg, measured=not under_torchrun())  # ranks under torchrun: one answer
     return cfg
 
 
