@@ -112,7 +112,7 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
     ("--cp", "parallel.cp", int, LAYOUT, "context-parallel degree: every sequence's positions split over "
      "this many ranks (head-tail chunks), attention over all of them (docs/context_parallel.md)"),
     ("--cp-method", "parallel.cp_method", str, LAYOUT, "context parallelism's attention: ring (K/V blocks "
-     "passed rank to rank), alltoall (heads scattered, Ulysses) or auto"),
+     "passed rank to rank), alltoall (heads scattered, Ulysses) or auto (the planner's cheaper one)"),
     ("--zero", "parallel.zero", int, LAYOUT, "ZeRO stage: shard over data-parallel ranks 1: optimizer "
      "states, 2: + gradients, 3: + parameters (FSDP); 0: replicate"),
     ("--dp-replicate", "parallel.dp_replicate", int, LAYOUT, "hybrid sharding (HSDP) with --zero 1|2|3: "

@@ -86,3 +86,37 @@ def _plan(argv: list[str]) -> str:
     with contextlib.redirect_stdout(buf):
         assert plan_main(argv) in (0, None)
     return buf.getvalue()
+
+
+def _library_auto(env) -> tuple[str, str, set[str]]:
+    import torch
+
+    import paratrain
+    from paratrain.context_parallel.apply import ContextParallelAttention
+    from paratrain.models import build_model, init_weights, preset
+
+    cfg = preset("tiny", max_seq_len=32)
+    model = build_model(cfg, "cpu")
+    init_weights(model, 0, cfg)
+    par = paratrain.Parallel(cp=2, cp_method="auto")
+    model, _ = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ids = torch.randint(0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+    par.cp_split(ids[:, :-1], ids[:, 1:])
+    cores = {m.method for m in model.modules() if isinstance(m, ContextParallelAttention)}
+    return par.cp_method, par.cp_method_why, cores
+
+
+def test_library_cp_method_auto_settles_at_the_first_batch_by_the_planner():
+    """Parallel(cp=2, cp_method="auto") on a paratrain family: the first cp_split prices both
+    methods for its rows (nominal CPU figures: both ranks compute the same) and sets the cheaper on
+    every attention core."""
+    from paratrain.models import preset
+    from paratrain.planner.cp_method import batch_cp_method
+    from tests.dist import run
+
+    got = run(_library_auto, 2)
+    expected = batch_cp_method(preset("tiny", max_seq_len=32), rows=2, seq=32, replicas=1, tp=1, cp=2,
+                               zero=0, precision="fp32", cuda_name=None)
+    for method, why, cores in got:
+        assert (method, why) == expected and cores == {method}, (method, why, cores)
+    assert "planner's step time on cpu-worker" in expected[1]

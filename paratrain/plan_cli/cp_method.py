@@ -13,21 +13,16 @@ from __future__ import annotations
 import torch
 
 from paratrain.config import Config
-from paratrain.perf.hardware import Cluster, make_cluster, preset_named
+from paratrain.perf.hardware import Cluster
 from paratrain.plan_cli.calibrate import measure_local
-from paratrain.planner.machine import local_cluster
-from paratrain.planner.search import cp_method_choice
+from paratrain.planner.cp_method import cp_method_choice, device_cluster
 
 
 def run_machine(world: int, *, measured: bool = True) -> Cluster:
-    """The cluster of the ``world`` workers of a run on this host: its CUDA device's preset (or the
-    nominal CPU figures when no preset names it), else this CPU measured (``measured``) or nominal."""
-    if torch.cuda.is_available():
-        preset = preset_named(torch.cuda.get_device_name())
-        if preset is not None:
-            return make_cluster(gpus=world, gpus_per_node=world, gpu=preset)
-        measured = False
-    return local_cluster(world, measure_local() if measured else None)
+    """The cluster of the ``world`` workers of a run on this host: its CUDA device's preset, else
+    this CPU measured (``measured``: as ``plan --cluster local``, cached) or nominal."""
+    cuda = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return device_cluster(world, cuda, measure_local() if measured and cuda is None else None)
 
 
 def settle_cp_method(cfg: Config, cluster: Cluster | None = None, *, measured: bool = True) -> Config:

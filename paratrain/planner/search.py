@@ -559,23 +559,6 @@ def config_layout(cfg: Config) -> Layout:
                   offload=p.offload, ep=p.ep, cp=p.cp, cp_method=p.cp_method)
 
 
-def cp_method_choice(cfg: Config, cluster: Cluster) -> tuple[str, str]:
-    """``--cp-method auto``: the method (ring | alltoall) whose step the planner prices cheaper for
-    `cfg`'s model, sequence and layout on `cluster`, and why in words. A layout that fits beats one
-    that does not; a tie keeps the ring; all-to-all only when the query heads per tp rank divide."""
-    c, tr = training_from_config(cfg)
-    base = config_layout(cfg)
-    priced = {m: evaluate(c, tr, replace(base, cp_method=m), cluster)
-              for m in context.methods(c, base.cp, base.tp, {})}
-    method = min(priced, key=lambda m: (not priced[m].fits, priced[m].time.total))
-    if len(priced) == 1:
-        return method, (f"all-to-all scatters the query heads: {c.n_heads // base.tp} per tp rank do not "
-                        f"divide by cp {base.cp}")
-    words = ", ".join(f"{m} {p.time.total:.3g} s (exposed exchanges {p.time.cp_comm:.3g} s"
-                      f"{'' if p.fits else ', does not fit'})" for m, p in priced.items())
-    return method, f"the planner's step time on {cluster.device.name}: {words}"
-
-
 def replace_parallel(cfg: Config, n: int) -> Config:
     """`cfg` on the most data-parallel workers (up to `n`) that divide the global batch."""
     new = copy.deepcopy(cfg)
@@ -584,5 +567,5 @@ def replace_parallel(cfg: Config, n: int) -> Config:
     return new
 
 
-__all__ = ["Plan", "PlanResult", "auto_layout", "compare", "config_layout", "cp_method_choice",
-           "decision_path", "enumerate_layouts", "evaluate", "infeasible_answer", "plan", "states_only"]
+__all__ = ["Plan", "PlanResult", "auto_layout", "compare", "config_layout", "decision_path",
+           "enumerate_layouts", "evaluate", "infeasible_answer", "plan", "states_only"]
