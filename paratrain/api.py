@@ -40,7 +40,7 @@ from paratrain.base.executor import split_micro_batches
 from paratrain.base.strategy import Strategy
 from paratrain.comm import collectives as C
 from paratrain.config import ParallelConfig
-from paratrain.context_parallel.apply import apply_context_parallel
+from paratrain.context_parallel.apply import ContextParallelAttention, apply_context_parallel
 from paratrain.context_parallel.door import UserModuleDoor, token_mean_cross_entropy
 from paratrain.context_parallel.split import split_batch
 from paratrain.data_parallel.averaging import SyncPlan
@@ -54,6 +54,7 @@ from paratrain.mesh import MeshShape
 from paratrain.models.family import NoFamilyError
 from paratrain.models.registry import family_of
 from paratrain.pipeline.executor import PipelineExecutor
+from paratrain.planner.cp_method import batch_cp_method
 from paratrain.safeload import load_data, to_data_bytes
 from paratrain.sharding import shard_of
 from paratrain.shards import assemble
@@ -96,7 +97,9 @@ class Parallel:
     or all-to-all): a paratrain model family's attention core, a transformers model's attention
     interface, or any module's F.scaled_dot_product_attention (context_parallel/door.py); the
     gradient is the mean of the dp x cp ranks' mean losses (the rows' token mean when every rank
-    counts as many targets; ``token_mean_loss`` gives it exactly).
+    counts as many targets; ``token_mean_loss`` gives it exactly). cp_method "auto": on a paratrain
+    family, the method the planner prices cheaper for the first ``cp_split``'s rows
+    (``cp_method`` / ``cp_method_why`` then say which and why).
     """
 
     def __init__(self, *, dp: int | None = None, tp: int = 1, pp: int = 1, zero: int = 0,
@@ -124,7 +127,7 @@ class Parallel:
                             "auto; the library's cp runs with pp = 1, sync = 'ddp', dp_replicate = 1")
         if problems:
             raise ValueError("paratrain.Parallel: " + "; ".join(problems))
-        self.cp_method = cp_method
+        self.cp_method, self.cp_method_why = cp_method, ""  # "auto": settled at the first cp_split
         self.zero, self.offload, self.offload_dir, self.bucket_mb = zero, offload, offload_dir, bucket_mb
         self.dp_mode = dp_mode
         self.precision, self.timeout, self.check_collectives = precision, timeout, check_collectives
@@ -186,10 +189,24 @@ class Parallel:
         attention's mask (and a transformers model as ``position_ids``) without being passed them."""
         if self.mesh.cp.size == 1:
             return x, y, positions
+        if self.cp_method == "auto" and self.cp_door is None and self.model is not None:
+            self._settle_cp_method(x)
         x, y, positions = split_batch(x, y, positions, self.mesh.cp.rank, self.mesh.cp.size)
         if self.cp_door is not None:
             self.cp_door.split_positions = positions
         return x, y, positions
+
+    def _settle_cp_method(self, x: torch.Tensor) -> None:
+        """cp_method "auto" on a paratrain family, at the first batch (the sequence is known): the
+        method the planner prices cheaper for these rows, set on every attention core; a user's
+        module (no shape to price) keeps the heads rule (context_parallel/apply.py)."""
+        cuda = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
+        self.cp_method, self.cp_method_why = batch_cp_method(
+            self.model.cfg, rows=x.shape[0], seq=x.shape[1], replicas=self.dp_size, tp=self.mesh.tp.size,
+            cp=self.mesh.cp.size, zero=self.zero, precision=self.precision, cuda_name=cuda)
+        for module in self.model.modules():
+            if isinstance(module, ContextParallelAttention):
+                module.method = self.cp_method
 
     def token_mean_loss(self, logits: torch.Tensor, targets: torch.Tensor,
                         ignore_index: int = -100) -> torch.Tensor:

@@ -112,7 +112,7 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
     ("--cp", "parallel.cp", int, LAYOUT, "context-parallel degree: every sequence's positions split over "
      "this many ranks (head-tail chunks), attention over all of them (docs/context_parallel.md)"),
     ("--cp-method", "parallel.cp_method", str, LAYOUT, "context parallelism's attention: ring (K/V blocks "
-     "passed rank to rank), alltoall (heads scattered, Ulysses) or auto"),
+     "passed rank to rank), alltoall (heads scattered, Ulysses) or auto (the planner's cheaper one)"),
     ("--zero", "parallel.zero", int, LAYOUT, "ZeRO stage: shard over data-parallel ranks 1: optimizer "
      "states, 2: + gradients, 3: + parameters (FSDP); 0: replicate"),
     ("--dp-replicate", "parallel.dp_replicate", int, LAYOUT, "hybrid sharding (HSDP) with --zero 1|2|3: "
@@ -354,6 +354,10 @@ def train_config(args: argparse.Namespace, overrides: dict | None = None) -> con
         checks.validate(adopt_torchrun_world(cfg), cfg.parallel.nproc)
     else:
         checks.validate(cfg)
+    if cfg.parallel.cp > 1 and cfg.parallel.cp_method == "auto":
+        from paratrain.plan_cli.cp_method import settle_cp_method  # lazy: start-up time
+
+        cfg = settle_cp_method(cfg, measured=not under_torchrun())  # ranks under torchrun: one answer
     return cfg
 
 

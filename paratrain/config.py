@@ -71,6 +71,7 @@ class ParallelConfig:
     ep: int = 1
     cp: int = 1  # context parallelism: ranks that split every row's positions (docs/context_parallel.md)
     cp_method: str = "ring"  # how attention sees every cp rank's keys: ring | alltoall | auto
+    cp_method_why: str = ""  # --cp-method auto: why the planner's cost chose the method (run.json)
     zero: int = 0  # 0: replicated (DDP), 1: optimizer states, 2: + gradients, 3: + parameters
     dp_replicate: int = 1  # hybrid sharding: replicas of the ZeRO shard groups (one per node)
     dp_shard: int | None = None  # hybrid sharding: ranks of one shard group; default dp / dp_replicate

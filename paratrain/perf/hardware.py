@@ -98,12 +98,17 @@ GPUS: dict[str, Device] = {
 _NAMED_GPUS = (("h200", "h200"), ("h100", "h100-80g"), ("a100", "a100-80g"), ("v100", "v100-32g"))
 
 
+def preset_named(device_name: str) -> str | None:
+    """The GPUS preset of a device called `device_name` (as CUDA names it); None if none is."""
+    name = device_name.lower()
+    return next((key for word, key in _NAMED_GPUS if word in name), None)
+
+
 def published_peak(device_name: str, precision: str) -> float | None:
     """The vendor's dense peak FLOP/s for a device called `device_name` (as CUDA names it) in
     `precision` (fp32, or the bf16/fp16 tensor-core peak); None for a device not in GPUS."""
-    name = device_name.lower()
-    preset = next((GPUS[key] for word, key in _NAMED_GPUS if word in name), None)
-    return preset.peak_for(precision) if preset is not None else None
+    key = preset_named(device_name)
+    return GPUS[key].peak_for(precision) if key is not None else None
 
 
 LINKS: dict[str, Link] = {

@@ -67,7 +67,7 @@ def sync_settings(lay: Layout) -> list[tuple[str, str, object]]:
     out: list[tuple[str, str, object]] = []
     if lay.replicate > 1:
         out += [("--dp-replicate", "parallel.dp_replicate", lay.replicate),
-                ("--dp-shard", "parallel.dp_shard", lay.shard)]
+                ("--dp-shard", "parallel.dp_shard", lay.shard // lay.cp)]  # of the data replicas
     if lay.sync != "ddp":
         out.append(("--sync", "parallel.sync", lay.sync))
     if lay.averaging:

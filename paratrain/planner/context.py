@@ -119,8 +119,10 @@ def cp_kwargs(lay) -> dict:
 
 def runs_under_cp(c: ModelShape) -> bool:
     """Whether paratrain runs this model with --cp: its family routes attention through a core
-    (``ModelFamily.attention``) and it has no experts (cp x MoE is refused: context_parallel/checks.py)."""
-    return bool(family_for_config(c).attention) and not c.n_moe_layers
+    (``ModelFamily.attention``). Experts need no term of their own: their all-to-all carries a
+    rank's tokens, seq / cp per row, as cost.py already counts them; the MoE balance loss's count
+    all-reduce over cp (context_parallel/apply.py) is a few numbers per layer, left out."""
+    return bool(family_for_config(c).attention)
 
 
 def degrees(c: ModelShape, seq_len: int, dp: int, fixed: dict) -> list[int]:

@@ -146,9 +146,10 @@ def check_fixed(fixed: dict, c: ModelShape | None, tr: Training, n: int) -> None
         ep = fixed["ep"]
         if c.n_experts % ep:
             raise ValueError(f"--ep {ep} must divide the model's {c.n_experts} experts")
-        if "dp" in fixed and fixed["dp"] % ep:
-            raise ValueError(f"--ep {ep} must divide --dp {fixed['dp']}: expert parallelism is carved out "
-                             "of the data-parallel ranks")
+        if "dp" in fixed and (fixed["dp"] * fixed.get("cp", 1)) % ep:
+            cp = f" x --cp {fixed['cp']}" if fixed.get("cp", 1) > 1 else ""
+            raise ValueError(f"--ep {ep} must divide --dp {fixed['dp']}{cp}: expert parallelism is carved "
+                             "out of the data-parallel ranks (the cp ranks among them)")
     if fixed.get("offload", "none") != "none" and fixed.get("zero") == 0:
         raise ValueError("--offload needs --zero >= 1 (the offloaded optimizer state is a ZeRO partition)")
     if ("schedule" in fixed or fixed.get("v", 1) > 1) and fixed.get("pp") == 1:
@@ -175,8 +176,8 @@ def check_fixed_cp(fixed: dict, c: ModelShape | None, tr: Training) -> None:
         return
     if c is None or not context.runs_under_cp(c):
         raise ValueError(f"--cp {cp}: context parallelism splits a decoder's attention, and this model "
-                         "does not run under it (a model-states-only answer, a mixture of experts, or a "
-                         "family without an attention core): use --cp 1")
+                         "does not run under it (a model-states-only answer, or a family without an "
+                         "attention core): use --cp 1")
     if tr.seq_len % (2 * cp):
         raise ValueError(f"--seq-len {tr.seq_len} must be divisible by 2 x cp = {2 * cp} (--cp {cp} cuts "
                          "every row into 2 x cp equal chunks)")
@@ -220,7 +221,7 @@ def _data_layouts(c: ModelShape, tr: Training, fixed: dict, offload: bool, *, dp
             for zero, sp, rc, off, ep, method in itertools.product(
                     pick("zero", zeros), pick("sp", [False, True] if tp > 1 else [False]),
                     pick("recompute", ["none", "full"]), pick("offload", offs),
-                    ep_degrees(c, dp, fixed) if cp == 1 else [1], context.methods(c, cp, tp, fixed)):
+                    ep_degrees(c, dp, fixed), context.methods(c, cp, tp, fixed)):
                 if off != "none" and zero == 0 or sp and tp == 1:
                     continue
                 out.append(Layout(dp=dp, tp=tp, pp=pp, v=v, zero=zero, sp=sp, recompute=rc,
@@ -550,6 +551,14 @@ def auto_layout(cfg: Config, machine: Callable[[int], Cluster], *,
     return layout_to_config(cfg, best.layout)
 
 
+def config_layout(cfg: Config) -> Layout:
+    """The Layout of `cfg`'s own degrees (the mesh's dp: the data replicas x cp)."""
+    p = cfg.parallel
+    return Layout(dp=cfg.dp * p.cp, tp=p.tp, pp=p.pp, v=p.virtual_stages, zero=p.zero, sp=p.sp,
+                  recompute=cfg.train.recompute, micro_batch=cfg.micro_batch, schedule=p.pp_schedule,
+                  offload=p.offload, ep=p.ep, cp=p.cp, cp_method=p.cp_method)
+
+
 def replace_parallel(cfg: Config, n: int) -> Config:
     """`cfg` on the most data-parallel workers (up to `n`) that divide the global batch."""
     new = copy.deepcopy(cfg)
@@ -558,5 +567,5 @@ def replace_parallel(cfg: Config, n: int) -> Config:
     return new
 
 
-__all__ = ["Plan", "PlanResult", "auto_layout", "compare", "decision_path", "enumerate_layouts", "evaluate",
-           "infeasible_answer", "plan", "states_only"]
+__all__ = ["Plan", "PlanResult", "auto_layout", "compare", "config_layout", "decision_path",
+           "enumerate_layouts", "evaluate", "infeasible_answer", "plan", "states_only"]

@@ -138,10 +138,10 @@ def plain(lay: Layout) -> Layout:
 
 def shard_degree(lay: Layout, cluster: Cluster) -> int | None:
     """S for hybrid sharding: the most dp ranks (at least 2: one would shard nothing) whose tp x S
-    consecutive ranks fill whole slots of one node, leaving R = dp / S >= 2 replicas; None if there
-    is none."""
+    consecutive ranks fill whole slots of one node, leaving R = dp / S >= 2 replicas (under cp, S a
+    multiple of cp: R divides the data replicas, as the trainer asks); None if there is none."""
     options = [s for s in range(2, lay.dp)
-               if lay.dp % s == 0 and cluster.devices_per_node % (lay.tp * s) == 0]
+               if lay.dp % s == 0 and s % lay.cp == 0 and cluster.devices_per_node % (lay.tp * s) == 0]
     return max(options) if options else None
 
 
@@ -152,8 +152,10 @@ def variants(lay: Layout, cluster: Cluster, fits: bool = True, fixed: dict | Non
     that does not fit yields only the parameter server (the one variant needing less memory). Unless
     asked for (fixed), only layouts whose data-parallel group crosses the slow link get them."""
     fixed = fixed or {}
-    if lay.dp == 1 or lay.ep > 1 or lay.cp > 1 or lay.offload != "none" or isinstance(lay, SlowLayout):
-        return []  # (cp: its ranks sum gradients every step, and hybrid sharding over dp x cp is refused)
+    if lay.dp == 1 or lay.ep > 1 or lay.offload != "none" or isinstance(lay, SlowLayout):
+        return []
+    if lay.cp > 1 and (lay.zero == 0 or fixed.get("sync", "ddp") != "ddp"):
+        return []  # cp's ranks sum gradients every step: hybrid sharding (ZeRO) only, no averaging
     if not fixed and group_link(cluster, lay, "dp") is cluster.intra:
         return []
     if not fits:
@@ -167,10 +169,10 @@ def variants(lay: Layout, cluster: Cluster, fits: bool = True, fixed: dict | Non
             out.append(SlowLayout(**fields_, sync="parameter-server", servers=k))
         return out
     s = lay.dp // fixed["replicate"] if fixed.get("replicate", 1) > 1 else shard_degree(lay, cluster)
-    if s is None or lay.dp % s or s == lay.dp:
+    if s is None or lay.dp % s or s == lay.dp or s % lay.cp:  # R divides the data replicas (dp / cp)
         return []
     return [SlowLayout(**fields_, replicate=lay.dp // s, sync=sync, sync_every=h)
-            for sync in ("ddp", "local-sgd", "diloco")]
+            for sync in (("ddp",) if lay.cp > 1 else ("ddp", "local-sgd", "diloco"))]
 
 
 FIXABLE = ("sync", "sync_every", "replicate", "servers")  # --sync --sync-every --dp-replicate --servers
