@@ -27,6 +27,7 @@ Over 500 lines: ``Parallel`` is the library's whole public surface, read by user
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 from collections.abc import Callable, Iterator
@@ -35,6 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from paratrain import api_ps
+from paratrain.api_ps import PsLink, ServerAdamW, join_ps
 from paratrain.api_state import load_optimizer_state, optimizer_scalars, set_optimizer_scalars
 from paratrain.base.executor import split_micro_batches
 from paratrain.base.strategy import Strategy
@@ -65,7 +68,7 @@ OFFLOADS = ("none", "cpu", "disk")
 LIBRARY_FILE = "library.pt"  # in each checkpoint folder: optimizer settings/scalars, registered objects
 
 
-LIBRARY_SYNCS = ("ddp", "local-sgd", "diloco")  # the parameter server needs its own processes
+LIBRARY_SYNCS = ("ddp", "local-sgd", "diloco", "parameter-server")
 KEYWORDS = Spelling(flags=False)  # the shared rules speak of Parallel's keywords
 
 
@@ -107,7 +110,8 @@ class Parallel:
                  pp_schedule: str = "1f1b", virtual_stages: int = 1, sync: str = "ddp",
                  sync_every: int | None = None, outer_optimizer: str | None = None,
                  outer_lr: float | None = None, outer_momentum: float | None = None, cp: int = 1,
-                 cp_method: str = "ring"):
+                 cp_method: str = "ring", servers: int = 1, ps_mode: str = "sync",
+                 max_staleness: int | None = None, ps_group: dist.ProcessGroup | None = None):
         problems = _check_args(tp=tp, pp=pp, zero=zero, dp_mode=dp_mode, offload=offload,
                                offload_dir=offload_dir, bucket_mb=bucket_mb, precision=precision,
                                timeout=timeout, units=units, tp_plan=tp_plan)
@@ -120,6 +124,17 @@ class Parallel:
         if cp < 1 or cp_method not in ("ring", "alltoall", "auto") or cp_unchecked:
             problems.append(f"cp = {cp}, cp_method = {cp_method!r}: cp >= 1, a method of ring | alltoall | "
                             "auto; the library's cp runs with pp = 1, sync = 'ddp', dp_replicate = 1")
+        averaging = ParallelConfig(zero=zero, dp_mode=dp_mode, sync=sync, sync_every=sync_every,
+                                   outer_optimizer=outer_optimizer, outer_lr=outer_lr,
+                                   outer_momentum=outer_momentum, dp_replicate=dp_replicate,
+                                   offload=offload)
+        if sync == "parameter-server":  # averaging's keywords refused (check_sync needs no dp for it)
+            check_sync(averaging, 1, problems)
+        layout = {k: v for k, v, default in (("tp", tp, 1), ("pp", pp, 1), ("cp", cp, 1), ("zero", zero, 0),
+                                             ("dp_replicate", dp_replicate, 1), ("offload", offload, "none"),
+                                             ("dp_mode", dp_mode, "ddp")) if v != default}
+        problems += api_ps.check_ps_args(sync=sync, servers=servers, ps_mode=ps_mode,
+                                         max_staleness=max_staleness, layout=layout)
         if problems:
             raise ValueError("paratrain.Parallel: " + "; ".join(problems))
         self.cp_method = cp_method
@@ -129,20 +144,20 @@ class Parallel:
         self.units, self.unit_min_params, self.tp_plan = units, unit_min_params, tp_plan or {}
         self.allow_non_elementwise, self.sequence_parallel = allow_non_elementwise, sequence_parallel
         self.pp_schedule, self.virtual_stages = pp_schedule, virtual_stages
-        rank, world, self.device = _join(timeout)
-        dp = dp if dp is not None else max(1, world // (tp * pp * cp))
-        averaging = ParallelConfig(zero=zero, dp_mode=dp_mode, sync=sync, sync_every=sync_every,
-                                   outer_optimizer=outer_optimizer, outer_lr=outer_lr,
-                                   outer_momentum=outer_momentum, dp_replicate=dp_replicate,
-                                   offload=offload)
-        if sync not in LIBRARY_SYNCS:
-            problems.append(f"sync = {sync!r} must be one of {', '.join(LIBRARY_SYNCS)} (the parameter "
-                            "server runs through `paratrain train --sync parameter-server`)")
+        self.ps: PsLink | None = None  # sync = "parameter-server": this worker's way to its servers
+        if sync == "parameter-server":  # a server rank serves here, then SystemExit(0) (api_ps.py)
+            rank, self.device, self.ps = join_ps(servers, ps_mode, max_staleness, timeout, ps_group)
+            world = _workers_joined(self.ps.world.dp)
         else:
+            rank, world, self.device = _join(timeout)
+        dp = dp if dp is not None else max(1, world // (tp * pp * cp))
+        if sync not in LIBRARY_SYNCS:
+            problems.append(f"sync = {sync!r} must be one of {', '.join(LIBRARY_SYNCS)}")
+        elif sync != "parameter-server":  # checked before any server started serving
             check_sync(averaging, dp, problems)
         if problems:
             raise ValueError("paratrain.Parallel: " + "; ".join(problems))
-        self.sync = SyncPlan.from_config(averaging)
+        self.sync = SyncPlan.from_config(averaging) if sync != "parameter-server" else None
         shape = MeshShape(pp=pp, dp=dp * cp, tp=tp, dp_replicate=dp_replicate, cp=cp)  # mesh.py: dp x cp
         self.mesh = make_mesh(shape, rank, self.device,
                               check_collectives=check_collectives, timeout_s=timeout)
@@ -154,6 +169,9 @@ class Parallel:
         self._saver = None  # engine/checkpoint.py's Saver, made by the first save()
         self._summed_ranks = 1  # prepare asks the engine (Engine.gradient_divisor)
         self.cp_door: UserModuleDoor | None = None  # cp > 1 on a module no family declares (prepare)
+        self._closed = False
+        if self.ps is not None and ps_group is None:  # our group: the servers are told at the latest at exit
+            atexit.register(self.close)
 
     # -- where this process stands ---------------------------------------------------------------
 
@@ -227,11 +245,12 @@ class Parallel:
         if self.strategy is not None:
             raise RuntimeError("Parallel.prepare was already called: use one Parallel per model")
         _check_optimizer(model, optimizer)
+        server_settings = api_ps.server_adamw(model, optimizer) if self.ps is not None else None
         if self.mesh.pp.size > 1:  # before any change to the model: a refusal leaves it as it was
             family_of(model, f"pp = {self.mesh.pp.size} through the library (its blocks and stages)")
         model.to(self.device)
         self._broadcast(model)  # every rank starts from rank 0's weights, as DDP does
-        door = LibraryDoor(self, optimizer, _group_names(model, optimizer))
+        door = LibraryDoor(self, optimizer, _group_names(model, optimizer), server_settings)
         layout = BuildLayout(zero=self.zero, sequence_parallel=self.sequence_parallel,
                              pp_schedule=self.pp_schedule, virtual_stages=self.virtual_stages,
                              precision=self.precision, sync_batchnorm=self.sync is None,
@@ -243,7 +262,8 @@ class Parallel:
         for group, group_names in zip(optimizer.param_groups, door.names):  # ZeRO-3 made new parameters
             group["params"] = [by_name[n] for n in group_names]
         self.model = model
-        self.optimizer = ParallelOptimizer(optimizer, self.strategy, door.recipe)
+        self.optimizer = ParallelOptimizer(optimizer, self.strategy, door.recipe,
+                                           lr_each_step=self.ps is not None)
         # the ranks whose gradients are summed: dp x cp (a cp rank's loss is the mean of its positions)
         self._summed_ranks = self.engine.gradient_divisor(self.mesh.dp.size, 1)
         return model, self.optimizer
@@ -310,6 +330,14 @@ class Parallel:
         rank calls it, after the last step, before saving or exporting). Nothing otherwise."""
         self._require_prepared()
         self.strategy.finish()
+
+    def close(self) -> None:
+        """The parameter server (``sync = "parameter-server"``): tell the servers this worker has
+        finished (every worker calls it once, after its last step, save and ``full_state_dict``);
+        the servers end once every worker has. Under torchrun it also runs at exit. Nothing otherwise."""
+        if self.ps is not None and not self._closed:
+            self._closed = True
+            api_ps.close_worker(self.ps, self.mesh.rank)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -425,8 +453,10 @@ class LibraryDoor:
 
     side_loss = None  # the user's loss is the user's; the pipeline adds none
 
-    def __init__(self, par: Parallel, optimizer: torch.optim.Optimizer, names: list[list[str]]):
+    def __init__(self, par: Parallel, optimizer: torch.optim.Optimizer, names: list[list[str]],
+                 server_settings: ServerAdamW | None = None):
         self.par, self.optimizer, self.names = par, optimizer, names
+        self.server_settings = server_settings  # the parameter server's AdamW (api_ps.py), else None
         self.loss_sum = _token_loss_sum  # the pipeline schedule's (pp > 1); the user's loop has its own
         self.full: dict[str, torch.Tensor] = {}  # full values by single-device name (ZeRO-3's init)
         self.recipe: OptimizerRecipe | None = None
@@ -488,6 +518,8 @@ class LibraryDoor:
     def make_strategy(self, model: nn.Module) -> Strategy:
         """The trainer's strategies (engine.make_strategy) over the user's optimizer (ZeRO: its recipe)."""
         par = self.par
+        if par.ps is not None:  # the servers step; the worker pushes gradients and pulls the values
+            return api_ps.make_client(model, par.mesh, self.server_settings, par.ps, par.timeout)
         if par.zero >= 1:
             check_elementwise(self.optimizer, allow_non_elementwise=par.allow_non_elementwise)
             self.recipe = OptimizerRecipe.of(self.optimizer)
@@ -528,8 +560,10 @@ class ParallelOptimizer(torch.optim.Optimizer):
     Optimizer.__init__ is deliberately not called: it would take the parameters over again.
     """
 
-    def __init__(self, inner: torch.optim.Optimizer, strategy: Strategy, recipe: OptimizerRecipe | None):
+    def __init__(self, inner: torch.optim.Optimizer, strategy: Strategy, recipe: OptimizerRecipe | None,
+                 lr_each_step: bool = False):
         self.inner, self.strategy, self.recipe = inner, strategy, recipe
+        self.lr_each_step = lr_each_step  # the parameter server's AdamW takes the groups' lr every step
         self.defaults = inner.defaults
         self.steps = 0
 
@@ -548,7 +582,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if self.recipe is not None:
             self.recipe.refresh(self.inner.param_groups)
-        self.strategy.step(None)
+        self.strategy.step(self.inner.param_groups[0]["lr"] if self.lr_each_step else None)
         # An LR scheduler built on the user's optimizer checks that its step ran (ZeRO steps shards).
         self.inner._opt_called = True
         self.set_steps(self.steps + 1)
@@ -678,6 +712,15 @@ def _join(timeout: float) -> tuple[int, int, torch.device]:
         env = init_from_torchrun(timeout)
         return env.rank, env.world_size, env.device
     return 0, 1, pick_device(0)
+
+
+def _workers_joined(dp: int) -> int:
+    """The parameter server's workers: dp ranks, in the process group of the workers alone."""
+    joined = dist.get_world_size() if dist.is_initialized() else 1
+    if joined != dp:
+        raise ValueError(f"paratrain.Parallel: ps_group names {dp} workers but the process group has "
+                         f"{joined} ranks: make it the workers alone (ps_group: every rank, workers first)")
+    return dp
 
 
 def _token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
