@@ -120,10 +120,11 @@ class Parallel:
             check_parallel_rules(ParallelConfig(tp=tp, pp=pp, zero=zero, dp_mode=dp_mode, offload=offload,
                                                 sp=sequence_parallel, dp_replicate=dp_replicate, sync=sync),
                                  problems, KEYWORDS)
-        cp_unchecked = cp > 1 and (pp > 1 or sync != "ddp" or dp_replicate > 1)
+        cp_unchecked = cp > 1 and sync != "ddp"
         if cp < 1 or cp_method not in ("ring", "alltoall", "auto") or cp_unchecked:
             problems.append(f"cp = {cp}, cp_method = {cp_method!r}: cp >= 1, a method of ring | alltoall | "
-                            "auto; the library's cp runs with pp = 1, sync = 'ddp', dp_replicate = 1")
+                            "auto; the library's cp runs with sync = 'ddp' (a batch's cp ranks sum their "
+                            "gradients every step)")
         averaging = ParallelConfig(zero=zero, dp_mode=dp_mode, sync=sync, sync_every=sync_every,
                                    outer_optimizer=outer_optimizer, outer_lr=outer_lr,
                                    outer_momentum=outer_momentum, dp_replicate=dp_replicate,
