@@ -600,6 +600,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """Layout-free: per-element state as full tensors by parameter name, plus per-parameter
         scalars and the groups' settings (every rank calls it: the shards are gathered)."""
+        self._refuse_on_servers("state_dict")
         tensors = gather_full(self.strategy, None)
         tensors = {k: v for k, v in tensors.items() if k not in ("param", "buffer")}
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
@@ -609,9 +610,15 @@ class ParallelOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Also restores each group's settings (lr ...), as torch's Optimizer.load_state_dict does:
         a scheduler's own state does not hold the lr it last wrote."""
+        self._refuse_on_servers("load_state_dict")
         self.restore_groups(state_dict["param_groups"])
         load_optimizer_state(self.strategy, state_dict)
         self.set_steps(state_dict["steps"])
+
+    def _refuse_on_servers(self, what: str) -> None:
+        if self.strategy.optimizer is None:  # the parameter server's client (api_ps.py)
+            raise ValueError(f"optimizer.{what}(): with sync = 'parameter-server' the servers hold the "
+                             "optimizer state: use par.save(dir) / par.load(dir)")
 
     def restore_groups(self, saved: list[dict]) -> None:
         if len(saved) != len(self.param_groups):

@@ -1,8 +1,8 @@
 """The library's parameter server: ``paratrain.Parallel(sync="parameter-server")`` (api_ps.py).
 
 A user's loop (its own module, torch's AdamW with a no-decay group, an LR scheduler, clipping on
-some steps and not others) on 2 workers and 1 server equals one process training on the global
-batch: the same AdamW steps, on the servers. fp32 throughout (the servers keep fp32 values), and
+some steps and not others, a save and load before the last step) on 2 workers and 1 server equals
+one process training on the global batch: the same AdamW steps, on the servers. fp32 throughout (the servers keep fp32 values), and
 the two workers' gradients are summed on the server in another order than one process's
 backward: FP32_REORDERED. The server rank leaves ``Parallel(...)`` with SystemExit(0) once both
 workers have closed.
@@ -40,8 +40,9 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(ROWS, 6, generator=g), torch.randn(ROWS, 3, generator=g)
 
 
-def _train(model: nn.Module, opt, scheduler, step_rows, backward, clip) -> None:
-    for step in range(STEPS):
+def _train(model: nn.Module, opt, scheduler, step_rows, backward, clip,
+           steps: range = range(STEPS)) -> None:
+    for step in steps:
         x, y = step_rows(*_batch(step))
         backward(nn.functional.mse_loss(model(x), y))
         if step != 1:
@@ -51,7 +52,7 @@ def _train(model: nn.Module, opt, scheduler, step_rows, backward, clip) -> None:
         scheduler.step()
 
 
-def _ps_rank(env) -> tuple[str, object]:
+def _ps_rank(env, ckpt: str) -> tuple[str, object]:
     try:
         par = paratrain.Parallel(sync="parameter-server", servers=1, ps_group=env.world_group, timeout=30.0)
     except SystemExit as e:  # a server: served both workers, then left
@@ -64,18 +65,22 @@ def _ps_rank(env) -> tuple[str, object]:
     def mine(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return x[par.dp_rank * rows:(par.dp_rank + 1) * rows], y[par.dp_rank * rows:(par.dp_rank + 1) * rows]
 
-    _train(model, popt, scheduler, mine, par.backward, par.clip_grad_norm_)
+    par.register_for_checkpointing(scheduler)
+    _train(model, popt, scheduler, mine, par.backward, par.clip_grad_norm_, range(STEPS - 1))
+    par.save(ckpt)  # the servers' values and moments, then back: the last step continues from them
+    par.load(ckpt)
+    _train(model, popt, scheduler, mine, par.backward, par.clip_grad_norm_, range(STEPS - 1, STEPS))
     state = par.full_state_dict(model)
     par.close()
     return "worker", state
 
 
-def test_library_loop_equals_one_process():
+def test_library_loop_equals_one_process(tmp_path):
     model = _model()
     opt, scheduler = _optimizer(model)
     _train(model, opt, scheduler, lambda x, y: (x, y), lambda loss: loss.backward(),
            lambda m: torch.nn.utils.clip_grad_norm_(model.parameters(), m))
-    out = run(_ps_rank, 3, group_size=2, timeout=60.0)
+    out = run(_ps_rank, 3, str(tmp_path), group_size=2, timeout=60.0)
     assert out[2] == ("server", 0)
     for kind, state in out[:2]:
         assert kind == "worker" and state.keys() == model.state_dict().keys()
