@@ -4,8 +4,8 @@ A user's loop (its own module, torch's AdamW with a no-decay group, an LR schedu
 some steps and not others, a save and load before the last step) on 2 workers and 1 server equals
 one process training on the global batch: the same AdamW steps, on the servers. fp32 throughout
 (the servers keep fp32 values), and the two workers' gradients are summed on the server in another
-order than one process's backward: FP32_REORDERED. The server rank leaves ``Parallel(...)`` with SystemExit(0) once both
-workers have closed.
+order than one process's backward: FP32_REORDERED. The server rank leaves ``Parallel(...)`` with
+SystemExit(0) once both workers have closed.
 """
 
 from __future__ import annotations
