@@ -99,6 +99,11 @@ class Parallel:
     interface, or any module's F.scaled_dot_product_attention (context_parallel/door.py); the
     gradient is the mean of the dp x cp ranks' mean losses (the rows' token mean when every rank
     counts as many targets; ``token_mean_loss`` gives it exactly).
+    sync = "parameter-server" / servers / ps_mode / max_staleness / ps_group: as ``paratrain train
+    --sync parameter-server`` (api_ps.py): the last ``servers`` ranks serve (on them Parallel(...)
+    ends with SystemExit(0) once every worker has called ``close()``), the servers step the user's
+    AdamW; ``ps_group``: the gloo group of every rank, workers first, when the caller made the
+    workers' process group itself (under torchrun Parallel makes both).
     """
 
     def __init__(self, *, dp: int | None = None, tp: int = 1, pp: int = 1, zero: int = 0,
