@@ -27,6 +27,7 @@ Over 500 lines: ``Parallel`` is the library's whole public surface, read by user
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 from collections.abc import Callable, Iterator
@@ -35,6 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from paratrain import api_ps
+from paratrain.api_ps import PsLink, ServerAdamW, join_ps
 from paratrain.api_state import load_optimizer_state, optimizer_scalars, set_optimizer_scalars
 from paratrain.base.executor import split_micro_batches
 from paratrain.base.strategy import Strategy
@@ -66,7 +69,7 @@ OFFLOADS = ("none", "cpu", "disk")
 LIBRARY_FILE = "library.pt"  # in each checkpoint folder: optimizer settings/scalars, registered objects
 
 
-LIBRARY_SYNCS = ("ddp", "local-sgd", "diloco")  # the parameter server needs its own processes
+LIBRARY_SYNCS = ("ddp", "local-sgd", "diloco", "parameter-server")
 KEYWORDS = Spelling(flags=False)  # the shared rules speak of Parallel's keywords
 
 
@@ -100,6 +103,11 @@ class Parallel:
     counts as many targets; ``token_mean_loss`` gives it exactly). cp_method "auto": on a paratrain
     family, the method the planner prices cheaper for the first ``cp_split``'s rows
     (``cp_method`` / ``cp_method_why`` then say which and why).
+    sync = "parameter-server" / servers / ps_mode / max_staleness / ps_group: as ``paratrain train
+    --sync parameter-server`` (api_ps.py): the last ``servers`` ranks serve (on them Parallel(...)
+    ends with SystemExit(0) once every worker has called ``close()``), the servers step the user's
+    AdamW; ``ps_group``: the gloo group of every rank, workers first, when the caller made the
+    workers' process group itself (under torchrun Parallel makes both).
     """
 
     def __init__(self, *, dp: int | None = None, tp: int = 1, pp: int = 1, zero: int = 0,
@@ -111,7 +119,8 @@ class Parallel:
                  pp_schedule: str = "1f1b", virtual_stages: int = 1, sync: str = "ddp",
                  sync_every: int | None = None, outer_optimizer: str | None = None,
                  outer_lr: float | None = None, outer_momentum: float | None = None, cp: int = 1,
-                 cp_method: str = "ring"):
+                 cp_method: str = "ring", servers: int = 1, ps_mode: str = "sync",
+                 max_staleness: int | None = None, ps_group: dist.ProcessGroup | None = None):
         problems = _check_args(tp=tp, pp=pp, zero=zero, dp_mode=dp_mode, offload=offload,
                                offload_dir=offload_dir, bucket_mb=bucket_mb, precision=precision,
                                timeout=timeout, units=units, unit_min_params=unit_min_params,
@@ -121,10 +130,22 @@ class Parallel:
             check_parallel_rules(ParallelConfig(tp=tp, pp=pp, zero=zero, dp_mode=dp_mode, offload=offload,
                                                 sp=sequence_parallel, dp_replicate=dp_replicate, sync=sync),
                                  problems, KEYWORDS)
-        cp_unchecked = cp > 1 and (pp > 1 or sync != "ddp" or dp_replicate > 1)
+        cp_unchecked = cp > 1 and sync != "ddp"
         if cp < 1 or cp_method not in ("ring", "alltoall", "auto") or cp_unchecked:
             problems.append(f"cp = {cp}, cp_method = {cp_method!r}: cp >= 1, a method of ring | alltoall | "
-                            "auto; the library's cp runs with pp = 1, sync = 'ddp', dp_replicate = 1")
+                            "auto; the library's cp runs with sync = 'ddp' (a batch's cp ranks sum their "
+                            "gradients every step)")
+        averaging = ParallelConfig(zero=zero, dp_mode=dp_mode, sync=sync, sync_every=sync_every,
+                                   outer_optimizer=outer_optimizer, outer_lr=outer_lr,
+                                   outer_momentum=outer_momentum, dp_replicate=dp_replicate,
+                                   offload=offload)
+        if sync == "parameter-server":  # averaging's keywords refused (check_sync needs no dp for it)
+            check_sync(averaging, 1, problems)
+        layout = {k: v for k, v, default in (("tp", tp, 1), ("pp", pp, 1), ("cp", cp, 1), ("zero", zero, 0),
+                                             ("dp_replicate", dp_replicate, 1), ("offload", offload, "none"),
+                                             ("dp_mode", dp_mode, "ddp")) if v != default}
+        problems += api_ps.check_ps_args(sync=sync, servers=servers, ps_mode=ps_mode,
+                                         max_staleness=max_staleness, layout=layout)
         if problems:
             raise ValueError("paratrain.Parallel: " + "; ".join(problems))
         self.cp_method, self.cp_method_why = cp_method, ""  # "auto": settled at the first cp_split
@@ -134,20 +155,20 @@ class Parallel:
         self.units, self.unit_min_params, self.tp_plan = units, unit_min_params, tp_plan or {}
         self.allow_non_elementwise, self.sequence_parallel = allow_non_elementwise, sequence_parallel
         self.pp_schedule, self.virtual_stages = pp_schedule, virtual_stages
-        rank, world, self.device = _join(timeout)
-        dp = dp if dp is not None else max(1, world // (tp * pp * cp))
-        averaging = ParallelConfig(zero=zero, dp_mode=dp_mode, sync=sync, sync_every=sync_every,
-                                   outer_optimizer=outer_optimizer, outer_lr=outer_lr,
-                                   outer_momentum=outer_momentum, dp_replicate=dp_replicate,
-                                   offload=offload)
-        if sync not in LIBRARY_SYNCS:
-            problems.append(f"sync = {sync!r} must be one of {', '.join(LIBRARY_SYNCS)} (the parameter "
-                            "server runs through `paratrain train --sync parameter-server`)")
+        self.ps: PsLink | None = None  # sync = "parameter-server": this worker's way to its servers
+        if sync == "parameter-server":  # a server rank serves here, then SystemExit(0) (api_ps.py)
+            rank, self.device, self.ps = join_ps(servers, ps_mode, max_staleness, timeout, ps_group)
+            world = _workers_joined(self.ps.world.dp)
         else:
+            rank, world, self.device = _join(timeout)
+        dp = dp if dp is not None else max(1, world // (tp * pp * cp))
+        if sync not in LIBRARY_SYNCS:
+            problems.append(f"sync = {sync!r} must be one of {', '.join(LIBRARY_SYNCS)}")
+        elif sync != "parameter-server":  # checked before any server started serving
             check_sync(averaging, dp, problems)
         if problems:
             raise ValueError("paratrain.Parallel: " + "; ".join(problems))
-        self.sync = SyncPlan.from_config(averaging)
+        self.sync = SyncPlan.from_config(averaging) if sync != "parameter-server" else None
         shape = MeshShape(pp=pp, dp=dp * cp, tp=tp, dp_replicate=dp_replicate, cp=cp)  # mesh.py: dp x cp
         self.mesh = make_mesh(shape, rank, self.device,
                               check_collectives=check_collectives, timeout_s=timeout)
@@ -159,6 +180,9 @@ class Parallel:
         self._saver = None  # engine/checkpoint.py's Saver, made by the first save()
         self._summed_ranks = 1  # prepare asks the engine (Engine.gradient_divisor)
         self.cp_door: UserModuleDoor | None = None  # cp > 1 on a module no family declares (prepare)
+        self._closed = False
+        if self.ps is not None and ps_group is None:  # our group: the servers are told at the latest at exit
+            atexit.register(self.close)
 
     # -- where this process stands ---------------------------------------------------------------
 
@@ -246,11 +270,12 @@ class Parallel:
         if self.strategy is not None:
             raise RuntimeError("Parallel.prepare was already called: use one Parallel per model")
         _check_optimizer(model, optimizer)
+        server_settings = api_ps.server_adamw(model, optimizer) if self.ps is not None else None
         if self.mesh.pp.size > 1:  # before any change to the model: a refusal leaves it as it was
             family_of(model, f"pp = {self.mesh.pp.size} through the library (its blocks and stages)")
         model.to(self.device)
         self._broadcast(model)  # every rank starts from rank 0's weights, as DDP does
-        door = LibraryDoor(self, optimizer, _group_names(model, optimizer))
+        door = LibraryDoor(self, optimizer, _group_names(model, optimizer), server_settings)
         layout = BuildLayout(zero=self.zero, sequence_parallel=self.sequence_parallel,
                              pp_schedule=self.pp_schedule, virtual_stages=self.virtual_stages,
                              precision=self.precision, sync_batchnorm=self.sync is None,
@@ -262,7 +287,8 @@ class Parallel:
         for group, group_names in zip(optimizer.param_groups, door.names):  # ZeRO-3 made new parameters
             group["params"] = [by_name[n] for n in group_names]
         self.model = model
-        self.optimizer = ParallelOptimizer(optimizer, self.strategy, door.recipe)
+        self.optimizer = ParallelOptimizer(optimizer, self.strategy, door.recipe,
+                                           lr_each_step=self.ps is not None)
         # the ranks whose gradients are summed: dp x cp (a cp rank's loss is the mean of its positions)
         self._summed_ranks = self.engine.gradient_divisor(self.mesh.dp.size, 1)
         return model, self.optimizer
@@ -329,6 +355,14 @@ class Parallel:
         rank calls it, after the last step, before saving or exporting). Nothing otherwise."""
         self._require_prepared()
         self.strategy.finish()
+
+    def close(self) -> None:
+        """The parameter server (``sync = "parameter-server"``): tell the servers this worker has
+        finished (every worker calls it once, after its last step, save and ``full_state_dict``);
+        the servers end once every worker has. Under torchrun it also runs at exit. Nothing otherwise."""
+        if self.ps is not None and not self._closed:
+            self._closed = True
+            api_ps.close_worker(self.ps, self.mesh.rank)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -444,8 +478,10 @@ class LibraryDoor:
 
     side_loss = None  # the user's loss is the user's; the pipeline adds none
 
-    def __init__(self, par: Parallel, optimizer: torch.optim.Optimizer, names: list[list[str]]):
+    def __init__(self, par: Parallel, optimizer: torch.optim.Optimizer, names: list[list[str]],
+                 server_settings: ServerAdamW | None = None):
         self.par, self.optimizer, self.names = par, optimizer, names
+        self.server_settings = server_settings  # the parameter server's AdamW (api_ps.py), else None
         self.loss_sum = _token_loss_sum  # the pipeline schedule's (pp > 1); the user's loop has its own
         self.full: dict[str, torch.Tensor] = {}  # full values by single-device name (ZeRO-3's init)
         self.recipe: OptimizerRecipe | None = None
@@ -514,6 +550,8 @@ class LibraryDoor:
     def make_strategy(self, model: nn.Module) -> Strategy:
         """The trainer's strategies (engine.make_strategy) over the user's optimizer (ZeRO: its recipe)."""
         par = self.par
+        if par.ps is not None:  # the servers step; the worker pushes gradients and pulls the values
+            return api_ps.make_client(model, par.mesh, self.server_settings, par.ps, par.timeout)
         if par.zero >= 1:
             check_elementwise(self.optimizer, allow_non_elementwise=par.allow_non_elementwise)
             self.recipe = OptimizerRecipe.of(self.optimizer)
@@ -559,8 +597,10 @@ class ParallelOptimizer(torch.optim.Optimizer):
     Optimizer.__init__ is deliberately not called: it would take the parameters over again.
     """
 
-    def __init__(self, inner: torch.optim.Optimizer, strategy: Strategy, recipe: OptimizerRecipe | None):
+    def __init__(self, inner: torch.optim.Optimizer, strategy: Strategy, recipe: OptimizerRecipe | None,
+                 lr_each_step: bool = False):
         self.inner, self.strategy, self.recipe = inner, strategy, recipe
+        self.lr_each_step = lr_each_step  # the parameter server's AdamW takes the groups' lr every step
         self.defaults = inner.defaults
         self.steps = 0
 
@@ -579,7 +619,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if self.recipe is not None:
             self.recipe.refresh(self.inner.param_groups)
-        self.strategy.step(None)
+        self.strategy.step(self.inner.param_groups[0]["lr"] if self.lr_each_step else None)
         # An LR scheduler built on the user's optimizer checks that its step ran (ZeRO steps shards).
         self.inner._opt_called = True
         self.set_steps(self.steps + 1)
@@ -596,6 +636,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """Layout-free: per-element state as full tensors by parameter name, plus per-parameter
         scalars and the groups' settings (every rank calls it: the shards are gathered)."""
+        self._refuse_on_servers("state_dict")
         tensors = gather_full(self.strategy, None)
         tensors = {k: v for k, v in tensors.items() if k not in ("param", "buffer")}
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
@@ -605,9 +646,15 @@ class ParallelOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Also restores each group's settings (lr ...), as torch's Optimizer.load_state_dict does:
         a scheduler's own state does not hold the lr it last wrote."""
+        self._refuse_on_servers("load_state_dict")
         self.restore_groups(state_dict["param_groups"])
         load_optimizer_state(self.strategy, state_dict)
         self.set_steps(state_dict["steps"])
+
+    def _refuse_on_servers(self, what: str) -> None:
+        if self.strategy.optimizer is None:  # the parameter server's client (api_ps.py)
+            raise ValueError(f"optimizer.{what}(): with sync = 'parameter-server' the servers hold the "
+                             "optimizer state: use par.save(dir) / par.load(dir)")
 
     def restore_groups(self, saved: list[dict]) -> None:
         if len(saved) != len(self.param_groups):
@@ -709,6 +756,15 @@ def _join(timeout: float) -> tuple[int, int, torch.device]:
         env = init_from_torchrun(timeout)
         return env.rank, env.world_size, env.device
     return 0, 1, pick_device(0)
+
+
+def _workers_joined(dp: int) -> int:
+    """The parameter server's workers: dp ranks, in the process group of the workers alone."""
+    joined = dist.get_world_size() if dist.is_initialized() else 1
+    if joined != dp:
+        raise ValueError(f"paratrain.Parallel: ps_group names {dp} workers but the process group has "
+                         f"{joined} ranks: make it the workers alone (ps_group: every rank, workers first)")
+    return dp
 
 
 def _token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,8 @@ def optimizer_scalars(strategy: Strategy) -> dict:
     store = _store(strategy)
     if store is not None:
         return store.scalars()
+    if strategy.optimizer is None:  # the parameter server's: the servers keep it and its step count
+        return {}
     for _, p in strategy.named_params:
         st = strategy.optimizer.state.get(p, {})
         if st:

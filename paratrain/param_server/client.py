@@ -92,6 +92,7 @@ class ParameterServerClient(Strategy):
         self.round = 0  # sync: the step whose gradients are being gathered
         self.factor = 1.0  # the clip factor of this step
         self.pushed: list[_Request] = []
+        self.norm_sq: float | None = None  # sync: the servers' answer to this step's pushes, once read
         self.staleness: int | None = None  # async: the largest over the servers, this step
         self.staleness_max = 0
         self.wait_s = 0.0
@@ -183,7 +184,7 @@ class ParameterServerClient(Strategy):
     # -- the step ---------------------------------------------------------------------------------
 
     def after_backward(self) -> None:
-        self.wait_s, self.pulled_bytes, self.staleness = 0.0, 0, None
+        self.wait_s, self.pulled_bytes, self.staleness, self.norm_sq = 0.0, 0, None, None
         if self.settings.async_mode:
             return
         self.pushed = [self.request(k, Header(Kind.PUSH_SYNC, round=self.round), payload=self.grads_of(k))
@@ -195,7 +196,9 @@ class ParameterServerClient(Strategy):
                               if p.grad is not None)
             total = local * self.mesh.dp.size ** 2
         else:
-            total = math.fsum(r.value for r in self.wait(self.pushed))
+            if self.norm_sq is None:  # each push's reply is read once (the library's loop may not clip)
+                self.norm_sq = math.fsum(r.value for r in self.wait(self.pushed))
+            total = self.norm_sq
         return math.sqrt(total) if math.isfinite(total) else float("inf")
 
     def scale_grads(self, factor: float) -> None:
@@ -211,6 +214,7 @@ class ParameterServerClient(Strategy):
             self.staleness = max(int(r.value) for r in replies)
             self.staleness_max = max(self.staleness_max, self.staleness)
         else:
+            self.grad_norm()  # the pushes' replies first: a server answers in the order it was asked
             apply = Header(Kind.APPLY_SYNC, round=self.round, factor=self.factor, lr=lr)
             replies = self.wait([self.request(k, apply) for k in servers], self.values_size)
         for k in servers:

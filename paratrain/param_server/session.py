@@ -79,9 +79,14 @@ def worker_session(group: dist.ProcessGroup, rank: int, world: PsWorld) -> Itera
     """The body of a worker's run; every server is told when the body has finished."""
     with ended(group):
         yield
-        finish = Header(Kind.FINISH, worker=rank)
-        for k in range(world.servers):
-            wire.wait_sent(wire.send(group, world.dp + k, finish), world.timeout_s)
+        tell_finished(group, rank, world)
+
+
+def tell_finished(group: dist.ProcessGroup, rank: int, world: PsWorld) -> None:
+    """Worker ``rank`` has finished: every server is told (a server ends once every worker has)."""
+    finish = Header(Kind.FINISH, worker=rank)
+    for k in range(world.servers):
+        wire.wait_sent(wire.send(group, world.dp + k, finish), world.timeout_s)
 
 
 class ServerLoop:
