@@ -227,7 +227,8 @@ def _virtual(name: str, a: dict) -> int:
     return 2 if name in V_SHAPED else a["virtual_stages"] if name == "interleaved" else 1
 
 
-def stage_model(cfg, mesh, stages: list[int], n_stages: int, counts: list[int], seed: int = 1234):
+def stage_model(cfg: object, mesh: ParallelMesh, stages: list[int], n_stages: int, counts: list[int],
+                seed: int = 1234) -> torch.nn.Module:
     """A Llama holding only ``stages``' blocks (embedding / head where owned), initialised as the
     whole model would be with ``seed`` (initial values depend on the name only)."""
     model = build_model(cfg, "meta")

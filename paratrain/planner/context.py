@@ -107,12 +107,12 @@ def transient_bytes(c: ModelShape, method: str, cp: int, tokens: float, tp: int,
     return tokens * 2 * (4 * hq * d * e)
 
 
-def local_positions(tr, lay) -> int:
+def local_positions(tr: object, lay: object) -> int:
     """Positions of every row a rank holds (a Training, a Layout): all, or 1/cp under cp."""
     return tr.seq_len // lay.cp
 
 
-def cp_kwargs(lay) -> dict:
+def cp_kwargs(lay: object) -> dict:
     """``memory.layer_activation_bytes``' context-parallel arguments for a Layout (none without cp)."""
     return {"cp": lay.cp, "cp_method": lay.cp_method} if lay.cp > 1 else {}
 
@@ -148,7 +148,7 @@ def methods(c: ModelShape, cp: int, tp: int, fixed: dict) -> list[str]:
 
 
 
-def choice_note(plans: list, winner, seq_len: int) -> str:
+def choice_note(plans: list, winner: object, seq_len: int) -> str:
     """Why the winner does or does not split the sequence, for the plan's notes: the best feasible
     layout of the other kind (with / without cp) against it. ``plans``: the search's (layout,
     memory, time, fits) records; '' when no other kind fits or nothing was priced with cp."""
