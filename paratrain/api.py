@@ -36,8 +36,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from paratrain import api_ps
-from paratrain.api_ps import PsLink, ServerAdamW, join_ps
+from paratrain.api_ps import (
+    PsLink,
+    ServerAdamW,
+    check_ps_args,
+    close_worker,
+    join_ps,
+    make_client,
+    server_adamw,
+)
 from paratrain.api_state import load_optimizer_state, optimizer_scalars, set_optimizer_scalars
 from paratrain.base.executor import split_micro_batches
 from paratrain.base.strategy import Strategy
@@ -144,7 +151,7 @@ class Parallel:
         layout = {k: v for k, v, default in (("tp", tp, 1), ("pp", pp, 1), ("cp", cp, 1), ("zero", zero, 0),
                                              ("dp_replicate", dp_replicate, 1), ("offload", offload, "none"),
                                              ("dp_mode", dp_mode, "ddp")) if v != default}
-        problems += api_ps.check_ps_args(sync=sync, servers=servers, ps_mode=ps_mode,
+        problems += check_ps_args(sync=sync, servers=servers, ps_mode=ps_mode,
                                          max_staleness=max_staleness, layout=layout)
         if problems:
             raise ValueError("paratrain.Parallel: " + "; ".join(problems))
@@ -270,7 +277,7 @@ class Parallel:
         if self.strategy is not None:
             raise RuntimeError("Parallel.prepare was already called: use one Parallel per model")
         _check_optimizer(model, optimizer)
-        server_settings = api_ps.server_adamw(model, optimizer) if self.ps is not None else None
+        server_settings = server_adamw(model, optimizer) if self.ps is not None else None
         if self.mesh.pp.size > 1:  # before any change to the model: a refusal leaves it as it was
             family_of(model, f"pp = {self.mesh.pp.size} through the library (its blocks and stages)")
         model.to(self.device)
@@ -362,7 +369,7 @@ class Parallel:
         the servers end once every worker has. Under torchrun it also runs at exit. Nothing otherwise."""
         if self.ps is not None and not self._closed:
             self._closed = True
-            api_ps.close_worker(self.ps, self.mesh.rank)
+            close_worker(self.ps, self.mesh.rank)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -551,7 +558,7 @@ class LibraryDoor:
         """The trainer's strategies (engine.make_strategy) over the user's optimizer (ZeRO: its recipe)."""
         par = self.par
         if par.ps is not None:  # the servers step; the worker pushes gradients and pulls the values
-            return api_ps.make_client(model, par.mesh, self.server_settings, par.ps, par.timeout)
+            return make_client(model, par.mesh, self.server_settings, par.ps, par.timeout)
         if par.zero >= 1:
             check_elementwise(self.optimizer, allow_non_elementwise=par.allow_non_elementwise)
             self.recipe = OptimizerRecipe.of(self.optimizer)
