@@ -65,12 +65,13 @@ def _ps_cfg(out: Path, dp: int, servers: int, **overrides) -> config.Config:
 
 def _train_ps(cfg: config.Config, timeout: float = 60.0,
               environ: dict | None = None) -> tuple[list[float], dict]:
-    """Run dp workers + servers; return worker 0's losses and final weights (the servers' values)."""
+    """Run dp x tp worker ranks + servers; return rank 0's losses and final weights (the servers' values)."""
     checks.validate(cfg)
     build_task(cfg)  # tokenize once here; workers map the cache
-    outs = run(_rank, cfg.world_size, cfg.to_dict(), environ, timeout=timeout, group_size=cfg.dp,
+    n_workers = cfg.world_size - cfg.ps_servers  # dp x tp ranks
+    outs = run(_rank, cfg.world_size, cfg.to_dict(), environ, timeout=timeout, group_size=n_workers,
                rank_names=rank_names(cfg))
-    workers, servers = outs[:cfg.dp], outs[cfg.dp:]
+    workers, servers = outs[:n_workers], outs[n_workers:]
     assert servers == [None] * cfg.ps_servers
     losses, weights = workers[0]
     assert all(w[0] == losses for w in workers), "workers disagree on the loss"
@@ -219,7 +220,8 @@ def test_server_failure_is_named(tmp_path, fault, named):
 
 
 @pytest.mark.parametrize("overrides, fragment", [
-    ({"parallel.tp": 2, "parallel.nproc": 5}, "--tp 1"),
+    ({"parallel.tp": 2, "parallel.nproc": 5, "parallel.ps_mode": "async"}, "--ps-mode sync with --tp"),
+    ({"parallel.pp": 2, "parallel.nproc": 5}, "--pp 1"),
     ({"parallel.zero": 1}, "--zero 0"),
     ({"parallel.dp_replicate": 2}, "no --dp-replicate / --dp-shard"),
     ({"parallel.ps_mode": "async", "parallel.max_staleness": 0}, "below dp - 1"),
@@ -307,6 +309,29 @@ def test_servers_run_8bit_adamw_and_resume_its_state_exactly(tmp_path):
     assert_same_weights(weights_again, weights, rtol=0, atol=0)
 
 
+@pytest.mark.composes(("param-server", "tp"), ("param-server", "sp"))
+def test_tensor_parallel_workers_equal_one_process(tmp_path):
+    """2 workers x tp 2 (sequence parallel) + 1 server = 5 ranks vs one process on micro-batches
+    of the workers' rows. Each tp index is its own shard group on the server: tp rank t of both
+    workers pushes its slices, summed in worker order, stepped by the server's AdamW. The norms'
+    weights (replicated: every tp rank holds them, their partial gradients summed over tp by the
+    f operator under SP) are counted once in the clip norm, which must equal the process's (a
+    replicated tensor counted twice, or a slice missed, moves it far beyond 2e-5); the export
+    is the full model, written from the servers' slices by the workers of dp rank 0."""
+    batches = {"train.global_batch": GLOBAL_BATCH, "train.micro_batch": 4, "train.steps": 3}
+    one_out = tmp_path / "one"
+    one = Trainer(tiny_cfg(one_out, **batches)).fit()
+    out = tmp_path / "ps"
+    losses, weights = _train_ps(_ps_cfg(out, dp=2, servers=1, **batches,
+                                        **{"parallel.tp": 2, "parallel.sp": True}))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(one.losses), **FP32_REORDERED)
+    assert_same_weights(weights, one.final_state, **FP32_REORDERED)
+    rows, ref_rows = _rows(out), _rows(one_out)
+    torch.testing.assert_close(torch.tensor([r["grad_norm"] for r in rows]),
+                               torch.tensor([r["grad_norm"] for r in ref_rows]), rtol=2e-5, atol=0)
+    assert all(r["mem_optim_bytes"] == 0 for r in rows), "the servers hold the optimizer state"
+
+
 def _continue_from(src: Path, dst: Path, step: int = 2) -> None:
     """A fresh run folder holding only checkpoint ``step`` of ``src`` (what a crash would leave)."""
     name = f"step_{step:06d}"
@@ -381,7 +406,7 @@ def test_sync_sum_does_not_depend_on_arrival_order():
         server.setup({"w": torch.zeros(1)}, ADAMW)
         futures = [server.push_sync(w, 0, {"w": parts[w]}) for w in order]
         norms.append(futures[0].wait())
-    assert norms == [0.0, 0.0, 0.0], norms
+    assert norms == [[0.0], [0.0], [0.0]], norms  # per tensor (one here): the worker ranks add them
 
 
 @pytest.mark.parametrize("slots, fragment", [

@@ -97,9 +97,11 @@ def _ps_refusal(other: str | tuple[str, ...], fix: str, reason: str,
                    when=lambda c: c.parallel.sync == "parameter-server" and when(c))
 
 
-PARAM_SERVER_REFUSALS = (  # the workers are whole-model replicas; the servers run (8-bit) AdamW
-    _ps_refusal("tp", "--tp 1 (a worker holds the whole model)", "not built: a worker holds the whole "
-                "model", lambda c: c.parallel.tp > 1),
+PARAM_SERVER_REFUSALS = (  # a worker is a model replica of tp ranks; the servers run (8-bit) AdamW
+    _ps_refusal("tp", "--ps-mode sync with --tp > 1 (or --tp 1)", "by construction in async mode: each tp "
+                "rank's slices are a separate server group that orders the workers' pushes as they come, "
+                "so one worker's slices would hold different sets of updates (no model any process has)",
+                lambda c: c.parallel.tp > 1 and c.parallel.ps_mode == "async"),
     _ps_refusal(PP_SCHEDULES, "--pp 1 (a worker holds the whole model)", "not built: a worker holds the "
                 "whole model", lambda c: c.parallel.pp > 1),
     _ps_refusal("ep", "--ep 1", "not built: a worker holds every expert", lambda c: c.parallel.ep > 1),
@@ -117,7 +119,7 @@ PARAM_SERVER_REFUSALS = (  # the workers are whole-model replicas; the servers r
 
 def check_param_server(cfg: Config, problems: list[str]) -> None:
     """--sync parameter-server: what the servers (param_server/) support today. The workers are
-    whole-model data-parallel replicas; the servers run AdamW, fp32 or 8-bit."""
+    data-parallel replicas, each whole or split over tp ranks; the servers run AdamW, fp32 or 8-bit."""
     p = cfg.parallel
     if p.sync != "parameter-server":
         for flag, value, default in (("--servers", p.servers, 1), ("--ps-mode", p.ps_mode, "sync"),

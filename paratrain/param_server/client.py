@@ -106,8 +106,8 @@ class ParameterServerClient(Strategy):
     def request(self, k: int, header: Header, meta: dict | None = None,
                 payload: torch.Tensor | None = None) -> _Request:
         """Send server ``k`` a message and post the receive of its reply's header."""
-        dst = self.mesh.dp.size + k  # the servers follow the workers in the run's group
-        header = replace(header, worker=self.mesh.dp.rank)
+        dst = self.mesh.world.size + k  # the servers follow the workers in the run's group
+        header = replace(header, worker=self.mesh.world.rank)
         try:
             sent = wire.send(self.settings.group, dst, header, meta, payload)
             return _Request(k, sent, wire.post_header(self.settings.group, dst, reply=True))
@@ -121,7 +121,7 @@ class ParameterServerClient(Strategy):
         start, group, timeout = time.perf_counter(), self.settings.group, self.settings.timeout_s
         out = []
         for r in requests:
-            src = self.mesh.dp.size + r.k
+            src = self.mesh.world.size + r.k
             try:
                 wire.wait_sent(r.sent, timeout)
                 header, _ = wire.take_header(r.reply, timeout)
@@ -136,7 +136,7 @@ class ParameterServerClient(Strategy):
         return out
 
     def server_error(self, k: int, cause: Exception) -> ServerError:
-        rank = self.mesh.dp.size + k
+        rank = self.mesh.world.size + k
         return ServerError(f"parameter server {server_name(k)} (rank {rank}) failed, died or did not answer "
                            f"within {self.settings.timeout_s:g} s: {cause}")
 
@@ -194,9 +194,29 @@ class ParameterServerClient(Strategy):
             local = math.fsum(float(p.grad.double().pow(2).sum()) for _, p in self.named_params
                               if p.grad is not None)
             total = local * self.mesh.dp.size ** 2
-        else:
+        elif self.mesh.world.size == self.mesh.dp.size:  # whole-model workers: every server's sum once
             total = math.fsum(r.value for r in self.wait(self.pushed))
+        else:
+            total = self.sharded_norm_sq(self.wait(self.pushed))
         return math.sqrt(total) if math.isfinite(total) else float("inf")
+
+    def sharded_norm_sq(self, replies: list[Reply]) -> float:
+        """Workers of tp ranks: each rank's servers sent per-tensor squared norms of the summed
+        gradient of its slices; a tensor every tp rank holds (a norm's weight) counts once, as
+        in the base strategy's norm (ParamInfo.copies_outside_dp), and the ranks of the world add
+        theirs (each dp rank holds the same sums: divided by dp as well)."""
+        total = torch.zeros((), dtype=torch.float64)
+        for k, reply in enumerate(replies):
+            norms = reply.meta.get("norms_sq")
+            if not (isinstance(norms, list) and len(norms) == len(self.by_server[k])
+                    and all(isinstance(x, (int, float)) for x in norms)):
+                raise self.server_error(k, wire.ProtocolError("a norm reply without one norm per tensor"))
+            for (_, p), norm_sq in zip(self.by_server[k], norms, strict=True):
+                total += norm_sq / (info_of(p).copies_outside_dp(self.mesh) * self.mesh.dp.size)
+        total = total.to(self.mesh.device)
+        with self.mesh.counter.paused():  # a scalar; not part of the training traffic
+            C.all_reduce(total, self.mesh.world, what="all-reduce of the squared gradient norm")
+        return total.item()
 
     def scale_grads(self, factor: float) -> None:
         self.factor *= factor

@@ -16,7 +16,7 @@ from paratrain.train.trainer import Trainer, TrainResult
 
 
 def ps_world(cfg: Config) -> PsWorld:
-    return PsWorld(cfg.dp, cfg.ps_servers, cfg.parallel.timeout_s)
+    return PsWorld(cfg.dp, cfg.ps_servers, cfg.parallel.timeout_s, tp=cfg.parallel.tp)
 
 
 def servers_group(env: DistEnv) -> dist.ProcessGroup:
