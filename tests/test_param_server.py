@@ -220,8 +220,9 @@ def test_server_failure_is_named(tmp_path, fault, named):
 
 
 @pytest.mark.parametrize("overrides, fragment", [
-    ({"parallel.tp": 2, "parallel.nproc": 5, "parallel.ps_mode": "async"}, "--ps-mode sync with --tp"),
-    ({"parallel.pp": 2, "parallel.nproc": 5}, "--pp 1"),
+    ({"parallel.tp": 2, "parallel.nproc": 5, "parallel.ps_mode": "async"}, "--ps-mode sync with --tp/--pp"),
+    ({"parallel.pp": 2, "parallel.nproc": 5, "parallel.ps_mode": "async"}, "--ps-mode sync with --tp/--pp"),
+    ({"parallel.ep": 2}, "--ep 1"),
     ({"parallel.zero": 1}, "--zero 0"),
     ({"parallel.dp_replicate": 2}, "no --dp-replicate / --dp-shard"),
     ({"parallel.ps_mode": "async", "parallel.max_staleness": 0}, "below dp - 1"),
@@ -309,21 +310,28 @@ def test_servers_run_8bit_adamw_and_resume_its_state_exactly(tmp_path):
     assert_same_weights(weights_again, weights, rtol=0, atol=0)
 
 
-@pytest.mark.composes(("param-server", "tp"), ("param-server", "sp"))
-def test_tensor_parallel_workers_equal_one_process(tmp_path):
-    """2 workers x tp 2 (sequence parallel) + 1 server = 5 ranks vs one process on micro-batches
-    of the workers' rows. Each tp index is its own shard group on the server: tp rank t of both
-    workers pushes its slices, summed in worker order, stepped by the server's AdamW. The norms'
-    weights (replicated: every tp rank holds them, their partial gradients summed over tp by the
-    f operator under SP) are counted once in the clip norm, which must equal the process's (a
-    replicated tensor counted twice, or a slice missed, moves it far beyond 2e-5); the export
-    is the full model, written from the servers' slices by the workers of dp rank 0."""
-    batches = {"train.global_batch": GLOBAL_BATCH, "train.micro_batch": 4, "train.steps": 3}
+# A worker split over ranks: 2 workers x (tp 2 with sequence parallelism | pp 2 under 1F1B) + 1
+# server = 5 ranks, against one process on the same micro-batches (pp: 2 per worker, tp: 1).
+SPLIT_WORKERS = {"tp2-sp": {"parallel.tp": 2, "parallel.sp": True, "train.micro_batch": 4},
+                 "pp2-1f1b": {"parallel.pp": 2, "parallel.pp_schedule": "1f1b", "train.micro_batch": 2}}
+
+
+@pytest.mark.composes(("param-server", "tp"), ("param-server", "sp"), case="tp2-sp")
+@pytest.mark.composes(("param-server", "1f1b"), case="pp2-1f1b")
+@pytest.mark.parametrize("layout", SPLIT_WORKERS, ids=list(SPLIT_WORKERS))
+def test_split_workers_equal_one_process(tmp_path, layout):
+    """Each (stage, tp index) is its own shard group on the server: that rank of both workers
+    pushes its slices, summed in worker order, stepped by the server's AdamW. A tensor two ranks
+    of a worker hold (the norms' weights on every tp rank, their partial gradients summed over tp
+    by the f operator under SP; the tied embedding on the first and last stage) counts once in the
+    clip norm, which must equal the process's (counted twice, or a slice missed, it moves far
+    beyond 2e-5); the export is the full model, from the servers' slices."""
+    extra = {"train.global_batch": GLOBAL_BATCH, "train.steps": 2, **SPLIT_WORKERS[layout]}
     one_out = tmp_path / "one"
-    one = Trainer(tiny_cfg(one_out, **batches)).fit()
+    one = Trainer(tiny_cfg(one_out, **{"train.global_batch": GLOBAL_BATCH, "train.steps": 2,
+                                       "train.micro_batch": extra["train.micro_batch"]})).fit()
     out = tmp_path / "ps"
-    losses, weights = _train_ps(_ps_cfg(out, dp=2, servers=1, **batches,
-                                        **{"parallel.tp": 2, "parallel.sp": True}))
+    losses, weights = _train_ps(_ps_cfg(out, dp=2, servers=1, **extra))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(one.losses), **FP32_REORDERED)
     assert_same_weights(weights, one.final_state, **FP32_REORDERED)
     rows, ref_rows = _rows(out), _rows(one_out)

@@ -301,6 +301,8 @@ class ParameterServerClient(Strategy):
         for tensors, _ in self.server_states():
             for name, by_key in tensors.items():
                 info, numel = info_of(params[name]), params[name].numel()
+                if info.tied_to:  # the last stage's copy of the tied embedding: its owner lists it
+                    continue
                 for key, t in by_key.items():
                     if key in a8.QUANT_KEYS:  # 8-bit codes and block scales: flat, as one process writes them
                         t = t.to(torch.uint8) if key.endswith(".q") else t

@@ -1,10 +1,11 @@
 """The parameter server's group and a server's life: its message loop.
 
-The world is W = dp x tp worker ranks then K servers: ranks 0..W-1 are ``worker{i}``, ranks
-W..W+K-1 are ``server{k}``. A data-parallel worker is a group of tp ranks (tp varies fastest, as
-in mesh.py); tp rank t of every worker pushes its slices, so each server keeps one ``ParamServer``
-per tp index (a "shard group": the dp ranks that hold the same slices) and a message from rank r
-goes to shard group ``r % tp`` as worker ``r // tp`` of it. The workers also form a process group
+The world is W = pp x dp x tp worker ranks then K servers: ranks 0..W-1 are ``worker{i}``, ranks
+W..W+K-1 are ``server{k}``. A data-parallel worker is a group of pp x tp ranks (mesh.py's order:
+tp fastest, then dp, then pp); the rank at (pipeline stage s, tp index t) of every worker pushes
+its stage's slices, so each server keeps one ``ParamServer`` per (s, t) (a "shard group": the dp
+ranks that hold the same slices), and a message from a rank goes to its shard group as the worker
+of its dp index. The workers also form a process group
 of their own (launch.py: ``group_size``)
 for what they still do together (the loss for the log, metrics, checkpoints, the stop signal).
 All dp + K ranks are also in one gloo group the launcher makes (``DistEnv.world_group``: gloo
@@ -51,12 +52,18 @@ class PsWorld:
     dp: int  # data-parallel workers, each a group of tp ranks
     servers: int  # servers: ranks workers..workers+servers-1
     timeout_s: float  # a reply not received by then fails (a dead or hung server is named)
-    tp: int = 1  # a worker's tensor-parallel ranks: the shard groups each server keeps
+    tp: int = 1  # a worker's tensor-parallel ranks
+    pp: int = 1  # a worker's pipeline stages
 
     @property
     def workers(self) -> int:
         """Worker ranks: 0..workers-1."""
-        return self.dp * self.tp
+        return self.pp * self.dp * self.tp
+
+    @property
+    def shard_groups(self) -> int:
+        """The ``ParamServer``s each server keeps: one per (stage, tp index)."""
+        return self.pp * self.tp
 
     @property
     def size(self) -> int:
@@ -66,12 +73,12 @@ class PsWorld:
         return rank >= self.workers
 
     def shard_group(self, rank: int) -> int:
-        """The tp index of a worker rank: which of a server's ``ParamServer``s its slices are."""
-        return rank % self.tp
+        """stage x tp + tp index of a worker rank: which of a server's ``ParamServer``s its slices are."""
+        return rank // (self.dp * self.tp) * self.tp + rank % self.tp
 
     def dp_index(self, rank: int) -> int:
         """A worker rank's data-parallel index, its worker number in its shard group."""
-        return rank // self.tp
+        return rank // self.tp % self.dp
 
     def name(self, rank: int) -> str:
         return server_name(rank - self.workers) if self.is_server(rank) else worker_name(rank)
@@ -89,7 +96,7 @@ def ended(group: dist.ProcessGroup) -> Iterator[dist.ProcessGroup]:
 def run_server(group: dist.ProcessGroup, world: PsWorld, *, async_mode: bool, max_staleness: int) -> int:
     """A server's whole life: serve messages until every worker has finished. Returns 0."""
     with ended(group):
-        shards = [ParamServer(world.dp, async_mode, max_staleness) for _ in range(world.tp)]
+        shards = [ParamServer(world.dp, async_mode, max_staleness) for _ in range(world.shard_groups)]
         ServerLoop(group, world, shards).run()
     return 0
 
@@ -118,7 +125,7 @@ class ServerLoop:
 
     def __init__(self, group: dist.ProcessGroup, world: PsWorld, servers: list[ParamServer]):
         self.group, self.world = group, world
-        self.shards = [Shard(s) for s in servers]  # one per tp index
+        self.shards = [Shard(s) for s in servers]  # one per shard group
         self.outgoing: wire.Outgoing = []
         self.awaiting: list[tuple[torch.futures.Future, int, Callable]] = []  # parked pushes
 
