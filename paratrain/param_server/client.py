@@ -6,6 +6,8 @@ The trainer's step (base/strategy.py) maps onto the servers like this:
     after_backward  push this worker's grads    (nothing)
     grad_norm       wait for the servers' sums: the local gradient's norm, times dp
                     sum of their squared norms  (the update this worker alone will make)
+                    (split workers: per tensor,
+                    added over the worker ranks)
     scale_grads     remember the clip factor    remember the clip factor
     step(lr)        ask for the update (c, lr)  push dp * c * grads, wait until applied
                     and copy the new values     (bounded staleness), copy the new values
@@ -78,8 +80,9 @@ class Reply:
 
 
 class ParameterServerClient(Strategy):
-    """Whole-model data-parallel workers whose gradients go to the parameter servers: only the
-    trainable parameters' (``named_params``); frozen ones (a LoRA base) are never sent and stay
+    """Data-parallel workers (each one rank, or pp x tp ranks: each rank pushes its own slices to
+    its shard group on the servers, session.py) whose gradients go to the parameter servers: only
+    the trainable parameters' (``named_params``); frozen ones (a LoRA base) are never sent and stay
     on the workers, as they are in one process."""
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, optim_cfg: OptimizerSource,

@@ -89,7 +89,7 @@ class ParamServer:
     def setup(self, values: Grads, optim: dict) -> None:
         """Take the initial values (fp32 copies) and build AdamW as the single process does: torch's,
         or the 8-bit one (``optim["name"]``) on this server's tensors, which are whole tensors
-        (a worker holds the whole model), so its blocks are one process's."""
+        (a pipeline stage's are; 8-bit with tp slices is refused), so its blocks are one process's."""
         with self.lock:
             self.params = {n: nn.Parameter(v.detach().float().clone(), requires_grad=False)
                            for n, v in values.items()}

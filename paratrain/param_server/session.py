@@ -5,10 +5,9 @@ W..W+K-1 are ``server{k}``. A data-parallel worker is a group of pp x tp ranks (
 tp fastest, then dp, then pp); the rank at (pipeline stage s, tp index t) of every worker pushes
 its stage's slices, so each server keeps one ``ParamServer`` per (s, t) (a "shard group": the dp
 ranks that hold the same slices), and a message from a rank goes to its shard group as the worker
-of its dp index. The workers also form a process group
-of their own (launch.py: ``group_size``)
+of its dp index. The workers also form a process group of their own (launch.py: ``group_size``)
 for what they still do together (the loss for the log, metrics, checkpoints, the stop signal).
-All dp + K ranks are also in one gloo group the launcher makes (``DistEnv.world_group``: gloo
+All W + K ranks are also in one gloo group the launcher makes (``DistEnv.world_group``: gloo
 whatever the workers' backend, as the servers keep host memory), which carries only wire.py's
 messages: tensors, never code.
 
