@@ -219,10 +219,13 @@ def test_server_failure_is_named(tmp_path, fault, named):
     assert named in str(err.value), str(err.value)
 
 
+SPLIT_ASYNC = "--ps-mode sync with --tp/--pp/--ep"  # async with a worker split over ranks
+
+
 @pytest.mark.parametrize("overrides, fragment", [
-    ({"parallel.tp": 2, "parallel.nproc": 5, "parallel.ps_mode": "async"}, "--ps-mode sync with --tp/--pp"),
-    ({"parallel.pp": 2, "parallel.nproc": 5, "parallel.ps_mode": "async"}, "--ps-mode sync with --tp/--pp"),
-    ({"parallel.ep": 2}, "--ep 1"),
+    ({"parallel.tp": 2, "parallel.nproc": 5, "parallel.ps_mode": "async"}, SPLIT_ASYNC),
+    ({"parallel.pp": 2, "parallel.nproc": 5, "parallel.ps_mode": "async"}, SPLIT_ASYNC),
+    ({"parallel.ep": 2, "parallel.ps_mode": "async"}, SPLIT_ASYNC),
     ({"parallel.zero": 1}, "--zero 0"),
     ({"parallel.dp_replicate": 2}, "no --dp-replicate / --dp-shard"),
     ({"parallel.ps_mode": "async", "parallel.max_staleness": 0}, "below dp - 1"),
@@ -311,25 +314,31 @@ def test_servers_run_8bit_adamw_and_resume_its_state_exactly(tmp_path):
 
 
 # A worker split over ranks: 2 workers x (tp 2 with sequence parallelism | pp 2 under 1F1B) + 1
-# server = 5 ranks, against one process on the same micro-batches (pp: 2 per worker, tp: 1).
+# server = 5 ranks, or 2 workers of one ep group (each rank half the experts) + 1 server, against
+# one process on the same micro-batches (pp: 2 per worker, else 1).
+MOE = {"model.name": "tiny-moe", "model.aux_loss_coef": 0.1, "model.z_loss_coef": 0.01, "optim.eps": 1e-5}
 SPLIT_WORKERS = {"tp2-sp": {"parallel.tp": 2, "parallel.sp": True, "train.micro_batch": 4},
-                 "pp2-1f1b": {"parallel.pp": 2, "parallel.pp_schedule": "1f1b", "train.micro_batch": 2}}
+                 "pp2-1f1b": {"parallel.pp": 2, "parallel.pp_schedule": "1f1b", "train.micro_batch": 2},
+                 "ep2-moe": {"parallel.ep": 2, "train.micro_batch": 4, **MOE}}
 
 
 @pytest.mark.composes(("param-server", "tp"), ("param-server", "sp"), case="tp2-sp")
 @pytest.mark.composes(("param-server", "1f1b"), case="pp2-1f1b")
+@pytest.mark.composes(("param-server", "ep"), case="ep2-moe")
 @pytest.mark.parametrize("layout", SPLIT_WORKERS, ids=list(SPLIT_WORKERS))
 def test_split_workers_equal_one_process(tmp_path, layout):
     """Each (stage, tp index) is its own shard group on the server: that rank of both workers
     pushes its slices, summed in worker order, stepped by the server's AdamW. A tensor two ranks
     of a worker hold (the norms' weights on every tp rank, their partial gradients summed over tp
     by the f operator under SP; the tied embedding on the first and last stage) counts once in the
-    clip norm, which must equal the process's (counted twice, or a slice missed, it moves far
-    beyond 2e-5); the export is the full model, from the servers' slices."""
+    clip norm (ep: a shard group is one ep index's workers, an expert's edp ranks; the dense
+    gradients are summed over the ep group before the push, so each group's sum is the dp sum),
+    which must equal the process's (counted twice, or a slice missed, it moves far beyond 2e-5);
+    the export is the full model, from the servers' slices."""
     extra = {"train.global_batch": GLOBAL_BATCH, "train.steps": 2, **SPLIT_WORKERS[layout]}
     one_out = tmp_path / "one"
-    one = Trainer(tiny_cfg(one_out, **{"train.global_batch": GLOBAL_BATCH, "train.steps": 2,
-                                       "train.micro_batch": extra["train.micro_batch"]})).fit()
+    same_model = {k: v for k, v in extra.items() if not k.startswith("parallel.")}
+    one = Trainer(tiny_cfg(one_out, **same_model)).fit()
     out = tmp_path / "ps"
     losses, weights = _train_ps(_ps_cfg(out, dp=2, servers=1, **extra))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(one.losses), **FP32_REORDERED)

@@ -97,15 +97,14 @@ def _ps_refusal(other: str | tuple[str, ...], fix: str, reason: str,
                    when=lambda c: c.parallel.sync == "parameter-server" and when(c))
 
 
-PARAM_SERVER_REFUSALS = (  # a worker is pp x tp ranks, one server group each; the servers run (8-bit) AdamW
-    _ps_refusal(("tp", *PP_SCHEDULES), "--ps-mode sync with --tp/--pp > 1 (or --tp 1 --pp 1)", "not built "
-                "in async mode: each stage's or tp rank's slices are a separate server group that orders "
-                "the workers' pushes as they come, so one worker's slices would carry different sets of "
-                "updates; it needs one order of pushes across the groups",
-                lambda c: (c.parallel.tp > 1 or c.parallel.pp > 1) and c.parallel.ps_mode == "async"),
-    _ps_refusal("ep", "--ep 1", "not built: an expert's gradient sums over its edp ranks, not all dp "
-                "workers, so a worker rank would push to two server groups of different sizes",
-                lambda c: c.parallel.ep > 1),
+# a worker rank pushes to its (stage, ep, tp) server group; the servers run (8-bit) AdamW
+PARAM_SERVER_REFUSALS = (
+    _ps_refusal(("tp", "ep", *PP_SCHEDULES), "--ps-mode sync with --tp/--pp/--ep > 1", "not built in "
+                "async mode: each stage's, tp rank's or ep rank's slices are a separate server group that "
+                "orders the workers' pushes as they come, so one worker's slices would carry different "
+                "sets of updates; it needs one order of pushes across the groups",
+                lambda c: max(c.parallel.tp, c.parallel.pp, c.parallel.ep) > 1
+                and c.parallel.ps_mode == "async"),
     _ps_refusal(ZEROS, "--zero 0 (the servers shard the optimizer state)", "by construction: the servers "
                 "shard the optimizer state themselves", lambda c: c.parallel.zero != 0),
     _ps_refusal("hsdp", "no --dp-replicate / --dp-shard", "by construction: the servers shard the state",

@@ -172,7 +172,7 @@ class ParameterServerClient(Strategy):
     def setup_servers(self) -> None:
         """Worker 0 gives each server its parameters' names, shapes and initial values, and
         AdamW's settings; all workers then meet, so no gradient reaches a server before its values."""
-        if self.mesh.dp.rank == 0:
+        if self.mesh.edp.rank == 0:
             manifests = [{"names": [n for n, _ in mine], "shapes": [list(p.shape) for _, p in mine],
                           "optim": self.server_optim} for mine in self.by_server]
             self.wait([self.request(k, Header(Kind.SETUP), manifests[k], wire.flatten([p for _, p in mine]))
@@ -189,15 +189,30 @@ class ParameterServerClient(Strategy):
         self.wait_s, self.pulled_bytes, self.staleness = 0.0, 0, None
         if self.settings.async_mode:
             return
+        self.sum_dense_over_ep()
         self.pushed = [self.request(k, Header(Kind.PUSH_SYNC, round=self.round), payload=self.grads_of(k))
                        for k in range(self.settings.servers)]
+
+    @torch.no_grad()
+    def sum_dense_over_ep(self) -> None:
+        """Under expert parallelism a shard group is one ep index's edp ranks (session.py), so each
+        group sums its workers' gradients of the dense tensors: summed over the ep group first,
+        every group's sum is the whole dp sum (and the groups step their copies alike)."""
+        if not self.mesh.ep.active:
+            return
+        dense = [p.grad for _, p in self.named_params if info_of(p).dp_axis == "dp" and p.grad is not None]
+        if dense:
+            flat = torch.cat([g.reshape(-1) for g in dense])
+            C.all_reduce(flat, self.mesh.ep, what="sum of the dense gradients over the ep group")
+            for g, summed in zip(dense, flat.split([g.numel() for g in dense]), strict=True):
+                g.copy_(summed.view_as(g))
 
     def grad_norm(self) -> float:
         if self.settings.async_mode:
             local = math.fsum(float(p.grad.double().pow(2).sum()) for _, p in self.named_params
                               if p.grad is not None)
             total = local * self.mesh.dp.size ** 2
-        elif self.mesh.world.size == self.mesh.dp.size:  # whole-model workers: every server's sum once
+        elif self.mesh.world.size == self.mesh.dp.size and not self.mesh.ep.active:  # whole-model workers
             total = math.fsum(r.value for r in self.wait(self.pushed))
         else:
             total = self.sharded_norm_sq(self.wait(self.pushed))
@@ -207,7 +222,7 @@ class ParameterServerClient(Strategy):
         """Workers of tp ranks: each rank's servers sent per-tensor squared norms of the summed
         gradient of its slices; a tensor every tp rank holds (a norm's weight) counts once, as
         in the base strategy's norm (ParamInfo.copies_outside_dp), and the ranks of the world add
-        theirs (each dp rank holds the same sums: divided by dp as well)."""
+        theirs (each rank of a tensor's dp axis, dp or edp, holds the same sum: divided by its size)."""
         total = torch.zeros((), dtype=torch.float64)
         for k, reply in enumerate(replies):
             norms = reply.meta.get("norms_sq")
@@ -215,7 +230,8 @@ class ParameterServerClient(Strategy):
                     and all(isinstance(x, (int, float)) for x in norms)):
                 raise self.server_error(k, wire.ProtocolError("a norm reply without one norm per tensor"))
             for (_, p), norm_sq in zip(self.by_server[k], norms, strict=True):
-                total += norm_sq / (info_of(p).copies_outside_dp(self.mesh) * self.mesh.dp.size)
+                info = info_of(p)  # the ranks holding this sum: its dp axis's, times its copies outside dp
+                total += norm_sq / (info.copies_outside_dp(self.mesh) * getattr(self.mesh, info.dp_axis).size)
         total = total.to(self.mesh.device)
         with self.mesh.counter.paused():  # a scalar; not part of the training traffic
             C.all_reduce(total, self.mesh.world, what="all-reduce of the squared gradient norm")
@@ -296,7 +312,7 @@ class ParameterServerClient(Strategy):
         return int(self.wait([self.request(0, Header(Kind.UPDATES))])[0].value)
 
     def state_pieces(self) -> list[Piece]:
-        if self.mesh.dp.rank != 0:
+        if self.mesh.edp.rank != 0:
             return self.buffer_pieces()
         params = dict(self.named_params)
         out = []
@@ -329,7 +345,7 @@ class ParameterServerClient(Strategy):
         for name, p in self.model.named_parameters():
             read_local(reader, info_of(p), info_of(p).name or name, "param", p)
         self.load_buffers(reader)
-        if self.mesh.dp.rank == 0:
+        if self.mesh.edp.rank == 0:
             requests = []
             for k in range(self.settings.servers):
                 state = self.read_server_state(reader, k)

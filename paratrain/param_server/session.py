@@ -53,6 +53,7 @@ class PsWorld:
     timeout_s: float  # a reply not received by then fails (a dead or hung server is named)
     tp: int = 1  # a worker's tensor-parallel ranks
     pp: int = 1  # a worker's pipeline stages
+    ep: int = 1  # expert parallelism: the dp workers in groups of ep, each rank holding 1/ep of the experts
 
     @property
     def workers(self) -> int:
@@ -61,8 +62,13 @@ class PsWorld:
 
     @property
     def shard_groups(self) -> int:
-        """The ``ParamServer``s each server keeps: one per (stage, tp index)."""
-        return self.pp * self.tp
+        """The ``ParamServer``s each server keeps: one per (stage, ep index, tp index)."""
+        return self.pp * self.ep * self.tp
+
+    @property
+    def group_workers(self) -> int:
+        """The workers of a shard group: the edp ranks (all dp ranks without expert parallelism)."""
+        return self.dp // self.ep
 
     @property
     def size(self) -> int:
@@ -72,12 +78,14 @@ class PsWorld:
         return rank >= self.workers
 
     def shard_group(self, rank: int) -> int:
-        """stage x tp + tp index of a worker rank: which of a server's ``ParamServer``s its slices are."""
-        return rank // (self.dp * self.tp) * self.tp + rank % self.tp
+        """(stage, ep index, tp index) of a worker rank, numbered: which of a server's
+        ``ParamServer``s its slices are (mesh.py: dp index = edp index * ep + ep index)."""
+        stage, dp_i, tp_i = rank // (self.dp * self.tp), rank // self.tp % self.dp, rank % self.tp
+        return (stage * self.ep + dp_i % self.ep) * self.tp + tp_i
 
     def dp_index(self, rank: int) -> int:
-        """A worker rank's data-parallel index, its worker number in its shard group."""
-        return rank // self.tp % self.dp
+        """A worker rank's number in its shard group: its edp index (its dp index when ep is 1)."""
+        return rank // self.tp % self.dp // self.ep
 
     def name(self, rank: int) -> str:
         return server_name(rank - self.workers) if self.is_server(rank) else worker_name(rank)
@@ -95,7 +103,8 @@ def ended(group: dist.ProcessGroup) -> Iterator[dist.ProcessGroup]:
 def run_server(group: dist.ProcessGroup, world: PsWorld, *, async_mode: bool, max_staleness: int) -> int:
     """A server's whole life: serve messages until every worker has finished. Returns 0."""
     with ended(group):
-        shards = [ParamServer(world.dp, async_mode, max_staleness) for _ in range(world.shard_groups)]
+        shards = [ParamServer(world.group_workers, async_mode, max_staleness)
+                  for _ in range(world.shard_groups)]
         ServerLoop(group, world, shards).run()
     return 0
 
