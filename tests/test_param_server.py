@@ -226,6 +226,7 @@ SPLIT_ASYNC = "--ps-mode sync with --tp/--pp/--ep"  # async with a worker split 
     ({"parallel.tp": 2, "parallel.nproc": 5, "parallel.ps_mode": "async"}, SPLIT_ASYNC),
     ({"parallel.pp": 2, "parallel.nproc": 5, "parallel.ps_mode": "async"}, SPLIT_ASYNC),
     ({"parallel.ep": 2, "parallel.ps_mode": "async"}, SPLIT_ASYNC),
+    ({"parallel.tp": 2, "parallel.nproc": 5, "optim.name": "adamw8bit"}, "--optimizer adamw with --tp > 1"),
     ({"parallel.zero": 1}, "--zero 0"),
     ({"parallel.dp_replicate": 2}, "no --dp-replicate / --dp-shard"),
     ({"parallel.ps_mode": "async", "parallel.max_staleness": 0}, "below dp - 1"),

@@ -105,6 +105,9 @@ PARAM_SERVER_REFUSALS = (
                 "sets of updates; it needs one order of pushes across the groups",
                 lambda c: max(c.parallel.tp, c.parallel.pp, c.parallel.ep) > 1
                 and c.parallel.ps_mode == "async"),
+    _ps_refusal("8bit", "--optimizer adamw with --tp > 1", "not built: a server holds a tp slice as a "
+                "plain tensor and would cut its 8-bit blocks as a whole tensor's, not as one process cuts it",
+                lambda c: c.parallel.tp > 1 and c.optim.name == "adamw8bit"),
     _ps_refusal(ZEROS, "--zero 0 (the servers shard the optimizer state)", "by construction: the servers "
                 "shard the optimizer state themselves", lambda c: c.parallel.zero != 0),
     _ps_refusal("hsdp", "no --dp-replicate / --dp-shard", "by construction: the servers shard the state",
