@@ -65,12 +65,13 @@ def _ps_cfg(out: Path, dp: int, servers: int, **overrides) -> config.Config:
 
 def _train_ps(cfg: config.Config, timeout: float = 60.0,
               environ: dict | None = None) -> tuple[list[float], dict]:
-    """Run dp workers + servers; return worker 0's losses and final weights (the servers' values)."""
+    """Run dp x tp worker ranks + servers; return rank 0's losses and final weights (the servers' values)."""
     checks.validate(cfg)
     build_task(cfg)  # tokenize once here; workers map the cache
-    outs = run(_rank, cfg.world_size, cfg.to_dict(), environ, timeout=timeout, group_size=cfg.dp,
+    n_workers = cfg.world_size - cfg.ps_servers  # dp x tp ranks
+    outs = run(_rank, cfg.world_size, cfg.to_dict(), environ, timeout=timeout, group_size=n_workers,
                rank_names=rank_names(cfg))
-    workers, servers = outs[:cfg.dp], outs[cfg.dp:]
+    workers, servers = outs[:n_workers], outs[n_workers:]
     assert servers == [None] * cfg.ps_servers
     losses, weights = workers[0]
     assert all(w[0] == losses for w in workers), "workers disagree on the loss"
@@ -218,8 +219,14 @@ def test_server_failure_is_named(tmp_path, fault, named):
     assert named in str(err.value), str(err.value)
 
 
+SPLIT_ASYNC = "--ps-mode sync with --tp/--pp/--ep"  # async with a worker split over ranks
+
+
 @pytest.mark.parametrize("overrides, fragment", [
-    ({"parallel.tp": 2, "parallel.nproc": 5}, "--tp 1"),
+    ({"parallel.tp": 2, "parallel.nproc": 5, "parallel.ps_mode": "async"}, SPLIT_ASYNC),
+    ({"parallel.pp": 2, "parallel.nproc": 5, "parallel.ps_mode": "async"}, SPLIT_ASYNC),
+    ({"parallel.ep": 2, "parallel.ps_mode": "async"}, SPLIT_ASYNC),
+    ({"parallel.tp": 2, "parallel.nproc": 5, "optim.name": "adamw8bit"}, "--optimizer adamw with --tp > 1"),
     ({"parallel.zero": 1}, "--zero 0"),
     ({"parallel.dp_replicate": 2}, "no --dp-replicate / --dp-shard"),
     ({"parallel.ps_mode": "async", "parallel.max_staleness": 0}, "below dp - 1"),
@@ -307,6 +314,42 @@ def test_servers_run_8bit_adamw_and_resume_its_state_exactly(tmp_path):
     assert_same_weights(weights_again, weights, rtol=0, atol=0)
 
 
+# A worker split over ranks: 2 workers x (tp 2 with sequence parallelism | pp 2 under 1F1B) + 1
+# server = 5 ranks, or 2 workers of one ep group (each rank half the experts) + 1 server, against
+# one process on the same micro-batches (pp: 2 per worker, else 1).
+MOE = {"model.name": "tiny-moe", "model.aux_loss_coef": 0.1, "model.z_loss_coef": 0.01, "optim.eps": 1e-5}
+SPLIT_WORKERS = {"tp2-sp": {"parallel.tp": 2, "parallel.sp": True, "train.micro_batch": 4},
+                 "pp2-1f1b": {"parallel.pp": 2, "parallel.pp_schedule": "1f1b", "train.micro_batch": 2},
+                 "ep2-moe": {"parallel.ep": 2, "train.micro_batch": 4, **MOE}}
+
+
+@pytest.mark.composes(("param-server", "tp"), ("param-server", "sp"), case="tp2-sp")
+@pytest.mark.composes(("param-server", "1f1b"), case="pp2-1f1b")
+@pytest.mark.composes(("param-server", "ep"), case="ep2-moe")
+@pytest.mark.parametrize("layout", SPLIT_WORKERS, ids=list(SPLIT_WORKERS))
+def test_split_workers_equal_one_process(tmp_path, layout):
+    """Each (stage, tp index) is its own shard group on the server: that rank of both workers
+    pushes its slices, summed in worker order, stepped by the server's AdamW. A tensor two ranks
+    of a worker hold (the norms' weights on every tp rank, their partial gradients summed over tp
+    by the f operator under SP; the tied embedding on the first and last stage) counts once in the
+    clip norm (ep: a shard group is one ep index's workers, an expert's edp ranks; the dense
+    gradients are summed over the ep group before the push, so each group's sum is the dp sum),
+    which must equal the process's (counted twice, or a slice missed, it moves far beyond 2e-5);
+    the export is the full model, from the servers' slices."""
+    extra = {"train.global_batch": GLOBAL_BATCH, "train.steps": 2, **SPLIT_WORKERS[layout]}
+    one_out = tmp_path / "one"
+    same_model = {k: v for k, v in extra.items() if not k.startswith("parallel.")}
+    one = Trainer(tiny_cfg(one_out, **same_model)).fit()
+    out = tmp_path / "ps"
+    losses, weights = _train_ps(_ps_cfg(out, dp=2, servers=1, **extra))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(one.losses), **FP32_REORDERED)
+    assert_same_weights(weights, one.final_state, **FP32_REORDERED)
+    rows, ref_rows = _rows(out), _rows(one_out)
+    torch.testing.assert_close(torch.tensor([r["grad_norm"] for r in rows]),
+                               torch.tensor([r["grad_norm"] for r in ref_rows]), rtol=2e-5, atol=0)
+    assert all(r["mem_optim_bytes"] == 0 for r in rows), "the servers hold the optimizer state"
+
+
 def _continue_from(src: Path, dst: Path, step: int = 2) -> None:
     """A fresh run folder holding only checkpoint ``step`` of ``src`` (what a crash would leave)."""
     name = f"step_{step:06d}"
@@ -381,7 +424,7 @@ def test_sync_sum_does_not_depend_on_arrival_order():
         server.setup({"w": torch.zeros(1)}, ADAMW)
         futures = [server.push_sync(w, 0, {"w": parts[w]}) for w in order]
         norms.append(futures[0].wait())
-    assert norms == [0.0, 0.0, 0.0], norms
+    assert norms == [[0.0], [0.0], [0.0]], norms  # per tensor (one here): the worker ranks add them
 
 
 @pytest.mark.parametrize("slots, fragment", [

@@ -97,12 +97,17 @@ def _ps_refusal(other: str | tuple[str, ...], fix: str, reason: str,
                    when=lambda c: c.parallel.sync == "parameter-server" and when(c))
 
 
-PARAM_SERVER_REFUSALS = (  # the workers are whole-model replicas; the servers run (8-bit) AdamW
-    _ps_refusal("tp", "--tp 1 (a worker holds the whole model)", "not built: a worker holds the whole "
-                "model", lambda c: c.parallel.tp > 1),
-    _ps_refusal(PP_SCHEDULES, "--pp 1 (a worker holds the whole model)", "not built: a worker holds the "
-                "whole model", lambda c: c.parallel.pp > 1),
-    _ps_refusal("ep", "--ep 1", "not built: a worker holds every expert", lambda c: c.parallel.ep > 1),
+# a worker rank pushes to its (stage, ep, tp) server group; the servers run (8-bit) AdamW
+PARAM_SERVER_REFUSALS = (
+    _ps_refusal(("tp", "ep", *PP_SCHEDULES), "--ps-mode sync with --tp/--pp/--ep > 1", "not built in "
+                "async mode: each stage's, tp rank's or ep rank's slices are a separate server group that "
+                "orders the workers' pushes as they come, so one worker's slices would carry different "
+                "sets of updates; it needs one order of pushes across the groups",
+                lambda c: max(c.parallel.tp, c.parallel.pp, c.parallel.ep) > 1
+                and c.parallel.ps_mode == "async"),
+    _ps_refusal("8bit", "--optimizer adamw with --tp > 1", "not built: a server holds a tp slice as a "
+                "plain tensor and would cut its 8-bit blocks as a whole tensor's, not as one process cuts it",
+                lambda c: c.parallel.tp > 1 and c.optim.name == "adamw8bit"),
     _ps_refusal(ZEROS, "--zero 0 (the servers shard the optimizer state)", "by construction: the servers "
                 "shard the optimizer state themselves", lambda c: c.parallel.zero != 0),
     _ps_refusal("hsdp", "no --dp-replicate / --dp-shard", "by construction: the servers shard the state",
@@ -117,7 +122,7 @@ PARAM_SERVER_REFUSALS = (  # the workers are whole-model replicas; the servers r
 
 def check_param_server(cfg: Config, problems: list[str]) -> None:
     """--sync parameter-server: what the servers (param_server/) support today. The workers are
-    whole-model data-parallel replicas; the servers run AdamW, fp32 or 8-bit."""
+    data-parallel replicas, each whole or split over tp ranks; the servers run AdamW, fp32 or 8-bit."""
     p = cfg.parallel
     if p.sync != "parameter-server":
         for flag, value, default in (("--servers", p.servers, 1), ("--ps-mode", p.ps_mode, "sync"),

@@ -6,6 +6,8 @@ The trainer's step (base/strategy.py) maps onto the servers like this:
     after_backward  push this worker's grads    (nothing)
     grad_norm       wait for the servers' sums: the local gradient's norm, times dp
                     sum of their squared norms  (the update this worker alone will make)
+                    (split workers: per tensor,
+                    added over the worker ranks)
     scale_grads     remember the clip factor    remember the clip factor
     step(lr)        ask for the update (c, lr)  push dp * c * grads, wait until applied
                     and copy the new values     (bounded staleness), copy the new values
@@ -78,8 +80,9 @@ class Reply:
 
 
 class ParameterServerClient(Strategy):
-    """Whole-model data-parallel workers whose gradients go to the parameter servers: only the
-    trainable parameters' (``named_params``); frozen ones (a LoRA base) are never sent and stay
+    """Data-parallel workers (each one rank, or pp x tp ranks: each rank pushes its own slices to
+    its shard group on the servers, session.py) whose gradients go to the parameter servers: only
+    the trainable parameters' (``named_params``); frozen ones (a LoRA base) are never sent and stay
     on the workers, as they are in one process."""
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, optim_cfg: OptimizerSource,
@@ -107,8 +110,8 @@ class ParameterServerClient(Strategy):
     def request(self, k: int, header: Header, meta: dict | None = None,
                 payload: torch.Tensor | None = None) -> _Request:
         """Send server ``k`` a message and post the receive of its reply's header."""
-        dst = self.mesh.dp.size + k  # the servers follow the workers in the run's group
-        header = replace(header, worker=self.mesh.dp.rank)
+        dst = self.mesh.world.size + k  # the servers follow the workers in the run's group
+        header = replace(header, worker=self.mesh.world.rank)
         try:
             sent = wire.send(self.settings.group, dst, header, meta, payload)
             return _Request(k, sent, wire.post_header(self.settings.group, dst, reply=True))
@@ -122,7 +125,7 @@ class ParameterServerClient(Strategy):
         start, group, timeout = time.perf_counter(), self.settings.group, self.settings.timeout_s
         out = []
         for r in requests:
-            src = self.mesh.dp.size + r.k
+            src = self.mesh.world.size + r.k
             try:
                 wire.wait_sent(r.sent, timeout)
                 header, _ = wire.take_header(r.reply, timeout)
@@ -137,7 +140,7 @@ class ParameterServerClient(Strategy):
         return out
 
     def server_error(self, k: int, cause: Exception) -> ServerError:
-        rank = self.mesh.dp.size + k
+        rank = self.mesh.world.size + k
         return ServerError(f"parameter server {server_name(k)} (rank {rank}) failed, died or did not answer "
                            f"within {self.settings.timeout_s:g} s: {cause}")
 
@@ -170,7 +173,7 @@ class ParameterServerClient(Strategy):
     def setup_servers(self) -> None:
         """Worker 0 gives each server its parameters' names, shapes and initial values, and
         AdamW's settings; all workers then meet, so no gradient reaches a server before its values."""
-        if self.mesh.dp.rank == 0:
+        if self.mesh.edp.rank == 0:
             manifests = [{"names": [n for n, _ in mine], "shapes": [list(p.shape) for _, p in mine],
                           "optim": self.server_optim} for mine in self.by_server]
             self.wait([self.request(k, Header(Kind.SETUP), manifests[k], wire.flatten([p for _, p in mine]))
@@ -187,8 +190,23 @@ class ParameterServerClient(Strategy):
         self.wait_s, self.pulled_bytes, self.staleness, self.norm_sq = 0.0, 0, None, None
         if self.settings.async_mode:
             return
+        self.sum_dense_over_ep()
         self.pushed = [self.request(k, Header(Kind.PUSH_SYNC, round=self.round), payload=self.grads_of(k))
                        for k in range(self.settings.servers)]
+
+    @torch.no_grad()
+    def sum_dense_over_ep(self) -> None:
+        """Under expert parallelism a shard group is one ep index's edp ranks (session.py), so each
+        group sums its workers' gradients of the dense tensors: summed over the ep group first,
+        every group's sum is the whole dp sum (and the groups step their copies alike)."""
+        if not self.mesh.ep.active:
+            return
+        dense = [p.grad for _, p in self.named_params if info_of(p).dp_axis == "dp" and p.grad is not None]
+        if dense:
+            flat = torch.cat([g.reshape(-1) for g in dense])
+            C.all_reduce(flat, self.mesh.ep, what="sum of the dense gradients over the ep group")
+            for g, summed in zip(dense, flat.split([g.numel() for g in dense]), strict=True):
+                g.copy_(summed.view_as(g))
 
     def grad_norm(self) -> float:
         if self.settings.async_mode:
@@ -197,9 +215,30 @@ class ParameterServerClient(Strategy):
             total = local * self.mesh.dp.size ** 2
         else:
             if self.norm_sq is None:  # each push's reply is read once (the library's loop may not clip)
-                self.norm_sq = math.fsum(r.value for r in self.wait(self.pushed))
+                replies = self.wait(self.pushed)
+                whole = self.mesh.world.size == self.mesh.dp.size and not self.mesh.ep.active
+                self.norm_sq = math.fsum(r.value for r in replies) if whole else self.sharded_norm_sq(replies)
             total = self.norm_sq
         return math.sqrt(total) if math.isfinite(total) else float("inf")
+
+    def sharded_norm_sq(self, replies: list[Reply]) -> float:
+        """Workers of tp ranks: each rank's servers sent per-tensor squared norms of the summed
+        gradient of its slices; a tensor every tp rank holds (a norm's weight) counts once, as
+        in the base strategy's norm (ParamInfo.copies_outside_dp), and the ranks of the world add
+        theirs (each rank of a tensor's dp axis, dp or edp, holds the same sum: divided by its size)."""
+        total = torch.zeros((), dtype=torch.float64)
+        for k, reply in enumerate(replies):
+            norms = reply.meta.get("norms_sq")
+            if not (isinstance(norms, list) and len(norms) == len(self.by_server[k])
+                    and all(isinstance(x, (int, float)) for x in norms)):
+                raise self.server_error(k, wire.ProtocolError("a norm reply without one norm per tensor"))
+            for (_, p), norm_sq in zip(self.by_server[k], norms, strict=True):
+                info = info_of(p)  # the ranks holding this sum: its dp axis's, times its copies outside dp
+                total += norm_sq / (info.copies_outside_dp(self.mesh) * getattr(self.mesh, info.dp_axis).size)
+        total = total.to(self.mesh.device)
+        with self.mesh.counter.paused():  # a scalar; not part of the training traffic
+            C.all_reduce(total, self.mesh.world, what="all-reduce of the squared gradient norm")
+        return total.item()
 
     def scale_grads(self, factor: float) -> None:
         self.factor *= factor
@@ -277,7 +316,7 @@ class ParameterServerClient(Strategy):
         return int(self.wait([self.request(0, Header(Kind.UPDATES))])[0].value)
 
     def state_pieces(self) -> list[Piece]:
-        if self.mesh.dp.rank != 0:
+        if self.mesh.edp.rank != 0:
             return self.buffer_pieces()
         params = dict(self.named_params)
         out = []
@@ -285,6 +324,8 @@ class ParameterServerClient(Strategy):
         for tensors, _ in self.server_states():
             for name, by_key in tensors.items():
                 info, numel = info_of(params[name]), params[name].numel()
+                if info.tied_to:  # the last stage's copy of the tied embedding: its owner lists it
+                    continue
                 for key, t in by_key.items():
                     if key in a8.QUANT_KEYS:  # 8-bit codes and block scales: flat, as one process writes them
                         t = t.to(torch.uint8) if key.endswith(".q") else t
@@ -308,7 +349,7 @@ class ParameterServerClient(Strategy):
         for name, p in self.model.named_parameters():
             read_local(reader, info_of(p), info_of(p).name or name, "param", p)
         self.load_buffers(reader)
-        if self.mesh.dp.rank == 0:
+        if self.mesh.edp.rank == 0:
             requests = []
             for k in range(self.settings.servers):
                 state = self.read_server_state(reader, k)

@@ -9,7 +9,7 @@ Synchronous mode (one update per step, as one process with the global batch woul
 
     push_sync(worker, round, grads)   every worker, after its backward; answered when all dp
                                       workers' gradients of this round are in: the squared L2 norm
-                                      of their sum over this server's tensors (for global clipping)
+                                      of their sum, per tensor of this server (for global clipping)
     apply_sync(round, c, lr)          every worker: the first call for the round steps AdamW on
                                       c * sum (c: the clip factor); every call gets the new values
 
@@ -89,7 +89,7 @@ class ParamServer:
     def setup(self, values: Grads, optim: dict) -> None:
         """Take the initial values (fp32 copies) and build AdamW as the single process does: torch's,
         or the 8-bit one (``optim["name"]``) on this server's tensors, which are whole tensors
-        (a worker holds the whole model), so its blocks are one process's."""
+        (a pipeline stage's are; 8-bit with tp slices is refused), so its blocks are one process's."""
         with self.lock:
             self.params = {n: nn.Parameter(v.detach().float().clone(), requires_grad=False)
                            for n, v in values.items()}
@@ -115,10 +115,10 @@ class ParamServer:
                 return future
             self.summed = _sum_in_order([self.inbox[w] for w in sorted(self.inbox)])
             self.inbox = {}
-            norm_sq = math.fsum(float(g.double().pow(2).sum()) for g in self.summed.values())
+            norms_sq = [float(g.double().pow(2).sum()) for g in self.summed.values()]
             ready, self.waiting = self.waiting, []
         for f in ready:
-            f.set_result(norm_sq)
+            f.set_result(norms_sq)
         return future
 
     def apply_sync(self, round_: int, factor: float, lr: float) -> Grads:

@@ -1,9 +1,13 @@
 """The parameter server's group and a server's life: its message loop.
 
-The world is dp workers then K servers: ranks 0..dp-1 are ``worker{i}``, ranks dp..dp+K-1 are
-``server{k}``. The workers also form a process group of their own (launch.py: ``group_size``)
+The world is W = pp x dp x tp worker ranks then K servers: ranks 0..W-1 are ``worker{i}``, ranks
+W..W+K-1 are ``server{k}``. A data-parallel worker is a group of pp x tp ranks (mesh.py's order:
+tp fastest, then dp, then pp); the rank at (pipeline stage s, tp index t) of every worker pushes
+its stage's slices, so each server keeps one ``ParamServer`` per (s, t) (a "shard group": the dp
+ranks that hold the same slices), and a message from a rank goes to its shard group as the worker
+of its dp index. The workers also form a process group of their own (launch.py: ``group_size``)
 for what they still do together (the loss for the log, metrics, checkpoints, the stop signal).
-All dp + K ranks are also in one gloo group the launcher makes (``DistEnv.world_group``: gloo
+All W + K ranks are also in one gloo group the launcher makes (``DistEnv.world_group``: gloo
 whatever the workers' backend, as the servers keep host memory), which carries only wire.py's
 messages: tensors, never code.
 
@@ -23,8 +27,9 @@ fails (or a message that breaks the protocol) ends the run the same way.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -43,19 +48,47 @@ SERVER_IDLE_S = 7 * 24 * 3600.0
 class PsWorld:
     """Who is in a parameter-server run."""
 
-    dp: int  # workers: ranks 0..dp-1
-    servers: int  # servers: ranks dp..dp+servers-1
+    dp: int  # data-parallel workers, each a group of tp ranks
+    servers: int  # servers: ranks workers..workers+servers-1
     timeout_s: float  # a reply not received by then fails (a dead or hung server is named)
+    tp: int = 1  # a worker's tensor-parallel ranks
+    pp: int = 1  # a worker's pipeline stages
+    ep: int = 1  # expert parallelism: the dp workers in groups of ep, each rank holding 1/ep of the experts
+
+    @property
+    def workers(self) -> int:
+        """Worker ranks: 0..workers-1."""
+        return self.pp * self.dp * self.tp
+
+    @property
+    def shard_groups(self) -> int:
+        """The ``ParamServer``s each server keeps: one per (stage, ep index, tp index)."""
+        return self.pp * self.ep * self.tp
+
+    @property
+    def group_workers(self) -> int:
+        """The workers of a shard group: the edp ranks (all dp ranks without expert parallelism)."""
+        return self.dp // self.ep
 
     @property
     def size(self) -> int:
-        return self.dp + self.servers
+        return self.workers + self.servers
 
     def is_server(self, rank: int) -> bool:
-        return rank >= self.dp
+        return rank >= self.workers
+
+    def shard_group(self, rank: int) -> int:
+        """(stage, ep index, tp index) of a worker rank, numbered: which of a server's
+        ``ParamServer``s its slices are (mesh.py: dp index = edp index * ep + ep index)."""
+        stage, dp_i, tp_i = rank // (self.dp * self.tp), rank // self.tp % self.dp, rank % self.tp
+        return (stage * self.ep + dp_i % self.ep) * self.tp + tp_i
+
+    def dp_index(self, rank: int) -> int:
+        """A worker rank's number in its shard group: its edp index (its dp index when ep is 1)."""
+        return rank // self.tp % self.dp // self.ep
 
     def name(self, rank: int) -> str:
-        return server_name(rank - self.dp) if self.is_server(rank) else worker_name(rank)
+        return server_name(rank - self.workers) if self.is_server(rank) else worker_name(rank)
 
 
 @contextlib.contextmanager
@@ -70,7 +103,9 @@ def ended(group: dist.ProcessGroup) -> Iterator[dist.ProcessGroup]:
 def run_server(group: dist.ProcessGroup, world: PsWorld, *, async_mode: bool, max_staleness: int) -> int:
     """A server's whole life: serve messages until every worker has finished. Returns 0."""
     with ended(group):
-        ServerLoop(group, world, ParamServer(world.dp, async_mode, max_staleness)).run()
+        shards = [ParamServer(world.group_workers, async_mode, max_staleness)
+                  for _ in range(world.shard_groups)]
+        ServerLoop(group, world, shards).run()
     return 0
 
 
@@ -86,21 +121,29 @@ def tell_finished(group: dist.ProcessGroup, rank: int, world: PsWorld) -> None:
     """Worker ``rank`` has finished: every server is told (a server ends once every worker has)."""
     finish = Header(Kind.FINISH, worker=rank)
     for k in range(world.servers):
-        wire.wait_sent(wire.send(group, world.dp + k, finish), world.timeout_s)
+        wire.wait_sent(wire.send(group, world.workers + k, finish), world.timeout_s)
+
+
+@dataclass
+class Shard:
+    """One shard group's state on a server: its ``ParamServer`` and what SETUP told it."""
+
+    server: ParamServer
+    shapes: list[torch.Size] = field(default_factory=list)  # in the order its dp rank 0 gave them
+    optim: dict = field(default_factory=dict)  # the optimizer settings (8-bit state shapes read them)
 
 
 class ServerLoop:
     """One server's loop: a message in, the ``ParamServer`` rule it asks for, the answers out."""
 
-    def __init__(self, group: dist.ProcessGroup, world: PsWorld, server: ParamServer):
-        self.group, self.world, self.server = group, world, server
-        self.shapes: list[torch.Size] = []  # this server's parameters, in the order worker 0 gave them
-        self.optim: dict = {}  # the optimizer settings of SETUP (8-bit state shapes read them)
+    def __init__(self, group: dist.ProcessGroup, world: PsWorld, servers: list[ParamServer]):
+        self.group, self.world = group, world
+        self.shards = [Shard(s) for s in servers]  # one per shard group
         self.outgoing: wire.Outgoing = []
         self.awaiting: list[tuple[torch.futures.Future, int, Callable]] = []  # parked pushes
 
     def run(self) -> None:
-        while not self.server.done.is_set():
+        while not all(s.server.done.is_set() for s in self.shards):
             header, src = wire.take_header(wire.post_header(self.group, None, reply=False), SERVER_IDLE_S)
             self.handle(header, src)
             self.answer_ready()
@@ -108,17 +151,20 @@ class ServerLoop:
         wire.wait_sent(self.outgoing, self.world.timeout_s)
 
     def handle(self, h: Header, src: int) -> None:
-        if not (0 <= src < self.world.dp and h.worker == src):
+        if not (0 <= src < self.world.workers and h.worker == src):
             raise ProtocolError(f"a {h.kind.name} message from rank {src} claiming worker {h.worker}")
-        server = self.server
+        shard, worker = self.shards[self.world.shard_group(src)], self.world.dp_index(src)
+        server = shard.server
         if h.kind is Kind.SETUP:
-            self.setup(h, src)
+            self.setup(h, src, shard)
         elif h.kind is Kind.PUSH_SYNC:
-            self.awaiting.append((server.push_sync(src, h.round, self.grads(h, src)), src, _norm_reply))
+            pushed = server.push_sync(worker, h.round, self.grads(h, src, shard))
+            self.awaiting.append((pushed, src, _norm_reply))
         elif h.kind is Kind.APPLY_SYNC:
             self.reply(src, payload=_flat(server.apply_sync(h.round, h.factor, h.lr)))
         elif h.kind is Kind.PUSH_ASYNC:
-            self.awaiting.append((server.push_async(src, self.grads(h, src), h.lr), src, _values_reply))
+            pushed = server.push_async(worker, self.grads(h, src, shard), h.lr)
+            self.awaiting.append((pushed, src, _values_reply))
         elif h.kind is Kind.STATE:
             tensors, step = server.state()
             keys = {name: list(by_key) for name, by_key in tensors.items()}
@@ -127,26 +173,26 @@ class ServerLoop:
         elif h.kind is Kind.UPDATES:
             self.reply(src, value=server.updates())
         elif h.kind is Kind.LOAD:
-            self.load(h, src)
+            self.load(h, src, shard)
         elif h.kind is Kind.FINISH:
-            server.finish(src)
+            server.finish(worker)
         else:
             raise ProtocolError(f"a {h.kind.name} message sent to a server")
 
     def answer_ready(self) -> None:
         """Answer every parked push whose future the last message completed, in arrival order."""
         waiting = []
-        for future, worker, to_reply in self.awaiting:
+        for future, rank, to_reply in self.awaiting:
             if future.done():
-                self.reply(worker, **to_reply(future.value()))
+                self.reply(rank, **to_reply(future.value()))
             else:
-                waiting.append((future, worker, to_reply))
+                waiting.append((future, rank, to_reply))
         self.awaiting = waiting
 
-    def reply(self, worker: int, *, value: float = 0.0, meta: dict | None = None,
+    def reply(self, rank: int, *, value: float = 0.0, meta: dict | None = None,
               payload: torch.Tensor | None = None) -> None:
         header = Header(Kind.REPLY, value=value)
-        self.outgoing += wire.send(self.group, worker, header, meta, payload, reply=True)
+        self.outgoing += wire.send(self.group, rank, header, meta, payload, reply=True)
 
     # -- bodies -----------------------------------------------------------------------------------
 
@@ -156,20 +202,20 @@ class ServerLoop:
     def payload(self, h: Header, src: int, expected: int) -> torch.Tensor:
         return wire.receive_payload(self.group, src, h, expected, self.world.timeout_s, reply=False)
 
-    def grads(self, h: Header, src: int) -> Grads:
-        flat = self.payload(h, src, sum(s.numel() for s in self.shapes))
-        return dict(zip(self.server.params, wire.unflatten(flat, self.shapes), strict=True))
+    def grads(self, h: Header, src: int, shard: Shard) -> Grads:
+        flat = self.payload(h, src, sum(s.numel() for s in shard.shapes))
+        return dict(zip(shard.server.params, wire.unflatten(flat, shard.shapes), strict=True))
 
-    def setup(self, h: Header, src: int) -> None:
-        if src != 0 or self.shapes:
-            raise ProtocolError(f"SETUP from worker {src}: only worker 0 sets a server up, once")
+    def setup(self, h: Header, src: int, shard: Shard) -> None:
+        if self.world.dp_index(src) != 0 or shard.shapes:
+            raise ProtocolError(f"SETUP from worker {src}: only a shard group's dp rank 0 sets it up, once")
         meta = self.meta(h, src)
         names, shapes, optim = meta.get("names"), meta.get("shapes"), meta.get("optim")
         if not (wire.strings(names) and isinstance(shapes, list) and len(shapes) == len(names)
                 and all(_sizes(s) for s in shapes) and isinstance(optim, dict)):
             raise ProtocolError("a SETUP manifest without names, shapes and optimizer settings")
-        self.shapes = [torch.Size(s) for s in shapes]
-        values = wire.unflatten(self.payload(h, src, sum(s.numel() for s in self.shapes)), self.shapes)
+        shard.shapes = [torch.Size(s) for s in shapes]
+        values = wire.unflatten(self.payload(h, src, sum(s.numel() for s in shard.shapes)), shard.shapes)
         if optim.get("name", "adamw") not in ("adamw", "adamw8bit"):
             raise ProtocolError(f"a SETUP for an optimizer the servers do not run: {optim.get('name')!r}")
         settings = {"lr": float(optim["lr"]), "betas": tuple(float(b) for b in optim["betas"]),
@@ -178,19 +224,19 @@ class ServerLoop:
                     "min_8bit_size": int(optim.get("min_8bit_size", 0))}
         if settings["block_size"] < 1:
             raise ProtocolError("a SETUP with an 8-bit block size below 1")
-        self.optim = settings
-        self.server.setup(dict(zip(names, values, strict=True)), settings)
+        shard.optim = settings
+        shard.server.setup(dict(zip(names, values, strict=True)), settings)
         self.reply(src)
 
-    def load(self, h: Header, src: int) -> None:
+    def load(self, h: Header, src: int, shard: Shard) -> None:
         keys = self.meta(h, src).get("keys")
-        shape_of = dict(zip(self.server.params, self.shapes, strict=True))
+        shape_of = dict(zip(shard.server.params, shard.shapes, strict=True))
         if not (isinstance(keys, dict) and set(keys) <= set(shape_of)
                 and all(wire.strings(k) and "param" in k for k in keys.values())):
             raise ProtocolError("a LOAD manifest that names unknown parameters or no values")
-        shapes = [state_shape(k, shape_of[name], self.optim) for name, ks in keys.items() for k in ks]
+        shapes = [state_shape(k, shape_of[name], shard.optim) for name, ks in keys.items() for k in ks]
         tensors = iter(wire.unflatten(self.payload(h, src, sum(s.numel() for s in shapes)), shapes))
-        self.server.load({name: {k: next(tensors) for k in ks} for name, ks in keys.items()}, h.round)
+        shard.server.load({name: {k: next(tensors) for k in ks} for name, ks in keys.items()}, h.round)
         self.reply(src)
 
 
@@ -198,8 +244,10 @@ def _flat(values: Grads) -> torch.Tensor:
     return wire.flatten(list(values.values()))
 
 
-def _norm_reply(norm_sq: float) -> dict:
-    return {"value": norm_sq}
+def _norm_reply(norms_sq: list[float]) -> dict:
+    """The summed gradient's squared norm, and per tensor (in placement order): the client counts
+    a tensor that every tp rank holds (a norm's weight) once in the global norm."""
+    return {"value": math.fsum(norms_sq), "meta": {"norms_sq": norms_sq}}
 
 
 def _values_reply(answer: tuple[Grads, int, int]) -> dict:

@@ -16,7 +16,8 @@ from paratrain.train.trainer import Trainer, TrainResult
 
 
 def ps_world(cfg: Config) -> PsWorld:
-    return PsWorld(cfg.dp, cfg.ps_servers, cfg.parallel.timeout_s)
+    return PsWorld(cfg.dp, cfg.ps_servers, cfg.parallel.timeout_s, tp=cfg.parallel.tp,
+                   pp=cfg.parallel.pp, ep=cfg.parallel.ep)
 
 
 def servers_group(env: DistEnv) -> dist.ProcessGroup:
