@@ -85,6 +85,16 @@ class Blocks:
         return self.start, (*self.count[:-1], self.full(key)[-1])
 
 
+def whole_block_size(shape: tuple[int, ...], tp_dim: int | None, block: int) -> int:
+    """The block size of a whole tensor of ``shape`` whose tp split dim is ``tp_dim`` (Blocks):
+    what a holder of the whole tensor without its record (a parameter server) needs."""
+    pieces = math.gcd(shape[tp_dim], TP_PIECES) if tp_dim is not None else 1
+    if pieces == 1:
+        return block
+    outer = math.prod(shape[:tp_dim])
+    return math.gcd(math.prod(shape) // (outer * pieces), block)
+
+
 def blocks_of(p: torch.Tensor, block: int) -> Blocks:
     """``p``'s ``Blocks`` for the setting ``block`` (see Blocks); a tp slice that is not whole
     pieces is refused (tp must divide gcd(size, 16), as for NF4)."""

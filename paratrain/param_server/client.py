@@ -168,14 +168,16 @@ class ParameterServerClient(Strategy):
         """The servers' optimizer settings (SETUP's ``optim``): torch's AdamW or the 8-bit one."""
         o = self.optim_cfg
         return {"lr": o.lr, "betas": [o.beta1, o.beta2], "eps": o.eps, "weight_decay": o.weight_decay,
-                "name": o.name, "block_size": o.block_size, "min_8bit_size": o.min_8bit_size}
+                "name": o.name, "block_size": o.block_size, "min_8bit_size": o.min_8bit_size,
+                "tp_dims": {n: info_of(p).tp_dim for n, p in self.named_params}}
 
     def setup_servers(self) -> None:
         """Worker 0 gives each server its parameters' names, shapes and initial values, and
         AdamW's settings; all workers then meet, so no gradient reaches a server before its values."""
         if self.mesh.edp.rank == 0:
             manifests = [{"names": [n for n, _ in mine], "shapes": [list(p.shape) for _, p in mine],
-                          "optim": self.server_optim} for mine in self.by_server]
+                          "optim": {**self.server_optim, "tp_dims": {n: info_of(p).tp_dim for n, p in mine}}}
+                         for mine in self.by_server]
             self.wait([self.request(k, Header(Kind.SETUP), manifests[k], wire.flatten([p for _, p in mine]))
                        for k, mine in enumerate(self.by_server)])
         self.workers_meet()
@@ -293,7 +295,7 @@ class ParameterServerClient(Strategy):
         for k, reply in enumerate(replies):
             shape = {n: p.shape for n, p in self.by_server[k]}
             layout = [(name, key) for name, keys in reply.meta["keys"].items() for key in keys]
-            tensors = wire.unflatten(reply.payload, [state_shape(key, shape[name], self.server_optim)
+            tensors = wire.unflatten(reply.payload, [state_shape(key, shape[name], self.server_optim, name)
                                                      for name, key in layout])
             state: dict[str, dict[str, torch.Tensor]] = {}
             for (name, key), t in zip(layout, tensors, strict=True):
@@ -310,7 +312,7 @@ class ParameterServerClient(Strategy):
                 and all(wire.strings(ks) for ks in keys.values())):
             raise wire.ProtocolError(f"a STATE reply with an unexpected manifest from {server_name(k)}")
         optim = self.server_optim
-        return sum(state_shape(key, shape[n], optim).numel() for n, ks in keys.items() for key in ks)
+        return sum(state_shape(key, shape[n], optim, n).numel() for n, ks in keys.items() for key in ks)
 
     def optimizer_step_count(self) -> int:
         return int(self.wait([self.request(0, Header(Kind.UPDATES))])[0].value)
@@ -327,9 +329,10 @@ class ParameterServerClient(Strategy):
                 if info.tied_to:  # the last stage's copy of the tied embedding: its owner lists it
                     continue
                 for key, t in by_key.items():
-                    if key in a8.QUANT_KEYS:  # 8-bit codes and block scales: flat, as one process writes them
+                    if key in a8.QUANT_KEYS:  # 8-bit codes and scales, cut as one process cuts them (Blocks)
                         t = t.to(torch.uint8) if key.endswith(".q") else t
-                        out.append(a8.quantised_piece(info.name or name, key, numel, block, 0, numel, t))
+                        blocks = a8.blocks_of(params[name], block)
+                        out.append(a8.state_piece(info.name or name, key, blocks, 0, numel, t.reshape(-1)))
                     else:
                         out += pieces_of(info, key, t, name=info.name or name)
         return out + self.frozen_pieces() + self.buffer_pieces()
@@ -382,6 +385,6 @@ class ParameterServerClient(Strategy):
         value = torch.zeros(p.shape, dtype=torch.float32)
         read_local(reader, info_of(p), full, "param", value)
         o = self.optim_cfg
-        state = a8.read_param_state(reader, full, tuple(p.shape), 0, p.numel(), block=o.block_size,
+        state = a8.read_param_state(reader, full, p, 0, p.numel(), block=o.block_size,
                                     quantised=p.numel() >= o.min_8bit_size)
         return {"param": value, **(state or {})}

@@ -41,18 +41,20 @@ import torch.nn as nn
 import paratrain.faults as faults
 from paratrain.base.strategy import adamw_param_groups
 from paratrain.optim import adamw8bit as a8
+from paratrain.sharding import ParamInfo, TensorShard, set_info
 
 Grads = dict[str, torch.Tensor]
 
 
-def state_shape(key: str, shape: torch.Size, optim: dict) -> torch.Size:
+def state_shape(key: str, shape: torch.Size, optim: dict, name: str = "") -> torch.Size:
     """The shape of a parameter's optimizer tensor ``key`` in messages (STATE replies, LOAD
     requests), from the settings both sides hold (SETUP's ``optim``): the parameter's own, or for
-    the 8-bit store's codes and block scales a flat run (optim/adamw8bit.py's flat layout)."""
+    the 8-bit store's codes and block scales a flat run of the tensor's own blocks (cut along its tp
+    pieces as one process cuts them: ``optim["tp_dims"]``, optim/adamw8bit.py ``Blocks``)."""
     if key not in a8.QUANT_KEYS:
         return shape
-    numel = math.prod(shape)
-    return torch.Size([a8.key_range(key, 0, numel, int(optim["block_size"]))[1]])
+    block = a8.whole_block_size(tuple(shape), optim.get("tp_dims", {}).get(name), int(optim["block_size"]))
+    return torch.Size([a8.key_range(key, 0, math.prod(shape), block)[1]])
 
 
 @dataclass
@@ -93,6 +95,8 @@ class ParamServer:
         with self.lock:
             self.params = {n: nn.Parameter(v.detach().float().clone(), requires_grad=False)
                            for n, v in values.items()}
+            for n, p in self.params.items():  # the tp dim one process's 8-bit blocks are cut along
+                set_info(p, ParamInfo(n, TensorShard(tuple(p.shape)), tp_dim=optim.get("tp_dims", {}).get(n)))
             groups = adamw_param_groups(list(self.params.items()), optim["weight_decay"])
             hyper = {"lr": optim["lr"], "betas": optim["betas"], "eps": optim["eps"]}
             if optim.get("name") == "adamw8bit":

@@ -221,7 +221,8 @@ class ServerLoop:
         settings = {"lr": float(optim["lr"]), "betas": tuple(float(b) for b in optim["betas"]),
                     "eps": float(optim["eps"]), "weight_decay": float(optim["weight_decay"]),
                     "name": optim.get("name", "adamw"), "block_size": int(optim.get("block_size", 1)),
-                    "min_8bit_size": int(optim.get("min_8bit_size", 0))}
+                    "min_8bit_size": int(optim.get("min_8bit_size", 0)),
+                    "tp_dims": _tp_dims(optim.get("tp_dims", {}), names, shard.shapes)}
         if settings["block_size"] < 1:
             raise ProtocolError("a SETUP with an 8-bit block size below 1")
         shard.optim = settings
@@ -234,10 +235,19 @@ class ServerLoop:
         if not (isinstance(keys, dict) and set(keys) <= set(shape_of)
                 and all(wire.strings(k) and "param" in k for k in keys.values())):
             raise ProtocolError("a LOAD manifest that names unknown parameters or no values")
-        shapes = [state_shape(k, shape_of[name], shard.optim) for name, ks in keys.items() for k in ks]
+        shapes = [state_shape(k, shape_of[name], shard.optim, name) for name, ks in keys.items() for k in ks]
         tensors = iter(wire.unflatten(self.payload(h, src, sum(s.numel() for s in shapes)), shapes))
         shard.server.load({name: {k: next(tensors) for k in ks} for name, ks in keys.items()}, h.round)
         self.reply(src)
+
+
+def _tp_dims(dims: object, names: list[str], shapes: list[torch.Size]) -> dict[str, int | None]:
+    """SETUP's ``tp_dims`` (each tensor's tp split dim, or None), checked: a dim of its own shape."""
+    rank_of = dict(zip(names, (len(s) for s in shapes), strict=True))
+    if not (isinstance(dims, dict) and set(dims) <= set(rank_of)
+            and all(d is None or (isinstance(d, int) and 0 <= d < rank_of[n]) for n, d in dims.items())):
+        raise ProtocolError("a SETUP whose tp_dims name unknown parameters or dims they do not have")
+    return dict(dims)
 
 
 def _flat(values: Grads) -> torch.Tensor:
