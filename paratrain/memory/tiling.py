@@ -205,9 +205,9 @@ def apply_tiling(model: nn.Module, n_tiles: int, loss_sum: Callable = cross_entr
         mlp.forward = lambda x, _m=mlp, _f=inner: tiled_rows(_m, _f, x, n_tiles)
     if not head:
         return loss_sum
-    lm_head = model.get_submodule(family.head)
-    loss = TiledHeadLoss(lm_head, n_tiles, loss_sum, _after_head(model, family.after, family.head))
-    lm_head.forward = _identity  # the head runs inside the tiled loss
+    head_module = model.get_submodule(family.head)
+    loss = TiledHeadLoss(head_module, n_tiles, loss_sum, _after_head(model, family.after, family.head))
+    head_module.forward = _identity  # the head runs inside the tiled loss
     return loss
 
 
