@@ -23,19 +23,16 @@ to 1e-10 (relative Frobenius), while another mask on one rank or a missing tp su
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from paratrain import config
 from paratrain.engine import checks
 from paratrain.models.lora import LoRADropout
 from paratrain.train.task import build_task
-from paratrain.train.trainer import Trainer
 from tests.dist import run
 from tests.harness import FP32_REORDERED, TINY, RunResult, assert_same_training, run_layout, tiny_cfg
+from tests.test_lora_float64 import _fit_float64
 
 SMALL = {"model.n_layers": 1, "train.steps": 2, "train.global_batch": 4, "data.seq_len": 16}
 # Every linear adapted, the LM head included (the vocabulary-parallel variant).
@@ -104,16 +101,6 @@ def test_the_adapted_vocabulary_head_pads_like_the_base():
             for name, p in layer.named_parameters():
                 p.copy_(shard_of(p).slice(head[0].get_parameter(name)))
         torch.testing.assert_close(layer(x), want[rank], rtol=1e-12, atol=1e-12)
-
-
-def _fit_float64(env, runs: list[dict]) -> list:
-    torch.set_default_dtype(torch.float64)
-    out = []
-    for d in runs:
-        result = Trainer(config.Config.from_dict(d), env).fit()
-        if env is None or env.rank == 0:
-            out.append((result.losses, load_file(Path(d["train"]["out"]) / "adapters.safetensors")))
-    return out
 
 
 @pytest.fixture(scope="module")
