@@ -47,12 +47,23 @@ def _library(env, folder: str, layout: str) -> list[str]:
     return _generate(model, folder, par)
 
 
+def _every_layout(env, folder: str) -> dict[str, list[str]]:
+    """Each layout in turn in the same two workers (one launch: each spawn costs seconds)."""
+    return {layout: _library(env, folder, layout) for layout in LAYOUTS}
+
+
+@pytest.fixture(scope="module")
+def generated(hf_folder) -> tuple[list[str], list[dict[str, list[str]]]]:
+    want = _generate(load_model(None, str(hf_folder)).double(), str(hf_folder))
+    return want, run(_every_layout, 2, str(hf_folder), timeout=300)
+
+
 @pytest.mark.composes(("generation", "zero3"), case="zero3")
 @pytest.mark.composes(("generation", "sp"), case="tp-sp")
 @pytest.mark.composes(("generation", "interleaved"), case="pp-virtual")
 @pytest.mark.composes(("generation", "zbv"), case="pp-zbv")
 @pytest.mark.composes(("generation", "tp"), case="tp-user-plan")
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_library_generate_equals_one_process(hf_folder, layout):
-    want = _generate(load_model(None, str(hf_folder)).double(), str(hf_folder))
-    assert run(_library, 2, str(hf_folder), layout, timeout=120) == [want, want]
+def test_library_generate_equals_one_process(generated, layout):
+    want, per_rank = generated
+    assert [got[layout] for got in per_rank] == [want, want]
