@@ -54,6 +54,18 @@ def _fit_float64(env, runs: list[dict]) -> list:
     return out
 
 
+def one_process_float64(ref_cfg: config.Config) -> tuple:
+    """The one-process reference of ``ref_cfg`` in float64 (the default dtype restored after),
+    its data tokenized here so that the workers map the cache."""
+    checks.validate(ref_cfg, 1)
+    build_task(ref_cfg)
+    default = torch.get_default_dtype()
+    try:
+        return _fit_float64(None, [ref_cfg.to_dict()])[0]
+    finally:
+        torch.set_default_dtype(default)
+
+
 @pytest.fixture(scope="module")
 def user_run(tmp_path_factory, tok_dir):  # noqa: F811
     from tests.hf_models import save_hf
@@ -70,14 +82,7 @@ def user_run(tmp_path_factory, tok_dir):  # noqa: F811
                                   "data.cache_dir": str(tmp / "cache"), "train.out": str(tmp / name),
                                   **layout})
 
-    ref_cfg = cfg("one_process")
-    checks.validate(ref_cfg, 1)
-    build_task(ref_cfg)  # tokenize once, here; the workers map the cache
-    default = torch.get_default_dtype()
-    try:
-        ref = _fit_float64(None, [ref_cfg.to_dict()])[0]
-    finally:
-        torch.set_default_dtype(default)
+    ref = one_process_float64(cfg("one_process"))
     got = {}
     for nproc, layouts in LAYOUTS.items():
         cfgs = [cfg(name, **layout) for name, layout in layouts.items()]

@@ -29,10 +29,9 @@ from safetensors.torch import load_file
 
 from paratrain.engine import checks
 from paratrain.models.lora import LoRADropout
-from paratrain.train.task import build_task
 from tests.dist import run
 from tests.harness import FP32_REORDERED, TINY, RunResult, assert_same_training, run_layout, tiny_cfg
-from tests.test_lora_float64 import _fit_float64
+from tests.test_lora_float64 import _fit_float64, one_process_float64
 
 SMALL = {"model.n_layers": 1, "train.steps": 2, "train.global_batch": 4, "data.seq_len": 16}
 # Every linear adapted, the LM head included (the vocabulary-parallel variant).
@@ -106,14 +105,7 @@ def test_the_adapted_vocabulary_head_pads_like_the_base():
 @pytest.fixture(scope="module")
 def tp_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("loratp")
-    ref_cfg = tiny_cfg(tmp / "ref", **DROP_KV1)
-    checks.validate(ref_cfg, 1)
-    build_task(ref_cfg)  # tokenize once, here; the workers map the cache
-    default = torch.get_default_dtype()
-    try:
-        ref = _fit_float64(None, [ref_cfg.to_dict()])[0]
-    finally:
-        torch.set_default_dtype(default)
+    ref = one_process_float64(tiny_cfg(tmp / "ref", **DROP_KV1))
     cfgs = [tiny_cfg(tmp / name, **DROP_KV1, **layout) for name, layout in TP_LAYOUTS.items()]
     for c in cfgs:
         checks.validate(c, 2)
