@@ -42,6 +42,15 @@ def test_cp_method_auto_takes_the_planners_cheaper_method(tmp_path, capsys, cp, 
     assert f"--cp-method auto chose {chosen} for cp {cp}" in capsys.readouterr().out
 
 
+def test_only_rank_0_says_what_auto_chose(tmp_path, capsys, monkeypatch):
+    """Under torchrun every rank settles the method (the same arithmetic): rank 0 alone prints it."""
+    cfg = tiny_cfg(tmp_path, **{"model.name": "llama-7b", "data.seq_len": 8192, "parallel.cp": 4,
+                                "parallel.nproc": 4, "parallel.cp_method": "auto", "train.global_batch": 1})
+    monkeypatch.setenv("RANK", "1")
+    assert cp_method.settle_cp_method(cfg, H100).parallel.cp_method == "ring"
+    assert "auto chose" not in capsys.readouterr().out
+
+
 def test_train_hands_the_workers_an_explicit_method_and_run_json_says_why(tmp_path, monkeypatch):
     """`paratrain train --cp 2 --cp-method auto`: the config the workers get (and run.json records)
     carries ring or alltoall, never auto, with the reason (on the nominal CPU: no calibration)."""

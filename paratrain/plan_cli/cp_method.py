@@ -10,6 +10,8 @@ measurement could differ between them).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from paratrain.config import Config
@@ -34,8 +36,9 @@ def settle_cp_method(cfg: Config, cluster: Cluster | None = None, *, measured: b
         return cfg
     method, why = cp_method_choice(cfg, cluster or run_machine(cfg.world_size, measured=measured))
     p.cp_method, p.cp_method_why = method, why
-    print(f"paratrain: --cp-method auto chose {method} for cp {p.cp} at {cfg.data.seq_len:,} positions "
-          f"-- {why}", flush=True)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank settles it: say it once
+        print(f"paratrain: --cp-method auto chose {method} for cp {p.cp} at {cfg.data.seq_len:,} positions "
+              f"-- {why}", flush=True)
     return cfg
 
 
