@@ -274,26 +274,37 @@ def rank_layers(counts: list[int], pp: int) -> list[int]:
     return [sum(counts[j] for j in range(r, len(counts), pp)) for r in range(pp)]
 
 
+def chunk_params(c: ModelShape, tp: int, pp: int, v: int = 1, counts: list[int] | None = None,
+                 ep: int = 1, v_shape: bool = False) -> list[int]:
+    """Local parameter count of each (virtual) stage, in model order: its blocks (MoE ones with their
+    E / ep local experts), the embedding on the first, the final norm and head on the last (a tied
+    head adds nothing when the last stage sits on rank 0, pp 1 or a V: it is the embedding)."""
+    sizes = chunk_sizes(c.n_layers, pp, v, counts)
+    moe_extra = layer_params_local(c, tp, moe=True, ep=ep) - layer_params_local(c, tp)
+    out, start = [], 0
+    for j, size in enumerate(sizes):
+        # is_moe_block: a mixture-of-experts shape's placement (LlamaConfig's ``moe_every``)
+        n_moe = sum(c.is_moe_block(i) for i in range(start, start + size)) if c.n_moe_layers else 0
+        count = size * layer_params_local(c, tp) + n_moe * moe_extra
+        if j == 0:
+            count += embedding_params_local(c, tp)
+        if j == len(sizes) - 1:
+            tied_here = c.tie_embeddings and chunk_rank(j, pp, v_shape) == 0
+            count += norm_params(c) + (0 if tied_here else vocab_local(c, tp) * c.dim)
+        out.append(count)
+        start += size
+    return out
+
+
 def stage_params(c: ModelShape, tp: int, pp: int, v: int = 1, counts: list[int] | None = None,
                  ep: int = 1, v_shape: bool = False) -> list[int]:
-    """Local parameter count of each pipeline rank (embedding on the first stage's rank, norm + head
-    on the last stage's: rank pp - 1, or rank 0 in a V (``v_shape``); a tied head is a second copy
-    when the two stages are on two ranks; MoE blocks with their E / ep local experts)."""
-    emb = vocab_local(c, tp) * c.dim
+    """Local parameter count of each pipeline rank: its (virtual) stages' ``chunk_params`` (the
+    embedding on the first stage's rank, norm + head on the last stage's: rank pp - 1, or rank 0 in
+    a V (``v_shape``); a tied head is a second copy when the two stages are on two ranks)."""
     per_rank = [0] * pp
-    for j, size in enumerate(chunk_sizes(c.n_layers, pp, v, counts)):
-        per_rank[chunk_rank(j, pp, v_shape)] += size
-    last = chunk_rank(pp * v - 1, pp, v_shape) if not counts else chunk_rank(len(counts) - 1, pp, v_shape)
-    moe_extra = layer_params_local(c, tp, moe=True, ep=ep) - layer_params_local(c, tp)
-    out = []
-    for r, (n, n_moe) in enumerate(zip(per_rank, stage_moe_layers(c, pp, v, counts, v_shape))):
-        count = n * layer_params_local(c, tp) + n_moe * moe_extra
-        if r == 0:
-            count += embedding_params_local(c, tp)
-        if r == last:
-            count += norm_params(c) + (0 if (c.tie_embeddings and last == 0) else emb)
-        out.append(count)
-    return out
+    for j, n in enumerate(chunk_params(c, tp, pp, v, counts, ep, v_shape)):
+        per_rank[chunk_rank(j, pp, v_shape)] += n
+    return per_rank
 
 
 # -- activations ----------------------------------------------------------------------------------
@@ -530,7 +541,8 @@ def device_memory(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster,
             per_mb += output_activation_bytes(c, seq, lay.micro_batch, tp=lay.tp, sp=lay.sp,
                                               precision=tr.precision)
         acts = per_mb * in_flight(lay.schedule, lay.pp, m, lay.v, rank)
-        accumulated = 0.0 if tr.lora_rank else max(0.0, held_grad_bytes(psi, lay, sb, m) - states["grads"])
+        held = held_grad_params(c, tr, lay, m, rank, counts)
+        accumulated = 0.0 if tr.lora_rank else max(0.0, held_grad_bytes(held, lay, sb, m) - states["grads"])
         mem = Memory(params=states["params"], grads=states["grads"], optim=states["optim"],
                      activations=acts, comm_buffers=comm_buffer_bytes(c, tr, lay, sb, psi),
                      transient=transient_bytes(c, tr, lay, rank) + accumulated,
@@ -546,11 +558,49 @@ def held_grad_bytes(psi: float, lay: Layout, sb: StateBytes, m: int) -> float:
     """Gradient bytes a rank holds at the step's peak. ZeRO-2/3 keep their 1/N shard, except inside a
     pipeline schedule of m > 1 micro-batches: each stage's full gradients accumulate across the
     schedule and are reduce-scattered once per step, after each parameter's last B or W
-    (docs/pipeline_parallel.md), so before the first reduction the rank holds all ``psi`` of them
-    (the runtime's ``zero_grads_held_bytes``). Otherwise the model state's gradients."""
+    (docs/pipeline_parallel.md), so before a stage's reduction the rank holds all of them: ``psi``,
+    the parameters whose gradients are held at once (``held_grad_params``; the runtime's
+    ``zero_grads_held_bytes``). Otherwise the model state's gradients."""
     if lay.zero >= 2 and lay.pp > 1 and m > 1:
         return psi * held_state_bytes(sb, lay.zero).grads
     return model_state_bytes(psi, 0.0, lay, sb)["grads"]
+
+
+def held_grad_params(c: ModelShape, tr: Training, lay: Layout, m: int, rank: int,
+                     counts: list[int] | None = None) -> float:
+    """Parameters of pipeline rank ``rank`` whose full gradients are held at once at the step's peak
+    (``held_grad_bytes`` prices them). Each stage reduces at its own last B or W, the rank's later
+    stage first (the last micro-batch's backward runs down the stages). A rank with several stages
+    holds them all at once when its earlier stages have begun their backward by then
+    (``earlier_stages_started``); otherwise the later stage's gradients are freed before the
+    earlier's exist, and the peak is the largest stage alone -- under ZeRO-3, whose units are a
+    stage's own modules. ZeRO-2's buckets fill in the rank's backward order across its stages
+    (zero/optimizer.py ``_bucketed``), so a bucket straddles each boundary between two stages and
+    waits for the earlier stage: up to one bucket more per boundary (``tr.bucket_mb``)."""
+    chunks = [n for j, n in enumerate(chunk_params(c, lay.tp, lay.pp, lay.v, counts, lay.ep, lay.v_shape))
+              if chunk_rank(j, lay.pp, lay.v_shape) == rank]
+    if len(chunks) == 1 or earlier_stages_started(lay, m, rank, c.tie_embeddings):
+        return sum(chunks)
+    straddling = 0.0
+    if lay.zero == 2:
+        bucket = tr.bucket_mb * 2**20 / held_state_bytes(state_bytes_per_param(tr.precision), 2).grads
+        straddling = (len(chunks) - 1) * bucket
+    return min(sum(chunks), max(chunks) + straddling)
+
+
+def earlier_stages_started(lay: Layout, m: int, rank: int, tied: bool = False) -> bool:
+    """Whether rank ``rank``'s earlier stages have run a backward (B, or B and W) before its last stage's
+    reduction, read off the schedules' action lists (pipeline/schedules*.py; tests/test_pipeline_zero.py
+    checks this rule against them for p <= 8). Interleaved: micro-batch 0's backward reaches the
+    rank's earlier chunk after its later chunk's last backward when m = p, before it when m >= 2p.
+    ZBV: when m > p - rank (rank 0, whose V turns at its far end, waits longest). DualPipeV runs
+    m >= 2p: always. A V's rank 0 with a tied embedding and head: the two stages share the
+    parameter, so the executor lets them reduce together, at the very last gradient (_sync_points)."""
+    if lay.v_shape and tied and rank == 0:
+        return True
+    if lay.v_shape:
+        return m > lay.pp - rank
+    return m > lay.pp
 
 
 def model_state_bytes(dense: float, experts: float, lay: Layout, sb: StateBytes) -> dict[str, float]:

@@ -331,7 +331,7 @@ class Zero3(UnitHooks, ShardedState, Strategy):
 
     def _reduce(self, u: Unit) -> None:
         """Pack the unit's gradients, free them, reduce-scatter (async) into our shard."""
-        self.note_first_reduction()
+        self.note_held_grads()
         u.grad_flat = u.layout.flatten([p.grad for p in u.layout.params], self.reduce_dtype, self.mesh.device)
         for p in u.layout.params:
             p.grad = None

@@ -280,7 +280,7 @@ class Zero2(ShardedState, ZeroDP):
 
     def _reduce(self, b: _Bucket, i: int) -> None:
         """Pack the bucket's gradients, free them, launch the reduce-scatter (async)."""
-        self.note_first_reduction()
+        self.note_held_grads()
         b.grad_flat = b.layout.flatten([p.grad for p in b.layout.params], self.reduce_dtype, self.mesh.device)
         for p in b.layout.params:
             p.grad = None

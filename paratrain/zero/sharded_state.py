@@ -46,19 +46,22 @@ class ShardedState:
     #: The one flat shard of state ``_shard_range`` holds while the writer reads it: (key, tensor).
     _shard_cache: tuple[tuple[int, str], torch.Tensor] | None = None
 
-    #: Gradient bytes held (the parameters' full ``.grad``) when the step's first reduction began:
-    #: under accumulation (a pipeline schedule, m > 1) the step's gradient peak, since every
-    #: parameter holds its sum of the earlier micro-batches by then (planner: held_grad_bytes).
+    #: Gradient bytes held (the parameters' full ``.grad``) at their peak over the step: under
+    #: accumulation (a pipeline schedule, m > 1) every parameter holds its sum of the earlier
+    #: micro-batches until its own reduction (planner: held_grad_bytes). Counted at every reduction
+    #: of the step, not only the first: each reduction frees what it packs, so the peak is just
+    #: before one of them, and on a rank with two stages (a V) the later one may hold more (its
+    #: stage reduces after the other stage's gradients are already freed).
     grads_held_bytes = 0
-    _grads_noted = False
+    _grads_noted = False  # whether grads_held_bytes is this step's yet (zero_grad rearms)
 
-    def note_first_reduction(self) -> None:
-        """Count the full gradients held, once per step (at its first reduction; zero_grad rearms)."""
-        if self._grads_noted:
-            return
+    def note_held_grads(self) -> None:
+        """Before a reduction packs and frees gradients: the full gradients held now, kept if the
+        step's largest so far."""
+        held = sum(p.grad.numel() * p.grad.element_size() for layout in self.layouts
+                   for p in layout.params if p.grad is not None)
+        self.grads_held_bytes = max(held, self.grads_held_bytes) if self._grads_noted else held
         self._grads_noted = True
-        self.grads_held_bytes = sum(p.grad.numel() * p.grad.element_size() for layout in self.layouts
-                                    for p in layout.params if p.grad is not None)
 
     def over_replicas(self, layout: FlatLayout, grad_shard: torch.Tensor) -> object:
         """Launch HSDP's all-reduce of ``grad_shard`` across the replicas (zero/flat.py), unless
