@@ -11,7 +11,8 @@ edp_replicate) run in one 4-rank launch; the references in one 2-rank launch.
 
 Shared memory (comm/host_reduce.py): --dp-reduce shm at dp 4 ep 2 sums the dense buckets through
 one segment per rank over dp and the expert buckets through another over each edp group; it must
-train as one process (with selective recompute).
+train as one process (with selective recompute); so does tiny-moe at dp 2 x tp 2 with sequence
+parallelism, the experts replicated, through shared memory over dp.
 
 Every comparison sums fp32 in another order (ranks, the all-to-all, the averaging's all-reduce):
 tests/harness.py's FP32_REORDERED criterion, AdamW's isolated sign flips included.
@@ -39,6 +40,9 @@ SPLIT = {  # 4 ranks: 2 replicas of one ep group each; name -> (its flags, the 2
     "diloco_hsdp_zero1": ({**DP4_EP2, **DILOCO, "parallel.zero": 1, "parallel.dp_replicate": 2}, "diloco"),
     # against one process; selective recompute folded in (its backward re-runs the dispatch)
     "shm": ({**DP4_EP2, "parallel.dp_reduce": "shm", "train.recompute": "selective"}, None),
+    # and with the experts replicated inside a tp2 + sp split of each replica (dp 2)
+    "shm_tp2_sp": ({"parallel.dp": 2, "parallel.tp": 2, "parallel.sp": True, "parallel.dp_reduce": "shm"},
+                   None),
 }
 WHOLE = {"whole_local": {"parallel.dp": 2, **LOCAL}, "whole_diloco": {"parallel.dp": 2, **DILOCO}}  # 2 ranks
 
@@ -74,11 +78,14 @@ def test_ep_replicas_average_as_whole_replicas(runs, name):
     assert {"exp_avg", "exp_avg~replica1"} <= set(index["layers.0.mlp.experts.1.down.weight"])
 
 
-@pytest.mark.composes(("ddp-shm", "ep"), ("ddp-shm", "moe"), ("ddp-shm", "recompute"))
-def test_shared_memory_sum_with_experts_equals_one_process(runs):
-    losses, weights, rows = runs["shm"]
+@pytest.mark.parametrize("name", ["shm", "shm_tp2_sp"])
+@pytest.mark.composes(("ddp-shm", "ep"), ("ddp-shm", "moe"), ("ddp-shm", "recompute"), case="shm")
+@pytest.mark.composes(("ddp-shm", "tp", "sp", "moe"), case="shm_tp2_sp")
+def test_shared_memory_sum_with_experts_equals_one_process(runs, name):
+    losses, weights, rows = runs[name]
     assert rows[0]["layout"]["dp_reduce"] == "shm"  # the buckets went through shared memory
-    assert rows[0]["comm_by_axis"].get("edp", 0) > 0  # the experts' buckets summed over edp
+    if name == "shm":
+        assert rows[0]["comm_by_axis"].get("edp", 0) > 0  # the experts' buckets summed over edp
     assert_same_training(RunResult(losses, weights), runs["one"], **FP32_REORDERED)
 
 
