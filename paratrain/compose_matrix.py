@@ -96,13 +96,15 @@ PROBES: dict[str, Callable[[Config], None] | None] = {
 
 def _settle(cfg: Config) -> None:
     """What a pair's two changes need together to be a valid run: ZeRO under an offload or a
-    hybrid layout, replicas to average under ZeRO."""
+    hybrid layout, replicas to average under ZeRO or expert parallelism."""
     p = cfg.parallel
     averaging = p.sync in AVERAGING
     if p.zero == 0 and (p.offload != "none" or (p.dp_replicate > 1 and not averaging)):
         p.zero = 1
     if averaging and p.zero >= 1 and p.dp_replicate == 1:
         p.dp, p.dp_replicate = 4, 2
+    if averaging and p.ep > 1 and p.dp_replicate == 1 and p.dp < 2 * p.ep:
+        p.dp = 2 * p.ep  # a replica is one ep group: two of them
 
 
 def probe(features: tuple[str, ...]) -> tuple[Config, list[str]]:

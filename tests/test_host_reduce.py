@@ -94,7 +94,7 @@ def _grads_worker(env) -> dict:
         strategy.after_backward()
         out[reduce] = (strategy.reduce, len(strategy.buckets), [p.grad.clone() for p in model.parameters()])
         strategy.finish()  # stops the reducer's thread; the next bucket starts it again
-        assert strategy.host is None or strategy.host._thread is None
+        assert strategy.host is None or not strategy.host.running
         strategy.zero_grad()
         model(torch.randn(5, 8)).pow(2).sum().backward()
         strategy.after_backward()

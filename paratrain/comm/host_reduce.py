@@ -271,3 +271,67 @@ class HostReducer:
             self._thread.join()
             self._thread = None
 
+
+
+class GroupedHostReducer:
+    """Buckets that sum over different groups, each through its group's shared memory: DDP's dense
+    buckets over dp and an expert-parallel expert's over edp (the ranks holding the same experts),
+    one ``HostReducer`` (one segment per rank) per group. A group of one rank has nothing to sum:
+    its buckets are plain tensors and ``reduce_async`` returns None for them, as the collective does.
+
+    ``axes[i]`` is bucket ``i``'s group; buckets are launched in the same order on every rank, so
+    each group's reducer sees its own buckets in one order, and the groups never wait on each other
+    (a reducer's barrier waits only for its group's ranks, which launch every bucket they hold).
+    Construction is collective over every axis, in the order they first appear in ``axes``.
+    """
+
+    def __init__(self, axes: list[Axis], specs: list[tuple[int, torch.dtype]], timeout_s: float = 600.0):
+        groups: dict[str, list[int]] = {}
+        for i, axis in enumerate(axes):
+            groups.setdefault(axis.name, []).append(i)
+        self.reducers: dict[str, HostReducer] = {}
+        self._where: list[tuple[str, int]] = [("", 0)] * len(specs)  # bucket -> (its group, index there)
+        self.buffers: list[torch.Tensor] = [torch.empty(0)] * len(specs)
+        for name, index in groups.items():
+            axis = axes[index[0]]
+            if axis.active:
+                self.reducers[name] = HostReducer(axis, [specs[i] for i in index], timeout_s)
+            for j, i in enumerate(index):
+                self._where[i] = (name, j)
+                numel, dtype = specs[i]
+                self.buffers[i] = (self.reducers[name].buffers[j] if axis.active
+                                   else torch.zeros(numel, dtype=dtype))
+
+    @staticmethod
+    def usable(axes: list[Axis], device: torch.device, specs: list[tuple[int, torch.dtype]]) -> bool:
+        """``usable`` for every group of more than one rank (collective over each, in order)."""
+        sizes: dict[str, tuple[Axis, int]] = {}
+        for axis, (numel, dtype) in zip(axes, specs):
+            held = sizes.get(axis.name, (axis, 0))[1]
+            sizes[axis.name] = (axis, held + numel * dtype.itemsize)
+        return all([usable(axis, device, total) for axis, total in sizes.values() if axis.active])
+
+    def reduce_async(self, i: int, what: str | None = None) -> Handle | None:
+        """Start summing bucket ``i`` over its group (None: a group of one, nothing to sum)."""
+        name, j = self._where[i]
+        reducer = self.reducers.get(name)
+        return reducer.reduce_async(j, what) if reducer is not None else None
+
+    @property
+    def running(self) -> bool:
+        """Whether a group's background thread is alive (it starts with the first bucket)."""
+        return any(r._thread is not None for r in self.reducers.values())
+
+    @property
+    def trace(self) -> list[dict] | None:
+        return next((r.trace for r in self.reducers.values()), None)
+
+    @trace.setter
+    def trace(self, events: list[dict] | None) -> None:
+        """Every group's phases into ``events`` (bench ddp --timeline; bucket indices per group)."""
+        for r in self.reducers.values():
+            r.trace = events
+
+    def close(self) -> None:
+        for r in self.reducers.values():
+            r.close()

@@ -15,12 +15,22 @@ every H steps (Stich, "Local SGD converges fast and communicates little", 2019; 
 so the bytes between replicas fall H-fold. With outer SGD at lr 1 and no momentum DiLoCo is local
 SGD (θ_start − (θ_start − mean) = mean).
 
-The replicas are the ranks of one mesh axis, chosen in ``replica_axis``: dp today (every
+The replicas are the ranks of one mesh axis, chosen in ``replica_axis``: dp (every
 data-parallel rank is a replica holding the whole model or its tp/pp part; each rank averages its
 part with the ranks holding the same part), dp_replicate under hybrid sharding (a replica is then
 dp_shard ranks, which still sum their gradients every step inside the replica: ``inner_axis``, the
 seam that hybrid sharding's strategies plug into). With ZeRO inside each such replica the same
 ``Averager`` runs over ZeRO's master shards: engine/zero_averaging.py.
+
+Expert parallelism (--ep) spreads one replica's experts over ep ranks, so a replica is a group of
+ranks even without hybrid sharding, defined as HSDP x EP defines it (mesh.py): a replica is the ep
+ranks of one ep group (dp_shard = ep), every expert held once in it. A dense parameter's gradient
+is summed over the ep group every step (inside the replica) and the parameter averaged over edp
+(the ranks of the other replicas at the same ep index); an expert's gradient is already the
+replica's (the all-to-all brought it every token of the ep group) and the expert is averaged over
+edp (the ranks holding it in the other replicas). Under hybrid sharding with experts: dense over
+dp_shard inside and dp_replicate across, experts over edp_shard inside and edp_replicate across.
+Each parameter's pair of axes comes from its ``ParamInfo.dp_axis``.
 
 When is it DDP? At H = 1 averaging the parameters after one inner step equals averaging the
 gradients only when the inner update is linear in the gradient: SGD, with or without momentum and
@@ -79,24 +89,38 @@ class SyncPlan:
         return cls(parallel.sync, parallel.sync_every, **outer)
 
 
-def replica_axis(mesh: ParallelMesh) -> Axis:
-    """The axis whose ranks are the replicas that average: dp_replicate under hybrid sharding, else
-    dp (every data-parallel rank its own replica)."""
-    return mesh.dp_replicate if mesh.shape.dp_replicate > 1 else mesh.dp
+def replica_axis(mesh: ParallelMesh, dp_axis: str = "dp") -> Axis:
+    """The axis across which a parameter is averaged, one rank per replica, for a parameter
+    reduced over ``dp_axis`` (ParamInfo.dp_axis: dp, or edp for an expert): dp_replicate (or
+    edp_replicate) under hybrid sharding; edp under expert parallelism (a replica is one ep group;
+    the rank at the same ep index in each other replica holds the same dense part and experts);
+    else dp (every data-parallel rank its own replica)."""
+    if mesh.shape.dp_replicate > 1:
+        return getattr(mesh, f"{dp_axis}_replicate")
+    return mesh.edp if mesh.shape.ep > 1 else mesh.dp
 
 
-def inner_axis(mesh: ParallelMesh) -> Axis | None:
-    """The data-parallel ranks inside one replica, which sum their gradients every step (None: a
-    replica is one data-parallel rank)."""
-    return mesh.dp_shard if mesh.shape.dp_replicate > 1 else None
+def inner_axis(mesh: ParallelMesh, dp_axis: str = "dp") -> Axis | None:
+    """The ranks inside one replica that sum this parameter's gradient every step (None: no other
+    rank of the replica holds it). For a dense parameter (``dp_axis`` dp) these are the replica's
+    ranks: dp_shard under hybrid sharding, the ep group under expert parallelism."""
+    if mesh.shape.dp_replicate > 1:
+        inner = getattr(mesh, f"{dp_axis}_shard")
+    elif mesh.shape.ep > 1 and dp_axis == "dp":
+        inner = mesh.ep
+    else:
+        return None
+    return inner if inner.active else None
 
 
 class Averager:
-    """The periodic averaging of ``named`` parameters over ``axis`` (one replica per rank of it)."""
+    """The periodic averaging of ``named`` parameters over ``axis`` (one replica per rank of it),
+    or each over its own axis of the list ``axis`` (an expert over the ranks holding it)."""
 
-    def __init__(self, named: list[tuple[str, nn.Parameter]], axis: Axis, plan: SyncPlan, *,
+    def __init__(self, named: list[tuple[str, nn.Parameter]], axis: Axis | list[Axis], plan: SyncPlan, *,
                  device: torch.device | None = None):
-        self.named, self.axis, self.plan = named, axis, plan
+        self.named, self.plan = named, plan
+        self.axes = list(axis) if isinstance(axis, list) else [axis] * len(named)
         # Where the sums run: the collective's device (an offloaded master lives on the host, and
         # NCCL reduces device tensors only); None: where the tensors are.
         self.device = device
@@ -157,15 +181,17 @@ class Averager:
         self.sync_s = time.perf_counter() - began
 
     def mean(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The mean over the replicas of each tensor: one flat SUM all-reduce per dtype, divided by
-        the number of replicas (a sum then one division: in float64 the hand computation's order)."""
+        """The mean over the replicas of each tensor: one flat SUM all-reduce per (axis, dtype),
+        divided by the number of replicas (a sum then one division: in float64 the hand
+        computation's order)."""
         out: list[torch.Tensor | None] = [None] * len(params)
-        for dtype in dict.fromkeys(p.dtype for p in params):
-            index = [i for i, p in enumerate(params) if p.dtype == dtype]
-            home = params[index[0]].device
+        kinds = [(axis.name, p.dtype) for axis, p in zip(self.axes, params)]
+        for kind in dict.fromkeys(kinds):  # the same order on every rank: the tensors' order
+            index = [i for i, k in enumerate(kinds) if k == kind]
+            axis, home = self.axes[index[0]], params[index[0]].device
             flat = torch.cat([params[i].detach().reshape(-1) for i in index]).to(self.device or home)
-            C.all_reduce(flat, self.axis)
-            flat = flat.div_(self.axis.size).to(home)
+            C.all_reduce(flat, axis)
+            flat = flat.div_(axis.size).to(home)
             for i, part in zip(index, flat.split([params[i].numel() for i in index])):
                 out[i] = part.view_as(params[i])
         return out
@@ -309,25 +335,30 @@ class LocalSGD(Strategy):
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, optim_cfg: OptimizerSource, *, plan: SyncPlan):
         super().__init__(model, mesh, optim_cfg)
+        # The replica index (replica_axis's rank) and the replica's ranks (the dense inner axis).
         self.replicas, self.inner = replica_axis(mesh), inner_axis(mesh)
-        self.averager = Averager(self.named_params, self.replicas, plan)
+        axes = [replica_axis(mesh, info_of(p).dp_axis) for _, p in self.named_params]
+        self.averager = Averager(self.named_params, axes, plan)
         self.synced = False  # the last step ended a period
 
     # -- inside a replica -------------------------------------------------------------------------
 
     def dp_copies(self, info: ParamInfo) -> int:
-        return self.inner.size if self.inner is not None else 1
+        inner = inner_axis(self.mesh, info.dp_axis)
+        return inner.size if inner is not None else 1
 
     @torch.no_grad()
     def after_backward(self) -> None:
-        """A replica of several data-parallel ranks (hybrid sharding) sums its gradients inside
-        itself, as plain DP does over dp; a replica of one rank has nothing to sum."""
-        if self.inner is None:
-            return
+        """A replica of several data-parallel ranks (hybrid sharding, expert parallelism) sums each
+        gradient over the ranks of the replica holding it, as plain DP does over dp; a replica of
+        one rank has nothing to sum."""
         for _, p in self.named_params:
+            inner = inner_axis(self.mesh, info_of(p).dp_axis)
+            if inner is None:
+                continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            C.all_reduce(p.grad, self.inner)
+            C.all_reduce(p.grad, inner)
 
     def gradient_units(self, global_units: int, local_units: int) -> int:
         """Each replica's gradient is the mean over its own counted targets, as one process

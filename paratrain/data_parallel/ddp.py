@@ -38,10 +38,9 @@ import torch.nn as nn
 
 from paratrain.base.strategy import Strategy
 from paratrain.comm import collectives as C
-from paratrain.comm import host_reduce
 from paratrain.comm.bucketing import FIRST_BUCKET_BYTES, cut_before_overflow
 from paratrain.comm.collectives import nbytes
-from paratrain.comm.host_reduce import HostReducer
+from paratrain.comm.host_reduce import GroupedHostReducer
 from paratrain.mesh import ParallelMesh
 from paratrain.sharding import info_of
 
@@ -155,20 +154,19 @@ class DDP(Strategy):
                        for _, p in self.named_params]
 
     def _host_reducer(self, groups: list[list[tuple[str, nn.Parameter]]], reduce: str,
-                      timeout_s: float) -> HostReducer | None:
-        """Shared-memory buckets when asked (``shm``) or possible (``auto``): every bucket summed
-        over dp (experts' edp buckets keep the collective) and host_reduce.usable."""
+                      timeout_s: float) -> GroupedHostReducer | None:
+        """Shared-memory buckets when asked (``shm``) or possible (``auto``): each bucket summed
+        over its own group's segments (dp; edp for an expert-parallel expert's), every group of
+        more than one rank passing host_reduce.usable."""
         if reduce == "collective" or not self.mesh.dp.active:
             return None
-        firsts = [group[0][1] for group in groups]
+        axes = [getattr(self.mesh, info_of(group[0][1]).dp_axis) for group in groups]
         specs = [(sum(p.numel() for _, p in group), group[0][1].dtype) for group in groups]
-        total = sum(n * dtype.itemsize for n, dtype in specs)
-        same_axis = all(info_of(p).dp_axis == "dp" for p in firsts)
-        if same_axis and host_reduce.usable(self.mesh.dp, self.mesh.device, total):
-            return HostReducer(self.mesh.dp, specs, timeout_s)
+        if GroupedHostReducer.usable(axes, self.mesh.device, specs):
+            return GroupedHostReducer(axes, specs, timeout_s)
         if reduce == "shm":
-            raise ValueError("--dp-reduce shm needs every dp rank on this host, CPU tensors, an x86-64 CPU, "
-                             "room in /dev/shm, and no expert-parallel parameters; use --dp-reduce auto")
+            raise ValueError("--dp-reduce shm needs every dp rank on this host, CPU tensors, an x86-64 CPU "
+                             "and room in /dev/shm; use --dp-reduce auto")
         return None
 
     # -- gradient synchronisation ---------------------------------------------------------------

@@ -262,22 +262,21 @@ def _check_zero(cfg: Config, problems: list[str]) -> None:
         problems.append("parallel.reshard_after_forward = false only applies to --zero 3")
 
 
-SHM = ("--dp-reduce shm sums DDP's buckets through shared memory on a CPU host: it needs --zero 0, "
-       "--dp-mode ddp and --ep 1; use --dp-reduce auto")
+SHM = ("--dp-reduce shm sums DDP's buckets through shared memory on a CPU host: it needs --zero 0 and "
+       "--dp-mode ddp; use --dp-reduce auto")
 SHM_REFUSALS = (
     Refusal("ddp-shm", ZEROS, "the shared-memory sum reduces DDP's buckets; ZeRO reduce-scatters its own",
             when=lambda c: c.parallel.dp_reduce == "shm" and c.parallel.zero >= 1, message=SHM),
     Refusal("ddp-shm", "dp-plain", "by definition: the shared-memory sum reduces DDP's buckets",
             when=lambda c: c.parallel.dp_reduce == "shm" and c.parallel.dp_mode != "ddp", message=SHM),
-    Refusal("ddp-shm", "ep", "not built: expert gradients reduce over the edp groups, not the host's segment",
-            when=lambda c: c.parallel.dp_reduce == "shm" and c.parallel.ep > 1, message=SHM),
 )
 
 
 def check_shm_room(cfg: Config, problems: list[str]) -> None:
     """--dp-reduce shm: /dev/shm must hold every dp rank's gradient buckets (host_reduce's rule),
     refused here rather than as a worker's traceback. The buckets hold the trainable parameters
-    in fp32, a 1/(tp*pp) share of them per rank; a stale file of a killed run is removed first."""
+    in fp32, a 1/(tp*pp) share of them per rank (under --ep counted with every expert: a rank holds
+    1/ep of them, so the rule errs towards room); a stale file of a killed run is removed first."""
     p = cfg.parallel
     if p.dp_reduce != "shm" or cfg.dp < 2:
         return

@@ -43,6 +43,10 @@ def check_sync(p: ParallelConfig, dp: int, problems: list[str]) -> None:
     if dp < 2:
         problems.append(f"--sync {p.sync} averages data-parallel replicas; with dp {dp} there is one: "
                         "use --dp >= 2 (or --sync ddp)")
+    if p.ep > 1 and p.dp_replicate == 1 and dp >= 2 and dp // p.ep < 2:
+        problems.append(f"--sync {p.sync} with --ep {p.ep} makes each ep group of {p.ep} ranks one replica "
+                        f"(every expert held once in it); dp {dp} holds {dp // p.ep}: nothing to average. "
+                        f"Use --dp >= {2 * p.ep} (or a smaller --ep), or --sync ddp")
     if p.zero >= 1 and p.dp_replicate == 1:
         problems.append(f"--sync {p.sync} with --zero {p.zero} and --dp-replicate 1 makes the {dp} dp ranks "
                         "one sharded replica: nothing to average. Add --dp-replicate R (R replicas of S = "
@@ -54,10 +58,6 @@ def check_sync(p: ParallelConfig, dp: int, problems: list[str]) -> None:
 
 
 SYNC_REFUSALS = (  # they read a ParallelConfig or a Config (the library door calls check_sync too)
-    Refusal(AVERAGING, "ep", "not built: every dp rank is a replica, while EP spreads one replica's experts "
-            "over dp ranks", when=lambda c: _averaging(c) and _p(c).ep > 1,
-            message=lambda c: f"--sync {_p(c).sync} makes every dp rank a replica; expert parallelism (--ep "
-            f"{_p(c).ep}) spreads one replica's experts over dp ranks: use --ep 1"),
     Refusal(AVERAGING, "dp-plain", "by definition: --dp-mode picks how gradients are all-reduced every step, "
             "and averaging does not all-reduce them", when=lambda c: _averaging(c) and _p(c).dp_mode != "ddp",
             message=lambda c: f"--dp-mode {_p(c).dp_mode} chooses how gradients are all-reduced every step; "

@@ -3,7 +3,8 @@
 Under hybrid sharding (``--dp-replicate R --dp-shard S``) a replica is the S ranks of one
 dp_shard group; with ``--zero 1|2|3 --sync local-sgd|diloco`` it runs ZeRO as HSDP does
 (gradients reduce-scattered inside the replica, each rank stepping its 1/S master shard), minus
-HSDP's per-step all-reduce of the gradient shard over dp_replicate: averaging replaces it::
+HSDP's per-step all-reduce of the gradient shard over dp_replicate: averaging replaces it (an
+expert-parallel expert's buffers likewise over edp_shard inside, edp_replicate across)::
 
     every step:     reduce-scatter inside the replica; each rank steps its fp32 master shard
                     (the replica's own optimizer state, sharded 1/S); no byte crosses replicas
@@ -44,7 +45,7 @@ from paratrain.data_parallel.averaging import (
 from paratrain.mesh import ParallelMesh
 from paratrain.sharding import info_of
 from paratrain.shards import Piece, ShardReader, pieces_of
-from paratrain.zero.flat import FlatLayout, owned
+from paratrain.zero.flat import FlatLayout, owned, replicas_of
 from paratrain.zero.fsdp import Zero3
 from paratrain.zero.optimizer import Zero1, Zero2
 
@@ -64,7 +65,10 @@ class AveragedZero:
         # read for each averaging and written back (``_masters_in_memory``).
         self.in_memory = hasattr(self.store, "masters")
         masters = [(f"flat{i}", m) for i, m in enumerate(self._read_masters())]
-        self.averager = Averager(masters, self.replicas, plan, device=mesh.device)
+        # Each buffer across the ranks holding its shard in the other replicas: dp_replicate, or
+        # edp_replicate for an expert-parallel expert's (HSDP x EP, zero/flat.py's replicas_of).
+        axes = [replicas_of(layout, mesh) or self.replicas for layout in self.layouts]
+        self.averager = Averager(masters, axes, plan, device=mesh.device)
         self.synced = False  # the last step ended a period
 
     def _read_masters(self) -> list[torch.Tensor]:
