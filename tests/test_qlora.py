@@ -56,9 +56,9 @@ LAYOUTS = {"ddp": {"parallel.dp": 2}, "zero1": {"parallel.dp": 2, "parallel.zero
            "pp2_zbh1": {**PP2, "parallel.pp_schedule": "zb-h1"},
            # two virtual stages of one layer each per rank (4 layers = pp * v)
            "pp2_interleaved": {**PP2, "parallel.pp_schedule": "interleaved", "parallel.virtual_stages": 2},
-           # V-shaped schedules: two chunks per rank, 4 micro-batches of one row
-           "pp2_zbv": {**PP2, "parallel.pp_schedule": "zbv", "train.micro_batch": 1},
-           "pp2_dualpipev": {**PP2, "parallel.pp_schedule": "dualpipev", "train.micro_batch": 1},
+           # V-shaped schedules: two chunks of one layer per rank
+           "pp2_zbv": {**PP2, "parallel.pp_schedule": "zbv"},
+           "pp2_dualpipev": {**PP2, "parallel.pp_schedule": "dualpipev"},
            "ddp_recompute": {"parallel.dp": 2, "train.recompute": "full"},
            "cp2": {"parallel.cp": 2},
            # token tiles of the MLP's quantised linears (ZeRO-3: the head untiled, engine/build.py)
@@ -110,6 +110,21 @@ def test_a_tp_rank_quantises_its_slice_into_the_one_process_bytes(kind):
             assert torch.equal(rebuilt, full)
     flat = nf4.quantise_split(w, kind, None, 1)  # a weight TP does not split: bitsandbytes' flat blocks
     assert all(torch.equal(flat[k], t) for k, t in nf4.quantise_weight(w, kind).items())
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_small_row_pieces_dequantise_as_each_piece_alone(kind):
+    """A weight of many small row pieces (a vocabulary head quantised a row a piece; a small
+    model's 16 pieces) is dequantised in one pass (nf4.weight_chunks): bit for bit each piece
+    quantised and dequantised on its own; and 511 one-row pieces are the row-wise quantisation."""
+    g = torch.Generator().manual_seed(0)
+    for shape, pieces in (((511, 64), 511), ((64, 64), 16), ((48, 80), 16)):  # the last: not whole blocks
+        w = torch.randn(*shape, generator=g)
+        parts = nf4.quantise_split(w, kind, 0, pieces)
+        alone = [nf4.dequantise_weight(nf4.quantise_weight(c.contiguous(), kind), kind, tuple(c.shape))
+                 for c in w.chunk(pieces, 0)]
+        assert torch.equal(nf4.dequantise_weight(parts, kind, shape), torch.cat(alone)), shape
+    assert tuple(nf4.quantise_split(w, kind, 0, 48)["absmax_offset"].shape) == (48, 1)
 
 
 def test_checks_refuse_what_cannot_run():
@@ -202,7 +217,8 @@ def _cfg(out, layout: dict) -> config.Config:
     """A QLoRA run of ``layout``; ``packed``: on the packed rows of tests/test_masked_loss_layouts.py."""
     layout = dict(layout)
     if layout.pop("packed", False):
-        return config.load(None, {**PACKED_BASE, **QLORA, "train.out": str(out), **layout})
+        packed = {**PACKED_BASE, **QLORA, "train.eval_every": 0}
+        return config.load(None, {**packed, "train.out": str(out), **layout})
     return tiny_cfg(out, **QLORA, **layout)
 
 
@@ -282,14 +298,22 @@ def test_zero3_shards_the_quantised_base(layouts, name):
     assert 0.45 * ddp < sharded < 0.6 * ddp, (sharded, ddp)
 
 
-def test_hsdp_exports_what_one_process_exports(one, layouts, tmp_path):
-    """`export --hf` of the HSDP run (the base dequantised, then merged) equals one process's: the
-    same quantised bytes, adapters equal under FP32_REORDERED."""
-    exported = []
-    for name, out in (("one", one[0].train.out), ("hsdp", layouts[1] / "hsdp")):
-        assert main(["export", str(out), "--hf", str(tmp_path / name)]) == 0
-        exported.append(load_file(next((tmp_path / name).glob("*.safetensors"))))
-    assert_same_weights(exported[1], exported[0], **FP32_REORDERED)
+@pytest.mark.parametrize(("ref", "name"), [("one", "hsdp"), ("kv1_head", "tp2_kv1_head")])
+def test_layout_exports_what_one_process_exports(refs, layouts, tmp_path, ref, name):
+    """The merged model.safetensors (the base dequantised, then merged: the padded vocabulary head's
+    rows a piece at a time), `export --hf` and `export --peft` of the HSDP and tp2 runs equal one
+    process's: the same quantised bytes, adapters equal under FP32_REORDERED."""
+    folders = (refs[ref][2], layouts[1] / name)
+    merged = [load_file(f"{out}/model.safetensors") for out in folders]
+    assert_same_weights(merged[1], merged[0], **FP32_REORDERED)
+    if name != "hsdp":
+        return
+    for flag, file in (("--hf", "*.safetensors"), ("--peft", "adapter_model.safetensors")):
+        got = []
+        for i, out in enumerate(folders):
+            assert main(["export", str(out), flag, str(tmp_path / f"{flag[2:]}{i}")]) == 0
+            got.append(load_file(next((tmp_path / f"{flag[2:]}{i}").glob(file))))
+        assert_same_weights(got[1], got[0], **FP32_REORDERED)
 
 
 @pytest.mark.parametrize(("ref", "name", "adapted"),
