@@ -1,7 +1,10 @@
 """QLoRA runs (--base-precision nf4 | int8, engine/qlora.py): the checks before any worker, the
 bytes held, the quantised base in the checkpoint (the quantisation of the initial base, frozen),
-the merged export = dequantise then merge, exact resume, and DDP / ZeRO-3 (the base's
-bytes and scales sharded) / PP each equal to one process with the same quantised base.
+the merged export = dequantise then merge, exact resume, and every layout equal to one process
+with the same quantised base: in one 2-rank launch DDP, ZeRO-1/2/3, PP 2 under every schedule,
+recompute, cp 2, TP 2 + SP, TP 2 with a replicated k/v head and the padded vocabulary head
+adapted, EP 2, packed rows under ZeRO-3; in one 4-rank launch HSDP (the base's bytes and scales
+sharded, as under ZeRO-3: the accelerate/FSDP2 failure mode), its exports equal one process's.
 
 Parity criterion: tests/harness.py's FP32_REORDERED, as tests/test_lora_layouts.py (the same fp32
 sums in another order: dp's all-reduce, pp's micro-batches; the quantised base itself is the same
