@@ -116,18 +116,22 @@ def test_a_tp_rank_quantises_its_slice_into_the_one_process_bytes(kind):
 
 
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
-def test_small_row_pieces_dequantise_as_each_piece_alone(kind):
-    """A weight of many small row pieces (a vocabulary head quantised a row a piece; a small
-    model's 16 pieces) is dequantised in one pass (nf4.weight_chunks): bit for bit each piece
-    quantised and dequantised on its own; and 511 one-row pieces are the row-wise quantisation."""
+def test_row_pieces_are_each_piece_quantised_alone(kind):
+    """Row pieces of whole blocks are quantised (nf4.quantise_split) and dequantised
+    (nf4.weight_chunks) in one vectorised pass each: byte for byte the parts of each piece
+    quantised on its own, concatenated, and bit for bit each piece dequantised alone. Shapes: a
+    vocabulary head a row a piece, a small model's 16 pieces, a piece of 300 blocks (two
+    second-level blocks, the second partial), and 16 pieces of 3 x 80 (not whole blocks)."""
     g = torch.Generator().manual_seed(0)
-    for shape, pieces in (((511, 64), 511), ((64, 64), 16), ((48, 80), 16)):  # the last: not whole blocks
-        w = torch.randn(*shape, generator=g)
+    for shape, pieces in (((511, 64), 511), ((64, 64), 16), ((16, 64 * 300), 16), ((48, 80), 16)):
+        w = torch.randn(*shape, generator=g) * torch.rand(shape[0], 1, generator=g)  # rows' scales differ
         parts = nf4.quantise_split(w, kind, 0, pieces)
-        alone = [nf4.dequantise_weight(nf4.quantise_weight(c.contiguous(), kind), kind, tuple(c.shape))
-                 for c in w.chunk(pieces, 0)]
-        assert torch.equal(nf4.dequantise_weight(parts, kind, shape), torch.cat(alone)), shape
-    assert tuple(nf4.quantise_split(w, kind, 0, 48)["absmax_offset"].shape) == (48, 1)
+        alone = [nf4.quantise_weight(c.contiguous(), kind) for c in w.chunk(pieces, 0)]
+        for k in nf4.PARTS:
+            assert torch.equal(parts[k].reshape(-1), torch.cat([a[k] for a in alone])), (shape, k)
+        assert tuple(parts["absmax_offset"].shape) == (pieces, 1)
+        rows = [nf4.dequantise_weight(a, kind, (shape[0] // pieces, shape[1])) for a in alone]
+        assert torch.equal(nf4.dequantise_weight(parts, kind, shape), torch.cat(rows)), shape
 
 
 def test_checks_refuse_what_cannot_run():
