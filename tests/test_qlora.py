@@ -1,7 +1,10 @@
 """QLoRA runs (--base-precision nf4 | int8, engine/qlora.py): the checks before any worker, the
 bytes held, the quantised base in the checkpoint (the quantisation of the initial base, frozen),
-the merged export = dequantise then merge, exact resume, and DDP / ZeRO-3 (the base's
-bytes and scales sharded) / PP each equal to one process with the same quantised base.
+the merged export = dequantise then merge, exact resume, and every layout equal to one process
+with the same quantised base: in one 2-rank launch DDP, ZeRO-1/2/3, PP 2 under every schedule,
+recompute, cp 2, TP 2 + SP, TP 2 with a replicated k/v head and the padded vocabulary head
+adapted, EP 2, packed rows under ZeRO-3; in one 4-rank launch HSDP (the base's bytes and scales
+sharded, as under ZeRO-3: the accelerate/FSDP2 failure mode), its exports equal one process's.
 
 Parity criterion: tests/harness.py's FP32_REORDERED, as tests/test_lora_layouts.py (the same fp32
 sums in another order: dp's all-reduce, pp's micro-batches; the quantised base itself is the same
@@ -30,18 +33,56 @@ from paratrain.train.metrics import read_metrics
 from paratrain.train.task import build_task
 from paratrain.train.trainer import Trainer
 from tests.dist import run
-from tests.harness import FP32_REORDERED, InterruptedAt, RunResult, assert_same_training, tiny_cfg
+from tests.harness import (
+    FP32_REORDERED,
+    InterruptedAt,
+    RunResult,
+    assert_same_training,
+    assert_same_weights,
+    tiny_cfg,
+)
+from tests.test_masked_loss_layouts import BASE as PACKED_BASE
+from tests.test_masked_loss_layouts import PackedTask
 
 QLORA = {"lora.rank": 4, "lora.alpha": 8.0, "lora.base_precision": "nf4", "train.steps": 3}
 WQ = "layers.0.attn.wq.weight"  # tiny: dim 64, so wq is [64, 64]
-# ZeRO-1/2 leave frozen parameters to the model as DDP does (they shard only what trains): ddp
-# stands for them, and keeps the suite's time
-LAYOUTS = {"ddp": {"parallel.dp": 2}, "zero3": {"parallel.dp": 2, "parallel.zero": 3},
-           "pp2": {"parallel.pp": 2, "train.micro_batch": 2},
+PP2 = {"parallel.pp": 2, "train.micro_batch": 2}
+KV1_HEAD = {"model.n_kv_heads": 1, "data.vocab_size": 511,
+            "lora.targets": ["wq", "wk", "wv", "wo", "gate", "up", "down", "lm_head"]}
+# Each against the one-process QLoRA run of the same model and data (REF names another reference).
+# ZeRO-1/2 leave the frozen base to the model as DDP does (they shard only what trains: the
+# adapters' optimizer state, and ZeRO-2 their gradients): the same replicated bytes, tested as cells.
+LAYOUTS = {"ddp": {"parallel.dp": 2}, "zero1": {"parallel.dp": 2, "parallel.zero": 1},
+           "zero2": {"parallel.dp": 2, "parallel.zero": 2}, "zero3": {"parallel.dp": 2, "parallel.zero": 3},
+           "pp2": PP2,  # 1F1B, the default schedule
+           "pp2_gpipe": {**PP2, "parallel.pp_schedule": "gpipe"},
+           "pp2_zbh1": {**PP2, "parallel.pp_schedule": "zb-h1"},
+           # two virtual stages of one layer each per rank (4 layers = pp * v)
+           "pp2_interleaved": {**PP2, "parallel.pp_schedule": "interleaved", "parallel.virtual_stages": 2},
+           # V-shaped schedules: two chunks of one layer per rank
+           "pp2_zbv": {**PP2, "parallel.pp_schedule": "zbv"},
+           "pp2_dualpipev": {**PP2, "parallel.pp_schedule": "dualpipev"},
+           "ddp_recompute": {"parallel.dp": 2, "train.recompute": "full"},
+           "cp2": {"parallel.cp": 2},
            # token tiles of the MLP's quantised linears (ZeRO-3: the head untiled, engine/build.py)
            "zero3_tile2": {"parallel.dp": 2, "parallel.zero": 3, "train.tile": 2},
            # each rank quantises its own slice in whole pieces (optim/nf4.py): the one process's bytes
-           "tp2_sp": {"parallel.tp": 2, "parallel.sp": True}}
+           "tp2_sp": {"parallel.tp": 2, "parallel.sp": True},
+           # every expert's linears quantised, the experts split over ep (tiny-moe's reference)
+           "moe_ep2": {"model.name": "tiny-moe", "parallel.dp": 2, "parallel.ep": 2},
+           # one kv head (tp does not divide it: replicated, each rank keeping its head's outputs)
+           # and the adapted vocabulary head over 511 tokens (padded to 512 at tp 2; quantised a
+           # row a piece, engine/qlora.py split_pieces)
+           "tp2_kv1_head": {**KV1_HEAD, "parallel.tp": 2},
+           # packed chat-like rows with loss masks (tests/test_masked_loss_layouts.py's task)
+           "packed_zero3": {"packed": True, "parallel.dp": 2, "parallel.zero": 3, "train.micro_batch": 2}}
+# 4 ranks in one launch: hybrid sharding, ZeRO-3 within pairs of ranks, replicated across them
+LAYOUTS4 = {"hsdp": {"parallel.dp": 4, "parallel.dp_replicate": 2, "parallel.zero": 3}}
+REFS = {"moe": {"model.name": "tiny-moe"}, "packed": {"packed": True}, "kv1_head": KV1_HEAD}
+
+
+def _ref_of(layout: dict) -> str:
+    return next((r for r, keys in REFS.items() if keys.items() <= layout.items()), "one")
 
 
 def _problems(**overrides) -> str:
@@ -72,6 +113,25 @@ def test_a_tp_rank_quantises_its_slice_into_the_one_process_bytes(kind):
             assert torch.equal(rebuilt, full)
     flat = nf4.quantise_split(w, kind, None, 1)  # a weight TP does not split: bitsandbytes' flat blocks
     assert all(torch.equal(flat[k], t) for k, t in nf4.quantise_weight(w, kind).items())
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_row_pieces_are_each_piece_quantised_alone(kind):
+    """Row pieces of whole blocks are quantised (nf4.quantise_split) and dequantised
+    (nf4.weight_chunks) in one vectorised pass each: byte for byte the parts of each piece
+    quantised on its own, concatenated, and bit for bit each piece dequantised alone. Shapes: a
+    vocabulary head a row a piece, a small model's 16 pieces, a piece of 300 blocks (two
+    second-level blocks, the second partial), and 16 pieces of 3 x 80 (not whole blocks)."""
+    g = torch.Generator().manual_seed(0)
+    for shape, pieces in (((511, 64), 511), ((64, 64), 16), ((16, 64 * 300), 16), ((48, 80), 16)):
+        w = torch.randn(*shape, generator=g) * torch.rand(shape[0], 1, generator=g)  # rows' scales differ
+        parts = nf4.quantise_split(w, kind, 0, pieces)
+        alone = [nf4.quantise_weight(c.contiguous(), kind) for c in w.chunk(pieces, 0)]
+        for k in nf4.PARTS:
+            assert torch.equal(parts[k].reshape(-1), torch.cat([a[k] for a in alone])), (shape, k)
+        assert tuple(parts["absmax_offset"].shape) == (pieces, 1)
+        rows = [nf4.dequantise_weight(a, kind, (shape[0] // pieces, shape[1])) for a in alone]
+        assert torch.equal(nf4.dequantise_weight(parts, kind, shape), torch.cat(rows)), shape
 
 
 def test_checks_refuse_what_cannot_run():
@@ -160,10 +220,24 @@ def test_int8_base_holds_a_byte_a_weight(tmp_path):
     assert torch.isfinite(torch.tensor(result.losses)).all()
 
 
-def _train_each(env, runs: list[dict]) -> list:
+def _cfg(out, layout: dict) -> config.Config:
+    """A QLoRA run of ``layout``; ``packed``: on the packed rows of tests/test_masked_loss_layouts.py."""
+    layout = dict(layout)
+    if layout.pop("packed", False):
+        packed = {**PACKED_BASE, **QLORA, "train.eval_every": 0}
+        return config.load(None, {**packed, "train.out": str(out), **layout})
+    return tiny_cfg(out, **QLORA, **layout)
+
+
+def _fit(cfg: config.Config, packed: bool, env=None):
+    return Trainer(cfg, env, task=PackedTask(cfg) if packed else None).fit()
+
+
+def _train_each(env, runs: list[tuple[dict, bool]]) -> list:
+    """Worker: each (config, packed) in turn; rank 0 returns (losses, adapters, mem_params_bytes)."""
     out = []
-    for d in runs:
-        result = Trainer(config.Config.from_dict(d), env).fit()
+    for d, packed in runs:
+        result = _fit(config.Config.from_dict(d), packed, env)
         rows = read_metrics(f"{d['train']['out']}/metrics.jsonl") if env.rank == 0 else []
         adapters = load_file(f"{d['train']['out']}/adapters.safetensors") if env.rank == 0 else {}
         out.append((result.losses, adapters, rows[0]["mem_params_bytes"] if rows else 0))
@@ -171,43 +245,101 @@ def _train_each(env, runs: list[dict]) -> list:
 
 
 @pytest.fixture(scope="module")
+def refs(one, tmp_path_factory):
+    """The one-process QLoRA run of each model and data the layouts use: name -> (losses, adapters,
+    its folder)."""
+    tmp = tmp_path_factory.mktemp("qlora_refs")
+    out = {"one": (one[1].losses, load_file(f"{one[0].train.out}/adapters.safetensors"), one[0].train.out)}
+    for name, keys in REFS.items():
+        result = _fit(_cfg(tmp / name, keys), "packed" in keys)
+        out[name] = (result.losses, load_file(tmp / name / "adapters.safetensors"), tmp / name)
+    return out
+
+
+@pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
+    """Every layout trained: the 2-rank ones in one launch, the 4-rank ones in another."""
     tmp = tmp_path_factory.mktemp("qlora_layouts")
-    cfgs = [tiny_cfg(tmp / name, **QLORA, **v) for name, v in LAYOUTS.items()]
-    for c in cfgs:
-        checks.validate(c, 2)
-    return dict(zip(LAYOUTS, run(_train_each, 2, [c.to_dict() for c in cfgs], timeout=300)[0])), tmp
+    got = {}
+    for nproc, named in ((2, LAYOUTS), (4, LAYOUTS4)):
+        cfgs = [_cfg(tmp / name, v) for name, v in named.items()]
+        for c in cfgs:
+            checks.validate(c, nproc)
+        runs = [(c.to_dict(), "packed" in v) for c, v in zip(cfgs, named.values())]
+        got.update(zip(named, run(_train_each, nproc, runs, timeout=300)[0]))
+    return got, tmp
 
 
-@pytest.mark.composes(("qlora", "tp"), case="tp2_sp")
-@pytest.mark.composes(("qlora", "tp", "sp"), case="tp2_sp")
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [*LAYOUTS, *LAYOUTS4])
+@pytest.mark.composes(("qlora", "ddp"), case="ddp")
+@pytest.mark.composes(("qlora", "zero1"), case="zero1")
+@pytest.mark.composes(("qlora", "zero2"), case="zero2")
+@pytest.mark.composes(("qlora", "zero3"), case="zero3")
+@pytest.mark.composes(("qlora", "1f1b"), case="pp2")
+@pytest.mark.composes(("qlora", "gpipe"), case="pp2_gpipe")
+@pytest.mark.composes(("qlora", "zb-h1"), case="pp2_zbh1")
+@pytest.mark.composes(("qlora", "interleaved"), case="pp2_interleaved")
+@pytest.mark.composes(("qlora", "zbv"), case="pp2_zbv")
+@pytest.mark.composes(("qlora", "dualpipev"), case="pp2_dualpipev")
+@pytest.mark.composes(("qlora", "recompute"), ("qlora", "ddp", "recompute"), case="ddp_recompute")
+@pytest.mark.composes(("qlora", "cp"), case="cp2")
 @pytest.mark.composes(("qlora", "tiling"), ("qlora", "tiling", "zero3"), case="zero3_tile2")
-def test_layout_equals_one_process(one, layouts, name):
-    cfg, ref = one
+@pytest.mark.composes(("qlora", "tp"), ("qlora", "tp", "sp"), case="tp2_sp")
+@pytest.mark.composes(("qlora", "moe"), ("qlora", "ep"), ("qlora", "moe", "ep"), case="moe_ep2")
+@pytest.mark.composes(("qlora", "packing"), ("qlora", "packing", "zero3"), case="packed_zero3")
+@pytest.mark.composes(("qlora", "hsdp"), case="hsdp")
+@pytest.mark.composes(("qlora", "tp"), case="tp2_kv1_head")
+def test_layout_equals_one_process(refs, layouts, name):
     losses, adapters, _ = layouts[0][name]
-    ref_adapters = load_file(f"{cfg.train.out}/adapters.safetensors")
-    assert_same_training(RunResult(losses, adapters), RunResult(ref.losses, ref_adapters), **FP32_REORDERED)
+    ref_losses, ref_adapters, _ = refs[_ref_of({**LAYOUTS, **LAYOUTS4}[name])]
+    assert_same_training(RunResult(losses, adapters), RunResult(ref_losses, ref_adapters), **FP32_REORDERED)
+    assert any(t.abs().sum() > 0 for n, t in adapters.items() if "lora_B" in n)  # the adapters trained
 
 
-def test_zero3_shards_the_quantised_base(layouts):
-    """ZeRO-3 holds half of every frozen part per rank (the accelerate/FSDP2 failure mode was an
-    unsharded or corrupted 4-bit base): the per-rank bytes are about half of DDP's replicated copy."""
-    ddp, zero3 = layouts[0]["ddp"][2], layouts[0]["zero3"][2]
-    assert 0.45 * ddp < zero3 < 0.6 * ddp, (zero3, ddp)
+@pytest.mark.parametrize("name", ["zero3", "hsdp"])
+def test_zero3_shards_the_quantised_base(layouts, name):
+    """ZeRO-3 (over 2 ranks; HSDP: over each pair of its 4) holds half of every frozen part per
+    rank (the accelerate/FSDP2 failure mode was an unsharded or corrupted 4-bit base): the per-rank
+    bytes are about half of DDP's replicated copy."""
+    ddp, sharded = layouts[0]["ddp"][2], layouts[0][name][2]
+    assert 0.45 * ddp < sharded < 0.6 * ddp, (sharded, ddp)
 
 
-def test_tp_checkpoint_holds_the_one_process_quantised_base(one, layouts):
-    """The tp2 + SP run's checkpoint (each rank wrote its pieces) holds every quantised part of
-    every adapted weight byte for byte as one process's does: the same quantised base."""
-    readers = [ckpt.open_reader(ckpt.latest(out)) for out in (one[0].train.out, layouts[1] / "tp2_sp")]
+@pytest.mark.parametrize(("ref", "name"), [("one", "hsdp"), ("kv1_head", "tp2_kv1_head")])
+def test_layout_exports_what_one_process_exports(refs, layouts, tmp_path, ref, name):
+    """The merged model.safetensors (the base dequantised, then merged: the padded vocabulary head's
+    rows a piece at a time), `export --hf` and `export --peft` of the HSDP and tp2 runs equal one
+    process's: the same quantised bytes, adapters equal under FP32_REORDERED."""
+    folders = (refs[ref][2], layouts[1] / name)
+    merged = [load_file(f"{out}/model.safetensors") for out in folders]
+    assert_same_weights(merged[1], merged[0], **FP32_REORDERED)
+    if name != "hsdp":
+        return
+    for flag, file in (("--hf", "*.safetensors"), ("--peft", "adapter_model.safetensors")):
+        got = []
+        for i, out in enumerate(folders):
+            assert main(["export", str(out), flag, str(tmp_path / f"{flag[2:]}{i}")]) == 0
+            got.append(load_file(next((tmp_path / f"{flag[2:]}{i}").glob(file))))
+        assert_same_weights(got[1], got[0], **FP32_REORDERED)
+
+
+@pytest.mark.parametrize(("ref", "name", "adapted"),
+                         [("one", "tp2_sp", 28), ("kv1_head", "tp2_kv1_head", 29)])
+def test_tp_checkpoint_holds_the_one_process_quantised_base(refs, layouts, ref, name, adapted):
+    """The tp2 run's checkpoint (each rank wrote its pieces) holds every quantised part of every
+    adapted weight byte for byte as one process's does: the same quantised base. tp2_kv1_head:
+    the replicated k/v projections (one copy written) and the padded vocabulary head, quantised a
+    row a piece (each rank wrote its rows, its padding left out)."""
+    readers = [ckpt.open_reader(ckpt.latest(out)) for out in (refs[ref][2], layouts[1] / name)]
     try:
         parts = [n for n in readers[0].tensors if n.rsplit("_", 1)[-1] in ("codes", "q", "scale", "offset")]
-        assert len(parts) == 4 * 28
-        for name in parts:
-            shape = tuple(readers[0].tensors[name]["param"]["shape"])
-            one_bytes, tp_bytes = (r.read(name, "param", (0,) * len(shape), shape) for r in readers)
-            assert torch.equal(one_bytes, tp_bytes), name
+        assert len(parts) == 4 * adapted
+        for part in parts:
+            shape = tuple(readers[0].tensors[part]["param"]["shape"])
+            one_bytes, tp_bytes = (r.read(part, "param", (0,) * len(shape), shape) for r in readers)
+            assert torch.equal(one_bytes, tp_bytes), part
+        if name == "tp2_kv1_head":  # the head's 511 rows: one offset each
+            assert tuple(readers[0].tensors["lm_head.weight_absmax_offset"]["param"]["shape"]) == (511, 1)
     finally:
         for r in readers:
             r.close()

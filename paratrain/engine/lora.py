@@ -35,9 +35,8 @@ from paratrain.models.lora import (
     store_base_in,
 )
 from paratrain.optim.nf4 import CODES, PARTS, TP_ALIGN, dequantise_weight, kind_of
-from paratrain.refusals import Refusal, emit
+from paratrain.refusals import emit
 from paratrain.shards import TORCH_DTYPES, write_safetensors
-from paratrain.tensor_parallel.lora import without_quantised_variant
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -79,14 +78,6 @@ LORAS = ("lora", "lora-bf16", "qlora")
 # compose with <flags[1]>: <reason>").
 NOT_WITH_LORA = (
 )
-# Refused where the adapted modules are known (check_lora), not from the settings alone.
-QLORA_TP_LAYERS = Refusal(
-    "qlora", "tp", "an adapted replicated k/v projection (tp does not divide n_kv_heads: each rank "
-    "selects its kv heads' rows of the whole weight) or an adapted vocabulary head (padded to a "
-    "multiple of tp) has a tensor-parallel LoRA variant but no quantised one: not built",
-    flags=("--base-precision nf4/int8", "--tp with k/v replicated or lm_head adapted"))
-
-
 def check_lora(cfg: Config, problems: list[str]) -> None:
     """Every LoRA problem (engine/checks.py calls it before any worker starts)."""
     c = cfg.lora
@@ -115,8 +106,6 @@ def check_lora(cfg: Config, problems: list[str]) -> None:
         problems.append(f"--base-precision {c.base_precision} with --tp {tp}: a weight tensor parallelism "
                         f"splits is quantised as gcd(its size, {TP_ALIGN}) pieces, so --tp must divide "
                         f"{TP_ALIGN} (optim/nf4.py); use --tp 2, 4, 8 or 16")
-    if c.base_precision in ("nf4", "int8") and without_quantised_variant(model, cfg.parallel.tp):
-        problems.append(QLORA_TP_LAYERS.says())
 
 
 def run_record(model_cfg: object, cfg: Config) -> dict:

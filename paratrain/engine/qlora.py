@@ -24,7 +24,12 @@ included (nf4.quantise_split: gcd(size, 16) pieces, each its own blocks and doub
 so a tp rank's slice is whole pieces: its parts are a slice (``TensorShard`` along dim 0; the
 offsets' grid along the split) of the one-process parts, the same bytes, quantised after the split
 from the full weight's value. Every layout dequantises the same weights; tp must divide 16
-(engine/lora.py checks it).
+(engine/lora.py checks it). Two tensor-parallel layers are not a plain split: a replicated k/v
+projection (tp does not divide n_kv_heads) holds the whole quantised weight on every rank and keeps
+its kv heads' outputs (``QuantReplicatedHeadsLoRALinear``); an adapted vocabulary head is split by
+rows like a column layer, and where TP_ALIGN does not divide the vocabulary (so tp may pad it, and
+a rank's rows end wherever tp puts them) it is quantised one row a piece (``split_pieces``), the
+padding rows' parts zeros (their logits are -inf whatever they hold).
 """
 
 from __future__ import annotations
@@ -37,18 +42,19 @@ import torch.nn as nn
 
 from paratrain.engine.lora import part_name
 from paratrain.models.lora import LoRALinear
-from paratrain.optim.nf4 import PARTS, QuantisedLinear, pieces_of, quantise_split, split_part_shapes
+from paratrain.optim.nf4 import PARTS, TP_ALIGN, QuantisedLinear, pieces_of, quantise_split, split_part_shapes
 from paratrain.sharding import ParamInfo, TensorShard, info_of, set_info
 from paratrain.tensor_parallel.lora import (
     ColumnParallelLoRALinear,
     PartialRowLoRALinear,
+    ReplicatedHeadsLoRALinear,
     RowParallelLoRALinear,
 )
 
 QUANTISED = ("nf4", "int8")
 InitFn = Callable[[str, tuple[int, ...]], torch.Tensor]
 #: The dimension of a weight each tp style splits (engine/qlora.py quantises it in pieces along it).
-SPLIT_DIM = {"colwise": 0, "colwise_kv": 0, "rowwise": 1, "expert_rowwise": 1}
+SPLIT_DIM = {"colwise": 0, "colwise_kv": 0, "rowwise": 1, "expert_rowwise": 1, "vocab_head": 0}
 #: part name -> (base weight's name, its full shape, the part, split dim or None, pieces)
 Parts = dict[str, tuple[str, tuple[int, ...], str, int | None, int]]
 
@@ -92,16 +98,49 @@ class QuantPartialRowLoRALinear(QuantisedBase, PartialRowLoRALinear):
     """An expert's partial row layer with this rank's pieces of a quantised base."""
 
 
+class QuantReplicatedHeadsLoRALinear(QuantisedBase, ReplicatedHeadsLoRALinear):
+    """A replicated k/v projection (tp does not divide n_kv_heads) over a quantised base: every
+    rank holds the whole quantised weight (the one process's bytes: nothing is split), computes
+    every kv head from it and keeps its own heads' outputs. Selecting rows of the weight first, as
+    the dense layer does, would cut across the quantisation blocks; the extra heads cost
+    (n_kv_heads - own) * head_dim output features of one projection."""
+
+    def base_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = QuantisedBase.base_product(self, x, None)  # [b, s, n_kv_heads * hd]
+        heads = torch.tensor(self.heads, device=y.device)
+        y = y.unflatten(-1, (self.n_kv_heads, self.head_dim)).index_select(-2, heads).flatten(-2)
+        return y if bias is None else y + bias.to(y.dtype)  # [b, s, len(heads) * hd]
+
+
 QUANT_CLASS = {LoRALinear: QuantLoRALinear, ColumnParallelLoRALinear: QuantColumnParallelLoRALinear,
                RowParallelLoRALinear: QuantRowParallelLoRALinear,
-               PartialRowLoRALinear: QuantPartialRowLoRALinear}
+               PartialRowLoRALinear: QuantPartialRowLoRALinear,
+               ReplicatedHeadsLoRALinear: QuantReplicatedHeadsLoRALinear}
+
+
+def _style(weight_name: str, tp_plan: dict[str, object]) -> object:
+    module = weight_name.removesuffix(".weight")
+    return next((s for p, s in tp_plan.items() if fnmatch.fnmatchcase(module, p)), None)
 
 
 def split_dim(weight_name: str, tp_plan: dict[str, object]) -> int | None:
     """The dimension the family's tp plan splits the weight ``weight_name`` along (None: not split)."""
-    module = weight_name.removesuffix(".weight")
-    style = next((s for p, s in tp_plan.items() if fnmatch.fnmatchcase(module, p)), None)
+    style = _style(weight_name, tp_plan)
     return SPLIT_DIM.get(style) if isinstance(style, str) else None
+
+
+def split_pieces(weight_name: str, full: tuple[int, ...],
+                 tp_plan: dict[str, object]) -> tuple[int | None, int]:
+    """(split dim, pieces) a weight is quantised in, in every layout (module docstring). The
+    vocabulary head whose size TP_ALIGN does not divide is padded to a multiple of tp, so a rank's
+    rows end where tp says: only pieces of one row each never cross a boundary of any tp; they
+    cost one offset and one second-level scale per row (8 bytes beside its dim / 2 of codes)."""
+    dim = split_dim(weight_name, tp_plan)
+    if dim is None:
+        return None, 1
+    if _style(weight_name, tp_plan) == "vocab_head" and full[dim] % TP_ALIGN:
+        return dim, full[dim]
+    return dim, pieces_of(full[dim])
 
 
 def quantise_base_on_meta(model: nn.Module, kind: str, tp_plan: dict[str, object]) -> Parts:
@@ -115,9 +154,9 @@ def quantise_base_on_meta(model: nn.Module, kind: str, tp_plan: dict[str, object
         if info is None or info.tied_to:  # not adapted, already quantised, or a tied head
             continue
         full, shard = info.full_shape, info.shard
-        dim = split_dim(info.name, tp_plan)
-        pieces = pieces_of(full[dim]) if dim is not None else 1
-        if shard.is_split and (shard.dim != dim or pieces % shard.count):
+        dim, pieces = split_pieces(info.name, full, tp_plan)
+        per_row = pieces == full[dim] if dim is not None else False  # whole rows: any split is whole pieces
+        if shard.is_split and (shard.dim != dim or (pieces % shard.count and not per_row)):
             raise ValueError(f"{info.name}: split over {shard.count} along dim {shard.dim}, but quantised "
                              f"as {pieces} pieces along dim {dim}: --tp must divide them")
         module.base_shape = tuple(module.weight.shape)
@@ -127,7 +166,7 @@ def quantise_base_on_meta(model: nn.Module, kind: str, tp_plan: dict[str, object
         for part, part_full in split_part_shapes(kind, full, dim, pieces).items():
             spec = _part_shard(part_full, shard)
             dtype = torch.uint8 if part in ("codes", "absmax_q") else torch.float32
-            local = spec.slab()[1]
+            local = _chunk_shape(spec)
             p = nn.Parameter(torch.empty(local, dtype=dtype, device="meta"), requires_grad=False)
             name = part_name(info.name, part)
             set_info(p, ParamInfo(name, spec, stage_copies=info.stage_copies))
@@ -138,11 +177,24 @@ def quantise_base_on_meta(model: nn.Module, kind: str, tp_plan: dict[str, object
 
 def _part_shard(part_full: tuple[int, ...], weight: TensorShard) -> TensorShard:
     """A part's slice on this rank: whole pieces, as the weight's slice (1-D parts along dim 0, the
-    offsets' grid along its long side); the whole part where the weight is whole."""
+    offsets' grid along its long side); the whole part where the weight is whole. A padded weight
+    (the vocabulary head, quantised a row a piece) pads its parts by as many pieces as rows."""
     if not weight.is_split:
         return TensorShard(part_full)
     dim = 1 if len(part_full) == 2 and part_full[1] > 1 else 0
-    return TensorShard(part_full, dim, weight.index, weight.count)
+    pad = None
+    if weight.padded_size is not None:
+        pad = part_full[dim] // weight.full_shape[weight.dim] * weight.padded_size
+    return TensorShard(part_full, dim, weight.index, weight.count, pad)
+
+
+def _chunk_shape(spec: TensorShard) -> tuple[int, ...]:
+    """The local shape of ``spec``'s chunk, its padding included (the last rank's of a padded one)."""
+    if not spec.is_split:
+        return spec.full_shape
+    shape = list(spec.full_shape)
+    shape[spec.dim] = -(-(spec.padded_size or shape[spec.dim]) // spec.count)
+    return tuple(shape)
 
 
 def quantised_init_value(init_value: InitFn, parts: Parts, kind: str) -> InitFn:

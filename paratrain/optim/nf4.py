@@ -76,6 +76,15 @@ def kind_of(codes_numel: int, shape: tuple[int, ...]) -> str:
 @torch.no_grad()
 def quantise_weight(w: torch.Tensor, kind: str, block: int = BLOCK) -> dict[str, torch.Tensor]:
     """The ``PARTS`` of ``w`` (any shape; flattened row-major) stored as ``kind``."""
+    codes, absmax = _codes_and_absmax(w, kind, block)
+    offset = absmax.mean()
+    absmax_q, absmax_scale = quantise(absmax - offset, SIGNED, SCALE_BLOCK)
+    return {"codes": codes, "absmax_q": absmax_q, "absmax_scale": absmax_scale,
+            "absmax_offset": offset.reshape(1)}
+
+
+def _codes_and_absmax(w: torch.Tensor, kind: str, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first level: ``w``'s codes (packed) and its blocks' fp32 absmax."""
     code = CODES[kind]
     flat = w.detach().reshape(-1).float()
     n = flat.numel()
@@ -94,10 +103,24 @@ def quantise_weight(w: torch.Tensor, kind: str, block: int = BLOCK) -> dict[str,
     idx = torch.bucketize(scaled, (code[1:] + code[:-1]) / 2, out_int32=True).to(torch.uint8)
     if BITS[kind] == 4:
         idx = (idx[0::2] << 4) | idx[1::2]
-    offset = absmax.mean()
-    absmax_q, absmax_scale = quantise(absmax - offset, SIGNED, SCALE_BLOCK)
-    return {"codes": idx.contiguous(), "absmax_q": absmax_q, "absmax_scale": absmax_scale,
-            "absmax_offset": offset.reshape(1)}
+    return idx.contiguous(), absmax
+
+
+def _row_pieces(w: torch.Tensor, kind: str, pieces: int) -> dict[str, torch.Tensor]:
+    """``quantise_split`` along rows where every piece is whole blocks: the first level of the whole
+    weight is its pieces' (no block crosses a piece), and each piece's double quantisation runs in
+    one vectorised pass, its scales zero-padded to whole blocks of 256 as ``quantise`` pads them
+    (the same operations, so the same bytes as a piece at a time: a vocabulary head of 32k rows
+    quantised a row a piece would otherwise take a Python step per row)."""
+    codes, absmax = _codes_and_absmax(w, kind, BLOCK)
+    per_piece = absmax.view(pieces, -1)  # [pieces, blocks of a piece]
+    offset = per_piece.mean(dim=1, keepdim=True)  # [pieces, 1]: the offsets' grid along the rows
+    nb = per_piece.shape[1]
+    padded = n_blocks(nb, SCALE_BLOCK) * SCALE_BLOCK
+    centred = torch.nn.functional.pad(per_piece - offset, (0, padded - nb))
+    absmax_q, absmax_scale = quantise(centred, SIGNED, SCALE_BLOCK)
+    absmax_q = absmax_q.view(pieces, padded)[:, :nb].reshape(-1).contiguous()
+    return {"codes": codes, "absmax_q": absmax_q, "absmax_scale": absmax_scale, "absmax_offset": offset}
 
 
 def pieces_of(size: int) -> int:
@@ -115,6 +138,8 @@ def quantise_split(w: torch.Tensor, kind: str, dim: int | None, pieces: int) -> 
     ``quantise_weight``'s flat parts when ``dim`` is None or ``pieces`` is 1."""
     if dim is None or pieces == 1:
         return quantise_weight(w, kind)
+    if dim == 0 and (w.numel() // pieces) % BLOCK == 0:
+        return _row_pieces(w, kind, pieces)
     each = [quantise_weight(c.contiguous(), kind) for c in w.chunk(pieces, dim)]
     out = {k: torch.cat([e[k] for e in each]) for k in PARTS[:3]}
     out["absmax_offset"] = torch.cat([e["absmax_offset"] for e in each]).view(_grid(pieces, dim))
@@ -147,6 +172,12 @@ def weight_chunks(parts: dict[str, torch.Tensor], kind: str,
     """(r0, r1, rows r0:r1 of the fp32 weight of ``shape``) a chunk at a time, the whole weight in
     row order: a piece's row chunks for row pieces; every column piece's same rows side by side."""
     out_f, in_f = shape
+    n = parts["absmax_offset"].numel()
+    rows = out_f // n
+    if n > 1 and parts["absmax_offset"].shape[0] == n and (rows * in_f) % BLOCK == 0 \
+            and rows * in_f <= CHUNK_ELEMS:
+        yield from _small_row_pieces(parts, kind, shape, n)
+        return
     dim, pieces = _pieces(parts)
     scales = [block_scales(p) for p in pieces]
     if dim == 1:
@@ -161,6 +192,25 @@ def weight_chunks(parts: dict[str, torch.Tensor], kind: str,
         for r0, r1 in _row_chunks(rows, in_f):
             w = dequantise_range(p, kind, r0 * in_f, r1 * in_f, absmax=a).view(r1 - r0, in_f)
             yield j * rows + r0, j * rows + r1, w
+
+
+def _small_row_pieces(parts: dict[str, torch.Tensor], kind: str, shape: tuple[int, int],
+                      n: int) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """``weight_chunks`` of ``n`` row pieces of whole blocks, each smaller than a chunk (a
+    vocabulary head quantised a row a piece, a small model's 16 pieces): every piece's scales in
+    one vectorised pass (the same operations as ``block_scales``, so the same bits) and several
+    pieces a chunk, rather than a Python step per piece in every forward and backward."""
+    out_f, in_f = shape
+    q = parts["absmax_q"].view(n, -1)  # [pieces, blocks of a piece]
+    second = parts["absmax_scale"].view(n, -1).repeat_interleave(SCALE_BLOCK, dim=1)[:, :q.shape[1]]
+    absmax = SIGNED.to(q.device).index_select(0, q.reshape(-1).int()).view_as(second) * second
+    absmax = (absmax + parts["absmax_offset"].view(n, 1)).reshape(-1)  # [every block]
+    codes = parts["codes"].reshape(-1)
+    rows = out_f // n
+    step = rows * max(1, CHUNK_ELEMS // (rows * in_f))  # whole pieces a chunk: whole blocks
+    for r0 in range(0, out_f, step):
+        r1 = min(r0 + step, out_f)
+        yield r0, r1, _whole_blocks(codes, kind, r0 * in_f, r1 * in_f, absmax, BLOCK).view(r1 - r0, in_f)
 
 
 def block_scales(parts: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -23,7 +23,8 @@ does not divide n_kv_heads) ``ReplicatedHeadsLoRALinear`` (adapters replicated, 
 summed over tp as the weight's), an expert's partial row layer its own (``PartialRowLoRALinear``),
 the vocabulary head the column variant over the padded vocabulary (B's padding rows zero, the
 padded logits -inf as the base's). Every style of the families' plans that holds a linear has its
-variant (plan.py's ``apply_tensor_parallel`` stops on one without).
+variant (plan.py's ``apply_tensor_parallel`` stops on one without), and every variant a quantised
+base (engine/qlora.py ``QUANT_CLASS``).
 
 Dropout (``--lora-dropout``) drops what one process drops: a column layer's input is whole on
 every rank and every rank draws the same mask; a row layer's is a feature slice, and its mask is
@@ -32,8 +33,6 @@ the same slice of the full-width mask (models/lora.py ``LoRADropout``).
 
 from __future__ import annotations
 
-import fnmatch
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -41,7 +40,6 @@ import torch.nn.functional as F
 from paratrain.comm import collectives as C
 from paratrain.comm.autograd import copy_to_tp, reduce_from_tp, reduce_scatter_to_sp
 from paratrain.models.lora import LoRADropout, LoRALinear, base_linear
-from paratrain.models.registry import family_of
 from paratrain.sharding import TensorShard, shard_of
 from paratrain.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -178,24 +176,12 @@ class ReplicatedHeadsLoRALinear(ReplicatedHeadsLinear):
         self.lora_A = Adapter((r, old.in_features), TensorShard((r, old.in_features)), a)
         self.lora_B = Adapter((old.out_features, r), TensorShard((old.out_features, r)), a)
 
+    def base_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W_h^T + b_h: this rank's kv heads of the base (a quantised base computes every head of
+        its stored weight and keeps these, engine/qlora.py)."""
+        return base_linear(x, self._heads(self.weight), bias)  # [b, s, len(heads) * hd]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b = self._heads(self.bias) if self.bias is not None else None
-        y = base_linear(x, self._heads(self.weight), b)  # [b, s, len(heads) * hd]
+        y = self.base_product(x, self._heads(self.bias) if self.bias is not None else None)
         a = copy_to_tp(self.lora_A.weight, self.axis)  # f: A's gradient summed over tp
         return y + self.scale * F.linear(F.linear(self.lora_dropout(x), a), self._heads(self.lora_B.weight))
-
-
-def without_quantised_variant(model: nn.Module, tp: int) -> list[str]:
-    """The adapted layers of ``model`` (adapters applied) whose tensor-parallel LoRA variant over
-    ``tp`` ranks has no quantised counterpart (engine/qlora.py quantises the split layers in pieces
-    of the split dimension): a replicated k/v projection (``colwise_kv`` when tp does not divide
-    n_kv_heads: ReplicatedHeadsLoRALinear) and the vocabulary head (padded to a multiple of tp)."""
-    if tp <= 1:
-        return []
-    n_kv = getattr(model.cfg, "n_kv_heads", None)
-    kv_replicated = bool(n_kv) and n_kv % tp != 0
-    plan = family_of(model, "tensor parallelism (its plan)").tp_plan
-    styles = {"vocab_head"} | ({"colwise_kv"} if kv_replicated else set())
-    patterns = [pattern for pattern, style in plan.items() if style in styles]
-    return [n for n, m in model.named_modules()
-            if isinstance(m, LoRALinear) and any(fnmatch.fnmatchcase(n, p) for p in patterns)]
