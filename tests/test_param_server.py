@@ -35,7 +35,7 @@ from paratrain.param_server.server import ParamServer, Sequencer
 from paratrain.param_server.wire import Header, Kind, ProtocolError, receive_payload
 from paratrain.train.ps_run import rank_names, train_or_serve
 from paratrain.train.task import build_task
-from paratrain.train.trainer import Trainer
+from paratrain.train.trainer import Trainer, lr_at
 from tests import netprobe
 from tests.dist import WorkerError, run
 from tests.harness import FP32_REORDERED, assert_same_weights, tiny_cfg
@@ -347,30 +347,61 @@ def test_split_workers_equal_one_process(tmp_path, layout):
     assert all(r["mem_optim_bytes"] == 0 for r in rows), "the servers hold the optimizer state"
 
 
+def _replay_async(cfg: config.Config, tickets: list[list[int]]) -> tuple[list[float], dict]:
+    """One process applying a recorded sequence of async updates (``tickets[s][w]``: the place of
+    worker w's update of step s): each update is worker w's gradient on its rows of step s,
+    computed on the values it last read (after its previous update, or the initial ones), times
+    dp (client.py: its rows' mean gradient), clipped, then AdamW on the values current at that
+    place. Returns the summed loss of each step (the workers' shares, as logged) and the weights."""
+    trainer, (dp, steps) = Trainer(cfg), (len(tickets[0]), len(tickets))
+    strategy, params = trainer.engine.strategy, dict(trainer.engine.model.named_parameters())
+    rows = cfg.train.global_batch // dp
+    history = {0: {n: p.detach().clone() for n, p in params.items()}}  # values by version
+    losses, read = [0.0] * steps, [0] * dp
+    for ticket, w, s in sorted((tickets[s][w], w, s) for s in range(steps) for w in range(dp)):
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(history[read[w]][n])
+        trainer.local_rows = lambda w=w: slice(w * rows, (w + 1) * rows)
+        x, y, positions = trainer.task_batch(s)
+        batches = trainer.micro_batches(x, y, positions)
+        losses[s] += float(trainer.engine.executor.run(batches, float(trainer.counted(s)), 1.0))
+        strategy.scale_grads(float(dp))
+        trainer.engine.clip_grads(strategy.grad_norm(), cfg.optim.grad_clip or float("inf"))
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(history[ticket][n])
+        strategy.step(lr_at(s, cfg))
+        strategy.zero_grad()
+        history[ticket + 1] = {n: p.detach().clone() for n, p in params.items()}
+        read[w] = ticket + 1
+    return losses, history[steps * dp]
+
+
 @pytest.mark.composes(("param-server", "tp"), ("param-server", "batch-finder"))
-def test_async_split_worker_and_batch_finder_equal_one_process(tmp_path):
-    """Async mode with a worker split over tp ranks (issue 37): 1 worker of tp 2 + 1 server. Each
-    rank asks server 0 for the update's ticket and both shard groups apply it in ticket order
-    (the order of several workers' updates: test_a_split_worker_gets_one_ticket_...); with one
-    worker the sequence is its own steps, so the run is one process's on the global batch, its
-    clip norm added over the tp ranks with the norms' weights counted once (counted twice, or a
-    slice missed, it moves far beyond 2e-5). --micro-batch auto: the trials run forward +
-    backward on the worker alone, nothing pushed, and the run equals one process with the
-    micro-batch it chose set by hand."""
-    out = tmp_path / "ps"
-    steps = {"train.global_batch": GLOBAL_BATCH, "train.steps": 2}
-    losses, weights = _train_ps(_ps_cfg(out, dp=1, servers=1, **steps, **{
+def test_async_split_workers_equal_one_process_applying_their_order(tmp_path):
+    """Async mode with workers split over tp ranks (issue 37): 2 workers of tp 2 + 1 server. Each
+    rank asks server 0 for its update's ticket (granted once both ranks of the worker asked, within
+    the staleness bound) and both shard groups apply the pushes in ticket order: both ranks of a
+    worker report the same ticket, and the run equals one process applying that recorded sequence
+    of updates (``_replay_async``; a slice applied in another order, or a clip norm with a tp
+    copy counted twice, moves the weights far beyond FP32_REORDERED). --micro-batch auto: the
+    trials run forward + backward on the workers alone, nothing pushed, and the replay runs the
+    micro-batch it chose, set by hand."""
+    out, steps = tmp_path / "ps", {"train.global_batch": GLOBAL_BATCH, "train.steps": 3}
+    losses, weights = _train_ps(_ps_cfg(out, dp=2, servers=1, **steps, **{
         "parallel.tp": 2, "parallel.ps_mode": "async", "train.micro_batch": "auto",
         "train.memory_limit": 2 ** 40}))
     rows = _rows(out)
+    by_rank = [r["per_rank"]["ps_ticket"] for r in rows]  # worker ranks 0, 1 | 2, 3 (tp fastest)
+    assert all(t[0] == t[1] and t[2] == t[3] for t in by_rank), by_rank
+    tickets = [[t[0], t[2]] for t in by_rank]
+    assert sorted(sum(tickets, [])) == list(range(6)), tickets
     chosen = rows[0]["batch_finder"]["chosen"]
-    one_out = tmp_path / "one"
-    one = Trainer(tiny_cfg(one_out, **steps, **{"train.micro_batch": chosen})).fit()
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(one.losses), **FP32_REORDERED)
-    assert_same_weights(weights, one.final_state, **FP32_REORDERED)
-    torch.testing.assert_close(torch.tensor([r["grad_norm"] for r in rows]),
-                               torch.tensor([r["grad_norm"] for r in _rows(one_out)]), rtol=2e-5, atol=0)
-    assert [r["ps_staleness"] for r in rows] == [0, 0]
+    one_cfg = tiny_cfg(tmp_path / "one", **steps, **{"train.micro_batch": chosen})
+    one_losses, one_weights = _replay_async(one_cfg, tickets)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(one_losses), **FP32_REORDERED)
+    assert_same_weights(weights, one_weights, **FP32_REORDERED)
 
 
 def _continue_from(src: Path, dst: Path, step: int = 2) -> None:

@@ -100,6 +100,7 @@ class ParameterServerClient(Strategy):
         self.norm_sq: float | None = None  # sync: the servers' answer to this step's pushes, once read
         self.staleness: int | None = None  # async: the largest over the servers, this step
         self.staleness_max = 0
+        self.ticket_no = -1  # async: this step's place in the one order of updates (server 0's)
         self.wait_s = 0.0
         self.pulled_bytes = 0
         self.setup_servers()
@@ -286,9 +287,9 @@ class ParameterServerClient(Strategy):
         staleness = reply.meta.get("staleness")
         if not (isinstance(staleness, int) and staleness >= 0):
             raise self.server_error(0, wire.ProtocolError("a TICKET reply without a staleness"))
-        self.staleness = staleness
+        self.staleness, self.ticket_no = staleness, int(reply.value)
         self.staleness_max = max(self.staleness_max, staleness)
-        return int(reply.value)
+        return self.ticket_no
 
     def zero_grad(self) -> None:
         for _, p in self.named_params:
@@ -306,7 +307,8 @@ class ParameterServerClient(Strategy):
     def step_metrics(self) -> dict[str, float]:
         out = {"ps_wait_s": self.wait_s, "ps_pull_bytes": self.pulled_bytes}
         if self.settings.async_mode and self.staleness is not None:
-            out.update(ps_staleness=self.staleness, ps_staleness_max=self.staleness_max)
+            out.update(ps_staleness=self.staleness, ps_staleness_max=self.staleness_max,
+                       ps_ticket=self.ticket_no)
         return out
 
     def state_bytes(self) -> dict[str, int]:
