@@ -1,9 +1,10 @@
 """A parameter server process: it holds its share of the parameters in fp32 and AdamW for them.
 
 ``ParamServer`` is the server's rules, plain Python on tensors; session.py's loop feeds it the
-workers' messages (wire.py) one at a time and sends back what it answers. A push that must wait
-(for the other workers' gradients, or for the staleness bound) returns a ``torch.futures.Future``
-that a later message completes; the loop answers it then.
+workers' messages (wire.py) one at a time and sends back what it answers. A request that must
+wait (a sync push for the other workers' gradients, an async push for its ticket's turn, a ticket
+for the staleness bound) returns a ``torch.futures.Future`` that a later message completes; the
+loop answers it then.
 
 Synchronous mode (one update per step, as one process with the global batch would make)::
 
@@ -20,7 +21,7 @@ gradient, as DDP's all-reduce (data_parallel/plain.py).
 
 Asynchronous mode (one update per push; bounded staleness)::
 
-    Sequencer.ask(unit)               every rank of a worker, on server 0: answered, once all its
+    Sequencer.ask(worker)             every rank of a worker, on server 0: answered, once all its
                                       ranks have asked and the bound allows, with (ticket,
                                       staleness): the update's place in the one order of updates
     push_async(worker, grads, lr, t)  answered once the gradient is applied, in ticket order:
@@ -174,8 +175,7 @@ class ParamServer:
                 self._step(push.grads, 1.0, push.lr)
                 self.read[push.worker] = self.version
                 answers.append((push.future, (self.values(), staleness, self.version)))
-        for f, result in answers:
-            f.set_result(result)
+        _answer(answers)
         return future
 
     # -- both -------------------------------------------------------------------------------------

@@ -17,9 +17,12 @@ the group has formed, a connection the rendezvous did not announce is parked and
 data; a message's kind and sizes are checked before anything is allocated for it (wire.py).
 
 A server serves one message at a time, in the order they come (a sync push that waits for the
-other workers' gradients parks a future, not the loop). Shutdown on every path: a worker that
-finishes sends every server ``FINISH``; a server leaves its loop once every worker has; each side
-then ends the group's threads (``shutdown``) while the interpreter is whole. A worker that fails
+other workers' gradients parks a future, not the loop; so do an async push that waits for its
+ticket's turn and, on server 0, which keeps async mode's one order of updates (server.py
+``Sequencer``), a TICKET that waits for the worker's other ranks or the staleness bound).
+Shutdown on every path: a worker that finishes sends every server ``FINISH``; a server leaves its
+loop once every worker has; each side then ends the group's threads (``shutdown``) while the
+interpreter is whole. A worker that fails
 re-raises and the launcher (or torchrun's agent) ends the rest, servers included; a server that
 fails (or a message that breaks the protocol) ends the run the same way.
 """
