@@ -304,12 +304,13 @@ MOE = {"model.name": "tiny-moe", "model.aux_loss_coef": 0.1, "model.z_loss_coef"
 # the quantise decision reads the full size (a 64 x 64 weight's 2048-element slice is quantised).
 SPLIT_WORKERS = {"tp2-sp": {"parallel.tp": 2, "parallel.sp": True, "train.micro_batch": 4,
                             "optim.name": "adamw8bit", "optim.block_size": 64},
-                 "pp2-1f1b": {"parallel.pp": 2, "parallel.pp_schedule": "1f1b", "train.micro_batch": 2},
+                 "pp2-1f1b": {"parallel.pp": 2, "parallel.pp_schedule": "1f1b", "train.micro_batch": 2,
+                              "train.recompute": "full"},  # recomputed blocks: the same gradients
                  "ep2-moe": {"parallel.ep": 2, "train.micro_batch": 4, **MOE}}
 
 
 @pytest.mark.composes(("param-server", "8bit", "tp"), ("param-server", "sp"), case="tp2-sp")
-@pytest.mark.composes(("param-server", "1f1b"), case="pp2-1f1b")
+@pytest.mark.composes(("param-server", "1f1b"), ("param-server", "recompute"), case="pp2-1f1b")
 @pytest.mark.composes(("param-server", "ep"), case="ep2-moe")
 @pytest.mark.parametrize("layout", SPLIT_WORKERS, ids=list(SPLIT_WORKERS))
 def test_split_workers_equal_one_process(tmp_path, layout):
