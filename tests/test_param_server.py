@@ -31,11 +31,11 @@ from paratrain.config import ConfigError
 from paratrain.engine import checks
 from paratrain.faults import HANG_SERVER_AT, KILL_SERVER_AT, PAUSE_AT_STEP, PAUSE_DIR
 from paratrain.param_server.placement import assign, loads
-from paratrain.param_server.server import ParamServer
+from paratrain.param_server.server import ParamServer, Sequencer
 from paratrain.param_server.wire import Header, Kind, ProtocolError, receive_payload
 from paratrain.train.ps_run import rank_names, train_or_serve
 from paratrain.train.task import build_task
-from paratrain.train.trainer import Trainer
+from paratrain.train.trainer import Trainer, lr_at
 from tests import netprobe
 from tests.dist import WorkerError, run
 from tests.harness import FP32_REORDERED, assert_same_weights, tiny_cfg
@@ -193,18 +193,6 @@ def test_placement_is_balanced_and_deterministic():
     assert set(assign(sizes, 3).values()) == {0, 1, 2}
 
 
-def test_async_bounds_staleness_and_learns(tmp_path):
-    cfg = _ps_cfg(tmp_path, dp=3, servers=2, **{"parallel.ps_mode": "async", "parallel.max_staleness": 2,
-                                                "train.global_batch": 12, "train.steps": 6})
-    losses, _ = _train_ps(cfg)
-    rows = _rows(tmp_path)
-    staleness = [s for r in rows for s in r["per_rank"]["ps_staleness"]]  # every worker's every update
-    assert len(staleness) == 3 * 6 and max(staleness) <= 2 and rows[-1]["ps_staleness_max"] <= 2, staleness
-    assert [r["ps_staleness"] for r in rows] == [max(r["per_rank"]["ps_staleness"]) for r in rows]
-    assert max(staleness) > 0, "three workers pushing each step: some update must be late"
-    assert losses[-1] < losses[0] - 0.1, losses
-
-
 @pytest.mark.parametrize("fault, named", [
     (KILL_SERVER_AT, "rank 2 (server0) died"),  # the launcher sees it die
     (HANG_SERVER_AT, ") failed:\nServerError: parameter server server0 (rank 2) failed, died or did not "
@@ -219,14 +207,7 @@ def test_server_failure_is_named(tmp_path, fault, named):
     assert named in str(err.value), str(err.value)
 
 
-SPLIT_ASYNC = "--ps-mode sync with --tp/--pp/--ep"  # async with a worker split over ranks
-
-
 @pytest.mark.parametrize("overrides, fragment", [
-    ({"parallel.tp": 2, "parallel.nproc": 5, "parallel.ps_mode": "async"}, SPLIT_ASYNC),
-    ({"parallel.pp": 2, "parallel.nproc": 5, "parallel.ps_mode": "async"}, SPLIT_ASYNC),
-    ({"parallel.ep": 2, "parallel.ps_mode": "async"}, SPLIT_ASYNC),
-    ({"parallel.tp": 2, "parallel.nproc": 5, "optim.name": "adamw8bit"}, "--optimizer adamw with --tp > 1"),
     ({"parallel.zero": 1}, "--zero 0"),
     ({"parallel.dp_replicate": 2}, "no --dp-replicate / --dp-shard"),
     ({"parallel.ps_mode": "async", "parallel.max_staleness": 0}, "below dp - 1"),
@@ -318,13 +299,18 @@ def test_servers_run_8bit_adamw_and_resume_its_state_exactly(tmp_path):
 # server = 5 ranks, or 2 workers of one ep group (each rank half the experts) + 1 server, against
 # one process on the same micro-batches (pp: 2 per worker, else 1).
 MOE = {"model.name": "tiny-moe", "model.aux_loss_coef": 0.1, "model.z_loss_coef": 0.01, "optim.eps": 1e-5}
-SPLIT_WORKERS = {"tp2-sp": {"parallel.tp": 2, "parallel.sp": True, "train.micro_batch": 4},
-                 "pp2-1f1b": {"parallel.pp": 2, "parallel.pp_schedule": "1f1b", "train.micro_batch": 2},
+# tp2-sp also runs the servers' 8-bit AdamW on the tp slices, in blocks of 64: a row-parallel slice's
+# are 4 elements, cut along the full tensor's 16 pieces (cut as the slice's own they would be 2), and
+# the quantise decision reads the full size (a 64 x 64 weight's 2048-element slice is quantised).
+SPLIT_WORKERS = {"tp2-sp": {"parallel.tp": 2, "parallel.sp": True, "train.micro_batch": 4,
+                            "optim.name": "adamw8bit", "optim.block_size": 64},
+                 "pp2-1f1b": {"parallel.pp": 2, "parallel.pp_schedule": "1f1b", "train.micro_batch": 2,
+                              "train.recompute": "full"},  # recomputed blocks: the same gradients
                  "ep2-moe": {"parallel.ep": 2, "train.micro_batch": 4, **MOE}}
 
 
-@pytest.mark.composes(("param-server", "tp"), ("param-server", "sp"), case="tp2-sp")
-@pytest.mark.composes(("param-server", "1f1b"), case="pp2-1f1b")
+@pytest.mark.composes(("param-server", "8bit", "tp"), ("param-server", "sp"), case="tp2-sp")
+@pytest.mark.composes(("param-server", "1f1b"), ("param-server", "recompute"), case="pp2-1f1b")
 @pytest.mark.composes(("param-server", "ep"), case="ep2-moe")
 @pytest.mark.parametrize("layout", SPLIT_WORKERS, ids=list(SPLIT_WORKERS))
 def test_split_workers_equal_one_process(tmp_path, layout):
@@ -348,6 +334,67 @@ def test_split_workers_equal_one_process(tmp_path, layout):
     torch.testing.assert_close(torch.tensor([r["grad_norm"] for r in rows]),
                                torch.tensor([r["grad_norm"] for r in ref_rows]), rtol=2e-5, atol=0)
     assert all(r["mem_optim_bytes"] == 0 for r in rows), "the servers hold the optimizer state"
+
+
+def _replay_async(cfg: config.Config, tickets: list[list[int]]) -> tuple[list[float], dict]:
+    """One process applying a recorded sequence of async updates (``tickets[s][w]``: the place of
+    worker w's update of step s): each update is worker w's gradient on its rows of step s,
+    computed on the values it last read (after its previous update, or the initial ones), times
+    dp (client.py: its rows' mean gradient), clipped, then AdamW on the values current at that
+    place. Returns the summed loss of each step (the workers' shares, as logged) and the weights."""
+    trainer, (dp, steps) = Trainer(cfg), (len(tickets[0]), len(tickets))
+    strategy, params = trainer.engine.strategy, dict(trainer.engine.model.named_parameters())
+    rows = cfg.train.global_batch // dp
+    history = {0: {n: p.detach().clone() for n, p in params.items()}}  # values by version
+    losses, read = [0.0] * steps, [0] * dp
+    for ticket, w, s in sorted((tickets[s][w], w, s) for s in range(steps) for w in range(dp)):
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(history[read[w]][n])
+        trainer.local_rows = lambda w=w: slice(w * rows, (w + 1) * rows)
+        x, y, positions = trainer.task_batch(s)
+        batches = trainer.micro_batches(x, y, positions)
+        losses[s] += float(trainer.engine.executor.run(batches, float(trainer.counted(s)), 1.0))
+        strategy.scale_grads(float(dp))
+        trainer.engine.clip_grads(strategy.grad_norm(), cfg.optim.grad_clip or float("inf"))
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(history[ticket][n])
+        strategy.step(lr_at(s, cfg))
+        strategy.zero_grad()
+        history[ticket + 1] = {n: p.detach().clone() for n, p in params.items()}
+        read[w] = ticket + 1
+    return losses, history[steps * dp]
+
+
+@pytest.mark.composes(("param-server", "tp"), ("param-server", "batch-finder"))
+def test_async_split_workers_equal_one_process_applying_their_order(tmp_path):
+    """Async mode with workers split over tp ranks (issue 37): 2 workers of tp 2 + 2 servers. Each
+    rank asks server 0 for its update's ticket (granted once both ranks of the worker asked, within
+    the staleness bound S = dp - 1 = 1) and every shard group of both servers applies the pushes in
+    ticket order: both ranks of a worker report the same ticket, and the run equals one process
+    applying that recorded sequence of updates (``_replay_async``; a slice applied in another
+    order, or a clip norm with a tp copy counted twice, moves the weights far beyond
+    FP32_REORDERED; replayed without the staleness, on the latest values, the losses miss by 5 %).
+    --micro-batch auto: the trials run forward + backward on the workers alone, nothing pushed,
+    and the replay runs the micro-batch it chose, set by hand."""
+    out, steps = tmp_path / "ps", {"train.global_batch": GLOBAL_BATCH, "train.steps": 3}
+    losses, weights = _train_ps(_ps_cfg(out, dp=2, servers=2, **steps, **{
+        "parallel.tp": 2, "parallel.ps_mode": "async", "train.micro_batch": "auto",
+        "train.memory_limit": 2 ** 40}))
+    rows = _rows(out)
+    staleness = [s for r in rows for s in r["per_rank"]["ps_staleness"]]  # every rank's every update
+    assert max(staleness) == 1 == rows[-1]["ps_staleness_max"], staleness  # two workers pushing each step
+    assert [r["ps_staleness"] for r in rows] == [max(r["per_rank"]["ps_staleness"]) for r in rows]
+    by_rank = [r["per_rank"]["ps_ticket"] for r in rows]  # worker ranks 0, 1 | 2, 3 (tp fastest)
+    assert all(t[0] == t[1] and t[2] == t[3] for t in by_rank), by_rank
+    tickets = [[t[0], t[2]] for t in by_rank]
+    assert sorted(sum(tickets, [])) == list(range(6)), tickets
+    chosen = rows[0]["batch_finder"]["chosen"]
+    one_cfg = tiny_cfg(tmp_path / "one", **steps, **{"train.micro_batch": chosen})
+    one_losses, one_weights = _replay_async(one_cfg, tickets)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(one_losses), **FP32_REORDERED)
+    assert_same_weights(weights, one_weights, **FP32_REORDERED)
 
 
 def _continue_from(src: Path, dst: Path, step: int = 2) -> None:
@@ -388,31 +435,48 @@ def test_resume_continues_exactly_and_loads_in_another_layout(tmp_path, referenc
 ADAMW = {"lr": 0.1, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
 
 
-def _server(dp: int, async_mode: bool, max_staleness: int = 0) -> ParamServer:
-    server = ParamServer(dp, async_mode, max_staleness)
-    server.setup({"w": torch.zeros(3)}, ADAMW)
-    return server
-
-
-def test_async_gate_holds_a_push_that_would_leave_a_worker_too_far_behind():
-    server, g = _server(3, True, max_staleness=2), {"w": torch.ones(3)}
-    first = [server.push_async(w, g, 0.1) for w in (0, 1, 2)]  # reads: worker w at version w + 1
-    assert [f.wait()[1] for f in first] == [0, 1, 2]
-    # Now in reverse. Applying worker 2's push (version 3 -> 4) would leave worker 0, which read
-    # version 1, 3 updates behind: held; worker 1's too. Without the gate worker 0's next push
+def test_async_gate_holds_a_ticket_that_would_leave_a_worker_too_far_behind():
+    seq = Sequencer(3, 1, max_staleness=2)
+    first = [seq.ask(w) for w in (0, 1, 2)]  # tickets 0, 1, 2: worker w reads version w + 1
+    assert [f.wait() for f in first] == [(0, 0), (1, 1), (2, 2)]
+    # Now in reverse. Granting worker 2 (version 3 -> 4) would leave worker 0, which read
+    # version 1, 3 updates behind: held; worker 1 too. Without the gate worker 0's next update
     # would be 4 updates late.
-    late2 = server.push_async(2, g, 0.1)
-    late1 = server.push_async(1, g, 0.1)
+    late2, late1 = seq.ask(2), seq.ask(1)
     assert not late2.done() and not late1.done()
-    late0 = server.push_async(0, g, 0.1)  # the oldest reader: applied, then the held ones, oldest first
-    assert [late0.wait()[1], late1.wait()[1], late2.wait()[1]] == [2, 2, 2]
-    assert server.version == 6
+    late0 = seq.ask(0)  # the oldest reader: granted, then the held ones, oldest first
+    assert [late0.wait(), late1.wait(), late2.wait()] == [(3, 2), (4, 2), (5, 2)]
+    assert seq.version == 6
 
 
 def test_async_gate_ignores_finished_workers():
-    server, g = _server(2, True, max_staleness=1), {"w": torch.ones(3)}
-    server.finish(1)  # worker 1 never pushes again: it must not hold worker 0 back
-    assert [server.push_async(0, g, 0.1).wait()[1] for _ in range(3)] == [0, 0, 0]
+    seq = Sequencer(2, 1, max_staleness=1)
+    seq.finish(1)  # worker 1 never asks again: it must not hold worker 0 back
+    assert [seq.ask(0).wait()[1] for _ in range(3)] == [0, 0, 0]
+
+
+def test_a_split_worker_gets_one_ticket_and_every_group_applies_tickets_in_order():
+    """Issue 37: a worker of two ranks (two shard groups) is granted one ticket once both asked,
+    and a ParamServer applies pushes in ticket order whatever order they arrive in: AdamW's
+    update depends on it (the second step's moments hold the first's gradient)."""
+    seq = Sequencer(2, 2, max_staleness=1)
+    ask = seq.ask(1)
+    assert not ask.done()  # one of worker 1's two ranks: not yet
+    assert [seq.ask(1).wait(), ask.wait()] == [(0, 0), (0, 0)]
+    zero = seq.ask(0)
+    assert not zero.done() and seq.ask(0).wait() == zero.wait() == (1, 1)
+    grads = [{"w": torch.tensor([1.0, -2.0, 3.0])}, {"w": torch.tensor([-5.0, 0.5, 0.25])}]
+    in_order, reversed_ = ParamServer(2, True), ParamServer(2, True)
+    for server in (in_order, reversed_):
+        server.setup({"w": torch.zeros(3)}, ADAMW)
+    answers = [in_order.push_async(w, grads[w], 0.1, ticket=w) for w in (0, 1)]
+    late = reversed_.push_async(1, grads[1], 0.1, ticket=1)
+    assert not late.done()  # ticket 0 not yet applied
+    early = reversed_.push_async(0, grads[0], 0.1, ticket=0)
+    assert [a.wait()[1:] for a in answers] == [early.wait()[1:], late.wait()[1:]] == [(0, 1), (1, 2)]
+    assert torch.equal(late.wait()[0]["w"], answers[1].wait()[0]["w"])
+    with pytest.raises(RuntimeError, match="ticket 1 pushed twice"):
+        reversed_.push_async(1, grads[1], 0.1, ticket=1)
 
 
 def test_sync_sum_does_not_depend_on_arrival_order():
@@ -420,7 +484,7 @@ def test_sync_sum_does_not_depend_on_arrival_order():
     parts = {0: torch.tensor([1e8]), 1: torch.tensor([1.0]), 2: torch.tensor([-1e8])}
     norms = []
     for order in ((0, 1, 2), (0, 2, 1), (2, 1, 0)):
-        server = ParamServer(3, False, 0)
+        server = ParamServer(3, False)
         server.setup({"w": torch.zeros(1)}, ADAMW)
         futures = [server.push_sync(w, 0, {"w": parts[w]}) for w in order]
         norms.append(futures[0].wait())

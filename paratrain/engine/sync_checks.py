@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from paratrain.config import Config, ParallelConfig
-from paratrain.refusals import PP_SCHEDULES, Refusal, emit
+from paratrain.refusals import Refusal, emit
 
 ZEROS = ("zero1", "zero2", "zero3")
 
@@ -97,17 +97,9 @@ def _ps_refusal(other: str | tuple[str, ...], fix: str, reason: str,
                    when=lambda c: c.parallel.sync == "parameter-server" and when(c))
 
 
-# a worker rank pushes to its (stage, ep, tp) server group; the servers run (8-bit) AdamW
+# a worker rank pushes to its (stage, ep, tp) server group (async: in server 0's one order of updates);
+# the servers run (8-bit) AdamW, its blocks cut as one process cuts them (tp slices too)
 PARAM_SERVER_REFUSALS = (
-    _ps_refusal(("tp", "ep", *PP_SCHEDULES), "--ps-mode sync with --tp/--pp/--ep > 1", "not built in "
-                "async mode: each stage's, tp rank's or ep rank's slices are a separate server group that "
-                "orders the workers' pushes as they come, so one worker's slices would carry different "
-                "sets of updates; it needs one order of pushes across the groups",
-                lambda c: max(c.parallel.tp, c.parallel.pp, c.parallel.ep) > 1
-                and c.parallel.ps_mode == "async"),
-    _ps_refusal("8bit", "--optimizer adamw with --tp > 1", "not built: a server holds a tp slice as a "
-                "plain tensor and would cut its 8-bit blocks as a whole tensor's, not as one process cuts it",
-                lambda c: c.parallel.tp > 1 and c.optim.name == "adamw8bit"),
     _ps_refusal(ZEROS, "--zero 0 (the servers shard the optimizer state)", "by construction: the servers "
                 "shard the optimizer state themselves", lambda c: c.parallel.zero != 0),
     _ps_refusal("hsdp", "no --dp-replicate / --dp-shard", "by construction: the servers shard the state",
@@ -115,8 +107,6 @@ PARAM_SERVER_REFUSALS = (
     _ps_refusal(("offload-cpu", "offload-disk"), "--offload none (the servers hold the optimizer state)",
                 "by construction: the servers hold the optimizer state",
                 lambda c: c.parallel.offload != "none"),
-    _ps_refusal("batch-finder", "a numeric --micro-batch (not auto)", "not built: the trial steps would push "
-                "to the servers", lambda c: c.train.micro_batch == "auto"),
 )
 
 

@@ -336,9 +336,12 @@ def resolve_micro_batch(trainer: Any) -> FinderResult:  # a train.Trainer, a lay
         candidates = [n for n in divisors(per_rank) if executor.accepts(per_rank // n)]
     else:
         trial, candidates = executor_trial(executor, batch, divisor), divisors(per_rank)
+    # the parameter server's workers hold no optimizer state (the servers do); their trials, as
+    # every trial, run forward + backward only, so nothing reaches a server before training
+    moments = 0 if cfg.parallel.sync == "parameter-server" else adam_moment_bytes(executor.model, shards)
     result = find_executable_batch_size(
         trial, candidates, memory_limit=limit, group=mesh.world, device=device,
-        measure=cfg.train.memory_measure, reserve_bytes=adam_moment_bytes(executor.model, shards), log=log)
+        measure=cfg.train.memory_measure, reserve_bytes=moments, log=log)
     result.peak_reset = forget_trial_peaks(device)  # on every rank: each reports its own peak
     cfg.train.micro_batch = result.micro_batch
     if log:

@@ -3,14 +3,15 @@
 The trainer's step (base/strategy.py) maps onto the servers like this:
 
     sync mode                                   async mode
-    after_backward  push this worker's grads    (nothing)
-    grad_norm       wait for the servers' sums: the local gradient's norm, times dp
-                    sum of their squared norms  (the update this worker alone will make)
-                    (split workers: per tensor,
+    after_backward  push this worker's grads    (nothing; both: dense gradients summed over ep)
+    grad_norm       wait for the servers' sums: the worker's gradient's norm (added over
+                    sum of their squared norms  its ranks), times edp (the update this
+                    (split workers: per tensor,  worker alone will make)
                     added over the worker ranks)
     scale_grads     remember the clip factor    remember the clip factor
-    step(lr)        ask for the update (c, lr)  push dp * c * grads, wait until applied
-                    and copy the new values     (bounded staleness), copy the new values
+    step(lr)        ask for the update (c, lr)  a TICKET from server 0 (bounded staleness),
+                    and copy the new values     then push edp * c * grads with it, wait until
+                                                applied (in ticket order), copy the new values
 
 Each server holds the parameters placement.assign gives it; a worker talks to all of them,
 concurrently (a request to each server, then wait for every reply), in wire.py's messages over the
@@ -20,7 +21,8 @@ values, refreshed after every step.
 Async scaling, a choice: a worker's gradient is its share of the global mean (divided by the
 global batch's counted tokens), so dp of them add up to the global gradient. Applied alone it is
 multiplied by dp, making each update the mean gradient of that worker's rows: the step one process
-training on those rows would take. Clipping applies to that scaled gradient.
+training on those rows would take. Clipping applies to that scaled gradient. Under expert
+parallelism a worker is an ep group (its ranks share the experts' rows): edp = dp / ep of them.
 
 Checkpoints hold the servers' state (fp32 values, AdamW's moments), listed by worker 0 as pieces
 of full tensors (shards.py), so a checkpoint loads in any other layout and the exported
@@ -58,7 +60,7 @@ class ServerError(RuntimeError):
 @dataclass(frozen=True)
 class ServerSettings:
     servers: int
-    async_mode: bool  # the staleness bound is the servers' business (server.py)
+    async_mode: bool  # the staleness bound is server 0's business (server.py Sequencer)
     timeout_s: float
     group: dist.ProcessGroup  # the run's gloo group of workers then servers (session.py)
 
@@ -98,6 +100,7 @@ class ParameterServerClient(Strategy):
         self.norm_sq: float | None = None  # sync: the servers' answer to this step's pushes, once read
         self.staleness: int | None = None  # async: the largest over the servers, this step
         self.staleness_max = 0
+        self.ticket_no = -1  # async: this step's place in the one order of updates (server 0's)
         self.wait_s = 0.0
         self.pulled_bytes = 0
         self.setup_servers()
@@ -169,14 +172,14 @@ class ParameterServerClient(Strategy):
         o = self.optim_cfg
         return {"lr": o.lr, "betas": [o.beta1, o.beta2], "eps": o.eps, "weight_decay": o.weight_decay,
                 "name": o.name, "block_size": o.block_size, "min_8bit_size": o.min_8bit_size,
-                "tp_dims": {n: info_of(p).tp_dim for n, p in self.named_params}}
+                **tp_records(self.named_params)}
 
     def setup_servers(self) -> None:
         """Worker 0 gives each server its parameters' names, shapes and initial values, and
         AdamW's settings; all workers then meet, so no gradient reaches a server before its values."""
         if self.mesh.edp.rank == 0:
             manifests = [{"names": [n for n, _ in mine], "shapes": [list(p.shape) for _, p in mine],
-                          "optim": {**self.server_optim, "tp_dims": {n: info_of(p).tp_dim for n, p in mine}}}
+                          "optim": {**self.server_optim, **tp_records(mine)}}
                          for mine in self.by_server]
             self.wait([self.request(k, Header(Kind.SETUP), manifests[k], wire.flatten([p for _, p in mine]))
                        for k, mine in enumerate(self.by_server)])
@@ -190,9 +193,9 @@ class ParameterServerClient(Strategy):
 
     def after_backward(self) -> None:
         self.wait_s, self.pulled_bytes, self.staleness, self.norm_sq = 0.0, 0, None, None
+        self.sum_dense_over_ep()
         if self.settings.async_mode:
             return
-        self.sum_dense_over_ep()
         self.pushed = [self.request(k, Header(Kind.PUSH_SYNC, round=self.round), payload=self.grads_of(k))
                        for k in range(self.settings.servers)]
 
@@ -212,9 +215,7 @@ class ParameterServerClient(Strategy):
 
     def grad_norm(self) -> float:
         if self.settings.async_mode:
-            local = math.fsum(float(p.grad.double().pow(2).sum()) for _, p in self.named_params
-                              if p.grad is not None)
-            total = local * self.mesh.dp.size ** 2
+            total = self.worker_norm_sq() * self.mesh.edp.size ** 2
         else:
             if self.norm_sq is None:  # each push's reply is read once (the library's loop may not clip)
                 replies = self.wait(self.pushed)
@@ -222,6 +223,25 @@ class ParameterServerClient(Strategy):
                 self.norm_sq = math.fsum(r.value for r in replies) if whole else self.sharded_norm_sq(replies)
             total = self.norm_sq
         return math.sqrt(total) if math.isfinite(total) else float("inf")
+
+    def worker_norm_sq(self) -> float:
+        """Async: the squared norm of this worker's gradient (its ep group's, under expert
+        parallelism), added over its ranks (tp, pp, ep axes), a tensor several of them hold
+        counted once: tp copies and a tied weight's stage copy (ParamInfo.copies_outside_dp), and
+        a dense tensor's ep copies (its gradient, summed over the ep group, is the same on each)."""
+        total = torch.zeros((), dtype=torch.float64)
+        for _, p in self.named_params:
+            if p.grad is not None:
+                info = info_of(p)
+                ep_copies = self.mesh.ep.size if info.dp_axis == "dp" else 1
+                copies = info.copies_outside_dp(self.mesh) * ep_copies
+                total += p.grad.double().pow(2).sum().cpu() / copies
+        total = total.to(self.mesh.device)
+        with self.mesh.counter.paused():  # a scalar; not part of the training traffic
+            for axis in (self.mesh.tp, self.mesh.pp, self.mesh.ep):  # the worker's ranks, one axis at a time
+                if axis.size > 1:
+                    C.all_reduce(total, axis, what="all-reduce of a worker's squared gradient norm")
+        return total.item()
 
     def sharded_norm_sq(self, replies: list[Reply]) -> float:
         """Workers of tp ranks: each rank's servers sent per-tensor squared norms of the summed
@@ -248,18 +268,28 @@ class ParameterServerClient(Strategy):
     def step(self, lr: float | None) -> None:
         servers = range(self.settings.servers)
         if self.settings.async_mode:
-            scale = self.factor * self.mesh.dp.size
-            pushes = [self.request(k, Header(Kind.PUSH_ASYNC, lr=lr), payload=self.grads_of(k, scale))
-                      for k in servers]
-            replies = self.wait(pushes, self.values_size)
-            self.staleness = max(int(r.value) for r in replies)
-            self.staleness_max = max(self.staleness_max, self.staleness)
+            ticket = self.ticket()
+            scale = self.factor * self.mesh.edp.size  # a worker's (an ep group's) rows: 1 / edp of the batch
+            push = Header(Kind.PUSH_ASYNC, round=ticket, lr=lr)
+            replies = self.wait([self.request(k, push, payload=self.grads_of(k, scale)) for k in servers],
+                                self.values_size)
         else:
             self.grad_norm()  # the pushes' replies first: a server answers in the order it was asked
             apply = Header(Kind.APPLY_SYNC, round=self.round, factor=self.factor, lr=lr)
             replies = self.wait([self.request(k, apply) for k in servers], self.values_size)
         for k in servers:
             self.take_values(k, replies[k].payload)
+
+    def ticket(self) -> int:
+        """Async: this update's place in the one order of updates every server applies (server
+        0's Sequencer, granted once every rank of this worker has asked); records its staleness."""
+        reply = self.wait([self.request(0, Header(Kind.TICKET))])[0]
+        staleness = reply.meta.get("staleness")
+        if not (isinstance(staleness, int) and staleness >= 0):
+            raise self.server_error(0, wire.ProtocolError("a TICKET reply without a staleness"))
+        self.staleness, self.ticket_no = staleness, int(reply.value)
+        self.staleness_max = max(self.staleness_max, staleness)
+        return self.ticket_no
 
     def zero_grad(self) -> None:
         for _, p in self.named_params:
@@ -277,7 +307,8 @@ class ParameterServerClient(Strategy):
     def step_metrics(self) -> dict[str, float]:
         out = {"ps_wait_s": self.wait_s, "ps_pull_bytes": self.pulled_bytes}
         if self.settings.async_mode and self.staleness is not None:
-            out.update(ps_staleness=self.staleness, ps_staleness_max=self.staleness_max)
+            out.update(ps_staleness=self.staleness, ps_staleness_max=self.staleness_max,
+                       ps_ticket=self.ticket_no)
         return out
 
     def state_bytes(self) -> dict[str, int]:
@@ -386,5 +417,17 @@ class ParameterServerClient(Strategy):
         read_local(reader, info_of(p), full, "param", value)
         o = self.optim_cfg
         state = a8.read_param_state(reader, full, p, 0, p.numel(), block=o.block_size,
-                                    quantised=p.numel() >= o.min_8bit_size)
+                                    quantised=a8.full_numel(p) >= o.min_8bit_size)
         return {"param": value, **(state or {})}
+
+
+def tp_records(params: list[tuple[str, nn.Parameter]]) -> dict[str, dict]:
+    """SETUP's record of each tensor's tp split (server.py ``tensor_info``): ``tp_dims``, the dim
+    the tp plan splits (None: none), and ``tp_slices``, for a tp slice the full shape and the
+    slice's index and count, so a server cuts 8-bit blocks as one process cuts the full tensor."""
+    slices = {}
+    for n, p in params:
+        shard = info_of(p).shard
+        if shard.is_split and shard.axis == "tp":
+            slices[n] = [list(shard.full_shape), shard.index, shard.count]
+    return {"tp_dims": {n: info_of(p).tp_dim for n, p in params}, "tp_slices": slices}

@@ -1,9 +1,10 @@
 """A parameter server process: it holds its share of the parameters in fp32 and AdamW for them.
 
 ``ParamServer`` is the server's rules, plain Python on tensors; session.py's loop feeds it the
-workers' messages (wire.py) one at a time and sends back what it answers. A push that must wait
-(for the other workers' gradients, or for the staleness bound) returns a ``torch.futures.Future``
-that a later message completes; the loop answers it then.
+workers' messages (wire.py) one at a time and sends back what it answers. A request that must
+wait (a sync push for the other workers' gradients, an async push for its ticket's turn, a ticket
+for the staleness bound) returns a ``torch.futures.Future`` that a later message completes; the
+loop answers it then.
 
 Synchronous mode (one update per step, as one process with the global batch would make)::
 
@@ -20,13 +21,23 @@ gradient, as DDP's all-reduce (data_parallel/plain.py).
 
 Asynchronous mode (one update per push; bounded staleness)::
 
-    push_async(worker, grads, lr)     answered once the gradient is applied: (new values, the
-                                      update's staleness, the server's version after it)
+    Sequencer.ask(worker)             every rank of a worker, on server 0: answered, once all its
+                                      ranks have asked and the bound allows, with (ticket,
+                                      staleness): the update's place in the one order of updates
+    push_async(worker, grads, lr, t)  answered once the gradient is applied, in ticket order:
+                                      (new values, the update's staleness, the version after it)
 
-The staleness of an update is the number of updates the server applied between the worker's last
-read (the values it computed its gradient on) and this one. A push waits while applying it would
-leave another worker more than ``max_staleness`` updates behind; the oldest waiting push is always
-allowed (every other worker read later), so with ``max_staleness >= dp - 1`` nobody waits forever.
+A worker split over ranks (tp, pp, ep) pushes each slice to its own shard group, and a run of
+several servers spreads even a whole worker's tensors over them: every one of those
+``ParamServer``s applies the pushes in the ticket order the one ``Sequencer`` (server 0's)
+decided, so all of a worker's slices carry the same set of updates, and a run is one process
+applying that sequence of updates.
+
+The staleness of an update is the number of updates applied between the worker's last read
+(the values it computed its gradient on) and this one. A worker's ticket waits while granting it
+would leave another worker more than ``max_staleness`` updates behind; the oldest waiting worker
+is always allowed (every other worker read later), so with ``max_staleness >= dp - 1`` nobody
+waits forever.
 """
 
 from __future__ import annotations
@@ -50,11 +61,25 @@ def state_shape(key: str, shape: torch.Size, optim: dict, name: str = "") -> tor
     """The shape of a parameter's optimizer tensor ``key`` in messages (STATE replies, LOAD
     requests), from the settings both sides hold (SETUP's ``optim``): the parameter's own, or for
     the 8-bit store's codes and block scales a flat run of the tensor's own blocks (cut along its tp
-    pieces as one process cuts them: ``optim["tp_dims"]``, optim/adamw8bit.py ``Blocks``)."""
+    pieces as one process cuts the full tensor: ``tensor_info``, optim/adamw8bit.py ``Blocks``)."""
     if key not in a8.QUANT_KEYS:
         return shape
-    block = a8.whole_block_size(tuple(shape), optim.get("tp_dims", {}).get(name), int(optim["block_size"]))
+    info = tensor_info(name, shape, optim)
+    block = a8.whole_block_size(info.full_shape, info.tp_dim, int(optim["block_size"]))
     return torch.Size([a8.key_range(key, 0, math.prod(shape), block)[1]])
+
+
+def tensor_info(name: str, shape: torch.Size, optim: dict) -> ParamInfo:
+    """The record a server's tensor ``name`` of ``shape`` carries, from SETUP's settings: the dim
+    the tp plan splits (``tp_dims``) and, for a worker's tp slice, the full tensor and the slice's
+    place in it (``tp_slices``: [full shape, index, count]), so the 8-bit AdamW cuts its blocks
+    and decides to quantise as one process does for the full tensor (``Blocks``, ``full_numel``)."""
+    dim = optim.get("tp_dims", {}).get(name)
+    sliced = optim.get("tp_slices", {}).get(name)
+    if sliced is None:
+        return ParamInfo(name, TensorShard(tuple(shape)), tp_dim=dim)
+    full, index, count = sliced
+    return ParamInfo(name, TensorShard(tuple(full), dim, index, count), tp_dim=dim)
 
 
 @dataclass
@@ -71,7 +96,6 @@ class ParamServer:
 
     dp: int
     async_mode: bool
-    max_staleness: int
     params: dict[str, nn.Parameter] = field(default_factory=dict)
     optimizer: torch.optim.AdamW | None = None
     version: int = 0  # updates applied
@@ -84,19 +108,19 @@ class ParamServer:
     waiting: list[torch.futures.Future] = field(default_factory=list)
     summed: Grads = field(default_factory=dict)
     applied_round: int = -1
-    # async: the version each worker last read, and the pushes not yet allowed
+    # async: the version each worker last read, and the pushes whose ticket is not yet due
     read: list[int] = field(default_factory=list)
-    pending: list[_Push] = field(default_factory=list)
+    pending: dict[int, _Push] = field(default_factory=dict)
 
     def setup(self, values: Grads, optim: dict) -> None:
         """Take the initial values (fp32 copies) and build AdamW as the single process does: torch's,
-        or the 8-bit one (``optim["name"]``) on this server's tensors, which are whole tensors
-        (a pipeline stage's are; 8-bit with tp slices is refused), so its blocks are one process's."""
+        or the 8-bit one (``optim["name"]``) on this server's tensors, each recorded as the whole
+        tensor or tp slice it is (``tensor_info``), so its blocks are the ones one process cuts."""
         with self.lock:
             self.params = {n: nn.Parameter(v.detach().float().clone(), requires_grad=False)
                            for n, v in values.items()}
-            for n, p in self.params.items():  # the tp dim one process's 8-bit blocks are cut along
-                set_info(p, ParamInfo(n, TensorShard(tuple(p.shape)), tp_dim=optim.get("tp_dims", {}).get(n)))
+            for n, p in self.params.items():  # what one process's 8-bit blocks are cut by
+                set_info(p, tensor_info(n, p.shape, optim))
             groups = adamw_param_groups(list(self.params.items()), optim["weight_decay"])
             hyper = {"lr": optim["lr"], "betas": optim["betas"], "eps": optim["eps"]}
             if optim.get("name") == "adamw8bit":
@@ -136,33 +160,23 @@ class ParamServer:
 
     # -- asynchronous mode ----------------------------------------------------------------------
 
-    def push_async(self, worker: int, grads: Grads, lr: float) -> torch.futures.Future:
+    def push_async(self, worker: int, grads: Grads, lr: float, ticket: int) -> torch.futures.Future:
+        """Apply ``worker``'s push as update number ``ticket`` (the Sequencer's), once every
+        earlier ticket's push is applied."""
         future: torch.futures.Future = torch.futures.Future()
         with self.lock:
-            self.pending.append(_Push(worker, grads, lr, future))
-            answers = self._drain()
-        for f, result in answers:
-            f.set_result(result)
+            if ticket < self.version or ticket in self.pending:
+                raise RuntimeError(f"ticket {ticket} pushed twice (worker {worker}; {self.version} applied)")
+            self.pending[ticket] = _Push(worker, grads, lr, future)
+            answers = []
+            while self.version in self.pending:
+                push = self.pending.pop(self.version)
+                staleness = self.version - self.read[push.worker]
+                self._step(push.grads, 1.0, push.lr)
+                self.read[push.worker] = self.version
+                answers.append((push.future, (self.values(), staleness, self.version)))
+        _answer(answers)
         return future
-
-    def _allowed(self, worker: int) -> bool:
-        """Would applying ``worker``'s push keep every other active worker within the bound?"""
-        return all(self.version + 1 - self.read[u] <= self.max_staleness
-                   for u in range(self.dp) if u != worker and u not in self.finished)
-
-    def _drain(self) -> list[tuple[torch.futures.Future, tuple]]:
-        """Apply every waiting push the bound allows, oldest read first; the answers to send."""
-        answers = []
-        while True:
-            push = next((p for p in sorted(self.pending, key=lambda p: (self.read[p.worker], p.worker))
-                         if self._allowed(p.worker)), None)
-            if push is None:
-                return answers
-            self.pending.remove(push)
-            staleness = self.version - self.read[push.worker]
-            self._step(push.grads, 1.0, push.lr)
-            self.read[push.worker] = self.version
-            answers.append((push.future, (self.values(), staleness, self.version)))
 
     # -- both -------------------------------------------------------------------------------------
 
@@ -184,11 +198,8 @@ class ParamServer:
     def finish(self, worker: int) -> None:
         with self.lock:
             self.finished.add(worker)
-            answers = self._drain() if self.async_mode else []
             if len(self.finished) == self.dp:
                 self.done.set()
-        for f, result in answers:
-            f.set_result(result)
 
     # -- checkpoints ------------------------------------------------------------------------------
 
@@ -222,6 +233,64 @@ class ParamServer:
                     self.optimizer.load_named(p, moments, step=step)
                 elif moments:
                     self.optimizer.state[p] = {**moments, "step": torch.tensor(float(step))}
+
+
+@dataclass
+class Sequencer:
+    """The one order of async updates (server 0 keeps it): a worker's ticket is granted once all
+    ``ranks`` of it have asked (each pushes its own slices) and the staleness bound allows it."""
+
+    workers: int
+    ranks: int  # a worker's ranks, each asking for the same ticket
+    max_staleness: int
+    version: int = 0  # tickets granted
+    read: list[int] = field(default_factory=list)  # the version each worker last read
+    finished: set[int] = field(default_factory=set)
+    asked: dict[int, list[torch.futures.Future]] = field(default_factory=dict)  # by worker
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.read = [0] * self.workers
+
+    def ask(self, worker: int) -> torch.futures.Future:
+        """A future of (ticket, staleness) for one rank of ``worker``."""
+        future: torch.futures.Future = torch.futures.Future()
+        with self.lock:
+            self.asked.setdefault(worker, []).append(future)
+            answers = self._drain()
+        _answer(answers)
+        return future
+
+    def finish(self, worker: int) -> None:
+        """``worker`` will ask no more: it must not hold the others back."""
+        with self.lock:
+            self.finished.add(worker)
+            answers = self._drain()
+        _answer(answers)
+
+    def _allowed(self, worker: int) -> bool:
+        """Would granting ``worker`` keep every other active worker within the bound?"""
+        return all(self.version + 1 - self.read[u] <= self.max_staleness
+                   for u in range(self.workers) if u != worker and u not in self.finished)
+
+    def _drain(self) -> list[tuple[torch.futures.Future, tuple[int, int]]]:
+        """Grant every waiting worker the bound allows, oldest read first; the answers to send."""
+        answers = []
+        while True:
+            ready = sorted((w for w, fs in self.asked.items() if len(fs) >= self.ranks),
+                           key=lambda w: (self.read[w], w))
+            worker = next((w for w in ready if self._allowed(w)), None)
+            if worker is None:
+                return answers
+            ticket, staleness = self.version, self.version - self.read[worker]
+            self.version += 1
+            self.read[worker] = self.version
+            answers += [(f, (ticket, staleness)) for f in self.asked.pop(worker)]
+
+
+def _answer(answers: list[tuple[torch.futures.Future, object]]) -> None:
+    for f, result in answers:
+        f.set_result(result)
 
 
 def _sum_in_order(parts: list[Grads]) -> Grads:

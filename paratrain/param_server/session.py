@@ -17,9 +17,12 @@ the group has formed, a connection the rendezvous did not announce is parked and
 data; a message's kind and sizes are checked before anything is allocated for it (wire.py).
 
 A server serves one message at a time, in the order they come (a sync push that waits for the
-other workers' gradients parks a future, not the loop). Shutdown on every path: a worker that
-finishes sends every server ``FINISH``; a server leaves its loop once every worker has; each side
-then ends the group's threads (``shutdown``) while the interpreter is whole. A worker that fails
+other workers' gradients parks a future, not the loop; so do an async push that waits for its
+ticket's turn and, on server 0, which keeps async mode's one order of updates (server.py
+``Sequencer``), a TICKET that waits for the worker's other ranks or the staleness bound).
+Shutdown on every path: a worker that finishes sends every server ``FINISH``; a server leaves its
+loop once every worker has; each side then ends the group's threads (``shutdown``) while the
+interpreter is whole. A worker that fails
 re-raises and the launcher (or torchrun's agent) ends the rest, servers included; a server that
 fails (or a message that breaks the protocol) ends the run the same way.
 """
@@ -36,8 +39,9 @@ import torch.distributed as dist
 
 from paratrain.param_server import wire
 from paratrain.param_server.placement import server_name, worker_name
-from paratrain.param_server.server import Grads, ParamServer, state_shape
+from paratrain.param_server.server import Grads, ParamServer, Sequencer, state_shape
 from paratrain.param_server.wire import Header, Kind, ProtocolError
+from paratrain.sharding import TensorShard
 
 # A server waits for its workers' next message as long as the run lasts (an eval or a checkpoint
 # can take long); workers that fail are ended by the launcher, and the server with them.
@@ -103,9 +107,12 @@ def ended(group: dist.ProcessGroup) -> Iterator[dist.ProcessGroup]:
 def run_server(group: dist.ProcessGroup, world: PsWorld, *, async_mode: bool, max_staleness: int) -> int:
     """A server's whole life: serve messages until every worker has finished. Returns 0."""
     with ended(group):
-        shards = [ParamServer(world.group_workers, async_mode, max_staleness)
-                  for _ in range(world.shard_groups)]
-        ServerLoop(group, world, shards).run()
+        shards = [ParamServer(world.group_workers, async_mode) for _ in range(world.shard_groups)]
+        first = group.rank() == world.workers  # server 0 keeps the one order of async updates
+        sequencer = None
+        if async_mode and first:
+            sequencer = Sequencer(world.group_workers, world.shard_groups, max_staleness)
+        ServerLoop(group, world, shards, sequencer).run()
     return 0
 
 
@@ -136,8 +143,9 @@ class Shard:
 class ServerLoop:
     """One server's loop: a message in, the ``ParamServer`` rule it asks for, the answers out."""
 
-    def __init__(self, group: dist.ProcessGroup, world: PsWorld, servers: list[ParamServer]):
-        self.group, self.world = group, world
+    def __init__(self, group: dist.ProcessGroup, world: PsWorld, servers: list[ParamServer],
+                 sequencer: Sequencer | None = None):
+        self.group, self.world, self.sequencer = group, world, sequencer  # async: server 0's
         self.shards = [Shard(s) for s in servers]  # one per shard group
         self.outgoing: wire.Outgoing = []
         self.awaiting: list[tuple[torch.futures.Future, int, Callable]] = []  # parked pushes
@@ -162,8 +170,12 @@ class ServerLoop:
             self.awaiting.append((pushed, src, _norm_reply))
         elif h.kind is Kind.APPLY_SYNC:
             self.reply(src, payload=_flat(server.apply_sync(h.round, h.factor, h.lr)))
+        elif h.kind is Kind.TICKET:
+            if self.sequencer is None:
+                raise ProtocolError("a TICKET sent to a server that keeps no order (server 0, async mode)")
+            self.awaiting.append((self.sequencer.ask(worker), src, _ticket_reply))
         elif h.kind is Kind.PUSH_ASYNC:
-            pushed = server.push_async(worker, self.grads(h, src, shard), h.lr)
+            pushed = server.push_async(worker, self.grads(h, src, shard), h.lr, h.round)
             self.awaiting.append((pushed, src, _values_reply))
         elif h.kind is Kind.STATE:
             tensors, step = server.state()
@@ -176,6 +188,8 @@ class ServerLoop:
             self.load(h, src, shard)
         elif h.kind is Kind.FINISH:
             server.finish(worker)
+            if self.sequencer is not None:
+                self.sequencer.finish(worker)
         else:
             raise ProtocolError(f"a {h.kind.name} message sent to a server")
 
@@ -223,6 +237,8 @@ class ServerLoop:
                     "name": optim.get("name", "adamw"), "block_size": int(optim.get("block_size", 1)),
                     "min_8bit_size": int(optim.get("min_8bit_size", 0)),
                     "tp_dims": _tp_dims(optim.get("tp_dims", {}), names, shard.shapes)}
+        settings["tp_slices"] = _tp_slices(optim.get("tp_slices", {}), settings["tp_dims"],
+                                           dict(zip(names, shard.shapes, strict=True)))
         if settings["block_size"] < 1:
             raise ProtocolError("a SETUP with an 8-bit block size below 1")
         shard.optim = settings
@@ -250,6 +266,22 @@ def _tp_dims(dims: object, names: list[str], shapes: list[torch.Size]) -> dict[s
     return dict(dims)
 
 
+def _tp_slices(slices: object, dims: dict[str, int | None], shapes: dict[str, torch.Size]) -> dict[str, list]:
+    """SETUP's ``tp_slices`` ({name: [full shape, index, count]} for a worker's tp slices), checked:
+    a known tensor split along its tp dim, whose slice of the full shape is the shape it sent."""
+    if not isinstance(slices, dict) or not set(slices) <= set(shapes):
+        raise ProtocolError("a SETUP whose tp_slices name unknown parameters")
+    for name, record in slices.items():
+        dim = dims.get(name)
+        ok = (isinstance(record, list) and len(record) == 3 and _sizes(record[0]) and dim is not None
+              and all(isinstance(x, int) for x in record[1:]) and 0 <= record[1] < record[2]
+              and len(record[0]) == len(shapes[name]))
+        sliced = ok and TensorShard(tuple(record[0]), dim, record[1], record[2]).slab()[1]
+        if sliced != tuple(shapes[name]):
+            raise ProtocolError(f"a SETUP whose tp_slices record of {name} is not a slice of the shape sent")
+    return dict(slices)
+
+
 def _flat(values: Grads) -> torch.Tensor:
     return wire.flatten(list(values.values()))
 
@@ -258,6 +290,11 @@ def _norm_reply(norms_sq: list[float]) -> dict:
     """The summed gradient's squared norm, and per tensor (in placement order): the client counts
     a tensor that every tp rank holds (a norm's weight) once in the global norm."""
     return {"value": math.fsum(norms_sq), "meta": {"norms_sq": norms_sq}}
+
+
+def _ticket_reply(answer: tuple[int, int]) -> dict:
+    ticket, staleness = answer
+    return {"value": ticket, "meta": {"staleness": staleness}}
 
 
 def _values_reply(answer: tuple[Grads, int, int]) -> dict:

@@ -42,12 +42,13 @@ class Kind(enum.IntEnum):
     SETUP = 1  # worker 0: meta {names, shapes, optim}, payload the initial values; reply: ack
     PUSH_SYNC = 2  # round, payload the gradients; reply (when all dp are in): value = squared norm
     APPLY_SYNC = 3  # round, factor, lr; reply: payload the new values
-    PUSH_ASYNC = 4  # lr, payload the scaled gradients; reply: payload the new values, value = staleness
+    PUSH_ASYNC = 4  # round = the ticket, lr, payload the scaled gradients; reply: payload the new values
     STATE = 5  # reply: meta {step, keys}, payload the tensors (checkpoints)
     UPDATES = 6  # reply: value = the optimizer's step count
     LOAD = 7  # round = the step count, meta {keys}, payload the tensors; reply: ack
     FINISH = 8  # this worker is done; no reply
     REPLY = 9  # a server's answer
+    TICKET = 10  # async, to server 0: reply value = the ticket (this update's place), meta {staleness}
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,7 @@ def merge_ranks(records: list[dict]) -> dict:
     out["per_rank"]["comm_all_to_all_bytes"] = [r["comm_bytes"].get("all_to_all", 0) for r in records]
     if "ps_staleness" in records[0]:  # async parameter server: each worker's update of this step
         out["per_rank"]["ps_staleness"] = [r["ps_staleness"] for r in records]
+        out["per_rank"]["ps_ticket"] = [r["ps_ticket"] for r in records]  # its place in the order
     return out
 
 
