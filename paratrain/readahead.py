@@ -46,7 +46,7 @@ class ReadAhead(Generic[T]):
 
     def start(self, key: Hashable) -> None:
         """Begin loading ``key`` on the thread (the one read in flight; a previous one is dropped)."""
-        self._drop_pending()
+        self.drop()
         self.pending = (key, self.pool.submit(self.load, key))
 
     def take(self, key: Hashable, then: Hashable | None = None) -> T:
@@ -55,13 +55,14 @@ class ReadAhead(Generic[T]):
             value = self.pending[1].result()
             self.pending, self.hits = None, self.hits + 1
         else:
-            self._drop_pending()  # waits: one reader of the files at a time
+            self.drop()  # waits: one reader of the files at a time
             value, self.misses = self.load(key), self.misses + 1
         if then is not None:
             self.start(then)
         return value
 
-    def _drop_pending(self) -> None:
+    def drop(self) -> None:
+        """Wait for the read in flight, if any, and forget it."""
         if self.pending is not None:
             future, self.pending = self.pending[1], None
             if not future.cancel():

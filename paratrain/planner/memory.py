@@ -42,7 +42,7 @@ from paratrain.perf.hardware import Cluster
 from paratrain.perf.ops import ACT_BYTES
 from paratrain.perf.stages import RECEIVE_BUFFERS
 from paratrain.planner import context
-from paratrain.planner.lora import lora_states
+from paratrain.planner.lora import lora_states, streams_base
 from paratrain.planner.zero_bubble import V_SCHEDULES, ZERO_BUBBLE, zb_in_flight
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", *ZERO_BUBBLE)
@@ -519,6 +519,11 @@ def device_memory(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster,
         disk_params = lay.zero >= 3 and lay.offload == "disk" and tr.precision == "fp32"
         for key in [] if lay.offload == "none" else ["optim"] + (["params"] if disk_params else []):
             offloaded, states[key] = offloaded + states[key], 0.0
+        base = states.pop("base", 0.0)
+        if streams_base(tr, lay) and not disk_params:  # the frozen base read per unit, not held
+            offloaded, states["params"] = offloaded + base, states["params"] - base
+        if streams_base(tr, lay):  # one unit's shard read ahead (the gathered ones: comm_buffers)
+            states["params"] += base * streamed_unit_share(c, layers[rank])
         seq = context.local_positions(tr, lay)  # context parallelism: this rank's positions of every row
         kw = {"tp": lay.tp, "sp": lay.sp, "recompute": lay.recompute, "precision": tr.precision,
               "attention": tr.attention, **context.cp_kwargs(lay)}
@@ -540,6 +545,16 @@ def device_memory(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster,
         if best is None or mem.total > best.total:
             best = mem
     return best
+
+
+def streamed_unit_share(c: ModelShape, layers: int) -> float:
+    """The largest unit's share of a stage's frozen base, read ahead while the previous unit
+    computes: a block's, or the embedding's (vocab x dim of a block's weights, fp32 beside the
+    quantised linears) where that is larger; an upper bound for a quantised base."""
+    block = layer_params_local(c, 1)
+    embed = vocab_local(c, 1) * c.dim
+    total = layers * block + 2 * embed
+    return max(block, embed) / total
 
 
 def held_grad_bytes(psi: float, lay: Layout, sb: StateBytes, m: int) -> float:
