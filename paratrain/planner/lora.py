@@ -64,3 +64,12 @@ def streams_base(tr: Any, lay: Any) -> bool:
     """LoRA under ZeRO-3 with --offload disk: the frozen base is read from disk per unit
     (zero/base_stream.py; engine/lora.streams_base), not held."""
     return bool(tr.lora_rank) and lay.zero >= 3 and lay.offload == "disk"
+
+
+def streamed_unit_share(c: ModelShape, layers: int) -> float:
+    """The largest unit's share of a stage's frozen base, read ahead while the previous unit
+    computes: a block's, or the embedding's (its vocab x dim weights, in fp32 beside the quantised
+    linears) where that is larger; an upper bound for a quantised base."""
+    block = block_linear_params(c) + 2 * c.dim  # its linears and two norms
+    embed = c.vocab_size * c.dim
+    return max(block, embed) / (layers * block + 2 * embed)

@@ -42,7 +42,7 @@ from paratrain.perf.hardware import Cluster
 from paratrain.perf.ops import ACT_BYTES
 from paratrain.perf.stages import RECEIVE_BUFFERS
 from paratrain.planner import context
-from paratrain.planner.lora import lora_states, streams_base
+from paratrain.planner.lora import lora_states, streamed_unit_share, streams_base
 from paratrain.planner.zero_bubble import V_SCHEDULES, ZERO_BUBBLE, zb_in_flight
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", *ZERO_BUBBLE)
@@ -545,16 +545,6 @@ def device_memory(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster,
         if best is None or mem.total > best.total:
             best = mem
     return best
-
-
-def streamed_unit_share(c: ModelShape, layers: int) -> float:
-    """The largest unit's share of a stage's frozen base, read ahead while the previous unit
-    computes: a block's, or the embedding's (vocab x dim of a block's weights, fp32 beside the
-    quantised linears) where that is larger; an upper bound for a quantised base."""
-    block = layer_params_local(c, 1)
-    embed = vocab_local(c, 1) * c.dim
-    total = layers * block + 2 * embed
-    return max(block, embed) / total
 
 
 def held_grad_bytes(psi: float, lay: Layout, sb: StateBytes, m: int) -> float:
