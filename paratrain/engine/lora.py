@@ -70,8 +70,9 @@ def settle_base(model: nn.Module, cfg: Config) -> None:
 
 
 def streams_base(cfg: Config) -> bool:
-    """``--lora R --zero 3 --offload disk``: the frozen base's shards live on disk beside the
-    adapters' optimizer partition, each unit's read for its gathers (zero/base_stream.py). Under
+    """``--lora R --zero 3 --offload disk``: the frozen base's shards live on disk, each unit's
+    read for its gathers (zero/base_stream.py); the adapters and their optimizer state stay in
+    memory (zero/fsdp.py: no optimizer offload then). Under
     ZeRO-1/2 --offload disk keeps its one meaning (the optimizer partition): they hold the frozen
     base whole on every rank, as DDP does, with no per-unit gathers to read it for."""
     p = cfg.parallel

@@ -517,13 +517,14 @@ def device_memory(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster,
         # --offload moves the optimizer partition, not the gradient shard (reduced on the device, read
         # by the step) nor the compute shard, except ZeRO-3 + disk in fp32 (zero/fsdp.py shards_on_disk).
         disk_params = lay.zero >= 3 and lay.offload == "disk" and tr.precision == "fp32"
-        for key in [] if lay.offload == "none" else ["optim"] + (["params"] if disk_params else []):
-            offloaded, states[key] = offloaded + states[key], 0.0
         base = states.pop("base", 0.0)
-        if streams_base(tr, lay) and not disk_params:  # the frozen base read per unit, not held
-            offloaded, states["params"] = offloaded + base, states["params"] - base
-        if streams_base(tr, lay):  # one unit's shard read ahead (the gathered ones: comm_buffers)
-            states["params"] += base * streamed_unit_share(c, layers[rank])
+        if streams_base(tr, lay):  # LoRA: the frozen base read per unit (its gathers: comm_buffers),
+            # but for the unit read ahead; the adapters and their optimizer stay (zero/base_stream.py)
+            offloaded = base
+            states["params"] -= base * (1 - streamed_unit_share(c, layers[rank]))
+        for key in [] if lay.offload == "none" or streams_base(tr, lay) else ["optim"] + (
+                ["params"] if disk_params else []):
+            offloaded, states[key] = offloaded + states[key], 0.0
         seq = context.local_positions(tr, lay)  # context parallelism: this rank's positions of every row
         kw = {"tp": lay.tp, "sp": lay.sp, "recompute": lay.recompute, "precision": tr.precision,
               "attention": tr.attention, **context.cp_kwargs(lay)}

@@ -3,8 +3,9 @@ or many).
 
 Each unit's frozen shards (a LoRA base: quantised codes and scales under ``--base-precision
 nf4/int8``, the norms, a frozen embedding and head) are written once, at construction, to one
-safetensors file per unit and rank in the run's disk-offload folder (``--offload-dir``, beside the
-optimizer partition's files; zero/offload.py: removed when the run ends). A unit's gather reads its
+safetensors file per unit and rank in a working folder of the run under ``--offload-dir``
+(zero/offload.py's kind, removed when the run ends; the adapters and their optimizer state stay in
+memory). A unit's gather reads its
 file (``take``) and drops the shards once the all-gather has them; the gathered buffers are ZeRO-3's
 as ever, released after the unit's forward and gathered again, so read again, for its backward
 (recompute-style: nothing of the base is kept from forward to backward).

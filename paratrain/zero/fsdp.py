@@ -45,7 +45,8 @@ gathered like the others, in flat buffers of their own per unit (``Unit.frozen``
 base stored in bf16 under fp32 compute stays bf16): no gradient, no reduce-scatter, no fp32 master
 and no optimizer state (the store holds the trainable layouts only). With ``stream_frozen`` (the
 trainer's ``--lora R --offload disk``) they live on disk instead: each unit's frozen shards in a
-file, read for each gather on a read-ahead thread, one unit ahead (zero/base_stream.py).
+file, read for each gather on a read-ahead thread, one unit ahead (zero/base_stream.py); the
+trainable shards and their optimizer state then stay in memory (no optimizer offload).
 A unit holding frozen parameters cannot count landed gradients to know its backward is over (a
 frozen weight's input gradient lands nowhere), so its forward also watches its inputs: it is
 released once its trainable gradients have landed *and* the gradients of its inputs exist
@@ -92,7 +93,7 @@ from paratrain.zero.flat import (
     wait_all,
 )
 from paratrain.zero.fsdp_units import Frozen, Unit, UnitHooks
-from paratrain.zero.offload import DiskStore, disk_store, make_store
+from paratrain.zero.offload import DiskStore, disk_store, make_store, offload_folder
 from paratrain.zero.sharded_state import ShardedState, held_sync
 from paratrain.zero.units import NESTED, nest_units
 from paratrain.zero.units import backward_order as _backward_order
@@ -144,10 +145,12 @@ class Zero3(UnitHooks, ShardedState, Strategy):
         self.units_of, self.group_of = units or family_units, group_of
         self.reduce_dtype = reduce_dtype or self.compute_dtype
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
-        self.offload, self.offload_dir, self.offload_chunk = offload, offload_dir, offload_chunk
         if stream_frozen and offload != "disk":
             raise ValueError("stream_frozen: the frozen shards stream from --offload disk's folder")
-        self.stream_frozen = stream_frozen
+        # --lora's --offload disk is the frozen base's: the adapters and their optimizer partition
+        # (a fraction of a percent) stay in memory, where reading them every step costs nothing
+        self.stream_frozen, offload = stream_frozen, "none" if stream_frozen else offload
+        self.offload, self.offload_dir, self.offload_chunk = offload, offload_dir, offload_chunk
         self._sync, self._factor = True, 1.0
         self.gathered_bytes = self.gathered_peak_bytes = self.last_gathered_peak_bytes = 0
         self.model, self.mesh, self.optim_cfg = model, mesh, optim_cfg  # _materialize needs them
@@ -181,8 +184,10 @@ class Zero3(UnitHooks, ShardedState, Strategy):
         # each gather reads it from the store (``_load_shard``); 4 Psi / N bytes less per rank.
         self.shards_on_disk = self.offload == "disk" and self.compute_dtype == torch.float32
         self.store = self._disk_store() if self.offload == "disk" else None
-        # --lora with --offload disk: the frozen shards in files beside the store's (zero/base_stream.py)
-        self.base_stream = BaseStream(self.store.dir, self.mesh.rank) if self.stream_frozen else None
+        # --lora with --offload disk: the frozen shards in files of a working folder (zero/base_stream.py)
+        self.base_stream = None
+        if self.stream_frozen:
+            self.base_stream = BaseStream(offload_folder(self.offload_dir), self.mesh.rank)
         self._masters: list[torch.Tensor] = []
         self.init_kept_bytes = self.init_peak_bytes = 0  # bytes of tensors this constructor holds
         for i, u in enumerate(self.units):
