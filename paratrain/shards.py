@@ -87,9 +87,10 @@ def _slab(info: ParamInfo, local: torch.Tensor) -> tuple[tuple[int, ...], tuple[
 
 def pieces_of(info: ParamInfo, key: str, local: torch.Tensor, lo: int = 0, hi: int | None = None,
               values: torch.Tensor | Callable[[], torch.Tensor] | None = None,
-              name: str | None = None) -> list[Piece]:
+              name: str | None = None, dtype: torch.dtype | None = None) -> list[Piece]:
     """The piece of ``local`` (a rank's tensor, tensor-parallel padding included) covering its flat
-    elements [lo, hi); ``values`` holds those elements when they live elsewhere (a ZeRO shard).
+    elements [lo, hi); ``values`` holds those elements when they live elsewhere (a ZeRO shard), or
+    produces them (then in ``dtype``, fp32 by default).
 
     Padding (a vocabulary padded to a multiple of tp) is dropped: along dim 0 it is a suffix of
     the flat order, so a flat range maps to a flat range of the slab."""
@@ -109,7 +110,10 @@ def pieces_of(info: ParamInfo, key: str, local: torch.Tensor, lo: int = 0, hi: i
     if hi_v <= lo:
         return []  # only padding
     n = hi_v - lo
-    dtype = torch.float32 if callable(flat) else flat.dtype  # produced values: fp32 state shards
+    if not callable(flat):
+        dtype = flat.dtype
+    elif dtype is None:
+        dtype = torch.float32  # produced values: fp32 state shards unless said
     spec = PieceSpec(name or info.name, key, tuple(info.full_shape) if local.dim() else (),
                      str(dtype).removeprefix("torch."), start, shape, lo, hi_v)
     return [Piece(spec, (lambda: flat()[:n]) if callable(flat) else flat[:n])]

@@ -27,7 +27,6 @@ from paratrain.inference.stream import (
     StreamedModel,
     parse_bytes,
     plan_memory,
-    prefetch_threads,
     streamed_step,
 )
 from paratrain.inference.stream_command import check_offload, generate_ids
@@ -35,6 +34,7 @@ from paratrain.inference.weights import RunWeights
 from paratrain.models.families.gpt2.model import GPT2Config
 from paratrain.models.hf import HFCheckpoint, load_pretrained
 from paratrain.models.registry import build_model
+from paratrain.readahead import prefetch_threads
 from tests.hf_models import save_hf
 
 PROMPTS = [[5, 17, 30, 2, 9], [44, 3], [7, 8, 9, 10, 11, 12, 13]]

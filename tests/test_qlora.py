@@ -28,6 +28,7 @@ from paratrain.optim import nf4
 from paratrain.planner import memory
 from paratrain.planner.machine import local_cluster
 from paratrain.planner.search import training_from_config
+from paratrain.readahead import prefetch_threads
 from paratrain.sharding import TensorShard
 from paratrain.train.metrics import read_metrics
 from paratrain.train.task import build_task
@@ -75,7 +76,9 @@ LAYOUTS = {"ddp": {"parallel.dp": 2}, "zero1": {"parallel.dp": 2, "parallel.zero
            # row a piece, engine/qlora.py split_pieces)
            "tp2_kv1_head": {**KV1_HEAD, "parallel.tp": 2},
            # packed chat-like rows with loss masks (tests/test_masked_loss_layouts.py's task)
-           "packed_zero3": {"packed": True, "parallel.dp": 2, "parallel.zero": 3, "train.micro_batch": 2}}
+           "packed_zero3": {"packed": True, "parallel.dp": 2, "parallel.zero": 3, "train.micro_batch": 2},
+           # each rank's shards of the base streamed from disk (zero/base_stream.py)
+           "zero3_disk": {"parallel.dp": 2, "parallel.zero": 3, "parallel.offload": "disk"}}
 # 4 ranks in one launch: hybrid sharding, ZeRO-3 within pairs of ranks, replicated across them
 LAYOUTS4 = {"hsdp": {"parallel.dp": 4, "parallel.dp_replicate": 2, "parallel.zero": 3}}
 REFS = {"moe": {"model.name": "tiny-moe"}, "packed": {"packed": True}, "kv1_head": KV1_HEAD}
@@ -264,6 +267,8 @@ def layouts(tmp_path_factory):
     for nproc, named in ((2, LAYOUTS), (4, LAYOUTS4)):
         cfgs = [_cfg(tmp / name, v) for name, v in named.items()]
         for c in cfgs:
+            if c.parallel.offload == "disk":
+                c.parallel.offload_dir = str(tmp / "offload")
             checks.validate(c, nproc)
         runs = [(c.to_dict(), "packed" in v) for c, v in zip(cfgs, named.values())]
         got.update(zip(named, run(_train_each, nproc, runs, timeout=300)[0]))
@@ -289,6 +294,7 @@ def layouts(tmp_path_factory):
 @pytest.mark.composes(("qlora", "packing"), ("qlora", "packing", "zero3"), case="packed_zero3")
 @pytest.mark.composes(("qlora", "hsdp"), case="hsdp")
 @pytest.mark.composes(("qlora", "tp"), case="tp2_kv1_head")
+@pytest.mark.composes(("qlora", "offload-disk", "zero3"), case="zero3_disk")
 def test_layout_equals_one_process(refs, layouts, name):
     losses, adapters, _ = layouts[0][name]
     ref_losses, ref_adapters, _ = refs[_ref_of({**LAYOUTS, **LAYOUTS4}[name])]
@@ -303,6 +309,72 @@ def test_zero3_shards_the_quantised_base(layouts, name):
     bytes are about half of DDP's replicated copy."""
     ddp, sharded = layouts[0]["ddp"][2], layouts[0][name][2]
     assert 0.45 * ddp < sharded < 0.6 * ddp, (sharded, ddp)
+
+
+STREAMED = {"parallel.zero": 3, "parallel.offload": "disk", "train.save_every": 2}
+
+
+@pytest.fixture(scope="module")
+def streamed(tmp_path_factory):
+    """One process with the base streamed from disk (ZeRO-3 at dp 1, zero/base_stream.py), stopped
+    after its step-2 checkpoint (written from the base's files) and resumed from it (read back into
+    them): its metrics hold all three steps."""
+    tmp = tmp_path_factory.mktemp("qlora_streamed")
+    cfg = tiny_cfg(tmp / "run", **QLORA, **STREAMED, **{"parallel.offload_dir": str(tmp / "offload")})
+    checks.validate(cfg)
+    with pytest.raises(KeyboardInterrupt):
+        InterruptedAt(cfg, at_step=2).fit()
+    assert not prefetch_threads() and not list((tmp / "offload").iterdir())  # joined and removed on error too
+    cfg.train.resume = True
+    Trainer(cfg).fit()
+    assert not prefetch_threads() and not list((tmp / "offload").iterdir())
+    return cfg
+
+
+@pytest.mark.composes(("qlora", "offload-disk"))
+def test_streamed_base_trains_the_in_memory_bits(one, streamed):
+    """The streamed run reads back the bytes it wrote: losses and adapters bit for bit those of the
+    one process holding its base in memory (the plain strategy), and its checkpoint holds the same
+    quantised base."""
+    ref_cfg, _ = one
+    losses = [[r["loss"] for r in read_metrics(f"{c.train.out}/metrics.jsonl")] for c in (ref_cfg, streamed)]
+    assert losses[0] == losses[1] and len(losses[0]) == 3
+    want = load_file(f"{ref_cfg.train.out}/adapters.safetensors")
+    got = load_file(f"{streamed.train.out}/adapters.safetensors")
+    assert want.keys() == got.keys() and all(torch.equal(got[k], t) for k, t in want.items())
+    readers = [ckpt.open_reader(ckpt.latest(out)) for out in (ref_cfg.train.out, streamed.train.out)]
+    try:
+        for k in nf4.PARTS:
+            shape = tuple(readers[0].tensors[f"{WQ}_{k}"]["param"]["shape"])
+            ref_part, got_part = (r.read(f"{WQ}_{k}", "param", (0,) * len(shape), shape) for r in readers)
+            assert torch.equal(ref_part, got_part), k
+    finally:
+        for r in readers:
+            r.close()
+
+
+def test_streamed_base_is_held_a_unit_at_a_time(one, streamed):
+    """In memory at the step: the adapters and their AdamW state, none of the base; during it,
+    the shards read (taken or read ahead) peak at two units, far below the base in memory in the
+    one-process run; the thread reads ahead once it has learned the order."""
+    rows = read_metrics(f"{streamed.train.out}/metrics.jsonl")
+    in_ram = read_metrics(f"{one[0].train.out}/metrics.jsonl")[0]["mem_params_bytes"]
+    for row in rows:
+        adapters = row["n_trainable_params"]
+        assert row["mem_params_bytes"] == 4 * adapters and row["mem_optim_bytes"] == 8 * adapters
+        assert row["zero3_base_stream_peak_bytes"] <= 2 * row["zero3_unit_max_bytes"] < 0.7 * in_ram
+    # step 1 learns the order of reads (all waited); step 2 finds all but its first two (the
+    # step-to-step transition, learned then) read ahead: 9 of 11 units (embedding, 4 blocks, head;
+    # backward: head, 4 blocks)
+    assert rows[0]["zero3_base_reads_ahead"] == 0
+    ahead, waited = rows[1]["zero3_base_reads_ahead"], rows[1]["zero3_base_reads_waited"]
+    assert ahead == 9 and waited - rows[0]["zero3_base_reads_waited"] == 2
+
+
+def test_checks_say_where_the_base_streams():
+    assert "add --zero 3" in _problems(**QLORA, **{"parallel.offload": "disk", "parallel.offload_dir": "d"})
+    assert "reshard_after_forward = false" in _problems(**QLORA, **STREAMED, **{
+        "parallel.offload_dir": "d", "parallel.reshard_after_forward": False})
 
 
 @pytest.mark.parametrize(("ref", "name"), [("one", "hsdp"), ("kv1_head", "tp2_kv1_head")])
@@ -372,6 +444,24 @@ def test_plan_says_a_7b_qlora_fits_one_cpu_worker(capsys):
     assert mem["params"] == pytest.approx(want, rel=0.01)
     assert best["fits"] and mem["total"] < mem["capacity"] - mem["margin"]
     assert "--lora 16 --base-precision nf4" in out["command"]
+
+
+def test_plan_streams_a_7b_base_from_disk(capsys):
+    """`plan ... --lora 16 --base-precision nf4 --zero 3 --offload disk`: the base moves from the
+    held parameters to the offloaded bytes, but for the unit read ahead; the optimizer stays."""
+    def plan(offload: str) -> dict:
+        assert main(["plan", "--model", "llama-7b", "--lora", "16", "--base-precision", "nf4", "--gpus", "1",
+                     "--gpu", "cpu", "--seq-len", "512", "--global-batch", "1", "--zero", "3",
+                     "--precision", "bf16", "--offload", offload, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)["plans"][0]["memory_bytes"]
+
+    held, streamed = plan("none"), plan("disk")
+    linears = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008)
+    rest = 2 * 32000 * 4096 + 65 * 4096  # embeddings, head, norms: in bf16
+    base = linears * nf4.stored_bytes("nf4", 1 << 24) / (1 << 24) + 2 * rest
+    assert 0.95 * base < held["params"] - streamed["params"] < base  # all of it, less the unit read ahead
+    assert streamed["offloaded"] == pytest.approx(base, rel=0.01) and held["offloaded"] == 0
+    assert streamed["optimizer"] == held["optimizer"] > 0
 
 
 def test_export_peft_and_hf_read_a_qlora_run(one, tmp_path):

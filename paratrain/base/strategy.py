@@ -198,6 +198,10 @@ class Strategy:
     def finish(self) -> None:
         """The end of training, before the final checkpoint (averaging: close the open period)."""
 
+    def close(self) -> None:
+        """Every exit of a run, after the last step or an error: join the threads the strategy
+        started (ZeRO-3's streamed base: its read-ahead thread). Idempotent."""
+
     @contextlib.contextmanager
     def trial(self) -> Iterator[None]:
         """A forward + backward that will never be stepped (the batch finder's trials): run under

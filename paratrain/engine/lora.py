@@ -68,6 +68,16 @@ def settle_base(model: nn.Module, cfg: Config) -> None:
         store_base_in(model, DTYPES[cfg.lora.base_precision])
 
 
+def streams_base(cfg: Config) -> bool:
+    """``--lora R --zero 3 --offload disk``: the frozen base's shards live on disk, each unit's
+    read for its gathers (zero/base_stream.py); the adapters and their optimizer state stay in
+    memory (zero/fsdp.py: no optimizer offload then). Under
+    ZeRO-1/2 --offload disk keeps its one meaning (the optimizer partition): they hold the frozen
+    base whole on every rank, as DDP does, with no per-unit gathers to read it for."""
+    p = cfg.parallel
+    return bool(cfg.lora.rank) and p.zero == 3 and p.offload == "disk"
+
+
 def trainable_count(model: nn.Module) -> int:
     """Elements of the single-device model that train (the full shapes of the local parameters)."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -90,6 +100,7 @@ def check_lora(cfg: Config, problems: list[str]) -> None:
         problems.append(f"--lora does not compose with {cfg.model.name}: it declares no model family: "
                         "LoRA adapts the decoders of the families in paratrain/models/")
     emit(NOT_WITH_LORA, cfg, problems)
+    _check_streamed_base(cfg, problems)
     if not decoder:
         return
     try:
@@ -106,6 +117,19 @@ def check_lora(cfg: Config, problems: list[str]) -> None:
         problems.append(f"--base-precision {c.base_precision} with --tp {tp}: a weight tensor parallelism "
                         f"splits is quantised as gcd(its size, {TP_ALIGN}) pieces, so --tp must divide "
                         f"{TP_ALIGN} (optim/nf4.py); use --tp 2, 4, 8 or 16")
+
+
+def _check_streamed_base(cfg: Config, problems: list[str]) -> None:
+    """What streaming the frozen base from disk (``streams_base``) needs."""
+    p = cfg.parallel
+    if p.offload == "disk" and p.zero == 0:
+        problems.append("--lora with --offload disk streams the frozen base from disk a ZeRO-3 unit at a "
+                        "time: add --zero 3 (on one process too)")
+    if streams_base(cfg) and not p.reshard_after_forward:
+        problems.append("--lora with --zero 3 --offload disk reads each block's frozen base from disk for "
+                        "its forward and again for its backward; parallel.reshard_after_forward = false "
+                        "would keep every block gathered from forward to backward (the whole base in "
+                        "memory): drop it, or use --offload cpu/none")
 
 
 def run_record(model_cfg: object, cfg: Config) -> dict:

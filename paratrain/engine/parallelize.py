@@ -22,7 +22,7 @@ from paratrain.context_parallel.apply import apply_context_parallel
 from paratrain.data_parallel.averaging import SyncPlan
 from paratrain.engine.build import BuildLayout, LossFn, build_engine
 from paratrain.engine.engine import Engine, make_strategy
-from paratrain.engine.lora import apply_run_lora, settle_base
+from paratrain.engine.lora import apply_run_lora, settle_base, streams_base
 from paratrain.engine.qlora import QUANTISED, init_quantised, quantise_base_on_meta, quantised_init_value
 from paratrain.engine.task import Task
 from paratrain.mesh import ParallelMesh
@@ -125,4 +125,5 @@ def _strategy(model: nn.Module, task: Task, cfg: Config, mesh: ParallelMesh,
                          bucket_bytes=int(p.bucket_mb * 2**20), precision=cfg.train.precision,
                          offload=p.offload, offload_dir=p.offload_dir, init_value=init_value,
                          reshard_after_forward=p.reshard_after_forward, sync=SyncPlan.from_config(p),
-                         dp_reduce=p.dp_reduce, timeout_s=p.timeout_s)
+                         dp_reduce=p.dp_reduce, timeout_s=p.timeout_s, stream_frozen=streams_base(cfg))
+

@@ -12,17 +12,16 @@ other blocks stream, accelerate's "big model inference" shape:
 - ``cpu``: the streamed blocks live in host memory (pinned on CUDA) and are copied to the device.
 
 Either way a background thread loads the NEXT streamed block while the current one computes
-(``Prefetcher``); a block's weights are views of a stream buffer, so they are gone as soon as the
-buffer is refilled. The thread and the block folder end on every exit path (``StreamedModel`` is a
-context manager; ``close`` is idempotent; SIGTERM: stream_command.py; SIGKILL: the next start).
+(``Prefetcher``, on readahead.py's thread, which training's streamed base shares); a block's
+weights are views of a stream buffer, so they are gone as soon as the buffer is refilled. The
+thread and the block folder end on every exit path (``StreamedModel`` is a context manager;
+``close`` is idempotent; SIGTERM: stream_command.py; SIGKILL: the next start).
 """
 
 from __future__ import annotations
 
 import re
-import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
@@ -37,6 +36,7 @@ from paratrain.inference.loop import StepFn
 from paratrain.models.family import call_part
 from paratrain.models.kv_cache import KVCache
 from paratrain.models.registry import build_model, family_of
+from paratrain.readahead import ReadAhead, read_into
 from paratrain.sharding import TensorShard
 
 
@@ -194,10 +194,7 @@ class DiskStore:
 
     def load(self, key: str, buf: torch.Tensor) -> None:
         with open(self.folder / f"block_{key}.bin", "rb", buffering=0) as f:
-            view = memoryview(buf.numpy()).cast("B")
-            got = f.readinto(view)
-            while got < len(view):  # readinto may return short on large reads
-                got += f.readinto(view[got:])
+            read_into(f, buf)
 
     def ready(self, buf: torch.Tensor) -> None:
         """Nothing to wait for: ``readinto`` has finished when the load's future has."""
@@ -244,31 +241,33 @@ class HostStore:
 
 
 class Prefetcher:
-    """One background thread that loads the streamed blocks in order, cyclically (after the last
-    block of a forward, the first of the next), into two alternating buffers."""
+    """The read-ahead thread (readahead.py) loading the streamed blocks in order, cyclically (after
+    the last block of a forward, the first of the next), into two alternating buffers."""
 
     def __init__(self, store: DiskStore | HostStore, order: list[str], buffers: list[torch.Tensor]):
         self.store, self.order, self.buffers, self.pos = store, order, buffers, 0
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="paratrain-prefetch")
-        self.pending: Future = self.pool.submit(store.load, order[0], buffers[0])
+        self.ahead = ReadAhead(self._load)
+        self.ahead.start((order[0], 0))
+
+    def _load(self, slot: tuple[str, int]) -> torch.Tensor:
+        key, i = slot
+        self.store.load(key, self.buffers[i])
+        return self.buffers[i]
 
     def next(self, key: str) -> torch.Tensor:
         """The buffer holding block ``key`` (the next in order); starts loading the one after."""
         expected = self.order[self.pos % len(self.order)]
         if key != expected:
             raise RuntimeError(f"streamed block {key} requested, {expected} prefetched")
-        self.pending.result()
-        buf = self.buffers[self.pos % 2]
+        after = (self.pos + 1) % 2
+        self.store.release(self.buffers[after])  # before the thread refills it
+        buf = self.ahead.take((key, self.pos % 2), then=(self.order[(self.pos + 1) % len(self.order)], after))
         self.store.ready(buf)
         self.pos += 1
-        nxt = self.order[self.pos % len(self.order)]
-        self.store.release(self.buffers[self.pos % 2])
-        self.pending = self.pool.submit(self.store.load, nxt, self.buffers[self.pos % 2])
         return buf
 
     def close(self) -> None:
-        self.pending.cancel()
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.ahead.close()
 
 
 class StreamedModel:
@@ -401,7 +400,3 @@ def streamed_step(streamed: StreamedModel) -> StepFn:
 
     return step
 
-
-def prefetch_threads() -> list[threading.Thread]:
-    """The live prefetch threads (tests: none may outlive a command)."""
-    return [t for t in threading.enumerate() if t.name.startswith("paratrain-prefetch")]

@@ -1,7 +1,9 @@
 """LoRA's model states per device (models/lora.py, docs/finetune.md): the frozen base holds only
 its parameters (no gradient, no optimizer state; in bf16 with ``--base-precision bf16``; with nf4 /
 int8 its adapted linears in ~0.516 / ~1.016 bytes per weight and the rest as trained), the
-adapters hold all three and ZeRO shards them as it shards any trainable parameter.
+adapters hold all three and ZeRO shards them as it shards any trainable parameter. Under ZeRO-3
+with ``--offload disk`` the base is streamed from disk (``streams_base``): planner/memory.py moves
+it to the offloaded bytes and holds one unit's shard read ahead instead.
 
 Adapters of rank r on one tensor-parallel rank, per block, with the families' default targets
 (every attention projection and every MLP matrix): a column-parallel base (q, k, v, gate/up, fc)
@@ -54,4 +56,20 @@ def lora_states(c: ModelShape, tr: Any, lay: Any, sb: Any, psi: float, dense: in
         base = (psi - linear) * sb.params + linear * bytes_per_weight(tr.lora_quantised)
     return {"params": (base + adapters * sb.params) / (nd if zero >= 3 else 1),
             "grads": adapters * sb.grads / (nd if zero >= 2 else 1),
-            "optim": adapters * sb.optim / (nd if zero >= 1 else 1)}
+            "optim": adapters * sb.optim / (nd if zero >= 1 else 1),
+            "base": base / (nd if zero >= 3 else 1)}  # of "params": the frozen base's share
+
+
+def streams_base(tr: Any, lay: Any) -> bool:
+    """LoRA under ZeRO-3 with --offload disk: the frozen base is read from disk per unit
+    (zero/base_stream.py; engine/lora.streams_base), not held."""
+    return bool(tr.lora_rank) and lay.zero >= 3 and lay.offload == "disk"
+
+
+def streamed_unit_share(c: ModelShape, layers: int) -> float:
+    """The largest unit's share of a stage's frozen base, read ahead while the previous unit
+    computes: a block's, or the embedding's (its vocab x dim weights, in fp32 beside the quantised
+    linears) where that is larger; an upper bound for a quantised base."""
+    block = block_linear_params(c) + 2 * c.dim  # its linears and two norms
+    embed = c.vocab_size * c.dim
+    return max(block, embed) / (layers * block + 2 * embed)

@@ -42,7 +42,7 @@ from paratrain.perf.hardware import Cluster
 from paratrain.perf.ops import ACT_BYTES
 from paratrain.perf.stages import RECEIVE_BUFFERS
 from paratrain.planner import context
-from paratrain.planner.lora import lora_states
+from paratrain.planner.lora import lora_states, streamed_unit_share, streams_base
 from paratrain.planner.zero_bubble import V_SCHEDULES, ZERO_BUBBLE, zb_in_flight
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", *ZERO_BUBBLE)
@@ -528,7 +528,13 @@ def device_memory(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster,
         # --offload moves the optimizer partition, not the gradient shard (reduced on the device, read
         # by the step) nor the compute shard, except ZeRO-3 + disk in fp32 (zero/fsdp.py shards_on_disk).
         disk_params = lay.zero >= 3 and lay.offload == "disk" and tr.precision == "fp32"
-        for key in [] if lay.offload == "none" else ["optim"] + (["params"] if disk_params else []):
+        base = states.pop("base", 0.0)
+        if streams_base(tr, lay):  # LoRA: the frozen base read per unit (its gathers: comm_buffers),
+            # but for the unit read ahead; the adapters and their optimizer stay (zero/base_stream.py)
+            offloaded = base
+            states["params"] -= base * (1 - streamed_unit_share(c, layers[rank]))
+        for key in [] if lay.offload == "none" or streams_base(tr, lay) else ["optim"] + (
+                ["params"] if disk_params else []):
             offloaded, states[key] = offloaded + states[key], 0.0
         seq = context.local_positions(tr, lay)  # context parallelism: this rank's positions of every row
         kw = {"tp": lay.tp, "sp": lay.sp, "recompute": lay.recompute, "precision": tr.precision,

@@ -257,6 +257,7 @@ class Trainer:
         try:
             return self._fit()
         finally:
+            self.engine.strategy.close()  # its threads joined before their files go
             scratch.remove_all(self.scratch)
 
     def _fit(self) -> TrainResult:

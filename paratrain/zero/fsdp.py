@@ -43,7 +43,10 @@ their block), reversed, instead of ``i - 1``.
 Frozen parameters (``requires_grad=False``: a LoRA base, a frozen embedding) are sharded and
 gathered like the others, in flat buffers of their own per unit (``Unit.frozen``, one per dtype: a
 base stored in bf16 under fp32 compute stays bf16): no gradient, no reduce-scatter, no fp32 master
-and no optimizer state (the store holds the trainable layouts only).
+and no optimizer state (the store holds the trainable layouts only). With ``stream_frozen`` (the
+trainer's ``--lora R --offload disk``) they live on disk instead: each unit's frozen shards in a
+file, read for each gather on a read-ahead thread, one unit ahead (zero/base_stream.py); the
+trainable shards and their optimizer state then stay in memory (no optimizer offload).
 A unit holding frozen parameters cannot count landed gradients to know its backward is over (a
 frozen weight's input gradient lands nowhere), so its forward also watches its inputs: it is
 released once its trainable gradients have landed *and* the gradients of its inputs exist
@@ -79,6 +82,7 @@ from paratrain.models import family_of
 from paratrain.sharding import copy_info, info_of, shard_of
 from paratrain.shards import ShardReader
 from paratrain.zero import store8
+from paratrain.zero.base_stream import BaseStream, OnDisk
 from paratrain.zero.disk8 import DiskStore8, disk_store8
 from paratrain.zero.flat import (
     DTYPES,
@@ -89,7 +93,7 @@ from paratrain.zero.flat import (
     wait_all,
 )
 from paratrain.zero.fsdp_units import Frozen, Unit, UnitHooks
-from paratrain.zero.offload import DiskStore, disk_store, make_store
+from paratrain.zero.offload import DiskStore, disk_store, make_store, offload_folder
 from paratrain.zero.sharded_state import ShardedState, held_sync
 from paratrain.zero.units import NESTED, nest_units
 from paratrain.zero.units import backward_order as _backward_order
@@ -135,12 +139,17 @@ class Zero3(UnitHooks, ShardedState, Strategy):
                  precision: str = "fp32", reduce_dtype: torch.dtype | None = None,
                  reshard_after_forward: bool = True, offload: str = "none", offload_dir: str | None = None,
                  offload_chunk: int | None = None, prefetch: bool = True, units: UnitsFn | None = None,
-                 group_of: GroupOf | None = None):
+                 group_of: GroupOf | None = None, stream_frozen: bool = False):
         self.compute_dtype = DTYPES[precision]
         # units: which modules form each unit, in forward order (the library passes its policy).
         self.units_of, self.group_of = units or family_units, group_of
         self.reduce_dtype = reduce_dtype or self.compute_dtype
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
+        if stream_frozen and offload != "disk":
+            raise ValueError("stream_frozen: the frozen shards stream from --offload disk's folder")
+        # --lora's --offload disk is the frozen base's: the adapters and their optimizer partition
+        # (a fraction of a percent) stay in memory, where reading them every step costs nothing
+        self.stream_frozen, offload = stream_frozen, "none" if stream_frozen else offload
         self.offload, self.offload_dir, self.offload_chunk = offload, offload_dir, offload_chunk
         self._sync, self._factor = True, 1.0
         self.gathered_bytes = self.gathered_peak_bytes = self.last_gathered_peak_bytes = 0
@@ -175,13 +184,19 @@ class Zero3(UnitHooks, ShardedState, Strategy):
         # each gather reads it from the store (``_load_shard``); 4 Psi / N bytes less per rank.
         self.shards_on_disk = self.offload == "disk" and self.compute_dtype == torch.float32
         self.store = self._disk_store() if self.offload == "disk" else None
+        # --lora with --offload disk: the frozen shards in files of a working folder (zero/base_stream.py)
+        self.base_stream = None
+        if self.stream_frozen:
+            self.base_stream = BaseStream(offload_folder(self.offload_dir), self.mesh.rank)
         self._masters: list[torch.Tensor] = []
         self.init_kept_bytes = self.init_peak_bytes = 0  # bytes of tensors this constructor holds
-        for u in self.units:
+        for i, u in enumerate(self.units):
             if u.layout is not None:
                 u.shard, u.full = self._build_trained(u.index, u.layout, init_value)
             for part in u.frozen:
                 part.shard, part.full = self._build_frozen(part.layout, part.dtype, init_value)
+            if self.base_stream is not None and u.frozen:
+                self._stream_frozen(i, u)
         owner = {id(p): i for i, u in enumerate(self.units) for p in u.params}
         nested = {id(p) for u in self.units if _is_nested(u.modules) for p in u.params}
         for i, u in enumerate(self.units):
@@ -230,6 +245,14 @@ class Zero3(UnitHooks, ShardedState, Strategy):
         self.init_peak_bytes = max(self.init_peak_bytes, self.init_kept_bytes + nbytes(value) + nbytes(shard))
         self.init_kept_bytes += nbytes(shard)
         return shard, self._gathered_buffer(layout, dtype)
+
+    def _stream_frozen(self, key: int, u: Unit) -> None:
+        """Write the unit's frozen shards to its file and keep none of them in memory."""
+        self.base_stream.put(key, [part.shard for part in u.frozen])
+        self.init_kept_bytes -= sum(nbytes(part.shard) for part in u.frozen)
+        for part in u.frozen:
+            part.shard = None
+        u.streamed = key
 
     def _gathered_buffer(self, layout: FlatLayout, dtype: torch.dtype | None = None) -> torch.Tensor:
         full = torch.empty(layout.padded, dtype=dtype or self.compute_dtype, device=self.mesh.device)
@@ -432,20 +455,28 @@ class Zero3(UnitHooks, ShardedState, Strategy):
         self._factor = 1.0
         self.gathered_peak_bytes, self.last_gathered_peak_bytes = self.gathered_bytes, 0
 
-    def frozen_flats(self) -> list[tuple[FlatLayout, torch.Tensor]]:
-        return [(f.layout, f.shard) for u in self.units for f in u.frozen]
+    def frozen_flats(self) -> list[tuple[FlatLayout, torch.Tensor | OnDisk]]:
+        return [(f.layout, f.shard if u.streamed is None else OnDisk(self.base_stream, u.streamed, j))
+                for u in self.units for j, f in enumerate(u.frozen)]
+
+    def close(self) -> None:
+        if self.base_stream is not None:
+            self.base_stream.close()
 
     def state_bytes(self) -> dict[str, int]:
         grads = sum(nbytes(u.grad_shard) for u in self.trained if u.grad_shard is not None)
         grads += sum(nbytes(p.grad) for u in self.trained for p in u.layout.params if p.grad is not None)
         s = self.store.bytes()
         params = sum(nbytes(shard) for u in self.units for _, _, shard, _ in u.parts() if shard is not None)
-        return {"params": params, "grads": grads, "optim": s["device"], "offloaded": s["host"] + s["disk"]}
+        streamed = self.base_stream.file_bytes if self.base_stream is not None else 0
+        return {"params": params, "grads": grads, "optim": s["device"],
+                "offloaded": s["host"] + s["disk"] + streamed}
 
     def step_metrics(self) -> dict[str, float]:
         return {"zero3_gathered_peak_bytes": self.last_gathered_peak_bytes,
                 "zero_grads_held_bytes": self.grads_held_bytes,
-                "zero3_unit_max_bytes": max(u.nbytes for u in self.units), **self.offload_metrics()}
+                "zero3_unit_max_bytes": max(u.nbytes for u in self.units), **self.offload_metrics(),
+                **(self.base_stream.metrics() if self.base_stream is not None else {})}
 
     @torch.no_grad()
     def load_state_pieces(self, reader: ShardReader, optimizer_step: int) -> None:

@@ -59,6 +59,7 @@ class Unit:
     replicas_due: bool = False  # HSDP: the shard still has to be summed across the replicas
     ar_work: object = None  # HSDP: that all-reduce, in flight
     uses: list[int] = field(default_factory=list)  # units whose parameters this unit's modules use
+    streamed: int | None = None  # its frozen shards' file in the base stream (zero/base_stream.py)
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -82,6 +83,7 @@ class UnitHooks:
 
     units: list[Unit]
     shards_on_disk: bool = False  # fp32 + disk offload: the compute shard is read from the store
+    base_stream = None  # frozen shards on disk, read per gather (zero/base_stream.py), or None
     #: Under a pipeline schedule (pipelined = True) several forwards of a unit are in flight, and a
     #: zero-bubble B leaves the linears' gradients to W: a unit is released when the B now running
     #: has produced its inputs' gradients (no later node of that B reads its weights; W reads none),
@@ -113,6 +115,8 @@ class UnitHooks:
             work = C.all_gather_into(full, shard, axis, async_op=async_op, what=what)
             if work is not None:
                 u.work.append(work)
+        if not u.work:  # gathered already (one process: a copy): the streamed shards can go now
+            self._drop_streamed(u)
 
     def _wait(self, i: int) -> None:
         self._gather(i, async_op=False)
@@ -140,10 +144,20 @@ class UnitHooks:
         (held only until the gather completes)."""
         if self.shards_on_disk and u.layout is not None:
             u.shard = self.store.read(u.index, "param").to(self.mesh.device)
+        if u.streamed is not None:  # the frozen shards, read ahead while the previous unit computed
+            for part, shard in zip(u.frozen, self.base_stream.take(u.streamed)):
+                part.shard = shard.to(self.mesh.device)
 
     def _drop_shard(self, u: Unit) -> None:
         if self.shards_on_disk and u.layout is not None:
             u.shard = None
+        self._drop_streamed(u)
+
+    def _drop_streamed(self, u: Unit) -> None:
+        if u.streamed is not None and u.frozen[0].shard is not None:
+            for part in u.frozen:
+                part.shard = None
+            self.base_stream.release(u.streamed)
 
     # -- hooks ------------------------------------------------------------------------------------
 

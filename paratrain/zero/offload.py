@@ -38,6 +38,7 @@ from torch.optim.adam import adam as adam_step
 import paratrain.scratch as scratch
 from paratrain.base.strategy import OptimizerSettings
 from paratrain.comm.collectives import nbytes
+from paratrain.zero.base_stream import BASE_FILES
 from paratrain.zero.recipe import OptimizerRecipe
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -45,8 +46,10 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 #: resident memory, large enough that the per-window Python overhead is negligible.
 DISK_CHUNK = 1 << 20
 #: The disk stores' working folders under --offload-dir: DIR/paratrain-offload-<pid>-<random>/, one per
-#: rank (its own pid), holding only the rank's shard files (DiskStore's *.f32, DiskStore8's *.bin).
-OFFLOAD = scratch.Kind(prefix="paratrain-offload-", files=("rank*_shard*_*.f32", "rank*_shard*_*.bin"))
+#: rank (its own pid), holding only the rank's shard files (DiskStore's *.f32, DiskStore8's *.bin)
+#: and a streamed LoRA base's (zero/base_stream.py).
+OFFLOAD = scratch.Kind(prefix="paratrain-offload-",
+                       files=("rank*_shard*_*.f32", "rank*_shard*_*.bin", BASE_FILES))
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from paratrain.optim import adamw8bit as a8
 from paratrain.sharding import info_of
 from paratrain.shards import CheckpointError, Piece, ShardReader, pieces_of
 from paratrain.zero import store8
+from paratrain.zero.base_stream import OnDisk
 from paratrain.zero.flat import FlatLayout, owned, reduce_over_replicas
 
 
@@ -123,8 +124,8 @@ class ShardedState:
             for name, p, at, a, b in owned(layout):
                 info = info_of(p)
                 if not info.tied_to:  # in the dtype the shard holds (a bf16 base stays bf16)
-                    out += pieces_of(info, "param", p, a, b, values=shard[at:at + b - a].detach(),
-                                     name=info.name or name)
+                    out += pieces_of(info, "param", p, a, b, values=_frozen_values(shard, at, at + b - a),
+                                     name=info.name or name, dtype=shard.dtype)
         return out
 
     @torch.no_grad()
@@ -133,7 +134,11 @@ class ShardedState:
         for name, p in self.unsharded():
             read_local(reader, info_of(p), info_of(p).name or name, "param", p)
         for layout, shard in self.frozen_flats():
-            shard.copy_(self._read_shard(reader, layout, "param").to(shard.device, shard.dtype))
+            values = self._read_shard(reader, layout, "param")
+            if isinstance(shard, OnDisk):  # a streamed base: its file rewritten (zero/base_stream.py)
+                shard.write(values)
+            else:
+                shard.copy_(values.to(shard.device, shard.dtype))
 
     def _pieces(self, i: int, which: str, info, name: str, p, at: int, a: int, b: int) -> list[Piece]:
         """The piece of ``which`` for parameter elements [a, b), held at ``at`` of flat shard ``i``."""
@@ -210,3 +215,11 @@ def _fp32_times(g: torch.Tensor, factor: float) -> torch.Tensor:
     if g.dtype == torch.float32:
         return g.mul_(factor) if factor != 1.0 else g
     return g.float().mul_(factor)
+
+
+def _frozen_values(shard: torch.Tensor | OnDisk, a: int, b: int):
+    """Elements [a, b) of a frozen shard: a view of the one in memory, or read from a streamed
+    base's file when the checkpoint writer reaches it (never the whole base in memory at once)."""
+    if isinstance(shard, OnDisk):
+        return functools.partial(shard.range, a, b)
+    return shard[a:b].detach()
