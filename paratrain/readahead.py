@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Generic, TypeVar
+from typing import BinaryIO, Generic, TypeVar
 
 import torch
 
@@ -23,7 +23,7 @@ THREAD_PREFIX = "paratrain-prefetch"
 T = TypeVar("T")
 
 
-def read_into(f, buf: torch.Tensor) -> None:
+def read_into(f: BinaryIO, buf: torch.Tensor) -> None:
     """Fill the contiguous CPU tensor ``buf`` with the next bytes of the open binary file ``f``."""
     view = memoryview(buf.view(torch.uint8).reshape(-1).numpy()) if buf.numel() else memoryview(b"")
     got = f.readinto(view) if len(view) else 0
