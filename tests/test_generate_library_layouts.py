@@ -33,6 +33,7 @@ LAYOUTS = {
     "zero2-disk": dict(zero=2, offload="disk"),
     "local-sgd": dict(sync="local-sgd", sync_every=2),
     "diloco": dict(sync="diloco", sync_every=2),
+    "hsdp": dict(dp_replicate=2, zero=3),  # 2 replicas of a 1-rank ZeRO-3 group: its hooks gather
 }
 
 
@@ -78,6 +79,7 @@ def generated(hf_folder) -> tuple[list[str], list[dict[str, list[str]]]]:
 @pytest.mark.composes(("generation", "zero2", "offload-disk"), case="zero2-disk")
 @pytest.mark.composes(("generation", "local-sgd"), case="local-sgd")
 @pytest.mark.composes(("generation", "diloco"), case="diloco")
+@pytest.mark.composes(("generation", "hsdp", "zero3"), case="hsdp")
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_library_generate_equals_one_process(generated, layout):
     want, per_rank = generated
