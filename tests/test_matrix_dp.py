@@ -1,16 +1,28 @@
-"""The composition matrix's data-parallel cells (issue 37, item 3): the DP modes (plain, shared-memory
-DDP, ZeRO-1/2 with CPU or disk offload) with the memory savers, bf16, LoRA, mixture of experts and
-8-bit AdamW, and activation offload with each split of the model, each against ONE process.
+"""The composition matrix's data-parallel cells (issue 37, item 3), each against ONE process:
+
+* the DP modes (plain, shared-memory DDP, ZeRO-1/2 with CPU or disk offload) with the memory
+  savers (activation offload, recompute, tiling, the batch finder), bf16, LoRA (fp32 and bf16
+  base), a mixture of experts (EP too) and 8-bit AdamW; activation offload in each split of the
+  model (2 workers: ``world2``);
+* dp 2 around each split of the model (every pipeline schedule, TP + SP, CP) for each DP mode and
+  offload, and hybrid sharding (dp 4 = 2 replicas x 2 shards) with the savers, bf16, LoRA and MoE
+  (4 workers: ``world4``);
+* averaging (local SGD, DiLoCo) with all of the above: averaging once at the end of the run (H =
+  steps) is two one-process runs, each on its replica's half of every global batch, averaged
+  (``_two_replicas_averaged``; DiLoCo with outer SGD at lr 1 and no momentum is that average).
 
 Every run trains on packed rows (tests/test_masked_loss_layouts.py's PackedTask: examples of random
 lengths, prompt targets not counted, a blank row), so every case also composes with packing. The
-cases are "wide": one run switches on several features, and its mark covers every pair among them.
-One launch of 2 workers trains them all (each launch costs seconds on 2 cores).
+cases are "wide": one run switches on several features, and its mark covers every pair among them;
+``_assert_features_ran`` checks from metrics.jsonl that each switched-on feature really ran. One
+launch per world size trains every case (each launch costs seconds on 2 cores).
 
 Precision (tests/harness.py, DESIGN.md 3): fp32 runs with FP32_REORDERED (dp2 and the accumulation
 sum fp32 partial results in another order; AdamW may turn a near-zero gradient's noise into an
-isolated sign flip, which the criterion allows and a real bug does not pass); bf16 runs against the
-one-process bf16 run with tests/test_zero.py's bf16 bound (module constant BF16 says why).
+isolated sign flip, which the criterion allows and a real bug does not pass: it moves most elements
+of most tensors, as the LoRA averaging reference did when it averaged merged weights instead of the
+adapters, 5,000 of 8,192 elements per MLP weight); bf16 runs against the one-process bf16 run with
+tests/test_zero.py's bound (BF16_MAX, BF16_MEAN say why).
 """
 
 from __future__ import annotations
@@ -80,7 +92,7 @@ CASES = {  # name -> (reference, overrides)
     "ep2_z2disk": ("moe", {**ZERO2_DISK, **MOE, "parallel.ep": 2}),
     "plain_8bit_actoff": ("8bit", {**PLAIN, **ADAMW8, **ACT_OFFLOAD}),
     "shm_8bit": ("8bit", {**SHM, **ADAMW8}),
-    # averaging: each dp rank a replica, against two one-process replicas averaged (AVERAGING)
+    # averaging: each dp rank a replica, against two one-process replicas averaged
     "localsgd_actoff_recompute_tile_finder": ("avg_fp32", {**LOCAL_SGD, **DP2, **ACT_OFFLOAD, **RECOMPUTE,
                                                            **TILE, **FINDER}),
     "diloco_actoff_recompute_tile_finder": ("avg_fp32", {**DILOCO, **DP2, **ACT_OFFLOAD, **RECOMPUTE, **TILE,
@@ -104,8 +116,8 @@ CASES = {  # name -> (reference, overrides)
     "cp2_actoff": ("fp32", {"parallel.cp": 2, **ACT_OFFLOAD}),
 }
 # 4 workers: dp 2 around each split of the model (pp 2, tp 2 + SP, cp 2), and hybrid sharding (dp 4 =
-# 2 replicas x 2 shards). Micro-batches of one row: 4 per rank and step, so every schedule fills.
-DP2_MB1 = {"parallel.dp": 2, "train.micro_batch": 1}
+# 2 replicas x 2 shards). Two micro-batches per rank and step (four under DualPipeV, which needs 2 * pp).
+DP2_MB1 = {"parallel.dp": 2, "train.micro_batch": 2}
 MODES = {"ddp": DP2_MB1, "plain": {**DP2_MB1, "parallel.dp_mode": "plain"},
          "shm": {**DP2_MB1, "parallel.dp_reduce": "shm"},
          "z1cpu": {**DP2_MB1, "parallel.zero": 1, "parallel.offload": "cpu"},
@@ -120,7 +132,7 @@ SPLITS = {"gpipe": {"parallel.pp": 2, "parallel.pp_schedule": "gpipe"},
                           "parallel.virtual_stages": 2},
           "zbh1": {"parallel.pp": 2, "parallel.pp_schedule": "zb-h1"},
           "zbv": {"parallel.pp": 2, "parallel.pp_schedule": "zbv"},
-          "dualpipev": {"parallel.pp": 2, "parallel.pp_schedule": "dualpipev"},
+          "dualpipev": {"parallel.pp": 2, "parallel.pp_schedule": "dualpipev", "train.micro_batch": 1},
           "tp2sp": {"parallel.tp": 2, "parallel.sp": True},
           "cp2": {"parallel.cp": 2}}
 # the (mode, split) pairs the matrix lacked (pytest ids mode-split)
@@ -139,7 +151,7 @@ SPLIT_CASES = [("ddp", "gpipe"), ("plain", "gpipe"), ("shm", "gpipe"), ("z1cpu",
                ("localsgd", "zbv"), ("localsgd", "dualpipev"), ("localsgd", "tp2sp"),
                ("diloco", "gpipe"), ("diloco", "interleaved"), ("diloco", "zbh1"), ("diloco", "zbv"),
                ("diloco", "dualpipev"), ("diloco", "tp2sp")]
-HYBRID = {"parallel.dp": 4, "parallel.dp_replicate": 2, "train.micro_batch": 1}
+HYBRID = {"parallel.dp": 4, "parallel.dp_replicate": 2}
 HSDP = {**HYBRID, "parallel.zero": 3}
 HSDP_CASES = {  # name -> (reference, overrides)
     "hsdp_actoff_recompute_tile_finder": ("fp32", {**HSDP, **ACT_OFFLOAD, **RECOMPUTE, **TILE, **FINDER}),
@@ -180,7 +192,7 @@ class ReplicaRows(PackedTask):
 
 
 def _two_replicas_averaged(base: Path, extra: dict) -> RunResult:
-    """What averaging at the end of the run computes, from two one-process runs (AVERAGING)."""
+    """What averaging at the end of the run computes, from two one-process runs."""
     runs, units = [], []
     for half in (0, 1):
         cfg = _cfg(base / f"replica{half}", **extra, **{"train.global_batch": GB // 2})
