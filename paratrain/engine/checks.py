@@ -271,13 +271,6 @@ SHM_REFUSALS = (
             when=lambda c: c.parallel.dp_reduce == "shm" and c.parallel.dp_mode != "ddp", message=SHM),
     Refusal("ddp-shm", "ep", "not built: expert gradients reduce over the edp groups, not the host's segment",
             when=lambda c: c.parallel.dp_reduce == "shm" and c.parallel.ep > 1, message=SHM),
-    Refusal("ddp-shm", ("local-sgd", "diloco"), "by definition across replicas: averaging sums no gradient "
-            "between them; inside a replica (--dp-replicate) the averaging strategy's own all-reduce sums "
-            "its ranks' gradients, not DDP's buckets (the shared-memory sum is not built there)",
-            when=lambda c: c.parallel.dp_reduce == "shm" and c.parallel.sync in AVERAGING,
-            message="--dp-reduce shm sums DDP's buckets, and --sync local-sgd | diloco runs no DDP: each "
-            "replica steps alone (its ranks, under --dp-replicate, sum with the averaging's own "
-            "all-reduce); use --dp-reduce auto"),
 )
 
 
@@ -411,6 +404,14 @@ PARALLEL_REFUSALS = (  # they read a Config or the library's ParallelConfig (par
             "ZeRO, DDP already replicates everything on every rank (hybrid sharding shards inside a node); "
             "add "
             f"{say('zero')} or drop {say('dp_replicate')}"),
+    # the library has no dp_reduce keyword (its ParallelConfig keeps "auto"): the trainer's rule
+    Refusal("ddp-shm", ("local-sgd", "diloco"), "by definition across replicas: averaging sums no gradient "
+            "between them; inside a replica (--dp-replicate) the averaging strategy's own all-reduce sums "
+            "its ranks' gradients, not DDP's buckets (the shared-memory sum is not built there)",
+            when=lambda c: parallel_of(c).dp_reduce == "shm" and parallel_of(c).sync in AVERAGING,
+            spoken=lambda c, say: "--dp-reduce shm sums DDP's buckets, and --sync local-sgd | diloco runs "
+            "no DDP: each replica steps alone (its ranks, under --dp-replicate, sum with the averaging's "
+            "own all-reduce); use --dp-reduce auto"),
     Refusal("dp-plain", ZEROS, "by definition: --dp-mode picks how DDP reduces; ZeRO does its own reduction",
             when=lambda c: parallel_of(c).zero >= 1 and parallel_of(c).dp_mode == "plain",
             spoken=lambda c, say: f"{say('dp_mode', 'plain')} is the un-bucketed DDP; ZeRO does its own "
