@@ -34,6 +34,13 @@ LAYOUTS = {
     "zero3": {"parallel.dp": 2, "parallel.zero": 3, **COMPILE},
     "tp2": {"parallel.tp": 2, **COMPILE},
     "tp2_eager": {"parallel.tp": 2},
+    # the other data-parallel modes and offloads (hooks outside the graph), activation offload's
+    # saved-tensor hooks around the compiled graph
+    "plain_actoff": {"parallel.dp": 2, "parallel.dp_mode": "plain", "train.offload_activations": "cpu",
+                     **COMPILE},
+    "shm": {"parallel.dp": 2, "parallel.dp_reduce": "shm", **COMPILE},
+    "zero1_cpu": {"parallel.dp": 2, "parallel.zero": 1, "parallel.offload": "cpu", **COMPILE},
+    "zero2_disk": {"parallel.dp": 2, "parallel.zero": 2, "parallel.offload": "disk", **COMPILE},
 }
 # --pp 2 with the schedules that run each block's backward whole (the zero-bubble ones split it:
 # engine/checks.py refuses them); micro-batch 2: m = 4, the schedules fill
@@ -68,17 +75,25 @@ def runs(tmp_path_factory):
     layouts = {**LAYOUTS, **PIPELINES}
     cfgs = [tiny_cfg(tmp / name, **v) for name, v in layouts.items()]
     for c in cfgs:
+        if c.parallel.offload == "disk":
+            c.parallel.offload_dir = str(tmp / "offload")
+    for c in cfgs:
         checks.validate(c, 2)
     outs = run(_train_each, 2, [c.to_dict() for c in cfgs], timeout=600)
     return ref, dict(zip(layouts, outs[0])), dict(zip(layouts, outs[1]))
 
 
-@pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "zero3", "tp2"])
+@pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "zero3", "tp2", "plain_actoff", "shm", "zero1_cpu",
+                                  "zero2_disk"])
 @pytest.mark.composes(("compile", "ddp"), case="ddp")
 @pytest.mark.composes(("compile", "zero1"), case="zero1")
 @pytest.mark.composes(("compile", "zero2"), case="zero2")
 @pytest.mark.composes(("compile", "zero3"), case="zero3")
 @pytest.mark.composes(("compile", "tp"), case="tp2")
+@pytest.mark.composes(("compile", "dp-plain", "act-offload"), case="plain_actoff")
+@pytest.mark.composes(("compile", "ddp-shm"), case="shm")
+@pytest.mark.composes(("compile", "zero1", "offload-cpu"), case="zero1_cpu")
+@pytest.mark.composes(("compile", "zero2", "offload-disk"), case="zero2_disk")
 def test_compiled_layout_equals_one_eager_process(runs, name):
     ref, results, _ = runs
     losses, weights, _, _, _ = results[name]

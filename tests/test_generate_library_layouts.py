@@ -25,6 +25,15 @@ LAYOUTS = {
     "pp-virtual": dict(pp=2, virtual_stages=2),
     "pp-zbv": dict(pp=2, pp_schedule="zbv"),  # a V placement: rank 0 runs the first and the last stage
     "tp-user-plan": dict(tp=2, tp_plan=USER_PLAN),
+    # data parallel (dp 2): each replica decodes on its own, whatever reduces its gradients or holds
+    # its optimizer state
+    "ddp": dict(),
+    "dp-plain": dict(dp_mode="plain"),
+    "zero1-cpu": dict(zero=1, offload="cpu"),
+    "zero2-disk": dict(zero=2, offload="disk"),
+    "local-sgd": dict(sync="local-sgd", sync_every=2),
+    "diloco": dict(sync="diloco", sync_every=2),
+    "hsdp": dict(dp_replicate=2, zero=3),  # 2 replicas of a 1-rank ZeRO-3 group: its hooks gather
 }
 
 
@@ -42,7 +51,8 @@ def _generate(model, folder: str, parallel=None) -> list[str]:
 
 def _library(env, folder: str, layout: str) -> list[str]:
     model = load_model(None, folder).double()
-    par = paratrain.Parallel(**LAYOUTS[layout])
+    disk = {"offload_dir": str(Path(folder) / f"offload{env.rank}")} if "disk" in layout else {}
+    par = paratrain.Parallel(**LAYOUTS[layout], **disk)
     model, _ = par.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     return _generate(model, folder, par)
 
@@ -63,6 +73,13 @@ def generated(hf_folder) -> tuple[list[str], list[dict[str, list[str]]]]:
 @pytest.mark.composes(("generation", "interleaved"), case="pp-virtual")
 @pytest.mark.composes(("generation", "zbv"), case="pp-zbv")
 @pytest.mark.composes(("generation", "tp"), case="tp-user-plan")
+@pytest.mark.composes(("generation", "ddp"), case="ddp")
+@pytest.mark.composes(("generation", "dp-plain"), case="dp-plain")
+@pytest.mark.composes(("generation", "zero1", "offload-cpu"), case="zero1-cpu")
+@pytest.mark.composes(("generation", "zero2", "offload-disk"), case="zero2-disk")
+@pytest.mark.composes(("generation", "local-sgd"), case="local-sgd")
+@pytest.mark.composes(("generation", "diloco"), case="diloco")
+@pytest.mark.composes(("generation", "hsdp", "zero3"), case="hsdp")
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_library_generate_equals_one_process(generated, layout):
     want, per_rank = generated

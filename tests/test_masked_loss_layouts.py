@@ -132,10 +132,10 @@ def _cfg(out, **overrides) -> config.Config:
     return config.load(None, {**BASE, "train.out": str(out), **overrides})
 
 
-def _train(cfg: config.Config, env=None) -> RunResult:
+def _train(cfg: config.Config, env=None, task: Task | None = None) -> RunResult:
     """Losses: the training losses, the eval losses, and ``ce_loss`` (MoE: the loss less its aux
-    losses, divided by the same count) from metrics.jsonl."""
-    result = Trainer(cfg, env, task=PackedTask(cfg)).fit()
+    losses, divided by the same count) from metrics.jsonl. ``task``: PackedTask(cfg) by default."""
+    result = Trainer(cfg, env, task=task or PackedTask(cfg)).fit()
     metrics = Path(cfg.train.out) / "metrics.jsonl"  # rank 0 writes it
     rows = metrics.read_text().splitlines() if env is None or env.rank == 0 else []
     ce = [r["ce_loss"] for r in map(json.loads, rows) if "ce_loss" in r]

@@ -376,22 +376,41 @@ def check_parallel_rules(p: ParallelConfig, problems: list[str], say: Spelling =
     run's settings, ``paratrain.Parallel`` with its keywords gathered in a ParallelConfig (and
     ``say`` spelling them as keywords). A rule that refuses two features is a ``Refusal`` record
     (``PARALLEL_REFUSALS``, docs/composition.md) spoken in the door's words."""
-    zeros = say("zero", text="1, 2 or 3")
-    if p.offload != "none" and p.zero < 1:
-        problems.append(f"{say('offload', p.offload)} moves the ZeRO optimizer partition off the device: "
-                        f"it needs {zeros}")
     emit(PARALLEL_REFUSALS, p, problems, say)
     if p.sp and p.tp == 1:
         problems.append(f"{say('sp')} (sequence parallelism) splits the sequence over the tensor-parallel "
                         f"ranks: it needs {say('tp')} > 1 (or drop {say('sp')})")
-    if p.dp_replicate > 1 and p.zero == 0 and p.sync not in AVERAGING:
-        problems.append(f"{say('dp_replicate', p.dp_replicate)} needs {zeros} (or {say('sync')} local-sgd | "
-                        "diloco: DDP inside each replica, averaging across): without ZeRO, DDP already "
-                        "replicates everything on every rank (hybrid sharding shards inside a node); add "
-                        f"{say('zero')} or drop {say('dp_replicate')}")
+
+
+def _zeros(say: Spelling) -> str:
+    return say("zero", text="1, 2 or 3")
 
 
 PARALLEL_REFUSALS = (  # they read a Config or the library's ParallelConfig (parallel_of)
+    # --zero 0 is DDP: the matrix's "ddp" (its probes settle --zero 1 under an offload or --dp-replicate)
+    Refusal("ddp", ("offload-cpu", "offload-disk"),
+            "by definition: the offloaded state is ZeRO's optimizer partition, and DDP (--zero 0) has none",
+            when=lambda c: parallel_of(c).offload != "none" and parallel_of(c).zero < 1,
+            spoken=lambda c, say: f"{say('offload', parallel_of(c).offload)} moves the ZeRO optimizer "
+            f"partition off the device: it needs {_zeros(say)}"),
+    Refusal("ddp", "hsdp", "by definition: without ZeRO every rank holds everything, so replicas of "
+            "DDP groups summing every step are DDP over all ranks (--sync local-sgd | diloco averages "
+            "across them)",
+            when=lambda c: (parallel_of(c).dp_replicate > 1 and parallel_of(c).zero == 0
+                            and parallel_of(c).sync not in AVERAGING),
+            spoken=lambda c, say: f"{say('dp_replicate', parallel_of(c).dp_replicate)} needs {_zeros(say)} "
+            f"(or {say('sync')} local-sgd | diloco: DDP inside each replica, averaging across): without "
+            "ZeRO, DDP already replicates everything on every rank (hybrid sharding shards inside a node); "
+            "add "
+            f"{say('zero')} or drop {say('dp_replicate')}"),
+    # the library has no dp_reduce keyword (its ParallelConfig keeps "auto"): the trainer's rule
+    Refusal("ddp-shm", ("local-sgd", "diloco"), "by definition across replicas: averaging sums no gradient "
+            "between them; inside a replica (--dp-replicate) the averaging strategy's own all-reduce sums "
+            "its ranks' gradients, not DDP's buckets (the shared-memory sum is not built there)",
+            when=lambda c: parallel_of(c).dp_reduce == "shm" and parallel_of(c).sync in AVERAGING,
+            spoken=lambda c, say: "--dp-reduce shm sums DDP's buckets, and --sync local-sgd | diloco runs "
+            "no DDP: each replica steps alone (its ranks, under --dp-replicate, sum with the averaging's "
+            "own all-reduce); use --dp-reduce auto"),
     Refusal("dp-plain", ZEROS, "by definition: --dp-mode picks how DDP reduces; ZeRO does its own reduction",
             when=lambda c: parallel_of(c).zero >= 1 and parallel_of(c).dp_mode == "plain",
             spoken=lambda c, say: f"{say('dp_mode', 'plain')} is the un-bucketed DDP; ZeRO does its own "
