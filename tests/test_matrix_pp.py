@@ -1,0 +1,153 @@
+"""Wide runs that fill the composition matrix (docs/composition.md): each switches on several
+features at once and equals one process running the same mathematics.
+
+Every run trains on packed rows with loss masks (tests/test_masked_loss_layouts.py's PackedTask:
+no corpus to tokenize, and packing is a feature of the matrix too). A run's reference is the one
+process with the features that change the mathematics (LoRA and its base precision, bf16 mixed
+precision, 8-bit AdamW, the mixture of experts) and WITHOUT those that must not change it (the
+pipeline schedule, tp / sp / cp / ep, recompute, token tiles, compile, the batch finder): so a
+wide run shows every pair among its features equal to one process, and one launch of the workers
+runs every wide configuration in turn (a new case costs its steps, not a process start).
+
+Precision, per reference (the criteria and their reasons):
+* fp32 base and compute: tests/harness.py's FP32_REORDERED (the sums over ranks, tiles and
+  micro-batches reorder fp32 additions; the harness says why weights are compared per tensor with
+  isolated AdamW sign flips allowed);
+* a bf16 frozen base or bf16 mixed precision: every product through a bf16 operand rounds to 8
+  mantissa bits (2^-8 relative), and CPU bf16 kernels round another split of the batch (another
+  micro-batch, another tp slice) differently; so losses agree to 1e-2 relative and each tensor
+  to 2% of its norm (relative Frobenius). A dropped reduction, a doubled micro-batch or a missing
+  tp sum is off by a factor (~100%), far outside it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from paratrain import config
+from paratrain.memory.tiling import TiledHeadLoss
+from paratrain.models import build_model, init_weights, preset
+from paratrain.models.lora import LoraSpec, apply_lora, store_base_in
+from tests.dist import run
+from tests.harness import FP32_REORDERED, RunResult, assert_same_training
+from tests.test_masked_loss_layouts import BASE, MOE, _cfg, _train
+
+LORA = {"lora.rank": 4, "lora.alpha": 8.0}
+BF16_BASE = {**LORA, "lora.base_precision": "bf16"}
+BF16 = {"train.precision": "bf16"}
+OPTIM8 = {"optim.name": "adamw8bit", "optim.min_8bit_size": 0, "optim.block_size": 64}
+# The math of a run: each reference is one process with these and nothing else (two steps, no
+# eval: the cheapest run that checks a step's update and the next step's loss).
+SHORT = {"train.steps": 2, "train.eval_every": 0}
+REFS = {
+    "lora8": {**LORA, **OPTIM8},
+    "lbb8": {**BF16_BASE, **BF16, **OPTIM8},
+    "moe_bf16_8": {**MOE, **BF16, **OPTIM8},
+}
+FP32_REFS = {"lora8"}
+
+FULL, SELECTIVE = {"train.recompute": "full"}, {"train.recompute": "selective"}
+TILE2 = {"train.tile": 2}
+FINDER = {"train.micro_batch": "auto", "train.memory_limit": 2**40, "train.memory_measure": "tensors"}
+M2 = {"train.micro_batch": 2}  # a pipeline of 4 micro-batches per step
+EP2 = {"parallel.dp": 2, "parallel.ep": 2}
+
+
+def _pp(schedule: str, v: int = 1) -> dict:
+    return {"parallel.pp": 2, "parallel.pp_schedule": schedule, "parallel.virtual_stages": v}
+
+
+# name -> (reference, the layout and the features that must not change the mathematics)
+WIDE2 = {
+    "gpipe_lora8_full_tile": ("lora8", {**_pp("gpipe"), **M2, **FULL, **TILE2}),
+    "zbh1_lora8_selective_finder": ("lora8", {**_pp("zb-h1"), **SELECTIVE, **FINDER}),
+    "zbv_lora8_tile_finder": ("lora8", {**_pp("zbv"), **TILE2, **FINDER}),
+    "dualpipev_lora8_full_tile": ("lora8", {**_pp("dualpipev"), **M2, **FULL, **TILE2}),
+    "gpipe_lbb8_finder": ("lbb8", {**_pp("gpipe"), **FINDER}),
+    "zbh1_lbb8": ("lbb8", {**_pp("zb-h1"), **M2}),
+    "zbv_lbb8": ("lbb8", {**_pp("zbv"), **M2}),
+    "dualpipev_lbb8": ("lbb8", {**_pp("dualpipev"), **M2}),
+    "ep2_moe_bf16_8_tile_finder": ("moe_bf16_8", {**EP2, **TILE2, **FINDER}),
+}
+LR_STEPS = BASE["optim.lr"] * SHORT["train.steps"]  # bounds an AdamW sign flip (tests/harness.py)
+
+
+def _train_many(env, cfg_dicts: list[dict]) -> list[RunResult]:
+    return [_train(config.Config.from_dict(d), env) for d in cfg_dicts]
+
+
+def _launch(nproc: int, base, cases: dict) -> dict[str, RunResult]:
+    cfgs = [_cfg(base / name, **SHORT, **REFS[ref], **layout) for name, (ref, layout) in cases.items()]
+    outs = run(_train_many, nproc, [c.to_dict() for c in cfgs], timeout=500.0)
+    return dict(zip(cases, outs[0]))
+
+
+@pytest.fixture(scope="module")
+def refs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("ref")
+    return {name: _train(_cfg(base / name, **SHORT, **over)) for name, over in REFS.items()}
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    return _launch(2, tmp_path_factory.mktemp("w2"), WIDE2)
+
+
+def assert_equals_one_process(got: RunResult, ref: RunResult, ref_name: str) -> None:
+    if ref_name in FP32_REFS:
+        assert_same_training(got, ref, **FP32_REORDERED, lr_steps=LR_STEPS)
+        return
+    torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(ref.losses), rtol=1e-2, atol=0)
+    assert got.weights.keys() == ref.weights.keys()
+    for name, want in ref.weights.items():
+        diff = (got.weights[name].float() - want.float()).norm()
+        assert diff <= 0.02 * want.float().norm() + 1e-6, (name, float(diff), float(want.float().norm()))
+
+
+@pytest.mark.parametrize("name", list(WIDE2))
+@pytest.mark.composes(("gpipe", "lora", "8bit", "recompute", "tiling", "packing"),
+                      case="gpipe_lora8_full_tile")
+@pytest.mark.composes(("zb-h1", "lora", "8bit", "recompute", "batch-finder", "packing"),
+                      case="zbh1_lora8_selective_finder")
+@pytest.mark.composes(("zbv", "lora", "8bit", "tiling", "batch-finder", "packing"),
+                      case="zbv_lora8_tile_finder")
+@pytest.mark.composes(("dualpipev", "lora", "8bit", "recompute", "tiling", "packing"),
+                      case="dualpipev_lora8_full_tile")
+@pytest.mark.composes(("gpipe", "lora-bf16", "bf16", "8bit", "batch-finder", "packing"),
+                      case="gpipe_lbb8_finder")
+@pytest.mark.composes(("zb-h1", "lora-bf16", "bf16", "8bit", "packing"), case="zbh1_lbb8")
+@pytest.mark.composes(("zbv", "lora-bf16", "bf16", "8bit", "packing"), case="zbv_lbb8")
+@pytest.mark.composes(("dualpipev", "lora-bf16", "bf16", "8bit", "packing"), case="dualpipev_lbb8")
+@pytest.mark.composes(("ep", "moe", "bf16", "8bit", "tiling", "batch-finder", "packing"),
+                      case="ep2_moe_bf16_8_tile_finder")
+def test_wide_two_worker_runs_equal_one_process(world2, refs, name):
+    ref = WIDE2[name][0]
+    assert_equals_one_process(world2[name], refs[ref], ref)
+
+
+
+def _plain_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """A loss that does not widen its logits (PackedTask's, a user's Task's): it sees what the head
+    hands it."""
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="sum")
+
+
+def test_tiled_head_over_a_bf16_base_hands_the_loss_the_untiled_logits():
+    """Found by the wide runs (a bf16 LoRA base with --tile under every schedule: the first loss
+    0.2% off one process): the untiled head's hooks cast its bf16 logits back to the stream's fp32,
+    and the tiled loss calls the head's class forward, which skips them, so a loss that does not
+    widen its logits took its cross-entropy in bf16. Each tile now gets the untiled head's fp32
+    logits: the same loss to fp32 reordering (bf16 logits are ~2^-8 off)."""
+    model = build_model(preset("tiny", max_seq_len=16))
+    init_weights(model, 0, model.cfg)
+    apply_lora(model, LoraSpec(rank=2))
+    store_base_in(model, torch.bfloat16)
+    head = model.lm_head
+    h = torch.randn(2, 16, model.cfg.dim, generator=torch.Generator().manual_seed(0))
+    targets = torch.randint(0, model.cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    want = _plain_loss_sum(head(h), targets)
+    assert head(h).dtype == torch.float32
+    got = TiledHeadLoss(head, 2, _plain_loss_sum)(h, targets)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
