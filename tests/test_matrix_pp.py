@@ -32,13 +32,14 @@ import torch
 import torch.nn.functional as F
 
 from paratrain import config
+from paratrain.inference.request import GenerateRequest
 from paratrain.memory.tiling import TiledHeadLoss
 from paratrain.models import build_model, init_weights, preset
 from paratrain.models.lora import LoraSpec, apply_lora, store_base_in
 from tests.dist import run
 from tests.harness import FP32_REORDERED, MAX_MOVE_FACTOR, RunResult, assert_same_training
 from tests.hf_models import save_tokenizer
-from tests.test_generate_dist import PROMPTS, across_ranks, one_process
+from tests.test_generate_dist import GREEDY, PROMPTS, _rank, one_process
 from tests.test_masked_loss_layouts import BASE, MOE, _cfg, _train
 
 LORA = {"lora.rank": 4, "lora.alpha": 8.0}
@@ -115,8 +116,13 @@ def refs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def world2(tmp_path_factory):
-    return _launch(2, tmp_path_factory.mktemp("w2"), WIDE2)
+def w2_base(tmp_path_factory):
+    return tmp_path_factory.mktemp("w2")
+
+
+@pytest.fixture(scope="module")
+def world2(w2_base):
+    return _launch(2, w2_base, WIDE2)
 
 
 @pytest.fixture(scope="module")
@@ -207,18 +213,43 @@ def test_tiled_head_over_a_bf16_base_hands_the_loss_the_untiled_logits():
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
 
 
-GENERATED = {**MOE, **BF16_BASE, **BF16, **OPTIM8, **FULL, **TILE2, **SHORT, "train.steps": 1}
+# Runs of WIDE2 generated from, after training (their marks below name what they trained with).
+GENERATED = ["zbh1_lora8_selective_finder", "interleaved_lbb8_full_tile", "ep2_moe_lbb8_tile_finder",
+             "cp2_lbb8_tile", "tp2_sp_lbb8_compile_full_finder"]
 
 
-@pytest.mark.composes(("generation", "moe", "lora-bf16", "bf16", "8bit", "recompute", "tiling", "packing"))
-def test_generation_from_a_wide_run_across_ranks_equals_one_process(tmp_path):
-    """A run trained with these features writes its model.safetensors (the adapters merged into the
-    base, the experts' included); tp2 generates from it what one process generates, token for
-    token (float64, greedy: tests/test_generate_dist.py says why). The training features change
-    only the weights generation reads: this shows a run of each can be generated from, across ranks."""
-    _train(_cfg(tmp_path, **GENERATED))
-    save_tokenizer(tmp_path)  # the task is synthetic: generation reads prompts as ids, the folder wants one
-    want = one_process(run=str(tmp_path))
-    got = across_ranks(2, 1, run=str(tmp_path))
-    assert [ids for ids, _ in got] == [want] * 2
-    assert len(want) == len(PROMPTS) and all(want)
+def _generate_each(env, folders: list[str]) -> list[list[list[int]]]:
+    """Each run folder in turn, tp 2, in the same two workers (one launch)."""
+    return [_rank(env, GenerateRequest(tp=2, sampling=GREEDY, run=folder))[0] for folder in folders]
+
+
+@pytest.fixture(scope="module")
+def generated(world2, w2_base):
+    folders = [str(w2_base / name) for name in GENERATED]
+    for folder in folders:
+        save_tokenizer(folder)  # the task is synthetic: generation reads prompts as ids, the folder wants one
+    want = [one_process(run=folder) for folder in folders]
+    per_rank = run(_generate_each, 2, folders, timeout=300.0)
+    return dict(zip(GENERATED, want)), [dict(zip(GENERATED, got)) for got in per_rank]
+
+
+@pytest.mark.parametrize("name", GENERATED)
+@pytest.mark.composes(("generation", "zb-h1", "lora", "8bit", "recompute", "batch-finder", "packing"),
+                      case="zbh1_lora8_selective_finder")
+@pytest.mark.composes(("generation", "interleaved", "lora-bf16", "bf16", "8bit", "recompute", "tiling",
+                       "packing"), case="interleaved_lbb8_full_tile")
+@pytest.mark.composes(("generation", "ep", "moe", "lora-bf16", "bf16", "8bit", "tiling", "batch-finder",
+                       "packing"), case="ep2_moe_lbb8_tile_finder")
+@pytest.mark.composes(("generation", "cp", "lora-bf16", "bf16", "8bit", "tiling", "packing"),
+                      case="cp2_lbb8_tile")
+@pytest.mark.composes(("generation", "tp", "sp", "lora-bf16", "bf16", "8bit", "compile", "recompute",
+                       "batch-finder", "packing"), case="tp2_sp_lbb8_compile_full_finder")
+def test_generation_from_wide_runs_across_ranks_equals_one_process(generated, name):
+    """Each run's model.safetensors (written by the layout that trained it: the adapters merged into
+    the base, a MoE's experts gathered from their ep ranks) generates across tp2 what one process
+    generates from it, token for token (float64, greedy: tests/test_generate_dist.py says why).
+    Training features change only the weights generation reads: this shows a run trained with
+    each, in its layout, is one generation can read and split."""
+    want, per_rank = generated
+    assert len(want[name]) == len(PROMPTS) and all(want[name])
+    assert [got[name] for got in per_rank] == [want[name]] * 2
