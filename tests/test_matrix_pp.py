@@ -18,11 +18,13 @@ Precision, per reference (the criteria and their reasons):
   micro-batch, tile, tp or cp slice) differently: a weight gradient summed over two tiles is two
   bf16 roundings where one process has one. So losses agree to 1e-2 relative (test_zero.py's bf16
   bound), and AdamW, which moves an element by about lr per step whatever its gradient's size,
-  turns the rounding of near-zero gradients into sign flips: each element stays within what two
-  AdamW runs can differ by (MAX_MOVE_FACTOR * lr * steps, tests/harness.py), and each tensor's
-  mean difference within a tenth of that (measured: bf16 with --tile 2 against bf16 untiled,
-  5.2e-4; the bound 4.2e-3). A bug that changes the gradient's direction
-  (a missing reduction, a dropped micro-batch) moves most elements by ~lr, the mean far past it.
+  turns the rounding of near-zero gradients into sign flips. So per tensor: every element within
+  what two AdamW runs can differ by (MAX_MOVE_FACTOR * lr * steps, tests/harness.py), at most 5%
+  of the elements beyond a quarter of lr * steps, and the mean difference within lr * steps / 20
+  (1e-3). Measured here: at most 0.5% of the elements beyond, means up to 2.3e-4 (bf16 --tile 2
+  against bf16 untiled, one process, the whole model training: 5.2e-4). A run that steps
+  otherwise fails both: training at twice the lr puts 35% of the elements beyond and the mean at
+  4.2e-3, and a missing reduction or a dropped micro-batch turns the steps' directions.
 """
 
 from __future__ import annotations
@@ -140,11 +142,12 @@ def assert_equals_one_process(got: RunResult, ref: RunResult, ref_name: str) -> 
         return
     torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(ref.losses), rtol=1e-2, atol=0)
     assert got.weights.keys() == ref.weights.keys()
-    bound = MAX_MOVE_FACTOR * LR_STEPS
     for name, want in ref.weights.items():
         diff = (got.weights[name].float() - want.float()).abs()
         worst, mean = float(diff.max()), float(diff.mean())
-        assert worst <= bound and mean <= bound / 10, (name, worst, mean)
+        beyond = float((diff > LR_STEPS / 4).float().mean())
+        assert worst <= MAX_MOVE_FACTOR * LR_STEPS and beyond <= 0.05 and mean <= LR_STEPS / 20, (
+            name, worst, beyond, mean)
 
 
 @pytest.mark.parametrize("name", list(WIDE2))
