@@ -24,12 +24,12 @@ LAYOUTS = {
     "tp-sp": dict(tp=2, sequence_parallel=True),
     "pp-virtual": dict(pp=2, virtual_stages=2),
     "pp-zbv": dict(pp=2, pp_schedule="zbv"),  # a V placement: rank 0 runs the first and the last stage
-    "tp-user-plan": dict(tp=2, tp_plan=USER_PLAN),
     # the other schedules' placements: one stage per rank in order (gpipe, 1f1b, zb-h1) or a V
     "pp-gpipe": dict(pp=2, pp_schedule="gpipe"),
     "pp-1f1b": dict(pp=2, pp_schedule="1f1b"),
     "pp-zb-h1": dict(pp=2, pp_schedule="zb-h1"),
     "pp-dualpipev": dict(pp=2, pp_schedule="dualpipev"),
+    "tp-user-plan": dict(tp=2, tp_plan=USER_PLAN),
 }
 
 
@@ -67,11 +67,11 @@ def generated(hf_folder) -> tuple[list[str], list[dict[str, list[str]]]]:
 @pytest.mark.composes(("generation", "sp"), case="tp-sp")
 @pytest.mark.composes(("generation", "interleaved"), case="pp-virtual")
 @pytest.mark.composes(("generation", "zbv"), case="pp-zbv")
-@pytest.mark.composes(("generation", "tp"), case="tp-user-plan")
 @pytest.mark.composes(("generation", "gpipe"), case="pp-gpipe")
 @pytest.mark.composes(("generation", "1f1b"), case="pp-1f1b")
 @pytest.mark.composes(("generation", "zb-h1"), case="pp-zb-h1")
 @pytest.mark.composes(("generation", "dualpipev"), case="pp-dualpipev")
+@pytest.mark.composes(("generation", "tp"), case="tp-user-plan")
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_library_generate_equals_one_process(generated, layout):
     want, per_rank = generated
