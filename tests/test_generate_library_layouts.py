@@ -1,8 +1,8 @@
 """``paratrain.generate(parallel=...)`` in the layouts the library door once refused, each against one
 process token for token (float64, greedy: tests/test_generate_dist.py says why float64): a model
 held as ZeRO-3 shards, tensor parallel with sequence parallelism (decoding runs as plain TP, which
-computes the same), interleaved virtual stages, the V placement of zbv, and a user tp_plan
-splitting the MLP's linears."""
+computes the same), interleaved virtual stages, the V placement of zbv, a user tp_plan
+splitting the MLP's linears, and every other schedule's placement (GPipe, 1F1B, ZB-H1, DualPipeV)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,11 @@ LAYOUTS = {
     "tp-sp": dict(tp=2, sequence_parallel=True),
     "pp-virtual": dict(pp=2, virtual_stages=2),
     "pp-zbv": dict(pp=2, pp_schedule="zbv"),  # a V placement: rank 0 runs the first and the last stage
+    # the other schedules' placements: one stage per rank in order (gpipe, 1f1b, zb-h1) or a V
+    "pp-gpipe": dict(pp=2, pp_schedule="gpipe"),
+    "pp-1f1b": dict(pp=2, pp_schedule="1f1b"),
+    "pp-zb-h1": dict(pp=2, pp_schedule="zb-h1"),
+    "pp-dualpipev": dict(pp=2, pp_schedule="dualpipev"),
     "tp-user-plan": dict(tp=2, tp_plan=USER_PLAN),
     # data parallel (dp 2): each replica decodes on its own, whatever reduces its gradients or holds
     # its optimizer state
@@ -72,6 +77,10 @@ def generated(hf_folder) -> tuple[list[str], list[dict[str, list[str]]]]:
 @pytest.mark.composes(("generation", "sp"), case="tp-sp")
 @pytest.mark.composes(("generation", "interleaved"), case="pp-virtual")
 @pytest.mark.composes(("generation", "zbv"), case="pp-zbv")
+@pytest.mark.composes(("generation", "gpipe"), case="pp-gpipe")
+@pytest.mark.composes(("generation", "1f1b"), case="pp-1f1b")
+@pytest.mark.composes(("generation", "zb-h1"), case="pp-zb-h1")
+@pytest.mark.composes(("generation", "dualpipev"), case="pp-dualpipev")
 @pytest.mark.composes(("generation", "tp"), case="tp-user-plan")
 @pytest.mark.composes(("generation", "ddp"), case="ddp")
 @pytest.mark.composes(("generation", "dp-plain"), case="dp-plain")

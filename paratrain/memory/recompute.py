@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
@@ -50,13 +51,14 @@ class Recompute:
     """Checkpoint, in every block, the submodule the model family declares for this policy."""
 
     policy = ""
+    traced_plain = False  # the region may be checkpointed without contexts when compiled (above)
 
     def apply(self, model: nn.Module) -> nn.Module:
         family = family_of(model, f"--recompute {self.policy} (its targets)")
         target = family.recompute[self.policy]
         for block in family.blocks_of(model).values():
             region = block.get_submodule(target) if target else block
-            region.forward = _checkpointed_forward(region.forward)
+            region.forward = _checkpointed_forward(region.forward, self.traced_plain)
         return model
 
 
@@ -70,6 +72,7 @@ class SelectiveRecompute(Recompute):
     """Recompute the core attention of every block (Megatron's "selective" recomputation)."""
 
     policy = "selective"
+    traced_plain = True  # softmax(qk^T)v records nothing; a compiled block traces it (--compile)
 
 
 POLICIES: dict[str, type | None] = {"none": None, "full": FullRecompute, "selective": SelectiveRecompute}
@@ -83,8 +86,14 @@ def apply_recompute(model: nn.Module, policy: str) -> nn.Module:
     return cls().apply(model) if cls is not None else model
 
 
-def _checkpointed_forward(forward):
+def _checkpointed_forward(forward, traced_plain: bool = False):
+    """``forward`` checkpointed. ``traced_plain``: inside a torch.compile'd block, checkpoint it
+    without the contexts: dynamo traces a checkpoint only with a context_fn of dispatch modes (ours
+    are plain context managers, and the trace fails), and the region then needs neither context
+    (a region with no side effect for the flag to guard; no zero-bubble B runs compiled blocks)."""
     def run(*args, **kwargs):  # keywords too: attention's core takes positions by name
+        if traced_plain and torch.compiler.is_compiling():
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
         return checkpoint(forward, *args, use_reentrant=False, context_fn=_contexts, **kwargs)
 
     return run

@@ -171,11 +171,14 @@ class TiledHeadLoss:
     def _tile_loss(self, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         # The head's class forward (its instance forward is the identity apply_tiling left): a LoRA
         # head adds its adapters itself, a column-parallel head masks its vocabulary padding.
-        if not getattr(self.head, "casts_base", False):
-            # The input in the weight's dtype, as the untiled head's forward pre-hook casts it when
-            # a LoRA base is stored in bf16 (models/lora.store_base_in); a no-op otherwise.
-            h = h.to(self.head.weight.dtype)
-        logits = type(self.head).forward(self.head, h)  # [tile, vocab (or vocab / tp)]
+        stream = h.dtype
+        # A LoRA base stored in bf16 (models/lora.store_base_in): the untiled head's forward hooks
+        # cast its input to the weight's dtype and its logits back to the stream's (so a loss that
+        # does not widen them itself still sees fp32 logits); the class forward skips the hooks.
+        hooked = not getattr(self.head, "casts_base", False) and self.head.weight.dtype != stream
+        logits = type(self.head).forward(self.head, h.to(self.head.weight.dtype) if hooked else h)
+        if hooked:
+            logits = logits.to(stream)  # [tile, vocab (or vocab / tp)]
         for forward in self.after:
             logits = forward(logits)
         return self.loss_sum(logits[None], t[None])
