@@ -272,20 +272,7 @@ def test_selective_recompute_inside_compiled_blocks_equals_eager():
     and gradients as the eager model without recompute (AOT autograd runs the same fp32 kernels
     here; the bound is test_compile_equals_eager's)."""
     shape = preset("tiny", max_seq_len=16, n_layers=1)
-    ref = build_model(shape)
-    init_weights(ref, 0, shape)
-    model = compile_blocks(apply_recompute(copy.deepcopy(ref), "selective"), backend="aot_eager")
-    gen = torch.Generator().manual_seed(0)
-    x, y = (torch.randint(0, shape.vocab_size, (2, 16), generator=gen) for _ in range(2))
-    losses = []
-    for m in (ref, model):
-        loss = F.cross_entropy(m(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        losses.append(loss.detach())
-    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)
-    for (name, want), got in zip(ref.named_parameters(), model.parameters()):
-        torch.testing.assert_close(got.grad, want.grad, rtol=1e-3, atol=1e-4 * float(want.grad.abs().max()),
-                                   msg=name)
+    _compiled_equals_eager(shape, lambda m: apply_recompute(m, "selective"), lambda m: 0.0)
 
 
 @pytest.mark.composes(("moe", "compile"))
@@ -297,15 +284,22 @@ def test_compiled_mixture_of_experts_blocks_equal_eager():
     splits change every step and each new shape recompiles (measured: 36.9 s of CPU for two
     steps of tiny-moe at ep2), more than CI's budget allows."""
     shape = preset("tiny-moe", max_seq_len=16, n_layers=1)
+    side = {"aux_loss_coef": shape.aux_loss_coef, "z_loss_coef": shape.z_loss_coef, "n_moe_layers": 1}
+    _compiled_equals_eager(shape, lambda m: m, lambda m: moe_loss_sum(m, **side), reduction="sum")
+
+
+def _compiled_equals_eager(shape, prepare, side_loss, reduction: str = "mean") -> None:
+    """One step of ``shape``'s model eager and with ``prepare(model)``'s blocks compiled: the same
+    loss (plus ``side_loss``) and gradients (AOT autograd runs the same fp32 kernels here; the
+    bound is test_compile_equals_eager's)."""
     ref = build_model(shape)
     init_weights(ref, 0, shape)
-    model = compile_blocks(copy.deepcopy(ref), backend="aot_eager")
+    model = compile_blocks(prepare(copy.deepcopy(ref)), backend="aot_eager")
     gen = torch.Generator().manual_seed(0)
     x, y = (torch.randint(0, shape.vocab_size, (2, 16), generator=gen) for _ in range(2))
     losses = []
     for m in (ref, model):
-        side = {"aux_loss_coef": shape.aux_loss_coef, "z_loss_coef": shape.z_loss_coef, "n_moe_layers": 1}
-        loss = F.cross_entropy(m(x).flatten(0, 1), y.flatten(), reduction="sum") + moe_loss_sum(m, **side)
+        loss = F.cross_entropy(m(x).flatten(0, 1), y.flatten(), reduction=reduction) + side_loss(m)
         loss.backward()
         losses.append(loss.detach())
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)
