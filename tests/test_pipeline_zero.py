@@ -134,12 +134,18 @@ TRIPLES = {
     "z3_tp2_ep2_gpipe": ({**_sched("gpipe"), **Z3_TP2, **MOE_PARITY, "parallel.ep": 2}, "moe"),
     "z3_tp2_lora_interleaved": ({**_sched("interleaved"), **Z3_TP2, **LORA}, "lora"),
     "z3_hsdp_zbv": ({**_pp(2, "zbv"), **STEPS, **HSDP}, "m8"),
+    # hybrid sharding around the other schedules (m = 2 per dp rank: dualpipev needs m >= 2p = 4,
+    # which 8 rows over 4 dp ranks cannot give) and around tensor + sequence parallelism
+    "z3_hsdp_gpipe": ({**_pp(2, "gpipe"), **STEPS, **HSDP}, "m8"),
+    "z3_hsdp_zbh1": ({**_pp(2, "zb-h1"), **STEPS, **HSDP}, "m8"),
+    "z3_hsdp_interleaved": ({**_pp(2, "interleaved", 2), **STEPS, **HSDP}, "m8"),
+    "z3_hsdp_tp2_sp": ({**STEPS, **HSDP, "parallel.tp": 2, "parallel.sp": True}, "m8"),
 }
 
 
 @pytest.fixture(scope="module")
 def world8(tmp_path_factory, refs):
-    """One launch of 8 workers for the four layouts, and the one-process runs they equal."""
+    """One launch of 8 workers for the layouts, and the one-process runs they equal."""
     base = tmp_path_factory.mktemp("w8")
     got = _layouts(8, {name: tiny_cfg(base / name, **layout) for name, (layout, _) in TRIPLES.items()})
     refs = {**refs, "moe": _ref(base / "moe", **M4, **STEPS, **MOE_PARITY),
@@ -151,6 +157,10 @@ def world8(tmp_path_factory, refs):
 @pytest.mark.composes(("zero3", "tp", "gpipe", "moe", "ep"), case="z3_tp2_ep2_gpipe")
 @pytest.mark.composes(("zero3", "tp", "interleaved", "lora"), case="z3_tp2_lora_interleaved")
 @pytest.mark.composes(("zero3", "zbv", "hsdp"), case="z3_hsdp_zbv")
+@pytest.mark.composes(("zero3", "gpipe", "hsdp"), case="z3_hsdp_gpipe")
+@pytest.mark.composes(("zero3", "zb-h1", "hsdp"), case="z3_hsdp_zbh1")
+@pytest.mark.composes(("zero3", "interleaved", "hsdp"), case="z3_hsdp_interleaved")
+@pytest.mark.composes(("zero3", "hsdp", "tp", "sp"), case="z3_hsdp_tp2_sp")
 @pytest.mark.parametrize("name", list(TRIPLES))
 def test_large_job_layouts_equal_one_process(world8, name):
     """ZeRO-3 x TP x PP (the issue's `paratrain train --nproc 8 --dp 2 --pp 2 --tp 2 --zero 3
