@@ -14,7 +14,7 @@
 Every run trains on packed rows (tests/test_masked_loss_layouts.py's PackedTask: examples of random
 lengths, prompt targets not counted, a blank row), so every case also composes with packing. The
 cases are "wide": one run switches on several features, and its mark covers every pair among them;
-``_assert_features_ran`` checks from metrics.jsonl that each switched-on feature really ran. One
+``assert_features_ran`` checks from metrics.jsonl that each switched-on feature really ran. One
 launch per world size trains every case (each launch costs seconds on 2 cores).
 
 Precision (tests/harness.py, DESIGN.md 3): fp32 runs with FP32_REORDERED (dp2 and the accumulation
@@ -280,7 +280,7 @@ def _assert_bf16_close(got: RunResult, ref: RunResult) -> None:
         assert diff.max() <= BF16_MAX and diff.mean() <= BF16_MEAN, (name, diff.max(), diff.mean())
 
 
-def _assert_features_ran(out: Path, overrides: dict) -> None:
+def assert_features_ran(out: Path, overrides: dict) -> None:
     """The run really used what its case switches on (a silently ignored setting passes parity)."""
     rows = read_metrics(out / "metrics.jsonl")
     layout = rows[0]["layout"]
@@ -302,7 +302,7 @@ def _assert_features_ran(out: Path, overrides: dict) -> None:
 
 def _assert_case(out: Path, got: RunResult, refs: dict[str, RunResult], case: tuple[str, dict]) -> None:
     reference, overrides = case
-    _assert_features_ran(out, overrides)
+    assert_features_ran(out, overrides)
     if reference in ("bf16", "avg_bf16"):
         _assert_bf16_close(got, refs[reference])
     else:

@@ -48,6 +48,7 @@ from tests.harness import FP32_REORDERED, MAX_MOVE_FACTOR, RunResult, assert_sam
 from tests.hf_models import save_tokenizer
 from tests.test_generate_dist import GREEDY, PROMPTS, _rank, one_process
 from tests.test_masked_loss_layouts import BASE, MOE, _cfg, _train
+from tests.test_matrix_dp import assert_features_ran
 
 LORA = {"lora.rank": 4, "lora.alpha": 8.0}
 BF16_BASE = {**LORA, "lora.base_precision": "bf16"}
@@ -71,6 +72,8 @@ COMPILE = {"train.compile": True, "train.compile_backend": "aot_eager"}
 M2 = {"train.micro_batch": 2}  # a pipeline of 4 micro-batches per step
 EP2 = {"parallel.dp": 2, "parallel.ep": 2}
 TP2_SP = {"parallel.tp": 2, "parallel.sp": True}
+ACT_OFFLOAD = {"train.offload_activations": "cpu"}
+SHM = {"parallel.dp_reduce": "shm"}  # DDP's buckets summed through shared memory
 
 
 def _pp(schedule: str, v: int = 1) -> dict:
@@ -80,14 +83,14 @@ def _pp(schedule: str, v: int = 1) -> dict:
 # name -> (reference, the layout and the features that must not change the mathematics)
 WIDE2 = {
     "gpipe_lora8_full_tile": ("lora8", {**_pp("gpipe"), **M2, **FULL, **TILE2}),
-    "zbh1_lora8_selective_finder": ("lora8", {**_pp("zb-h1"), **SELECTIVE, **FINDER}),
+    "zbh1_lora8_selective_finder_actoff": ("lora8", {**_pp("zb-h1"), **SELECTIVE, **FINDER, **ACT_OFFLOAD}),
     "zbv_lora8_tile_finder": ("lora8", {**_pp("zbv"), **TILE2, **FINDER}),
     "dualpipev_lora8_full_tile": ("lora8", {**_pp("dualpipev"), **M2, **FULL, **TILE2}),
     "gpipe_lbb8_finder": ("lbb8", {**_pp("gpipe"), **FINDER}),
     "zbh1_lbb8": ("lbb8", {**_pp("zb-h1"), **M2}),
     "zbv_lbb8": ("lbb8", {**_pp("zbv"), **M2}),
     "dualpipev_lbb8": ("lbb8", {**_pp("dualpipev"), **M2}),
-    "ep2_moe_lbb8_tile_finder": ("moe_lbb8", {**EP2, **TILE2, **FINDER}),
+    "ep2_moe_lbb8_tile_finder_shm": ("moe_lbb8", {**EP2, **TILE2, **FINDER, **SHM}),
     "1f1b_lbb8_selective_tile": ("lbb8", {**_pp("1f1b"), **M2, **SELECTIVE, **TILE2}),
     "interleaved_lbb8_full_tile": ("lbb8", {**_pp("interleaved", 2), **M2, **FULL, **TILE2}),
     "dualpipev_lora_bf16_finder": ("lora_bf16", {**_pp("dualpipev"), **FINDER}),
@@ -154,8 +157,8 @@ def assert_equals_one_process(got: RunResult, ref: RunResult, ref_name: str) -> 
 @pytest.mark.parametrize("name", list(WIDE2))
 @pytest.mark.composes(("gpipe", "lora", "8bit", "recompute", "tiling", "packing"),
                       case="gpipe_lora8_full_tile")
-@pytest.mark.composes(("zb-h1", "lora", "8bit", "recompute", "batch-finder", "packing"),
-                      case="zbh1_lora8_selective_finder")
+@pytest.mark.composes(("zb-h1", "lora", "8bit", "recompute", "batch-finder", "packing", "act-offload"),
+                      case="zbh1_lora8_selective_finder_actoff")
 @pytest.mark.composes(("zbv", "lora", "8bit", "tiling", "batch-finder", "packing"),
                       case="zbv_lora8_tile_finder")
 @pytest.mark.composes(("dualpipev", "lora", "8bit", "recompute", "tiling", "packing"),
@@ -165,8 +168,8 @@ def assert_equals_one_process(got: RunResult, ref: RunResult, ref_name: str) -> 
 @pytest.mark.composes(("zb-h1", "lora-bf16", "bf16", "8bit", "packing"), case="zbh1_lbb8")
 @pytest.mark.composes(("zbv", "lora-bf16", "bf16", "8bit", "packing"), case="zbv_lbb8")
 @pytest.mark.composes(("dualpipev", "lora-bf16", "bf16", "8bit", "packing"), case="dualpipev_lbb8")
-@pytest.mark.composes(("ep", "moe", "lora-bf16", "bf16", "8bit", "tiling", "batch-finder", "packing"),
-                      case="ep2_moe_lbb8_tile_finder")
+@pytest.mark.composes(("ep", "moe", "lora-bf16", "bf16", "8bit", "tiling", "batch-finder", "packing",
+                       "ddp-shm"), case="ep2_moe_lbb8_tile_finder_shm")
 @pytest.mark.composes(("1f1b", "lora-bf16", "bf16", "8bit", "recompute", "tiling", "packing"),
                       case="1f1b_lbb8_selective_tile")
 @pytest.mark.composes(("interleaved", "lora-bf16", "bf16", "8bit", "recompute", "tiling", "packing"),
@@ -176,8 +179,9 @@ def assert_equals_one_process(got: RunResult, ref: RunResult, ref_name: str) -> 
 @pytest.mark.composes(("cp", "lora-bf16", "bf16", "8bit", "tiling", "packing"), case="cp2_lbb8_tile")
 @pytest.mark.composes(("tp", "sp", "lora-bf16", "bf16", "8bit", "compile", "recompute", "batch-finder",
                        "packing"), case="tp2_sp_lbb8_compile_full_finder")
-def test_wide_two_worker_runs_equal_one_process(world2, refs, name):
+def test_wide_two_worker_runs_equal_one_process(world2, w2_base, refs, name):
     ref = WIDE2[name][0]
+    assert_features_ran(w2_base / name, WIDE2[name][1])
     assert_equals_one_process(world2[name], refs[ref], ref)
 
 
@@ -222,8 +226,8 @@ def test_tiled_head_over_a_bf16_base_hands_the_loss_the_untiled_logits():
 
 
 # Runs of WIDE2 generated from, after training (their marks below name what they trained with).
-GENERATED = ["zbh1_lora8_selective_finder", "interleaved_lbb8_full_tile", "ep2_moe_lbb8_tile_finder",
-             "cp2_lbb8_tile", "tp2_sp_lbb8_compile_full_finder"]
+GENERATED = ["zbh1_lora8_selective_finder_actoff", "interleaved_lbb8_full_tile",
+             "ep2_moe_lbb8_tile_finder_shm", "cp2_lbb8_tile", "tp2_sp_lbb8_compile_full_finder"]
 
 
 def _generate_each(env, folders: list[str]) -> list[list[list[int]]]:
@@ -242,12 +246,12 @@ def generated(world2, w2_base):
 
 
 @pytest.mark.parametrize("name", GENERATED)
-@pytest.mark.composes(("generation", "zb-h1", "lora", "8bit", "recompute", "batch-finder", "packing"),
-                      case="zbh1_lora8_selective_finder")
+@pytest.mark.composes(("generation", "zb-h1", "lora", "8bit", "recompute", "batch-finder", "packing",
+                       "act-offload"), case="zbh1_lora8_selective_finder_actoff")
 @pytest.mark.composes(("generation", "interleaved", "lora-bf16", "bf16", "8bit", "recompute", "tiling",
                        "packing"), case="interleaved_lbb8_full_tile")
 @pytest.mark.composes(("generation", "ep", "moe", "lora-bf16", "bf16", "8bit", "tiling", "batch-finder",
-                       "packing"), case="ep2_moe_lbb8_tile_finder")
+                       "packing", "ddp-shm"), case="ep2_moe_lbb8_tile_finder_shm")
 @pytest.mark.composes(("generation", "cp", "lora-bf16", "bf16", "8bit", "tiling", "packing"),
                       case="cp2_lbb8_tile")
 @pytest.mark.composes(("generation", "tp", "sp", "lora-bf16", "bf16", "8bit", "compile", "recompute",
