@@ -128,14 +128,16 @@ LORA = {"lora.rank": 4, "lora.alpha": 8.0}
 # dp 4 = 2 replicas of 2 shard ranks: each dp rank takes 2 of the 8 rows, micro-batch 1 -> m = 2
 # (the one-process m8 run's micro-batches)
 HSDP = {"parallel.dp": 4, "parallel.dp_replicate": 2, "parallel.zero": 3, **M8}
+G16 = {"train.global_batch": 16}
 # (the layout, the one-process run it equals); each on a schedule its other tests do not cover
 TRIPLES = {
     "z3_tp2_zbv": ({**_sched("zbv"), **Z3_TP2}, "m4"),  # the command, tiny
     "z3_tp2_ep2_gpipe": ({**_sched("gpipe"), **Z3_TP2, **MOE_PARITY, "parallel.ep": 2}, "moe"),
     "z3_tp2_lora_interleaved": ({**_sched("interleaved"), **Z3_TP2, **LORA}, "lora"),
     "z3_hsdp_zbv": ({**_pp(2, "zbv"), **STEPS, **HSDP}, "m8"),
-    # hybrid sharding around the other schedules (m = 2 per dp rank: dualpipev needs m >= 2p = 4,
-    # which 8 rows over 4 dp ranks cannot give) and around tensor + sequence parallelism
+    # hybrid sharding around the other schedules (m = 2 per dp rank; dualpipev needs m >= 2p = 4:
+    # 16 rows, against the one process of 16 micro-batches) and around tensor + sequence parallelism
+    "z3_hsdp_dualpipev": ({**_pp(2, "dualpipev"), **STEPS, **HSDP, **G16}, "m16"),
     "z3_hsdp_gpipe": ({**_pp(2, "gpipe"), **STEPS, **HSDP}, "m8"),
     "z3_hsdp_zbh1": ({**_pp(2, "zb-h1"), **STEPS, **HSDP}, "m8"),
     "z3_hsdp_interleaved": ({**_pp(2, "interleaved", 2), **STEPS, **HSDP}, "m8"),
@@ -149,7 +151,8 @@ def world8(tmp_path_factory, refs):
     base = tmp_path_factory.mktemp("w8")
     got = _layouts(8, {name: tiny_cfg(base / name, **layout) for name, (layout, _) in TRIPLES.items()})
     refs = {**refs, "moe": _ref(base / "moe", **M4, **STEPS, **MOE_PARITY),
-            "lora": _ref(base / "lora", **M4, **STEPS, **LORA)}
+            "lora": _ref(base / "lora", **M4, **STEPS, **LORA),
+            "m16": _ref(base / "m16", **M8, **STEPS, **G16)}
     return got, refs, base
 
 
@@ -158,6 +161,7 @@ def world8(tmp_path_factory, refs):
 @pytest.mark.composes(("zero3", "tp", "interleaved", "lora"), case="z3_tp2_lora_interleaved")
 @pytest.mark.composes(("zero3", "zbv", "hsdp"), case="z3_hsdp_zbv")
 @pytest.mark.composes(("zero3", "gpipe", "hsdp"), case="z3_hsdp_gpipe")
+@pytest.mark.composes(("zero3", "dualpipev", "hsdp"), case="z3_hsdp_dualpipev")
 @pytest.mark.composes(("zero3", "zb-h1", "hsdp"), case="z3_hsdp_zbh1")
 @pytest.mark.composes(("zero3", "interleaved", "hsdp"), case="z3_hsdp_interleaved")
 @pytest.mark.composes(("zero3", "hsdp", "tp", "sp"), case="z3_hsdp_tp2_sp")
