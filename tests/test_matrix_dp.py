@@ -153,6 +153,7 @@ SPLIT_CASES = [("ddp", "gpipe"), ("plain", "gpipe"), ("shm", "gpipe"), ("z1cpu",
                ("diloco", "dualpipev"), ("diloco", "tp2sp")]
 HYBRID = {"parallel.dp": 4, "parallel.dp_replicate": 2}
 HSDP = {**HYBRID, "parallel.zero": 3}
+COMPILE = {"train.compile": True, "train.compile_backend": "aot_eager"}
 HSDP_CASES = {  # name -> (reference, overrides)
     "hsdp_actoff_recompute_tile_finder": ("fp32", {**HSDP, **ACT_OFFLOAD, **RECOMPUTE, **TILE, **FINDER}),
     "hsdp_bf16": ("bf16", {**HSDP, **BF16}),
@@ -167,6 +168,9 @@ HSDP_CASES = {  # name -> (reference, overrides)
     "hsdp_z2disk_localsgd": ("avg_fp32", {**HYBRID, **LOCAL_SGD, "parallel.zero": 2,
                                           "parallel.offload": "disk"}),
     "hsdp_z2_diloco": ("avg_fp32", {**HYBRID, "parallel.zero": 2, **DILOCO}),
+    # compiled blocks (aot_eager: the eager kernels, so the fp32 bound holds) in averaged replicas
+    "hsdp_z1_localsgd_compile": ("avg_fp32", {**HYBRID, "parallel.zero": 1, **LOCAL_SGD, **COMPILE}),
+    "hsdp_z3_diloco_compile": ("avg_fp32", {**HSDP, **DILOCO, **COMPILE}),
 }
 CASES4 = {
     **{f"{m}-{s}": ("avg_fp32" if m in ("localsgd", "diloco") else "fp32", {**MODES[m], **SPLITS[s]})
@@ -427,6 +431,8 @@ def test_dp2_around_a_split_model_equals_one_process(refs, world4, mode, split):
 @pytest.mark.composes(("hsdp", "zero1", "offload-cpu", "local-sgd", "packing"), case="hsdp_z1cpu_localsgd")
 @pytest.mark.composes(("hsdp", "zero2", "offload-disk", "local-sgd", "packing"), case="hsdp_z2disk_localsgd")
 @pytest.mark.composes(("hsdp", "zero2", "diloco", "packing"), case="hsdp_z2_diloco")
+@pytest.mark.composes(("hsdp", "zero1", "local-sgd", "compile", "packing"), case="hsdp_z1_localsgd_compile")
+@pytest.mark.composes(("hsdp", "zero3", "diloco", "compile", "packing"), case="hsdp_z3_diloco_compile")
 def test_hybrid_sharding_case_equals_one_process(refs, world4, name):
     base, results = world4
     _assert_case(base / name, results[name], refs, CASES4[name])
