@@ -356,13 +356,19 @@ def _worker(fn, rank, world, init_file, pg_timeout, dump_file, dump_after, resul
 
 def spawn(fn: Callable, nproc: int, *args: object, timeout: float | None = 120.0,
           pg_timeout: float | None = None, group_size: int | None = None,
-          rank_names: list[str] | None = None, warning_signal: int | None = None, **kwargs: object) -> list:
+          rank_names: list[str] | None = None, warning_signal: int | None = None,
+          preload: tuple[str, ...] = (), **kwargs: object) -> list:
     """Run ``fn(env, *args, **kwargs)`` on ``nproc`` local ranks; return each rank's result in order.
 
     ``group_size``: only ranks below it form the process group (its ``env.world_size``); the others
     (parameter servers) are only in ``env.world_group``, with every rank. ``rank_names`` name the
     ranks in failure messages ("rank 2 (server0) died"). ``warning_signal``: a scheduler's warning
     (signals.py) this launcher passes on to the workers like a first SIGTERM; a repeat is ignored.
+    ``preload``: modules the workers will import (``fn``'s own, say), imported once by the forkserver
+    instead of by every worker (the trainer's ~200 modules cost each worker ~0.5 s of CPU). The
+    forkserver starts once per process: a later call's preload is imported by its workers as
+    before. A module that runs a parallel torch op at import must not be named (a forked OpenMP
+    pool deadlocks): optim/quant.py builds its tables on first use for that reason.
 
     ``fn`` must be importable by name (a module-level function). Raises ``WorkerError`` with the
     failing rank's traceback, or with every rank's stack on timeout. ``timeout=None`` waits for as
@@ -373,7 +379,8 @@ def spawn(fn: Callable, nproc: int, *args: object, timeout: float | None = 120.0
     # torch._refs), ~5 s per worker on a 2-core machine, paid once here instead (measured: a 2-rank
     # tiny run 8.4 s -> 4.1 s)
     # orphans first: the forkserver dies with this process from then on, not after its imports.
-    ctx.set_forkserver_preload([orphans.__name__, "torch", "torch.distributed", "torch._dynamo", "paratrain"])
+    ctx.set_forkserver_preload([orphans.__name__, "torch", "torch.distributed", "torch._dynamo", "paratrain",
+                                *preload])
     _start_forkserver()
     pg_timeout = pg_timeout or (max(5.0, timeout - 5.0) if timeout else 600.0)
     dump_after = max(1.0, timeout - 2.0) if timeout else None
