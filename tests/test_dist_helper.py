@@ -1,10 +1,17 @@
 """The spawn helper itself: results come back in rank order, failures and hangs are reported."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist import WorkerError, run
+from tests.dist import PRELOAD, WorkerError, run
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _sum_ranks(env):
@@ -30,6 +37,21 @@ def _hang_on_rank_one(env):
 def test_results_in_rank_order_with_one_thread():
     out = run(_sum_ranks, 3)
     assert out == [(0, 1, 6.0), (1, 1, 6.0), (2, 1, 6.0)]
+
+
+def test_forkserver_preloads_start_no_thread():
+    """What the forkserver preloads (tests/dist.py, paratrain train's) runs no parallel torch op at
+    import: the forkserver would fork that OpenMP pool into every worker, where it deadlocks.
+    A fresh interpreter, as the forkserver is; OMP threads counted from /proc (Linux)."""
+    modules = ["paratrain.run", *PRELOAD]
+    code = ("import os, importlib, torch; before = len(os.listdir('/proc/self/task'))\n"
+            f"for m in {modules!r}: importlib.import_module(m)\n"
+            "print(before, len(os.listdir('/proc/self/task')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    before, after = done.stdout.split()
+    assert after == before, f"importing {modules} started {int(after) - int(before)} thread(s)"
 
 
 def test_failing_rank_is_reported_with_traceback():
