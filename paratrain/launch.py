@@ -501,17 +501,7 @@ def _failure(errors: dict[int, str], procs, results, outputs, dumps, rank_names=
 
     A failure travels: a rank dies or skips a collective, its peers fail moments later (timeout,
     connection closed). Wait a little for them so that every history is complete."""
-    deadline = time.monotonic() + DIVERGENCE_GRACE_S
-    def settled() -> int:
-        return len(set(errors) | set(outputs) | set(_dead(procs, outputs)))
-
-    while settled() < len(procs) and time.monotonic() < deadline:
-        try:
-            r, status, payload = results.get(timeout=0.1)
-        except queue.Empty:
-            continue
-        if status == "error":
-            errors.setdefault(r, payload)
+    _settle(procs, results, errors, outputs, DIVERGENCE_GRACE_S)
     dead = [r for r in _dead(procs, outputs) if r not in errors]
     histories = {r: read_mirror(trace_path(dumps[r])) for r in range(len(procs))}
     # A hung rank raises nothing: its peers time out waiting and report first. Lead with it.
@@ -532,6 +522,26 @@ def _failure(errors: dict[int, str], procs, results, outputs, dumps, rank_names=
         cause = f"{named(rank)} failed:\n{errors[rank]}"
     found = diagnose(histories)
     return WorkerError(rank, f"{cause}\n{found}" if found and found not in cause else cause)
+
+
+def _settle(procs, results, errors: dict[int, str], outputs: dict[int, object], grace_s: float) -> None:
+    """Read what the ranks report until each has raised, returned or died, or ``grace_s`` passed.
+    A rank that returned counts as settled (it used to be read and dropped, which kept every
+    failure whose peer finished cleanly waiting the whole grace)."""
+    deadline = time.monotonic() + grace_s
+
+    def settled() -> int:
+        return len(set(errors) | set(outputs) | set(_dead(procs, outputs)))
+
+    while settled() < len(procs) and time.monotonic() < deadline:
+        try:
+            r, status, payload = results.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if status == "error":
+            errors.setdefault(r, payload)
+        else:
+            outputs[r] = _from_bytes(payload)
 
 
 def _to_bytes(obj) -> bytes:

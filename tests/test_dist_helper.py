@@ -1,9 +1,11 @@
 """The spawn helper itself: results come back in rank order, failures and hangs are reported."""
 
 import os
+import queue
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -60,6 +62,20 @@ def test_failing_rank_is_reported_with_traceback():
     assert info.value.rank == 1
     assert "deliberate failure on rank one" in str(info.value)
     assert "_fail_on_rank_one" in str(info.value)  # the traceback names the function
+
+
+def test_a_rank_that_returned_after_the_first_failure_counts_as_settled():
+    """After a first failure the launcher waits (at most a grace) until every rank has raised,
+    returned or died. A result read in that wait must count: dropping it kept every failure whose
+    peer had finished cleanly waiting the whole grace (5 s each)."""
+    from paratrain import launch
+
+    results = queue.Queue()
+    results.put((0, "ok", launch._to_bytes(7)))
+    errors, outputs = {1: "ValueError: rank one failed"}, {}
+    running = [SimpleNamespace(exitcode=None), SimpleNamespace(exitcode=None)]  # neither died
+    launch._settle(running, results, errors, outputs, grace_s=10.0)
+    assert outputs == {0: 7} and list(errors) == [1]
 
 
 def test_hanging_rank_times_out_with_its_stack():
