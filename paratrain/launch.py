@@ -58,6 +58,7 @@ import torch.distributed as dist
 # end the group's threads and they meet interpreter shutdown (SIGABRT: docs/failures.md).
 import torch.distributed.nn.functional  # noqa: F401
 
+import paratrain.device as device_peaks
 import paratrain.orphans as orphans
 import paratrain.scheduler as scheduler
 import paratrain.signals as signals
@@ -67,6 +68,10 @@ from paratrain.orphans import die_with_parent
 
 IFF_LOOPBACK = 0x8  # linux/if.h: the interface flag of loopback
 DIVERGENCE_GRACE_S = 5.0  # after a first failure, how long the others get to report their history
+# The matmul peaks (device.matmul_peak, the MFU denominator) this process's workers measured, handed
+# to the workers it starts next: each new worker would otherwise spend 0.5 s measuring the same
+# machine at the same one thread again (a test suite starts hundreds of launches).
+_WORKER_PEAKS: dict = {}
 
 
 class WorkerError(RuntimeError):
@@ -317,7 +322,7 @@ def bind_loopback() -> None:
 
 
 def _worker(fn, rank, world, init_file, pg_timeout, dump_file, dump_after, results, args, kwargs,
-            launcher_pid=None, stop_request=None, group_size=None):
+            launcher_pid=None, stop_request=None, group_size=None, peaks=None):
     die_with_parent(launcher_pid)
     bind_loopback()
     signals.install(stop_request)
@@ -341,8 +346,9 @@ def _worker(fn, rank, world, init_file, pg_timeout, dump_file, dump_after, resul
                                            datetime.timedelta(seconds=pg_timeout))
             env = DistEnv(rank, group if rank < group else world, rank, backend, device,
                           world_group=world_group)
+            device_peaks.remember_peaks(peaks or {})
             out = fn(env, *args, **kwargs)
-            results.put((rank, "ok", _to_bytes(out)))
+            results.put((rank, "ok", _to_bytes((out, device_peaks.known_peaks()))))
         except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
             results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         finally:
@@ -391,7 +397,7 @@ def spawn(fn: Callable, nproc: int, *args: object, timeout: float | None = 120.0
         procs = [
             ctx.Process(target=_worker, daemon=False,
                         args=(fn, r, nproc, init_file, pg_timeout, dumps[r], dump_after,
-                              results, args, kwargs, os.getpid(), stop_request, group_size))
+                              results, args, kwargs, os.getpid(), stop_request, group_size, _WORKER_PEAKS))
             for r in range(nproc)
         ]
         for p in procs:
@@ -486,7 +492,7 @@ def _collect(procs, results, nproc, timeout, dumps, rank_names=None) -> list:
             continue
         if status == "error":
             raise _failure({rank: payload}, procs, results, outputs, dumps, rank_names)
-        outputs[rank] = _from_bytes(payload)
+        outputs[rank] = _returned(payload)
     return [outputs[r] for r in range(nproc)]
 
 
@@ -541,7 +547,15 @@ def _settle(procs, results, errors: dict[int, str], outputs: dict[int, object], 
         if status == "error":
             errors.setdefault(r, payload)
         else:
-            outputs[r] = _from_bytes(payload)
+            outputs[r] = _returned(payload)
+
+
+def _returned(payload: bytes):
+    """What a worker's function returned; the matmul peaks the worker knew are kept for the next."""
+    out, peaks = _from_bytes(payload)
+    for key, value in peaks.items():
+        _WORKER_PEAKS[key] = max(value, _WORKER_PEAKS.get(key, 0.0))
+    return out
 
 
 def _to_bytes(obj) -> bytes:

@@ -71,11 +71,32 @@ def test_a_rank_that_returned_after_the_first_failure_counts_as_settled():
     from paratrain import launch
 
     results = queue.Queue()
-    results.put((0, "ok", launch._to_bytes(7)))
+    results.put((0, "ok", launch._to_bytes((7, {}))))  # (result, matmul peaks)
     errors, outputs = {1: "ValueError: rank one failed"}, {}
     running = [SimpleNamespace(exitcode=None), SimpleNamespace(exitcode=None)]  # neither died
     launch._settle(running, results, errors, outputs, grace_s=10.0)
     assert outputs == {0: 7} and list(errors) == [1]
+
+
+def _matmul_peak(env, measures_as: float | None) -> float:
+    """The worker's fp32 matmul peak, its measurement replaced by ``measures_as`` (None: refused)."""
+    from paratrain import device
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("measured again: the earlier workers' peak was not handed on")
+
+    device.measure_matmul_peak = (lambda *a, **k: measures_as) if measures_as else refuse
+    return device.matmul_peak(env.device, "fp32")
+
+
+def test_workers_start_with_the_matmul_peak_earlier_workers_measured(monkeypatch):
+    """Measuring costs each new worker 0.5 s (device.matmul_peak): the launcher hands the next
+    workers what its earlier ones measured (same machine, same one thread)."""
+    from paratrain import launch
+
+    monkeypatch.setattr(launch, "_WORKER_PEAKS", {})  # no real peak leaks in, no fake one out
+    assert run(_matmul_peak, 2, 3e11) == [3e11, 3e11]
+    assert run(_matmul_peak, 2, None) == [3e11, 3e11]
 
 
 def test_hanging_rank_times_out_with_its_stack():
