@@ -104,7 +104,8 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-# The best matmul FLOP/s measured so far in this process, by (device, dtype, threads): a process that
+# The best matmul FLOP/s measured so far in this process (or by the workers it started, or by the
+# process that started it: launch.py hands them on), by (device, dtype, threads): a process that
 # builds several runs (tests, benchmarks, `paratrain check`) measures once; a later measurement only
 # raises it. The thread count is part of the key: the rate is the process's at that many threads.
 _PEAKS: dict[tuple[str, torch.dtype, int], float] = {}

@@ -68,10 +68,6 @@ from paratrain.orphans import die_with_parent
 
 IFF_LOOPBACK = 0x8  # linux/if.h: the interface flag of loopback
 DIVERGENCE_GRACE_S = 5.0  # after a first failure, how long the others get to report their history
-# The matmul peaks (device.matmul_peak, the MFU denominator) this process's workers measured, handed
-# to the workers it starts next: each new worker would otherwise spend 0.5 s measuring the same
-# machine at the same one thread again (a test suite starts hundreds of launches).
-_WORKER_PEAKS: dict = {}
 
 
 class WorkerError(RuntimeError):
@@ -397,7 +393,8 @@ def spawn(fn: Callable, nproc: int, *args: object, timeout: float | None = 120.0
         procs = [
             ctx.Process(target=_worker, daemon=False,
                         args=(fn, r, nproc, init_file, pg_timeout, dumps[r], dump_after,
-                              results, args, kwargs, os.getpid(), stop_request, group_size, _WORKER_PEAKS))
+                              results, args, kwargs, os.getpid(), stop_request, group_size,
+                              device_peaks.known_peaks()))
             for r in range(nproc)
         ]
         for p in procs:
@@ -551,10 +548,12 @@ def _settle(procs, results, errors: dict[int, str], outputs: dict[int, object], 
 
 
 def _returned(payload: bytes):
-    """What a worker's function returned; the matmul peaks the worker knew are kept for the next."""
+    """What a worker's function returned. The matmul peaks (device.matmul_peak, the MFU denominator)
+    the worker knew come back with it and go to the workers started next (their argument ``peaks``):
+    each new worker would otherwise spend 0.5 s measuring the same machine at the same one thread
+    again, and a test suite starts hundreds of launches."""
     out, peaks = _from_bytes(payload)
-    for key, value in peaks.items():
-        _WORKER_PEAKS[key] = max(value, _WORKER_PEAKS.get(key, 0.0))
+    device_peaks.remember_peaks(peaks)
     return out
 
 

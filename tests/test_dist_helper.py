@@ -92,9 +92,9 @@ def _matmul_peak(env, measures_as: float | None) -> float:
 def test_workers_start_with_the_matmul_peak_earlier_workers_measured(monkeypatch):
     """Measuring costs each new worker 0.5 s (device.matmul_peak): the launcher hands the next
     workers what its earlier ones measured (same machine, same one thread)."""
-    from paratrain import launch
+    from paratrain import device
 
-    monkeypatch.setattr(launch, "_WORKER_PEAKS", {})  # no real peak leaks in, no fake one out
+    monkeypatch.setattr(device, "_PEAKS", {})  # no real peak leaks in, no fake one out
     assert run(_matmul_peak, 2, 3e11) == [3e11, 3e11]
     assert run(_matmul_peak, 2, None) == [3e11, 3e11]
 
