@@ -115,7 +115,7 @@ def _rank_one_skips_the_collective(env):
     if env.rank == 1:
         import time
 
-        time.sleep(6)  # 3 s past the process-group timeout: rank 0 waits in vain (the launcher waits for this)
+        time.sleep(6)  # 3 s past the process-group timeout: rank 0 waits in vain, then for this
         return None
     C.all_reduce(torch.ones(4), mesh.dp)
 
