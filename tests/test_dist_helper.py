@@ -42,9 +42,9 @@ def test_results_in_rank_order_with_one_thread():
 
 
 def test_forkserver_preloads_start_no_thread():
-    """What the forkserver preloads (tests/dist.py, train.s and generate.s) runs no parallel torch op at
-    import: the forkserver would fork that OpenMP pool into every worker, where it deadlocks.
-    A fresh interpreter, as the forkserver is; OMP threads counted from /proc (Linux)."""
+    """What the forkserver preloads (tests/dist.py, paratrain train's and generate's) runs no
+    parallel torch op at import: the forkserver would fork that OpenMP pool into every worker, where
+    it deadlocks. A fresh interpreter, as the forkserver is; OMP threads counted from /proc (Linux)."""
     modules = ["paratrain.run", "paratrain.inference.distributed", *PRELOAD]
     code = ("import os, importlib, torch; before = len(os.listdir('/proc/self/task'))\n"
             f"for m in {modules!r}: importlib.import_module(m)\n"
