@@ -104,9 +104,23 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-# The best matmul FLOP/s measured so far in this process, by (device, dtype): a process that builds
-# several runs (tests, benchmarks, `paratrain check`) measures once; a later measurement only raises it.
-_PEAKS: dict[tuple[str, torch.dtype], float] = {}
+# The best matmul FLOP/s measured so far in this process (or by the workers it started, or by the
+# process that started it: launch.py hands them on), by (device, dtype, threads): a process that
+# builds several runs (tests, benchmarks, `paratrain check`) measures once; a later measurement only
+# raises it. The thread count is part of the key: the rate is the process's at that many threads.
+_PEAKS: dict[tuple[str, torch.dtype, int], float] = {}
+
+
+def known_peaks() -> dict[tuple[str, torch.dtype, int], float]:
+    """The peaks this process knows (to hand to processes started later on the same machine)."""
+    return dict(_PEAKS)
+
+
+def remember_peaks(peaks: dict[tuple[str, torch.dtype, int], float]) -> None:
+    """Take peaks measured by another process of this machine (launch.py's earlier workers, at the
+    same thread count): each key keeps the best, as a measurement of this process's would."""
+    for key, value in peaks.items():
+        _PEAKS[key] = max(value, _PEAKS.get(key, 0.0))
 
 
 def matmul_peak(device: torch.device, precision: str, fresh: bool = False) -> float | None:
@@ -117,7 +131,7 @@ def matmul_peak(device: torch.device, precision: str, fresh: bool = False) -> fl
     dtype = PRECISION_DTYPES.get(precision)
     if dtype is None:
         return None
-    key = (str(device), dtype)
+    key = (str(device), dtype, torch.get_num_threads())
     if key in _PEAKS and not fresh:
         return _PEAKS[key]
     n = 2048 if device.type == "cuda" else 512  # large enough to reach the device's rate

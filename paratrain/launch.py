@@ -58,6 +58,7 @@ import torch.distributed as dist
 # end the group's threads and they meet interpreter shutdown (SIGABRT: docs/failures.md).
 import torch.distributed.nn.functional  # noqa: F401
 
+import paratrain.device as device_peaks
 import paratrain.orphans as orphans
 import paratrain.scheduler as scheduler
 import paratrain.signals as signals
@@ -317,7 +318,7 @@ def bind_loopback() -> None:
 
 
 def _worker(fn, rank, world, init_file, pg_timeout, dump_file, dump_after, results, args, kwargs,
-            launcher_pid=None, stop_request=None, group_size=None):
+            launcher_pid=None, stop_request=None, group_size=None, peaks=None):
     die_with_parent(launcher_pid)
     bind_loopback()
     signals.install(stop_request)
@@ -341,8 +342,9 @@ def _worker(fn, rank, world, init_file, pg_timeout, dump_file, dump_after, resul
                                            datetime.timedelta(seconds=pg_timeout))
             env = DistEnv(rank, group if rank < group else world, rank, backend, device,
                           world_group=world_group)
+            device_peaks.remember_peaks(peaks or {})
             out = fn(env, *args, **kwargs)
-            results.put((rank, "ok", _to_bytes(out)))
+            results.put((rank, "ok", _to_bytes((out, device_peaks.known_peaks()))))
         except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
             results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         finally:
@@ -356,13 +358,19 @@ def _worker(fn, rank, world, init_file, pg_timeout, dump_file, dump_after, resul
 
 def spawn(fn: Callable, nproc: int, *args: object, timeout: float | None = 120.0,
           pg_timeout: float | None = None, group_size: int | None = None,
-          rank_names: list[str] | None = None, warning_signal: int | None = None, **kwargs: object) -> list:
+          rank_names: list[str] | None = None, warning_signal: int | None = None,
+          preload: tuple[str, ...] = (), **kwargs: object) -> list:
     """Run ``fn(env, *args, **kwargs)`` on ``nproc`` local ranks; return each rank's result in order.
 
     ``group_size``: only ranks below it form the process group (its ``env.world_size``); the others
     (parameter servers) are only in ``env.world_group``, with every rank. ``rank_names`` name the
     ranks in failure messages ("rank 2 (server0) died"). ``warning_signal``: a scheduler's warning
     (signals.py) this launcher passes on to the workers like a first SIGTERM; a repeat is ignored.
+    ``preload``: modules the workers will import (``fn``'s own, say), imported once by the forkserver
+    instead of by every worker (the trainer's ~200 modules cost each worker ~0.5 s of CPU). The
+    forkserver starts once per process: a later call's preload is imported by its workers as
+    before. A module that runs a parallel torch op at import must not be named (a forked OpenMP
+    pool deadlocks): optim/quant.py builds its tables on first use for that reason.
 
     ``fn`` must be importable by name (a module-level function). Raises ``WorkerError`` with the
     failing rank's traceback, or with every rank's stack on timeout. ``timeout=None`` waits for as
@@ -373,7 +381,8 @@ def spawn(fn: Callable, nproc: int, *args: object, timeout: float | None = 120.0
     # torch._refs), ~5 s per worker on a 2-core machine, paid once here instead (measured: a 2-rank
     # tiny run 8.4 s -> 4.1 s)
     # orphans first: the forkserver dies with this process from then on, not after its imports.
-    ctx.set_forkserver_preload([orphans.__name__, "torch", "torch.distributed", "torch._dynamo", "paratrain"])
+    ctx.set_forkserver_preload([orphans.__name__, "torch", "torch.distributed", "torch._dynamo", "paratrain",
+                                *preload])
     _start_forkserver()
     pg_timeout = pg_timeout or (max(5.0, timeout - 5.0) if timeout else 600.0)
     dump_after = max(1.0, timeout - 2.0) if timeout else None
@@ -384,7 +393,8 @@ def spawn(fn: Callable, nproc: int, *args: object, timeout: float | None = 120.0
         procs = [
             ctx.Process(target=_worker, daemon=False,
                         args=(fn, r, nproc, init_file, pg_timeout, dumps[r], dump_after,
-                              results, args, kwargs, os.getpid(), stop_request, group_size))
+                              results, args, kwargs, os.getpid(), stop_request, group_size,
+                              device_peaks.known_peaks()))
             for r in range(nproc)
         ]
         for p in procs:
@@ -479,7 +489,7 @@ def _collect(procs, results, nproc, timeout, dumps, rank_names=None) -> list:
             continue
         if status == "error":
             raise _failure({rank: payload}, procs, results, outputs, dumps, rank_names)
-        outputs[rank] = _from_bytes(payload)
+        outputs[rank] = _returned(payload)
     return [outputs[r] for r in range(nproc)]
 
 
@@ -494,17 +504,7 @@ def _failure(errors: dict[int, str], procs, results, outputs, dumps, rank_names=
 
     A failure travels: a rank dies or skips a collective, its peers fail moments later (timeout,
     connection closed). Wait a little for them so that every history is complete."""
-    deadline = time.monotonic() + DIVERGENCE_GRACE_S
-    def settled() -> int:
-        return len(set(errors) | set(outputs) | set(_dead(procs, outputs)))
-
-    while settled() < len(procs) and time.monotonic() < deadline:
-        try:
-            r, status, payload = results.get(timeout=0.1)
-        except queue.Empty:
-            continue
-        if status == "error":
-            errors.setdefault(r, payload)
+    _settle(procs, results, errors, outputs, DIVERGENCE_GRACE_S)
     dead = [r for r in _dead(procs, outputs) if r not in errors]
     histories = {r: read_mirror(trace_path(dumps[r])) for r in range(len(procs))}
     # A hung rank raises nothing: its peers time out waiting and report first. Lead with it.
@@ -525,6 +525,36 @@ def _failure(errors: dict[int, str], procs, results, outputs, dumps, rank_names=
         cause = f"{named(rank)} failed:\n{errors[rank]}"
     found = diagnose(histories)
     return WorkerError(rank, f"{cause}\n{found}" if found and found not in cause else cause)
+
+
+def _settle(procs, results, errors: dict[int, str], outputs: dict[int, object], grace_s: float) -> None:
+    """Read what the ranks report until each has raised, returned or died, or ``grace_s`` passed.
+    A rank that returned counts as settled (it used to be read and dropped, which kept every
+    failure whose peer finished cleanly waiting the whole grace)."""
+    deadline = time.monotonic() + grace_s
+
+    def settled() -> int:
+        return len(set(errors) | set(outputs) | set(_dead(procs, outputs)))
+
+    while settled() < len(procs) and time.monotonic() < deadline:
+        try:
+            r, status, payload = results.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if status == "error":
+            errors.setdefault(r, payload)
+        else:
+            outputs[r] = _returned(payload)
+
+
+def _returned(payload: bytes):
+    """What a worker's function returned. The matmul peaks (device.matmul_peak, the MFU denominator)
+    the worker knew come back with it and go to the workers started next (their argument ``peaks``):
+    each new worker would otherwise spend 0.5 s measuring the same machine at the same one thread
+    again, and a test suite starts hundreds of launches."""
+    out, peaks = _from_bytes(payload)
+    device_peaks.remember_peaks(peaks)
+    return out
 
 
 def _to_bytes(obj) -> bytes:

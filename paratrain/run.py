@@ -47,6 +47,7 @@ from paratrain.memory.precision import choose as choose_precision
 from paratrain.safeload import read_json_object
 from paratrain.scheduler import parse_signal, requeued
 from paratrain.train import guards, runlock
+from paratrain.train.metrics import PLOT_MODULES
 from paratrain.train.ps_run import rank_names, train_or_serve
 from paratrain.train.task import build_task
 from paratrain.train.trainer import Trainer
@@ -206,7 +207,8 @@ def _spawn_with_restarts(cfg: Config, warning: int | None = None) -> int:
             results = spawn(_worker, cfg.world_size, cfg.to_dict(), attempt, timeout=None,
                             pg_timeout=cfg.parallel.timeout_s,
                             group_size=cfg.world_size - servers if servers else None,
-                            rank_names=rank_names(cfg) if servers else None, warning_signal=warning)
+                            rank_names=rank_names(cfg) if servers else None, warning_signal=warning,
+                            preload=(__name__, *PLOT_MODULES))
             refused = [r for r in results if isinstance(r, str)]
             if refused:  # a setting to change: exit 2 with its message, no restart
                 raise ConfigError(refused[0])

@@ -463,13 +463,19 @@ def _example(tmp_path: Path, name: str, *launcher: str, args: tuple = ()) -> dic
     return load_file(str(out))
 
 
+@pytest.fixture(scope="module")
+def own_loop_one_process(tmp_path_factory) -> dict:
+    """The example as one plain process: the same reference for every layout, run once."""
+    return _example(tmp_path_factory.mktemp("own_loop"), "one", sys.executable)
+
+
 @pytest.mark.parametrize("zero_args", [("--zero", "0"), ("--zero", "1"), ("--zero", "2"),
                                        ("--zero", "3", "--offload", "cpu")],
                          ids=["ddp", "z1", "z2", "z3-cpu"])
-def test_example_own_loop_torchrun_equals_one_process(tmp_path, zero_args):
+def test_example_own_loop_torchrun_equals_one_process(tmp_path, zero_args, own_loop_one_process):
     """The README's script, unchanged, under torchrun with 2 workers = one plain process."""
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    ref = _example(tmp_path, "one", sys.executable)
+    ref = own_loop_one_process
     got = _example(tmp_path, "two", torchrun, "--standalone", "--nproc-per-node", "2",
                    args=(*zero_args, "--save", str(tmp_path / "ckpt")))
     assert got.keys() == ref.keys() and len(ref) == 8

@@ -13,6 +13,7 @@ pre-tokenizer always splits there, so the pieces encode to exactly the tokens of
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -88,11 +89,24 @@ def corpus_files(path: str | None, max_files: int | None = None) -> list[Path]:
     binary files only is an error.
     """
     if path is None:
-        root, suffixes = stdlib_dir(), {".py"}
+        files = list(_stdlib_files())
     else:
-        root, suffixes = Path(path), TEXT_SUFFIXES | set(KIND_BY_SUFFIX)
-        if not root.exists():
+        if not Path(path).exists():
             raise DataError(f"data path {path!r} does not exist: point --data at a file or folder of text")
+        files = _text_files(Path(path), TEXT_SUFFIXES | set(KIND_BY_SUFFIX))
+    return files[:max_files] if max_files is not None else files
+
+
+@functools.cache
+def _stdlib_files() -> tuple[Path, ...]:
+    """The default corpus's files, listed once per process: the stdlib does not change while a
+    process runs, and walking and sniffing its ~700 files (~0.08 s) would be paid again by every
+    run on every rank (hundreds of runs in the test suite)."""
+    return tuple(_text_files(stdlib_dir(), {".py"}))
+
+
+def _text_files(root: Path, suffixes: set[str]) -> list[Path]:
+    """The files under ``root`` (or ``root`` itself) with these suffixes, binary ones left out."""
     files = [root] if root.is_file() else _walk(root, suffixes)
     if not files:
         raise DataError(f"no text files found under {str(root)!r} (looked for "
@@ -105,7 +119,7 @@ def corpus_files(path: str | None, max_files: int | None = None) -> list[Path]:
                             "point --data at text, .jsonl or .parquet files")
         print(f"paratrain: skipped {len(binary)} binary file(s) under {root} (e.g. {binary[0]})",
               file=sys.stderr)
-    return files[:max_files] if max_files is not None else files
+    return files
 
 
 def kind_of(path: Path) -> str:

@@ -172,7 +172,8 @@ def generate_ids(request: GenerateRequest, prepared: PreparedPrompts) -> list[Ge
         out, held = rank_generate(env, request, prepared.ids, prepared.tokenizer)
         _report(request, prepared, source.model_cfg, [held] if env.rank == 0 else [])
         return out
-    results = spawn(_worker, world, request, prepared.ids, prepared.tokenizer, timeout=WORKER_TIMEOUT_S)
+    results = spawn(_worker, world, request, prepared.ids, prepared.tokenizer, timeout=WORKER_TIMEOUT_S,
+                    preload=(__name__,))  # the workers import this module: the forkserver does, once
     _report(request, prepared, source.model_cfg, [held for _, held in results])
     return results[0][0]
 

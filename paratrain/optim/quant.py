@@ -88,7 +88,18 @@ class _Nearest:
 
 SIGNED = dynamic_map(signed=True)
 UNSIGNED = dynamic_map(signed=False)
-_NEAREST = {id(c): _Nearest(c) for c in (SIGNED, UNSIGNED)}
+# Built on first use, not at import: a table takes parallel torch ops, whose OpenMP thread pool a
+# process must not have before it forks (launch.py's forkserver imports this module to save every
+# worker the import; a forked pool deadlocks).
+_NEAREST: dict[int, _Nearest] = {}
+
+
+def _nearest(code: torch.Tensor) -> _Nearest:
+    """The nearest-code finder of SIGNED or UNSIGNED (no other code), built once per process."""
+    if id(code) not in _NEAREST:
+        assert code is SIGNED or code is UNSIGNED, "quantise takes quant.SIGNED or quant.UNSIGNED"
+        _NEAREST[id(code)] = _Nearest(code)
+    return _NEAREST[id(code)]
 
 
 def n_blocks(numel: int, block: int) -> int:
@@ -116,7 +127,7 @@ def quantise(x: torch.Tensor, code: torch.Tensor, block: int) -> tuple[torch.Ten
     absmax = xb.abs().amax(dim=1)  # [n_blocks]
     scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
     y = xb / scale[:, None]  # [n_blocks, block] in [-1, 1]
-    q = _NEAREST[id(code)](y)  # index of the nearest code
+    q = _nearest(code)(y)  # index of the nearest code
     if code is UNSIGNED:  # code 0 is zero: lift positive values that rounded there to code 1
         q += (q == 0) & (y > 0)
     return q.reshape(-1)[:x.numel()].clone(), absmax

@@ -112,18 +112,23 @@ def read_metrics(path: str | Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def plot_loss(metrics_path: Path, png_path: Path) -> Path:
-    """Training (and validation) loss against step, as a PNG."""
-    import matplotlib
+#: What plot_loss imports (lazily: ~0.3 s, only rank 0 plots); a launcher may preload them.
+PLOT_MODULES = ("matplotlib.figure", "matplotlib.backends.backend_agg")
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def plot_loss(metrics_path: Path, png_path: Path) -> Path:
+    """Training (and validation) loss against step, as a PNG.
+
+    A ``Figure`` of its own, not pyplot: no global backend or figure list of the caller's is
+    touched (a library user's notebook keeps its backend), and nothing needs closing."""
+    from matplotlib.figure import Figure
 
     rows = read_metrics(metrics_path)
     steps = [r["step"] for r in rows if r.get("loss") is not None]
     losses = [r["loss"] for r in rows if r.get("loss") is not None]
     val = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
     ax.plot(steps, losses, label="train loss", lw=1.2)
     if val:
         ax.plot(*zip(*val), "o-", label="validation loss")
@@ -135,7 +140,8 @@ def plot_loss(metrics_path: Path, png_path: Path) -> Path:
     ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title=title)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
+    # Fixed margins that fit the labels (what tight_layout picks here), not tight_layout: measuring
+    # every text box took a third of the plot's time, paid by every run.
+    fig.subplots_adjust(left=0.1, right=0.975, bottom=0.13, top=0.91)
     fig.savefig(png_path, dpi=110)
-    plt.close(fig)
     return png_path
