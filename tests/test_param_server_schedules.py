@@ -17,12 +17,17 @@ from paratrain.train.task import build_task
 from paratrain.train.trainer import Trainer
 from tests.dist import run
 from tests.harness import FP32_REORDERED, assert_same_weights, tiny_cfg
+from tests.test_generate_dist import PROMPTS, across_ranks, one_process
+from tests.test_matrix_dp import assert_features_ran
 from tests.test_param_server import GLOBAL_BATCH, _ps_cfg
 
 # name -> the worker's pipeline (tiny's 4 blocks: interleaved's 2 x 2 chunks, a V's 2 chunks a
 # rank); micro-batch 1 gives each worker m = 4 (DualPipeV needs m >= 2p)
-SCHEDULES = {"gpipe": {"parallel.pp_schedule": "gpipe"},
-             "interleaved": {"parallel.pp_schedule": "interleaved", "parallel.virtual_stages": 2},
+# Features that do not change the mathematics ride along: token tiles and activation offload under
+# GPipe, compiled blocks (aot_eager: the eager kernels) under interleaved.
+SCHEDULES = {"gpipe": {"parallel.pp_schedule": "gpipe", "train.tile": 2, "train.offload_activations": "cpu"},
+             "interleaved": {"parallel.pp_schedule": "interleaved", "parallel.virtual_stages": 2,
+                             "train.compile": True, "train.compile_backend": "aot_eager"},
              "zb-h1": {"parallel.pp_schedule": "zb-h1"},
              "zbv": {"parallel.pp_schedule": "zbv"},
              "dualpipev": {"parallel.pp_schedule": "dualpipev"}}
@@ -50,18 +55,29 @@ def runs(tmp_path_factory):
     assert outs[4] == [None] * len(cfgs)  # the server
     losses = [[r[0] for r in w] for w in outs[:4]]
     assert all(w == losses[0] for w in losses), "the worker ranks disagree on the losses"
-    return one, dict(zip(SCHEDULES, outs[0]))
+    return one, dict(zip(SCHEDULES, outs[0])), tmp
 
 
-@pytest.mark.composes(("param-server", "gpipe"), case="gpipe")
-@pytest.mark.composes(("param-server", "interleaved"), case="interleaved")
+@pytest.mark.composes(("param-server", "gpipe", "tiling", "act-offload"), case="gpipe")
+@pytest.mark.composes(("param-server", "interleaved", "compile"), case="interleaved")
 @pytest.mark.composes(("param-server", "zb-h1"), case="zb-h1")
 @pytest.mark.composes(("param-server", "zbv"), case="zbv")
 @pytest.mark.composes(("param-server", "dualpipev"), case="dualpipev")
 @pytest.mark.parametrize("name", list(SCHEDULES))
 def test_pipelined_workers_equal_one_process_under_every_schedule(runs, name):
-    one, got = runs
+    one, got, tmp = runs
+    assert_features_ran(tmp / name, {**COMMON, **SCHEDULES[name]})
     losses, weights = got[name]
     assert len(losses) == 2
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(one.losses), **FP32_REORDERED)
     assert_same_weights(weights, one.final_state, **FP32_REORDERED)
+
+
+@pytest.mark.composes(("param-server", "generation"))
+def test_generation_across_ranks_from_a_parameter_server_run(runs):
+    """The servers' export (the full model from their slices) generates across tp 2 what one process
+    generates from it, token for token (float64, greedy: tests/test_generate_dist.py says why)."""
+    folder = str(runs[2] / "gpipe")
+    want = one_process(run=folder)
+    assert len(want) == len(PROMPTS) and all(want)
+    assert [ids for ids, _ in across_ranks(2, 1, run=folder)] == [want, want]
