@@ -218,6 +218,15 @@ def test_bad_settings_are_refused(tmp_path, overrides, fragment):
         checks.validate(_ps_cfg(tmp_path, dp=2, servers=1, **overrides))
 
 
+def test_shared_memory_sum_with_the_parameter_server_is_refused_not_ignored(tmp_path):
+    """--dp-reduce shm with --sync parameter-server was silently ignored: the servers sum the
+    workers' gradients and the workers run no DDP. Refused before any worker starts, naming the flag."""
+    cfg = _ps_cfg(tmp_path, dp=2, servers=1, **{"parallel.dp_reduce": "shm"})
+    refused = "--dp-reduce shm sums DDP's buckets, and --sync parameter-server runs no DDP"
+    with pytest.raises(ConfigError, match=refused):
+        checks.validate(cfg)
+
+
 def test_server_flags_need_the_parameter_server(tmp_path):
     with pytest.raises(ConfigError, match="--servers applies to --sync parameter-server only"):
         checks.validate(tiny_cfg(tmp_path, **{"parallel.servers": 2}))
