@@ -308,19 +308,26 @@ def test_servers_run_8bit_adamw_and_resume_its_state_exactly(tmp_path):
 # server = 5 ranks, or 2 workers of one ep group (each rank half the experts) + 1 server, against
 # one process on the same micro-batches (pp: 2 per worker, else 1).
 MOE = {"model.name": "tiny-moe", "model.aux_loss_coef": 0.1, "model.z_loss_coef": 0.01, "optim.eps": 1e-5}
+# Savers that must not change the mathematics, switched on in the workers only (the process runs
+# without them): compiled blocks (AOT autograd, the same fp32 kernels), token tiles of the head's
+# loss, activations offloaded to the CPU between forward and backward.
+COMPILE = {"train.compile": True, "train.compile_backend": "aot_eager"}
+TILE_ACT_OFFLOAD = {"train.tile": 2, "train.offload_activations": "cpu"}
+WORKERS_ONLY = {*COMPILE, *TILE_ACT_OFFLOAD}
 # tp2-sp also runs the servers' 8-bit AdamW on the tp slices, in blocks of 64: a row-parallel slice's
 # are 4 elements, cut along the full tensor's 16 pieces (cut as the slice's own they would be 2), and
 # the quantise decision reads the full size (a 64 x 64 weight's 2048-element slice is quantised).
 SPLIT_WORKERS = {"tp2-sp": {"parallel.tp": 2, "parallel.sp": True, "train.micro_batch": 4,
                             "optim.name": "adamw8bit", "optim.block_size": 64},
                  "pp2-1f1b": {"parallel.pp": 2, "parallel.pp_schedule": "1f1b", "train.micro_batch": 2,
-                              "train.recompute": "full"},  # recomputed blocks: the same gradients
-                 "ep2-moe": {"parallel.ep": 2, "train.micro_batch": 4, **MOE}}
+                              "train.recompute": "full",  # recomputed blocks: the same gradients
+                              **COMPILE},
+                 "ep2-moe": {"parallel.ep": 2, "train.micro_batch": 4, **MOE, **TILE_ACT_OFFLOAD}}
 
 
 @pytest.mark.composes(("param-server", "8bit", "tp"), ("param-server", "sp"), case="tp2-sp")
-@pytest.mark.composes(("param-server", "1f1b"), ("param-server", "recompute"), case="pp2-1f1b")
-@pytest.mark.composes(("param-server", "ep"), case="ep2-moe")
+@pytest.mark.composes(("param-server", "1f1b", "recompute", "compile"), case="pp2-1f1b")
+@pytest.mark.composes(("param-server", "ep", "moe", "tiling", "act-offload"), case="ep2-moe")
 @pytest.mark.parametrize("layout", SPLIT_WORKERS, ids=list(SPLIT_WORKERS))
 def test_split_workers_equal_one_process(tmp_path, layout):
     """Each (stage, tp index) is its own shard group on the server: that rank of both workers
@@ -333,7 +340,7 @@ def test_split_workers_equal_one_process(tmp_path, layout):
     the export is the full model, from the servers' slices."""
     extra = {"train.global_batch": GLOBAL_BATCH, "train.steps": 2, **SPLIT_WORKERS[layout]}
     one_out = tmp_path / "one"
-    same_model = {k: v for k, v in extra.items() if not k.startswith("parallel.")}
+    same_model = {k: v for k, v in extra.items() if not k.startswith("parallel.") and k not in WORKERS_ONLY}
     one = Trainer(tiny_cfg(one_out, **same_model)).fit()
     out = tmp_path / "ps"
     losses, weights = _train_ps(_ps_cfg(out, dp=2, servers=1, **extra))
@@ -343,6 +350,8 @@ def test_split_workers_equal_one_process(tmp_path, layout):
     torch.testing.assert_close(torch.tensor([r["grad_norm"] for r in rows]),
                                torch.tensor([r["grad_norm"] for r in ref_rows]), rtol=2e-5, atol=0)
     assert all(r["mem_optim_bytes"] == 0 for r in rows), "the servers hold the optimizer state"
+    if "train.offload_activations" in extra:  # a setting the workers silently ignored would pass parity
+        assert all(r["mem_activations_offloaded_bytes"] > 0 for r in rows)
 
 
 def _replay_async(cfg: config.Config, tickets: list[list[int]]) -> tuple[list[float], dict]:
