@@ -5,6 +5,10 @@ with the same quantised base: in one 2-rank launch DDP, ZeRO-1/2/3, PP 2 under e
 recompute, cp 2, TP 2 + SP, TP 2 with a replicated k/v head and the padded vocabulary head
 adapted, EP 2, packed rows under ZeRO-3; in one 4-rank launch HSDP (the base's bytes and scales
 sharded, as under ZeRO-3: the accelerate/FSDP2 failure mode), its exports equal one process's.
+Wide cases in the 2-rank launch fill the composition matrix (plain dp + activation offload +
+8-bit AdamW + batch finder; shared-memory DDP + bf16 + compile; ZeRO-1 + CPU offload; local SGD and
+DiLoCo against two one-process replicas averaged, tests/test_matrix_dp.py's reference), and one
+of them generates across tp 2 as one process does.
 
 Parity criterion: tests/harness.py's FP32_REORDERED, as tests/test_lora_layouts.py (the same fp32
 sums in another order: dp's all-reduce, pp's micro-batches; the quantised base itself is the same
