@@ -39,6 +39,7 @@ from paratrain.train.trainer import Trainer, lr_at
 from tests import netprobe
 from tests.dist import WorkerError, run
 from tests.harness import FP32_REORDERED, assert_same_weights, tiny_cfg
+from tests.test_masked_loss_layouts import SEQ, PackedTask
 
 GLOBAL_BATCH = 8
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,9 +49,10 @@ TINY_CLI = ["--model", "tiny", "--vocab-size", "512", "--max-files", "40", "--se
             "--lr", "1e-2", "--threads", "1"]
 
 
-def _rank(env, cfg_dict: dict, environ: dict | None = None):
+def _rank(env, cfg_dict: dict, environ: dict | None = None, packed: bool = False):
     os.environ.update(environ or {})  # workers fork from a server started earlier: not our environment
-    result = train_or_serve(config.Config.from_dict(cfg_dict), env)
+    cfg = config.Config.from_dict(cfg_dict)
+    result = train_or_serve(cfg, env, task=PackedTask(cfg) if packed else None)
     return None if result is None else (result.losses, result.final_state)
 
 
@@ -63,13 +65,15 @@ def _ps_cfg(out: Path, dp: int, servers: int, **overrides) -> config.Config:
                             "parallel.dp": dp, "parallel.servers": servers, **overrides})
 
 
-def _train_ps(cfg: config.Config, timeout: float = 60.0,
-              environ: dict | None = None) -> tuple[list[float], dict]:
-    """Run dp x tp worker ranks + servers; return rank 0's losses and final weights (the servers' values)."""
+def _train_ps(cfg: config.Config, timeout: float = 60.0, environ: dict | None = None,
+              packed: bool = False) -> tuple[list[float], dict]:
+    """Run dp x tp worker ranks + servers; return rank 0's losses and final weights (the servers'
+    values). ``packed``: on tests/test_masked_loss_layouts.py's packed rows."""
     checks.validate(cfg)
-    build_task(cfg)  # tokenize once here; workers map the cache
+    if not packed:
+        build_task(cfg)  # tokenize once here; workers map the cache
     n_workers = cfg.world_size - cfg.ps_servers  # dp x tp ranks
-    outs = run(_rank, cfg.world_size, cfg.to_dict(), environ, timeout=timeout, group_size=n_workers,
+    outs = run(_rank, cfg.world_size, cfg.to_dict(), environ, packed, timeout=timeout, group_size=n_workers,
                rank_names=rank_names(cfg))
     workers, servers = outs[:n_workers], outs[n_workers:]
     assert servers == [None] * cfg.ps_servers
@@ -246,7 +250,10 @@ def test_cli_bad_flags_exit_2(tmp_path, capsys):
 # values (bf16: autocast over fp32 weights, mixed precision's normal form). Two steps each: the
 # second is the first the servers' AdamW takes from moments it kept.
 LORA = {"lora.rank": 4, "lora.alpha": 8.0, "train.steps": 2}
-WORKER_FORMS = {"lora": LORA,
+# the "lora" form trains on packed rows with loss masks (tests/test_masked_loss_layouts.py's task, its
+# 16-token rows): each worker's gradient is its rows' share of the global batch's counted targets
+PACKED = {"data.seq_len": SEQ}
+WORKER_FORMS = {"lora": {**LORA, **PACKED},
                 "lora-bf16-base-bf16": {**LORA, "lora.base_precision": "bf16", "train.precision": "bf16"},
                 "qlora-nf4": {**LORA, "lora.base_precision": "nf4"}}
 # bf16 autocast: the process and a worker run the same rows through bf16 matmuls whose kernels may
@@ -257,6 +264,7 @@ BF16_TOL = {"rtol": 1e-2, "atol": 5e-3}
 
 @pytest.mark.composes(("param-server", "bf16"), ("param-server", "lora"), ("param-server", "lora-bf16"),
                       ("param-server", "qlora"))
+@pytest.mark.composes(("param-server", "lora", "packing"), case="lora")
 @pytest.mark.parametrize("form", WORKER_FORMS, ids=list(WORKER_FORMS))
 def test_worker_forms_equal_one_process(tmp_path, form):
     """2 workers + 1 server vs one process on micro-batches of the workers' rows (4 of the 8): each
@@ -268,9 +276,11 @@ def test_worker_forms_equal_one_process(tmp_path, form):
     tol = BF16_TOL if extra.get("train.precision") == "bf16" else FP32_REORDERED
     one_out = tmp_path / "one"
     batches = {"train.global_batch": GLOBAL_BATCH, "train.micro_batch": 4}
-    one = Trainer(tiny_cfg(one_out, **batches, **extra)).fit()
+    packed = extra.items() >= PACKED.items()
+    one_cfg = tiny_cfg(one_out, **batches, **extra)
+    one = Trainer(one_cfg, task=PackedTask(one_cfg) if packed else None).fit()
     out = tmp_path / "ps"
-    losses, weights = _train_ps(_ps_cfg(out, dp=2, servers=1, **extra))
+    losses, weights = _train_ps(_ps_cfg(out, dp=2, servers=1, **extra), packed=packed)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(one.losses), **tol)
     assert_same_weights(weights, one.final_state, **tol)
     rows, ref_rows = _rows(out), _rows(one_out)
