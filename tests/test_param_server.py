@@ -330,8 +330,9 @@ WORKERS_ONLY = {*COMPILE, *TILE_ACT_OFFLOAD}
 SPLIT_WORKERS = {"tp2-sp": {"parallel.tp": 2, "parallel.sp": True, "train.micro_batch": 4,
                             "optim.name": "adamw8bit", "optim.block_size": 64},
                  "pp2-1f1b": {"parallel.pp": 2, "parallel.pp_schedule": "1f1b", "train.micro_batch": 2,
-                              "train.recompute": "full",  # recomputed blocks: the same gradients
-                              **COMPILE},
+                              # the attention core recomputed inside each compiled block (a fully
+                              # recomputed block runs eager under --compile: docs/memory.md)
+                              "train.recompute": "selective", **COMPILE},
                  "ep2-moe": {"parallel.ep": 2, "train.micro_batch": 4, **MOE, **TILE_ACT_OFFLOAD}}
 
 
