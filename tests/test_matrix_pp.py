@@ -279,6 +279,35 @@ def test_selective_recompute_inside_compiled_blocks_equals_eager():
     _compiled_equals_eager(shape, lambda m: apply_recompute(m, "selective"), lambda m: 0.0)
 
 
+@pytest.mark.composes(("recompute", "compile"), ("moe", "recompute", "compile"))
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+def test_full_recompute_of_compiled_blocks_equals_eager(name):
+    """Found by a wide parameter-server run: --recompute full with --compile failed in the first
+    forward on one process or under pp (dynamo traced the block's checkpoint and refused its plain
+    context managers; under tp a collective broke the graph first, so the wide tp run passed). The
+    checkpoint now runs eagerly inside the compiled block, with its contexts: the same loss (a MoE
+    block's aux and z losses recorded once, not again at the re-run) and gradients as the eager
+    model without recompute (the bound is test_compile_equals_eager's)."""
+    shape = preset(name, max_seq_len=16, n_layers=1)
+    ref = build_model(shape)
+    init_weights(ref, 0, shape)
+    model = compile_blocks(apply_recompute(copy.deepcopy(ref), "full"), backend="aot_eager")
+    gen = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(0, shape.vocab_size, (2, 16), generator=gen) for _ in range(2))
+    losses = []
+    for m in (ref, model):
+        loss = F.cross_entropy(m(x).flatten(0, 1), y.flatten(), reduction="sum")
+        if shape.n_experts:
+            loss = loss + moe_loss_sum(m, aux_loss_coef=shape.aux_loss_coef, z_loss_coef=shape.z_loss_coef,
+                                       n_moe_layers=1)
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)
+    for (pname, want), got in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-3, atol=1e-4 * float(want.grad.abs().max()),
+                                   msg=pname)
+
+
 @pytest.mark.composes(("moe", "compile"))
 def test_compiled_mixture_of_experts_blocks_equal_eager():
     """A MoE block compiled (--compile): its routing is data-dependent (each expert's token count),

@@ -39,6 +39,7 @@ from paratrain.train.trainer import Trainer, lr_at
 from tests import netprobe
 from tests.dist import WorkerError, run
 from tests.harness import FP32_REORDERED, assert_same_weights, tiny_cfg
+from tests.test_masked_loss_layouts import SEQ, PackedTask
 
 GLOBAL_BATCH = 8
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,9 +49,10 @@ TINY_CLI = ["--model", "tiny", "--vocab-size", "512", "--max-files", "40", "--se
             "--lr", "1e-2", "--threads", "1"]
 
 
-def _rank(env, cfg_dict: dict, environ: dict | None = None):
+def _rank(env, cfg_dict: dict, environ: dict | None = None, packed: bool = False):
     os.environ.update(environ or {})  # workers fork from a server started earlier: not our environment
-    result = train_or_serve(config.Config.from_dict(cfg_dict), env)
+    cfg = config.Config.from_dict(cfg_dict)
+    result = train_or_serve(cfg, env, task=PackedTask(cfg) if packed else None)
     return None if result is None else (result.losses, result.final_state)
 
 
@@ -63,13 +65,15 @@ def _ps_cfg(out: Path, dp: int, servers: int, **overrides) -> config.Config:
                             "parallel.dp": dp, "parallel.servers": servers, **overrides})
 
 
-def _train_ps(cfg: config.Config, timeout: float = 60.0,
-              environ: dict | None = None) -> tuple[list[float], dict]:
-    """Run dp x tp worker ranks + servers; return rank 0's losses and final weights (the servers' values)."""
+def _train_ps(cfg: config.Config, timeout: float = 60.0, environ: dict | None = None,
+              packed: bool = False) -> tuple[list[float], dict]:
+    """Run dp x tp worker ranks + servers; return rank 0's losses and final weights (the servers'
+    values). ``packed``: on tests/test_masked_loss_layouts.py's packed rows."""
     checks.validate(cfg)
-    build_task(cfg)  # tokenize once here; workers map the cache
+    if not packed:
+        build_task(cfg)  # tokenize once here; workers map the cache
     n_workers = cfg.world_size - cfg.ps_servers  # dp x tp ranks
-    outs = run(_rank, cfg.world_size, cfg.to_dict(), environ, timeout=timeout, group_size=n_workers,
+    outs = run(_rank, cfg.world_size, cfg.to_dict(), environ, packed, timeout=timeout, group_size=n_workers,
                rank_names=rank_names(cfg))
     workers, servers = outs[:n_workers], outs[n_workers:]
     assert servers == [None] * cfg.ps_servers
@@ -218,6 +222,15 @@ def test_bad_settings_are_refused(tmp_path, overrides, fragment):
         checks.validate(_ps_cfg(tmp_path, dp=2, servers=1, **overrides))
 
 
+def test_shared_memory_sum_with_the_parameter_server_is_refused_not_ignored(tmp_path):
+    """--dp-reduce shm with --sync parameter-server was silently ignored: the servers sum the
+    workers' gradients and the workers run no DDP. Refused before any worker starts, naming the flag."""
+    cfg = _ps_cfg(tmp_path, dp=2, servers=1, **{"parallel.dp_reduce": "shm"})
+    refused = "--dp-reduce shm sums DDP's buckets, and --sync parameter-server runs no DDP"
+    with pytest.raises(ConfigError, match=refused):
+        checks.validate(cfg)
+
+
 def test_server_flags_need_the_parameter_server(tmp_path):
     with pytest.raises(ConfigError, match="--servers applies to --sync parameter-server only"):
         checks.validate(tiny_cfg(tmp_path, **{"parallel.servers": 2}))
@@ -237,7 +250,10 @@ def test_cli_bad_flags_exit_2(tmp_path, capsys):
 # values (bf16: autocast over fp32 weights, mixed precision's normal form). Two steps each: the
 # second is the first the servers' AdamW takes from moments it kept.
 LORA = {"lora.rank": 4, "lora.alpha": 8.0, "train.steps": 2}
-WORKER_FORMS = {"lora": LORA,
+# the "lora" form trains on packed rows with loss masks (tests/test_masked_loss_layouts.py's task, its
+# 16-token rows): each worker's gradient is its rows' share of the global batch's counted targets
+PACKED = {"data.seq_len": SEQ}
+WORKER_FORMS = {"lora": {**LORA, **PACKED},
                 "lora-bf16-base-bf16": {**LORA, "lora.base_precision": "bf16", "train.precision": "bf16"},
                 "qlora-nf4": {**LORA, "lora.base_precision": "nf4"}}
 # bf16 autocast: the process and a worker run the same rows through bf16 matmuls whose kernels may
@@ -248,6 +264,7 @@ BF16_TOL = {"rtol": 1e-2, "atol": 5e-3}
 
 @pytest.mark.composes(("param-server", "bf16"), ("param-server", "lora"), ("param-server", "lora-bf16"),
                       ("param-server", "qlora"))
+@pytest.mark.composes(("param-server", "lora", "packing"), case="lora")
 @pytest.mark.parametrize("form", WORKER_FORMS, ids=list(WORKER_FORMS))
 def test_worker_forms_equal_one_process(tmp_path, form):
     """2 workers + 1 server vs one process on micro-batches of the workers' rows (4 of the 8): each
@@ -259,9 +276,11 @@ def test_worker_forms_equal_one_process(tmp_path, form):
     tol = BF16_TOL if extra.get("train.precision") == "bf16" else FP32_REORDERED
     one_out = tmp_path / "one"
     batches = {"train.global_batch": GLOBAL_BATCH, "train.micro_batch": 4}
-    one = Trainer(tiny_cfg(one_out, **batches, **extra)).fit()
+    packed = extra.items() >= PACKED.items()
+    one_cfg = tiny_cfg(one_out, **batches, **extra)
+    one = Trainer(one_cfg, task=PackedTask(one_cfg) if packed else None).fit()
     out = tmp_path / "ps"
-    losses, weights = _train_ps(_ps_cfg(out, dp=2, servers=1, **extra))
+    losses, weights = _train_ps(_ps_cfg(out, dp=2, servers=1, **extra), packed=packed)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(one.losses), **tol)
     assert_same_weights(weights, one.final_state, **tol)
     rows, ref_rows = _rows(out), _rows(one_out)
@@ -299,19 +318,27 @@ def test_servers_run_8bit_adamw_and_resume_its_state_exactly(tmp_path):
 # server = 5 ranks, or 2 workers of one ep group (each rank half the experts) + 1 server, against
 # one process on the same micro-batches (pp: 2 per worker, else 1).
 MOE = {"model.name": "tiny-moe", "model.aux_loss_coef": 0.1, "model.z_loss_coef": 0.01, "optim.eps": 1e-5}
+# Savers that must not change the mathematics, switched on in the workers only (the process runs
+# without them): compiled blocks (AOT autograd, the same fp32 kernels), token tiles of the head's
+# loss, activations offloaded to the CPU between forward and backward.
+COMPILE = {"train.compile": True, "train.compile_backend": "aot_eager"}
+TILE_ACT_OFFLOAD = {"train.tile": 2, "train.offload_activations": "cpu"}
+WORKERS_ONLY = {*COMPILE, *TILE_ACT_OFFLOAD}
 # tp2-sp also runs the servers' 8-bit AdamW on the tp slices, in blocks of 64: a row-parallel slice's
 # are 4 elements, cut along the full tensor's 16 pieces (cut as the slice's own they would be 2), and
 # the quantise decision reads the full size (a 64 x 64 weight's 2048-element slice is quantised).
 SPLIT_WORKERS = {"tp2-sp": {"parallel.tp": 2, "parallel.sp": True, "train.micro_batch": 4,
                             "optim.name": "adamw8bit", "optim.block_size": 64},
                  "pp2-1f1b": {"parallel.pp": 2, "parallel.pp_schedule": "1f1b", "train.micro_batch": 2,
-                              "train.recompute": "full"},  # recomputed blocks: the same gradients
-                 "ep2-moe": {"parallel.ep": 2, "train.micro_batch": 4, **MOE}}
+                              # the attention core recomputed inside each compiled block (a fully
+                              # recomputed block runs eager under --compile: docs/memory.md)
+                              "train.recompute": "selective", **COMPILE},
+                 "ep2-moe": {"parallel.ep": 2, "train.micro_batch": 4, **MOE, **TILE_ACT_OFFLOAD}}
 
 
 @pytest.mark.composes(("param-server", "8bit", "tp"), ("param-server", "sp"), case="tp2-sp")
-@pytest.mark.composes(("param-server", "1f1b"), ("param-server", "recompute"), case="pp2-1f1b")
-@pytest.mark.composes(("param-server", "ep"), case="ep2-moe")
+@pytest.mark.composes(("param-server", "1f1b", "recompute", "compile"), case="pp2-1f1b")
+@pytest.mark.composes(("param-server", "ep", "moe", "tiling", "act-offload"), case="ep2-moe")
 @pytest.mark.parametrize("layout", SPLIT_WORKERS, ids=list(SPLIT_WORKERS))
 def test_split_workers_equal_one_process(tmp_path, layout):
     """Each (stage, tp index) is its own shard group on the server: that rank of both workers
@@ -324,7 +351,7 @@ def test_split_workers_equal_one_process(tmp_path, layout):
     the export is the full model, from the servers' slices."""
     extra = {"train.global_batch": GLOBAL_BATCH, "train.steps": 2, **SPLIT_WORKERS[layout]}
     one_out = tmp_path / "one"
-    same_model = {k: v for k, v in extra.items() if not k.startswith("parallel.")}
+    same_model = {k: v for k, v in extra.items() if not k.startswith("parallel.") and k not in WORKERS_ONLY}
     one = Trainer(tiny_cfg(one_out, **same_model)).fit()
     out = tmp_path / "ps"
     losses, weights = _train_ps(_ps_cfg(out, dp=2, servers=1, **extra))
@@ -334,6 +361,8 @@ def test_split_workers_equal_one_process(tmp_path, layout):
     torch.testing.assert_close(torch.tensor([r["grad_norm"] for r in rows]),
                                torch.tensor([r["grad_norm"] for r in ref_rows]), rtol=2e-5, atol=0)
     assert all(r["mem_optim_bytes"] == 0 for r in rows), "the servers hold the optimizer state"
+    if "train.offload_activations" in extra:  # a setting the workers silently ignored would pass parity
+        assert all(r["mem_activations_offloaded_bytes"] > 0 for r in rows)
 
 
 def _replay_async(cfg: config.Config, tickets: list[list[int]]) -> tuple[list[float], dict]:

@@ -107,6 +107,12 @@ PARAM_SERVER_REFUSALS = (
     _ps_refusal(("offload-cpu", "offload-disk"), "--offload none (the servers hold the optimizer state)",
                 "by construction: the servers hold the optimizer state",
                 lambda c: c.parallel.offload != "none"),
+    # it was silently ignored (the run reported dp_reduce None): the workers run no DDP
+    Refusal("param-server", "ddp-shm", "by definition: the servers sum the workers' gradients; "
+            "the shared-memory sum reduces DDP's buckets, and the workers run no DDP",
+            when=lambda c: c.parallel.sync == "parameter-server" and c.parallel.dp_reduce == "shm",
+            message="--dp-reduce shm sums DDP's buckets, and --sync parameter-server runs no DDP: the "
+            "servers sum the workers' gradients; use --dp-reduce auto"),
 )
 
 

@@ -94,6 +94,16 @@ def _checkpointed_forward(forward, traced_plain: bool = False):
     def run(*args, **kwargs):  # keywords too: attention's core takes positions by name
         if traced_plain and torch.compiler.is_compiling():
             return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        if torch.compiler.is_compiling():  # a region with side effects (a MoE layer records its losses)
+            return _eager_checkpoint(forward, *args, **kwargs)
         return checkpoint(forward, *args, use_reentrant=False, context_fn=_contexts, **kwargs)
 
     return run
+
+
+@torch.compiler.disable
+def _eager_checkpoint(forward, *args, **kwargs):
+    """A checkpoint the compiled block calls eagerly, with its contexts: dynamo refuses the contexts
+    (above), and the re-run needs the flag. --recompute full checkpoints the whole block, so a
+    compiled block runs eager (what a graph break inside the region, e.g. a TP collective, did already)."""
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=_contexts, **kwargs)

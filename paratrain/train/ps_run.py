@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from paratrain.config import Config
+from paratrain.engine.task import Task
 from paratrain.launch import DistEnv
 from paratrain.param_server.session import PsWorld, run_server, worker_session
 from paratrain.train.trainer import Trainer, TrainResult
@@ -27,15 +28,16 @@ def servers_group(env: DistEnv) -> dist.ProcessGroup:
     return env.world_group
 
 
-def train_or_serve(cfg: Config, env: DistEnv) -> TrainResult | None:
-    """A worker's TrainResult; None on a server, once every worker has finished."""
+def train_or_serve(cfg: Config, env: DistEnv, task: Task | None = None) -> TrainResult | None:
+    """A worker's TrainResult; None on a server, once every worker has finished. ``task``: the
+    workers' (the config's by default; a server builds none)."""
     world, group = ps_world(cfg), servers_group(env)
     if world.is_server(env.rank):
         async_mode = cfg.parallel.ps_mode == "async"
         run_server(group, world, async_mode=async_mode, max_staleness=cfg.ps_max_staleness)
         return None
     with worker_session(group, env.rank, world):
-        return Trainer(cfg, env).fit()
+        return Trainer(cfg, env, task=task).fit()
 
 
 def rank_names(cfg: Config) -> list[str]:
