@@ -51,7 +51,7 @@ from tests.hf_models import save_tokenizer
 from tests.test_generate_dist import GREEDY, PROMPTS, _rank, one_process
 from tests.test_masked_loss_layouts import BASE as PACKED_BASE
 from tests.test_masked_loss_layouts import PackedTask
-from tests.test_matrix_dp import DILOCO, FINDER, LOCAL_SGD, _assert_features_ran, _two_replicas_averaged
+from tests.test_matrix_dp import DILOCO, FINDER, LOCAL_SGD, _two_replicas_averaged, assert_features_ran
 from tests.test_matrix_pp import assert_equals_one_process
 
 QLORA = {"lora.rank": 4, "lora.alpha": 8.0, "lora.base_precision": "nf4", "train.steps": 3}
@@ -352,7 +352,7 @@ def test_layout_equals_one_process(refs, layouts, name):
     layout = {**LAYOUTS, **LAYOUTS4}[name]
     ref = _ref_of(layout)
     ref_losses, ref_adapters, _ = refs[ref]
-    _assert_features_ran(layouts[1] / name, layout)  # a setting silently ignored would pass parity
+    assert_features_ran(layouts[1] / name, layout)  # a setting silently ignored would pass parity
     got, want = RunResult(losses, adapters), RunResult(ref_losses, ref_adapters)
     if ref in BF16_REFS:
         assert_equals_one_process(got, want, ref)
