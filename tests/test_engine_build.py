@@ -84,7 +84,7 @@ def test_each_layout_rule_is_one_implementation_in_each_doors_words(tmp_path, ke
 def test_a_shared_refusal_record_speaks_each_doors_words(tmp_path):
     """--dp-mode plain with ZeRO is one Refusal record (docs/composition.md); each door hears it in
     its own words, and the trainer's is the message the matrix places in its cell."""
-    record = checks.PARALLEL_REFUSALS[0]
+    record = next(r for r in checks.PARALLEL_REFUSALS if r.first == "dp-plain" and "zero1" in r.second)
     cfg = tiny_cfg(tmp_path, **{"parallel.zero": 1, "parallel.dp_mode": "plain"})
     assert record.hits(cfg) and record.says(cfg) == _rule({"zero": 1, "dp_mode": "plain"}, checks.FLAGS)
     assert record.says(cfg, Spelling(flags=False)).startswith("dp_mode = 'plain' is the un-bucketed DDP")
