@@ -25,7 +25,7 @@ from paratrain.engine import checkpoint as ckpt
 from paratrain.engine import checks
 from paratrain.models.from_config import model_config
 from paratrain.models.registry import build_model
-from paratrain.optim import AdamW8bit
+from paratrain.optim import AdamW8bit, quant
 from paratrain.optim.adamw8bit import QUANT_KEYS, STATE_KEYS, blocks_of, key_range
 from paratrain.optim.quant import SIGNED, UNSIGNED, dequantise, quantise
 from paratrain.sharding import TensorShard, set_shard, update_info
@@ -301,3 +301,20 @@ def test_config_refuses_what_8bit_does_not_support(tmp_path, bad, says):
     cfg = tiny_cfg(tmp_path, **{"optim.name": "adamw8bit", **bad})
     with pytest.raises(config.ConfigError, match=says):
         checks.validate(cfg, cfg.world_size)
+
+
+def test_the_code_tables_built_under_a_float64_default_find_the_nearest_code(monkeypatch):
+    """The nearest-code tables are built on first use (quant.py: no OpenMP pool before a fork),
+    which may be inside a float64 run (torch's default dtype float64): they must still be the
+    float32 tables, equal to bucketize over the midpoints (a float64 -1.0 viewed as int32 is two
+    numbers, and the table's build failed in a tp worker's first 8-bit step)."""
+    monkeypatch.setattr(quant, "_NEAREST", {})
+    y = torch.rand(4096, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        for code in (quant.SIGNED, quant.UNSIGNED):
+            want = torch.bucketize(y, (code[1:] + code[:-1]) / 2)
+            assert torch.equal(quant._nearest(code)(y).long(), want)
+    finally:
+        torch.set_default_dtype(previous)

@@ -66,14 +66,15 @@ class _Nearest:
 
     def __init__(self, code: torch.Tensor):
         self.mid = (code[1:] + code[:-1]) / 2  # [255] decision boundaries
-        lo = int(_ordered(torch.tensor([-1.0]).view(torch.int32))) >> _CELL_BITS
-        hi = int(_ordered(torch.tensor([1.0]).view(torch.int32))) >> _CELL_BITS
+        # float32 stated: the table is built on first use, where a caller's default dtype may be float64
+        lo = int(_ordered(torch.tensor([-1.0], dtype=torch.float32).view(torch.int32))) >> _CELL_BITS
+        hi = int(_ordered(torch.tensor([1.0], dtype=torch.float32).view(torch.int32))) >> _CELL_BITS
         cells = torch.arange(lo, hi + 2, dtype=torch.int64) << _CELL_BITS  # one past: the top cell's end
         lows = _ordered(cells.to(torch.int32)).view(torch.float32)  # each cell's smallest value
         below = torch.bucketize(lows, self.mid)  # midpoints strictly below it
         assert int((below[1:] - below[:-1]).max()) <= 1, "a cell holds two midpoints: use more bits"
         self.lo, self.table = lo, below[:-1].to(torch.uint8)  # uint8: 0.5 MB, stays in cache
-        self.mid_ext = torch.cat([self.mid, torch.tensor([float("inf")])])
+        self.mid_ext = torch.cat([self.mid, torch.tensor([float("inf")], dtype=self.mid.dtype)])
 
     def __call__(self, y: torch.Tensor) -> torch.Tensor:
         """uint8 code indices of ``y`` (values in [-1, 1])."""
