@@ -31,6 +31,7 @@ from paratrain.models.from_config import model_config
 from paratrain.models.registry import family_for_config
 from paratrain.optim import nf4
 from paratrain.planner import memory
+from paratrain.planner.lora import lora_block_params, zero3_unit_bytes
 from paratrain.planner.machine import local_cluster
 from paratrain.planner.search import training_from_config
 from paratrain.readahead import prefetch_threads
@@ -550,3 +551,30 @@ def test_export_peft_and_hf_read_a_qlora_run(one, tmp_path):
     hf = load_file(next((tmp_path / "hf").glob("*.safetensors")))
     wo = result.final_state["layers.0.attn.wo.weight"]  # o_proj: no RoPE row permutation in the HF layout
     assert torch.equal(hf["model.layers.0.self_attn.o_proj.weight"].float(), wo)
+
+
+def test_planner_gathers_zero3_units_of_a_quantised_base_as_stored(layouts):
+    """ZeRO-3 gathers a unit of a QLoRA model as its stored bytes (each linear dequantised in its own
+    forward) and reduces only its adapters' gradient: the planner's bound (current + prefetched unit)
+    holds the run's gathered peak, and at 7B's shape the nf4 units are the blocks' 4 bits, not fp32
+    (it priced them at fp32 with the whole block's gradient: 2.9 GB of buffers for 2 blocks, 0.26)."""
+    row = read_metrics(layouts[1] / "zero3" / "metrics.jsonl")[-1]
+    cfg = _cfg(layouts[1] / "zero3", LAYOUTS["zero3"])
+    c, tr = training_from_config(cfg)
+    lay = memory.Layout(dp=2, zero=3)
+    sb = memory.state_bytes_per_param(tr.precision)
+    block, embed = memory.layer_params_local(c, 1), c.vocab_size * c.dim
+    gathered, reduced = zero3_unit_bytes(c, tr, lay, sb, block, embed)
+    assert row["zero3_gathered_peak_bytes"] <= gathered < 2 * row["zero3_gathered_peak_bytes"]
+    assert reduced == 4 * lora_block_params(c, QLORA["lora.rank"])  # the adapters' fp32 gradient
+
+
+def test_plan_prices_a_7b_qlora_zero3_unit_in_its_4_bits(capsys):
+    """Two of llama-7b's blocks under ZeRO-3 over 2 ranks: a block's 202 M linear weights gathered
+    in nf4 (~104 MB; two units in flight ~0.21 GB), not fp32 (0.81 GB a unit)."""
+    assert main(["plan", "--model", "llama-7b", "--lora", "16", "--base-precision", "nf4", "--gpus", "2",
+                 "--gpu", "cpu", "--seq-len", "512", "--global-batch", "2", "--micro-batch", "1", "--dp", "2",
+                 "--tp", "1", "--pp", "1", "--zero", "3", "--recompute", "none", "--vocab", "8192",
+                 "--layers", "2", "--json"]) == 0
+    buffers = json.loads(capsys.readouterr().out)["plans"][0]["memory_bytes"]["comm_buffers"]
+    assert 0.2e9 < buffers < 0.3e9, buffers

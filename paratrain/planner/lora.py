@@ -60,6 +60,24 @@ def lora_states(c: ModelShape, tr: Any, lay: Any, sb: Any, psi: float, dense: in
             "base": base / (nd if zero >= 3 else 1)}  # of "params": the frozen base's share
 
 
+def zero3_unit_bytes(c: ModelShape, tr: Any, lay: Any, sb: Any, block: int,
+                     embed: int) -> tuple[float, float]:
+    """ZeRO-3's communication buffers of a LoRA model, in bytes: the gathered units (the current and
+    the prefetched one, each the larger of a block and the embedding) as they are stored (a
+    quantised block's adapted linears in their 4 or 8 bits: the unit is gathered as bytes and each
+    linear dequantised in its own forward; a bf16 base in 2 bytes; adapters and the rest as
+    trained), and the largest unit's gradient before its reduce-scatter: its adapters' alone (the
+    base has none). ``block`` and ``embed``: a block's and the embedding's elements on this rank."""
+    moe = c.n_moe_layers > 0
+    adapters = lora_block_params(c, tr.lora_rank, lay.tp, moe=moe, ep=lay.ep)
+    frozen = tr.lora_base_bytes or sb.params
+    base = block * frozen
+    if tr.lora_quantised:
+        linear = block_linear_params(c, lay.tp, moe=moe, ep=lay.ep)
+        base = linear * bytes_per_weight(tr.lora_quantised) + (block - linear) * sb.params
+    return 2 * max(base + adapters * sb.params, embed * frozen), adapters * sb.grads
+
+
 def streams_base(tr: Any, lay: Any) -> bool:
     """LoRA under ZeRO-3 with --offload disk: the frozen base is read from disk per unit
     (zero/base_stream.py; engine/lora.streams_base), not held."""

@@ -42,7 +42,7 @@ from paratrain.perf.hardware import Cluster
 from paratrain.perf.ops import ACT_BYTES
 from paratrain.perf.stages import RECEIVE_BUFFERS
 from paratrain.planner import context
-from paratrain.planner.lora import lora_states, streamed_unit_share, streams_base
+from paratrain.planner.lora import lora_states, streamed_unit_share, streams_base, zero3_unit_bytes
 from paratrain.planner.zero_bubble import V_SCHEDULES, ZERO_BUBBLE, zb_in_flight
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", *ZERO_BUBBLE)
@@ -642,7 +642,10 @@ def comm_buffer_bytes(c: ModelShape, tr: Training, lay: Layout, sb: StateBytes, 
     offload = lay.offload != "none"
     if (lay.dp > 1 and lay.zero < 3) or (offload and lay.zero == 2):
         out += min(2 * tr.bucket_mb * 2**20, psi * sb.grads)
-    if lay.zero == 3 and (lay.dp > 1 or offload):
+    if lay.zero == 3 and (lay.dp > 1 or offload) and tr.lora_rank:  # a frozen base: stored bytes
+        block = layer_params_local(c, lay.tp, moe=c.n_moe_layers > 0, ep=lay.ep)
+        out += sum(zero3_unit_bytes(c, tr, lay, sb, block, vocab_local(c, lay.tp) * c.dim))
+    elif lay.zero == 3 and (lay.dp > 1 or offload):
         gathered, reduced = zero3_gathered_elements(c, lay)
         out += gathered * sb.params + reduced * sb.grads
     if lay.pp > 1:
