@@ -82,7 +82,9 @@ def _chunks(t: torch.Tensor, n: int) -> list[torch.Tensor]:
 def _mark(p: torch.Tensor, name: str, full: torch.Tensor, index: int, count: int) -> None:
     if info_of(full).shard.is_split:
         raise ValueError(f"{name} is already split ({info_of(full).shard}); tile an unsplit linear")
-    set_info(p, ParamInfo(name, TensorShard(tuple(full.shape), dim=0, index=index, count=count, axis="tile")))
+    # tp_dim survives: 8-bit AdamW cuts a tile's blocks as the full tensor's (adamw8bit.Blocks)
+    set_info(p, ParamInfo(name, TensorShard(tuple(full.shape), dim=0, index=index, count=count, axis="tile"),
+                          tp_dim=info_of(full).tp_dim))
 
 
 def apply_weight_tiling(model: nn.Module, n_tiles: int) -> list[str]:

@@ -1,0 +1,64 @@
+"""8-bit AdamW under ZeRO-3 weight tiles (--tile N --zero 3): blocks aligned to the tile rows.
+
+A weight tile (memory/tiled_linear.py) is rows of dim 0 of its linear; its 8-bit state is its
+slab of the full tensor's blocks (optim/adamw8bit.py ``Blocks``, cut along the tp pieces in every
+layout): along a dim-0 split the tiles are whole pieces (--tile must divide them, checked before
+any worker starts), along a dim-1 split rows are runs of whole pieces. So the one-process state is
+the concatenation of the tiles' states, bit for bit (the unit test), and the trainer's
+``--tile 2 --zero 3`` dp 2 run writes the one-process run's checkpoint layout.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paratrain import config
+from paratrain.engine import checks
+from paratrain.optim import AdamW8bit
+from paratrain.optim.adamw8bit import QUANT_KEYS, blocks_of
+from paratrain.sharding import ParamInfo, TensorShard, set_info
+from tests.harness import tiny_cfg
+
+BLOCK = 256
+
+
+def _tile(full: torch.Tensor, tp_dim: int, index: int, count: int) -> torch.nn.Parameter:
+    shard = TensorShard(tuple(full.shape), 0, index, count, axis="tile")
+    p = torch.nn.Parameter(shard.slice(full).clone())
+    set_info(p, ParamInfo("w", shard, tp_dim=tp_dim))
+    return p
+
+
+@pytest.mark.parametrize("shape, tp_dim, tiles", [((64, 32), 0, 2),   # up / head: tiles of whole pieces
+                                                   ((32, 64), 1, 2),   # down: rows of 16 runs each
+                                                   ((48, 64), 1, 3)])  # uneven-free rows, 3 tiles
+def test_one_process_state_is_the_concatenation_of_the_weight_tiles_states(shape, tp_dim, tiles):
+    gen = torch.Generator().manual_seed(0)
+    full = torch.randn(shape, generator=gen)
+    params = [_tile(full, tp_dim, 0, 1)] + [_tile(full, tp_dim, i, tiles) for i in range(tiles)]
+    opts = [AdamW8bit([p], lr=1e-2, block_size=BLOCK, min_8bit_size=0) for p in params]
+    for _ in range(3):
+        grad = torch.randn(shape, generator=gen) * 10.0 ** torch.randint(-4, 2, (), generator=gen)
+        params[0].grad = grad
+        for i, p in enumerate(params[1:]):
+            p.grad = grad.chunk(tiles, 0)[i].contiguous()
+        for opt in opts:
+            opt.step()
+    one, parts = params[0], params[1:]
+    assert torch.equal(torch.cat([p.detach() for p in parts]), one.detach())
+    for key in QUANT_KEYS:
+        whole = opts[0].state[one][key].view(blocks_of(one, BLOCK).full(key))
+        for o, p in zip(opts[1:], parts):  # each tile's state is its slab of the one-process state
+            start, count = blocks_of(p, BLOCK).slab(key)
+            box = tuple(slice(s, s + n) for s, n in zip(start, count))
+            assert torch.equal(o.state[p][key].view(count), whole[box]), key
+
+
+def test_tiles_that_would_cut_the_pieces_are_refused_before_any_worker_starts():
+    with pytest.raises(ValueError, match="--tile 3 row tiles would cut its blocks"):
+        blocks_of(_tile(torch.zeros(64, 8), 0, 0, 3), BLOCK)  # gcd(64, 16) = 16 pieces: 3 cuts them
+    cfg = tiny_cfg("/tmp/unused", **{"optim.name": "adamw8bit", "parallel.zero": 3, "train.tile": 3,
+                                        "parallel.dp": 2})
+    with pytest.raises(config.ConfigError, match=r"--tile 3 with --zero 3 --optimizer adamw8bit: .* pieces"):
+        checks.validate(cfg, 2)
