@@ -69,6 +69,7 @@ class TiledLinear(nn.Module):
             tiles.append(tile)
         self.tiles = nn.ModuleList(tiles)
 
+    @torch.compiler.disable  # under --compile: eager, so its tiles' ZeRO-3 hooks are not traced
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Each tile's call gathers its weight (ZeRO-3 pre-forward hook) and frees it after.
         return torch.cat([tile(x) for tile in self.tiles], dim=-1)  # [..., out_features]
