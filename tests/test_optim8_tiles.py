@@ -63,6 +63,9 @@ def test_tiles_that_would_cut_the_pieces_are_refused_before_any_worker_starts():
                                         "parallel.dp": 2})
     with pytest.raises(config.ConfigError, match=r"--tile 3 with --zero 3 --optimizer adamw8bit: .* pieces"):
         checks.validate(cfg, 2)
+    lora = tiny_cfg("/tmp/unused", **{"optim.name": "adamw8bit", "parallel.zero": 3, "train.tile": 3,
+                                      "parallel.dp": 2, "lora.rank": 4})
+    checks.validate(lora, 2)  # a LoRA run tiles tokens, not weights: nothing to cut
 
 
 # -- the trainer: --tile 2 --zero 3 at dp 2 equals one process with --tile 2 ----------------------------

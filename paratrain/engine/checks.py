@@ -162,11 +162,14 @@ def _check_8bit_tiles(cfg: Config, problems: list[str]) -> None:
     each stepping the one-process 8-bit blocks of its rows: N must divide the gcd(size, 16) pieces
     of the sizes those rows run along (optim/adamw8bit.py Blocks), as tp must."""
     n = cfg.train.tile
-    weight_tiles = n > 1 and cfg.parallel.zero == 3 and cfg.optim.name == "adamw8bit"
+    # engine/build.py tiles weights under ZeRO-3 at tp 1 without LoRA (a LoRA run tiles tokens)
+    weight_tiles = n > 1 and cfg.parallel.zero == 3 and cfg.optim.name == "adamw8bit" and not cfg.lora.rank
     if not weight_tiles or not model_kind(cfg.model.name).blocks:
         return
-    sizes = _8bit_split_sizes(cfg, model_shape(cfg))
-    for what in ("the vocabulary", "ffn_dim"):  # the head's rows, the up/gate projections' rows
+    c = model_shape(cfg)
+    sizes = _8bit_split_sizes(cfg, c)
+    tiled = ("ffn_dim",) if getattr(c, "tie_embeddings", False) else ("the vocabulary", "ffn_dim")
+    for what in tiled:  # the head's rows (a tied head is not tiled), the up/gate projections' rows
         pieces = math.gcd(sizes[what], TP_PIECES)
         if pieces % n:
             problems.append(f"--tile {n} with --zero 3 --optimizer adamw8bit: {what} ({sizes[what]}) is "
