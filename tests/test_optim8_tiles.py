@@ -10,6 +10,8 @@ the concatenation of the tiles' states, bit for bit (the unit test), and the tra
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -19,7 +21,8 @@ from paratrain.engine import checks
 from paratrain.optim import AdamW8bit
 from paratrain.optim.adamw8bit import QUANT_KEYS, blocks_of
 from paratrain.sharding import ParamInfo, TensorShard, set_info
-from tests.harness import FP32_REORDERED, assert_same_training, run_layout, tiny_cfg
+from tests.dist import run
+from tests.harness import FP32_REORDERED, RunResult, assert_same_training, run_layout, tiny_cfg, train_each
 
 BLOCK = 256
 
@@ -87,9 +90,18 @@ def _state(folder) -> dict[tuple[str, str], torch.Tensor]:
 
 @pytest.mark.composes(("tiling", "8bit"), ("tiling", "8bit", "zero3"))
 def test_zero3_weight_tiles_train_the_one_process_8bit_state(tmp_path):
+    """dp 2 trains 3 steps as one process does, and resumes the one-process step-3 checkpoint
+    (its 8-bit state read into the tiles' slabs) to the one-process step 4."""
     ref = run_layout(tiny_cfg(tmp_path / "one", **EIGHT))
-    got = run_layout(tiny_cfg(tmp_path / "z3", **EIGHT, **{"parallel.dp": 2, "parallel.zero": 3}), nproc=2)
-    assert_same_training(got, ref, **FP32_REORDERED, lr_steps=3e-2)  # fp32: the dp sums reorder
+    shutil.copytree(tmp_path / "one", tmp_path / "z3r")
+    z3 = {"parallel.dp": 2, "parallel.zero": 3}
+    more = {"train.steps": 4, "train.resume": True}
+    runs = [tiny_cfg(tmp_path / "z3", **EIGHT, **z3), tiny_cfg(tmp_path / "z3r", **{**EIGHT, **z3, **more})]
+    for cfg in runs:
+        checks.validate(cfg, 2)
+    (losses, weights, _), (resumed, resumed_weights, _) = run(train_each, 2, [c.to_dict() for c in runs],
+                                                              timeout=180)[0]
+    assert_same_training(RunResult(losses, weights), ref, **FP32_REORDERED, lr_steps=3e-2)  # dp sums
     want, state = _state(ckpt.latest(tmp_path / "one")), _state(ckpt.latest(tmp_path / "z3"))
     assert state.keys() == want.keys()
     # the head [512, 64] (column-parallel: tiles of 8 of its 16 pieces) and down [64, 128] (row-parallel)
@@ -98,3 +110,5 @@ def test_zero3_weight_tiles_train_the_one_process_8bit_state(tmp_path):
         assert state[key].shape == t.shape, key  # moments across a code boundary, a wrong cut most
         if key[1].endswith(".q"):
             assert (state[key] != t).float().mean() < 0.005, key
+    step4 = run_layout(tiny_cfg(tmp_path / "one", **{**EIGHT, **more}))
+    assert_same_training(RunResult(resumed, resumed_weights), step4, **FP32_REORDERED, lr_steps=4e-2)
