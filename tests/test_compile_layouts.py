@@ -10,7 +10,9 @@ How each composes (memory/compile.py): the block's ``forward`` is compiled, not 
 ZeRO-3's gather / free hooks run eagerly around ONE graph per block shape (checked: no graph break
 while the blocks run); DDP and ZeRO-1/2 reduce from gradient hooks outside the graph; tensor
 parallel's collectives go through paratrain's counted comm layer, where dynamo breaks the graph, so
-they run eagerly each step and are counted as without compile (checked: the same comm_bytes).
+they run eagerly each step and are counted as without compile (checked: the same comm_bytes);
+with --tile the tiled MLP and head run eagerly (torch.compiler.disable): token tiles under DDP and
+ZeRO-3's weight tiles (checked: no more graphs than the token tiles make).
 
 One launch trains every layout (dynamo traces the block once and reuses it where the guards allow).
 """
@@ -34,6 +36,9 @@ LAYOUTS = {
     "zero3": {"parallel.dp": 2, "parallel.zero": 3, **COMPILE},
     "tp2": {"parallel.tp": 2, **COMPILE},
     "tp2_eager": {"parallel.tp": 2},
+    # token tiles (DDP) and weight tiles (ZeRO-3): the tiled MLP and head run eagerly (a graph break)
+    "ddp_tile2": {"parallel.dp": 2, "train.tile": 2, **COMPILE},
+    "zero3_tile2": {"parallel.dp": 2, "parallel.zero": 3, "train.tile": 2, **COMPILE},
     # the other data-parallel modes and offloads (hooks outside the graph), activation offload's
     # saved-tensor hooks around the compiled graph
     "plain_actoff": {"parallel.dp": 2, "parallel.dp_mode": "plain", "train.offload_activations": "cpu",
@@ -84,7 +89,9 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "zero3", "tp2", "plain_actoff", "shm", "zero1_cpu",
-                                  "zero2_disk"])
+                                  "zero2_disk", "ddp_tile2", "zero3_tile2"])
+@pytest.mark.composes(("compile", "tiling", "ddp"), case="ddp_tile2")
+@pytest.mark.composes(("compile", "tiling", "zero3"), case="zero3_tile2")
 @pytest.mark.composes(("compile", "ddp"), case="ddp")
 @pytest.mark.composes(("compile", "zero1"), case="zero1")
 @pytest.mark.composes(("compile", "zero2"), case="zero2")
@@ -118,9 +125,13 @@ def test_compiled_pipeline_equals_one_eager_process(runs, name):
 
 
 def test_compile_keeps_the_hooks_and_collectives_eager(runs):
-    """ZeRO-3: no graph break (its gather / free hooks are not traced). TP: the collectives run and
-    are counted every step, as without compile."""
+    """ZeRO-3: no graph break (its gather / free hooks are not traced), and with weight tiles no
+    more graphs than token tiles make. TP: the collectives run and are counted every step, as
+    without compile."""
     _, results, _ = runs
     assert results["zero3"][3] == 0
+    # Tiles run eagerly (torch.compiler.disable): ZeRO-3's weight tiles add no graphs to the token
+    # tiles' (traced, their per-tile gather hooks made 12 graphs and 31 breaks; torch 2.13)
+    assert results["zero3_tile2"][4] == results["ddp_tile2"][4]
     assert results["tp2"][2] == results["tp2_eager"][2]
     assert all(row.get("all_reduce", 0) > 0 for row in results["tp2"][2])

@@ -315,11 +315,8 @@ def test_auto_micro_batch_trains_as_the_fixed_one(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"train.tile": 2, "parallel.zero": 3, "parallel.dp": 2, "optim.name": "adamw8bit"},
-     "quantisation block"),
     ({"train.compile": True, "parallel.pp": 2, "parallel.dp": 1, "parallel.pp_schedule": "zbv"},
      "--pp-schedule zbv splits each linear's backward"),
-    ({"train.compile": True, "train.tile": 2}, "--compile does not compose with --tile"),
     ({"train.micro_batch": "auto"}, "--memory-limit"),
     ({"train.memory_limit": 10**9}, "--micro-batch auto"),
     ({"train.recompute": "some"}, "train.recompute"),

@@ -126,6 +126,7 @@ def _check_tensor_parallel(cfg: Config, problems: list[str]) -> None:
     """--tp / --sp: heads and widths must split evenly over tp; SP splits the sequence too."""
     p, tp = cfg.parallel, cfg.parallel.tp
     if tp == 1:  # --sp without --tp: check_parallel_rules
+        _check_8bit_tiles(cfg, problems)
         return
     if not model_kind(cfg.model.name).tensor_parallel:
         problems.append(f"{cfg.model.name} has no tensor-parallel plan: use --tp 1 (data parallelism) "
@@ -147,13 +148,40 @@ def _check_tensor_parallel(cfg: Config, problems: list[str]) -> None:
         _check_8bit_pieces(cfg, c, tp, problems)
 
 
-def _check_8bit_pieces(cfg: Config, c: object, tp: int, problems: list[str]) -> None:
-    """8-bit AdamW cuts a split weight's state in gcd(size, 16) pieces along the split, in every
-    layout (optim/adamw8bit.py Blocks): tp must divide the pieces of every split size."""
+def _8bit_split_sizes(cfg: Config, c: object) -> dict[str, int]:
+    """The sizes the tp plan splits (8-bit AdamW cuts their state in gcd(size, 16) pieces)."""
     sizes = {"the vocabulary": c.vocab_size if cfg.model.init_from else cfg.data.vocab_size,
              "the attention width (n_heads x head_dim)": c.n_heads * c.head_dim, "ffn_dim": c.ffn_dim}
     if c.n_experts:
         sizes["moe_ffn_dim"] = c.moe_ffn_dim
+    return sizes
+
+
+def _check_8bit_tiles(cfg: Config, problems: list[str]) -> None:
+    """--tile N under ZeRO-3 cuts the MLP and head weights in N row tiles (memory/tiled_linear.py),
+    each stepping the one-process 8-bit blocks of its rows: N must divide the gcd(size, 16) pieces
+    of the sizes those rows run along (optim/adamw8bit.py Blocks), as tp must."""
+    n = cfg.train.tile
+    # engine/build.py tiles weights under ZeRO-3 at tp 1 without LoRA (a LoRA run tiles tokens)
+    weight_tiles = n > 1 and cfg.parallel.zero == 3 and cfg.optim.name == "adamw8bit" and not cfg.lora.rank
+    if not weight_tiles or not model_kind(cfg.model.name).blocks:
+        return
+    c = model_shape(cfg)
+    sizes = _8bit_split_sizes(cfg, c)
+    tiled = ("ffn_dim",) if getattr(c, "tie_embeddings", False) else ("the vocabulary", "ffn_dim")
+    for what in tiled:  # the head's rows (a tied head is not tiled), the up/gate projections' rows
+        pieces = math.gcd(sizes[what], TP_PIECES)
+        if pieces % n:
+            problems.append(f"--tile {n} with --zero 3 --optimizer adamw8bit: {what} ({sizes[what]}) is "
+                            f"cut in gcd({sizes[what]}, {TP_PIECES}) = {pieces} pieces for the 8-bit blocks "
+                            "(the same in every layout), which the weight tiles must not cut: use a --tile "
+                            f"that divides {pieces}, or --optimizer adamw")
+
+
+def _check_8bit_pieces(cfg: Config, c: object, tp: int, problems: list[str]) -> None:
+    """8-bit AdamW cuts a split weight's state in gcd(size, 16) pieces along the split, in every
+    layout (optim/adamw8bit.py Blocks): tp must divide the pieces of every split size."""
+    sizes = _8bit_split_sizes(cfg, c)
     for what, size in sizes.items():
         pieces = math.gcd(size, TP_PIECES)
         if pieces % tp:

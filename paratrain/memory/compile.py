@@ -23,9 +23,12 @@ pipeline split (which only removes blocks). How it composes (tests/test_compile_
 * Pipelines (GPipe, 1F1B, interleaved): compiled before the split, each rank keeps its stages'
   compiled blocks; the schedule's sends and receives run outside them (no graph break).
 
-Refused: the zero-bubble schedules (engine/checks.py: their split backward), --tile
-(``check_savers``: the token tiles recompute inside a Python autograd Function; under ZeRO-3
-every weight tile's gather hook would be a graph break).
+* --tile: the tiled MLP and head run eagerly (``torch.compiler.disable`` on memory/tiling.py's
+  ``tiled_rows`` and TiledLinear.forward), a graph break around them: token tiles recompute in a
+  Python autograd Function, and ZeRO-3's weight tiles are units whose traced hooks broke the graph
+  at every tile (measured: 12 graphs for 4 blocks; eager tiles: 2).
+
+Refused: the zero-bubble schedules (engine/checks.py: their split backward).
 """
 
 from __future__ import annotations

@@ -42,13 +42,6 @@ def _gpu_trial(c: Config) -> bool:
 
 
 SAVER_REFUSALS = (  # the message: "<flags[0]> does not compose with <flags[1]>: <reason>"
-    Refusal("tiling", "8bit", "a weight tile's rows need not start on a quantisation block of the full "
-            "tensor; use --optimizer adamw, or --zero 1/2",
-            flags=("--tile", "--optimizer adamw8bit with --zero 3"),
-            when=_tile(lambda c: c.parallel.zero == 3 and c.optim.name == "adamw8bit")),
-    Refusal("compile", "tiling", "token tiles recompute in a Python autograd function; under ZeRO-3 each "
-            "weight tile's gather hook would break the graph", flags=("--compile", "--tile > 1"),
-            when=lambda c: c.train.compile and c.train.tile > 1),
     Refusal("batch-finder", "tp", "a rank out of memory inside a tensor-parallel collective leaves its peers "
             "blocked in it: NCCL cannot cancel a collective, only abort the communicator",
             flags=("--micro-batch auto", "--tp > 1 on a GPU"),

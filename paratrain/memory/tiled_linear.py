@@ -69,6 +69,7 @@ class TiledLinear(nn.Module):
             tiles.append(tile)
         self.tiles = nn.ModuleList(tiles)
 
+    @torch.compiler.disable  # under --compile: eager, so its tiles' ZeRO-3 hooks are not traced
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Each tile's call gathers its weight (ZeRO-3 pre-forward hook) and frees it after.
         return torch.cat([tile(x) for tile in self.tiles], dim=-1)  # [..., out_features]
@@ -82,7 +83,9 @@ def _chunks(t: torch.Tensor, n: int) -> list[torch.Tensor]:
 def _mark(p: torch.Tensor, name: str, full: torch.Tensor, index: int, count: int) -> None:
     if info_of(full).shard.is_split:
         raise ValueError(f"{name} is already split ({info_of(full).shard}); tile an unsplit linear")
-    set_info(p, ParamInfo(name, TensorShard(tuple(full.shape), dim=0, index=index, count=count, axis="tile")))
+    # tp_dim survives: 8-bit AdamW cuts a tile's blocks as the full tensor's (adamw8bit.Blocks)
+    set_info(p, ParamInfo(name, TensorShard(tuple(full.shape), dim=0, index=index, count=count, axis="tile"),
+                          tp_dim=info_of(full).tp_dim))
 
 
 def apply_weight_tiling(model: nn.Module, n_tiles: int) -> list[str]:

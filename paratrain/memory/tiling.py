@@ -125,6 +125,7 @@ class _ModuleFn:
         return self.module.parameters()
 
 
+@torch.compiler.disable  # under --compile: eager, a graph break around it (memory/compile.py)
 def tiled_rows(module: nn.Module, forward: Callable, x: torch.Tensor, n_tiles: int) -> torch.Tensor:
     """``forward(x)`` of a row-wise module, computed in n_tiles tiles of tokens (x: [..., dim]).
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from paratrain.optim.quant import SIGNED, UNSIGNED, dequantise, n_blocks, quantise
-from paratrain.sharding import TP_PIECES, info_of
+from paratrain.sharding import TP_PIECES, ParamInfo, info_of
 from paratrain.shards import Piece, PieceSpec, ShardReader
 
 #: Tensors with fewer elements keep fp32 moments (bitsandbytes' ``min_8bit_size`` default).
@@ -102,6 +102,8 @@ def blocks_of(p: torch.Tensor, block: int) -> Blocks:
     d, shard, full = info.tp_dim, info.shard, info.full_shape
     split = shard.is_split and shard.axis == "tp"
     pieces = math.gcd(full[d], TP_PIECES) if d is not None else 1
+    if shard.is_split and shard.axis == "tile":
+        return _tile_blocks(info, pieces, block)
     if pieces == 1 and not split:  # no tp can split it (an odd size): flat blocks in every layout
         return Blocks((p.numel(),), block, (0,), (p.numel(),))
     if d is None:
@@ -117,6 +119,26 @@ def blocks_of(p: torch.Tensor, block: int) -> Blocks:
                              f"a --tp that divides {pieces}, or --optimizer adamw")
         per, index = pieces // shard.count, shard.index
     return Blocks((outer, pieces, run), math.gcd(run, block), (0, index * per, 0), (outer, per, run))
+
+
+def _tile_blocks(info: ParamInfo, pieces: int, block: int) -> Blocks:
+    """A weight tile's (memory/tiled_linear.py: rows of dim 0) slab of the full tensor's Blocks,
+    so a tile holds exactly the one-process blocks of its rows. Along a dim-0 tp split the tile
+    must be whole pieces (as a tp slice); along a later split dim rows are runs of whole pieces."""
+    d, shard, full = info.tp_dim, info.shard, info.full_shape
+    if d is None or pieces == 1 or (d == 0 and pieces % shard.count):
+        raise ValueError(f"{info.name}: 8-bit AdamW cuts its state in gcd({full[d] if d is not None else 1}, "
+                         f"{TP_PIECES}) = {pieces} pieces along dim {d}; --tile {shard.count} row tiles "
+                         "would cut its blocks: use a --tile that divides the pieces, or --optimizer adamw")
+    outer = math.prod(full[:d])
+    run = math.prod(full) // (outer * pieces)
+    if d == 0:
+        per = pieces // shard.count
+        start = (0, shard.index * per, 0)
+        return Blocks((outer, pieces, run), math.gcd(run, block), start, (outer, per, run))
+    (r0, *_), (rows, *_) = shard.slab()
+    inner = outer // full[0]  # outer elements per row of dim 0
+    return Blocks((outer, pieces, run), math.gcd(run, block), (r0 * inner, 0, 0), (rows * inner, pieces, run))
 
 
 def new_state(numel: int, *, quantised: bool, block: int,
