@@ -42,10 +42,12 @@ def _refused(what: str) -> Callable[[Config], str]:
     return lambda c: f"--cp {c.parallel.cp} with {what} is not supported: drop one of them"
 
 
-# What --cp is refused with (records of docs/composition.md: refusals.py).
+# What --cp is refused with (records of docs/composition.md: refusals.py). Averaging replicas
+# (--sync local-sgd | diloco) are cp groups: data_parallel/averaging.py.
 CP_REFUSALS = (
-    Refusal("cp", ("local-sgd", "diloco", "param-server"), "the cp ranks of a batch must sum gradients "
-            "every step", when=lambda c: c.parallel.cp > 1 and c.parallel.sync != "ddp",
-            message=lambda c: _refused(f"--sync {c.parallel.sync} (the cp ranks of a batch must sum "
-                                       "gradients every step)")(c)),
+    Refusal("cp", ("param-server",), "a worker of the parameter server is one rank's rows whole; "
+            "workers as cp groups are not built",
+            when=lambda c: c.parallel.cp > 1 and c.parallel.sync == "parameter-server",
+            message=lambda c: _refused("--sync parameter-server (a worker holds whole rows; its cp ranks "
+                                       "would have to sum gradients before pushing)")(c)),
 )
