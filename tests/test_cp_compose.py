@@ -74,7 +74,7 @@ def test_cp_with_experts_hsdp_and_qwen3_equals_one_process(tmp_path):
 def test_cp_moe_and_hsdp_checks(tmp_path):
     """The layouts lifted here pass the checks; --ep must divide dp x cp (the experts may spread
     over the cp ranks, which hold tokens too); averaging takes cp (a replica is one cp group) and the
-    parameter server stays refused."""
+    synchronous parameter server too, the asynchronous one stays refused."""
     base = {**SHAPE, "model.n_heads": 4, "model.n_kv_heads": 2}
     ok = [{"model.name": "tiny-moe", "parallel.cp": 2, "parallel.ep": 2, "parallel.nproc": 2},
           {"parallel.dp_replicate": 2, "parallel.cp": 2, "parallel.zero": 3, "parallel.nproc": 4},
@@ -95,9 +95,10 @@ def test_cp_moe_and_hsdp_checks(tmp_path):
                                          "parallel.nproc": 8})
     with pytest.raises(config.ConfigError, match=r"--ep 2 and --cp 4: a replica is one ep group"):
         checks.validate(cfg, cfg.world_size)
-    cfg = tiny_cfg(tmp_path / "bad", **{**base, "parallel.cp": 2, "parallel.sync": "parameter-server",
-                                         "parallel.nproc": 3})
-    with pytest.raises(config.ConfigError, match="with --sync parameter-server"):
+    ps = {**base, "parallel.cp": 2, "parallel.sync": "parameter-server", "parallel.nproc": 3}
+    checks.validate(tiny_cfg(tmp_path / "ps", **ps), 3)  # sync: every cp rank pushes its share
+    cfg = tiny_cfg(tmp_path / "bad", **ps, **{"parallel.ps_mode": "async"})
+    with pytest.raises(config.ConfigError, match="with --sync parameter-server --ps-mode async"):
         checks.validate(cfg, cfg.world_size)
 
 

@@ -45,9 +45,11 @@ def _refused(what: str) -> Callable[[Config], str]:
 # What --cp is refused with (records of docs/composition.md: refusals.py). Averaging replicas
 # (--sync local-sgd | diloco) are cp groups: data_parallel/averaging.py.
 CP_REFUSALS = (
-    Refusal("cp", ("param-server",), "a worker of the parameter server is one rank's rows whole; "
-            "workers as cp groups are not built",
-            when=lambda c: c.parallel.cp > 1 and c.parallel.sync == "parameter-server",
-            message=lambda c: _refused("--sync parameter-server (a worker holds whole rows; its cp ranks "
-                                       "would have to sum gradients before pushing)")(c)),
+    Refusal("cp", ("param-server",), "--ps-mode async applies each worker's update alone, and a worker "
+            "as a cp group (its ranks summing before one push) is not built; --ps-mode sync runs with cp",
+            when=lambda c: c.parallel.cp > 1 and c.parallel.sync == "parameter-server"
+            and c.parallel.ps_mode == "async",
+            message=lambda c: _refused("--sync parameter-server --ps-mode async (each update is one worker's "
+                                       "rows, and the cp ranks of a batch hold parts of the same rows); "
+                                       "--ps-mode sync runs with --cp")(c)),
 )
