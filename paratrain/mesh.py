@@ -25,7 +25,9 @@ Context parallelism subdivides it too: ``dp_index = batch_index * cp + cp_index`
 the whole dp x cp group: the cp ranks of one batch share its rows (each holds 1/cp of every row's
 positions), and their gradients are summed, and their ZeRO shards cut, over dp x cp with the other
 replicas' (as torchtitan does). The ``cp`` group (neighbours) is where attention's K/V blocks travel;
-``batch_rows`` says which rows of the global batch a rank takes.
+``batch_rows`` says which rows of the global batch a rank takes. The ``batch`` group holds the ranks
+at the same cp index of every batch (the dp group itself when cp = 1): where averaging replicas
+that are cp groups meet (data_parallel/averaging.py).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import torch.distributed as dist
 from paratrain.comm.collectives import Axis, CommCounter
 
 AXES = ("pp", "dp", "tp", "ep", "edp", "dp_shard", "dp_replicate", "edp_shard", "edp_replicate", "cp",
-        "world")
+        "batch", "world")
 
 
 class MeshError(ValueError):
@@ -120,6 +122,7 @@ class MeshShape:
             "edp_shard": lambda c: (c["pp"], c["tp"], c["ep"], c["dp_replicate"]),
             "edp_replicate": lambda c: (c["pp"], c["tp"], c["ep"], c["edp_shard"]),
             "cp": lambda c: (c["pp"], c["tp"], c["batch"]),
+            "batch": lambda c: (c["pp"], c["tp"], c["cp"]),
         }[axis]
         buckets: dict[tuple, list[int]] = {}
         for r in ranks:

@@ -7,7 +7,10 @@ across replicas and each expert across the ranks holding it (edp). It must train
 averaging over 2 whole one-process replicas (dp 2, --ep 1) that see the same rows: a replica's rows
 are the union of its ep ranks' slices. Local SGD, DiLoCo (Nesterov), and DiLoCo with ZeRO-1 inside
 hybrid-sharded replicas (--dp-replicate 2, experts sharded over edp_shard and averaged over
-edp_replicate) run in one 4-rank launch; the references in one 2-rank launch.
+edp_replicate) run in one 4-rank launch; the references in one 2-rank launch. The same launch runs
+local SGD and DiLoCo at dp 2 x cp 2 (--ep 1): a replica is one cp group, its gradients summed over
+cp every step and its parameters averaged over ``batch``, against the same whole replicas; and
+with the cp pairs inside ep groups (ep 2) and inside hybrid-sharded ZeRO-1 replicas (R = 2).
 
 Shared memory (comm/host_reduce.py): --dp-reduce shm at dp 4 ep 2 sums the dense buckets through
 one segment per rank over dp and the expert buckets through another over each edp group; it must
@@ -38,6 +41,13 @@ SPLIT = {  # 4 ranks: 2 replicas of one ep group each; name -> (its flags, the 2
     "local": ({**DP4_EP2, **LOCAL}, "local"),
     "diloco": ({**DP4_EP2, **DILOCO}, "diloco"),
     "diloco_hsdp_zero1": ({**DP4_EP2, **DILOCO, "parallel.zero": 1, "parallel.dp_replicate": 2}, "diloco"),
+    # context parallelism: a replica is one cp group (dp 2 x cp 2), experts replicated (--ep 1)
+    "cp_local": ({"parallel.dp": 2, "parallel.cp": 2, **LOCAL}, "local"),
+    "cp_diloco": ({"parallel.dp": 2, "parallel.cp": 2, **DILOCO}, "diloco"),
+    # the cp groups inside an ep group (ep 2 = cp 2) and inside hybrid-sharded replicas (S x cp)
+    "cp_ep_local": ({"parallel.dp": 2, "parallel.cp": 2, "parallel.ep": 2, **LOCAL}, "local"),
+    "cp_hsdp_zero1": ({"parallel.dp": 2, "parallel.cp": 2, "parallel.dp_replicate": 2, "parallel.zero": 1,
+                       **DILOCO}, "diloco"),
     # against one process; selective recompute folded in (its backward re-runs the dispatch)
     "shm": ({**DP4_EP2, "parallel.dp_reduce": "shm", "train.recompute": "selective"}, None),
     # and with the experts replicated inside a tp2 + sp split of each replica (dp 2)
@@ -66,6 +76,10 @@ def runs(tmp_path_factory) -> dict:
 @pytest.mark.composes(("local-sgd", "ep"), case="local")
 @pytest.mark.composes(("diloco", "ep"), case="diloco")
 @pytest.mark.composes(("diloco", "ep", "hsdp", "zero1"), case="diloco_hsdp_zero1")
+@pytest.mark.composes(("local-sgd", "cp", "moe"), case="cp_local")
+@pytest.mark.composes(("diloco", "cp", "moe"), case="cp_diloco")
+@pytest.mark.composes(("local-sgd", "cp", "ep"), case="cp_ep_local")
+@pytest.mark.composes(("diloco", "cp", "hsdp", "zero1"), case="cp_hsdp_zero1")
 def test_ep_replicas_average_as_whole_replicas(runs, name):
     losses, weights, rows = runs[name]
     ref_losses, ref_weights, _ = runs[f"whole_{SPLIT[name][1]}"]

@@ -73,7 +73,8 @@ def test_cp_with_experts_hsdp_and_qwen3_equals_one_process(tmp_path):
 
 def test_cp_moe_and_hsdp_checks(tmp_path):
     """The layouts lifted here pass the checks; --ep must divide dp x cp (the experts may spread
-    over the cp ranks, which hold tokens too), and averaging with cp stays refused with its reason."""
+    over the cp ranks, which hold tokens too); averaging takes cp (a replica is one cp group) and the
+    synchronous parameter server too, the asynchronous one stays refused."""
     base = {**SHAPE, "model.n_heads": 4, "model.n_kv_heads": 2}
     ok = [{"model.name": "tiny-moe", "parallel.cp": 2, "parallel.ep": 2, "parallel.nproc": 2},
           {"parallel.dp_replicate": 2, "parallel.cp": 2, "parallel.zero": 3, "parallel.nproc": 4},
@@ -85,9 +86,19 @@ def test_cp_moe_and_hsdp_checks(tmp_path):
                                          "parallel.ep": 4, "parallel.nproc": 2})
     with pytest.raises(config.ConfigError, match=r"--ep \(4\) must divide dp x cp \(1 x 2 = 2\)"):
         checks.validate(cfg, cfg.world_size)
-    cfg = tiny_cfg(tmp_path / "bad", **{**base, "parallel.cp": 2, "parallel.sync": "local-sgd",
-                                         "parallel.nproc": 4})
-    with pytest.raises(config.ConfigError, match="must sum gradients every step"):
+    # averaging: a replica is one cp group (tests/test_averaging_ep.py), and an ep group holds whole ones
+    cfg = tiny_cfg(tmp_path / "avg", **{**base, "parallel.cp": 2, "parallel.sync": "local-sgd",
+                                         "parallel.sync_every": 2, "parallel.nproc": 4})
+    checks.validate(cfg, cfg.world_size)
+    cfg = tiny_cfg(tmp_path / "bad", **{**base, "model.name": "tiny-moe", "parallel.cp": 4, "parallel.ep": 2,
+                                         "parallel.sync": "diloco", "parallel.sync_every": 2,
+                                         "parallel.nproc": 8})
+    with pytest.raises(config.ConfigError, match=r"--ep 2 and --cp 4: a replica is one ep group"):
+        checks.validate(cfg, cfg.world_size)
+    ps = {**base, "parallel.cp": 2, "parallel.sync": "parameter-server", "parallel.nproc": 3}
+    checks.validate(tiny_cfg(tmp_path / "ps", **ps), 3)  # sync: every cp rank pushes its share
+    cfg = tiny_cfg(tmp_path / "bad", **ps, **{"parallel.ps_mode": "async"})
+    with pytest.raises(config.ConfigError, match="with --sync parameter-server --ps-mode async"):
         checks.validate(cfg, cfg.world_size)
 
 

@@ -20,11 +20,14 @@ def test_tp_varies_fastest_then_dp_then_pp():
 
 def test_cp_subdivides_dp_neighbours_share_rows():
     """dp x cp = 4 with cp 2, tp 2: cp groups are neighbouring dp indices (same rows), the dp axis
-    (gradient sums, ZeRO shards) spans all four."""
+    (gradient sums, ZeRO shards) spans all four, the batch axis the same cp index of each batch."""
     s = MeshShape(dp=4, tp=2, cp=2)
     assert sorted(s.groups("cp")) == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert s.groups("dp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
     assert [s.coords(r)["batch"] for r in (0, 2, 4, 6)] == [0, 0, 1, 1]
+    # averaging replicas that are cp groups meet over batch: the same cp index of every batch
+    assert sorted(s.groups("batch")) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert MeshShape(dp=4).groups("batch") == MeshShape(dp=4).groups("dp")  # cp 1: the dp group
     with pytest.raises(MeshError, match="cp"):
         MeshShape(dp=3, cp=2).check(3)
 

@@ -2,8 +2,10 @@
 interleaved, ZB-H1, ZBV, DualPipeV; 1F1B is tests/test_param_server.py's ``pp2-1f1b`` case), each
 equal to one process on the same micro-batches. One launch of 2 workers x pp 2 + 1 server runs the
 five runs in turn in the same processes (each run its own server session), so the suite pays one
-start. Criterion: tests/harness.py's FP32_REORDERED, as the 1F1B case (the server sums the two
-workers' pushes in another order than one process's accumulation)."""
+start; a sixth run uses the same 4 worker ranks as dp 2 x cp 2 (context parallelism, no pipeline:
+every cp rank pushes its share of its batch's gradient and the synchronous server sums them all).
+Criterion: tests/harness.py's FP32_REORDERED, as the 1F1B case (the server sums the workers'
+pushes in another order than one process's accumulation)."""
 
 from __future__ import annotations
 
@@ -30,7 +32,9 @@ SCHEDULES = {"gpipe": {"parallel.pp_schedule": "gpipe", "train.tile": 2, "train.
                              "train.compile": True, "train.compile_backend": "aot_eager"},
              "zb-h1": {"parallel.pp_schedule": "zb-h1"},
              "zbv": {"parallel.pp_schedule": "zbv"},
-             "dualpipev": {"parallel.pp_schedule": "dualpipev"}}
+             "dualpipev": {"parallel.pp_schedule": "dualpipev"},
+             # the same 4 worker ranks as dp 2 x cp 2 (no pipeline): every cp rank pushes its share
+             "cp2": {"parallel.pp": 1, "parallel.cp": 2}}
 COMMON = {"train.global_batch": GLOBAL_BATCH, "train.micro_batch": 1, "train.steps": 2, "parallel.pp": 2}
 
 
@@ -46,7 +50,7 @@ def _each(env, cfg_dicts: list[dict]) -> list:
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ps_schedules")
     one = Trainer(tiny_cfg(tmp / "one", **{k: v for k, v in COMMON.items() if k != "parallel.pp"})).fit()
-    cfgs = [_ps_cfg(tmp / name, dp=2, servers=1, **COMMON, **extra) for name, extra in SCHEDULES.items()]
+    cfgs = [_ps_cfg(tmp / name, dp=2, servers=1, **{**COMMON, **extra}) for name, extra in SCHEDULES.items()]
     for c in cfgs:
         checks.validate(c)
     build_task(cfgs[0])  # tokenize once here; workers map the cache
@@ -63,6 +67,7 @@ def runs(tmp_path_factory):
 @pytest.mark.composes(("param-server", "zb-h1"), case="zb-h1")
 @pytest.mark.composes(("param-server", "zbv"), case="zbv")
 @pytest.mark.composes(("param-server", "dualpipev"), case="dualpipev")
+@pytest.mark.composes(("param-server", "cp"), case="cp2")
 @pytest.mark.parametrize("name", list(SCHEDULES))
 def test_pipelined_workers_equal_one_process_under_every_schedule(runs, name):
     one, got, tmp = runs

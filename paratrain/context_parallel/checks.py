@@ -42,10 +42,14 @@ def _refused(what: str) -> Callable[[Config], str]:
     return lambda c: f"--cp {c.parallel.cp} with {what} is not supported: drop one of them"
 
 
-# What --cp is refused with (records of docs/composition.md: refusals.py).
+# What --cp is refused with (records of docs/composition.md: refusals.py). Averaging replicas
+# (--sync local-sgd | diloco) are cp groups: data_parallel/averaging.py.
 CP_REFUSALS = (
-    Refusal("cp", ("local-sgd", "diloco", "param-server"), "the cp ranks of a batch must sum gradients "
-            "every step", when=lambda c: c.parallel.cp > 1 and c.parallel.sync != "ddp",
-            message=lambda c: _refused(f"--sync {c.parallel.sync} (the cp ranks of a batch must sum "
-                                       "gradients every step)")(c)),
+    Refusal("cp", ("param-server",), "--ps-mode async applies each worker's update alone, and a worker "
+            "as a cp group (its ranks summing before one push) is not built; --ps-mode sync runs with cp",
+            when=lambda c: c.parallel.cp > 1 and c.parallel.sync == "parameter-server"
+            and c.parallel.ps_mode == "async",
+            message=lambda c: _refused("--sync parameter-server --ps-mode async (each update is one worker's "
+                                       "rows, and the cp ranks of a batch hold parts of the same rows); "
+                                       "--ps-mode sync runs with --cp")(c)),
 )

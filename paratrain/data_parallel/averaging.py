@@ -32,6 +32,12 @@ edp (the ranks holding it in the other replicas). Under hybrid sharding with exp
 dp_shard inside and dp_replicate across, experts over edp_shard inside and edp_replicate across.
 Each parameter's pair of axes comes from its ``ParamInfo.dp_axis``.
 
+Context parallelism (--cp) splits every row's positions over the cp ranks of one batch, so a
+replica is one cp group: each gradient is summed over the cp group every step (cp's own reduction,
+as under DDP) and the parameters averaged over ``batch`` (the rank at the same cp index in each
+other replica). Under hybrid sharding or expert parallelism a replica's ranks hold whole cp groups
+(cp divides them), so the same inner axis already sums over cp.
+
 When is it DDP? At H = 1 averaging the parameters after one inner step equals averaging the
 gradients only when the inner update is linear in the gradient: SGD, with or without momentum and
 weight decay (mean_r(θ − lr·g_r) = θ − lr·mean_r g_r, and the mean of the momentum buffers follows
@@ -94,23 +100,32 @@ def replica_axis(mesh: ParallelMesh, dp_axis: str = "dp") -> Axis:
     reduced over ``dp_axis`` (ParamInfo.dp_axis: dp, or edp for an expert): dp_replicate (or
     edp_replicate) under hybrid sharding; edp under expert parallelism (a replica is one ep group;
     the rank at the same ep index in each other replica holds the same dense part and experts);
-    else dp (every data-parallel rank its own replica)."""
+    batch under context parallelism (a replica is one cp group: the rank at the same cp index in
+    each other replica holds the same positions' part of its rows); else dp (every data-parallel
+    rank its own replica). Hybrid sharding and expert parallelism hold whole cp groups in a replica
+    (sync_checks.py checks that cp divides its ranks), so their axes stand with --cp too."""
     if mesh.shape.dp_replicate > 1:
         return getattr(mesh, f"{dp_axis}_replicate")
-    return mesh.edp if mesh.shape.ep > 1 else mesh.dp
+    if mesh.shape.ep > 1:
+        return mesh.edp
+    return mesh.batch if mesh.shape.cp > 1 else mesh.dp
 
 
 def inner_axis(mesh: ParallelMesh, dp_axis: str = "dp") -> Axis | None:
     """The ranks inside one replica that sum this parameter's gradient every step (None: no other
     rank of the replica holds it). For a dense parameter (``dp_axis`` dp) these are the replica's
-    ranks: dp_shard under hybrid sharding, the ep group under expert parallelism."""
+    ranks: dp_shard under hybrid sharding, the ep group under expert parallelism (an expert's
+    gradient is already the replica's), the cp group under context parallelism (each cp rank's
+    gradient is its positions' share of the replica's rows)."""
     if mesh.shape.dp_replicate > 1:
         inner = getattr(mesh, f"{dp_axis}_shard")
-    elif mesh.shape.ep > 1 and dp_axis == "dp":
-        inner = mesh.ep
+    elif mesh.shape.ep > 1:
+        inner = mesh.ep if dp_axis == "dp" else None
+    elif mesh.shape.cp > 1:
+        inner = mesh.cp
     else:
         return None
-    return inner if inner.active else None
+    return inner if inner is not None and inner.active else None
 
 
 class Averager:

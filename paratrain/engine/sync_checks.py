@@ -43,10 +43,13 @@ def check_sync(p: ParallelConfig, dp: int, problems: list[str]) -> None:
     if dp < 2:
         problems.append(f"--sync {p.sync} averages data-parallel replicas; with dp {dp} there is one: "
                         "use --dp >= 2 (or --sync ddp)")
-    if p.ep > 1 and p.dp_replicate == 1 and dp >= 2 and dp // p.ep < 2:
+    ranks = dp * p.cp  # the data-parallel ranks: the cp ranks of each batch among them (mesh.py)
+    if p.ep > 1 and p.dp_replicate == 1 and dp >= 2 and ranks // p.ep < 2:
         problems.append(f"--sync {p.sync} with --ep {p.ep} makes each ep group of {p.ep} ranks one replica "
-                        f"(every expert held once in it); dp {dp} holds {dp // p.ep}: nothing to average. "
+                        f"(every expert held once in it); dp {dp} holds {ranks // p.ep}: nothing to average. "
                         f"Use --dp >= {2 * p.ep} (or a smaller --ep), or --sync ddp")
+    if p.cp > 1:
+        _check_cp_replicas(p, ranks, problems)
     if p.zero >= 1 and p.dp_replicate == 1:
         problems.append(f"--sync {p.sync} with --zero {p.zero} and --dp-replicate 1 makes the {dp} dp ranks "
                         "one sharded replica: nothing to average. Add --dp-replicate R (R replicas of S = "
@@ -55,6 +58,16 @@ def check_sync(p: ParallelConfig, dp: int, problems: list[str]) -> None:
     emit(SYNC_REFUSALS, p, problems)
     if p.sync == "diloco":
         _check_outer(p, problems)
+
+
+def _check_cp_replicas(p: ParallelConfig, ranks: int, problems: list[str]) -> None:
+    """A replica sums its gradients every step and the cp ranks of a batch must (each holds part of
+    every row), so a replica holds whole cp groups. Hybrid sharding's replicas do by construction
+    (S x cp ranks, mesh.py); under expert parallelism a replica is one ep group."""
+    if p.dp_replicate == 1 and p.ep > 1 and p.ep % p.cp:
+        problems.append(f"--sync {p.sync} with --ep {p.ep} and --cp {p.cp}: a replica is one ep group, which "
+                        f"must hold whole cp groups (the cp ranks of a batch sum their gradients every "
+                        f"step); use an --ep that is a multiple of --cp {p.cp}")
 
 
 SYNC_REFUSALS = (  # they read a ParallelConfig or a Config (the library door calls check_sync too)

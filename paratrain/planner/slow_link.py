@@ -155,7 +155,7 @@ def variants(lay: Layout, cluster: Cluster, fits: bool = True, fixed: dict | Non
     if lay.dp == 1 or lay.ep > 1 or lay.offload != "none" or isinstance(lay, SlowLayout):
         return []
     if lay.cp > 1 and (lay.zero == 0 or fixed.get("sync", "ddp") != "ddp"):
-        return []  # cp's ranks sum gradients every step: hybrid sharding (ZeRO) only, no averaging
+        return []  # hybrid sharding (ZeRO) only: averaging / a server with cp run but are not priced yet
     if not fixed and group_link(cluster, lay, "dp") is cluster.intra:
         return []
     if not fits:

@@ -17,7 +17,10 @@ from paratrain.train.trainer import Trainer, TrainResult
 
 
 def ps_world(cfg: Config) -> PsWorld:
-    return PsWorld(cfg.dp, cfg.ps_servers, cfg.parallel.timeout_s, tp=cfg.parallel.tp,
+    """The run's workers and servers. Under context parallelism every cp rank pushes its share of
+    its batch's gradient as a worker of its own (mesh.py: dp x cp ranks), which the synchronous
+    servers sum as DDP sums over dp x cp."""
+    return PsWorld(cfg.dp * cfg.parallel.cp, cfg.ps_servers, cfg.parallel.timeout_s, tp=cfg.parallel.tp,
                    pp=cfg.parallel.pp, ep=cfg.parallel.ep)
 
 
