@@ -289,23 +289,10 @@ def test_full_recompute_of_compiled_blocks_equals_eager(name):
     block's aux and z losses recorded once, not again at the re-run) and gradients as the eager
     model without recompute (the bound is test_compile_equals_eager's)."""
     shape = preset(name, max_seq_len=16, n_layers=1)
-    ref = build_model(shape)
-    init_weights(ref, 0, shape)
-    model = compile_blocks(apply_recompute(copy.deepcopy(ref), "full"), backend="aot_eager")
-    gen = torch.Generator().manual_seed(0)
-    x, y = (torch.randint(0, shape.vocab_size, (2, 16), generator=gen) for _ in range(2))
-    losses = []
-    for m in (ref, model):
-        loss = F.cross_entropy(m(x).flatten(0, 1), y.flatten(), reduction="sum")
-        if shape.n_experts:
-            loss = loss + moe_loss_sum(m, aux_loss_coef=shape.aux_loss_coef, z_loss_coef=shape.z_loss_coef,
-                                       n_moe_layers=1)
-        loss.backward()
-        losses.append(loss.detach())
-    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)
-    for (pname, want), got in zip(ref.named_parameters(), model.parameters()):
-        torch.testing.assert_close(got.grad, want.grad, rtol=1e-3, atol=1e-4 * float(want.grad.abs().max()),
-                                   msg=pname)
+    side = {"aux_loss_coef": shape.aux_loss_coef, "z_loss_coef": shape.z_loss_coef, "n_moe_layers": 1}
+    _compiled_equals_eager(shape, lambda m: apply_recompute(m, "full"),
+                           (lambda m: moe_loss_sum(m, **side)) if shape.n_experts else (lambda m: 0.0),
+                           reduction="sum")
 
 
 @pytest.mark.composes(("moe", "compile"))

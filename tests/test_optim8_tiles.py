@@ -23,6 +23,7 @@ from paratrain.optim.adamw8bit import QUANT_KEYS, blocks_of
 from paratrain.sharding import ParamInfo, TensorShard, set_info
 from tests.dist import run
 from tests.harness import FP32_REORDERED, RunResult, assert_same_training, run_layout, tiny_cfg, train_each
+from tests.test_optim8_tp import _state
 
 BLOCK = 256
 
@@ -75,17 +76,6 @@ def test_tiles_that_would_cut_the_pieces_are_refused_before_any_worker_starts():
 
 EIGHT = {"optim.name": "adamw8bit", "optim.block_size": BLOCK, "optim.min_8bit_size": 2048,
          "train.tile": 2, "train.steps": 3, "train.save_every": 3}
-
-
-def _state(folder) -> dict[tuple[str, str], torch.Tensor]:
-    """Every 8-bit state tensor of the checkpoint, full and in its stored shape."""
-    reader = ckpt.open_reader(folder)
-    out = {}
-    for n in reader.tensors:
-        for k in set(reader.keys(n)) & set(QUANT_KEYS):
-            shape = reader.shape(n, k)
-            out[n, k] = reader.read(n, k, (0,) * len(shape), shape).view(shape)
-    return out
 
 
 @pytest.mark.composes(("tiling", "8bit"), ("tiling", "8bit", "zero3"))
