@@ -3,9 +3,11 @@ equal to one process in float64 (no cross-rank reduction reorders much: toleranc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import shutil
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -269,10 +271,10 @@ def test_bad_cp_input_is_refused_before_any_worker(tmp_path, capsys, monkeypatch
 # -- the library door: a paratrain Llama in the user's own loop -----------------------------------
 
 
-def _user_loop(par_kwargs: dict | None) -> dict:
-    """The user's loop on paratrain's Llama in float64 (par None: plain torch); final weights."""
-    import torch.nn.functional as F  # noqa: N812
-
+@contextlib.contextmanager
+def _float64_llama(par_kwargs: dict | None, make_opt) -> Iterator[tuple]:
+    """paratrain's tiny Llama in float64 with its optimizer, prepared by ``Parallel(**par_kwargs)``
+    (par None: plain torch): (cfg, model, opt, par); torch's default dtype restored after."""
     import paratrain
     from paratrain.models import build_model, init_weights
 
@@ -282,10 +284,23 @@ def _user_loop(par_kwargs: dict | None) -> dict:
         cfg = preset("tiny", max_seq_len=32, **SMALL)
         model = build_model(cfg, "cpu")
         init_weights(model, 0, cfg)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opt = make_opt(model.parameters())
         par = paratrain.Parallel(**par_kwargs) if par_kwargs is not None else None
         if par is not None:
             model, opt = par.prepare(model, opt)
+        yield cfg, model, opt, par
+    finally:
+        torch.set_default_dtype(default)
+
+
+def _final_weights(par, model) -> dict:
+    state = par.full_state_dict(model) if par is not None else model.state_dict()
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+def _user_loop(par_kwargs: dict | None) -> dict:
+    """The user's loop on paratrain's Llama in float64 (par None: plain torch); final weights."""
+    with _float64_llama(par_kwargs, lambda p: torch.optim.AdamW(p, lr=1e-2)) as (cfg, model, opt, par):
         for k in range(2):
             ids = torch.randint(0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(k))
             x, y, positions = ids[:, :-1], ids[:, 1:], None
@@ -295,10 +310,7 @@ def _user_loop(par_kwargs: dict | None) -> dict:
             par.backward(loss) if par is not None else loss.backward()
             opt.step()
             opt.zero_grad()
-        state = par.full_state_dict(model) if par is not None else model.state_dict()
-        return {k: v.detach().clone() for k, v in state.items()}
-    finally:
-        torch.set_default_dtype(default)
+        return _final_weights(par, model)
 
 
 def _library_cp(env) -> list[dict]:
@@ -319,19 +331,7 @@ def _sgd_loop(par_kwargs: dict | None) -> dict:
     """The user's loop on 4 rows, each dp slice its own, through ``pipeline_step`` when pp > 1 (par
     None: plain torch); SGD: a gradient off by any factor moves the weights (AdamW would hide a
     uniform scale). Final weights."""
-    import paratrain
-    from paratrain.models import build_model, init_weights
-
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        cfg = preset("tiny", max_seq_len=32, **SMALL)
-        model = build_model(cfg, "cpu")
-        init_weights(model, 0, cfg)
-        opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        par = paratrain.Parallel(**par_kwargs) if par_kwargs is not None else None
-        if par is not None:
-            model, opt = par.prepare(model, opt)
+    with _float64_llama(par_kwargs, lambda p: torch.optim.SGD(p, lr=0.5)) as (cfg, model, opt, par):
         for k in range(2):
             ids = torch.randint(0, cfg.vocab_size, (4, 33), generator=torch.Generator().manual_seed(k))
             x, y = ids[:, :-1], ids[:, 1:]
@@ -346,10 +346,7 @@ def _sgd_loop(par_kwargs: dict | None) -> dict:
                     par.backward(F.cross_entropy(model(x, positions).flatten(0, 1), y.flatten()))
             opt.step()
             opt.zero_grad()
-        state = par.full_state_dict(model) if par is not None else model.state_dict()
-        return {k: v.detach().clone() for k, v in state.items()}
-    finally:
-        torch.set_default_dtype(default)
+        return _final_weights(par, model)
 
 
 def _library_composed(env) -> list[dict]:
