@@ -449,7 +449,9 @@ def test_streamed_base_is_held_a_unit_at_a_time(one, streamed):
 
 
 def test_checks_say_where_the_base_streams():
-    assert "add --zero 3" in _problems(**QLORA, **{"parallel.offload": "disk", "parallel.offload_dir": "d"})
+    said = _problems(**QLORA, **{"parallel.offload": "disk", "parallel.offload_dir": "d"})
+    # one bullet says both what --offload disk needs and that --zero 3 streams LoRA's base
+    assert said.count("--offload disk") == 1 and "--zero 3 also streams the frozen base" in said
     assert "reshard_after_forward = false" in _problems(**QLORA, **STREAMED, **{
         "parallel.offload_dir": "d", "parallel.reshard_after_forward": False})
 

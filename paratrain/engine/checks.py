@@ -414,13 +414,21 @@ def _zeros(say: Spelling) -> str:
     return say("zero", text="1, 2 or 3")
 
 
+def _streamed_base_hint(c: object, say: Spelling) -> str:
+    """The trainer's --offload disk is also LoRA's streamed base (engine/lora.py): one message says both."""
+    if say is not FLAGS or parallel_of(c).offload != "disk":
+        return ""
+    return (" (with --lora, --zero 3 also streams the frozen base from disk a unit at a time, on one "
+            "process too)")
+
+
 PARALLEL_REFUSALS = (  # they read a Config or the library's ParallelConfig (parallel_of)
     # --zero 0 is DDP: the matrix's "ddp" (its probes settle --zero 1 under an offload or --dp-replicate)
     Refusal("ddp", ("offload-cpu", "offload-disk"),
             "by definition: the offloaded state is ZeRO's optimizer partition, and DDP (--zero 0) has none",
             when=lambda c: parallel_of(c).offload != "none" and parallel_of(c).zero < 1,
             spoken=lambda c, say: f"{say('offload', parallel_of(c).offload)} moves the ZeRO optimizer "
-            f"partition off the device: it needs {_zeros(say)}"),
+            f"partition off the device: it needs {_zeros(say)}" + _streamed_base_hint(c, say)),
     Refusal("ddp", "hsdp", "by definition: without ZeRO every rank holds everything, so replicas of "
             "DDP groups summing every step are DDP over all ranks (--sync local-sgd | diloco averages "
             "across them)",

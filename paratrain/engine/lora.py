@@ -121,10 +121,7 @@ def check_lora(cfg: Config, problems: list[str]) -> None:
 
 def _check_streamed_base(cfg: Config, problems: list[str]) -> None:
     """What streaming the frozen base from disk (``streams_base``) needs."""
-    p = cfg.parallel
-    if p.offload == "disk" and p.zero == 0:
-        problems.append("--lora with --offload disk streams the frozen base from disk a ZeRO-3 unit at a "
-                        "time: add --zero 3 (on one process too)")
+    p = cfg.parallel  # --offload disk without ZeRO: the ddp x offload refusal says it (engine/checks.py)
     if streams_base(cfg) and not p.reshard_after_forward:
         problems.append("--lora with --zero 3 --offload disk reads each block's frozen base from disk for "
                         "its forward and again for its backward; parallel.reshard_after_forward = false "
