@@ -109,7 +109,9 @@ class Parallel:
     gradient is the mean of the dp x cp ranks' mean losses (the rows' token mean when every rank
     counts as many targets; ``token_mean_loss`` gives it exactly). cp_method "auto": on a paratrain
     family, the method the planner prices cheaper for the first ``cp_split``'s rows
-    (``cp_method`` / ``cp_method_why`` then say which and why).
+    (``cp_method`` / ``cp_method_why`` then say which and why). With averaging a replica is one cp
+    group (its ranks sum their gradients every step); with the parameter server (ps_mode "sync")
+    every cp rank is a worker, as under ``paratrain train --cp``.
     sync = "parameter-server" / servers / ps_mode / max_staleness / ps_group: as ``paratrain train
     --sync parameter-server`` (api_ps.py): the last ``servers`` ranks serve (on them Parallel(...)
     ends with SystemExit(0) once every worker has called ``close()``), the servers step the user's
@@ -137,22 +139,20 @@ class Parallel:
             check_parallel_rules(ParallelConfig(tp=tp, pp=pp, zero=zero, dp_mode=dp_mode, offload=offload,
                                                 sp=sequence_parallel, dp_replicate=dp_replicate, sync=sync),
                                  problems, KEYWORDS)
-        cp_unchecked = cp > 1 and sync != "ddp"
-        if cp < 1 or cp_method not in ("ring", "alltoall", "auto") or cp_unchecked:
+        if cp < 1 or cp_method not in ("ring", "alltoall", "auto"):
             problems.append(f"cp = {cp}, cp_method = {cp_method!r}: cp >= 1, a method of ring | alltoall | "
-                            "auto; the library's cp runs with sync = 'ddp' (a batch's cp ranks sum their "
-                            "gradients every step)")
+                            "auto")
         averaging = ParallelConfig(zero=zero, dp_mode=dp_mode, sync=sync, sync_every=sync_every,
                                    outer_optimizer=outer_optimizer, outer_lr=outer_lr,
                                    outer_momentum=outer_momentum, dp_replicate=dp_replicate,
-                                   offload=offload)
+                                   offload=offload, cp=cp)
         if sync == "parameter-server":  # averaging's keywords refused (check_sync needs no dp for it)
             check_sync(averaging, 1, problems)
-        layout = {k: v for k, v, default in (("tp", tp, 1), ("pp", pp, 1), ("cp", cp, 1), ("zero", zero, 0),
+        layout = {k: v for k, v, default in (("tp", tp, 1), ("pp", pp, 1), ("zero", zero, 0),
                                              ("dp_replicate", dp_replicate, 1), ("offload", offload, "none"),
                                              ("dp_mode", dp_mode, "ddp")) if v != default}
-        problems += check_ps_args(sync=sync, servers=servers, ps_mode=ps_mode,
-                                         max_staleness=max_staleness, layout=layout)
+        problems += check_ps_args(sync=sync, servers=servers, ps_mode=ps_mode, max_staleness=max_staleness,
+                                  cp=cp, layout=layout)
         if problems:
             raise ValueError("paratrain.Parallel: " + "; ".join(problems))
         self.cp_method, self.cp_method_why = cp_method, ""  # "auto": settled at the first cp_split

@@ -15,6 +15,10 @@ scheduler on the user's optimizer drives the servers.
 Under torchrun Parallel joins the workers' process group and the gloo group of every rank
 (launch.py ``init_from_torchrun``); a caller that made the process group itself (the workers
 alone) passes the gloo group of every rank, workers first, as ``ps_group``.
+
+With ``cp > 1`` (ps_mode "sync") every cp rank is a worker, as under ``paratrain train --cp``: each
+pushes its positions' share of its rows' gradient (``backward`` divides by dp x cp) and the servers
+sum every push, so the update is the one of the global batch's mean.
 """
 
 from __future__ import annotations
@@ -27,12 +31,28 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from paratrain.base.strategy import decays
+from paratrain.config import ParallelConfig
 from paratrain.launch import init_from_torchrun, pick_device, under_torchrun
 from paratrain.mesh import ParallelMesh
 from paratrain.param_server.client import ParameterServerClient, ServerSettings
 from paratrain.param_server.session import PsWorld, run_server, tell_finished
+from paratrain.refusals import Refusal, emit
 
 PS_MODES = ("sync", "async")
+
+# What the library's parameter server refuses with (records of docs/composition.md: refusals.py);
+# ``when`` reads the keywords gathered in a ParallelConfig. The library runs the trainer's worker
+# side (param_server/client.py), so it refuses what `paratrain train` refuses (context_parallel/checks.py).
+LIBRARY_PS_REFUSALS = (
+    Refusal("cp", "param-server", "not built (both doors): ps_mode 'async' applies each worker's push "
+            "alone, and a cp rank's push is its positions' share of its rows' gradient; a worker made of "
+            "one cp group (its ranks summing their shares before one push) is not built in the worker "
+            "side (param_server/client.py); ps_mode 'sync' sums every push and runs with cp",
+            when=lambda p: p.sync == "parameter-server" and p.ps_mode == "async" and p.cp > 1,
+            message=lambda p: f"cp = {p.cp} with ps_mode = 'async' is not supported (each update is one "
+            "worker's push, and the cp ranks of a batch hold parts of the same rows): use ps_mode = 'sync' "
+            "or cp = 1", door="library"),
+)
 
 
 @dataclass(frozen=True)
@@ -58,10 +78,11 @@ class ServerAdamW:
     min_8bit_size: int = 0
 
 
-def check_ps_args(*, sync: str, servers: int, ps_mode: str, max_staleness: int | None,
+def check_ps_args(*, sync: str, servers: int, ps_mode: str, max_staleness: int | None, cp: int,
                   layout: dict[str, object]) -> list[str]:
     """Parallel's parameter-server keywords; ``layout``: the keywords a worker must leave at their
-    defaults (a worker holds the whole model, the servers hold the optimizer state)."""
+    defaults (a worker holds the whole model, the servers hold the optimizer state); ``cp``: context
+    parallelism, whose ranks are workers (ps_mode "sync")."""
     if sync != "parameter-server":
         return [f"{k} = {v!r} applies to sync = 'parameter-server' only: drop it or add that sync"
                 for k, v, default in (("servers", servers, 1), ("ps_mode", ps_mode, "sync"),
@@ -76,6 +97,7 @@ def check_ps_args(*, sync: str, servers: int, ps_mode: str, max_staleness: int |
     if max_staleness is not None and (ps_mode != "async" or max_staleness < 0):
         problems.append(f"max_staleness = {max_staleness} bounds ps_mode = 'async' (>= 0 server updates): "
                         "add ps_mode = 'async' or drop it")
+    emit(LIBRARY_PS_REFUSALS, ParallelConfig(sync=sync, ps_mode=ps_mode, cp=cp), problems)
     return problems
 
 

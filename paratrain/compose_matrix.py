@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from unittest import mock
 
+import paratrain.api_ps  # noqa: F401  (declares the library door's parameter-server refusals)
 from paratrain import config
 from paratrain.config import Config
 from paratrain.engine import checks
@@ -151,11 +152,17 @@ def alternatives(a: str, b: str) -> bool:
     return any(a in g and b in g for g in GROUPS)
 
 
+def by_module() -> list[Refusal]:
+    """The declared refusals by module, each module's in its order: a cell lists them in the same
+    order whichever module was imported first (the matrix, or a test importing the library door)."""
+    return sorted(declared(), key=lambda r: r.where)
+
+
 def build(tests_dir: Path = TESTS) -> Matrix:
     names = list(FEATURES)
     cells = {(a, b): Cell() for i, a in enumerate(names) for b in names[i + 1:] if not alternatives(a, b)}
     errors = _probe_cells(cells)
-    for r in declared():
+    for r in by_module():
         placed = [cells[pair(a, b)] for a, b in r.pairs() if pair(a, b) in cells]
         if not placed:
             errors.append(f"the refusal {r.reason!r} ({r.where}) names no cell of the matrix: {r.pairs()}")
@@ -196,7 +203,7 @@ def _probe_pairs(cells: dict[tuple[str, str], Cell]) -> list[str]:
         if change is not None:
             alone[name] = set(probe((name,))[1])
             errors += [f"probe {name} alone is refused (fix PROBES): {m}" for m in alone[name]]
-    train = [r for r in declared() if r.door == "train" and r.when is not None]
+    train = [r for r in by_module() if r.door == "train" and r.when is not None]
     for (a, b), cell in cells.items():
         if a not in alone or b not in alone:
             continue
