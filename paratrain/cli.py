@@ -123,8 +123,9 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
     ("--dp-mode", "parallel.dp_mode", str, LAYOUT, "ddp: gradients all-reduced in buckets during "
      "backward; plain: one all-reduce after it"),
     ("--bucket-mb", "parallel.bucket_mb", float, LAYOUT, "gradient bucket size in MiB (ddp mode)"),
-    ("--dp-reduce", "parallel.dp_reduce", str, LAYOUT, "how DDP sums a bucket: auto (through shared memory "
-     "when every dp rank is on this CPU host, else the backend's all-reduce), shm (shared memory, or "
+    ("--dp-reduce", "parallel.dp_reduce", str, LAYOUT, "how DDP sums a bucket (and, under --sync "
+     "local-sgd | diloco, a replica of several ranks its gradients): auto (through shared memory when "
+     "every rank of the group is on this CPU host, else the backend's all-reduce), shm (shared memory, or "
      "refuse), collective (the backend's all-reduce, e.g. gloo over loopback TCP); the same sums either way"),
     ("--sync", "parallel.sync", str, LAYOUT, "how data-parallel replicas meet: ddp sums gradients every "
      "step; local-sgd and diloco step each replica alone and average the parameters every --sync-every "

@@ -77,8 +77,9 @@ class ParallelConfig:
     dp_shard: int | None = None  # hybrid sharding: ranks of one shard group; default dp / dp_replicate
     dp_mode: str = "ddp"  # "ddp" (bucketed, overlapped) or "plain" (all-reduce after backward)
     bucket_mb: float = 25.0
-    # how DDP sums a bucket: auto (shared memory when every dp rank is on this CPU host, else the
-    # backend's all-reduce) | shm (shared memory or refuse) | collective (the backend's all-reduce)
+    # how DDP sums a bucket, and an averaging replica of several ranks its gradients: auto (shared
+    # memory when every rank of the group is on this CPU host, else the backend's all-reduce) | shm
+    # (shared memory or refuse) | collective (the backend's all-reduce)
     dp_reduce: str = "auto"
     sp: bool = False
     pp_schedule: str = "1f1b"

@@ -61,8 +61,10 @@ def _flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
 
-def _strategy_run(mesh: ParallelMesh, kind: str, opt: str, plan: dict | None) -> list[torch.Tensor]:
-    """STEPS steps of the tiny MLP on this rank's rows; the weights after each step."""
+def _strategy_run(mesh: ParallelMesh, kind: str, opt: str, plan: dict | None,
+                  reduce: str = "auto") -> list[torch.Tensor]:
+    """STEPS steps of the tiny MLP on this rank's rows; the weights after each step. ``reduce``:
+    how a replica of several ranks sums its gradients (--dp-reduce)."""
     if kind == "nan":
         return _nan_on_replica_1(mesh)
     model = _model()
@@ -70,7 +72,7 @@ def _strategy_run(mesh: ParallelMesh, kind: str, opt: str, plan: dict | None) ->
     if kind == "ddp":
         strategy = DDP(model, mesh, optim, bucket_bytes=2**20)
     else:
-        strategy = LocalSGD(model, mesh, optim, plan=SyncPlan(**plan))
+        strategy = LocalSGD(model, mesh, optim, plan=SyncPlan(**plan), reduce=reduce)
     out = []
     for step in range(STEPS):
         x, y = _rows(step, mesh.dp.rank)
@@ -138,12 +140,15 @@ def test_h1_equals_ddp_with_a_linear_inner_optimizer_not_with_adamw(two_replicas
 
 
 def test_h1_with_a_replica_of_two_ranks_equals_ddp_over_four():
-    """Hybrid sharding's seam: dp 4 as 2 replicas of 2 ranks that sum gradients inside the replica."""
+    """Hybrid sharding's seam: dp 4 as 2 replicas of 2 ranks that sum gradients inside the replica,
+    through the group's all-reduce and through shared memory (--dp-reduce collective | shm)."""
+    sums = {f"avg-{reduce}": ("avg", "sgd", LOCAL_SGD_H1, reduce) for reduce in ("collective", "shm")}
     got = run(_strategy_runs, 4, [({"dp": 4}, {"ddp": ("ddp", "sgd", None)}),
-                                  ({"dp": 4, "dp_replicate": 2}, {"avg": ("avg", "sgd", LOCAL_SGD_H1)})])
+                                  ({"dp": 4, "dp_replicate": 2}, sums)])
     for rank in range(4):
-        for avg, ddp in zip(got[rank]["avg"], got[rank]["ddp"]):
-            torch.testing.assert_close(avg, ddp, **EXACT)
+        for name in sums:
+            for avg, ddp in zip(got[rank][name], got[rank]["ddp"], strict=True):
+                torch.testing.assert_close(avg, ddp, **EXACT)
 
 
 def _set_flat(model: nn.Module, flat: torch.Tensor) -> None:

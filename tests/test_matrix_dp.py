@@ -163,6 +163,9 @@ HSDP_CASES = {  # name -> (reference, overrides)
     # averaging over 2 replicas of 2 ranks each, which sum their gradients every step (DDP or ZeRO)
     "hybrid_ddp_localsgd": ("avg_fp32", {**HYBRID, **LOCAL_SGD}),
     "hybrid_ddp_diloco": ("avg_fp32", {**HYBRID, **DILOCO}),
+    # the replica's per-step sum through shared memory (--dp-reduce shm; auto picks it above too)
+    "hybrid_shm_localsgd": ("avg_fp32", {**HYBRID, **LOCAL_SGD, "parallel.dp_reduce": "shm"}),
+    "hybrid_shm_diloco": ("avg_fp32", {**HYBRID, **DILOCO, "parallel.dp_reduce": "shm"}),
     "hsdp_z1cpu_localsgd": ("avg_fp32", {**HYBRID, **LOCAL_SGD, "parallel.zero": 1,
                                          "parallel.offload": "cpu"}),
     "hsdp_z2disk_localsgd": ("avg_fp32", {**HYBRID, **LOCAL_SGD, "parallel.zero": 2,
@@ -296,7 +299,7 @@ def assert_features_ran(out: Path, overrides: dict) -> None:
     if overrides.get("train.micro_batch") == "auto":
         assert rows[0]["batch_finder"]["chosen"] == layout["micro_batch"]
     if "parallel.dp_reduce" in overrides:
-        assert layout["dp_reduce"] == "shm"
+        assert layout["dp_reduce"] == overrides["parallel.dp_reduce"]
     for key in ("dp_mode", "zero", "pp_schedule", "sp", "dp_replicate"):
         if f"parallel.{key}" in overrides:
             assert layout[key] == overrides[f"parallel.{key}"], key
@@ -428,6 +431,8 @@ def test_dp2_around_a_split_model_equals_one_process(refs, world4, mode, split):
 @pytest.mark.composes(("hsdp", "zero3", "moe", "packing"), case="hsdp_moe")
 @pytest.mark.composes(("ddp", "local-sgd", "packing"), case="hybrid_ddp_localsgd")
 @pytest.mark.composes(("ddp", "diloco", "packing"), case="hybrid_ddp_diloco")
+@pytest.mark.composes(("ddp-shm", "local-sgd", "packing"), case="hybrid_shm_localsgd")
+@pytest.mark.composes(("ddp-shm", "diloco", "packing"), case="hybrid_shm_diloco")
 @pytest.mark.composes(("hsdp", "zero1", "offload-cpu", "local-sgd", "packing"), case="hsdp_z1cpu_localsgd")
 @pytest.mark.composes(("hsdp", "zero2", "offload-disk", "local-sgd", "packing"), case="hsdp_z2disk_localsgd")
 @pytest.mark.composes(("hsdp", "zero2", "diloco", "packing"), case="hsdp_z2_diloco")
@@ -438,14 +443,21 @@ def test_hybrid_sharding_case_equals_one_process(refs, world4, name):
     _assert_case(base / name, results[name], refs, CASES4[name])
 
 
+def test_auto_sums_an_averaging_replica_through_shared_memory(world4):
+    """--dp-reduce auto inside a replica of several ranks on one CPU host: shared memory, as for
+    DDP's buckets (the collective path is tests/test_averaging.py's strategy-level run)."""
+    base, _ = world4
+    for name in ("hybrid_ddp_localsgd", "hybrid_ddp_diloco"):
+        assert read_metrics(base / name / "metrics.jsonl")[0]["layout"]["dp_reduce"] == "shm", name
+
+
 @pytest.mark.parametrize("sync", ["local-sgd", "diloco"])
-@pytest.mark.parametrize("replicas", [{"parallel.dp": 2}, HYBRID])
-def test_shared_memory_sum_with_averaging_is_refused_not_ignored(tmp_path, sync, replicas):
-    """--dp-reduce shm under averaging was silently ignored (the run reported dp_reduce None): the
-    replicas sum no gradient with each other, and inside a replica the averaging strategy's own
-    all-reduce sums them. Refused before any worker starts, naming the flag to change."""
-    cfg = _cfg(tmp_path, **replicas, **{"parallel.sync": sync, "parallel.sync_every": 2,
-                                         "parallel.dp_reduce": "shm"})
-    refused = r"--dp-reduce shm sums DDP's buckets, and --sync local-sgd \| diloco runs no DDP"
+def test_shared_memory_sum_with_one_rank_replicas_is_refused_not_ignored(tmp_path, sync):
+    """--dp-reduce shm under averaging with every dp rank its own replica was silently ignored (the
+    run reported dp_reduce None): such replicas sum no gradient at all. Refused before any worker
+    starts, naming the flags to change (replicas of several ranks sum through it: HSDP_CASES)."""
+    cfg = _cfg(tmp_path, **{"parallel.dp": 2, "parallel.sync": sync, "parallel.sync_every": 2,
+                            "parallel.dp_reduce": "shm"})
+    refused = r"--dp-reduce shm .* with --sync local-sgd \| diloco every rank here is its own replica"
     with pytest.raises(config.ConfigError, match=refused):
         checks.validate(cfg, cfg.parallel.dp)

@@ -140,7 +140,8 @@ class Strategy:
     reduces_during_backward = False
     #: ZeRO's store of flat master shards and their optimizer state (None: the optimizer's own).
     store: StateStore | None = None
-    #: How DDP sums gradients ("shm" | "collective": what --dp-reduce auto chose); None elsewhere.
+    #: How DDP, or an averaging replica of several ranks, sums gradients ("shm" | "collective": what
+    #: --dp-reduce auto chose); None elsewhere.
     reduce: str | None = None
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, optim_cfg: OptimizerSource):

@@ -335,3 +335,21 @@ class GroupedHostReducer:
     def close(self) -> None:
         for r in self.reducers.values():
             r.close()
+
+
+def host_reducer(axes: list[Axis], specs: list[tuple[int, torch.dtype]], device: torch.device, reduce: str,
+                 timeout_s: float, ranks: str) -> GroupedHostReducer | None:
+    """The ``--dp-reduce`` rule, one place for every gradient sum that may go through shared memory
+    (DDP's buckets over dp, an averaging replica's gradients over its ranks): buckets summed in
+    shared memory when asked (``shm``) or possible (``auto``), each over its own group (``axes[i]``,
+    ``specs[i]``), every group of more than one rank passing ``usable``; None: the groups' all-reduce
+    (``collective``, or ``auto`` where shared memory cannot serve). ``ranks`` names the ranks that
+    must share the host in the refusal (``shm`` where it cannot). Collective over every active axis."""
+    if reduce == "collective" or not any(axis.active for axis in axes):
+        return None
+    if GroupedHostReducer.usable(axes, device, specs):
+        return GroupedHostReducer(axes, specs, timeout_s)
+    if reduce == "shm":
+        raise ValueError(f"--dp-reduce shm needs {ranks} on this host, CPU tensors, an x86-64 CPU "
+                         "and room in /dev/shm; use --dp-reduce auto")
+    return None

@@ -63,6 +63,7 @@ import torch.nn as nn
 from paratrain.base.strategy import AUX_KEY_MARK, OptimizerSource, Strategy, read_local
 from paratrain.comm import collectives as C
 from paratrain.comm.collectives import Axis, nbytes
+from paratrain.comm.host_reduce import host_reducer
 from paratrain.mesh import ParallelMesh
 from paratrain.sharding import ParamInfo, TensorShard, info_of
 from paratrain.shards import Piece, ShardReader, pieces_of
@@ -274,6 +275,65 @@ class Averager:
                 self.set_momentum(s, buf)
 
 
+class InnerSum:
+    """The per-step gradient sum inside each replica: every parameter's gradient over its
+    ``inner_axis`` (the replica's ranks holding it), through shared memory where ``--dp-reduce``
+    asks for it (``shm``) or allows it (``auto``) and every rank of the replica is on this host
+    (host_reduce.host_reducer: DDP's rule), else the group's all-reduce. Across replicas nothing is
+    summed: that is what averaging is.
+
+    Shared memory holds one flat buffer per (axis, dtype); the gradients are copied in after the
+    backward and the sums copied out. DDP makes its gradients views of the segments so that each
+    bucket's sum overlaps the backward; a replica sums once, after the backward, so the views would
+    save two memory copies of the gradients and nothing else (the sum reads every rank's buffer)."""
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]], mesh: ParallelMesh, reduce: str,
+                 timeout_s: float):
+        kinds: dict[tuple[str, torch.dtype], tuple[Axis, list[nn.Parameter]]] = {}
+        for _, p in named:  # the parameters' order, the same on every rank of an axis
+            inner = inner_axis(mesh, info_of(p).dp_axis)
+            if inner is not None:
+                kinds.setdefault((inner.name, p.dtype), (inner, []))[1].append(p)
+        self.groups = list(kinds.values())
+        specs = [(sum(p.numel() for p in params), params[0].dtype) for _, params in self.groups]
+        self.host = host_reducer([axis for axis, _ in self.groups], specs, mesh.device, reduce, timeout_s,
+                                 "every rank of a replica") if self.groups else None
+        #: How the replica's ranks sum (the run's ``dp_reduce``); None: replicas of one rank.
+        self.reduce = ("shm" if self.host is not None else "collective") if self.groups else None
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        for _, params in self.groups:
+            for p in params:
+                if p.grad is None:  # unused here, maybe not on another rank: its zero contribution
+                    p.grad = torch.zeros_like(p)
+        if self.host is None:
+            for axis, params in self.groups:
+                for p in params:
+                    C.all_reduce(p.grad, axis)
+            return
+        handles = []
+        for k, (axis, params) in enumerate(self.groups):  # launched in one order on every rank
+            for p, part in zip(params, self._parts(k)):
+                part.copy_(p.grad.reshape(-1))
+            handles.append(self.host.reduce_async(k, f"all-reduce of the replica's gradients ({axis.name})"))
+        for handle in handles:
+            if handle is not None:  # None: a test fault skipped this rank's sum (comm/trace.py)
+                handle.wait()
+        for k, (_, params) in enumerate(self.groups):
+            for p, part in zip(params, self._parts(k)):
+                p.grad.copy_(part.view_as(p.grad))
+
+    def _parts(self, k: int) -> list[torch.Tensor]:
+        """Shared-memory buffer ``k`` cut into its parameters' gradients."""
+        return self.host.buffers[k].split([p.numel() for p in self.groups[k][1]])
+
+    def close(self) -> None:
+        """Stop the shared-memory reducers' threads (a later sum starts them again). Idempotent."""
+        if self.host is not None:
+            self.host.close()
+
+
 def replica_units(mesh: ParallelMesh, inner: Axis | None, local_units: int) -> int:
     """The counted targets a replica's loss is divided by: its own (summed over the ranks of the
     replica, ``inner``), as one process training on its rows computes it."""
@@ -348,12 +408,15 @@ class ReplicaView:
 class LocalSGD(Strategy):
     """Replicas that step alone and meet every H steps: local SGD or DiLoCo, as ``plan`` says."""
 
-    def __init__(self, model: nn.Module, mesh: ParallelMesh, optim_cfg: OptimizerSource, *, plan: SyncPlan):
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, optim_cfg: OptimizerSource, *, plan: SyncPlan,
+                 reduce: str = "auto", timeout_s: float = 600.0):
         super().__init__(model, mesh, optim_cfg)
         # The replica index (replica_axis's rank) and the replica's ranks (the dense inner axis).
         self.replicas, self.inner = replica_axis(mesh), inner_axis(mesh)
         axes = [replica_axis(mesh, info_of(p).dp_axis) for _, p in self.named_params]
         self.averager = Averager(self.named_params, axes, plan)
+        self.inner_sum = InnerSum(self.named_params, mesh, reduce, timeout_s)
+        self.reduce = self.inner_sum.reduce  # --dp-reduce's choice inside a replica (None: one rank)
         self.synced = False  # the last step ended a period
 
     # -- inside a replica -------------------------------------------------------------------------
@@ -362,18 +425,11 @@ class LocalSGD(Strategy):
         inner = inner_axis(self.mesh, info.dp_axis)
         return inner.size if inner is not None else 1
 
-    @torch.no_grad()
     def after_backward(self) -> None:
-        """A replica of several data-parallel ranks (hybrid sharding, expert parallelism) sums each
-        gradient over the ranks of the replica holding it, as plain DP does over dp; a replica of
-        one rank has nothing to sum."""
-        for _, p in self.named_params:
-            inner = inner_axis(self.mesh, info_of(p).dp_axis)
-            if inner is None:
-                continue
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            C.all_reduce(p.grad, inner)
+        """A replica of several data-parallel ranks (hybrid sharding, expert parallelism, context
+        parallelism) sums each gradient over the ranks of the replica holding it, as DDP does over
+        dp; a replica of one rank has nothing to sum."""
+        self.inner_sum()
 
     def gradient_units(self, global_units: int, local_units: int) -> int:
         """Each replica's gradient is the mean over its own counted targets, as one process
@@ -394,6 +450,10 @@ class LocalSGD(Strategy):
         """The end of the run: close an open period, so the replicas (and the export) agree."""
         if self.averager.period_step:
             self.averager.sync()
+        self.inner_sum.close()
+
+    def close(self) -> None:
+        self.inner_sum.close()
 
     def step_metrics(self) -> dict[str, float]:
         return self.averager.metrics(self.synced)

@@ -40,7 +40,7 @@ from paratrain.base.strategy import Strategy
 from paratrain.comm import collectives as C
 from paratrain.comm.bucketing import FIRST_BUCKET_BYTES, cut_before_overflow
 from paratrain.comm.collectives import nbytes
-from paratrain.comm.host_reduce import GroupedHostReducer
+from paratrain.comm.host_reduce import GroupedHostReducer, host_reducer
 from paratrain.mesh import ParallelMesh
 from paratrain.sharding import info_of
 
@@ -157,17 +157,12 @@ class DDP(Strategy):
                       timeout_s: float) -> GroupedHostReducer | None:
         """Shared-memory buckets when asked (``shm``) or possible (``auto``): each bucket summed
         over its own group's segments (dp; edp for an expert-parallel expert's), every group of
-        more than one rank passing host_reduce.usable."""
-        if reduce == "collective" or not self.mesh.dp.active:
+        more than one rank passing host_reduce.usable (host_reduce.host_reducer's rule)."""
+        if not self.mesh.dp.active:
             return None
         axes = [getattr(self.mesh, info_of(group[0][1]).dp_axis) for group in groups]
         specs = [(sum(p.numel() for _, p in group), group[0][1].dtype) for group in groups]
-        if GroupedHostReducer.usable(axes, self.mesh.device, specs):
-            return GroupedHostReducer(axes, specs, timeout_s)
-        if reduce == "shm":
-            raise ValueError("--dp-reduce shm needs every dp rank on this host, CPU tensors, an x86-64 CPU "
-                             "and room in /dev/shm; use --dp-reduce auto")
-        return None
+        return host_reducer(axes, specs, self.mesh.device, reduce, timeout_s, "every dp rank")
 
     # -- gradient synchronisation ---------------------------------------------------------------
 

@@ -16,7 +16,14 @@ from paratrain.comm import host_reduce
 from paratrain.config import DEFAULT_SEQ_LEN, Config, ConfigError, ParallelConfig, bullets, check_values
 from paratrain.context_parallel.checks import check_context_parallel
 from paratrain.engine.lora import apply_run_lora, check_lora, trainable_count
-from paratrain.engine.sync_checks import AVERAGING, ZEROS, check_param_server, check_run_sync, parallel_of
+from paratrain.engine.sync_checks import (
+    AVERAGING,
+    ZEROS,
+    check_param_server,
+    check_run_sync,
+    parallel_of,
+    replica_ranks,
+)
 from paratrain.memory.layout import check_savers
 from paratrain.models import PRESETS, build_model, model_kind
 from paratrain.models.adapters import settle_lora_from
@@ -315,10 +322,11 @@ def check_shm_room(cfg: Config, problems: list[str]) -> None:
         return  # an unknown model or folder, or a LoRA setting, is reported elsewhere
     per_rank = trainable_count(model) * 4 // (p.tp * p.pp)
     host_reduce.remove_stale_segments()
-    need, free = host_reduce.room_needed(cfg.dp, per_rank), host_reduce.shm_free()
+    ranks = cfg.dp * p.cp  # every data-parallel rank holds a segment, the cp ranks among them (mesh.py)
+    need, free = host_reduce.room_needed(ranks, per_rank), host_reduce.shm_free()
     if free <= need:
         problems.append(f"--dp-reduce shm needs {need / 2**20:,.0f} MiB free in {host_reduce.SHM_DIR} "
-                        f"({cfg.dp} ranks' gradient buckets, twice over) and it has {free / 2**20:,.0f}: "
+                        f"({ranks} ranks' gradient buckets, twice over) and it has {free / 2**20:,.0f}: "
                         f"free space there, give the host a larger {host_reduce.SHM_DIR} (docker run "
                         "--shm-size), or use --dp-reduce auto (gloo when it does not fit)")
 
@@ -439,14 +447,18 @@ PARALLEL_REFUSALS = (  # they read a Config or the library's ParallelConfig (par
             "ZeRO, DDP already replicates everything on every rank (hybrid sharding shards inside a node); "
             "add "
             f"{say('zero')} or drop {say('dp_replicate')}"),
-    # the library has no dp_reduce keyword (its ParallelConfig keeps "auto"): the trainer's rule
-    Refusal("ddp-shm", ("local-sgd", "diloco"), "by definition across replicas: averaging sums no gradient "
-            "between them; inside a replica (--dp-replicate) the averaging strategy's own all-reduce sums "
-            "its ranks' gradients, not DDP's buckets (the shared-memory sum is not built there)",
-            when=lambda c: parallel_of(c).dp_reduce == "shm" and parallel_of(c).sync in AVERAGING,
-            spoken=lambda c, say: "--dp-reduce shm sums DDP's buckets, and --sync local-sgd | diloco runs "
-            "no DDP: each replica steps alone (its ranks, under --dp-replicate, sum with the averaging's "
-            "own all-reduce); use --dp-reduce auto"),
+    # the library has no dp_reduce keyword (its ParallelConfig keeps "auto"): the trainer's rule. A
+    # replica of several ranks sums its gradients every step through shared memory (InnerSum)
+    Refusal("ddp-shm", ("local-sgd", "diloco"), "by definition when every rank is its own replica: "
+            "averaging sums no gradient between replicas, so there is nothing to sum (a replica of "
+            "several ranks, --dp-replicate, sums its ranks' gradients through shared memory)",
+            when=lambda c: (parallel_of(c).dp_reduce == "shm" and parallel_of(c).sync in AVERAGING
+                            and replica_ranks(c) < 2),
+            spoken=lambda c, say: "--dp-reduce shm sums gradients through shared memory, and with "
+            "--sync local-sgd | diloco every rank here is its own replica: replicas sum no gradient "
+            "(they average their parameters every --sync-every steps), so there is nothing to sum. Use "
+            "--dp-reduce auto, or --dp-replicate R for replicas of several ranks, which sum their "
+            "gradients through shared memory every step"),
     Refusal("dp-plain", ZEROS, "by definition: --dp-mode picks how DDP reduces; ZeRO does its own reduction",
             when=lambda c: parallel_of(c).zero >= 1 and parallel_of(c).dp_mode == "plain",
             spoken=lambda c, say: f"{say('dp_mode', 'plain')} is the un-bucketed DDP; ZeRO does its own "

@@ -135,7 +135,7 @@ def make_strategy(model: nn.Module, mesh: ParallelMesh, optim: OptimizerSource, 
     steps instead of summing gradients every step (local SGD, DiLoCo; None: every step);
     ``stream_frozen``: ZeRO-3's frozen shards on disk, read per gather (zero/base_stream.py)."""
     if sync is not None and zero == 0:
-        return LocalSGD(model, mesh, optim, plan=sync)
+        return LocalSGD(model, mesh, optim, plan=sync, reduce=dp_reduce, timeout_s=timeout_s)
     sharded = {"precision": precision, "offload": offload, "offload_dir": offload_dir, "group_of": group_of}
     if sync is not None:  # ZeRO inside each averaging replica (checks.py: only with --dp-replicate > 1)
         sharded["plan"] = sync

@@ -78,6 +78,18 @@ SYNC_REFUSALS = (  # they read a ParallelConfig or a Config (the library door ca
 )
 
 
+def replica_ranks(cfg_or_parallel: Config | ParallelConfig) -> int:
+    """The ranks of one averaging replica that sum a dense gradient every step (the size of
+    averaging.inner_axis): dp / R data-parallel ranks with their cp ranks under hybrid sharding
+    (--dp-replicate R), the ep group under expert parallelism, the cp group under context
+    parallelism; 1 where every data-parallel rank is its own replica."""
+    p = parallel_of(cfg_or_parallel)
+    dp = cfg_or_parallel.dp if isinstance(cfg_or_parallel, Config) else p.dp or 1
+    if p.dp_replicate > 1:
+        return dp * p.cp // p.dp_replicate
+    return p.ep if p.ep > 1 else p.cp
+
+
 def parallel_of(cfg_or_parallel: Config | ParallelConfig) -> ParallelConfig:
     """A run's parallel settings (its Config's), or the library's ParallelConfig itself: what the
     records both doors check read (here, and engine/checks.py's ``check_parallel_rules``)."""

@@ -398,7 +398,8 @@ class Trainer:
         p = self.cfg.parallel
         return {**self.mesh.describe(), "dp_replicate": p.dp_replicate, "zero": p.zero, "sp": p.sp,
                 "pp_schedule": p.pp_schedule, "virtual_stages": p.virtual_stages, "dp_mode": p.dp_mode,
-                # what --dp-reduce auto chose (DDP: "shm" or "collective"); None where DDP does not run
+                # what --dp-reduce auto chose (DDP, or averaging replicas of several ranks: "shm" or
+                # "collective"); None where no gradient is summed that way
                 "dp_reduce": self.engine.strategy.reduce,
                 "offload": p.offload, "sync": p.sync, "sync_every": p.sync_every,
                 "micro_batch": self.cfg.micro_batch, "n_micro_batches": self.cfg.n_micro_batches,
