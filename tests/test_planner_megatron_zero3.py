@@ -19,9 +19,12 @@ runs used: planner/zero3.py), the a100-80g preset, NVLink and one HDR link per G
 The 175 B rows are within 20% (165 / 103 / 44: +15%, +17%, -1%). The 530 B rows are NOT yet
 (186 / 133 / 66: +35%, +36%, +38%; docs/planner.md, "ZeRO-3 strong scaling on A100s", lists what
 was checked in DeepSpeed 0.3.x's source -- its defaults, fp16 gathers and reductions, the live-parameter
-limit, the bucket size, the reuse distance, the copies, memory at 80 GB -- and why none accounts for a
-residual of 50-65 s a step): their within-20% test is a strict xfail that records the gap; it turns into
-a failure (XPASS) the day the model closes it, so the marker must then be removed.
+limit, the bucket size, the reuse distance, the copies, memory at 80 GB; a second round: the residual's
+arithmetic, per-sequence costs (ruled out by its shape across micro-batches 4, 2, 1), Megatron's fused
+softmax, DeepSpeed's activation checkpointing, NCCL's own ring model -- and why none accounts for a
+residual of 50-65 s a step, narrowed to a cost per byte moved that no source gives): their within-20%
+test is a strict xfail that records the gap; it turns into a failure (XPASS) the day the model closes
+it, so the marker must then be removed.
 """
 
 from __future__ import annotations
