@@ -35,8 +35,9 @@ scale: planner vs published"):
    (``prefetch_params`` 0). Later DeepSpeed (``deepspeed``) gathers flat buckets and prefetches.
 6. **Small tensors one by one** (``small_tensors``). Tensors under ``stage3_param_persistence_threshold``
    (1e5 elements: norm gains and biases) stay gathered from one step's end to the next backward's
-   end, but DeepSpeed 0.3.x still reduce-scatters each one's gradient as a collective of its own
-   every micro-batch (stage3.py ``reduce_ipg_grads`` -> partition_parameters.py
+   end, but DeepSpeed 0.3.x (``contiguous_gradients`` on, as its ZeRO-3 examples set it; off, the
+   stage-3 default, buckets are all-reduced instead: docs/planner.md) still reduce-scatters each
+   one's gradient as a collective of its own every micro-batch (stage3.py ``reduce_ipg_grads`` -> partition_parameters.py
    ``_reduce_scatter_gradients``: one ``reduce_scatter`` per parameter, with the per-rank list of
    item 5), releases them after the backward (``_partition_all_parameters``) and gathers them again
    once a step (``_post_step`` -> ``_allgather_params``), copying each tensor back rank by rank in
