@@ -33,20 +33,21 @@ scale: planner vs published"):
    ``HOST_OP_S``) -- 12 ms per collective at 1,536 ranks -- on the critical path, and it calls
    ``torch.cuda.synchronize()`` before every gather, so nothing is prefetched under compute
    (``prefetch_params`` 0). Later DeepSpeed (``deepspeed``) gathers flat buckets and prefetches.
-6. **Small tensors one by one** (``small_tensors``). Tensors under ``stage3_param_persistence_threshold``
-   (1e5 elements: norm gains and biases) stay gathered from one step's end to the next backward's
-   end, but DeepSpeed 0.3.x (``contiguous_gradients`` on, as its ZeRO-3 examples set it; off, the
-   stage-3 default, buckets are all-reduced instead: docs/planner.md) still reduce-scatters each
-   one's gradient as a collective of its own every micro-batch (stage3.py ``reduce_ipg_grads`` ->
-   partition_parameters.py ``_reduce_scatter_gradients``: one ``reduce_scatter`` per parameter,
-   with the per-rank list of item 5), releases them after the backward (``_partition_all_parameters``) and gathers them again
+6. **Small tensors one by one** (``small_tensors``). Tensors under
+   ``stage3_param_persistence_threshold`` (1e5 elements: norm gains and biases) stay gathered from
+   one step's end to the next backward's end, but DeepSpeed 0.3.x (``contiguous_gradients`` on, as
+   its ZeRO-3 examples set it; off, the stage-3 default, buckets are all-reduced instead:
+   docs/planner.md) still reduce-scatters each one's gradient as a collective of its own every
+   micro-batch (stage3.py ``reduce_ipg_grads`` -> partition_parameters.py
+   ``_reduce_scatter_gradients``: one ``reduce_scatter`` per parameter, with the per-rank list of
+   item 5), releases them after the backward (``_partition_all_parameters``) and gathers them again
    once a step (``_post_step`` -> ``_allgather_params``), copying each tensor back rank by rank in
    a Python loop: four torch calls (two narrows, a view, a copy) per tensor per rank. At 1,536
    ranks that is ~25 ms a tensor a step, and the norms and biases of a 100-layer model are hundreds.
 
 The runtime is ``Training.zero3_runtime``; DeepSpeed's figures are its defaults
-(deepspeed/runtime/zero/config.py), but for ``contiguous_gradients`` (item 6). Units: the rank's parameters in block-sized units (the embedding
-and the head count as units of a block's size).
+(deepspeed/runtime/zero/config.py), but for ``contiguous_gradients`` (item 6). Units: the rank's
+parameters in block-sized units (the embedding and the head count as units of a block's size).
 """
 
 from __future__ import annotations
