@@ -2,7 +2,7 @@
 
 Every micro-batch each unit of parameters is all-gathered before its forward and again before its
 backward, and its gradient is reduce-scattered after its backward. What that costs at hundreds of
-ranks, and how much of it the compute hides, comes from four things (docs/planner.md, "ZeRO-3 at
+ranks, and how much of it the compute hides, comes from the things below (docs/planner.md, "ZeRO-3 at
 scale: planner vs published"):
 
 1. **Bandwidth.** A ring across nodes moves (n - 1)/n of the unit through each node's NIC, which
@@ -33,17 +33,28 @@ scale: planner vs published"):
    ``HOST_OP_S``) -- 12 ms per collective at 1,536 ranks -- on the critical path, and it calls
    ``torch.cuda.synchronize()`` before every gather, so nothing is prefetched under compute
    (``prefetch_params`` 0). Later DeepSpeed (``deepspeed``) gathers flat buckets and prefetches.
+6. **Small tensors one by one** (``small_tensors``). Tensors under
+   ``stage3_param_persistence_threshold`` (1e5 elements: norm gains and biases) stay gathered from
+   one step's end to the next backward's end, but DeepSpeed 0.3.x (``contiguous_gradients`` on, as
+   its ZeRO-3 examples set it; off, the stage-3 default, buckets are all-reduced instead:
+   docs/planner.md) still reduce-scatters each one's gradient as a collective of its own every
+   micro-batch (stage3.py ``reduce_ipg_grads`` -> partition_parameters.py
+   ``_reduce_scatter_gradients``: one ``reduce_scatter`` per parameter, with the per-rank list of
+   item 5), releases them after the backward (``_partition_all_parameters``) and gathers them again
+   once a step (``_post_step`` -> ``_allgather_params``), copying each tensor back rank by rank in
+   a Python loop: four torch calls (two narrows, a view, a copy) per tensor per rank. At 1,536
+   ranks that is ~25 ms a tensor a step, and the norms and biases of a 100-layer model are hundreds.
 
 The runtime is ``Training.zero3_runtime``; DeepSpeed's figures are its defaults
-(deepspeed/runtime/zero/config.py). Units: the rank's parameters in block-sized units (the embedding
-and the head count as units of a block's size).
+(deepspeed/runtime/zero/config.py), but for ``contiguous_gradients`` (item 6). Units: the rank's
+parameters in block-sized units (the embedding and the head count as units of a block's size).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paratrain.models.shape import ModelShape
+from paratrain.models.shape import ModelShape, linear_bias, norm_params
 from paratrain.perf.hardware import Cluster
 from paratrain.planner.collectives import spanned_nodes, spanning_bandwidth_time, spanning_latency
 from paratrain.planner.memory import Layout, Training, layer_params_local, state_bytes_per_param
@@ -57,11 +68,18 @@ class Zero3Runtime:
     #                            use lies within this many parameters; None: always (one gather)
     per_matrix: bool  # one collective per weight matrix (norm gains stay whole) instead of per unit
     per_rank_s: float = 0.0  # host seconds per rank of the group, per collective (item 5 above)
+    small_tensors: bool = False  # tensors under the persistence threshold cost as item 6 says
 
 
 # Host time of one torch operation issued from Python on a GPU host: a kernel launch's (as
 # perf/ops.py GemmModel.call_s).
 HOST_OP_S = 4e-6
+# DeepSpeed's stage3_param_persistence_threshold default (elements): smaller tensors are not
+# gathered per use (item 6).
+PERSISTENCE_NUMEL = 1e5
+# Torch calls per tensor per rank in the once-a-step re-gather loop of DeepSpeed 0.3.x's
+# ``_allgather_params``: partitions[i].narrow, replicated.view(-1).narrow(...).copy_(...)
+REGATHER_OPS = 4
 
 
 RUNTIMES = {
@@ -70,8 +88,10 @@ RUNTIMES = {
     # stage3_param_persistence_threshold (1e5) and never gathered.
     "deepspeed": Zero3Runtime("deepspeed", 5e7, 1e9, True),
     # DeepSpeed 0.3.x (v0.3.13-v0.3.16, 2021): a synchronize before every gather (nothing prefetched
-    # under compute), per parameter, a view and a copy per rank of the ring in each collective.
-    "deepspeed-2021": Zero3Runtime("deepspeed-2021", 0.0, 1e9, True, per_rank_s=2 * HOST_OP_S),
+    # under compute), per parameter, a view and a copy per rank of the ring in each collective;
+    # small tensors reduce-scattered one by one and re-gathered rank by rank once a step (item 6).
+    "deepspeed-2021": Zero3Runtime("deepspeed-2021", 0.0, 1e9, True, per_rank_s=2 * HOST_OP_S,
+                                   small_tensors=True),
 }
 
 
@@ -95,6 +115,38 @@ def prefetched_fraction(rt: Zero3Runtime, unit_params: float) -> float:
     return min(1.0, rt.prefetch_params / unit_params)
 
 
+def collective_overhead(rt: Zero3Runtime, lay: Layout, cluster: Cluster) -> float:
+    """Seconds one all-gather or reduce-scatter over dp costs whatever its size: NCCL's ring latency
+    and the runtime's host work per rank (item 5)."""
+    return spanning_latency(lay.dp, spanned_nodes(cluster, lay, "dp"), cluster) + rt.per_rank_s * lay.dp
+
+
+def small_tensor_count(c: ModelShape) -> int:
+    """The model's tensors under DeepSpeed's persistence threshold (item 6): each block's norm gains
+    (and LayerNorm biases), q/k norm gains and linear biases, and the final norm's."""
+    per_norm = norm_params(c) // c.dim  # RMSNorm: a gain; LayerNorm: a gain and a bias
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    block = [c.dim] * (c.norms_per_block * per_norm) + ([c.head_dim] * 2 if c.qk_norm else [])
+    if c.qkv_bias:
+        block += [q, kv, kv]
+    if linear_bias(c):  # the attention's output and every MLP matrix
+        block += [c.dim] + [c.ffn_dim] * (c.mlp_matrices - 1) + [c.dim]
+    small = sum(1 for numel in block if numel < PERSISTENCE_NUMEL)
+    return c.n_layers * small + (per_norm if c.dim < PERSISTENCE_NUMEL else 0)
+
+
+def small_tensor_seconds(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster,
+                         reductions: int) -> float:
+    """Seconds a step of item 6 on one rank: each of its small tensors reduce-scattered on its own
+    `reductions` times and gathered again once, rank by rank. 0 for runtimes that bucket them."""
+    rt = runtime(tr.zero3_runtime)
+    if not rt.small_tensors:
+        return 0.0
+    tensors = small_tensor_count(c) / lay.pp  # this rank's stage holds ~1/pp of the blocks
+    regather = lay.dp * REGATHER_OPS * HOST_OP_S
+    return tensors * (reductions * collective_overhead(rt, lay, cluster) + regather)
+
+
 def unit_traffic(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, psi: float,
                  experts: float = 0.0) -> dict[str, float]:
     """Seconds of one micro-batch's ZeRO-3 collectives, by kind: 'gather' (all passes) and
@@ -105,8 +157,7 @@ def unit_traffic(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, psi
     unit = layer_params_local(c, lay.tp)
     units = max(1, round(psi / unit))
     per_unit = (4 + c.mlp_matrices) if rt.per_matrix else 1  # attention's q, k, v, o and the MLP's
-    one = spanning_latency(lay.dp, spanned_nodes(cluster, lay, "dp"), cluster) + rt.per_rank_s * lay.dp
-    latency = units * per_unit * one
+    latency = units * per_unit * collective_overhead(rt, lay, cluster)
     passes = gathers_per_micro_batch(rt, unit, lay.recompute)
     per_byte = spanning_bandwidth_time(psi, lay.dp, cluster, lay)  # seconds for 1 byte of every parameter
     if experts:
@@ -130,7 +181,8 @@ def zero3_exposed(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, mb
                   psi: float, experts: float = 0.0) -> float:
     """Exposed seconds of a step's ZeRO-3 collectives over dp (module docstring): per micro-batch
     the unprefetched share of the traffic, what the prefetched share leaves over ``overlap`` x the
-    compute, and the gathers of each pass's first unit (``cold_gathers``: nothing computes before)."""
+    compute, and the gathers of each pass's first unit (``cold_gathers``: nothing computes before);
+    per step, the small tensors' own collectives where the runtime has them (item 6)."""
     if lay.dp == 1:
         return 0.0
     t = unit_traffic(c, tr, lay, cluster, psi, experts)
@@ -138,4 +190,5 @@ def zero3_exposed(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, mb
     p, traffic = t["prefetched"], t["gather"] + t["reduce"] / (m if lay.pp > 1 else 1)
     first = t["gather"] / t["passes"] / t["units"]
     left_over = max(0.0, p * traffic - cluster.overlap * mb_compute)
-    return m * ((1 - p) * traffic + left_over + p * first * cold_gathers(lay))
+    small = small_tensor_seconds(c, tr, lay, cluster, 1 if lay.pp > 1 else m)
+    return m * ((1 - p) * traffic + left_over + p * first * cold_gathers(lay)) + small
