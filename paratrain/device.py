@@ -76,16 +76,19 @@ def reset_peak_memory(device: torch.device) -> bool:
 
 
 def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 512,
-                        seconds: float = 0.5, windows: int = 5) -> float:
+                        seconds: float = 0.5, windows: int = 5, *,
+                        shape: tuple[int, int, int] | None = None) -> float:
     """Measured dense matmul FLOP/s of this process on `device` (the MFU denominator): the best of
     `windows` windows of seconds / windows each. Other work on the machine (another process, this
     run's other ranks starting) only ever lowers a window's rate, so the best window is the one
-    least disturbed; a single window measured under load put MFU at 192 % (issue 35)."""
+    least disturbed; a single window measured under load put MFU at 192 % (issue 35).
+    ``shape`` (m, n, k): out[m, n] = a[m, k] @ b[k, n] instead of the square n x n x n."""
+    m, n, k = shape or (n, n, n)
     # Its own generator: the global one is the run's (dropout masks that every tp rank draws in
     # step, engine/rng.py), and only rank 0 measures.
     gen = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
-    b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+    a = torch.randn(m, k, device=device, dtype=dtype, generator=gen)
+    b = torch.randn(k, n, device=device, dtype=dtype, generator=gen)
     for _ in range(3):
         a @ b
     sync_device(device)
@@ -96,8 +99,28 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32
             a @ b
             count += 1
         sync_device(device)
-        best = max(best, 2 * n**3 * count / (time.perf_counter() - start))
+        best = max(best, 2 * m * n * k * count / (time.perf_counter() - start))
     return best
+
+
+def measure_shapes_rate(device: torch.device, dtype: torch.dtype,
+                        shapes: list[tuple[int, int, int, int]], seconds: float = 0.2) -> dict:
+    """The matmul FLOP/s a model's own GEMMs reach standalone: each (m, n, k, calls) forward
+    product and its two backward ones (data gradient [m, k] = [m, n] @ [n, k], weight gradient
+    [k, n] = [k, m] @ [m, n]) measured at its best rate, then their FLOPs over their summed
+    seconds (a FLOP-weighted harmonic mean): the ceiling of a step made only of these matmuls.
+    Small or thin products run below the square peak, so this is the fairer MFU denominator."""
+    flops = time_s = 0.0
+    measured = []
+    for m, n, k, calls in shapes:
+        rates = []
+        for product in ((m, n, k), (m, k, n), (k, n, m)):
+            rates.append(measure_matmul_peak(device, dtype, seconds=seconds, windows=2, shape=product))
+            work = 2.0 * product[0] * product[1] * product[2] * calls
+            flops, time_s = flops + work, time_s + work / rates[-1]
+        measured.append({"m_n_k": [m, n, k], "calls": calls,
+                         "flops_per_s": [round(r) for r in rates]})  # forward, data grad, weight grad
+    return {"flops_per_s": flops / time_s, "shapes": measured}
 
 
 # --precision -> the dtype its matmuls run in (autocast / cast weights): the MFU denominator's dtype.
