@@ -1,13 +1,18 @@
 """Facts about the device this process computes on, measured or read: peak memory, a matmul
-peak (the MFU denominator), and waiting for queued work. Below everything that times or accounts."""
+peak (the MFU denominator), waiting for queued work, and the per-machine cache of what was
+measured (``device_key``, ``read_cache`` / ``write_cache``). Below everything that times or accounts."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import json
+import os
+import platform
 import resource
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -170,3 +175,69 @@ def sync_device(device: torch.device) -> None:
     """Wait for the device's queued work (a no-op on CPU), so a clock reads finished work."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+# -- the per-machine cache of measurements ---------------------------------------------------------
+
+NO_CACHE_ENV = "PARATRAIN_NO_CACHE"  # set (to anything but "" or "0"): measure every time, store nothing
+
+
+def user_cache_dir() -> Path:
+    """paratrain's cache folder: $PARATRAIN_CACHE, else $XDG_CACHE_HOME/paratrain, else
+    ~/.cache/paratrain."""
+    if os.environ.get("PARATRAIN_CACHE"):
+        return Path(os.environ["PARATRAIN_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "paratrain"
+
+
+def cache_enabled() -> bool:
+    return os.environ.get(NO_CACHE_ENV, "") in ("", "0")
+
+
+def device_key(device: torch.device) -> str:
+    """What a measurement on `device` depends on: the GPU's name, or the CPU's model and the
+    flags that change its matmul kernels; and the torch version (its kernels)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name, flags = platform.processor() or platform.machine(), ""
+        try:
+            with open("/proc/cpuinfo") as f:
+                text = f.read()
+            model = [ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")]
+            name = model[0] if model else name
+            have = set(text.split())
+            wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+            flags = ",".join(f for f in wanted if f in have)
+        except OSError:
+            pass
+        name = f"{name} [{flags}]"
+    return f"{device.type}:{name}:torch {torch.__version__}"
+
+
+def read_cache(name: str) -> dict:
+    """The cache file ``name`` (a JSON object; {} when absent, damaged or the cache is off)."""
+    path = user_cache_dir() / name
+    if not cache_enabled() or not path.exists():
+        return {}
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}  # a damaged cache is measured again
+    return cached if isinstance(cached, dict) else {}
+
+
+def write_cache(name: str, key: str, value: object) -> None:
+    """Store ``value`` under ``key`` in the cache file ``name``, atomically: processes measuring at
+    once never read half a file (the last writer's other keys win, which costs a measurement)."""
+    if not cache_enabled():
+        return
+    path = user_cache_dir() / name
+    cached = {**read_cache(name), key: value}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(cached, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass  # an unwritable cache only costs a measurement next time
