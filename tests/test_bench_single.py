@@ -33,6 +33,7 @@ def test_json_carries_both_mfus_in_the_run_precision(monkeypatch, precision, dty
     monkeypatch.setattr(single, "measure_matmul_peak", recording)
     result = single.run(_args("--precision", precision))
     assert set(measured) == {dtype}
+    assert result["compile"] == "off"  # the plain loop is eager: so is paratrain unless asked
     assert result["precision"] == precision and result["matmul_dtype"] == str(dtype).removeprefix("torch.")
     # tiny (dim 64, 4 heads of 16, 2 kv heads, SwiGLU ffn 128) at 2 x 16 tokens: q, k, v
     # [32, 64 + 2 * 32], the output projection, gate + up [32, 256], down, each in 4 blocks; the

@@ -82,7 +82,7 @@ def test_short_run_runs_eager_without_measuring_and_records_why(auto, monkeypatc
     first = read_metrics(auto / "run" / "metrics.jsonl")[0]
     assert first["compile_auto"]["compile"] is False and "2 steps" in first["compile_auto"]["why"]
     assert first["layout"]["compile"] is False
-    assert "--compile auto: eager: 2 steps" in capsys.readouterr().out
+    assert "--compile auto: eager: 2 steps" in capsys.readouterr().err
 
 
 def _blocks_compiled(trainer: Trainer) -> list[bool]:

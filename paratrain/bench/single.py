@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                         help="compute precision of both sides, and of the matmul peaks (default: "
                              "%(default)s)")
+    parser.add_argument("--compile", choices=("off", "on", "auto"), default="off",
+                        help="paratrain's blocks compiled (--compile of train); off: eager, as the "
+                             "plain loop (default: %(default)s)")
     parser.add_argument("--peak-seconds", type=float, default=1.0,
                         help="seconds measuring the square matmul peak; each model shape gets a "
                              "fifth of it per product (default: %(default)s)")
@@ -53,6 +56,7 @@ def bench_config(args: argparse.Namespace, out: str) -> config.Config:
         "model.name": args.model, "data.seq_len": args.seq_len, "train.global_batch": args.global_batch,
         "train.micro_batch": args.micro_batch, "train.steps": args.warmup + args.steps, "train.out": out,
         "train.progress": False, "train.eval_every": 0, "train.precision": args.precision,
+        "train.compile": {"off": False, "on": True, "auto": "auto"}[args.compile],
     })
     return checks.validate(cfg, 1)
 
@@ -134,7 +138,7 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "kind": "single", "nproc": 1, "threads": args.threads, "model": args.model,
         "n_params": task.n_params, "seq_len": args.seq_len, "global_batch": args.global_batch,
-        "micro_batch": cfg.micro_batch, "precision": args.precision,
+        "micro_batch": cfg.micro_batch, "precision": args.precision, "compile": args.compile,
         "peer": "plain PyTorch loop",
         **result, **peak, **mfu,
         "machine": machine(),

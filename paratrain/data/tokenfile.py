@@ -63,7 +63,6 @@ from paratrain.data.sources import (
     task_paths,
 )
 from paratrain.data.template import ChatTemplate
-from paratrain.device import user_cache_dir
 
 FORMAT, VERSION = "paratrain-tokens", 1
 MANIFEST = "manifest.json"
@@ -220,7 +219,7 @@ def cache_key(sources: list[Source], opts: PrepareOptions, fmt: str = "text",
 
 
 def cache_root(cache_dir: str | None) -> Path:
-    return Path(cache_dir) if cache_dir else user_cache_dir()
+    return Path(cache_dir or os.environ.get("PARATRAIN_CACHE") or Path.home() / ".cache" / "paratrain")
 
 
 def prepare(data: str | None, opts: PrepareOptions, *, out: Path | None = None,

@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -158,10 +159,8 @@ def block_passes(cfg: Config, model_cfg: object) -> int:
     return cfg.train.steps * cfg.n_micro_batches * max(1, model_cfg.n_layers // cfg.parallel.pp)
 
 
-def choose(cfg: Config, model_cfg: object, device: torch.device, measure: Callable[..., dict] | None = None
-           ) -> dict:
-    """The verdict for this run on this machine: {"compile", "why", and what was measured}.
-    ``measure``: measure_block's stand-in (tests give timings)."""
+def choose(cfg: Config, model_cfg: object, device: torch.device) -> dict:
+    """The verdict for this run on this machine: {"compile", "why", and what was measured}."""
     reason = not_measured(cfg)
     if reason:
         return {"compile": False, "why": reason}
@@ -173,9 +172,10 @@ def choose(cfg: Config, model_cfg: object, device: torch.device, measure: Callab
         if cfg.train.steps < MEASURE_FROM_STEPS:
             return {"compile": False, "why": f"{cfg.train.steps} steps: too few to win back compiling "
                     f"(measured from {MEASURE_FROM_STEPS} steps, or --compile to force)"}
-        times = (measure or measure_block)(block, rows=cfg.micro_batch, seq=cfg.data.seq_len, device=device,
-                        precision=cfg.train.precision, backend=cfg.train.compile_backend)
-        write_cache(CACHE_FILE, key, times)
+        times = measure_block(block, rows=cfg.micro_batch, seq=cfg.data.seq_len, device=device,
+                              precision=cfg.train.precision, backend=cfg.train.compile_backend)
+        if "error" not in times:  # a failure is quick to find again, and a compiler may be installed
+            write_cache(CACHE_FILE, key, times)
     verdict, why = decide(times, block_passes(cfg, model_cfg))
     return {"compile": verdict, "why": why, **times, "cached": cached}
 
@@ -192,5 +192,6 @@ def resolve_compile(cfg: Config, mesh: ParallelMesh, model_cfg: object, *, quiet
     cfg.train.compile = bool(vote.item())
     if mesh.rank == 0 and not quiet:
         picked = f"compiled ({cfg.train.compile_backend})" if cfg.train.compile else "eager"
-        print(f"paratrain: --compile auto: {picked}: {choice['why']}", flush=True)
+        # stderr: stdout stays the JSON of `bench ... --json` and `eval --json`
+        print(f"paratrain: --compile auto: {picked}: {choice['why']}", file=sys.stderr, flush=True)
     return {**choice, "compile": cfg.train.compile}
