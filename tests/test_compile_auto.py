@@ -90,7 +90,7 @@ def _blocks_compiled(trainer: Trainer) -> list[bool]:
     return ["forward" in b.__dict__ for b in family_of(model, "test").blocks_of(model).values()]
 
 
-def test_auto_measures_once_caches_and_follows_the_timings(auto, monkeypatch):
+def test_auto_measures_once_caches_and_follows_the_timings(auto, monkeypatch, capsys):
     """Given timings (the machine's would make the test depend on its CPU): compiled where they
     say it pays over the run, eager where not; the second run reads the cache instead of measuring."""
     calls = []
@@ -100,11 +100,14 @@ def test_auto_measures_once_caches_and_follows_the_timings(auto, monkeypatch):
     assert len(calls) == 1 and calls[0]["backend"] == "aot_eager" and calls[0]["precision"] == "fp32"
     # 50 steps x 4 blocks x 6 ms = 1.2 s saved < 3 s compiling: eager
     assert long_run.compile_choice["compile"] is False and not any(_blocks_compiled(long_run))
+    assert "timing one block" in capsys.readouterr().err  # the user is told why the start waits
     monkeypatch.setattr(compile_auto, "measure_block", _never)
     longer = Trainer(tiny_cfg(auto / "b", **{"train.steps": 200, "train.compile_backend": "aot_eager"}))
     assert longer.compile_choice["cached"] is True and longer.compile_choice["compile"] is True
     assert longer.cfg.train.compile is True and all(_blocks_compiled(longer))
     assert "4.8 s saved over 800 block passes > 3 s compiling" in longer.compile_choice["why"]
+    said = capsys.readouterr().err
+    assert "timing one block" not in said and "--compile auto: compiled (aot_eager): a block pass" in said
 
 
 def test_auto_runs_eager_where_the_measured_block_does_not_stand_for_the_run(auto, monkeypatch):

@@ -159,7 +159,7 @@ def block_passes(cfg: Config, model_cfg: object) -> int:
     return cfg.train.steps * cfg.n_micro_batches * max(1, model_cfg.n_layers // cfg.parallel.pp)
 
 
-def choose(cfg: Config, model_cfg: object, device: torch.device) -> dict:
+def choose(cfg: Config, model_cfg: object, device: torch.device, *, quiet: bool = True) -> dict:
     """The verdict for this run on this machine: {"compile", "why", and what was measured}."""
     reason = not_measured(cfg)
     if reason:
@@ -172,6 +172,8 @@ def choose(cfg: Config, model_cfg: object, device: torch.device) -> dict:
         if cfg.train.steps < MEASURE_FROM_STEPS:
             return {"compile": False, "why": f"{cfg.train.steps} steps: too few to win back compiling "
                     f"(measured from {MEASURE_FROM_STEPS} steps, or --compile to force)"}
+        say(f"timing one block eager vs compiled ({cfg.train.compile_backend}), once for this machine "
+            "and shape: --no-compile or --compile skips it", quiet)
         times = measure_block(block, rows=cfg.micro_batch, seq=cfg.data.seq_len, device=device,
                               precision=cfg.train.precision, backend=cfg.train.compile_backend)
         if "error" not in times:  # a failure is quick to find again, and a compiler may be installed
@@ -182,7 +184,7 @@ def choose(cfg: Config, model_cfg: object, device: torch.device) -> dict:
 
 def resolve_compile(cfg: Config, mesh: ParallelMesh, model_cfg: object, *, quiet: bool = False) -> dict:
     """Replace ``cfg.train.compile == "auto"`` by rank 0's verdict; say it in one line; return it."""
-    choice = choose(cfg, model_cfg, mesh.device) if mesh.rank == 0 else {}
+    choice = choose(cfg, model_cfg, mesh.device, quiet=quiet) if mesh.rank == 0 else {}
     vote = torch.tensor([int(choice.get("compile", False))], dtype=torch.int32, device=mesh.device)
     if mesh.world.active:
         import torch.distributed as dist
@@ -190,8 +192,13 @@ def resolve_compile(cfg: Config, mesh: ParallelMesh, model_cfg: object, *, quiet
         with mesh.counter.paused():  # rank 0's verdict: the others voted 0
             dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=mesh.world.group)
     cfg.train.compile = bool(vote.item())
-    if mesh.rank == 0 and not quiet:
+    if mesh.rank == 0:
         picked = f"compiled ({cfg.train.compile_backend})" if cfg.train.compile else "eager"
-        # stderr: stdout stays the JSON of `bench ... --json` and `eval --json`
-        print(f"paratrain: --compile auto: {picked}: {choice['why']}", file=sys.stderr, flush=True)
+        say(f"{picked}: {choice['why']}", quiet)
     return {**choice, "compile": cfg.train.compile}
+
+
+def say(text: str, quiet: bool) -> None:
+    # stderr: stdout stays the JSON of `bench ... --json` and `eval --json`
+    if not quiet:
+        print(f"paratrain: --compile auto: {text}", file=sys.stderr, flush=True)
