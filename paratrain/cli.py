@@ -217,7 +217,7 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
     ("--offload-dir", "parallel.offload_dir", str, SAVERS, "folder for --offload disk"),
     ("--compile", "train.compile", compile_arg, SAVERS, "torch.compile each transformer block: on (the "
      "flag alone) | off | auto: where a block compiled is measured faster on this machine over the "
-     "run's steps, compiling counted (docs/memory_savers.md)"),
+     "run's steps, compiling counted (docs/memory.md)"),
     ("--no-compile", "train.compile", bool, SAVERS, "run the blocks eagerly (--compile off)"),
     ("--out", "train.out", str, CHECKPOINTS, "run folder: checkpoints, metrics, logs"),
     ("--save-every", "train.save_every", int, CHECKPOINTS, "write a checkpoint every N steps (0: only "
