@@ -17,6 +17,14 @@ import paratrain.config as config
 from paratrain.engine import checks
 
 
+def compile_arg(text: str) -> bool | str:
+    """--compile [auto|on|off]: the flag alone is on."""
+    values = {"auto": "auto", "on": True, "true": True, "off": False, "false": False}
+    if text.lower() not in values:
+        raise argparse.ArgumentTypeError(f"--compile takes auto, on or off (got {text!r})")
+    return values[text.lower()]
+
+
 def micro_batch_arg(text: str) -> int | str:
     """--micro-batch: a number of rows, or "auto" (the batch-size finder)."""
     if text == "auto":
@@ -208,7 +216,10 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
     ("--offload", "parallel.offload", str, SAVERS, "keep optimizer states on the CPU or on disk "
      "(disk needs --offload-dir)"),
     ("--offload-dir", "parallel.offload_dir", str, SAVERS, "folder for --offload disk"),
-    ("--compile", "train.compile", bool, SAVERS, "torch.compile each transformer block"),
+    ("--compile", "train.compile", compile_arg, SAVERS, "torch.compile each transformer block: on (the "
+     "flag alone) | off | auto: where a block compiled is measured faster on this machine over the "
+     "run's steps, compiling counted (docs/memory.md)"),
+    ("--no-compile", "train.compile", bool, SAVERS, "run the blocks eagerly (--compile off)"),
     ("--out", "train.out", str, CHECKPOINTS, "run folder: checkpoints, metrics, logs"),
     ("--save-every", "train.save_every", int, CHECKPOINTS, "write a checkpoint every N steps (0: only "
      "the final one)"),
@@ -270,6 +281,8 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
 # paratrain.cli train` for an abbreviation of its own --signals-to-handle and stops ("ambiguous
 # option"), so a torchrun-launched run (Kubernetes, torchrun under srun) can only spell it this way.
 FLAG_ALIASES = {"--signal": ("--warning-signal",)}
+# Flags whose value may be left out, and what the flag alone sets (--compile: on).
+OPTIONAL_VALUE = {"--compile": True}
 TRAIN_FLAGS: dict[str, tuple[str, type | typing.Callable]] = {
     flag: (key, typ) for flag, key, typ, _, _ in TRAIN_OPTIONS if typ is not bool}
 TRAIN_SWITCHES: dict[str, str] = {flag: key for flag, key, typ, _, _ in TRAIN_OPTIONS if typ is bool}
@@ -306,6 +319,9 @@ def train_parser(sub: argparse._SubParsersAction, name: str = "train",
         text, metavar = option_help(flag, key, text)
         if typ is bool:
             groups[group].add_argument(flag, action="store_true", help=text)
+        elif flag in OPTIONAL_VALUE:  # the flag alone means its const
+            groups[group].add_argument(flag, nargs="?", const=OPTIONAL_VALUE[flag], type=typ, default=None,
+                                       metavar="{auto,on,off}", help=text)
         else:
             groups[group].add_argument(flag, *FLAG_ALIASES.get(flag, ()), type=typ, default=None,
                                        metavar=metavar, help=text)
@@ -320,7 +336,7 @@ def overrides_from(args: argparse.Namespace) -> dict:
             out[key] = value
     for flag, key in TRAIN_SWITCHES.items():
         if getattr(args, flag.lstrip("-").replace("-", "_")):
-            out[key] = flag not in ("--no-progress", "--no-packing")
+            out[key] = not flag.startswith("--no-")
     return out
 
 

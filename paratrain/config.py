@@ -159,7 +159,7 @@ class TrainConfig:
     recompute: str = "none"  # none | selective (core attention) | full (whole blocks)
     offload_activations: str = "none"  # none | cpu: tensors saved for backward kept in host memory
     tile: int = 1  # MLP and LM head + loss in this many tiles of tokens (of weights under ZeRO-3)
-    compile: bool = False  # torch.compile each transformer block
+    compile: bool | str = "auto"  # torch.compile each block: True | False | "auto" (where measured faster)
     compile_backend: str = "inductor"  # or aot_eager (graphs + AOT autograd, no code generation)
     out: str = "runs/default"
     save_every: int = 0  # 0: only the final checkpoint
@@ -464,6 +464,9 @@ def check_values(cfg: Config, problems: list[str], world_size: int | None = None
     for dotted, allowed in CHOICES.items():
         section, key = dotted.split(".")
         _choice(problems, dotted, getattr(getattr(cfg, section), key), allowed)
+    if t.compile not in (True, False, "auto"):  # a bool or the string "auto" (the types are checked first)
+        problems.append(f"train.compile = {t.compile!r} must be true, false or \"auto\" (--compile, "
+                        "--no-compile, --compile auto)")
     if not isinstance(t.tile, int) or t.tile < 1:
         problems.append(f"train.tile must be an integer >= 1 (got {t.tile!r}); 1 disables tiling")
     if t.memory_limit is not None and (not isinstance(t.memory_limit, int) or t.memory_limit <= 0):

@@ -1,13 +1,18 @@
 """Facts about the device this process computes on, measured or read: peak memory, a matmul
-peak (the MFU denominator), and waiting for queued work. Below everything that times or accounts."""
+peak (the MFU denominator), waiting for queued work, and the per-machine cache of what was
+measured (``device_key``, ``read_cache`` / ``write_cache``). Below everything that times or accounts."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import json
+import os
+import platform
 import resource
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -76,16 +81,19 @@ def reset_peak_memory(device: torch.device) -> bool:
 
 
 def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 512,
-                        seconds: float = 0.5, windows: int = 5) -> float:
+                        seconds: float = 0.5, windows: int = 5, *,
+                        shape: tuple[int, int, int] | None = None) -> float:
     """Measured dense matmul FLOP/s of this process on `device` (the MFU denominator): the best of
     `windows` windows of seconds / windows each. Other work on the machine (another process, this
     run's other ranks starting) only ever lowers a window's rate, so the best window is the one
-    least disturbed; a single window measured under load put MFU at 192 % (issue 35)."""
+    least disturbed; a single window measured under load put MFU at 192 % (issue 35).
+    ``shape`` (m, n, k): out[m, n] = a[m, k] @ b[k, n] instead of the square n x n x n."""
+    m, n, k = shape or (n, n, n)
     # Its own generator: the global one is the run's (dropout masks that every tp rank draws in
     # step, engine/rng.py), and only rank 0 measures.
     gen = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
-    b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+    a = torch.randn(m, k, device=device, dtype=dtype, generator=gen)
+    b = torch.randn(k, n, device=device, dtype=dtype, generator=gen)
     for _ in range(3):
         a @ b
     sync_device(device)
@@ -96,8 +104,28 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32
             a @ b
             count += 1
         sync_device(device)
-        best = max(best, 2 * n**3 * count / (time.perf_counter() - start))
+        best = max(best, 2 * m * n * k * count / (time.perf_counter() - start))
     return best
+
+
+def measure_shapes_rate(device: torch.device, dtype: torch.dtype,
+                        shapes: list[tuple[int, int, int, int]], seconds: float = 0.2) -> dict:
+    """The matmul FLOP/s a model's own GEMMs reach standalone: each (m, n, k, calls) forward
+    product and its two backward ones (data gradient [m, k] = [m, n] @ [n, k], weight gradient
+    [k, n] = [k, m] @ [m, n]) measured at its best rate, then their FLOPs over their summed
+    seconds (a FLOP-weighted harmonic mean): the ceiling of a step made only of these matmuls.
+    Small or thin products run below the square peak, so this is the fairer MFU denominator."""
+    flops = time_s = 0.0
+    measured = []
+    for m, n, k, calls in shapes:
+        rates = []
+        for product in ((m, n, k), (m, k, n), (k, n, m)):
+            rates.append(measure_matmul_peak(device, dtype, seconds=seconds, windows=2, shape=product))
+            work = 2.0 * product[0] * product[1] * product[2] * calls
+            flops, time_s = flops + work, time_s + work / rates[-1]
+        measured.append({"m_n_k": [m, n, k], "calls": calls,
+                         "flops_per_s": [round(r) for r in rates]})  # forward, data grad, weight grad
+    return {"flops_per_s": flops / time_s, "shapes": measured}
 
 
 # --precision -> the dtype its matmuls run in (autocast / cast weights): the MFU denominator's dtype.
@@ -147,3 +175,70 @@ def sync_device(device: torch.device) -> None:
     """Wait for the device's queued work (a no-op on CPU), so a clock reads finished work."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+# -- the per-machine cache of measurements ---------------------------------------------------------
+
+NO_CACHE_ENV = "PARATRAIN_NO_CACHE"  # set (to anything but "" or "0"): measure every time, store nothing
+
+
+def user_cache_dir() -> Path:
+    """paratrain's folder for measurements: $PARATRAIN_CACHE, else $XDG_CACHE_HOME/paratrain, else
+    ~/.cache/paratrain. (The token cache, data/tokenfile.py ``cache_root``, spells its root itself:
+    data preparation forks workers from a small parent that must not import torch.)"""
+    if os.environ.get("PARATRAIN_CACHE"):
+        return Path(os.environ["PARATRAIN_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "paratrain"
+
+
+def cache_enabled() -> bool:
+    return os.environ.get(NO_CACHE_ENV, "") in ("", "0")
+
+
+def device_key(device: torch.device) -> str:
+    """What a measurement on `device` depends on: the GPU's name, or the CPU's model and the
+    flags that change its matmul kernels; and the torch version (its kernels)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name, flags = platform.processor() or platform.machine(), ""
+        try:
+            with open("/proc/cpuinfo") as f:
+                text = f.read()
+            model = [ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")]
+            name = model[0] if model else name
+            have = set(text.split())
+            wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+            flags = ",".join(f for f in wanted if f in have)
+        except OSError:
+            pass
+        name = f"{name} [{flags}]"
+    return f"{device.type}:{name}:torch {torch.__version__}"
+
+
+def read_cache(name: str) -> dict:
+    """The cache file ``name`` (a JSON object; {} when absent, damaged or the cache is off)."""
+    path = user_cache_dir() / name
+    if not cache_enabled() or not path.exists():
+        return {}
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}  # a damaged cache is measured again
+    return cached if isinstance(cached, dict) else {}
+
+
+def write_cache(name: str, key: str, value: object) -> None:
+    """Store ``value`` under ``key`` in the cache file ``name``, atomically: processes measuring at
+    once never read half a file (the last writer's other keys win, which costs a measurement)."""
+    if not cache_enabled():
+        return
+    path = user_cache_dir() / name
+    cached = {**read_cache(name), key: value}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(cached, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass  # an unwritable cache only costs a measurement next time

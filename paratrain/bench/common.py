@@ -18,8 +18,8 @@ from collections.abc import Callable
 import torch
 
 import paratrain.config as config
+from paratrain.device import device_key
 from paratrain.engine import checks
-from paratrain.memory.precision import device_key
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, *, nproc: int = 2, steps: int = 12,

@@ -277,7 +277,8 @@ def _check_zero_bubble(cfg: Config, problems: list[str]) -> None:
 ZERO_BUBBLE_REFUSALS = (
     Refusal(ZERO_BUBBLE, "compile", "each linear's backward is split into input and weight gradients, which "
             "torch.compile'd blocks cannot (torch's zero-bubble schedules refuse compile too)",
-            when=lambda c: c.parallel.pp_schedule in ZERO_BUBBLE and c.parallel.pp > 1 and c.train.compile,
+            when=lambda c: (c.parallel.pp_schedule in ZERO_BUBBLE and c.parallel.pp > 1
+                            and c.train.compile is True),  # auto runs eager there (memory/compile_auto.py)
             message=lambda c: f"--pp-schedule {c.parallel.pp_schedule} splits each linear's backward into "
             "input and weight gradients, which torch.compile'd blocks cannot: drop --compile or use "
             "--pp-schedule 1f1b (torch's zero-bubble schedules refuse compile too)"),

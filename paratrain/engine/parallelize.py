@@ -46,7 +46,7 @@ def layout_of(cfg: Config) -> BuildLayout:
     p, t = cfg.parallel, cfg.train
     return BuildLayout(zero=p.zero, sequence_parallel=p.sp, pp_schedule=p.pp_schedule,
                        virtual_stages=p.virtual_stages, pp_split=p.pp_split, cp_method=p.cp_method,
-                       precision=t.precision, tile=t.tile, recompute=t.recompute, compile=t.compile,
+                       precision=t.precision, tile=t.tile, recompute=t.recompute, compile=t.compile is True,
                        compile_backend=t.compile_backend,
                        offload_activations=t.offload_activations == "cpu",
                        # averaging replicas and parameter-server workers keep their own statistics

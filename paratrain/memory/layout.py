@@ -18,7 +18,7 @@ def check_savers(cfg: Config, problems: list[str]) -> None:
     if t.tile > 1 and not kind.tiling:
         problems.append(f"--tile {t.tile} does not compose with {kind.name}: it has no MLP or LM head to "
                         "tile")
-    if t.compile and not kind.blocks:
+    if t.compile is True and not kind.blocks:  # auto: eager, saying why (memory/compile_auto.py)
         problems.append(f"--compile does not compose with {kind.name}: it has no transformer blocks")
     emit(SAVER_REFUSALS, cfg, problems)
     auto = t.micro_batch == "auto"

@@ -3,54 +3,26 @@
 CPUs differ: with AVX2 only, bf16 matmul is 5-100x slower than fp32 (no native bf16 kernels);
 with AVX-512 BF16 / AMX it is several times faster (shared/DESIGN.md section 5). GPUs from
 Ampere on are faster in bf16. So the choice is measured, not guessed: square matmuls of
-``MEASURE_N`` in each dtype for a fixed time, once per machine, cached in
-``~/.cache/paratrain/precision.json`` under a key naming the device (CPU model and its bf16/AMX
-flags, or the GPU's name) and the torch version. bf16 is chosen when it is at least ``MARGIN``
-times faster than fp32: half the activation memory is not worth a slower step. Every rank
+``MEASURE_N`` in each dtype for a fixed time, once per machine, cached in ``precision.json`` of
+the user's cache folder (device.py ``user_cache_dir``) under a key naming the device (CPU model
+and its bf16/AMX flags, or the GPU's name) and the torch version. bf16 is chosen when it is at
+least ``MARGIN`` times faster than fp32: half the activation memory is not worth a slower step. Every rank
 measures (or reads the cache) and the ranks agree (bf16 only if every rank chose it), so one
 world trains in one precision. Models that train in fp32 only (cnn-tiny) resolve to fp32.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import platform
-from pathlib import Path
-
 import torch
 
 from paratrain.config import Config
-from paratrain.device import measure_matmul_peak
+from paratrain.device import device_key, measure_matmul_peak, read_cache, write_cache
 from paratrain.mesh import ParallelMesh
 from paratrain.models import model_kind
 
 MEASURE_N = 512
 MARGIN = 1.1
-
-
-def device_key(device: torch.device) -> str:
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:
-        name, flags = platform.processor() or platform.machine(), ""
-        try:
-            with open("/proc/cpuinfo") as f:
-                text = f.read()
-            model = [ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")]
-            name = model[0] if model else name
-            have = set(text.split())
-            wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-            flags = ",".join(f for f in wanted if f in have)
-        except OSError:
-            pass
-        name = f"{name} [{flags}]"
-    return f"{device.type}:{name}:torch {torch.__version__}"
-
-
-def _cache_path() -> Path:
-    root = os.environ.get("PARATRAIN_CACHE") or Path.home() / ".cache" / "paratrain"
-    return Path(root) / "precision.json"
+CACHE_FILE = "precision.json"
 
 
 def measure(device: torch.device, seconds: float = 0.3) -> dict:
@@ -63,25 +35,13 @@ def measure(device: torch.device, seconds: float = 0.3) -> dict:
 
 def choose(device: torch.device, *, use_cache: bool = True) -> dict:
     """The measured choice for this device (read from the cache when it is there)."""
-    key, path = device_key(device), _cache_path()
-    cache = {}
-    if use_cache and path.exists():
-        try:
-            cache = json.loads(path.read_text())
-        except (OSError, ValueError):
-            cache = {}
+    key = device_key(device)
+    cache = read_cache(CACHE_FILE) if use_cache else {}
     if key in cache:
         return {**cache[key], "cached": True, "device": key}
     result = measure(device)
     if use_cache:
-        cache[key] = result
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(cache, indent=1))
-            tmp.replace(path)  # atomic: ranks measuring at once never read half a file
-        except OSError:
-            pass  # an unwritable cache only costs a measurement next time
+        write_cache(CACHE_FILE, key, result)
     return {**result, "cached": False, "device": key}
 
 

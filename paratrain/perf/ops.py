@@ -155,6 +155,14 @@ def mlp_shapes(c: ModelShape, t: float, *, tp: int = 1, moe: bool = False, ep: i
     return [(t, c.n_experts, h, 1), (rows, up / tp, h, local), (rows, h, f / tp, local)]
 
 
+def block_gemm_shapes(c: ModelShape, t: float, *, tp: int = 1, moe: bool = False, ep: int = 1
+                      ) -> list[tuple[float, float, float, int]]:
+    """(m, n, k, calls) of one block's GEMMs on one rank for t tokens: q, k and v side by side
+    [t, (q + 2 kv)/tp], the output projection [t, h], then the MLP's (``mlp_shapes``)."""
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    return [(t, (q + 2 * kv) / tp, c.dim, 1), (t, c.dim, q / tp, 1)] + mlp_shapes(c, t, tp=tp, moe=moe, ep=ep)
+
+
 def block_costs(c: ModelShape, env: OpEnv, *, seq: int, micro_batch: int, tp: int = 1, sp: bool = False,
                 act_bytes: int = 2, attention: str = "flash", tile: int = 1, moe: bool = False,
                 ep: int = 1, cp: int = 1) -> Costs:
@@ -168,7 +176,7 @@ def block_costs(c: ModelShape, env: OpEnv, *, seq: int, micro_batch: int, tp: in
     kv = c.n_kv_heads * hd
     heads = c.n_heads / tp
     q = c.n_heads * hd  # the attention's width: heads x head size, which need not be h
-    shapes = [(t, (q + 2 * kv) / tp, h, 1), (t, h, q / tp, 1)] + mlp_shapes(c, t, tp=tp, moe=moe, ep=ep)
+    shapes = block_gemm_shapes(c, t, tp=tp, moe=moe, ep=ep)
     fwd_g = tot_g = w_g = 0.0
     for m, n, k, calls in shapes:
         a, b, w = _fwd_bwd(env.gemm, m, n / tile, k, env.peak)

@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import paratrain.plan_cli.calibrate_workers as calibrate_workers
 from paratrain.base.strategy import Strategy
 from paratrain.config import OptimConfig
+from paratrain.device import user_cache_dir
 from paratrain.memory.recompute import apply_recompute
 from paratrain.mesh import MeshShape, ParallelMesh
 from paratrain.models import build_model, preset
@@ -252,8 +253,7 @@ def _cache_path() -> Path:
         pass
     key = f"{cpu}-{os.cpu_count()}cores-torch{torch.__version__}-1thread-v{CACHE_VERSION}"
     safe = "".join(ch if ch.isalnum() or ch in "-._" else "_" for ch in key)
-    root = Path(os.environ.get("PARATRAIN_CACHE", Path.home() / ".cache" / "paratrain"))
-    return root / f"machine-{safe}.json"
+    return user_cache_dir() / f"machine-{safe}.json"
 
 
 MAX_CALIBRATION_WORKERS = 8

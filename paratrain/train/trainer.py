@@ -41,6 +41,7 @@ from paratrain.engine.rng import seed_draws
 from paratrain.engine.task import Task, as_batch
 from paratrain.launch import DistEnv, restart_attempt
 from paratrain.memory.batch_finder import resolve_micro_batch
+from paratrain.memory.compile_auto import resolve_compile
 from paratrain.memory.precision import resolve_precision
 from paratrain.mesh import MeshShape, ParallelMesh
 from paratrain.observe import Observers
@@ -117,6 +118,9 @@ class Trainer:
 
             self.precision_choice = resolve_precision(cfg, self.mesh)
         self.task = task or build_task(cfg)
+        self.compile_choice = None
+        if cfg.train.compile == "auto":  # rank 0 measures (or reads its cache), every rank follows
+            self.compile_choice = resolve_compile(cfg, self.mesh, self.task.model_cfg, quiet=cfg.train.quiet)
         with scratch.collecting() as self.scratch:  # --offload disk's folders: removed when fit ends
             self.engine: Engine = parallelize(self.task, cfg, self.mesh, servers=self.env.world_group)
         self.lora = run_record(self.task.model_cfg, cfg)  # {} without --lora (engine/lora.py)
@@ -380,6 +384,8 @@ class Trainer:
                 row["batch_finder"] = self.finder.summary()
             if self.precision_choice is not None:
                 row["precision_auto"] = self.precision_choice
+            if self.compile_choice is not None:
+                row["compile_auto"] = self.compile_choice
         return row
 
     def task_metrics(self) -> dict:
@@ -404,6 +410,7 @@ class Trainer:
                 "offload": p.offload, "sync": p.sync, "sync_every": p.sync_every,
                 "micro_batch": self.cfg.micro_batch, "n_micro_batches": self.cfg.n_micro_batches,
                 "precision": self.cfg.train.precision, "recompute": self.cfg.train.recompute,
+                "compile": self.cfg.train.compile,
                 "world_size": self.env.world_size}
 
     # -- state -----------------------------------------------------------------------------------
