@@ -4,7 +4,8 @@ equal to one process on the same micro-batches. One launch of 2 workers x pp 2 +
 five runs in turn in the same processes (each run its own server session), so the suite pays one
 start; a sixth run uses the same 4 worker ranks as dp 2 x cp 2 (context parallelism, no pipeline:
 every cp rank pushes its share of its batch's gradient and the synchronous server sums them all),
-and a seventh the same in async mode (2 workers, each a cp group: one push, one ticket per worker).
+and two more the same in async mode (2 workers, each a cp group: one push, one ticket per worker;
+and with tiny-moe at ep 2, each worker an ep group holding one cp pair).
 Criterion: tests/harness.py's FP32_REORDERED, as the 1F1B case (the server sums the workers'
 pushes in another order than one process's accumulation)."""
 
@@ -22,7 +23,7 @@ from tests.dist import run
 from tests.harness import FP32_REORDERED, assert_same_weights, tiny_cfg
 from tests.test_generate_dist import PROMPTS, across_ranks, one_process
 from tests.test_matrix_dp import assert_features_ran
-from tests.test_param_server import GLOBAL_BATCH, _ps_cfg, _replay_async, _rows
+from tests.test_param_server import GLOBAL_BATCH, MOE, _ps_cfg, _replay_async, _rows
 
 # name -> the worker's pipeline (tiny's 4 blocks: interleaved's 2 x 2 chunks, a V's 2 chunks a
 # rank); micro-batch 1 gives each worker m = 4 (DualPipeV needs m >= 2p)
@@ -36,8 +37,11 @@ SCHEDULES = {"gpipe": {"parallel.pp_schedule": "gpipe", "train.tile": 2, "train.
              "dualpipev": {"parallel.pp_schedule": "dualpipev"},
              # the same 4 worker ranks as dp 2 x cp 2 (no pipeline): every cp rank pushes its share
              "cp2": {"parallel.pp": 1, "parallel.cp": 2}}
-# async mode, dp 2 x cp 2: 2 workers, each a cp pair summing its gradients before one push
-ASYNC = {"cp2-async": {"parallel.pp": 1, "parallel.cp": 2, "parallel.ps_mode": "async"}}
+# async mode, dp 2 x cp 2: 2 workers, each a cp pair summing its gradients before one push; and
+# the tiny mixture of experts at ep 2, where an async worker is an ep group (here: one cp pair)
+ASYNC = {"cp2-async": {"parallel.pp": 1, "parallel.cp": 2, "parallel.ps_mode": "async"},
+         "cp2-ep2-async": {"parallel.pp": 1, "parallel.cp": 2, "parallel.ep": 2, "parallel.ps_mode": "async",
+                           **MOE}}
 COMMON = {"train.global_batch": GLOBAL_BATCH, "train.micro_batch": 1, "train.steps": 2, "parallel.pp": 2}
 
 
@@ -92,8 +96,10 @@ def test_generation_across_ranks_from_a_parameter_server_run(runs):
     assert [ids for ids, _ in across_ranks(2, 1, run=folder)] == [want, want]
 
 
-@pytest.mark.composes(("param-server", "cp"))
-def test_async_cp_workers_equal_one_process_applying_their_order(runs):
+@pytest.mark.composes(("param-server", "cp"), case="cp2-async")
+@pytest.mark.composes(("param-server", "cp", "ep", "moe"), case="cp2-ep2-async")
+@pytest.mark.parametrize("name", list(ASYNC))
+def test_async_cp_workers_equal_one_process_applying_their_order(runs, name):
     """Async mode with each worker a cp group (issue 37): dp 2 x cp 2 + 1 server. The cp ranks of a
     batch sum their gradients, cp index 0 alone asks its ticket and pushes, and both ranks take the
     values it pulled, so the server sees 2 workers (staleness at most dp - 1 = 1), both ranks of a
@@ -101,17 +107,20 @@ def test_async_cp_workers_equal_one_process_applying_their_order(runs):
     updates (tests/test_param_server.py ``_replay_async``; each cp rank pushing its share as a
     worker of its own makes 8 updates, not 4; a push of one cp rank's share, or replayed without
     the staleness, misses far beyond FP32_REORDERED). Rank 0's clip norm is its worker's whole
-    gradient's (times dp), the replay's (rtol 2e-5, as tests/test_param_server.py's norms)."""
+    gradient's (times dp), the replay's (rtol 2e-5, as tests/test_param_server.py's norms). Under
+    ep 2 a worker is its ep group, which holds the cp pair: the dense gradients summed over it, each
+    rank pushing its experts' (tiny-moe, the MoE settings of tests/test_param_server.py)."""
     _, got, tmp = runs
-    losses, weights = got["cp2-async"]
-    rows = _rows(tmp / "cp2-async")
+    losses, weights = got[name]
+    rows = _rows(tmp / name)
     assert rows[0]["layout"]["cp"] == 2 and rows[0]["layout"]["sync"] == "parameter-server"
     by_rank = [r["per_rank"]["ps_ticket"] for r in rows]  # worker ranks 0, 1 | 2, 3 (cp pairs)
     assert all(t[0] == t[1] and t[2] == t[3] for t in by_rank), by_rank
     tickets = [[t[0], t[2]] for t in by_rank]
     assert sorted(sum(tickets, [])) == list(range(4)), tickets
     assert max(s for r in rows for s in r["per_rank"]["ps_staleness"]) == 1 == rows[-1]["ps_staleness_max"]
-    one_cfg = tiny_cfg(tmp / "one-async", **{k: v for k, v in COMMON.items() if k != "parallel.pp"})
+    same_model = {k: v for k, v in {**COMMON, **ASYNC[name]}.items() if not k.startswith("parallel.")}
+    one_cfg = tiny_cfg(tmp / f"one-{name}", **same_model)
     norms: dict = {}
     one_losses, one_weights = _replay_async(one_cfg, tickets, norms)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(one_losses), **FP32_REORDERED)
