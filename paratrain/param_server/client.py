@@ -306,16 +306,17 @@ class ParameterServerClient(Strategy):
         others) and its ticket and staleness (for the metrics) broadcast to its cp peers, so
         the worker's ranks stay in lock-step on one update."""
         sizes = [self.values_size(k, {}) for k in range(self.settings.servers)]
-        flat = torch.empty(sum(sizes) + 4, dtype=torch.float32, device=self.mesh.device)
-        if values is not None:  # the two int64 numbers ride as their bits: a broadcast copies bytes
+        flat = torch.empty(4 + sum(sizes), dtype=torch.float32, device=self.mesh.device)
+        if values is not None:  # the two int64 numbers ride as their bits (a broadcast copies bytes),
+            # first, where an int64 view is aligned whatever the number of values
             numbers = torch.tensor([self.ticket_no, self.staleness], dtype=torch.int64).view(torch.float32)
-            flat.copy_(torch.cat([*values, numbers]))
+            flat.copy_(torch.cat([numbers, *values]))
         C.broadcast(flat, self.worker_cp, what="a worker's new values from its cp index 0")
         flat = flat.cpu()
         if values is None:
-            self.ticket_no, self.staleness = (int(n) for n in flat[-4:].view(torch.int64))
+            self.ticket_no, self.staleness = (int(n) for n in flat[:4].view(torch.int64))
             self.staleness_max = max(self.staleness_max, self.staleness)
-        return list(flat[:-4].split(sizes))
+        return list(flat[4:].split(sizes))
 
     def ticket(self) -> int:
         """Async: this update's place in the one order of updates every server applies (server
