@@ -152,7 +152,7 @@ class Parallel:
                                              ("dp_replicate", dp_replicate, 1), ("offload", offload, "none"),
                                              ("dp_mode", dp_mode, "ddp")) if v != default}
         problems += check_ps_args(sync=sync, servers=servers, ps_mode=ps_mode, max_staleness=max_staleness,
-                                  cp=cp, layout=layout)
+                                  layout=layout)
         if problems:
             raise ValueError("paratrain.Parallel: " + "; ".join(problems))
         self.cp_method, self.cp_method_why = cp_method, ""  # "auto": settled at the first cp_split
@@ -164,7 +164,7 @@ class Parallel:
         self.pp_schedule, self.virtual_stages = pp_schedule, virtual_stages
         self.ps: PsLink | None = None  # sync = "parameter-server": this worker's way to its servers
         if sync == "parameter-server":  # a server rank serves here, then SystemExit(0) (api_ps.py)
-            rank, self.device, self.ps = join_ps(servers, ps_mode, max_staleness, timeout, ps_group)
+            rank, self.device, self.ps = join_ps(servers, ps_mode, max_staleness, timeout, ps_group, cp)
             world = _workers_joined(self.ps.world.dp)
         else:
             rank, world, self.device = _join(timeout)

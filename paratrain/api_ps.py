@@ -16,9 +16,11 @@ Under torchrun Parallel joins the workers' process group and the gloo group of e
 (launch.py ``init_from_torchrun``); a caller that made the process group itself (the workers
 alone) passes the gloo group of every rank, workers first, as ``ps_group``.
 
-With ``cp > 1`` (ps_mode "sync") every cp rank is a worker, as under ``paratrain train --cp``: each
-pushes its positions' share of its rows' gradient (``backward`` divides by dp x cp) and the servers
-sum every push, so the update is the one of the global batch's mean.
+With ``cp > 1``, as under ``paratrain train --cp``: in ps_mode "sync" every cp rank is a worker (each
+pushes its positions' share of its rows' gradient, ``backward`` divides by dp x cp, and the servers
+sum every push: the global batch's mean); in ps_mode "async" a worker is a cp group (its ranks sum
+their shares, its cp index 0 alone pushes and hands the new values to its peers: client.py), since
+each async update must be one batch's whole rows.
 """
 
 from __future__ import annotations
@@ -31,29 +33,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from paratrain.base.strategy import decays
-from paratrain.config import ParallelConfig
 from paratrain.launch import init_from_torchrun, pick_device, under_torchrun
 from paratrain.mesh import ParallelMesh
 from paratrain.param_server.client import ParameterServerClient, ServerSettings
+from paratrain.param_server.placement import cp_ranks_per_worker
 from paratrain.param_server.session import PsWorld, run_server, tell_finished
-from paratrain.refusals import Refusal, emit
 
 PS_MODES = ("sync", "async")
-
-# What the library's parameter server refuses with (records of docs/composition.md: refusals.py);
-# ``when`` reads the keywords gathered in a ParallelConfig. The library runs the trainer's worker
-# side (param_server/client.py), so it refuses what `paratrain train` refuses (context_parallel/checks.py).
-LIBRARY_PS_REFUSALS = (
-    Refusal("cp", "param-server", "not built (both doors): ps_mode 'async' applies each worker's push "
-            "alone, and a cp rank's push is its positions' share of its rows' gradient; a worker made of "
-            "one cp group (its ranks summing their shares before one push) is not built in the worker "
-            "side (param_server/client.py); ps_mode 'sync' sums every push and runs with cp",
-            when=lambda p: p.sync == "parameter-server" and p.ps_mode == "async" and p.cp > 1,
-            message=lambda p: f"cp = {p.cp} with ps_mode = 'async' is not supported (each update is one "
-            "worker's push, and the cp ranks of a batch hold parts of the same rows): use ps_mode = 'sync' "
-            "or cp = 1", door="library"),
-)
-
 
 @dataclass(frozen=True)
 class PsLink:
@@ -78,11 +64,11 @@ class ServerAdamW:
     min_8bit_size: int = 0
 
 
-def check_ps_args(*, sync: str, servers: int, ps_mode: str, max_staleness: int | None, cp: int,
+def check_ps_args(*, sync: str, servers: int, ps_mode: str, max_staleness: int | None,
                   layout: dict[str, object]) -> list[str]:
     """Parallel's parameter-server keywords; ``layout``: the keywords a worker must leave at their
-    defaults (a worker holds the whole model, the servers hold the optimizer state); ``cp``: context
-    parallelism, whose ranks are workers (ps_mode "sync")."""
+    defaults (a worker holds the whole model, the servers hold the optimizer state; cp is not among
+    them: see the module's docstring)."""
     if sync != "parameter-server":
         return [f"{k} = {v!r} applies to sync = 'parameter-server' only: drop it or add that sync"
                 for k, v, default in (("servers", servers, 1), ("ps_mode", ps_mode, "sync"),
@@ -97,13 +83,13 @@ def check_ps_args(*, sync: str, servers: int, ps_mode: str, max_staleness: int |
     if max_staleness is not None and (ps_mode != "async" or max_staleness < 0):
         problems.append(f"max_staleness = {max_staleness} bounds ps_mode = 'async' (>= 0 server updates): "
                         "add ps_mode = 'async' or drop it")
-    emit(LIBRARY_PS_REFUSALS, ParallelConfig(sync=sync, ps_mode=ps_mode, cp=cp), problems)
     return problems
 
 
 def join_ps(servers: int, ps_mode: str, max_staleness: int | None, timeout: float,
-            group: dist.ProcessGroup | None) -> tuple[int, torch.device, PsLink]:
-    """(worker rank, device, link) on a worker; on a server: serve, then ``SystemExit(0)``."""
+            group: dist.ProcessGroup | None, cp: int = 1) -> tuple[int, torch.device, PsLink]:
+    """(worker rank, device, link) on a worker; on a server: serve, then ``SystemExit(0)``.
+    ``cp``: the workers' context parallelism (in async mode a worker is a cp group, as the trainer's)."""
     if group is None:
         if dist.is_initialized() or not under_torchrun():
             raise ValueError("paratrain.Parallel: sync = 'parameter-server' needs the servers' ranks: start "
@@ -119,13 +105,14 @@ def join_ps(servers: int, ps_mode: str, max_staleness: int | None, timeout: floa
     else:
         rank = group.rank()
         device = None
-    world = PsWorld(group.size() - servers, servers, timeout)
+    world = PsWorld(group.size() - servers, servers, timeout,
+                    cp=cp_ranks_per_worker(async_mode=ps_mode == "async", cp=cp, ep=1))
     if world.dp < 1:
         raise ValueError(f"paratrain.Parallel: servers = {servers} leaves no worker in ps_group's "
                          f"{group.size()} ranks")
-    _check_staleness(ps_mode, max_staleness, world.dp)
+    _check_staleness(ps_mode, max_staleness, world.group_workers)
     if world.is_server(rank):
-        staleness = world.dp - 1 if max_staleness is None else max_staleness  # the trainer's default
+        staleness = world.group_workers - 1 if max_staleness is None else max_staleness  # the trainer's
         run_server(group, world, async_mode=ps_mode == "async", max_staleness=staleness)
         raise SystemExit(0)
     if device is None:
@@ -177,6 +164,7 @@ def make_client(model: nn.Module, mesh: ParallelMesh, settings: ServerAdamW, lin
 def close_worker(link: PsLink, rank: int) -> None:
     """This worker has finished: the servers are told, the group's threads end."""
     try:
-        tell_finished(link.group, rank, link.world)
+        if link.world.speaks(rank):  # a cp group's cp index 0 speaks for it (session.py)
+            tell_finished(link.group, rank, link.world)
     finally:
         link.group.shutdown()

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from unittest import mock
 
-import paratrain.api_ps  # noqa: F401  (declares the library door's parameter-server refusals)
 from paratrain import config
 from paratrain.config import Config
 from paratrain.engine import checks

@@ -20,7 +20,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import paratrain
 from tests.dist import run
 from tests.harness import FP32_REORDERED, assert_same_weights
 from tests.test_context_parallel import REL64, _final_weights, _float64_llama
@@ -162,8 +161,26 @@ def test_cp2_with_averaging_equals_whole_replicas_by_hand(outs, mode):
             assert rel < REL64, f"{mode} {name}: {rel:.2e}"
 
 
-def test_async_parameter_server_with_cp_is_refused_by_its_record():
-    """ps_mode 'async' with cp stays refused (as in `paratrain train`): one clear message from its
-    Refusal record, before any server starts."""
-    with pytest.raises(ValueError, match=r"cp = 2 with ps_mode = 'async' is not supported"):
-        paratrain.Parallel(cp=2, sync="parameter-server", ps_mode="async")
+def _async_worker(env) -> dict:
+    """One worker made of a cp pair (dp 1 x cp 2) and 1 server, ps_mode "async"."""
+    try:
+        ps = {"sync": "parameter-server", "ps_mode": "async", "servers": 1, "ps_group": env.world_group,
+              "timeout": 30.0}
+        return {"async": _cp_loop({"cp": 2, **ps}, _adamw, 2)}
+    except SystemExit as e:
+        return {"server": e.code}
+
+
+def test_async_parameter_server_with_a_cp_pair_as_one_worker_equals_one_process():
+    """ps_mode "async" with cp 2: the pair is ONE worker (it sums its shares over cp, its cp index 0
+    alone pushes and hands the new values to its peer), so with one worker every update is the
+    whole batch's: plain torch on the whole rows. Were each cp rank its own async worker, each
+    update would be half the positions' gradient and the losses would part from step 2."""
+    out = run(_async_worker, 3, group_size=2, timeout=60.0)
+    assert out[2] == {"server": 0}
+    losses, weights = _whole_rows(2)
+    got = _cp_mean(out[:2], "async", (0, 1))
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(losses), **FP32_REORDERED)
+    for o in out[:2]:
+        assert_same_weights(o["async"][1], {k: v.float() for k, v in weights.items()},
+                            **FP32_REORDERED, lr_steps=PS_LR * 2)

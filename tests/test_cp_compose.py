@@ -97,8 +97,11 @@ def test_cp_moe_and_hsdp_checks(tmp_path):
         checks.validate(cfg, cfg.world_size)
     ps = {**base, "parallel.cp": 2, "parallel.sync": "parameter-server", "parallel.nproc": 3}
     checks.validate(tiny_cfg(tmp_path / "ps", **ps), 3)  # sync: every cp rank pushes its share
-    cfg = tiny_cfg(tmp_path / "bad", **ps, **{"parallel.ps_mode": "async"})
-    with pytest.raises(config.ConfigError, match="with --sync parameter-server --ps-mode async"):
+    async_ps = {**ps, "parallel.ps_mode": "async"}
+    checks.validate(tiny_cfg(tmp_path / "ps", **async_ps), 3)  # each worker a cp pair
+    cfg = tiny_cfg(tmp_path / "bad", **{**ps, "model.name": "tiny-moe", "parallel.cp": 4, "parallel.ep": 2,
+                                         "parallel.ps_mode": "async", "parallel.nproc": 5})
+    with pytest.raises(config.ConfigError, match=r"async with --ep 2 and --cp 4: an asynchronous worker"):
         checks.validate(cfg, cfg.world_size)
 
 

@@ -32,8 +32,9 @@ from paratrain.engine import checks
 from paratrain.faults import HANG_SERVER_AT, KILL_SERVER_AT, PAUSE_AT_STEP, PAUSE_DIR
 from paratrain.param_server.placement import assign, loads
 from paratrain.param_server.server import ParamServer, Sequencer
+from paratrain.param_server.session import ServerLoop
 from paratrain.param_server.wire import Header, Kind, ProtocolError, receive_payload
-from paratrain.train.ps_run import rank_names, train_or_serve
+from paratrain.train.ps_run import ps_world, rank_names, train_or_serve
 from paratrain.train.task import build_task
 from paratrain.train.trainer import Trainer, lr_at
 from tests import netprobe
@@ -365,12 +366,14 @@ def test_split_workers_equal_one_process(tmp_path, layout):
         assert all(r["mem_activations_offloaded_bytes"] > 0 for r in rows)
 
 
-def _replay_async(cfg: config.Config, tickets: list[list[int]]) -> tuple[list[float], dict]:
+def _replay_async(cfg: config.Config, tickets: list[list[int]], norms: dict | None = None
+                  ) -> tuple[list[float], dict]:
     """One process applying a recorded sequence of async updates (``tickets[s][w]``: the place of
     worker w's update of step s): each update is worker w's gradient on its rows of step s,
     computed on the values it last read (after its previous update, or the initial ones), times
     dp (client.py: its rows' mean gradient), clipped, then AdamW on the values current at that
-    place. Returns the summed loss of each step (the workers' shares, as logged) and the weights."""
+    place. Returns the summed loss of each step (the workers' shares, as logged) and the weights;
+    ``norms``, if given, receives each update's clip norm by (step, worker)."""
     trainer, (dp, steps) = Trainer(cfg), (len(tickets[0]), len(tickets))
     strategy, params = trainer.engine.strategy, dict(trainer.engine.model.named_parameters())
     rows = cfg.train.global_batch // dp
@@ -385,7 +388,10 @@ def _replay_async(cfg: config.Config, tickets: list[list[int]]) -> tuple[list[fl
         batches = trainer.micro_batches(x, y, positions)
         losses[s] += float(trainer.engine.executor.run(batches, float(trainer.counted(s)), 1.0))
         strategy.scale_grads(float(dp))
-        trainer.engine.clip_grads(strategy.grad_norm(), cfg.optim.grad_clip or float("inf"))
+        norm = strategy.grad_norm()
+        if norms is not None:
+            norms[s, w] = norm
+        trainer.engine.clip_grads(norm, cfg.optim.grad_clip or float("inf"))
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(history[ticket][n])
@@ -482,6 +488,23 @@ def test_async_gate_ignores_finished_workers():
     seq = Sequencer(2, 1, max_staleness=1)
     seq.finish(1)  # worker 1 never asks again: it must not hold worker 0 back
     assert [seq.ask(0).wait()[1] for _ in range(3)] == [0, 0, 0]
+
+
+def test_an_async_worker_is_a_cp_group_whose_cp_index_0_alone_talks(tmp_path):
+    """Async mode under cp (issue 37): dp 2 x cp 2 x tp 2 is 2 workers to the servers, each of 4
+    ranks, and only cp index 0 of a worker talks to them (a message from its cp peer breaks the
+    protocol); sync mode keeps every cp rank a worker of its own (4 per shard group)."""
+    layout = {"parallel.sync": "parameter-server", "parallel.cp": 2, "parallel.tp": 2, "parallel.dp": 2}
+    world = ps_world(tiny_cfg(tmp_path, **layout, **{"parallel.ps_mode": "async"}))
+    assert (world.workers, world.group_workers, world.shard_groups) == (8, 2, 2)
+    # mesh.py: rank = dp index * tp + tp index, dp index = batch * cp + cp index
+    assert [world.speaks(r) for r in range(8)] == [True, True, False, False] * 2
+    assert [world.dp_index(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    loop = ServerLoop(None, world, [ParamServer(2, True) for _ in range(2)])
+    with pytest.raises(ProtocolError, match="a cp rank whose worker's cp index 0 talks for it"):
+        loop.handle(Header(Kind.FINISH, worker=2), 2)
+    sync = ps_world(tiny_cfg(tmp_path, **layout))
+    assert sync.group_workers == 4 and all(sync.speaks(r) for r in range(8))
 
 
 def test_a_split_worker_gets_one_ticket_and_every_group_applies_tickets_in_order():

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from paratrain.config import Config
 from paratrain.models.from_config import model_shape
 from paratrain.models.registry import family_for_config, model_kind
-from paratrain.refusals import Refusal, emit
 
 
 def check_context_parallel(cfg: Config, problems: list[str]) -> None:
@@ -35,21 +32,18 @@ def check_context_parallel(cfg: Config, problems: list[str]) -> None:
         problems.append(f"--cp-method alltoall scatters the query heads over the cp ranks: {local_heads} "
                         f"head(s) per tp rank (n_heads {shape.n_heads} / tp {p.tp}) do not divide by cp "
                         f"({cp}); use --cp-method ring (or auto), or a --cp that divides {local_heads}")
-    emit(CP_REFUSALS, cfg, problems)
+    _check_async_workers(cfg, problems)
 
 
-def _refused(what: str) -> Callable[[Config], str]:
-    return lambda c: f"--cp {c.parallel.cp} with {what} is not supported: drop one of them"
-
-
-# What --cp is refused with (records of docs/composition.md: refusals.py). Averaging replicas
-# (--sync local-sgd | diloco) are cp groups: data_parallel/averaging.py.
-CP_REFUSALS = (
-    Refusal("cp", ("param-server",), "--ps-mode async applies each worker's update alone, and a worker "
-            "as a cp group (its ranks summing before one push) is not built; --ps-mode sync runs with cp",
-            when=lambda c: c.parallel.cp > 1 and c.parallel.sync == "parameter-server"
-            and c.parallel.ps_mode == "async",
-            message=lambda c: _refused("--sync parameter-server --ps-mode async (each update is one worker's "
-                                       "rows, and the cp ranks of a batch hold parts of the same rows); "
-                                       "--ps-mode sync runs with --cp")(c)),
-)
+def _check_async_workers(cfg: Config, problems: list[str]) -> None:
+    """--ps-mode async: an update is one worker's rows, and the cp ranks of a batch hold parts of
+    the same rows, so a worker holds whole cp groups (param_server/placement.py). Without ep a
+    worker is one cp group; under expert parallelism it is one ep group (its ranks share the
+    experts), which therefore must hold whole cp groups, as an averaging replica must
+    (engine/sync_checks.py)."""
+    p = cfg.parallel
+    if p.sync == "parameter-server" and p.ps_mode == "async" and p.ep > 1 and p.ep % p.cp:
+        problems.append(f"--sync parameter-server --ps-mode async with --ep {p.ep} and --cp {p.cp}: an "
+                        f"asynchronous worker is one ep group, which must hold whole cp groups (each "
+                        f"update is one worker's rows, and the cp ranks of a batch hold parts of the same "
+                        f"rows); use an --ep that is a multiple of --cp {p.cp}, or --ps-mode sync")

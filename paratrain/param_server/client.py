@@ -23,6 +23,10 @@ global batch's counted tokens), so dp of them add up to the global gradient. App
 multiplied by dp, making each update the mean gradient of that worker's rows: the step one process
 training on those rows would take. Clipping applies to that scaled gradient. Under expert
 parallelism a worker is an ep group (its ranks share the experts' rows): edp = dp / ep of them.
+Under context parallelism a worker is a cp group (its ranks hold parts of the same rows: mesh.py):
+its ranks sum their gradients over cp (a worker's gradient, whole, on each), its cp index 0 alone
+asks the ticket, pushes and pulls, and broadcasts the new values to its cp peers, so the servers
+see dp workers, one ticket each (placement.py ``cp_ranks_per_worker``, session.py ``PsWorld.cp``).
 
 Checkpoints hold the servers' state (fp32 values, AdamW's moments), listed by worker 0 as pieces
 of full tensors (shards.py), so a checkpoint loads in any other layout and the exported
@@ -46,7 +50,7 @@ from paratrain.comm.collectives import nbytes
 from paratrain.mesh import ParallelMesh
 from paratrain.optim import adamw8bit as a8
 from paratrain.param_server import wire
-from paratrain.param_server.placement import assign, server_name
+from paratrain.param_server.placement import assign, cp_ranks_per_worker, server_name
 from paratrain.param_server.server import state_shape
 from paratrain.param_server.wire import Header, Kind
 from paratrain.sharding import info_of
@@ -103,6 +107,10 @@ class ParameterServerClient(Strategy):
         self.ticket_no = -1  # async: this step's place in the one order of updates (server 0's)
         self.wait_s = 0.0
         self.pulled_bytes = 0
+        # async under cp: the worker's cp ranks (None: this rank is a worker's only one along dp)
+        folded = cp_ranks_per_worker(async_mode=settings.async_mode, cp=mesh.cp.size, ep=mesh.ep.size)
+        self.worker_cp = mesh.cp if folded > 1 else None
+        self.speaks = self.worker_cp is None or self.worker_cp.rank == 0  # talks to the servers
         self.setup_servers()
 
     def build_optimizer(self) -> None:  # the servers hold it
@@ -191,9 +199,18 @@ class ParameterServerClient(Strategy):
 
     # -- the step ---------------------------------------------------------------------------------
 
+    @property
+    def async_workers(self) -> int:
+        """Async: the workers the servers see, each pushing 1 / this of the batch's rows: the edp
+        ranks, or the cp groups of them when a worker is a cp group."""
+        return self.mesh.edp.size // (self.worker_cp.size if self.worker_cp is not None else 1)
+
     def after_backward(self) -> None:
         self.wait_s, self.pulled_bytes, self.staleness, self.norm_sq = 0.0, 0, None, None
         self.sum_dense_over_ep()
+        if self.worker_cp is not None:  # a worker that is a cp group: its gradient, whole, on each rank
+            grads = [p.grad for _, p in self.named_params if p.grad is not None]
+            _sum_over(grads, self.worker_cp, "sum of a worker's gradients over its cp ranks")
         if self.settings.async_mode:
             return
         self.pushed = [self.request(k, Header(Kind.PUSH_SYNC, round=self.round), payload=self.grads_of(k))
@@ -204,18 +221,14 @@ class ParameterServerClient(Strategy):
         """Under expert parallelism a shard group is one ep index's edp ranks (session.py), so each
         group sums its workers' gradients of the dense tensors: summed over the ep group first,
         every group's sum is the whole dp sum (and the groups step their copies alike)."""
-        if not self.mesh.ep.active:
-            return
-        dense = [p.grad for _, p in self.named_params if info_of(p).dp_axis == "dp" and p.grad is not None]
-        if dense:
-            flat = torch.cat([g.reshape(-1) for g in dense])
-            C.all_reduce(flat, self.mesh.ep, what="sum of the dense gradients over the ep group")
-            for g, summed in zip(dense, flat.split([g.numel() for g in dense]), strict=True):
-                g.copy_(summed.view_as(g))
+        if self.mesh.ep.active:
+            dense = [p.grad for _, p in self.named_params
+                     if info_of(p).dp_axis == "dp" and p.grad is not None]
+            _sum_over(dense, self.mesh.ep, "sum of the dense gradients over the ep group")
 
     def grad_norm(self) -> float:
         if self.settings.async_mode:
-            total = self.worker_norm_sq() * self.mesh.edp.size ** 2
+            total = self.worker_norm_sq() * self.async_workers ** 2
         else:
             if self.norm_sq is None:  # each push's reply is read once (the library's loop may not clip)
                 replies = self.wait(self.pushed)
@@ -268,17 +281,42 @@ class ParameterServerClient(Strategy):
     def step(self, lr: float | None) -> None:
         servers = range(self.settings.servers)
         if self.settings.async_mode:
-            ticket = self.ticket()
-            scale = self.factor * self.mesh.edp.size  # a worker's (an ep group's) rows: 1 / edp of the batch
-            push = Header(Kind.PUSH_ASYNC, round=ticket, lr=lr)
-            replies = self.wait([self.request(k, push, payload=self.grads_of(k, scale)) for k in servers],
-                                self.values_size)
+            values = self.push_async(lr) if self.speaks else None
+            if self.worker_cp is not None:
+                values = self.share_over_cp(values)
         else:
             self.grad_norm()  # the pushes' replies first: a server answers in the order it was asked
             apply = Header(Kind.APPLY_SYNC, round=self.round, factor=self.factor, lr=lr)
             replies = self.wait([self.request(k, apply) for k in servers], self.values_size)
+            values = [r.payload for r in replies]
         for k in servers:
-            self.take_values(k, replies[k].payload)
+            self.take_values(k, values[k])
+
+    def push_async(self, lr: float | None) -> list[torch.Tensor]:
+        """Async: this worker's update, pushed with its ticket; each server's new values (flat fp32)."""
+        ticket = self.ticket()
+        scale = self.factor * self.async_workers  # a worker's rows: 1 / async_workers of the batch
+        push = Header(Kind.PUSH_ASYNC, round=ticket, lr=lr)
+        replies = self.wait([self.request(k, push, payload=self.grads_of(k, scale))
+                             for k in range(self.settings.servers)], self.values_size)
+        return [r.payload for r in replies]
+
+    def share_over_cp(self, values: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """A worker that is a cp group: its cp index 0's new values (``values``; None on the
+        others) and its ticket and staleness (for the metrics) broadcast to its cp peers, so
+        the worker's ranks stay in lock-step on one update."""
+        sizes = [self.values_size(k, {}) for k in range(self.settings.servers)]
+        flat = torch.empty(4 + sum(sizes), dtype=torch.float32, device=self.mesh.device)
+        if values is not None:  # the two int64 numbers ride as their bits (a broadcast copies bytes),
+            # first, where an int64 view is aligned whatever the number of values
+            numbers = torch.tensor([self.ticket_no, self.staleness], dtype=torch.int64).view(torch.float32)
+            flat.copy_(torch.cat([numbers, *values]))
+        C.broadcast(flat, self.worker_cp, what="a worker's new values from its cp index 0")
+        flat = flat.cpu()
+        if values is None:
+            self.ticket_no, self.staleness = (int(n) for n in flat[:4].view(torch.int64))
+            self.staleness_max = max(self.staleness_max, self.staleness)
+        return list(flat[4:].split(sizes))
 
     def ticket(self) -> int:
         """Async: this update's place in the one order of updates every server applies (server
@@ -346,7 +384,14 @@ class ParameterServerClient(Strategy):
         return sum(state_shape(key, shape[n], optim, n).numel() for n, ks in keys.items() for key in ks)
 
     def optimizer_step_count(self) -> int:
-        return int(self.wait([self.request(0, Header(Kind.UPDATES))])[0].value)
+        if self.worker_cp is None:
+            return int(self.wait([self.request(0, Header(Kind.UPDATES))])[0].value)
+        count = torch.zeros(1, dtype=torch.int64, device=self.mesh.device)
+        if self.speaks:
+            count += int(self.wait([self.request(0, Header(Kind.UPDATES))])[0].value)
+        with self.mesh.counter.paused():  # a number, not the training traffic
+            C.broadcast(count, self.worker_cp, what="the servers' step count from the worker's cp index 0")
+        return int(count.item())
 
     def state_pieces(self) -> list[Piece]:
         if self.mesh.edp.rank != 0:
@@ -431,3 +476,13 @@ def tp_records(params: list[tuple[str, nn.Parameter]]) -> dict[str, dict]:
         if shard.is_split and shard.axis == "tp":
             slices[n] = [list(shard.full_shape), shard.index, shard.count]
     return {"tp_dims": {n: info_of(p).tp_dim for n, p in params}, "tp_slices": slices}
+
+
+@torch.no_grad()
+def _sum_over(grads: list[torch.Tensor], axis: C.Axis, what: str) -> None:
+    """Sum ``grads`` in place over ``axis``, as one flat all-reduce."""
+    if grads and axis.active:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        C.all_reduce(flat, axis, what=what)
+        for g, summed in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            g.copy_(summed.view_as(g))

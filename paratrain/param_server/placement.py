@@ -34,3 +34,11 @@ def loads(owner: dict[str, int], sizes: dict[str, int], servers: int) -> list[in
     for name, k in owner.items():
         out[k] += sizes[name]
     return out
+
+
+def cp_ranks_per_worker(*, async_mode: bool, cp: int, ep: int) -> int:
+    """The cp ranks one worker is made of beyond its ep group: each async update is one worker's
+    rows, and the cp ranks of a batch hold parts of the same rows, so in async mode a worker is a
+    cp group (summing before its cp index 0 pushes: client.py); an ep group already holds whole cp
+    groups (context_parallel/checks.py). Sync mode sums every rank's push: each cp rank is a worker."""
+    return cp if async_mode and ep == 1 else 1

@@ -5,11 +5,12 @@ W..W+K-1 are ``server{k}``. A data-parallel worker is a group of pp x tp ranks (
 tp fastest, then dp, then pp); the rank at (pipeline stage s, tp index t) of every worker pushes
 its stage's slices, so each server keeps one ``ParamServer`` per (s, t) (a "shard group": the dp
 ranks that hold the same slices), and a message from a rank goes to its shard group as the worker
-of its dp index. The workers also form a process group of their own (launch.py: ``group_size``)
-for what they still do together (the loss for the log, metrics, checkpoints, the stop signal).
-All W + K ranks are also in one gloo group the launcher makes (``DistEnv.world_group``: gloo
-whatever the workers' backend, as the servers keep host memory), which carries only wire.py's
-messages: tensors, never code.
+of its dp index (in async mode under context parallelism a worker is a cp group too, of which
+only cp index 0 talks to the servers: ``PsWorld.cp``). The workers also form a process group of
+their own (launch.py: ``group_size``) for what they still do together (the loss for the log,
+metrics, checkpoints, the stop signal). All W + K ranks are also in one gloo group the launcher
+makes (``DistEnv.world_group``: gloo whatever the workers' backend, as the servers keep host
+memory), which carries only wire.py's messages: tensors, never code.
 
 What listens: gloo's one socket per process, on the interface ``GLOO_SOCKET_IFNAME`` names
 (loopback for the local launcher and for torchrun on one host: launch.py), no other port. Once
@@ -58,6 +59,11 @@ class PsWorld:
     tp: int = 1  # a worker's tensor-parallel ranks
     pp: int = 1  # a worker's pipeline stages
     ep: int = 1  # expert parallelism: the dp workers in groups of ep, each rank holding 1/ep of the experts
+    # async mode under context parallelism: the cp ranks of one batch are one worker (they hold
+    # parts of the same rows), summing their gradients before its cp index 0 alone talks to the
+    # servers (client.py); 1 in sync mode (each cp rank pushes as a worker) and where an ep group
+    # already holds whole cp groups (ps_run.py)
+    cp: int = 1
 
     @property
     def workers(self) -> int:
@@ -71,8 +77,9 @@ class PsWorld:
 
     @property
     def group_workers(self) -> int:
-        """The workers of a shard group: the edp ranks (all dp ranks without expert parallelism)."""
-        return self.dp // self.ep
+        """The workers of a shard group: the edp ranks (all dp ranks without expert parallelism),
+        or the cp groups of one when a worker is a cp group."""
+        return self.dp // self.ep // self.cp
 
     @property
     def size(self) -> int:
@@ -88,8 +95,14 @@ class PsWorld:
         return (stage * self.ep + dp_i % self.ep) * self.tp + tp_i
 
     def dp_index(self, rank: int) -> int:
-        """A worker rank's number in its shard group: its edp index (its dp index when ep is 1)."""
-        return rank // self.tp % self.dp // self.ep
+        """A worker rank's number in its shard group: its edp index (its dp index when ep is 1; its
+        batch index when a worker is a cp group: mesh.py, dp index = batch index * cp + cp index)."""
+        return rank // self.tp % self.dp // self.ep // self.cp
+
+    def speaks(self, rank: int) -> bool:
+        """Whether worker ``rank`` talks to the servers: all do, but of a worker that is a cp group
+        only cp index 0 (its cp peers take the new values from it)."""
+        return rank // self.tp % self.dp % self.cp == 0
 
     def name(self, rank: int) -> str:
         return server_name(rank - self.workers) if self.is_server(rank) else worker_name(rank)
@@ -121,7 +134,8 @@ def worker_session(group: dist.ProcessGroup, rank: int, world: PsWorld) -> Itera
     """The body of a worker's run; every server is told when the body has finished."""
     with ended(group):
         yield
-        tell_finished(group, rank, world)
+        if world.speaks(rank):  # a server counts the ranks that talk to it
+            tell_finished(group, rank, world)
 
 
 def tell_finished(group: dist.ProcessGroup, rank: int, world: PsWorld) -> None:
@@ -161,6 +175,9 @@ class ServerLoop:
     def handle(self, h: Header, src: int) -> None:
         if not (0 <= src < self.world.workers and h.worker == src):
             raise ProtocolError(f"a {h.kind.name} message from rank {src} claiming worker {h.worker}")
+        if not self.world.speaks(src):
+            raise ProtocolError(f"a {h.kind.name} message from rank {src}, a cp rank whose worker's cp "
+                                "index 0 talks for it")
         shard, worker = self.shards[self.world.shard_group(src)], self.world.dp_index(src)
         server = shard.server
         if h.kind is Kind.SETUP:

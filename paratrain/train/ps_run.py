@@ -12,16 +12,21 @@ import torch.distributed as dist
 from paratrain.config import Config
 from paratrain.engine.task import Task
 from paratrain.launch import DistEnv
+from paratrain.param_server.placement import cp_ranks_per_worker
 from paratrain.param_server.session import PsWorld, run_server, worker_session
 from paratrain.train.trainer import Trainer, TrainResult
 
 
 def ps_world(cfg: Config) -> PsWorld:
-    """The run's workers and servers. Under context parallelism every cp rank pushes its share of
-    its batch's gradient as a worker of its own (mesh.py: dp x cp ranks), which the synchronous
-    servers sum as DDP sums over dp x cp."""
-    return PsWorld(cfg.dp * cfg.parallel.cp, cfg.ps_servers, cfg.parallel.timeout_s, tp=cfg.parallel.tp,
-                   pp=cfg.parallel.pp, ep=cfg.parallel.ep)
+    """The run's workers and servers. Under context parallelism (mesh.py: dp x cp ranks) in sync
+    mode every cp rank pushes its share of its batch's gradient as a worker of its own, which the
+    servers sum as DDP sums over dp x cp. In async mode an update is one worker's rows, so a worker
+    is a cp group (the servers see dp workers): its ranks sum their gradients and cp index 0 pushes
+    (client.py); under expert parallelism the worker, an ep group, already holds whole cp groups
+    (--ep a multiple of --cp: context_parallel/checks.py)."""
+    p = cfg.parallel
+    cp = cp_ranks_per_worker(async_mode=p.ps_mode == "async", cp=p.cp, ep=p.ep)
+    return PsWorld(cfg.dp * p.cp, cfg.ps_servers, p.timeout_s, tp=p.tp, pp=p.pp, ep=p.ep, cp=cp)
 
 
 def servers_group(env: DistEnv) -> dist.ProcessGroup:
