@@ -104,14 +104,16 @@ def test_ceiling_block_in_a_run(tiny_run):
     assert c["peer_best_tokens_per_s"] == max(s["peer_tokens_per_s"] for s in tiny_run["schedules"].values())
     zb, base = ran["zb-h1"], ran["1f1b"]
     assert set(zb["pass_ms"]) == set(zb["pass_cpu_ms"]) == {"F", "B", "W"}
-    assert set(base["pass_ms"]) == {"F", "B"} and set(base["stage_pass_ms"]) == {0, 1}
-    assert set(zb["stage_pass_ms"][1]) == {"F", "I", "W", "backward"}  # zb-h1's B are input-only
+    assert set(base["pass_ms"]) == {"F", "B"} and set(base["stage_pass_ms"]) == {"0", "1"}
+    assert set(zb["stage_pass_ms"]["1"]) == {"F", "I", "W", "backward"}  # zb-h1's B are input-only
     assert 0.0 <= zb["bubble_theory_at_measured_costs"] < 1.0
 
 
-def _ran(f_ms: float, backward_ms: float, optimizer_s: float, tokens_per_s: float, peer: float) -> dict:
+def _ran(f_ms: float, backward_ms: float, optimizer_s: float, tokens_per_s: float, peer: float,
+         bubble: float = 0.0) -> dict:
     return {"p": 2, "m": 8, "model_pass_ms": {"F": f_ms, "backward": backward_ms},
-            "optimizer_s": optimizer_s, "paratrain_tokens_per_s": tokens_per_s, "peer_tokens_per_s": peer}
+            "optimizer_s": optimizer_s, "paratrain_tokens_per_s": tokens_per_s, "peer_tokens_per_s": peer,
+            "bubble_theory_at_measured_costs": bubble}
 
 
 def test_ceiling_takes_each_pass_from_the_schedule_where_it_was_cheapest():
@@ -119,7 +121,7 @@ def test_ceiling_takes_each_pass_from_the_schedule_where_it_was_cheapest():
     through the whole model over p ranks, plus the optimizer step; a schedule paratrain lacks
     counts only as torch's best."""
     per = {"gpipe": _ran(20.0, 50.0, 0.030, 900.0, 1000.0),
-           "1f1b": _ran(25.0, 40.0, 0.020, 950.0, 1100.0),
+           "1f1b": _ran(25.0, 40.0, 0.020, 950.0, 1100.0, bubble=0.5),
            "zb-h1": _ran(30.0, 45.0, 0.010, 1000.0, 1050.0),
            "other": {"paratrain": "not implemented", "peer_tokens_per_s": 1200.0}}
     c = bench_pp.ceiling(per, tokens=2048)
@@ -128,6 +130,9 @@ def test_ceiling_takes_each_pass_from_the_schedule_where_it_was_cheapest():
     assert c["step_s"] == pytest.approx(0.25) and c["tokens_per_s"] == pytest.approx(2048 / 0.25)
     assert c["peer_best_tokens_per_s"] == 1200.0 and c["max_ratio_vs_peer_best"] == pytest.approx(8192 / 1200)
     assert c["paratrain_best"] == "zb-h1" and c["paratrain_best_fraction"] == pytest.approx(1000 / 8192)
+    # 1f1b with free messages: its 0.26 s of passes, doubled by a 50 % bubble, + 0.02 s of optimizer
+    assert c["bounds"]["1f1b"] == pytest.approx(0.25 / (0.26 / 0.5 + 0.02))
+    assert c["bounds"]["gpipe"] == pytest.approx(0.25 / (0.28 + 0.03))
     assert bench_pp.ceiling({"other": per["other"]}, tokens=2048) is None
 
 
@@ -140,8 +145,8 @@ def test_pass_costs_pair_each_input_only_b_with_its_w():
              ev("W", 0, 0, 0.045, 0.050, 0.005)],
             [ev("F", 0, 1, 0.010, 0.022, 0.012), ev("B", 0, 1, 0.022, 0.030, 0.008)]]
     out = bench_pp.pass_costs([step], SCHEDULES["zb-h1"](2, 1))
-    assert out["stage_pass_ms"][0] == pytest.approx({"F": 10.0, "I": 15.0, "W": 5.0, "backward": 20.0})
-    assert out["stage_pass_ms"][1] == pytest.approx({"F": 12.0, "B": 8.0, "backward": 8.0})
+    assert out["stage_pass_ms"]["0"] == pytest.approx({"F": 10.0, "I": 15.0, "W": 5.0, "backward": 20.0})
+    assert out["stage_pass_ms"]["1"] == pytest.approx({"F": 12.0, "B": 8.0, "backward": 8.0})
     assert out["model_pass_ms"] == pytest.approx({"F": 22.0, "backward": 28.0})
     assert out["pass_cpu_ms"]["F"] == pytest.approx(10.5) and out["pass_ms"]["B"] == pytest.approx(11.5)
 

@@ -166,7 +166,8 @@ def ceiling(per_schedule: dict[str, dict], tokens: int) -> dict | None:
     (``model_pass_ms``: stage medians summed, so 1, 2 or v stages per rank compare); the step is
     m of each over p ranks, plus the cheapest median optimizer step. ``from`` names the schedule
     each came from. Against torch's best: the largest lead possible; paratrain's best against it:
-    how much of the possible the best schedule reaches (issue 39: >= ``target``)."""
+    how much of the possible the best schedule reaches (issue 39: >= ``target``). ``bounds``: the
+    fraction of the ceiling each schedule could reach with free messages (``bounds_of``)."""
     ran = {n: s for n, s in per_schedule.items() if "model_pass_ms" in s}
     if not ran:
         return None
@@ -183,7 +184,23 @@ def ceiling(per_schedule: dict[str, dict], tokens: int) -> dict | None:
             "model_pass_ms": passes, "from": {"F": f, "backward": bw, "optimizer": opt},
             "tokens_per_s": tokens / step, "peer_best_tokens_per_s": peer,
             "max_ratio_vs_peer_best": tokens / step / peer, "paratrain_best": best,
-            "paratrain_best_fraction": ran[best]["paratrain_tokens_per_s"] * step / tokens, "target": 0.97}
+            "paratrain_best_fraction": ran[best]["paratrain_tokens_per_s"] * step / tokens, "target": 0.97,
+            "bounds": bounds_of(ran, step)}
+
+
+def bounds_of(ran: dict[str, dict], ceiling_step_s: float) -> dict[str, float]:
+    """Per schedule, the fraction of the ceiling it could reach if messages were free: its own
+    measured passes (m through the whole model over p ranks), stretched by the idle its lists
+    leave at those costs (``bubble_theory_at_measured_costs``), plus its optimizer step. What is
+    left between this and the schedule's measured fraction is the runtime's: messages, waits,
+    noise; what is left between this and 1 is the schedule's bubble and its passes' extra cost
+    (the B/W split's)."""
+    out = {}
+    for name, s in ran.items():
+        compute = s["m"] * sum(s["model_pass_ms"].values()) / 1e3 / s["p"]
+        idle = s["bubble_theory_at_measured_costs"]
+        out[name] = ceiling_step_s / (compute / (1.0 - idle) + s["optimizer_s"])
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -268,10 +285,10 @@ def pass_costs(steps: list[list[list[dict]]], schedule: Schedule) -> dict:
                 stage.setdefault((s, "backward"), []).append(seconds + (w["end"] - w["start"] if w else 0.0))
             else:
                 stage.setdefault((s, kind), []).append(seconds)
-    by_stage: dict[int, dict[str, float]] = {}
+    by_stage: dict[str, dict[str, float]] = {}  # stage (a string: a JSON key) -> kind -> ms
     for (s, kind), values in sorted(stage.items()):
-        by_stage.setdefault(s, {})[kind] = 1e3 * statistics.median(values)
-    costs = {s: (c["F"], c["backward"], c.get("W", 0.0)) for s, c in by_stage.items()}
+        by_stage.setdefault(str(s), {})[kind] = 1e3 * statistics.median(values)
+    costs = {int(s): (c["F"], c["backward"], c.get("W", 0.0)) for s, c in by_stage.items()}
     return {"pass_ms": {k: 1e3 * statistics.median(v) for k, v in wall.items()},
             "pass_cpu_ms": {k: 1e3 * statistics.median(v) for k, v in cpu.items()},
             "stage_pass_ms": by_stage,
