@@ -100,6 +100,7 @@ def test_ceiling_block_in_a_run(tiny_run):
     assert c["from"]["F"] in ran and c["from"]["backward"] in ran and c["from"]["optimizer"] in ran
     assert c["model_pass_ms"]["F"] == min(s["model_pass_ms"]["F"] for s in ran.values())
     assert c["step_s"] == pytest.approx(c["compute_s"] + c["optimizer_s"])
+    assert 0 < c["cpu_compute_s"] <= 1.05 * c["compute_s"]  # a pass's thread runs at most its wall time
     assert c["tokens_per_s"] == pytest.approx(8 * 16 / c["step_s"])  # global batch x seq len
     assert c["peer_best_tokens_per_s"] == max(s["peer_tokens_per_s"] for s in tiny_run["schedules"].values())
     zb, base = ran["zb-h1"], ran["1f1b"]
@@ -130,6 +131,7 @@ def test_ceiling_takes_each_pass_from_the_schedule_where_it_was_cheapest():
     assert c["step_s"] == pytest.approx(0.25) and c["tokens_per_s"] == pytest.approx(2048 / 0.25)
     assert c["peer_best_tokens_per_s"] == 1200.0 and c["max_ratio_vs_peer_best"] == pytest.approx(8192 / 1200)
     assert c["paratrain_best"] == "zb-h1" and c["paratrain_best_fraction"] == pytest.approx(1000 / 8192)
+    assert c["cpu_compute_s"] is None  # no CPU times given (a GPU run)
     # 1f1b with free messages: its 0.26 s of passes, doubled by a 50 % bubble, + 0.02 s of optimizer
     assert c["bounds"]["1f1b"] == pytest.approx(0.25 / (0.26 / 0.5 + 0.02))
     assert c["bounds"]["gpipe"] == pytest.approx(0.25 / (0.28 + 0.03))
@@ -149,6 +151,7 @@ def test_pass_costs_pair_each_input_only_b_with_its_w():
     assert out["stage_pass_ms"]["1"] == pytest.approx({"F": 12.0, "B": 8.0, "backward": 8.0})
     assert out["model_pass_ms"] == pytest.approx({"F": 22.0, "backward": 28.0})
     assert out["pass_cpu_ms"]["F"] == pytest.approx(10.5) and out["pass_ms"]["B"] == pytest.approx(11.5)
+    assert out["model_pass_cpu_ms"] == pytest.approx({"F": 21.0, "backward": 28.0})
 
 
 def test_zb_h1_theory_fraction_is_the_schedules_own_theory():

@@ -180,12 +180,24 @@ def ceiling(per_schedule: dict[str, dict], tokens: int) -> dict | None:
     step = compute + ran[opt]["optimizer_s"]
     peer = max(s["peer_tokens_per_s"] for s in per_schedule.values())
     best = max(ran, key=lambda n: ran[n]["paratrain_tokens_per_s"])
-    return {"step_s": step, "compute_s": compute, "optimizer_s": ran[opt]["optimizer_s"],
+    return {"step_s": step, "compute_s": compute, "cpu_compute_s": _cpu_compute(ran, p, m),
+            "optimizer_s": ran[opt]["optimizer_s"],
             "model_pass_ms": passes, "from": {"F": f, "backward": bw, "optimizer": opt},
             "tokens_per_s": tokens / step, "peer_best_tokens_per_s": peer,
             "max_ratio_vs_peer_best": tokens / step / peer, "paratrain_best": best,
             "paratrain_best_fraction": ran[best]["paratrain_tokens_per_s"] * step / tokens, "target": 0.97,
             "bounds": bounds_of(ran, step)}
+
+
+def _cpu_compute(ran: dict[str, dict], p: int, m: int) -> float | None:
+    """The ceiling's compute in the passes' CPU time (the same minima; None without CPU times, on
+    a GPU). Close to ``compute_s`` on a quiet host; well below it, the passes were preempted and
+    every figure of the run is the load's as much as the code's."""
+    if any("model_pass_cpu_ms" not in s for s in ran.values()):
+        return None
+    f = min(s["model_pass_cpu_ms"]["F"] for s in ran.values())
+    bw = min(s["model_pass_cpu_ms"]["backward"] for s in ran.values())
+    return m * (f + bw) / 1e3 / p
 
 
 def bounds_of(ran: dict[str, dict], ceiling_step_s: float) -> dict[str, float]:
@@ -265,35 +277,49 @@ def pass_costs(steps: list[list[list[dict]]], schedule: Schedule) -> dict:
     ``pass_ms`` / ``pass_cpu_ms``: by kind (F, B, W; a B with a W is input-only), wall time and
     the computing thread's CPU time (executor._Clock: their gap is time the thread was preempted).
     ``stage_pass_ms``: by stage, F, B (full), I (input-only B), W and ``backward``: a micro-batch's
-    whole backward at that stage (its B, or its I + W). ``model_pass_ms``: one micro-batch's F and
-    backward through the whole model (the stages' medians summed: the same sum for every split, so
-    schedules with 1, 2 or v stages per rank compare). ``bubble_theory_at_measured_costs``: the
-    schedule's own lists in ideal time at these stage costs (``Schedule.bubble_at``)."""
+    whole backward at that stage (its B, or its I + W). ``model_pass_ms`` (``model_pass_cpu_ms``):
+    one micro-batch's F and backward through the whole model (the stages' medians summed: the same
+    sum for every split, so schedules with 1, 2 or v stages per rank compare).
+    ``bubble_theory_at_measured_costs``: the schedule's own lists in ideal time at these stage
+    costs (``Schedule.bubble_at``)."""
     wall: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}
+    for e in (e for ranks in steps for r in ranks for e in r):
+        wall.setdefault(e["kind"], []).append(e["end"] - e["start"])
+        if "cpu" in e:
+            cpu.setdefault(e["kind"], []).append(e["cpu"])
+    by_stage = _stage_medians(steps, lambda e: e["end"] - e["start"])
+    costs = {int(s): (c["F"], c["backward"], c.get("W", 0.0)) for s, c in by_stage.items()}
+    out = {"pass_ms": {k: 1e3 * statistics.median(v) for k, v in wall.items()},
+           "pass_cpu_ms": {k: 1e3 * statistics.median(v) for k, v in cpu.items()},
+           "stage_pass_ms": by_stage, "model_pass_ms": _whole_model(by_stage),
+           "bubble_theory_at_measured_costs": schedule.bubble_at(costs)}
+    if cpu:
+        out["model_pass_cpu_ms"] = _whole_model(_stage_medians(steps, lambda e: e["cpu"]))
+    return out
+
+
+def _stage_medians(steps: list[list[list[dict]]], seconds) -> dict[str, dict[str, float]]:
+    """stage (a string: a JSON key) -> F, B (full), I (input-only), W, backward -> median ms of
+    ``seconds(event)``; a micro-batch's backward is its B, or its I + its W."""
     stage: dict[tuple[int, str], list[float]] = {}
     for ranks in steps:
         events = {(e["kind"], e["mb"], e["stage"]): e for r in ranks for e in r}
         for (kind, mb, s), e in events.items():
-            seconds = e["end"] - e["start"]
-            wall.setdefault(kind, []).append(seconds)
-            if "cpu" in e:
-                cpu.setdefault(kind, []).append(e["cpu"])
             w = events.get((W, mb, s))
             if kind == B:
-                stage.setdefault((s, "I" if w else "B"), []).append(seconds)
-                stage.setdefault((s, "backward"), []).append(seconds + (w["end"] - w["start"] if w else 0.0))
+                stage.setdefault((s, "I" if w else "B"), []).append(seconds(e))
+                stage.setdefault((s, "backward"), []).append(seconds(e) + (seconds(w) if w else 0.0))
             else:
-                stage.setdefault((s, kind), []).append(seconds)
-    by_stage: dict[str, dict[str, float]] = {}  # stage (a string: a JSON key) -> kind -> ms
+                stage.setdefault((s, kind), []).append(seconds(e))
+    out: dict[str, dict[str, float]] = {}
     for (s, kind), values in sorted(stage.items()):
-        by_stage.setdefault(str(s), {})[kind] = 1e3 * statistics.median(values)
-    costs = {int(s): (c["F"], c["backward"], c.get("W", 0.0)) for s, c in by_stage.items()}
-    return {"pass_ms": {k: 1e3 * statistics.median(v) for k, v in wall.items()},
-            "pass_cpu_ms": {k: 1e3 * statistics.median(v) for k, v in cpu.items()},
-            "stage_pass_ms": by_stage,
-            "model_pass_ms": {k: sum(c[k] for c in by_stage.values()) for k in ("F", "backward")},
-            "bubble_theory_at_measured_costs": schedule.bubble_at(costs)}
+        out.setdefault(str(s), {})[kind] = 1e3 * statistics.median(values)
+    return out
+
+
+def _whole_model(by_stage: dict[str, dict[str, float]]) -> dict[str, float]:
+    return {k: sum(c[k] for c in by_stage.values()) for k in ("F", "backward")}
 
 
 def _local_stages(name: str, p: int, rank: int, v: int) -> list[int]:
