@@ -82,6 +82,17 @@ def test_zb_h1_keeps_1f1b_memory_and_cuts_its_bubble_to_a_third(p, m):
     assert (p - 1) * 3 / (3 * m + 3 * (p - 1)) == pytest.approx(ofob.ideal_bubble(1.0, 2.0))
 
 
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zbv"])
+def test_bubble_at_measured_stage_costs(name):
+    """``bubble_at`` (bench pp's theory at the measured passes): equal stages give the ideal
+    bubble; a last stage that also runs the head and the loss idles the others longer."""
+    s = make_schedule(name, 2, 8)
+    equal = {st: (1.0, 2.0, 1.0) for st in range(s.n_stages)}
+    assert s.bubble_at(equal) == pytest.approx(s.ideal_bubble(1.0 * s.v, 2.0 * s.v, 1.0 * s.v), abs=1e-12)
+    heavy = {**equal, s.n_stages - 1: (1.3, 2.6, 1.3)}
+    assert s.bubble_at(heavy) > s.bubble_at(equal) + 0.01
+
+
 def test_v_placement_puts_both_ends_on_rank_0():
     assert [stage_rank(s, 4, "v") for s in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
     s = make_schedule("zbv", 2, 4)

@@ -380,13 +380,21 @@ def _wait(handle: tuple) -> torch.Tensor:
 
 class _Clock:
     """Start/end of each computation: CUDA events on GPU (no host sync until the step ends), the
-    clock otherwise. Times are seconds on the wall clock so ranks (and hosts) line up."""
+    clock otherwise. Times are seconds on the wall clock so ranks (and hosts) line up.
+
+    On a CPU each computation also records ``cpu``: the seconds the computing thread itself ran
+    (``time.thread_time``; the whole pass's compute with one intra-op thread, as local workers
+    run). The wall time of a pass minus its CPU time is time the thread was not running: another
+    process, or a gloo thread, held the core. Comparing passes across schedules
+    by their CPU time tells a pass that does more work from one that was preempted
+    (docs/pipeline_parallel.md, "Pass costs across schedules")."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.wall0, self.perf0 = time.time(), time.perf_counter()
         self.origin = self._mark()
         self.items: list[tuple[Action, object, object]] = []
+        self.cpu: list[float] = []  # per item: thread CPU seconds (CPU only)
 
     def _mark(self):
         if self.cuda:
@@ -396,11 +404,15 @@ class _Clock:
         return time.perf_counter()
 
     def start(self, a: Action) -> None:
+        if not self.cuda:
+            self.cpu.append(time.thread_time())
         self.items.append((a, self._mark(), None))
 
     def end(self) -> None:
         a, s, _ = self.items[-1]
         self.items[-1] = (a, s, self._mark())
+        if not self.cuda:
+            self.cpu[-1] = time.thread_time() - self.cpu[-1]
 
     def _seconds(self, mark) -> float:
         if self.cuda:
@@ -410,5 +422,8 @@ class _Clock:
     def events(self) -> list[dict]:
         if self.cuda and self.items:
             self.items[-1][2].synchronize()
-        return [{"kind": a.kind, "mb": a.mb, "stage": a.stage,
-                 "start": self._seconds(s), "end": self._seconds(e)} for a, s, e in self.items]
+        out = [{"kind": a.kind, "mb": a.mb, "stage": a.stage,
+                "start": self._seconds(s), "end": self._seconds(e)} for a, s, e in self.items]
+        for event, cpu in zip(out, self.cpu):
+            event["cpu"] = cpu
+        return out

@@ -168,6 +168,18 @@ class Schedule:
         return 1.0 - busy / makespan
 
 
+    def bubble_at(self, stage_costs: dict[int, tuple[float, float, float]]) -> float:
+        """Idle fraction of the lists in ideal time (free communication) at per-stage pass costs
+        (t_f, t_b, t_w: ``simulate``), counted as ``measured_bubble`` counts a real step: 1 - the
+        ranks' mean busy time / the span. At measured costs: what the schedule itself leaves idle,
+        so a measured bubble above it is the runtime's (messages, waits, noise)."""
+        done = simulate([self.compute_order(r) for r in range(self.p)], self.p, self.n_stages,
+                        placement=self.placement, stage_costs=stage_costs)
+        span = max(end for _, _, _, end in done)
+        busy = sum(end - start for _, _, start, end in done) / self.p
+        return 1.0 - busy / span if span > 0 else 0.0
+
+
 class Naive(Schedule):
     """One micro-batch at a time through the whole pipeline, forward then backward."""
 
@@ -271,16 +283,22 @@ def split_backwards(compute_lists: list[list[Action]]) -> set[tuple[int, int]]:
 
 def simulate(compute_lists: list[list[Action]], p: int, n_stages: int, t_f: float = 1.0,
              t_b: float = 2.0, t_w: float | None = None, placement: str = "loop",
+             stage_costs: dict[int, tuple[float, float, float]] | None = None,
              ) -> list[tuple[int, Action, float, float]]:
     """Run the compute lists in ideal time (free communication); each rank in its own order.
 
     ``t_b`` is a full backward; a B split from its W takes ``t_b - t_w`` and the W ``t_w``
-    (default t_b / 2). Returns (rank, action, start, end) in order of start time. Raises
-    ScheduleError on deadlock. (``placement`` is accepted for symmetry: dependencies are by stage.)
+    (default t_b / 2). ``stage_costs``: (t_f, t_b, t_w) of each stage instead (measured passes,
+    where stages differ: the last one also runs the head and the loss). Returns (rank, action,
+    start, end) in order of start time. Raises ScheduleError on deadlock. (``placement`` is
+    accepted for symmetry: dependencies are by stage.)
     """
     t_w = t_b / 2 if t_w is None else t_w
     split = split_backwards(compute_lists)
-    cost = {F: t_f, W: t_w}
+
+    def duration(a: Action) -> float:
+        f, b, w = stage_costs[a.stage] if stage_costs is not None else (t_f, t_b, t_w)
+        return {F: f, W: w}.get(a.kind, b - w if (a.mb, a.stage) in split else b)
     pos, free = [0] * p, [0.0] * p
     end: dict[Action, float] = {}
     done = []
@@ -301,8 +319,7 @@ def simulate(compute_lists: list[list[Action]], p: int, n_stages: int, t_f: floa
             blocked = {r: compute_lists[r][pos[r]] for r in range(p) if pos[r] < len(compute_lists[r])}
             raise ScheduleError(f"deadlock: every rank waits ({blocked})")
         start, r, a = best
-        duration = cost.get(a.kind, t_b - t_w if (a.mb, a.stage) in split else t_b)
-        end[a] = free[r] = start + duration
+        end[a] = free[r] = start + duration(a)
         pos[r] += 1
         done.append((r, a, start, end[a]))
     return done
