@@ -105,6 +105,7 @@ def main() -> None:
               "seq_len": args.seq_len, "global_batch": args.global_batch, "steps": args.steps,
               "torch_threads": torch.get_num_threads(),
               "one_process": summary([r for r in ref if r["step"] <= half]),
+              "one_process_second_half": summary([r for r in ref if r["step"] > half]),
               "one_process_prediction": prediction(args, 1),
               "zero3_dp2_resumed": summary([r for r in got if r["step"] > half]),
               "zero3_dp2_prediction": prediction(args, 2),
