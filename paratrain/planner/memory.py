@@ -64,6 +64,7 @@ class Training:
     lora_quantised: str | None = None  # --base-precision nf4 | int8: the adapted linears so (planner/lora.py)
     lora_rank: int = 0  # LoRA adapters of this rank on a frozen base (planner/lora.py); 0: full training
     lora_base_bytes: float | None = None  # bytes per frozen base parameter (2: bf16); None: as trained
+    lora_head: bool = False  # --lora-targets adapts lm_head too (planner/lora.py)
     zero3_runtime: str = "paratrain"  # whose ZeRO-3: paratrain | deepspeed | deepspeed-2021 (zero3.py)
 
     def __post_init__(self):
@@ -523,8 +524,9 @@ def device_memory(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster,
     ranks = range(lay.pp) if counts or 0 < c.n_moe_layers < c.n_layers else sorted({0, lay.pp - 1})
     for rank in ranks:
         psi = params[rank]
-        states = (lora_states(c, tr, lay, sb, psi, layers[rank] - n_moe[rank], n_moe[rank]) if tr.lora_rank
-                  else model_state_bytes(psi - experts[rank], experts[rank], lay, sb))
+        head = chunk_rank(lay.pp * lay.v - 1, lay.pp, lay.v_shape) == rank
+        states = (lora_states(c, tr, lay, sb, psi, layers[rank] - n_moe[rank], n_moe[rank], head=head)
+                  if tr.lora_rank else model_state_bytes(psi - experts[rank], experts[rank], lay, sb))
         if tr.optimizer == "adamw8bit" and not tr.lora_rank:
             states["optim"] += moments8_correction(c, lay, layers[rank], n_moe[rank], rank)
         offloaded = 0.0
