@@ -22,8 +22,8 @@ def run_and_plan(out, base: str, head: bool) -> tuple[dict, dict]:
     """(counted, planned) model-state bytes of one step of the tiny model (4 blocks, vocab 512 x
     dim 64) with rank-4 adapters on the default linears, and on lm_head when ``head``."""
     targets = [*DEFAULTS, "lm_head"] if head else DEFAULTS
-    cfg = tiny_cfg(out, **{"lora.rank": 4, "lora.targets": targets, "train.steps": 1, "lora.base_precision": base,
-                           "data.seq_len": 16, "train.global_batch": 2})
+    cfg = tiny_cfg(out, **{"lora.rank": 4, "lora.targets": targets, "lora.base_precision": base,
+                           "train.steps": 1, "data.seq_len": 16, "train.global_batch": 2})
     Trainer(cfg).fit()
     row = read_metrics(out / "metrics.jsonl")[0]
     tr = memory.Training(16, 2, precision="fp32", lora_rank=4, lora_head=head,
