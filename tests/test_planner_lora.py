@@ -52,3 +52,32 @@ def test_quantised_head_adds_what_the_run_adds(tmp_path):
     for key in KEYS:
         assert planned[key] - planned0[key] == pytest.approx(counted[key] - counted0[key]), key
     assert counted["params"] < counted0["params"]  # 512 x 64 fp32 -> ~0.52 bytes a weight
+
+
+def test_streamed_base_read_is_priced_per_unit_and_pass():
+    """--lora 16 --base-precision nf4 --zero 3 --offload disk on one device: each of llama-7b's 32
+    blocks is read from disk for its forward and for its backward every micro-batch, behind the
+    previous unit's compute; what a read exceeds that compute by is exposed. By hand from the
+    definition: a block's 4 attention and 3 MLP matrices in nf4 (0.516 bytes a weight) and two bf16
+    norm gains; the embedding's and the head's bf16 tables (each with the final norm for the head)."""
+    from dataclasses import replace
+
+    from paratrain.models.families.llama import PRESETS
+    from paratrain.perf.hardware import make_cluster
+    from paratrain.perf.quantised import bytes_per_weight
+    from paratrain.planner.cost import step_time
+
+    c, cluster = PRESETS["llama-7b"], make_cluster(gpus=1)
+    tr = memory.Training(2048, 4, lora_rank=16, lora_quantised="nf4")  # bf16: the base's rest in 2 bytes
+    lay = memory.Layout(zero=3, offload="disk", micro_batch=1, recompute="full")
+    t = step_time(c, tr, lay, cluster)
+    m, h, f = 4, 4096, 11008
+    block = (4 * h * h + 3 * h * f) * bytes_per_weight("nf4") + 2 * h * 2
+    embed, head = 32000 * h * 2, 32000 * h * 2 + h * 2
+    unit = t.compute / m / 34  # 32 blocks, the embedding, the head
+    exposed = sum(max(0.0, n / cluster.disk_bandwidth - unit / 3) + max(0.0, n / cluster.disk_bandwidth
+                  - 2 * unit / 3) for n in [block] * 32 + [embed, head])
+    assert t.offload == pytest.approx(m * exposed, rel=1e-9) and t.offload > 0
+    fast = step_time(c, tr, lay, replace(cluster, disk_bandwidth=1e15))  # every read hidden
+    assert fast.offload == 0.0
+    assert t.optimizer < 0.01  # the adapters' AdamW on the device, not the base's state from disk

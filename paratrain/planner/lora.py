@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from paratrain.models.shape import ModelShape
+from paratrain.models.shape import ModelShape, block_norm_params, norm_params
 from paratrain.perf.quantised import bytes_per_weight, stored_bytes
 from paratrain.sharding import TP_PIECES
 
@@ -115,6 +115,35 @@ def streams_base(tr: Any, lay: Any) -> bool:
     """LoRA under ZeRO-3 with --offload disk: the frozen base is read from disk per unit
     (zero/base_stream.py; engine/lora.streams_base), not held."""
     return bool(tr.lora_rank) and lay.zero >= 3 and lay.offload == "disk"
+
+
+def streamed_unit_bytes(c: ModelShape, tr: Any, lay: Any, sb: Any) -> tuple[float, float, float]:
+    """(block, embedding, head) bytes of one unit's frozen base on one rank as zero/base_stream.py
+    stores it: the ZeRO-3 shard (1/dp) of the unit on its tp rank, quantised linears in their codes
+    and scales (``bytes_per_weight``; an adapted head: ``quantised_head_bytes``), the rest in the
+    base's precision (``tr.lora_base_bytes`` or the trained one's). The head unit holds the final
+    norm and the head (none when tied: the embedding's weight, read with the embedding)."""
+    frozen = tr.lora_base_bytes or sb.params
+    linear = block_linear_params(c, lay.tp)
+    block_all = linear + block_norm_params(c)  # (a GPT-2 block's linear biases are left out: a rounding)
+    block = block_all * frozen
+    if tr.lora_quantised:
+        block = linear * bytes_per_weight(tr.lora_quantised) + (block_all - linear) * frozen
+    embed = -(-c.vocab_size // lay.tp) * c.dim * frozen
+    head = 0.0 if c.tie_embeddings else head_weight_params(c, lay.tp) * frozen
+    if head and tr.lora_quantised and getattr(tr, "lora_head", False):
+        head = quantised_head_bytes(c, tr.lora_quantised, lay.tp)
+    return block / lay.dp, embed / lay.dp, (head + norm_params(c) * frozen) / lay.dp
+
+
+def streamed_read_seconds(units: list[float], disk_bandwidth: float, forward_s: float, backward_s: float
+                          ) -> float:
+    """Exposed seconds of one micro-batch's reads of a streamed base: each unit of ``units`` bytes
+    is read from disk for its forward and again for its backward (nothing is kept between them),
+    ahead of time, behind the previous unit's compute (readahead.py), so each read shows only by
+    what it exceeds one unit's compute: max(0, read - forward_s) + max(0, read - backward_s)."""
+    reads = [n / disk_bandwidth for n in units]
+    return sum(max(0.0, r - forward_s) + max(0.0, r - backward_s) for r in reads)
 
 
 def streamed_unit_share(c: ModelShape, layers: int) -> float:
