@@ -81,3 +81,15 @@ def test_streamed_base_read_is_priced_per_unit_and_pass():
     fast = step_time(c, tr, lay, replace(cluster, disk_bandwidth=1e15))  # every read hidden
     assert fast.offload == 0.0
     assert t.optimizer < 0.01  # the adapters' AdamW on the device, not the base's state from disk
+
+
+def test_plan_takes_lora_targets_and_its_command_carries_them(capsys):
+    from paratrain.plan_cli import main as plan_main
+
+    argv = ["--model", "llama-7b", "--gpus", "8", "--tp", "1", "--pp", "1", "--zero", "0",
+            "--micro-batch", "1", "--recompute", "full", "--lora", "16", "--base-precision", "nf4"]
+    assert plan_main([*argv, "--lora-targets", "wq,wv,lm_head"]) == 0
+    with_head = capsys.readouterr().out
+    assert "--lora-targets wq,wv,lm_head" in with_head
+    assert plan_main(["--model", "llama-7b", "--gpus", "8", "--lora-targets", "lm_head"]) == 2  # no --lora
+    assert "add --lora RANK" in capsys.readouterr().err
