@@ -93,9 +93,10 @@ def stage_tensors(c: ModelShape, blocks: int, first: bool, last: bool, moe_block
     return out
 
 
-def moments_correction(c: ModelShape, tp: int, blocks: int, first: bool, last: bool,
-                       moe_blocks: int = 0) -> float:
-    """Bytes of a stage's 8-bit moments on one tp rank as the trainer cuts them, minus the uniform
-    figure for the same elements (what ``memory`` adds to its optimizer bytes; experts excluded)."""
+def moments_correction(c: ModelShape, tp: int, blocks: int, first: bool, last: bool, moe_blocks: int = 0,
+                       *, block: int = BLOCK_SIZE, min_size: int = MIN_8BIT_SIZE) -> float:
+    """Bytes of a stage's 8-bit moments on one tp rank as the trainer cuts them (``block``,
+    ``min_size``: the run's optim.block_size and optim.min_8bit_size), minus the uniform figure for
+    the same elements (what ``memory`` adds to its optimizer bytes; experts excluded)."""
     tensors = stage_tensors(c, blocks, first, last, moe_blocks)
-    return sum(t.moment_bytes(tp) - UNIFORM * t.local(tp) for t in tensors)
+    return sum(t.moment_bytes(tp, block, min_size) - UNIFORM * t.local(tp) for t in tensors)
