@@ -143,8 +143,9 @@ def test_averaging_bytes_fall_h_fold(sync):
 
 def test_parameter_server_bytes_per_worker_and_server():
     got = slow_link.link_bytes(MODEL, TR, slow(sync="parameter-server", servers=2), two_nodes("ethernet"))
-    assert got == pytest.approx({"intra": 0.0, "inter": PSI * 2, "received": PSI * 2,
-                                 "server_in": 16 * PSI * 2 / 2, "server_out": 16 * PSI * 2 / 2}, rel=1e-12)
+    # the wire carries fp32 whatever the precision (param_server/wire.py flatten): 4 bytes each
+    assert got == pytest.approx({"intra": 0.0, "inter": PSI * 4, "received": PSI * 4,
+                                 "server_in": 16 * PSI * 4 / 2, "server_out": 16 * PSI * 4 / 2}, rel=1e-12)
 
 
 # -- seconds = alpha-beta ------------------------------------------------------------------------------------
@@ -166,7 +167,7 @@ def test_parameter_server_time_is_the_servers_links():
     cluster = two_nodes("ethernet")
     _, t = slow_link.price(MODEL, TR, slow(sync="parameter-server", servers=2), cluster)
     link = LINKS["ethernet"]
-    one_way = link.latency + 16 * PSI * 2 / 2 / link.bandwidth  # a server's link: 8 workers' worth
+    one_way = link.latency + 16 * PSI * 4 / 2 / link.bandwidth  # a server's link: 8 workers' fp32
     assert t.dp_comm == pytest.approx(2 * one_way, rel=1e-12)
     assert t.optimizer == pytest.approx(PSI / 2 / cluster.cpu_adam_params_per_s)
 
@@ -270,9 +271,9 @@ def test_bad_fixed_sync_choices_exit_2_naming_the_flag(flags, message, capsys):
 def test_on_one_node_every_way_stays_on_the_nodes_links(capsys):
     one = make_cluster(gpus=8, gpus_per_node=8, inter_link="ethernet")
     lay = SlowLayout(dp=8, micro_batch=4, sync="parameter-server", servers=1)
-    assert slow_link.link_bytes(MODEL, TR, lay, one)["intra"] == PSI * 2
+    assert slow_link.link_bytes(MODEL, TR, lay, one)["intra"] == PSI * 4  # fp32 on the wire
     _, t = slow_link.price(MODEL, TR, lay, one)
-    assert t.dp_comm < 1.0  # NVLink, not 1.56 GB/s Ethernet (8 x 2.47 GB through one server: 0.07 s)
+    assert t.dp_comm < 1.0  # NVLink, not 1.56 GB/s Ethernet (8 x 4.94 GB through one server: 0.14 s)
     hsdp = slow_link.link_bytes(MODEL, TR, SlowLayout(dp=8, micro_batch=4, zero=2, replicate=2), one)
     assert hsdp["inter"] == 0 and hsdp["intra"] > 0
     assert plan_main(["--params", "1e9", "--sync", "diloco"]) == 2  # model states only: nothing to price

@@ -28,6 +28,7 @@ import paratrain.config as config
 from paratrain.engine import checks
 from paratrain.launch import spawn
 from paratrain.models import default_shape, plan_presets
+from paratrain.models.lora import matches
 from paratrain.models.shape import ModelShape
 from paratrain.perf.hardware import GB, GPUS, LINKS, Cluster, make_cluster, nominal_cpu_cluster
 from paratrain.plan_cli import dry_run
@@ -103,6 +104,9 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--base-precision", default="fp32", choices=config.CHOICES["lora.base_precision"],
                    help="with --lora: the frozen base's storage; nf4/int8 quantise the adapted linears "
                         "(QLoRA; default: %(default)s)")
+    t.add_argument("--lora-targets", type=lambda text: [n.strip() for n in text.split(",") if n.strip()],
+                   help="with --lora: module-name patterns as train takes them; lm_head among them prices "
+                        "the head's adapters (the blocks' targets are priced as the family's defaults)")
     t.add_argument("--margin", type=float, default=0.10,
                    help="fraction of device memory kept free (default: %(default)s)")
     c = p.add_argument_group("cluster")
@@ -231,11 +235,16 @@ def lora_training(args: argparse.Namespace) -> dict:
     """Training's LoRA fields from --lora / --base-precision (planner/lora.py prices them)."""
     if args.base_precision != "fp32" and not args.lora:
         raise ValueError("--base-precision applies to LoRA's frozen base: add --lora RANK or drop it")
+    targets = getattr(args, "lora_targets", None)
+    if targets is not None and not (args.lora and targets):
+        raise ValueError("--lora-targets names the layers LoRA adapts: add --lora RANK and at least one "
+                         "name, e.g. --lora-targets wq,wv,lm_head")
     if not args.lora:
         return {}
     kind = args.base_precision
     return {"lora_rank": args.lora, "lora_base_bytes": 2 if kind == "bf16" else None,
-            "lora_quantised": kind if kind in ("nf4", "int8") else None}
+            "lora_quantised": kind if kind in ("nf4", "int8") else None,
+            "lora_head": any(matches(t, "lm_head") for t in targets or ())}  # models/decoder.py's head
 
 
 def cluster_from(args: argparse.Namespace) -> Cluster:

@@ -38,6 +38,8 @@ def train_settings(args: argparse.Namespace, c: ModelShape, lay: Layout) -> list
         out.append(("--lora", "lora.rank", args.lora))
         if args.base_precision != "fp32":
             out.append(("--base-precision", "lora.base_precision", args.base_precision))
+        if getattr(args, "lora_targets", None):
+            out.append(("--lora-targets", "lora.targets", list(args.lora_targets)))
     out += [("--dp", "parallel.dp", lay.replicas), ("--tp", "parallel.tp", lay.tp),
             ("--pp", "parallel.pp", lay.pp), ("--zero", "parallel.zero", lay.zero),
             ("--micro-batch", "train.micro_batch", lay.micro_batch)]
@@ -128,7 +130,8 @@ def train_command(args: argparse.Namespace, c: ModelShape, lay: Layout, cluster:
     several nodes torchrun starts the ranks (README), on one node paratrain's own workers."""
     flags = ["--config plan-model.toml"] if needs_model_file(args) else []
     for flag, _, value in train_settings(args, c, lay):
-        flags.append(flag if value is True else f"{flag} {shlex.quote(str(value))}")
+        text = ",".join(value) if isinstance(value, list) else str(value)  # --lora-targets: comma-separated
+        flags.append(flag if value is True else f"{flag} {shlex.quote(text)}")
     if cluster.n_nodes > 1:  # the servers: the last node starts them (server_note)
         launcher = (f"torchrun --nnodes {cluster.n_nodes} --nproc-per-node {cluster.devices_per_node} "
                     "--rdzv-endpoint HOST:29500 -m paratrain.cli train")

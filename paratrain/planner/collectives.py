@@ -89,9 +89,11 @@ def group_link(cluster: Cluster, lay: Layout, axis: str) -> Link:
     """The link a group's ring crosses: ranks are laid out tp fastest, then dp, then pp, so a
     group of `size` ranks at stride `stride` spans stride * size consecutive ranks. ep groups are
     neighbours inside dp (stride tp), edp groups stride over them (tp * ep); cp groups are
-    neighbours inside dp too (mesh.py: ``dp_index = batch_index * cp + cp_index``)."""
+    neighbours inside dp too (mesh.py: ``dp_index = batch_index * cp + cp_index``), batch groups (the
+    rank at one cp index in every data replica) stride over them (tp * cp)."""
     stride, size = {"tp": (1, lay.tp), "dp": (lay.tp, lay.dp), "pp": (lay.tp * lay.dp, lay.pp),
-                    "ep": (lay.tp, lay.ep), "edp": (lay.tp * lay.ep, lay.edp), "cp": (lay.tp, lay.cp)}[axis]
+                    "ep": (lay.tp, lay.ep), "edp": (lay.tp * lay.ep, lay.edp), "cp": (lay.tp, lay.cp),
+                    "batch": (lay.tp * lay.cp, lay.replicas)}[axis]
     if stride * size <= cluster.devices_per_node:
         return cluster.intra
     return cluster.inter
@@ -107,7 +109,7 @@ def ring_link(cluster: Cluster, lay: Layout, axis: str) -> Link:
     link = group_link(cluster, lay, axis)
     if link is cluster.intra:
         return link
-    stride = {"dp": lay.tp, "edp": lay.tp * lay.ep}[axis]
+    stride = {"dp": lay.tp, "edp": lay.tp * lay.ep, "batch": lay.tp * lay.cp}[axis]
     per_node = max(1, cluster.devices_per_node // stride)
     if per_node == 1:
         return link

@@ -22,7 +22,7 @@ Over 500 lines: one cost model whose terms (compute, communication, bubble, offl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from paratrain.models.shape import ModelShape, mean_attended_keys
 from paratrain.perf.hardware import Cluster, op_env
@@ -39,6 +39,7 @@ from paratrain.planner.collectives import (
     ring_link,
 )
 from paratrain.planner.local import local_dp_comm, post_step, tp_collectives, tp_seconds
+from paratrain.planner.lora import lora_block_params, streamed_read_seconds, streamed_unit_bytes, streams_base
 from paratrain.planner.memory import (
     Layout,
     Training,
@@ -302,6 +303,10 @@ def step_time(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster) -> Ste
     else:
         dp_comm = dp_exposed(c, tr, lay, cluster, mb_compute, m, psi - experts, experts)
         optimizer, offload = _optimizer_time(tr, lay, cluster, _shard(psi - experts, experts, lay), m)
+        if streams_base(tr, lay):  # LoRA's base read per unit per pass; its adapters step on the device
+            adapters = layers[busiest] * lora_block_params(c, tr.lora_rank, lay.tp) / lay.dp
+            optimizer = _optimizer_time(tr, replace(lay, offload="none"), cluster, adapters, m)[0]
+            offload = streamed_base_exposed(c, tr, lay, cluster, mb_compute, m, layers[busiest], first, last)
         # The optimizer's fixed cost per parameter tensor (its per-tensor loop).
         optimizer += tensors * cluster.device.optimizer_tensor_s
     tokens = tr.global_batch * tr.seq_len
@@ -312,6 +317,21 @@ def step_time(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster) -> Ste
                     hardware_flops=hardware_flops_per_token(c, tr.seq_len, lay.recompute) * tokens,
                     world=lay.world, peak=peak, imbalance=stage_imbalance, ep_comm=m * mb_ep,
                     cp_comm=m * mb_cp)
+
+
+def streamed_base_exposed(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, mb_compute: float,
+                          m: int, blocks: int, first: bool, last: bool) -> float:
+    """Exposed seconds per step of reading a streamed LoRA base (``--lora --zero 3 --offload disk``,
+    zero/base_stream.py): every micro-batch reads each unit of the stage (its blocks, the embedding
+    on the first stage, the final norm and head on the last) from disk for its forward and again
+    for its backward, read ahead while the previous unit computes; each read shows by what it
+    exceeds a unit's compute (planner/lora.py ``streamed_read_seconds``) at the cluster's
+    ``disk_bandwidth``. A unit's compute: the micro-batch's spread evenly over the stage's units,
+    a third forward and two thirds backward."""
+    block, embed, head = streamed_unit_bytes(c, tr, lay, state_bytes_per_param(tr.precision, tr.optimizer))
+    units = [block] * blocks + ([embed] if first else []) + ([head] if last else [])
+    per_unit = mb_compute / len(units)
+    return m * streamed_read_seconds(units, cluster.disk_bandwidth, per_unit / 3, 2 * per_unit / 3)
 
 
 def _shard(dense: float, experts: float, lay: Layout) -> float:

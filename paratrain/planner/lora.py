@@ -10,14 +10,23 @@ Adapters of rank r on one tensor-parallel rank, per block, with the families' de
 keeps A [r, in] whole and B [out/tp, r]; a row-parallel base (o, down/proj) keeps A [r, in/tp]
 and B [out, r] whole (tensor_parallel/lora.py). A mixture-of-experts block's experts each carry
 the MLP's adapters.
+
+An adapted LM head (``--lora-targets ...,lm_head``; ``Training.lora_head``) adds A [r, dim] whole
+and B [vocab/tp, r] on the rank holding the head (tensor_parallel/plan.py: the vocab-parallel head
+becomes a column-parallel LoRA linear), with their gradients and optimizer state; under nf4 /
+int8 the head's weight is quantised too (engine/qlora.py quantises every adapted linear; a head
+tied to the embedding stays as trained). The blocks' targets are the family's defaults whatever
+the list says besides lm_head (a narrower list is not priced narrower).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from paratrain.models.shape import ModelShape
-from paratrain.perf.quantised import bytes_per_weight
+from paratrain.models.shape import ModelShape, block_norm_params, norm_params
+from paratrain.perf.quantised import bytes_per_weight, stored_bytes
+from paratrain.sharding import TP_PIECES
 
 
 def lora_block_params(c: ModelShape, rank: int, tp: int = 1, *, moe: bool = False, ep: int = 1) -> int:
@@ -40,20 +49,44 @@ def block_linear_params(c: ModelShape, tp: int = 1, *, moe: bool = False, ep: in
     return attn + experts * c.mlp_matrices * c.dim * (c.ffn_dim // tp)
 
 
+def head_weight_params(c: ModelShape, tp: int = 1) -> int:
+    """The LM head's weight on one tp rank (vocab-parallel: its rows padded to a multiple of tp)."""
+    return -(-c.vocab_size // tp) * c.dim
+
+
+def quantised_head_bytes(c: ModelShape, kind: str, tp: int = 1) -> float:
+    """An adapted head's weight stored ``kind`` on one tp rank, quantised in pieces along its rows
+    as engine/qlora.py ``split_pieces`` cuts it: gcd(vocab, 16) pieces, or one row a piece where 16
+    does not divide the vocabulary (each piece its own scales and offset: small heads pay for it)."""
+    v = c.vocab_size
+    pieces = math.gcd(v, TP_PIECES) if v % TP_PIECES == 0 else v
+    return stored_bytes(kind, v * c.dim, pieces=pieces) / tp
+
+
+def lora_head_params(c: ModelShape, rank: int, tp: int = 1) -> int:
+    """An adapted LM head's adapters on one tp rank: A [r, dim] whole, B [vocab/tp, r]."""
+    return rank * (c.dim + -(-c.vocab_size // tp))
+
+
 def lora_states(c: ModelShape, tr: Any, lay: Any, sb: Any, psi: float, dense: int,
-                sparse: int) -> dict[str, float]:
+                sparse: int, *, head: bool = False) -> dict[str, float]:
     """Per-device params / grads / optimizer bytes of a rank holding ``psi`` base parameters
     (frozen: ``tr.lora_base_bytes`` each, or the trained precision's) and the adapters of its
-    ``dense`` and ``sparse`` blocks, under ZeRO (planner/memory.py's Training, Layout, StateBytes)."""
+    ``dense`` and ``sparse`` blocks (and of the LM head when ``head``: the rank holds it and
+    ``tr.lora_head``), under ZeRO (planner/memory.py's Training, Layout, StateBytes)."""
     rank, nd, zero = tr.lora_rank, lay.dp, lay.zero
+    adapted_head = head and getattr(tr, "lora_head", False)
     adapters = dense * lora_block_params(c, rank, lay.tp) + sparse * lora_block_params(
-        c, rank, lay.tp, moe=True, ep=lay.ep)
+        c, rank, lay.tp, moe=True, ep=lay.ep) + (lora_head_params(c, rank, lay.tp) if adapted_head else 0)
     base_bytes = tr.lora_base_bytes or sb.params
     base = psi * base_bytes
     if tr.lora_quantised:  # the adapted linears quantised, the rest (embeddings, head, norms) as trained
         linear = dense * block_linear_params(c, lay.tp) + sparse * block_linear_params(c, lay.tp, moe=True,
                                                                                         ep=lay.ep)
         base = (psi - linear) * sb.params + linear * bytes_per_weight(tr.lora_quantised)
+        if adapted_head and not c.tie_embeddings:  # a tied head is the embedding's: not quantised
+            head_params = head_weight_params(c, lay.tp)
+            base += quantised_head_bytes(c, tr.lora_quantised, lay.tp) - head_params * sb.params
     return {"params": (base + adapters * sb.params) / (nd if zero >= 3 else 1),
             "grads": adapters * sb.grads / (nd if zero >= 2 else 1),
             "optim": adapters * sb.optim / (nd if zero >= 1 else 1),
@@ -82,6 +115,35 @@ def streams_base(tr: Any, lay: Any) -> bool:
     """LoRA under ZeRO-3 with --offload disk: the frozen base is read from disk per unit
     (zero/base_stream.py; engine/lora.streams_base), not held."""
     return bool(tr.lora_rank) and lay.zero >= 3 and lay.offload == "disk"
+
+
+def streamed_unit_bytes(c: ModelShape, tr: Any, lay: Any, sb: Any) -> tuple[float, float, float]:
+    """(block, embedding, head) bytes of one unit's frozen base on one rank as zero/base_stream.py
+    stores it: the ZeRO-3 shard (1/dp) of the unit on its tp rank, quantised linears in their codes
+    and scales (``bytes_per_weight``; an adapted head: ``quantised_head_bytes``), the rest in the
+    base's precision (``tr.lora_base_bytes`` or the trained one's). The head unit holds the final
+    norm and the head (none when tied: the embedding's weight, read with the embedding)."""
+    frozen = tr.lora_base_bytes or sb.params
+    linear = block_linear_params(c, lay.tp)
+    block_all = linear + block_norm_params(c)  # (a GPT-2 block's linear biases are left out: a rounding)
+    block = block_all * frozen
+    if tr.lora_quantised:
+        block = linear * bytes_per_weight(tr.lora_quantised) + (block_all - linear) * frozen
+    embed = -(-c.vocab_size // lay.tp) * c.dim * frozen
+    head = 0.0 if c.tie_embeddings else head_weight_params(c, lay.tp) * frozen
+    if head and tr.lora_quantised and getattr(tr, "lora_head", False):
+        head = quantised_head_bytes(c, tr.lora_quantised, lay.tp)
+    return block / lay.dp, embed / lay.dp, (head + norm_params(c) * frozen) / lay.dp
+
+
+def streamed_read_seconds(units: list[float], disk_bandwidth: float, forward_s: float, backward_s: float
+                          ) -> float:
+    """Exposed seconds of one micro-batch's reads of a streamed base: each unit of ``units`` bytes
+    is read from disk for its forward and again for its backward (nothing is kept between them),
+    ahead of time, behind the previous unit's compute (readahead.py), so each read shows only by
+    what it exceeds one unit's compute: max(0, read - forward_s) + max(0, read - backward_s)."""
+    reads = [n / disk_bandwidth for n in units]
+    return sum(max(0.0, r - forward_s) + max(0.0, r - backward_s) for r in reads)
 
 
 def streamed_unit_share(c: ModelShape, layers: int) -> float:

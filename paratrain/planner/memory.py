@@ -43,6 +43,7 @@ from paratrain.perf.ops import ACT_BYTES
 from paratrain.perf.stages import RECEIVE_BUFFERS
 from paratrain.planner import context
 from paratrain.planner.lora import lora_states, streamed_unit_share, streams_base, zero3_unit_bytes
+from paratrain.planner.optim8 import moments_correction
 from paratrain.planner.zero_bubble import V_SCHEDULES, ZERO_BUBBLE, zb_in_flight
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", *ZERO_BUBBLE)
@@ -63,6 +64,9 @@ class Training:
     lora_quantised: str | None = None  # --base-precision nf4 | int8: the adapted linears so (planner/lora.py)
     lora_rank: int = 0  # LoRA adapters of this rank on a frozen base (planner/lora.py); 0: full training
     lora_base_bytes: float | None = None  # bytes per frozen base parameter (2: bf16); None: as trained
+    lora_head: bool = False  # --lora-targets adapts lm_head too (planner/lora.py)
+    block_size: int = 2048  # adamw8bit: optim.block_size (planner/optim8.py)
+    min_8bit_size: int = 4096  # adamw8bit: optim.min_8bit_size
     zero3_runtime: str = "paratrain"  # whose ZeRO-3: paratrain | deepspeed | deepspeed-2021 (zero3.py)
 
     def __post_init__(self):
@@ -522,8 +526,11 @@ def device_memory(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster,
     ranks = range(lay.pp) if counts or 0 < c.n_moe_layers < c.n_layers else sorted({0, lay.pp - 1})
     for rank in ranks:
         psi = params[rank]
-        states = (lora_states(c, tr, lay, sb, psi, layers[rank] - n_moe[rank], n_moe[rank]) if tr.lora_rank
-                  else model_state_bytes(psi - experts[rank], experts[rank], lay, sb))
+        head = chunk_rank(lay.pp * lay.v - 1, lay.pp, lay.v_shape) == rank
+        states = (lora_states(c, tr, lay, sb, psi, layers[rank] - n_moe[rank], n_moe[rank], head=head)
+                  if tr.lora_rank else model_state_bytes(psi - experts[rank], experts[rank], lay, sb))
+        if tr.optimizer == "adamw8bit" and not tr.lora_rank:
+            states["optim"] += moments8_correction(c, tr, lay, layers[rank], n_moe[rank], rank)
         offloaded = 0.0
         # --offload moves the optimizer partition, not the gradient shard (reduced on the device, read
         # by the step) nor the compute shard, except ZeRO-3 + disk in fp32 (zero/fsdp.py shards_on_disk).
@@ -619,13 +626,29 @@ def model_state_bytes(dense: float, experts: float, lay: Layout, sb: StateBytes)
     return states
 
 
+def moments8_correction(c: ModelShape, tr: Training, lay: Layout, blocks: int, moe_blocks: int,
+                        rank: int) -> float:
+    """8-bit AdamW's moments of pipeline rank ``rank``'s dense tensors as the trainer cuts their
+    blocks (planner/optim8.py: smaller blocks along tp pieces, fp32 moments for small tensors),
+    minus ``state_bytes_per_param``'s uniform figure for them, divided as ZeRO divides the state."""
+    last = chunk_rank(lay.pp * lay.v - 1, lay.pp, lay.v_shape) == rank
+    extra = moments_correction(c, lay.tp, blocks, rank == 0, last, moe_blocks, block=tr.block_size,
+                               min_size=tr.min_8bit_size)
+    return extra / (lay.dp if lay.zero else 1)
+
+
 def rank_model_states(c: ModelShape, tr: Training, lay: Layout, pp_rank: int) -> dict[str, float]:
     """Params / grads / optimizer bytes of a rank of pipeline stage ``pp_rank`` (``device_memory``'s
     model states for that stage, before offload), what the dry run (plan_cli/dry_run.py) measures."""
     sb = state_bytes_per_param(tr.precision, tr.optimizer)
     psi = stage_params(c, lay.tp, lay.pp, lay.v, ep=lay.ep, v_shape=lay.v_shape)[pp_rank]
     experts = stage_expert_params(c, lay.tp, lay.pp, lay.v, ep=lay.ep, v_shape=lay.v_shape)[pp_rank]
-    return model_state_bytes(psi - experts, experts, lay, sb)
+    states = model_state_bytes(psi - experts, experts, lay, sb)
+    if tr.optimizer == "adamw8bit":
+        blocks = stage_layers(c.n_layers, lay.pp, lay.v)[pp_rank]
+        moe = stage_moe_layers(c, lay.pp, lay.v, v_shape=lay.v_shape)[pp_rank]
+        states["optim"] += moments8_correction(c, tr, lay, blocks, moe, pp_rank)
+    return states
 
 
 def comm_buffer_bytes(c: ModelShape, tr: Training, lay: Layout, sb: StateBytes, psi: float) -> float:

@@ -25,6 +25,7 @@ from pathlib import Path
 from paratrain.config import Config
 from paratrain.models import model_kind
 from paratrain.models.from_config import model_config
+from paratrain.models.lora import matches
 from paratrain.models.shape import ModelShape
 from paratrain.perf.hardware import GB, Cluster
 from paratrain.planner import choice, context, slow_link
@@ -511,10 +512,13 @@ def training_from_config(cfg: Config) -> tuple[ModelShape, Training]:
     bf16_base = cfg.lora.rank and cfg.lora.base_precision == "bf16"  # LoRA: planner/lora.py
     quantised = cfg.lora.base_precision if cfg.lora.rank else None
     quantised = quantised if quantised in ("nf4", "int8") else None  # the adapted linears' storage
+    head = bool(cfg.lora.rank) and any(matches(t, "lm_head") for t in cfg.lora.targets or ())
     return c, Training(seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch,
                        precision=cfg.train.precision, bucket_mb=cfg.parallel.bucket_mb,
                        lora_rank=cfg.lora.rank, lora_base_bytes=2 if bf16_base else None,
-                       lora_quantised=quantised)
+                       lora_quantised=quantised,
+                       lora_head=head, optimizer=cfg.optim.name, block_size=cfg.optim.block_size,
+                       min_8bit_size=cfg.optim.min_8bit_size)
 
 
 def auto_layout(cfg: Config, machine: Callable[[int], Cluster], *,

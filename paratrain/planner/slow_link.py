@@ -10,12 +10,16 @@ nodes is slow (below ``SLOW_LINK`` per device), three more ways to synchronise a
   own optimizer H times with no traffic between replicas, then averages its parameters (local SGD)
   or its pseudo-gradient, to which an outer Nesterov step is applied (DiLoCo, Douillard et al.
   2023): one all-reduce of the parameters in fp32 every H steps, 1/H of it per step. A replica is one
-  dp rank (ZeRO-0) or one node of S ranks sharding ZeRO among them (ZeRO >= 1, R = the nodes).
+  dp rank (ZeRO-0) or one node of S ranks sharding ZeRO among them (ZeRO >= 1, R = the nodes); under
+  --ep (ZeRO-0) one ep group, which sums the dense gradients every step and averages every
+  parameter over edp; under --cp one cp group, which sums every gradient every step and averages
+  over the batch axis (data_parallel/averaging.py ``replica_axis``, ``inner_axis``).
 - **a parameter server** (``--sync parameter-server --servers K``, synchronous): each worker sends
   its gradients and receives the parameters every step; K server processes (default: as many as
   nodes; each with one device's share of the slow link) hold the parameters (split by size) and the
   optimizer, so each server's link carries dp/K of the model each way per step: the servers' links
-  are the bottleneck.
+  are the bottleneck. Every worker rank is a worker (each cp rank too: sync mode); under --ep the
+  ep group first sums its dense gradients, then each rank pushes its dense and expert slice.
 
 Bytes per link per step (``link_bytes``) are ring bytes each device sends: all-reduce
 2(n - 1)/n M, all-gather and reduce-scatter (n - 1)/n M, as collectives.py prices them; a group
@@ -48,6 +52,7 @@ from paratrain.planner.memory import (
     StateBytes,
     Training,
     device_memory,
+    held_state_bytes,
     model_state_bytes,
     stage_expert_params,
     stage_params,
@@ -69,6 +74,8 @@ LOCAL_SGD_MAX_H = 32  # plain averaging without an outer momentum: kept to small
 # Parameters / pseudo-gradients averaged in fp32 (the master copy): an averaging that all-reduces
 # bf16 model parameters moves half of it (the averaging branch reduces each dtype as held).
 AVERAGED_BYTES = 4
+# The parameter server's wire carries fp32 (param_server/wire.py ``flatten``), whatever the precision.
+PS_WIRE_BYTES = 4
 # DiLoCo's outer optimizer as published (Douillard et al. 2023): Nesterov, lr 0.7, momentum 0.9.
 DILOCO_OUTER = (("--outer-optimizer", "nesterov"), ("--outer-lr", 0.7), ("--outer-momentum", 0.9))
 SYNCS = ("ddp", "local-sgd", "diloco", "parameter-server")
@@ -152,10 +159,12 @@ def variants(lay: Layout, cluster: Cluster, fits: bool = True, fixed: dict | Non
     that does not fit yields only the parameter server (the one variant needing less memory). Unless
     asked for (fixed), only layouts whose data-parallel group crosses the slow link get them."""
     fixed = fixed or {}
-    if lay.dp == 1 or lay.ep > 1 or lay.offload != "none" or isinstance(lay, SlowLayout):
+    if lay.dp == 1 or lay.offload != "none" or isinstance(lay, SlowLayout):
         return []
-    if lay.cp > 1 and (lay.zero == 0 or fixed.get("sync", "ddp") != "ddp"):
-        return []  # hybrid sharding (ZeRO) only: averaging / a server with cp run but are not priced yet
+    if (lay.ep > 1 or lay.cp > 1) and lay.zero and fixed.get("sync", "ddp") != "ddp":
+        return []  # averaging ZeRO shards of ep / cp replicas is not priced (docs/planner.md)
+    if lay.ep > 1 and lay.zero:
+        return []  # hybrid sharding with experts is not priced
     if not fixed and group_link(cluster, lay, "dp") is cluster.intra:
         return []
     if not fits:
@@ -163,7 +172,8 @@ def variants(lay: Layout, cluster: Cluster, fits: bool = True, fixed: dict | Non
     fields_ = {f.name: getattr(lay, f.name) for f in fields(Layout)}
     h = fixed.get("sync_every", 0)
     if lay.zero == 0:
-        out = [SlowLayout(**fields_, sync=s, sync_every=h) for s in ("local-sgd", "diloco")]
+        several = lay.dp > replica_ranks(lay)  # one replica has nothing to average with
+        out = [SlowLayout(**fields_, sync=s, sync_every=h) for s in ("local-sgd", "diloco") if several]
         if lay.tp == lay.pp == 1:
             k = fixed.get("servers", cluster.n_nodes)
             out.append(SlowLayout(**fields_, sync="parameter-server", servers=k))
@@ -256,6 +266,30 @@ def _ring(n: int, passes: int = 1) -> float:
     return passes * (n - 1) / n if n > 1 else 0.0
 
 
+def replica_ranks(lay: Layout) -> int:
+    """Ranks of one replica without hybrid sharding (data_parallel/averaging.py ``replica_axis``):
+    an ep group under expert parallelism (it holds every expert once, and whole cp groups), a cp
+    group under context parallelism (its ranks split the same rows), else one dp rank."""
+    return lay.ep if lay.ep > 1 else lay.cp
+
+
+def replica_axis(lay: Layout) -> str:
+    """The axis averaged over without hybrid sharding: edp (ep), batch (cp), else dp."""
+    return "edp" if lay.ep > 1 else "batch" if lay.cp > 1 else "dp"
+
+
+def inner_sum(psi: float, experts: float, lay: Layout) -> tuple[str, float]:
+    """(axis, parameters) whose gradients a replica of several ranks sums every step without hybrid
+    sharding (averaging.py ``inner_axis``; under the parameter server client.py's dense sum over
+    ep): the dense ones over the ep group (an expert's gradient is already the replica's), every one
+    over the cp group when averaging (a server's workers are the cp ranks themselves: it sums them);
+    ("", 0) for one-rank replicas."""
+    if lay.ep > 1:
+        return "ep", psi - experts
+    averaging = lay.cp > 1 and getattr(lay, "sync", "ddp") != "parameter-server"
+    return ("cp", psi) if averaging else ("", 0.0)
+
+
 def shard_group_bytes(psi: float, lay: SlowLayout, sb: StateBytes, n_micro: int) -> float:
     """Bytes each rank sends per step in ZeRO's collectives over the S ranks of a node, as paratrain's
     zero/ issues them (planner/local.py counts the same): one reduce-scatter of the gradients a step;
@@ -270,15 +304,24 @@ def link_bytes(c: ModelShape, tr: Training, lay: SlowLayout, cluster: Cluster) -
     """Bytes per device per step on the node's links ("intra") and the slow link ("inter"); a
     parameter server adds what each server's link carries each way ("server_in", "server_out")."""
     sb = state_bytes_per_param(tr.precision, tr.optimizer)
-    psi, _ = _params(c, tr, lay, cluster)
+    psi, experts = _params(c, tr, lay, cluster)
     m = lay.n_micro(tr.global_batch)
-    if lay.sync == "parameter-server":  # gradients up, parameters down, for the whole model
-        return {"intra": 0.0, "inter": 0.0, _where(cluster, _server_link(cluster)): psi * sb.grads,
-                "received": psi * sb.params, "server_in": lay.dp * psi * sb.grads / lay.servers,
-                "server_out": lay.dp * psi * sb.params / lay.servers}
-    if lay.replicate == 1:  # every dp rank a replica: nothing per step, the average every H
-        across = _ring(lay.dp, 2) * psi * AVERAGED_BYTES / lay.sync_every
-        return {"intra": 0.0, "inter": 0.0, _where(cluster, group_link(cluster, lay, "dp")): across}
+    if lay.replicate == 1:  # the sum inside an ep / cp replica every step (none: one rank a replica)
+        out = {"intra": 0.0, "inter": 0.0}
+        axis, summed = inner_sum(psi, experts, lay)
+        if summed:
+            out[_where(cluster, group_link(cluster, lay, axis))] += (
+                _ring(replica_ranks(lay), 2) * summed * held_state_bytes(sb, 0).grads)
+    if lay.sync == "parameter-server":  # gradients up, parameters down, each rank its slice, fp32
+        wire = psi * PS_WIRE_BYTES
+        out[_where(cluster, _server_link(cluster))] += wire
+        return {**out, "received": wire, "server_in": lay.dp * wire / lay.servers,
+                "server_out": lay.dp * wire / lay.servers}
+    if lay.replicate == 1:  # nothing else per step, the average over the replicas every H
+        n = lay.dp // replica_ranks(lay)
+        out[_where(cluster, _replica_link(cluster, lay))] += (_ring(n, 2) * psi * AVERAGED_BYTES
+                                                              / lay.sync_every)
+        return out
     out = {"intra": shard_group_bytes(psi, lay, sb, m), "inter": 0.0}
     if lay.averaging:
         across = _ring(lay.replicate, 2) * psi / lay.shard * AVERAGED_BYTES / lay.sync_every
@@ -297,8 +340,8 @@ def cross_node_payload(c: ModelShape, tr: Training, lay: Layout, steps: int) -> 
     rank (planner/hybrid.py) every step, hybrid sharding's gradient shard every step, the averaged
     fp32 parameters every H steps (steps // H times). None for the others (the parameter server's
     traffic goes over the servers' own gloo group, not a mesh axis)."""
-    if lay.tp > 1 or lay.pp > 1 or lay.ep > 1:
-        return None
+    if lay.tp > 1 or lay.pp > 1 or lay.ep > 1 or (lay.cp > 1 and getattr(lay, "sync", "ddp") != "ddp"):
+        return None  # (under cp the replicas' inner sums cross as well)
     slow = lay if isinstance(lay, SlowLayout) else SlowLayout(**{f.name: getattr(lay, f.name)
                                                                 for f in fields(Layout)})
     psi, sb = c.n_params(), state_bytes_per_param(tr.precision, tr.optimizer)
@@ -334,9 +377,10 @@ def ddp_inter_bytes(psi: float, dp: int, tr: Training) -> float:
 
 def _replica_link(cluster: Cluster, lay: SlowLayout) -> Link:
     """The link the all-reduce across replicas runs at: over all dp ranks (a flat ring), or over the
-    R replicas of a shard (one rank a node: the inter link itself, unless all sit in one node)."""
+    R replicas of a shard (one rank a node: the inter link itself, unless all sit in one node); an
+    ep / cp replica's ranks average over edp / batch."""
     if lay.replicate == 1:
-        return ring_link(cluster, lay, "dp")
+        return ring_link(cluster, lay, replica_axis(lay))
     return cluster.intra if lay.tp * lay.dp <= cluster.devices_per_node else cluster.inter
 
 
@@ -345,7 +389,7 @@ def averaging_seconds(c: ModelShape, tr: Training, lay: SlowLayout, cluster: Clu
     in fp32, and DiLoCo's outer step (~4 fp32 arrays read + written per parameter, memory-bound)."""
     psi, _ = _params(c, tr, lay, cluster)
     shard = psi / lay.shard if lay.replicate > 1 else psi
-    n = lay.replicate if lay.replicate > 1 else lay.dp
+    n = lay.replicate if lay.replicate > 1 else lay.dp // replica_ranks(lay)
     outer = shard * 4 * 4 * 2 / cluster.device.memory_bandwidth if lay.sync == "diloco" else 0.0
     return all_reduce_time(shard * AVERAGED_BYTES, n, _replica_link(cluster, lay)) + outer
 
@@ -357,11 +401,14 @@ def choose_h(averaging: float, inner_step: float, cap: int) -> int:
     return next((h for h in ladder if averaging / h <= AVERAGING_SHARE * inner_step), ladder[-1])
 
 
-def _within_node(c: ModelShape, tr: Training, lay: SlowLayout, cluster: Cluster, t: StepTime,
-                 psi: float, experts: float) -> float:
-    """Exposed seconds of ZeRO's collectives over the S ranks of a node (dp_exposed at dp = S)."""
+def _within_replica(c: ModelShape, tr: Training, lay: SlowLayout, cluster: Cluster, t: StepTime,
+                    psi: float, experts: float) -> float:
+    """Exposed seconds of the collectives inside a replica every step (dp_exposed over its ranks):
+    ZeRO's over the S ranks of a node; an ep group's sum of the dense gradients (its experts' at
+    edp = 1: none); a cp group's of all of them. Zero for one-rank replicas."""
     m = lay.n_micro(tr.global_batch)
-    return dp_exposed(c, tr, replace(plain(lay), dp=lay.shard), cluster, t.compute / m, m, psi - experts,
+    ranks = lay.shard if lay.replicate > 1 else replica_ranks(lay)
+    return dp_exposed(c, tr, replace(plain(lay), dp=ranks), cluster, t.compute / m, m, psi - experts,
                       experts)
 
 
@@ -381,17 +428,19 @@ def _hsdp_inter(c: ModelShape, tr: Training, lay: SlowLayout, cluster: Cluster, 
     return max(comm - hidden, all_reduce_time(bucket, lay.replicate, link))
 
 
-def _server_round_trip(c: ModelShape, tr: Training, lay: SlowLayout, cluster: Cluster, psi: float
-                       ) -> tuple[float, float]:
-    """(communication, server optimizer) seconds of a synchronous parameter-server step: gradients up,
-    then the servers step (on their CPUs, at cpu_adam_params_per_s), then parameters down; each
-    direction as slow as the slower of a worker's link (the whole model) and a server's (dp/K of
-    it), all of it exposed (the worker waits for its parameters)."""
-    sb = state_bytes_per_param(tr.precision, tr.optimizer)
-    k, link = lay.servers, _server_link(cluster)
-    up = max(p2p_time(psi * sb.grads, link), p2p_time(lay.dp * psi * sb.grads / k, link))
-    down = max(p2p_time(psi * sb.params, link), p2p_time(lay.dp * psi * sb.params / k, link))
-    return up + down, psi / k / cluster.cpu_adam_params_per_s
+def _server_round_trip(c: ModelShape, tr: Training, lay: SlowLayout, cluster: Cluster, psi: float,
+                       experts: float) -> tuple[float, float]:
+    """(communication, server optimizer) seconds of a synchronous parameter-server step: under ep
+    the dense gradients summed over the ep group first, then gradients up (fp32), the servers step
+    (on their CPUs, at cpu_adam_params_per_s: ep copies of each dense slice, one per shard group,
+    and every expert), then parameters down; each direction as slow as the slower of a worker's
+    link (its slice) and a server's (dp slices / K), all of it exposed (the worker waits)."""
+    sb = held_state_bytes(state_bytes_per_param(tr.precision, tr.optimizer), 0)
+    k, link, wire = lay.servers, _server_link(cluster), psi * PS_WIRE_BYTES
+    _, summed = inner_sum(psi, experts, lay)  # the dense part under ep; nothing otherwise (n = 1)
+    dense = all_reduce_time(summed * sb.grads, lay.ep, group_link(cluster, lay, "ep"))
+    way = max(p2p_time(wire, link), p2p_time(lay.dp * wire / k, link))
+    return dense + 2 * way, lay.ep * psi / k / cluster.cpu_adam_params_per_s
 
 
 def price(c: ModelShape, tr: Training, lay: SlowLayout, cluster: Cluster, base: StepTime | None = None
@@ -400,9 +449,9 @@ def price(c: ModelShape, tr: Training, lay: SlowLayout, cluster: Cluster, base: 
     step time of its plain layout, when already computed (the search has it)."""
     t = base or step_time(c, tr, plain(lay), cluster)
     psi, experts = _params(c, tr, lay, cluster)
-    within = _within_node(c, tr, lay, cluster, t, psi, experts) if lay.replicate > 1 else 0.0
+    within = _within_replica(c, tr, lay, cluster, t, psi, experts)
     if lay.sync == "parameter-server":
-        comm, server = _server_round_trip(c, tr, lay, cluster, psi)
+        comm, server = _server_round_trip(c, tr, lay, cluster, psi, experts)
         return lay, replace(t, dp_comm=comm, optimizer=server)
     if not lay.averaging:  # hybrid sharding
         return lay, replace(t, dp_comm=within + _hsdp_inter(c, tr, lay, cluster, t, psi, within))
@@ -417,18 +466,21 @@ def memory(c: ModelShape, tr: Training, lay: SlowLayout, cluster: Cluster, base_
            ) -> Memory:
     """The busiest rank's memory: ZeRO's states sharded over S instead of dp (hybrid sharding);
     DiLoCo's start-of-period parameters and outer momentum in fp32 (sharded like the optimizer);
-    a parameter-server worker holds no optimizer state (its servers do). base_memory: the plain
-    layout's, when already computed."""
+    a parameter-server worker holds no optimizer state (its servers do) and no DDP buckets, but the
+    fp32 flat of its slice it pushes, then the one it pulls (one at a time: client.py). base_memory:
+    the plain layout's, when already computed."""
     base = plain(lay)
     mem = base_memory or device_memory(c, tr, base, cluster, stage_counts(c, tr, base, cluster))
-    sb = state_bytes_per_param(tr.precision, tr.optimizer)
+    sb = state_bytes_per_param(tr.precision, tr.optimizer)  # model_state_bytes holds them as the runtime
     psi, experts = _params(c, tr, lay, cluster, mem.stage)
     states = model_state_bytes(psi - experts, experts, replace(base, dp=lay.shard), sb)
     if lay.sync == "diloco":
         states["optim"] += 2 * 4 * psi / (lay.shard if lay.zero else 1)
+    buffers = mem.comm_buffers
     if lay.sync == "parameter-server":
-        states["optim"] = 0.0
-    return replace(mem, params=states["params"], grads=states["grads"], optim=states["optim"])
+        states["optim"], buffers = 0.0, psi * PS_WIRE_BYTES
+    return replace(mem, params=states["params"], grads=states["grads"], optim=states["optim"],
+                   comm_buffers=buffers)
 
 
 # -- explanations ------------------------------------------------------------------------------------------
@@ -451,8 +503,8 @@ def tree(c: ModelShape, tr: Training, cluster: Cluster) -> list[str]:
     ddp = all_reduce_time(grads, n, flat)
     hsdp = all_reduce_time(grads / s, r, link)
     avg = all_reduce_time(psi * AVERAGED_BYTES / s, r, link)  # each of a node's s ranks its 1/s
-    server = (max(p2p_time(grads, link), p2p_time(n * grads / r, link))
-              + max(p2p_time(psi * sb.params, link), p2p_time(n * psi * sb.params / r, link)))
+    wire = psi * PS_WIRE_BYTES
+    server = 2 * max(p2p_time(wire, link), p2p_time(n * wire / r, link))
     per_h = ", ".join(f"H = {h}: {avg / h:.3g} s" for h in (8, 32, 128, 500))
     return [f"{r} nodes joined by {link.name} at {link.bandwidth / GB:.3g} GB/s per device (< "
             f"{SLOW_LINK / GB:g} GB/s: the slow-link branch) -> DDP's all-reduce of {grads / GB:.3g} GB of "
@@ -489,7 +541,10 @@ def layout_links(lay: Layout, cluster: Cluster) -> str:
         parts.append(f"{sync} over the {slow.shard} data-parallel ranks of a node, {slow.replicate} "
                      f"replicas; {across}")
     elif lay.dp > 1 and slow.averaging:
-        parts.append(f"{lay.dp} data-parallel replicas {where('dp')}, averaging parameters every "
+        g = replica_ranks(lay)
+        kind = "ep" if lay.ep > 1 else "cp"
+        group = f" (each an {kind} group of {g} ranks, summing every step)" if g > 1 else ""
+        parts.append(f"{lay.dp // g} data-parallel replicas{group} {where('dp')}, averaging parameters every "
                      f"{slow.sync_every} steps ({slow.sync})")
     elif lay.dp > 1:
         parts.append(f"{sync} over {lay.dp} data-parallel ranks {where('dp')}")
