@@ -93,3 +93,17 @@ def test_plan_takes_lora_targets_and_its_command_carries_them(capsys):
     assert "--lora-targets wq,wv,lm_head" in with_head
     assert plan_main(["--model", "llama-7b", "--gpus", "8", "--lora-targets", "lm_head"]) == 2  # no --lora
     assert "add --lora RANK" in capsys.readouterr().err
+
+
+def test_the_decision_tree_counts_a_frozen_base_without_gradients_or_optimizer_state():
+    """`plan --lora 16 --base-precision nf4` for llama-7b: the tree's first line prices what the run
+    holds (the base's bytes, the adapters' three states), not 16 bytes a parameter (107.8 GB), and
+    its total is planner/lora.py's."""
+    from paratrain.models import PRESETS
+    from paratrain.planner.search import decision_path
+    c = PRESETS["llama-7b"]
+    tr = memory.Training(512, 2, precision="fp32", lora_rank=16, lora_quantised="nf4")
+    s = lora.lora_states(c, tr, memory.Layout(), memory.state_bytes_per_param("fp32"), c.n_params(), 32, 0)
+    line = decision_path(c, tr, local_cluster(1))[0]
+    assert "frozen base of 6.74 B parameters" in line and "40 M LoRA r16 adapter parameters" in line
+    assert f"= {(s['params'] + s['grads'] + s['optim']) / 1e9:,.2f} GB" in line and "107.8" not in line

@@ -30,11 +30,13 @@ from paratrain.models.shape import ModelShape
 from paratrain.perf.hardware import GB, Cluster
 from paratrain.planner import choice, context, slow_link
 from paratrain.planner.cost import TIME_WORDS, StepTime, cp_step_bytes, stage_counts, step_time
+from paratrain.planner.lora import lora_states
 from paratrain.planner.memory import (
     RECOMPUTE,
     SCHEDULES,
     Layout,
     Memory,
+    StateBytes,
     Training,
     device_memory,
     host_bytes_needed,
@@ -359,8 +361,11 @@ def decision_path(c: ModelShape, tr: Training, cluster: Cluster, chosen: Layout 
     usable = dev.memory_bytes * (1 - tr.margin) - dev.runtime_overhead_bytes
     per = f"{sb.params:g} + {sb.grads:g} + {sb.optim:.3g} bytes"
     count = f"{psi / 1e9:.3g} B" if psi >= 1e9 else f"{psi / 1e6:.3g} M"
-    steps = [f"model states: {count} parameters x ({per}) = {states / GB:,.1f} GB "
-             f"({tr.precision}, {tr.optimizer})",
+    first = (f"model states: {count} parameters x ({per}) = {states / GB:,.1f} GB "
+             f"({tr.precision}, {tr.optimizer})")
+    if tr.lora_rank:  # the frozen base holds no gradient or optimizer state: only the adapters train
+        states, first = _lora_states_line(c, tr, sb, count)
+    steps = [first,
              f"a device offers {usable / GB:.3g} GB for training ({dev.memory_bytes / GB:.3g} GB minus the "
              f"{tr.margin:.0%} margin and {dev.runtime_overhead_bytes / GB:.2g} GB of runtime)"]
     one = device_memory(c, tr, Layout(recompute="full", micro_batch=1), cluster)
@@ -392,6 +397,21 @@ def decision_path(c: ModelShape, tr: Training, cluster: Cluster, chosen: Layout 
                              f"the chosen layout ({chosen.short()}) runs "
                              + slow_link.layout_links(chosen, cluster)))
     return steps
+
+
+def _lora_states_line(c: ModelShape, tr: Training, sb: StateBytes, count: str) -> tuple[float, str]:
+    """LoRA's model states on one device (planner/lora.py) and the decision tree's line saying them."""
+    s = lora_states(c, tr, Layout(), sb, c.n_params(), c.n_layers - c.n_moe_layers, c.n_moe_layers,
+                    head=tr.lora_head)
+    adapters = (s["params"] - s["base"]) / sb.params
+    base = (f"its adapted linears in {tr.lora_quantised}, the rest {tr.precision}" if tr.lora_quantised
+            else "bf16" if tr.lora_base_bytes == 2 else tr.precision)
+    states = s["params"] + s["grads"] + s["optim"]
+    adapter_bytes = f"{sb.params:g} + {sb.grads:g} + {sb.optim:.3g} bytes"
+    return states, (f"model states: a frozen base of {count} parameters ({base}: {s['base'] / GB:,.2f} GB, "
+                    f"no gradient, no optimizer state) + {adapters / 1e6:.3g} M LoRA r{tr.lora_rank} "
+                    f"adapter parameters x ({adapter_bytes}) = {states / GB:,.2f} GB ({tr.precision}, "
+                    f"{tr.optimizer})")
 
 
 def compare(ranked: list[Plan]) -> str:
