@@ -31,6 +31,11 @@ def _glibc() -> ctypes.CDLL | None:
 _LIBC = _glibc()
 
 
+def can_release_host_heap() -> bool:
+    """Whether ``release_host_heap`` does anything here (glibc's malloc_trim is present)."""
+    return _LIBC is not None
+
+
 def release_host_heap() -> None:
     """Hand the freed pages of the host heap back to the OS (glibc's ``malloc_trim``; a no-op
     elsewhere). ZeRO-3 with frozen parameters gathers and frees two kinds of large flat buffers

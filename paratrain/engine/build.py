@@ -54,6 +54,7 @@ from paratrain.engine.task import SideLossFn
 from paratrain.expert_parallel import apply_expert_parallel
 from paratrain.memory.activation_offload import ActivationOffload
 from paratrain.memory.compile import compile_blocks
+from paratrain.memory.host_heap import trim_around_large_blocks
 from paratrain.memory.recompute import apply_recompute
 from paratrain.memory.tiled_linear import apply_weight_tiling
 from paratrain.memory.tiling import apply_tiling
@@ -148,6 +149,7 @@ def build_engine(model: nn.Module, mesh: ParallelMesh, layout: BuildLayout, door
     door.quantise_base(model)  # still on meta: the fp32 base is never materialised whole
     if layout.zero != 3:  # ZeRO-3 materialises only this rank's shard of each unit, by name
         door.materialize(model)
+    trim_around_large_blocks(model, mesh.device)  # the CPU's host heap, block by block (memory/host_heap.py)
     if mesh.dp.size > 1 and layout.sync_batchnorm:
         # BatchNorm statistics over the whole dp batch, so dp=N trains as one process would
         # (models without BatchNorm are left untouched). Same parameter objects: init is kept.
