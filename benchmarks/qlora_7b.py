@@ -8,12 +8,15 @@ the corpus's BPE vocabulary) with ``--lora 16 --base-precision nf4``, fp32 compu
 no fast bf16), micro-batches of one sequence (5.7 GB of activations at 512 tokens, by the planner),
 through the ``paratrain train`` command a user runs:
 
-1. **one process**: ``--steps`` steps, a checkpoint at ``--steps / 2`` (``--save-every``) and at the end;
-2. a copy of that run's folder, **resumed at the half-way checkpoint under ``--nproc 2 --dp 2
-   --zero 3``** (the quantised base's bytes and scales sharded over the two ranks), to the end;
+1. **one process**: ``--steps`` steps, a checkpoint at ``--resume-at`` (default half-way) and at the end;
+2. a copy of that run's folder, **resumed at that checkpoint under ``--nproc 2 --dp 2 --zero 3``**
+   (the quantised base's bytes and scales sharded over the two ranks), to the end;
 3. the one-process run's own second half is the reference: the resumed run's losses and adapters are
    compared with it (the same steps; dp2 sums the gradient in another order, so fp32 agreement to
    ~1e-5 relative, not bits: tests/harness.py's criterion says why).
+
+Each run ends with ``--lora-export adapters``: the merged model, the base dequantised to fp32, is
+27 GB for 7B (three of them would not fit this disk); tests/test_lora_runs.py checks the merge.
 
 Reported (``--json``: one object): for each run, seconds per step (median of its steps), peak RSS per
 rank (metrics.jsonl ``mem_peak_bytes``: the max over ranks) and the memory split the trainer counted
@@ -76,17 +79,20 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--global-batch", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--resume-at", type=int, help="the step the ZeRO-3 run resumes from (default: steps / 2)")
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    half = args.steps // 2
+    half = args.resume_at or args.steps // 2
+    if not 0 < half < args.steps:
+        raise SystemExit(f"--resume-at must lie between 0 and --steps {args.steps} (got {half})")
     one, resumed = args.out / "one_process", args.out / "zero3_resumed"
     shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True)
     common = ["--model", "llama-7b", "--lora", "16", "--base-precision", "nf4", "--precision", "fp32",
               "--seq-len", str(args.seq_len), "--global-batch", str(args.global_batch),
               "--vocab-size", str(args.vocab_size), "--micro-batch", "1", "--eval-every", "0",
-              "--no-progress"]
+              "--no-progress", "--lora-export", "adapters"]
     if args.layers:  # the 7B block, fewer of them
         toml = args.out / "model.toml"
         toml.write_text(f"[model]\nn_layers = {args.layers}\n")
@@ -103,8 +109,10 @@ def main() -> None:
     rel = max(float((a[k] - b[k]).norm() / a[k].norm().clamp(min=1e-30)) for k in a)
     result = {"model": "llama-7b shape" + (f", {args.layers} layers" if args.layers else ""),
               "seq_len": args.seq_len, "global_batch": args.global_batch, "steps": args.steps,
+              "resumed_at": half,
               "torch_threads": torch.get_num_threads(),
               "one_process": summary([r for r in ref if r["step"] <= half]),
+              "one_process_all_steps": summary(ref),
               "one_process_second_half": summary([r for r in ref if r["step"] > half]),
               "one_process_prediction": prediction(args, 1),
               "zero3_dp2_resumed": summary([r for r in got if r["step"] > half]),

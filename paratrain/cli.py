@@ -88,6 +88,10 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
     ("--base-precision", "lora.base_precision", str, MODEL, "with --lora: the frozen base's storage; bf16 "
      "halves its memory, nf4 (QLoRA's 4-bit NormalFloat) and int8 store the adapted linears in about "
      "0.52 and 1.02 bytes per weight (adapters and their optimizer stay fp32; docs/finetune.md)"),
+    ("--lora-export", "lora.export", str, MODEL, "with --lora: what the run's end writes beside its "
+     "checkpoint: merged (model.safetensors, each adapted weight W + scale * B A in fp32, and "
+     "adapters.safetensors) or adapters (adapters.safetensors alone: a 7B base merged is 27 GB); "
+     "`--out RUN --resume --lora-export merged` writes the merged model later"),
     ("--experts", "model.n_experts", int, MODEL, "mixture of experts: experts per MoE block (0: dense; "
      "default: the preset's)"),
     ("--top-k", "model.top_k", int, MODEL, "mixture of experts: experts each token is routed to "

@@ -192,6 +192,7 @@ class LoraConfig:
     targets: list[str] | None = None  # module-name patterns (PEFT's target_modules); None: the family's
     base_precision: str = "fp32"  # fp32 | bf16 | nf4 | int8: the frozen base's storage (adapters stay fp32)
     from_dir: str | None = None  # a PEFT adapter folder to start from (--lora-from)
+    export: str = "merged"  # what the run's end writes: merged (model.safetensors + adapters) | adapters
 
 
 #: --tracker names -> the modules each needs (found before any worker starts: check_trackers) and
@@ -385,6 +386,7 @@ CHOICES: dict[str, tuple] = {
     "train.offload_activations": ("none", "cpu"),
     "optim.name": ("adamw", "adamw8bit"),
     "lora.base_precision": ("fp32", "bf16", "nf4", "int8"),
+    "lora.export": ("merged", "adapters"),
     "data.format": ("auto", "chat", "completion", "text"),
     "data.long_examples": ("truncate", "refuse"),
     "tracking.wandb_mode": ("offline", "online"),

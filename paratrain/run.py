@@ -311,9 +311,14 @@ def summarize(cfg: Config) -> None:
     for name, what in (("metrics.jsonl", "metrics, one JSON object per step"),
                        ("loss.png", "loss curve"),
                        ("checkpoints", "checkpoints (resume with --resume)"),
-                       ("model.safetensors", "final weights, single-device names")):
+                       ("model.safetensors", "final weights, single-device names"),
+                       ("adapters.safetensors", "the LoRA adapters alone (export --peft DIR for PEFT)")):
         if (out / name).exists():
             print(f"  {out / name}: {what}")
+    if not (out / "model.safetensors").exists():  # --lora-export adapters: nothing merged to sample from
+        print(f"\nno sample: the run ended with its adapters alone (--lora-export adapters); "
+              f"`paratrain train --out {out} --resume --lora-export merged` writes the merged model")
+        return
     if (out / "tokenizer.json").exists():
         info = json.loads((out / "run.json").read_text())
         prompt = info.get("sample_prompt") or "def "  # older runs

@@ -163,3 +163,30 @@ def test_layout_auto_plans_with_lora():
     assert tr.lora_rank == 4 and tr.lora_base_bytes == 2
     got = memory.device_memory(c, tr, memory.Layout(), local_cluster(1))
     assert got.grads == 4 * ADAPTERS and got.optim == 8 * ADAPTERS
+
+
+def test_lora_export_adapters_skips_the_merged_model_and_a_resume_writes_it_later(tmp_path):
+    """--lora-export adapters: the run's end writes adapters.safetensors alone (a 7B base merged
+    is 27 GB); `--resume --lora-export merged` at the last step writes the merged model then,
+    equal to a run that merged at its end."""
+    steps = {"train.steps": 3}
+    merged = Trainer(tiny_cfg(tmp_path / "merged", **LORA, **steps)).fit()
+    cfg = tiny_cfg(tmp_path / "lean", **LORA, **steps, **{"lora.export": "adapters"})
+    lean = Trainer(cfg).fit()
+    assert lean.losses == merged.losses
+    assert not (tmp_path / "lean" / "model.safetensors").exists()
+    assert lean.final_path == str(tmp_path / "lean" / "adapters.safetensors")
+    want, got = load_file(tmp_path / "merged" / "adapters.safetensors"), load_file(lean.final_path)
+    assert want.keys() == got.keys() and all(torch.equal(got[k], t) for k, t in want.items())
+    cfg.train.resume, cfg.lora.export = True, "merged"
+    Trainer(cfg).fit()
+    want = load_file(tmp_path / "merged" / "model.safetensors")
+    got = load_file(tmp_path / "lean" / "model.safetensors")
+    assert want.keys() == got.keys() and all(torch.equal(got[k], t) for k, t in want.items())
+    cfg.lora.export = "adapters"  # back to adapters alone: the merged file no longer matches, so it goes
+    Trainer(cfg).fit()
+    assert not (tmp_path / "lean" / "model.safetensors").exists()
+
+
+def test_lora_export_without_lora_is_refused():
+    assert "--lora-export says what a LoRA run's end writes" in _problems(**{"lora.export": "adapters"})

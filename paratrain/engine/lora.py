@@ -94,6 +94,8 @@ def check_lora(cfg: Config, problems: list[str]) -> None:
     if not c.rank:
         if c.base_precision != "fp32":
             problems.append("--base-precision applies to LoRA's frozen base: add --lora RANK or drop it")
+        if c.export != "merged":
+            problems.append("--lora-export says what a LoRA run's end writes: add --lora RANK or drop it")
         return
     decoder = model_kind(cfg.model.name).decoder
     if not decoder:
@@ -141,15 +143,24 @@ def run_record(model_cfg: object, cfg: Config) -> dict:
             "targets": list(spec.targets or default_targets(model)), "modules": names,
             "base_precision": cfg.lora.base_precision, "from_dir": cfg.lora.from_dir,
             "n_trainable_params": trainable_count(model),
-            "files": {"model.safetensors": "merged (W + scale * B @ A)", "adapters.safetensors": "adapters"}}
+            "export": cfg.lora.export, "files": final_files(cfg.lora.export)}
 
 
-def export_lora(folder: Path, out: Path, scale: float) -> tuple[Path, Path]:
+def final_files(export: str) -> dict[str, str]:
+    """The files a LoRA run's end writes (``--lora-export``), each with what it holds."""
+    merged = {"model.safetensors": "merged (W + scale * B @ A)"} if export == "merged" else {}
+    return {**merged, "adapters.safetensors": "adapters"}
+
+
+def export_lora(folder: Path, out: Path, scale: float,
+                merged_export: bool = True) -> tuple[Path | None, Path]:
     """A LoRA run's end: ``out/model.safetensors`` is the *merged* model (each adapted weight
     W + scale * B @ A, in fp32; every other tensor as trained), with single-device names and no
     adapter tensors, so generate, eval and ``export --hf`` read it as any run's; and
     ``out/adapters.safetensors`` holds the adapters alone (``...lora_A.weight``, fp32), which
-    ``export --peft`` renames for PEFT. Streamed from the final checkpoint, a tensor at a time."""
+    ``export --peft`` renames for PEFT. Streamed from the final checkpoint, a tensor at a time.
+    ``merged_export=False`` (``--lora-export adapters``) writes the adapters alone and removes an earlier
+    end's model.safetensors, which these adapters no longer match; returns (None, adapters)."""
     reader = open_reader(folder)
     try:
         items = [(name, key, tuple(rec["shape"]), TORCH_DTYPES[rec["dtype"]])
@@ -179,9 +190,12 @@ def export_lora(folder: Path, out: Path, scale: float) -> tuple[Path, Path]:
             return full(name).float() + scale * delta
 
         model_path, adapter_path = out / "model.safetensors", out / "adapters.safetensors"
+        _write_atomic(adapter_path, [(n, s, d) for n, _, s, d in adapters], lambda i: full(adapters[i][0]))
+        if not merged_export:
+            model_path.unlink(missing_ok=True)
+            return None, adapter_path
         entries = [(n, s, torch.float32 if n in merged else d) for n, _, s, d in base]
         _write_atomic(model_path, entries, produce_base)
-        _write_atomic(adapter_path, [(n, s, d) for n, _, s, d in adapters], lambda i: full(adapters[i][0]))
     finally:
         reader.close()
     return model_path, adapter_path

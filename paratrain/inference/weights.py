@@ -81,7 +81,9 @@ class CheckpointWeights(RunFolder):
         self.where = str(folder)
         if any(".lora_A." in n for n in self.reader.tensors):
             raise ConfigError(f"{folder} holds LoRA adapters beside a frozen base: generate from the run's "
-                              "merged model.safetensors (drop --checkpoint) or export the run first")
+                              "merged model.safetensors (drop --checkpoint); a run ended with --lora-export "
+                              f"adapters has none: write it with `paratrain train --out {self.folder} "
+                              "--resume --lora-export merged`")
 
     def read(self, name: str, spec: TensorShard) -> torch.Tensor:
         stored = name if self.reader.has(name, "param") else tied_name(name, self.model_cfg)

@@ -71,7 +71,7 @@ class TrainResult:
     val_losses: list[tuple[int, float]] = field(default_factory=list)
     skipped_steps: list[int] = field(default_factory=list)
     out: str | None = None
-    final_path: str | None = None  # OUT/model.safetensors (rank 0)
+    final_path: str | None = None  # OUT/model.safetensors (rank 0); --lora-export adapters: the adapters'
     stopped_by: int = 0  # the signal that stopped the run early (after saving a checkpoint), or 0
 
     @functools.cached_property
@@ -467,7 +467,9 @@ class Trainer:
         if not self.is_main:
             return
         if self.lora:  # the merged model, and the adapters beside it (engine/lora.py)
-            self.result.final_path = str(export_lora(folder, self.out, self.lora["scale"])[0])
+            merged = self.cfg.lora.export == "merged"
+            model, adapters = export_lora(folder, self.out, self.lora["scale"], merged)
+            self.result.final_path = str(model or adapters)
         else:
             self.result.final_path = str(ckpt.export_safetensors(folder, self.out / "model.safetensors"))
         self.task_files()
