@@ -117,7 +117,7 @@ class DataConfig:
     # once the model is known; a value given in TOML or by --seq-len is kept, and refused if too long.
     seq_len: int | None = None
     val_fraction: float = 0.02
-    cache_dir: str | None = None  # tokenizer and token cache; default ~/.cache/paratrain
+    cache_dir: str | None = None  # token cache; default $PARATRAIN_CACHE, $XDG_CACHE_HOME/paratrain
     max_files: int | None = None  # read at most this many files (quick experiments, tests)
     tokenizer: str | None = None  # a tokenizer.json or a Hugging Face folder; default: a BPE trained here
     text_field: str = "text"  # the field of .jsonl lines / the column of .parquet files

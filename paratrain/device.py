@@ -189,8 +189,8 @@ NO_CACHE_ENV = "PARATRAIN_NO_CACHE"  # set (to anything but "" or "0"): measure 
 
 def user_cache_dir() -> Path:
     """paratrain's folder for measurements: $PARATRAIN_CACHE, else $XDG_CACHE_HOME/paratrain, else
-    ~/.cache/paratrain. (The token cache, data/tokenfile.py ``cache_root``, spells its root itself:
-    data preparation forks workers from a small parent that must not import torch.)"""
+    ~/.cache/paratrain. (The token cache, data/tokenfile.py ``cache_root``, spells the same order
+    itself: data preparation forks workers from a small parent that must not import torch.)"""
     if os.environ.get("PARATRAIN_CACHE"):
         return Path(os.environ["PARATRAIN_CACHE"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "paratrain"

@@ -412,3 +412,20 @@ def test_a_full_disk_in_the_train_cache_exits_2_before_any_worker(tmp_path, toke
     assert code == 2, err
     assert "tokens.bin: the disk is full" in err and "Traceback" not in err
     assert list((tmp_path / "cache").iterdir()) == []  # no temporary folder left behind
+
+
+def test_token_cache_root_follows_the_measurement_cache_order(monkeypatch, tmp_path):
+    """data.cache_dir, then $PARATRAIN_CACHE, then $XDG_CACHE_HOME/paratrain, then ~/.cache: the
+    same order as device.py's cache of measurements (one place users point both at)."""
+    from paratrain.data.tokenfile import cache_root
+    from paratrain.device import user_cache_dir
+
+    monkeypatch.delenv("PARATRAIN_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root(None) == user_cache_dir() == tmp_path / "xdg" / "paratrain"
+    monkeypatch.setenv("PARATRAIN_CACHE", str(tmp_path / "pc"))
+    assert cache_root(None) == user_cache_dir() == tmp_path / "pc"
+    assert cache_root(str(tmp_path / "mine")) == tmp_path / "mine"
+    monkeypatch.delenv("PARATRAIN_CACHE")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert cache_root(None) == user_cache_dir() == Path.home() / ".cache" / "paratrain"

@@ -219,7 +219,11 @@ def cache_key(sources: list[Source], opts: PrepareOptions, fmt: str = "text",
 
 
 def cache_root(cache_dir: str | None) -> Path:
-    return Path(cache_dir or os.environ.get("PARATRAIN_CACHE") or Path.home() / ".cache" / "paratrain")
+    """data.cache_dir, else $PARATRAIN_CACHE, else $XDG_CACHE_HOME/paratrain, else ~/.cache/paratrain
+    (device.py ``user_cache_dir``'s order, spelt here: this module must not import torch)."""
+    if cache_dir or os.environ.get("PARATRAIN_CACHE"):
+        return Path(cache_dir or os.environ["PARATRAIN_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "paratrain"
 
 
 def prepare(data: str | None, opts: PrepareOptions, *, out: Path | None = None,
