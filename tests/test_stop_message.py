@@ -22,10 +22,24 @@ class _Bar:
 
 def test_the_stop_message_follows_the_closed_bar(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(trainer_module, "_progress", lambda cfg, start: _Bar())
-    monkeypatch.setattr(trainer_module.signals, "agreed_stop", lambda world, device: 15)  # SIGTERM seen
+    calls = iter([0, 15])  # none before the first step, SIGTERM at the end of step 1
+    monkeypatch.setattr(trainer_module.signals, "agreed_stop", lambda world, device: next(calls))
     cfg = checks.validate(tiny_cfg(tmp_path, **{"train.steps": 3}))
     result = trainer_module.Trainer(cfg).fit()
     assert result.stopped_by == 15
     out = capsys.readouterr().out
     bar_end, note = out.index("[bar]\n"), out.index("paratrain: stopped by signal 15 after step 1")
     assert bar_end < note, out
+
+
+def test_a_signal_during_set_up_stops_before_the_first_step(tmp_path, monkeypatch, capsys):
+    """A 7B model takes minutes to build: a stop requested meanwhile ends the run before its first
+    step (one more step would be minutes more), with nothing trained and nothing saved."""
+    monkeypatch.setattr(trainer_module.signals, "agreed_stop", lambda world, device: 15)
+    cfg = checks.validate(tiny_cfg(tmp_path, **{"train.steps": 3, "train.save_every": 1}))
+    result = trainer_module.Trainer(cfg).fit()
+    assert result.stopped_by == 15 and result.losses == []
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+    assert not (tmp_path / "model.safetensors").exists()
+    out = capsys.readouterr().out
+    assert "paratrain: stopped by signal 15 before its first step, while it was being set up" in out

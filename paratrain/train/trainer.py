@@ -285,6 +285,8 @@ class Trainer:
         self.observe = self.observers()
         error = None  # what ends the loop, if anything: the trackers' runs end as failed or killed
         try:
+            if self.start_step < cfg.train.steps and self.stopped_before_start():
+                return self.result
             for step in range(self.start_step, cfg.train.steps):
                 with self.observe.step(step):
                     s = self.train_step(step)
@@ -330,6 +332,19 @@ class Trainer:
         return Observers(profile=t.profile, memory_snapshot=t.memory_snapshot, out=self.out,
                          rank=self.env.rank, device=self.mesh.device, model=self.engine.model,
                          model_state=self.engine.strategy.state_bytes, start_step=self.start_step)
+
+    def stopped_before_start(self) -> bool:
+        """A signal that came while the model was built or the checkpoint read (minutes for a 7B):
+        stop before the first step rather than after it. Nothing has trained since the last
+        checkpoint, so nothing is saved."""
+        signum = signals.agreed_stop(self.mesh.world, self.mesh.device)
+        if signum:
+            self.result.stopped_by = signum
+            start = self.start_step
+            where = f"at its checkpoint of step {start}" if start else "before its first step"
+            self.stop_note = (f"paratrain: stopped by signal {signum} {where}, while it was being set up; "
+                              "nothing trained, nothing saved")
+        return bool(signum)
 
     def stop_requested(self, done: int) -> bool:
         """A signal reached any rank: all save step ``done`` together and stop (signals.py)."""
