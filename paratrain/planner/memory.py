@@ -332,8 +332,12 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
 
 def layer_activation_bytes(c: ModelShape, seq: int, micro_batch: int, *, tp: int = 1, sp: bool = False,
                            recompute: str = "none", precision: str = "bf16", moe: bool = False,
-                           attention: str = "flash", cp: int = 1, cp_method: str | None = None) -> float:
+                           attention: str = "flash", cp: int = 1, cp_method: str | None = None,
+                           frozen_gains: bool = False) -> float:
     """Bytes one paratrain Llama block saves for backward, per micro-batch (per tp rank).
+
+    ``frozen_gains`` (LoRA: every norm's gain frozen): an RMSNorm keeps its normed value only for
+    its gain's gradient, so it then saves its input and rstd alone (``norm_activation_bytes``).
 
     ``cp`` > 1 with ``cp_method`` (ring | alltoall): a context-parallel rank's block, ``seq`` its
     positions (seq_len / cp; planner/context.py): the same per position, except that RoPE's tables
@@ -384,10 +388,11 @@ def layer_activation_bytes(c: ModelShape, seq: int, micro_batch: int, *, tp: int
     if recompute == "full":
         return tokens * h * resid / (tp if sp else 1)
     kv = q if c.n_kv_heads != c.n_heads else c.n_kv_heads * c.head_dim
-    replicated = c.norms_per_block * norm_activation_bytes(c) + 2 * e * h  # + the two sublayers' inputs
+    norm = norm_activation_bytes(c, frozen_gains)
+    replicated = c.norms_per_block * norm + 2 * e * h  # + the two sublayers' inputs
     core = e * (2 * q + 2 * kv) + 4 * heads  # q, k, v, attention output; log-sum-exp
-    if c.qk_norm:  # per-head RMSNorm of q and k in fp32: input, normed, one rstd per head
-        core += 8 * (q + c.n_kv_heads * c.head_dim) + 4 * (heads + c.n_kv_heads)
+    if c.qk_norm:  # per-head RMSNorm of q and k in fp32: input, normed (a trained gain's), one rstd per head
+        core += (4 if frozen_gains else 8) * (q + c.n_kv_heads * c.head_dim) + 4 * (heads + c.n_kv_heads)
     if cp > 1 and cp_method == "ring":
         core = context.ring_core_bytes(c, 1, e)  # all heads: split by tp below, as the core is
     if recompute == "selective":
@@ -427,22 +432,25 @@ def stored_keys(c: ModelShape, seq: int) -> float:
     return ((c.n_layers - sliding) * seq + sliding * c.sliding_window) / c.n_layers
 
 
-def norm_activation_bytes(c: ModelShape) -> float:
+def norm_activation_bytes(c: ModelShape, frozen_gains: bool = False) -> float:
     """Bytes one norm saves per token, in fp32: RMSNorm (computed by hand) its input, the normed
-    value and rstd; LayerNorm (torch's kernel) its input, mean and rstd."""
+    value and rstd -- the normed value only when its gain trains (the product with the gain saves
+    it for the gain's gradient alone: with LoRA's frozen gains, input and rstd; a 7B QLoRA run
+    measured 0.5 GB less than the planner counted before this); LayerNorm (torch's kernel) its
+    input, mean and rstd whether its gain trains or not."""
     if c.norm == "layer":
         return 4 * c.dim + 8
-    return 2 * 4 * c.dim + 4
+    return (1 if frozen_gains else 2) * 4 * c.dim + 4
 
 
 def output_activation_bytes(c: ModelShape, seq: int, micro_batch: int, *, tp: int = 1, sp: bool = False,
-                            precision: str = "bf16") -> float:
+                            precision: str = "bf16", frozen_gains: bool = False) -> float:
     """Final norm + LM head + loss: norm (fp32 input, normed, rstd), head input, fp32 log-probs
     (cross-entropy saves log_softmax's output; vocab-parallel under tp); + token ids. A logit
     soft-cap (``final_softcap``) keeps its tanh output (e) and -inf test (1) per vocabulary row."""
     tokens = seq * micro_batch
     e = ACT_BYTES[precision]
-    norm = norm_activation_bytes(c) / (tp if sp else 1)
+    norm = norm_activation_bytes(c, frozen_gains) / (tp if sp else 1)
     cap = (e + 1) * vocab_local(c, tp) if logits_softcapped(c) else 0
     return tokens * (norm + e * c.dim + 4 * vocab_local(c, tp) + cap + 8)
 
@@ -545,14 +553,14 @@ def device_memory(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster,
             offloaded, states[key] = offloaded + states[key], 0.0
         seq = context.local_positions(tr, lay)  # context parallelism: this rank's positions of every row
         kw = {"tp": lay.tp, "sp": lay.sp, "recompute": lay.recompute, "precision": tr.precision,
-              "attention": tr.attention, **context.cp_kwargs(lay)}
+              "attention": tr.attention, "frozen_gains": tr.lora_rank > 0, **context.cp_kwargs(lay)}
         per_mb = ((layers[rank] - n_moe[rank]) * layer_activation_bytes(c, seq, lay.micro_batch, **kw)
                   + n_moe[rank] * layer_activation_bytes(c, seq, lay.micro_batch, moe=True, **kw))
         if rank == 0:  # token ids (and under the ring its saved positions, one tensor for every block)
             per_mb += seq * lay.micro_batch * (16 if lay.cp > 1 and lay.cp_method == "ring" else 8)
         if rank == lay.pp - 1:
             per_mb += output_activation_bytes(c, seq, lay.micro_batch, tp=lay.tp, sp=lay.sp,
-                                              precision=tr.precision)
+                                              precision=tr.precision, frozen_gains=tr.lora_rank > 0)
         acts = per_mb * in_flight(lay.schedule, lay.pp, m, lay.v, rank)
         held = held_grad_params(c, tr, lay, m, rank, counts)
         accumulated = 0.0 if tr.lora_rank else max(0.0, held_grad_bytes(held, lay, sb, m) - states["grads"])
@@ -719,7 +727,7 @@ def transient_bytes(c: ModelShape, tr: Training, lay: Layout, rank: int) -> floa
     if lay.recompute == "full":
         out += layer_activation_bytes(c, seq, lay.micro_batch, tp=lay.tp, sp=lay.sp, precision=tr.precision,
                                       moe=c.n_moe_layers > 0, attention=tr.attention,
-                                      **context.cp_kwargs(lay))
+                                      frozen_gains=tr.lora_rank > 0, **context.cp_kwargs(lay))
     if rank == lay.pp - 1:
         out += seq * lay.micro_batch * vocab_local(c, lay.tp) * 4
     return out + context.transient_bytes(c, lay.cp_method, lay.cp, seq * lay.micro_batch, lay.tp,
