@@ -81,6 +81,7 @@ def install(shared: Synchronized | None = None) -> dict:
 def handling_signals(shared: Synchronized | None = None, warning: int | None = None) -> Iterator[None]:
     """``install`` (and ``install_warning``) for the duration of a run in a process that lives on
     (the CLI in-process)."""
+    global _requested, _shared
     before = install(shared)
     before = {**install_warning(warning), **before}  # the first handler of each signal is the one to restore
     try:
@@ -88,6 +89,7 @@ def handling_signals(shared: Synchronized | None = None, warning: int | None = N
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
+        _requested, _shared = 0, None  # the request was this run's: the next run in this process starts clean
 
 
 @contextlib.contextmanager

@@ -195,3 +195,18 @@ def test_an_unreadable_slurm_variable_exits_2(tmp_path, monkeypatch, capsys):
         monkeypatch.delenv(name, raising=False)
     assert cli.main(["train", "--model", "tiny", "--out", str(tmp_path / "run")]) == 2
     assert "cannot read Slurm's variables: unbalanced '[' in host list 'node[1-'" in capsys.readouterr().err
+
+
+def test_a_request_ends_with_its_run():
+    """A process that lives on (the CLI in-process, a notebook) starts its next run without the
+    last run's stop request: the request is forgotten when ``handling_signals`` ends."""
+    import os
+    import time
+
+    from paratrain import signals
+
+    with signals.handling_signals():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        assert signals.local_request() == signal.SIGINT
+    assert signals.local_request() == 0

@@ -208,22 +208,17 @@ def _check_doc_ends(path: Path, n_documents: int, n_tokens: int) -> None:
 def cache_key(sources: list[Source], opts: PrepareOptions, fmt: str = "text",
               template: ChatTemplate | None = None) -> str:
     """What the token file depends on, known before reading any data but the first row (its format)."""
-    if opts.tokenizer is not None:
-        tok = f"file:{T.file_hash(opts.tokenizer)}"
-    else:
-        tok = f"bpe:{opts.vocab_size}:{T.SAMPLE_BYTES}"
+    tok = (f"file:{T.file_hash(opts.tokenizer)}" if opts.tokenizer is not None
+           else f"bpe:{opts.vocab_size}:{T.SAMPLE_BYTES}")
     parts = [FORMAT, VERSION, tok, opts.text_field, opts.chunk_bytes, [s.to_dict() for s in sources]]
     if fmt != "text":  # text corpora keep the keys (and caches) they had before formats existed
         parts += [fmt, opts.train_on_prompt, template.hash if template is not None else None]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
 
-def cache_root(cache_dir: str | None) -> Path:
-    """data.cache_dir, else $PARATRAIN_CACHE, else $XDG_CACHE_HOME/paratrain, else ~/.cache/paratrain
-    (device.py ``user_cache_dir``'s order, spelt here: this module must not import torch)."""
-    if cache_dir or os.environ.get("PARATRAIN_CACHE"):
-        return Path(cache_dir or os.environ["PARATRAIN_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "paratrain"
+def cache_root(cache_dir: str | None) -> Path:  # device.py user_cache_dir's order (no torch here)
+    xdg = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "paratrain"
+    return Path(cache_dir or os.environ.get("PARATRAIN_CACHE") or xdg)
 
 
 def prepare(data: str | None, opts: PrepareOptions, *, out: Path | None = None,

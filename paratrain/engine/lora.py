@@ -152,15 +152,15 @@ def final_files(export: str) -> dict[str, str]:
     return {**merged, "adapters.safetensors": "adapters"}
 
 
-def export_lora(folder: Path, out: Path, scale: float,
-                merged_export: bool = True) -> tuple[Path | None, Path]:
+def export_lora(folder: Path, out: Path, scale: float, export: str = "merged") -> Path:
     """A LoRA run's end: ``out/model.safetensors`` is the *merged* model (each adapted weight
     W + scale * B @ A, in fp32; every other tensor as trained), with single-device names and no
     adapter tensors, so generate, eval and ``export --hf`` read it as any run's; and
     ``out/adapters.safetensors`` holds the adapters alone (``...lora_A.weight``, fp32), which
     ``export --peft`` renames for PEFT. Streamed from the final checkpoint, a tensor at a time.
-    ``merged_export=False`` (``--lora-export adapters``) writes the adapters alone and removes an earlier
-    end's model.safetensors, which these adapters no longer match; returns (None, adapters)."""
+    ``export="adapters"`` (``--lora-export``) writes the adapters alone and removes an earlier end's
+    model.safetensors, which these adapters no longer match. Returns the run's final file: the
+    merged model, or the adapters."""
     reader = open_reader(folder)
     try:
         items = [(name, key, tuple(rec["shape"]), TORCH_DTYPES[rec["dtype"]])
@@ -191,14 +191,14 @@ def export_lora(folder: Path, out: Path, scale: float,
 
         model_path, adapter_path = out / "model.safetensors", out / "adapters.safetensors"
         _write_atomic(adapter_path, [(n, s, d) for n, _, s, d in adapters], lambda i: full(adapters[i][0]))
-        if not merged_export:
+        if export == "adapters":
             model_path.unlink(missing_ok=True)
-            return None, adapter_path
+            return adapter_path
         entries = [(n, s, torch.float32 if n in merged else d) for n, _, s, d in base]
         _write_atomic(model_path, entries, produce_base)
     finally:
         reader.close()
-    return model_path, adapter_path
+    return model_path
 
 
 def quantised_weights(shapes: dict[str, tuple[int, ...]], merged: set[str]) -> dict[str, str]:

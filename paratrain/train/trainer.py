@@ -285,7 +285,7 @@ class Trainer:
         self.observe = self.observers()
         error = None  # what ends the loop, if anything: the trackers' runs end as failed or killed
         try:
-            if self.start_step < cfg.train.steps and self.stopped_before_start():
+            if self.start_step < cfg.train.steps and self.stop_requested(self.start_step):  # while set up
                 return self.result
             for step in range(self.start_step, cfg.train.steps):
                 with self.observe.step(step):
@@ -333,27 +333,17 @@ class Trainer:
                          rank=self.env.rank, device=self.mesh.device, model=self.engine.model,
                          model_state=self.engine.strategy.state_bytes, start_step=self.start_step)
 
-    def stopped_before_start(self) -> bool:
-        """A signal that came while the model was built or the checkpoint read (minutes for a 7B):
-        stop before the first step rather than after it. Nothing has trained since the last
-        checkpoint, so nothing is saved."""
-        signum = signals.agreed_stop(self.mesh.world, self.mesh.device)
-        if signum:
-            self.result.stopped_by = signum
-            start = self.start_step
-            where = f"at its checkpoint of step {start}" if start else "before its first step"
-            self.stop_note = (f"paratrain: stopped by signal {signum} {where}, while it was being set up; "
-                              "nothing trained, nothing saved")
-        return bool(signum)
-
     def stop_requested(self, done: int) -> bool:
-        """A signal reached any rank: all save step ``done`` together and stop (signals.py)."""
+        """A signal reached any rank: all save step ``done`` and stop; at the start, nothing (signals.py)."""
         signum = signals.agreed_stop(self.mesh.world, self.mesh.device)
-        if signum:
+        if signum and done == self.start_step:
+            where = f"at its checkpoint of step {done}" if done else "before its first step"
+            self.stop_note = f"paratrain: stopped by signal {signum} {where}, while it was being set up"
+        elif signum:
             self.save(done)
-            self.result.stopped_by = signum
             self.stop_note = (f"paratrain: stopped by signal {signum} after step {done}; checkpoint saved "
                               f"(continue with --resume)")
+        self.result.stopped_by = signum
         return bool(signum)
 
     def log_step(self, step: int, s: dict) -> dict:
@@ -481,12 +471,10 @@ class Trainer:
         folder = self.saver.finish()
         if not self.is_main:
             return
-        if self.lora:  # the merged model, and the adapters beside it (engine/lora.py)
-            merged = self.cfg.lora.export == "merged"
-            model, adapters = export_lora(folder, self.out, self.lora["scale"], merged)
-            self.result.final_path = str(model or adapters)
-        else:
-            self.result.final_path = str(ckpt.export_safetensors(folder, self.out / "model.safetensors"))
+        lora = self.lora  # the merged model (or not: --lora-export), and the adapters (engine/lora.py)
+        final = (export_lora(folder, self.out, lora["scale"], self.cfg.lora.export) if lora
+                 else ckpt.export_safetensors(folder, self.out / "model.safetensors"))
+        self.result.final_path = str(final)
         self.task_files()
         if (self.out / "metrics.jsonl").exists():
             plot_loss(self.out / "metrics.jsonl", self.out / "loss.png")
