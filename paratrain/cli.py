@@ -224,6 +224,9 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
      "flag alone) | off | auto: where a block compiled is measured faster on this machine over the "
      "run's steps, compiling counted (docs/memory.md)"),
     ("--no-compile", "train.compile", bool, SAVERS, "run the blocks eagerly (--compile off)"),
+    ("--no-trim-host-heap", "train.trim_host_heap", bool, SAVERS, "on the CPU, keep the host heap's freed "
+     "pages (by default blocks of >= 64 MiB of parameters, e.g. a 7B's, hand them back around their passes): "
+     "~15% faster such steps for several GB more resident memory"),
     ("--out", "train.out", str, CHECKPOINTS, "run folder: checkpoints, metrics, logs"),
     ("--save-every", "train.save_every", int, CHECKPOINTS, "write a checkpoint every N steps (0: only "
      "the final one)"),

@@ -86,6 +86,7 @@ class BuildLayout:
     offload_activations: bool = False
     sync_batchnorm: bool = True  # dp > 1: BatchNorm statistics over the dp batch (not averaging replicas)
     micro_batch_loop: bool = True  # False: the library user's loop runs forward and backward
+    trim_host_heap: bool = True  # large blocks on the CPU hand the freed host heap back (memory/host_heap.py)
 
 
 class Door(Protocol):
@@ -149,7 +150,8 @@ def build_engine(model: nn.Module, mesh: ParallelMesh, layout: BuildLayout, door
     door.quantise_base(model)  # still on meta: the fp32 base is never materialised whole
     if layout.zero != 3:  # ZeRO-3 materialises only this rank's shard of each unit, by name
         door.materialize(model)
-    trim_around_large_blocks(model, mesh.device)  # the CPU's host heap, block by block (memory/host_heap.py)
+    if layout.trim_host_heap:  # the CPU's host heap, block by block (memory/host_heap.py)
+        trim_around_large_blocks(model, mesh.device)
     if mesh.dp.size > 1 and layout.sync_batchnorm:
         # BatchNorm statistics over the whole dp batch, so dp=N trains as one process would
         # (models without BatchNorm are left untouched). Same parameter objects: init is kept.

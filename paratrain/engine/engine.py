@@ -127,13 +127,15 @@ def make_strategy(model: nn.Module, mesh: ParallelMesh, optim: OptimizerSource, 
                   offload_dir: str | None = None, init_value: Callable | None = None,
                   reshard_after_forward: bool = True, units: Callable | None = None,
                   group_of: Callable | None = None, sync: SyncPlan | None = None, dp_reduce: str = "auto",
-                  timeout_s: float = 600.0, stream_frozen: bool = False) -> Strategy:
+                  timeout_s: float = 600.0, stream_frozen: bool = False, trim_host_heap: bool = True
+                  ) -> Strategy:
     """The data-parallel strategy both doors use. ``optim`` is the trainer's optimizer settings or
     the library's optimizer (its recipe under ZeRO); ZeRO-3 takes the model on the meta device and
     ``init_value(name, shape)``; ``units`` and ``group_of`` are the library's (ZeRO-3 units of a
     user's module, the user's param groups); ``sync``: replicas that average their parameters every H
     steps instead of summing gradients every step (local SGD, DiLoCo; None: every step);
-    ``stream_frozen``: ZeRO-3's frozen shards on disk, read per gather (zero/base_stream.py)."""
+    ``stream_frozen``: ZeRO-3's frozen shards on disk, read per gather (zero/base_stream.py);
+    ``trim_host_heap``: ZeRO-3 with frozen units on the CPU trims the host heap once a step (False: never)."""
     if sync is not None and zero == 0:
         return LocalSGD(model, mesh, optim, plan=sync, reduce=dp_reduce, timeout_s=timeout_s)
     sharded = {"precision": precision, "offload": offload, "offload_dir": offload_dir, "group_of": group_of}
@@ -143,6 +145,8 @@ def make_strategy(model: nn.Module, mesh: ParallelMesh, optim: OptimizerSource, 
         cls3 = AVERAGED[3] if sync is not None else Zero3
         if stream_frozen:
             sharded["stream_frozen"] = True
+        if not trim_host_heap:
+            sharded["trim_host_heap"] = False
         return cls3(model, mesh, optim, init_value=init_value, reshard_after_forward=reshard_after_forward,
                     units=units, **sharded)
     if zero in (1, 2):  # with dp = 1 the "shard" is everything: plain AdamW with offload options

@@ -48,7 +48,7 @@ def layout_of(cfg: Config) -> BuildLayout:
                        virtual_stages=p.virtual_stages, pp_split=p.pp_split, cp_method=p.cp_method,
                        precision=t.precision, tile=t.tile, recompute=t.recompute, compile=t.compile is True,
                        compile_backend=t.compile_backend,
-                       offload_activations=t.offload_activations == "cpu",
+                       offload_activations=t.offload_activations == "cpu", trim_host_heap=t.trim_host_heap,
                        # averaging replicas and parameter-server workers keep their own statistics
                        sync_batchnorm=p.sync == "ddp")
 
@@ -125,5 +125,6 @@ def _strategy(model: nn.Module, task: Task, cfg: Config, mesh: ParallelMesh,
                          bucket_bytes=int(p.bucket_mb * 2**20), precision=cfg.train.precision,
                          offload=p.offload, offload_dir=p.offload_dir, init_value=init_value,
                          reshard_after_forward=p.reshard_after_forward, sync=SyncPlan.from_config(p),
-                         dp_reduce=p.dp_reduce, timeout_s=p.timeout_s, stream_frozen=streams_base(cfg))
+                         dp_reduce=p.dp_reduce, timeout_s=p.timeout_s, stream_frozen=streams_base(cfg),
+                         trim_host_heap=cfg.train.trim_host_heap)
 

@@ -84,6 +84,12 @@ class Training:
         if self.bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0 (got {self.bucket_mb})")
 
+    @property
+    def frozen_gains(self) -> bool:
+        """LoRA freezes every norm's gain: a norm then saves its input and rstd only
+        (``norm_activation_bytes``)."""
+        return self.lora_rank > 0
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -553,14 +559,14 @@ def device_memory(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster,
             offloaded, states[key] = offloaded + states[key], 0.0
         seq = context.local_positions(tr, lay)  # context parallelism: this rank's positions of every row
         kw = {"tp": lay.tp, "sp": lay.sp, "recompute": lay.recompute, "precision": tr.precision,
-              "attention": tr.attention, "frozen_gains": tr.lora_rank > 0, **context.cp_kwargs(lay)}
+              "attention": tr.attention, "frozen_gains": tr.frozen_gains, **context.cp_kwargs(lay)}
         per_mb = ((layers[rank] - n_moe[rank]) * layer_activation_bytes(c, seq, lay.micro_batch, **kw)
                   + n_moe[rank] * layer_activation_bytes(c, seq, lay.micro_batch, moe=True, **kw))
         if rank == 0:  # token ids (and under the ring its saved positions, one tensor for every block)
             per_mb += seq * lay.micro_batch * (16 if lay.cp > 1 and lay.cp_method == "ring" else 8)
         if rank == lay.pp - 1:
             per_mb += output_activation_bytes(c, seq, lay.micro_batch, tp=lay.tp, sp=lay.sp,
-                                              precision=tr.precision, frozen_gains=tr.lora_rank > 0)
+                                              precision=tr.precision, frozen_gains=tr.frozen_gains)
         acts = per_mb * in_flight(lay.schedule, lay.pp, m, lay.v, rank)
         held = held_grad_params(c, tr, lay, m, rank, counts)
         accumulated = 0.0 if tr.lora_rank else max(0.0, held_grad_bytes(held, lay, sb, m) - states["grads"])
@@ -727,7 +733,7 @@ def transient_bytes(c: ModelShape, tr: Training, lay: Layout, rank: int) -> floa
     if lay.recompute == "full":
         out += layer_activation_bytes(c, seq, lay.micro_batch, tp=lay.tp, sp=lay.sp, precision=tr.precision,
                                       moe=c.n_moe_layers > 0, attention=tr.attention,
-                                      frozen_gains=tr.lora_rank > 0, **context.cp_kwargs(lay))
+                                      frozen_gains=tr.frozen_gains, **context.cp_kwargs(lay))
     if rank == lay.pp - 1:
         out += seq * lay.micro_batch * vocab_local(c, lay.tp) * 4
     return out + context.transient_bytes(c, lay.cp_method, lay.cp, seq * lay.micro_batch, lay.tp,

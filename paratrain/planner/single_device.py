@@ -91,7 +91,7 @@ def step_memory(c: ModelShape, tr: Training, s: Savers, micro_batch: int, cluste
             mem.activations -= c.n_layers * 4 * tokens * c.ffn_dim * ACT_BYTES[s.precision]
     if s.offload:  # activations stream to the host; about two blocks' worth stay on the device
         block = layer_activation_bytes(c, tr.seq_len, micro_batch, recompute=s.recompute,
-                                       precision=s.precision, frozen_gains=tr.lora_rank > 0)
+                                       precision=s.precision, frozen_gains=tr.frozen_gains)
         moved = max(0.0, mem.activations - 2 * block)
         mem.activations -= moved
         mem.offloaded += moved

@@ -139,7 +139,8 @@ class Zero3(UnitHooks, ShardedState, Strategy):
                  precision: str = "fp32", reduce_dtype: torch.dtype | None = None,
                  reshard_after_forward: bool = True, offload: str = "none", offload_dir: str | None = None,
                  offload_chunk: int | None = None, prefetch: bool = True, units: UnitsFn | None = None,
-                 group_of: GroupOf | None = None, stream_frozen: bool = False):
+                 group_of: GroupOf | None = None, stream_frozen: bool = False,
+                 trim_host_heap: bool = True):
         self.compute_dtype = DTYPES[precision]
         # units: which modules form each unit, in forward order (the library passes its policy).
         self.units_of, self.group_of = units or family_units, group_of
@@ -150,6 +151,7 @@ class Zero3(UnitHooks, ShardedState, Strategy):
         # --lora's --offload disk is the frozen base's: the adapters and their optimizer partition
         # (a fraction of a percent) stay in memory, where reading them every step costs nothing
         self.stream_frozen, offload = stream_frozen, "none" if stream_frozen else offload
+        self.trim_host_heap = trim_host_heap  # False: --no-trim-host-heap (memory/host_heap.py)
         self.offload, self.offload_dir, self.offload_chunk = offload, offload_dir, offload_chunk
         self._sync, self._factor = True, 1.0
         self.gathered_bytes = self.gathered_peak_bytes = self.last_gathered_peak_bytes = 0
@@ -174,7 +176,8 @@ class Zero3(UnitHooks, ShardedState, Strategy):
         self.units = self._plan_units()
         self.trained = [u for u in self.units if u.layout is not None]  # the store's order
         # Host memory only, and only when frozen buffers join the gathers (device.release_host_heap).
-        self._trim_host_heap = self.mesh.device.type == "cpu" and any(u.frozen for u in self.units)
+        self._trim_host_heap = (self.trim_host_heap and self.mesh.device.type == "cpu"
+                                and any(u.frozen for u in self.units))
         self.layouts = [u.layout for u in self.trained]
         for i, u in enumerate(self.trained):
             u.index = i
