@@ -12,9 +12,10 @@ import platform
 import resource
 import sys
 import time
-from pathlib import Path
 
 import torch
+
+from paratrain.user_dirs import user_cache_dir
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -185,15 +186,6 @@ def sync_device(device: torch.device) -> None:
 # -- the per-machine cache of measurements ---------------------------------------------------------
 
 NO_CACHE_ENV = "PARATRAIN_NO_CACHE"  # set (to anything but "" or "0"): measure every time, store nothing
-
-
-def user_cache_dir() -> Path:
-    """paratrain's folder for measurements: $PARATRAIN_CACHE, else $XDG_CACHE_HOME/paratrain, else
-    ~/.cache/paratrain. (The token cache, data/tokenfile.py ``cache_root``, spells the same order
-    itself: data preparation forks workers from a small parent that must not import torch.)"""
-    if os.environ.get("PARATRAIN_CACHE"):
-        return Path(os.environ["PARATRAIN_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "paratrain"
 
 
 def cache_enabled() -> bool:

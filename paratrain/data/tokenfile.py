@@ -63,6 +63,7 @@ from paratrain.data.sources import (
     task_paths,
 )
 from paratrain.data.template import ChatTemplate
+from paratrain.user_dirs import user_cache_dir
 
 FORMAT, VERSION = "paratrain-tokens", 1
 MANIFEST = "manifest.json"
@@ -216,9 +217,9 @@ def cache_key(sources: list[Source], opts: PrepareOptions, fmt: str = "text",
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
 
-def cache_root(cache_dir: str | None) -> Path:  # device.py user_cache_dir's order (no torch here)
-    xdg = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "paratrain"
-    return Path(cache_dir or os.environ.get("PARATRAIN_CACHE") or xdg)
+def cache_root(cache_dir: str | None) -> Path:
+    """``cache_dir`` (data.cache_dir), else the user's paratrain cache (user_dirs.py)."""
+    return Path(cache_dir) if cache_dir else user_cache_dir()
 
 
 def prepare(data: str | None, opts: PrepareOptions, *, out: Path | None = None,
