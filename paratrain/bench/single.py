@@ -85,9 +85,9 @@ def run_plain_pytorch(cfg: config.Config, task: LanguageModelTask, args: argpars
         x, y = task.train_batch(i, cfg.train.global_batch)[:2]  # plain rows: no positions
         x, y = x.to(device), y.to(device)
         for xs, ys in zip(x.split(mb), y.split(mb)):
-            with autocast():
-                logits = model(xs)
-            loss = F.cross_entropy(logits.flatten(0, 1), ys.flatten()) * xs.shape[0] / x.shape[0]
+            with autocast():  # forward and loss under autocast, as PyTorch's AMP recipe has it:
+                logits = model(xs)  # cross_entropy then runs in fp32, as the trainer's loss does
+                loss = F.cross_entropy(logits.flatten(0, 1), ys.flatten()) * xs.shape[0] / x.shape[0]
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
         for g in opt.param_groups:
