@@ -278,3 +278,21 @@ def test_on_one_node_every_way_stays_on_the_nodes_links(capsys):
     assert hsdp["inter"] == 0 and hsdp["intra"] > 0
     assert plan_main(["--params", "1e9", "--sync", "diloco"]) == 2  # model states only: nothing to price
     assert "give the model's shape" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, said", [
+    (dict(ep=2, zero=1, sync="diloco"), "ZeRO shards of expert-parallel replicas under --sync diloco.*zero"),
+    (dict(ep=2, zero=3, replicate=2), "hybrid sharding .--dp-replicate. with expert parallelism.*without"),
+    (dict(cp=2, zero=1, sync="parameter-server"), "ZeRO shards of context-parallel replicas under"),
+])
+def test_unpriced_slow_link_layouts_asked_by_flag_say_so(flags, said):
+    """The search leaves these out (``variants``); asked for by flag, the planner says it does not
+    price them and what to plan instead, not "no layout matches" (which blamed dp and --gpus)."""
+    with pytest.raises(ValueError, match=f"the planner does not price {said}"):
+        slow_link.check_fixed(flags)
+
+
+@pytest.mark.parametrize("flags", [dict(ep=2, zero=1, sync="ddp"), dict(ep=2, sync="diloco"),
+                                   dict(cp=2, zero=3, replicate=2)])
+def test_priced_neighbours_of_the_unpriced_pass(flags):
+    slow_link.check_fixed(flags)  # plain ZeRO with experts, averaging without ZeRO, HSDP x cp: priced

@@ -210,6 +210,24 @@ def check_fixed(fixed: dict) -> None:
                                        or fixed.get("replicate", 1) > 1):
         raise ValueError("--sync parameter-server runs plain data-parallel workers: use --tp 1 --pp 1, no "
                          "--dp-replicate")
+    if (unpriced := _unpriced(fixed, sync)) is not None:
+        what, instead = unpriced
+        raise ValueError(f"the planner does not price {what} (`paratrain train` runs it; docs/planner.md, "
+                         f"Limits): plan it {instead}, or measure it with a short `paratrain train` run "
+                         "(its metrics.jsonl has the step time and memory)")
+
+
+def _unpriced(fixed: dict, sync: str | None) -> tuple[str, str] | None:
+    """What ``variants`` leaves out, asked for by flag: ZeRO shards of expert- or context-parallel
+    replicas averaged or served, and hybrid sharding with experts; (what, the nearest priced plan)."""
+    if fixed.get("replicate", 1) > 1 and fixed.get("ep", 1) > 1:
+        return "hybrid sharding (--dp-replicate) with expert parallelism", "without --dp-replicate"
+    if fixed.get("zero", 0) < 1 or sync in (None, "ddp"):
+        return None
+    for axis, name in (("ep", "expert"), ("cp", "context")):
+        if fixed.get(axis, 1) > 1:
+            return f"ZeRO shards of {name}-parallel replicas under --sync {sync}", "with --zero 0"
+    return None
 
 
 def _matches(lay: Layout, fixed: dict) -> bool:
