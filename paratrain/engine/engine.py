@@ -145,10 +145,8 @@ def make_strategy(model: nn.Module, mesh: ParallelMesh, optim: OptimizerSource, 
         cls3 = AVERAGED[3] if sync is not None else Zero3
         if stream_frozen:
             sharded["stream_frozen"] = True
-        if not trim_host_heap:
-            sharded["trim_host_heap"] = False
         return cls3(model, mesh, optim, init_value=init_value, reshard_after_forward=reshard_after_forward,
-                    units=units, **sharded)
+                    units=units, trim_host_heap=trim_host_heap, **sharded)
     if zero in (1, 2):  # with dp = 1 the "shard" is everything: plain AdamW with offload options
         cls = AVERAGED[zero] if sync is not None else (Zero1 if zero == 1 else Zero2)
         return cls(model, mesh, optim, bucket_bytes=bucket_bytes, **sharded)
