@@ -153,6 +153,17 @@ def test_unsupported_features_are_refused(tmp_path):
         load_pretrained(str(tmp_path))
 
 
+def test_tp_that_does_not_divide_an_expert_is_refused_before_any_worker(tmp_path):
+    """Experts split by their hidden features (tensor_parallel/experts.py): moe_intermediate_size 30
+    with tp 4 (which divides the heads and the dense MLP's 96) is refused by the checks, saying so."""
+    save_qwen3_moe(tmp_path / "src", moe_intermediate_size=30)
+    cfg = tiny_cfg(tmp_path / "run", **TRAIN, **{"model.init_from": str(tmp_path / "src"), "parallel.tp": 4,
+                                                 "parallel.nproc": 4})
+    with pytest.raises(checks.ConfigError, match=r"moe_ffn_dim \(30, one expert's hidden width\) must be "
+                                                 r"divisible by tp \(4\)"):
+        checks.validate(cfg, 4)
+
+
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     """A Qwen3-MoE folder (with a tokenizer), its transformers model, and its one-process run."""

@@ -148,6 +148,10 @@ def _check_tensor_parallel(cfg: Config, problems: list[str]) -> None:
     if c.ffn_dim % tp:
         problems.append(f"model ffn_dim ({c.ffn_dim}) must be divisible by tp ({tp}): the MLP is split "
                         "by its hidden features; change --tp or the model's ffn_dim")
+    if c.n_experts and c.moe_ffn_dim != c.ffn_dim and c.moe_ffn_dim % tp:
+        problems.append(f"model moe_ffn_dim ({c.moe_ffn_dim}, one expert's hidden width) must be divisible "
+                        f"by tp ({tp}): every expert is split by its hidden features like the MLP "
+                        "(tensor_parallel/experts.py); choose --tp among its divisors")
     if p.sp and cfg.data.seq_len % tp:
         problems.append(f"data.seq_len ({cfg.data.seq_len}) must be divisible by tp ({tp}) with --sp: "
                         "sequence parallelism gives each tp rank seq_len / tp tokens")
