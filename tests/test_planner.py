@@ -413,3 +413,16 @@ def test_model_states_match_measured(name, tmp_path):
     predicted = memory.device_memory(c, Training(cfg.data.seq_len, cfg.train.global_batch, precision="fp32"),
                                      lay, local_cluster(nproc)).model_states
     assert predicted == pytest.approx(measured, rel=0.03), (name, predicted, measured)
+
+
+def test_tp_degrees_split_the_mlp_and_every_expert_as_the_trainer_asks():
+    """The search offers a tp only where the trainer's checks accept it (engine/checks.py): heads,
+    the MLP's hidden width and, with experts, each expert's (moe_ffn_dim)."""
+    from paratrain.planner.search import enumerate_layouts
+
+    tr = memory.Training(seq_len=128, global_batch=8)
+    odd_mlp = preset("small", ffn_dim=690)  # 690 = 2 x 345: tp 2 splits it, tp 4 and 8 do not
+    assert {lay.tp for lay in enumerate_layouts(odd_mlp, tr, 8, {}, False)} == {1, 2}
+    assert {lay.tp for lay in enumerate_layouts(preset("small"), tr, 8, {}, False)} == {1, 2, 4, 8}
+    experts = preset_any("qwen3-moe-tiny", moe_ffn_dim=6)  # tp 4 divides the heads and ffn 128, not 6
+    assert {lay.tp for lay in enumerate_layouts(experts, tr, 4, {}, False)} == {1, 2}
