@@ -135,6 +135,8 @@ def test_ceiling_takes_each_pass_from_the_schedule_where_it_was_cheapest():
     # 1f1b with free messages: its 0.26 s of passes, doubled by a 50 % bubble, + 0.02 s of optimizer
     assert c["bounds"]["1f1b"] == pytest.approx(0.25 / (0.26 / 0.5 + 0.02))
     assert c["bounds"]["gpipe"] == pytest.approx(0.25 / (0.28 + 0.03))
+    zb_h1_bound = 0.25 / (0.30 + 0.01)  # zb-h1 (the best) with no idle: its passes and optimizer
+    assert c["paratrain_best_of_its_bound"] == pytest.approx(1000 / 8192 / zb_h1_bound)
     assert bench_pp.ceiling({"other": per["other"]}, tokens=2048) is None
 
 
