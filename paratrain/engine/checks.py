@@ -30,6 +30,7 @@ from paratrain.models.adapters import settle_lora_from
 from paratrain.models.from_config import model_shape
 from paratrain.models.hf import HFCheckpoint, HFError, check_init_from
 from paratrain.models.registry import kind_names
+from paratrain.models.shape import tp_split_problems
 from paratrain.observe.profile import parse_steps
 from paratrain.pipeline.stage import parse_split
 from paratrain.refusals import FLAGS, Refusal, Spelling, emit
@@ -140,18 +141,9 @@ def _check_tensor_parallel(cfg: Config, problems: list[str]) -> None:
                         "with it")
         return
     c = model_shape(cfg)
-    if c.n_heads % tp:
-        problems.append(f"model n_heads ({c.n_heads}) must be divisible by tp ({tp}): tensor parallelism "
-                        "splits attention by heads; choose --tp among the divisors of n_heads")
+    problems += tp_split_problems(c, tp)
     if c.n_heads % c.n_kv_heads:
         problems.append(f"model n_heads ({c.n_heads}) must be a multiple of n_kv_heads ({c.n_kv_heads})")
-    if c.ffn_dim % tp:
-        problems.append(f"model ffn_dim ({c.ffn_dim}) must be divisible by tp ({tp}): the MLP is split "
-                        "by its hidden features; change --tp or the model's ffn_dim")
-    if c.n_experts and c.moe_ffn_dim != c.ffn_dim and c.moe_ffn_dim % tp:
-        problems.append(f"model moe_ffn_dim ({c.moe_ffn_dim}, one expert's hidden width) must be divisible "
-                        f"by tp ({tp}): every expert is split by its hidden features like the MLP "
-                        "(tensor_parallel/experts.py); choose --tp among its divisors")
     if p.sp and cfg.data.seq_len % tp:
         problems.append(f"data.seq_len ({cfg.data.seq_len}) must be divisible by tp ({tp}) with --sp: "
                         "sequence parallelism gives each tp rank seq_len / tp tokens")

@@ -150,6 +150,24 @@ def renormalised_top_k(c: ModelShape) -> bool:
     return bool(getattr(c, "norm_topk_prob", True))
 
 
+def tp_split_problems(c: ModelShape, tp: int) -> list[str]:
+    """What keeps tensor parallelism of degree ``tp`` from splitting the model evenly: attention by
+    heads, the MLP and every expert by hidden features (the trainer's checks say these; the planner
+    offers only a tp with none)."""
+    problems = []
+    if c.n_heads % tp:
+        problems.append(f"model n_heads ({c.n_heads}) must be divisible by tp ({tp}): tensor parallelism "
+                        "splits attention by heads; choose --tp among the divisors of n_heads")
+    if c.ffn_dim % tp:
+        problems.append(f"model ffn_dim ({c.ffn_dim}) must be divisible by tp ({tp}): the MLP is split "
+                        "by its hidden features; change --tp or the model's ffn_dim")
+    if c.n_experts and c.moe_ffn_dim != c.ffn_dim and c.moe_ffn_dim % tp:
+        problems.append(f"model moe_ffn_dim ({c.moe_ffn_dim}, one expert's hidden width) must be divisible "
+                        f"by tp ({tp}): every expert is split by its hidden features like the MLP "
+                        "(tensor_parallel/experts.py); choose --tp among its divisors")
+    return problems
+
+
 def attended_keys(seq: int, window: int = 0) -> float:
     """Keys a query attends to on average in a causal sequence of ``seq`` tokens: seq / 2 (the
     causal half, as the FLOP counts take it), or within a ``window`` shorter than the sequence

@@ -26,7 +26,7 @@ from paratrain.config import Config
 from paratrain.models import model_kind
 from paratrain.models.from_config import model_config
 from paratrain.models.lora import matches
-from paratrain.models.shape import ModelShape
+from paratrain.models.shape import ModelShape, tp_split_problems
 from paratrain.perf.hardware import GB, Cluster
 from paratrain.planner import choice, context, slow_link
 from paratrain.planner.cost import TIME_WORDS, StepTime, cp_step_bytes, stage_counts, step_time
@@ -189,17 +189,11 @@ def check_fixed_cp(fixed: dict, c: ModelShape | None, tr: Training) -> None:
                          f"{cp}: they must divide; use --cp-method ring")
 
 
-def _splits_over_tp(c: ModelShape, tp: int) -> bool:
-    """Whether tensor parallelism of degree ``tp`` splits the model as the trainer's checks ask
-    (engine/checks.py): attention by heads, the MLP and every expert by hidden features."""
-    return c.n_heads % tp == 0 and c.ffn_dim % tp == 0 and (not c.n_experts or c.moe_ffn_dim % tp == 0)
-
-
 def enumerate_layouts(c: ModelShape, tr: Training, n: int, fixed: dict, offload: bool) -> list[Layout]:
     """Every layout of n devices allowed by the model's shape, the batch and the fixed choices."""
     out = []
     pick = lambda key, options: [fixed[key]] if key in fixed else options  # noqa: E731
-    for tp in pick("tp", [d for d in _divisors(n) if _splits_over_tp(c, d)]):
+    for tp in pick("tp", [d for d in _divisors(n) if not tp_split_problems(c, d)]):
         for pp in pick("pp", [d for d in _divisors(n // tp) if d <= c.n_layers]):
             if n % (tp * pp):
                 continue
