@@ -30,14 +30,17 @@ from paratrain.models.families.llama import PRESETS
 from paratrain.models.lora import LoRALinear, LoraSpec
 from paratrain.models.moe import MoE
 from paratrain.perf.hardware import make_cluster
-from paratrain.pipeline import timeline
+from paratrain.pipeline import schedules_zb, timeline
 from paratrain.pipeline.schedules import (
+    Action,
+    B,
     ScheduleError,
     W,
     check_schedule,
     check_stream_order,
     make_schedule,
     peak_in_flight,
+    simulate,
     stage_rank,
 )
 from paratrain.planner import cost
@@ -68,7 +71,46 @@ def test_every_zero_bubble_schedule_passes_the_checker(name, p, m):
     if p > 1:
         check_stream_order(s.actions(0), p, s.n_stages, s.placement)
     ws = [a for lst in s.actions() for a in lst if a.kind == W]
-    assert len(ws) == len(set(ws)) and (name == "dualpipev" or len(ws) == m * s.n_stages)
+    assert len(ws) == len(set(ws))
+    for r in range(p):  # a W comes after its own B, on the same rank
+        order = s.compute_order(r)
+        for i, a in enumerate(order):
+            if a.kind == W:
+                assert Action(B, a.mb, a.stage) in order[:i], (name, r, a)
+
+
+def _unfolded(monkeypatch, name: str, p: int, m: int):
+    monkeypatch.setattr(schedules_zb, "fold_local_weights", lambda order, rank, schedule: order)
+    return make_schedule(name, p, m)
+
+
+@pytest.mark.parametrize("name,p,m", [(n, p, m) for n in ZB for p in (2, 4) for m in (8, 9)])
+def test_a_w_right_after_its_b_runs_inside_it_where_the_gradient_stays_on_the_rank(monkeypatch, name, p, m):
+    """``fold_local_weights``: torch's order, with each B directly followed by its own W made one full
+    B where the B's input gradient does not leave the rank (stage 0, or the turn of the V). Nothing
+    moves in ideal time (the same computations in the same order on every rank), and every W left
+    either follows another computation or belongs to a B whose gradient another rank waits for."""
+    s = make_schedule(name, p, m)
+    plain = {r: _unfolded(monkeypatch, name, p, m).compute_order(r) for r in range(p)}
+    costs = {st: (1.0, 2.5, 0.8 + 0.1 * st) for st in range(s.n_stages)}
+    monkeypatch.undo()
+    assert s.bubble_at(costs) == pytest.approx(_bubble_of(plain, s, costs), abs=1e-12)
+    for r in range(p):
+        order = s.compute_order(r)
+        assert [a for a in plain[r] if a.kind != W] == [a for a in order if a.kind != W]
+        for a, nxt in zip(order, order[1:]):
+            if a.kind == B and nxt == Action(W, a.mb, a.stage) and a.stage > 0:
+                assert stage_rank(a.stage - 1, p, s.placement) != r or not any(
+                    x.kind == B and x.stage == a.stage for x in order[order.index(nxt):]), (r, a)
+    # the first stage sends no input gradient: all of its W run inside their B in these schedules
+    assert [a for a in s.compute_order(0) if a.kind == W and a.stage == 0] == []
+    assert any(a.kind == W and a.stage == 0 for a in plain[0])
+
+
+def _bubble_of(lists: dict, s, costs) -> float:
+    done = simulate([lists[r] for r in range(s.p)], s.p, s.n_stages, placement=s.placement, stage_costs=costs)
+    span = max(end for _, _, _, end in done)
+    return 1.0 - sum(end - start for _, _, start, end in done) / s.p / span
 
 
 @pytest.mark.parametrize("p,m", [(2, 8), (4, 8), (4, 16), (3, 5)])
@@ -303,7 +345,8 @@ def test_timeline_has_w_passes_and_renders(pp2, tmp_path):
     info = timeline.load(pp2[1] / "zbv")
     assert info["schedule"] == "zbv" and info["v"] == 2
     kinds = [(e["kind"], e["mb"], e["stage"]) for e in info["ranks"][0]]
-    assert sorted(k for k in kinds if k[0] == "W") == sorted(("W", mb, s) for mb in range(4) for s in (0, 3))
+    # stage 0's W ran inside its B (its gradient goes nowhere); stage 3's input gradient goes to rank 1
+    assert sorted(k for k in kinds if k[0] == "W") == sorted(("W", mb, 3) for mb in range(4))
     png = tmp_path / "t.png"
     assert timeline.main(["timeline", str(pp2[1] / "zbv"), "--png", str(png)]) == 0
     assert png.stat().st_size > 5000
@@ -370,9 +413,12 @@ def test_zero_bubble_with_tensor_parallel_experts(world4):
 
 
 def _overlap_worker(env, cfg_dict: dict) -> list[str]:
-    """Train, recording on this rank the order of W passes and DDP bucket launches (last step)."""
+    """Train, recording on this rank the starts of its computations (``F@s3``, ``B@s0``), its W
+    passes and DDP's bucket launches (last step)."""
+    from paratrain.pipeline import executor
+
     events: list[str] = []
-    launch, run_w, after = DDP._launch, WeightGradStore.run, DDP.after_backward
+    launch, run_w, after, start = DDP._launch, WeightGradStore.run, DDP.after_backward, executor._Clock.start
 
     def on_launch(self, b):
         events.append("launch")
@@ -387,7 +433,12 @@ def _overlap_worker(env, cfg_dict: dict) -> list[str]:
         events.append("after_backward")
         return after(self)
 
+    def on_start(self, a):
+        events.append(f"{a.kind}@s{a.stage}")
+        return start(self, a)
+
     DDP._launch, WeightGradStore.run, DDP.after_backward = on_launch, on_w, on_after
+    executor._Clock.start = on_start
     cfg = config.Config.from_dict(cfg_dict)
     Trainer(cfg, env, task=build_task(cfg, _corpus(cfg))).fit()
     ends = [i for i, e in enumerate(events) if e == "after_backward"]
@@ -396,22 +447,22 @@ def _overlap_worker(env, cfg_dict: dict) -> list[str]:
 
 def test_dp_reduction_launches_during_the_w_passes(tmp_path):
     """pp2 x dp2, zbv, small buckets: on each rank buckets go on the wire inside W passes (the
-    chunk's last W, hooks firing per weight), and on rank 0 (pp stage ends) before the last W has
-    started: the reduction of the chunk that finished first overlaps the other chunk's W passes."""
+    chunk's last W, hooks firing per weight), and on rank 0 (pp stage ends) before its last
+    computation has started: the reduction of the chunk that finished first (the head's, stage 3)
+    overlaps the other chunk's remaining passes (stage 0's backwards, their W run inside them)."""
     cfg = tiny_cfg(tmp_path, **_pp(2, "zbv"), **{"parallel.dp": 2, "parallel.bucket_mb": 0.01, **M4})
     checks.validate(cfg, 4)
     outs = run(_overlap_worker, 4, cfg.to_dict(), timeout=120)
     for rank, events in enumerate(outs):
-        inside, depth, launched_before_last_w = 0, 0, False
-        last_w = len(events) - 1 - events[::-1].index("W(")
-        for i, e in enumerate(events):
+        computations = [i for i, e in enumerate(events) if "@s" in e]
+        inside, depth = 0, 0
+        for e in events:
             depth += {"W(": 1, ")": -1}.get(e, 0)
-            if e == "launch":
-                inside += depth > 0
-                launched_before_last_w |= i < last_w
+            inside += e == "launch" and depth > 0
         assert inside > 0, f"rank {rank}: no bucket launched during a W pass: {events}"
         if rank in (0, 1):  # pp rank 0 (mesh: tp fastest, then dp, pp slowest)
-            assert launched_before_last_w, f"rank {rank}: {events}"
+            last = computations[-1]
+            assert events.index("launch") < last and events[last] == "B@s0", f"rank {rank}: {events}"
 
 
 # -- the planner's prices ----------------------------------------------------------------------------

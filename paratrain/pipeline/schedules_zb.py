@@ -19,6 +19,13 @@ would otherwise idle. Actions as in schedules.py; a B with a W in the list is in
   rank computes one thing at a time. Its B passes are full backwards (no W) except those torch
   splits (the first half of the last ones), whose W passes fill the tail.
 
+A W that a rank would run right after its own B, where that B's input gradient stays on the rank
+(the first stage has none to send; at the turn of a V the previous stage is the rank's own), runs
+inside that B instead, as one full backward (``fold_local_weights``): no other rank waits for
+that gradient, so deferring the weights moves nothing, and the split costs (the forward's capture
+and holding every linear's (input, output gradient) until W: about 6 % more per micro-batch on a
+CPU, docs/pipeline_parallel.md). The order of computation on the rank is unchanged.
+
 Schedules with a V placement need m >= 1 only: torch's ZBV plans at least 2p - 1 micro-batches
 and leaves the missing ones' slots empty; the same is done here (``_keep``), and DualPipeV
 requires m >= 2p as torch does.
@@ -26,7 +33,28 @@ requires m >= 2p as torch does.
 
 from __future__ import annotations
 
-from paratrain.pipeline.schedules import SCHEDULES, Action, B, F, Schedule, ScheduleError, W
+from paratrain.pipeline.schedules import SCHEDULES, Action, B, F, Schedule, ScheduleError, W, stage_rank
+
+
+def fold_local_weights(order: list[Action], rank: int, schedule: Schedule) -> list[Action]:
+    """``order`` with each B directly followed by its own W made one full B, where the B's input
+    gradient does not leave ``rank``. A stage's last B folds only when no W at all follows it on
+    the rank (the executor lets data-parallel sync through at the last gradient of each stage, and
+    stages sharing a tied parameter count as one)."""
+    out: list[Action] = []
+    i = 0
+    while i < len(order):
+        a = order[i]
+        out.append(a)
+        nxt = order[i + 1] if i + 1 < len(order) else None
+        folds = (a.kind == B and nxt is not None and nxt.kind == W and (nxt.mb, nxt.stage) == (a.mb, a.stage)
+                 and (a.stage == 0 or stage_rank(a.stage - 1, schedule.p, schedule.placement) == rank))
+        if folds:
+            rest = order[i + 2:]
+            last_b = not any(x.kind == B and x.stage == a.stage for x in rest)
+            folds = not (last_b and any(x.kind == W for x in rest))
+        i += 2 if folds else 1
+    return out
 
 
 class ZBH1(Schedule):
@@ -45,7 +73,7 @@ class ZBH1(Schedule):
         weights = iter(Action(W, mb, rank) for mb in range(m))
         for k, step in enumerate(backwards):
             out += step + ([next(weights)] if k >= delay else [])
-        return out + list(weights)
+        return fold_local_weights(out + list(weights), rank, self)
 
     def theory_bubble(self, t_f: float = 1.0, t_b: float = 2.0, t_w: float = 1.0) -> float:
         """(p-1)(F + B_input - W) idle per rank over m (F + B) of work; B_input = t_b - t_w."""
@@ -140,7 +168,7 @@ class ZBV(_VSchedule):
         for stage in (s1, s0):
             while nxt[(stage, W)] < nxt[(stage, B)]:
                 emit(stage, W)
-        return self._keep(out)
+        return fold_local_weights(self._keep(out), rank, self)
 
 
 class DualPipeV(_VSchedule):
@@ -187,7 +215,7 @@ class DualPipeV(_VSchedule):
             c.add(s0, B, split=split)
         for _ in range(rank + 1):
             c.weight()
-        return c.out
+        return fold_local_weights(c.out, rank, self)
 
 
 SCHEDULES.update({s.name: s for s in (ZBH1, ZBV, DualPipeV)})
