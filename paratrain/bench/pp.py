@@ -148,12 +148,12 @@ def zb_bubble(per_schedule: dict[str, dict]) -> dict | None:
 
 def zb_h1_fraction_theory(p: int, m: int, zb: dict[str, float], base: dict[str, float]) -> float:
     """ZB-H1's bubble over 1F1B's, in theory, at the measured costs of one pass (ms): a rank of
-    ZB-H1 idles (p-1)(F + B - W) (B input-only), one of 1F1B (p-1)(F + B) (B full), Qi et al.
+    ZB-H1 idles (p-1)(F + I - W) (I: an input-only B), one of 1F1B (p-1)(F + B) (B full), Qi et al.
     sec. 3; each bubble a fraction of idle + the rank's m micro-batches of work. A third when
     the three passes cost the same; more when W, the linears' weight products, is the cheapest."""
-    idle_zb = (p - 1) * max(0.0, zb["F"] + zb["B"] - zb["W"])
+    idle_zb = (p - 1) * max(0.0, zb["F"] + zb["I"] - zb["W"])
     idle_base = (p - 1) * (base["F"] + base["B"])
-    zb_frac = idle_zb / (idle_zb + m * (zb["F"] + zb["B"] + zb["W"]))
+    zb_frac = idle_zb / (idle_zb + m * (zb["F"] + zb["I"] + zb["W"]))
     return zb_frac / (idle_base / (idle_base + m * (base["F"] + base["B"])))
 
 
@@ -278,7 +278,7 @@ def _summary(name: str, ours: _Ours | None, mine: list, theirs: list[float], che
 def pass_costs(steps: list[list[list[dict]]], schedule: Schedule) -> dict:
     """Medians (ms) of the passes of the timed steps (``steps``: every rank's timeline per step).
 
-    ``pass_ms`` / ``pass_cpu_ms``: by kind (F, B, W; a B with a W is input-only), wall time and
+    ``pass_ms`` / ``pass_cpu_ms``: by kind (F, B full, I an input-only B, W), wall time and
     the computing thread's CPU time (executor._Clock: their gap is time the thread was preempted).
     ``stage_pass_ms``: by stage, F, B (full), I (input-only B), W and ``backward``: a micro-batch's
     whole backward at that stage (its B, or its I + W). ``model_pass_ms`` (``model_pass_cpu_ms``):
@@ -288,10 +288,13 @@ def pass_costs(steps: list[list[list[dict]]], schedule: Schedule) -> dict:
     costs (``Schedule.bubble_at``)."""
     wall: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}
-    for e in (e for ranks in steps for r in ranks for e in r):
-        wall.setdefault(e["kind"], []).append(e["end"] - e["start"])
-        if "cpu" in e:
-            cpu.setdefault(e["kind"], []).append(e["cpu"])
+    for ranks in steps:
+        split = {(e["mb"], e["stage"]) for r in ranks for e in r if e["kind"] == W}
+        for e in (e for r in ranks for e in r):
+            kind = "I" if e["kind"] == B and (e["mb"], e["stage"]) in split else e["kind"]
+            wall.setdefault(kind, []).append(e["end"] - e["start"])
+            if "cpu" in e:
+                cpu.setdefault(kind, []).append(e["cpu"])
     by_stage = _stage_medians(steps, lambda e: e["end"] - e["start"])
     costs = {int(s): (c["F"], c["backward"], c.get("W", 0.0)) for s, c in by_stage.items()}
     out = {"pass_ms": {k: 1e3 * statistics.median(v) for k, v in wall.items()},
