@@ -161,10 +161,9 @@ def variants(lay: Layout, cluster: Cluster, fits: bool = True, fixed: dict | Non
     fixed = fixed or {}
     if lay.dp == 1 or lay.offload != "none" or isinstance(lay, SlowLayout):
         return []
-    if (lay.ep > 1 or lay.cp > 1) and lay.zero and fixed.get("sync", "ddp") != "ddp":
-        return []  # averaging ZeRO shards of ep / cp replicas is not priced (docs/planner.md)
-    if lay.ep > 1 and lay.zero:
-        return []  # hybrid sharding with experts is not priced
+    hybrid = {"ep": lay.ep, "cp": lay.cp, "zero": lay.zero, "replicate": 2}  # what a ZeRO layout yields
+    if lay.zero and _unpriced(hybrid, fixed.get("sync")) is not None:
+        return []  # not priced (docs/planner.md, Limits): _unpriced says what
     if not fixed and group_link(cluster, lay, "dp") is cluster.intra:
         return []
     if not fits:
@@ -218,8 +217,9 @@ def check_fixed(fixed: dict) -> None:
 
 
 def _unpriced(fixed: dict, sync: str | None) -> tuple[str, str] | None:
-    """What ``variants`` leaves out, asked for by flag: ZeRO shards of expert- or context-parallel
-    replicas averaged or served, and hybrid sharding with experts; (what, the nearest priced plan)."""
+    """What the planner does not price (``variants`` offers none of it; asked for by flag,
+    ``check_fixed`` refuses it): ZeRO shards of expert- or context-parallel replicas averaged or
+    served, and hybrid sharding with experts; (what, the nearest priced plan), else None."""
     if fixed.get("replicate", 1) > 1 and fixed.get("ep", 1) > 1:
         return "hybrid sharding (--dp-replicate) with expert parallelism", "without --dp-replicate"
     if fixed.get("zero", 0) < 1 or sync in (None, "ddp"):
