@@ -300,7 +300,7 @@ def test_lora_from_a_peft_c_attn_adapter_gives_peft_s_logits(tmp_path):
     B [3d, r]): --lora-from takes it as q, k, v adapters (A each, B's thirds) and the model computes
     peft's logits; a --tp 2 run starts from it (each rank its slice of the thirds: the first loss is
     peft's, 1e-5 as above); with the adapter's lora_dropout 0.1 the checks accept it under --tp 2."""
-    from paratrain.models.adapters import PeftAdapter
+    from paratrain.models.adapters_in import PeftAdapter
     from paratrain.sharding import TensorShard
     from tests.test_gpt2 import save_gpt2
 

@@ -26,7 +26,7 @@ from paratrain.engine.sync_checks import (
 )
 from paratrain.memory.layout import check_savers
 from paratrain.models import PRESETS, build_model, model_kind
-from paratrain.models.adapters import settle_lora_from
+from paratrain.models.adapters_in import settle_lora_from
 from paratrain.models.from_config import model_shape
 from paratrain.models.hf import HFCheckpoint, HFError, check_init_from
 from paratrain.models.registry import kind_names
@@ -48,7 +48,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     _check_observers(cfg, problems)
     if cfg.model.init_from:
         check_init_from(cfg, problems)
-    if cfg.lora.from_dir and not problems:  # the adapter sets rank/alpha/targets (models/adapters.py)
+    if cfg.lora.from_dir and not problems:  # the adapter sets rank/alpha/targets (models/adapters_in.py)
         problems += settle_lora_from(cfg.lora, model_shape(cfg)) if cfg.model.init_from else [
             "--lora-from continues a PEFT adapter of a Hugging Face base model: add --init-from BASE"]
     if not problems:

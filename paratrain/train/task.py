@@ -28,7 +28,7 @@ from paratrain.data import (
 )
 from paratrain.engine.task import Batch, Task, as_batch
 from paratrain.models import build_model, full_init_value, init_weights, materialize, model_kind, tied_name
-from paratrain.models.adapters import PeftAdapter
+from paratrain.models.adapters_in import PeftAdapter
 from paratrain.models.from_config import model_config, model_shape  # noqa: F401  (re-exported)
 from paratrain.models.hf import HFCheckpoint
 from paratrain.models.lora import is_adapter_name
