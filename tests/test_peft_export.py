@@ -192,28 +192,91 @@ def test_export_peft_of_a_run_without_lora_exits_2(lora_run, tmp_path, capsys):
     assert not (tmp_path / "ad").exists()
 
 
-def test_gpt2_fused_qkv_adapters_export_as_one_c_attn_adapter(tmp_path):
+@pytest.fixture(scope="module")
+def gpt2_lora_run(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """(GPT-2 base folder, a 3-step LoRA run on q, v, the attention's c_proj and the MLP's c_fc,
+    its `export --peft` folder): k has no adapter, so c_attn's k block is zeros."""
+    from tests.test_gpt2 import save_gpt2
+
+    tmp = tmp_path_factory.mktemp("peft_gpt2")
+    save_gpt2(tmp / "base")
+    run = tmp / "run"
+    run_layout(tiny_cfg(run, **{"model.init_from": str(tmp / "base"), "train.steps": 3, "lora.rank": 4,
+                                "lora.targets": ["attn.wq", "attn.wv", "attn.wo", "mlp.fc"]}))
+    assert cli.main(["export", str(run), "--peft", str(tmp / "ad")]) == 0
+    return tmp / "base", run, tmp / "ad"
+
+
+def test_gpt2_fused_qkv_adapters_export_as_one_c_attn_adapter(gpt2_lora_run):
     """GPT-2's q/k/v adapters go out as one c_attn adapter (rank 3r, block-diagonal B, zeros for
     k here, which has none); the attention's c_proj is adapted and the MLP's is not, so
     target_modules must name full modules."""
-    from tests.test_gpt2 import save_gpt2
-
-    save_gpt2(tmp_path / "base")
-    run = tmp_path / "run"
-    run_layout(tiny_cfg(run, **{"model.init_from": str(tmp_path / "base"), "train.steps": 3, "lora.rank": 4,
-                                "lora.targets": ["attn.wq", "attn.wv", "attn.wo", "mlp.fc"]}))
-    assert cli.main(["export", str(run), "--peft", str(tmp_path / "ad")]) == 0
-    conf = json.loads((tmp_path / "ad" / "adapter_config.json").read_text())
+    base, run, ad = gpt2_lora_run
+    conf = json.loads((ad / "adapter_config.json").read_text())
     assert conf["fan_in_fan_out"] and conf["rank_pattern"]["transformer.h.0.attn.c_attn"] == 12
     assert "transformer.h.1.attn.c_proj" in conf["target_modules"]
-    ours = _paratrain_model(tmp_path / "base", run)
-    hf_base = _hf(tmp_path / "base")
+    ours = _paratrain_model(base, run)
+    hf_base = _hf(base)
     ids = _ids()
     with torch.no_grad():
         before = hf_base(ids).logits.clone()
-        got = peft.PeftModel.from_pretrained(hf_base, str(tmp_path / "ad")).double().eval()(ids).logits
+        got = peft.PeftModel.from_pretrained(hf_base, str(ad)).double().eval()(ids).logits
     assert (got - before).abs().max() > 1e-2
     torch.testing.assert_close(got, ours(ids), **LOGITS)
+
+
+def _same_adapters(run: Path, again: Path) -> None:
+    want, got = load_file(str(run / "adapters.safetensors")), load_file(str(again / "adapters.safetensors"))
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name
+
+
+def test_gpt2_export_then_lora_from_round_trips_the_adapters_bit_exactly(gpt2_lora_run, tmp_path):
+    """The rank-3r c_attn adapter comes back as the q and v adapters it was made of (A's thirds, B's
+    diagonal blocks: slices, so bit-exact); k, whose block is zeros, gets no adapter, as in the
+    first run. lr 1e-30 keeps the values as read (as in the Llama round trip below)."""
+    base, run, ad = gpt2_lora_run
+    again = tmp_path / "again"
+    cfg = tiny_cfg(again, **{"model.init_from": str(base), "train.steps": 1, "optim.lr": 1e-30,
+                             "lora.from_dir": str(ad)})
+    checks.validate(cfg)
+    assert (cfg.lora.rank, cfg.lora.alpha) == (4, 8.0)
+    assert sorted(cfg.lora.targets) == ["attn.wo", "attn.wq", "attn.wv", "mlp.fc"]
+    run_layout(cfg)
+    _same_adapters(run, again)
+
+
+def _off_diagonal(ad: Path) -> None:
+    """One element of layer 0's c_attn B outside the three diagonal blocks: q's rows, k's columns."""
+    from safetensors.torch import save_file
+
+    tensors = load_file(str(ad / "adapter_model.safetensors"))
+    tensors["base_model.model.transformer.h.0.attn.c_attn.lora_B.weight"][0, 4] = 1.0
+    save_file(tensors, str(ad / "adapter_model.safetensors"))
+
+
+@pytest.mark.parametrize("case,message", [
+    ("off-diagonal", "transformer.h.0.attn.c_attn.lora_B.weight (rank 12) has non-zero values outside"),
+    ("rank on c_proj", "transformer.h.0.attn.c_proj has rank 8 and lora_alpha 8"),
+    ("c_attn alpha", "transformer.h.0.attn.c_attn has rank 12 and lora_alpha 8"),
+])
+def test_gpt2_rank_patterns_paratrain_cannot_hold_exit_2(gpt2_lora_run, tmp_path, capsys, case, message):
+    """A c_attn B with a non-zero off-diagonal block is a genuinely rank-3r adapter (q's output reads
+    k's A rows), which three rank-r layers cannot hold; a per-module rank on a plain module, or a
+    3r c_attn without 3 alpha (another scale), is not what paratrain's LoRA computes."""
+    base, _, folder = gpt2_lora_run
+    conf = {"rank on c_proj": {"rank_pattern": {"transformer.h.0.attn.c_attn": 12, "h.0.attn.c_proj": 8}},
+            "c_attn alpha": {"alpha_pattern": {}}}.get(case, {})
+    ad = _edited(folder, tmp_path / "ad", **conf)
+    if case == "off-diagonal":
+        _off_diagonal(ad)
+    args = ["train", "--steps", "1", "--seq-len", "32", "--out", str(tmp_path / "out"), "--no-progress",
+            "--init-from", str(base), "--lora-from", str(ad)]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()
 
 
 def test_export_then_lora_from_round_trips_the_adapters_bit_exactly(lora_run, tmp_path):
@@ -224,10 +287,7 @@ def test_export_then_lora_from_round_trips_the_adapters_bit_exactly(lora_run, tm
     again = tmp_path / "again"
     run_layout(tiny_cfg(again, **{"model.init_from": str(base), "train.steps": 1, "optim.lr": 1e-30,
                                   "lora.from_dir": str(tmp_path / "ad")}))
-    want, got = load_file(str(run / "adapters.safetensors")), load_file(str(again / "adapters.safetensors"))
-    assert sorted(got) == sorted(want)
-    for name, t in want.items():
-        assert torch.equal(got[name], t), name
+    _same_adapters(run, again)
 
 
 @pytest.fixture(scope="module")
@@ -257,6 +317,9 @@ def _edited(folder: Path, dest: Path, **conf) -> Path:
     ({"target_modules": ["q_proj", "v_proj"]},
      "does not select model.layers.0.mlp.down_proj (and 1 more), which adapter_model.safetensors holds"),
     ({"target_modules": "(unclosed"}, "cannot be matched"),
+    ({"rank_pattern": {"(": 8}}, "rank_pattern key '(' is no regular expression"),
+    ({"alpha_pattern": {"q_proj": "x"}},
+     'alpha_pattern: q_proj is "x" (a string); it must be a finite number > 0'),
     ({"no tensors": True}, "adapter_model.safetensors holds no tensors"),
 ])
 def test_bad_adapter_config_exits_2_naming_the_field(peft_folder, tmp_path, capsys, conf, message):

@@ -14,7 +14,7 @@ which ``export --hf`` writes as any run's, and ``adapters.safetensors``, which i
 
 GPT-2 stores q, k, v as one fused ``c_attn``: their adapters go out as one c_attn adapter of rank
 3r (``fused``), exactly, with ``rank_pattern`` 3r and ``alpha_pattern`` 3 alpha for it (the scale
-stays alpha / r); adapters_in.py refuses it (per-module ranks) for now.
+stays alpha / r); adapters_in.py reads that back as the three rank-r adapters it was made of.
 Mixtral's experts (fused 3-D tensors in transformers 5) have no PEFT module: refused.
 """
 

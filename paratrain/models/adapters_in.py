@@ -7,16 +7,23 @@ adapters' initial values, mapped back (inverse RoPE permutation of q/k's lora_B)
 safetensors only (safeload.py): nothing in the folder runs code. Everything is checked before any
 worker starts (``settle_lora_from``, engine/checks.py); the workers only ``read``.
 
-An incoming GPT-2 c_attn adapter (A [r, d], B [3d, r], as PEFT trains it on GPT2LMHeadModel) comes
-in as q, k and v adapters of rank r: each takes A whole and its third of B's rows (``read``), so
-s B_q A x | s B_k A x | s B_v A x is exactly s B A x: the same logits. Training then continues with
-three copies of A, each with its own third's gradient (paratrain keeps q, k and v as three layers;
-PEFT's one A would take their sum).
+GPT-2's fused ``c_attn`` [q | k | v] comes in two shapes, both exactly:
+- rank r, as PEFT trains it on GPT2LMHeadModel (A [r, d], B [3d, r]): q, k and v adapters of rank
+  r, each with A whole and its third of B's rows, so s B_q A x | s B_k A x | s B_v A x is exactly
+  s B A x. Training then continues with three copies of A, each with its own third's gradient
+  (paratrain keeps q, k and v as three layers; PEFT's one A would take their sum).
+- rank 3r with lora_alpha 3 alpha (``rank_pattern`` / ``alpha_pattern``), as ``export --peft``
+  writes it (adapters.py ``fused``): A stacks the thirds' A, B is block-diagonal. Each third takes
+  its rows of A and its diagonal block of B (slices: bit-exact), and a third whose A rows and B
+  block are all zeros (no adapter in the exported run) gets none. A non-zero off-diagonal block is
+  a genuinely rank-3r adapter (q's output reads k's A rows), which three rank-r layers cannot hold:
+  refused, as is any other per-module rank or alpha (paratrain's LoRA has one rank and one scale).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,14 +54,15 @@ from paratrain.safeload import Fields, safetensors_names
 from paratrain.sharding import TensorShard
 
 # adapter_config.json fields whose non-default values change what the adapter computes beyond
-# plain LoRA: refused, never approximated.
+# plain LoRA: refused, never approximated (rank_pattern / alpha_pattern: ``PeftAdapter.stacked``).
 UNSUPPORTED = (("use_dora", False, "DoRA"), ("use_rslora", False, "rank-stabilised scaling alpha/sqrt(r)"),
                ("bias", "none", "trained biases"), ("modules_to_save", None, "fully trained extra modules"),
-               ("rank_pattern", {}, "per-module ranks"), ("alpha_pattern", {}, "per-module alphas"),
                ("lora_bias", False, "a bias on lora_B"))
 
 
 SELECTION = ("target_modules", "exclude_modules", "layers_to_transform", "layers_pattern")
+PATTERNS = ("rank_pattern", "alpha_pattern")  # module regex -> its own r / lora_alpha (PEFT's)
+MERGE = "merge it into the base (peft's merge_and_unload) and start a new adapter"
 
 
 def peft_selection(selection: dict, modules: list[str], where: str) -> set[str] | None:
@@ -111,6 +119,7 @@ class PeftAdapter:
     modules: list[str]  # transformers names of the adapted modules
     fan_in_fan_out: bool
     selection: dict  # adapter_config.json's SELECTION fields: which modules PEFT adapts
+    patterns: dict  # rank_pattern / alpha_pattern, checked: PEFT's per-module r / lora_alpha
 
     @classmethod
     def open(cls, path: str) -> PeftAdapter:
@@ -138,8 +147,9 @@ class PeftAdapter:
             raise AdapterError(f"{where}: lora_dropout is {dropout:g}; a dropout probability is in [0, 1): "
                                "fix it there (0: no dropout)")
         selection = {key: conf.get(key) for key in SELECTION}
+        patterns = {key: _pattern(fields, key) for key in PATTERNS}
         return cls(folder, fields.integer("r"), fields.number("lora_alpha", positive=True), dropout,
-                   modules, fields.flag("fan_in_fan_out", False), selection)
+                   modules, fields.flag("fan_in_fan_out", False), selection, patterns)
 
     @staticmethod
     def names(folder: Path) -> list[str]:
@@ -150,8 +160,9 @@ class PeftAdapter:
                                f"({PREFIX}<module>.lora_A.weight / .lora_B.weight)")
         return names
 
-    def targets(self, cfg: ModelCfg) -> list[Target]:
-        """The adapted modules in paratrain's terms; AdapterError naming any the base lacks."""
+    def module_targets(self, cfg: ModelCfg) -> dict[str, list[Target]]:
+        """Each adapted module (transformers name) with the paratrain linears it holds (GPT-2's c_attn:
+        q, k and v); AdapterError naming any the base lacks."""
         known = candidates(cfg)
         missing = [m for m in self.modules if m not in known]
         if missing:
@@ -160,7 +171,58 @@ class PeftAdapter:
                                "base model does not have: is this adapter for another base model?")
         self.check_selection(known)
         fused_parts = by_module([t for t in all_targets(cfg) if t.part is not None])
-        return [t for m in self.modules for t in fused_parts.get(m, [known[m]])]
+        return {m: fused_parts.get(m, [known[m]]) for m in self.modules}
+
+    def targets(self, cfg: ModelCfg) -> list[Target]:
+        """The adapted linears in paratrain's terms: every module's, but a rank-3r c_attn's thirds
+        whose A rows and B block are all zeros (thirds the exported run did not adapt)."""
+        grouped, stacked = self.module_targets(cfg), self.stacked(cfg)
+        out = []
+        for m, group in grouped.items():
+            parts = self.present_parts(m) if m in stacked else None
+            out += [t for t in group if parts is None or t.part in parts]
+        return out
+
+    def scaling_of(self, module: str) -> tuple[int, float]:
+        """(r, lora_alpha) PEFT gives ``module``: the first rank_pattern / alpha_pattern key whose
+        regex matches the end of its name (peft's ``get_pattern_key``), else the adapter's own."""
+        return (_matched(self.patterns["rank_pattern"], module, self.rank),
+                _matched(self.patterns["alpha_pattern"], module, self.alpha))
+
+    def stacked(self, cfg: ModelCfg) -> set[str]:
+        """The fused modules (GPT-2's c_attn) at rank 3r with lora_alpha 3 alpha, as ``export --peft``
+        writes them; AdapterError naming a module at any other (r, lora_alpha) than the adapter's:
+        paratrain's LoRA has one rank and one scale."""
+        fused = {t.hf for t in all_targets(cfg) if t.part is not None}
+        plain, three = (self.rank, self.alpha), (FUSED_PARTS * self.rank, FUSED_PARTS * self.alpha)
+        out = set()
+        for m in self.modules:
+            got = self.scaling_of(m)
+            if m in fused and _same(got, three):
+                out.add(m)
+            elif not _same(got, plain):
+                raise AdapterError(self._one_scale(m, got, three if m in fused else None))
+        return out
+
+    def _one_scale(self, module: str, got: tuple[int, float], fused: tuple[int, float] | None) -> str:
+        """The refusal of ``module`` at (r, lora_alpha) ``got``; ``fused``: what a fused one may have too."""
+        hint = (f" (a fused {module.rsplit('.', 1)[-1]} may have rank {self.rank} with lora_alpha "
+                f"{self.alpha:g}, or {fused[0]} with {fused[1]:g} as `paratrain export --peft` writes it)"
+                if fused else "")
+        return (f"{self.folder / ADAPTER_CONFIG}: {module} has rank {got[0]} and lora_alpha {got[1]:g} "
+                f"(rank_pattern / alpha_pattern) where the adapter has r = {self.rank} and lora_alpha = "
+                f"{self.alpha:g}; paratrain's LoRA gives every module one rank and one scale{hint}: "
+                f"continue this adapter with PEFT, or {MERGE}")
+
+    def present_parts(self, module: str) -> set[int]:
+        """The thirds (0, 1, 2: q, k, v) of a rank-3r fused module whose A rows or B block are not all
+        zeros (all three when the shapes are wrong: check_shapes says so)."""
+        a, b = self.tensor(module, "lora_A"), self.tensor(module, "lora_B")
+        r = self.rank
+        if a.shape[0] != FUSED_PARTS * r or b.shape[1] != FUSED_PARTS * r or b.shape[0] % FUSED_PARTS:
+            return set(range(FUSED_PARTS))
+        return {i for i in range(FUSED_PARTS)
+                if _third(a, "lora_A", i, r).any() or _third(b, "lora_B", i, r).any()}
 
     def check_selection(self, known: dict[str, Target]) -> None:
         """AdapterError unless the modules adapter_config.json selects (target_modules, as PEFT matches
@@ -181,44 +243,109 @@ class PeftAdapter:
                                    "fix target_modules (or save the adapter again with PEFT)")
 
     def check_shapes(self, cfg: ModelCfg) -> list[str]:
-        """Problems between the adapter's tensors and the base model's layers."""
+        """Problems between the adapter's tensors and the base model's layers; a rank-3r c_attn's B
+        must be zeros off its three diagonal blocks."""
         from safetensors import safe_open
 
         shapes = expected_shapes(cfg)
+        grouped, stacked = self.module_targets(cfg), self.stacked(cfg)
         problems = []
         with safe_open(str(self.folder / ADAPTER_WEIGHTS), framework="pt") as f:
             keys = set(f.keys())
-            for t in self.targets(cfg):
-                out, inp = shapes[f"{t.module}.weight"]
-                out *= 1 if t.part is None else FUSED_PARTS  # GPT-2's c_attn: B holds q, k and v
-                for part, want in (("lora_A", [self.rank, inp]), ("lora_B", [out, self.rank])):
-                    key = self.key(t, part, keys)
+            for m, group in grouped.items():
+                rank = self.rank * (FUSED_PARTS if m in stacked else 1)
+                out, inp = shapes[f"{group[0].module}.weight"]
+                out *= 1 if group[0].part is None else FUSED_PARTS  # GPT-2's c_attn: B holds q, k and v
+                wrong = []
+                for part, want in (("lora_A", [rank, inp]), ("lora_B", [out, rank])):
+                    key = self.key(m, part, keys)
                     got = list(f.get_slice(key).get_shape()) if key else None
                     if got != want:
-                        problems.append(f"{PREFIX}{t.hf}.{part}.weight is {'missing' if got is None else got}"
-                                        f"; the base model's {t.hf} (r = {self.rank}) needs {want}")
-        return problems
+                        wrong.append(f"{PREFIX}{m}.{part}.weight is {'missing' if got is None else got}"
+                                     f"; the base model's {m} (r = {rank}) needs {want}")
+                problems += wrong or ([self.off_diagonal(m)] if m in stacked else [])
+        return [p for p in problems if p]
+
+    def off_diagonal(self, module: str) -> str | None:
+        """The problem with a rank-3r fused module whose B is not zero off its three diagonal blocks:
+        q's output would read k's and v's A rows, which paratrain's three rank-r layers cannot hold."""
+        b, r = self.tensor(module, "lora_B"), self.rank
+        out = b.shape[0] // FUSED_PARTS
+        diagonal = torch.block_diag(*[torch.ones(out, r, dtype=torch.bool)] * FUSED_PARTS)  # [3 out, 3r]
+        if not b.masked_fill(diagonal, 0).any():
+            return None
+        return (f"{self.folder / ADAPTER_WEIGHTS}: {PREFIX}{module}.lora_B.weight (rank {FUSED_PARTS * r}) "
+                f"has non-zero values outside its {FUSED_PARTS} diagonal blocks (q, k, v: {out} rows x {r} "
+                f"columns each): a genuinely rank-{FUSED_PARTS * r} adapter, which paratrain's rank-{r} q, k "
+                f"and v adapters cannot hold; continue it with PEFT, or {MERGE}")
 
     @staticmethod
-    def key(t: Target, part: str, keys: set[str]) -> str | None:
-        for k in (f"{PREFIX}{t.hf}.{part}.weight", f"{PREFIX}{t.hf}.{part}.default.weight"):
+    def key(module: str, part: str, keys: set[str]) -> str | None:
+        for k in (f"{PREFIX}{module}.{part}.weight", f"{PREFIX}{module}.{part}.default.weight"):
             if k in keys:
                 return k
         return None
 
-    def read(self, name: str, spec: TensorShard, cfg: ModelCfg) -> torch.Tensor:
-        """This rank's slice of paratrain's adapter tensor ``name`` (``spec.slice`` of the full value)."""
+    def tensor(self, module: str, part: str) -> torch.Tensor:
+        """The folder's ``part`` (lora_A / lora_B) of transformers module ``module``, in fp32."""
         from safetensors import safe_open
 
-        m = LORA_PARAM.match(name)
-        t = hf_module(m.group("module"), cfg)
         with safe_open(str(self.folder / ADAPTER_WEIGHTS), framework="pt") as f:
-            full = f.get_tensor(self.key(t, m.group("part"), set(f.keys()))).float()
-        if t.part is not None and m.group("part") == "lora_B":  # GPT-2's c_attn: its third's rows
-            full = full.chunk(FUSED_PARTS, 0)[t.part]
-        if t.rope and m.group("part") == "lora_B":
+            return f.get_tensor(self.key(module, part, set(f.keys()))).float()
+
+    def read(self, name: str, spec: TensorShard, cfg: ModelCfg) -> torch.Tensor:
+        """This rank's slice of paratrain's adapter tensor ``name`` (``spec.slice`` of the full value)."""
+        m = LORA_PARAM.match(name)
+        t, part = hf_module(m.group("module"), cfg), m.group("part")
+        full = self.tensor(t.hf, part)
+        if t.part is not None:  # GPT-2's c_attn: its third (the module docstring)
+            stacked = self.scaling_of(t.hf)[0] == FUSED_PARTS * self.rank  # checked by stacked()
+            full = _third(full, part, t.part, self.rank if stacked else None)
+        if t.rope and part == "lora_B":
             full = checkpoint_class_for(cfg).rows_from_hf(full, cfg)
         return spec.slice(full).contiguous()
+
+
+def _pattern(fields: Fields, key: str) -> dict:
+    """adapter_config.json's rank_pattern (module regex -> an integer r) or alpha_pattern (-> a
+    lora_alpha > 0), each key a regex PEFT can match."""
+    given = fields.obj(key)
+    values = Fields(given, f"{fields.where}: {key}", AdapterError)
+    for k in given:
+        try:
+            re.compile(_peft_pattern(k))
+        except re.error as e:
+            raise AdapterError(f"{fields.where}: {key} key {k!r} is no regular expression ({e}): "
+                               "fix it") from None
+    return {k: values.integer(k) if key == "rank_pattern" else values.number(k, positive=True) for k in given}
+
+
+def _peft_pattern(key: str) -> str:
+    """The regex peft's ``get_pattern_key`` matches a rank_pattern / alpha_pattern key by: the key
+    at the end of the module's name, after a dot or alone."""
+    return rf"(.*\.)?({key})$"
+
+
+def _matched(pattern: dict, module: str, default: float) -> float:
+    """``pattern``'s value for ``module`` as peft picks it: the first key that matches, else ``default``."""
+    return next((v for k, v in pattern.items() if re.match(_peft_pattern(k), module)), default)
+
+
+def _same(got: tuple[int, float], want: tuple[int, float]) -> bool:
+    """The same (r, lora_alpha): alpha to 1e-12 relative, for a hand-written 3 alpha (0.3 for 0.1:
+    3 * 0.1 is 0.30000000000000004), a scale that differs in the last bit only."""
+    return got[0] == want[0] and math.isclose(got[1], want[1], rel_tol=1e-12)
+
+
+def _third(full: torch.Tensor, part: str, i: int, r: int | None) -> torch.Tensor:
+    """Third ``i`` (q, k, v) of a fused c_attn's lora_A / lora_B: B's rows i; of a rank-3r adapter
+    (``r`` given) A's rows i r..(i+1) r and B's columns likewise (its diagonal block); of a rank-r
+    one (``r`` None) A whole, shared."""
+    if part == "lora_B":
+        full = full.chunk(FUSED_PARTS, 0)[i]
+    if r is None:
+        return full
+    return full[i * r:(i + 1) * r] if part == "lora_A" else full[:, i * r:(i + 1) * r]
 
 
 # --------------------------------------------------------------------------------------------
