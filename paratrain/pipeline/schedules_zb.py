@@ -41,18 +41,16 @@ def fold_local_weights(order: list[Action], rank: int, schedule: Schedule) -> li
     gradient does not leave ``rank``. A stage's last B folds only when no W at all follows it on
     the rank (the executor lets data-parallel sync through at the last gradient of each stage, and
     stages sharing a tied parameter count as one)."""
+    last_b = {a.stage: i for i, a in enumerate(order) if a.kind == B}
+    last_w = max((i for i, a in enumerate(order) if a.kind == W), default=-1)
     out: list[Action] = []
     i = 0
     while i < len(order):
         a = order[i]
         out.append(a)
-        nxt = order[i + 1] if i + 1 < len(order) else None
-        folds = (a.kind == B and nxt is not None and nxt.kind == W and (nxt.mb, nxt.stage) == (a.mb, a.stage)
-                 and (a.stage == 0 or stage_rank(a.stage - 1, schedule.p, schedule.placement) == rank))
-        if folds:
-            rest = order[i + 2:]
-            last_b = not any(x.kind == B and x.stage == a.stage for x in rest)
-            folds = not (last_b and any(x.kind == W for x in rest))
+        folds = (a.kind == B and i + 1 < len(order) and order[i + 1] == Action(W, a.mb, a.stage)
+                 and (a.stage == 0 or stage_rank(a.stage - 1, schedule.p, schedule.placement) == rank)
+                 and (i < last_b[a.stage] or last_w == i + 1))
         i += 2 if folds else 1
     return out
 
