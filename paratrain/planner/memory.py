@@ -43,7 +43,7 @@ from paratrain.perf.ops import ACT_BYTES
 from paratrain.perf.stages import RECEIVE_BUFFERS
 from paratrain.planner import context
 from paratrain.planner.lora import lora_states, streamed_unit_share, streams_base, zero3_unit_bytes
-from paratrain.planner.optim8 import moments_correction
+from paratrain.planner.optim8 import expert_correction, moments_correction
 from paratrain.planner.zero_bubble import V_SCHEDULES, ZERO_BUBBLE, zb_in_flight
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", *ZERO_BUBBLE)
@@ -642,13 +642,15 @@ def model_state_bytes(dense: float, experts: float, lay: Layout, sb: StateBytes)
 
 def moments8_correction(c: ModelShape, tr: Training, lay: Layout, blocks: int, moe_blocks: int,
                         rank: int) -> float:
-    """8-bit AdamW's moments of pipeline rank ``rank``'s dense tensors as the trainer cuts their
-    blocks (planner/optim8.py: smaller blocks along tp pieces, fp32 moments for small tensors),
-    minus ``state_bytes_per_param``'s uniform figure for them, divided as ZeRO divides the state."""
+    """8-bit AdamW's moments of pipeline rank ``rank``'s tensors as the trainer cuts their blocks
+    (planner/optim8.py: smaller blocks along tp pieces, fp32 moments for small tensors), minus
+    ``state_bytes_per_param``'s uniform figure for them, divided as ZeRO divides the state (the
+    experts' over their expert-data-parallel group, ``model_state_bytes``)."""
     last = chunk_rank(lay.pp * lay.v - 1, lay.pp, lay.v_shape) == rank
-    extra = moments_correction(c, lay.tp, blocks, rank == 0, last, moe_blocks, block=tr.block_size,
-                               min_size=tr.min_8bit_size)
-    return extra / (lay.dp if lay.zero else 1)
+    sizes = {"block": tr.block_size, "min_size": tr.min_8bit_size}
+    dense = moments_correction(c, lay.tp, blocks, rank == 0, last, moe_blocks, **sizes)
+    experts = expert_correction(c, lay.tp, lay.ep, moe_blocks, **sizes)
+    return dense / (lay.dp if lay.zero else 1) + experts / (lay.edp if lay.zero else 1)
 
 
 def rank_model_states(c: ModelShape, tr: Training, lay: Layout, pp_rank: int) -> dict[str, float]:

@@ -17,8 +17,11 @@ every parameter of every family's tiny preset, and against a tp2 run's counted o
 Tensors are listed from the shape as ``local.param_numels`` lists them (the same order and
 conventions), with their full shapes and the dim the family's tp plan splits: q / k / v and the
 MLP's gate / up (fc) column-parallel (dim 0, their biases too), o and down (proj) row-parallel
-(dim 1, bias whole), the embedding, learned positions and LM head vocab-parallel (dim 0). Experts'
-matrices are not listed (``expert_free``): they keep the uniform figure.
+(dim 1, bias whole), the embedding, learned positions and LM head vocab-parallel (dim 0). Each
+expert is a SwiGLU MLP of ``moe_ffn_dim`` split by tp like the dense one (gate / up column, down
+row: models/moe.py ``Expert``; tensor_parallel/experts.py) and held by E / ep ranks' worth: its down
+projection's runs are moe_ffn_dim / 16 (48 elements for Qwen3-MoE's 768), so its scales are
+priced per tensor too (``expert_correction``).
 """
 
 from __future__ import annotations
@@ -91,6 +94,21 @@ def stage_tensors(c: ModelShape, blocks: int, first: bool, last: bool, moe_block
     if last:
         out += [*norm] + ([] if c.tie_embeddings and first else [Tensor((c.vocab_size, h), 0)])
     return out
+
+
+def expert_tensors(c: ModelShape) -> list[Tensor]:
+    """One expert's matrices, full shapes: gate and up [moe_ffn, dim] column-parallel, down
+    [dim, moe_ffn] row-parallel (no biases)."""
+    h, f = c.dim, c.moe_ffn_dim
+    return [Tensor((f, h), 0)] * (c.mlp_matrices - 1) + [Tensor((h, f), 1)]
+
+
+def expert_correction(c: ModelShape, tp: int, ep: int, moe_blocks: int, *, block: int = BLOCK_SIZE,
+                      min_size: int = MIN_8BIT_SIZE) -> float:
+    """Bytes of the 8-bit moments of a stage's local experts (E / ep in each of ``moe_blocks``
+    blocks) on one tp rank as the trainer cuts them, minus the uniform figure for them."""
+    one = sum(t.moment_bytes(tp, block, min_size) - UNIFORM * t.local(tp) for t in expert_tensors(c))
+    return one * (c.n_experts // ep) * moe_blocks if c.n_experts else 0.0
 
 
 def moments_correction(c: ModelShape, tp: int, blocks: int, first: bool, last: bool, moe_blocks: int = 0,
