@@ -107,8 +107,10 @@ def expert_correction(c: ModelShape, tp: int, ep: int, moe_blocks: int, *, block
                       min_size: int = MIN_8BIT_SIZE) -> float:
     """Bytes of the 8-bit moments of a stage's local experts (E / ep in each of ``moe_blocks``
     blocks) on one tp rank as the trainer cuts them, minus the uniform figure for them."""
+    if not c.n_experts:
+        return 0.0
     one = sum(t.moment_bytes(tp, block, min_size) - UNIFORM * t.local(tp) for t in expert_tensors(c))
-    return one * (c.n_experts // ep) * moe_blocks if c.n_experts else 0.0
+    return one * (c.n_experts // ep) * moe_blocks
 
 
 def moments_correction(c: ModelShape, tp: int, blocks: int, first: bool, last: bool, moe_blocks: int = 0,
