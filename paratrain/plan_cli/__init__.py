@@ -107,6 +107,9 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--lora-targets", type=lambda text: [n.strip() for n in text.split(",") if n.strip()],
                    help="with --lora: module-name patterns as train takes them; lm_head among them prices "
                         "the head's adapters (the blocks' targets are priced as the family's defaults)")
+    t.add_argument("--lora-dropout", type=float, default=0.0, metavar="P",
+                   help="with --lora: dropout on the adapters' input, as train takes it; each adapter then "
+                        "keeps its mask and dropped input (default: %(default)s)")
     t.add_argument("--margin", type=float, default=0.10,
                    help="fraction of device memory kept free (default: %(default)s)")
     c = p.add_argument_group("cluster")
@@ -239,12 +242,18 @@ def lora_training(args: argparse.Namespace) -> dict:
     if targets is not None and not (args.lora and targets):
         raise ValueError("--lora-targets names the layers LoRA adapts: add --lora RANK and at least one "
                          "name, e.g. --lora-targets wq,wv,lm_head")
+    dropout = getattr(args, "lora_dropout", 0.0)
+    if dropout and not args.lora:
+        raise ValueError("--lora-dropout applies to LoRA's adapters: add --lora RANK or drop it")
+    if not 0 <= dropout < 1:
+        raise ValueError(f"--lora-dropout must be in [0, 1) (got {dropout})")
     if not args.lora:
         return {}
     kind = args.base_precision
     return {"lora_rank": args.lora, "lora_base_bytes": 2 if kind == "bf16" else None,
             "lora_quantised": kind if kind in ("nf4", "int8") else None,
-            "lora_head": any(matches(t, "lm_head") for t in targets or ())}  # models/decoder.py's head
+            "lora_head": any(matches(t, "lm_head") for t in targets or ()),  # models/decoder.py's head
+            "lora_dropout": dropout}
 
 
 def cluster_from(args: argparse.Namespace) -> Cluster:

@@ -40,6 +40,8 @@ def train_settings(args: argparse.Namespace, c: ModelShape, lay: Layout) -> list
             out.append(("--base-precision", "lora.base_precision", args.base_precision))
         if getattr(args, "lora_targets", None):
             out.append(("--lora-targets", "lora.targets", list(args.lora_targets)))
+        if getattr(args, "lora_dropout", 0.0):
+            out.append(("--lora-dropout", "lora.dropout", args.lora_dropout))
     out += [("--dp", "parallel.dp", lay.replicas), ("--tp", "parallel.tp", lay.tp),
             ("--pp", "parallel.pp", lay.pp), ("--zero", "parallel.zero", lay.zero),
             ("--micro-batch", "train.micro_batch", lay.micro_batch)]

@@ -153,3 +153,64 @@ def streamed_unit_share(c: ModelShape, layers: int) -> float:
     block = block_linear_params(c) + 2 * c.dim  # its linears and two norms
     embed = c.vocab_size * c.dim
     return max(block, embed) / (layers * block + 2 * embed)
+
+
+def adapter_activation_bytes(c: ModelShape, rank: int, dropout: float, tokens: int, e: int, *,
+                             tp: int = 1, sp: bool = False, moe: bool = False,
+                             core_keeps_output: bool = True) -> float:
+    """What one block's adapters (the family's default targets) change in what autograd saves for
+    backward, per micro-batch of ``tokens`` positions, against the block formula of a frozen base
+    (planner/memory.py ``layer_activation_bytes``, which counts each sublayer's input once).
+
+    Each adapter's B keeps A's output u, r wide (``e`` bytes, the adapters compute in the
+    activations' dtype): a column-parallel base's (q, k, v, gate/up, fc) over every position of
+    the row, its input whole on each tp rank (gathered under sp); a row-parallel base's (o,
+    down/proj) after the widened reduction (tensor_parallel/lora.py), over this rank's positions
+    under sp. With sp a column-parallel adapter's A keeps the gathered input (the formula's sp
+    counts it split): the attention's and the MLP's inputs whole.
+
+    With ``dropout`` every adapter draws its own mask over its input: it keeps the mask (``e``
+    bytes, models/lora.py LoRADropout) and A the dropped input, both the input's width on this tp
+    rank; and nothing keeps the input itself any more (the base is frozen: its product needs no
+    x), so the formula's attention and MLP inputs and the down projection's (the gated product, or
+    GELU's output) come off, and o's input too where the core does not keep its output itself
+    (``core_keeps_output`` False: an eager or unfused core). A mixture-of-experts block's experts
+    do the same per routed assignment (top_k a position) for their MLP matrices, and its router,
+    frozen, keeps no input."""
+    h, f, q = c.dim, (c.moe_ffn_dim if moe else c.ffn_dim), c.n_heads * c.head_dim
+    col_mlp = c.mlp_matrices - 1  # gate and up, or fc
+    mlp_uses = c.top_k if moe else 1
+    split = tokens / tp if sp else tokens  # positions of a row-parallel output under sp
+    products = e * rank * (tokens * (3 + col_mlp * mlp_uses) + split * (1 + mlp_uses))
+    router = -4 * h * split if moe else 0.0  # the frozen router keeps no (fp32) input
+    if dropout <= 0:
+        gathered = 2 * e * h * tokens * (1 - 1 / tp) if sp else 0.0
+        return products + gathered + router
+    # the formula's inputs, which no one keeps now: counted split by tp (sp) as the formula counts them
+    replicated_inputs = e * h * (1 + mlp_uses) * (split if sp else tokens)
+    row_inputs = e * (f * mlp_uses + (0 if core_keeps_output else q)) * tokens / tp
+    masks = 2 * e * tokens * (h * (3 + col_mlp * mlp_uses) + (q + f * mlp_uses) / tp)
+    return products + masks - replicated_inputs - row_inputs + router
+
+
+def frozen_ends_bytes(c: ModelShape, rank: int, dropout: float, tokens: int, e: int, *, tp: int = 1,
+                      sp: bool = False, first: bool, last: bool, head_adapted: bool,
+                      blocks: bool = True) -> float:
+    """What a frozen embedding and head change at the model's two ends, per micro-batch, against
+    planner/memory.py's counts of a trained model. The frozen embedding keeps no token ids, and its
+    output needs no gradient: the first block's first norm (frozen gain) saves nothing, and neither
+    do the first block's q/k/v dropouts (their masks are needed for the input's gradient alone;
+    A keeps the dropped input). A frozen head keeps no input; an adapted one (``head_adapted``)
+    keeps it for A, plus u (r wide) for B, and with dropout its mask and dropped input in its
+    place. ``blocks`` False (full recompute): the first block is counted by its input alone."""
+    h = c.dim
+    out = 0.0
+    if first:
+        out -= 8 * tokens  # the ids (memory.py counts them on the first rank)
+        if blocks:
+            norm = (4 * h + 8) if c.norm == "layer" else (4 * h + 4)  # input (+ mean) + rstd, fp32
+            out -= norm * tokens / (tp if sp else 1)
+            out -= 3 * e * h * tokens if dropout > 0 else 0.0
+    if last:
+        out += (e * rank + (e * h if dropout > 0 else 0)) * tokens if head_adapted else -e * h * tokens
+    return out

@@ -42,7 +42,14 @@ from paratrain.perf.hardware import Cluster
 from paratrain.perf.ops import ACT_BYTES
 from paratrain.perf.stages import RECEIVE_BUFFERS
 from paratrain.planner import context
-from paratrain.planner.lora import lora_states, streamed_unit_share, streams_base, zero3_unit_bytes
+from paratrain.planner.lora import (
+    adapter_activation_bytes,
+    frozen_ends_bytes,
+    lora_states,
+    streamed_unit_share,
+    streams_base,
+    zero3_unit_bytes,
+)
 from paratrain.planner.optim8 import expert_correction, moments_correction
 from paratrain.planner.zero_bubble import V_SCHEDULES, ZERO_BUBBLE, zb_in_flight
 
@@ -65,6 +72,7 @@ class Training:
     lora_rank: int = 0  # LoRA adapters of this rank on a frozen base (planner/lora.py); 0: full training
     lora_base_bytes: float | None = None  # bytes per frozen base parameter (2: bf16); None: as trained
     lora_head: bool = False  # --lora-targets adapts lm_head too (planner/lora.py)
+    lora_dropout: float = 0.0  # --lora-dropout: each adapter keeps a mask and dropped input (planner/lora.py)
     block_size: int = 2048  # adamw8bit: optim.block_size (planner/optim8.py)
     min_8bit_size: int = 4096  # adamw8bit: optim.min_8bit_size
     zero3_runtime: str = "paratrain"  # whose ZeRO-3: paratrain | deepspeed | deepspeed-2021 (zero3.py)
@@ -562,6 +570,7 @@ def device_memory(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster,
               "attention": tr.attention, "frozen_gains": tr.frozen_gains, **context.cp_kwargs(lay)}
         per_mb = ((layers[rank] - n_moe[rank]) * layer_activation_bytes(c, seq, lay.micro_batch, **kw)
                   + n_moe[rank] * layer_activation_bytes(c, seq, lay.micro_batch, moe=True, **kw))
+        per_mb += adapters_saved(c, tr, lay, seq, layers[rank] - n_moe[rank], n_moe[rank], rank)
         if rank == 0:  # token ids (and under the ring its saved positions, one tensor for every block)
             per_mb += seq * lay.micro_batch * (16 if lay.cp > 1 and lay.cp_method == "ring" else 8)
         if rank == lay.pp - 1:
@@ -579,6 +588,27 @@ def device_memory(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster,
         if best is None or mem.total > best.total:
             best = mem
     return best
+
+
+def adapters_saved(c: ModelShape, tr: Training, lay: Layout, seq: int, dense: int, sparse: int,
+                   rank: int) -> float:
+    """What LoRA changes in one micro-batch's saved activations on pipeline rank ``rank`` of
+    ``dense`` and ``sparse`` (MoE) blocks: its adapters' (planner/lora.py
+    ``adapter_activation_bytes``; none under full recompute: a block keeps its input alone) and
+    the frozen ends' (``frozen_ends_bytes``: the embedding's, the first block's and the head's)."""
+    if not tr.lora_rank:
+        return 0.0
+    tokens, e = seq * lay.micro_batch, ACT_BYTES[tr.precision]
+    ends = frozen_ends_bytes(c, tr.lora_rank, tr.lora_dropout, tokens, e, tp=lay.tp, sp=lay.sp,
+                             first=rank == 0, last=rank == lay.pp - 1, head_adapted=tr.lora_head,
+                             blocks=lay.recompute != "full")
+    if lay.recompute == "full":
+        return ends
+    keeps_output = not (attention_stores_scores(c) or tr.attention == "unfused")  # fused SDPA keeps it
+    kw = {"tp": lay.tp, "sp": lay.sp, "core_keeps_output": keeps_output}
+    args = (c, tr.lora_rank, tr.lora_dropout, tokens, e)
+    return (ends + dense * adapter_activation_bytes(*args, **kw)
+            + sparse * adapter_activation_bytes(*args, moe=True, **kw))
 
 
 def held_grad_bytes(psi: float, lay: Layout, sb: StateBytes, m: int) -> float:

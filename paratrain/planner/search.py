@@ -537,7 +537,8 @@ def training_from_config(cfg: Config) -> tuple[ModelShape, Training]:
                        precision=cfg.train.precision, bucket_mb=cfg.parallel.bucket_mb,
                        lora_rank=cfg.lora.rank, lora_base_bytes=2 if bf16_base else None,
                        lora_quantised=quantised,
-                       lora_head=head, optimizer=cfg.optim.name, block_size=cfg.optim.block_size,
+                       lora_head=head, lora_dropout=cfg.lora.dropout if cfg.lora.rank else 0.0,
+                       optimizer=cfg.optim.name, block_size=cfg.optim.block_size,
                        min_8bit_size=cfg.optim.min_8bit_size)
 
 

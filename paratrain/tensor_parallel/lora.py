@@ -121,6 +121,7 @@ class RowParallelLoRALinear(DenseBase, RowParallelLinear):
         else:
             both = reduce_from_tp(both, self.axis)  # [b, s, out + r]
         y, u = both.split([self.out_features, self.rank], dim=-1)
+        u = u.contiguous()  # B keeps u for its gradient: a view would keep the whole out + r wide `both`
         sp = self.sequence_parallel  # under SP u holds this rank's tokens only: B's gradient is partial
         b = copy_to_tp(self.lora_B.weight, self.axis) if sp else self.lora_B.weight
         y = y + self.scale * F.linear(u.to(b.dtype), b).to(y.dtype)
