@@ -44,6 +44,7 @@ from paratrain.planner.memory import (
     Layout,
     Training,
     a2a_bytes,
+    head_rank,
     held_state_bytes,
     layer_params_local,
     rank_layers,
@@ -197,11 +198,11 @@ def stage_costs(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster, coun
     for r, n_moe in enumerate(stage_moe_layers(c, lay.pp, lay.v, counts, lay.v_shape)):
         n = sum(counts[j] for j in range(r, chunks, lay.pp)) - n_moe  # dense blocks
         t = (n * blk.total + n_moe * moe.total + (emb.total if r == 0 else 0.0)
-             + (head.total if r == lay.pp - 1 else 0.0))
+             + (head.total if r == head_rank(lay) else 0.0))
         out.append((t, n * blk.forward + n_moe * moe.forward,
                     n * blk.attention_forward + n_moe * moe.attention_forward,
                     n * blk.weight_grad + n_moe * moe.weight_grad
-                    + (head.weight_grad if r == lay.pp - 1 else 0.0)))
+                    + (head.weight_grad if r == head_rank(lay) else 0.0)))
     return out
 
 
@@ -255,7 +256,7 @@ def step_time(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster) -> Ste
         # Counted as paratrain's tp layers issue them, kind by kind, each on gloo's measured curve
         # (local.tp_collectives: SP's norm-weight all-reduces, the embedding's and the head's
         # operators, the loss's two all-reduces, full recompute's early stop).
-        edges = (tpc["first"] if busiest == 0 else []) + (tpc["last"] if busiest == lay.pp - 1 else [])
+        edges = (tpc["first"] if busiest == 0 else []) + (tpc["last"] if busiest == head_rank(lay) else [])
         mb_tp = (layers[busiest] * tp_seconds(tpc["block"], lay.tp, tp_link, op_s) + moe_extra
                  + tp_seconds(edges, lay.tp, tp_link, op_s))
 
@@ -289,7 +290,7 @@ def step_time(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster) -> Ste
     psi = stage_params(c, lay.tp, lay.pp, lay.v, counts, lay.ep, lay.v_shape)[busiest]
     experts = stage_expert_params(c, lay.tp, lay.pp, lay.v, counts, lay.ep, lay.v_shape)[busiest]
     stage_imbalance = imbalance([x[0] for x in costs]) if lay.pp > 1 else 0.0
-    first, last = busiest == 0, busiest == lay.pp - 1
+    first, last = busiest == 0, busiest == head_rank(lay)
     # Parameter tensors of the busiest rank: per block two norms, four attention projections and
     # the MLP's matrices (an MoE block: the router and the MLP's matrices per local expert), the
     # embedding on the first stage, the final norm and head on the last.

@@ -44,6 +44,7 @@ from paratrain.planner.memory import (
     chunk_sizes,
     embedding_params_local,
     expert_params_local,
+    head_rank,
     held_state_bytes,
     layer_params_local,
     stage_layers,
@@ -391,7 +392,7 @@ def rank_step_collectives(c: ModelShape, tr: Training, lay: Layout, pp_rank: int
         axes[axis] += sum(sizes) * times
 
     blocks = stage_layers(c.n_layers, lay.pp, lay.v)[pp_rank]
-    first, last = pp_rank == 0, pp_rank == lay.pp - 1
+    first, last = pp_rank == 0, pp_rank == head_rank(lay)
     m = lay.n_micro(tr.global_batch)
     start = sum(chunk_sizes(c.n_layers, lay.pp, lay.v)[:pp_rank]) if lay.v == 1 else 0
     dp = collectives(c, tr, lay, 0.0, blocks, first, last, m, start)

@@ -248,6 +248,11 @@ def chunk_rank(j: int, pp: int, v_shape: bool = False) -> int:
     return pp - 1 - pos if v_shape and chunk % 2 else pos
 
 
+def head_rank(lay: Layout) -> int:
+    """The pipeline rank of the last stage (the final norm, the head, the loss): pp - 1, or 0 in a V."""
+    return chunk_rank(lay.pp * lay.v - 1, lay.pp, lay.v_shape)
+
+
 def stage_moe_layers(c: ModelShape, pp: int, v: int = 1, counts: list[int] | None = None,
                      v_shape: bool = False) -> list[int]:
     """MoE blocks held by each pipeline rank (chunk j of contiguous blocks on ``chunk_rank(j)``)."""
@@ -548,7 +553,7 @@ def device_memory(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster,
     ranks = range(lay.pp) if counts or 0 < c.n_moe_layers < c.n_layers else sorted({0, lay.pp - 1})
     for rank in ranks:
         psi = params[rank]
-        head = chunk_rank(lay.pp * lay.v - 1, lay.pp, lay.v_shape) == rank
+        head = head_rank(lay) == rank
         states = (lora_states(c, tr, lay, sb, psi, layers[rank] - n_moe[rank], n_moe[rank], head=head)
                   if tr.lora_rank else model_state_bytes(psi - experts[rank], experts[rank], lay, sb))
         if tr.optimizer == "adamw8bit" and not tr.lora_rank:
@@ -570,10 +575,10 @@ def device_memory(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster,
               "attention": tr.attention, "frozen_gains": tr.frozen_gains, **context.cp_kwargs(lay)}
         per_mb = ((layers[rank] - n_moe[rank]) * layer_activation_bytes(c, seq, lay.micro_batch, **kw)
                   + n_moe[rank] * layer_activation_bytes(c, seq, lay.micro_batch, moe=True, **kw))
-        per_mb += adapters_saved(c, tr, lay, seq, layers[rank] - n_moe[rank], n_moe[rank], rank)
+        per_mb += adapters_saved(c, tr, lay, seq, layers[rank] - n_moe[rank], n_moe[rank], rank, head)
         if rank == 0:  # token ids (and under the ring its saved positions, one tensor for every block)
             per_mb += seq * lay.micro_batch * (16 if lay.cp > 1 and lay.cp_method == "ring" else 8)
-        if rank == lay.pp - 1:
+        if head:  # the rank of the last stage: pp - 1, or 0 in a V (zbv, dualpipev)
             per_mb += output_activation_bytes(c, seq, lay.micro_batch, tp=lay.tp, sp=lay.sp,
                                               precision=tr.precision, frozen_gains=tr.frozen_gains)
         acts = per_mb * in_flight(lay.schedule, lay.pp, m, lay.v, rank)
@@ -591,8 +596,9 @@ def device_memory(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster,
 
 
 def adapters_saved(c: ModelShape, tr: Training, lay: Layout, seq: int, dense: int, sparse: int,
-                   rank: int) -> float:
-    """What LoRA changes in one micro-batch's saved activations on pipeline rank ``rank`` of
+                   rank: int, head: bool) -> float:
+    """What LoRA changes in one micro-batch's saved activations on pipeline rank ``rank`` (``head``:
+    it holds the last stage) of
     ``dense`` and ``sparse`` (MoE) blocks: its adapters' (planner/lora.py
     ``adapter_activation_bytes``; none under full recompute: a block keeps its input alone) and
     the frozen ends' (``frozen_ends_bytes``: the embedding's, the first block's and the head's)."""
@@ -600,7 +606,7 @@ def adapters_saved(c: ModelShape, tr: Training, lay: Layout, seq: int, dense: in
         return 0.0
     tokens, e = seq * lay.micro_batch, ACT_BYTES[tr.precision]
     ends = frozen_ends_bytes(c, tr.lora_rank, tr.lora_dropout, tokens, e, tp=lay.tp, sp=lay.sp,
-                             first=rank == 0, last=rank == lay.pp - 1, head_adapted=tr.lora_head,
+                             first=rank == 0, last=head, head_adapted=tr.lora_head,
                              blocks=lay.recompute != "full")
     if lay.recompute == "full":
         return ends
@@ -766,7 +772,7 @@ def transient_bytes(c: ModelShape, tr: Training, lay: Layout, rank: int) -> floa
         out += layer_activation_bytes(c, seq, lay.micro_batch, tp=lay.tp, sp=lay.sp, precision=tr.precision,
                                       moe=c.n_moe_layers > 0, attention=tr.attention,
                                       frozen_gains=tr.frozen_gains, **context.cp_kwargs(lay))
-    if rank == lay.pp - 1:
+    if rank == head_rank(lay):
         out += seq * lay.micro_batch * vocab_local(c, lay.tp) * 4
     return out + context.transient_bytes(c, lay.cp_method, lay.cp, seq * lay.micro_batch, lay.tp,
                                          ACT_BYTES[tr.precision])
