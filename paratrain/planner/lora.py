@@ -195,22 +195,21 @@ def adapter_activation_bytes(c: ModelShape, rank: int, dropout: float, tokens: i
 
 def frozen_ends_bytes(c: ModelShape, rank: int, dropout: float, tokens: int, e: int, *, tp: int = 1,
                       sp: bool = False, first: bool, last: bool, head_adapted: bool,
-                      blocks: bool = True) -> float:
+                      first_norm: float) -> float:
     """What a frozen embedding and head change at the model's two ends, per micro-batch, against
     planner/memory.py's counts of a trained model. The frozen embedding keeps no token ids, and its
     output needs no gradient: the first block's first norm (frozen gain) saves nothing, and neither
     do the first block's q/k/v dropouts (their masks are needed for the input's gradient alone;
     A keeps the dropped input). A frozen head keeps no input; an adapted one (``head_adapted``)
     keeps it for A, plus u (r wide) for B, and with dropout its mask and dropped input in its
-    place. ``blocks`` False (full recompute): the first block is counted by its input alone."""
+    place. ``first_norm``: the bytes a token's first norm saves in a block (0 under full recompute:
+    the first block is then counted by its input alone, and its masks are not kept either)."""
     h = c.dim
     out = 0.0
     if first:
         out -= 8 * tokens  # the ids (memory.py counts them on the first rank)
-        if blocks:
-            norm = (4 * h + 8) if c.norm == "layer" else (4 * h + 4)  # input (+ mean) + rstd, fp32
-            out -= norm * tokens / (tp if sp else 1)
-            out -= 3 * e * h * tokens if dropout > 0 else 0.0
+        out -= first_norm * tokens / (tp if sp else 1)
+        out -= 3 * e * h * tokens if dropout > 0 and first_norm else 0.0
     if last:
         out += (e * rank + (e * h if dropout > 0 else 0)) * tokens if head_adapted else -e * h * tokens
     return out

@@ -605,9 +605,9 @@ def adapters_saved(c: ModelShape, tr: Training, lay: Layout, seq: int, dense: in
     if not tr.lora_rank:
         return 0.0
     tokens, e = seq * lay.micro_batch, ACT_BYTES[tr.precision]
+    first_norm = norm_activation_bytes(c, frozen_gains=True) if lay.recompute != "full" else 0.0
     ends = frozen_ends_bytes(c, tr.lora_rank, tr.lora_dropout, tokens, e, tp=lay.tp, sp=lay.sp,
-                             first=rank == 0, last=head, head_adapted=tr.lora_head,
-                             blocks=lay.recompute != "full")
+                             first=rank == 0, last=head, head_adapted=tr.lora_head, first_norm=first_norm)
     if lay.recompute == "full":
         return ends
     keeps_output = not (attention_stores_scores(c) or tr.attention == "unfused")  # fused SDPA keeps it
@@ -682,9 +682,8 @@ def moments8_correction(c: ModelShape, tr: Training, lay: Layout, blocks: int, m
     (planner/optim8.py: smaller blocks along tp pieces, fp32 moments for small tensors), minus
     ``state_bytes_per_param``'s uniform figure for them, divided as ZeRO divides the state (the
     experts' over their expert-data-parallel group, ``model_state_bytes``)."""
-    last = chunk_rank(lay.pp * lay.v - 1, lay.pp, lay.v_shape) == rank
     sizes = {"block": tr.block_size, "min_size": tr.min_8bit_size}
-    dense = moments_correction(c, lay.tp, blocks, rank == 0, last, moe_blocks, **sizes)
+    dense = moments_correction(c, lay.tp, blocks, rank == 0, head_rank(lay) == rank, moe_blocks, **sizes)
     experts = expert_correction(c, lay.tp, lay.ep, moe_blocks, **sizes)
     return dense / (lay.dp if lay.zero else 1) + experts / (lay.edp if lay.zero else 1)
 
