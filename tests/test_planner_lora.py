@@ -209,3 +209,24 @@ def test_tp_lora_activations_match_saved_tensors():
         lay = memory.Layout(micro_batch=4, tp=2, sp=sp)
         predicted = memory.device_memory(c, tr, lay, local_cluster(2)).activations
         assert predicted == pytest.approx(got, rel=0.005), (sp, dropout)
+
+
+@pytest.mark.parametrize("name", ["tiny", "qwen3-tiny", "gemma2-tiny", "gpt2-tiny", "qwen3-moe-tiny"])
+def test_adapters_and_adapted_weights_per_block_equal_the_built_model(name):
+    """``lora_block_params`` and ``block_linear_params`` (what nf4 / int8 quantise) per block equal
+    the built model's, dense and MoE blocks alike. An MoE block's experts are ``moe_ffn_dim`` wide:
+    counted ``ffn_dim`` wide before (qwen3-moe-tiny: 11,776 adapter parameters for 7,168; 122,880
+    adapted weights for 49,152; Qwen3-30B-A3B's experts 8x)."""
+    from paratrain.models import build_model
+    from paratrain.models import preset as preset_any
+    from paratrain.models.lora import LoraSpec, apply_lora
+
+    c = preset_any(name)
+    model = build_model(c, "meta")
+    apply_lora(model, LoraSpec(rank=4))
+    for i, block in enumerate(model.layers.values()):  # a ModuleDict by block index
+        adapters = sum(p.numel() for n, p in block.named_parameters() if "lora_" in n)
+        weights = sum(m.weight.numel() for m in block.modules() if hasattr(m, "lora_A"))
+        moe = c.is_moe_block(i)
+        assert adapters == lora.lora_block_params(c, 4, moe=moe), (i, moe)
+        assert weights == lora.block_linear_params(c, moe=moe), (i, moe)

@@ -34,7 +34,8 @@ def lora_block_params(c: ModelShape, rank: int, tp: int = 1, *, moe: bool = Fals
     q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     kv_local = kv // tp if c.n_kv_heads % tp == 0 else kv
     attn = (c.dim + q // tp) + 2 * (c.dim + kv_local) + (q // tp + c.dim)
-    mlp = (c.mlp_matrices - 1) * (c.dim + c.ffn_dim // tp) + (c.ffn_dim // tp + c.dim)
+    f = (c.moe_ffn_dim if moe else c.ffn_dim) // tp  # an expert's MLP is moe_ffn_dim wide
+    mlp = (c.mlp_matrices - 1) * (c.dim + f) + (f + c.dim)
     experts = c.n_experts // ep if moe else 1
     return rank * (attn + experts * mlp)
 
@@ -46,7 +47,7 @@ def block_linear_params(c: ModelShape, tp: int = 1, *, moe: bool = False, ep: in
     kv_local = kv // tp if c.n_kv_heads % tp == 0 else kv
     attn = c.dim * (q // tp) + 2 * c.dim * kv_local + (q // tp) * c.dim
     experts = c.n_experts // ep if moe else 1
-    return attn + experts * c.mlp_matrices * c.dim * (c.ffn_dim // tp)
+    return attn + experts * c.mlp_matrices * c.dim * ((c.moe_ffn_dim if moe else c.ffn_dim) // tp)
 
 
 def head_weight_params(c: ModelShape, tp: int = 1) -> int:
