@@ -304,8 +304,9 @@ def test_auto_layout_under_torchrun_is_refused_with_the_fix(monkeypatch, capsys,
 # -- checked against reality -----------------------------------------------------------------------
 
 
-def _saved_activation_bytes(model, x, y) -> int:
-    """Bytes of the distinct non-parameter tensors autograd saves for backward in one forward."""
+def _saved_activation_bytes(model, x, y, precision: str = "fp32") -> int:
+    """Bytes of the distinct non-parameter tensors autograd saves for backward in one forward
+    (under bf16 autocast, as base/executor.py runs a micro-batch, with ``precision`` bf16)."""
     param_storage = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
@@ -315,7 +316,8 @@ def _saved_activation_bytes(model, x, y) -> int:
             seen[st.data_ptr()] = st.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+    with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten(), reduction="sum")
     return sum(seen.values())
 

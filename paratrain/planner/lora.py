@@ -29,25 +29,36 @@ from paratrain.perf.quantised import bytes_per_weight, stored_bytes
 from paratrain.sharding import TP_PIECES
 
 
+def _attention_widths(c: ModelShape, tp: int) -> tuple[int, int]:
+    """q's and each of k's / v's output width on one tp rank (k/v replicated where tp does not
+    divide the kv heads: tensor_parallel's ReplicatedHeadsLinear)."""
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    return q // tp, kv // tp if c.n_kv_heads % tp == 0 else kv
+
+
 def lora_block_params(c: ModelShape, rank: int, tp: int = 1, *, moe: bool = False, ep: int = 1) -> int:
     """One block's adapter parameters on one tp rank (default targets)."""
-    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    kv_local = kv // tp if c.n_kv_heads % tp == 0 else kv
-    attn = (c.dim + q // tp) + 2 * (c.dim + kv_local) + (q // tp + c.dim)
+    q, kv = _attention_widths(c, tp)
+    attn = (c.dim + q) + 2 * (c.dim + kv) + (q + c.dim)
     f = (c.moe_ffn_dim if moe else c.ffn_dim) // tp  # an expert's MLP is moe_ffn_dim wide
     mlp = (c.mlp_matrices - 1) * (c.dim + f) + (f + c.dim)
     experts = c.n_experts // ep if moe else 1
     return rank * (attn + experts * mlp)
 
 
+def qkv_weight_params(c: ModelShape, tp: int = 1) -> int:
+    """q's, k's and v's weights on one tp rank."""
+    q, kv = _attention_widths(c, tp)
+    return c.dim * (q + 2 * kv)
+
+
 def block_linear_params(c: ModelShape, tp: int = 1, *, moe: bool = False, ep: int = 1) -> int:
     """One block's adapted (default targets) linear weights on one tp rank: what ``--base-precision
     nf4 | int8`` quantises (engine/qlora.py)."""
-    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    kv_local = kv // tp if c.n_kv_heads % tp == 0 else kv
-    attn = c.dim * (q // tp) + 2 * c.dim * kv_local + (q // tp) * c.dim
     experts = c.n_experts // ep if moe else 1
-    return attn + experts * c.mlp_matrices * c.dim * ((c.moe_ffn_dim if moe else c.ffn_dim) // tp)
+    f = (c.moe_ffn_dim if moe else c.ffn_dim) // tp
+    o = _attention_widths(c, tp)[0] * c.dim
+    return qkv_weight_params(c, tp) + o + experts * c.mlp_matrices * c.dim * f
 
 
 def head_weight_params(c: ModelShape, tp: int = 1) -> int:
@@ -158,26 +169,28 @@ def streamed_unit_share(c: ModelShape, layers: int) -> float:
 
 def adapter_activation_bytes(c: ModelShape, rank: int, dropout: float, tokens: int, e: int, *,
                              tp: int = 1, sp: bool = False, moe: bool = False,
-                             core_keeps_output: bool = True) -> float:
+                             core_keeps_output: bool = True, copies: tuple[int, int] = (1, 1)) -> float:
     """What one block's adapters (the family's default targets) change in what autograd saves for
     backward, per micro-batch of ``tokens`` positions, against the block formula of a frozen base
-    (planner/memory.py ``layer_activation_bytes``, which counts each sublayer's input once).
+    (planner/memory.py ``layer_activation_bytes``, which counts ``copies`` of the attention's and
+    the MLP's input, ``memory.input_copies``: one shared in fp32, one cast per column linear under
+    autocast -- what each column adapter's A keeps in a frozen base too).
 
     Each adapter's B keeps A's output u, r wide (``e`` bytes, the adapters compute in the
     activations' dtype): a column-parallel base's (q, k, v, gate/up, fc) over every position of
     the row, its input whole on each tp rank (gathered under sp); a row-parallel base's (o,
     down/proj) after the widened reduction (tensor_parallel/lora.py), over this rank's positions
-    under sp. With sp a column-parallel adapter's A keeps the gathered input (the formula's sp
-    counts it split): the attention's and the MLP's inputs whole.
+    under sp.
 
-    With ``dropout`` every adapter draws its own mask over its input: it keeps the mask (``e``
-    bytes, models/lora.py LoRADropout) and A the dropped input, both the input's width on this tp
-    rank; and nothing keeps the input itself any more (the base is frozen: its product needs no
-    x), so the formula's attention and MLP inputs and the down projection's (the gated product, or
-    GELU's output) come off, and o's input too where the core does not keep its output itself
-    (``core_keeps_output`` False: an eager or unfused core). A mixture-of-experts block's experts
-    do the same per routed assignment (top_k a position) for their MLP matrices, and its router,
-    frozen, keeps no input."""
+    With ``dropout`` every adapter draws its own mask over its input: it keeps the mask (the
+    input's dtype: fp32 for a column adapter, whose input is the fp32 normed residual; ``e`` for a
+    row one, models/lora.py LoRADropout) and A the dropped input (cast to ``e``), both the input's
+    width on this tp rank; and nothing keeps the input itself any more (the base is frozen: its
+    product needs no x), so the formula's attention and MLP inputs and the down projection's (the
+    gated product, or GELU's output) come off, and o's input too where the core does not keep its
+    output itself (``core_keeps_output`` False: an eager or unfused core). A mixture-of-experts
+    block's experts do the same per routed assignment (top_k a position) for their MLP matrices,
+    and its router, frozen, keeps no input."""
     h, f, q = c.dim, (c.moe_ffn_dim if moe else c.ffn_dim), c.n_heads * c.head_dim
     col_mlp = c.mlp_matrices - 1  # gate and up, or fc
     mlp_uses = c.top_k if moe else 1
@@ -185,12 +198,11 @@ def adapter_activation_bytes(c: ModelShape, rank: int, dropout: float, tokens: i
     products = e * rank * (tokens * (3 + col_mlp * mlp_uses) + split * (1 + mlp_uses))
     router = -4 * h * split if moe else 0.0  # the frozen router keeps no (fp32) input
     if dropout <= 0:
-        gathered = 2 * e * h * tokens * (1 - 1 / tp) if sp else 0.0
-        return products + gathered + router
-    # the formula's inputs, which no one keeps now: counted split by tp (sp) as the formula counts them
-    replicated_inputs = e * h * (1 + mlp_uses) * (split if sp else tokens)
+        return products + router
+    # the formula's inputs (whole rows under sp: gathered), which no one keeps now
+    replicated_inputs = e * h * (copies[0] + copies[1] * mlp_uses) * tokens
     row_inputs = e * (f * mlp_uses + (0 if core_keeps_output else q)) * tokens / tp
-    masks = 2 * e * tokens * (h * (3 + col_mlp * mlp_uses) + (q + f * mlp_uses) / tp)
+    masks = tokens * ((4 + e) * h * (3 + col_mlp * mlp_uses) + 2 * e * (q + f * mlp_uses) / tp)
     return products + masks - replicated_inputs - row_inputs + router
 
 
@@ -210,7 +222,7 @@ def frozen_ends_bytes(c: ModelShape, rank: int, dropout: float, tokens: int, e: 
     if first:
         out -= 8 * tokens  # the ids (memory.py counts them on the first rank)
         out -= first_norm * tokens / (tp if sp else 1)
-        out -= 3 * e * h * tokens if dropout > 0 and first_norm else 0.0
+        out -= 3 * 4 * h * tokens if dropout > 0 and first_norm else 0.0  # fp32 masks, as the input
     if last:
         out += (e * rank + (e * h if dropout > 0 else 0)) * tokens if head_adapted else -e * h * tokens
     return out

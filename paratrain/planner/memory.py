@@ -44,8 +44,13 @@ from paratrain.perf.stages import RECEIVE_BUFFERS
 from paratrain.planner import context
 from paratrain.planner.lora import (
     adapter_activation_bytes,
+    block_linear_params,
     frozen_ends_bytes,
+    head_weight_params,
+    lora_block_params,
+    lora_head_params,
     lora_states,
+    qkv_weight_params,
     streamed_unit_share,
     streams_base,
     zero3_unit_bytes,
@@ -408,10 +413,12 @@ def layer_activation_bytes(c: ModelShape, seq: int, micro_batch: int, *, tp: int
         return tokens * h * resid / (tp if sp else 1)
     kv = q if c.n_kv_heads != c.n_heads else c.n_kv_heads * c.head_dim
     norm = norm_activation_bytes(c, frozen_gains)
-    replicated = c.norms_per_block * norm + 2 * e * h  # + the two sublayers' inputs
+    replicated = c.norms_per_block * norm
+    # the column linears' inputs, replicated over tp; under sp gathered, each linear keeping whole rows
+    inputs = e * h * sum(input_copies(c, e, moe))
     core = e * (2 * q + 2 * kv) + 4 * heads  # q, k, v, attention output; log-sum-exp
-    if c.qk_norm:  # per-head RMSNorm of q and k in fp32: input, normed (a trained gain's), one rstd per head
-        core += (4 if frozen_gains else 8) * (q + c.n_kv_heads * c.head_dim) + 4 * (heads + c.n_kv_heads)
+    if c.qk_norm:  # per-head RMSNorm of q and k in fp32: input, normed in q's dtype (a trained gain's), rstd
+        core += (4 if frozen_gains else 4 + e) * (q + c.n_kv_heads * c.head_dim) + 4 * (heads + c.n_kv_heads)
     if cp > 1 and cp_method == "ring":
         core = context.ring_core_bytes(c, 1, e)  # all heads: split by tp below, as the core is
     if recompute == "selective":
@@ -427,13 +434,15 @@ def layer_activation_bytes(c: ModelShape, seq: int, micro_batch: int, *, tp: int
     if moe:
         k = c.top_k
         mlp *= k
-        replicated += (4 - e) * h + k * (e * h + 2 * 4 * h + 16) + 8 * c.n_experts + 4 + 13 * k
+        rows = 1 if e >= 4 else c.mlp_matrices - 1  # an expert's gathered rows: shared, or cast per linear
+        # the router's fp32 input; per assignment the expert's rows, its output and combine slot, indices
+        replicated += 4 * h + k * (rows * e * h + 2 * 4 * h + 16) + 8 * c.n_experts + 4 + 13 * k
         if renormalised_top_k(c):
             replicated += 4 * k + 4
     split = core + mlp
     if sp:
-        return tokens * (replicated + split) / tp + per_call
-    return tokens * (replicated + split / tp) + per_call
+        return tokens * ((replicated + split) / tp + inputs) + per_call
+    return tokens * (replicated + inputs + split / tp) + per_call
 
 
 def eager_score_bytes(c: ModelShape, e: int) -> int:
@@ -449,6 +458,19 @@ def stored_keys(c: ModelShape, seq: int) -> float:
     sequence in a full layer, the window in a sliding one."""
     sliding = c.n_sliding_layers if 0 < c.sliding_window < seq else 0
     return ((c.n_layers - sliding) * seq + sliding * c.sliding_window) / c.n_layers
+
+
+def input_copies(c: ModelShape, e: int, moe: bool = False) -> tuple[int, int]:
+    """Copies of the attention's and the MLP's input (the normed residual, e bytes each) a block
+    keeps. In fp32 the column linears (q, k, v; gate and up, or fc) keep one shared tensor; under
+    bf16/fp16 autocast the input is fp32 (the residual stream and the norms are) and each linear
+    casts it itself, keeping its own cast (autocast caches casts of weights, not of activations). An
+    MoE block's MLP input is its router's (fp32) and its experts' gathered rows, counted per
+    assignment in ``layer_activation_bytes``. Under sequence parallelism each copy is of the
+    gathered rows: whole, not split by tp."""
+    if moe:  # the router's fp32 input, and the experts' rows per assignment
+        return (1 if e >= 4 else 3), 0
+    return (1, 1) if e >= 4 else (3, c.mlp_matrices - 1)
 
 
 def norm_activation_bytes(c: ModelShape, frozen_gains: bool = False) -> float:
@@ -576,6 +598,7 @@ def device_memory(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster,
         per_mb = ((layers[rank] - n_moe[rank]) * layer_activation_bytes(c, seq, lay.micro_batch, **kw)
                   + n_moe[rank] * layer_activation_bytes(c, seq, lay.micro_batch, moe=True, **kw))
         per_mb += adapters_saved(c, tr, lay, seq, layers[rank] - n_moe[rank], n_moe[rank], rank, head)
+        per_mb += weight_casts(c, tr, lay, layers[rank] - n_moe[rank], n_moe[rank], head, rank == 0)
         if rank == 0:  # token ids (and under the ring its saved positions, one tensor for every block)
             per_mb += seq * lay.micro_batch * (16 if lay.cp > 1 and lay.cp_method == "ring" else 8)
         if head:  # the rank of the last stage: pp - 1, or 0 in a V (zbv, dualpipev)
@@ -595,6 +618,37 @@ def device_memory(c: ModelShape, tr: Training, lay: Layout, cluster: Cluster,
     return best
 
 
+def weight_casts(c: ModelShape, tr: Training, lay: Layout, dense: int, sparse: int, head: bool,
+                 first: bool) -> float:
+    """Bytes a micro-batch keeps of autocast's casts of fp32 weights: a linear's product keeps its
+    weight for the input's gradient, and under bf16/fp16 autocast over fp32 parameters that is a
+    cast made in the micro-batch's own autocast region (DDP and a pipeline without ZeRO keep fp32
+    parameters, ZeRO computes with copies in the compute dtype: none there). Every linear of the
+    rank's blocks and the head (an MoE block's router runs outside autocast); LoRA's frozen base
+    too where stored fp32 (a bf16 or quantised base computes in its own dtype), and the adapters.
+    Under full recompute a block keeps its input alone: the head's cast only. A frozen embedding's
+    output needs no gradient (``first``: the rank holding it), so the first block's q, k and v keep
+    no weight for it, neither their base's nor their A's."""
+    e = ACT_BYTES[tr.precision]
+    if e >= 4 or lay.zero:
+        return 0.0
+    full = lay.recompute == "full"
+    blocks, moe_blocks = (0, 0) if full else (dense, sparse)
+    weights = (blocks * block_linear_params(c, lay.tp)
+               + moe_blocks * block_linear_params(c, lay.tp, moe=True, ep=lay.ep)
+               + (head_weight_params(c, lay.tp) if head else 0))
+    if not tr.lora_rank:
+        return e * weights
+    first_qkv = first and (blocks + moe_blocks) > 0
+    if first_qkv:
+        weights -= qkv_weight_params(c, lay.tp)
+    base = 0 if tr.lora_quantised or tr.lora_base_bytes else weights
+    adapters = (blocks * lora_block_params(c, tr.lora_rank, lay.tp) + moe_blocks * lora_block_params(
+        c, tr.lora_rank, lay.tp, moe=True, ep=lay.ep) - (3 * tr.lora_rank * c.dim if first_qkv else 0)
+        + (lora_head_params(c, tr.lora_rank, lay.tp) if head and tr.lora_head else 0))
+    return e * (base + adapters)
+
+
 def adapters_saved(c: ModelShape, tr: Training, lay: Layout, seq: int, dense: int, sparse: int,
                    rank: int, head: bool) -> float:
     """What LoRA changes in one micro-batch's saved activations on pipeline rank ``rank`` (``head``:
@@ -611,7 +665,7 @@ def adapters_saved(c: ModelShape, tr: Training, lay: Layout, seq: int, dense: in
     if lay.recompute == "full":
         return ends
     keeps_output = not (attention_stores_scores(c) or tr.attention == "unfused")  # fused SDPA keeps it
-    kw = {"tp": lay.tp, "sp": lay.sp, "core_keeps_output": keeps_output}
+    kw = {"tp": lay.tp, "sp": lay.sp, "core_keeps_output": keeps_output, "copies": input_copies(c, e)}
     args = (c, tr.lora_rank, tr.lora_dropout, tokens, e)
     return (ends + dense * adapter_activation_bytes(*args, **kw)
             + sparse * adapter_activation_bytes(*args, moe=True, **kw))
