@@ -32,6 +32,7 @@ from paratrain.engine.task import Task
 from paratrain.inference.folders import generate_from_run
 from paratrain.inference.loop import Sampling
 from paratrain.launch import (
+    DeviceError,
     DistEnv,
     Interrupted,
     RendezvousError,
@@ -265,6 +266,9 @@ def _run_torchrun(cfg: Config) -> int:
     except RendezvousError as e:  # a launch problem, not a bug: its message, not a traceback
         print(f"paratrain: error: {e}", file=sys.stderr, flush=True)
         return 1
+    except DeviceError as e:  # more ranks on this node than GPUs (srun --ntasks-per-node): the user's to fix
+        print(f"paratrain: error: {e}", file=sys.stderr, flush=True)
+        return 2
     finally:
         for sig, handler in early.items():
             signal.signal(sig, handler)
