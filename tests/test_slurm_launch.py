@@ -46,7 +46,7 @@ def _job_env(tmp_path: Path, out: Path, nodes: int, tasks: int, **extra: str) ->
             "PYTHONPATH": str(ROOT), "PARATRAIN_SOURCE": str(ROOT), "OMP_NUM_THREADS": "1",
             "SLURM_JOB_ID": str(20000 + os.getpid() % 9000), "SLURM_JOB_NAME": "paratrain",
             "SLURM_JOB_NODELIST": node_list, "SLURM_NODELIST": node_list, "SLURM_JOB_NUM_NODES": str(nodes),
-            "SLURM_NNODES": str(nodes), "SLURM_NTASKS": str(tasks),
+            "SLURM_NNODES": str(nodes), "SLURM_NTASKS": str(tasks), "SLURM_CPUS_PER_TASK": "1",
             "SLURM_NTASKS_PER_NODE": str(tasks // nodes),
             "SLURM_TASKS_PER_NODE": f"{tasks // nodes}(x{nodes})", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
             "SLURM_NODEID": "0", "SCONTROL_LOG": str(tmp_path / "scontrol.log"), "OUT": str(out),
@@ -73,6 +73,11 @@ def _finish(proc: subprocess.Popen, timeout: float = 300) -> str:
     finally:
         for pid in session_pids(proc.pid):  # only if something hung: never leave a task behind
             os.kill(pid, signal.SIGKILL)
+
+
+def _losses(out: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {row["step"]: row["loss"] for row in rows}
 
 
 def _assert_same_weights(out: Path, reference: Path) -> None:
@@ -127,6 +132,7 @@ def test_warning_signal_saves_requeues_and_the_requeued_job_resumes(tmp_path, lo
     log = _finish(_script("one_node.sbatch", env))
     assert f"resuming from step {saved}" in log, log[-3000:]
     assert _steps(out) == list(range(1, STEPS + 1)), "every step logged exactly once"
+    assert _losses(out) == _losses(local_workers), "the losses after the requeue continue the run's"
     _assert_same_weights(out, local_workers)
 
 
@@ -166,13 +172,14 @@ def test_warning_signal_to_every_process_stops_local_workers(tmp_path):
 
 def _manifest_launcher() -> list[str]:
     """The container command of examples/kubernetes/pytorchjob.yaml up to ``train``, and its
-    --warning-signal (its other training flags are for the real cluster: the test's tiny ones replace
-    them). torchrun parses the whole line: a flag it refuses fails here."""
+    --resume and --warning-signal (its other training flags are for the real cluster: the test's
+    tiny ones replace them). torchrun parses the whole line: a flag it refuses fails here."""
     text = (ROOT / "examples" / "kubernetes" / "pytorchjob.yaml").read_text()
     block = text.split("command:", 1)[1]
     items = [m.group(1) for m in re.finditer(r"^\s*-\s+(\S+)", block, re.M)]
     train = items.index("train") + 1
-    return items[:train] + [flag for flag in items[train:] if flag.startswith("--warning-signal")]
+    kept = ("--warning-signal", "--resume")
+    return items[:train] + [flag for flag in items[train:] if flag.startswith(kept)]
 
 
 def test_kubernetes_pods_run_as_the_operator_starts_them(tmp_path, local_workers):
@@ -181,7 +188,7 @@ def test_kubernetes_pods_run_as_the_operator_starts_them(tmp_path, local_workers
     pod), train like paratrain's own two workers."""
     launcher = _manifest_launcher()
     assert launcher[0] == "torchrun", launcher
-    assert launcher[-3:] == ["paratrain.cli", "train", "--warning-signal=TERM"], launcher
+    assert launcher[-4:] == ["paratrain.cli", "train", "--resume", "--warning-signal=TERM"], launcher
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
