@@ -13,6 +13,7 @@ not to the batch shell (the srun shim passes it on once more: a repeat must chan
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -59,11 +60,29 @@ def _script(name: str, env: dict[str, str]) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def _descendants(root: int) -> list[int]:
+    """Every live process below ``root`` (parent links of /proc/PID/stat), whatever its session."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split() if d.name.isdigit() else None
+        except OSError:
+            continue
+        if fields and fields[0] not in ("Z", "X"):
+            children.setdefault(int(fields[1]), []).append(int(d.name))
+    found, todo = [], [root]
+    while todo:
+        todo.extend(kids := children.get(todo.pop(), []))
+        found.extend(kids)
+    return found
+
+
 def _signal_step(job: subprocess.Popen, signum: int) -> None:
-    """Slurm's ``--signal=USR1@T``: every process of the job step (srun's tasks and their children),
+    """Slurm's ``--signal=USR1@T``: every process of the job step (srun's tasks and everything they
+    started, as proctrack/cgroup finds them: torchrun starts each worker in a session of its own),
     not the batch shell. The srun shim gets it too and passes it on: each task sees it twice."""
-    for pid in session_pids(job.pid):
-        if pid != job.pid:
+    for pid in _descendants(job.pid):
+        with contextlib.suppress(ProcessLookupError):  # ended meanwhile
             os.kill(pid, signum)
 
 
