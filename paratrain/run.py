@@ -283,8 +283,10 @@ def _torchrun_rank(cfg: Config, warning: int | None) -> int:
                 say_data(task, cfg)
         if torch.distributed.is_initialized():  # the workers (parameter servers join RPC only)
             torch.distributed.barrier()
-        # torchrun's agent forwards SIGINT/SIGTERM to every worker; Slurm signals every task
-        with signals.handling_signals(warning=warning):
+        # torchrun's agent forwards SIGINT/SIGTERM to every worker; Slurm signals every task. A
+        # warning the early handler recorded during the rendezvous (a pod preempted while it
+        # starts) stays: the run stops at its first step boundary rather than train on until killed.
+        with signals.handling_signals(warning=warning, keep_request=True):
             stopped = _train_rank(cfg, env)
     if stopped:
         return _stopped(cfg, stopped, warning, env.rank)

@@ -6,6 +6,7 @@ tests/test_slurm_launch.py.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import sys
@@ -397,3 +398,29 @@ def test_jobset_is_a_valid_resource_torchrun_reads(monkeypatch):
     assert (int(args.nnodes), args.node_rank) == (job["completions"], 3)
     assert args.module and args.training_script == "paratrain.cli"
     assert {"--resume", "--warning-signal=TERM"} <= set(args.training_script_args)
+
+
+def test_a_warning_during_the_rendezvous_stops_the_run(monkeypatch, tmp_path):
+    """A torchrun or srun rank takes the warning from before its rendezvous on (run._run_torchrun),
+    so that it cannot kill the rank. A warning then (a pod preempted while its ranks meet) used to be
+    dropped when the run's own handlers were installed: the rank trained on until killed."""
+    import time
+
+    import torch
+
+    from paratrain import run, signals
+    from paratrain.config import Config
+    from paratrain.launch import DistEnv
+
+    def rendezvous(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)  # Python runs handlers between bytecodes of the main thread
+        return DistEnv(0, 1, 0, "gloo", torch.device("cpu"))
+
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.setattr(run, "init_from_torchrun", rendezvous)
+    monkeypatch.setattr(run, "build_task", lambda cfg: None)
+    monkeypatch.setattr(run, "say_data", lambda task, cfg: None)
+    monkeypatch.setattr(run, "_train_rank", lambda cfg, env: signals.local_request())  # the first boundary
+    cfg = Config.from_dict({"train": {"out": str(tmp_path / "run")}})
+    assert run._run_torchrun(cfg) == signals.EXIT_REQUEUE
