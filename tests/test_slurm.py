@@ -424,3 +424,27 @@ def test_a_warning_during_the_rendezvous_stops_the_run(monkeypatch, tmp_path):
     monkeypatch.setattr(run, "_train_rank", lambda cfg, env: signals.local_request())  # the first boundary
     cfg = Config.from_dict({"train": {"out": str(tmp_path / "run")}})
     assert run._run_torchrun(cfg) == signals.EXIT_REQUEUE
+
+
+@pytest.mark.parametrize("script", sorted((ROOT / "examples" / "slurm").glob("*.sbatch")),
+                         ids=lambda p: p.name)
+def test_example_script_training_flags_are_valid_for_its_world(script, monkeypatch, tmp_path):
+    """The script's default TRAIN_ARGS, validated as `train` validates them for the world the
+    script starts (nodes x tasks per node, or x GPUS_PER_NODE under torchrun): a layout that does not
+    divide the world, or a flag that does not exist, would fail every task of a real job at once."""
+    import shlex
+
+    from paratrain import run
+
+    text = script.read_text()
+    flags = shlex.split(re.search(r"TRAIN_ARGS=\$\{TRAIN_ARGS:-(.*)\}", text).group(1))
+    option = dict(re.findall(r"^#SBATCH --([a-z-]+)=(\S+)", text, re.M))
+    under_torchrun = re.search(r"^(?!\s*#).*\btorchrun\b", text, re.M)  # a command, not a comment
+    per_node = option["gpus-per-node" if under_torchrun else "ntasks-per-node"]  # one rank per GPU
+    world = int(option["nodes"]) * int(per_node)
+    seen = {}
+    monkeypatch.setattr(run, "run_training", lambda cfg: seen.setdefault("cfg", cfg) and 0)
+    for name, value in {"RANK": "0", "WORLD_SIZE": str(world), "SLURM_JOB_ID": "9"}.items():
+        monkeypatch.setenv(name, value)
+    assert cli.main(["train", *flags, "--out", str(tmp_path / "run"), "--requeue"]) == 0
+    assert seen["cfg"].world_size == world
