@@ -122,6 +122,11 @@ def gpu_shortage(local_ranks: int) -> str | None:
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if n == 0 or local_ranks <= n:
         return None
+    node = scheduler.gpus_on_node(os.environ)
+    if node is not None and n < node:  # srun gave each task its own share of the node's GPUs
+        if local_ranks <= node:  # (--gpus-per-task, --gpu-bind): cuda:LOCAL_RANK % n is the task's own
+            return None
+        n = node
     return (f"{local_ranks} ranks on this node but {n} CUDA GPU(s) visible, and NCCL needs one GPU per "
             f"rank: use at most {n} rank(s) here (--nproc, or dp*tp*pp), add nodes with torchrun, or "
             "train on the CPU with gloo by hiding the GPUs (CUDA_VISIBLE_DEVICES=)")

@@ -32,6 +32,7 @@ from paratrain.engine.task import Task
 from paratrain.inference.folders import generate_from_run
 from paratrain.inference.loop import Sampling
 from paratrain.launch import (
+    DeviceError,
     DistEnv,
     Interrupted,
     RendezvousError,
@@ -265,6 +266,9 @@ def _run_torchrun(cfg: Config) -> int:
     except RendezvousError as e:  # a launch problem, not a bug: its message, not a traceback
         print(f"paratrain: error: {e}", file=sys.stderr, flush=True)
         return 1
+    except DeviceError as e:  # more ranks on this node than GPUs (srun --ntasks-per-node): the user's to fix
+        print(f"paratrain: error: {e}", file=sys.stderr, flush=True)
+        return 2
     finally:
         for sig, handler in early.items():
             signal.signal(sig, handler)
@@ -279,8 +283,10 @@ def _torchrun_rank(cfg: Config, warning: int | None) -> int:
                 say_data(task, cfg)
         if torch.distributed.is_initialized():  # the workers (parameter servers join RPC only)
             torch.distributed.barrier()
-        # torchrun's agent forwards SIGINT/SIGTERM to every worker; Slurm signals every task
-        with signals.handling_signals(warning=warning):
+        # torchrun's agent forwards SIGINT/SIGTERM to every worker; Slurm signals every task. A
+        # warning the early handler recorded during the rendezvous (a pod preempted while it
+        # starts) stays: the run stops at its first step boundary rather than train on until killed.
+        with signals.handling_signals(warning=warning, keep_request=True):
             stopped = _train_rank(cfg, env)
     if stopped:
         return _stopped(cfg, stopped, warning, env.rank)

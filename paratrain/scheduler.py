@@ -40,9 +40,11 @@ class HostlistError(ValueError):
 
 
 def expand_hostlist(text: str) -> list[str]:
-    """Slurm's compressed host list as host names, in order: ``node[01-03,07],gpu-a`` ->
-    ``node01 node02 node03 node07 gpu-a``. Zero padding follows the range's first bound; several
-    bracket groups in one name multiply out (``r[1-2]n[1-2]`` -> r1n1 r1n2 r2n1 r2n2)."""
+    """Slurm's compressed host list as host names, in the order ``scontrol show hostnames`` prints
+    them: ``node[01-03,07],gpu-a`` -> ``node01 node02 node03 node07 gpu-a``. Entries part at commas
+    outside brackets and at blanks (Slurm's separators: comma, space, tab, newline). Zero padding
+    follows each range's first bound; several bracket groups in one name multiply out in Slurm's
+    order (``_expand_entry``)."""
     hosts: list[str] = []
     for entry in _top_level_entries(text):
         hosts.extend(_expand_entry(entry, text))
@@ -51,8 +53,11 @@ def expand_hostlist(text: str) -> list[str]:
     return hosts
 
 
+SEPARATORS = ", \t\n"  # Slurm's hostlist_create: "\t, \n"
+
+
 def _top_level_entries(text: str) -> list[str]:
-    """Split at the commas outside brackets."""
+    """Split at the separators outside brackets."""
     entries, depth, start = [], 0, 0
     for i, ch in enumerate(text):
         if ch == "[":
@@ -63,22 +68,43 @@ def _top_level_entries(text: str) -> list[str]:
             depth -= 1
             if depth < 0:
                 raise HostlistError(f"unbalanced ']' in host list {text!r}")
-        elif ch == "," and depth == 0:
+        elif ch in SEPARATORS and depth == 0:
             entries.append(text[start:i])
             start = i + 1
     if depth:
         raise HostlistError(f"unbalanced '[' in host list {text!r}")
     entries.append(text[start:])
-    return [e.strip() for e in entries if e.strip()]
+    return [e for e in entries if e]
 
 
 def _expand_entry(entry: str, whole: str) -> list[str]:
-    match = re.search(r"\[([^\]]*)\]", entry)
-    if match is None:
+    """One name's hosts. Slurm (hostlist.c, _push_range_list) counts the *last* bracket group
+    fastest; of the groups before it, it counts the one nearest to it slowest and recurses leftwards
+    inside: ``a[1-2]b[3-4]c[5-6]`` -> a1b3c5 a1b3c6 a2b3c5 a2b3c6 a1b4c5 ... With two groups that is
+    the plain product, first group slowest (``r[1-2]n[1-2]`` -> r1n1 r1n2 r2n1 r2n2)."""
+    head, spec, tail = _last_group(entry)
+    if spec is None:
         return [entry]
-    head, tail = entry[:match.start()], entry[match.end():]
-    return [head + number + rest for number in _range_items(match.group(1), whole)
-            for rest in _expand_entry(tail, whole)]
+    return [prefix + number + tail for prefix in _expand_prefix(head, whole)
+            for number in _range_items(spec, whole)]
+
+
+def _expand_prefix(prefix: str, whole: str) -> list[str]:
+    head, spec, tail = _last_group(prefix)
+    if spec is None:
+        return [prefix]
+    return [earlier + number + tail for number in _range_items(spec, whole)
+            for earlier in _expand_prefix(head, whole)]
+
+
+def _last_group(name: str) -> tuple[str, str | None, str]:
+    """``name`` split around its last bracket group: (before, inside, after); inside is None
+    when there is none."""
+    opening = name.rfind("[")
+    if opening < 0:
+        return name, None, ""
+    closing = name.index("]", opening)  # balanced: _top_level_entries checked
+    return name[:opening], name[opening + 1:closing], name[closing + 1:]
 
 
 def _range_items(spec: str, whole: str) -> list[str]:
@@ -168,6 +194,14 @@ def rendezvous_port(environ: Mapping[str, str]) -> int:
     return PORT_BASE + int(job) % PORT_SPAN if job.isdigit() else 29500
 
 
+def gpus_on_node(environ: Mapping[str, str]) -> int | None:
+    """The GPUs Slurm gave this step on this node (``SLURM_GPUS_ON_NODE``), or None outside Slurm.
+    A task bound to its own GPUs (``--gpus-per-task``, ``--gpu-bind``) sees fewer of them in
+    ``CUDA_VISIBLE_DEVICES``; this count is the node's (Slurm's gres_common.c)."""
+    count = environ.get("SLURM_GPUS_ON_NODE", "")
+    return int(count) if count.isdigit() else None
+
+
 def requeued(environ: Mapping[str, str]) -> bool:
     """Slurm started this job again (requeued by ``scontrol requeue`` or after a node failure)."""
     count = environ.get("SLURM_RESTART_COUNT", "0")
@@ -175,11 +209,20 @@ def requeued(environ: Mapping[str, str]) -> bool:
 
 
 def parse_signal(text: str) -> signal.Signals | None:
-    """``--signal``'s value: ``USR1``, ``SIGUSR1``, ``usr1`` or its number; ``none``: None.
+    """``--signal``'s value: ``USR1``, ``SIGUSR1``, ``usr1`` or its number; ``none``: None. Slurm's
+    own spelling is read too, so that the ``#SBATCH --signal`` value can be copied: ``R:USR1@120``
+    (``R:`` concerns reservations, ``@120`` the time: paratrain needs neither). ``B:USR1`` is
+    refused: Slurm then signals only the batch shell, which paratrain's tasks never see.
     Raises ValueError naming the accepted names."""
     name = text.strip().upper()
     if name == "NONE":
         return None
+    if name.startswith("B:"):
+        raise ValueError(f"--signal {text!r}: with B: Slurm sends the signal to the batch shell only, "
+                         "never to paratrain's tasks; use #SBATCH --signal=" + text.strip()[2:] +
+                         " (no B:) and --signal " + name[2:].split("@")[0] + ", or forward it from "
+                         "the shell to srun (docs/operations.md)")
+    name = name.removeprefix("R:").split("@")[0]
     if name.isdigit():
         try:
             name = signal.Signals(int(name)).name

@@ -67,22 +67,25 @@ def run_exit_code(stopped: int, warning: int | None) -> int:
     return EXIT_REQUEUE if warning is not None and stopped == warning else exit_code(stopped)
 
 
-def install(shared: Synchronized | None = None) -> dict:
+def install(shared: Synchronized | None = None, keep_request: bool = False) -> dict:
     """Turn SIGINT/SIGTERM into a stop request for this process (main thread only); ``shared``
-    (a multiprocessing Value) carries a request the launcher received. Returns the old handlers."""
+    (a multiprocessing Value) carries a request the launcher received. ``keep_request``: a request
+    already recorded (the warning's early handler, during the rendezvous) stays. Returns the old
+    handlers."""
     global _requested, _shared
-    _requested, _shared = 0, shared
+    _requested, _shared = (_requested if keep_request else 0), shared
     if threading.current_thread() is not threading.main_thread():
         return {}
     return {sig: signal.signal(sig, _on_signal) for sig in STOP_SIGNALS}
 
 
 @contextlib.contextmanager
-def handling_signals(shared: Synchronized | None = None, warning: int | None = None) -> Iterator[None]:
+def handling_signals(shared: Synchronized | None = None, warning: int | None = None,
+                     keep_request: bool = False) -> Iterator[None]:
     """``install`` (and ``install_warning``) for the duration of a run in a process that lives on
     (the CLI in-process)."""
     global _requested, _shared
-    before = install(shared)
+    before = install(shared, keep_request)
     before = {**install_warning(warning), **before}  # the first handler of each signal is the one to restore
     try:
         yield

@@ -6,6 +6,7 @@ tests/test_slurm_launch.py.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import sys
@@ -34,9 +35,25 @@ ROOT = Path(__file__).resolve().parents[1]
     ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),
     ("gpu-a,cpu[3],x[1-2]-ib", ["gpu-a", "cpu3", "x1-ib", "x2-ib"]),
     ("10.0.0.[1-2]", ["10.0.0.1", "10.0.0.2"]),
-])
+    ("n[008-011]", ["n008", "n009", "n010", "n011"]),
+    ("n[1-3,7,09]", ["n1", "n2", "n3", "n7", "n09"]),  # each range keeps its own padding
+    ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
+    ("a1,b[2-3],c", ["a1", "b2", "b3", "c"]),
+    ("node-1.cluster.local,gpu[1-2].ib", ["node-1.cluster.local", "gpu1.ib", "gpu2.ib"]),
+    # three groups: Slurm counts the last fastest, then the first, the middle slowest (hostlist.c,
+    # _push_range_list recurses from the last group of the prefix leftwards)
+    ("a[1-2]b[3-4]c[5-6]", ["a1b3c5", "a1b3c6", "a2b3c5", "a2b3c6", "a1b4c5", "a1b4c6", "a2b4c5", "a2b4c6"]),
+    ("a b\tc\nd[1-2]", ["a", "b", "c", "d1", "d2"]),  # Slurm's separators: comma, space, tab, newline
+], ids=lambda v: v if isinstance(v, str) else None)
 def test_hostlist_expands_as_slurm_does(text, hosts):
+    """Each list as ``scontrol show hostnames`` prints it (Slurm's src/common/hostlist.c)."""
     assert expand_hostlist(text) == hosts
+
+
+def test_the_first_host_of_the_step_is_the_rendezvous():
+    task = slurm_task(_srun_task(SLURM_STEP_NUM_TASKS="8", SLURM_STEP_NODELIST="rack[1-2]-n[01-02]",
+                                 SLURM_STEP_TASKS_PER_NODE="2(x4)"))
+    assert (task.master_addr, len(task.hosts), task.local_world) == ("rack1-n01", 4, 2)
 
 
 @pytest.mark.parametrize("text, why", [("node[1-", "unbalanced"), ("node1]", "unbalanced"),
@@ -70,6 +87,8 @@ def test_which_variables_win():
     step = slurm_task(_srun_task(SLURM_STEP_NUM_TASKS="2", SLURM_STEP_NODELIST="node08",
                                  SLURM_STEP_TASKS_PER_NODE="2"))
     assert (step.world, step.hosts, step.local_world) == (2, ("node08",), 2)
+    old_names = {k: v for k, v in _srun_task(SLURM_NPROCS="4").items() if k != "SLURM_NTASKS"}
+    assert slurm_task(old_names).world == 4, "SLURM_NPROCS: the older name, read last"
     assert step.master_addr == "127.0.0.1", "a one-node step meets on loopback"
     # MASTER_ADDR / MASTER_PORT set by the user win; the launching node's address is never used
     mine = slurm_task(_srun_task(MASTER_ADDR="10.1.2.3", MASTER_PORT="4242",
@@ -93,14 +112,24 @@ def test_requeued_and_signal_names():
         parse_signal("KILL")
 
 
+def test_signal_in_slurms_own_spelling():
+    """``#SBATCH --signal=[{R|B}:]<sig_num>[@sig_time]`` copied as it is: the R: and @time parts
+    concern Slurm only; B: sends the signal to the batch shell alone, which the tasks never see."""
+    assert parse_signal("R:USR1@120") == parse_signal("USR1@90") == parse_signal("10@60") == signal.SIGUSR1
+    with pytest.raises(ValueError, match="batch shell only.*--signal=USR1@120 \\(no B:\\)"):
+        parse_signal("B:USR1@120")
+
+
 @pytest.mark.parametrize("flags, env, message", [
     (["--signal", "BOGUS"], {}, "--signal 'BOGUS' is not one of USR1"),
+    (["--signal", "B:USR1@120"], {}, "with B: Slurm sends the signal to the batch shell only"),
     (["--warning-signal", "KILL"], {}, "--signal 'KILL' is not one of USR1"),  # torchrun's spelling
     (["--requeue"], {}, "--requeue asks Slurm to requeue this job, but SLURM_JOB_ID is not set"),
     (["--requeue", "--signal", "none"], {"SLURM_JOB_ID": "9"}, "--signal is none"),
     (["--nproc", "4"], {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_NODELIST": "localhost",
                         "SLURM_JOB_ID": "9"}, "--nproc 4 disagrees with Slurm's tasks 2"),
-], ids=["signal-name", "second-name", "requeue-outside-slurm", "requeue-without-signal", "nproc-vs-ntasks"])
+], ids=["signal-name", "batch-shell-only", "second-name", "requeue-outside-slurm", "requeue-without-signal",
+        "nproc-vs-ntasks"])
 def test_bad_scheduler_flags_exit_2_before_any_worker(tmp_path, monkeypatch, capsys, flags, env, message):
     for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID",
                  "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "PARATRAIN_LAUNCHER"):
@@ -210,3 +239,212 @@ def test_a_request_ends_with_its_run():
         time.sleep(0.05)
         assert signals.local_request() == signal.SIGINT
     assert signals.local_request() == 0
+
+
+def _fake_gpus(monkeypatch, visible: int) -> None:
+    """A node whose process sees ``visible`` CUDA GPUs (nothing touches CUDA)."""
+    from paratrain import launch
+
+    monkeypatch.setattr(launch.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(launch.torch.cuda, "device_count", lambda: visible)
+
+
+def test_tasks_bound_to_their_own_gpus_are_not_a_shortage(monkeypatch):
+    """``srun --gpus-per-task=1`` (or --gpu-bind): each of 8 tasks sees 1 GPU in CUDA_VISIBLE_DEVICES,
+    while SLURM_GPUS_ON_NODE counts the step's 8 on the node. That is one GPU per rank, not 8 ranks
+    sharing one; 8 tasks on a node with 4 GPUs still is a shortage."""
+    from paratrain import launch
+
+    _fake_gpus(monkeypatch, 1)
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "8")
+    assert launch.gpu_shortage(8) is None
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "4")
+    assert "8 ranks on this node but 4 CUDA GPU(s)" in launch.gpu_shortage(8)
+    _fake_gpus(monkeypatch, 4)  # every task sees the same 4: a shortage, bound or not
+    assert "8 ranks on this node but 4 CUDA GPU(s)" in launch.gpu_shortage(8)
+    monkeypatch.delenv("SLURM_GPUS_ON_NODE")
+    assert "8 ranks on this node but 4 CUDA GPU(s)" in launch.gpu_shortage(8)
+
+
+def test_more_srun_tasks_than_gpus_exits_2_without_traceback(monkeypatch, capsys, tmp_path):
+    """``srun --ntasks-per-node=2`` on a 1-GPU node: every task says what to change, exit 2, before
+    any rendezvous (it used to end in a DeviceError traceback per task)."""
+    _fake_gpus(monkeypatch, 1)
+    for name in ("TORCHELASTIC_RUN_ID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST", "SLURM_GPUS_ON_NODE",
+                 "SLURM_STEP_TASKS_PER_NODE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    # adopt_slurm writes torchrun's variables into os.environ: monkeypatch restores them afterwards
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "PARATRAIN_LAUNCHER",
+                 "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    for name, value in {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "9",
+                        "SLURM_NODELIST": "localhost", "SLURM_TASKS_PER_NODE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    code = cli.main(["train", "--model", "tiny", "--steps", "1", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "2 ranks on this node but 1 CUDA GPU(s) visible" in err and "Traceback" not in err, err
+
+
+# The sbatch options the examples use, each checked against sbatch(1) (Slurm 24.x man page).
+SBATCH_OPTIONS = {"--job-name", "--nodes", "--ntasks-per-node", "--gpus-per-node", "--cpus-per-task",
+                  "--time", "--signal", "--requeue", "--open-mode", "--output"}
+
+
+def _sbatch_directives(text: str) -> tuple[list[str], int]:
+    """The options sbatch reads from a script (src/sbatch/opt.c): ``#SBATCH`` lines up to the first
+    command, each ending at an unquoted ``#``; and how many ``#SBATCH`` lines the script holds."""
+    options = []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped and not stripped.startswith("#"):
+            break  # sbatch stops at the first command: later #SBATCH lines are plain comments
+        if line.startswith("#SBATCH"):
+            options.extend(line[len("#SBATCH"):].split("#", 1)[0].split())
+    return options, sum(line.startswith("#SBATCH") for line in text.splitlines())
+
+
+@pytest.mark.parametrize("script", sorted((ROOT / "examples" / "slurm").glob("*.sbatch")),
+                         ids=lambda p: p.name)
+def test_example_script_is_valid_bash_and_sbatch(script):
+    import subprocess
+
+    checked = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr
+    text = script.read_text()
+    options, lines = _sbatch_directives(text)
+    assert len(options) == lines, "every #SBATCH line comes before the first command, one option each"
+    unknown = {o.split("=")[0] for o in options} - SBATCH_OPTIONS
+    assert not unknown, f"not sbatch options: {unknown}"
+    assert any(o.startswith("--signal=USR1@") for o in options), "the warning every task gets (no B:)"
+    assert "--requeue" in options
+    code = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    assert not [line for line in code if re.search(r"(^|[\s=:\"'])/[A-Za-z]", line)], \
+        "no absolute path: the script runs from a clean clone"
+    srun = [line for line in code if line.startswith("srun ")]
+    assert srun and all("--cpus-per-task=$SLURM_CPUS_PER_TASK" in line for line in srun), \
+        "Slurm 22.05-23.02 do not pass the job's --cpus-per-task to srun: each task would get one CPU"
+
+
+def _load_manifest(name: str) -> dict:
+    yaml = pytest.importorskip("yaml")
+    return yaml.safe_load((ROOT / "examples" / "kubernetes" / name).read_text())
+
+
+def _torchrun_args(command: list[str], env: dict[str, str], monkeypatch):
+    """torchrun's own parser on a container command, with the pod's environment (PET_* defaults)."""
+    from torch.distributed.run import parse_args
+
+    assert command[0] == "torchrun", command
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return parse_args(command[1:])
+
+
+def _grace_covers_shutdown(pod: dict) -> None:
+    """A deleted pod: Kubernetes sends SIGTERM and kills after terminationGracePeriodSeconds;
+    torchrun passes the SIGTERM on and kills its workers after TORCH_ELASTIC_SHUTDOWN_TIMEOUT: the
+    workers' step and checkpoint need both to be longer than the 30 s defaults."""
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    shutdown = int(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
+    assert 30 < shutdown < pod["terminationGracePeriodSeconds"]
+
+
+def test_pytorchjob_is_a_valid_resource_torchrun_reads(monkeypatch):
+    """The PyTorchJob's shape as Kubeflow's training operator (kubeflow.org/v1) names it, and its
+    command as torchrun parses it with what the operator sets in a Worker pod (envvar.go: PET_NNODES =
+    replicas, PET_NPROC_PER_NODE = nprocPerNode, PET_NODE_RANK = RANK = index + 1 for a Worker)."""
+    job = _load_manifest("pytorchjob.yaml")
+    assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    assert set(specs) == {"Master", "Worker"} and specs["Master"]["replicas"] == 1
+    assert isinstance(job["spec"]["nprocPerNode"], str), "nprocPerNode is a string in the CRD"
+    pods = sum(spec["replicas"] for spec in specs.values())
+    for spec in specs.values():
+        assert spec["restartPolicy"] in ("Always", "OnFailure", "Never", "ExitCode")
+        pod = spec["template"]["spec"]
+        assert [c["name"] for c in pod["containers"]] == ["pytorch"], "the operator's container name"
+        _grace_covers_shutdown(pod)
+    command = specs["Worker"]["template"]["spec"]["containers"][0]["command"]
+    operator_sets = {"PET_NNODES": str(pods), "PET_NPROC_PER_NODE": job["spec"]["nprocPerNode"],
+                     "PET_NODE_RANK": "2", "PET_MASTER_ADDR": "paratrain-master-0",
+                     "PET_MASTER_PORT": "23456"}
+    args = _torchrun_args(command, operator_sets, monkeypatch)
+    assert (args.nnodes, args.nproc_per_node, args.node_rank) == (str(pods), job["spec"]["nprocPerNode"], 2)
+    assert (args.master_addr, args.master_port, args.module) == ("paratrain-master-0", 23456, True)
+    assert "--resume" in args.training_script_args, \
+        "a pod restarted by Kubernetes (OnFailure) must continue, not refuse its --out"
+
+
+def test_jobset_is_a_valid_resource_torchrun_reads(monkeypatch):
+    """The JobSet's shape (jobset.x-k8s.io/v1alpha2), and its command as torchrun parses it in the
+    pod of index 3: --node-rank from JOB_COMPLETION_INDEX (set by the Job controller in Indexed mode),
+    --master-addr the first pod's name as JobSet builds it,
+    <jobset>-<replicatedJob>-<job index>-<pod index>.<subdomain>."""
+    jobset = _load_manifest("jobset.yaml")
+    assert (jobset["apiVersion"], jobset["kind"]) == ("jobset.x-k8s.io/v1alpha2", "JobSet")
+    [replicated] = jobset["spec"]["replicatedJobs"]
+    job = replicated["template"]["spec"]
+    assert job["completionMode"] == "Indexed" and job["completions"] == job["parallelism"]
+    pod = job["template"]["spec"]
+    assert pod["restartPolicy"] in ("Never", "OnFailure")
+    _grace_covers_shutdown(pod)
+    command = [word.replace("$(JOB_COMPLETION_INDEX)", "3") for word in pod["containers"][0]["command"]]
+    args = _torchrun_args(command, {}, monkeypatch)
+    name = jobset["metadata"]["name"]
+    subdomain = jobset["spec"].get("network", {}).get("subdomain", name)
+    assert args.master_addr == f"{name}-{replicated['name']}-0-0.{subdomain}"
+    assert (int(args.nnodes), args.node_rank) == (job["completions"], 3)
+    assert args.module and args.training_script == "paratrain.cli"
+    assert {"--resume", "--warning-signal=TERM"} <= set(args.training_script_args)
+
+
+def test_a_warning_during_the_rendezvous_stops_the_run(monkeypatch, tmp_path):
+    """A torchrun or srun rank takes the warning from before its rendezvous on (run._run_torchrun),
+    so that it cannot kill the rank. A warning then (a pod preempted while its ranks meet) used to be
+    dropped when the run's own handlers were installed: the rank trained on until killed."""
+    import time
+
+    import torch
+
+    from paratrain import run, signals
+    from paratrain.config import Config
+    from paratrain.launch import DistEnv
+
+    def rendezvous(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)  # Python runs handlers between bytecodes of the main thread
+        return DistEnv(0, 1, 0, "gloo", torch.device("cpu"))
+
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.setattr(run, "init_from_torchrun", rendezvous)
+    monkeypatch.setattr(run, "build_task", lambda cfg: None)
+    monkeypatch.setattr(run, "say_data", lambda task, cfg: None)
+    monkeypatch.setattr(run, "_train_rank", lambda cfg, env: signals.local_request())  # the first boundary
+    cfg = Config.from_dict({"train": {"out": str(tmp_path / "run")}})
+    assert run._run_torchrun(cfg) == signals.EXIT_REQUEUE
+
+
+@pytest.mark.parametrize("script", sorted((ROOT / "examples" / "slurm").glob("*.sbatch")),
+                         ids=lambda p: p.name)
+def test_example_script_training_flags_are_valid_for_its_world(script, monkeypatch, tmp_path):
+    """The script's default TRAIN_ARGS, validated as `train` validates them for the world the
+    script starts (nodes x tasks per node, or x GPUS_PER_NODE under torchrun): a layout that does not
+    divide the world, or a flag that does not exist, would fail every task of a real job at once."""
+    import shlex
+
+    from paratrain import run
+
+    text = script.read_text()
+    flags = shlex.split(re.search(r"TRAIN_ARGS=\$\{TRAIN_ARGS:-(.*)\}", text).group(1))
+    option = dict(re.findall(r"^#SBATCH --([a-z-]+)=(\S+)", text, re.M))
+    under_torchrun = re.search(r"^(?!\s*#).*\btorchrun\b", text, re.M)  # a command, not a comment
+    per_node = option["gpus-per-node" if under_torchrun else "ntasks-per-node"]  # one rank per GPU
+    world = int(option["nodes"]) * int(per_node)
+    seen = {}
+    monkeypatch.setattr(run, "run_training", lambda cfg: seen.setdefault("cfg", cfg) and 0)
+    for name, value in {"RANK": "0", "WORLD_SIZE": str(world), "SLURM_JOB_ID": "9"}.items():
+        monkeypatch.setenv(name, value)
+    assert cli.main(["train", *flags, "--out", str(tmp_path / "run"), "--requeue"]) == 0
+    assert seen["cfg"].world_size == world

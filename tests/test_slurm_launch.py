@@ -13,6 +13,7 @@ not to the batch shell (the srun shim passes it on once more: a repeat must chan
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -46,7 +47,7 @@ def _job_env(tmp_path: Path, out: Path, nodes: int, tasks: int, **extra: str) ->
             "PYTHONPATH": str(ROOT), "PARATRAIN_SOURCE": str(ROOT), "OMP_NUM_THREADS": "1",
             "SLURM_JOB_ID": str(20000 + os.getpid() % 9000), "SLURM_JOB_NAME": "paratrain",
             "SLURM_JOB_NODELIST": node_list, "SLURM_NODELIST": node_list, "SLURM_JOB_NUM_NODES": str(nodes),
-            "SLURM_NNODES": str(nodes), "SLURM_NTASKS": str(tasks),
+            "SLURM_NNODES": str(nodes), "SLURM_NTASKS": str(tasks), "SLURM_CPUS_PER_TASK": "1",
             "SLURM_NTASKS_PER_NODE": str(tasks // nodes),
             "SLURM_TASKS_PER_NODE": f"{tasks // nodes}(x{nodes})", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
             "SLURM_NODEID": "0", "SCONTROL_LOG": str(tmp_path / "scontrol.log"), "OUT": str(out),
@@ -59,11 +60,29 @@ def _script(name: str, env: dict[str, str]) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def _descendants(root: int) -> list[int]:
+    """Every live process below ``root`` (parent links of /proc/PID/stat), whatever its session."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split() if d.name.isdigit() else None
+        except OSError:
+            continue
+        if fields and fields[0] not in ("Z", "X"):
+            children.setdefault(int(fields[1]), []).append(int(d.name))
+    found, todo = [], [root]
+    while todo:
+        todo.extend(kids := children.get(todo.pop(), []))
+        found.extend(kids)
+    return found
+
+
 def _signal_step(job: subprocess.Popen, signum: int) -> None:
-    """Slurm's ``--signal=USR1@T``: every process of the job step (srun's tasks and their children),
+    """Slurm's ``--signal=USR1@T``: every process of the job step (srun's tasks and everything they
+    started, as proctrack/cgroup finds them: torchrun starts each worker in a session of its own),
     not the batch shell. The srun shim gets it too and passes it on: each task sees it twice."""
-    for pid in session_pids(job.pid):
-        if pid != job.pid:
+    for pid in _descendants(job.pid):
+        with contextlib.suppress(ProcessLookupError):  # ended meanwhile
             os.kill(pid, signum)
 
 
@@ -73,6 +92,11 @@ def _finish(proc: subprocess.Popen, timeout: float = 300) -> str:
     finally:
         for pid in session_pids(proc.pid):  # only if something hung: never leave a task behind
             os.kill(pid, signal.SIGKILL)
+
+
+def _losses(out: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {row["step"]: row["loss"] for row in rows}
 
 
 def _assert_same_weights(out: Path, reference: Path) -> None:
@@ -127,6 +151,7 @@ def test_warning_signal_saves_requeues_and_the_requeued_job_resumes(tmp_path, lo
     log = _finish(_script("one_node.sbatch", env))
     assert f"resuming from step {saved}" in log, log[-3000:]
     assert _steps(out) == list(range(1, STEPS + 1)), "every step logged exactly once"
+    assert _losses(out) == _losses(local_workers), "the losses after the requeue continue the run's"
     _assert_same_weights(out, local_workers)
 
 
@@ -166,13 +191,14 @@ def test_warning_signal_to_every_process_stops_local_workers(tmp_path):
 
 def _manifest_launcher() -> list[str]:
     """The container command of examples/kubernetes/pytorchjob.yaml up to ``train``, and its
-    --warning-signal (its other training flags are for the real cluster: the test's tiny ones replace
-    them). torchrun parses the whole line: a flag it refuses fails here."""
+    --resume and --warning-signal (its other training flags are for the real cluster: the test's
+    tiny ones replace them). torchrun parses the whole line: a flag it refuses fails here."""
     text = (ROOT / "examples" / "kubernetes" / "pytorchjob.yaml").read_text()
     block = text.split("command:", 1)[1]
     items = [m.group(1) for m in re.finditer(r"^\s*-\s+(\S+)", block, re.M)]
     train = items.index("train") + 1
-    return items[:train] + [flag for flag in items[train:] if flag.startswith("--warning-signal")]
+    kept = ("--warning-signal", "--resume")
+    return items[:train] + [flag for flag in items[train:] if flag.startswith(kept)]
 
 
 def test_kubernetes_pods_run_as_the_operator_starts_them(tmp_path, local_workers):
@@ -181,7 +207,7 @@ def test_kubernetes_pods_run_as_the_operator_starts_them(tmp_path, local_workers
     pod), train like paratrain's own two workers."""
     launcher = _manifest_launcher()
     assert launcher[0] == "torchrun", launcher
-    assert launcher[-3:] == ["paratrain.cli", "train", "--warning-signal=TERM"], launcher
+    assert launcher[-4:] == ["paratrain.cli", "train", "--resume", "--warning-signal=TERM"], launcher
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
