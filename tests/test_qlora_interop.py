@@ -1,0 +1,127 @@
+"""A QLoRA run (an nf4 base imported with --init-from) out to peft and transformers, the test-only
+oracles: `export --peft` loaded by peft.PeftModel onto `export --hf-base` (the run's base,
+dequantised) gives the logits of paratrain's model (that base + the run's adapters), and so does
+the merged `export --hf` loaded by transformers.
+
+paratrain's side is built here from the run's checkpoint, independently of the exporters: each
+adapted weight dequantised from its four stored parts (optim/nf4.py's dequantise_weight, the weight
+QuantisedLinear computes with, tests/test_nf4.py), the other weights as imported, the adapters from
+RUN/adapters.safetensors.
+
+Tolerances, as tests/test_peft_export.py: logits in float64, where paratrain's and transformers'
+RoPE tables (both built in fp32, in different ways) differ by ~5e-8; 1e-6 is far below what a
+mapping bug costs (the adapters move the logits by ~1e-1; the quantised base moves them from the
+original folder's by ~1e-2). The merged export holds W + s B A rounded to fp32 (~6e-8 relative).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from paratrain import cli
+from paratrain.engine import checkpoint as ckpt
+from paratrain.models.hf import load_pretrained
+from paratrain.models.lora import LoraSpec, apply_lora
+from paratrain.optim import nf4
+from tests.harness import run_layout, tiny_cfg
+from tests.hf_models import save_hf
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+LOGITS = {"rtol": 1e-6, "atol": 1e-6}
+QLORA = {"lora.rank": 4, "lora.alpha": 8.0, "lora.base_precision": "nf4", "train.steps": 2}
+
+
+@pytest.fixture(scope="module")
+def qlora_run(tmp_path_factory) -> tuple[Path, Path]:
+    """(base HF folder, a 2-step QLoRA run on it): head_dim 32 != hidden / heads, so the RoPE
+    permutation of q/k rows is per head of 32 (the dequantised base's and lora_B's)."""
+    tmp = tmp_path_factory.mktemp("qlora_interop")
+    save_hf(tmp / "base", "llama", head_dim=32)
+    run_layout(tiny_cfg(tmp / "run", **{"model.init_from": str(tmp / "base"), **QLORA}))
+    return tmp / "base", tmp / "run"
+
+
+def _dequantised_base(run: Path) -> dict[str, torch.Tensor]:
+    """Each adapted weight of the run's checkpoint, dequantised from its stored parts."""
+    reader = ckpt.open_reader(ckpt.latest(run))
+    try:
+        weights = {n.removesuffix("_codes") for n in reader.tensors if n.endswith("_codes")}
+        out = {}
+        for w in weights:
+            parts = {}
+            for k in nf4.PARTS:
+                shape = tuple(reader.tensors[f"{w}_{k}"]["param"]["shape"])
+                parts[k] = reader.read(f"{w}_{k}", "param", (0,) * len(shape), shape).view(shape)
+            adapters = load_file(str(run / "adapters.safetensors"))
+            stem = w.removesuffix("weight")
+            shape = (adapters[stem + "lora_B.weight"].shape[0], adapters[stem + "lora_A.weight"].shape[1])
+            out[w] = nf4.dequantise_weight(parts, "nf4", shape)
+    finally:
+        reader.close()
+    assert len(out) == 2 * 7  # every projection of both layers
+    return out
+
+
+def _paratrain_logits(base: Path, run: Path, ids: torch.Tensor) -> torch.Tensor:
+    """paratrain's model as the run computed: the imported base with its adapted weights
+    dequantised, plus the run's adapters; float64."""
+    lora = json.loads((run / "run.json").read_text())["lora"]
+    model, _ = load_pretrained(str(base))
+    apply_lora(model, LoraSpec(lora["rank"], lora["alpha"], 0.0, tuple(lora["modules"])))
+    state = {**model.state_dict(), **load_file(str(run / "adapters.safetensors"))}
+    dequantised = _dequantised_base(run)
+    assert all(not torch.equal(state[n], w) for n, w in dequantised.items())  # nf4 moved every one
+    model.load_state_dict({**state, **dequantised})
+    with torch.no_grad():
+        return model.double().eval()(ids)
+
+
+def _hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.double().eval()(ids).logits
+
+
+def test_peft_export_on_the_dequantised_base_gives_the_run_s_logits(qlora_run, tmp_path, capsys):
+    """export --peft + export --hf-base -> PeftModel.from_pretrained: paratrain's logits. On the
+    original folder instead (what base_model_name_or_path names) the same adapters give logits
+    ~1e-2 away: the base they were trained on is the nf4 one, as the export's note says."""
+    base, run = qlora_run
+    assert cli.main(["export", str(run), "--peft", str(tmp_path / "ad")]) == 0
+    assert "--hf-base" in capsys.readouterr().err  # the note: where the base they trained on is
+    assert cli.main(["export", str(run), "--hf-base", str(tmp_path / "base")]) == 0
+    ids = torch.randint(0, 300, (2, 19), generator=torch.Generator().manual_seed(0))
+    want = _paratrain_logits(base, run, ids)
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    got = _hf_logits(peft.PeftModel.from_pretrained(load(str(tmp_path / "base")), str(tmp_path / "ad")), ids)
+    torch.testing.assert_close(got, want, **LOGITS)
+    base_only = _hf_logits(load(str(tmp_path / "base")), ids)
+    assert (got - base_only).abs().max() > 1e-2  # the adapters matter: the comparison can fail
+    original = _hf_logits(peft.PeftModel.from_pretrained(load(str(base)), str(tmp_path / "ad")), ids)
+    assert (original - want).abs().max() > 1e-3  # the nf4 base is not the original folder's
+
+
+def test_merged_hf_export_of_a_qlora_run_gives_the_run_s_logits(qlora_run, tmp_path):
+    """export --hf (dequantise, then merge) loaded by transformers: paratrain's logits."""
+    base, run = qlora_run
+    assert cli.main(["export", str(run), "--hf", str(tmp_path / "merged")]) == 0
+    ids = torch.randint(0, 300, (2, 19), generator=torch.Generator().manual_seed(1))
+    got = _hf_logits(transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")), ids)
+    torch.testing.assert_close(got, _paratrain_logits(base, run, ids), **LOGITS)
+
+
+def test_hf_base_of_a_run_without_lora_exits_2(qlora_run, tmp_path, capsys):
+    """A full fine-tune has no frozen base apart from its model: exit 2, saying what to export."""
+    base, _ = qlora_run
+    full = tmp_path / "full"
+    run_layout(tiny_cfg(full, **{"model.init_from": str(base), "train.steps": 1}))
+    assert cli.main(["export", str(full), "--hf-base", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert "trained without LoRA" in err and "--hf DIR" in err and "Traceback" not in err
+    assert not (tmp_path / "b").exists()
