@@ -648,8 +648,8 @@ def export_parser(sub: argparse._SubParsersAction) -> None:
     for name, what in EXPORT_FORMATS.items():
         x.add_argument(f"--{name.replace('_', '-')}", metavar="DEST", help=f"write {what}")
     x.add_argument("--max-shard-mb", type=float, default=2048.0,
-                   help="--hf: largest safetensors file in MiB; bigger models are split, with an index "
-                        "(default: %(default)s)")
+                   help="--hf, --hf-base: largest safetensors file in MiB; bigger models are split, with an "
+                        "index (default: %(default)s)")
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -144,16 +144,18 @@ def _reference_blockwise(x: torch.Tensor, code: torch.Tensor,
     return torch.ops.bitsandbytes.quantize_blockwise.default.redispatch(keys, x, code, block)
 
 
-def _mixed_extremes() -> torch.Tensor:
-    """Finite extremes: a block near float32's largest value (the reciprocal of the centred scales'
-    absmax is subnormal), blocks of 1e-30 and of 1e4, each block its own scale; 7 elements past
-    whole blocks. (Scales summing past 3.4e38 are test_scales_summing_past_float32_stay_finite's.)"""
+def _mixed_extremes(dtype: torch.dtype) -> torch.Tensor:
+    """Finite extremes of ``dtype``: a block up to its largest value (in fp32 and bf16 the reciprocal
+    of the centred scales' absmax is then subnormal), blocks of 1e-30 (fp16: 1e-3, its normal range)
+    and of 1e4, each block its own scale; 7 elements past whole blocks. (Scales summing past 3.4e38
+    are test_scales_summing_past_float32_stay_finite's.)"""
     g = torch.Generator().manual_seed(11)
-    return torch.cat([(torch.rand(64, generator=g) * 2 - 1) * 3.4e38,
-                      torch.randn(64 * 3, generator=g) * 1e-30, torch.randn(64 * 2 + 7, generator=g) * 1e4])
+    small = 1e-3 if dtype == torch.float16 else 1e-30
+    return torch.cat([(torch.rand(64, generator=g) * 2 - 1) * torch.finfo(dtype).max,
+                      torch.randn(64 * 3, generator=g) * small, torch.randn(64 * 2 + 7, generator=g) * 1e4])
 
 
-def _zero_blocks() -> torch.Tensor:
+def _zero_blocks(dtype: torch.dtype) -> torch.Tensor:
     """Whole all-zero blocks at the start and in the middle, an odd tail."""
     x = _weights(64 * 6 + 13, seed=4)
     x[:128] = 0
@@ -164,18 +166,19 @@ def _zero_blocks() -> torch.Tensor:
 BNB_CASES = {
     # more than 256 blocks and an odd count: a whole second-level block and a partial one, a
     # partial first-level block, an unpaired last nibble
-    "odd_size": lambda: _weights(64 * 300 + 37, seed=7),
-    "rows_of_77": lambda: _weights(33 * 77, seed=8).view(33, 77),
+    "odd_size": lambda dtype: _weights(64 * 300 + 37, seed=7),
+    "rows_of_77": lambda dtype: _weights(33 * 77, seed=8).view(33, 77),
     "zero_blocks": _zero_blocks,
     "extremes": _mixed_extremes,
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("case", sorted(BNB_CASES))
 def test_against_bitsandbytes(case, dtype):
     bf = _bitsandbytes()
-    x = BNB_CASES[case]().to(dtype)
+    x = BNB_CASES[case](dtype).to(dtype)
     parts = nf4.quantise_weight(x, "nf4")
     dynamic = bf.create_dynamic_map(signed=True)
     assert torch.equal(bf.get_4bit_type("nf4", device="cpu"), nf4.NF4)
@@ -226,6 +229,8 @@ def _cpu_table_differs_only_near_midpoints(bf, x: torch.Tensor, parts: dict, dyn
     codes of its lookup table, each the other neighbour of a value within a bin of their midpoint."""
     q, state = bf.quantize_4bit(x, blocksize=64, quant_type="nf4", compress_statistics=True)
     assert torch.equal(q.view(-1), parts["codes"]) and torch.equal(state.state2.absmax, parts["absmax_scale"])
+    assert state.state2.blocksize == nf4.SCALE_BLOCK and torch.equal(state.state2.code, dynamic)
+    assert torch.equal(state.offset.view(1), parts["absmax_offset"])
     ours, theirs = parts["absmax_q"].long(), state.absmax.long()
     differ = ours != theirs
     assert ((ours - theirs).abs()[differ] == 1).all()
