@@ -1,7 +1,8 @@
 """A QLoRA run (an nf4 base imported with --init-from) out to peft and transformers, the test-only
 oracles: `export --peft` loaded by peft.PeftModel onto `export --hf-base` (the run's base,
 dequantised) gives the logits of paratrain's model (that base + the run's adapters), and so does
-the merged `export --hf` loaded by transformers.
+the merged `export --hf` loaded by transformers; an adapter peft made (rsLoRA, all seven
+projections) continued with --lora-from onto an nf4 base starts at peft's loss on that base.
 
 paratrain's side is built here from the run's checkpoint, independently of the exporters: each
 adapted weight dequantised from its four stored parts (optim/nf4.py's dequantise_weight, the weight
@@ -125,3 +126,38 @@ def test_hf_base_of_a_run_without_lora_exits_2(qlora_run, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "trained without LoRA" in err and "--hf DIR" in err and "Traceback" not in err
     assert not (tmp_path / "b").exists()
+
+
+def test_lora_from_a_peft_adapter_onto_a_quantised_base_starts_at_peft_s_loss(qlora_run, tmp_path):
+    """An adapter peft made (all seven projections, use_rslora: scale lora_alpha / sqrt(r)) continued
+    with --base-precision nf4: the first loss is peft's with that adapter on the run's base as
+    `export --hf-base` writes it (the dequantised one the run computes with), and the adapters go
+    back out unchanged (lr 1e-30 keeps them as read)."""
+    import torch.nn.functional as F
+
+    from paratrain.engine import checks
+    from paratrain.train.task import build_task
+
+    base, _ = qlora_run
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(base)).float()
+    projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    conf = peft.LoraConfig(r=4, lora_alpha=12, use_rslora=True, task_type="CAUSAL_LM",
+                           init_lora_weights=False, target_modules=projections)
+    torch.manual_seed(5)
+    peft.get_peft_model(hf, conf).save_pretrained(str(tmp_path / "ad"))
+    cfg = tiny_cfg(tmp_path / "run", **{"model.init_from": str(base), "lora.from_dir": str(tmp_path / "ad"),
+                                        "lora.base_precision": "nf4", "train.steps": 1, "optim.lr": 1e-30})
+    checks.validate(cfg)
+    assert (cfg.lora.rank, cfg.lora.alpha) == (4, 24.0)  # 12 * sqrt(4): the scale 12 / sqrt(4) = 24 / 4
+    result = run_layout(cfg)
+    assert cli.main(["export", str(tmp_path / "run"), "--hf-base", str(tmp_path / "base")]) == 0
+    x, y = build_task(cfg).train_batch(0, cfg.train.global_batch)[:2]
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    model = peft.PeftModel.from_pretrained(load(str(tmp_path / "base")), str(tmp_path / "ad")).double().eval()
+    with torch.no_grad():
+        want = F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten(), ignore_index=-100).item()
+    assert result.losses[0] == pytest.approx(want, rel=1e-5)  # paratrain's fp32 forward, as test_peft_export
+    assert cli.main(["export", str(tmp_path / "run"), "--peft", str(tmp_path / "out")]) == 0
+    again = peft.PeftModel.from_pretrained(load(str(tmp_path / "base")), str(tmp_path / "out"))
+    ids = torch.randint(0, 300, (2, 19), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(_hf_logits(again, ids), _hf_logits(model, ids), **LOGITS)
