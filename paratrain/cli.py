@@ -663,7 +663,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         export_checkpoint(args.run, args.safetensors)
     if "peft" in chosen:
         from paratrain.engine.lora import base_is_quantised  # lazy: start-up time
-        from paratrain.models.adapters import export_run_peft
+        from paratrain.models.adapters import export_run_peft  # lazy: start-up time
 
         dest, base = export_run_peft(args.run, args.peft)
         print(f"wrote {dest}: adapter_config.json, adapter_model.safetensors (base: {base or 'none'})")

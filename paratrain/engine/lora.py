@@ -14,7 +14,9 @@ out of range, a model without a family (and no --lora-targets), and the combinat
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,10 +24,11 @@ import torch
 import torch.nn as nn
 
 from paratrain.config import Config
-from paratrain.engine.checkpoint import open_reader
+from paratrain.engine.checkpoint import find_checkpoint, open_reader
 from paratrain.models import build_model, model_kind
 from paratrain.models.from_config import model_shape
 from paratrain.models.hf import HFError
+from paratrain.models.hf.export import export_run
 from paratrain.models.lora import (
     LoraError,
     LoraSpec,
@@ -220,11 +223,6 @@ def export_base(run: str, out: str, *, max_shard_bytes: int) -> list[Path]:
     one as stored. It is the base ``export --peft``'s adapters were trained on: PeftModel on it
     gives the run's logits, where on the original ``--init-from`` folder an nf4 base's adapters
     meet weights that differ by the quantisation's error. Returns the weight files written."""
-    import tempfile
-
-    from paratrain.engine.checkpoint import find_checkpoint
-    from paratrain.models.hf.export import export_run
-
     src = Path(run)
     lora = _run_lora(src)
     if not lora.get("rank"):
@@ -247,8 +245,6 @@ def base_is_quantised(run: str) -> bool:
 
 def _run_lora(src: Path) -> dict:
     """run.json's ``lora`` record of the run folder SRC ({} when it has none)."""
-    import json
-
     try:
         info = json.loads((src / "run.json").read_text())
     except (OSError, ValueError) as e:
