@@ -1,5 +1,6 @@
 """The 4/8-bit frozen weight (optim/nf4.py) against its definition, and against bitsandbytes itself
-where it imports (it is no dependency: those tests skip, saying so, where it is absent)."""
+wherever it is installed (it is no dependency: those tests skip, saying so, only where it is absent;
+an installed one that fails to import fails them)."""
 
 from __future__ import annotations
 
