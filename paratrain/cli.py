@@ -668,9 +668,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         dest, base = export_run_peft(args.run, args.peft)
         print(f"wrote {dest}: adapter_config.json, adapter_model.safetensors (base: {base or 'none'})")
         if base is None:
-            print("paratrain: note: this run's base is a native preset (no --init-from), not a Hugging Face "
-                  "folder peft could load the adapters onto; `export --hf` writes the fine-tuned model "
-                  "merged", file=sys.stderr)
+            print("paratrain: note: this run's base is a native preset (no --init-from): `export --hf-base "
+                  "DIR` writes it as a Hugging Face folder peft can load these adapters onto; `export --hf` "
+                  "writes the fine-tuned model merged", file=sys.stderr)
         elif base_is_quantised(args.run):
             print("paratrain: note: these adapters were trained on the run's quantised base: `export "
                   "--hf-base DIR` writes it dequantised, the base they give the run's logits on (on the "

@@ -49,25 +49,33 @@ def qlora_run(tmp_path_factory) -> tuple[Path, Path]:
     return tmp / "base", tmp / "run"
 
 
-def _dequantised_base(run: Path) -> dict[str, torch.Tensor]:
-    """Each adapted weight of the run's checkpoint, dequantised from its stored parts."""
+def _checkpoint_base(run: Path) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """Every parameter of the run's checkpoint but the adapters, by single-device name, each adapted
+    weight dequantised from its stored parts; and the names of those."""
     reader = ckpt.open_reader(ckpt.latest(run))
+    adapters = load_file(str(run / "adapters.safetensors"))
     try:
-        weights = {n.removesuffix("_codes") for n in reader.tensors if n.endswith("_codes")}
-        out = {}
-        for w in weights:
-            parts = {}
-            for k in nf4.PARTS:
-                shape = tuple(reader.tensors[f"{w}_{k}"]["param"]["shape"])
-                parts[k] = reader.read(f"{w}_{k}", "param", (0,) * len(shape), shape).view(shape)
-            adapters = load_file(str(run / "adapters.safetensors"))
+        def whole(name: str) -> torch.Tensor:
+            shape = tuple(reader.tensors[name]["param"]["shape"])
+            return reader.read(name, "param", (0,) * len(shape), shape).view(shape)
+
+        names = [n for n, keys in reader.tensors.items() if "param" in keys and ".lora_" not in n]
+        quantised = {n.removesuffix("_codes") for n in names if n.endswith("_codes")}
+        out = {n: whole(n) for n in names if not any(n.endswith(f"_{k}") for k in nf4.PARTS)}
+        for w in quantised:
             stem = w.removesuffix("weight")
             shape = (adapters[stem + "lora_B.weight"].shape[0], adapters[stem + "lora_A.weight"].shape[1])
-            out[w] = nf4.dequantise_weight(parts, "nf4", shape)
+            out[w] = nf4.dequantise_weight({k: whole(f"{w}_{k}") for k in nf4.PARTS}, "nf4", shape)
     finally:
         reader.close()
-    assert len(out) == 2 * 7  # every projection of both layers
-    return out
+    return out, quantised
+
+
+def _dequantised_base(run: Path) -> dict[str, torch.Tensor]:
+    """Each adapted weight of the run's checkpoint, dequantised from its stored parts."""
+    base, quantised = _checkpoint_base(run)
+    assert len(quantised) == 2 * 7  # every projection of both layers
+    return {n: base[n] for n in quantised}
 
 
 def _paratrain_logits(base: Path, run: Path, ids: torch.Tensor) -> torch.Tensor:
@@ -161,3 +169,30 @@ def test_lora_from_a_peft_adapter_onto_a_quantised_base_starts_at_peft_s_loss(ql
     again = peft.PeftModel.from_pretrained(load(str(tmp_path / "base")), str(tmp_path / "out"))
     ids = torch.randint(0, 300, (2, 19), generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(_hf_logits(again, ids), _hf_logits(model, ids), **LOGITS)
+
+
+def test_a_native_qlora_run_s_hf_base_and_peft_give_the_run_s_logits(tmp_path, capsys):
+    """A native preset's QLoRA run (no --init-from): export --peft says where a base for peft is, and
+    export --hf-base writes it (a LlamaForCausalLM of the run's own base, the adapted weights
+    dequantised); PeftModel on it gives the logits of paratrain's model built from the checkpoint."""
+    from paratrain.models.registry import build_model, config_from_dict
+
+    run = tmp_path / "run"
+    run_layout(tiny_cfg(run, **QLORA, **{"model.n_layers": 1}))
+    assert cli.main(["export", str(run), "--peft", str(tmp_path / "ad")]) == 0
+    assert "`export --hf-base DIR` writes it as a Hugging Face folder" in capsys.readouterr().err
+    assert cli.main(["export", str(run), "--hf-base", str(tmp_path / "base")]) == 0
+    info = json.loads((run / "run.json").read_text())
+    model = build_model(config_from_dict(info["model"]))
+    lora = info["lora"]
+    apply_lora(model, LoraSpec(lora["rank"], lora["alpha"], 0.0, tuple(lora["modules"])))
+    base, quantised = _checkpoint_base(run)
+    assert len(quantised) == 7
+    model.load_state_dict({**base, **load_file(str(run / "adapters.safetensors"))})
+    ids = torch.randint(0, 512, (2, 19), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = model.double().eval()(ids)
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    got = _hf_logits(peft.PeftModel.from_pretrained(load(str(tmp_path / "base")), str(tmp_path / "ad")), ids)
+    torch.testing.assert_close(got, want, **LOGITS)
+    assert (got - _hf_logits(load(str(tmp_path / "base")), ids)).abs().max() > 1e-3  # the adapters matter
