@@ -227,7 +227,7 @@ def export_base(run: str, out: str, *, max_shard_bytes: int) -> list[Path]:
     lora = _run_lora(src)
     if not lora.get("rank"):
         raise HFError(f"{src} was trained without LoRA (no --lora): every weight trained, so there is no "
-                        "frozen base apart from the model; export the model with --hf DIR")
+                      "frozen base apart from the model; export the model with --hf DIR")
     folder, _ = find_checkpoint(src)
     if folder is None:
         raise HFError(f"no checkpoint under {src / 'checkpoints'}: is {run!r} the --out of a LoRA run?")
@@ -249,7 +249,7 @@ def _run_lora(src: Path) -> dict:
         info = json.loads((src / "run.json").read_text())
     except (OSError, ValueError) as e:
         raise HFError(f"cannot read {src / 'run.json'} ({e}): is {str(src)!r} the --out folder of a "
-                        "finished run?") from None
+                      "finished run?") from None
     return (info.get("lora") or {}) if isinstance(info, dict) else {}
 
 
