@@ -637,6 +637,8 @@ EXPORT_FORMATS = {
     "safetensors": "one safetensors file of full tensors (paratrain names), newest usable checkpoint",
     "peft": "a PEFT adapter folder (adapter_config.json, adapter_model.safetensors) of a --lora run, "
             "for peft.PeftModel.from_pretrained(base, DEST)",
+    "hf_base": "a Hugging Face folder of a --lora run's frozen base as the run computed with it (an "
+               "nf4/int8 base dequantised): the base its --peft adapters give the run's logits on",
 }
 
 
@@ -644,39 +646,53 @@ def export_parser(sub: argparse._SubParsersAction) -> None:
     x = sub.add_parser("export", help="write a run's weights in another format")
     x.add_argument("run", help="run folder (the --out of paratrain train)")
     for name, what in EXPORT_FORMATS.items():
-        x.add_argument(f"--{name}", metavar="DEST", help=f"write {what}")
+        x.add_argument(f"--{name.replace('_', '-')}", metavar="DEST", help=f"write {what}")
     x.add_argument("--max-shard-mb", type=float, default=2048.0,
-                   help="--hf: largest safetensors file in MiB; bigger models are split, with an index "
-                        "(default: %(default)s)")
+                   help="--hf, --hf-base: largest safetensors file in MiB; bigger models are split, with an "
+                        "index (default: %(default)s)")
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     chosen = [name for name in EXPORT_FORMATS if getattr(args, name) is not None]
     if not chosen:
-        options = " or ".join(f"--{n} DEST" for n in EXPORT_FORMATS)
+        options = " or ".join(f"--{n.replace('_', '-')} DEST" for n in EXPORT_FORMATS)
         raise UserError(f"export needs a destination: {options}")
     if "hf" in chosen:
         export_hf(args)
     if "safetensors" in chosen:
         export_checkpoint(args.run, args.safetensors)
     if "peft" in chosen:
+        from paratrain.engine.lora import base_is_quantised  # lazy: start-up time
         from paratrain.models.adapters import export_run_peft  # lazy: start-up time
 
         dest, base = export_run_peft(args.run, args.peft)
         print(f"wrote {dest}: adapter_config.json, adapter_model.safetensors (base: {base or 'none'})")
         if base is None:
-            print("paratrain: note: this run's base is a native preset (no --init-from), not a Hugging Face "
-                  "folder peft could load the adapters onto; `export --hf` writes the fine-tuned model "
-                  "merged", file=sys.stderr)
+            print("paratrain: note: this run's base is a native preset (no --init-from): `export --hf-base "
+                  "DIR` writes it as a Hugging Face folder peft can load these adapters onto; `export --hf` "
+                  "writes the fine-tuned model merged", file=sys.stderr)
+        elif base_is_quantised(args.run):
+            print("paratrain: note: these adapters were trained on the run's quantised base: `export "
+                  "--hf-base DIR` writes it dequantised, the base they give the run's logits on (on the "
+                  "original folder the base's weights differ by the quantisation's error)", file=sys.stderr)
+    if "hf_base" in chosen:
+        from paratrain.engine.lora import export_base  # lazy: start-up time
+
+        files = export_base(args.run, args.hf_base, max_shard_bytes=shard_bytes(args))
+        print(f"wrote {args.hf_base}: the run's frozen base, {len(files)} safetensors file(s)")
     return 0
+
+
+def shard_bytes(args: argparse.Namespace) -> int:
+    if args.max_shard_mb <= 0:
+        raise UserError(f"--max-shard-mb must be > 0 (got {args.max_shard_mb})")
+    return int(args.max_shard_mb * 2**20)
 
 
 def export_hf(args: argparse.Namespace) -> None:
     from paratrain.models.hf.export import export_run  # lazy: start-up time
 
-    if args.max_shard_mb <= 0:
-        raise UserError(f"--max-shard-mb must be > 0 (got {args.max_shard_mb})")
-    files = export_run(args.run, args.hf, max_shard_bytes=int(args.max_shard_mb * 2**20))
+    files = export_run(args.run, args.hf, max_shard_bytes=shard_bytes(args))
     print(f"wrote {args.hf}: config.json, tokenizer, {len(files)} safetensors file(s)")
 
 

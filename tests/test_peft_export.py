@@ -155,6 +155,38 @@ def test_lora_from_an_adapter_on_some_layers_only(lora_run, tmp_path):
     assert result.losses[0] == pytest.approx(want, rel=1e-5)
 
 
+def test_an_rslora_adapter_comes_in_at_peft_s_scale_and_goes_out_as_plain_lora(lora_run, tmp_path, capsys):
+    """use_rslora: peft scales by lora_alpha / sqrt(r) (12 / 2 = 6 at r = 4, where lora_alpha / r is
+    3): --lora-from takes it as plain LoRA with alpha = lora_alpha * sqrt(r) = 24, the same scale, so
+    the first loss is peft's; export --peft writes plain LoRA (use_rslora false, lora_alpha 24), which
+    peft loads with the same logits (lr 1e-30 keeps the adapters as read). A --lora-alpha 12 (the
+    adapter's own number, the other scale in paratrain's terms) exits 2, saying why."""
+    base, _ = lora_run
+    _peft_adapter(base, tmp_path / "ad", use_rslora=True)
+    cfg = tiny_cfg(tmp_path / "run", **{"model.init_from": str(base), "train.steps": 1, "optim.lr": 1e-30,
+                                        "lora.from_dir": str(tmp_path / "ad")})
+    checks.validate(cfg)
+    assert (cfg.lora.rank, cfg.lora.alpha) == (4, 24.0)
+    result = run_layout(cfg)
+    x, y = build_task(cfg).train_batch(0, cfg.train.global_batch)[:2]
+    rslora = peft.PeftModel.from_pretrained(_hf(base), str(tmp_path / "ad")).double().eval()
+    with torch.no_grad():
+        want = F.cross_entropy(rslora(x).logits.flatten(0, 1), y.flatten(), ignore_index=-100).item()
+    assert result.losses[0] == pytest.approx(want, rel=1e-5)
+    assert cli.main(["export", str(tmp_path / "run"), "--peft", str(tmp_path / "out")]) == 0
+    conf = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert conf["use_rslora"] is False and conf["lora_alpha"] == 24.0 and conf["r"] == 4
+    plain = peft.PeftModel.from_pretrained(_hf(base), str(tmp_path / "out")).double().eval()
+    with torch.no_grad():
+        torch.testing.assert_close(plain(_ids()).logits, rslora(_ids()).logits, **LOGITS)
+    args = ["train", "--steps", "1", "--seq-len", "32", "--out", str(tmp_path / "bad"), "--no-progress",
+            "--init-from", str(base), "--lora-from", str(tmp_path / "ad"), "--lora-alpha", "12"]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "with use_rslora (scale lora_alpha / sqrt(r), paratrain's --lora-alpha 24)" in err
+    assert "Traceback" not in err and not (tmp_path / "bad").exists()
+
+
 @pytest.mark.parametrize("case", ["missing module", "other shapes", "conflicting rank", "no init-from",
                                   "dora"])
 def test_bad_adapter_exits_2_before_any_worker(lora_run, tmp_path, capsys, case):

@@ -14,7 +14,9 @@ out of range, a model without a family (and no --lora-targets), and the combinat
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,9 +24,11 @@ import torch
 import torch.nn as nn
 
 from paratrain.config import Config
-from paratrain.engine.checkpoint import open_reader
+from paratrain.engine.checkpoint import find_checkpoint, open_reader
 from paratrain.models import build_model, model_kind
 from paratrain.models.from_config import model_shape
+from paratrain.models.hf import HFError
+from paratrain.models.hf.export import export_run
 from paratrain.models.lora import (
     LoraError,
     LoraSpec,
@@ -159,7 +163,9 @@ def export_lora(folder: Path, out: Path, scale: float, export: str = "merged") -
     ``out/adapters.safetensors`` holds the adapters alone (``...lora_A.weight``, fp32), which
     ``export --peft`` renames for PEFT. Streamed from the final checkpoint, a tensor at a time.
     ``export="adapters"`` (``--lora-export``) writes the adapters alone and removes an earlier end's
-    model.safetensors, which these adapters no longer match. Returns the run's final file: the
+    model.safetensors, which these adapters no longer match; ``export="base"`` (``export --hf-base``)
+    writes ``out/model.safetensors`` as the frozen base the adapters were trained on, unmerged (an
+    nf4/int8 weight dequantised, in fp32), and no adapters. Returns the run's final file: the
     merged model, or the adapters."""
     reader = open_reader(folder)
     try:
@@ -178,18 +184,27 @@ def export_lora(folder: Path, out: Path, scale: float, export: str = "merged") -
             slab = shape or (1,)
             return reader.read(name, key, (0,) * len(slab), slab).view(shape)
 
+        def computed(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            """The base weight the run's layer computed with (nf4/int8: dequantised), in fp32."""
+            if name in quantised:
+                return dequantise_weight({k: full(part_name(name, k)) for k in PARTS}, quantised[name], shape)
+            return full(name).float()
+
         def produce_base(i: int) -> torch.Tensor:
             name, key, shape, _ = base[i]
             if name not in merged:
                 return full(name, key)
+            if export == "base":
+                return computed(name, shape)
             stem = name.removesuffix("weight")
             delta = full(stem + "lora_B.weight").float() @ full(stem + "lora_A.weight").float()
-            if name in quantised:  # dequantise, then merge
-                parts = {k: full(part_name(name, k)) for k in PARTS}
-                return dequantise_weight(parts, quantised[name], shape) + scale * delta
-            return full(name).float() + scale * delta
+            return computed(name, shape) + scale * delta  # nf4/int8: dequantise, then merge
 
         model_path, adapter_path = out / "model.safetensors", out / "adapters.safetensors"
+        if export == "base":
+            _write_atomic(model_path, [(n, s, torch.float32 if n in merged else d) for n, _, s, d in base],
+                          produce_base)
+            return model_path
         _write_atomic(adapter_path, [(n, s, d) for n, _, s, d in adapters], lambda i: full(adapters[i][0]))
         if export == "adapters":
             model_path.unlink(missing_ok=True)
@@ -199,6 +214,43 @@ def export_lora(folder: Path, out: Path, scale: float, export: str = "merged") -
     finally:
         reader.close()
     return model_path
+
+
+def export_base(run: str, out: str, *, max_shard_bytes: int) -> list[Path]:
+    """``export --hf-base OUT``: a LoRA run's frozen base as a Hugging Face folder, from its newest
+    checkpoint (the base is frozen: every checkpoint holds the same), each adapted weight as the
+    run's layers computed with it: an nf4/int8 weight dequantised from its stored parts, a bf16
+    one as stored. It is the base ``export --peft``'s adapters were trained on: PeftModel on it
+    gives the run's logits, where on the original ``--init-from`` folder an nf4 base's adapters
+    meet weights that differ by the quantisation's error. Returns the weight files written."""
+    src = Path(run)
+    lora = _run_lora(src)
+    if not lora.get("rank"):
+        raise HFError(f"{src} was trained without LoRA (no --lora): every weight trained, so there is no "
+                      "frozen base apart from the model; export the model with --hf DIR")
+    folder, _ = find_checkpoint(src)
+    if folder is None:
+        raise HFError(f"no checkpoint under {src / 'checkpoints'}: is {run!r} the --out of a LoRA run?")
+    dest = Path(out)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{dest.name}.base-") as tmp:
+        weights = export_lora(folder, Path(tmp), 0.0, "base")
+        return export_run(run, out, max_shard_bytes=max_shard_bytes, weights=weights)
+
+
+def base_is_quantised(run: str) -> bool:
+    """Whether the finished LoRA run RUN stored its base as nf4 or int8 (``--base-precision``)."""
+    return _run_lora(Path(run)).get("base_precision") in CODES  # nf4, int8
+
+
+def _run_lora(src: Path) -> dict:
+    """run.json's ``lora`` record of the run folder SRC ({} when it has none)."""
+    try:
+        info = json.loads((src / "run.json").read_text())
+    except (OSError, ValueError) as e:
+        raise HFError(f"cannot read {src / 'run.json'} ({e}): is {str(src)!r} the --out folder of a "
+                      "finished run?") from None
+    return (info.get("lora") or {}) if isinstance(info, dict) else {}
 
 
 def quantised_weights(shapes: dict[str, tuple[int, ...]], merged: set[str]) -> dict[str, str]:

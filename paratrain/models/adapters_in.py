@@ -55,8 +55,10 @@ from paratrain.sharding import TensorShard
 
 # adapter_config.json fields whose non-default values change what the adapter computes beyond
 # plain LoRA: refused, never approximated (rank_pattern / alpha_pattern: ``PeftAdapter.stacked``).
-UNSUPPORTED = (("use_dora", False, "DoRA"), ("use_rslora", False, "rank-stabilised scaling alpha/sqrt(r)"),
-               ("bias", "none", "trained biases"), ("modules_to_save", None, "fully trained extra modules"),
+# use_rslora is not among them: its scale lora_alpha / sqrt(r) is plain LoRA's alpha / r with
+# alpha = lora_alpha * sqrt(r) (``PeftAdapter.scaling_of``).
+UNSUPPORTED = (("use_dora", False, "DoRA"), ("bias", "none", "trained biases"),
+               ("modules_to_save", None, "fully trained extra modules"),
                ("lora_bias", False, "a bias on lora_B"))
 
 
@@ -120,6 +122,7 @@ class PeftAdapter:
     fan_in_fan_out: bool
     selection: dict  # adapter_config.json's SELECTION fields: which modules PEFT adapts
     patterns: dict  # rank_pattern / alpha_pattern, checked: PEFT's per-module r / lora_alpha
+    rslora: bool = False  # use_rslora: PEFT scales by lora_alpha / sqrt(r), not lora_alpha / r
 
     @classmethod
     def open(cls, path: str) -> PeftAdapter:
@@ -149,7 +152,8 @@ class PeftAdapter:
         selection = {key: conf.get(key) for key in SELECTION}
         patterns = {key: _pattern(fields, key) for key in PATTERNS}
         return cls(folder, fields.integer("r"), fields.number("lora_alpha", positive=True), dropout,
-                   modules, fields.flag("fan_in_fan_out", False), selection, patterns)
+                   modules, fields.flag("fan_in_fan_out", False), selection, patterns,
+                   fields.flag("use_rslora", False))
 
     @staticmethod
     def names(folder: Path) -> list[str]:
@@ -184,17 +188,25 @@ class PeftAdapter:
         return out
 
     def scaling_of(self, module: str) -> tuple[int, float]:
-        """(r, lora_alpha) PEFT gives ``module``: the first rank_pattern / alpha_pattern key whose
-        regex matches the end of its name (peft's ``get_pattern_key``), else the adapter's own."""
-        return (_matched(self.patterns["rank_pattern"], module, self.rank),
-                _matched(self.patterns["alpha_pattern"], module, self.alpha))
+        """(r, alpha) PEFT gives ``module`` in plain LoRA's terms (scale alpha / r): its r and
+        lora_alpha are the first rank_pattern / alpha_pattern key whose regex matches the end of its
+        name (peft's ``get_pattern_key``), else the adapter's own; under use_rslora PEFT's scale
+        lora_alpha / sqrt(r) is alpha / r with alpha = lora_alpha * sqrt(r)."""
+        r = _matched(self.patterns["rank_pattern"], module, self.rank)
+        return r, _plain_alpha(_matched(self.patterns["alpha_pattern"], module, self.alpha), r, self.rslora)
+
+    @property
+    def plain_alpha(self) -> float:
+        """The run's --lora-alpha: the adapter's lora_alpha in plain LoRA's terms (``scaling_of``)."""
+        return _plain_alpha(self.alpha, self.rank, self.rslora)
 
     def stacked(self, cfg: ModelCfg) -> set[str]:
         """The fused modules (GPT-2's c_attn) at rank 3r with lora_alpha 3 alpha, as ``export --peft``
         writes them; AdapterError naming a module at any other (r, lora_alpha) than the adapter's:
         paratrain's LoRA has one rank and one scale."""
         fused = {t.hf for t in all_targets(cfg) if t.part is not None}
-        plain, three = (self.rank, self.alpha), (FUSED_PARTS * self.rank, FUSED_PARTS * self.alpha)
+        plain = (self.rank, self.plain_alpha)
+        three = (FUSED_PARTS * self.rank, FUSED_PARTS * self.plain_alpha)
         out = set()
         for m in self.modules:
             got = self.scaling_of(m)
@@ -331,6 +343,12 @@ def _matched(pattern: dict, module: str, default: float) -> float:
     return next((v for k, v in pattern.items() if re.match(_peft_pattern(k), module)), default)
 
 
+def _plain_alpha(lora_alpha: float, r: int, rslora: bool) -> float:
+    """Plain LoRA's alpha (scale alpha / r) for PEFT's lora_alpha at rank r: itself, or under
+    use_rslora (scale lora_alpha / sqrt(r)) lora_alpha * sqrt(r)."""
+    return lora_alpha * math.sqrt(r) if rslora else lora_alpha
+
+
 def _same(got: tuple[int, float], want: tuple[int, float]) -> bool:
     """The same (r, lora_alpha): alpha to 1e-12 relative, for a hand-written 3 alpha (0.3 for 0.1:
     3 * 0.1 is 0.30000000000000004), a scale that differs in the last bit only."""
@@ -387,9 +405,11 @@ def settle_lora_from(lora: LoraConfig, model_cfg: ModelCfg) -> list[str]:
     if lora.rank and lora.rank != adapter.rank:
         problems.append(f"--lora {lora.rank} differs from the adapter's r = {adapter.rank} "
                         f"({lora.from_dir}): drop --lora (the adapter sets it)")
-    if lora.alpha is not None and float(lora.alpha) != adapter.alpha:
+    if lora.alpha is not None and not math.isclose(float(lora.alpha), adapter.plain_alpha, rel_tol=1e-12):
+        rs = (f" with use_rslora (scale lora_alpha / sqrt(r), paratrain's --lora-alpha "
+              f"{adapter.plain_alpha:g})" if adapter.rslora else "")
         problems.append(f"--lora-alpha {lora.alpha:g} differs from the adapter's lora_alpha = "
-                        f"{adapter.alpha:g}: drop --lora-alpha (the adapter sets it)")
+                        f"{adapter.alpha:g}{rs}: drop --lora-alpha (the adapter sets it)")
     patterns = as_patterns(modules, linears)
     if lora.targets and sorted(linears(tuple(lora.targets))) != sorted(linears(patterns)):
         problems.append(f"--lora-targets {','.join(lora.targets)} select other layers than the adapter "
@@ -398,6 +418,6 @@ def settle_lora_from(lora: LoraConfig, model_cfg: ModelCfg) -> list[str]:
         problems.append(f"--lora-dropout {lora.dropout:g} differs from the adapter's lora_dropout = "
                         f"{adapter.dropout:g}: drop --lora-dropout (the adapter sets it)")
     if not problems:
-        lora.rank, lora.alpha, lora.targets = adapter.rank, adapter.alpha, list(patterns)
+        lora.rank, lora.alpha, lora.targets = adapter.rank, adapter.plain_alpha, list(patterns)
         lora.dropout = adapter.dropout
     return problems

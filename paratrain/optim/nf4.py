@@ -15,8 +15,14 @@ themselves stored in 8 bits: their mean is subtracted (the ``offset``), and the 
 quantised block-wise in blocks of ``SCALE_BLOCK`` (256) with the signed dynamic 8-bit map of
 optim/quant.py (bitsandbytes' ``create_dynamic_map(signed=True)``, the map its
 ``quantize_blockwise`` uses), one fp32 scale per 256 scales: 8/64 + 32/(64*256) = 0.127 bit per
-weight. This is bitsandbytes' ``quantize_4bit(..., compress_statistics=True)`` exactly (the
-nearest code by the midpoints between codes, as its ``torch.bucketize``; ties to the lower code).
+weight. This is bitsandbytes' ``quantize_4bit(..., compress_statistics=True)`` bit for bit (the
+nearest code by the midpoints between codes, ties to the lower code; each block times the float32
+reciprocal of its absmax, a last partial first-level block divided, as its torch backend). Its CPU
+build finds the second-level codes through a 65,536-bin table, which takes the other neighbour for
+values within a bin of a midpoint: the reference here is the nearest code, as its CUDA kernel and
+its torch backend compute it (tests/test_nf4.py compares against both). Where the scales' float32
+mean overflows (scales summing past 3.4e38) bitsandbytes' offset is inf and its weights NaN; here
+the offset is then the mean summed in float64.
 
 A quantised weight is four tensors (``PARTS``), each a frozen parameter of its layer (checkpointed,
 sharded by ZeRO, gathered like any other): ``codes`` (uint8), ``absmax_q`` (uint8, one per block),
@@ -77,10 +83,20 @@ def kind_of(codes_numel: int, shape: tuple[int, ...]) -> str:
 def quantise_weight(w: torch.Tensor, kind: str, block: int = BLOCK) -> dict[str, torch.Tensor]:
     """The ``PARTS`` of ``w`` (any shape; flattened row-major) stored as ``kind``."""
     codes, absmax = _codes_and_absmax(w, kind, block)
-    offset = absmax.mean()
-    absmax_q, absmax_scale = quantise(absmax - offset, SIGNED, SCALE_BLOCK)
+    offset = _finite(absmax.mean(), absmax, dim=None)
+    absmax_q, absmax_scale = quantise(absmax - offset, SIGNED, SCALE_BLOCK, reciprocal=True)
     return {"codes": codes, "absmax_q": absmax_q, "absmax_scale": absmax_scale,
             "absmax_offset": offset.reshape(1)}
+
+
+def _finite(mean: torch.Tensor, absmax: torch.Tensor, dim: int | None) -> torch.Tensor:
+    """``mean``, bitsandbytes' offset (a float32 mean of the block scales), or where that overflowed
+    (scales summing past float32's 3.4e38: bitsandbytes' offset is inf and every scale NaN) the mean
+    summed in float64, which is finite: the mean of finite float32 values is."""
+    if bool(torch.isfinite(mean).all()):
+        return mean
+    wide = absmax.double().mean() if dim is None else absmax.double().mean(dim=dim, keepdim=True)
+    return torch.where(torch.isfinite(mean), mean, wide.float())
 
 
 def _codes_and_absmax(w: torch.Tensor, kind: str, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,10 +131,11 @@ def _row_pieces(w: torch.Tensor, kind: str, pieces: int) -> dict[str, torch.Tens
     codes, absmax = _codes_and_absmax(w, kind, BLOCK)
     per_piece = absmax.view(pieces, -1)  # [pieces, blocks of a piece]
     offset = per_piece.mean(dim=1, keepdim=True)  # [pieces, 1]: the offsets' grid along the rows
+    offset = _finite(offset, per_piece, dim=1)
     nb = per_piece.shape[1]
     padded = n_blocks(nb, SCALE_BLOCK) * SCALE_BLOCK
     centred = torch.nn.functional.pad(per_piece - offset, (0, padded - nb))
-    absmax_q, absmax_scale = quantise(centred, SIGNED, SCALE_BLOCK)
+    absmax_q, absmax_scale = quantise(centred, SIGNED, SCALE_BLOCK, reciprocal=True)
     absmax_q = absmax_q.view(pieces, padded)[:, :nb].reshape(-1).contiguous()
     return {"codes": codes, "absmax_q": absmax_q, "absmax_scale": absmax_scale, "absmax_offset": offset}
 

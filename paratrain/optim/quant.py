@@ -31,14 +31,18 @@ import torch
 
 
 def dynamic_map(*, signed: bool, decades: int = 7) -> torch.Tensor:
-    """The 256 sorted fp32 codes of the dynamic tree map (see the module docstring)."""
+    """The 256 sorted fp32 codes of the dynamic tree map (see the module docstring).
+
+    Computed in float32 as bitsandbytes' ``create_dynamic_map`` computes them, so the codes are its
+    codes bit for bit (float64 arithmetic rounded once differs in the last bit of 72 of them): a
+    double-quantised nf4 scale dequantises to bitsandbytes' value exactly (tests/test_nf4.py)."""
     value_bits = 7 if signed else 8  # bits left after the sign
     mags: list[float] = []
     for e in range(decades):
         n = 2 ** (value_bits - 1 - e)  # bits after e zeros and the indicator bit
-        edges = torch.linspace(0.1, 1.0, n + 1, dtype=torch.float64)
+        edges = torch.linspace(0.1, 1.0, n + 1, dtype=torch.float32)
         mids = (edges[:-1] + edges[1:]) / 2  # the centre of each linear bin of the decade
-        mags += (mids * 10.0 ** (-e)).tolist()
+        mags += (mids * 10.0 ** (-e)).tolist()  # a float32 product, as bitsandbytes forms it
     values = mags + [0.0, 1.0] + ([-m for m in mags] if signed else [])
     code = torch.tensor(sorted(values), dtype=torch.float32)
     assert code.numel() == 256 and torch.unique(code).numel() == 256, code.numel()
@@ -117,17 +121,23 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def quantise(x: torch.Tensor, code: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantise(x: torch.Tensor, code: torch.Tensor, block: int, *,
+             reciprocal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(q uint8 [n], absmax fp32 [n_blocks]) of flat fp32 ``x``.
 
     With the unsigned map a non-zero value never rounds to code 0: the second moment sits under a
     square root in Adam's denominator, and a zero there would turn a small first moment into a
     step of size m / eps. Rounding it up to the smallest code only shrinks that element's step.
+
+    ``reciprocal``: each block multiplied by the fp32 reciprocal of its absmax rather than divided
+    by it, as bitsandbytes' ``quantize_blockwise`` kernels do (CUDA's for every block): another
+    rounding, so other codes where a value lies within an ulp of a midpoint, and for an absmax
+    above ~8.5e37, whose reciprocal is subnormal. nf4's double quantisation uses it.
     """
     xb = _blocks(x.reshape(-1).float(), block)
     absmax = xb.abs().amax(dim=1)  # [n_blocks]
     scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-    y = xb / scale[:, None]  # [n_blocks, block] in [-1, 1]
+    y = xb * (1.0 / scale)[:, None] if reciprocal else xb / scale[:, None]  # [n_blocks, block] in [-1, 1]
     q = _nearest(code)(y)  # index of the nearest code
     if code is UNSIGNED:  # code 0 is zero: lift positive values that rounded there to code 1
         q += (q == 0) & (y > 0)

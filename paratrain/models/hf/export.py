@@ -22,15 +22,19 @@ from paratrain.safeload import member
 NATIVE_EOS = "<|endoftext|>"  # the special token paratrain's own BPE separates documents with
 
 
-def export_run(run: str, out: str, *, max_shard_bytes: int = 2 * 2**30) -> list[Path]:
-    """Write RUN's final weights as a Hugging Face folder (config, sharded safetensors, tokenizer).
+def export_run(run: str, out: str, *, max_shard_bytes: int = 2 * 2**30,
+               weights: Path | None = None) -> list[Path]:
+    """Write RUN's final weights (or ``weights``, a file of the run's model's tensors under their
+    single-device names: a LoRA run's frozen base) as a Hugging Face folder (config, sharded
+    safetensors, tokenizer).
 
     A native preset becomes its family's architecture (the checkpoint class's ``export_config``:
     a Llama preset a LlamaForCausalLM, MixtralForCausalLM with experts); an imported model keeps
     its own architecture and config (from run.json). Returns the weight files written.
     """
     src = Path(run)
-    for name in ("run.json", "model.safetensors", "tokenizer.json"):
+    needed = ("run.json", "tokenizer.json") + (("model.safetensors",) if weights is None else ())
+    for name in needed:
         if not (src / name).is_file():
             raise HFError(f"{src / name} not found: is {run!r} the --out folder of a finished "
                           "language-model run?")
@@ -57,7 +61,8 @@ def export_run(run: str, out: str, *, max_shard_bytes: int = 2 * 2**30) -> list[
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     try:
-        _write_export(src, folder, cfg, imported, max_shard_bytes, family)
+        weights = weights or src / "model.safetensors"
+        _write_export(src, folder, cfg, imported, max_shard_bytes, family, weights)
         return _move_in(folder, dest)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -86,11 +91,11 @@ def _move_in(new: Path, dest: Path) -> list[Path]:
 
 
 def _write_export(src: Path, folder: Path, cfg: object, imported: dict, max_shard_bytes: int,
-                  family: type[HFCheckpoint]) -> None:
+                  family: type[HFCheckpoint], weights: Path) -> None:
     """The weights (in the family's Hugging Face layout), tokenizer and configs into FOLDER."""
     import shutil
 
-    write_sharded(folder, list(family.entries(src / "model.safetensors", cfg)), max_shard_bytes)
+    write_sharded(folder, list(family.entries(weights, cfg)), max_shard_bytes)
     shutil.copy(src / "tokenizer.json", folder / "tokenizer.json")
     for name, text in (imported.get("tokenizer_files") or {}).items():  # the chat template...
         path = member(folder, name, f"{src / 'run.json'}: hf.tokenizer_files", HFError)
