@@ -44,6 +44,14 @@ def _hf(folder: Path):
     return transformers.AutoModelForCausalLM.from_pretrained(str(folder)).double().eval()
 
 
+def _peft_first_loss(cfg, base, adapter) -> float:
+    """peft's loss on the run's first batch: the base folder with the adapter folder on it, float64."""
+    x, y = build_task(cfg).train_batch(0, cfg.train.global_batch)[:2]
+    model = peft.PeftModel.from_pretrained(_hf(base), str(adapter)).double().eval()
+    with torch.no_grad():
+        return F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten(), ignore_index=-100).item()
+
+
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory) -> tuple[Path, Path]:
     """(base HF folder, a 3-step LoRA run on it): lr 1e-2 so every lora_B is far from zero."""
@@ -148,11 +156,7 @@ def test_lora_from_an_adapter_on_some_layers_only(lora_run, tmp_path):
     checks.validate(cfg)
     assert sorted(cfg.lora.targets) == ["layers.1.attn.wq", "layers.1.attn.wv", "layers.1.mlp.down"]
     result = run_layout(cfg)
-    x, y = build_task(cfg).train_batch(0, cfg.train.global_batch)[:2]
-    model = peft.PeftModel.from_pretrained(_hf(base), str(tmp_path / "ad")).double().eval()
-    with torch.no_grad():
-        want = F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten(), ignore_index=-100).item()
-    assert result.losses[0] == pytest.approx(want, rel=1e-5)
+    assert result.losses[0] == pytest.approx(_peft_first_loss(cfg, base, tmp_path / "ad"), rel=1e-5)
 
 
 def test_an_rslora_adapter_comes_in_at_peft_s_scale_and_goes_out_as_plain_lora(lora_run, tmp_path, capsys):
@@ -168,15 +172,12 @@ def test_an_rslora_adapter_comes_in_at_peft_s_scale_and_goes_out_as_plain_lora(l
     checks.validate(cfg)
     assert (cfg.lora.rank, cfg.lora.alpha) == (4, 24.0)
     result = run_layout(cfg)
-    x, y = build_task(cfg).train_batch(0, cfg.train.global_batch)[:2]
-    rslora = peft.PeftModel.from_pretrained(_hf(base), str(tmp_path / "ad")).double().eval()
-    with torch.no_grad():
-        want = F.cross_entropy(rslora(x).logits.flatten(0, 1), y.flatten(), ignore_index=-100).item()
-    assert result.losses[0] == pytest.approx(want, rel=1e-5)
+    assert result.losses[0] == pytest.approx(_peft_first_loss(cfg, base, tmp_path / "ad"), rel=1e-5)
     assert cli.main(["export", str(tmp_path / "run"), "--peft", str(tmp_path / "out")]) == 0
     conf = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
     assert conf["use_rslora"] is False and conf["lora_alpha"] == 24.0 and conf["r"] == 4
     plain = peft.PeftModel.from_pretrained(_hf(base), str(tmp_path / "out")).double().eval()
+    rslora = peft.PeftModel.from_pretrained(_hf(base), str(tmp_path / "ad")).double().eval()
     with torch.no_grad():
         torch.testing.assert_close(plain(_ids()).logits, rslora(_ids()).logits, **LOGITS)
     args = ["train", "--steps", "1", "--seq-len", "32", "--out", str(tmp_path / "bad"), "--no-progress",
