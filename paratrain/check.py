@@ -295,7 +295,22 @@ def compare_runs(ref: dict, got: dict, *, lr_steps: float) -> dict:
         "tokens": got["tokens"] == ref["tokens"] and got["counted_tokens"] == ref["counted_tokens"],
         "weights": not weights["problems"],
     }
-    return {**weights, "checks": checks, "ok": all(checks.values())}
+    first = first_step_that_differs(ref, got, weights_differ=not checks["weights"])
+    return {**weights, "checks": checks, "ok": all(checks.values()), "first_step_that_differs": first}
+
+
+def first_step_that_differs(ref: dict, got: dict, *, weights_differ: bool) -> int | None:
+    """The first step (as metrics.jsonl counts them, from 1) whose loss, gradient norm or token
+    counts differ; the last step when only the final weights do; None when nothing differs. A
+    step's figures are measured before its update: a wrong update at step k shows at step k + 1."""
+    for i, step in enumerate(got["step"]):
+        if i >= len(ref["step"]) or ref["step"][i] != step:
+            return step
+        if not all(close([got[k][i]], [ref[k][i]]) for k in ("loss", "grad_norm")):
+            return step
+        if (got["tokens"][i], got["counted_tokens"][i]) != (ref["tokens"][i], ref["counted_tokens"][i]):
+            return step
+    return (got["step"][-1] if got["step"] else None) if weights_differ else None
 
 
 def tail(run: dict, steps: list[int]) -> dict:
@@ -316,6 +331,7 @@ def verdict(ref: dict, lay: dict, res: dict, *, lr: float, steps: int) -> dict:
         "grad_norms": {"reference": ref["grad_norm"], "layout": lay["grad_norm"]},
         "max_rel_diff": layout["max_rel_diff"],
         "first_worst_tensor": layout["first_worst_tensor"],
+        "first_step_that_differs": layout["first_step_that_differs"],
         "problems": layout["problems"],
         "checks": layout["checks"],
         "tolerance": {**FP32_REORDERED, "flip_fraction": FLIP_FRACTION,
@@ -323,6 +339,7 @@ def verdict(ref: dict, lay: dict, res: dict, *, lr: float, steps: int) -> dict:
         "resume": {"ok": resume["ok"], "from_step": res["step"][0] - 1 if res["step"] else None,
                    "losses": {"reference": tail(ref, res["step"])["loss"], "resumed": res["loss"]},
                    "checks": resume["checks"], "first_worst_tensor": resume["first_worst_tensor"],
+                   "first_step_that_differs": resume["first_step_that_differs"],
                    "problems": resume["problems"]},
         "tokens": {"ok": layout["checks"]["tokens"] and resume["checks"]["tokens"],
                    "reference": ref["counted_tokens"], "layout": lay["counted_tokens"],
@@ -382,11 +399,20 @@ def report(result: dict, descriptions: dict[str, str]) -> str:
            f"each <= "
            f"{tol['flip_bound']:.3g} = {MAX_MOVE_FACTOR} x lr x steps): fp32 sums in another order differ "
            "by ~1e-6, a layout bug by ~lr on most elements")
-    first = result["first_worst_tensor"]
     lines += ["", f"verdict: {result['verdict']} ({why})"]
-    if result["verdict"] == "FAIL":
-        lines.append(f"the tensor that differs most: {first}")
-    return "\n".join(lines)
+    return "\n".join(lines + failure_lines(result))
+
+
+def failure_lines(result: dict) -> list[str]:
+    """Where each failing comparison first differs: its step and the tensor that differs most."""
+    lines = []
+    for what, part in (("layout", result), ("resume", result["resume"])):
+        ok = part["ok"] if what == "resume" else all(part["checks"].values())
+        if not ok:
+            step = part.get("first_step_that_differs")
+            lines.append(f"{what}: first differs at step {step if step is not None else '-'}; "
+                         f"the tensor that differs most: {part['first_worst_tensor']}")
+    return lines
 
 
 # -- two files: the library door ----------------------------------------------------------------------

@@ -305,7 +305,11 @@ def end_sample_length(info: dict) -> tuple[str, int, str]:
 
 
 def summarize(cfg: Config) -> None:
-    """Where everything is, and one sample from the trained model."""
+    """Where everything is, and one sample from the trained model; nothing for a run inside another
+    command (``train.quiet``: check, plan --validate), whose own report is the output and which has
+    no use for a generated sample's seconds."""
+    if cfg.train.quiet:
+        return
     out = Path(cfg.train.out)
     print(f"\nrun folder: {out}")
     for name, what in (("metrics.jsonl", "metrics, one JSON object per step"),

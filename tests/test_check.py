@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -142,3 +143,84 @@ def test_compare_two_files_the_library_door(tmp_path, capsys):
     assert "the tensor that differs most: b.weight" in capsys.readouterr().out
     assert main(["check", "--compare", *files, str(tmp_path / "same.safetensors")]) == 2  # no --lr/--steps
     assert "--compare needs the runs' --lr and --steps" in capsys.readouterr().err
+
+
+def _verdict(cfgs: dict, lr: float, steps: int) -> dict:
+    runs = {name: check.read_run(c.train.out) for name, c in cfgs.items()}
+    return check.verdict(runs["reference"], runs["layout"], runs["resume"], lr=lr, steps=steps)
+
+
+def test_planted_resume_bugs_fail_naming_the_resumed_step(monkeypatch, capsys, tmp_path):
+    """The reference and the dp=2 layout run once; the resume (the layout's step-2 checkpoint in one
+    process) runs three times: right, without the optimizer's state, and from the data's first batch
+    again. The two planted bugs fail the resume (and only it), named with the first step whose loss
+    shows them and a tensor."""
+    from tests.harness import tiny_cfg
+
+    steps, lr = 4, 1e-2
+    job = tiny_cfg(tmp_path / "job", **{"parallel.nproc": 2, "parallel.dp": 2, "train.global_batch": 4})
+    cfgs, _ = check.check_configs(job, steps, tmp_path / "runs")
+    for name in ("reference", "layout"):
+        check.train_quietly(name, cfgs[name])
+    results = {}
+    for plant in (None, faults.RESUME_DROP_OPTIMIZER, faults.RESUME_DROP_DATA_POSITION):
+        shutil.rmtree(tmp_path / "runs" / "resume", ignore_errors=True)
+        check.seed_resume(tmp_path / "runs" / "layout", tmp_path / "runs" / "resume", steps // 2)
+        with monkeypatch.context() as m:  # the resume runs in this process: the plant is read here
+            if plant:
+                m.setenv(plant, "1")
+            check.train_quietly("resume", cfgs["resume"])
+        results[plant] = _verdict(cfgs, lr, steps)
+    assert results[None]["verdict"] == "PASS" and results[None]["resume"]["first_step_that_differs"] is None
+    assert "sample, " not in capsys.readouterr().err  # a quiet run generates no end-of-run sample
+    for plant in (faults.RESUME_DROP_OPTIMIZER, faults.RESUME_DROP_DATA_POSITION):
+        result = results[plant]
+        assert result["verdict"] == "FAIL" and all(result["checks"].values()), plant  # the layout is right
+        resume = result["resume"]
+        assert not resume["ok"] and not resume["checks"]["weights"] and resume["problems"], plant
+        # another batch shows in step 3's loss; moments lost in step 3's update show in step 4's
+        first = 3 if plant == faults.RESUME_DROP_DATA_POSITION else 4
+        assert resume["first_step_that_differs"] == first, plant
+        assert resume["first_worst_tensor"] in result["max_rel_diff"], plant
+        text = report({**result, "reference": None}, {"reference": "one process", "layout": "dp 2"})
+        assert f"resume: first differs at step {first}; the tensor that differs most: " in text, plant
+    # the data position: another batch, so the step's loss differs, not only the update it makes
+    assert not results[faults.RESUME_DROP_DATA_POSITION]["resume"]["checks"]["losses"]
+
+
+def test_planted_loss_normalised_per_micro_batch_fails_at_step_1(monkeypatch, capsys, tmp_path):
+    """Completions (a loss mask: each row counts its own number of targets) in micro-batches of one
+    row, two a rank: with the planted trl #2604 bug (each micro-batch's loss a mean of its own
+    targets) the runs' losses differ from step 1, while the counted tokens agree."""
+    from tests.hf_models import save_tokenizer
+
+    save_tokenizer(tmp_path / "tok")
+    words = "the cat sat on a mat why because it was warm yes no ok".split()
+    rows = [{"prompt": " ".join(words[: 2 + i % 9]) + "?",
+             "completion": " " + " ".join(words[i % 5: 7 + i % 7])} for i in range(16)]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setenv(faults.MICRO_MEAN_LOSS, "1")  # the workers inherit it
+    monkeypatch.setenv("PARATRAIN_CACHE", str(tmp_path / "cache"))
+    flags = ["--model", "tiny", "--data", str(tmp_path / "c.jsonl"), "--tokenizer", str(tmp_path / "tok"),
+             "--vocab-size", "300", "--seq-len", "32", "--no-packing", "--global-batch", "4",
+             "--micro-batch", "1", "--lr", "1e-2", "--warmup-steps", "1", "--steps", "2"]
+    assert main(["check", *flags, "--nproc", "2", "--dp", "2", "--json"]) == 1
+    result = json.loads(capsys.readouterr().out)
+    assert result["verdict"] == "FAIL" and result["first_step_that_differs"] == 1
+    assert not result["checks"]["losses"] and not result["checks"]["weights"]
+    assert result["max_rel_diff"][result["first_worst_tensor"]] > 1e-2
+    assert result["tokens"]["ok"] and all(n < 4 * 32 for n in result["tokens"]["reference"])  # masked
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--model-dir", "{noconf}", "--nproc", "2", "--dp", "2"], "has no config.json"),  # --init-from's alias
+    (["--model", "tiny", "--nproc", "2", "--dp", "2", "--tp", "2"],
+     "dp(2) * tp(2) * pp(1) = 4 != world size 2"),
+    (["--model", "tiny", "--nproc", "2", "--ep", "2"], "this model is dense"),
+])
+def test_bad_input_exits_2_with_nothing_on_stdout(flags, says, capsys, tmp_path):
+    (tmp_path / "noconf").mkdir()
+    flags = [f.format(noconf=tmp_path / "noconf") for f in flags]
+    assert main(["check", *flags, "--json", "--keep", str(tmp_path / "runs")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and says in err and not (tmp_path / "runs").exists()

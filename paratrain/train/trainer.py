@@ -150,6 +150,7 @@ class Trainer:
     def task_batch(self, step: int) -> tuple:
         """This rank's rows of the global batch at ``step``: (x, y, positions); under context
         parallelism its positions of them (targets shifted on the whole rows first)."""
+        step = faults.data_step(step, self.start_step)  # the step itself unless a test plants a bug
         return self.held(self.task.train_batch(step, self.cfg.train.global_batch, self.local_rows()))
 
     def held(self, batch: tuple) -> tuple:
@@ -174,6 +175,7 @@ class Trainer:
     def counted(self, step: int) -> int:
         """The global batch's counted targets at ``step`` (at least 1: a batch with none has loss
         0 and no gradient, not 0/0)."""
+        step = faults.data_step(step, self.start_step)  # as task_batch
         return max(1, self.task.train_units(step, self.cfg.train.global_batch))
 
     # -- one step --------------------------------------------------------------------------------
