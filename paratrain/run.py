@@ -59,6 +59,8 @@ def _worker(env: DistEnv, cfg_dict: dict, attempt: int = 0) -> int | str:
     the launcher to print, not a traceback."""
     os.environ["PARATRAIN_RESTART_COUNT"] = str(attempt)  # launch.restart_attempt() reads it
     cfg = Config.from_dict(cfg_dict)
+    if cfg.train.quiet:  # a run inside another command (check --json): that command owns stdout
+        sys.stdout = sys.stderr
     signals.install_warning(parse_signal(cfg.train.warning_signal))  # SIGINT/SIGTERM: launch._worker
     try:
         return _train_rank(cfg, env)

@@ -31,18 +31,23 @@ def test_dp2_check_passes_with_json(capsys):
     assert result["verdict"] == "PASS"
     assert len(result["losses"]["reference"]) == len(result["losses"]["layout"]) == 4
     assert "layers.0.attn.wq.weight" in result["max_rel_diff"]
-    assert all(d < 1e-4 for d in result["max_rel_diff"].values())
+    # most tensors equal to reordering noise; not all: on another CPU an element with a near-zero
+    # gradient may take its AdamW step the other way (one such moves a 64x64 tensor's figure by ~1e-4)
+    assert sorted(result["max_rel_diff"].values())[len(result["max_rel_diff"]) // 2] < 1e-5
     assert result["resume"]["ok"] and result["resume"]["from_step"] == 2
     assert result["tokens"]["ok"] and result["tokens"]["layout"] == [256] * 4  # 8 rows x 32 targets
     assert result["tolerance"]["rtol"] == 1e-4 and result["tolerance"]["precision"] == "fp32"
 
 
 def test_planted_double_division_fails_and_names_a_tensor():
+    """Also: --json's one line is all of stdout, whatever the workers print (--micro-batch auto's
+    batch finder logs its trials on the layout's rank 0)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), faults.DOUBLE_DIVIDE_GRAD: "1"}
     proc = subprocess.run([sys.executable, "-m", "paratrain.cli", "check", *TINY_CHECK, "--nproc", "2",
-                           "--dp", "2", "--json"], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+                           "--dp", "2", "--micro-batch", "auto", "--memory-limit", "2GiB", "--json"], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr[-3000:]
+    assert len(proc.stdout.splitlines()) == 1 and "batch finder: micro-batch" in proc.stderr
     result = json.loads(proc.stdout)
     assert result["verdict"] == "FAIL"
     assert result["first_worst_tensor"] in result["max_rel_diff"]
@@ -87,7 +92,7 @@ def test_a_model_one_process_cannot_hold_is_checked_against_the_smallest_layout_
     assert "smallest layout that fits" in why and "3.3 MiB" in why and "ZeRO-3 over 2 holds 1.6 MiB" in why
     result = {"verdict": "PASS", "losses": {"reference": [2.0], "layout": [2.0]}, "max_rel_diff": {"w": 0.0},
               "first_worst_tensor": "w", "problems": [], "checks": {"losses": True},
-              "tolerance": {"rtol": 1e-4, "atol": 1e-4, "flip_fraction": 1e-3, "flip_bound": 0.04},
+              "tolerance": check.tolerance(1e-2 * 4),
               "resume": {"ok": True, "from_step": 2, "checks": {}, "problems": []},
               "tokens": {"ok": True, "layout": [256]},
               "reference": {"layout": check.describe(ref), "one_process": False, "why": why}}
@@ -109,7 +114,7 @@ def test_report_and_json_of_a_failure():
         "verdict": "FAIL", "losses": {"reference": [2.0, 1.0], "layout": [2.0, None]},
         "max_rel_diff": {"w": math.inf, "v": 0.5}, "first_worst_tensor": "w", "problems": ["w: differs"],
         "checks": {"losses": False, "grad_norms": True, "tokens": True, "weights": False},
-        "tolerance": {"rtol": 1e-4, "atol": 1e-4, "flip_fraction": 1e-3, "flip_bound": 0.084},
+        "tolerance": check.tolerance(1e-2 * 4),
         "resume": {"ok": True, "from_step": 1, "checks": {}, "problems": []},
         "tokens": {"ok": True, "layout": [8, 8]},
     }
@@ -224,3 +229,36 @@ def test_bad_input_exits_2_with_nothing_on_stdout(flags, says, capsys, tmp_path)
     assert main(["check", *flags, "--json", "--keep", str(tmp_path / "runs")]) == 2
     out, err = capsys.readouterr()
     assert out == "" and says in err and not (tmp_path / "runs").exists()
+
+
+def _run(losses: list, norms: list, weights: dict, first: int = 1) -> dict:
+    n = len(losses)
+    return {"step": list(range(first, first + n)), "loss": losses, "grad_norm": norms, "tokens": [256] * n,
+            "counted_tokens": [256] * n, "weights": weights}
+
+
+def test_an_honest_layouts_drift_passes_and_a_small_bug_does_not():
+    """The drift of a right layout as measured (Gemma 2, tp 2 vs one process, fp32, K 8, lr 1e-2,
+    2026-11-29): after the first update isolated AdamW flips move later gradients, so 17 of 8192
+    elements of a tensor ended 1e-4 to 8.4e-4 apart (atol 1e-4 allows 8) and step 8's gradient norm
+    3.9e-4 apart (rtol 1e-4). That passes; a bug moving every element by 0.01 x lr x K, or the
+    first step's gradient norm by 2e-4 (both runs start from the same weights), fails."""
+    lr, K = 1e-2, 8
+    torch.manual_seed(0)
+    ref_w = {"w": torch.randn(64, 128) * 0.02}
+    drifted = ref_w["w"].clone().view(-1)
+    drifted[torch.randperm(drifted.numel())[:17]] += torch.linspace(1.2e-4, 8.4e-4, 17)
+    losses = [5.79 - 0.1 * i for i in range(K)]
+    norms = [2.0 - 0.1 * i for i in range(K)]
+    ref = _run(losses, norms, ref_w)
+    resumed = _run(losses[K // 2:], norms[K // 2:], ref_w, first=K // 2 + 1)
+    honest = _run([x * (1 + 7e-6) for x in losses], norms[:-1] + [norms[-1] * (1 + 3.9e-4)],
+                  {"w": drifted.view(64, 128)})
+    result = check.verdict(ref, honest, resumed, lr=lr, steps=K)
+    assert result["verdict"] == "PASS", result["problems"]
+    small_bug = _run(losses, norms, {"w": ref_w["w"] + 0.01 * lr * K})
+    result = check.verdict(ref, small_bug, resumed, lr=lr, steps=K)
+    assert result["verdict"] == "FAIL" and result["problems"][0].startswith("w: 8192 of 8192")
+    first_norm = _run(losses, [norms[0] * (1 + 2e-4)] + norms[1:], ref_w)
+    result = check.verdict(ref, first_norm, resumed, lr=lr, steps=K)
+    assert not result["checks"]["grad_norms"] and result["first_step_that_differs"] == 1

@@ -110,6 +110,7 @@ def build_mesh(cfg: Config, env: DistEnv) -> ParallelMesh:
 class Trainer:
     def __init__(self, cfg: Config, env: DistEnv | None = None, task: Task | None = None):
         self.cfg, self.env = cfg, env or single_process_env()
+        self.start_step = 0  # a resume sets it; read by every batch, --micro-batch auto's trials too
         if self.env.world_size == 1 and cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         self.mesh = build_mesh(cfg, self.env)
@@ -131,7 +132,6 @@ class Trainer:
         self.out = Path(cfg.train.out)
         self.is_main = self.env.rank == 0
         self.scaler = LossScaler(enabled=cfg.train.precision == "fp16")
-        self.start_step = 0
         self.result = TrainResult(out=str(self.out))
         self.stop_note = ""  # what a signal stop says, printed once the progress bar has closed
         self.peak_flops: PeakFlops | None = None  # rank 0's MFU denominator (train/mfu.py)
