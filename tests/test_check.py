@@ -263,3 +263,10 @@ def test_an_honest_layouts_drift_passes_and_a_small_bug_does_not():
     first_norm = _run(losses, [norms[0] * (1 + 2e-4)] + norms[1:], ref_w)
     result = check.verdict(ref, first_norm, resumed, lr=lr, steps=K)
     assert not result["checks"]["grad_norms"] and result["first_step_that_differs"] == 1
+
+
+def test_an_unknown_layout_flag_exits_2_with_nothing_on_stdout(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["check", "--model", "tiny", "--nproc", "2", "--tpp", "2", "--json"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == "" and "unrecognized arguments: --tpp 2" in err
