@@ -47,14 +47,17 @@ elements, by amounts that grow with lr and K. Measured on a right layout (Gemma 
 folder, tp 2 against one process, K 8 = the default, lr 1e-2, 2026-11-29): 17 of 8192 elements of a
 tensor 1e-4 to 8.4e-4 apart, which the suite's criterion (8 allowed beyond 1e-4) calls a FAIL, and
 step 8's gradient norm 3.9e-4 apart; Qwen3, tp 2, the same settings: step 7's gradient norm 1.0e-3
-apart, the weights within 1e-4. So check widens three things, each by a reason:
+apart (4.3e-3 with torch and MKL held to AVX2 kernels: ATEN_CPU_CAPABILITY=avx2
+MKL_ENABLE_INSTRUCTIONS=AVX2), its weights within 1e-4, step 8's norm 1.4e-5 again. So check widens
+three things, each by a reason:
 
   * each element's tolerance by DRIFT_FACTOR * lr * K (0.003 x lr x K: 2.4e-4 there; the worst
-    tensor then had 0.08% of its elements beyond it), and the elements allowed beyond that to
+    tensor then had 0.08% of its elements beyond it, 0.05% with AVX2 kernels, where 0.13% were
+    beyond the suite's 1e-4: a FAIL by its criterion), and the elements allowed beyond that to
     DRIFT_FRACTION = 1% of a tensor (12x the measured 0.08%). The planted bugs (faults.py) put 77% to
     98% of their worst tensor's elements beyond 0.03 x lr x K, and a bug that moved every element by
     only 0.01 x lr x K still fails (tests/test_check.py);
-  * gradient norms once an update has run: rtol GRAD_NORM_DRIFTED (3e-2, 30x the measured 1.0e-3).
+  * gradient norms once an update has run: rtol GRAD_NORM_DRIFTED (1e-1, 23x the measured 4.3e-3).
     The gradient norm is there for a bug that scales the whole gradient (AdamW is blind to a scale),
     which shows by its factor at every step, the first included, where the layout (both runs from
     the same weights, no update yet) keeps rtol 1e-4; a smaller scale that matters, under clipping,
@@ -94,7 +97,7 @@ MAX_MOVE_FACTOR = 2.1  # two AdamW runs differ by at most ~2 * lr * steps per el
 # with lr and the steps (see "The drift" in the module docstring).
 DRIFT_FACTOR = 0.003  # elementwise, on top of atol/rtol: 0.003 x lr x steps
 DRIFT_FRACTION = 1e-2  # elements per tensor allowed beyond that (each still <= MAX_MOVE_FACTOR x lr x steps)
-GRAD_NORM_DRIFTED = {"rtol": 3e-2, "atol": 1e-4}  # gradient norms once an update has run (see the docstring)
+GRAD_NORM_DRIFTED = {"rtol": 1e-1, "atol": 1e-4}  # gradient norms once an update has run (see the docstring)
 TOP_TENSORS = 5
 # Replicas that step alone differ from one process by design: nothing for this check to prove.
 NOT_ONE_PROCESS = {"local-sgd": "local SGD", "diloco": "DiLoCo"}

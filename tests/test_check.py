@@ -241,9 +241,9 @@ def test_an_honest_layouts_drift_passes_and_a_small_bug_does_not():
     """The drift of a right layout as measured (Gemma 2, tp 2 vs one process, fp32, K 8, lr 1e-2,
     2026-11-29): after the first update isolated AdamW flips move later gradients, so 17 of 8192
     elements of a tensor ended 1e-4 to 8.4e-4 apart (atol 1e-4 allows 8); and (Qwen3, tp 2, the
-    same settings) step 7's gradient norm 1.0e-3 apart (rtol 1e-4). That passes; a bug moving every
-    element by 0.01 x lr x K, or the first step's gradient norm by 2e-4 (both runs start from the
-    same weights), fails."""
+    same settings, AVX2 kernels) step 7's gradient norm 4.3e-3 apart (rtol 1e-4). That passes; a
+    bug moving every element by 0.01 x lr x K, or the first step's gradient norm by 2e-4 (both runs
+    start from the same weights), fails."""
     lr, K = 1e-2, 8
     torch.manual_seed(0)
     ref_w = {"w": torch.randn(64, 128) * 0.02}
@@ -253,7 +253,7 @@ def test_an_honest_layouts_drift_passes_and_a_small_bug_does_not():
     norms = [2.0 - 0.1 * i for i in range(K)]
     ref = _run(losses, norms, ref_w)
     resumed = _run(losses[K // 2:], norms[K // 2:], ref_w, first=K // 2 + 1)
-    honest = _run([x * (1 + 7e-6) for x in losses], norms[:6] + [norms[6] * (1 + 1.0e-3), norms[7]],
+    honest = _run([x * (1 + 7e-6) for x in losses], norms[:6] + [norms[6] * (1 + 4.3e-3), norms[7]],
                   {"w": drifted.view(64, 128)})
     result = check.verdict(ref, honest, resumed, lr=lr, steps=K)
     assert result["verdict"] == "PASS", result["problems"]
