@@ -485,8 +485,12 @@ def weights_criterion(tol: dict) -> str:
             f"<= {tol['flip_bound']:.3g} ({MAX_MOVE_FACTOR} x lr x steps)")
 
 
+LATE_STEP = 3  # a layout's bug shows at step 1 (its gradient) or 2 (its first update)
+
+
 def failure_lines(result: dict) -> list[str]:
-    """Where each failing comparison first differs: its step and the tensor that differs most."""
+    """Where each failing comparison first differs: its step and the tensor that differs most; and
+    when the layout agreed for the first steps, that this may be chaos rather than a bug."""
     lines = []
     for what, part in (("layout", result), ("resume", result["resume"])):
         ok = part["ok"] if what == "resume" else all(part["checks"].values())
@@ -494,6 +498,12 @@ def failure_lines(result: dict) -> list[str]:
             step = part.get("first_step_that_differs")
             lines.append(f"{what}: first differs at step {step if step is not None else '-'}; "
                          f"the tensor that differs most: {part['first_worst_tensor']}")
+    step = result.get("first_step_that_differs")
+    if step is not None and step >= LATE_STEP:
+        lines.append(f"note: the layout agreed with the reference for {step - 1} steps; a layout bug shows "
+                     "at step 1 or 2, while rounding differences amplified by an unstable run (a high lr, "
+                     "a rising loss) grow step by step: run check again with fewer --steps or a lower --lr "
+                     "to tell them apart")
     return lines
 
 

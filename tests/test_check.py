@@ -270,3 +270,18 @@ def test_an_unknown_layout_flag_exits_2_with_nothing_on_stdout(capsys):
         main(["check", "--model", "tiny", "--nproc", "2", "--tpp", "2", "--json"])
     out, err = capsys.readouterr()
     assert e.value.code == 2 and out == "" and "unrecognized arguments: --tpp 2" in err
+
+
+@pytest.mark.parametrize("first, noted", [(1, False), (2, False), (12, True)])
+def test_a_late_first_difference_is_noted_as_possible_chaos(first, noted):
+    """Gemma 2, tp 2, lr 1e-2, K 16 (its loss rising from step 13): the runs agreed to ~1e-5 for 11
+    steps, then diverged (6.9e-3 in the loss at step 16): the report says how to tell chaos from a bug."""
+    result = {"verdict": "FAIL", "losses": {"reference": [2.0] * 16, "layout": [2.0] * 16},
+              "max_rel_diff": {"w": 0.1}, "first_worst_tensor": "w", "first_step_that_differs": first,
+              "problems": ["w: differs"], "checks": {"losses": False, "weights": False},
+              "tolerance": check.tolerance(1e-2 * 16),
+              "resume": {"ok": True, "from_step": 8, "checks": {}, "problems": []},
+              "tokens": {"ok": True, "layout": [8] * 16}}
+    text = report(result, {"reference": "one process", "layout": "2 processes, tp 2"})
+    assert f"layout: first differs at step {first}; the tensor that differs most: w" in text
+    assert ("fewer --steps or a lower --lr" in text) == noted
