@@ -64,6 +64,11 @@ three things, each by a reason:
     scales the update and shows in the weights;
   * losses keep rtol 1e-4 at every step (a flipped element's gradient was ~0, so the loss moves only
     to second order: 7.7e-6 at most in those runs).
+
+The limit: where training is unstable the drift has no bound. The same Gemma 2 tp 2 run at K 16
+(its loss rising again from step 13 at lr 1e-2) agreed to ~1e-5 for 11 steps and then diverged to
+6.9e-3 in the loss (at lr 1e-3 it passed, 4.2e-7 apart). A layout's bug shows at step 1 or 2, so a
+FAIL first seen later is reported with a note (``failure_lines``).
 """
 
 from __future__ import annotations
