@@ -287,7 +287,7 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
 # Second names of a flag. --warning-signal: torchrun's parser takes `--signal` after `-m
 # paratrain.cli train` for an abbreviation of its own --signals-to-handle and stops ("ambiguous
 # option"), so a torchrun-launched run (Kubernetes, torchrun under srun) can only spell it this way.
-FLAG_ALIASES = {"--signal": ("--warning-signal",)}
+FLAG_ALIASES = {"--signal": ("--warning-signal",), "--init-from": ("--model-dir",)}
 # Flags whose value may be left out, and what the flag alone sets (--compile: on).
 OPTIONAL_VALUE = {"--compile": True}
 TRAIN_FLAGS: dict[str, tuple[str, type | typing.Callable]] = {

@@ -174,7 +174,7 @@ class TrainConfig:
     trust_checkpoint: bool = False  # resume from a checkpoint whose rng.pt needs a full unpickling
     log_every: int = 0  # without a progress bar: a plain log line every N steps (0: every 10 % of them)
     progress: bool = True
-    quiet: bool = False  # no per-step output at all: runs inside another command (plan --validate)
+    quiet: bool = False  # no per-step output nor end summary: runs inside another command (check, plan)
     threads: int | None = None  # torch threads for a single process; workers use 1
     overwrite: bool = False  # start afresh in a folder holding another run's checkpoints (deletes them)
     nan_policy: str = "stop"  # non-finite loss/grad norm: stop (with the tensor's name) | skip the step

@@ -22,6 +22,17 @@ is a single dictionary lookup when it is not:
   divides its gradient by the dp degree a second time (a share averaged twice): the planted layout
   bug that ``paratrain check`` must catch and name a tensor of (tests/test_check.py). Not a uniform
   scale on purpose: AdamW and clipping hide a gradient scaled uniformly, a skewed sum they do not.
+* ``PARATRAIN_TEST_MICRO_MEAN_LOSS=1``: with more than one micro-batch a step on a rank, each
+  micro-batch's loss is divided by its own counted targets (times the rank's micro-batches and
+  the rank's share of the global count): the gradient-accumulation bug of trl #2604, a mean of
+  per-micro-batch means. Equal to the right loss when every micro-batch counts as many targets
+  (plain text), wrong under a loss mask (chat, completions);
+* ``PARATRAIN_TEST_RESUME_DROP_OPTIMIZER=1``: a resume loads the weights but not the optimizer's
+  state (AdamW restarts its moments);
+* ``PARATRAIN_TEST_RESUME_DROP_DATA_POSITION=1``: a resumed run reads the data from its first
+  batch again instead of the checkpoint's step.
+  The last three are the planted bugs of ``paratrain check``'s loss normalisation and resume
+  (tests/test_check.py).
 """
 
 from __future__ import annotations
@@ -39,6 +50,9 @@ STEP_PAUSE_S = "PARATRAIN_TEST_STEP_PAUSE_S"
 PAUSE_AT_STEP = "PARATRAIN_TEST_PAUSE_AT_STEP"
 PAUSE_DIR = "PARATRAIN_TEST_PAUSE_DIR"
 DOUBLE_DIVIDE_GRAD = "PARATRAIN_TEST_DOUBLE_DIVIDE_GRAD"
+MICRO_MEAN_LOSS = "PARATRAIN_TEST_MICRO_MEAN_LOSS"
+RESUME_DROP_OPTIMIZER = "PARATRAIN_TEST_RESUME_DROP_OPTIMIZER"
+RESUME_DROP_DATA_POSITION = "PARATRAIN_TEST_RESUME_DROP_DATA_POSITION"
 
 _skipped = False  # the skip fires once per process
 
@@ -84,3 +98,25 @@ def gradient_divisor(divisor: int, dp_rank: int, dp_size: int) -> int:
     if dp_size > 1 and dp_rank > 0 and os.environ.get(DOUBLE_DIVIDE_GRAD) == "1":
         return divisor * dp_size
     return divisor
+
+
+def micro_batch_divisors(divisor: float, targets: list) -> list[float]:
+    """Called by the micro-batch loop with the step's divisor and each micro-batch's targets
+    (tensors, -100 where not counted; only read under the fault): the divisor for every
+    micro-batch, or (fault) each one's own count, scaled so that equal counts give the right one."""
+    if os.environ.get(MICRO_MEAN_LOSS) != "1" or len(targets) < 2:
+        return [divisor] * len(targets)
+    counted = [int((y != -100).sum()) for y in targets]  # -100: data.packing.IGNORE_INDEX
+    local = max(1, sum(counted))
+    return [divisor * max(1, c) * len(counted) / local for c in counted]
+
+
+def resume_keeps_optimizer() -> bool:
+    """Called by a resume after loading the optimizer's state: False (fault) to drop it."""
+    return os.environ.get(RESUME_DROP_OPTIMIZER) != "1"
+
+
+def data_step(step: int, start_step: int) -> int:
+    """Called by the trainer for the batch of ``step``: the same step, or (fault) counted from the
+    resumed run's first step, as if the data position were not restored."""
+    return step - start_step if os.environ.get(RESUME_DROP_DATA_POSITION) == "1" else step

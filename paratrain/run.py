@@ -60,6 +60,8 @@ def _worker(env: DistEnv, cfg_dict: dict, attempt: int = 0) -> int | str:
     the launcher to print, not a traceback."""
     os.environ["PARATRAIN_RESTART_COUNT"] = str(attempt)  # launch.restart_attempt() reads it
     cfg = Config.from_dict(cfg_dict)
+    if cfg.train.quiet:  # a run inside another command (check --json): that command owns stdout
+        sys.stdout = sys.stderr
     signals.install_warning(parse_signal(cfg.train.warning_signal))  # SIGINT/SIGTERM: launch._worker
     try:
         return _train_rank(cfg, env)
@@ -311,7 +313,11 @@ def end_sample_length(info: dict) -> tuple[str, int, str]:
 
 
 def summarize(cfg: Config) -> None:
-    """Where everything is, and one sample from the trained model."""
+    """Where everything is, and one sample from the trained model; nothing for a run inside another
+    command (``train.quiet``: check, plan --validate), whose own report is the output and which has
+    no use for a generated sample's seconds."""
+    if cfg.train.quiet:
+        return
     out = Path(cfg.train.out)
     print(f"\nrun folder: {out}")
     for name, what in (("metrics.jsonl", "metrics, one JSON object per step"),

@@ -21,6 +21,7 @@ from typing import NamedTuple, Protocol
 import torch
 import torch.nn as nn
 
+from paratrain import faults
 from paratrain.base.strategy import Strategy
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -122,15 +123,17 @@ class MicroBatchLoop:
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.offload is not None:
             self.offload.reset()
+        micro_batches = [micro_batch(mb) for mb in micro_batches]
+        divisors = faults.micro_batch_divisors(divisor, [mb.y for mb in micro_batches])
         last = len(micro_batches) - 1
-        for i, mb in enumerate(map(micro_batch, micro_batches)):
+        for i, mb in enumerate(micro_batches):
             # Hold gradient communication until the last micro-batch: the gradients are summed
             # locally first, so one reduction per step moves the same bytes as with no accumulation.
             sync = self.strategy.no_sync() if i < last else contextlib.nullcontext()
             with sync:
                 with self.autocast(), self.saved_tensors():
                     loss = self.loss_fn(model_forward(self.model, mb), mb.y)
-                    loss = with_side_loss(loss, self.side_loss, [self.model], True) / divisor
+                    loss = with_side_loss(loss, self.side_loss, [self.model], True) / divisors[i]
                 (loss * loss_scale).backward() if loss_scale != 1.0 else loss.backward()
             total += loss.detach().float()
         self.strategy.after_backward()

@@ -110,6 +110,7 @@ def build_mesh(cfg: Config, env: DistEnv) -> ParallelMesh:
 class Trainer:
     def __init__(self, cfg: Config, env: DistEnv | None = None, task: Task | None = None):
         self.cfg, self.env = cfg, env or single_process_env()
+        self.start_step = 0  # a resume sets it; read by every batch, --micro-batch auto's trials too
         if self.env.world_size == 1 and cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         self.mesh = build_mesh(cfg, self.env)
@@ -131,7 +132,6 @@ class Trainer:
         self.out = Path(cfg.train.out)
         self.is_main = self.env.rank == 0
         self.scaler = LossScaler(enabled=cfg.train.precision == "fp16")
-        self.start_step = 0
         self.result = TrainResult(out=str(self.out))
         self.stop_note = ""  # what a signal stop says, printed once the progress bar has closed
         self.peak_flops: PeakFlops | None = None  # rank 0's MFU denominator (train/mfu.py)
@@ -150,6 +150,7 @@ class Trainer:
     def task_batch(self, step: int) -> tuple:
         """This rank's rows of the global batch at ``step``: (x, y, positions); under context
         parallelism its positions of them (targets shifted on the whole rows first)."""
+        step = faults.data_step(step, self.start_step)  # the step itself unless a test plants a bug
         return self.held(self.task.train_batch(step, self.cfg.train.global_batch, self.local_rows()))
 
     def held(self, batch: tuple) -> tuple:
@@ -174,6 +175,7 @@ class Trainer:
     def counted(self, step: int) -> int:
         """The global batch's counted targets at ``step`` (at least 1: a batch with none has loss
         0 and no gradient, not 0/0)."""
+        step = faults.data_step(step, self.start_step)  # as task_batch
         return max(1, self.task.train_units(step, self.cfg.train.global_batch))
 
     # -- one step --------------------------------------------------------------------------------
