@@ -290,6 +290,9 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
 FLAG_ALIASES = {"--signal": ("--warning-signal",)}
 # Flags whose value may be left out, and what the flag alone sets (--compile: on).
 OPTIONAL_VALUE = {"--compile": True}
+# Flags that may be given several times, each adding to the list (--tracker mlflow --tracker wandb,
+# as the comma form --tracker mlflow,wandb): argparse's default would keep only the last one.
+REPEATABLE = {"--tracker"}
 TRAIN_FLAGS: dict[str, tuple[str, type | typing.Callable]] = {
     flag: (key, typ) for flag, key, typ, _, _ in TRAIN_OPTIONS if typ is not bool}
 TRAIN_SWITCHES: dict[str, str] = {flag: key for flag, key, typ, _, _ in TRAIN_OPTIONS if typ is bool}
@@ -326,6 +329,9 @@ def train_parser(sub: argparse._SubParsersAction, name: str = "train",
         text, metavar = option_help(flag, key, text)
         if typ is bool:
             groups[group].add_argument(flag, action="store_true", help=text)
+        elif flag in REPEATABLE:  # each value a list (the comma form): joined in order
+            groups[group].add_argument(flag, action="extend", type=typ, default=None, metavar=metavar,
+                                       help=text)
         elif flag in OPTIONAL_VALUE:  # the flag alone means its const
             groups[group].add_argument(flag, nargs="?", const=OPTIONAL_VALUE[flag], type=typ, default=None,
                                        metavar="{auto,on,off}", help=text)

@@ -310,3 +310,21 @@ def test_a_resume_without_a_tracker_keeps_its_record_for_a_later_one(tmp_path, m
 
 def test_no_tracker_unless_asked(tmp_path):
     assert trackers_module.open_trackers(tiny_cfg(tmp_path), start_step=0) is None
+
+
+def test_the_tracker_flag_repeated_adds_to_the_list_as_the_comma_form_does(tmp_path, monkeypatch):
+    """`--tracker mlflow --tracker wandb` asked for both (argparse kept only the last one: the run
+    logged to wandb alone, silently); a name given twice opens one tracker run."""
+    seen = []
+    monkeypatch.setattr("paratrain.run.run_training", lambda cfg: seen.append(cfg.tracking.trackers) or 0)
+    found = importlib.util.find_spec  # as if all three were installed, whatever this machine has
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name in
+                        {m for modules, _ in TRACKERS.values() for m in modules} else found(name))
+    base = ["train", "--model", "tiny", "--out", str(tmp_path)]
+    assert cli.main([*base, "--tracker", "mlflow", "--tracker", "wandb,tensorboard"]) == 0
+    assert cli.main([*base, "--tracker", "tensorboard,mlflow"]) == 0
+    assert seen == [["mlflow", "wandb", "tensorboard"], ["tensorboard", "mlflow"]]
+    Fake.calls = []
+    monkeypatch.setattr(trackers_module, "OPENERS", {name: lambda *a, n=name: Fake(*a, name=n) for name in TRACKERS})
+    Trackers(tiny_cfg(tmp_path, **{"tracking.trackers": ["wandb", "mlflow", "wandb"]}), start_step=0).close()
+    assert Fake.calls == [("wandb", "close", "finished"), ("mlflow", "close", "finished")]

@@ -223,7 +223,7 @@ class Trackers:
         recorded = read_record(out) if cfg.train.resume else {}
         self.open: list[tuple[str, Tracker]] = []
         try:
-            for name in cfg.tracking.trackers or []:
+            for name in dict.fromkeys(cfg.tracking.trackers or []):  # a name given twice: one run
                 entry = recorded.get(name)
                 self.open.append((name, OPENERS[name](cfg, out, start_step,
                                                       entry if isinstance(entry, dict) else None)))
