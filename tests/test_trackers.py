@@ -325,6 +325,7 @@ def test_the_tracker_flag_repeated_adds_to_the_list_as_the_comma_form_does(tmp_p
     assert cli.main([*base, "--tracker", "tensorboard,mlflow"]) == 0
     assert seen == [["mlflow", "wandb", "tensorboard"], ["tensorboard", "mlflow"]]
     Fake.calls = []
-    monkeypatch.setattr(trackers_module, "OPENERS", {name: lambda *a, n=name: Fake(*a, name=n) for name in TRACKERS})
+    fakes = {name: lambda *a, n=name: Fake(*a, name=n) for name in TRACKERS}
+    monkeypatch.setattr(trackers_module, "OPENERS", fakes)
     Trackers(tiny_cfg(tmp_path, **{"tracking.trackers": ["wandb", "mlflow", "wandb"]}), start_step=0).close()
     assert Fake.calls == [("wandb", "close", "finished"), ("mlflow", "close", "finished")]
