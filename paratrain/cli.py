@@ -274,15 +274,18 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
      "allocator history for PyTorch's memory_viz, dumped on out-of-memory too); draw with "
      "`paratrain viz memory OUT`"),
     ("--tracker", "tracking.trackers", trackers_arg, RUN, "also send each metrics.jsonl row (nested keys as "
-     "comm_bytes/all_reduce), the config and the layout to these experiment trackers, comma-separated: "
-     "tensorboard (OUT/tensorboard), mlflow (OUT/mlflow.db), wandb (OUT/wandb, offline); --resume "
-     "continues the same tracker run (docs/operations.md)"),
+     "comm_bytes/all_reduce), the config and the layout to these experiment trackers, comma-separated "
+     "or repeated: tensorboard (OUT/tensorboard), mlflow (OUT/mlflow.db), wandb (OUT/wandb, offline); "
+     "--resume continues the same tracker run (docs/operations.md)"),
     ("--tracker-project", "tracking.project", str, RUN, "the MLflow experiment / W&B project the run is "
-     "logged under; the run is named after --out's folder"),
+     "logged under (default: $MLFLOW_EXPERIMENT_NAME / $WANDB_PROJECT if set, else paratrain); the run is "
+     "named after --out's folder"),
     ("--mlflow-uri", "tracking.mlflow_uri", str, RUN, "--tracker mlflow: the tracking URI, e.g. "
-     "http://HOST:5000 for a server (default: sqlite:///OUT/mlflow.db, a local store)"),
+     "http://HOST:5000 for a server (default: $MLFLOW_TRACKING_URI if set, else sqlite:///OUT/mlflow.db, "
+     "a local store)"),
     ("--wandb-mode", "tracking.wandb_mode", str, RUN, "--tracker wandb: offline writes OUT/wandb for a "
-     "later `wandb sync`; online sends as it runs (needs `wandb login`)"),
+     "later `wandb sync`; online sends as it runs (needs `wandb login`) (default: $WANDB_MODE if set, "
+     "else offline)"),
 ]
 # Second names of a flag. --warning-signal: torchrun's parser takes `--signal` after `-m
 # paratrain.cli train` for an abbreviation of its own --signals-to-handle and stops ("ambiguous

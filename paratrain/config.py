@@ -207,12 +207,30 @@ TRACKERS: dict[str, tuple[tuple[str, ...], str]] = {
 }
 
 
+#: The variables each library documents for what a flag here also sets: unset flag, set variable -> the
+#: variable (the user's explicit choice, as the library itself would take it); neither -> offline.
+TRACKER_ENV = {"mlflow_uri": "MLFLOW_TRACKING_URI", "wandb_mode": "WANDB_MODE",
+               "project": {"mlflow": "MLFLOW_EXPERIMENT_NAME", "wandb": "WANDB_PROJECT"}}
+
+
 @dataclass
 class TrackingConfig:
     trackers: list[str] | None = None  # metrics rows, config and layout also go to these (TRACKERS)
-    project: str = "paratrain"  # MLflow's experiment, W&B's project; the run is named after --out
-    mlflow_uri: str | None = None  # MLflow tracking URI; None: sqlite:///OUT/mlflow.db (offline)
-    wandb_mode: str = "offline"  # offline: OUT/wandb, `wandb sync` later | online (needs `wandb login`)
+    project: str | None = None  # MLflow's experiment, W&B's project (None: the variable, else paratrain)
+    mlflow_uri: str | None = None  # tracking URI (None: $MLFLOW_TRACKING_URI, else sqlite:///OUT/mlflow.db)
+    wandb_mode: str | None = None  # offline | online (None: $WANDB_MODE, else offline: OUT/wandb)
+
+    def project_for(self, tracker: str) -> str:
+        """--tracker-project, else $MLFLOW_EXPERIMENT_NAME / $WANDB_PROJECT, else "paratrain"."""
+        return self.project or os.environ.get(TRACKER_ENV["project"][tracker]) or "paratrain"
+
+    def mlflow_target(self) -> str | None:
+        """--mlflow-uri, else $MLFLOW_TRACKING_URI; None: the run's own store, OUT/mlflow.db."""
+        return self.mlflow_uri or os.environ.get(TRACKER_ENV["mlflow_uri"]) or None
+
+    def wandb_target(self) -> str:
+        """--wandb-mode, else $WANDB_MODE (W&B checks its value), else offline."""
+        return self.wandb_mode or os.environ.get(TRACKER_ENV["wandb_mode"]) or "offline"
 
 
 @dataclass
@@ -468,7 +486,9 @@ def check_values(cfg: Config, problems: list[str], world_size: int | None = None
                             f"{world}: change --dp/--tp/--pp{'/--cp' if cp else ''} or --nproc")
     for dotted, allowed in CHOICES.items():
         section, key = dotted.split(".")
-        _choice(problems, dotted, getattr(getattr(cfg, section), key), allowed)
+        value = getattr(getattr(cfg, section), key)
+        if value is not None or default_of(dotted) is not None:  # None where None is the default: unset
+            _choice(problems, dotted, value, allowed)
     if t.compile not in (True, False, "auto"):  # a bool or the string "auto" (the types are checked first)
         problems.append(f"train.compile = {t.compile!r} must be true, false or \"auto\" (--compile, "
                         "--no-compile, --compile auto)")
@@ -526,7 +546,8 @@ def check_trackers(t: TrackingConfig, problems: list[str]) -> None:
             problems.append(f"--tracker {name!r} (tracking.trackers) is not one of {', '.join(TRACKERS)}")
             continue
         modules, extra = TRACKERS[name]
-        if name == "mlflow" and t.mlflow_uri and not t.mlflow_uri.startswith("sqlite:"):
+        uri = t.mlflow_target() if name == "mlflow" else None
+        if uri and not uri.startswith("sqlite:"):
             modules = modules[:1]  # a server or a file store: no SQLAlchemy in this process
         missing = [m for m in modules if importlib.util.find_spec(m) is None]
         if missing:

@@ -14,12 +14,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import struct
+import sys
+import types
 from pathlib import Path
 
 import pytest
 
 from paratrain import cli
-from paratrain.config import TRACKERS, check_trackers
+from paratrain.config import TRACKER_ENV, TRACKERS, TrackingConfig, check_trackers
 from paratrain.engine import checks
 from paratrain.train import trackers as trackers_module
 from paratrain.train.metrics import read_metrics
@@ -34,6 +36,14 @@ MISSING = sorted(set(TRACKERS) - set(INSTALLED))
 # must reach every tracker with metrics.jsonl's value. MFU too where a peak is known (not null).
 NAMED = ("loss", "lr", "grad_norm", "tokens_per_s", "mem_params_bytes", "mem_grads_bytes",
          "mem_optim_bytes", "mem_peak_bytes", "comm_by_link/intra_node", "mfu")
+VARIABLES = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "WANDB_MODE", "WANDB_PROJECT")
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    """The tests' trackers stay in tmp_path whatever the machine's environment names."""
+    for name in VARIABLES:
+        monkeypatch.delenv(name, raising=False)
 
 
 def row_value(row: dict, key: str):
@@ -80,7 +90,7 @@ def mlflow_store(out: Path):
 
 
 def mlflow_steps(client, run_id: str) -> dict[int, dict[str, float]]:
-    """The last value logged at each step (a step redone after a crash is logged twice)."""
+    """The last value logged at each step."""
     steps: dict[int, dict[str, tuple[int, float]]] = {}
     for key in client.get_run(run_id).data.metrics:
         for m in client.get_metric_history(run_id, key):
@@ -147,6 +157,7 @@ def test_trackers_hold_the_rows_and_a_resumed_run_continues_the_same_tracker_run
         InterruptedAt(checks.validate(tiny_cfg(out, **settings)), at_step=3).fit()
     first = json.loads((out / "trackers.json").read_text())
     killed = {"mlflow": mlflow_killed(out)} if "mlflow" in INSTALLED else {}
+    killed_rows = read_metrics(out / "metrics.jsonl")  # steps 1-3, as the trackers got them
     Trainer(checks.validate(tiny_cfg(out, **settings, **{"train.resume": True}))).fit()
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
@@ -154,7 +165,7 @@ def test_trackers_hold_the_rows_and_a_resumed_run_continues_the_same_tracker_run
     if "tensorboard" in INSTALLED:
         check_tensorboard(out, rows)
     if "mlflow" in INSTALLED:
-        check_mlflow(out, rows, killed["mlflow"])
+        check_mlflow(out, killed_rows + rows[3:], killed["mlflow"])
     if "wandb" in INSTALLED:
         check_wandb(out, rows, first["wandb"]["id"])
 
@@ -173,12 +184,16 @@ def check_tensorboard(out: Path, rows: list[dict]) -> None:
 
 
 def check_mlflow(out: Path, rows: list[dict], killed: dict) -> None:
+    """Each step once, in order: step 3, redone after the crash, not logged again (MLflow would keep
+    both values); it holds the killed attempt's row, as W&B's server does."""
     client, run_id = mlflow_store(out)
     assert killed == {"status": "KILLED", "steps": [1, 2, 3]}
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.info.run_name == "run"
-    redone = [m.step for m in client.get_metric_history(run_id, "loss")]
-    assert sorted(redone) == [1, 2, 3, 3, 4, 5]  # MLflow keeps every value: step 3 of both attempts
+    assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == [1, 2, 3, 4, 5]
+    for key in run.data.metrics:
+        steps = [m.step for m in client.get_metric_history(run_id, key)]
+        assert len(steps) == len(set(steps)), (key, steps)
     assert_holds_rows("mlflow", mlflow_steps(client, run_id), rows, rel=0)
     params = run.data.params
     assert params["layout/dp"] == "1" and params["train/steps"] == "5" and params["model/name"] == "tiny"
@@ -329,3 +344,106 @@ def test_the_tracker_flag_repeated_adds_to_the_list_as_the_comma_form_does(tmp_p
     monkeypatch.setattr(trackers_module, "OPENERS", fakes)
     Trackers(tiny_cfg(tmp_path, **{"tracking.trackers": ["wandb", "mlflow", "wandb"]}), start_step=0).close()
     assert Fake.calls == [("wandb", "close", "finished"), ("mlflow", "close", "finished")]
+
+
+def test_the_libraries_own_variables_are_taken_unless_a_flag_says_otherwise(monkeypatch):
+    """Offline by default; MLFLOW_TRACKING_URI, WANDB_MODE, WANDB_PROJECT, MLFLOW_EXPERIMENT_NAME,
+    which the libraries document, are the user's choice (they were ignored: a run with
+    WANDB_MODE=online stayed offline); a flag or the TOML wins over them."""
+    named = {TRACKER_ENV["mlflow_uri"], TRACKER_ENV["wandb_mode"], *TRACKER_ENV["project"].values()}
+    assert set(VARIABLES) == named
+    unset = TrackingConfig()
+    assert (unset.mlflow_target(), unset.wandb_target(), unset.project_for("mlflow"),
+            unset.project_for("wandb")) == (None, "offline", "paratrain", "paratrain")
+    for name, value in zip(VARIABLES, ("http://mlflow.example:5000", "exp", "online", "proj")):
+        monkeypatch.setenv(name, value)
+    assert (unset.mlflow_target(), unset.wandb_target(), unset.project_for("mlflow"),
+            unset.project_for("wandb")) == ("http://mlflow.example:5000", "online", "exp", "proj")
+    flags = TrackingConfig(project="mine", mlflow_uri="sqlite:///x.db", wandb_mode="offline")
+    assert (flags.mlflow_target(), flags.wandb_target(), flags.project_for("mlflow"),
+            flags.project_for("wandb")) == ("sqlite:///x.db", "offline", "mine", "mine")
+    found = importlib.util.find_spec  # a server named by the variable: the client alone is needed
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "mlflow" else
+                        None if name in ("sqlalchemy", "alembic") else found(name))
+    problems: list[str] = []
+    check_trackers(TrackingConfig(trackers=["mlflow"]), problems)
+    assert problems == []
+
+
+def test_wandb_is_opened_with_the_mode_and_project_the_user_chose(tmp_path, monkeypatch):
+    seen = {}
+    run = types.SimpleNamespace(id="abc", project="proj", starting_step=0)
+    fake = types.SimpleNamespace(init=lambda **kw: seen.update(kw) or run, Settings=lambda **kw: kw)
+    monkeypatch.setitem(sys.modules, "wandb", fake)  # the call's arguments, not W&B's service
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setenv("WANDB_PROJECT", "proj")
+    trackers_module.WandB(tiny_cfg(tmp_path), tmp_path, 0, None)
+    assert (seen["mode"], seen["project"], seen["dir"]) == ("online", "proj", str(tmp_path))
+
+
+class FakeMlflowClient:
+    """The MlflowClient calls paratrain makes, held in memory (a real store takes ~5 s to create).
+    Each parameter and tag passes MLflow's own validation, with cutting long values turned off."""
+
+    def __init__(self, tracking_uri: str, stored: dict | None = None):
+        self.uri, self.stored, self.calls = tracking_uri, stored, []
+
+    def get_run(self, run_id):
+        from mlflow.entities import Metric
+
+        metrics = [Metric("loss", 1.0, 0, step) for step in (1, 2, 3)]
+        return types.SimpleNamespace(info=types.SimpleNamespace(run_id=run_id),
+                                     data=types.SimpleNamespace(params=self.stored, _metric_objs=metrics))
+
+    def update_run(self, run_id, status):
+        self.calls.append(("status", status))
+
+    def get_experiment_by_name(self, name):
+        self.calls.append(("experiment", name))
+
+    def create_experiment(self, name, artifact_location=None):
+        return "1"
+
+    def create_run(self, experiment_id, run_name):
+        return types.SimpleNamespace(info=types.SimpleNamespace(run_id="run1"))
+
+    def log_batch(self, run_id, metrics=(), params=(), synchronous=True):
+        from mlflow.utils.validation import _validate_param
+
+        for p in params:
+            _validate_param(p.key, p.value)
+        self.calls += [("param", p.key, p.value) for p in params]
+        self.calls += [("metric", m.key, m.step) for m in metrics]
+
+    def set_tag(self, run_id, key, value):
+        from mlflow.utils.validation import _validate_tag
+
+        _validate_tag(key, value)
+        self.calls.append(("tag", key, value))
+
+
+def test_mlflow_params_stay_within_its_limits_and_a_resume_compares_them_cut(tmp_path, monkeypatch):
+    """A 7,000-character value (a long --data list) is cut to MLflow's 6,000 here, as the store keeps
+    it (MLflow refuses it with MLFLOW_TRUNCATE_LONG_VALUES=false or on an older server); a resumed run
+    compares the store's value with the same cut, so an unchanged value is no `resumed/` tag (it was),
+    and a step the run holds already is not logged again."""
+    import mlflow.tracking
+
+    monkeypatch.setenv("MLFLOW_TRUNCATE_LONG_VALUES", "false")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.example:5000")
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "exp")
+    long = {"data/path": "x" * 7000, "train/steps": 5}
+    monkeypatch.setattr(mlflow.tracking, "MlflowClient", FakeMlflowClient)
+    first = trackers_module.MLflow(tiny_cfg(tmp_path), tmp_path, 0, None)
+    first.log_params(long)
+    assert first.uri == "http://mlflow.example:5000" and ("experiment", "exp") in first.client.calls
+    stored = {key: value for _, key, value in first.client.calls[1:]}
+    assert len(stored["data/path"]) == 6000
+    monkeypatch.setattr(mlflow.tracking, "MlflowClient", lambda tracking_uri: FakeMlflowClient(tracking_uri,
+                                                                                                stored))
+    resumed = trackers_module.MLflow(tiny_cfg(tmp_path), tmp_path, 2, first.record())
+    resumed.log_params({**long, "train/steps": 6})
+    for step in (3, 4):
+        resumed.log_metrics(step, {"loss": 1.0})
+    assert resumed.client.calls == [("status", "RUNNING"), ("tag", "resumed/train/steps", "6 (from step 2)"),
+                                    ("metric", "loss", 4)]

@@ -82,6 +82,12 @@ def run_name(out: Path) -> str:
     return out.resolve().name
 
 
+def cut(text: str, limit: int) -> str:
+    """``text`` within ``limit`` characters, a cut one ending in "..." (MLflow would cut it silently,
+    or refuse it with MLFLOW_TRUNCATE_LONG_VALUES=false or on an older server)."""
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 class TensorBoard:
     """OUT/tensorboard event files; a resumed attempt purges the steps after its checkpoint."""
 
@@ -118,11 +124,13 @@ class MLflow:
         from mlflow.tracking import MlflowClient
 
         t: TrackingConfig = cfg.tracking
-        self.uri = t.mlflow_uri or f"sqlite:///{(out / 'mlflow.db').resolve()}"
+        self.uri = t.mlflow_target() or f"sqlite:///{(out / 'mlflow.db').resolve()}"
         self.client = MlflowClient(tracking_uri=self.uri)
         self.logged: dict[str, str] = {}  # the run's parameters so far (a resumed run has some)
         self.start_step = start_step
-        self.run_id = self._continued(record) or self._new(t.project, out, local=not t.mlflow_uri)
+        self.last_step = 0  # the last step the run holds: a resumed run does not log a step twice
+        self.run_id = self._continued(record) or self._new(t.project_for("mlflow"), out,
+                                                            local=not t.mlflow_target())
 
     def _continued(self, record: dict | None) -> str | None:
         """The recorded run, back to RUNNING, if it is in this store (else a new run)."""
@@ -138,6 +146,9 @@ class MLflow:
             return None
         self.client.update_run(run.info.run_id, status="RUNNING")
         self.logged = dict(run.data.params)
+        # the latest value of each metric is the one at its highest step (MLflow's latest_metrics);
+        # RunData lists them, with their steps, only in _metric_objs (run.data.metrics drops the steps)
+        self.last_step = max((m.step for m in getattr(run.data, "_metric_objs", [])), default=0)
         return run.info.run_id
 
     def _new(self, project: str, out: Path, local: bool) -> str:
@@ -151,21 +162,28 @@ class MLflow:
 
     def log_params(self, params: dict[str, object]) -> None:
         """New parameters as parameters; on a resumed run, a value that changed (MLflow's parameters
-        cannot) as the tag ``resumed/KEY``."""
+        cannot) as the tag ``resumed/KEY``. Values are cut to MLflow's limits here, so that a resumed
+        run compares what the store holds with the same cut."""
         from mlflow.entities import Param
+        from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_TAG_VAL_LENGTH
 
-        text = {k: str(v) for k, v in params.items()}
+        text = {k: cut(str(v), MAX_PARAM_VAL_LENGTH) for k, v in params.items()}
         new = [Param(k, v) for k, v in text.items() if k not in self.logged]
         for i in range(0, len(new), MLFLOW_BATCH):
             self.client.log_batch(self.run_id, params=new[i:i + MLFLOW_BATCH])
         for key, value in text.items():
             if key in self.logged and self.logged[key] != value:
-                self.client.set_tag(self.run_id, f"resumed/{key}", f"{value} (from step {self.start_step})")
+                self.client.set_tag(self.run_id, f"resumed/{key}",
+                                    cut(f"{value} (from step {self.start_step})", MAX_TAG_VAL_LENGTH))
         self.logged.update(text)
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        """The row, unless the run holds this step already (redone after a crash: the first value stays,
+        as W&B's server keeps it; MLflow would keep both)."""
         from mlflow.entities import Metric
 
+        if step <= self.last_step:
+            return
         now = int(time.time() * 1000)
         rows = [Metric(k, float(v), now, step) for k, v in metrics.items()]
         # queued, written by MLflow's own thread (a SQLite commit a step costs ~10-50 ms here);
@@ -191,7 +209,8 @@ class WandB:
         t: TrackingConfig = cfg.tracking
         run_id = (record or {}).get("id") if cfg.train.resume else None
         # console off: W&B would otherwise wrap stdout and stderr (the progress bar's lines)
-        self.run = wandb.init(project=t.project, name=run_name(out), dir=str(out), mode=t.wandb_mode,
+        self.run = wandb.init(project=t.project_for("wandb"), name=run_name(out), dir=str(out),
+                              mode=t.wandb_target(),
                               id=run_id, resume="allow" if run_id else None,
                               settings=wandb.Settings(console="off", silent=True))
 
@@ -199,6 +218,8 @@ class WandB:
         self.run.config.update(params, allow_val_change=True)  # a resumed run may change some
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        if step < self.run.starting_step:  # online, resumed: the server has it (and would refuse it)
+            return
         self.run.log(metrics, step=step)
 
     def close(self, status: str) -> None:
