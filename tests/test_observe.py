@@ -4,6 +4,7 @@ the pictures, and bad input refused before any worker starts."""
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 
 import pytest
@@ -152,11 +153,15 @@ def test_cuda_history_is_recorded_through_the_step_and_dumped_on_out_of_memory(t
     """The CUDA path without a GPU: the allocator history starts with the run's first step, and an
     out-of-memory error before the snapshot step dumps it and names the file."""
     calls = []
+    # each call must bind to the installed torch's own signatures (the fakes stand in for the GPU only)
+    takes = {name: inspect.signature(getattr(torch.cuda.memory, name))
+             for name in ("_record_memory_history", "_dump_snapshot")}
 
-    def record(enabled="all", max_entries=None):
-        calls.append(enabled)
+    def record(*args, **kwargs):
+        calls.append(takes["_record_memory_history"].bind(*args, **kwargs).arguments.get("enabled", "all"))
 
-    def dump(path):
+    def dump(*args, **kwargs):
+        path = takes["_dump_snapshot"].bind(*args, **kwargs).arguments["filename"]
         calls.append("dump")
         open(path, "wb").close()
 
