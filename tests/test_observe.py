@@ -13,11 +13,13 @@ import torch.nn as nn
 
 from paratrain.cli import main
 from paratrain.comm import collectives as C
+from paratrain.config import load as load_config
+from paratrain.engine import checks
 from paratrain.observe import viz_memory, viz_profile
 from paratrain.observe.memory import MemoryRecorder
 from paratrain.observe.profile import parse_steps
 from paratrain.train.metrics import read_metrics
-from tests.harness import run_layout, tiny_cfg
+from tests.harness import TINY, run_layout, tiny_cfg
 
 TINY_FLAGS = ["--model", "tiny", "--vocab-size", "512", "--max-files", "40", "--seq-len", "32",
               "--global-batch", "8", "--eval-every", "0", "--no-progress"]
@@ -92,6 +94,25 @@ def test_bad_steps_exit_2_before_any_worker(tmp_path, capsys, monkeypatch, flags
     code = main(["train", *TINY_FLAGS, "--nproc", "2", "--steps", "4", "--out", str(tmp_path), *flags])
     err = capsys.readouterr().err
     assert code == 2 and named in err and "Traceback" not in err, err
+
+
+def test_under_epochs_the_steps_are_checked_once_the_data_gives_them(tmp_path, capsys, monkeypatch):
+    """--epochs derives the steps from the data: a range past them exits 2 before any worker (the run
+    wrote an empty trace and no snapshot, exit 0), and one within them is not refused against the
+    default --steps (150) it does not use."""
+    import paratrain.run as run_module
+
+    monkeypatch.setattr(run_module, "Trainer", lambda *a, **k: pytest.fail("training started"))
+    monkeypatch.setattr(run_module, "_spawn_with_restarts", lambda *a, **k: pytest.fail("workers started"))
+    code = main(["train", *TINY_FLAGS, "--epochs", "0.002", "--out", str(tmp_path / "short"),
+                 "--profile", "5:8", "--memory-snapshot", "7"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert "--profile 5:8 (train.profile) ends after the run's last step (--epochs 0.002: 4 steps)" in err
+    assert "--memory-snapshot 7" in err and "raise --epochs" in err
+    settings = {k: v for k, v in TINY.items() if k != "train.steps"}
+    checks.validate(load_config(None, {**settings, "train.out": str(tmp_path / "long"), "train.epochs": 1.0,
+                                       "train.profile": "151:152", "train.memory_snapshot": 160}))
 
 
 def test_parse_steps():
