@@ -19,11 +19,13 @@ worker starts. TOML sections mirror the dataclasses::
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import importlib.util
 import math
 import os
 import types
 import typing
+import urllib.parse
 from dataclasses import dataclass, field, fields
 
 import tomllib
@@ -538,6 +540,21 @@ def check_values(cfg: Config, problems: list[str], world_size: int | None = None
     check_trackers(cfg.tracking, problems)
 
 
+def _refused_file_store(uri: str) -> bool:
+    """A file-store URI (a path, or file:) that MLflow 3.x refuses without MLFLOW_ALLOW_FILE_STORE
+    (its FileStore raises when opened, in rank 0 after the workers started)."""
+    if urllib.parse.urlparse(uri).scheme not in ("", "file"):
+        return False
+    if os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("true", "1"):  # MLflow's own reading
+        return False
+    for dist in ("mlflow-skinny", "mlflow"):
+        try:
+            return int(importlib.metadata.version(dist).split(".")[0]) >= 3
+        except (importlib.metadata.PackageNotFoundError, ValueError):
+            continue
+    return False  # no MLflow: the missing package is the message
+
+
 def check_trackers(t: TrackingConfig, problems: list[str]) -> None:
     """Each --tracker is known and its packages are installed (found, not imported: importing MLflow
     alone costs ~1.5 s), like a data path that must exist, so that a missing one exits 2 at once."""
@@ -549,6 +566,11 @@ def check_trackers(t: TrackingConfig, problems: list[str]) -> None:
         uri = t.mlflow_target() if name == "mlflow" else None
         if uri and not uri.startswith("sqlite:"):
             modules = modules[:1]  # a server or a file store: no SQLAlchemy in this process
+        if uri and _refused_file_store(uri):
+            source = "--mlflow-uri" if t.mlflow_uri else TRACKER_ENV["mlflow_uri"]
+            problems.append(f"--tracker mlflow: {uri} ({source}) is MLflow's file store, which MLflow 3 "
+                            "refuses unless MLFLOW_ALLOW_FILE_STORE=true: export that, or give a SQLite "
+                            "store (--mlflow-uri sqlite:///PATH/mlflow.db; without either, OUT/mlflow.db)")
         missing = [m for m in modules if importlib.util.find_spec(m) is None]
         if missing:
             listed = " and ".join([", ".join(missing[:-1]), missing[-1]] if len(missing) > 1 else missing)

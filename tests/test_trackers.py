@@ -11,6 +11,7 @@ SQLite store, and W&B's offline .wandb file, whose records are W&B's own protobu
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import struct
@@ -447,3 +448,25 @@ def test_mlflow_params_stay_within_its_limits_and_a_resume_compares_them_cut(tmp
         resumed.log_metrics(step, {"loss": 1.0})
     assert resumed.client.calls == [("status", "RUNNING"), ("tag", "resumed/train/steps", "6 (from step 2)"),
                                     ("metric", "loss", 4)]
+
+
+@pytest.mark.parametrize("where", ["--mlflow-uri", "MLFLOW_TRACKING_URI"])
+def test_a_file_store_mlflow_refuses_exits_2_before_any_worker(tmp_path, monkeypatch, capsys, where):
+    """MLflow 3 refuses its file store unless MLFLOW_ALLOW_FILE_STORE=true: that was a traceback from
+    rank 0 after the workers started (exit 1); now one message, exit 2, before any."""
+    monkeypatch.setattr("paratrain.run.run_training", lambda cfg: pytest.fail("a worker was started") or 1)
+    monkeypatch.setattr(importlib.metadata, "version", lambda dist: "3.17.2")  # whatever is installed here
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name: object() if name == "mlflow" else found(name))
+    store = f"file:{tmp_path / 'mlruns'}"
+    flag = ["--mlflow-uri", store] if where == "--mlflow-uri" else []
+    if where == "MLFLOW_TRACKING_URI":
+        monkeypatch.setenv(where, store)
+    args = ["train", "--model", "tiny", "--out", str(tmp_path / "run"), "--tracker", "mlflow", *flag]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert f"{store} ({where}) is MLflow's file store" in err and "MLFLOW_ALLOW_FILE_STORE=true" in err, err
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the user's opt-in, as MLflow reads it
+    monkeypatch.setattr("paratrain.run.run_training", lambda cfg: 0)
+    assert cli.main(args) == 0
