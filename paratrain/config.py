@@ -215,6 +215,10 @@ TRACKER_ENV = {"mlflow_uri": "MLFLOW_TRACKING_URI", "wandb_mode": "WANDB_MODE",
                "project": {"mlflow": "MLFLOW_EXPERIMENT_NAME", "wandb": "WANDB_PROJECT"}}
 
 
+#: The modes W&B (0.31) takes in WANDB_MODE; --wandb-mode offers offline and online.
+WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")
+
+
 @dataclass
 class TrackingConfig:
     trackers: list[str] | None = None  # metrics rows, config and layout also go to these (TRACKERS)
@@ -566,6 +570,10 @@ def check_trackers(t: TrackingConfig, problems: list[str]) -> None:
         uri = t.mlflow_target() if name == "mlflow" else None
         if uri and not uri.startswith("sqlite:"):
             modules = modules[:1]  # a server or a file store: no SQLAlchemy in this process
+        mode = t.wandb_target() if name == "wandb" and t.wandb_mode is None else None  # flag: CHOICES
+        if mode is not None and mode not in WANDB_MODES:  # W&B would refuse it in rank 0, workers started
+            problems.append(f"--tracker wandb: {TRACKER_ENV['wandb_mode']}={mode!r} is not a W&B mode: "
+                            f"{', '.join(WANDB_MODES)} (or pass --wandb-mode offline|online)")
         if uri and _refused_file_store(uri):
             source = "--mlflow-uri" if t.mlflow_uri else TRACKER_ENV["mlflow_uri"]
             problems.append(f"--tracker mlflow: {uri} ({source}) is MLflow's file store, which MLflow 3 "

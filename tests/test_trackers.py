@@ -364,10 +364,17 @@ def test_the_libraries_own_variables_are_taken_unless_a_flag_says_otherwise(monk
     assert (flags.mlflow_target(), flags.wandb_target(), flags.project_for("mlflow"),
             flags.project_for("wandb")) == ("sqlite:///x.db", "offline", "mine", "mine")
     found = importlib.util.find_spec  # a server named by the variable: the client alone is needed
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "mlflow" else
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name in ("mlflow", "wandb") else
                         None if name in ("sqlalchemy", "alembic") else found(name))
     problems: list[str] = []
-    check_trackers(TrackingConfig(trackers=["mlflow"]), problems)
+    check_trackers(TrackingConfig(trackers=["mlflow", "wandb"]), problems)
+    assert problems == []
+    monkeypatch.setenv("WANDB_MODE", "onlin")  # W&B refused it in rank 0 (a traceback, exit 1)
+    check_trackers(TrackingConfig(trackers=["wandb"]), problems)
+    assert problems == ["--tracker wandb: WANDB_MODE='onlin' is not a W&B mode: online, offline, disabled, "
+                        "shared, dryrun, run (or pass --wandb-mode offline|online)"]
+    problems.clear()
+    check_trackers(TrackingConfig(trackers=["wandb"], wandb_mode="offline"), problems)  # the flag wins
     assert problems == []
 
 
