@@ -15,6 +15,7 @@ import importlib.metadata
 import importlib.util
 import json
 import struct
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -146,6 +147,29 @@ def wandb_attempts(out: Path) -> list[dict]:
     return [wandb_attempt(next(d.glob("run-*.wandb"))) for d in sorted((out / "wandb").glob("offline-run-*"))]
 
 
+def wandb_own_reading(folder: Path) -> dict | None:
+    """The same as wandb_attempt, read by W&B itself: `wandb leet inspect --json` (wandb >= 0.2x, its
+    wandb-core reading the file; ~1 s), one JSON record a line. None where this wandb has no reader."""
+    if importlib.util.find_spec("wandb.cli.leet") is None:
+        return None
+    done = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(folder)],
+                          capture_output=True, text=True, timeout=120, check=True)
+    out = {"history": {}, "config": {}, "exit_code": None, "id": None}
+    for line in done.stdout.splitlines():
+        record = json.loads(line)
+        kind = record.get("type")
+        if kind == "history":
+            items = record["history"]["item"]
+            out["history"][record["history"]["step"]["num"]] = {k: v for k, v in items.items() if k[0] != "_"}
+        elif kind == "run":
+            out["id"] = record["run"]["run_id"]
+        elif kind == "config":
+            out["config"].update(record["config"]["update"])
+        elif kind == "exit":
+            out["exit_code"] = record["exit"].get("exit_code", 0)
+    return out
+
+
 # -- the tests -------------------------------------------------------------------------------------
 
 @pytest.mark.skipif(not INSTALLED, reason="no tracker library installed: pip install 'paratrain[trackers]'")
@@ -206,9 +230,12 @@ def check_wandb(out: Path, rows: list[dict], run_id: str) -> None:
     assert killed["id"] == resumed["id"] == run_id
     assert (killed["exit_code"], resumed["exit_code"]) == (130, 0)
     assert sorted(killed["history"]) == [1, 2, 3] and sorted(resumed["history"]) == [3, 4, 5]
-    held = {**killed["history"], **resumed["history"]}  # W&B's sync keeps the resumed attempt's step 3
+    held = {**killed["history"], **resumed["history"]}  # step 3: the resumed attempt's, as metrics.jsonl
     assert_holds_rows("wandb", held, rows, rel=0)
     assert resumed["config"]["layout/dp"] == 1 and resumed["config"]["train/steps"] == 5
+    for folder, ours in zip(sorted((out / "wandb").glob("offline-run-*")), (killed, resumed)):
+        own = wandb_own_reading(folder)  # W&B's own reader agrees with the one here
+        assert own is None or own == ours, (folder, own, ours)
 
 
 @pytest.mark.skipif("tensorboard" not in INSTALLED, reason="tensorboard is not installed: pip install "
