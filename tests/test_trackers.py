@@ -6,7 +6,8 @@ worker starts.
 
 The stores are read as a user would: TensorBoard's EventAccumulator, MLflow's MlflowClient on the
 SQLite store, and W&B's offline .wandb file, whose records are W&B's own protobuf ``Record`` messages
-(wandb 0.31 ships no Python reader of the file's framing, a LevelDB-style log: ``wandb_records``).
+(wandb 0.31 ships no Python reader of the file's framing, a LevelDB-style log: ``wandb_records``),
+checked against W&B's own reader, ``wandb leet inspect --json`` (its wandb-core binary).
 """
 
 from __future__ import annotations
