@@ -65,6 +65,11 @@ def test_dp2_run_writes_profiles_and_memory_snapshots(tmp_path, capsys):
         assert by_phase["forward_backward end"]["activations"] <= 0.01 * peak  # freed by backward
     assert viz_memory.main(_viz("memory", out)) == 0
     assert (out / "memory" / "step2.png").stat().st_size > 0
+    # a step not recorded: what is there, in English (it was "no a trace of step 9 ...: train with")
+    with pytest.raises(FileNotFoundError, match=r"no trace of step 9 .*hold steps 2:3; give --step within"):
+        viz_profile.find_traces(out, step=9)
+    with pytest.raises(FileNotFoundError, match=r"no snapshot of step 3 .*holds step\(s\) 2; give --step"):
+        viz_memory.find_snapshots(out, step=3)
 
 
 def test_pp2_profile_names_the_pipeline_transfers(tmp_path):
