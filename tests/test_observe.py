@@ -120,6 +120,15 @@ def test_under_epochs_the_steps_are_checked_once_the_data_gives_them(tmp_path, c
                                        "train.profile": "151:152", "train.memory_snapshot": 160}))
 
 
+def test_a_run_resumed_past_the_profiled_steps_says_it_records_none(tmp_path, capsys):
+    from paratrain.observe.profile import StepProfiler
+
+    StepProfiler("2:3", tmp_path, 0, torch.device("cpu"), start_step=4).close()
+    err = capsys.readouterr().err
+    assert "--profile 2:3: this attempt resumes after step 4, past the steps to record" in err
+    assert not (tmp_path / "profile").exists()
+
+
 def test_parse_steps():
     assert parse_steps("5:8") == (5, 8) and parse_steps("3") == (3, 3)
     for bad in ("0:2", "3:2", "a:b", "1:2:3", ""):
