@@ -15,7 +15,7 @@ from paratrain.cli import main
 from paratrain.comm import collectives as C
 from paratrain.config import load as load_config
 from paratrain.engine import checks
-from paratrain.observe import viz_memory, viz_profile
+from paratrain.observe import Observers, viz_memory, viz_profile
 from paratrain.observe.memory import MemoryRecorder
 from paratrain.observe.profile import parse_steps
 from paratrain.train.metrics import read_metrics
@@ -120,13 +120,16 @@ def test_under_epochs_the_steps_are_checked_once_the_data_gives_them(tmp_path, c
                                        "train.profile": "151:152", "train.memory_snapshot": 160}))
 
 
-def test_a_run_resumed_past_the_profiled_steps_says_it_records_none(tmp_path, capsys):
+def test_a_run_resumed_past_the_observed_steps_says_it_records_none(tmp_path, capsys):
     from paratrain.observe.profile import StepProfiler
 
     StepProfiler("2:3", tmp_path, 0, torch.device("cpu"), start_step=4).close()
     err = capsys.readouterr().err
     assert "--profile 2:3: this attempt resumes after step 4, past the steps to record" in err
     assert not (tmp_path / "profile").exists()
+    observers = Observers(memory_snapshot=4, out=tmp_path, start_step=4)  # the snapshot step is done too
+    assert observers.memory is None
+    assert "--memory-snapshot 4: this attempt resumes after step 4: no snapshot" in capsys.readouterr().err
 
 
 def test_parse_steps():
