@@ -288,11 +288,14 @@ def test_rows_are_flattened_and_every_tracker_closes_in_order(tmp_path, monkeypa
     cfg = tiny_cfg(tmp_path, **{"tracking.trackers": ["tensorboard", "mlflow"]})
     trackers = Trackers(cfg, start_step=0)
     row = {"step": 1, "loss": 2.5, "mfu": None, "skipped": True, "layout": {"dp": 1},
-           "comm_bytes": {"all_reduce": 8}, "per_rank": {"mem_peak_bytes": [1, 2]}, "batch_finder": "x"}
+           "comm_bytes": {"all_reduce": 8}, "per_rank": {"mem_peak_bytes": [1, 2]}, "batch_finder": "x",
+           "moe_expert_load": [0.25, 0.75]}
     trackers.write(row)
     trackers.write({**row, "step": 2})
     trackers.close(error, stopped)  # stopped: a signal stop at a step boundary, to be resumed
-    metrics = {"loss": 2.5, "skipped": 1, "comm_bytes/all_reduce": 8}  # no null, text, list; bools 0/1
+    # no null, text, per-rank list; bools 0/1; a list of numbers (the experts' load) by its index
+    metrics = {"loss": 2.5, "skipped": 1, "comm_bytes/all_reduce": 8, "moe_expert_load/0": 0.25,
+               "moe_expert_load/1": 0.75}
     assert Fake.calls == [("first", "params", 1, 4), ("second", "params", 1, 4),
                           ("first", "metrics", 1, metrics), ("second", "metrics", 1, metrics),
                           ("first", "metrics", 2, metrics), ("second", "metrics", 2, metrics),

@@ -46,12 +46,15 @@ class Tracker(Protocol):
 
 
 def flat_numbers(row: dict, prefix: str = "") -> dict[str, float]:
-    """The numbers of a metrics row, nested keys joined by "/" (``comm_bytes/all_reduce``); bools as
-    0/1; strings, lists and nulls (an unknown MFU, a skipped step's loss) left out."""
+    """The numbers of a metrics row, nested keys joined by "/" (``comm_bytes/all_reduce``), a list's
+    items by their index (``moe_expert_load/3``: one per expert); bools as 0/1; strings and nulls (an
+    unknown MFU, a skipped step's loss) left out, and ``per_rank`` (a value per rank: 1,000s)."""
     out: dict[str, float] = {}
     for key, value in row.items():
         if not prefix and key in NOT_METRICS:
             continue
+        if isinstance(value, list):
+            value = dict(enumerate(value))
         if isinstance(value, dict):
             out.update(flat_numbers(value, f"{prefix}{key}/"))
         elif isinstance(value, (bool, int, float)):
