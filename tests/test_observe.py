@@ -132,6 +132,27 @@ def test_a_run_resumed_past_the_observed_steps_says_it_records_none(tmp_path, ca
     assert "--memory-snapshot 4: this attempt resumes after step 4: no snapshot" in capsys.readouterr().err
 
 
+def test_out_of_memory_in_a_training_step_dumps_through_the_trainer(tmp_path, monkeypatch):
+    """The trainer's own loop: an allocation failing in step 2 (after its backward), the snapshot step,
+    reaches the recorder through the trainer, is dumped and raised again naming the file."""
+    from paratrain.train.trainer import Trainer
+
+    phase = Observers.phase
+
+    def failing(self, name):
+        phase(self, name)
+        if name == "forward_backward" and self.memory is not None and self.memory.current is not None:
+            raise MemoryError("out of host memory")
+
+    monkeypatch.setattr(Observers, "phase", failing)
+    out = tmp_path / "run"
+    with pytest.raises(MemoryError, match=r"memory snapshot written to .*rank0\.oom\.step2\.json"):
+        Trainer(tiny_cfg(out, **{"train.steps": 3, "train.memory_snapshot": 2})).fit()
+    snap = json.loads((out / "memory" / "rank0.oom.step2.json").read_text())
+    assert snap["oom"] and snap["samples"][-1]["phase"] == "forward_backward end"
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1]
+
+
 def test_parse_steps():
     assert parse_steps("5:8") == (5, 8) and parse_steps("3") == (3, 3)
     for bad in ("0:2", "3:2", "a:b", "1:2:3", ""):
