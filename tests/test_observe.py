@@ -85,6 +85,17 @@ def test_pp2_profile_names_the_pipeline_transfers(tmp_path):
     assert viz_profile.render(summary, tmp_path / "pp.png").stat().st_size > 0
 
 
+def test_tp2_profile_names_megatrons_f_and_g(tmp_path):
+    """Tensor parallelism's collectives by purpose (they were "all-reduce on tp[0, 1]")."""
+    out = tmp_path / "run"
+    run_layout(tiny_cfg(out, **{"parallel.tp": 2, "train.steps": 1, "train.profile": "1:1"}), nproc=2)
+    names = _names(json.loads((out / "profile" / "rank0.step1-1.json").read_text()))
+    assert {"step 1", "all-reduce of a tensor-parallel region's input gradient (Megatron's f)",
+            "all-reduce of a tensor-parallel region's partial output (Megatron's g)",
+            "all-reduce of the vocab-parallel softmax's sums"} <= names, sorted(names)
+    assert not any(n.startswith("all-reduce on tp") for n in names), sorted(names)
+
+
 @pytest.mark.parametrize("flags, named", [
     (["--profile", "5:3"], "--profile '5:3'"),
     (["--profile", "two"], "--profile 'two'"),
