@@ -267,6 +267,9 @@ class Fake:
     def log_metrics(self, step, metrics):
         Fake.calls.append((self.name, "metrics", step, metrics))
 
+    def flush(self):
+        Fake.calls.append((self.name, "flush"))
+
     def close(self, status):
         Fake.calls.append((self.name, "close", status))
         if self.fail_close:
@@ -453,6 +456,9 @@ class FakeMlflowClient:
             _validate_param(p.key, p.value)
         self.calls += [("param", p.key, p.value) for p in params]
         self.calls += [("metric", m.key, m.step) for m in metrics]
+        steps = [m.step for m in metrics]  # MLflow's RunOperations: wait() returns once written
+        written = types.SimpleNamespace(wait=lambda: self.calls.append(("written", steps)))
+        return None if synchronous else written
 
     def set_tag(self, run_id, key, value):
         from mlflow.utils.validation import _validate_tag
@@ -484,8 +490,9 @@ def test_mlflow_params_stay_within_its_limits_and_a_resume_compares_them_cut(tmp
     resumed.log_params({**long, "train/steps": 6})
     for step in (3, 4):
         resumed.log_metrics(step, {"loss": 1.0})
+    resumed.flush()  # waits for each queued row (MLflow writes them from several threads)
     assert resumed.client.calls == [("status", "RUNNING"), ("tag", "resumed/train/steps", "6 (from step 2)"),
-                                    ("metric", "loss", 4)]
+                                    ("metric", "loss", 4), ("written", [4])]
 
 
 @pytest.mark.parametrize("where", ["--mlflow-uri", "MLFLOW_TRACKING_URI"])
@@ -508,3 +515,15 @@ def test_a_file_store_mlflow_refuses_exits_2_before_any_worker(tmp_path, monkeyp
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the user's opt-in, as MLflow reads it
     monkeypatch.setattr("paratrain.run.run_training", lambda cfg: 0)
     assert cli.main(args) == 0
+
+
+def test_the_trackers_are_flushed_before_each_checkpoint(tmp_path, monkeypatch):
+    """A run killed after a checkpoint and resumed from it must find every step up to it in the
+    trackers: TensorBoard flushed every 2 minutes and MLflow's queue when the run ended, so a SIGKILL
+    lost the steps before the checkpoint that the resumed attempt does not redo."""
+    Fake.calls = []
+    monkeypatch.setattr(trackers_module, "OPENERS", {"tensorboard": lambda *a: Fake(*a, name="tb")})
+    Trainer(tiny_cfg(tmp_path, **{"train.steps": 3, "train.save_every": 2,
+                                  "tracking.trackers": ["tensorboard"]})).fit()
+    assert [c[1:3] if c[1] == "metrics" else c[1:] for c in Fake.calls if c[1] != "params"] == [
+        ("metrics", 1), ("metrics", 2), ("flush",), ("metrics", 3), ("close", "finished")]

@@ -38,6 +38,10 @@ class Tracker(Protocol):
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         """One metrics.jsonl row's numbers at optimizer step ``step``."""
 
+    def flush(self) -> None:
+        """What was logged so far written to the store (before a checkpoint: a run killed after it
+        and resumed from it has every step up to it)."""
+
     def close(self, status: str) -> None:
         """End the tracker run as ``status`` (one of STATUSES), its data written."""
 
@@ -109,6 +113,9 @@ class TensorBoard:
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, step)
 
+    def flush(self) -> None:
+        self.writer.flush()  # else every 2 minutes (flush_secs): a killed run lost the steps since
+
     def close(self, status: str) -> None:
         self.writer.close()
 
@@ -118,6 +125,7 @@ class TensorBoard:
 
 MLFLOW_STATUS = {"finished": "FINISHED", "failed": "FAILED", "killed": "KILLED"}
 MLFLOW_BATCH = 100  # MLflow's log_batch takes at most 100 params (and 1,000 metrics) a call
+MLFLOW_PENDING = 1000  # rows queued before they are waited for anyway (each holds its future)
 
 
 class MLflow:
@@ -132,6 +140,7 @@ class MLflow:
         self.logged: dict[str, str] = {}  # the run's parameters so far (a resumed run has some)
         self.start_step = start_step
         self.last_step = 0  # the last step the run holds: a resumed run does not log a step twice
+        self.pending: list = []  # log_batch's RunOperations not yet waited for (flush)
         self.run_id = self._continued(record) or self._new(t.project_for("mlflow"), out,
                                                             local=not t.mlflow_target())
 
@@ -189,9 +198,16 @@ class MLflow:
             return
         now = int(time.time() * 1000)
         rows = [Metric(k, float(v), now, step) for k, v in metrics.items()]
-        # queued, written by MLflow's own thread (a SQLite commit a step costs ~10-50 ms here);
-        # set_terminated in close() flushes the queue
-        self.client.log_batch(self.run_id, metrics=rows, synchronous=False)
+        # queued, written by MLflow's own threads (a SQLite commit a step costs ~10-50 ms here);
+        # flush() waits for them, set_terminated in close() too
+        self.pending.append(self.client.log_batch(self.run_id, metrics=rows, synchronous=False))
+        if len(self.pending) >= MLFLOW_PENDING:
+            self.flush()
+
+    def flush(self) -> None:
+        for operation in self.pending:  # several threads write: wait for each, not the last only
+            operation.wait()
+        self.pending = []
 
     def close(self, status: str) -> None:
         self.client.set_terminated(self.run_id, status=MLFLOW_STATUS[status])
@@ -219,6 +235,10 @@ class WandB:
 
     def log_params(self, params: dict[str, object]) -> None:
         self.run.config.update(params, allow_val_change=True)  # a resumed run may change some
+
+    def flush(self) -> None:
+        """Nothing to ask: W&B offers no flush; its wandb-core writes the offline file in 32 KiB
+        blocks, and a run killed with SIGKILL loses the rows since the last one (docs)."""
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         if step < self.run.starting_step:  # online, resumed: the server has it (and would refuse it)
@@ -269,6 +289,11 @@ class Trackers:
         metrics = flat_numbers(row)
         for _, tracker in self.open:
             tracker.log_metrics(row["step"], metrics)
+
+    def flush(self) -> None:
+        """Every tracker's rows so far written out: called before each checkpoint is saved."""
+        for _, tracker in self.open:
+            tracker.flush()
 
     def close(self, error: BaseException | None = None, stopped: bool = False) -> None:
         """Every tracker, in the order opened, each even if one before it fails to close."""
