@@ -19,7 +19,6 @@ worker starts. TOML sections mirror the dataclasses::
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import importlib.util
 import math
 import os
@@ -213,8 +212,6 @@ TRACKERS: dict[str, tuple[tuple[str, ...], str]] = {
 #: variable (the user's explicit choice, as the library itself would take it); neither -> offline.
 TRACKER_ENV = {"mlflow_uri": "MLFLOW_TRACKING_URI", "wandb_mode": "WANDB_MODE",
                "project": {"mlflow": "MLFLOW_EXPERIMENT_NAME", "wandb": "WANDB_PROJECT"}}
-
-
 #: The modes W&B (0.31) takes in WANDB_MODE; --wandb-mode offers offline and online.
 WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")
 
@@ -545,18 +542,10 @@ def check_values(cfg: Config, problems: list[str], world_size: int | None = None
 
 
 def _refused_file_store(uri: str) -> bool:
-    """A file-store URI (a path, or file:) that MLflow 3.x refuses without MLFLOW_ALLOW_FILE_STORE
-    (its FileStore raises when opened, in rank 0 after the workers started)."""
-    if urllib.parse.urlparse(uri).scheme not in ("", "file"):
-        return False
-    if os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("true", "1"):  # MLflow's own reading
-        return False
-    for dist in ("mlflow-skinny", "mlflow"):
-        try:
-            return int(importlib.metadata.version(dist).split(".")[0]) >= 3
-        except (importlib.metadata.PackageNotFoundError, ValueError):
-            continue
-    return False  # no MLflow: the missing package is the message
+    """A file-store URI (a path, or file:) that MLflow 3 (the extra's minimum) refuses without
+    MLFLOW_ALLOW_FILE_STORE, read as MLflow reads it (its FileStore raises in rank 0, workers started)."""
+    allowed = os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("true", "1")
+    return not allowed and urllib.parse.urlparse(uri).scheme in ("", "file")
 
 
 def check_trackers(t: TrackingConfig, problems: list[str]) -> None:

@@ -12,7 +12,6 @@ checked against W&B's own reader, ``wandb leet inspect --json`` (its wandb-core 
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import json
 import struct
@@ -500,7 +499,6 @@ def test_a_file_store_mlflow_refuses_exits_2_before_any_worker(tmp_path, monkeyp
     """MLflow 3 refuses its file store unless MLFLOW_ALLOW_FILE_STORE=true: that was a traceback from
     rank 0 after the workers started (exit 1); now one message, exit 2, before any."""
     monkeypatch.setattr("paratrain.run.run_training", lambda cfg: pytest.fail("a worker was started") or 1)
-    monkeypatch.setattr(importlib.metadata, "version", lambda dist: "3.17.2")  # whatever is installed here
     found = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name: object() if name == "mlflow" else found(name))
