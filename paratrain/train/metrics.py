@@ -99,11 +99,6 @@ class MetricsWriter:
         if self._trackers is not None:
             self._trackers.write(row)
 
-    def flush(self) -> None:
-        """Before a checkpoint: the trackers hold every row up to it (metrics.jsonl is flushed a row)."""
-        if self._trackers is not None:
-            self._trackers.flush()
-
     def close(self, error: BaseException | None = None, stopped: bool = False) -> None:
         """metrics.jsonl, then the trackers: their runs end as killed (Ctrl-C, a signal), failed
         (``error``) or finished (trackers.exit_status)."""

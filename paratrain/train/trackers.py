@@ -278,6 +278,7 @@ class Trackers:
         write_record(out, {**recorded, **{name: tracker.record() for name, tracker in self.open}})
         self.config = flat_params(cfg.to_dict())
         self.params_sent = False
+        self.save_every, self.steps = cfg.train.save_every, cfg.train.steps  # the checkpoint steps
 
     def write(self, row: dict) -> None:
         """The row's numbers at its step; the parameters with the first row (it holds the layout)."""
@@ -289,9 +290,12 @@ class Trackers:
         metrics = flat_numbers(row)
         for _, tracker in self.open:
             tracker.log_metrics(row["step"], metrics)
+        if self.save_every and row["step"] % self.save_every == 0 and row["step"] < self.steps:
+            self.flush()  # the trainer saves a checkpoint of this step next
 
     def flush(self) -> None:
-        """Every tracker's rows so far written out: called before each checkpoint is saved."""
+        """Every tracker's rows so far written out: after the row of each checkpoint's step (a run
+        killed after the checkpoint and resumed from it then finds every step up to it)."""
         for _, tracker in self.open:
             tracker.flush()
 

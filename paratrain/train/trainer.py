@@ -300,8 +300,6 @@ class Trainer:
                 if bar is not None:
                     bar.step(row)
                 if cfg.train.save_every and done % cfg.train.save_every == 0 and done < cfg.train.steps:
-                    if writer:  # a run killed after this checkpoint and resumed from it: no step missing
-                        writer.flush()
                     self.save(done)
                 self.observe.after_step(step)
                 faults.crash_point(done, self.env.rank, restart_attempt())
