@@ -274,15 +274,18 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
      "allocator history for PyTorch's memory_viz, dumped on out-of-memory too); draw with "
      "`paratrain viz memory OUT`"),
     ("--tracker", "tracking.trackers", trackers_arg, RUN, "also send each metrics.jsonl row (nested keys as "
-     "comm_bytes/all_reduce), the config and the layout to these experiment trackers, comma-separated: "
-     "tensorboard (OUT/tensorboard), mlflow (OUT/mlflow.db), wandb (OUT/wandb, offline); --resume "
-     "continues the same tracker run (docs/operations.md)"),
+     "comm_bytes/all_reduce), the config and the layout to these experiment trackers, comma-separated "
+     "or repeated: tensorboard (OUT/tensorboard), mlflow (OUT/mlflow.db), wandb (OUT/wandb, offline); "
+     "--resume continues the same tracker run (docs/operations.md)"),
     ("--tracker-project", "tracking.project", str, RUN, "the MLflow experiment / W&B project the run is "
-     "logged under; the run is named after --out's folder"),
+     "logged under (default: $MLFLOW_EXPERIMENT_NAME / $WANDB_PROJECT if set, else paratrain); the run is "
+     "named after --out's folder"),
     ("--mlflow-uri", "tracking.mlflow_uri", str, RUN, "--tracker mlflow: the tracking URI, e.g. "
-     "http://HOST:5000 for a server (default: sqlite:///OUT/mlflow.db, a local store)"),
+     "http://HOST:5000 for a server (default: $MLFLOW_TRACKING_URI if set, else sqlite:///OUT/mlflow.db, "
+     "a local store)"),
     ("--wandb-mode", "tracking.wandb_mode", str, RUN, "--tracker wandb: offline writes OUT/wandb for a "
-     "later `wandb sync`; online sends as it runs (needs `wandb login`)"),
+     "later `wandb sync`; online sends as it runs (needs `wandb login`) (default: $WANDB_MODE if set, "
+     "else offline)"),
 ]
 # Second names of a flag. --warning-signal: torchrun's parser takes `--signal` after `-m
 # paratrain.cli train` for an abbreviation of its own --signals-to-handle and stops ("ambiguous
@@ -290,6 +293,9 @@ TRAIN_OPTIONS: list[tuple[str, str, type | typing.Callable, str, str]] = [
 FLAG_ALIASES = {"--signal": ("--warning-signal",), "--init-from": ("--model-dir",)}
 # Flags whose value may be left out, and what the flag alone sets (--compile: on).
 OPTIONAL_VALUE = {"--compile": True}
+# Flags that may be given several times, each adding to the list (--tracker mlflow --tracker wandb,
+# as the comma form --tracker mlflow,wandb): argparse's default would keep only the last one.
+REPEATABLE = {"--tracker"}
 TRAIN_FLAGS: dict[str, tuple[str, type | typing.Callable]] = {
     flag: (key, typ) for flag, key, typ, _, _ in TRAIN_OPTIONS if typ is not bool}
 TRAIN_SWITCHES: dict[str, str] = {flag: key for flag, key, typ, _, _ in TRAIN_OPTIONS if typ is bool}
@@ -326,6 +332,9 @@ def train_parser(sub: argparse._SubParsersAction, name: str = "train",
         text, metavar = option_help(flag, key, text)
         if typ is bool:
             groups[group].add_argument(flag, action="store_true", help=text)
+        elif flag in REPEATABLE:  # each value a list (the comma form): joined in order
+            groups[group].add_argument(flag, action="extend", type=typ, default=None, metavar=metavar,
+                                       help=text)
         elif flag in OPTIONAL_VALUE:  # the flag alone means its const
             groups[group].add_argument(flag, nargs="?", const=OPTIONAL_VALUE[flag], type=typ, default=None,
                                        metavar="{auto,on,off}", help=text)

@@ -24,6 +24,7 @@ import math
 import os
 import types
 import typing
+import urllib.parse
 from dataclasses import dataclass, field, fields
 
 import tomllib
@@ -207,12 +208,32 @@ TRACKERS: dict[str, tuple[tuple[str, ...], str]] = {
 }
 
 
+#: The variables each library documents for what a flag here also sets: unset flag, set variable -> the
+#: variable (the user's explicit choice, as the library itself would take it); neither -> offline.
+TRACKER_ENV = {"mlflow_uri": "MLFLOW_TRACKING_URI", "wandb_mode": "WANDB_MODE",
+               "project": {"mlflow": "MLFLOW_EXPERIMENT_NAME", "wandb": "WANDB_PROJECT"}}
+#: The modes W&B (0.31) takes in WANDB_MODE; --wandb-mode offers offline and online.
+WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")
+
+
 @dataclass
 class TrackingConfig:
     trackers: list[str] | None = None  # metrics rows, config and layout also go to these (TRACKERS)
-    project: str = "paratrain"  # MLflow's experiment, W&B's project; the run is named after --out
-    mlflow_uri: str | None = None  # MLflow tracking URI; None: sqlite:///OUT/mlflow.db (offline)
-    wandb_mode: str = "offline"  # offline: OUT/wandb, `wandb sync` later | online (needs `wandb login`)
+    project: str | None = None  # MLflow's experiment, W&B's project (None: the variable, else paratrain)
+    mlflow_uri: str | None = None  # tracking URI (None: $MLFLOW_TRACKING_URI, else sqlite:///OUT/mlflow.db)
+    wandb_mode: str | None = None  # offline | online (None: $WANDB_MODE, else offline: OUT/wandb)
+
+    def project_for(self, tracker: str) -> str:
+        """--tracker-project, else $MLFLOW_EXPERIMENT_NAME / $WANDB_PROJECT, else "paratrain"."""
+        return self.project or os.environ.get(TRACKER_ENV["project"][tracker]) or "paratrain"
+
+    def mlflow_target(self) -> str | None:
+        """--mlflow-uri, else $MLFLOW_TRACKING_URI; None: the run's own store, OUT/mlflow.db."""
+        return self.mlflow_uri or os.environ.get(TRACKER_ENV["mlflow_uri"]) or None
+
+    def wandb_target(self) -> str:
+        """--wandb-mode, else $WANDB_MODE (W&B checks its value), else offline."""
+        return self.wandb_mode or os.environ.get(TRACKER_ENV["wandb_mode"]) or "offline"
 
 
 @dataclass
@@ -468,7 +489,9 @@ def check_values(cfg: Config, problems: list[str], world_size: int | None = None
                             f"{world}: change --dp/--tp/--pp{'/--cp' if cp else ''} or --nproc")
     for dotted, allowed in CHOICES.items():
         section, key = dotted.split(".")
-        _choice(problems, dotted, getattr(getattr(cfg, section), key), allowed)
+        value = getattr(getattr(cfg, section), key)
+        if value is not None or default_of(dotted) is not None:  # None where None is the default: unset
+            _choice(problems, dotted, value, allowed)
     if t.compile not in (True, False, "auto"):  # a bool or the string "auto" (the types are checked first)
         problems.append(f"train.compile = {t.compile!r} must be true, false or \"auto\" (--compile, "
                         "--no-compile, --compile auto)")
@@ -518,6 +541,13 @@ def check_values(cfg: Config, problems: list[str], world_size: int | None = None
     check_trackers(cfg.tracking, problems)
 
 
+def _refused_file_store(uri: str) -> bool:
+    """A file-store URI (a path, or file:) that MLflow 3 (the extra's minimum) refuses without
+    MLFLOW_ALLOW_FILE_STORE, read as MLflow reads it (its FileStore raises in rank 0, workers started)."""
+    allowed = os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("true", "1")
+    return not allowed and urllib.parse.urlparse(uri).scheme in ("", "file")
+
+
 def check_trackers(t: TrackingConfig, problems: list[str]) -> None:
     """Each --tracker is known and its packages are installed (found, not imported: importing MLflow
     alone costs ~1.5 s), like a data path that must exist, so that a missing one exits 2 at once."""
@@ -526,8 +556,18 @@ def check_trackers(t: TrackingConfig, problems: list[str]) -> None:
             problems.append(f"--tracker {name!r} (tracking.trackers) is not one of {', '.join(TRACKERS)}")
             continue
         modules, extra = TRACKERS[name]
-        if name == "mlflow" and t.mlflow_uri and not t.mlflow_uri.startswith("sqlite:"):
+        uri = t.mlflow_target() if name == "mlflow" else None
+        if uri and not uri.startswith("sqlite:"):
             modules = modules[:1]  # a server or a file store: no SQLAlchemy in this process
+        mode = t.wandb_target() if name == "wandb" and t.wandb_mode is None else None  # flag: CHOICES
+        if mode is not None and mode not in WANDB_MODES:  # W&B would refuse it in rank 0, workers started
+            problems.append(f"--tracker wandb: {TRACKER_ENV['wandb_mode']}={mode!r} is not a W&B mode: "
+                            f"{', '.join(WANDB_MODES)} (or pass --wandb-mode offline|online)")
+        if uri and _refused_file_store(uri):
+            source = "--mlflow-uri" if t.mlflow_uri else TRACKER_ENV["mlflow_uri"]
+            problems.append(f"--tracker mlflow: {uri} ({source}) is MLflow's file store, which MLflow 3 "
+                            "refuses unless MLFLOW_ALLOW_FILE_STORE=true: export that, or give a SQLite "
+                            "store (--mlflow-uri sqlite:///PATH/mlflow.db; without either, OUT/mlflow.db)")
         missing = [m for m in modules if importlib.util.find_spec(m) is None]
         if missing:
             listed = " and ".join([", ".join(missing[:-1]), missing[-1]] if len(missing) > 1 else missing)

@@ -126,5 +126,5 @@ def agreed_stop(world: C.Axis, device: torch.device) -> int:
     """The signal any rank received (0 if none), the same on every rank: one max all-reduce."""
     flag = torch.tensor([local_request()], dtype=torch.int32, device=device)
     with world.counter.paused():  # bookkeeping, not training traffic
-        C.all_reduce(flag, world, op=C.dist.ReduceOp.MAX)
+        C.all_reduce(flag, world, op=C.dist.ReduceOp.MAX, what="all-reduce of the stop signals received")
     return int(flag.item())

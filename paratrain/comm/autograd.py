@@ -30,10 +30,14 @@ import torch
 
 from paratrain.comm import collectives as C
 
+#: The purposes of f and g (comm/collectives.py: the collective checker's and --profile's names).
+F_PURPOSE = "all-reduce of a tensor-parallel region's input gradient (Megatron's f)"
+G_PURPOSE = "all-reduce of a tensor-parallel region's partial output (Megatron's g)"
 
-def _all_reduce(x: torch.Tensor, axis: C.Axis) -> torch.Tensor:
+
+def _all_reduce(x: torch.Tensor, axis: C.Axis, what: str) -> torch.Tensor:
     out = x.clone(memory_format=torch.contiguous_format)  # never reduce the caller's tensor in place
-    C.all_reduce(out, axis)
+    C.all_reduce(out, axis, what=what)
     return out
 
 
@@ -92,13 +96,13 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.axis), None
+        return _all_reduce(grad, ctx.axis, F_PURPOSE), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, axis):
-        return _all_reduce(x, axis)
+        return _all_reduce(x, axis, G_PURPOSE)
 
     @staticmethod
     def backward(ctx, grad):

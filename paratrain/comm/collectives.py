@@ -165,7 +165,9 @@ def label_of(kind: str, axis: Axis, what: str | None) -> str:
     return what if what.startswith(LABEL_KINDS) else f"{name}: {what}"
 
 
-def _label(kind: str, axis: Axis, what: str | None) -> contextlib.AbstractContextManager:
+def labelled(kind: str, axis: Axis, what: str | None) -> contextlib.AbstractContextManager:
+    """While profiling, a range named ``label_of(...)`` around a collective's launch (also one carried
+    outside torch.distributed: comm/host_reduce.py); otherwise nothing."""
     if not _PROFILING:
         return contextlib.nullcontext()
     return torch.profiler.record_function(label_of(kind, axis, what))
@@ -243,7 +245,7 @@ def all_reduce(t: torch.Tensor, axis: Axis, op: dist.ReduceOp.RedOpType = dist.R
     if not axis.active or not _enter("all_reduce", axis, t.shape, t.dtype, what):
         return None
     axis.counter.record("all_reduce", axis.name, axis.size, nbytes(t))
-    with _label("all_reduce", axis, what):
+    with labelled("all_reduce", axis, what):
         work = dist.all_reduce(t, op=op, group=axis.group, async_op=async_op)
     return labelled_wait(work, "all_reduce", axis, what)
 
@@ -267,7 +269,7 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, axis: Axis, async_op
     if not _enter("all_gather", axis, shard.shape, shard.dtype, what):
         return None
     axis.counter.record("all_gather", axis.name, axis.size, nbytes(out))
-    with _label("all_gather", axis, what):
+    with labelled("all_gather", axis, what):
         work = dist.all_gather_single(out, shard, group=axis.group, async_op=async_op)
     return labelled_wait(work, "all_gather", axis, what)
 
@@ -284,7 +286,7 @@ def reduce_scatter_into(
     if not _enter("reduce_scatter", axis, full.shape, full.dtype, what):
         return None
     axis.counter.record("reduce_scatter", axis.name, axis.size, nbytes(full))
-    with _label("reduce_scatter", axis, what):
+    with labelled("reduce_scatter", axis, what):
         work = dist.reduce_scatter_single(out, full, op=op, group=axis.group, async_op=async_op)
     return labelled_wait(work, "reduce_scatter", axis, what)
 
@@ -349,7 +351,7 @@ def all_gather_list(t: torch.Tensor, axis: Axis) -> list[torch.Tensor]:
     out = [torch.empty_like(t) for _ in range(axis.size)]
     _enter("all_gather", axis, t.shape, t.dtype, None)
     axis.counter.record("all_gather", axis.name, axis.size, nbytes(t) * axis.size)
-    with _label("all_gather", axis, None):
+    with labelled("all_gather", axis, None):
         dist.all_gather(out, t.contiguous(), group=axis.group)
     return out
 
@@ -359,7 +361,7 @@ def broadcast(t: torch.Tensor, axis: Axis, src_index: int = 0, async_op: bool = 
     if not axis.active or not _enter("broadcast", axis, t.shape, t.dtype, what):
         return None
     axis.counter.record("broadcast", axis.name, axis.size, nbytes(t) if axis.rank == src_index else 0)
-    with _label("broadcast", axis, what):
+    with labelled("broadcast", axis, what):
         work = dist.broadcast(t, src=axis.ranks[src_index], group=axis.group, async_op=async_op)
     return labelled_wait(work, "broadcast", axis, what)
 
@@ -380,7 +382,7 @@ def all_to_all_single(
     row = math.prod(inp.shape[1:]) * inp.element_size()  # bytes per row (a rank may send none)
     own = in_splits[axis.rank] if in_splits is not None else inp.shape[0] // axis.size
     axis.counter.record("all_to_all", axis.name, axis.size, nbytes(inp), wire=nbytes(inp) - own * row)
-    with _label("all_to_all", axis, None):
+    with labelled("all_to_all", axis, None):
         work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=axis.group, async_op=async_op)
     return labelled_wait(work, "all_to_all", axis, None)
 
@@ -391,7 +393,7 @@ def gather_object(obj: object, axis: Axis, dst_index: int = 0) -> list | None:
         return [obj]
     out = [None] * axis.size if axis.rank == dst_index else None
     _enter("gather_object", axis, None, "object", None)
-    with _label("gather_object", axis, None):
+    with labelled("gather_object", axis, None):
         dist.gather_object(obj, out, dst=axis.ranks[dst_index], group=axis.group)
     return out
 
@@ -401,7 +403,7 @@ def all_gather_object(obj: object, axis: Axis) -> list:
         return [obj]
     out = [None] * axis.size
     _enter("all_gather_object", axis, None, "object", None)
-    with _label("all_gather_object", axis, None):
+    with labelled("all_gather_object", axis, None):
         dist.all_gather_object(out, obj, group=axis.group)
     return out
 
@@ -409,7 +411,7 @@ def all_gather_object(obj: object, axis: Axis) -> list:
 def barrier(axis: Axis) -> None:
     if axis.active:
         _enter("barrier", axis, None, "-", None)
-        with _label("barrier", axis, None):
+        with labelled("barrier", axis, None):
             dist.barrier(group=axis.group)
 
 

@@ -205,7 +205,8 @@ class HostReducer:
             self._thread = threading.Thread(target=self._run, name="paratrain-host-reduce", daemon=True)
             self._thread.start()
         handle = Handle()
-        self._queue.put((i, handle))
+        with C.labelled("all_reduce", self.axis, what):  # the launch, named as a gloo all-reduce's is
+            self._queue.put((i, handle))
         return C.labelled_wait(handle, "all_reduce", self.axis, what)  # its wait named in --profile traces
 
     def _run(self) -> None:

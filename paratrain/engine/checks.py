@@ -75,21 +75,41 @@ def _check_warning_signal(cfg: Config, problems: list[str]) -> None:
 
 
 def _check_observers(cfg: Config, problems: list[str]) -> None:
-    """--profile A:B and --memory-snapshot STEP name steps this run takes (counted from 1)."""
+    """--profile A:B and --memory-snapshot STEP name steps this run takes (counted from 1). Under
+    --epochs the steps are known once the data is (check_observed_steps, from the task)."""
     t = cfg.train
     if t.profile is not None:
         try:
-            first, last = parse_steps(t.profile)
+            parse_steps(t.profile)
         except ValueError as e:
             problems.append(str(e))
-        else:
-            if last > t.steps:
-                problems.append(f"--profile {t.profile} (train.profile) ends after the run's last step "
-                                f"({t.steps}): record steps within 1:{t.steps}, or raise --steps")
+            return
+    if t.epochs is None:
+        problems += observed_step_problems(cfg)
+
+
+def observed_step_problems(cfg: Config) -> list[str]:
+    """--profile's last step and --memory-snapshot's step within the run's ``train.steps``."""
+    t, problems = cfg.train, []
+    steps, more = (f"--epochs {t.epochs:g}: {t.steps} steps", "--epochs") if t.epochs is not None else (
+        f"{t.steps}", "--steps")
+    if t.profile is not None and parse_steps(t.profile)[1] > t.steps:
+        problems.append(f"--profile {t.profile} (train.profile) ends after the run's last step "
+                        f"({steps}): record steps within 1:{t.steps}, or raise {more}")
     snap = t.memory_snapshot
     if snap is not None and (not isinstance(snap, int) or isinstance(snap, bool) or not 1 <= snap <= t.steps):
         problems.append(f"--memory-snapshot {snap} (train.memory_snapshot) must be a step of this run, "
-                        f"1 to {t.steps} (steps counted from 1, as in metrics.jsonl)")
+                        f"1 to {t.steps} (steps counted from 1, as in metrics.jsonl; {steps}), or raise "
+                        f"{more}")
+    return problems
+
+
+def check_observed_steps(cfg: Config) -> None:
+    """ConfigError (exit 2) when --profile or --memory-snapshot lies past the steps --epochs gave:
+    called where the data makes them known, before any worker starts (a run wrote an empty trace)."""
+    problems = observed_step_problems(cfg)
+    if problems:
+        raise ConfigError("invalid configuration:" + bullets(problems))
 
 
 def _check_model_name(cfg: Config, problems: list[str]) -> None:

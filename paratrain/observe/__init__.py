@@ -10,6 +10,7 @@ arguments it is given.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -27,6 +28,12 @@ class Observers:
                  start_step: int = 0):
         device = device or torch.device("cpu")
         self.profiler = StepProfiler(profile, out, rank, device, start_step) if profile else None
+        if memory_snapshot and memory_snapshot <= start_step:  # resumed past it: said, and nothing recorded
+            if rank == 0:
+                print(f"paratrain: --memory-snapshot {memory_snapshot}: this attempt resumes after step "
+                      f"{start_step}: no snapshot (give a later step to snapshot this attempt)",
+                      file=sys.stderr)
+            memory_snapshot = None
         self.memory = (MemoryRecorder(memory_snapshot, out, rank, device, model, model_state)
                        if memory_snapshot else None)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -49,6 +50,9 @@ class StepProfiler:
         self.first, self.last = parse_steps(steps)
         self.out, self.rank = Path(out), rank
         self.recording = range(max(self.first, start_step + 1), self.last + 1)  # a resumed run may be past A
+        if not self.recording and rank == 0:  # resumed past B: said, rather than no trace and no word
+            print(f"paratrain: --profile {steps}: this attempt resumes after step {start_step}, past the "
+                  f"steps to record: no trace (give later steps to profile this attempt)", file=sys.stderr)
         self.path: Path | None = None
         self._prof = self._profiler(device, start_step) if len(self.recording) else None
         if self._prof is not None:

@@ -30,8 +30,11 @@ def find_snapshots(out: str | Path, step: int | None = None) -> dict[int, Path]:
         if m and (step is None or int(m[3]) == step):
             found[int(m[1])] = path  # the newest wins
     if not found:
-        what = f"a snapshot of step {step}" if step is not None else "snapshots"
-        raise FileNotFoundError(f"no {what} under {folder}: train with --memory-snapshot STEP "
+        held = sorted({int(m[3]) for p in folder.glob("rank*.json") if (m := _FILE.match(p.name))})
+        if step is not None and held:
+            raise FileNotFoundError(f"no snapshot of step {step} under {folder}: it holds step(s) "
+                                    f"{', '.join(map(str, held))}; give --step one of them")
+        raise FileNotFoundError(f"no snapshots under {folder}: train with --memory-snapshot STEP "
                                 f"--out {out} first")
     return dict(sorted(found.items()))
 

@@ -42,8 +42,12 @@ def find_traces(out: str | Path, step: int | None = None) -> dict[int, Path]:
         if m and (step is None or int(m[2]) <= step <= int(m[3])):
             found[int(m[1])] = path  # the newest wins
     if not found:
-        what = f"a trace of step {step}" if step is not None else "traces"
-        raise FileNotFoundError(f"no {what} under {folder}: train with --profile A:B --out {out} first")
+        names = [p.name for p in folder.glob("rank*.step*-*.json")]
+        held = sorted({f"{m[2]}:{m[3]}" for name in names if (m := _FILE.match(name))})
+        if step is not None and held:
+            raise FileNotFoundError(f"no trace of step {step} under {folder}: its traces hold steps "
+                                    f"{', '.join(held)}; give --step within them")
+        raise FileNotFoundError(f"no traces under {folder}: train with --profile A:B --out {out} first")
     return dict(sorted(found.items()))
 
 

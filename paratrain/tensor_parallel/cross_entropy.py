@@ -38,13 +38,13 @@ class _VocabParallelCE(torch.autograd.Function):
         v_local = logits.shape[-1]
         start = axis.rank * v_local  # every rank holds an equal (padded) slice
         m = logits.max(dim=-1).values  # [N]
-        C.all_reduce(m, axis, op=dist.ReduceOp.MAX)
+        C.all_reduce(m, axis, op=dist.ReduceOp.MAX, what="all-reduce of the vocab-parallel logits' maximum")
         exp = (logits - m.unsqueeze(-1)).exp_()  # [N, V/tp], reused as the softmax below
         mine = (targets >= start) & (targets < start + v_local)  # this rank owns the target
         local_t = (targets - start).clamp_(0, v_local - 1)
         target_logit = logits.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) - m  # [N]
         stats = torch.stack((exp.sum(dim=-1), target_logit.masked_fill(~mine, 0.0)))  # [2, N]
-        C.all_reduce(stats, axis)
+        C.all_reduce(stats, axis, what="all-reduce of the vocab-parallel softmax's sums")
         sum_exp, target_logit = stats[0], stats[1]
         exp.div_(sum_exp.unsqueeze(-1))  # softmax of our slice
         counted = targets != IGNORE_INDEX  # [N]; an ignored target is owned by no rank (mine False)

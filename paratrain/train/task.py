@@ -26,6 +26,7 @@ from paratrain.data import (
     load_eval_corpus,
     make_rows,
 )
+from paratrain.engine.checks import check_observed_steps
 from paratrain.engine.task import Batch, Task, as_batch
 from paratrain.models import build_model, full_init_value, init_weights, materialize, model_kind, tied_name
 from paratrain.models.adapters_in import PeftAdapter
@@ -58,6 +59,7 @@ class LanguageModelTask(Task):
         self.val_rows = make_rows(self.eval_corpus, cfg, whole=True) if self.eval_corpus else self.rows
         if cfg.train.epochs is not None:  # the steps follow from the rows, known only now
             cfg.train.steps = steps_for_epochs(cfg.train.epochs, self.rows.n_train, cfg.train.global_batch)
+            check_observed_steps(cfg)  # --profile / --memory-snapshot within them
         self.steps, self.global_batch, self.eval_path = cfg.train.steps, cfg.train.global_batch, d.eval_path
         self.seed = cfg.train.seed
         self.moe = None

@@ -38,6 +38,10 @@ class Tracker(Protocol):
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         """One metrics.jsonl row's numbers at optimizer step ``step``."""
 
+    def flush(self) -> None:
+        """What was logged so far written to the store (before a checkpoint: a run killed after it
+        and resumed from it has every step up to it)."""
+
     def close(self, status: str) -> None:
         """End the tracker run as ``status`` (one of STATUSES), its data written."""
 
@@ -46,12 +50,15 @@ class Tracker(Protocol):
 
 
 def flat_numbers(row: dict, prefix: str = "") -> dict[str, float]:
-    """The numbers of a metrics row, nested keys joined by "/" (``comm_bytes/all_reduce``); bools as
-    0/1; strings, lists and nulls (an unknown MFU, a skipped step's loss) left out."""
+    """The numbers of a metrics row, nested keys joined by "/" (``comm_bytes/all_reduce``), a list's
+    items by their index (``moe_expert_load/3``: one per expert); bools as 0/1; strings and nulls (an
+    unknown MFU, a skipped step's loss) left out, and ``per_rank`` (a value per rank: 1,000s)."""
     out: dict[str, float] = {}
     for key, value in row.items():
         if not prefix and key in NOT_METRICS:
             continue
+        if isinstance(value, list):
+            value = dict(enumerate(value))
         if isinstance(value, dict):
             out.update(flat_numbers(value, f"{prefix}{key}/"))
         elif isinstance(value, (bool, int, float)):
@@ -82,6 +89,12 @@ def run_name(out: Path) -> str:
     return out.resolve().name
 
 
+def cut(text: str, limit: int) -> str:
+    """``text`` within ``limit`` characters, a cut one ending in "..." (MLflow would cut it silently,
+    or refuse it with MLFLOW_TRUNCATE_LONG_VALUES=false or on an older server)."""
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 class TensorBoard:
     """OUT/tensorboard event files; a resumed attempt purges the steps after its checkpoint."""
 
@@ -100,6 +113,9 @@ class TensorBoard:
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, step)
 
+    def flush(self) -> None:
+        self.writer.flush()  # else every 2 minutes (flush_secs): a killed run lost the steps since
+
     def close(self, status: str) -> None:
         self.writer.close()
 
@@ -109,6 +125,7 @@ class TensorBoard:
 
 MLFLOW_STATUS = {"finished": "FINISHED", "failed": "FAILED", "killed": "KILLED"}
 MLFLOW_BATCH = 100  # MLflow's log_batch takes at most 100 params (and 1,000 metrics) a call
+MLFLOW_PENDING = 1000  # rows queued before they are waited for anyway (each holds its future)
 
 
 class MLflow:
@@ -118,11 +135,14 @@ class MLflow:
         from mlflow.tracking import MlflowClient
 
         t: TrackingConfig = cfg.tracking
-        self.uri = t.mlflow_uri or f"sqlite:///{(out / 'mlflow.db').resolve()}"
+        self.uri = t.mlflow_target() or f"sqlite:///{(out / 'mlflow.db').resolve()}"
         self.client = MlflowClient(tracking_uri=self.uri)
         self.logged: dict[str, str] = {}  # the run's parameters so far (a resumed run has some)
         self.start_step = start_step
-        self.run_id = self._continued(record) or self._new(t.project, out, local=not t.mlflow_uri)
+        self.last_step = 0  # the last step the run holds: a resumed run does not log a step twice
+        self.pending: list = []  # log_batch's RunOperations not yet waited for (flush)
+        self.run_id = self._continued(record) or self._new(t.project_for("mlflow"), out,
+                                                            local=not t.mlflow_target())
 
     def _continued(self, record: dict | None) -> str | None:
         """The recorded run, back to RUNNING, if it is in this store (else a new run)."""
@@ -138,6 +158,9 @@ class MLflow:
             return None
         self.client.update_run(run.info.run_id, status="RUNNING")
         self.logged = dict(run.data.params)
+        # the latest value of each metric is the one at its highest step (MLflow's latest_metrics);
+        # RunData lists them, with their steps, only in _metric_objs (run.data.metrics drops the steps)
+        self.last_step = max((m.step for m in getattr(run.data, "_metric_objs", [])), default=0)
         return run.info.run_id
 
     def _new(self, project: str, out: Path, local: bool) -> str:
@@ -151,26 +174,40 @@ class MLflow:
 
     def log_params(self, params: dict[str, object]) -> None:
         """New parameters as parameters; on a resumed run, a value that changed (MLflow's parameters
-        cannot) as the tag ``resumed/KEY``."""
+        cannot) as the tag ``resumed/KEY``. Values are cut to MLflow's limits here, so that a resumed
+        run compares what the store holds with the same cut."""
         from mlflow.entities import Param
+        from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_TAG_VAL_LENGTH
 
-        text = {k: str(v) for k, v in params.items()}
+        text = {k: cut(str(v), MAX_PARAM_VAL_LENGTH) for k, v in params.items()}
         new = [Param(k, v) for k, v in text.items() if k not in self.logged]
         for i in range(0, len(new), MLFLOW_BATCH):
             self.client.log_batch(self.run_id, params=new[i:i + MLFLOW_BATCH])
         for key, value in text.items():
             if key in self.logged and self.logged[key] != value:
-                self.client.set_tag(self.run_id, f"resumed/{key}", f"{value} (from step {self.start_step})")
+                self.client.set_tag(self.run_id, f"resumed/{key}",
+                                    cut(f"{value} (from step {self.start_step})", MAX_TAG_VAL_LENGTH))
         self.logged.update(text)
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        """The row, unless the run holds this step already (redone after a crash: the first value stays,
+        as W&B's server keeps it; MLflow would keep both)."""
         from mlflow.entities import Metric
 
+        if step <= self.last_step:
+            return
         now = int(time.time() * 1000)
         rows = [Metric(k, float(v), now, step) for k, v in metrics.items()]
-        # queued, written by MLflow's own thread (a SQLite commit a step costs ~10-50 ms here);
-        # set_terminated in close() flushes the queue
-        self.client.log_batch(self.run_id, metrics=rows, synchronous=False)
+        # queued, written by MLflow's own threads (a SQLite commit a step costs ~10-50 ms here);
+        # flush() waits for them, set_terminated in close() too
+        self.pending.append(self.client.log_batch(self.run_id, metrics=rows, synchronous=False))
+        if len(self.pending) >= MLFLOW_PENDING:
+            self.flush()
+
+    def flush(self) -> None:
+        for operation in self.pending:  # several threads write: wait for each, not the last only
+            operation.wait()
+        self.pending = []
 
     def close(self, status: str) -> None:
         self.client.set_terminated(self.run_id, status=MLFLOW_STATUS[status])
@@ -191,14 +228,21 @@ class WandB:
         t: TrackingConfig = cfg.tracking
         run_id = (record or {}).get("id") if cfg.train.resume else None
         # console off: W&B would otherwise wrap stdout and stderr (the progress bar's lines)
-        self.run = wandb.init(project=t.project, name=run_name(out), dir=str(out), mode=t.wandb_mode,
+        self.run = wandb.init(project=t.project_for("wandb"), name=run_name(out), dir=str(out),
+                              mode=t.wandb_target(),
                               id=run_id, resume="allow" if run_id else None,
                               settings=wandb.Settings(console="off", silent=True))
 
     def log_params(self, params: dict[str, object]) -> None:
         self.run.config.update(params, allow_val_change=True)  # a resumed run may change some
 
+    def flush(self) -> None:
+        """Nothing to ask: W&B offers no flush; its wandb-core writes the offline file in 32 KiB
+        blocks, and a run killed with SIGKILL loses the rows since the last one (docs)."""
+
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        if step < self.run.starting_step:  # online, resumed: the server has it (and would refuse it)
+            return
         self.run.log(metrics, step=step)
 
     def close(self, status: str) -> None:
@@ -223,7 +267,7 @@ class Trackers:
         recorded = read_record(out) if cfg.train.resume else {}
         self.open: list[tuple[str, Tracker]] = []
         try:
-            for name in cfg.tracking.trackers or []:
+            for name in dict.fromkeys(cfg.tracking.trackers or []):  # a name given twice: one run
                 entry = recorded.get(name)
                 self.open.append((name, OPENERS[name](cfg, out, start_step,
                                                       entry if isinstance(entry, dict) else None)))
@@ -234,6 +278,7 @@ class Trackers:
         write_record(out, {**recorded, **{name: tracker.record() for name, tracker in self.open}})
         self.config = flat_params(cfg.to_dict())
         self.params_sent = False
+        self.save_every, self.steps = cfg.train.save_every, cfg.train.steps  # the checkpoint steps
 
     def write(self, row: dict) -> None:
         """The row's numbers at its step; the parameters with the first row (it holds the layout)."""
@@ -245,6 +290,14 @@ class Trackers:
         metrics = flat_numbers(row)
         for _, tracker in self.open:
             tracker.log_metrics(row["step"], metrics)
+        if self.save_every and row["step"] % self.save_every == 0 and row["step"] < self.steps:
+            self.flush()  # the trainer saves a checkpoint of this step next
+
+    def flush(self) -> None:
+        """Every tracker's rows so far written out: after the row of each checkpoint's step (a run
+        killed after the checkpoint and resumed from it then finds every step up to it)."""
+        for _, tracker in self.open:
+            tracker.flush()
 
     def close(self, error: BaseException | None = None, stopped: bool = False) -> None:
         """Every tracker, in the order opened, each even if one before it fails to close."""

@@ -226,7 +226,7 @@ class Trainer:
         """Each dp rank holds its share of the global mean: their sum is the loss."""
         t = local.to(self.mesh.device, torch.float64)
         with self.mesh.counter.paused():
-            C.all_reduce(t, self.mesh.dp)
+            C.all_reduce(t, self.mesh.dp, what="all-reduce of the step's loss")
         return t.item()
 
     def ce_loss(self, loss: float, skipped: bool, units: int) -> float | None:
@@ -237,9 +237,9 @@ class Trainer:
         t = torch.tensor(self.task.take_side_loss_sum() / units, dtype=torch.float64,
                          device=self.mesh.device)
         with self.mesh.counter.paused():
-            C.all_reduce(t, self.mesh.dp)
+            C.all_reduce(t, self.mesh.dp, what="all-reduce of the step's side losses")
             if self.mesh.pp.size > 1:
-                C.all_reduce(t, self.mesh.pp)
+                C.all_reduce(t, self.mesh.pp, what="all-reduce of the step's side losses")
         return None if skipped else loss - t.item()
 
     @torch.no_grad()
