@@ -68,7 +68,7 @@ three things, each by a reason:
 The limit: where training is unstable the drift has no bound. The same Gemma 2 tp 2 run at K 16
 (its loss rising again from step 13 at lr 1e-2) agreed to ~1e-5 for 11 steps and then diverged to
 6.9e-3 in the loss (at lr 1e-3 it passed, 4.2e-7 apart). A layout's bug shows at step 1 or 2, so a
-FAIL first seen later is reported with a note (``failure_lines``).
+FAIL first seen later is reported with a note (check_report.py ``failure_lines``).
 """
 
 from __future__ import annotations
@@ -86,6 +86,7 @@ from pathlib import Path
 
 import torch
 
+from paratrain.check_report import TOP_TENSORS, json_safe, report, weights_criterion
 from paratrain.config import Config, ConfigError, ParallelConfig
 from paratrain.engine import checkpoint as ckpt
 from paratrain.engine import checks
@@ -103,7 +104,6 @@ MAX_MOVE_FACTOR = 2.1  # two AdamW runs differ by at most ~2 * lr * steps per el
 DRIFT_FACTOR = 0.003  # elementwise, on top of atol/rtol: 0.003 x lr x steps
 DRIFT_FRACTION = 1e-2  # elements per tensor allowed beyond that (each still <= MAX_MOVE_FACTOR x lr x steps)
 GRAD_NORM_DRIFTED = {"rtol": 1e-1, "atol": 1e-4}  # gradient norms once an update has run (see the docstring)
-TOP_TENSORS = 5
 # Replicas that step alone differ from one process by design: nothing for this check to prove.
 NOT_ONE_PROCESS = {"local-sgd": "local SGD", "diloco": "DiLoCo"}
 
@@ -424,92 +424,10 @@ def verdict(ref: dict, lay: dict, res: dict, *, lr: float, steps: int) -> dict:
 def tolerance(lr_steps: float) -> dict:
     """The criterion's figures for ``lr_steps`` = lr x steps, as the report and the JSON state them."""
     return {**FP32_REORDERED, "drift": DRIFT_FACTOR * lr_steps, "flip_fraction": DRIFT_FRACTION,
-            "flip_bound": MAX_MOVE_FACTOR * lr_steps,
+            "flip_bound": MAX_MOVE_FACTOR * lr_steps, "drift_factor": DRIFT_FACTOR,
+            "flip_factor": MAX_MOVE_FACTOR,
             "grad_norm_rtol_after_update": GRAD_NORM_DRIFTED["rtol"],
             "precision": "fp32"}
-
-
-def json_safe(value: object) -> object:
-    """``value`` with every non-finite float as null: strict JSON has no Infinity or NaN."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [json_safe(v) for v in value]
-    return value
-
-
-def number(x: float | None) -> str:
-    return "-" if x is None else f"{x:.6f}"
-
-
-def rel(a: float | None, b: float | None) -> str:
-    if a is None or b is None:
-        return "-"
-    return f"{abs(a - b) / max(abs(b), 1e-30):.2e}"
-
-
-def report(result: dict, descriptions: dict[str, str]) -> str:
-    """The human-readable report: losses side by side, the tensors that differ most, the verdict."""
-    tol = result["tolerance"]
-    why = (result.get("reference") or {}).get("why")
-    lines = [f"reference: {descriptions['reference']}" + (f" ({why})" if why else "")
-             + f";  layout: {descriptions['layout']}", "",
-             f"{'step':>5}  {'loss reference':>15}  {'loss layout':>15}  {'rel diff':>9}  "
-             f"{'counted tokens':>14}"]
-    ref, lay = result["losses"]["reference"], result["losses"]["layout"]
-    for i, (a, b) in enumerate(zip(lay, ref)):
-        lines.append(f"{i + 1:>5}  {number(b):>15}  {number(a):>15}  {rel(a, b):>9}  "
-                     f"{result['tokens']['layout'][i]!s:>14}")
-    n = len(result["max_rel_diff"])
-    lines += ["", f"tensors that differ most (relative Frobenius difference, of {n}):"]
-    ranked = sorted(result["max_rel_diff"].items(), key=lambda kv: -kv[1])[:TOP_TENSORS]
-    lines += [f"  {d:.3e}  {name}" for name, d in ranked]
-    checks = result["checks"]
-    lines += ["", "checks: " + ", ".join(f"{k} {'ok' if v else 'DIFFER'}" for k, v in checks.items())]
-    resume = result["resume"]
-    lines.append(f"resume: the layout's checkpoint of step {resume['from_step']} resumed in the reference's "
-                 "layout: "
-                 + ("same as the uninterrupted reference" if resume["ok"] else
-                    "DIFFERS: " + ", ".join(k for k, v in resume["checks"].items() if not v)))
-    same = "equal in every run" if result["tokens"]["ok"] else "DIFFER"
-    lines.append(f"counted tokens (the loss's divisor) per step: {same}")
-    lines += [f"  {p}" for p in (result["problems"] + resume["problems"])[:TOP_TENSORS]]
-    why = (f"fp32; losses within rtol {tol['rtol']:g} + atol {tol['atol']:g}, grad norms too at step 1 "
-           f"and within rtol {tol['grad_norm_rtol_after_update']:g} once an update has run; "
-           + weights_criterion(tol) + "): fp32 sums in another order differ by ~1e-6, a layout bug by ~lr "
-           "on most elements")
-    lines += ["", f"verdict: {result['verdict']} ({why})"]
-    return "\n".join(lines + failure_lines(result))
-
-
-def weights_criterion(tol: dict) -> str:
-    return (f"every tensor within rtol {tol['rtol']:g} + atol {tol['atol']:g} + {tol['drift']:.3g} "
-            f"({DRIFT_FACTOR} x lr x steps) but for at most {tol['flip_fraction']:g} of its elements, each "
-            f"<= {tol['flip_bound']:.3g} ({MAX_MOVE_FACTOR} x lr x steps)")
-
-
-LATE_STEP = 3  # a layout's bug shows at step 1 (its gradient) or 2 (its first update)
-
-
-def failure_lines(result: dict) -> list[str]:
-    """Where each failing comparison first differs: its step and the tensor that differs most; and
-    when the layout agreed for the first steps, that this may be chaos rather than a bug."""
-    lines = []
-    for what, part in (("layout", result), ("resume", result["resume"])):
-        ok = part["ok"] if what == "resume" else all(part["checks"].values())
-        if not ok:
-            step = part.get("first_step_that_differs")
-            lines.append(f"{what}: first differs at step {step if step is not None else '-'}; "
-                         f"the tensor that differs most: {part['first_worst_tensor']}")
-    step = result.get("first_step_that_differs")
-    if step is not None and step >= LATE_STEP:
-        lines.append(f"note: the layout agreed with the reference for {step - 1} steps; a layout bug shows "
-                     "at step 1 or 2, while rounding differences amplified by an unstable run (a high lr, "
-                     "a rising loss) grow step by step: run check again with fewer --steps or a lower --lr "
-                     "to tell them apart")
-    return lines
 
 
 # -- two files: the library door ----------------------------------------------------------------------

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from paratrain import check, faults
-from paratrain.check import compare_weights, json_safe, report
+from paratrain.check import compare_weights
+from paratrain.check_report import json_safe, report
 from paratrain.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]

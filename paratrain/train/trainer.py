@@ -125,10 +125,8 @@ class Trainer:
         with scratch.collecting() as self.scratch:  # --offload disk's folders: removed when fit ends
             self.engine: Engine = parallelize(self.task, cfg, self.mesh, servers=self.env.world_group)
         self.lora = run_record(self.task.model_cfg, cfg)  # {} without --lora (engine/lora.py)
-        self.finder = None
-        if cfg.train.micro_batch == "auto":  # trials on real steps; sets cfg.train.micro_batch
-
-            self.finder = resolve_micro_batch(self)
+        auto = cfg.train.micro_batch == "auto"  # trials on real steps; sets cfg.train.micro_batch
+        self.finder = resolve_micro_batch(self) if auto else None
         self.out = Path(cfg.train.out)
         self.is_main = self.env.rank == 0
         self.scaler = LossScaler(enabled=cfg.train.precision == "fp16")
