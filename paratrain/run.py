@@ -107,6 +107,9 @@ def _run_local(cfg: Config) -> int:
         except guards.NumericsError as e:
             print(f"paratrain: training diverged: {e}", file=sys.stderr)
             return 1
+        except (torch.OutOfMemoryError, MemoryError) as e:  # what to change, not a traceback
+            print(out_of_memory_advice(cfg, e), file=sys.stderr)
+            return 1
     else:
         try:
             with _ignoring(warning):  # the forkserver, started now, must survive a warning to the group
@@ -122,6 +125,17 @@ def _run_local(cfg: Config) -> int:
         return _stopped(cfg, stopped, warning, rank=0)
     summarize(cfg)
     return 0
+
+
+def out_of_memory_advice(cfg: Config, e: BaseException) -> str:
+    """A one-process run out of memory: the error (with a --memory-snapshot dump's path, if any) and
+    the levers, cheapest first; the last complete checkpoint is intact (saves are atomic)."""
+    where = "the GPU" if torch.cuda.is_available() else "host memory"
+    return (f"paratrain: out of {where} at micro-batch {cfg.train.micro_batch}: {e}\n"
+            "  to fit: --micro-batch auto (the largest that fits), --recompute full, --precision bf16, "
+            "--offload cpu, --optimizer adamw8bit, or more processes; `paratrain plan` with this job's "
+            "flags shows the memory of each layout and picks one that fits "
+            "(--memory-snapshot STEP shows where a step's memory goes)")
 
 
 def say_data(task: Task, cfg: Config) -> None:

@@ -248,3 +248,23 @@ def test_cuda_history_is_recorded_through_the_step_and_dumped_on_out_of_memory(t
     assert calls == ["all", "dump", None]  # dumped, then recording stopped
     assert (tmp_path / "memory" / "rank1.oom.step2.pickle").exists()
     assert not (tmp_path / "memory" / "rank1.oom.step2.json").exists()  # step 3 is the sampled one
+
+
+def test_a_one_process_run_out_of_memory_says_what_to_change(tmp_path, monkeypatch, capsys):
+    """Out of memory in the one process `paratrain train` runs itself: exit 1 with the error and the
+    levers (the multi-process path reports the failing rank), not a traceback."""
+    phase = Observers.phase
+
+    def failing(self, name):
+        phase(self, name)
+        if name == "forward_backward":
+            raise MemoryError("out of host memory")
+
+    monkeypatch.setattr(Observers, "phase", failing)
+    code = main(["train", "--model", "tiny", "--vocab-size", "300", "--max-files", "10", "--seq-len", "32",
+                 "--global-batch", "4", "--steps", "2", "--eval-every", "0", "--no-progress",
+                 "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert "paratrain: out of host memory at micro-batch" in err and "--micro-batch auto" in err
+    assert "paratrain plan" in err
