@@ -525,3 +525,18 @@ def test_the_trackers_are_flushed_before_each_checkpoint(tmp_path, monkeypatch):
                                   "tracking.trackers": ["tensorboard"]})).fit()
     assert [c[1:3] if c[1] == "metrics" else c[1:] for c in Fake.calls if c[1] != "params"] == [
         ("metrics", 1), ("metrics", 2), ("flush",), ("metrics", 3), ("close", "finished")]
+
+
+@pytest.mark.skipif("tensorboard" not in INSTALLED, reason="tensorboard is not installed")
+def test_a_parameter_with_a_bar_or_a_line_break_stays_one_cell_of_tensorboards_table(tmp_path):
+    """TensorBoard renders the params text as Markdown: a "|" in a value (a chat template, a path)
+    would open another column and a line break another row; each is escaped or joined."""
+    from paratrain.config import Config
+    from paratrain.train.trackers import TensorBoard
+
+    tb = TensorBoard(Config(), tmp_path, 0, None)
+    tb.log_params({"data.chat_template": "{{ a | trim }}\n{{ b }}", "train.steps": 5})
+    tb.close("finished")
+    _, params = tensorboard_steps(tmp_path)
+    assert params.splitlines() == ["key | value", "--- | ---",
+                                   "data.chat_template | {{ a \\| trim }} {{ b }}", "train.steps | 5"]

@@ -95,6 +95,12 @@ def cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def markdown_cell(value: object) -> str:
+    """``value`` as one cell of TensorBoard's Markdown table: a "|" would start another column and a
+    line break another row (a data path, a chat template's text)."""
+    return str(value).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+
+
 class TensorBoard:
     """OUT/tensorboard event files; a resumed attempt purges the steps after its checkpoint."""
 
@@ -106,8 +112,8 @@ class TensorBoard:
         self.first_step = start_step + 1
 
     def log_params(self, params: dict[str, object]) -> None:
-        table = "key | value\n--- | ---\n" + "\n".join(f"{k} | {v}" for k, v in params.items())
-        self.writer.add_text("params", table, self.first_step)
+        rows = (f"{markdown_cell(k)} | {markdown_cell(v)}" for k, v in params.items())
+        self.writer.add_text("params", "key | value\n--- | ---\n" + "\n".join(rows), self.first_step)
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         for key, value in metrics.items():
