@@ -21,7 +21,7 @@ from typing import NamedTuple, Protocol
 import torch
 import torch.nn as nn
 
-from paratrain import faults
+import paratrain.faults as faults
 from paratrain.base.strategy import Strategy
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
