@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from unittest import mock
 
-from paratrain import config
+import paratrain.config as config
 from paratrain.config import Config
 from paratrain.engine import checks
 from paratrain.engine.sync_checks import AVERAGING

@@ -185,3 +185,16 @@ def test_no_function_level_imports_below_the_cli():
         if found:
             offenders[rel] = found
     assert offenders == {}, f"function-level imports of paratrain (hoist them, or fix the layer): {offenders}"
+
+
+def test_no_module_imports_a_sibling_through_the_package():
+    """``from paratrain import faults`` runs (and, for the import graph, depends on) paratrain's
+    ``__init__``, which imports the library's doors (api, engine, ...): from a low layer that is a
+    cycle through the whole library, which import-linter does not see (it reads the submodule).
+    ``import paratrain.faults as faults`` depends on the submodule alone."""
+    offenders = []
+    for path in sorted(p for p in ROOT.rglob("*.py") if p != ROOT / "__init__.py"):  # the package itself
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "paratrain" and node.level == 0:
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert offenders == [], f"import the submodule by its full name instead: {offenders}"

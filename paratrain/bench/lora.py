@@ -26,7 +26,7 @@ import tempfile
 import torch
 import torch.nn.functional as F
 
-from paratrain import config
+import paratrain.config as config
 from paratrain.bench.common import (
     add_common_arguments,
     bench_config,

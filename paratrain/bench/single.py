@@ -23,7 +23,7 @@ import tempfile
 import torch
 import torch.nn.functional as F
 
-from paratrain import config
+import paratrain.config as config
 from paratrain.base.executor import autocast_for
 from paratrain.bench.common import add_common_arguments, machine, paired_rounds, time_steps
 from paratrain.device import PRECISION_DTYPES, measure_matmul_peak, measure_shapes_rate, sync_device
