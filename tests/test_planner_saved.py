@@ -121,3 +121,25 @@ def test_frozen_norm_gains_are_what_brought_lora_there():
     _adapters_random(model, True)
     x, y = torch.randint(0, c.vocab_size, (4, 32)), torch.randint(0, c.vocab_size, (4, 32))
     assert _predicted(c, "fp32", 0, 0.0) > 1.08 * _saved_activation_bytes(model, x, y)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_an_adapted_head_keeps_what_is_priced(dropout, precision):
+    """``--lora-targets ...,lm_head``: the head's A keeps its input (under dropout its fp32 mask and
+    the dropped input's cast instead) and B its u, which ``frozen_ends_bytes`` counts."""
+    from paratrain.models import build_model, init_weights
+    from paratrain.models import preset as preset_any
+    from paratrain.models.lora import LoraSpec, apply_lora
+
+    c = preset_any("tiny", max_seq_len=64)
+    model = build_model(c)
+    init_weights(model, 0, c)
+    targets = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.gate", "mlp.up", "mlp.down", "lm_head")
+    apply_lora(model, LoraSpec(rank=4, dropout=dropout, targets=targets))
+    _adapters_random(model, True)
+    x, y = torch.randint(0, c.vocab_size, (4, 32)), torch.randint(0, c.vocab_size, (4, 32))
+    measured = _saved_activation_bytes(model, x, y, precision)
+    tr = memory.Training(32, 4, precision=precision, lora_rank=4, lora_dropout=dropout, lora_head=True)
+    predicted = memory.device_memory(c, tr, memory.Layout(micro_batch=4), local_cluster(1)).activations
+    assert predicted == pytest.approx(measured, rel=0.005)

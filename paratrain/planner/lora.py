@@ -224,5 +224,6 @@ def frozen_ends_bytes(c: ModelShape, rank: int, dropout: float, tokens: int, e: 
         out -= first_norm * tokens / (tp if sp else 1)
         out -= 3 * 4 * h * tokens if dropout > 0 and first_norm else 0.0  # fp32 masks, as the input
     if last:
-        out += (e * rank + (e * h if dropout > 0 else 0)) * tokens if head_adapted else -e * h * tokens
+        # adapted: u, and with dropout its fp32 mask (the dropped input's cast replaces the input)
+        out += (e * rank + (4 * h if dropout > 0 else 0)) * tokens if head_adapted else -e * h * tokens
     return out

@@ -652,8 +652,7 @@ def weight_casts(c: ModelShape, tr: Training, lay: Layout, dense: int, sparse: i
 def adapters_saved(c: ModelShape, tr: Training, lay: Layout, seq: int, dense: int, sparse: int,
                    rank: int, head: bool) -> float:
     """What LoRA changes in one micro-batch's saved activations on pipeline rank ``rank`` (``head``:
-    it holds the last stage) of
-    ``dense`` and ``sparse`` (MoE) blocks: its adapters' (planner/lora.py
+    it holds the last stage) of ``dense`` and ``sparse`` (MoE) blocks: its adapters' (planner/lora.py
     ``adapter_activation_bytes``; none under full recompute: a block keeps its input alone) and
     the frozen ends' (``frozen_ends_bytes``: the embedding's, the first block's and the head's)."""
     if not tr.lora_rank:
