@@ -107,6 +107,8 @@ def _run_local(cfg: Config) -> int:
         except guards.NumericsError as e:
             print(f"paratrain: training diverged: {e}", file=sys.stderr)
             return 1
+        except ConfigError:  # a setting of the user's (the batch finder's NothingFits): exit 2 upstream
+            raise
         except (torch.OutOfMemoryError, MemoryError) as e:  # what to change, not a traceback
             print(out_of_memory_advice(cfg, e), file=sys.stderr)
             return 1
